@@ -1,0 +1,16 @@
+/* The `fusion` client CLI: one entry point per subcommand, each in its own cli_<name>.c. Every entry
+ * gets argv with argv[0] set to the full command name ("fusion run") and returns an exit code
+ * (FU_EXIT_* from fu_opts.h). */
+#ifndef FU_CLI_H
+#define FU_CLI_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int (*cli_main_fn)(int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

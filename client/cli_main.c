@@ -1,0 +1,80 @@
+/* `fusion`: the client CLI. Dispatches to one subcommand; subcommands whose capability has not
+ * landed yet say which one is missing and exit FU_EXIT_USAGE. */
+#include <stdio.h>
+#include <string.h>
+
+#include <sodium.h>
+
+#include "cli.h"
+#include "fu_opts.h"
+
+typedef struct {
+    const char *name;       /* subcommand as typed */
+    const char *summary;    /* one line for `fusion --help` */
+    cli_main_fn main;       /* NULL while its capability has not landed */
+    const char *capability; /* the issue that brings it, for the "not yet" message */
+} cli_subcommand;
+
+static const cli_subcommand subcommands[] = {
+    {"keygen", "make a CURVE key pair (public.key, secret.key) in a directory", NULL, "The wire"},
+    {"model", "make (init) or prune (prune --method salr) a Hugging Face model directory", NULL,
+     "Models and the DAG"},
+    {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", NULL,
+     "Models and the DAG"},
+    {"submit", "submit a finetune or infer job to a broker", NULL, "End to end: client CLI"},
+    {"status", "show one job, or all of yours", NULL, "End to end: client CLI"},
+    {"jobs", "list your jobs", NULL, "End to end: client CLI"},
+    {"wait", "follow a job until it ends, with a progress bar", NULL, "End to end: client CLI"},
+    {"result", "download a finished job's adapter (PEFT format)", NULL, "End to end: client CLI"},
+    {"cancel", "cancel one of your jobs", NULL, "End to end: client CLI"},
+    {"peers", "list the broker's peers: device, speed, memory, state, stage", NULL, "End to end: client CLI"},
+};
+#define N_SUB (sizeof subcommands / sizeof subcommands[0])
+
+static void print_help(void)
+{
+    printf("Usage: fusion COMMAND [options]\n\n"
+           "fusion pools GPUs and CPUs to fine-tune and serve LLMs with LoRA-FA and SALR adapters.\n"
+           "This is the client: it talks to a fusion-broker, or runs a job in-process with `fusion run`.\n\n"
+           "Commands:\n");
+    for (size_t i = 0; i < N_SUB; i++)
+        printf("  %-8s %s%s\n", subcommands[i].name, subcommands[i].summary,
+               subcommands[i].main ? "" : " [not in this build yet]");
+    printf("\nRun 'fusion COMMAND --help' for a command's options.\n"
+           "Exit codes: 0 ok, 1 failed, 2 usage or missing capability, 3 refused, 4 not found, 5 timed out.\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        print_help();
+        return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("fusion %s\n", FUSION_VERSION);
+        return FU_EXIT_OK;
+    }
+    if (sodium_init() < 0) {
+        fprintf(stderr, "fusion: libsodium failed to initialise\n");
+        return FU_EXIT_FAIL;
+    }
+    for (size_t i = 0; i < N_SUB; i++) {
+        const cli_subcommand *s = &subcommands[i];
+        if (strcmp(argv[1], s->name) != 0)
+            continue;
+        if (!s->main) {
+            fprintf(stderr,
+                    "fusion %s: not available yet: it comes with the capability \"%s\", which this "
+                    "build does not have\n",
+                    s->name, s->capability);
+            return FU_EXIT_USAGE;
+        }
+        char prog[64];
+        snprintf(prog, sizeof prog, "fusion %s", s->name);
+        argv[1] = prog;
+        return s->main(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "fusion: unknown command '%s'\nRun 'fusion --help' for the list of commands.\n", argv[1]);
+    return FU_EXIT_USAGE;
+}

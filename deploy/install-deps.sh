@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs every Debian package fusion needs to build, test and run.
+# Idempotent and non-interactive: packages already present are not touched, and
+# `apt-get update` runs at most once per invocation, only when something is missing.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake pkg-config git
+  libzmq3-dev
+  libprotobuf-c-dev protobuf-c-compiler
+  libsodium-dev
+  libsqlite3-dev sqlite3
+  libcmocka-dev
+  libopenblas-dev liblapacke-dev
+  libcjson-dev
+  clang libclang-rt-14-dev
+  iproute2 procps
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  SUDO="sudo"
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+echo "install-deps: done"
