@@ -1,0 +1,201 @@
+/* dag_graph: the IR plane. A job is a flat list of nodes in topological order (node i may read only
+ * nodes < i); each node is one operator of a LLaMA-family decoder with its parameter names (into
+ * the model's safetensors), adapter spec, attributes, layer index, per-token output width and cost
+ * estimates. Builders make the graph from model dimensions (config.json) and job options; graphs
+ * received from the network are checked with dag_graph_validate before anything uses them.
+ *
+ * Tensors between nodes are row-major [tokens × width] float32; "tokens" is the symbolic dimension
+ * (batch × sequence for training, the new tokens of a step for inference). */
+#ifndef FU_DAG_GRAPH_H
+#define FU_DAG_GRAPH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
+#define DAG_MAX_PARAMS   3       /* most parameter names (salr linear: weight, residual A, B) */
+#define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
+#define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
+#define DAG_MAX_DIM      (1u << 20) /* largest width, vocabulary or feature count accepted */
+#define DAG_MAX_RANK     4096    /* largest adapter rank accepted */
+#define DAG_NO_LAYER     (-1)    /* layer index of nodes outside the decoder layers */
+
+/* Operators. Values are stable: they travel on the wire (proto/dag.proto mirrors them). */
+typedef enum {
+    DAG_OP_EMBEDDING = 1,     /* 0 inputs: gathers rows of the embedding for the step's tokens */
+    DAG_OP_RMSNORM = 2,       /* 1 input */
+    DAG_OP_LINEAR = 3,        /* 1 input; y = x·Wᵀ (+ adapter) */
+    DAG_OP_ROPE = 4,          /* 1 input; rotate-half rotary embedding per head */
+    DAG_OP_ATTENTION = 5,     /* 3 inputs q, k, v; causal, grouped-query, KV cache in inference */
+    DAG_OP_SILU_MUL = 6,      /* 2 inputs gate, up: silu(gate)·up */
+    DAG_OP_ADD = 7,           /* 2 inputs */
+    DAG_OP_LM_HEAD = 8,       /* 1 input; logits = x·Wᵀ */
+    DAG_OP_CROSS_ENTROPY = 9, /* 1 input (logits); mean next-token loss against the step's targets */
+    DAG_OP_SAMPLE = 10,       /* 1 input (logits); picks the next token of the last position */
+    DAG_OP_COUNT_
+} dag_op;
+
+/* Adapter methods on a linear node. Stable wire values. */
+typedef enum {
+    DAG_ADAPTER_NONE = 0,    /* frozen base weight only */
+    DAG_ADAPTER_LORA = 1,    /* y += s·(x·Aᵀ)·Bᵀ, A and B trained */
+    DAG_ADAPTER_LORA_FA = 2, /* the same, A frozen: only x·Aᵀ is kept for backward */
+    DAG_ADAPTER_SALR = 3,    /* sparse base + frozen SVD residual adapter + trained LoRA-FA adapter */
+    DAG_ADAPTER_COUNT_
+} dag_adapter_method;
+
+/* The seven linear layers of a decoder layer (adapter targets). Stable wire values. */
+typedef enum {
+    DAG_TARGET_NONE = 0,
+    DAG_TARGET_Q = 1,
+    DAG_TARGET_K = 2,
+    DAG_TARGET_V = 3,
+    DAG_TARGET_O = 4,
+    DAG_TARGET_GATE = 5,
+    DAG_TARGET_UP = 6,
+    DAG_TARGET_DOWN = 7,
+    DAG_TARGET_COUNT_
+} dag_target;
+
+#define DAG_TARGET_BIT(t) (1u << (unsigned)(t))
+#define DAG_TARGETS_ALL                                                                            \
+    (DAG_TARGET_BIT(DAG_TARGET_Q) | DAG_TARGET_BIT(DAG_TARGET_K) | DAG_TARGET_BIT(DAG_TARGET_V) |  \
+     DAG_TARGET_BIT(DAG_TARGET_O) | DAG_TARGET_BIT(DAG_TARGET_GATE) |                              \
+     DAG_TARGET_BIT(DAG_TARGET_UP) | DAG_TARGET_BIT(DAG_TARGET_DOWN))
+
+/* Adapter of a linear node. */
+typedef struct {
+    dag_adapter_method method; /* NONE for a frozen linear */
+    uint32_t rank;             /* r of the trained adapter */
+    float alpha;               /* scale s = alpha / rank */
+    uint32_t res_rank;         /* salr: rank of the frozen SVD residual adapter (0 otherwise) */
+} dag_adapter;
+
+/* One operator. Plain data: the graph owns its copy. */
+typedef struct {
+    uint32_t id;                       /* equals the node's position in the list */
+    dag_op op;                         /* the operator */
+    uint32_t n_inputs;                 /* number of used entries in inputs */
+    uint32_t inputs[DAG_MAX_INPUTS];   /* ids of earlier nodes */
+    uint32_t n_params;                 /* number of used entries in params */
+    char params[DAG_MAX_PARAMS][DAG_NAME_MAX]; /* HF safetensors names (weight first) */
+    dag_target target;                 /* which of the seven linears this is (linear only) */
+    dag_adapter adapter;               /* linear only */
+    int32_t layer;                     /* decoder layer index, or DAG_NO_LAYER */
+    uint32_t dim_in;                   /* input width (linear, rmsnorm, lm_head, embedding dim) */
+    uint32_t dim_out;                  /* output width (linear: out features, lm_head: vocab) */
+    uint32_t n_heads;                  /* rope/attention: heads of this tensor (q heads for attn) */
+    uint32_t n_kv_heads;               /* attention: key/value heads */
+    uint32_t head_dim;                 /* rope/attention */
+    float eps;                         /* rmsnorm epsilon */
+    float theta;                       /* rope base */
+    uint64_t out_width;                /* floats per token of the output (1 for loss/sample) */
+    double flops_fwd;                  /* estimated forward FLOPs per token */
+    double flops_bwd;                  /* estimated backward FLOPs per token (0 for inference) */
+    uint64_t param_bytes;              /* bytes of parameters the node needs resident */
+    uint64_t act_bytes;                /* bytes per token saved for backward */
+} dag_node;
+
+/* Model dimensions: the parts of a Hugging Face LLaMA config.json the builders need. */
+typedef struct {
+    uint32_t vocab_size;
+    uint32_t hidden_size;
+    uint32_t intermediate_size;
+    uint32_t n_layers;
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;          /* hidden_size / n_heads unless the config says otherwise */
+    float rms_eps;
+    float rope_theta;
+    bool tie_word_embeddings;   /* lm_head reuses model.embed_tokens.weight */
+} dag_model_dims;
+
+/* What the graph ends in. */
+typedef enum {
+    DAG_HEAD_LOSS = 0,   /* lm_head then cross_entropy (fine-tuning) */
+    DAG_HEAD_SAMPLE = 1, /* lm_head then sample (inference) */
+    DAG_HEAD_LOGITS = 2, /* ends at lm_head (logits are the output) */
+} dag_head;
+
+/* Job options of a builder. */
+typedef struct {
+    dag_adapter_method method; /* adapter on targeted linears */
+    uint32_t rank;             /* adapter rank (ignored for NONE) */
+    float alpha;               /* adapter alpha */
+    uint32_t targets;          /* bitmask of DAG_TARGET_BIT(); 0 means all seven */
+    uint32_t res_rank;         /* salr: rank of the model's residual adapters */
+    dag_head head;             /* loss, sample or logits */
+    uint32_t seq_len;          /* context length used for attention cost estimates */
+} dag_build_opts;
+
+typedef struct dag_graph dag_graph_t;
+
+/* An empty graph. NULL only if allocation fails. */
+dag_graph_t *dag_graph_new(void);
+/* Frees the graph; idempotent, sets *self_p to NULL. */
+void dag_graph_destroy(dag_graph_t **self_p);
+
+/* Appends a copy of *node (its id is set to the next position). No validation: call
+ * dag_graph_validate when the whole graph is there. FU_EINVAL when full. */
+FU_MUST_CHECK fu_err dag_graph_add_node(dag_graph_t *self, const dag_node *node, uint32_t *id_out);
+
+size_t dag_graph_size(const dag_graph_t *self);
+/* Borrowed node i (NULL when out of range). */
+const dag_node *dag_graph_node(const dag_graph_t *self, size_t i);
+/* Mutable node i, for builders and decoders. */
+dag_node *dag_graph_node_mut(dag_graph_t *self, size_t i);
+
+/* Model dimensions the graph was built from (copied by builders and the decoder). */
+const dag_model_dims *dag_graph_dims(const dag_graph_t *self);
+void dag_graph_set_dims(dag_graph_t *self, const dag_model_dims *dims);
+
+/* Builds a LLaMA decoder graph: embedding, n_layers × (rmsnorm, q/k/v linears, rope q/k, attention,
+ * o linear, add, rmsnorm, gate/up linears, silu_mul, down linear, add), final rmsnorm, lm_head and
+ * the head chosen in opts. Parameter names are Hugging Face's. FU_EINVAL (with a log line) on
+ * impossible dimensions or options. *out is a new graph the caller destroys. */
+FU_MUST_CHECK fu_err dag_build_llama(const dag_model_dims *dims, const dag_build_opts *opts, dag_graph_t **out);
+
+/* Checks everything a graph from the network could get wrong: node count, ids equal positions,
+ * inputs earlier than the node, op and enum ranges, arity per op, widths consistent between
+ * producers and consumers, attributes in range, parameter names present and sane, adapters only on
+ * linears with sane rank/alpha. Returns FU_OK or FU_EPROTO and writes a message naming the node to
+ * msg (cap bytes, may be NULL). Pure; thread-safe. */
+FU_MUST_CHECK fu_err dag_graph_validate(const dag_graph_t *self, char *msg, size_t cap);
+
+/* Stable lower-case names ("linear", "lora_fa", "q_proj"); "?" when out of range. */
+const char *dag_op_name(dag_op op);
+const char *dag_adapter_name(dag_adapter_method m);
+const char *dag_target_name(dag_target t);
+/* Parses "lora", "lora-fa"/"lora_fa", "salr", "none". FU_EINVAL otherwise. */
+FU_MUST_CHECK fu_err dag_adapter_parse(const char *s, dag_adapter_method *out);
+/* Parses a comma list of targets ("q_proj,v_proj" or "q,v", "all") into a bitmask. FU_EINVAL on
+ * an unknown name. */
+FU_MUST_CHECK fu_err dag_targets_parse(const char *s, uint32_t *mask_out);
+
+/* Width in floats per token of node i's output (0 when i is out of range). */
+uint64_t dag_graph_width(const dag_graph_t *self, uint32_t i);
+
+/* Sums of the cost estimates over nodes [first, last). */
+typedef struct {
+    double flops_fwd;     /* per token */
+    double flops_bwd;     /* per token */
+    uint64_t param_bytes; /* resident parameters */
+    uint64_t act_bytes;   /* saved for backward, per token */
+} dag_cost;
+dag_cost dag_graph_cost(const dag_graph_t *self, size_t first, size_t last);
+
+/* Floats per token that cross the cut between [0, at) and [at, n): the widths of every node < at
+ * read by a node ≥ at, each counted once. */
+uint64_t dag_graph_cut_width(const dag_graph_t *self, size_t at);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,90 @@
+/* dag_partition: the cost model and the partitioner. Cuts a DAG into contiguous stages and gives
+ * each stage a peer, minimising the pipeline's slowest stage
+ *     time(stage) = tokens·flops(stage)/speed(peer) + tokens·bytes(cut)/bandwidth(link) + latency
+ * subject to each peer's memory (parameters + saved activations of M micro-batches in flight +
+ * cut buffers). Peers left out of the plan are the job's backup pool. Each stage carries a
+ * one-line explanation of its time, memory and why it is where it is. Pure computation: no I/O. */
+#ifndef FU_DAG_PARTITION_H
+#define FU_DAG_PARTITION_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dag_graph.h"
+#include "fu_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DAG_PEER_NAME_MAX   64  /* peer label in explanations, including the NUL */
+#define DAG_WHY_MAX         320 /* explanation of one stage, including the NUL */
+#define DAG_PARTITION_EXACT 10  /* up to this many peers every subset and order is tried */
+
+/* A peer's measured profile. */
+typedef struct {
+    char name[DAG_PEER_NAME_MAX]; /* label for explanations (identity, host) */
+    double gflops;                /* sustained GEMM GFLOP/s (f32) */
+    uint64_t mem_bytes;           /* memory it offers (device or host) */
+    double link_bw;               /* bytes/s of its link */
+    double link_latency_s;        /* one-way latency of its link, seconds */
+} dag_peer_profile;
+
+/* What the plan is for. */
+typedef struct {
+    uint32_t tokens_per_micro; /* batch × seq_len of one micro-batch */
+    uint32_t micro_batches;    /* M micro-batches in flight per step (training) */
+    bool training;             /* forward + backward (else forward only) */
+    uint32_t max_stages;       /* most stages (0: as many as peers) */
+} dag_partition_opts;
+
+/* One stage of a plan. */
+typedef struct {
+    size_t first, last;   /* node range [first, last) */
+    size_t peer;          /* index into the profiles given */
+    int32_t first_layer;  /* lowest decoder layer in the stage (DAG_NO_LAYER if none) */
+    int32_t last_layer;   /* highest decoder layer in the stage */
+    double compute_s;     /* estimated compute seconds per micro-batch */
+    double comm_s;        /* estimated link seconds per micro-batch (cut out + gradients back) */
+    double time_s;        /* compute_s + comm_s */
+    uint64_t mem_bytes;   /* estimated peak memory on the peer */
+    uint64_t cut_bytes;   /* bytes of the tensors sent to the next stage per micro-batch */
+    char why[DAG_WHY_MAX]; /* explanation */
+} dag_stage;
+
+/* A plan: stages in pipeline order. */
+typedef struct {
+    size_t n_stages;      /* number of stages */
+    dag_stage *stages;    /* n_stages entries (owned; dag_plan_free) */
+    double bottleneck_s;  /* the slowest stage's time_s per micro-batch */
+    double step_s;        /* estimated step time: (M + n_stages - 1) × bottleneck */
+} dag_plan;
+
+/* Estimated seconds and memory of nodes [first, last) on peer p (the cost model the partitioner
+ * uses). mem_out may be NULL. */
+double dag_cost_stage_time(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
+                           const dag_partition_opts *o, double *compute_s, double *comm_s);
+uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, const dag_partition_opts *o);
+
+/* Finds the plan with the smallest bottleneck (ties: the smallest sum of stage times, then fewer
+ * stages). Every stage's memory fits its peer. Up to DAG_PARTITION_EXACT peers all subsets and
+ * orders are searched; beyond that peers are ordered fastest first. Cuts fall where only the narrowest
+ * tensor crosses (between decoder layers, and between a layer's attention and MLP halves).
+ * FU_EINVAL on bad arguments (no peers, zero speed/bandwidth, empty graph); FU_ENOMEM with a message
+ * in msg when no assignment fits in the peers' memory. plan is filled on success (dag_plan_free). */
+FU_MUST_CHECK fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
+                                   const dag_partition_opts *o, dag_plan *plan, char *msg, size_t cap);
+
+/* The naive plan for comparison: every peer, in the order given, gets an equal share of the decoder
+ * layers (embedding with the first, head with the last). Memory is not checked. */
+FU_MUST_CHECK fu_err dag_partition_even(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
+                                        const dag_partition_opts *o, dag_plan *plan);
+
+/* Frees plan->stages; idempotent. */
+void dag_plan_free(dag_plan *plan);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,314 @@
+/* The IR plane without execution: the builder, validation of hostile graphs, the protobuf round
+ * trip, and the partitioner. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "dag_graph.h"
+#include "dag_partition.h"
+#include "dag_serial.h"
+
+static dag_model_dims tiny_dims(void)
+{
+    dag_model_dims d = {.vocab_size = 64, .hidden_size = 32, .intermediate_size = 48, .n_layers = 2,
+                        .n_heads = 4, .n_kv_heads = 2, .head_dim = 8, .rms_eps = 1e-5f,
+                        .rope_theta = 10000.0f, .tie_word_embeddings = false};
+    return d;
+}
+
+static dag_model_dims base_dims(void)
+{
+    dag_model_dims d = {.vocab_size = 32000, .hidden_size = 768, .intermediate_size = 2048, .n_layers = 12,
+                        .n_heads = 12, .n_kv_heads = 12, .head_dim = 64, .rms_eps = 1e-5f,
+                        .rope_theta = 10000.0f, .tie_word_embeddings = false};
+    return d;
+}
+
+static dag_graph_t *build(const dag_model_dims *d, dag_adapter_method m, dag_head head)
+{
+    dag_build_opts o = {.method = m, .rank = 4, .alpha = 8.0f, .targets = 0, .res_rank = 4, .head = head,
+                        .seq_len = 16};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(d, &o, &g), FU_OK);
+    return g;
+}
+
+static void test_dag_graph_builder_shapes_and_names(void **state)
+{
+    (void)state;
+    dag_model_dims d = tiny_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    /* embedding + 15 per layer + norm + lm_head + loss */
+    assert_int_equal(dag_graph_size(g), 1 + 15 * 2 + 3);
+    char msg[256];
+    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_OK);
+    int adapters = 0;
+    for (size_t i = 0; i < dag_graph_size(g); i++) {
+        const dag_node *n = dag_graph_node(g, i);
+        assert_int_equal(n->id, i);
+        if (n->op == DAG_OP_LINEAR) {
+            assert_int_equal(n->adapter.method, DAG_ADAPTER_LORA_FA);
+            adapters++;
+        }
+    }
+    assert_int_equal(adapters, 14);
+    const dag_node *q = dag_graph_node(g, 2);
+    assert_int_equal(q->op, DAG_OP_LINEAR);
+    assert_string_equal(q->params[0], "model.layers.0.self_attn.q_proj.weight");
+    const dag_node *k = dag_graph_node(g, 3);
+    assert_int_equal(k->out_width, 16); /* 2 kv heads × 8 */
+    assert_int_equal(dag_graph_node(g, dag_graph_size(g) - 1)->op, DAG_OP_CROSS_ENTROPY);
+    /* Only the residual crosses between layers. */
+    assert_int_equal(dag_graph_cut_width(g, 16), 32);
+    dag_graph_destroy(&g);
+    assert_null(g);
+    dag_graph_destroy(&g);
+
+    /* targets */
+    uint32_t mask = 0;
+    assert_int_equal(dag_targets_parse("q_proj,v", &mask), FU_OK);
+    assert_int_equal(mask, DAG_TARGET_BIT(DAG_TARGET_Q) | DAG_TARGET_BIT(DAG_TARGET_V));
+    assert_int_equal(dag_targets_parse("q_proj,bogus", &mask), FU_EINVAL);
+    dag_build_opts o = {.method = DAG_ADAPTER_LORA, .rank = 2, .alpha = 4, .targets = mask, .head = DAG_HEAD_SAMPLE};
+    assert_int_equal(dag_build_llama(&d, &o, &g), FU_OK);
+    adapters = 0;
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        adapters += dag_graph_node(g, i)->adapter.method != DAG_ADAPTER_NONE;
+    assert_int_equal(adapters, 4);
+    dag_graph_destroy(&g);
+
+    /* impossible dims */
+    d.n_kv_heads = 3;
+    assert_int_equal(dag_build_llama(&d, &o, &g), FU_EINVAL);
+    assert_null(g);
+}
+
+/* Corrupts one field of a valid graph and expects FU_EPROTO naming the node. */
+static void expect_bad(void (*corrupt)(dag_node *), size_t at, const char *want)
+{
+    dag_model_dims d = tiny_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA, DAG_HEAD_LOSS);
+    corrupt(dag_graph_node_mut(g, at));
+    char msg[256];
+    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_EPROTO);
+    if (!strstr(msg, want))
+        fail_msg("message '%s' lacks '%s'", msg, want);
+    /* The encoder refuses it too. */
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    assert_int_equal(dag_graph_encode(g, &buf, &len), FU_EINVAL);
+    dag_graph_destroy(&g);
+}
+
+static void c_forward_ref(dag_node *n) { n->inputs[0] = n->id + 1; }
+static void c_self_ref(dag_node *n) { n->inputs[0] = n->id; }
+static void c_arity(dag_node *n) { n->n_inputs = 2; }
+static void c_op(dag_node *n) { n->op = (dag_op)77; }
+static void c_width(dag_node *n) { n->dim_in = 31; }
+static void c_name(dag_node *n) { strcpy(n->params[0], "../../etc/passwd"); }
+static void c_noname(dag_node *n) { n->n_params = 0; }
+static void c_rank(dag_node *n) { n->adapter.rank = 100000; }
+static void c_alpha(dag_node *n) { n->adapter.alpha = -1.0f; }
+static void c_heads(dag_node *n) { n->n_kv_heads = 3; }
+static void c_id(dag_node *n) { n->id = 5; }
+static void c_adapter_on_norm(dag_node *n) { n->adapter.method = DAG_ADAPTER_LORA; }
+static void c_eps(dag_node *n) { n->eps = 0.0f; }
+
+static void test_dag_graph_validation_rejects_malformed(void **state)
+{
+    (void)state;
+    expect_bad(c_forward_ref, 2, "node 2 (linear)");
+    expect_bad(c_self_ref, 5, "not topological");
+    expect_bad(c_arity, 1, "inputs");
+    expect_bad(c_op, 4, "unknown op");
+    expect_bad(c_width, 2, "node 2 (linear)");
+    expect_bad(c_name, 2, "parameter name");
+    expect_bad(c_noname, 1, "parameter names");
+    expect_bad(c_rank, 3, "rank");
+    expect_bad(c_alpha, 3, "alpha");
+    expect_bad(c_heads, 7, "node 7 (attention)");
+    expect_bad(c_id, 3, "id 5");
+    expect_bad(c_adapter_on_norm, 1, "only linear");
+    expect_bad(c_eps, 1, "epsilon");
+}
+
+static void test_dag_graph_protobuf_round_trip(void **state)
+{
+    (void)state;
+    dag_model_dims d = tiny_dims();
+    for (int m = 0; m < DAG_ADAPTER_COUNT_; m++) {
+        dag_graph_t *g = build(&d, (dag_adapter_method)m, m == 0 ? DAG_HEAD_SAMPLE : DAG_HEAD_LOSS);
+        uint8_t *buf = NULL;
+        size_t len = 0;
+        assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
+        assert_true(len > 100);
+        dag_graph_t *h = NULL;
+        char msg[256];
+        assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+        assert_int_equal(dag_graph_size(h), dag_graph_size(g));
+        assert_memory_equal(dag_graph_dims(h), dag_graph_dims(g), sizeof(dag_model_dims));
+        for (size_t i = 0; i < dag_graph_size(g); i++)
+            assert_memory_equal(dag_graph_node(h, i), dag_graph_node(g, i), sizeof(dag_node));
+        /* Every truncation is rejected or decodes to a valid graph; never crashes. */
+        for (size_t cut = 0; cut < len; cut += 7) {
+            dag_graph_t *t = NULL;
+            fu_err e = dag_graph_decode(buf, cut, &t, msg, sizeof msg);
+            if (e == FU_OK)
+                assert_int_equal(dag_graph_validate(t, NULL, 0), FU_OK);
+            else
+                assert_null(t);
+            dag_graph_destroy(&t);
+        }
+        /* Bit flips: same rule. */
+        for (size_t i = 0; i < len; i += 3) {
+            uint8_t save = buf[i];
+            buf[i] ^= (uint8_t)(1u << (i % 8));
+            dag_graph_t *t = NULL;
+            if (dag_graph_decode(buf, len, &t, msg, sizeof msg) == FU_OK)
+                assert_int_equal(dag_graph_validate(t, NULL, 0), FU_OK);
+            dag_graph_destroy(&t);
+            buf[i] = save;
+        }
+        free(buf);
+        dag_graph_destroy(&h);
+        dag_graph_destroy(&g);
+    }
+    dag_graph_t *t = NULL;
+    char msg[256];
+    assert_int_equal(dag_graph_decode((const uint8_t *)"\xff\xff\xff", 3, &t, msg, sizeof msg), FU_EPROTO);
+    assert_int_equal(dag_graph_decode((const uint8_t *)"", 0, &t, msg, sizeof msg), FU_EVERSION);
+    assert_null(t);
+}
+
+static void test_dag_graph_decode_rejects_wrong_ids(void **state)
+{
+    (void)state;
+    dag_model_dims d = tiny_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    /* A graph whose node 3 reads node 9 cannot be encoded by us; craft it by swapping two nodes'
+     * contents after encoding is impossible, so check the decoder path with a forged id. */
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
+    dag_graph_t *h = NULL;
+    char msg[256];
+    assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+    dag_graph_node_mut(h, 4)->inputs[0] = 30;
+    assert_int_equal(dag_graph_validate(h, msg, sizeof msg), FU_EPROTO);
+    assert_non_null(strstr(msg, "node 4"));
+    free(buf);
+    dag_graph_destroy(&h);
+    dag_graph_destroy(&g);
+}
+
+static dag_partition_opts train_opts(void)
+{
+    dag_partition_opts o = {.tokens_per_micro = 512, .micro_batches = 4, .training = true, .max_stages = 0};
+    return o;
+}
+
+static void test_dag_graph_partition_beats_even_split(void **state)
+{
+    (void)state;
+    dag_model_dims d = base_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_peer_profile peers[3] = {
+        {"slow", 100.0, 8ull << 30, 1e9, 1e-4},
+        {"mid", 200.0, 8ull << 30, 1e9, 1e-4},
+        {"fast", 400.0, 8ull << 30, 1e9, 1e-4},
+    };
+    dag_partition_opts o = train_opts();
+    o.max_stages = 3;
+    dag_plan plan, even;
+    char msg[512];
+    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, msg, sizeof msg), FU_OK);
+    assert_int_equal(dag_partition_even(g, peers, 3, &o, &even), FU_OK);
+    assert_true(plan.bottleneck_s < 0.8 * even.bottleneck_s);
+    /* Stages are contiguous and cover the graph. */
+    size_t at = 0;
+    for (size_t s = 0; s < plan.n_stages; s++) {
+        assert_int_equal(plan.stages[s].first, at);
+        assert_true(plan.stages[s].last > at);
+        at = plan.stages[s].last;
+        assert_true(plan.stages[s].mem_bytes <= peers[plan.stages[s].peer].mem_bytes);
+        assert_non_null(strstr(plan.stages[s].why, peers[plan.stages[s].peer].name));
+    }
+    assert_int_equal(at, dag_graph_size(g));
+    /* The fast peer carries more work than the slow one. */
+    double work[3] = {0};
+    for (size_t s = 0; s < plan.n_stages; s++) {
+        dag_cost c = dag_graph_cost(g, plan.stages[s].first, plan.stages[s].last);
+        work[plan.stages[s].peer] = c.flops_fwd + c.flops_bwd;
+    }
+    assert_true(work[2] > work[0]);
+    dag_plan_free(&plan);
+    dag_plan_free(&even);
+    dag_plan_free(&even);
+    dag_graph_destroy(&g);
+}
+
+static void test_dag_graph_partition_respects_memory(void **state)
+{
+    (void)state;
+    dag_model_dims d = base_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_partition_opts o = train_opts();
+    uint64_t whole = dag_cost_stage_memory(g, 0, dag_graph_size(g), &o);
+    /* The fast peer is small: it cannot take everything, so the plan must use the others too. */
+    dag_peer_profile peers[3] = {
+        {"small-fast", 1000.0, whole / 3, 1e9, 1e-4},
+        {"a", 100.0, whole, 1e9, 1e-4},
+        {"b", 100.0, whole, 1e9, 1e-4},
+    };
+    dag_plan plan;
+    char msg[512];
+    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, msg, sizeof msg), FU_OK);
+    for (size_t s = 0; s < plan.n_stages; s++)
+        assert_true(plan.stages[s].mem_bytes <= peers[plan.stages[s].peer].mem_bytes);
+    dag_plan_free(&plan);
+
+    /* Nothing fits: a clear error. */
+    dag_peer_profile tiny[2] = {{"t1", 100.0, whole / 10, 1e9, 1e-4}, {"t2", 100.0, whole / 10, 1e9, 1e-4}};
+    assert_int_equal(dag_partition(g, tiny, 2, &o, &plan, msg, sizeof msg), FU_ENOMEM);
+    assert_non_null(strstr(msg, "does not fit"));
+    assert_int_equal(plan.n_stages, 0);
+    /* Bad profiles. */
+    dag_peer_profile zero[1] = {{"z", 0.0, whole, 1e9, 0}};
+    assert_int_equal(dag_partition(g, zero, 1, &o, &plan, msg, sizeof msg), FU_EINVAL);
+    dag_graph_destroy(&g);
+}
+
+static void test_dag_graph_partition_link_bound(void **state)
+{
+    (void)state;
+    dag_model_dims d = base_dims();
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_partition_opts o = train_opts();
+    /* A very slow link makes splitting pointless: one fast-enough peer takes it all. */
+    dag_peer_profile peers[2] = {{"p1", 100.0, 64ull << 30, 1e5, 0.01}, {"p2", 100.0, 64ull << 30, 1e5, 0.01}};
+    dag_plan plan;
+    char msg[512];
+    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, msg, sizeof msg), FU_OK);
+    assert_int_equal(plan.n_stages, 1);
+    dag_plan_free(&plan);
+    dag_graph_destroy(&g);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dag_graph_builder_shapes_and_names),
+        cmocka_unit_test(test_dag_graph_validation_rejects_malformed),
+        cmocka_unit_test(test_dag_graph_protobuf_round_trip),
+        cmocka_unit_test(test_dag_graph_decode_rejects_wrong_ids),
+        cmocka_unit_test(test_dag_graph_partition_beats_even_split),
+        cmocka_unit_test(test_dag_graph_partition_respects_memory),
+        cmocka_unit_test(test_dag_graph_partition_link_bound),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
