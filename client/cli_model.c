@@ -1,0 +1,318 @@
+/* `fusion model`: make a random-weight model directory in Hugging Face layout (`model init`),
+ * check one (`model info`); `model prune` arrives with SALR. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "fu_alloc.h"
+#include "fu_file.h"
+#include "fu_modelcfg.h"
+#include "fu_opts.h"
+#include "fu_rng.h"
+#include "fu_safetensors.h"
+
+/* Standard deviation of the normal initialisation of linear and embedding weights (the
+ * transformers LlamaConfig initializer_range). */
+#define CLI_MODEL_INIT_STD 0.02f
+
+static int exit_for(fu_err rc)
+{
+    switch (rc) {
+    case FU_ENOTFOUND: return FU_EXIT_NOTFOUND;
+    case FU_EPERM: return FU_EXIT_AUTH;
+    default: return FU_EXIT_FAIL;
+    }
+}
+
+/* ---- model init ----------------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t      seed;   /* the --seed */
+    fu_st_dtype   dtype;  /* storage type of every tensor */
+    const fu_weight_info *w; /* the weights, index-aligned with the tensor list */
+} init_ctx;
+
+static fu_err init_fill(void *vctx, size_t index, const fu_st_tensor *t, void *buf, size_t nbytes)
+{
+    const init_ctx *ctx = vctx;
+    const fu_weight_info *w = &ctx->w[index];
+    size_t n = t->nelem;
+    float *f = ctx->dtype == FU_ST_F32 ? buf : fu_malloc(n * sizeof *f);
+    (void)nbytes;
+    if (w->is_norm) {
+        for (size_t i = 0; i < n; i++)
+            f[i] = 1.0f;
+    } else {
+        fu_rng r;
+        fu_rng_seed_stream(&r, ctx->seed, w->name);
+        fu_rng_fill_normal_f32(&r, f, n, 0.0f, CLI_MODEL_INIT_STD);
+    }
+    fu_err rc = FU_OK;
+    if (ctx->dtype != FU_ST_F32) {
+        rc = fu_st_from_f32(ctx->dtype, f, n, buf);
+        free(f);
+    }
+    return rc;
+}
+
+static int model_init(int argc, char **argv)
+{
+    long long layers = 2, hidden = 64, heads = 4, kv_heads = -1, ffn = 128, vocab = 256, seed = 0;
+    long long max_pos = FU_MODELCFG_DEFAULT_MAX_POS, head_dim = 0;
+    double rope_theta = FU_MODELCFG_DEFAULT_ROPE_THETA, rms_eps = FU_MODELCFG_DEFAULT_RMS_EPS;
+    const char *dtype = "f32", *out = NULL;
+    bool tie = false, force = false;
+    const fu_opt opts[] = {
+        {"layers", 0, FU_OPT_INT, &layers, "L", "decoder layers (default 2)"},
+        {"hidden", 0, FU_OPT_INT, &hidden, "D", "hidden size (default 64)"},
+        {"heads", 0, FU_OPT_INT, &heads, "H", "attention heads (default 4)"},
+        {"kv-heads", 0, FU_OPT_INT, &kv_heads, "K", "key/value heads, dividing H (default 2, or H when H is odd)"},
+        {"head-dim", 0, FU_OPT_INT, &head_dim, "N", "size of one head (default D/H)"},
+        {"ffn", 0, FU_OPT_INT, &ffn, "F", "SwiGLU intermediate size (default 128)"},
+        {"vocab", 0, FU_OPT_INT, &vocab, "V", "vocabulary size (default 256, byte-level)"},
+        {"max-pos", 0, FU_OPT_INT, &max_pos, "N", "max_position_embeddings (default 2048)"},
+        {"rope-theta", 0, FU_OPT_DOUBLE, &rope_theta, "T", "RoPE base (default 10000)"},
+        {"rms-eps", 0, FU_OPT_DOUBLE, &rms_eps, "E", "RMSNorm epsilon (default 1e-6)"},
+        {"seed", 's', FU_OPT_INT, &seed, "S", "random seed; the same seed gives the same bytes (default 0)"},
+        {"dtype", 0, FU_OPT_STR, &dtype, "T", "f32, f16 or bf16 (default f32)"},
+        {"tie", 0, FU_OPT_FLAG, &tie, NULL, "tie lm_head to the embedding (no lm_head.weight)"},
+        {"output", 'o', FU_OPT_STR, &out, "DIR", "the model directory to write (required)"},
+        {"force", 'f', FU_OPT_FLAG, &force, NULL, "overwrite the model files of a non-empty DIR"},
+    };
+    const fu_cmd cmd = {
+        .prog = "fusion model init",
+        .usage = "[options] -o DIR",
+        .summary = "Writes a LLaMA model with random weights in Hugging Face layout: DIR/config.json "
+                   "(LlamaForCausalLM) and DIR/model.safetensors. Norms are 1, linear and embedding "
+                   "weights are normal(0, 0.02) from --seed.",
+        .opts = opts,
+        .n_opts = sizeof opts / sizeof opts[0],
+        .min_pos = 0,
+        .max_pos = 0,
+    };
+    size_t npos = 0;
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    if (!out) {
+        fprintf(stderr, "%s: -o DIR is required\nTry '%s --help' for more information.\n", cmd.prog, cmd.prog);
+        return FU_EXIT_USAGE;
+    }
+    fu_st_dtype dt;
+    const char *torch_dtype;
+    if (strcmp(dtype, "f32") == 0 || strcmp(dtype, "float32") == 0)
+        dt = FU_ST_F32, torch_dtype = "float32";
+    else if (strcmp(dtype, "f16") == 0 || strcmp(dtype, "float16") == 0)
+        dt = FU_ST_F16, torch_dtype = "float16";
+    else if (strcmp(dtype, "bf16") == 0 || strcmp(dtype, "bfloat16") == 0)
+        dt = FU_ST_BF16, torch_dtype = "bfloat16";
+    else {
+        fprintf(stderr, "%s: --dtype must be f32, f16 or bf16, not '%s'\n", cmd.prog, dtype);
+        return FU_EXIT_USAGE;
+    }
+    if (kv_heads < 0)
+        kv_heads = heads > 0 && heads % 2 == 0 ? heads / 2 : heads;
+    const long long vals[] = {layers, hidden, heads, kv_heads, ffn, vocab, max_pos, head_dim};
+    const char *names[] = {"--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--max-pos", "--head-dim"};
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
+        if (vals[i] < 0 || (vals[i] == 0 && i < 7) || vals[i] > (1LL << 30)) {
+            fprintf(stderr, "%s: %s must be a positive integer, not %lld\n", cmd.prog, names[i], vals[i]);
+            return FU_EXIT_USAGE;
+        }
+    }
+    fu_modelcfg cfg;
+    fu_modelcfg_defaults(&cfg);
+    cfg.num_hidden_layers = (size_t)layers;
+    cfg.hidden_size = (size_t)hidden;
+    cfg.num_attention_heads = (size_t)heads;
+    cfg.num_key_value_heads = (size_t)kv_heads;
+    cfg.intermediate_size = (size_t)ffn;
+    cfg.vocab_size = (size_t)vocab;
+    cfg.max_position_embeddings = (size_t)max_pos;
+    cfg.rope_theta = rope_theta;
+    cfg.rms_norm_eps = rms_eps;
+    cfg.tie_word_embeddings = tie;
+    snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "%s", torch_dtype);
+    if (head_dim > 0) {
+        cfg.head_dim = (size_t)head_dim;
+    } else if (cfg.hidden_size % cfg.num_attention_heads != 0) {
+        fprintf(stderr, "%s: --hidden %zu is not divisible by --heads %zu\n", cmd.prog, cfg.hidden_size,
+                cfg.num_attention_heads);
+        return FU_EXIT_USAGE;
+    } else {
+        cfg.head_dim = cfg.hidden_size / cfg.num_attention_heads;
+    }
+    fu_errmsg em = {{0}};
+    fu_err rc = fu_modelcfg_validate(&cfg, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: invalid model: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+        return FU_EXIT_USAGE;
+    }
+
+    if (fu_path_exists(out)) {
+        bool empty = false;
+        if (!fu_path_is_dir(out)) {
+            fprintf(stderr, "%s: '%s' exists and is not a directory\n", cmd.prog, out);
+            return FU_EXIT_FAIL;
+        }
+        if (fu_dir_is_empty(out, &empty) != FU_OK) {
+            fprintf(stderr, "%s: cannot read directory '%s'\n", cmd.prog, out);
+            return FU_EXIT_FAIL;
+        }
+        if (!empty && !force) {
+            fprintf(stderr, "%s: '%s' is not empty; refusing to overwrite it (pass --force to replace its model files)\n",
+                    cmd.prog, out);
+            return FU_EXIT_FAIL;
+        }
+    } else if ((rc = fu_mkdir_p(out, 0755, &em)) != FU_OK) {
+        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+        return exit_for(rc);
+    }
+
+    size_t n = fu_modelcfg_weight_count(&cfg);
+    fu_weight_info *w = fu_calloc(n, sizeof *w);
+    fu_st_tensor *t = fu_calloc(n, sizeof *t);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (fu_modelcfg_weight(&cfg, i, &w[i]) != FU_OK)
+            abort(); /* i < count: cannot fail */
+        t[i].name = w[i].name;
+        t[i].dtype = dt;
+        t[i].ndim = w[i].ndim;
+        t[i].nelem = 1;
+        for (size_t k = 0; k < w[i].ndim; k++) {
+            t[i].shape[k] = w[i].shape[k];
+            t[i].nelem *= (size_t)w[i].shape[k];
+        }
+        bytes += (uint64_t)t[i].nelem * fu_st_dtype_size(dt);
+    }
+    init_ctx ctx = {.seed = (uint64_t)seed, .dtype = dt, .w = w};
+    char *st_path = fu_path_join(out, FU_ST_SINGLE_FILE);
+    char *index_path = fu_path_join(out, FU_ST_INDEX_FILE);
+    int exit_code = FU_EXIT_OK;
+    /* A stale shard index would win over the new single file when the directory is read. */
+    if (fu_path_exists(index_path) && remove(index_path) != 0) {
+        fprintf(stderr, "%s: cannot remove the old '%s'\n", cmd.prog, index_path);
+        exit_code = FU_EXIT_FAIL;
+        goto done;
+    }
+    rc = fu_safetensors_write(st_path, t, n, NULL, 0, init_fill, &ctx, &em);
+    if (rc == FU_OK)
+        rc = fu_modelcfg_save(out, &cfg, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+        exit_code = exit_for(rc);
+        goto done;
+    }
+    printf("wrote %s: %s, %zu layers, hidden %zu, heads %zu/%zu, ffn %zu, vocab %zu, %llu parameters "
+           "(%.1f MiB %s), seed %llu\n",
+           out, cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
+           (unsigned long long)fu_modelcfg_param_count(&cfg), (double)bytes / (1024.0 * 1024.0), torch_dtype,
+           (unsigned long long)seed);
+done:
+    free(st_path);
+    free(index_path);
+    free(t);
+    free(w);
+    return exit_code;
+}
+
+/* ---- model info ----------------------------------------------------------------------------- */
+
+static int model_info(int argc, char **argv)
+{
+    const fu_cmd cmd = {
+        .prog = "fusion model info",
+        .usage = "[options] DIR",
+        .summary = "Reads a Hugging Face model directory (config.json and its safetensors), checks that "
+                   "every weight a LLaMA model needs is there with the right shape, and prints a summary.",
+        .opts = NULL,
+        .n_opts = 0,
+        .min_pos = 1,
+        .max_pos = 1,
+    };
+    size_t npos = 0;
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    const char *dir = argv[1];
+    fu_errmsg em = {{0}};
+    fu_modelcfg cfg;
+    fu_err rc = fu_modelcfg_load(dir, &cfg, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion: %s\n", fu_errmsg_text(&em, rc));
+        return exit_for(rc);
+    }
+    fu_safetensors *st = NULL;
+    rc = fu_safetensors_open_dir(dir, &st, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion: %s\n", fu_errmsg_text(&em, rc));
+        return exit_for(rc);
+    }
+    size_t n = fu_modelcfg_weight_count(&cfg);
+    const char *dtname = "?";
+    for (size_t i = 0; i < n && rc == FU_OK; i++) {
+        fu_weight_info w;
+        const fu_st_tensor *t = NULL;
+        rc = fu_modelcfg_weight(&cfg, i, &w);
+        if (rc == FU_OK)
+            rc = fu_safetensors_expect(st, w.name, w.ndim, w.shape, &t, &em);
+        if (rc == FU_OK && !fu_st_dtype_is_float(t->dtype))
+            rc = fu_errmsg_set(&em, FU_EINVAL, "%s: tensor '%s' has dtype %s, expected F32, F16 or BF16", t->file,
+                               t->name, fu_st_dtype_name(t->dtype));
+        if (rc == FU_OK)
+            dtname = fu_st_dtype_name(t->dtype);
+    }
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion: model dir '%s': %s\n", dir, fu_errmsg_text(&em, rc));
+        fu_safetensors_close(&st);
+        return exit_for(rc);
+    }
+    printf("%s: %s (%s), %zu layers, hidden %zu, heads %zu, kv heads %zu, head_dim %zu, ffn %zu, vocab %zu, "
+           "max_pos %zu, rope_theta %g, rms_eps %g, %s, %llu parameters in %zu tensors (%s)\n",
+           dir, cfg.architecture, cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+           cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings,
+           cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings ? "tied embeddings" : "separate lm_head",
+           (unsigned long long)fu_modelcfg_param_count(&cfg), fu_safetensors_count(st), dtname);
+    fu_safetensors_close(&st);
+    return FU_EXIT_OK;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------- */
+
+static void model_help(void)
+{
+    printf("Usage: fusion model COMMAND [options]\n\n"
+           "Commands:\n"
+           "  init     write a random-weight LLaMA model directory (Hugging Face layout)\n"
+           "  info     check and summarise a Hugging Face model directory\n"
+           "  prune    prune a model with SALR [not in this build yet]\n\n"
+           "Run 'fusion model COMMAND --help' for a command's options.\n");
+}
+
+int cli_model_main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        model_help();
+        return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
+    }
+    char prog[64];
+    snprintf(prog, sizeof prog, "fusion model %s", argv[1]);
+    if (strcmp(argv[1], "init") == 0) {
+        argv[1] = prog;
+        return model_init(argc - 1, argv + 1);
+    }
+    if (strcmp(argv[1], "info") == 0) {
+        argv[1] = prog;
+        return model_info(argc - 1, argv + 1);
+    }
+    if (strcmp(argv[1], "prune") == 0) {
+        fprintf(stderr, "fusion model prune: not available yet: comes with SALR in `fusion model prune`, which this "
+                        "build does not have\n");
+        return FU_EXIT_USAGE;
+    }
+    fprintf(stderr, "fusion model: unknown command '%s'\nRun 'fusion model --help' for the list.\n", argv[1]);
+    return FU_EXIT_USAGE;
+}

@@ -1,0 +1,436 @@
+#include "fu_modelcfg.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "fu_alloc.h"
+
+void fu_modelcfg_defaults(fu_modelcfg *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    snprintf(cfg->model_type, sizeof cfg->model_type, "llama");
+    snprintf(cfg->architecture, sizeof cfg->architecture, "LlamaForCausalLM");
+    snprintf(cfg->torch_dtype, sizeof cfg->torch_dtype, "float32");
+    cfg->hidden_size = 64;
+    cfg->intermediate_size = 128;
+    cfg->num_hidden_layers = 2;
+    cfg->num_attention_heads = 4;
+    cfg->num_key_value_heads = 2;
+    cfg->head_dim = 16;
+    cfg->vocab_size = 256;
+    cfg->max_position_embeddings = FU_MODELCFG_DEFAULT_MAX_POS;
+    cfg->rms_norm_eps = FU_MODELCFG_DEFAULT_RMS_EPS;
+    cfg->rope_theta = FU_MODELCFG_DEFAULT_ROPE_THETA;
+    cfg->tie_word_embeddings = false;
+    cfg->bos_token_id = -1;
+    cfg->eos_token_id = -1;
+}
+
+/* Reads key as a non-negative integer. *present tells whether it was there (and not null). */
+static fu_err get_uint(const cJSON *root, const char *key, const char *lab, uint64_t *out, bool *present,
+                       fu_errmsg *em)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *present = false;
+    if (!it || cJSON_IsNull(it))
+        return FU_OK;
+    double d = it->valuedouble;
+    if (!cJSON_IsNumber(it) || !(d >= 0.0) || d > 9007199254740992.0 || d != floor(d))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be a non-negative integer", lab, key);
+    *out = (uint64_t)d;
+    *present = true;
+    return FU_OK;
+}
+
+static fu_err get_size(const cJSON *root, const char *key, const char *lab, bool required, size_t *out,
+                       fu_errmsg *em)
+{
+    uint64_t v = 0;
+    bool present;
+    FU_TRY(get_uint(root, key, lab, &v, &present, em));
+    if (!present) {
+        if (required)
+            return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" is missing", lab, key);
+        return FU_OK;
+    }
+    if (v > SIZE_MAX)
+        return fu_errmsg_set(em, FU_EINVAL, "%s: \"%s\" is too large", lab, key);
+    *out = (size_t)v;
+    return FU_OK;
+}
+
+static fu_err get_double(const cJSON *root, const char *key, const char *lab, double *out, fu_errmsg *em)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it))
+        return FU_OK;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be a number", lab, key);
+    *out = it->valuedouble;
+    return FU_OK;
+}
+
+static fu_err get_bool(const cJSON *root, const char *key, const char *lab, bool *out, fu_errmsg *em)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it))
+        return FU_OK;
+    if (!cJSON_IsBool(it))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be true or false", lab, key);
+    *out = cJSON_IsTrue(it);
+    return FU_OK;
+}
+
+/* A token id field: an integer, or a list of integers (the first is taken), or absent (-1). */
+static fu_err get_token_id(const cJSON *root, const char *key, const char *lab, int64_t *out, fu_errmsg *em)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = -1;
+    if (!it || cJSON_IsNull(it))
+        return FU_OK;
+    if (cJSON_IsArray(it))
+        it = it->child;
+    if (!it)
+        return FU_OK;
+    double d = it->valuedouble;
+    if (!cJSON_IsNumber(it) || !(d >= 0.0) || d > (double)FU_MODELCFG_MAX_VOCAB || d != floor(d))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be a token id", lab, key);
+    *out = (int64_t)d;
+    return FU_OK;
+}
+
+static bool known_model_type(const char *t)
+{
+    return strcmp(t, "llama") == 0 || strcmp(t, "mistral") == 0;
+}
+
+static bool known_architecture(const char *a)
+{
+    return strcmp(a, "LlamaForCausalLM") == 0 || strcmp(a, "MistralForCausalLM") == 0;
+}
+
+static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_errmsg *em)
+{
+    if (!cJSON_IsObject(root))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", lab);
+
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    const cJSON *ar = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    if (mt && !cJSON_IsString(mt))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"model_type\" must be a string", lab);
+    if (ar && !cJSON_IsNull(ar) && (!cJSON_IsArray(ar) || (ar->child && !cJSON_IsString(ar->child))))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"architectures\" must be a list of strings", lab);
+    const char *arch = (ar && cJSON_IsArray(ar) && ar->child) ? ar->child->valuestring : NULL;
+    if (!mt && !arch)
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: has neither \"model_type\" nor \"architectures\" (expected a LLaMA-family model)", lab);
+    if (mt && !known_model_type(mt->valuestring))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: model_type '%.40s' is not supported (fusion runs llama and mistral)",
+                             lab, mt->valuestring);
+    if (arch && !known_architecture(arch))
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: architecture '%.60s' is not supported (fusion runs LlamaForCausalLM and MistralForCausalLM)",
+                             lab, arch);
+    snprintf(c->model_type, sizeof c->model_type, "%s",
+             mt ? mt->valuestring : (strncmp(arch, "Mistral", 7) == 0 ? "mistral" : "llama"));
+    snprintf(c->architecture, sizeof c->architecture, "%s",
+             arch ? arch : (strcmp(c->model_type, "mistral") == 0 ? "MistralForCausalLM" : "LlamaForCausalLM"));
+
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && !cJSON_IsNull(act) && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: hidden_act must be \"silu\" (SwiGLU); other activations are not supported",
+                             lab);
+    bool flag = false;
+    FU_TRY(get_bool(root, "attention_bias", lab, &flag, em));
+    if (flag)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: attention_bias=true is not supported (LLaMA projections have no bias)",
+                             lab);
+    flag = false;
+    FU_TRY(get_bool(root, "mlp_bias", lab, &flag, em));
+    if (flag)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: mlp_bias=true is not supported", lab);
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (rs && !cJSON_IsNull(rs))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: rope_scaling is not supported (plain RoPE only)", lab);
+
+    FU_TRY(get_size(root, "hidden_size", lab, true, &c->hidden_size, em));
+    FU_TRY(get_size(root, "intermediate_size", lab, true, &c->intermediate_size, em));
+    FU_TRY(get_size(root, "num_hidden_layers", lab, true, &c->num_hidden_layers, em));
+    FU_TRY(get_size(root, "num_attention_heads", lab, true, &c->num_attention_heads, em));
+    FU_TRY(get_size(root, "vocab_size", lab, true, &c->vocab_size, em));
+    c->num_key_value_heads = c->num_attention_heads;
+    FU_TRY(get_size(root, "num_key_value_heads", lab, false, &c->num_key_value_heads, em));
+    c->max_position_embeddings = FU_MODELCFG_DEFAULT_MAX_POS;
+    FU_TRY(get_size(root, "max_position_embeddings", lab, false, &c->max_position_embeddings, em));
+    c->head_dim = 0;
+    FU_TRY(get_size(root, "head_dim", lab, false, &c->head_dim, em));
+    if (c->head_dim == 0) {
+        if (c->num_attention_heads == 0)
+            return fu_errmsg_set(em, FU_EINVAL, "%s: num_attention_heads must be positive", lab);
+        if (c->hidden_size % c->num_attention_heads != 0)
+            return fu_errmsg_set(em, FU_EINVAL, "%s: hidden_size %zu is not divisible by num_attention_heads %zu", lab,
+                                 c->hidden_size, c->num_attention_heads);
+        c->head_dim = c->hidden_size / c->num_attention_heads;
+    }
+    c->rms_norm_eps = FU_MODELCFG_DEFAULT_RMS_EPS;
+    FU_TRY(get_double(root, "rms_norm_eps", lab, &c->rms_norm_eps, em));
+    c->rope_theta = FU_MODELCFG_DEFAULT_ROPE_THETA;
+    FU_TRY(get_double(root, "rope_theta", lab, &c->rope_theta, em));
+    c->tie_word_embeddings = false;
+    FU_TRY(get_bool(root, "tie_word_embeddings", lab, &c->tie_word_embeddings, em));
+    FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
+    FU_TRY(get_token_id(root, "eos_token_id", lab, &c->eos_token_id, em));
+    const cJSON *td = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
+    if (td && !cJSON_IsNull(td)) {
+        if (!cJSON_IsString(td))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: \"torch_dtype\" must be a string", lab);
+        snprintf(c->torch_dtype, sizeof c->torch_dtype, "%.15s", td->valuestring);
+    }
+    return FU_OK;
+}
+
+fu_err fu_modelcfg_parse(const char *json, size_t len, const char *label, fu_modelcfg *out, fu_errmsg *em)
+{
+    const char *lab = label ? label : FU_MODELCFG_FILE;
+    if (!json || !out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_modelcfg_parse: NULL argument");
+    fu_modelcfg c;
+    fu_modelcfg_defaults(&c);
+    c.torch_dtype[0] = '\0';
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (!root)
+        return fu_errmsg_set(em, FU_EPROTO, "%s: not valid JSON", lab);
+    fu_err rc = parse_root(root, lab, &c, em);
+    cJSON_Delete(root);
+    if (rc != FU_OK)
+        return rc;
+    fu_errmsg sub = {{0}};
+    rc = fu_modelcfg_validate(&c, &sub);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "%s: %s", lab, sub.msg);
+    *out = c;
+    return FU_OK;
+}
+
+fu_err fu_modelcfg_load(const char *dir, fu_modelcfg *out, fu_errmsg *em)
+{
+    if (!dir || !out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_modelcfg_load: NULL argument");
+    if (!fu_path_is_dir(dir))
+        return fu_errmsg_set(em, FU_ENOTFOUND, "model dir '%s' does not exist or is not a directory", dir);
+    char *path = fu_path_join(dir, FU_MODELCFG_FILE);
+    char *txt = NULL;
+    size_t len = 0;
+    fu_errmsg sub = {{0}};
+    fu_err rc = fu_file_read_all(path, FU_MODELCFG_MAX_BYTES, &txt, &len, &sub);
+    free(path);
+    if (rc == FU_ENOTFOUND)
+        return fu_errmsg_set(em, rc, "model dir '%s' has no %s (expected a Hugging Face model directory)", dir,
+                             FU_MODELCFG_FILE);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "model dir '%s': %s", dir, sub.msg);
+    rc = fu_modelcfg_parse(txt, len, FU_MODELCFG_FILE, out, em);
+    free(txt);
+    return rc;
+}
+
+static fu_err check_range(const char *field, size_t v, size_t max, fu_errmsg *em)
+{
+    if (v == 0)
+        return fu_errmsg_set(em, FU_EINVAL, "%s must be positive", field);
+    if (v > max)
+        return fu_errmsg_set(em, FU_EINVAL, "%s %zu is over the limit of %zu", field, v, max);
+    return FU_OK;
+}
+
+fu_err fu_modelcfg_validate(const fu_modelcfg *c, fu_errmsg *em)
+{
+    if (!c)
+        return fu_errmsg_set(em, FU_EINVAL, "no configuration");
+    FU_TRY(check_range("hidden_size", c->hidden_size, FU_MODELCFG_MAX_HIDDEN, em));
+    FU_TRY(check_range("intermediate_size", c->intermediate_size, FU_MODELCFG_MAX_FFN, em));
+    FU_TRY(check_range("num_hidden_layers", c->num_hidden_layers, FU_MODELCFG_MAX_LAYERS, em));
+    FU_TRY(check_range("num_attention_heads", c->num_attention_heads, FU_MODELCFG_MAX_HEADS, em));
+    FU_TRY(check_range("num_key_value_heads", c->num_key_value_heads, FU_MODELCFG_MAX_HEADS, em));
+    FU_TRY(check_range("head_dim", c->head_dim, FU_MODELCFG_MAX_HEAD_DIM, em));
+    FU_TRY(check_range("vocab_size", c->vocab_size, FU_MODELCFG_MAX_VOCAB, em));
+    FU_TRY(check_range("max_position_embeddings", c->max_position_embeddings, FU_MODELCFG_MAX_POS, em));
+    if (c->num_attention_heads % c->num_key_value_heads != 0)
+        return fu_errmsg_set(em, FU_EINVAL, "num_attention_heads %zu is not divisible by num_key_value_heads %zu",
+                             c->num_attention_heads, c->num_key_value_heads);
+    if (c->head_dim % 2 != 0)
+        return fu_errmsg_set(em, FU_EINVAL, "head_dim %zu must be even (rotary embeddings rotate half of each head)",
+                             c->head_dim);
+    if (c->num_attention_heads * c->head_dim > 4 * (size_t)FU_MODELCFG_MAX_HIDDEN)
+        return fu_errmsg_set(em, FU_EINVAL, "num_attention_heads * head_dim = %zu is over the limit",
+                             c->num_attention_heads * c->head_dim);
+    if (!(c->rms_norm_eps > 0.0 && c->rms_norm_eps < 1.0))
+        return fu_errmsg_set(em, FU_EINVAL, "rms_norm_eps %g must be in (0, 1)", c->rms_norm_eps);
+    if (!(c->rope_theta > 0.0) || !isfinite(c->rope_theta))
+        return fu_errmsg_set(em, FU_EINVAL, "rope_theta %g must be positive", c->rope_theta);
+    if (c->bos_token_id >= (int64_t)c->vocab_size || c->eos_token_id >= (int64_t)c->vocab_size)
+        return fu_errmsg_set(em, FU_EINVAL, "bos_token_id/eos_token_id must be below vocab_size %zu", c->vocab_size);
+    if (!known_model_type(c->model_type))
+        return fu_errmsg_set(em, FU_EVERSION, "model_type '%s' is not supported", c->model_type);
+    if (c->architecture[0] && !known_architecture(c->architecture))
+        return fu_errmsg_set(em, FU_EVERSION, "architecture '%s' is not supported", c->architecture);
+    return FU_OK;
+}
+
+char *fu_modelcfg_to_json(const fu_modelcfg *c)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON *ar = cJSON_AddArrayToObject(o, "architectures");
+    cJSON_AddItemToArray(ar, cJSON_CreateString(c->architecture[0] ? c->architecture : "LlamaForCausalLM"));
+    cJSON_AddStringToObject(o, "model_type", c->model_type[0] ? c->model_type : "llama");
+    cJSON_AddStringToObject(o, "hidden_act", "silu");
+    cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
+    cJSON_AddNumberToObject(o, "intermediate_size", (double)c->intermediate_size);
+    cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->num_hidden_layers);
+    cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->num_attention_heads);
+    cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->num_key_value_heads);
+    cJSON_AddNumberToObject(o, "head_dim", (double)c->head_dim);
+    cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+    cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_position_embeddings);
+    cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
+    cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
+    cJSON_AddBoolToObject(o, "attention_bias", 0);
+    cJSON_AddBoolToObject(o, "mlp_bias", 0);
+    cJSON_AddNumberToObject(o, "initializer_range", 0.02);
+    cJSON_AddBoolToObject(o, "use_cache", 1);
+    if (c->bos_token_id >= 0)
+        cJSON_AddNumberToObject(o, "bos_token_id", (double)c->bos_token_id);
+    if (c->eos_token_id >= 0)
+        cJSON_AddNumberToObject(o, "eos_token_id", (double)c->eos_token_id);
+    cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype[0] ? c->torch_dtype : "float32");
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    if (!txt) {
+        fprintf(stderr, "fu_modelcfg_to_json: out of memory\n");
+        abort();
+    }
+    /* cJSON allocates with malloc by default; hand back a string the caller frees with free(). */
+    size_t n = strlen(txt);
+    char *out = fu_malloc(n + 2);
+    memcpy(out, txt, n);
+    out[n] = '\n';
+    out[n + 1] = '\0';
+    cJSON_free(txt);
+    return out;
+}
+
+fu_err fu_modelcfg_save(const char *dir, const fu_modelcfg *cfg, fu_errmsg *em)
+{
+    if (!dir || !cfg)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_modelcfg_save: NULL argument");
+    fu_errmsg sub = {{0}};
+    fu_err rc = fu_modelcfg_validate(cfg, &sub);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "invalid model configuration: %s", sub.msg);
+    char *txt = fu_modelcfg_to_json(cfg);
+    char *path = fu_path_join(dir, FU_MODELCFG_FILE);
+    rc = fu_file_write_atomic(path, txt, strlen(txt), 0644, em);
+    free(path);
+    free(txt);
+    return rc;
+}
+
+size_t fu_modelcfg_weight_count(const fu_modelcfg *c)
+{
+    return 2 + FU_W_PER_LAYER * c->num_hidden_layers + (c->tie_word_embeddings ? 0 : 1);
+}
+
+static const char *const layer_suffix[FU_W_PER_LAYER] = {
+    "input_layernorm.weight",  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight",
+};
+static const fu_weight_kind layer_kind[FU_W_PER_LAYER] = {
+    FU_W_ATTN_NORM, FU_W_Q, FU_W_K, FU_W_V, FU_W_O, FU_W_FFN_NORM, FU_W_GATE, FU_W_UP, FU_W_DOWN,
+};
+
+fu_err fu_modelcfg_weight_of(const fu_modelcfg *c, fu_weight_kind kind, int layer, fu_weight_info *w)
+{
+    if (!c || !w || (unsigned)kind >= FU_W_KIND_COUNT_)
+        return FU_EINVAL;
+    memset(w, 0, sizeof *w);
+    w->kind = kind;
+    w->layer = -1;
+    uint64_t d = c->hidden_size, f = c->intermediate_size, v = c->vocab_size;
+    uint64_t q = (uint64_t)c->num_attention_heads * c->head_dim, kv = (uint64_t)c->num_key_value_heads * c->head_dim;
+    switch (kind) {
+    case FU_W_EMBED:
+        snprintf(w->name, sizeof w->name, "model.embed_tokens.weight");
+        w->ndim = 2, w->shape[0] = v, w->shape[1] = d;
+        return FU_OK;
+    case FU_W_FINAL_NORM:
+        snprintf(w->name, sizeof w->name, "model.norm.weight");
+        w->ndim = 1, w->shape[0] = d, w->is_norm = true;
+        return FU_OK;
+    case FU_W_LM_HEAD:
+        if (c->tie_word_embeddings)
+            return FU_ENOTFOUND;
+        snprintf(w->name, sizeof w->name, "lm_head.weight");
+        w->ndim = 2, w->shape[0] = v, w->shape[1] = d;
+        return FU_OK;
+    default:
+        break;
+    }
+    if (layer < 0 || (size_t)layer >= c->num_hidden_layers)
+        return FU_EINVAL;
+    w->layer = layer;
+    size_t k = 0;
+    while (layer_kind[k] != kind)
+        k++;
+    snprintf(w->name, sizeof w->name, "model.layers.%d.%s", layer, layer_suffix[k]);
+    w->ndim = 2;
+    switch (kind) {
+    case FU_W_ATTN_NORM:
+    case FU_W_FFN_NORM:
+        w->ndim = 1, w->shape[0] = d, w->is_norm = true;
+        break;
+    case FU_W_Q: w->shape[0] = q, w->shape[1] = d; break;
+    case FU_W_K:
+    case FU_W_V: w->shape[0] = kv, w->shape[1] = d; break;
+    case FU_W_O: w->shape[0] = d, w->shape[1] = q; break;
+    case FU_W_GATE:
+    case FU_W_UP: w->shape[0] = f, w->shape[1] = d; break;
+    case FU_W_DOWN: w->shape[0] = d, w->shape[1] = f; break;
+    default: break;
+    }
+    return FU_OK;
+}
+
+fu_err fu_modelcfg_weight(const fu_modelcfg *c, size_t i, fu_weight_info *w)
+{
+    if (!c || !w || i >= fu_modelcfg_weight_count(c))
+        return FU_EINVAL;
+    if (i == 0)
+        return fu_modelcfg_weight_of(c, FU_W_EMBED, -1, w);
+    i--;
+    if (i < FU_W_PER_LAYER * c->num_hidden_layers)
+        return fu_modelcfg_weight_of(c, layer_kind[i % FU_W_PER_LAYER], (int)(i / FU_W_PER_LAYER), w);
+    i -= FU_W_PER_LAYER * c->num_hidden_layers;
+    return fu_modelcfg_weight_of(c, i == 0 ? FU_W_FINAL_NORM : FU_W_LM_HEAD, -1, w);
+}
+
+uint64_t fu_modelcfg_param_count(const fu_modelcfg *c)
+{
+    uint64_t total = 0;
+    size_t n = fu_modelcfg_weight_count(c);
+    for (size_t i = 0; i < n; i++) {
+        fu_weight_info w;
+        if (fu_modelcfg_weight(c, i, &w) != FU_OK)
+            continue;
+        uint64_t e = 1;
+        for (size_t k = 0; k < w.ndim; k++)
+            e *= w.shape[k];
+        total += e;
+    }
+    return total;
+}

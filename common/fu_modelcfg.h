@@ -1,0 +1,130 @@
+/* fu_modelcfg: the config.json of a Hugging Face LLaMA-family model (LlamaForCausalLM and
+ * MistralForCausalLM layouts): read, validate, write, and the list of weight tensors such a model
+ * has, with their Hugging Face names and shapes. See docs/FORMATS.md. */
+#ifndef FU_MODELCFG_H
+#define FU_MODELCFG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "fu_file.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FU_MODELCFG_FILE "config.json"
+/* Largest config.json read. */
+#define FU_MODELCFG_MAX_BYTES ((size_t)1 << 20)
+
+/* Sanity bounds of validation (far above any real model, low enough that products of them fit). */
+#define FU_MODELCFG_MAX_HIDDEN   65536
+#define FU_MODELCFG_MAX_FFN      (1 << 20)
+#define FU_MODELCFG_MAX_LAYERS   1024
+#define FU_MODELCFG_MAX_HEADS    1024
+#define FU_MODELCFG_MAX_HEAD_DIM 1024
+#define FU_MODELCFG_MAX_VOCAB    (1 << 22)
+#define FU_MODELCFG_MAX_POS      (1 << 24)
+
+/* Defaults when config.json leaves a field out (the transformers LlamaConfig defaults). */
+#define FU_MODELCFG_DEFAULT_ROPE_THETA 10000.0
+#define FU_MODELCFG_DEFAULT_RMS_EPS    1e-6
+#define FU_MODELCFG_DEFAULT_MAX_POS    2048
+
+typedef struct {
+    char   model_type[32];           /* "llama" or "mistral" */
+    char   architecture[64];         /* architectures[0]: "LlamaForCausalLM" */
+    char   torch_dtype[16];          /* "float32", "float16", "bfloat16" ("" when absent) */
+    size_t hidden_size;              /* d_model */
+    size_t intermediate_size;        /* SwiGLU inner size */
+    size_t num_hidden_layers;        /* decoder layers */
+    size_t num_attention_heads;      /* query heads */
+    size_t num_key_value_heads;      /* key/value heads (GQA); defaults to num_attention_heads */
+    size_t head_dim;                 /* per-head size; defaults to hidden_size / num_attention_heads */
+    size_t vocab_size;               /* embedding rows */
+    size_t max_position_embeddings;  /* longest sequence for RoPE */
+    double rms_norm_eps;             /* RMSNorm epsilon */
+    double rope_theta;               /* RoPE base; default 10000 */
+    bool   tie_word_embeddings;      /* lm_head shares model.embed_tokens.weight; default false */
+    int64_t bos_token_id;            /* -1 when absent */
+    int64_t eos_token_id;            /* -1 when absent (the first one when a list) */
+} fu_modelcfg;
+
+/* A small valid configuration (2 layers, hidden 64, 4 heads, 2 kv heads, ffn 128, vocab 256),
+ * architecture LlamaForCausalLM, float32. */
+void fu_modelcfg_defaults(fu_modelcfg *cfg);
+
+/* Parses config.json text (len bytes) into *out and validates it. label names the text in messages
+ * ("config.json"). FU_EPROTO for malformed JSON or wrong field types, FU_EVERSION for a model type or
+ * feature fusion does not run (with the reason), FU_EINVAL for values that fail validation. */
+FU_MUST_CHECK fu_err fu_modelcfg_parse(const char *json, size_t len, const char *label, fu_modelcfg *out,
+                                       fu_errmsg *em);
+
+/* Reads dir/config.json. FU_ENOTFOUND with "model dir 'x' has no config.json (expected a Hugging
+ * Face model directory)" when it is missing; otherwise as fu_modelcfg_parse. */
+FU_MUST_CHECK fu_err fu_modelcfg_load(const char *dir, fu_modelcfg *out, fu_errmsg *em);
+
+/* Checks sizes are positive and within the bounds above, hidden_size divisible by the head count
+ * (when head_dim is not given), heads divisible by kv heads, head_dim even (rotate-half RoPE),
+ * eps in (0, 1), rope_theta > 0. FU_EINVAL with the field and the rule in the message. */
+FU_MUST_CHECK fu_err fu_modelcfg_validate(const fu_modelcfg *cfg, fu_errmsg *em);
+
+/* config.json text for cfg (transformers' field names, "architectures", "model_type",
+ * "hidden_act":"silu", ...). Caller frees. Never NULL. */
+char *fu_modelcfg_to_json(const fu_modelcfg *cfg);
+
+/* Validates cfg and writes dir/config.json atomically. */
+FU_MUST_CHECK fu_err fu_modelcfg_save(const char *dir, const fu_modelcfg *cfg, fu_errmsg *em);
+
+/* Which weight a tensor is. */
+typedef enum {
+    FU_W_EMBED = 0,   /* model.embed_tokens.weight         [vocab, hidden] */
+    FU_W_ATTN_NORM,   /* model.layers.N.input_layernorm.weight          [hidden] */
+    FU_W_Q,           /* model.layers.N.self_attn.q_proj.weight [heads*head_dim, hidden] */
+    FU_W_K,           /* model.layers.N.self_attn.k_proj.weight [kv*head_dim, hidden] */
+    FU_W_V,           /* model.layers.N.self_attn.v_proj.weight [kv*head_dim, hidden] */
+    FU_W_O,           /* model.layers.N.self_attn.o_proj.weight [hidden, heads*head_dim] */
+    FU_W_FFN_NORM,    /* model.layers.N.post_attention_layernorm.weight [hidden] */
+    FU_W_GATE,        /* model.layers.N.mlp.gate_proj.weight    [ffn, hidden] */
+    FU_W_UP,          /* model.layers.N.mlp.up_proj.weight      [ffn, hidden] */
+    FU_W_DOWN,        /* model.layers.N.mlp.down_proj.weight    [hidden, ffn] */
+    FU_W_FINAL_NORM,  /* model.norm.weight                               [hidden] */
+    FU_W_LM_HEAD,     /* lm_head.weight                   [vocab, hidden] (absent when tied) */
+    FU_W_KIND_COUNT_
+} fu_weight_kind;
+
+/* Per-layer weight kinds, in the order fu_modelcfg_weight lists them. */
+#define FU_W_PER_LAYER 9
+
+/* One expected weight. Shapes are PyTorch's: a linear layer's weight is [out_features, in_features]. */
+typedef struct {
+    char           name[96];   /* Hugging Face tensor name */
+    fu_weight_kind kind;       /* which weight */
+    int            layer;      /* decoder layer, -1 for embed, final norm and lm_head */
+    size_t         ndim;       /* 1 (norms) or 2 */
+    uint64_t       shape[2];   /* sizes */
+    bool           is_norm;    /* an RMSNorm gain (initialised to 1) */
+} fu_weight_info;
+
+/* Number of weight tensors the model has: 1 + 9·layers + 1 (+1 for lm_head when not tied). */
+size_t fu_modelcfg_weight_count(const fu_modelcfg *cfg);
+
+/* The i-th weight (0 <= i < count) in the order embed, layer 0 (input_layernorm, q, k, v, o,
+ * post_attention_layernorm, gate, up, down), layer 1, ..., model.norm, lm_head. FU_EINVAL when i is
+ * out of range. */
+FU_MUST_CHECK fu_err fu_modelcfg_weight(const fu_modelcfg *cfg, size_t i, fu_weight_info *out);
+
+/* The weight of kind in layer (layer ignored for the whole-model kinds). FU_EINVAL when layer is
+ * out of range, FU_ENOTFOUND for FU_W_LM_HEAD of a tied model. */
+FU_MUST_CHECK fu_err fu_modelcfg_weight_of(const fu_modelcfg *cfg, fu_weight_kind kind, int layer,
+                                           fu_weight_info *out);
+
+/* Total parameters (elements of every weight). */
+uint64_t fu_modelcfg_param_count(const fu_modelcfg *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

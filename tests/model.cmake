@@ -1,0 +1,5 @@
+# Model files in common/: safetensors, config.json, tokenizer; and `fusion model` as a real process.
+fu_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_safetensors.c LIBS fu_common)
+fu_add_test(test_modelcfg SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_modelcfg.c LIBS fu_common)
+fu_add_test(test_model_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_model_cli.c LIBS fu_common TIMEOUT 120)
+add_dependencies(test_model_cli fusion)

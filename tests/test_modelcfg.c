@@ -1,0 +1,277 @@
+/* fu_modelcfg: config.json of LLaMA-family models: valid, invalid, missing, written and read back,
+ * and the list of weights with their Hugging Face names and shapes. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fu_file.h"
+#include "fu_modelcfg.h"
+#include "testutil.h"
+
+/* The config.json of TinyLlama-1.1B (as published), trimmed of nothing. */
+static const char *tinyllama =
+    "{\n"
+    "  \"architectures\": [\"LlamaForCausalLM\"],\n"
+    "  \"attention_bias\": false,\n"
+    "  \"bos_token_id\": 1,\n"
+    "  \"eos_token_id\": 2,\n"
+    "  \"hidden_act\": \"silu\",\n"
+    "  \"hidden_size\": 2048,\n"
+    "  \"initializer_range\": 0.02,\n"
+    "  \"intermediate_size\": 5632,\n"
+    "  \"max_position_embeddings\": 2048,\n"
+    "  \"model_type\": \"llama\",\n"
+    "  \"num_attention_heads\": 32,\n"
+    "  \"num_hidden_layers\": 22,\n"
+    "  \"num_key_value_heads\": 4,\n"
+    "  \"pretraining_tp\": 1,\n"
+    "  \"rms_norm_eps\": 1e-05,\n"
+    "  \"rope_scaling\": null,\n"
+    "  \"rope_theta\": 10000.0,\n"
+    "  \"tie_word_embeddings\": false,\n"
+    "  \"torch_dtype\": \"bfloat16\",\n"
+    "  \"transformers_version\": \"4.35.0\",\n"
+    "  \"use_cache\": true,\n"
+    "  \"vocab_size\": 32000\n"
+    "}\n";
+
+static fu_err parse(const char *json, fu_modelcfg *c, fu_errmsg *em)
+{
+    memset(em, 0, sizeof *em);
+    return fu_modelcfg_parse(json, strlen(json), "config.json", c, em);
+}
+
+static void test_modelcfg_parses_a_real_config(void **state)
+{
+    (void)state;
+    fu_modelcfg c;
+    fu_errmsg em;
+    assert_int_equal(parse(tinyllama, &c, &em), FU_OK);
+    assert_string_equal(c.model_type, "llama");
+    assert_string_equal(c.architecture, "LlamaForCausalLM");
+    assert_string_equal(c.torch_dtype, "bfloat16");
+    assert_int_equal(c.hidden_size, 2048);
+    assert_int_equal(c.intermediate_size, 5632);
+    assert_int_equal(c.num_hidden_layers, 22);
+    assert_int_equal(c.num_attention_heads, 32);
+    assert_int_equal(c.num_key_value_heads, 4);
+    assert_int_equal(c.head_dim, 64);
+    assert_int_equal(c.vocab_size, 32000);
+    assert_int_equal(c.max_position_embeddings, 2048);
+    assert_true(c.rms_norm_eps == 1e-5);
+    assert_true(c.rope_theta == 10000.0);
+    assert_false(c.tie_word_embeddings);
+    assert_int_equal(c.bos_token_id, 1);
+    assert_int_equal(c.eos_token_id, 2);
+    /* 1.1B parameters. */
+    uint64_t p = fu_modelcfg_param_count(&c);
+    assert_true(p > 1090000000ull && p < 1110000000ull);
+}
+
+static void test_modelcfg_defaults_for_missing_fields(void **state)
+{
+    (void)state;
+    fu_modelcfg c;
+    fu_errmsg em;
+    assert_int_equal(parse("{\"model_type\":\"mistral\",\"hidden_size\":32,\"intermediate_size\":64,"
+                           "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":100,"
+                           "\"eos_token_id\":[7,8]}",
+                           &c, &em),
+                     FU_OK);
+    assert_string_equal(c.model_type, "mistral");
+    assert_string_equal(c.architecture, "MistralForCausalLM");
+    assert_int_equal(c.num_key_value_heads, 4); /* = heads */
+    assert_int_equal(c.head_dim, 8);
+    assert_true(c.rope_theta == 10000.0);
+    assert_true(c.rms_norm_eps == FU_MODELCFG_DEFAULT_RMS_EPS);
+    assert_false(c.tie_word_embeddings);
+    assert_int_equal(c.max_position_embeddings, FU_MODELCFG_DEFAULT_MAX_POS);
+    assert_int_equal(c.bos_token_id, -1);
+    assert_int_equal(c.eos_token_id, 7);
+    /* An explicit head_dim need not be hidden/heads. */
+    assert_int_equal(parse("{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":30,\"intermediate_size\":64,"
+                           "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"num_key_value_heads\":2,"
+                           "\"head_dim\":16,\"vocab_size\":100,\"tie_word_embeddings\":true}",
+                           &c, &em),
+                     FU_OK);
+    assert_string_equal(c.model_type, "llama");
+    assert_int_equal(c.head_dim, 16);
+    assert_true(c.tie_word_embeddings);
+}
+
+static void test_modelcfg_rejects_invalid_configs(void **state)
+{
+    (void)state;
+    fu_modelcfg c;
+    fu_errmsg em;
+    const char *base = "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
+                       "\"vocab_size\":256";
+    char buf[1024];
+#define TRY(extra, want_rc, want_text)                                                              \
+    do {                                                                                            \
+        snprintf(buf, sizeof buf, "{%s%s}", base, extra);                                           \
+        assert_int_equal(parse(buf, &c, &em), want_rc);                                             \
+        if (!strstr(em.msg, want_text))                                                             \
+            fail_msg("for %s: message '%s' lacks '%s'", buf, em.msg, want_text);                    \
+    } while (0)
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":5", FU_EINVAL, "hidden_size 64 is not divisible by "
+                                                                          "num_attention_heads 5");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"num_key_value_heads\":3", FU_EINVAL,
+        "num_attention_heads 4 is not divisible by num_key_value_heads 3");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":0", FU_EINVAL, "num_attention_heads must be positive");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":-4", FU_EPROTO, "\"num_attention_heads\" must be a "
+                                                                           "non-negative integer");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4.5", FU_EPROTO, "non-negative integer");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":\"4\"", FU_EPROTO, "non-negative integer");
+    TRY(",\"model_type\":\"llama\"", FU_EPROTO, "\"num_attention_heads\" is missing");
+    TRY(",\"model_type\":\"gpt2\",\"num_attention_heads\":4", FU_EVERSION, "model_type 'gpt2' is not supported");
+    TRY(",\"architectures\":[\"Qwen2ForCausalLM\"],\"num_attention_heads\":4", FU_EVERSION,
+        "architecture 'Qwen2ForCausalLM' is not supported");
+    TRY(",\"num_attention_heads\":4", FU_EVERSION, "neither \"model_type\" nor \"architectures\"");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"hidden_act\":\"gelu\"", FU_EVERSION, "hidden_act");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"attention_bias\":true", FU_EVERSION, "attention_bias");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_scaling\":{\"type\":\"linear\"}", FU_EVERSION,
+        "rope_scaling");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rms_norm_eps\":0", FU_EINVAL, "rms_norm_eps");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_theta\":-1", FU_EINVAL, "rope_theta");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"tie_word_embeddings\":1", FU_EPROTO,
+        "\"tie_word_embeddings\" must be true or false");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":100000000", FU_EINVAL,
+        "max_position_embeddings 100000000 is over the limit");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":64,\"head_dim\":3", FU_EINVAL, "head_dim 3 must be even");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":1e30", FU_EPROTO,
+        "\"max_position_embeddings\" must be a non-negative integer");
+    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"bos_token_id\":300", FU_EINVAL, "bos_token_id");
+#undef TRY
+    assert_int_equal(parse("{\"hidden_size\":", &c, &em), FU_EPROTO);
+    assert_string_equal(em.msg, "config.json: not valid JSON");
+    assert_int_equal(parse("[]", &c, &em), FU_EPROTO);
+    assert_int_equal(parse("", &c, &em), FU_EPROTO);
+}
+
+static void test_modelcfg_missing_file_says_what_to_do(void **state)
+{
+    (void)state;
+    char *dir = tu_tmpdir("cfg");
+    assert_non_null(dir);
+    fu_modelcfg c;
+    fu_errmsg em = {{0}};
+    assert_int_equal(fu_modelcfg_load(dir, &c, &em), FU_ENOTFOUND);
+    char want[4200];
+    snprintf(want, sizeof want, "model dir '%s' has no config.json (expected a Hugging Face model directory)", dir);
+    assert_string_equal(em.msg, want);
+    assert_int_equal(fu_modelcfg_load("/nonexistent/model", &c, &em), FU_ENOTFOUND);
+    assert_non_null(strstr(em.msg, "does not exist"));
+    char *p = fu_path_join(dir, "config.json");
+    assert_int_equal(fu_file_write_atomic(p, tinyllama, strlen(tinyllama), 0644, NULL), FU_OK);
+    assert_int_equal(fu_modelcfg_load(dir, &c, &em), FU_OK);
+    assert_int_equal(c.num_hidden_layers, 22);
+    free(p);
+    char *out = NULL;
+    tu_sh(&out, "rm -rf '%s'", dir);
+    free(out);
+    free(dir);
+}
+
+static void test_modelcfg_save_and_load_round_trip(void **state)
+{
+    (void)state;
+    char *dir = tu_tmpdir("cfg");
+    fu_modelcfg c, back;
+    fu_modelcfg_defaults(&c);
+    c.num_hidden_layers = 3;
+    c.rope_theta = 500000.0;
+    c.rms_norm_eps = 1e-5;
+    c.tie_word_embeddings = true;
+    c.max_position_embeddings = 4096;
+    c.bos_token_id = 1;
+    snprintf(c.torch_dtype, sizeof c.torch_dtype, "bfloat16");
+    fu_errmsg em = {{0}};
+    assert_int_equal(fu_modelcfg_save(dir, &c, &em), FU_OK);
+    assert_int_equal(fu_modelcfg_load(dir, &back, &em), FU_OK);
+    assert_int_equal(back.num_hidden_layers, 3);
+    assert_int_equal(back.hidden_size, c.hidden_size);
+    assert_int_equal(back.num_key_value_heads, c.num_key_value_heads);
+    assert_int_equal(back.head_dim, c.head_dim);
+    assert_true(back.rope_theta == 500000.0);
+    assert_true(back.rms_norm_eps == 1e-5);
+    assert_true(back.tie_word_embeddings);
+    assert_int_equal(back.max_position_embeddings, 4096);
+    assert_int_equal(back.bos_token_id, 1);
+    assert_int_equal(back.eos_token_id, -1);
+    assert_string_equal(back.torch_dtype, "bfloat16");
+    assert_string_equal(back.architecture, "LlamaForCausalLM");
+    char *json = fu_modelcfg_to_json(&c);
+    assert_non_null(strstr(json, "\"model_type\":\t\"llama\""));
+    assert_non_null(strstr(json, "\"LlamaForCausalLM\""));
+    free(json);
+    /* An invalid configuration is not written. */
+    c.num_key_value_heads = 3;
+    assert_int_equal(fu_modelcfg_save(dir, &c, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "num_key_value_heads"));
+    char *out = NULL;
+    tu_sh(&out, "rm -rf '%s'", dir);
+    free(out);
+    free(dir);
+}
+
+static void test_modelcfg_weight_list_has_hf_names_and_shapes(void **state)
+{
+    (void)state;
+    fu_modelcfg c;
+    fu_modelcfg_defaults(&c); /* 2 layers, hidden 64, heads 4, kv 2, ffn 128, vocab 256 */
+    assert_int_equal(fu_modelcfg_weight_count(&c), 21);
+    fu_weight_info w;
+    assert_int_equal(fu_modelcfg_weight(&c, 0, &w), FU_OK);
+    assert_string_equal(w.name, "model.embed_tokens.weight");
+    assert_int_equal(w.shape[0], 256);
+    assert_int_equal(w.shape[1], 64);
+    assert_int_equal(fu_modelcfg_weight(&c, 1, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.0.input_layernorm.weight");
+    assert_true(w.is_norm && w.ndim == 1 && w.shape[0] == 64 && w.layer == 0);
+    assert_int_equal(fu_modelcfg_weight(&c, 3, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.0.self_attn.k_proj.weight");
+    assert_true(w.shape[0] == 32 && w.shape[1] == 64); /* 2 kv heads x 16 */
+    assert_int_equal(fu_modelcfg_weight(&c, 5, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.0.self_attn.o_proj.weight");
+    assert_true(w.shape[0] == 64 && w.shape[1] == 64);
+    assert_int_equal(fu_modelcfg_weight(&c, 9, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.0.mlp.down_proj.weight");
+    assert_true(w.shape[0] == 64 && w.shape[1] == 128);
+    assert_int_equal(fu_modelcfg_weight(&c, 16, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.1.mlp.gate_proj.weight");
+    assert_true(w.shape[0] == 128 && w.shape[1] == 64 && w.layer == 1);
+    assert_int_equal(fu_modelcfg_weight(&c, 19, &w), FU_OK);
+    assert_string_equal(w.name, "model.norm.weight");
+    assert_int_equal(fu_modelcfg_weight(&c, 20, &w), FU_OK);
+    assert_string_equal(w.name, "lm_head.weight");
+    assert_int_equal(fu_modelcfg_weight(&c, 21, &w), FU_EINVAL);
+    assert_int_equal(fu_modelcfg_weight_of(&c, FU_W_UP, 1, &w), FU_OK);
+    assert_string_equal(w.name, "model.layers.1.mlp.up_proj.weight");
+    assert_int_equal(fu_modelcfg_weight_of(&c, FU_W_UP, 2, &w), FU_EINVAL);
+    assert_int_equal(fu_modelcfg_weight_of(&c, FU_W_Q, -1, &w), FU_EINVAL);
+    c.tie_word_embeddings = true;
+    assert_int_equal(fu_modelcfg_weight_count(&c), 20);
+    assert_int_equal(fu_modelcfg_weight_of(&c, FU_W_LM_HEAD, -1, &w), FU_ENOTFOUND);
+    /* 256*64 + 2*(64 + 64*64 + 2*32*64 + 64*64 + 64 + 3*128*64) + 64 */
+    assert_int_equal(fu_modelcfg_param_count(&c), 256 * 64 + 2 * (64 + 4096 + 4096 + 4096 + 64 + 3 * 8192) + 64);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_modelcfg_parses_a_real_config),
+        cmocka_unit_test(test_modelcfg_defaults_for_missing_fields),
+        cmocka_unit_test(test_modelcfg_rejects_invalid_configs),
+        cmocka_unit_test(test_modelcfg_missing_file_says_what_to_do),
+        cmocka_unit_test(test_modelcfg_save_and_load_round_trip),
+        cmocka_unit_test(test_modelcfg_weight_list_has_hf_names_and_shapes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
