@@ -1,0 +1,558 @@
+/* kern_salr: magnitude pruning, the truncated-SVD residual adapter, the pipelined sparse x dense
+ * product and the concatenated adapter GEMM pair (see kern_salr.h). */
+#include "kern_salr.h"
+#include "kern_salr_simd.h"
+
+#include <cblas.h>
+#include <lapacke.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "fu_alloc.h"
+
+#define TR KERN_BITMAP_TILE_ROWS
+
+static inline bool fits_int(size_t v)
+{
+    return v <= (size_t)INT_MAX;
+}
+
+/* ---- pruning -------------------------------------------------------------------------------------- */
+
+static inline uint32_t abs_key(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    return x & 0x7fffffffu; /* for non-NaN floats, |a| < |b| iff key(a) < key(b) */
+}
+
+fu_err kern_salr_prune(const float *w, size_t rows, size_t cols, double sparsity, float *w_sparse,
+                       float *residual, size_t *n_kept)
+{
+    size_t total;
+    if (!w || !w_sparse || rows == 0 || cols == 0 || !fu_size_mul(rows, cols, &total) ||
+        !(sparsity >= 0.0 && sparsity <= 1.0) || (residual && residual == w))
+        return FU_EINVAL;
+    for (size_t i = 0; i < total; i++)
+        if (abs_key(w[i]) > 0x7f800000u)
+            return FU_EINVAL; /* NaN has no magnitude order */
+
+    size_t n_prune = (size_t)floor(sparsity * (double)total + 0.5);
+    if (n_prune > total)
+        n_prune = total;
+    size_t n_keep = total - n_prune;
+
+    /* Radix selection of the n_keep-th largest key: 11 + 11 + 10 bits, most significant first.
+     * After the passes `thr` is that key and `need` how many elements equal to it are kept. */
+    static const unsigned shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+    uint32_t thr = 0, prefix_mask = 0;
+    size_t   need = n_keep;
+    if (n_keep > 0) {
+        size_t *hist = fu_malloc(sizeof(size_t) << 11);
+        for (int p = 0; p < 3; p++) {
+            size_t   nb = (size_t)1 << widths[p];
+            uint32_t digit_mask = (uint32_t)(nb - 1);
+            memset(hist, 0, nb * sizeof *hist);
+            for (size_t i = 0; i < total; i++) {
+                uint32_t k = abs_key(w[i]);
+                if ((k & prefix_mask) == thr)
+                    hist[(k >> shifts[p]) & digit_mask]++;
+            }
+            size_t bkt = nb - 1;
+            for (;;) {
+                if (hist[bkt] >= need || bkt == 0)
+                    break;
+                need -= hist[bkt];
+                bkt--;
+            }
+            thr |= (uint32_t)bkt << shifts[p];
+            prefix_mask |= digit_mask << shifts[p];
+        }
+        free(hist);
+    }
+
+    /* Keep key > thr, and the first `need` elements (by index) with key == thr. */
+    for (size_t i = 0; i < total; i++) {
+        float    v = w[i];
+        uint32_t k = abs_key(v);
+        bool     keep = false;
+        if (n_keep > 0) {
+            if (k > thr) {
+                keep = true;
+            } else if (k == thr && need > 0) {
+                keep = true;
+                need--;
+            }
+        }
+        if (residual)
+            residual[i] = keep ? 0.0f : v;
+        w_sparse[i] = keep ? v : 0.0f;
+    }
+    if (n_kept)
+        *n_kept = n_keep;
+    return FU_OK;
+}
+
+/* ---- truncated SVD of the residual ------------------------------------------------------------- */
+
+/* splitmix64 and Box-Muller: a reproducible Gaussian stream for the range sketch. */
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static void gaussian_fill(float *dst, size_t n, uint64_t seed)
+{
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i += 2) {
+        double u1 = ((double)(splitmix64(&s) >> 11) + 1.0) * 0x1p-53; /* (0, 1] */
+        double u2 = (double)(splitmix64(&s) >> 11) * 0x1p-53;
+        double rad = sqrt(-2.0 * log(u1)), ang = 2.0 * M_PI * u2;
+        dst[i] = (float)(rad * cos(ang));
+        if (i + 1 < n)
+            dst[i + 1] = (float)(rad * sin(ang));
+    }
+}
+
+static double frob2(const float *a, size_t n)
+{
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)a[i] * (double)a[i];
+    return s;
+}
+
+/* Writes lora_b = U[:, :rank] * sqrt(s), lora_a = sqrt(s) * Vt[:rank, :]. */
+static void write_factors(const float *u, size_t ldu, const float *s, const float *vt, size_t ldvt,
+                          size_t rows, size_t cols, size_t rank, float *lora_a, float *lora_b)
+{
+    for (size_t i = 0; i < rows; i++)
+        for (size_t j = 0; j < rank; j++)
+            lora_b[i * rank + j] = u[i * ldu + j] * sqrtf(s[j]);
+    for (size_t j = 0; j < rank; j++) {
+        float sq = sqrtf(s[j]);
+        for (size_t c = 0; c < cols; c++)
+            lora_a[j * cols + c] = sq * vt[j * ldvt + c];
+    }
+}
+
+static fu_err svd_exact(const float *r_mat, size_t rows, size_t cols, size_t rank, float *lora_a,
+                        float *lora_b, double *err_ratio)
+{
+    size_t mn = rows < cols ? rows : cols;
+    float *a = fu_malloc_aligned(rows * cols * sizeof(float));
+    float *s = fu_malloc_aligned(mn * sizeof(float));
+    float *u = fu_malloc_aligned(rows * mn * sizeof(float));
+    float *vt = fu_malloc_aligned(mn * cols * sizeof(float));
+    memcpy(a, r_mat, rows * cols * sizeof(float));
+    lapack_int info = LAPACKE_sgesdd(LAPACK_ROW_MAJOR, 'S', (lapack_int)rows, (lapack_int)cols, a,
+                                     (lapack_int)cols, s, u, (lapack_int)mn, vt, (lapack_int)cols);
+    fu_err rc = FU_EINVAL;
+    if (info == 0) {
+        write_factors(u, mn, s, vt, cols, rows, cols, rank, lora_a, lora_b);
+        double tot = 0.0, tail = 0.0;
+        for (size_t j = 0; j < mn; j++) {
+            double e = (double)s[j] * (double)s[j];
+            tot += e;
+            if (j >= rank)
+                tail += e;
+        }
+        if (err_ratio)
+            *err_ratio = tot > 0.0 ? tail / tot : 0.0;
+        rc = FU_OK;
+    }
+    fu_free_aligned(a);
+    fu_free_aligned(s);
+    fu_free_aligned(u);
+    fu_free_aligned(vt);
+    return rc;
+}
+
+/* Replaces the columns of q [m, l] by an orthonormal basis of their span. */
+static bool orthonormalize(float *q, size_t m, size_t l, float *tau)
+{
+    if (LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, (lapack_int)m, (lapack_int)l, q, (lapack_int)l, tau) != 0)
+        return false;
+    return LAPACKE_sorgqr(LAPACK_ROW_MAJOR, (lapack_int)m, (lapack_int)l, (lapack_int)l, q, (lapack_int)l,
+                          tau) == 0;
+}
+
+/* Randomized SVD (Halko, Martinsson, Tropp 2011, algorithm 4.4). *err_ratio is exact for the
+ * factors returned: they are the projection U_r U_r^T R, so ||R - R_r||^2 = ||R||^2 - sum s_j^2. */
+static fu_err svd_randomized(const float *r_mat, size_t rows, size_t cols, size_t rank, uint64_t seed,
+                             float *lora_a, float *lora_b, double *err_ratio)
+{
+    size_t mn = rows < cols ? rows : cols;
+    size_t l = rank + KERN_SALR_SVD_OVERSAMPLE < mn ? rank + KERN_SALR_SVD_OVERSAMPLE : mn;
+    int    m = (int)rows, k = (int)cols, li = (int)l;
+    float *omega = fu_malloc_aligned(cols * l * sizeof(float)); /* also Z [cols, l] */
+    float *y = fu_malloc_aligned(rows * l * sizeof(float));
+    float *bs = fu_malloc_aligned(l * cols * sizeof(float));
+    float *tau = fu_malloc_aligned(l * sizeof(float));
+    float *ub = fu_malloc_aligned(l * l * sizeof(float));
+    float *s = fu_malloc_aligned(l * sizeof(float));
+    float *vt = fu_malloc_aligned(l * cols * sizeof(float));
+    float *uu = fu_malloc_aligned(rows * rank * sizeof(float));
+    fu_err rc = FU_EINVAL;
+
+    gaussian_fill(omega, cols * l, seed);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y, li);
+    if (!orthonormalize(y, rows, l, tau))
+        goto out;
+    for (int it = 0; it < KERN_SALR_SVD_POWER_ITERS; it++) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, li, m, 1.0f, r_mat, k, y, li, 0.0f, omega,
+                    li);
+        if (!orthonormalize(omega, cols, l, tau))
+            goto out;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y,
+                    li);
+        if (!orthonormalize(y, rows, l, tau))
+            goto out;
+    }
+    /* bs [l, cols] = Q^T R; its SVD gives R's leading triplets within span(Q). */
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, li, k, m, 1.0f, y, li, r_mat, k, 0.0f, bs, k);
+    if (LAPACKE_sgesdd(LAPACK_ROW_MAJOR, 'S', li, k, bs, k, s, ub, li, vt, k) != 0)
+        goto out;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, (int)rank, li, 1.0f, y, li, ub, li, 0.0f, uu,
+                (int)rank);
+    write_factors(uu, rank, s, vt, cols, rows, cols, rank, lora_a, lora_b);
+    if (err_ratio) {
+        double tot = frob2(r_mat, rows * cols), kept = 0.0;
+        for (size_t j = 0; j < rank; j++)
+            kept += (double)s[j] * (double)s[j];
+        *err_ratio = tot > 0.0 ? (tot - kept > 0.0 ? (tot - kept) / tot : 0.0) : 0.0;
+    }
+    rc = FU_OK;
+out:
+    fu_free_aligned(omega);
+    fu_free_aligned(y);
+    fu_free_aligned(bs);
+    fu_free_aligned(tau);
+    fu_free_aligned(ub);
+    fu_free_aligned(s);
+    fu_free_aligned(vt);
+    fu_free_aligned(uu);
+    return rc;
+}
+
+fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols, size_t rank, kern_salr_svd_method method,
+                     uint64_t seed, float *lora_a, float *lora_b, double *err_ratio)
+{
+    size_t total;
+    if (!r_mat || !lora_a || !lora_b || rows == 0 || cols == 0 || rank == 0 || !fits_int(rows) ||
+        !fits_int(cols) || !fu_size_mul(rows, cols, &total))
+        return FU_EINVAL;
+    size_t mn = rows < cols ? rows : cols;
+    if (rank > mn)
+        return FU_EINVAL;
+    switch (method) {
+    case KERN_SALR_SVD_EXACT:
+        return svd_exact(r_mat, rows, cols, rank, lora_a, lora_b, err_ratio);
+    case KERN_SALR_SVD_RANDOMIZED:
+        return svd_randomized(r_mat, rows, cols, rank, seed, lora_a, lora_b, err_ratio);
+    case KERN_SALR_SVD_AUTO: {
+        if (mn <= KERN_SALR_SVD_EXACT_MAX_DIM || rank + KERN_SALR_SVD_OVERSAMPLE >= mn)
+            return svd_exact(r_mat, rows, cols, rank, lora_a, lora_b, err_ratio);
+        double ratio = 1.0;
+        FU_TRY(svd_randomized(r_mat, rows, cols, rank, seed, lora_a, lora_b, &ratio));
+        double bound = 1.0 - (double)rank / (double)mn;
+        /* The sketch must leave a margin for float rounding; otherwise pay for the exact SVD. */
+        if (ratio > bound * (1.0 - 1e-4))
+            return svd_exact(r_mat, rows, cols, rank, lora_a, lora_b, err_ratio);
+        if (err_ratio)
+            *err_ratio = ratio;
+        return FU_OK;
+    }
+    default:
+        return FU_EINVAL;
+    }
+}
+
+/* ---- sparse x dense product --------------------------------------------------------------------- */
+
+typedef struct {
+    const kern_bitmap_view *v;
+    kern_simd_isa           isa;
+    size_t                  tr0, tr1; /* tile rows of this worker */
+    const float            *x;
+    size_t                  n;
+    float                  *y;
+    bool                    accumulate;
+} fused_job;
+
+static void fused_run(const fused_job *j)
+{
+    size_t ldx = j->v->cols, ldy = j->v->rows;
+    for (size_t b0 = 0; b0 < j->n; b0 += KERN_SALR_FUSED_MAX_BATCH) {
+        size_t nb = j->n - b0 < KERN_SALR_FUSED_MAX_BATCH ? j->n - b0 : KERN_SALR_FUSED_MAX_BATCH;
+        const float *x = j->x + b0 * ldx;
+        float       *y = j->y + b0 * ldy;
+        if (j->isa == KERN_SIMD_AVX512)
+            kern_salr_spmv_avx512(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
+        else if (j->isa == KERN_SIMD_AVX2)
+            kern_salr_spmv_avx2(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
+        else
+            kern_salr_spmv_scalar(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
+    }
+}
+
+static void *fused_thread(void *arg)
+{
+    fused_run(arg);
+    return NULL;
+}
+
+/* First tile row whose cumulative value count reaches `target` (balances threads by work). */
+static size_t split_tile_row(const kern_bitmap_view *v, size_t target)
+{
+    size_t lo = 0, hi = v->tiles_r;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if ((size_t)v->offsets[mid * v->tiles_c] < target)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+#define SALR_MAX_THREADS 64
+
+static fu_err spmm_fused(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
+                         bool accumulate, size_t nt)
+{
+    if (nt > v->tiles_r)
+        nt = v->tiles_r;
+    if (nt < 1)
+        nt = 1;
+    fused_job jobs[SALR_MAX_THREADS] = {0};
+    pthread_t th[SALR_MAX_THREADS];
+    size_t    nnz = (size_t)v->offsets[v->tiles_r * v->tiles_c];
+    size_t    prev = 0;
+    for (size_t i = 0; i < nt; i++) {
+        size_t end = i + 1 == nt ? v->tiles_r : split_tile_row(v, nnz / nt * (i + 1));
+        if (end < prev)
+            end = prev;
+        jobs[i] = (fused_job){v, isa, prev, end, x, n, y, accumulate};
+        prev = end;
+    }
+    size_t started = 1;
+    for (size_t i = 1; i < nt; i++) {
+        if (pthread_create(&th[i], NULL, fused_thread, &jobs[i]) != 0)
+            break;
+        started++;
+    }
+    fused_run(&jobs[0]);
+    for (size_t i = 1; i < started; i++)
+        pthread_join(th[i], NULL);
+    for (size_t i = started; i < nt; i++) /* slices whose thread did not start run here */
+        fused_run(&jobs[i]);
+    return FU_OK;
+}
+
+/* Two-stage pipeline: a decode thread fills two dense row-block buffers alternately; the calling
+ * thread multiplies each ready block with cblas_sgemm while the next one is decoded. */
+typedef struct {
+    const kern_bitmap_view *v;
+    kern_simd_isa           isa;
+    size_t                  rb;       /* rows per block (multiple of 8) */
+    size_t                  nblocks;  /* ceil(rows / rb) */
+    float                  *slot[2];  /* rb x cols dense buffers */
+    pthread_mutex_t         mu;
+    pthread_cond_t          cv;
+    size_t                  produced; /* blocks decoded so far */
+    size_t                  consumed; /* blocks multiplied so far */
+} spmm_pipe;
+
+static size_t block_rows(const spmm_pipe *p, size_t blk)
+{
+    size_t r0 = blk * p->rb;
+    return p->v->rows - r0 < p->rb ? p->v->rows - r0 : p->rb;
+}
+
+static void *pipe_decoder(void *arg)
+{
+    spmm_pipe *p = arg;
+    for (size_t blk = 0; blk < p->nblocks; blk++) {
+        pthread_mutex_lock(&p->mu);
+        while (p->produced - p->consumed >= 2)
+            pthread_cond_wait(&p->cv, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+        kern_bitmap_decode_view(p->v, blk * p->rb, block_rows(p, blk), p->slot[blk & 1], p->v->cols, p->isa);
+        pthread_mutex_lock(&p->mu);
+        p->produced++;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    return NULL;
+}
+
+static void block_gemm(const spmm_pipe *p, size_t blk, const float *x, size_t n, float *y, bool accumulate)
+{
+    size_t r0 = blk * p->rb, nr = block_rows(p, blk);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)nr, (int)p->v->cols, 1.0f, x,
+                (int)p->v->cols, p->slot[blk & 1], (int)p->v->cols, accumulate ? 1.0f : 0.0f, y + r0,
+                (int)p->v->rows);
+}
+
+static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
+                             bool accumulate, size_t nt)
+{
+    if (!fits_int(n) || !fits_int(v->rows) || !fits_int(v->cols))
+        return FU_EINVAL;
+    spmm_pipe p = {.v = v, .isa = isa};
+    size_t    rb = KERN_SALR_BLOCK_BYTES / (v->cols * sizeof(float));
+    rb = rb / TR * TR;
+    if (rb < 4 * TR)
+        rb = 4 * TR;
+    size_t rows_padded = v->tiles_r * TR;
+    if (rb > rows_padded)
+        rb = rows_padded;
+    p.rb = rb;
+    p.nblocks = (v->rows + rb - 1) / rb;
+    p.slot[0] = fu_malloc_aligned(rb * v->cols * sizeof(float));
+    p.slot[1] = fu_malloc_aligned(rb * v->cols * sizeof(float));
+
+    bool      threaded = nt > 1 && p.nblocks > 1;
+    pthread_t dec;
+    if (threaded) {
+        pthread_mutex_init(&p.mu, NULL);
+        pthread_cond_init(&p.cv, NULL);
+        if (pthread_create(&dec, NULL, pipe_decoder, &p) != 0) {
+            pthread_mutex_destroy(&p.mu);
+            pthread_cond_destroy(&p.cv);
+            threaded = false;
+        }
+    }
+    for (size_t blk = 0; blk < p.nblocks; blk++) {
+        if (threaded) {
+            pthread_mutex_lock(&p.mu);
+            while (p.produced <= blk)
+                pthread_cond_wait(&p.cv, &p.mu);
+            pthread_mutex_unlock(&p.mu);
+        } else {
+            kern_bitmap_decode_view(v, blk * rb, block_rows(&p, blk), p.slot[blk & 1], v->cols, isa);
+        }
+        block_gemm(&p, blk, x, n, y, accumulate);
+        if (threaded) {
+            pthread_mutex_lock(&p.mu);
+            p.consumed++;
+            pthread_cond_broadcast(&p.cv);
+            pthread_mutex_unlock(&p.mu);
+        }
+    }
+    if (threaded) {
+        pthread_join(dec, NULL);
+        pthread_mutex_destroy(&p.mu);
+        pthread_cond_destroy(&p.cv);
+    }
+    fu_free_aligned(p.slot[0]);
+    fu_free_aligned(p.slot[1]);
+    return FU_OK;
+}
+
+fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y, bool accumulate,
+                      int n_threads)
+{
+    if (!w || !x || !y || n == 0)
+        return FU_EINVAL;
+    kern_bitmap_view v;
+    kern_bitmap_view_of(w, &v);
+    size_t nt = n_threads <= 0 ? KERN_SALR_THREADS : (size_t)n_threads;
+    if (nt > SALR_MAX_THREADS)
+        nt = SALR_MAX_THREADS;
+    kern_simd_isa isa = kern_simd_active();
+    if (n <= KERN_SALR_FUSED_BATCH_LIMIT)
+        return spmm_fused(&v, isa, x, n, y, accumulate, nt);
+    return spmm_pipelined(&v, isa, x, n, y, accumulate, nt);
+}
+
+/* ---- concatenated adapters ---------------------------------------------------------------------- */
+
+static bool dims_ok(const kern_salr_dims *d)
+{
+    return d && d->in > 0 && d->out > 0 && d->r1 + d->r2 > 0 && fits_int(d->in) && fits_int(d->out) &&
+           fits_int(d->r1 + d->r2);
+}
+
+fu_err kern_salr_concat_build(const kern_salr_dims *d, const float *a1, const float *b1, float s1,
+                              const float *a2, const float *b2, float s2, float *a_cat, float *b_cat)
+{
+    if (!dims_ok(d) || !a_cat || !b_cat || (d->r1 && (!a1 || !b1)) || (d->r2 && (!a2 || !b2)))
+        return FU_EINVAL;
+    size_t rt = d->r1 + d->r2;
+    if (d->r1)
+        memcpy(a_cat, a1, d->r1 * d->in * sizeof(float));
+    if (d->r2)
+        memcpy(a_cat + d->r1 * d->in, a2, d->r2 * d->in * sizeof(float));
+    for (size_t i = 0; i < d->out; i++) {
+        for (size_t j = 0; j < d->r1; j++)
+            b_cat[i * rt + j] = s1 * b1[i * d->r1 + j];
+        for (size_t j = 0; j < d->r2; j++)
+            b_cat[i * rt + d->r1 + j] = s2 * b2[i * d->r2 + j];
+    }
+    return FU_OK;
+}
+
+fu_err kern_salr_concat_set_b1(const kern_salr_dims *d, const float *b1, float s1, float *b_cat)
+{
+    if (!dims_ok(d) || !b1 || !b_cat || d->r1 == 0)
+        return FU_EINVAL;
+    size_t rt = d->r1 + d->r2;
+    for (size_t i = 0; i < d->out; i++)
+        for (size_t j = 0; j < d->r1; j++)
+            b_cat[i * rt + j] = s1 * b1[i * d->r1 + j];
+    return FU_OK;
+}
+
+fu_err kern_salr_concat_forward(const kern_salr_dims *d, const float *a_cat, const float *b_cat,
+                                const float *x, size_t n, float *h, float *y)
+{
+    if (!dims_ok(d) || !a_cat || !b_cat || !x || !h || !y || n == 0 || !fits_int(n))
+        return FU_EINVAL;
+    int rt = (int)(d->r1 + d->r2), in = (int)d->in, out = (int)d->out, ni = (int)n;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, rt, in, 1.0f, x, in, a_cat, in, 0.0f, h, rt);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, out, rt, 1.0f, h, rt, b_cat, rt, 1.0f, y, out);
+    return FU_OK;
+}
+
+fu_err kern_salr_concat_backward(const kern_salr_dims *d, const float *a_cat, const float *b_cat, float s1,
+                                 const float *h, const float *dy, size_t n, float *db1, const float *x,
+                                 float *da1, float *dx)
+{
+    if (!dims_ok(d) || !a_cat || !b_cat || !h || !dy || n == 0 || !fits_int(n) || (da1 && !x) ||
+        ((db1 || da1) && d->r1 == 0))
+        return FU_EINVAL;
+    int rt = (int)(d->r1 + d->r2), in = (int)d->in, out = (int)d->out, ni = (int)n, r1 = (int)d->r1;
+    if (db1) /* dB1 = s1 * dY^T * H1, H1 = the first r1 columns of h (leading dimension rt) */
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, r1, ni, s1, dy, out, h, rt, 0.0f, db1, r1);
+    if (!da1 && !dx)
+        return FU_OK;
+    /* G [n, rt] = dY * b_cat = [s1 dY B1 | s2 dY B2] */
+    float *g = fu_malloc_aligned(n * (size_t)rt * sizeof(float));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, rt, out, 1.0f, dy, out, b_cat, rt, 0.0f, g, rt);
+    if (da1)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, in, ni, 1.0f, g, rt, x, in, 0.0f, da1, in);
+    if (dx)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, in, rt, 1.0f, g, rt, a_cat, in, 1.0f, dx, in);
+    fu_free_aligned(g);
+    return FU_OK;
+}
+
+fu_err kern_salr_linear_forward(const kern_bitmap_t *w, const kern_salr_dims *d, const float *a_cat,
+                                const float *b_cat, const float *x, size_t n, float *h, float *y)
+{
+    if (!w)
+        return FU_EINVAL;
+    if (d && (d->in != kern_bitmap_cols(w) || d->out != kern_bitmap_rows(w)))
+        return FU_EINVAL;
+    FU_TRY(kern_salr_spmm(w, x, n, y, false, 0));
+    if (!d)
+        return FU_OK;
+    return kern_salr_concat_forward(d, a_cat, b_cat, x, n, h, y);
+}
