@@ -10,6 +10,9 @@ extern "C" {
 
 typedef int (*cli_main_fn)(int argc, char **argv);
 
+/* `fusion model` (init, info; prune comes with SALR). cli_model.c */
+int cli_model_main(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,7 +17,7 @@ typedef struct {
 
 static const cli_subcommand subcommands[] = {
     {"keygen", "make a CURVE key pair (public.key, secret.key) in a directory", NULL, "The wire"},
-    {"model", "make (init) or prune (prune --method salr) a Hugging Face model directory", NULL,
+    {"model", "make (init) or prune (prune --method salr) a Hugging Face model directory", cli_model_main,
      "Models and the DAG"},
     {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", NULL,
      "Models and the DAG"},
