@@ -1,0 +1,1074 @@
+/* Tests of the broker's durable store (broker/db*.c) against a real SQLite file in a scratch
+ * directory: schema and versions, idempotent submission, ownership, the job state machine,
+ * checkpoints, peers, stage leases, durability across SIGKILL, and a full disk. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <sodium.h>
+#include <sqlite3.h>
+
+#include "db.h"
+#include "fu_clock.h"
+#include "fu_encode.h"
+#include "fu_log.h"
+#include "testutil.h"
+
+/* ---- fixture: one scratch directory and store path per test ---- */
+typedef struct {
+    char *dir;
+    char  path[4096];
+} fx;
+
+static int fx_setup(void **state)
+{
+    fx *f = calloc(1, sizeof *f);
+    if (!f)
+        return -1;
+    f->dir = tu_tmpdir("db");
+    if (!f->dir) {
+        free(f);
+        return -1;
+    }
+    snprintf(f->path, sizeof f->path, "%s/broker.db", f->dir);
+    *state = f;
+    return 0;
+}
+
+static int fx_teardown(void **state)
+{
+    fx *f = *state;
+    char *out = NULL;
+    int rc = tu_sh(&out, "rm -rf '%s'", f->dir);
+    free(out);
+    free(f->dir);
+    free(f);
+    return rc == 0 ? 0 : -1;
+}
+
+/* A fresh random public key in Z85. */
+static void make_key(char out[DB_KEY_LEN + 1])
+{
+    uint8_t raw[32];
+    randombytes_buf(raw, sizeof raw);
+    assert_int_equal(fu_z85_encode(out, raw, sizeof raw), FU_OK);
+}
+
+static db_t *open_ok(const char *path)
+{
+    db_t *db = NULL;
+    assert_int_equal(db_open(path, &db), FU_OK);
+    assert_non_null(db);
+    return db;
+}
+
+static const char PROFILE[] = "{\"gflops\":{\"f32\":120.5,\"f16\":0},\"memory\":8589934592,\"backend\":\"cpu\","
+                              "\"link\":{\"bw\":1.0e9,\"latency_ms\":0.2}}";
+
+/* Runs one SQL statement on a raw connection to path (to set up states the API never makes). */
+static void raw_exec(const char *path, const char *sql)
+{
+    sqlite3 *c = NULL;
+    assert_int_equal(sqlite3_open(path, &c), SQLITE_OK);
+    char *msg = NULL;
+    int rc = sqlite3_exec(c, sql, NULL, NULL, &msg);
+    if (rc != SQLITE_OK)
+        print_message("raw_exec(%s): %s\n", sql, msg ? msg : "?");
+    sqlite3_free(msg);
+    assert_int_equal(rc, SQLITE_OK);
+    assert_int_equal(sqlite3_close(c), SQLITE_OK);
+}
+
+/* The first column of the first row of sql on a raw connection, as an integer. */
+static int64_t raw_int(const char *path, const char *sql)
+{
+    sqlite3 *c = NULL;
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_open_v2(path, &c, SQLITE_OPEN_READONLY, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_prepare_v2(c, sql, -1, &st, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    int64_t v = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    sqlite3_close(c);
+    return v;
+}
+
+/* Captures what the code under test logs to stderr between capture_start and capture_stop. */
+static int g_saved_stderr = -1;
+static char g_capture_path[4200];
+
+static void capture_start(const fx *f)
+{
+    snprintf(g_capture_path, sizeof g_capture_path, "%s/stderr.txt", f->dir);
+    fflush(stderr);
+    g_saved_stderr = dup(2);
+    int fd = open(g_capture_path, O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    assert_true(fd >= 0 && g_saved_stderr >= 0);
+    dup2(fd, 2);
+    close(fd);
+}
+
+/* Returns what was captured (caller frees). */
+static char *capture_stop(void)
+{
+    fflush(stderr);
+    dup2(g_saved_stderr, 2);
+    close(g_saved_stderr);
+    g_saved_stderr = -1;
+    FILE *fp = fopen(g_capture_path, "r");
+    assert_non_null(fp);
+    char *buf = calloc(1, 65536);
+    assert_non_null(buf);
+    size_t n = fread(buf, 1, 65535, fp);
+    buf[n] = '\0';
+    fclose(fp);
+    fputs(buf, stderr); /* keep it visible in the test log */
+    return buf;
+}
+
+static void submit_ok(db_t *db, const char *owner, const char *idem, const char *spec, char id[DB_JOB_ID_LEN + 1])
+{
+    bool created = false;
+    assert_int_equal(db_job_submit(db, owner, idem, DB_JOB_FINETUNE, spec, strlen(spec), 1000, id, &created), FU_OK);
+    assert_true(created);
+    assert_true(db_job_id_valid(id));
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+
+static void test_db_schema_created(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    int v = -1;
+    assert_int_equal(db_user_version(db, &v), FU_OK);
+    assert_int_equal(v, DB_SCHEMA_VERSION);
+    assert_string_equal(db_path(db), f->path);
+    db_close(&db);
+    assert_null(db);
+    db_close(&db); /* idempotent */
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN "
+                                      "('peers','jobs','stages','checkpoints','events')"),
+                     5);
+    /* WAL is a property of the file: a plain connection sees it. */
+    sqlite3 *c = NULL;
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_open(f->path, &c), SQLITE_OK);
+    assert_int_equal(sqlite3_prepare_v2(c, "PRAGMA journal_mode", -1, &st, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    assert_string_equal((const char *)sqlite3_column_text(st, 0), "wal");
+    sqlite3_finalize(st);
+    sqlite3_close(c);
+    /* An empty file (user_version 0) is migrated forward too. */
+    char empty[4200];
+    snprintf(empty, sizeof empty, "%s/empty.db", f->dir);
+    int fd = open(empty, O_CREAT | O_WRONLY, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    db = open_ok(empty);
+    assert_int_equal(db_user_version(db, &v), FU_OK);
+    assert_int_equal(v, DB_SCHEMA_VERSION);
+    db_close(&db);
+}
+
+static void test_db_reopen_keeps_data(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
+    make_key(owner);
+    make_key(peer);
+    db_t *db = open_ok(f->path);
+    submit_ok(db, owner, "k1", "{\"steps\":10}", id);
+    assert_int_equal(db_peer_upsert(db, peer, "gpu-box", PROFILE, DB_PEER_ACTIVE, 1000, NULL), FU_OK);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 1100), FU_OK);
+    assert_int_equal(db_job_progress(db, id, 3, 10, 2.5, 123.0, 1200), FU_OK);
+    db_close(&db);
+
+    db = open_ok(f->path);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, owner, &j), FU_OK);
+    assert_string_equal(j->id, id);
+    assert_string_equal(j->owner, owner);
+    assert_string_equal(j->idem_key, "k1");
+    assert_int_equal(j->kind, DB_JOB_FINETUNE);
+    assert_int_equal(j->state, DB_JOB_RUNNING);
+    assert_int_equal(j->spec_len, strlen("{\"steps\":10}"));
+    assert_memory_equal(j->spec, "{\"steps\":10}", j->spec_len);
+    assert_int_equal(j->step, 3);
+    assert_int_equal(j->total_steps, 10);
+    assert_true(fabs(j->loss - 2.5) < 1e-12);
+    assert_true(fabs(j->tokens_per_s - 123.0) < 1e-12);
+    assert_int_equal(j->created_ms, 1000);
+    assert_int_equal(j->updated_ms, 1200);
+    assert_null(j->result);
+    assert_string_equal(j->result_hash, "");
+    db_job_free(&j);
+    assert_null(j);
+    db_peer *p = NULL;
+    assert_int_equal(db_peer_get(db, peer, &p), FU_OK);
+    assert_string_equal(p->name, "gpu-box");
+    assert_string_equal(p->profile, PROFILE);
+    db_peer_free(&p);
+    db_close(&db);
+}
+
+static void test_db_newer_version_refused(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    db_close(&db);
+    raw_exec(f->path, "PRAGMA user_version = 99");
+    capture_start(f);
+    fu_err err = db_open(f->path, &db);
+    char *log = capture_stop();
+    assert_int_equal(err, FU_EVERSION);
+    assert_null(db);
+    assert_non_null(strstr(log, "newer"));
+    assert_non_null(strstr(log, "99"));
+    free(log);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), 99); /* left as it was */
+}
+
+static void test_db_garbage_refused(void **state)
+{
+    fx *f = *state;
+    FILE *fp = fopen(f->path, "wb");
+    assert_non_null(fp);
+    for (int i = 0; i < 512; i++)
+        fputs("this is not a database. ", fp);
+    fclose(fp);
+    struct stat before, after;
+    assert_int_equal(stat(f->path, &before), 0);
+    db_t *db = NULL;
+    capture_start(f);
+    fu_err err = db_open(f->path, &db);
+    char *log = capture_stop();
+    assert_int_equal(err, FU_EPROTO);
+    assert_null(db);
+    assert_non_null(strstr(log, "not a fusion job store"));
+    free(log);
+    assert_int_equal(stat(f->path, &after), 0);
+    assert_int_equal(before.st_size, after.st_size);
+
+    /* Another program's SQLite database is refused too, and left alone. */
+    char other[4200];
+    snprintf(other, sizeof other, "%s/other.db", f->dir);
+    raw_exec(other, "CREATE TABLE recipes (name TEXT)");
+    assert_int_equal(db_open(other, &db), FU_EPROTO);
+    assert_null(db);
+    assert_int_equal(raw_int(other, "PRAGMA user_version"), 0);
+}
+
+static void test_db_missing_dir_refused(void **state)
+{
+    fx *f = *state;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/no/such/dir/broker.db", f->dir);
+    db_t *db = NULL;
+    capture_start(f);
+    fu_err err = db_open(path, &db);
+    char *log = capture_stop();
+    assert_int_equal(err, FU_ENOTFOUND);
+    assert_null(db);
+    assert_non_null(strstr(log, "does not exist"));
+    free(log);
+    assert_int_equal(db_open("", &db), FU_EINVAL);
+    assert_int_equal(db_open(NULL, &db), FU_EINVAL);
+    /* A path whose "directory" is a file. */
+    snprintf(path, sizeof path, "%s/broker.db/x.db", f->dir);
+    db = open_ok(f->path);
+    db_close(&db);
+    assert_int_equal(db_open(path, &db), FU_ENOTFOUND);
+}
+
+static void test_db_submit_idempotent(void **state)
+{
+    fx *f = *state;
+    char a[DB_KEY_LEN + 1], b[DB_KEY_LEN + 1];
+    make_key(a);
+    make_key(b);
+    db_t *db = open_ok(f->path);
+    const char spec[] = "{\"model\":\"tiny\"}";
+    char id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1], id3[DB_JOB_ID_LEN + 1], id4[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 1, id1, &created), FU_OK);
+    assert_true(created);
+    /* Same owner, same key: the same job, nothing new. */
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 2, id2, &created), FU_OK);
+    assert_false(created);
+    assert_string_equal(id1, id2);
+    /* Same owner, another key: a new job. */
+    assert_int_equal(db_job_submit(db, a, "key-2", DB_JOB_FINETUNE, spec, sizeof spec, 3, id3, &created), FU_OK);
+    assert_true(created);
+    assert_string_not_equal(id1, id3);
+    /* Same key, another owner: a separate job. */
+    assert_int_equal(db_job_submit(db, b, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 4, id4, &created), FU_OK);
+    assert_true(created);
+    assert_string_not_equal(id1, id4);
+    assert_string_not_equal(id3, id4);
+    /* Same key, different request: refused, the key stays with the first job. */
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_INFER, spec, sizeof spec, 5, id2, &created), FU_EEXIST);
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, "{}", 2, 5, id2, &created), FU_EEXIST);
+    /* No key: every call is a new job. */
+    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, 6, id2, &created), FU_OK);
+    assert_true(created);
+    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, 7, id3, &created), FU_OK);
+    assert_true(created);
+    assert_string_not_equal(id2, id3);
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_job_list(db, a, &list, &n), FU_OK);
+    assert_int_equal(n, 4);
+    assert_string_equal(list[0].id, id1);
+    assert_null(list[0].spec); /* lists leave the blobs out */
+    assert_int_equal(list[0].spec_len, sizeof spec);
+    db_job_array_free(&list, n);
+    assert_null(list);
+    /* One "submitted" event per job created, none for the replay. */
+    db_event *ev = NULL;
+    assert_int_equal(db_event_list(db, id1, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(ev[0].kind, "submitted");
+    db_event_array_free(&ev, n);
+    /* Bad arguments. */
+    char bad_owner[] = "not-a-key";
+    char long_key[DB_IDEM_KEY_MAX + 2];
+    memset(long_key, 'k', sizeof long_key - 1);
+    long_key[sizeof long_key - 1] = '\0';
+    assert_int_equal(db_job_submit(db, bad_owner, "k", DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, long_key, DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "", DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, 0, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, DB_SPEC_MAX + 1, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", (db_job_kind)7, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
+    db_close(&db);
+}
+
+static void test_db_ownership(void **state)
+{
+    fx *f = *state;
+    char a[DB_KEY_LEN + 1], b[DB_KEY_LEN + 1];
+    make_key(a);
+    make_key(b);
+    db_t *db = open_ok(f->path);
+    char ja[DB_JOB_ID_LEN + 1], jb[DB_JOB_ID_LEN + 1], ja2[DB_JOB_ID_LEN + 1];
+    submit_ok(db, a, "x", "{\"a\":1}", ja);
+    submit_ok(db, a, "y", "{\"a\":2}", ja2);
+    submit_ok(db, b, "x", "{\"b\":1}", jb);
+    db_job *j = NULL;
+    /* B cannot see A's job: the same answer as for a job that does not exist. */
+    assert_int_equal(db_job_get(db, ja, b, &j), FU_ENOTFOUND);
+    assert_null(j);
+    assert_int_equal(db_job_get(db, "0000000000000000", b, &j), FU_ENOTFOUND);
+    assert_int_equal(db_job_cancel(db, ja, b, 10), FU_ENOTFOUND);
+    assert_int_equal(db_job_get(db, ja, a, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_QUEUED); /* B's cancel changed nothing */
+    db_job_free(&j);
+    /* The broker (owner NULL) sees every job. */
+    assert_int_equal(db_job_get(db, jb, NULL, &j), FU_OK);
+    assert_string_equal(j->owner, b);
+    db_job_free(&j);
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_job_list(db, b, &list, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(list[0].id, jb);
+    db_job_array_free(&list, n);
+    assert_int_equal(db_job_list(db, a, &list, &n), FU_OK);
+    assert_int_equal(n, 2);
+    for (size_t i = 0; i < n; i++)
+        assert_string_equal(list[i].owner, a);
+    db_job_array_free(&list, n);
+    assert_int_equal(db_job_list(db, NULL, &list, &n), FU_OK);
+    assert_int_equal(n, 3);
+    db_job_array_free(&list, n);
+    /* The owner can cancel; malformed ids are refused before any lookup. */
+    assert_int_equal(db_job_cancel(db, ja, a, 20), FU_OK);
+    assert_int_equal(db_job_get(db, "ABCDEF0123456789", a, &j), FU_EINVAL);
+    assert_int_equal(db_job_get(db, "abc", a, &j), FU_EINVAL);
+    assert_int_equal(db_job_get(db, "abcdef0123456789'", a, &j), FU_EINVAL);
+    db_close(&db);
+}
+
+static void test_db_state_transitions(void **state)
+{
+    fx *f = *state;
+    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    make_key(a);
+    db_t *db = open_ok(f->path);
+    submit_ok(db, a, "t1", "{\"x\":1}", id);
+    submit_ok(db, a, "t2", "{\"x\":2}", id2);
+    db_job *j = NULL;
+
+    /* Progress only for a running job. */
+    assert_int_equal(db_job_progress(db, id, 1, 10, 3.0, 1.0, 1500), FU_EPERM);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_DONE, NULL, 1500), FU_EPERM); /* queued → done */
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 2000), FU_OK);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 2001), FU_OK); /* same state: no-op */
+    assert_int_equal(db_job_progress(db, id, 1, 10, NAN, 1.0, 2100), FU_OK);
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_true(isnan(j->loss));
+    db_job_free(&j);
+    /* A retry goes back to queued and is counted. */
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_QUEUED, "waiting for 2 peers", 2200), FU_OK);
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->retries, 1);
+    assert_string_equal(j->reason, "waiting for 2 peers");
+    db_job_free(&j);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 2300), FU_OK);
+
+    /* The unfinished list is what a restarted broker resumes. */
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_jobs_unfinished(db, &list, &n), FU_OK);
+    assert_int_equal(n, 2);
+    assert_non_null(list[0].spec);
+    db_job_array_free(&list, n);
+
+    /* Complete with a result blob; a wrong hash is refused and changes nothing. */
+    const char result[] = "adapter bytes";
+    char bad[DB_HASH_HEX_LEN + 1], good[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(good, result, sizeof result);
+    db_hash_hex(bad, "other", 5);
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, bad, 2400), FU_EAUTH);
+    assert_int_equal(db_job_complete(db, id, NULL, 0, "/srv/out/adapter", NULL, 2400), FU_EINVAL);
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, "/srv/out/adapter", good, 2500), FU_OK);
+    assert_int_equal(db_job_get(db, id, a, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_DONE);
+    assert_int_equal(j->result_len, sizeof result);
+    assert_memory_equal(j->result, result, sizeof result);
+    assert_string_equal(j->result_path, "/srv/out/adapter");
+    assert_string_equal(j->result_hash, good);
+    db_job_free(&j);
+
+    /* Nothing leaves a final state. */
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 2600), FU_EPERM);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_QUEUED, NULL, 2600), FU_EPERM);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_FAILED, NULL, 2600), FU_EPERM);
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, NULL, 2600), FU_EPERM);
+    assert_int_equal(db_job_progress(db, id, 5, 10, 1.0, 1.0, 2600), FU_EPERM);
+    assert_int_equal(db_job_cancel(db, id, a, 2600), FU_EPERM); /* a finished job cannot be cancelled */
+    assert_int_equal(db_job_get(db, id, a, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_DONE);
+    db_job_free(&j);
+
+    /* Cancel a queued job; again is fine; then it stays cancelled. */
+    assert_int_equal(db_job_cancel(db, id2, a, 2700), FU_OK);
+    assert_int_equal(db_job_cancel(db, id2, a, 2701), FU_OK);
+    assert_int_equal(db_job_set_state(db, id2, DB_JOB_RUNNING, NULL, 2800), FU_EPERM);
+    assert_int_equal(db_jobs_unfinished(db, &list, &n), FU_OK);
+    assert_int_equal(n, 0);
+    db_job_array_free(&list, n);
+
+    /* The table of transitions. */
+    assert_true(db_job_transition_ok(DB_JOB_QUEUED, DB_JOB_RUNNING));
+    assert_true(db_job_transition_ok(DB_JOB_RUNNING, DB_JOB_QUEUED));
+    assert_false(db_job_transition_ok(DB_JOB_DONE, DB_JOB_RUNNING));
+    assert_false(db_job_transition_ok(DB_JOB_FAILED, DB_JOB_QUEUED));
+    assert_false(db_job_transition_ok(DB_JOB_CANCELLED, DB_JOB_DONE));
+    assert_false(db_job_transition_ok(DB_JOB_QUEUED, DB_JOB_DONE));
+    db_job_state s;
+    assert_int_equal(db_job_state_parse("cancelled", &s), FU_OK);
+    assert_int_equal(s, DB_JOB_CANCELLED);
+    assert_int_equal(db_job_state_parse("paused", &s), FU_EINVAL);
+
+    /* The event log tells the story of the first job. */
+    db_event *ev = NULL;
+    assert_int_equal(db_event_list(db, id, 0, 0, &ev, &n), FU_OK);
+    assert_true(n >= 5);
+    assert_string_equal(ev[0].kind, "submitted");
+    assert_string_equal(ev[n - 1].kind, "state");
+    assert_non_null(strstr(ev[n - 1].detail, "running -> done"));
+    db_event_array_free(&ev, n);
+    db_close(&db);
+}
+
+/* A job with a plan of nstages stages on one fresh peer. */
+static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_t nstages, char id[DB_JOB_ID_LEN + 1])
+{
+    char peer[DB_KEY_LEN + 1];
+    make_key(peer);
+    submit_ok(db, owner, idem, "{\"ckpt\":1}", id);
+    assert_int_equal(db_peer_upsert(db, peer, "p", PROFILE, DB_PEER_ACTIVE, 1000, NULL), FU_OK);
+    db_stage_plan plan[8];
+    assert_true(nstages <= 8);
+    for (uint32_t i = 0; i < nstages; i++)
+        plan[i] = (db_stage_plan){.first = 10 * i, .last = 10 * i + 9, .peer = peer, .lease_deadline_ms = 5000};
+    assert_int_equal(db_stage_assign(db, id, plan, nstages, 1000), FU_OK);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 1000), FU_OK);
+}
+
+static void put_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step)
+{
+    char data[64], hash[DB_HASH_HEX_LEN + 1];
+    int n = snprintf(data, sizeof data, "state of stage %u at step %lld", stage, (long long)step);
+    db_hash_hex(hash, data, (size_t)n);
+    assert_int_equal(db_ckpt_put(db, job, stage, step, data, (size_t)n, hash, 1000 + step), FU_OK);
+}
+
+static bool has_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step)
+{
+    db_ckpt *c = NULL;
+    fu_err err = db_ckpt_get(db, job, stage, step, &c);
+    assert_true(err == FU_OK || err == FU_ENOTFOUND);
+    if (err == FU_OK) {
+        assert_int_equal(c->step, step);
+        assert_int_equal(c->stage, stage);
+    }
+    db_ckpt_free(&c);
+    return err == FU_OK;
+}
+
+static void test_db_ckpt_hash_and_common_step(void **state)
+{
+    fx *f = *state;
+    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
+    make_key(a);
+    db_t *db = open_ok(f->path);
+    job_with_plan(db, a, "c", 3, id);
+    int64_t step = -1;
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_ENOTFOUND);
+
+    /* A hash that does not match the data: FU_EAUTH and nothing stored. */
+    const char data[] = "adapter B and AdamW moments";
+    char wrong[DB_HASH_HEX_LEN + 1], right[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(right, data, sizeof data);
+    memcpy(wrong, right, sizeof wrong);
+    wrong[0] = wrong[0] == 'a' ? 'b' : 'a';
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, wrong, 1000), FU_EAUTH);
+    assert_false(has_ckpt(db, id, 0, 2));
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, "xyz", 1000), FU_EINVAL);
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, right, 1000), FU_OK);
+    db_ckpt *c = NULL;
+    assert_int_equal(db_ckpt_get(db, id, 0, -1, &c), FU_OK);
+    assert_int_equal(c->len, sizeof data);
+    assert_memory_equal(c->data, data, sizeof data);
+    assert_string_equal(c->hash, right);
+    db_ckpt_free(&c);
+    assert_null(c);
+
+    /* Stage 0: 2, 4, 6; stage 1: 2, 4; stage 2: 2, 4, 6 → every stage has 4. */
+    put_ckpt(db, id, 0, 4);
+    put_ckpt(db, id, 0, 6);
+    put_ckpt(db, id, 1, 2);
+    put_ckpt(db, id, 1, 4);
+    put_ckpt(db, id, 2, 2);
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 2);
+    put_ckpt(db, id, 2, 4);
+    put_ckpt(db, id, 2, 6);
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 4);
+    put_ckpt(db, id, 1, 6);
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 6);
+    /* A checkpoint of a stage outside the plan does not count. */
+    put_ckpt(db, id, 7, 8);
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 6);
+    /* The newest of one stage, and an unknown job. */
+    assert_int_equal(db_ckpt_get(db, id, 1, -1, &c), FU_OK);
+    assert_int_equal(c->step, 6);
+    db_ckpt_free(&c);
+    assert_int_equal(db_ckpt_put(db, "0123456789abcdef", 0, 1, data, sizeof data, right, 1000), FU_ENOTFOUND);
+
+    /* Damage in the file is noticed on read. */
+    db_close(&db);
+    char sql[256];
+    snprintf(sql, sizeof sql, "UPDATE checkpoints SET data = X'00' WHERE job_id = '%s' AND stage_idx = 1 AND step = 4",
+             id);
+    raw_exec(f->path, sql);
+    db = open_ok(f->path);
+    assert_int_equal(db_ckpt_get(db, id, 1, 4, &c), FU_EAUTH);
+    assert_null(c);
+    /* No checkpoints for a finished job. */
+    assert_int_equal(db_job_cancel(db, id, a, 3000), FU_OK);
+    assert_int_equal(db_ckpt_put(db, id, 0, 8, data, sizeof data, right, 3000), FU_EPERM);
+    db_close(&db);
+}
+
+static void test_db_ckpt_pruning_keeps_newest(void **state)
+{
+    fx *f = *state;
+    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    make_key(a);
+    db_options o = {.ckpt_keep = 3};
+    db_t *db = NULL;
+    assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
+
+    /* One stage: only the newest 3 steps remain. */
+    job_with_plan(db, a, "one", 1, id);
+    for (int64_t s = 1; s <= 10; s++)
+        put_ckpt(db, id, 0, s);
+    for (int64_t s = 1; s <= 10; s++)
+        assert_int_equal(has_ckpt(db, id, 0, s), s >= 8);
+    char sql[256];
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM checkpoints WHERE job_id = '%s'", id);
+    assert_int_equal(raw_int(f->path, sql), 3);
+
+    /* Two stages, stage 1 behind at step 2: stage 0 keeps its newest 3 and the common step 2. */
+    job_with_plan(db, a, "two", 2, id2);
+    put_ckpt(db, id2, 1, 2);
+    for (int64_t s = 1; s <= 10; s++)
+        put_ckpt(db, id2, 0, s);
+    for (int64_t s = 1; s <= 10; s++)
+        assert_int_equal(has_ckpt(db, id2, 0, s), s >= 8 || s == 2);
+    int64_t step = -1;
+    assert_int_equal(db_ckpt_common_step(db, id2, &step), FU_OK);
+    assert_int_equal(step, 2);
+    /* Re-storing a step replaces it rather than adding one. */
+    put_ckpt(db, id2, 1, 2);
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM checkpoints WHERE job_id = '%s' AND stage_idx = 1", id2);
+    assert_int_equal(raw_int(f->path, sql), 1);
+    db_close(&db);
+}
+
+static void test_db_peers(void **state)
+{
+    fx *f = *state;
+    char k1[DB_KEY_LEN + 1], k2[DB_KEY_LEN + 1], k3[DB_KEY_LEN + 1];
+    make_key(k1);
+    make_key(k2);
+    make_key(k3);
+    db_t *db = open_ok(f->path);
+    bool created = false;
+    assert_int_equal(db_peer_upsert(db, k1, "alpha", PROFILE, DB_PEER_ACTIVE, 1000, &created), FU_OK);
+    assert_true(created);
+    assert_int_equal(db_peer_upsert(db, k2, "beta", "{}", DB_PEER_BACKUP, 1100, &created), FU_OK);
+    assert_true(created);
+    /* Re-registering keeps join time and reputation, replaces the rest. */
+    double rep = -1;
+    assert_int_equal(db_peer_reputation_adjust(db, k1, -0.25, 1150, &rep), FU_OK);
+    assert_true(fabs(rep - 0.75) < 1e-12);
+    assert_int_equal(db_peer_upsert(db, k1, "alpha2", "{\"backend\":\"cuda\"}", DB_PEER_BACKUP, 2000, &created), FU_OK);
+    assert_false(created);
+    db_peer *p = NULL;
+    assert_int_equal(db_peer_get(db, k1, &p), FU_OK);
+    assert_string_equal(p->name, "alpha2");
+    assert_string_equal(p->profile, "{\"backend\":\"cuda\"}");
+    assert_int_equal(p->state, DB_PEER_BACKUP);
+    assert_int_equal(p->joined_ms, 1000);
+    assert_int_equal(p->last_seen_ms, 2000);
+    assert_true(fabs(p->reputation - 0.75) < 1e-12);
+    db_peer_free(&p);
+    /* Touch moves last_seen forward only. */
+    assert_int_equal(db_peer_touch(db, k1, 3000), FU_OK);
+    assert_int_equal(db_peer_touch(db, k1, 2500), FU_OK);
+    assert_int_equal(db_peer_get(db, k1, &p), FU_OK);
+    assert_int_equal(p->last_seen_ms, 3000);
+    db_peer_free(&p);
+    assert_int_equal(db_peer_touch(db, k3, 3000), FU_ENOTFOUND);
+    assert_int_equal(db_peer_get(db, k3, &p), FU_ENOTFOUND);
+    assert_int_equal(db_peer_set_state(db, k3, DB_PEER_DEAD, 3000), FU_ENOTFOUND);
+    /* Reputation stays within [0, 1]. */
+    assert_int_equal(db_peer_reputation_adjust(db, k1, -5.0, 3100, &rep), FU_OK);
+    assert_true(rep == 0.0);
+    assert_int_equal(db_peer_reputation_adjust(db, k2, 5.0, 3100, &rep), FU_OK);
+    assert_true(rep == 1.0);
+    assert_int_equal(db_peer_reputation_adjust(db, k2, NAN, 3100, &rep), FU_EINVAL);
+    assert_int_equal(db_peer_reputation_adjust(db, k3, 0.1, 3100, &rep), FU_ENOTFOUND);
+    /* States and filtered lists. */
+    assert_int_equal(db_peer_set_state(db, k2, DB_PEER_LEFT, 3200), FU_OK);
+    db_peer *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_peer_list(db, 0, &list, &n), FU_OK);
+    assert_int_equal(n, 2);
+    assert_string_equal(list[0].key, k1);
+    db_peer_array_free(&list, n);
+    assert_null(list);
+    assert_int_equal(db_peer_list(db, 1u << DB_PEER_LEFT, &list, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(list[0].key, k2);
+    assert_int_equal(list[0].state, DB_PEER_LEFT);
+    db_peer_array_free(&list, n);
+    assert_int_equal(db_peer_list(db, 1u << DB_PEER_ACTIVE | 1u << DB_PEER_DEAD, &list, &n), FU_OK);
+    assert_int_equal(n, 0);
+    db_peer_array_free(&list, n);
+    /* Bad input. */
+    assert_int_equal(db_peer_upsert(db, k3, "x", "not json", DB_PEER_ACTIVE, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_upsert(db, k3, "x", "[1,2]", DB_PEER_ACTIVE, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_upsert(db, k3, "", "{}", DB_PEER_ACTIVE, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_upsert(db, k3, "a\nb", "{}", DB_PEER_ACTIVE, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_upsert(db, k3, "x", "{}", DB_PEER_DEAD, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_upsert(db, "short", "x", "{}", DB_PEER_ACTIVE, 1, NULL), FU_EINVAL);
+    assert_int_equal(db_peer_get(db, k3, &p), FU_ENOTFOUND);
+    db_close(&db);
+}
+
+static void test_db_stage_leases(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], pa[DB_KEY_LEN + 1], pb[DB_KEY_LEN + 1], pc[DB_KEY_LEN + 1], unknown[DB_KEY_LEN + 1];
+    char id[DB_JOB_ID_LEN + 1];
+    make_key(owner);
+    make_key(pa);
+    make_key(pb);
+    make_key(pc);
+    make_key(unknown);
+    db_t *db = open_ok(f->path);
+    assert_int_equal(db_peer_upsert(db, pa, "a", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    assert_int_equal(db_peer_upsert(db, pb, "b", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    assert_int_equal(db_peer_upsert(db, pc, "c", PROFILE, DB_PEER_BACKUP, 0, NULL), FU_OK);
+    submit_ok(db, owner, "s", "{\"layers\":4}", id);
+
+    /* Bad plans change nothing. */
+    db_stage_plan overlap[2] = {{0, 10, pa, 1000}, {10, 20, pb, 2000}};
+    db_stage_plan reversed[1] = {{5, 4, pa, 1000}};
+    db_stage_plan stranger[2] = {{0, 9, pa, 1000}, {10, 20, unknown, 2000}};
+    assert_int_equal(db_stage_assign(db, id, overlap, 2, 0), FU_EINVAL);
+    assert_int_equal(db_stage_assign(db, id, reversed, 1, 0), FU_EINVAL);
+    assert_int_equal(db_stage_assign(db, id, stranger, 2, 0), FU_ENOTFOUND);
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 0);
+    db_stage_array_free(&st, n);
+
+    db_stage_plan plan[3] = {{0, 9, pa, 1000}, {10, 19, pb, 2000}, {20, 29, NULL, 0}};
+    assert_int_equal(db_stage_assign(db, id, plan, 3, 0), FU_OK);
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(st[0].state, DB_STAGE_ASSIGNED);
+    assert_string_equal(st[0].peer, pa);
+    assert_int_equal(st[1].first, 10);
+    assert_int_equal(st[1].last, 19);
+    assert_int_equal(st[1].lease_deadline_ms, 2000);
+    assert_int_equal(st[2].state, DB_STAGE_PENDING);
+    assert_string_equal(st[2].peer, "");
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 0), FU_OK);
+
+    /* The holder extends; others cannot; a lease is never shortened. */
+    assert_int_equal(db_stage_lease_extend(db, id, 0, pa, 1500, 500), FU_OK);
+    assert_int_equal(db_stage_lease_extend(db, id, 0, pa, 1200, 600), FU_OK);
+    assert_int_equal(db_stage_lease_extend(db, id, 0, pb, 9000, 600), FU_EPERM);
+    assert_int_equal(db_stage_lease_extend(db, id, 2, pa, 9000, 600), FU_EPERM); /* pending: nobody holds it */
+    assert_int_equal(db_stage_lease_extend(db, id, 9, pa, 9000, 600), FU_ENOTFOUND);
+    /* A holder whose lease ran out is told so, even before the sweep. */
+    assert_int_equal(db_stage_lease_extend(db, id, 1, pb, 9000, 2500), FU_ETIMEDOUT);
+
+    /* At 1600 only stage 0 (deadline 1500) has expired. */
+    assert_int_equal(db_stage_expired(db, 1600, &st, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(st[0].index, 0);
+    assert_int_equal(st[0].state, DB_STAGE_LOST);
+    assert_string_equal(st[0].peer, pa);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stage_expired(db, 1600, &st, &n), FU_OK); /* swept once */
+    assert_int_equal(n, 0);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stage_lease_extend(db, id, 0, pa, 9000, 1700), FU_EPERM);
+
+    /* A backup takes the lost stage over and renews its lease. */
+    assert_int_equal(db_stage_reassign(db, id, 0, pc, 4000, 1700), FU_OK);
+    assert_int_equal(db_stage_lease_extend(db, id, 0, pc, 5000, 3000), FU_OK);
+    assert_int_equal(db_stage_reassign(db, id, 5, pc, 4000, 1700), FU_ENOTFOUND);
+    assert_int_equal(db_stage_reassign(db, id, 0, unknown, 4000, 1700), FU_ENOTFOUND);
+
+    /* A peer that dies loses its stages at once. */
+    assert_int_equal(db_peer_set_state(db, pc, DB_PEER_DEAD, 3100), FU_OK);
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(st[0].state, DB_STAGE_LOST);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stage_reassign(db, id, 0, pc, 9000, 3200), FU_EPERM); /* dead peers get no work */
+
+    /* A finished job releases everything and takes no new plan. */
+    assert_int_equal(db_job_cancel(db, id, owner, 3300), FU_OK);
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 3);
+    for (size_t i = 0; i < n; i++) {
+        assert_int_equal(st[i].state, DB_STAGE_RELEASED);
+        assert_int_equal(st[i].lease_deadline_ms, 0);
+    }
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stage_expired(db, 99999, &st, &n), FU_OK);
+    assert_int_equal(n, 0);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stage_assign(db, id, plan, 3, 3400), FU_EPERM);
+    assert_int_equal(db_stage_reassign(db, id, 1, pa, 9000, 3400), FU_EPERM);
+    db_close(&db);
+}
+
+static void test_db_events(void **state)
+{
+    fx *f = *state;
+    char k[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
+    make_key(k);
+    db_t *db = open_ok(f->path);
+    submit_ok(db, k, "e", "{}", id);
+    assert_int_equal(db_event_add(db, 5000, id, k, "note", "hello"), FU_OK);
+    assert_int_equal(db_event_add(db, 5001, NULL, NULL, "broker-start", NULL), FU_OK);
+    assert_int_equal(db_event_add(db, 5002, NULL, NULL, "", "x"), FU_EINVAL);
+    assert_int_equal(db_event_add(db, 5002, NULL, NULL, "a-kind-that-is-much-too-long-for-it", "x"), FU_EINVAL);
+    assert_int_equal(db_event_add(db, 5002, "nope", NULL, "k", "x"), FU_EINVAL);
+    db_event *ev = NULL;
+    size_t n = 0;
+    assert_int_equal(db_event_list(db, NULL, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 3);
+    assert_string_equal(ev[1].kind, "note");
+    assert_string_equal(ev[1].detail, "hello");
+    assert_string_equal(ev[1].peer, k);
+    assert_string_equal(ev[2].job, "");
+    assert_string_equal(ev[2].detail, "");
+    int64_t cursor = ev[1].id;
+    db_event_array_free(&ev, n);
+    assert_int_equal(db_event_list(db, NULL, cursor, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(ev[0].kind, "broker-start");
+    db_event_array_free(&ev, n);
+    assert_int_equal(db_event_list(db, id, 0, 1, &ev, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(ev[0].kind, "submitted");
+    db_event_array_free(&ev, n);
+    db_close(&db);
+}
+
+/* ---- durability: a writer killed with SIGKILL keeps every job it acknowledged ---- */
+
+/* Child: submits jobs with keys "r<round>-<i>" forever, writing "<id> <i>\n" to fd after each
+ * submission returned; with die_after_first, raises SIGKILL right after the first one returned. */
+static void child_submit(const char *path, int fd, int round, const char *owner, bool die_after_first)
+{
+    db_t *db = NULL;
+    if (db_open(path, &db) != FU_OK)
+        _exit(3);
+    for (int i = 0;; i++) {
+        char key[64], id[DB_JOB_ID_LEN + 1], line[64];
+        snprintf(key, sizeof key, "r%d-%d", round, i);
+        bool created;
+        if (db_job_submit(db, owner, key, DB_JOB_FINETUNE, key, strlen(key), fu_wallclock_ms(), id, &created) != FU_OK)
+            _exit(4);
+        if (die_after_first)
+            raise(SIGKILL); /* the acknowledgement below is sent by the parent reading the DB */
+        int n = snprintf(line, sizeof line, "%s %d\n", id, i);
+        if (write(fd, line, (size_t)n) != n)
+            _exit(5);
+    }
+}
+
+static void test_db_durability_sigkill(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1];
+    make_key(owner);
+    db_t *db = open_ok(f->path); /* create the schema before the children race on it */
+    db_close(&db);
+    size_t total_acked = 0;
+    for (int round = 0; round < 6; round++) {
+        bool die_first = round == 0;
+        int p[2];
+        assert_int_equal(pipe(p), 0);
+        fflush(NULL);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            close(p[0]);
+            child_submit(f->path, p[1], round, owner, die_first);
+            _exit(0);
+        }
+        close(p[1]);
+        /* Read a random number of acknowledgements, then kill the writer mid-stream. */
+        unsigned want = die_first ? 0 : 1 + randombytes_uniform(40);
+        char acked[64][DB_JOB_ID_LEN + 1];
+        int acked_i[64];
+        unsigned got = 0;
+        FILE *rd = fdopen(p[0], "r");
+        assert_non_null(rd);
+        char line[128];
+        while (got < want && fgets(line, sizeof line, rd)) {
+            assert_int_equal(sscanf(line, "%16s %d", acked[got], &acked_i[got]), 2);
+            got++;
+        }
+        if (!die_first)
+            kill(pid, SIGKILL);
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        fclose(rd);
+        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+        assert_int_equal(got, want);
+
+        db = open_ok(f->path);
+        db_job *j = NULL;
+        for (unsigned i = 0; i < got; i++) {
+            assert_int_equal(db_job_get(db, acked[i], owner, &j), FU_OK);
+            char key[64];
+            snprintf(key, sizeof key, "r%d-%d", round, acked_i[i]);
+            assert_string_equal(j->idem_key, key);
+            assert_int_equal(j->state, DB_JOB_QUEUED);
+            assert_memory_equal(j->spec, key, strlen(key));
+            db_job_free(&j);
+        }
+        if (die_first) {
+            /* The child died right after db_job_submit returned: its job is there, and a retry
+             * with the same key finds it instead of making a second one. */
+            char id[DB_JOB_ID_LEN + 1];
+            bool created = true;
+            assert_int_equal(db_job_submit(db, owner, "r0-0", DB_JOB_FINETUNE, "r0-0", 4, 1, id, &created), FU_OK);
+            assert_false(created);
+            got = 1;
+        }
+        /* The store is consistent after every kill. */
+        db_close(&db);
+        assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_integrity_check WHERE integrity_check != 'ok'"), 0);
+        total_acked += got;
+    }
+    char sql[128];
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM jobs WHERE owner = '%s'", owner);
+    assert_true((size_t)raw_int(f->path, sql) >= total_acked);
+    print_message("durability: %zu acknowledged jobs over 6 SIGKILLs, all present\n", total_acked);
+}
+
+/* ---- a full disk ---- */
+
+static void test_db_disk_full(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1];
+    make_key(owner);
+    make_key(peer);
+    char ids[20][DB_JOB_ID_LEN + 1];
+    db_t *db = open_ok(f->path);
+    for (int i = 0; i < 20; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "pre-%d", i);
+        submit_ok(db, owner, key, "{\"small\":true}", ids[i]);
+    }
+    assert_int_equal(db_peer_upsert(db, peer, "p", PROFILE, DB_PEER_ACTIVE, 1, NULL), FU_OK);
+    db_stage_plan plan[1] = {{0, 9, peer, 100000}};
+    assert_int_equal(db_stage_assign(db, ids[0], plan, 1, 1), FU_OK);
+    assert_int_equal(db_job_set_state(db, ids[0], DB_JOB_RUNNING, NULL, 1), FU_OK);
+    db_close(&db);
+
+    /* Cap the file a little above its current size: some writes fit, then the "disk" is full. */
+    int64_t pages = raw_int(f->path, "PRAGMA page_count");
+    db_options o = {.max_page_count = pages + 48};
+    assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
+    size_t big = 8 * 1024, huge = 1024 * 1024;
+    uint8_t *spec = malloc(huge);
+    assert_non_null(spec);
+    randombytes_buf(spec, huge);
+    char extra[64][DB_JOB_ID_LEN + 1];
+    int n_extra = 0;
+    fu_err err = FU_OK;
+    for (int i = 0; i < 64; i++) {
+        char key[16], id[DB_JOB_ID_LEN + 1];
+        bool created;
+        snprintf(key, sizeof key, "big-%d", i);
+        err = db_job_submit(db, owner, key, DB_JOB_FINETUNE, spec, big, 2, id, &created);
+        if (err != FU_OK)
+            break;
+        memcpy(extra[n_extra++], id, sizeof id);
+    }
+    assert_int_equal(err, FU_EDB); /* refused cleanly, not a crash */
+    assert_true(n_extra > 0 && n_extra < 64);
+    /* A checkpoint that does not fit is refused and leaves nothing behind. */
+    char hash[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(hash, spec, huge);
+    assert_int_equal(db_ckpt_put(db, ids[0], 0, 5, spec, huge, hash, 3), FU_EDB);
+    /* The connection still serves reads, and every committed row is there. */
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_job_list(db, owner, &list, &n), FU_OK);
+    assert_int_equal(n, 20 + (size_t)n_extra);
+    db_job_array_free(&list, n);
+    db_ckpt *c = NULL;
+    assert_int_equal(db_ckpt_get(db, ids[0], 0, 5, &c), FU_ENOTFOUND);
+    /* Small writes that fit in free pages may still succeed; they must not corrupt anything. */
+    fu_err small = db_job_progress(db, ids[0], 1, 10, 1.0, 1.0, 4);
+    assert_true(small == FU_OK || small == FU_EDB);
+    db_close(&db);
+
+    /* Reopened without the cap: everything acknowledged is there, nothing half-written. */
+    db = open_ok(f->path);
+    for (int i = 0; i < 20; i++) {
+        db_job *j = NULL;
+        assert_int_equal(db_job_get(db, ids[i], owner, &j), FU_OK);
+        db_job_free(&j);
+    }
+    for (int i = 0; i < n_extra; i++) {
+        db_job *j = NULL;
+        assert_int_equal(db_job_get(db, extra[i], owner, &j), FU_OK);
+        assert_int_equal(j->spec_len, big);
+        assert_memory_equal(j->spec, spec, big);
+        db_job_free(&j);
+    }
+    assert_int_equal(db_job_list(db, owner, &list, &n), FU_OK);
+    assert_int_equal(n, 20 + (size_t)n_extra);
+    db_job_array_free(&list, n);
+    /* With room again, writes work. */
+    char id[DB_JOB_ID_LEN + 1];
+    bool created;
+    assert_int_equal(db_job_submit(db, owner, "after", DB_JOB_FINETUNE, spec, big, 5, id, &created), FU_OK);
+    assert_true(created);
+    db_close(&db);
+    free(spec);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_integrity_check WHERE integrity_check != 'ok'"), 0);
+    print_message("disk full: %d large jobs fit before FU_EDB; all %d committed jobs kept\n", n_extra, 20 + n_extra);
+}
+
+/* ---- a figure for the docs: the cost of one durable commit ---- */
+
+static void test_db_commit_latency(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1];
+    make_key(owner);
+    db_t *db = open_ok(f->path);
+    const int N = 200;
+    double t0 = fu_clock_sec();
+    for (int i = 0; i < N; i++) {
+        char key[32], id[DB_JOB_ID_LEN + 1];
+        bool created;
+        snprintf(key, sizeof key, "lat-%d", i);
+        assert_int_equal(db_job_submit(db, owner, key, DB_JOB_INFER, "{\"prompt\":\"hi\"}", 15, i, id, &created), FU_OK);
+    }
+    double t1 = fu_clock_sec();
+    char id[DB_JOB_ID_LEN + 1];
+    submit_ok(db, owner, "lat-run", "{}", id);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 1), FU_OK);
+    double t2 = fu_clock_sec();
+    for (int i = 0; i < N; i++)
+        assert_int_equal(db_job_progress(db, id, i, N, 1.0, 2.0, i), FU_OK);
+    double t3 = fu_clock_sec();
+    print_message("commit latency: submit %.3f ms, progress %.3f ms (mean of %d, WAL + synchronous=FULL)\n",
+                  (t1 - t0) * 1e3 / N, (t3 - t2) * 1e3 / N, N);
+    db_close(&db);
+}
+
+int main(void)
+{
+    if (sodium_init() < 0)
+        return 1;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_db_schema_created, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_reopen_keeps_data, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_newer_version_refused, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_garbage_refused, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_missing_dir_refused, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_submit_idempotent, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_ownership, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_state_transitions, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_ckpt_hash_and_common_step, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_ckpt_pruning_keeps_newest, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_peers, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_stage_leases, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_events, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_durability_sigkill, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_disk_full, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_commit_latency, fx_setup, fx_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
