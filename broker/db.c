@@ -589,7 +589,7 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
     fu_err err = FU_OK;
     int rc;
     int flags = o.read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE;
-    rc = sqlite3_open_v2(path, &db->conn, flags | SQLITE_OPEN_NOFOLLOW, NULL);
+    rc = sqlite3_open_v2(path, &db->conn, flags, NULL);
     if (rc != SQLITE_OK) {
         FU_ERROR(DB_LOG, "cannot open job store '%s': %s (check the path and its permissions)", path,
                  db->conn ? sqlite3_errmsg(db->conn) : sqlite3_errstr(rc));
@@ -791,6 +791,20 @@ fail:
     db_done(st);
     db_event_array_free(&arr, cnt);
     return err;
+}
+
+fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted)
+{
+    static const char SQL[] = "DELETE FROM events WHERE time_ms < ?";
+    if (!db)
+        return FU_EINVAL;
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "i", before_ms));
+    FU_TRY(db_run(db, st, "pruning events"));
+    if (deleted)
+        *deleted = sqlite3_changes64(db->conn);
+    return FU_OK;
 }
 
 void db_event_array_free(db_event **arr_p, size_t n)

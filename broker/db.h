@@ -304,6 +304,8 @@ FU_MUST_CHECK fu_err db_event_add(db_t *db, int64_t now_ms, const char *job, con
 FU_MUST_CHECK fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, db_event **out,
                                    size_t *n);
 void db_event_array_free(db_event **arr_p, size_t n);
+/* Deletes events older than before_ms (the log's retention); *deleted (may be NULL) gets how many. */
+FU_MUST_CHECK fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted);
 
 #ifdef __cplusplus
 }

@@ -25,6 +25,17 @@ static void peer_members_free(db_peer *p)
     memset(p, 0, sizeof *p);
 }
 
+static bool name_valid(const char *name)
+{
+    size_t n = name ? strnlen(name, DB_NAME_MAX + 1) : 0;
+    if (n < 1 || n > DB_NAME_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+            return false;
+    return true;
+}
+
 static fu_err read_peer(db_t *db, sqlite3_stmt *st, db_peer *p)
 {
     fu_err err;
@@ -39,7 +50,7 @@ static fu_err read_peer(db_t *db, sqlite3_stmt *st, db_peer *p)
     p->reputation = sqlite3_column_double(st, 4);
     p->last_seen_ms = sqlite3_column_int64(st, 5);
     p->joined_ms = sqlite3_column_int64(st, 6);
-    if (!db_key_valid(p->key) || !(p->reputation >= 0.0 && p->reputation <= 1.0)) {
+    if (!db_key_valid(p->key) || !name_valid(p->name) || !(p->reputation >= 0.0 && p->reputation <= 1.0)) {
         FU_ERROR(DB_LOG, "%s: peer row '%s' fails validation (corrupt or foreign row)", db->path, p->key);
         err = FU_EDB;
         goto fail;
@@ -48,17 +59,6 @@ static fu_err read_peer(db_t *db, sqlite3_stmt *st, db_peer *p)
 fail:
     peer_members_free(p);
     return err;
-}
-
-static bool name_valid(const char *name)
-{
-    size_t n = name ? strnlen(name, DB_NAME_MAX + 1) : 0;
-    if (n < 1 || n > DB_NAME_MAX)
-        return false;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
-            return false;
-    return true;
 }
 
 static bool profile_valid(const char *json)

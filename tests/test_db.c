@@ -833,7 +833,119 @@ static void test_db_events(void **state)
     assert_int_equal(n, 1);
     assert_string_equal(ev[0].kind, "submitted");
     db_event_array_free(&ev, n);
+    /* Retention: events before a time go, the rest stay. */
+    int64_t deleted = -1;
+    assert_int_equal(db_event_prune(db, 5001, &deleted), FU_OK);
+    assert_int_equal(deleted, 2); /* "submitted" (at 1000) and "note" (at 5000) */
+    assert_int_equal(db_event_list(db, NULL, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(ev[0].kind, "broker-start");
+    db_event_array_free(&ev, n);
     db_close(&db);
+}
+
+
+static void test_db_names_and_validators(void **state)
+{
+    (void)state;
+    /* BLAKE2b-256 of the empty string and of "abc" (RFC 7693 parameters, 32-byte digest). */
+    char h[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(h, "", 0);
+    assert_string_equal(h, "0e5751c026e543b2e8ab2eb06099daa1d1e5df47778f7787faab45cdf12fe3a8");
+    db_hash_hex(h, "abc", 3);
+    assert_string_equal(h, "bddd813c634239723171ef3fee98579b94964e3bb1cb3e427262c8c068d52319");
+    char key[DB_KEY_LEN + 1];
+    make_key(key);
+    assert_true(db_key_valid(key));
+    assert_false(db_key_valid(NULL));
+    assert_false(db_key_valid("HelloWorld"));
+    key[3] = '~'; /* not a Z85 character */
+    assert_false(db_key_valid(key));
+    assert_true(db_job_id_valid("0123456789abcdef"));
+    assert_false(db_job_id_valid("0123456789abcdeF"));
+    assert_false(db_job_id_valid("0123456789abcde"));
+    assert_false(db_job_id_valid("0123456789abcdef0"));
+    assert_false(db_job_id_valid(NULL));
+    assert_string_equal(db_job_state_name(DB_JOB_RUNNING), "running");
+    assert_string_equal(db_job_state_name((db_job_state)42), "?");
+    assert_string_equal(db_job_kind_name(DB_JOB_INFER), "infer");
+    assert_string_equal(db_peer_state_name(DB_PEER_DEAD), "dead");
+    assert_string_equal(db_stage_state_name(DB_STAGE_LOST), "lost");
+    db_job_kind k;
+    assert_int_equal(db_job_kind_parse("finetune", &k), FU_OK);
+    assert_int_equal(k, DB_JOB_FINETUNE);
+    assert_int_equal(db_job_kind_parse("train", &k), FU_EINVAL);
+    assert_true(db_job_state_final(DB_JOB_FAILED));
+    assert_false(db_job_state_final(DB_JOB_QUEUED));
+}
+
+/* Rows that break the schema's rules (written by hand with the checks switched off) come back as
+ * FU_EDB, never as a crash or a bogus value. */
+static void test_db_corrupt_rows_are_errors(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    make_key(owner);
+    make_key(peer);
+    db_t *db = open_ok(f->path);
+    submit_ok(db, owner, "c1", "{}", id);
+    submit_ok(db, owner, "c2", "{}", id2);
+    assert_int_equal(db_peer_upsert(db, peer, "p", "{}", DB_PEER_ACTIVE, 1, NULL), FU_OK);
+    db_close(&db);
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "PRAGMA ignore_check_constraints = 1;"
+             "UPDATE jobs SET state = 'exploded' WHERE id = '%s';"
+             "UPDATE jobs SET owner = 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx~' WHERE id = '%s';"
+             "UPDATE peers SET reputation = 7.5, name = 'a' || char(10) || 'b';",
+             id, id2);
+    raw_exec(f->path, sql);
+    db = open_ok(f->path);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_EDB);
+    assert_null(j);
+    assert_int_equal(db_job_get(db, id2, NULL, &j), FU_EDB);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 2), FU_EDB);
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_job_list(db, NULL, &list, &n), FU_EDB);
+    assert_null(list);
+    db_peer *p = NULL;
+    assert_int_equal(db_peer_get(db, peer, &p), FU_EDB);
+    assert_null(p);
+    db_close(&db);
+}
+
+static void test_db_read_only_and_two_connections(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    make_key(owner);
+    /* Two connections to one file share the idempotency keys. */
+    db_t *a = open_ok(f->path), *b = open_ok(f->path);
+    bool created = false;
+    assert_int_equal(db_job_submit(a, owner, "shared", DB_JOB_INFER, "{}", 2, 1, id1, &created), FU_OK);
+    assert_true(created);
+    assert_int_equal(db_job_submit(b, owner, "shared", DB_JOB_INFER, "{}", 2, 2, id2, &created), FU_OK);
+    assert_false(created);
+    assert_string_equal(id1, id2);
+    db_close(&b);
+    db_close(&a);
+    /* A read-only connection reads and refuses writes. */
+    db_options o = {.read_only = true};
+    db_t *ro = NULL;
+    assert_int_equal(db_open_opts(f->path, &o, &ro), FU_OK);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(ro, id1, owner, &j), FU_OK);
+    db_job_free(&j);
+    assert_int_equal(db_job_submit(ro, owner, "other", DB_JOB_INFER, "{}", 2, 3, id2, &created), FU_EDB);
+    db_close(&ro);
+    /* Read-only on a file that does not exist yet: nothing to read, nothing created. */
+    char missing[4200];
+    snprintf(missing, sizeof missing, "%s/missing.db", f->dir);
+    assert_int_not_equal(db_open_opts(missing, &o, &ro), FU_OK);
+    assert_null(ro);
+    assert_int_not_equal(access(missing, F_OK), 0);
 }
 
 /* ---- durability: a writer killed with SIGKILL keeps every job it acknowledged ---- */
@@ -1066,6 +1178,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_db_peers, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_stage_leases, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_events, fx_setup, fx_teardown),
+        cmocka_unit_test(test_db_names_and_validators),
+        cmocka_unit_test_setup_teardown(test_db_corrupt_rows_are_errors, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_read_only_and_two_connections, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_durability_sigkill, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_disk_full, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_commit_latency, fx_setup, fx_teardown),
