@@ -1,0 +1,843 @@
+#include "wire.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "fu_alloc.h"
+#include "fu_log.h"
+
+/* ---------- the type table ---------- */
+
+typedef struct {
+    Fusion__MsgType type;
+    const ProtobufCMessageDescriptor *body; /* NULL: empty body */
+    bool bulk;                              /* body may exceed WIRE_MAX_CONTROL_BYTES */
+    const char *name;
+} wire_type_info;
+
+#define T(t, d, b) {FUSION__MSG_TYPE__##t, d, b, #t}
+static const wire_type_info type_table[] = {
+    T(MSG_PEER_HELLO, &fusion__peer_hello__descriptor, false),
+    T(MSG_PEER_WELCOME, &fusion__peer_welcome__descriptor, false),
+    T(MSG_HEARTBEAT, &fusion__heartbeat__descriptor, false),
+    T(MSG_LEAVE, &fusion__leave__descriptor, false),
+    T(MSG_STAGE_ASSIGN, &fusion__stage_assign__descriptor, true), /* carries the job's DAG */
+    T(MSG_STAGE_READY, &fusion__stage_ready__descriptor, false),
+    T(MSG_WEIGHT_REQUEST, &fusion__weight_request__descriptor, false),
+    T(MSG_WEIGHT_CHUNK, &fusion__weight_chunk__descriptor, true),
+    T(MSG_ACTIVATION, &fusion__tensor_frame__descriptor, true),
+    T(MSG_GRADIENT, &fusion__tensor_frame__descriptor, true),
+    T(MSG_CHECKPOINT_PUT, &fusion__checkpoint_put__descriptor, true),
+    T(MSG_CHECKPOINT_ACK, &fusion__checkpoint_ack__descriptor, false),
+    T(MSG_JOB_SUBMIT, &fusion__job_submit__descriptor, true),
+    T(MSG_JOB_STATUS_REQ, &fusion__job_ref__descriptor, false),
+    T(MSG_JOB_STATUS, &fusion__job_status__descriptor, false),
+    T(MSG_JOB_LIST_REQ, &fusion__job_list_request__descriptor, false),
+    T(MSG_JOB_LIST, &fusion__job_list__descriptor, false),
+    T(MSG_JOB_RESULT_REQ, &fusion__job_result_request__descriptor, false),
+    T(MSG_JOB_RESULT_CHUNK, &fusion__job_result_chunk__descriptor, true),
+    T(MSG_JOB_CANCEL, &fusion__job_ref__descriptor, false),
+    T(MSG_PEER_LIST_REQ, NULL, false),
+    T(MSG_PEER_LIST, &fusion__peer_list__descriptor, false),
+    T(MSG_ERROR, &fusion__error__descriptor, false),
+    T(MSG_ENROL, &fusion__enrol__descriptor, false),
+    T(MSG_ENROL_ACK, &fusion__enrol_ack__descriptor, false),
+    T(MSG_SEAL_HELLO, &fusion__seal_hello__descriptor, false),
+    T(MSG_STAGE_RELEASE, &fusion__stage_release__descriptor, false),
+};
+#undef T
+#define N_TYPES (sizeof type_table / sizeof type_table[0])
+
+static const wire_type_info *type_info(Fusion__MsgType t)
+{
+    for (size_t i = 0; i < N_TYPES; i++)
+        if (type_table[i].type == t)
+            return &type_table[i];
+    return NULL;
+}
+
+const ProtobufCMessageDescriptor *wire_type_body(Fusion__MsgType type)
+{
+    const wire_type_info *ti = type_info(type);
+    return ti ? ti->body : NULL;
+}
+
+bool wire_type_known(Fusion__MsgType type)
+{
+    return type_info(type) != NULL;
+}
+
+bool wire_type_bulk(Fusion__MsgType type)
+{
+    const wire_type_info *ti = type_info(type);
+    return ti && ti->bulk;
+}
+
+const char *wire_type_name(Fusion__MsgType type)
+{
+    const wire_type_info *ti = type_info(type);
+    return ti ? ti->name : "MSG_?";
+}
+
+static size_t body_cap(Fusion__MsgType t)
+{
+    return wire_type_bulk(t) ? WIRE_MAX_MSG_BYTES : WIRE_MAX_CONTROL_BYTES;
+}
+
+uint64_t wire_counters_dropped(const wire_counters *c)
+{
+    return c->dropped_frames + c->dropped_malformed + c->dropped_version + c->dropped_unknown_type +
+           c->dropped_too_large;
+}
+
+/* ---------- the byte-budgeted allocator ---------- */
+
+/* Every block carries a header before it: its size (to give back to the budget) and the pool it
+ * came from, so a message unpacked by wire_unpack_budgeted can be freed from its pointer alone. */
+typedef struct budget_pool {
+    fu_budget budget;
+    ProtobufCAllocator alloc;
+} budget_pool;
+
+typedef union {
+    struct {
+        size_t size;
+        budget_pool *pool;
+    } h;
+    max_align_t align_;
+} block_hdr;
+
+static void *pool_alloc(void *data, size_t size)
+{
+    budget_pool *pool = data;
+    size_t total;
+    if (!fu_size_add(size, sizeof(block_hdr), &total) || fu_budget_take(&pool->budget, total) != FU_OK)
+        return NULL;
+    block_hdr *b = malloc(total);
+    if (!b) {
+        fu_budget_give(&pool->budget, total);
+        return NULL;
+    }
+    b->h.size = total;
+    b->h.pool = pool;
+    return b + 1;
+}
+
+static void pool_free(void *data, void *p)
+{
+    budget_pool *pool = data;
+    if (!p)
+        return;
+    block_hdr *b = (block_hdr *)p - 1;
+    fu_budget_give(&pool->budget, b->h.size);
+    free(b);
+}
+
+static void pool_init(budget_pool *pool, size_t limit)
+{
+    pool->budget.limit = limit;
+    pool->budget.used = 0;
+    pool->alloc.alloc = pool_alloc;
+    pool->alloc.free = pool_free;
+    pool->alloc.allocator_data = pool;
+}
+
+/* Budget for unpacking a frame of n bytes: its size plus bounded slack for protobuf-c's expansion
+ * of repeated fields and per-field allocations. */
+static size_t budget_for(size_t n)
+{
+    size_t slack = n * 15 < WIRE_BUDGET_SLACK ? n * 15 : WIRE_BUDGET_SLACK;
+    return n + slack + 4096;
+}
+
+/* ---------- validation ---------- */
+
+bool wire_utf8_valid(const char *str, size_t n)
+{
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        uint32_t cp, min;
+        if ((c & 0xE0) == 0xC0) {
+            len = 2, cp = c & 0x1F, min = 0x80;
+        } else if ((c & 0xF0) == 0xE0) {
+            len = 3, cp = c & 0x0F, min = 0x800;
+        } else if ((c & 0xF8) == 0xF0) {
+            len = 4, cp = c & 0x07, min = 0x10000;
+        } else {
+            return false;
+        }
+        if (n - i < len)
+            return false;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80)
+                return false;
+            cp = cp << 6 | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        i += len;
+    }
+    return true;
+}
+
+static fu_err validate_at(const ProtobufCMessage *m, unsigned depth);
+
+static fu_err validate_value(const ProtobufCFieldDescriptor *f, const void *p, unsigned depth)
+{
+    switch (f->type) {
+    case PROTOBUF_C_TYPE_ENUM: {
+        int v = *(const int *)p;
+        if (!protobuf_c_enum_descriptor_get_value(f->descriptor, v))
+            return FU_EPROTO;
+        return FU_OK;
+    }
+    case PROTOBUF_C_TYPE_STRING: {
+        const char *s = *(char *const *)p;
+        if (!s)
+            return FU_OK; /* protobuf-c uses the default "" */
+        return wire_utf8_valid(s, strlen(s)) ? FU_OK : FU_EPROTO;
+    }
+    case PROTOBUF_C_TYPE_MESSAGE: {
+        const ProtobufCMessage *sub = *(ProtobufCMessage *const *)p;
+        return sub ? validate_at(sub, depth + 1) : FU_OK;
+    }
+    default:
+        return FU_OK;
+    }
+}
+
+static size_t field_elem_size(const ProtobufCFieldDescriptor *f)
+{
+    switch (f->type) {
+    case PROTOBUF_C_TYPE_INT32:
+    case PROTOBUF_C_TYPE_SINT32:
+    case PROTOBUF_C_TYPE_SFIXED32:
+    case PROTOBUF_C_TYPE_UINT32:
+    case PROTOBUF_C_TYPE_FIXED32:
+    case PROTOBUF_C_TYPE_FLOAT:
+    case PROTOBUF_C_TYPE_ENUM:
+        return 4;
+    case PROTOBUF_C_TYPE_INT64:
+    case PROTOBUF_C_TYPE_SINT64:
+    case PROTOBUF_C_TYPE_SFIXED64:
+    case PROTOBUF_C_TYPE_UINT64:
+    case PROTOBUF_C_TYPE_FIXED64:
+    case PROTOBUF_C_TYPE_DOUBLE:
+        return 8;
+    case PROTOBUF_C_TYPE_BOOL:
+        return sizeof(protobuf_c_boolean);
+    case PROTOBUF_C_TYPE_STRING:
+    case PROTOBUF_C_TYPE_MESSAGE:
+        return sizeof(void *);
+    case PROTOBUF_C_TYPE_BYTES:
+        return sizeof(ProtobufCBinaryData);
+    }
+    return 0;
+}
+
+static fu_err validate_at(const ProtobufCMessage *m, unsigned depth)
+{
+    if (depth > WIRE_MAX_DEPTH)
+        return FU_EPROTO;
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    if (!d || d->magic != PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC)
+        return FU_EINVAL;
+    const char *base = (const char *)m;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_ENUM && f->type != PROTOBUF_C_TYPE_STRING &&
+            f->type != PROTOBUF_C_TYPE_MESSAGE && f->label != PROTOBUF_C_LABEL_REPEATED)
+            continue;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n = *(const size_t *)(base + f->quantifier_offset);
+            if (n > WIRE_MAX_REPEATED)
+                return FU_EPROTO;
+            const char *arr = *(char *const *)(base + f->offset);
+            if (n && !arr)
+                return FU_EPROTO;
+            size_t es = field_elem_size(f);
+            for (size_t k = 0; k < n; k++)
+                FU_TRY(validate_value(f, arr + k * es, depth));
+            continue;
+        }
+        if (f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+            uint32_t which = *(const uint32_t *)(base + f->quantifier_offset);
+            if (which != f->id)
+                continue;
+        }
+        FU_TRY(validate_value(f, base + f->offset, depth));
+    }
+    return FU_OK;
+}
+
+fu_err wire_validate(const ProtobufCMessage *m)
+{
+    if (!m)
+        return FU_EINVAL;
+    return validate_at(m, 0);
+}
+
+fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len, size_t budget,
+                            ProtobufCMessage **out)
+{
+    if (!d || !out || (len && !data))
+        return FU_EINVAL;
+    *out = NULL;
+    if (len > budget)
+        return FU_ENOMEM;
+    budget_pool *pool = fu_malloc(sizeof *pool);
+    pool_init(pool, budget);
+    ProtobufCMessage *m = protobuf_c_message_unpack(d, &pool->alloc, len, data);
+    if (!m) {
+        /* protobuf-c reports failure as NULL; a budget refusal shows as used near the limit. */
+        bool over = pool->budget.used > 0 || len + sizeof(block_hdr) + d->sizeof_message > budget;
+        free(pool);
+        return over ? FU_ENOMEM : FU_EPROTO;
+    }
+    fu_err rc = wire_validate(m);
+    if (rc != FU_OK) {
+        protobuf_c_message_free_unpacked(m, &pool->alloc);
+        free(pool);
+        return FU_EPROTO;
+    }
+    *out = m;
+    return FU_OK;
+}
+
+void wire_unpacked_free(ProtobufCMessage *m)
+{
+    if (!m)
+        return;
+    budget_pool *pool = ((block_hdr *)m - 1)->h.pool;
+    protobuf_c_message_free_unpacked(m, &pool->alloc);
+    free(pool);
+}
+
+/* ---------- messages ---------- */
+
+struct wire_msg {
+    wire_hdr hdr;                      /* strings point into env */
+    Fusion__Envelope *env;             /* unpacked through pool */
+    ProtobufCMessage *body;            /* unpacked through pool; NULL for empty-body types */
+    budget_pool pool;                  /* one budget for envelope and body */
+    uint8_t rid[WIRE_MAX_ROUTING_ID];  /* ROUTER routing id */
+    size_t rid_len;
+    char user_id[WIRE_Z85_KEY_LEN + 24]; /* ZAP User-Id of the connection ("" without ZAP) */
+    char admission[16];                /* "member", "enrolling", "" */
+    zmq_msg_t raw_body;                /* the body frame as received (for wire_forward) */
+    bool has_raw;
+};
+
+static fu_err decode_into(wire_msg_t *m, const uint8_t *env, size_t env_len, const uint8_t *body, size_t body_len,
+                          wire_counters *c)
+{
+    if (env_len > WIRE_MAX_ENVELOPE_BYTES || body_len > WIRE_MAX_MSG_BYTES) {
+        if (c)
+            c->dropped_too_large++;
+        return FU_ENOMEM;
+    }
+    pool_init(&m->pool, budget_for(env_len) + budget_for(body_len));
+    m->env = (Fusion__Envelope *)protobuf_c_message_unpack(&fusion__envelope__descriptor, &m->pool.alloc, env_len,
+                                                           env);
+    if (!m->env) {
+        if (c)
+            c->dropped_malformed++;
+        return FU_EPROTO;
+    }
+    if (m->env->version != WIRE_PROTOCOL_VERSION) {
+        if (c)
+            c->dropped_version++;
+        return FU_EVERSION;
+    }
+    const wire_type_info *ti = type_info(m->env->type);
+    if (!ti) {
+        if (c)
+            c->dropped_unknown_type++;
+        return FU_EPROTO;
+    }
+    /* Envelope strings: UTF-8, and short (they are keys and names). */
+    if (wire_validate(&m->env->base) != FU_OK || strlen(m->env->sender) > 256 || strlen(m->env->relay_to) > 256) {
+        if (c)
+            c->dropped_malformed++;
+        return FU_EPROTO;
+    }
+    if (body_len > body_cap(ti->type)) {
+        if (c)
+            c->dropped_too_large++;
+        return FU_ENOMEM;
+    }
+    if (!ti->body) {
+        if (body_len != 0) {
+            if (c)
+                c->dropped_malformed++;
+            return FU_EPROTO;
+        }
+    } else {
+        size_t before = m->pool.budget.used;
+        m->body = protobuf_c_message_unpack(ti->body, &m->pool.alloc, body_len, body);
+        if (!m->body) {
+            bool over = m->pool.budget.used != before ||
+                        m->pool.budget.used + body_len + ti->body->sizeof_message > m->pool.budget.limit;
+            if (c) {
+                if (over)
+                    c->dropped_too_large++;
+                else
+                    c->dropped_malformed++;
+            }
+            return over ? FU_ENOMEM : FU_EPROTO;
+        }
+        if (wire_validate(m->body) != FU_OK) {
+            if (c)
+                c->dropped_malformed++;
+            return FU_EPROTO;
+        }
+    }
+    Fusion__Envelope *e = m->env;
+    m->hdr = (wire_hdr){.type = e->type,
+                        .job_id = e->job_id,
+                        .step = e->step,
+                        .micro_batch = e->micro_batch,
+                        .sequence = e->sequence,
+                        .stage = e->stage,
+                        .sender = e->sender,
+                        .relay_to = e->relay_to};
+    return FU_OK;
+}
+
+static wire_msg_t *msg_alloc(void)
+{
+    wire_msg_t *m = fu_calloc(1, sizeof *m);
+    pool_init(&m->pool, 0);
+    return m;
+}
+
+void wire_msg_destroy(wire_msg_t **msg_p)
+{
+    if (!msg_p || !*msg_p)
+        return;
+    wire_msg_t *m = *msg_p;
+    if (m->body)
+        protobuf_c_message_free_unpacked(m->body, &m->pool.alloc);
+    if (m->env)
+        protobuf_c_message_free_unpacked(&m->env->base, &m->pool.alloc);
+    if (m->has_raw)
+        zmq_msg_close(&m->raw_body);
+    free(m);
+    *msg_p = NULL;
+}
+
+fu_err wire_decode(const uint8_t *env, size_t env_len, const uint8_t *body, size_t body_len, wire_counters *c,
+                   wire_msg_t **out)
+{
+    if (!out || (env_len && !env) || (body_len && !body))
+        return FU_EINVAL;
+    *out = NULL;
+    wire_msg_t *m = msg_alloc();
+    fu_err rc = decode_into(m, env, env_len, body, body_len, c);
+    if (rc != FU_OK) {
+        wire_msg_destroy(&m);
+        return rc;
+    }
+    if (c)
+        c->received++;
+    *out = m;
+    return FU_OK;
+}
+
+const wire_hdr *wire_msg_hdr(const wire_msg_t *msg)
+{
+    return &msg->hdr;
+}
+
+Fusion__MsgType wire_msg_type(const wire_msg_t *msg)
+{
+    return msg->hdr.type;
+}
+
+const ProtobufCMessage *wire_msg_body(const wire_msg_t *msg)
+{
+    return msg->body;
+}
+
+const void *wire_msg_body_as(const wire_msg_t *msg, Fusion__MsgType type)
+{
+    return msg && msg->hdr.type == type ? (const void *)msg->body : NULL;
+}
+
+const uint8_t *wire_msg_routing_id(const wire_msg_t *msg, size_t *len)
+{
+    *len = msg->rid_len;
+    return msg->rid_len ? msg->rid : NULL;
+}
+
+const char *wire_msg_user_id(const wire_msg_t *msg)
+{
+    return msg->user_id;
+}
+
+const char *wire_msg_admission(const wire_msg_t *msg)
+{
+    return msg->admission;
+}
+
+size_t wire_msg_heap_bytes(const wire_msg_t *msg)
+{
+    return msg->pool.budget.used;
+}
+
+/* ---------- encoding and sending ---------- */
+
+static fu_err pack_envelope(const wire_hdr *h, uint8_t *buf, size_t cap, size_t *len)
+{
+    Fusion__Envelope e = FUSION__ENVELOPE__INIT;
+    e.version = WIRE_PROTOCOL_VERSION;
+    e.type = h->type;
+    e.job_id = h->job_id;
+    e.step = h->step;
+    e.micro_batch = h->micro_batch;
+    e.sequence = h->sequence;
+    e.stage = h->stage;
+    e.sender = (char *)(h->sender ? h->sender : "");
+    e.relay_to = (char *)(h->relay_to ? h->relay_to : "");
+    size_t n = protobuf_c_message_get_packed_size(&e.base);
+    if (n > cap)
+        return FU_EINVAL;
+    *len = protobuf_c_message_pack(&e.base, buf);
+    return FU_OK;
+}
+
+static fu_err check_body(const wire_hdr *h, const ProtobufCMessage *body)
+{
+    const wire_type_info *ti = h ? type_info(h->type) : NULL;
+    if (!ti)
+        return FU_EINVAL;
+    if (!ti->body)
+        return body ? FU_EINVAL : FU_OK;
+    if (!body || body->descriptor != ti->body)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err wire_encode(const wire_hdr *hdr, const ProtobufCMessage *body, uint8_t **env_out, size_t *env_len,
+                   uint8_t **body_out, size_t *body_len)
+{
+    if (!env_out || !env_len || !body_out || !body_len)
+        return FU_EINVAL;
+    *env_out = *body_out = NULL;
+    FU_TRY(check_body(hdr, body));
+    size_t bn = body ? protobuf_c_message_get_packed_size(body) : 0;
+    if (bn > body_cap(hdr->type))
+        return FU_EINVAL;
+    uint8_t envbuf[WIRE_MAX_ENVELOPE_BYTES];
+    size_t en;
+    FU_TRY(pack_envelope(hdr, envbuf, sizeof envbuf, &en));
+    *env_out = fu_malloc(en);
+    memcpy(*env_out, envbuf, en);
+    *env_len = en;
+    *body_out = fu_malloc(bn);
+    *body_len = body ? protobuf_c_message_pack(body, *body_out) : 0;
+    return FU_OK;
+}
+
+static fu_err zmq_errno_to_fu(int e)
+{
+    switch (e) {
+    case EAGAIN:
+        return FU_EAGAIN;
+    case EHOSTUNREACH:
+        return FU_ENOTFOUND;
+    case ETERM:
+        return FU_ECANCELED;
+    case EINTR:
+        return FU_EAGAIN;
+    case EFSM:
+    case ENOTSUP:
+    case EINVAL:
+        return FU_EINVAL;
+    default:
+        return FU_EIO;
+    }
+}
+
+static void free_cb(void *data, void *hint)
+{
+    (void)hint;
+    free(data);
+}
+
+/* Sends [rid][envelope] with SNDMORE; the caller sends the body. */
+static fu_err send_head(void *sock, const uint8_t *rid, size_t rid_len, const uint8_t *env, size_t env_len)
+{
+    if (rid_len && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) < 0)
+        return zmq_errno_to_fu(zmq_errno());
+    if (zmq_send(sock, env, env_len, ZMQ_SNDMORE) < 0) /* copies: the envelope is small */
+        return zmq_errno_to_fu(zmq_errno());
+    return FU_OK;
+}
+
+fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, void *data, size_t len,
+                        void (*free_fn)(void *data, void *hint), void *hint)
+{
+    fu_err rc = FU_EINVAL;
+    if (!sock || !hdr || !type_info(hdr->type) || rid_len > WIRE_MAX_ROUTING_ID || (len && !data) ||
+        len > body_cap(hdr->type))
+        goto fail;
+    uint8_t env[WIRE_MAX_ENVELOPE_BYTES];
+    size_t env_len;
+    if ((rc = pack_envelope(hdr, env, sizeof env, &env_len)) != FU_OK)
+        goto fail;
+    zmq_msg_t part;
+    if (free_fn) {
+        if (zmq_msg_init_data(&part, data, len, free_fn, hint) != 0) {
+            rc = FU_ENOMEM;
+            goto fail;
+        }
+        free_fn = NULL; /* ZeroMQ owns data now */
+    } else {
+        if (zmq_msg_init_size(&part, len) != 0)
+            return FU_ENOMEM;
+        if (len)
+            memcpy(zmq_msg_data(&part), data, len);
+    }
+    if ((rc = send_head(sock, rid, rid_len, env, env_len)) != FU_OK) {
+        zmq_msg_close(&part);
+        return rc;
+    }
+    if (zmq_msg_send(&part, sock, 0) < 0) {
+        rc = zmq_errno_to_fu(zmq_errno());
+        zmq_msg_close(&part);
+        return rc;
+    }
+    return FU_OK;
+fail:
+    if (free_fn)
+        free_fn(data, hint);
+    return rc;
+}
+
+fu_err wire_send(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, const ProtobufCMessage *body)
+{
+    if (!sock)
+        return FU_EINVAL;
+    FU_TRY(check_body(hdr, body));
+    size_t bn = body ? protobuf_c_message_get_packed_size(body) : 0;
+    if (bn > body_cap(hdr->type))
+        return FU_EINVAL;
+    uint8_t *buf = fu_malloc(bn);
+    if (body)
+        protobuf_c_message_pack(body, buf);
+    return wire_send_packed(sock, rid, rid_len, hdr, buf, bn, free_cb, NULL);
+}
+
+/* ---------- receiving ---------- */
+
+static int socket_type(void *sock)
+{
+    int t = -1;
+    size_t sz = sizeof t;
+    if (zmq_getsockopt(sock, ZMQ_TYPE, &t, &sz) != 0)
+        return -1;
+    return t;
+}
+
+/* Reads the rest of a multipart message and throws it away. */
+static void drain(void *sock)
+{
+    int more = 1;
+    size_t sz = sizeof more;
+    while (zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) == 0 && more) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        int r = zmq_msg_recv(&part, sock, 0);
+        zmq_msg_close(&part);
+        if (r < 0)
+            break;
+        sz = sizeof more;
+    }
+}
+
+static Fusion__ErrorCode code_for(fu_err rc, const wire_counters *before, const wire_counters *after)
+{
+    if (rc == FU_EVERSION)
+        return FUSION__ERROR_CODE__ERR_VERSION;
+    if (rc == FU_ENOMEM)
+        return FUSION__ERROR_CODE__ERR_TOO_LARGE;
+    if (before && after && after->dropped_unknown_type != before->dropped_unknown_type)
+        return FUSION__ERROR_CODE__ERR_UNKNOWN_TYPE;
+    return FUSION__ERROR_CODE__ERR_PROTO;
+}
+
+static void reply_refusal(void *sock, const uint8_t *rid, size_t rid_len, fu_err rc, Fusion__ErrorCode code,
+                          const uint8_t *env, size_t env_len, wire_counters *c)
+{
+    /* What we can tell of the refused message, read with a tiny budget; never answer an Error. */
+    Fusion__MsgType in_type = FUSION__MSG_TYPE__MSG_UNSPECIFIED;
+    uint64_t seq = 0;
+    if (env_len <= WIRE_MAX_ENVELOPE_BYTES) {
+        ProtobufCMessage *e = NULL;
+        if (wire_unpack_budgeted(&fusion__envelope__descriptor, env, env_len, budget_for(env_len), &e) == FU_OK) {
+            in_type = ((Fusion__Envelope *)e)->type;
+            seq = ((Fusion__Envelope *)e)->sequence;
+            wire_unpacked_free(e);
+        } else {
+            /* An unknown enum value fails validation: read the type with a raw scan. */
+            Fusion__Envelope *raw =
+                (Fusion__Envelope *)protobuf_c_message_unpack(&fusion__envelope__descriptor, NULL, env_len, env);
+            if (raw) {
+                in_type = raw->type;
+                seq = raw->sequence;
+                protobuf_c_message_free_unpacked(&raw->base, NULL);
+            }
+        }
+    }
+    if (in_type == FUSION__MSG_TYPE__MSG_ERROR)
+        return;
+    Fusion__Error err = FUSION__ERROR__INIT;
+    err.code = code;
+    err.message = (char *)fu_strerror(rc);
+    err.in_reply_to = type_info(in_type) ? in_type : FUSION__MSG_TYPE__MSG_UNSPECIFIED;
+    err.sequence = seq;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_ERROR};
+    if (wire_send(sock, rid, rid_len, &h, &err.base) == FU_OK && c)
+        c->errors_replied++;
+}
+
+fu_err wire_recv(void *sock, int flags, wire_counters *c, wire_msg_t **out)
+{
+    if (!sock || !out)
+        return FU_EINVAL;
+    *out = NULL;
+    int st = socket_type(sock);
+    if (st < 0)
+        return FU_EINVAL;
+    size_t want = st == ZMQ_ROUTER ? 3 : 2;
+    zmq_msg_t parts[3];
+    size_t got = 0;
+    bool too_many = false;
+    for (;;) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        int zf = got == 0 && (flags & WIRE_DONTWAIT) ? ZMQ_DONTWAIT : 0;
+        if (zmq_msg_recv(&part, sock, zf) < 0) {
+            int e = zmq_errno();
+            zmq_msg_close(&part);
+            for (size_t i = 0; i < got; i++)
+                zmq_msg_close(&parts[i]);
+            if (got > 0)
+                drain(sock);
+            if (e == EAGAIN)
+                return (flags & WIRE_DONTWAIT) ? FU_EAGAIN : FU_ETIMEDOUT;
+            return e == ETERM ? FU_ECANCELED : e == EINTR ? FU_EAGAIN : FU_EIO;
+        }
+        bool more = zmq_msg_more(&part);
+        if (got < want) {
+            parts[got++] = part;
+        } else {
+            zmq_msg_close(&part);
+            too_many = true;
+        }
+        if (!more)
+            break;
+        if (too_many) {
+            drain(sock);
+            break;
+        }
+    }
+
+    fu_err rc = FU_OK;
+    size_t base = want - 2;
+    wire_msg_t *m = NULL;
+    wire_counters before = c ? *c : (wire_counters){0};
+    const uint8_t *rid = NULL;
+    size_t rid_len = 0;
+    if (st == ZMQ_ROUTER && got >= 1) {
+        rid = zmq_msg_data(&parts[0]);
+        rid_len = zmq_msg_size(&parts[0]);
+    }
+    if (too_many || got != want || rid_len > WIRE_MAX_ROUTING_ID) {
+        if (c)
+            c->dropped_frames++;
+        rc = FU_EPROTO;
+        goto refuse;
+    }
+    m = msg_alloc();
+    rc = decode_into(m, zmq_msg_data(&parts[base]), zmq_msg_size(&parts[base]), zmq_msg_data(&parts[base + 1]),
+                     zmq_msg_size(&parts[base + 1]), c);
+    if (rc != FU_OK)
+        goto refuse;
+    if (rid_len) {
+        memcpy(m->rid, rid, rid_len);
+        m->rid_len = rid_len;
+    }
+    const char *uid = zmq_msg_gets(&parts[base], "User-Id");
+    if (uid && strlen(uid) < sizeof m->user_id)
+        strcpy(m->user_id, uid);
+    const char *adm = zmq_msg_gets(&parts[base], "X-Fusion-Admission");
+    if (adm && strlen(adm) < sizeof m->admission)
+        strcpy(m->admission, adm);
+    m->raw_body = parts[base + 1]; /* keep the body frame for wire_forward */
+    m->has_raw = true;
+    for (size_t i = 0; i < base + 1; i++)
+        zmq_msg_close(&parts[i]);
+    if (c)
+        c->received++;
+    *out = m;
+    return FU_OK;
+
+refuse:
+    if ((flags & WIRE_REPLY_ERRORS) && got == want && rid_len <= WIRE_MAX_ROUTING_ID)
+        reply_refusal(sock, rid, rid_len, rc, code_for(rc, &before, c), zmq_msg_data(&parts[base]),
+                      zmq_msg_size(&parts[base]), c);
+    for (size_t i = 0; i < got; i++)
+        zmq_msg_close(&parts[i]);
+    wire_msg_destroy(&m);
+    FU_DEBUG("wire", "refused a message: %s", fu_strerror(rc));
+    return rc;
+}
+
+fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len, const wire_msg_t *msg, const char *origin)
+{
+    if (!sock || !msg || !msg->has_raw || rid_len > WIRE_MAX_ROUTING_ID)
+        return FU_EINVAL;
+    wire_hdr h = msg->hdr;
+    h.sender = origin;
+    h.relay_to = NULL;
+    uint8_t env[WIRE_MAX_ENVELOPE_BYTES];
+    size_t env_len;
+    FU_TRY(pack_envelope(&h, env, sizeof env, &env_len));
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    if (zmq_msg_copy(&part, (zmq_msg_t *)&msg->raw_body) != 0) { /* reference-counted, no copy */
+        zmq_msg_close(&part);
+        return FU_ENOMEM;
+    }
+    fu_err rc = send_head(sock, rid, rid_len, env, env_len);
+    if (rc == FU_OK && zmq_msg_send(&part, sock, 0) < 0)
+        rc = zmq_errno_to_fu(zmq_errno());
+    if (rc != FU_OK)
+        zmq_msg_close(&part);
+    return rc;
+}
+
+fu_err wire_reply_error(void *sock, const wire_msg_t *msg, Fusion__ErrorCode code, const char *text)
+{
+    if (!sock || !msg)
+        return FU_EINVAL;
+    Fusion__Error err = FUSION__ERROR__INIT;
+    err.code = code;
+    err.message = (char *)(text ? text : "");
+    err.in_reply_to = msg->hdr.type;
+    err.sequence = msg->hdr.sequence;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_ERROR, .job_id = msg->hdr.job_id};
+    return wire_send(sock, msg->rid_len ? msg->rid : NULL, msg->rid_len, &h, &err.base);
+}

@@ -1,0 +1,63 @@
+/* wire_keys: long-term X25519 key pairs (CURVE on the control plane, crypto_kx identity on the data
+ * plane) and their files.
+ *
+ * A key directory holds `public.key` and `secret.key`, each a Z85 line (40 chars) after optional
+ * `#` comment lines. `secret.key` must be a regular file owned by the user, with no group or other
+ * permission bits (mode 0600 or stricter): the loader refuses anything looser and says how to fix
+ * it. Secret keys live in sodium_malloc memory (guarded, locked, wiped on free). */
+#ifndef FU_WIRE_KEYS_H
+#define FU_WIRE_KEYS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define WIRE_KEY_BYTES     32u /* X25519 public or secret key */
+#define WIRE_KEY_Z85_LEN   40u /* its Z85 text, without the NUL */
+#define WIRE_PUBLIC_KEY_FILE "public.key"
+#define WIRE_SECRET_KEY_FILE "secret.key"
+
+typedef struct wire_keypair wire_keypair_t;
+
+/* A fresh random key pair (crypto_box_keypair: the same X25519 keys CURVE and crypto_kx use).
+ * NULL only when secure memory cannot be had. Needs sodium_init(). */
+wire_keypair_t *wire_keypair_generate(void);
+
+/* A key pair from raw bytes (tests, the broker's in-memory keys). NULL on failure. */
+wire_keypair_t *wire_keypair_from_bytes(const uint8_t pk[WIRE_KEY_BYTES], const uint8_t sk[WIRE_KEY_BYTES]);
+
+/* Loads DIR/public.key and DIR/secret.key. On failure why (if not NULL) holds a sentence for the
+ * user saying what is wrong and what to do. Errors: FU_ENOTFOUND a file is missing, FU_EPERM the
+ * secret key file is group/other accessible, not a regular file or not owned by this user,
+ * FU_EINVAL bad contents or a public key that does not match the secret key, FU_EIO read error. */
+FU_MUST_CHECK fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, char *why, size_t why_cap);
+
+/* Writes kp into DIR (created with mode 0700 when missing): secret.key with mode 0600, public.key
+ * with mode 0644, each written to a temporary file first and then moved into place. Refuses with
+ * FU_EEXIST when either file exists, unless force. FU_EIO on write errors. why as above. */
+FU_MUST_CHECK fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, char *why,
+                                       size_t why_cap);
+
+const uint8_t *wire_keypair_public(const wire_keypair_t *kp); /* WIRE_KEY_BYTES, borrowed */
+const uint8_t *wire_keypair_secret(const wire_keypair_t *kp); /* WIRE_KEY_BYTES, borrowed, secret */
+const char    *wire_keypair_public_z85(const wire_keypair_t *kp); /* borrowed */
+void           wire_keypair_destroy(wire_keypair_t **kp_p);       /* wipes; idempotent */
+
+/* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
+FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], char *why, size_t why_cap);
+
+/* Z85 text (exactly 40 chars) to key bytes; FU_EINVAL otherwise. */
+FU_MUST_CHECK fu_err wire_key_from_z85(const char *z85, uint8_t out[WIRE_KEY_BYTES]);
+/* Key bytes to Z85 text; out holds WIRE_KEY_Z85_LEN + 1 chars. */
+void wire_key_to_z85(const uint8_t key[WIRE_KEY_BYTES], char out[WIRE_KEY_Z85_LEN + 1]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,129 @@
+#include "wire_socket.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "fu_log.h"
+#include "wire.h"
+
+/* A draft option in zmq.h 4.3 that the released library accepts. */
+#ifndef ZMQ_ZAP_ENFORCE_DOMAIN
+#define ZMQ_ZAP_ENFORCE_DOMAIN 93
+#endif
+
+static int setopt_int(void *sock, int opt, int v)
+{
+    return zmq_setsockopt(sock, opt, &v, sizeof v);
+}
+
+void *wire_socket_new(void *ctx, int type, fu_err *err)
+{
+    fu_err rc = FU_EINVAL;
+    void *s = ctx ? zmq_socket(ctx, type) : NULL;
+    if (!s) {
+        rc = ctx && zmq_errno() == ETERM ? FU_ECANCELED : FU_EINVAL;
+        goto fail;
+    }
+    int64_t maxmsg = WIRE_MAX_MSG_BYTES;
+    int bad = 0;
+    bad |= setopt_int(s, ZMQ_LINGER, WIRE_LINGER_MS);
+    bad |= zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    bad |= setopt_int(s, ZMQ_SNDHWM, WIRE_HWM);
+    bad |= setopt_int(s, ZMQ_RCVHWM, WIRE_HWM);
+    bad |= setopt_int(s, ZMQ_HEARTBEAT_IVL, WIRE_HEARTBEAT_IVL_MS);
+    bad |= setopt_int(s, ZMQ_HEARTBEAT_TIMEOUT, WIRE_HEARTBEAT_TIMEOUT_MS);
+    bad |= setopt_int(s, ZMQ_HEARTBEAT_TTL, WIRE_HEARTBEAT_TIMEOUT_MS);
+    bad |= setopt_int(s, ZMQ_SNDTIMEO, WIRE_SEND_TIMEOUT_MS);
+    bad |= setopt_int(s, ZMQ_HANDSHAKE_IVL, WIRE_HANDSHAKE_MS);
+    bad |= setopt_int(s, ZMQ_RECONNECT_IVL, WIRE_RECONNECT_MS);
+    bad |= setopt_int(s, ZMQ_RECONNECT_IVL_MAX, WIRE_RECONNECT_MAX_MS);
+    if (type == ZMQ_ROUTER)
+        bad |= setopt_int(s, ZMQ_ROUTER_MANDATORY, 1);
+    if (bad) {
+        FU_ERROR("wire", "setting socket options failed: %s", zmq_strerror(zmq_errno()));
+        zmq_close(s);
+        rc = FU_EIO;
+        goto fail;
+    }
+    if (err)
+        *err = FU_OK;
+    return s;
+fail:
+    if (err)
+        *err = rc;
+    return NULL;
+}
+
+void wire_socket_close(void **sock_p)
+{
+    if (!sock_p || !*sock_p)
+        return;
+    zmq_close(*sock_p);
+    *sock_p = NULL;
+}
+
+fu_err wire_curve_available(char *why, size_t why_cap)
+{
+    int major, minor, patch;
+    zmq_version(&major, &minor, &patch);
+    int v = major * 10000 + minor * 100 + patch;
+    if (v < WIRE_CURVE_MIN_ZMQ_VERSION) {
+        if (why && why_cap)
+            snprintf(why, why_cap,
+                     "libzmq %d.%d.%d is too old to serve CURVE safely (CVE-2020-15166); install libzmq 4.3.3 "
+                     "or newer",
+                     major, minor, patch);
+        return FU_EVERSION;
+    }
+    if (!zmq_has("curve")) {
+        if (why && why_cap)
+            snprintf(why, why_cap, "this libzmq was built without CURVE; install a libzmq built with libsodium");
+        return FU_ENOSYS;
+    }
+    return FU_OK;
+}
+
+fu_err wire_socket_curve_server(void *sock, const wire_keypair_t *kp, const char *domain)
+{
+    if (!sock || !kp)
+        return FU_EINVAL;
+    char why[256];
+    fu_err rc = wire_curve_available(why, sizeof why);
+    if (rc != FU_OK) {
+        FU_ERROR("wire", "refusing to open a CURVE listener: %s", why);
+        return rc;
+    }
+    const char *dom = domain ? domain : WIRE_ZAP_DOMAIN;
+    if (setopt_int(sock, ZMQ_CURVE_SERVER, 1) != 0 ||
+        zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, wire_keypair_secret(kp), WIRE_KEY_BYTES) != 0 ||
+        zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, dom, strlen(dom)) != 0 ||
+        setopt_int(sock, ZMQ_ZAP_ENFORCE_DOMAIN, 1) != 0)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err wire_socket_curve_client(void *sock, const wire_keypair_t *kp, const uint8_t server_pk[WIRE_KEY_BYTES])
+{
+    if (!sock || !kp || !server_pk)
+        return FU_EINVAL;
+    if (!zmq_has("curve"))
+        return FU_ENOSYS;
+    if (zmq_setsockopt(sock, ZMQ_CURVE_SERVERKEY, server_pk, WIRE_KEY_BYTES) != 0 ||
+        zmq_setsockopt(sock, ZMQ_CURVE_PUBLICKEY, wire_keypair_public(kp), WIRE_KEY_BYTES) != 0 ||
+        zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, wire_keypair_secret(kp), WIRE_KEY_BYTES) != 0)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err wire_socket_endpoint(void *sock, char *buf, size_t cap)
+{
+    if (!sock || !buf || cap == 0)
+        return FU_EINVAL;
+    size_t sz = cap;
+    if (zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, buf, &sz) != 0)
+        return FU_EINVAL;
+    return FU_OK;
+}

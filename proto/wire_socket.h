@@ -1,0 +1,71 @@
+/* wire_socket: every fusion ZeroMQ socket is made here, with its options chosen in one place, and
+ * CURVE is switched on here.
+ *
+ * Options set on every socket (values below, reasons beside them):
+ *   ZMQ_LINGER            WIRE_LINGER_MS     libzmq's default (-1) hangs zmq_ctx_term on unsent data
+ *   ZMQ_MAXMSGSIZE        WIRE_MAX_MSG_BYTES a peer cannot make us buffer an unbounded frame; an
+ *                                            oversized frame drops that connection (PITFALLS.md)
+ *   ZMQ_SNDHWM/RCVHWM     WIRE_HWM           bounds queued memory (default 1000 x 32 MiB frames)
+ *   ZMQ_HEARTBEAT_IVL     1000 ms            ZMTP PINGs notice a stopped or cut-off peer in ~4 s
+ *   ZMQ_HEARTBEAT_TIMEOUT 3000 ms            (without them: 20 s and more)
+ *   ZMQ_HEARTBEAT_TTL     3000 ms            the other side drops us as quickly
+ *   ZMQ_SNDTIMEO          WIRE_SEND_TIMEOUT_MS a blocked send (full HWM) fails instead of hanging
+ *   ZMQ_HANDSHAKE_IVL     WIRE_HANDSHAKE_MS  half-open handshakes are shed
+ *   ZMQ_RECONNECT_IVL(_MAX) 100 / 5000 ms    quick reconnect with back-off
+ *   ZMQ_ROUTER_MANDATORY  1 (ROUTER only)    a send to an unknown peer fails (EHOSTUNREACH ->
+ *                                            FU_ENOTFOUND) instead of vanishing
+ * Threads: a socket belongs to the thread that uses it; these helpers keep no state. */
+#ifndef FU_WIRE_SOCKET_H
+#define FU_WIRE_SOCKET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "wire_keys.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define WIRE_LINGER_MS            200    /* long enough to flush a Leave, short enough to exit */
+#define WIRE_HWM                  256    /* messages queued per peer and direction */
+#define WIRE_HEARTBEAT_IVL_MS     1000
+#define WIRE_HEARTBEAT_TIMEOUT_MS 3000
+#define WIRE_SEND_TIMEOUT_MS      10000
+#define WIRE_HANDSHAKE_MS         10000
+#define WIRE_RECONNECT_MS         100
+#define WIRE_RECONNECT_MAX_MS     5000
+#define WIRE_ZAP_DOMAIN           "fusion"
+/* Oldest libzmq allowed to run a CURVE server: 4.3.3 fixed CVE-2020-15166 (unauthenticated
+ * clients could exhaust memory before the handshake completed). */
+#define WIRE_CURVE_MIN_ZMQ_VERSION 40303
+
+/* A new socket of ZeroMQ type `type` (ZMQ_ROUTER, ZMQ_DEALER, ...) in ctx with the options above.
+ * NULL on failure with *err set (err may be NULL). Close with wire_socket_close. */
+void *wire_socket_new(void *ctx, int type, fu_err *err);
+
+/* Closes *sock_p (pending messages get WIRE_LINGER_MS) and sets it to NULL. Idempotent. */
+void wire_socket_close(void **sock_p);
+
+/* FU_OK when this libzmq can serve CURVE safely (version >= 4.3.3 and built with CURVE);
+ * FU_EVERSION or FU_ENOSYS otherwise, with a sentence in why. */
+FU_MUST_CHECK fu_err wire_curve_available(char *why, size_t why_cap);
+
+/* Makes sock a CURVE server with kp and ZAP domain `domain` (WIRE_ZAP_DOMAIN when NULL), with
+ * ZMQ_ZAP_ENFORCE_DOMAIN=1 so that a missing ZAP handler refuses every client (fail closed). Call
+ * before bind. FU_EVERSION / FU_ENOSYS as wire_curve_available; FU_EINVAL bad arguments. */
+FU_MUST_CHECK fu_err wire_socket_curve_server(void *sock, const wire_keypair_t *kp, const char *domain);
+
+/* Makes sock a CURVE client of the server whose public key is server_pk. Call before connect. */
+FU_MUST_CHECK fu_err wire_socket_curve_client(void *sock, const wire_keypair_t *kp,
+                                              const uint8_t server_pk[WIRE_KEY_BYTES]);
+
+/* The endpoint the socket last bound ("tcp://127.0.0.1:41234"): how a test finds the port it got
+ * from "tcp://127.0.0.1:*". FU_EINVAL when it does not fit in cap. */
+FU_MUST_CHECK fu_err wire_socket_endpoint(void *sock, char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

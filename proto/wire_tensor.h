@@ -1,0 +1,87 @@
+/* wire_tensor: activation and gradient tensors on the data plane, as TensorFrame chunks.
+ *
+ * A tensor is cut into chunks (WIRE_TENSOR_CHUNK bytes by default); each chunk is one ZeroMQ
+ * message [Envelope][TensorFrame], sealed with wire_seal when the link has one. The chunk's
+ * ciphertext is written straight into the buffer ZeroMQ sends (the protobuf body is laid out by
+ * hand around it), so sealing chunk k+1 on the caller's thread overlaps with libzmq's I/O thread
+ * sending chunk k, and nothing of the tensor is copied on the way out. On the way in, an
+ * assembler checks every chunk against the first (kind, job, step, micro-batch, dtype, shape,
+ * sizes), opens it into its place, and hands over the tensor when every chunk has arrived.
+ *
+ * Threads: the socket belongs to the calling thread; the assembler to whoever feeds it. */
+#ifndef FU_WIRE_TENSOR_H
+#define FU_WIRE_TENSOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "wire.h"
+#include "wire_seal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define WIRE_TENSOR_CHUNK      (1u << 20) /* default chunk: small enough to pipeline, big enough to amortise */
+#define WIRE_TENSOR_MAX_CHUNKS 65536u
+#define WIRE_TENSOR_MAX_DIMS   WIRE_SEAL_MAX_DIMS
+
+/* What a tensor is and where it belongs. */
+typedef struct {
+    Fusion__MsgType type;   /* FUSION__MSG_TYPE__MSG_ACTIVATION or ..._MSG_GRADIENT */
+    uint64_t job_id;
+    uint64_t step;
+    uint32_t micro_batch;
+    uint32_t stage;         /* sending stage */
+    Fusion__Dtype dtype;
+    uint32_t ndim;          /* <= WIRE_TENSOR_MAX_DIMS */
+    int64_t shape[WIRE_TENSOR_MAX_DIMS];
+    const char *relay_to;   /* z85 key of the receiver when the broker relays; NULL = direct */
+} wire_tensor_meta;
+
+/* Bytes of one element of dtype; 0 for unknown dtypes. */
+size_t wire_dtype_size(Fusion__Dtype dtype);
+
+/* Sends len bytes of data as ceil(len / chunk_bytes) chunks (chunk_bytes 0 = WIRE_TENSOR_CHUNK).
+ * len must equal the product of shape times the dtype's size. seal: the link's channel, or NULL
+ * for a plain link, in which case *plain_seq supplies (and advances) the sequence numbers.
+ * rid/rid_len as wire_send. Errors: FU_EINVAL bad metadata, the send errors of wire_send. */
+FU_MUST_CHECK fu_err wire_tensor_send(void *sock, const uint8_t *rid, size_t rid_len, wire_seal_t *seal,
+                                      const wire_tensor_meta *meta, const void *data, size_t len, size_t chunk_bytes,
+                                      uint64_t *plain_seq);
+
+/* A received tensor. data is the caller's after wire_tensor_asm_take: free with wire_tensor_clear. */
+typedef struct {
+    wire_tensor_meta meta; /* relay_to is NULL */
+    uint8_t *data;
+    size_t len;
+} wire_tensor;
+
+void wire_tensor_clear(wire_tensor *t);
+
+typedef struct wire_tensor_asm wire_tensor_asm_t;
+
+/* An assembler that accepts tensors of at most max_bytes (what the receiver has memory for). */
+wire_tensor_asm_t *wire_tensor_asm_new(size_t max_bytes);
+void               wire_tensor_asm_destroy(wire_tensor_asm_t **a_p);
+
+/* Feeds one received MSG_ACTIVATION / MSG_GRADIENT message. seal: the link's channel (then only
+ * sealed chunks are accepted), or NULL (then only plain ones are). *done becomes true when the
+ * tensor is complete; take it with wire_tensor_asm_take. A chunk of a different tensor than the
+ * one in progress abandons that one (counted). Errors: FU_EPROTO inconsistent or out-of-range
+ * chunk, FU_EAUTH sealing mismatch, tampering or replay (see wire_seal_decrypt), FU_ENOMEM tensor
+ * over max_bytes. A refused chunk leaves the tensor in progress as it was. */
+FU_MUST_CHECK fu_err wire_tensor_asm_feed(wire_tensor_asm_t *a, wire_seal_t *seal, const wire_msg_t *msg, bool *done);
+
+/* Moves the completed tensor into *out. FU_EAGAIN when none is complete. */
+FU_MUST_CHECK fu_err wire_tensor_asm_take(wire_tensor_asm_t *a, wire_tensor *out);
+
+/* Tensors abandoned incomplete because another one started. */
+uint64_t wire_tensor_asm_abandoned(const wire_tensor_asm_t *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
