@@ -1,0 +1,151 @@
+/* Backend lookup and the memory wrappers. Op wrappers live in kern_ops.c. */
+#include "kern_backend.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kern_internal.h"
+
+#ifdef FUSION_KERN_HAVE_CUDA
+/* Provided by the CUDA backend's sources (the kernels/ .cu files) when the build has them: the backend for
+ * device `ordinal` (static storage), FU_ENOTFOUND when there is no such device, FU_ECUDA when the
+ * driver fails. */
+fu_err kern_backend_cuda(int ordinal, const kern_backend_t **out);
+#endif
+
+fu_err kern_backend_get(const char *name, const kern_backend_t **out)
+{
+    if (!name || !out)
+        return FU_EINVAL;
+    *out = NULL;
+    if (strcmp(name, "cpu") == 0) {
+        *out = kern_backend_cpu();
+        return FU_OK;
+    }
+    if (strncmp(name, "cuda", 4) != 0)
+        return FU_EINVAL;
+    long ordinal = 0;
+    if (name[4] == ':') {
+        const char *digits = name + 5;
+        if (*digits < '0' || *digits > '9')
+            return FU_EINVAL;
+        char *end = NULL;
+        errno = 0;
+        ordinal = strtol(digits, &end, 10);
+        if (errno || *end != '\0' || ordinal < 0 || ordinal > 1024)
+            return FU_EINVAL;
+    } else if (name[4] != '\0') {
+        return FU_EINVAL;
+    }
+#ifdef FUSION_KERN_HAVE_CUDA
+    return kern_backend_cuda((int)ordinal, out);
+#else
+    return FU_ENOSYS;
+#endif
+}
+
+fu_err kern_tensor_copy_in(const kern_backend_t *be, kern_tensor_t *t, const void *host, size_t host_bytes)
+{
+    FU_TRY(kern_chk_contig(be, t));
+    size_t n = kern_tensor_nbytes(t);
+    if (host_bytes != n || (n && !host))
+        return FU_EINVAL;
+    if (n == 0)
+        return FU_OK;
+    return be->copy_in(be, t->data, host, n);
+}
+
+fu_err kern_tensor_copy_out(const kern_backend_t *be, const kern_tensor_t *t, void *host, size_t host_bytes)
+{
+    FU_TRY(kern_chk_contig(be, t));
+    size_t n = kern_tensor_nbytes(t);
+    if (host_bytes != n || (n && !host))
+        return FU_EINVAL;
+    if (n == 0)
+        return FU_OK;
+    return be->copy_out(be, host, t->data, n);
+}
+
+fu_err kern_tensor_copy(const kern_backend_t *be, const kern_tensor_t *src, kern_tensor_t *dst)
+{
+    FU_TRY(kern_chk_contig(be, src));
+    FU_TRY(kern_chk_contig(be, dst));
+    if (src->dtype != dst->dtype || kern_tensor_numel(src) != kern_tensor_numel(dst))
+        return FU_EINVAL;
+    size_t n = kern_tensor_nbytes(src);
+    if (n == 0 || src->data == dst->data)
+        return FU_OK;
+    return be->copy(be, dst->data, src->data, n);
+}
+
+fu_err kern_tensor_zero(const kern_backend_t *be, kern_tensor_t *t)
+{
+    FU_TRY(kern_chk_contig(be, t));
+    size_t n = kern_tensor_nbytes(t);
+    return n ? be->fill_zero(be, t->data, n) : FU_OK;
+}
+
+fu_err kern_tensor_convert(const kern_backend_t *be, const kern_tensor_t *src, kern_tensor_t *dst)
+{
+    FU_TRY(kern_chk_contig(be, src));
+    FU_TRY(kern_chk_contig(be, dst));
+    if (!kern_tensor_same_shape(src, dst))
+        return FU_EINVAL;
+    bool okd = dst->dtype == KERN_F32 || dst->dtype == KERN_F16 || dst->dtype == KERN_BF16;
+    bool oks = src->dtype == KERN_F32 || src->dtype == KERN_F16 || src->dtype == KERN_BF16;
+    if (!okd || !oks)
+        return FU_EINVAL;
+    if (kern_tensor_numel(src) == 0)
+        return FU_OK;
+    return be->convert(be, src, dst);
+}
+
+fu_err kern_backend_sync(const kern_backend_t *be)
+{
+    if (!be)
+        return FU_EINVAL;
+    return be->synchronize(be);
+}
+
+/* ---- shared validation helpers (kern_internal.h) ---- */
+
+fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t)
+{
+    if (!be || !t)
+        return FU_EINVAL;
+    if (t->ndim < 1 || t->ndim > KERN_MAX_DIMS || kern_dtype_size(t->dtype) == 0)
+        return FU_EINVAL;
+    if (t->device.kind != be->device.kind || t->device.index != be->device.index)
+        return FU_EINVAL;
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] < 0)
+            return FU_EINVAL;
+    if (!t->data && kern_tensor_numel(t) > 0)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err kern_chk_contig(const kern_backend_t *be, const kern_tensor_t *t)
+{
+    FU_TRY(kern_chk_dev(be, t));
+    return kern_tensor_is_contiguous(t) ? FU_OK : FU_EINVAL;
+}
+
+fu_err kern_chk_f32(const kern_backend_t *be, const kern_tensor_t *t, int ndim)
+{
+    FU_TRY(kern_chk_contig(be, t));
+    if (t->dtype != KERN_F32 || (ndim > 0 && t->ndim != ndim))
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err kern_chk_mat(const kern_backend_t *be, const kern_tensor_t *t)
+{
+    FU_TRY(kern_chk_dev(be, t));
+    if (t->dtype != KERN_F32 || !kern_tensor_is_rowmajor_2d(t))
+        return FU_EINVAL;
+    if (t->shape[0] > KERN_INT_LIMIT || t->shape[1] > KERN_INT_LIMIT || t->stride[0] > KERN_INT_LIMIT)
+        return FU_EINVAL;
+    return FU_OK;
+}

@@ -1,0 +1,274 @@
+/* kern_backend: the table of function pointers a compute backend provides (ggml-style), and the
+ * public op wrappers `kern_<op>_<verb>(be, ...)` that the DAG executor calls.
+ *
+ * The wrappers validate everything that can be checked from tensor descriptors (dtype, shape,
+ * strides, device, sizes) and return FU_EINVAL instead of crashing; only then do they dispatch to
+ * be->op. A backend function may therefore assume well-formed arguments, but must still check data
+ * it reads (token ids, targets) and return FU_EINVAL for out-of-range values.
+ *
+ * Conventions shared by all ops:
+ *   - compute dtype is f32 (weights in f16/bf16 files are converted once with kern_tensor_convert);
+ *   - activations are row-major [tokens, features]; weights use the Hugging Face layout
+ *     [out_features, in_features], so linear is Y = X·Wᵀ;
+ *   - every tensor passed to a backend must live on that backend's device;
+ *   - input gradients (dX, dQ, dgate...) are OVERWRITTEN; parameter gradients (dW, dB, dA, dtable,
+ *     dweight) are ACCUMULATED (+=) so micro-batches sum into one step's gradient;
+ *   - unless an op says otherwise, outputs must not overlap inputs.
+ * A backend is immutable after creation: its ops may be called from several threads at once on
+ * disjoint tensors. */
+#ifndef FU_KERN_BACKEND_H
+#define FU_KERN_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "kern_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KERN_XENT_IGNORE_DEFAULT (-100) /* Hugging Face's ignore_index for labels */
+#define KERN_ROPE_THETA_DEFAULT  10000.0f /* LLaMA's rope_theta */
+
+/* Causal multi-head attention with grouped-query heads.
+ * q is [n_seq*tq, n_head*head_dim]; k, v are [n_seq*tk, n_kv_head*head_dim]; rows of sequence s
+ * are rows s*tq.. (queries) and s*tk.. (keys). Query row i of a sequence sits at absolute position
+ * q_offset + i among that sequence's keys and attends to keys 0..q_offset+i (causal). Training:
+ * tq == tk, q_offset == 0. Decode with a KV cache: tk = cache length, q_offset = tk - tq. Query head
+ * h uses key/value head h / (n_head / n_kv_head) (Hugging Face repeat_kv). */
+typedef struct {
+    int     n_head;    /* query heads */
+    int     n_kv_head; /* key/value heads; divides n_head */
+    int     head_dim;  /* features per head */
+    int     n_seq;     /* independent sequences stacked along rows (>= 1) */
+    int64_t q_offset;  /* absolute position of each sequence's first query among its keys */
+    float   scale;     /* score scale; 0 means 1/sqrt(head_dim) */
+} kern_attn_params;
+
+/* AdamW (PyTorch semantics): p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g²;
+ * p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps). */
+typedef struct {
+    float lr;           /* learning rate */
+    float beta1;        /* first-moment decay, [0, 1) */
+    float beta2;        /* second-moment decay, [0, 1) */
+    float eps;          /* denominator epsilon, > 0 */
+    float weight_decay; /* decoupled weight decay, >= 0 */
+} kern_adamw_params;
+
+/* Token sampling. temperature <= 0 is greedy (argmax, lowest id on ties). Otherwise logits are
+ * divided by temperature, restricted to the top_k most likely (0 = no limit), then to the smallest
+ * set whose probability reaches top_p (>= 1 = no limit), and one token is drawn. The draw for row r
+ * is a pure function of (seed, counter, r): replays reproduce it. */
+typedef struct {
+    float    temperature; /* <= 0: greedy */
+    int      top_k;       /* 0: off */
+    float    top_p;       /* (0, 1]: nucleus; >= 1: off */
+    uint64_t seed;        /* RNG seed */
+} kern_sample_params;
+
+typedef struct kern_backend kern_backend_t;
+
+/* The backend table. Memory functions move raw bytes; op functions receive validated arguments
+ * (see the wrappers below for each op's contract). `impl` is the backend's private state. */
+struct kern_backend {
+    const char *name;   /* "cpu", "cuda:0" */
+    kern_device device; /* where this backend's tensors live */
+    void       *impl;   /* backend-private state */
+
+    fu_err (*alloc)(const kern_backend_t *be, size_t bytes, void **out); /* KERN_ALIGN-aligned */
+    void (*free)(const kern_backend_t *be, void *p);
+    fu_err (*copy_in)(const kern_backend_t *be, void *dst, const void *host_src, size_t bytes);
+    fu_err (*copy_out)(const kern_backend_t *be, void *host_dst, const void *src, size_t bytes);
+    fu_err (*copy)(const kern_backend_t *be, void *dst, const void *src, size_t bytes); /* on device */
+    fu_err (*fill_zero)(const kern_backend_t *be, void *dst, size_t bytes);
+    fu_err (*synchronize)(const kern_backend_t *be);
+
+    fu_err (*convert)(const kern_backend_t *be, const kern_tensor_t *src, kern_tensor_t *dst);
+    fu_err (*gemm)(const kern_backend_t *be, bool trans_a, bool trans_b, float alpha,
+                   const kern_tensor_t *a, const kern_tensor_t *b, float beta, kern_tensor_t *c);
+    fu_err (*add)(const kern_backend_t *be, const kern_tensor_t *a, const kern_tensor_t *b,
+                  kern_tensor_t *y);
+    fu_err (*axpy)(const kern_backend_t *be, float alpha, const kern_tensor_t *x, kern_tensor_t *y);
+    fu_err (*embedding_fwd)(const kern_backend_t *be, const kern_tensor_t *ids,
+                            const kern_tensor_t *table, kern_tensor_t *out);
+    fu_err (*embedding_bwd)(const kern_backend_t *be, const kern_tensor_t *ids,
+                            const kern_tensor_t *dout, kern_tensor_t *dtable);
+    fu_err (*rmsnorm_fwd)(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *w,
+                          float eps, kern_tensor_t *y);
+    fu_err (*rmsnorm_bwd)(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *x,
+                          const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw);
+    /* inverse=false rotates by +angle (forward), inverse=true by -angle (backward). */
+    fu_err (*rope)(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos,
+                   int head_dim, float theta, bool inverse, kern_tensor_t *y);
+    fu_err (*silu_mul_fwd)(const kern_backend_t *be, const kern_tensor_t *gate,
+                           const kern_tensor_t *up, kern_tensor_t *out);
+    fu_err (*silu_mul_bwd)(const kern_backend_t *be, const kern_tensor_t *dout,
+                           const kern_tensor_t *gate, const kern_tensor_t *up, kern_tensor_t *dgate,
+                           kern_tensor_t *dup);
+    fu_err (*attn_ws_bytes)(const kern_backend_t *be, const kern_attn_params *p, int64_t tq,
+                            int64_t tk, bool backward, size_t *bytes);
+    fu_err (*attn_fwd)(const kern_backend_t *be, const kern_attn_params *p, const kern_tensor_t *q,
+                       const kern_tensor_t *k, const kern_tensor_t *v, kern_tensor_t *o,
+                       kern_workspace_t *ws);
+    fu_err (*attn_bwd)(const kern_backend_t *be, const kern_attn_params *p, const kern_tensor_t *q,
+                       const kern_tensor_t *k, const kern_tensor_t *v, const kern_tensor_t *dout,
+                       kern_tensor_t *dq, kern_tensor_t *dk, kern_tensor_t *dv, kern_workspace_t *ws);
+    fu_err (*xent_fwd)(const kern_backend_t *be, const kern_tensor_t *logits,
+                       const kern_tensor_t *targets, int32_t ignore_index, float *loss,
+                       int64_t *n_valid);
+    fu_err (*xent_bwd)(const kern_backend_t *be, const kern_tensor_t *logits,
+                       const kern_tensor_t *targets, int32_t ignore_index, float grad_scale,
+                       kern_tensor_t *dlogits);
+    fu_err (*adamw)(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad,
+                    kern_tensor_t *m, kern_tensor_t *v, const kern_adamw_params *p, int64_t step);
+    fu_err (*sample)(const kern_backend_t *be, const kern_tensor_t *logits,
+                     const kern_sample_params *p, uint64_t counter, int32_t *out_tokens);
+    /* Bitmap-sparse weight products (kern_bitmap.h); NULL while a backend has none. */
+    void *bitmap_reserved_[2];
+};
+
+/* ---------------------------------------------------------------------------------------------
+ * Backends */
+
+/* The CPU backend (OpenBLAS + OpenMP). Always available; static storage, never freed. */
+const kern_backend_t *kern_backend_cpu(void);
+
+/* Looks a backend up by name: "cpu", "cuda" (= "cuda:0"), "cuda:N". FU_ENOSYS for cuda names when
+ * this build has no CUDA backend; FU_ENOTFOUND for a CUDA ordinal that does not exist; FU_EINVAL for
+ * any other name. *out is borrowed (static storage). */
+FU_MUST_CHECK fu_err kern_backend_get(const char *name, const kern_backend_t **out);
+
+/* Number of threads the CPU backend uses for its own loops (OpenMP). */
+int kern_cpu_threads(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Memory. All take the backend the tensors live on; FU_EINVAL when a tensor is on another device,
+ * not contiguous, or the sizes differ. */
+
+/* Copies nbytes(t) bytes from host memory into t. */
+FU_MUST_CHECK fu_err kern_tensor_copy_in(const kern_backend_t *be, kern_tensor_t *t, const void *host,
+                                         size_t host_bytes);
+/* Copies t (contiguous) into host memory of host_bytes (must equal nbytes(t)). */
+FU_MUST_CHECK fu_err kern_tensor_copy_out(const kern_backend_t *be, const kern_tensor_t *t, void *host,
+                                          size_t host_bytes);
+/* dst = src (same dtype and shape, both contiguous, same device). */
+FU_MUST_CHECK fu_err kern_tensor_copy(const kern_backend_t *be, const kern_tensor_t *src,
+                                      kern_tensor_t *dst);
+/* Sets every byte of contiguous t to 0. */
+FU_MUST_CHECK fu_err kern_tensor_zero(const kern_backend_t *be, kern_tensor_t *t);
+/* dst = src converted between f32/f16/bf16 (same shape, both contiguous). */
+FU_MUST_CHECK fu_err kern_tensor_convert(const kern_backend_t *be, const kern_tensor_t *src,
+                                         kern_tensor_t *dst);
+/* Waits for queued work (no-op on the CPU). */
+FU_MUST_CHECK fu_err kern_backend_sync(const kern_backend_t *be);
+
+/* ---------------------------------------------------------------------------------------------
+ * Ops (f32). Shapes in comments; n = tokens. FU_EINVAL for any shape/dtype/device mismatch. */
+
+/* C = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when trans_x. All 2-D f32 with contiguous rows
+ * (row strides allowed, so column slices work). Dimensions must fit in int. */
+FU_MUST_CHECK fu_err kern_gemm(const kern_backend_t *be, bool trans_a, bool trans_b, float alpha,
+                               const kern_tensor_t *a, const kern_tensor_t *b, float beta,
+                               kern_tensor_t *c);
+
+/* Y[n,out] = X[n,in]·W[out,in]ᵀ (row strides allowed). */
+FU_MUST_CHECK fu_err kern_linear_forward(const kern_backend_t *be, const kern_tensor_t *x,
+                                         const kern_tensor_t *w, kern_tensor_t *y);
+/* dX[n,in] = dY·W (overwritten; skipped if dx is NULL); dW[out,in] += dYᵀ·X (skipped if dw is NULL,
+ * and then x may be NULL). */
+FU_MUST_CHECK fu_err kern_linear_backward(const kern_backend_t *be, const kern_tensor_t *dy,
+                                          const kern_tensor_t *x, const kern_tensor_t *w,
+                                          kern_tensor_t *dx, kern_tensor_t *dw);
+
+/* y = a + b (same shape, contiguous); y may be a or b (in place). Its backward is the identity. */
+FU_MUST_CHECK fu_err kern_add_forward(const kern_backend_t *be, const kern_tensor_t *a,
+                                      const kern_tensor_t *b, kern_tensor_t *y);
+/* y += alpha·x (same shape, contiguous): gradient accumulation. */
+FU_MUST_CHECK fu_err kern_axpy(const kern_backend_t *be, float alpha, const kern_tensor_t *x,
+                               kern_tensor_t *y);
+
+/* out[n,d] = table[ids[i], :]; ids i32 [n], table [vocab,d]. FU_EINVAL if an id is outside
+ * [0, vocab) (out is then unspecified). */
+FU_MUST_CHECK fu_err kern_embedding_forward(const kern_backend_t *be, const kern_tensor_t *ids,
+                                            const kern_tensor_t *table, kern_tensor_t *out);
+/* dtable[ids[i], :] += dout[i, :] (scatter-add; repeated ids sum). FU_EINVAL on a bad id. */
+FU_MUST_CHECK fu_err kern_embedding_backward(const kern_backend_t *be, const kern_tensor_t *ids,
+                                             const kern_tensor_t *dout, kern_tensor_t *dtable);
+
+/* Hugging Face LlamaRMSNorm: y = x / sqrt(mean(x²) + eps) * w; x,y [n,d], w [d], eps > 0. */
+FU_MUST_CHECK fu_err kern_rmsnorm_forward(const kern_backend_t *be, const kern_tensor_t *x,
+                                          const kern_tensor_t *w, float eps, kern_tensor_t *y);
+/* dx [n,d] overwritten; dw [d] accumulated (NULL to skip). Recomputes the norm from x. */
+FU_MUST_CHECK fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_tensor_t *dy,
+                                           const kern_tensor_t *x, const kern_tensor_t *w, float eps,
+                                           kern_tensor_t *dx, kern_tensor_t *dw);
+
+/* Rotary embedding, Hugging Face LLaMA rotate-half: for each head of head_dim features and
+ * i < head_dim/2, with a = pos·theta^(−2i/head_dim):
+ *   y[i] = x[i]·cos a − x[i+h/2]·sin a,  y[i+h/2] = x[i+h/2]·cos a + x[i]·sin a.
+ * x,y [n, heads*head_dim]; pos i32 [n] (absolute positions, so a KV-cache offset works); head_dim
+ * even; theta > 0. y may be x (in place). */
+FU_MUST_CHECK fu_err kern_rope_forward(const kern_backend_t *be, const kern_tensor_t *x,
+                                       const kern_tensor_t *pos, int head_dim, float theta,
+                                       kern_tensor_t *y);
+/* dx = rotation by −a of dy (the transpose); same shapes; dx may be dy. */
+FU_MUST_CHECK fu_err kern_rope_backward(const kern_backend_t *be, const kern_tensor_t *dy,
+                                        const kern_tensor_t *pos, int head_dim, float theta,
+                                        kern_tensor_t *dx);
+
+/* SwiGLU: out = silu(gate) ⊙ up; all [n,f]. */
+FU_MUST_CHECK fu_err kern_silu_mul_forward(const kern_backend_t *be, const kern_tensor_t *gate,
+                                           const kern_tensor_t *up, kern_tensor_t *out);
+/* dgate = dout ⊙ up ⊙ silu'(gate), dup = dout ⊙ silu(gate) (both overwritten). */
+FU_MUST_CHECK fu_err kern_silu_mul_backward(const kern_backend_t *be, const kern_tensor_t *dout,
+                                            const kern_tensor_t *gate, const kern_tensor_t *up,
+                                            kern_tensor_t *dgate, kern_tensor_t *dup);
+
+/* Scratch bytes attn forward (backward=false) or backward needs for tq queries and tk keys per
+ * sequence; pass a workspace with at least that much free, or NULL to let the op allocate. */
+FU_MUST_CHECK fu_err kern_attn_workspace_bytes(const kern_backend_t *be, const kern_attn_params *p,
+                                               int64_t tq, int64_t tk, bool backward, size_t *bytes);
+/* Causal GQA attention (see kern_attn_params): o [n_seq*tq, n_head*head_dim]. Requires
+ * 0 <= q_offset and q_offset + tq <= tk. All tensors contiguous. */
+FU_MUST_CHECK fu_err kern_attn_forward(const kern_backend_t *be, const kern_attn_params *p,
+                                       const kern_tensor_t *q, const kern_tensor_t *k,
+                                       const kern_tensor_t *v, kern_tensor_t *o,
+                                       kern_workspace_t *ws);
+/* Gradients of kern_attn_forward w.r.t. q, k, v (all overwritten; shapes as q, k, v). Recomputes
+ * the attention probabilities, so nothing but q, k, v needs to be saved. */
+FU_MUST_CHECK fu_err kern_attn_backward(const kern_backend_t *be, const kern_attn_params *p,
+                                        const kern_tensor_t *q, const kern_tensor_t *k,
+                                        const kern_tensor_t *v, const kern_tensor_t *dout,
+                                        kern_tensor_t *dq, kern_tensor_t *dk, kern_tensor_t *dv,
+                                        kern_workspace_t *ws);
+
+/* Softmax cross-entropy: logits [n,V], targets i32 [n]; rows whose target == ignore_index are
+ * skipped. *loss = mean over the *n_valid other rows of logsumexp(row) − row[target] (0 when no row
+ * counts). FU_EINVAL when a target is outside [0,V) and not ignore_index. */
+FU_MUST_CHECK fu_err kern_xent_forward(const kern_backend_t *be, const kern_tensor_t *logits,
+                                       const kern_tensor_t *targets, int32_t ignore_index,
+                                       float *loss, int64_t *n_valid);
+/* dlogits = grad_scale·(softmax(logits) − onehot(target)) / n_valid, ignored rows 0 (overwritten).
+ * dlogits may be logits (in place, saving a [n,V] buffer). grad_scale is dLoss (1 for a plain loss,
+ * 1/M to average M micro-batches). */
+FU_MUST_CHECK fu_err kern_xent_backward(const kern_backend_t *be, const kern_tensor_t *logits,
+                                        const kern_tensor_t *targets, int32_t ignore_index,
+                                        float grad_scale, kern_tensor_t *dlogits);
+
+/* One AdamW step (see kern_adamw_params) over param, grad, m, v (same shape, contiguous f32);
+ * step is the 1-based step count used for bias correction. */
+FU_MUST_CHECK fu_err kern_adamw_step(const kern_backend_t *be, kern_tensor_t *param,
+                                     const kern_tensor_t *grad, kern_tensor_t *m, kern_tensor_t *v,
+                                     const kern_adamw_params *p, int64_t step);
+
+/* Draws one token per row of logits [n,V] (or [V]) into out_tokens[n] (host memory). */
+FU_MUST_CHECK fu_err kern_sample(const kern_backend_t *be, const kern_tensor_t *logits,
+                                 const kern_sample_params *p, uint64_t counter, int32_t *out_tokens);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

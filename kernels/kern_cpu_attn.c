@@ -1,0 +1,243 @@
+/* CPU backend: causal grouped-query attention, forward and backward.
+ *
+ * Two paths. Many queries (training, prefill): per (sequence, head) the scores S = scale·Q·Kᵀ and
+ * the output P·V are OpenBLAS GEMMs (strided views of the packed [tokens, heads*dim] activations),
+ * and the masked softmax runs on OpenMP threads over rows. Few queries (decode against a KV cache):
+ * GEMMs of one row waste BLAS set-up, so each (sequence, head, query row) is a hand-written loop and
+ * the threads split the heads. Backward always takes the GEMM path and recomputes P from q and k. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fu_alloc.h"
+#include "kern_internal.h"
+
+#define ATTN_SMALL_TQ 8 /* at most this many query rows per sequence: the hand-written path */
+
+static float attn_scale(const kern_attn_params *p)
+{
+    return p->scale != 0.0f ? p->scale : 1.0f / sqrtf((float)p->head_dim);
+}
+
+fu_err kern_cpu_attn_ws_bytes(const kern_backend_t *be, const kern_attn_params *p, int64_t tq, int64_t tk,
+                              bool backward, size_t *bytes)
+{
+    (void)be;
+    (void)p;
+    size_t nt = (size_t)omp_get_max_threads();
+    size_t floats;
+    if (backward)
+        floats = 2 * (size_t)tq * (size_t)tk;
+    else if (tq <= ATTN_SMALL_TQ)
+        floats = nt * (size_t)tk;
+    else
+        floats = (size_t)tq * (size_t)tk;
+    *bytes = floats * sizeof(float) + 2 * KERN_ALIGN;
+    return FU_OK;
+}
+
+/* Scratch from ws (rewound by the caller) or from the heap (freed by the caller via *owned). */
+static fu_err scratch(kern_workspace_t *ws, size_t floats, float **out, void **owned)
+{
+    *owned = NULL;
+    size_t bytes = floats * sizeof(float);
+    if (ws) {
+        void *p = NULL;
+        FU_TRY(kern_workspace_take(ws, bytes, &p));
+        *out = p;
+        return FU_OK;
+    }
+    void *p = NULL;
+    if (posix_memalign(&p, KERN_ALIGN, bytes ? bytes : 1) != 0)
+        return FU_ENOMEM;
+    *owned = p;
+    *out = p;
+    return FU_OK;
+}
+
+/* In-place causal softmax of S rows: row i keeps columns 0..lim(i), the rest become 0. */
+static void masked_softmax(float *S, int64_t tq, int64_t tk, int64_t q_offset)
+{
+#pragma omp parallel for if (tq * tk > 16384) schedule(static)
+    for (int64_t i = 0; i < tq; i++) {
+        float *row = S + i * tk;
+        int64_t lim = q_offset + i + 1; /* allowed: j < lim */
+        if (lim > tk)
+            lim = tk;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < lim; j++)
+            mx = row[j] > mx ? row[j] : mx;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < lim; j++) {
+            row[j] = expf(row[j] - mx);
+            sum += row[j];
+        }
+        float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < lim; j++)
+            row[j] *= inv;
+        for (int64_t j = lim; j < tk; j++)
+            row[j] = 0.0f;
+    }
+}
+
+/* Hand-written path: each thread handles whole (sequence, head) pairs, one query row at a time. */
+static void attn_fwd_small(const kern_attn_params *p, int64_t tq, int64_t tk, const float *Q, const float *K,
+                           const float *V, float *O, float *scr, float scale)
+{
+    const int64_t D = p->head_dim, Hq = p->n_head, Hkv = p->n_kv_head, group = Hq / Hkv;
+    const int64_t ldq = Hq * D, ldk = Hkv * D;
+    const int64_t pairs = (int64_t)p->n_seq * Hq;
+#pragma omp parallel if (pairs * tk * D > 16384)
+    {
+        float *sc = scr + (int64_t)omp_get_thread_num() * tk;
+#pragma omp for schedule(static)
+        for (int64_t ph = 0; ph < pairs; ph++) {
+            int64_t s = ph / Hq, h = ph % Hq, g = h / group;
+            for (int64_t i = 0; i < tq; i++) {
+                const float *q = Q + (s * tq + i) * ldq + h * D;
+                float *o = O + (s * tq + i) * ldq + h * D;
+                int64_t lim = p->q_offset + i + 1;
+                if (lim > tk)
+                    lim = tk;
+                float mx = -INFINITY;
+                for (int64_t j = 0; j < lim; j++) {
+                    const float *k = K + (s * tk + j) * ldk + g * D;
+                    float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+                    for (int64_t c = 0; c < D; c++)
+                        d += q[c] * k[c];
+                    sc[j] = d * scale;
+                    mx = sc[j] > mx ? sc[j] : mx;
+                }
+                float sum = 0.0f;
+                for (int64_t j = 0; j < lim; j++) {
+                    sc[j] = expf(sc[j] - mx);
+                    sum += sc[j];
+                }
+                for (int64_t c = 0; c < D; c++)
+                    o[c] = 0.0f;
+                for (int64_t j = 0; j < lim; j++) {
+                    const float *v = V + (s * tk + j) * ldk + g * D;
+                    float w = sc[j];
+#pragma omp simd
+                    for (int64_t c = 0; c < D; c++)
+                        o[c] += w * v[c];
+                }
+                float inv = 1.0f / sum;
+                for (int64_t c = 0; c < D; c++)
+                    o[c] *= inv;
+            }
+        }
+    }
+}
+
+fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, const kern_tensor_t *q,
+                         const kern_tensor_t *k, const kern_tensor_t *v, kern_tensor_t *o, kern_workspace_t *ws)
+{
+    (void)be;
+    const int64_t S = p->n_seq;
+    const int64_t tq = q->shape[0] / S, tk = k->shape[0] / S;
+    const int64_t D = p->head_dim, Hq = p->n_head, Hkv = p->n_kv_head, group = Hq / Hkv;
+    const int ldq = (int)(Hq * D), ldk = (int)(Hkv * D);
+    const float scale = attn_scale(p);
+    const float *Q = q->data, *K = k->data, *Vp = v->data;
+    float *O = o->data;
+    if (tq == 0 || Hq == 0)
+        return FU_OK;
+    size_t mark = kern_workspace_mark(ws);
+    void *owned = NULL;
+    float *scr = NULL;
+    bool small = tq <= ATTN_SMALL_TQ;
+    size_t floats = small ? (size_t)omp_get_max_threads() * (size_t)tk : (size_t)tq * (size_t)tk;
+    FU_TRY(scratch(ws, floats, &scr, &owned));
+    if (small) {
+        attn_fwd_small(p, tq, tk, Q, K, Vp, O, scr, scale);
+    } else {
+        for (int64_t s = 0; s < S; s++) {
+            for (int64_t h = 0; h < Hq; h++) {
+                int64_t g = h / group;
+                const float *Qh = Q + s * tq * ldq + h * D;
+                const float *Kg = K + s * tk * ldk + g * D;
+                const float *Vg = Vp + s * tk * ldk + g * D;
+                float *Oh = O + s * tq * ldq + h * D;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, scale, Qh, ldq, Kg,
+                            ldk, 0.0f, scr, (int)tk);
+                masked_softmax(scr, tq, tk, p->q_offset);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)tq, (int)D, (int)tk, 1.0f, scr, (int)tk,
+                            Vg, ldk, 0.0f, Oh, ldq);
+            }
+        }
+    }
+    free(owned);
+    kern_workspace_rewind(ws, mark);
+    return FU_OK;
+}
+
+fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, const kern_tensor_t *q,
+                         const kern_tensor_t *k, const kern_tensor_t *v, const kern_tensor_t *dout,
+                         kern_tensor_t *dq, kern_tensor_t *dk, kern_tensor_t *dv, kern_workspace_t *ws)
+{
+    (void)be;
+    const int64_t S = p->n_seq;
+    const int64_t tq = q->shape[0] / S, tk = k->shape[0] / S;
+    const int64_t D = p->head_dim, Hq = p->n_head, Hkv = p->n_kv_head, group = Hq / Hkv;
+    const int ldq = (int)(Hq * D), ldk = (int)(Hkv * D);
+    const float scale = attn_scale(p);
+    const float *Q = q->data, *K = k->data, *Vp = v->data, *dO = dout->data;
+    float *dQ = dq->data, *dK = dk->data, *dV = dv->data;
+    memset(dK, 0, kern_tensor_nbytes(dk));
+    memset(dV, 0, kern_tensor_nbytes(dv));
+    if (tq == 0 || tk == 0) {
+        memset(dQ, 0, kern_tensor_nbytes(dq));
+        return FU_OK;
+    }
+    size_t mark = kern_workspace_mark(ws);
+    void *owned = NULL;
+    float *P = NULL;
+    FU_TRY(scratch(ws, 2 * (size_t)tq * (size_t)tk, &P, &owned));
+    float *dP = P + tq * tk;
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t h = 0; h < Hq; h++) {
+            int64_t g = h / group;
+            const float *Qh = Q + s * tq * ldq + h * D;
+            const float *dOh = dO + s * tq * ldq + h * D;
+            const float *Kg = K + s * tk * ldk + g * D;
+            const float *Vg = Vp + s * tk * ldk + g * D;
+            float *dQh = dQ + s * tq * ldq + h * D;
+            float *dKg = dK + s * tk * ldk + g * D;
+            float *dVg = dV + s * tk * ldk + g * D;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, scale, Qh, ldq, Kg, ldk,
+                        0.0f, P, (int)tk);
+            masked_softmax(P, tq, tk, p->q_offset);
+            /* dP = dO·Vᵀ; dV += Pᵀ·dO */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, 1.0f, dOh, ldq, Vg, ldk,
+                        0.0f, dP, (int)tk);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)tk, (int)D, (int)tq, 1.0f, P, (int)tk, dOh,
+                        ldq, 1.0f, dVg, ldk);
+            /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
+#pragma omp parallel for if (tq * tk > 16384) schedule(static)
+            for (int64_t i = 0; i < tq; i++) {
+                const float *pr = P + i * tk;
+                float *dr = dP + i * tk;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t j = 0; j < tk; j++)
+                    dot += pr[j] * dr[j];
+#pragma omp simd
+                for (int64_t j = 0; j < tk; j++)
+                    dr[j] = pr[j] * (dr[j] - dot);
+            }
+            /* dQ = scale·dS·K; dK += scale·dSᵀ·Q */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)tq, (int)D, (int)tk, scale, dP, (int)tk, Kg,
+                        ldk, 0.0f, dQh, ldq);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)tk, (int)D, (int)tq, scale, dP, (int)tk, Qh,
+                        ldq, 1.0f, dKg, ldk);
+        }
+    }
+    free(owned);
+    kern_workspace_rewind(ws, mark);
+    return FU_OK;
+}

@@ -1,0 +1,295 @@
+/* CPU backend: embedding, RMSNorm, RoPE, SwiGLU and softmax cross-entropy (forward and backward).
+ * Arguments arrive validated by the wrappers in kern_ops.c; data-dependent checks (ids, targets)
+ * happen here. Rows are independent and run on OpenMP threads. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fu_alloc.h"
+#include "kern_internal.h"
+
+#define CPU_PAR_MIN 32768 /* elements below which loops stay on one thread */
+
+/* ---- embedding ---- */
+
+static fu_err check_ids(const int32_t *ids, int64_t n, int64_t limit)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (int64_t)ids[i] >= limit)
+            return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
+                              kern_tensor_t *out)
+{
+    (void)be;
+    const int32_t *id = ids->data;
+    int64_t n = out->shape[0], d = out->shape[1], vocab = table->shape[0];
+    FU_TRY(check_ids(id, n, vocab));
+    const float *tab = table->data;
+    float *o = out->data;
+#pragma omp parallel for if (n * d > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        memcpy(o + i * d, tab + (int64_t)id[i] * d, (size_t)d * sizeof(float));
+    return FU_OK;
+}
+
+fu_err kern_cpu_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *dout,
+                              kern_tensor_t *dtable)
+{
+    (void)be;
+    const int32_t *id = ids->data;
+    int64_t n = dout->shape[0], d = dout->shape[1], vocab = dtable->shape[0];
+    FU_TRY(check_ids(id, n, vocab));
+    const float *g = dout->data;
+    float *dt = dtable->data;
+    /* Threads own disjoint column ranges, so repeated ids never race. */
+#pragma omp parallel if (n * d > CPU_PAR_MIN)
+    {
+        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t c0 = d * t / nt, c1 = d * (t + 1) / nt;
+        for (int64_t i = 0; i < n; i++) {
+            float *dst = dt + (int64_t)id[i] * d;
+            const float *src = g + i * d;
+#pragma omp simd
+            for (int64_t j = c0; j < c1; j++)
+                dst[j] += src[j];
+        }
+    }
+    return FU_OK;
+}
+
+/* ---- RMSNorm ---- */
+
+static inline float row_rstd(const float *x, int64_t d, float eps)
+{
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; j++)
+        ss += x[j] * x[j];
+    return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
+fu_err kern_cpu_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *w, float eps,
+                            kern_tensor_t *y)
+{
+    (void)be;
+    int64_t n = x->shape[0], d = x->shape[1];
+    const float *px = x->data, *pw = w->data;
+    float *py = y->data;
+#pragma omp parallel for if (n * d > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xr = px + i * d;
+        float *yr = py + i * d;
+        float r = row_rstd(xr, d, eps);
+#pragma omp simd
+        for (int64_t j = 0; j < d; j++)
+            yr[j] = (xr[j] * r) * pw[j];
+    }
+    return FU_OK;
+}
+
+fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *x,
+                            const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw)
+{
+    (void)be;
+    int64_t n = x->shape[0], d = x->shape[1];
+    const float *px = x->data, *pw = w->data, *pdy = dy->data;
+    float *pdx = dx->data;
+    float *rs = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+#pragma omp parallel for if (n * d > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *xr = px + i * d, *gr = pdy + i * d;
+        float *dr = pdx + i * d;
+        float r = row_rstd(xr, d, eps);
+        rs[i] = r;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < d; j++)
+            dot += gr[j] * pw[j] * xr[j];
+        float c = r * r * r * dot / (float)d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; j++)
+            dr[j] = r * gr[j] * pw[j] - c * xr[j];
+    }
+    if (dw) {
+        float *pdw = dw->data;
+#pragma omp parallel if (n * d > CPU_PAR_MIN)
+        {
+            int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            int64_t c0 = d * t / nt, c1 = d * (t + 1) / nt;
+            for (int64_t i = 0; i < n; i++) {
+                const float *xr = px + i * d, *gr = pdy + i * d;
+                float r = rs[i];
+#pragma omp simd
+                for (int64_t j = c0; j < c1; j++)
+                    pdw[j] += gr[j] * xr[j] * r;
+            }
+        }
+    }
+    free(rs);
+    return FU_OK;
+}
+
+/* ---- RoPE (Hugging Face rotate-half) ---- */
+
+fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
+                     float theta, bool inverse, kern_tensor_t *y)
+{
+    (void)be;
+    int64_t n = x->shape[0], f = x->shape[1];
+    int64_t half = head_dim / 2, heads = f / head_dim;
+    const float *px = x->data;
+    const int32_t *pp = pos->data;
+    float *py = y->data;
+    /* inv_freq as Hugging Face computes it: 1 / theta^(2i/d) in float32. */
+    float *inv_freq = fu_malloc((size_t)half * sizeof(float));
+    for (int64_t i = 0; i < half; i++)
+        inv_freq[i] = (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)head_dim));
+    const float sgn = inverse ? -1.0f : 1.0f;
+#pragma omp parallel if (n * f > CPU_PAR_MIN)
+    {
+        float *cs = fu_malloc((size_t)half * 2 * sizeof(float));
+        float *sn = cs + half;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; t++) {
+            float p = (float)pp[t];
+            for (int64_t i = 0; i < half; i++) {
+                float a = p * inv_freq[i];
+                cs[i] = (float)cos((double)a);
+                sn[i] = sgn * (float)sin((double)a);
+            }
+            for (int64_t h = 0; h < heads; h++) {
+                const float *xr = px + t * f + h * head_dim;
+                float *yr = py + t * f + h * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float x1 = xr[i], x2 = xr[i + half];
+                    yr[i] = x1 * cs[i] - x2 * sn[i];
+                    yr[i + half] = x2 * cs[i] + x1 * sn[i];
+                }
+            }
+        }
+        free(cs);
+    }
+    free(inv_freq);
+    return FU_OK;
+}
+
+/* ---- SwiGLU ---- */
+
+fu_err kern_cpu_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate, const kern_tensor_t *up,
+                             kern_tensor_t *out)
+{
+    (void)be;
+    const float *g = gate->data, *u = up->data;
+    float *o = out->data;
+    int64_t n = kern_tensor_numel(out);
+#pragma omp parallel for simd if (n > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float s = 1.0f / (1.0f + expf(-g[i]));
+        o[i] = g[i] * s * u[i];
+    }
+    return FU_OK;
+}
+
+fu_err kern_cpu_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout, const kern_tensor_t *gate,
+                             const kern_tensor_t *up, kern_tensor_t *dgate, kern_tensor_t *dup)
+{
+    (void)be;
+    const float *d = dout->data, *g = gate->data, *u = up->data;
+    float *dg = dgate->data, *du = dup->data;
+    int64_t n = kern_tensor_numel(dout);
+#pragma omp parallel for simd if (n > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i], di = d[i], ui = u[i];
+        float s = 1.0f / (1.0f + expf(-gi));
+        float silu = gi * s;
+        dg[i] = di * ui * s * (1.0f + gi * (1.0f - s));
+        du[i] = di * silu;
+    }
+    return FU_OK;
+}
+
+/* ---- softmax cross-entropy ---- */
+
+static fu_err check_targets(const int32_t *t, int64_t n, int64_t vocab, int32_t ignore, int64_t *n_valid)
+{
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (t[i] == ignore)
+            continue;
+        if (t[i] < 0 || (int64_t)t[i] >= vocab)
+            return FU_EINVAL;
+        c++;
+    }
+    *n_valid = c;
+    return FU_OK;
+}
+
+/* log(sum(exp(row))) computed stably. */
+static float row_lse(const float *row, int64_t V)
+{
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < V; j++)
+        mx = row[j] > mx ? row[j] : mx;
+    if (mx == -INFINITY)
+        return mx;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < V; j++)
+        s += expf(row[j] - mx);
+    return mx + logf(s);
+}
+
+fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                         int32_t ignore_index, float *loss, int64_t *n_valid)
+{
+    (void)be;
+    int64_t n = logits->shape[0], V = logits->shape[1];
+    const float *pl = logits->data;
+    const int32_t *pt = targets->data;
+    int64_t nv = 0;
+    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
+    double sum = 0.0;
+#pragma omp parallel for reduction(+ : sum) if (n * V > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        if (pt[i] == ignore_index)
+            continue;
+        const float *row = pl + i * V;
+        sum += (double)(row_lse(row, V) - row[pt[i]]);
+    }
+    *loss = nv ? (float)(sum / (double)nv) : 0.0f;
+    *n_valid = nv;
+    return FU_OK;
+}
+
+fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                         int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits)
+{
+    (void)be;
+    int64_t n = logits->shape[0], V = logits->shape[1];
+    const float *pl = logits->data;
+    const int32_t *pt = targets->data;
+    float *pd = dlogits->data;
+    int64_t nv = 0;
+    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
+    const float scale = nv ? grad_scale / (float)nv : 0.0f;
+#pragma omp parallel for if (n * V > CPU_PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = pl + i * V;
+        float *drow = pd + i * V;
+        if (pt[i] == ignore_index) {
+            memset(drow, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        float lse = row_lse(row, V);
+#pragma omp simd
+        for (int64_t j = 0; j < V; j++)
+            drow[j] = expf(row[j] - lse) * scale;
+        drow[pt[i]] -= scale;
+    }
+    return FU_OK;
+}

@@ -1,0 +1,4 @@
+# kernels/: one cmocka executable per module (tensor, ops, attention, LoRA). CPU only.
+fu_add_test(test_kern_tensor SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_tensor.c LIBS fu_kernels)
+fu_add_test(test_kern_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_ops.c LIBS fu_kernels)
+fu_add_test(test_kern_attn SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_attn.c LIBS fu_kernels)
