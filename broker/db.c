@@ -2,6 +2,7 @@
 #include "db_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <libgen.h>
 #include <math.h>
 #include <stdarg.h>
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <sodium.h>
 
@@ -237,6 +239,13 @@ void db_done(sqlite3_stmt *st)
 
 fu_err db_bind(db_t *db, sqlite3_stmt *st, const char *fmt, ...)
 {
+    /* One letter per parameter: a mismatch is a programming error, caught before any binding. */
+    if ((int)strlen(fmt) != sqlite3_bind_parameter_count(st)) {
+        FU_ERROR(DB_LOG, "%s: %d parameters bound to a statement that has %d: %s", db->path, (int)strlen(fmt),
+                 sqlite3_bind_parameter_count(st), sqlite3_sql(st));
+        db_done(st);
+        return FU_EDB;
+    }
     va_list ap;
     va_start(ap, fmt);
     int rc = SQLITE_OK;
@@ -588,6 +597,19 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
     db->ckpt_keep = o.ckpt_keep;
     fu_err err = FU_OK;
     int rc;
+    if (!o.read_only) {
+        /* A new store is private to the broker's user (SQLite gives its -wal and -shm files the
+         * same mode); an existing one keeps the mode the operator gave it. */
+        int fd = open(path, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            close(fd);
+        } else if (errno != EEXIST) {
+            FU_ERROR(DB_LOG, "cannot create job store '%s': %s (check the directory's permissions)", path,
+                     strerror(errno));
+            err = errno == EACCES || errno == EPERM || errno == EROFS ? FU_EPERM : FU_EIO;
+            goto fail;
+        }
+    }
     int flags = o.read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE;
     rc = sqlite3_open_v2(path, &db->conn, flags, NULL);
     if (rc != SQLITE_OK) {
@@ -597,6 +619,13 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         goto fail;
     }
     sqlite3_extended_result_codes(db->conn, 1);
+    if (!o.read_only && sqlite3_db_readonly(db->conn, "main") == 1) {
+        /* SQLite falls back to read-only when the file is not writable; the broker must write. */
+        FU_ERROR(DB_LOG, "job store '%s' is read-only to this user: fix its permissions (and those of its "
+                 "-wal and -shm files), or run fusion-broker as its owner", path);
+        err = FU_EPERM;
+        goto fail;
+    }
     if ((rc = sqlite3_busy_timeout(db->conn, o.busy_timeout_ms)) != SQLITE_OK) {
         err = db_sqlerr(db, rc, "setting the busy timeout");
         goto fail;

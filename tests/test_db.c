@@ -160,6 +160,9 @@ static void test_db_schema_created(void **state)
     assert_null(db);
     db_close(&db); /* idempotent */
     assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+    struct stat sb;
+    assert_int_equal(stat(f->path, &sb), 0);
+    assert_int_equal(sb.st_mode & 0777, 0600); /* a new store is private to its user */
     assert_int_equal(raw_int(f->path, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN "
                                       "('peers','jobs','stages','checkpoints','events')"),
                      5);
@@ -1157,6 +1160,35 @@ static void test_db_commit_latency(void **state)
     double t3 = fu_clock_sec();
     print_message("commit latency: submit %.3f ms, progress %.3f ms (mean of %d, WAL + synchronous=FULL)\n",
                   (t1 - t0) * 1e3 / N, (t3 - t2) * 1e3 / N, N);
+
+    /* Checkpoints of 4 MiB (a small model's adapters and AdamW moments): put (hash, commit, prune)
+     * and get (read, re-hash). */
+    char cj[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, owner, "lat-ckpt", 1, cj);
+    const size_t len = 4u << 20;
+    const int M = 10;
+    uint8_t *blob = malloc(len);
+    assert_non_null(blob);
+    randombytes_buf(blob, len);
+    char hash[DB_HASH_HEX_LEN + 1];
+    double put = 0, get = 0;
+    for (int i = 0; i < M; i++) {
+        blob[0] = (uint8_t)i;
+        db_hash_hex(hash, blob, len);
+        double a = fu_clock_sec();
+        assert_int_equal(db_ckpt_put(db, cj, 0, i, blob, len, hash, i), FU_OK);
+        double b = fu_clock_sec();
+        db_ckpt *c = NULL;
+        assert_int_equal(db_ckpt_get(db, cj, 0, -1, &c), FU_OK);
+        double d = fu_clock_sec();
+        assert_int_equal(c->len, len);
+        db_ckpt_free(&c);
+        put += b - a;
+        get += d - b;
+    }
+    print_message("checkpoint 4 MiB: put %.1f ms (%.0f MB/s), get %.1f ms (%.0f MB/s) (mean of %d)\n",
+                  put * 1e3 / M, (double)len * M / put / 1e6, get * 1e3 / M, (double)len * M / get / 1e6, M);
+    free(blob);
     db_close(&db);
 }
 
