@@ -2,3 +2,4 @@
 fu_add_test(test_kern_tensor SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_tensor.c LIBS fu_kernels)
 fu_add_test(test_kern_ops SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_ops.c LIBS fu_kernels)
 fu_add_test(test_kern_attn SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_attn.c LIBS fu_kernels)
+fu_add_test(test_kern_lora SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_lora.c LIBS fu_kernels)
