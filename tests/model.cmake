@@ -3,3 +3,4 @@ fu_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_safetensor
 fu_add_test(test_modelcfg SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_modelcfg.c LIBS fu_common)
 fu_add_test(test_model_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_model_cli.c LIBS fu_common TIMEOUT 120)
 add_dependencies(test_model_cli fusion)
+fu_add_test(test_tokenizer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer.c LIBS fu_common)
