@@ -495,6 +495,23 @@ static fu_err check_dir(const char *path)
     return err;
 }
 
+/* fsyncs the directory holding path, so that a file just created there survives a power loss. */
+static fu_err sync_dir(const char *path)
+{
+    char *copy = fu_strdup(path);
+    const char *dir = dirname(copy);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    fu_err err = FU_OK;
+    if (fd < 0 || fsync(fd) != 0) {
+        FU_ERROR(DB_LOG, "cannot sync directory '%s' of job store '%s': %s", dir, path, strerror(errno));
+        err = FU_EIO;
+    }
+    if (fd >= 0)
+        close(fd);
+    free(copy);
+    return err;
+}
+
 /* Is this an SQLite file that some other program uses (tables but no fusion application id)? */
 static fu_err check_ours(db_t *db, int64_t app_id, int64_t version)
 {
@@ -603,6 +620,10 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         int fd = open(path, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
         if (fd >= 0) {
             close(fd);
+            /* Make the new name itself durable: SQLite syncs the directory for the -wal file it
+             * creates, not for a main file that already exists. */
+            if ((err = sync_dir(path)) != FU_OK)
+                goto fail;
         } else if (errno != EEXIST) {
             FU_ERROR(DB_LOG, "cannot create job store '%s': %s (check the directory's permissions)", path,
                      strerror(errno));

@@ -299,7 +299,8 @@ FU_MUST_CHECK fu_err db_ckpt_common_step(db_t *db, const char *job, int64_t *ste
 FU_MUST_CHECK fu_err db_event_add(db_t *db, int64_t now_ms, const char *job, const char *peer, const char *kind,
                                   const char *detail);
 /* Events with id > after_id (0: from the start), about job (NULL: all), oldest first, at most
- * limit (0: DB_EVENT_LIST_MAX). */
+ * limit (0: DB_EVENT_LIST_MAX). Checks no ownership: before showing a client the events of a job,
+ * look the job up with db_job_get(db, id, client_key, ...). */
 #define DB_EVENT_LIST_MAX 1000
 FU_MUST_CHECK fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, db_event **out,
                                    size_t *n);

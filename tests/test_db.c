@@ -1046,6 +1046,82 @@ static void test_db_durability_sigkill(void **state)
     print_message("durability: %zu acknowledged jobs over 6 SIGKILLs, all present\n", total_acked);
 }
 
+/* Child: stores checkpoints of stage 0 of job at steps base, base+1, ... (ckpt_keep large, so
+ * nothing is pruned), writing "<step> <hash>\n" to fd after each db_ckpt_put returned. */
+static void child_ckpt(const char *path, int fd, const char *job, int64_t base)
+{
+    db_options o = {.ckpt_keep = 100000};
+    db_t *db = NULL;
+    if (db_open_opts(path, &o, &db) != FU_OK)
+        _exit(3);
+    size_t len = 256 * 1024;
+    uint8_t *data = malloc(len);
+    if (!data)
+        _exit(6);
+    for (int64_t step = base;; step++) {
+        char hash[DB_HASH_HEX_LEN + 1], line[128];
+        randombytes_buf(data, len);
+        db_hash_hex(hash, data, len);
+        if (db_ckpt_put(db, job, 0, step, data, len, hash, step) != FU_OK)
+            _exit(4);
+        int n = snprintf(line, sizeof line, "%lld %s\n", (long long)step, hash);
+        if (write(fd, line, (size_t)n) != n)
+            _exit(5);
+    }
+}
+
+static void test_db_durability_ckpt_sigkill(void **state)
+{
+    fx *f = *state;
+    char owner[DB_KEY_LEN + 1], job[DB_JOB_ID_LEN + 1];
+    make_key(owner);
+    db_options o = {.ckpt_keep = 100000};
+    db_t *db = NULL;
+    assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
+    job_with_plan(db, owner, "ck", 1, job);
+    db_close(&db);
+    unsigned total = 0;
+    for (int round = 0; round < 4; round++) {
+        int p[2];
+        assert_int_equal(pipe(p), 0);
+        fflush(NULL);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            close(p[0]);
+            child_ckpt(f->path, p[1], job, (int64_t)round * 1000);
+            _exit(0);
+        }
+        close(p[1]);
+        unsigned want = 1 + randombytes_uniform(12), got = 0;
+        long long steps[16];
+        char hashes[16][DB_HASH_HEX_LEN + 1];
+        FILE *rd = fdopen(p[0], "r");
+        assert_non_null(rd);
+        char line[160];
+        while (got < want && fgets(line, sizeof line, rd)) {
+            assert_int_equal(sscanf(line, "%lld %64s", &steps[got], hashes[got]), 2);
+            got++;
+        }
+        kill(pid, SIGKILL);
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        fclose(rd);
+        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+        assert_int_equal(got, want);
+        assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
+        for (unsigned i = 0; i < got; i++) {
+            db_ckpt *c = NULL;
+            assert_int_equal(db_ckpt_get(db, job, 0, steps[i], &c), FU_OK); /* present and intact */
+            assert_string_equal(c->hash, hashes[i]);
+            db_ckpt_free(&c);
+        }
+        db_close(&db);
+        total += got;
+    }
+    print_message("durability: %u acknowledged checkpoints over 4 SIGKILLs, all present and intact\n", total);
+}
+
 /* ---- a full disk ---- */
 
 static void test_db_disk_full(void **state)
@@ -1214,6 +1290,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_db_corrupt_rows_are_errors, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_read_only_and_two_connections, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_durability_sigkill, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_durability_ckpt_sigkill, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_disk_full, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_commit_latency, fx_setup, fx_teardown),
     };
