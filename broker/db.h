@@ -82,8 +82,8 @@ typedef struct {
     char          id[DB_JOB_ID_LEN + 1];   /* 16 hex chars */
     char          owner[DB_KEY_LEN + 1];   /* the submitter's public key (Z85) */
     char         *idem_key;                /* idempotency key, or NULL when none was given */
-    db_job_kind   kind;
-    db_job_state  state;
+    db_job_kind   kind;                    /* finetune or infer */
+    db_job_state  state;                   /* where it is in its life */
     uint8_t      *spec;                    /* the job spec as submitted (NULL in list results) */
     size_t        spec_len;                /* its length (set in list results too) */
     int64_t       step;                    /* progress: steps done */
@@ -95,8 +95,8 @@ typedef struct {
     size_t        result_len;              /* its length (set in list results too) */
     char         *result_path;             /* result stored as a file, or NULL */
     char          result_hash[DB_HASH_HEX_LEN + 1]; /* BLAKE2b hex of the result; "" when none */
-    int64_t       created_ms;
-    int64_t       updated_ms;
+    int64_t       created_ms;              /* submission time */
+    int64_t       updated_ms;              /* last change of state or progress */
     int           retries;                 /* times it went from running back to queued */
 } db_job;
 
@@ -105,9 +105,9 @@ typedef struct {
     char          key[DB_KEY_LEN + 1]; /* public key (Z85) */
     char         *name;                /* display name the peer gave */
     char         *profile;             /* JSON object: gflops per dtype, memory, backend, link */
-    db_peer_state state;
+    db_peer_state state;               /* active, backup, left or dead */
     double        reputation;          /* in [0, 1]; starts at DB_REPUTATION_INIT */
-    int64_t       last_seen_ms;
+    int64_t       last_seen_ms;        /* last registration, heartbeat or touch */
     int64_t       joined_ms;           /* first registration */
 } db_peer;
 
@@ -121,30 +121,30 @@ typedef struct {
 
 /* A stage as stored. Plain data: free an array of them with db_stage_array_free. */
 typedef struct {
-    char           job[DB_JOB_ID_LEN + 1];
+    char           job[DB_JOB_ID_LEN + 1]; /* the job it belongs to */
     uint32_t       index;              /* position in the pipeline, 0-based */
     uint32_t       first, last;        /* DAG node range, inclusive */
     char           peer[DB_KEY_LEN + 1]; /* holder's key; "" when none */
     int64_t        lease_deadline_ms;  /* 0 when no lease */
-    db_stage_state state;
-    int64_t        updated_ms;
+    db_stage_state state;              /* pending, assigned, lost or released */
+    int64_t        updated_ms;         /* last change */
 } db_stage;
 
 /* A checkpoint of one stage at one step. Free with db_ckpt_free. */
 typedef struct {
-    char     job[DB_JOB_ID_LEN + 1];
-    uint32_t stage;
-    int64_t  step;
+    char     job[DB_JOB_ID_LEN + 1];    /* the job */
+    uint32_t stage;                     /* the stage's index in the plan */
+    int64_t  step;                      /* the training step it was taken after */
     char     hash[DB_HASH_HEX_LEN + 1]; /* BLAKE2b-256 hex of data */
     uint8_t *data;                      /* adapter + optimizer state */
-    size_t   len;
-    int64_t  created_ms;
+    size_t   len;                       /* bytes in data */
+    int64_t  created_ms;                /* when it was stored */
 } db_ckpt;
 
 /* One event of the log. Free an array with db_event_array_free. */
 typedef struct {
     int64_t id;                          /* increasing; use as the cursor of db_event_list */
-    int64_t time_ms;
+    int64_t time_ms;                     /* when it happened */
     char    job[DB_JOB_ID_LEN + 1];      /* "" when not about a job */
     char    peer[DB_KEY_LEN + 1];        /* "" when not about a peer */
     char    kind[DB_EVENT_KIND_MAX + 1]; /* "submitted", "state", "peer-join", ... */
@@ -273,6 +273,10 @@ FU_MUST_CHECK fu_err db_stage_list(db_t *db, const char *job, db_stage **out, si
 /* Marks every assigned stage whose lease deadline is before now_ms as lost, and returns those
  * stages (the broker then assigns backups). In one transaction. */
 FU_MUST_CHECK fu_err db_stage_expired(db_t *db, int64_t now_ms, db_stage **out, size_t *n);
+/* Every stage in `state` across all jobs, by job and index: the lost stages waiting for a backup
+ * (after a peer died, or after a restart), or the assigned ones whose leases a restarted broker
+ * must honour. */
+FU_MUST_CHECK fu_err db_stages_in_state(db_t *db, db_stage_state state, db_stage **out, size_t *n);
 void db_stage_array_free(db_stage **arr_p, size_t n);
 
 /* ---- checkpoints ---- */

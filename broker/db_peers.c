@@ -515,6 +515,17 @@ fail:
     return err;
 }
 
+fu_err db_stages_in_state(db_t *db, db_stage_state state, db_stage **out, size_t *n)
+{
+    static const char SQL[] = "SELECT " STAGE_COLS " FROM stages WHERE state = ? ORDER BY job_id, idx";
+    if (!db || (unsigned)state >= DB_N_STAGE_STATES || !out || !n)
+        return FU_EINVAL;
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "t", db_stage_state_names[state]));
+    return collect_stages(db, st, out, n);
+}
+
 void db_stage_array_free(db_stage **arr_p, size_t n)
 {
     (void)n;

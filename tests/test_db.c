@@ -787,6 +787,17 @@ static void test_db_stage_leases(void **state)
     assert_int_equal(st[0].state, DB_STAGE_LOST);
     db_stage_array_free(&st, n);
     assert_int_equal(db_stage_reassign(db, id, 0, pc, 9000, 3200), FU_EPERM); /* dead peers get no work */
+    assert_int_equal(db_stages_in_state(db, DB_STAGE_LOST, &st, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(st[0].index, 0);
+    assert_string_equal(st[0].peer, pc);
+    assert_int_equal(st[0].lease_deadline_ms, 0);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stages_in_state(db, DB_STAGE_ASSIGNED, &st, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(st[0].index, 1);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_stages_in_state(db, (db_stage_state)9, &st, &n), FU_EINVAL);
 
     /* A finished job releases everything and takes no new plan. */
     assert_int_equal(db_job_cancel(db, id, owner, 3300), FU_OK);
