@@ -104,7 +104,7 @@ static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const d
         else
             snprintf(layers, sizeof layers, "layers %d-%d", s->first_layer, s->last_layer);
         double gf = (o->tokens_per_micro ? o->tokens_per_micro : 1) * stage_flops(g, s->first, s->last, o) / 1e9;
-        snprintf(s->why, sizeof s->why,
+        int wl = snprintf(s->why, sizeof s->why,
                  "stage %zu: nodes %zu-%zu (%s%s%s) on '%s': %.2f GFLOP at %.1f GFLOP/s = %.1f ms + "
                  "%.2f MB over the link at %.1f MB/s = %.1f ms; %.0f MiB of %.0f MiB; %s",
                  i, s->first, s->last ? s->last - 1 : 0, layers, s->first == 0 ? ", embedding" : "",
@@ -114,6 +114,8 @@ static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const d
                  i == bi ? (s->comm_s > s->compute_s ? "the bottleneck, bound by its link"
                                                       : "the bottleneck, bound by compute")
                          : "sized so it does not exceed the bottleneck stage");
+        if (wl < 0)
+            s->why[0] = '\0';
     }
 }
 

@@ -1,2 +1,3 @@
 # The IR plane: graph, serialisation, partitioner, executor, and `fusion run` as real processes.
 fu_add_test(test_dag_graph SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_graph.c LIBS fu_dag TIMEOUT 60)
+fu_add_test(test_dag_exec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_exec.c LIBS fu_dag TIMEOUT 120)

@@ -151,7 +151,16 @@ static void test_dag_graph_protobuf_round_trip(void **state)
         char msg[256];
         assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
         assert_int_equal(dag_graph_size(h), dag_graph_size(g));
-        assert_memory_equal(dag_graph_dims(h), dag_graph_dims(g), sizeof(dag_model_dims));
+        const dag_model_dims *da = dag_graph_dims(h), *db = dag_graph_dims(g);
+        assert_int_equal(da->vocab_size, db->vocab_size);
+        assert_int_equal(da->hidden_size, db->hidden_size);
+        assert_int_equal(da->intermediate_size, db->intermediate_size);
+        assert_int_equal(da->n_layers, db->n_layers);
+        assert_int_equal(da->n_heads, db->n_heads);
+        assert_int_equal(da->n_kv_heads, db->n_kv_heads);
+        assert_int_equal(da->head_dim, db->head_dim);
+        assert_true(da->rms_eps == db->rms_eps && da->rope_theta == db->rope_theta);
+        assert_int_equal(da->tie_word_embeddings, db->tie_word_embeddings);
         for (size_t i = 0; i < dag_graph_size(g); i++)
             assert_memory_equal(dag_graph_node(h, i), dag_graph_node(g, i), sizeof(dag_node));
         /* Every truncation is rejected or decodes to a valid graph; never crashes. */

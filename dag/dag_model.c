@@ -1,0 +1,284 @@
+#include "dag_model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "fu_alloc.h"
+#include "fu_rng.h"
+#include "fu_safetensors.h"
+#include "kern_bitmap.h"
+#include "kern_salr.h"
+
+void dag_dims_from_cfg(const fu_modelcfg *c, dag_model_dims *d)
+{
+    memset(d, 0, sizeof *d);
+    d->vocab_size = (uint32_t)c->vocab_size;
+    d->hidden_size = (uint32_t)c->hidden_size;
+    d->intermediate_size = (uint32_t)c->intermediate_size;
+    d->n_layers = (uint32_t)c->num_hidden_layers;
+    d->n_heads = (uint32_t)c->num_attention_heads;
+    d->n_kv_heads = (uint32_t)c->num_key_value_heads;
+    d->head_dim = (uint32_t)c->head_dim;
+    d->rms_eps = (float)c->rms_norm_eps;
+    d->rope_theta = (float)c->rope_theta;
+    d->tie_word_embeddings = c->tie_word_embeddings;
+}
+
+/* ---- random model ----------------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t seed;
+    float std;
+    const fu_weight_info *w;
+} rand_ctx;
+
+static fu_err rand_fill(void *vctx, size_t index, const fu_st_tensor *t, void *buf, size_t nbytes)
+{
+    const rand_ctx *c = vctx;
+    float *f = buf;
+    (void)nbytes;
+    if (c->w[index].is_norm) {
+        for (size_t i = 0; i < t->nelem; i++)
+            f[i] = 1.0f;
+    } else {
+        fu_rng r;
+        fu_rng_seed_stream(&r, c->seed, c->w[index].name);
+        fu_rng_fill_normal_f32(&r, f, t->nelem, 0.0f, c->std);
+    }
+    return FU_OK;
+}
+
+fu_err dag_model_init_random(const char *dir, const fu_modelcfg *cfg, uint64_t seed, float std, fu_errmsg *em)
+{
+    if (!dir || !cfg)
+        return FU_EINVAL;
+    FU_TRY(fu_modelcfg_validate(cfg, em));
+    FU_TRY(fu_mkdir_p(dir, 0755, em));
+    size_t n = fu_modelcfg_weight_count(cfg);
+    fu_weight_info *w = fu_calloc(n, sizeof *w);
+    fu_st_tensor *t = fu_calloc(n, sizeof *t);
+    fu_err rc = FU_OK;
+    for (size_t i = 0; i < n && rc == FU_OK; i++) {
+        rc = fu_modelcfg_weight(cfg, i, &w[i]);
+        t[i].name = w[i].name;
+        t[i].dtype = FU_ST_F32;
+        t[i].ndim = w[i].ndim;
+        t[i].nelem = 1;
+        for (size_t k = 0; k < w[i].ndim; k++) {
+            t[i].shape[k] = w[i].shape[k];
+            t[i].nelem *= (size_t)w[i].shape[k];
+        }
+    }
+    rand_ctx ctx = {.seed = seed, .std = std, .w = w};
+    char *path = fu_path_join(dir, FU_ST_SINGLE_FILE);
+    if (rc == FU_OK)
+        rc = fu_safetensors_write(path, t, n, NULL, 0, rand_fill, &ctx, em);
+    if (rc == FU_OK)
+        rc = fu_modelcfg_save(dir, cfg, em);
+    free(path);
+    free(t);
+    free(w);
+    return rc;
+}
+
+/* ---- SALR pruning --------------------------------------------------------------------------- */
+
+static bool is_linear(fu_weight_kind k)
+{
+    return k == FU_W_Q || k == FU_W_K || k == FU_W_V || k == FU_W_O || k == FU_W_GATE || k == FU_W_UP ||
+           k == FU_W_DOWN;
+}
+
+typedef struct {
+    fu_st_tensor *t;
+    char **names;
+    void **data;
+    size_t n, cap;
+} out_list;
+
+static void out_add(out_list *l, const char *name, fu_st_dtype dt, size_t ndim, uint64_t d0, uint64_t d1, void *data,
+                    size_t nbytes)
+{
+    if (l->n == l->cap) {
+        l->cap = l->cap ? 2 * l->cap : 64;
+        l->t = fu_realloc(l->t, l->cap * sizeof *l->t);
+        l->names = fu_realloc(l->names, l->cap * sizeof *l->names);
+        l->data = fu_realloc(l->data, l->cap * sizeof *l->data);
+    }
+    fu_st_tensor *t = &l->t[l->n];
+    memset(t, 0, sizeof *t);
+    l->names[l->n] = fu_strdup(name);
+    l->data[l->n] = data;
+    t->name = l->names[l->n];
+    t->dtype = dt;
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    t->nelem = ndim == 1 ? (size_t)d0 : (size_t)(d0 * d1);
+    t->data = data;
+    t->nbytes = nbytes;
+    l->n++;
+}
+
+static void out_free(out_list *l)
+{
+    for (size_t i = 0; i < l->n; i++) {
+        free(l->names[i]);
+        free(l->data[i]);
+    }
+    free(l->t);
+    free(l->names);
+    free(l->data);
+}
+
+fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double sparsity, uint32_t rank, uint64_t seed,
+                            fu_errmsg *em)
+{
+    if (!in_dir || !out_dir)
+        return FU_EINVAL;
+    if (!(sparsity >= 0.0 && sparsity < 1.0))
+        return fu_errmsg_set(em, FU_EINVAL, "sparsity %g is outside [0, 1)", sparsity);
+    if (rank == 0)
+        return fu_errmsg_set(em, FU_EINVAL, "the residual rank must be at least 1");
+    fu_modelcfg cfg;
+    FU_TRY(fu_modelcfg_load(in_dir, &cfg, em));
+    fu_safetensors *st = NULL;
+    FU_TRY(fu_safetensors_open_dir(in_dir, &st, em));
+    out_list l = {0};
+    char **meta = NULL;
+    size_t n_meta = 0;
+    fu_err rc = FU_OK;
+    size_t n = fu_modelcfg_weight_count(&cfg);
+    for (size_t i = 0; i < n && rc == FU_OK; i++) {
+        fu_weight_info w;
+        rc = fu_modelcfg_weight(&cfg, i, &w);
+        if (rc != FU_OK)
+            break;
+        size_t ne = w.ndim == 1 ? (size_t)w.shape[0] : (size_t)(w.shape[0] * w.shape[1]);
+        float *f = fu_malloc(ne * sizeof *f);
+        rc = fu_safetensors_read_f32(st, w.name, w.ndim, w.shape, f, ne, em);
+        if (rc != FU_OK) {
+            free(f);
+            break;
+        }
+        if (!is_linear(w.kind)) {
+            out_add(&l, w.name, FU_ST_F32, w.ndim, w.shape[0], w.shape[1], f, ne * sizeof *f);
+            continue;
+        }
+        size_t rows = (size_t)w.shape[0], cols = (size_t)w.shape[1];
+        if (rank > (rows < cols ? rows : cols)) {
+            free(f);
+            rc = fu_errmsg_set(em, FU_EINVAL, "residual rank %u exceeds the smaller side of '%s' [%zu, %zu]", rank,
+                               w.name, rows, cols);
+            break;
+        }
+        float *res = fu_malloc(ne * sizeof *res);
+        rc = kern_salr_prune(f, rows, cols, sparsity, f, res, NULL);
+        float *la = fu_malloc((size_t)rank * cols * sizeof *la);
+        float *lb = fu_malloc(rows * (size_t)rank * sizeof *lb);
+        if (rc == FU_OK)
+            rc = kern_salr_svd(res, rows, cols, rank, KERN_SALR_SVD_AUTO, seed ^ (uint64_t)i, la, lb, NULL);
+        free(res);
+        kern_bitmap_t *bm = NULL;
+        if (rc == FU_OK)
+            rc = kern_bitmap_encode(f, rows, cols, cols, KERN_BITMAP_F32, &bm);
+        free(f);
+        if (rc != FU_OK) {
+            free(la);
+            free(lb);
+            fu_errmsg_set(em, rc, "cannot prune '%s'", w.name);
+            break;
+        }
+        char name[160], mod[160];
+        snprintf(mod, sizeof mod, "%s", w.name);
+        size_t ml = strlen(mod);
+        if (ml > 7 && strcmp(mod + ml - 7, ".weight") == 0)
+            mod[ml - 7] = '\0';
+        size_t blen, vlen, olen;
+        const uint8_t *bb = kern_bitmap_bitmap(bm, &blen);
+        const void *vv = kern_bitmap_values(bm, &vlen);
+        const int32_t *oo = kern_bitmap_offsets(bm, &olen);
+        void *bc = fu_malloc(blen ? blen : 1), *vc = fu_malloc(vlen ? vlen : 1), *oc = fu_malloc(olen ? olen : 1);
+        memcpy(bc, bb, blen);
+        memcpy(vc, vv, vlen);
+        memcpy(oc, oo, olen);
+        snprintf(name, sizeof name, "%s.bitmap", w.name);
+        out_add(&l, name, FU_ST_U8, 1, blen, 1, bc, blen);
+        snprintf(name, sizeof name, "%s.values", w.name);
+        out_add(&l, name, FU_ST_F32, 1, vlen / sizeof(float), 1, vc, vlen);
+        snprintf(name, sizeof name, "%s.offsets", w.name);
+        out_add(&l, name, FU_ST_I32, 1, olen / sizeof(int32_t), 1, oc, olen);
+        snprintf(name, sizeof name, "%s.salr_A.weight", mod);
+        out_add(&l, name, FU_ST_F32, 2, rank, cols, la, (size_t)rank * cols * sizeof(float));
+        snprintf(name, sizeof name, "%s.salr_B.weight", mod);
+        out_add(&l, name, FU_ST_F32, 2, rows, rank, lb, rows * (size_t)rank * sizeof(float));
+        kern_bitmap_destroy(&bm);
+        meta = fu_realloc(meta, (2 * n_meta + 2) * sizeof *meta);
+        snprintf(name, sizeof name, "%s.format", w.name);
+        meta[2 * n_meta] = fu_strdup(name);
+        meta[2 * n_meta + 1] = fu_strdup(KERN_BITMAP_FORMAT_NAME);
+        n_meta++;
+    }
+    fu_safetensors_close(&st);
+    if (rc == FU_OK)
+        rc = fu_mkdir_p(out_dir, 0755, em);
+    if (rc == FU_OK) {
+        char *path = fu_path_join(out_dir, FU_ST_SINGLE_FILE);
+        rc = fu_safetensors_write(path, l.t, l.n, (const char *const *)meta, n_meta, NULL, NULL, em);
+        free(path);
+    }
+    if (rc == FU_OK)
+        rc = fu_modelcfg_save(out_dir, &cfg, em);
+    if (rc == FU_OK) {
+        char js[256];
+        int len = snprintf(js, sizeof js,
+                           "{\n  \"method\": \"salr\",\n  \"sparsity\": %.6g,\n  \"residual_rank\": %u,\n"
+                           "  \"format\": \"%s\"\n}\n",
+                           sparsity, rank, KERN_BITMAP_FORMAT_NAME);
+        char *path = fu_path_join(out_dir, DAG_SALR_CONFIG_FILE);
+        rc = fu_file_write_atomic(path, js, (size_t)len, 0644, em);
+        free(path);
+    }
+    for (size_t i = 0; i < 2 * n_meta; i++)
+        free(meta[i]);
+    free(meta);
+    out_free(&l);
+    return rc;
+}
+
+fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em)
+{
+    char *path = fu_path_join(dir, DAG_SALR_CONFIG_FILE);
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = fu_file_read_all(path, 1 << 16, &txt, &len, em);
+    free(path);
+    if (rc == FU_ENOTFOUND)
+        return fu_errmsg_set(em, FU_ENOTFOUND,
+                             "model dir '%s' has no %s (not a SALR-pruned model: make one with `fusion model prune`)",
+                             dir, DAG_SALR_CONFIG_FILE);
+    FU_TRY(rc);
+    cJSON *j = cJSON_ParseWithLength(txt, len);
+    free(txt);
+    if (!j)
+        return fu_errmsg_set(em, FU_EPROTO, "%s: not valid JSON", DAG_SALR_CONFIG_FILE);
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "residual_rank");
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(j, "sparsity");
+    rc = FU_OK;
+    if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > DAG_MAX_RANK || !cJSON_IsNumber(s) ||
+        !(s->valuedouble >= 0 && s->valuedouble < 1))
+        rc = fu_errmsg_set(em, FU_EPROTO, "%s: residual_rank must be 1..%d and sparsity in [0, 1)",
+                           DAG_SALR_CONFIG_FILE, DAG_MAX_RANK);
+    else {
+        if (residual_rank)
+            *residual_rank = (uint32_t)r->valuedouble;
+        if (sparsity)
+            *sparsity = s->valuedouble;
+    }
+    cJSON_Delete(j);
+    return rc;
+}

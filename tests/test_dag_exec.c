@@ -1,0 +1,807 @@
+/* The executor on tiny models: logits against a plain-loops reference, KV-cache decoding, gradients
+ * against finite differences, stages equal to the whole DAG, LoRA-FA's saved activations, training
+ * lowers the loss, checkpoints, SALR, and failure paths. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_model.h"
+#include "fu_modelcfg.h"
+#include "fu_safetensors.h"
+#include "kern_bitmap.h"
+#include "testutil.h"
+
+/* ---- a tiny model on disk --------------------------------------------------------------------- */
+
+typedef struct {
+    char *dir;          /* model directory */
+    fu_modelcfg cfg;
+    dag_model_dims dims;
+    fu_safetensors *st; /* its weights */
+} tiny;
+
+static void tiny_open(tiny *t, const char *tag, uint64_t seed)
+{
+    t->dir = tu_tmpdir(tag);
+    assert_non_null(t->dir);
+    fu_modelcfg_defaults(&t->cfg); /* 2 layers, hidden 64, 4/2 heads, ffn 128, vocab 256 */
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_model_init_random(t->dir, &t->cfg, seed, 0.08f, &em), FU_OK);
+    dag_dims_from_cfg(&t->cfg, &t->dims);
+    assert_int_equal(fu_safetensors_open_dir(t->dir, &t->st, &em), FU_OK);
+}
+
+static void tiny_close(tiny *t)
+{
+    fu_safetensors_close(&t->st);
+    char *out = NULL;
+    (void)tu_sh(&out, "rm -rf '%s'", t->dir);
+    free(out);
+    free(t->dir);
+}
+
+static dag_graph_t *graph(const tiny *t, dag_adapter_method m, uint32_t rank, dag_head head, uint32_t res_rank)
+{
+    dag_build_opts o = {.method = m, .rank = rank, .alpha = 2.0f * (float)rank, .targets = 0, .res_rank = res_rank,
+                        .head = head, .seq_len = 16};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(&t->dims, &o, &g), FU_OK);
+    return g;
+}
+
+static dag_exec_t *exec_for(const dag_graph_t *g, const fu_safetensors *st, bool training, size_t first, size_t last,
+                            uint32_t max_tokens, bool logits_all)
+{
+    dag_exec_opts o = {.be = NULL, .first = first, .last = last, .max_tokens = max_tokens, .n_slots = 1,
+                       .training = training, .logits_all = logits_all, .max_context = 64, .seed = 7};
+    dag_exec_t *x = NULL;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_exec_new(g, &o, &x, &em);
+    if (rc != FU_OK)
+        fail_msg("dag_exec_new: %s", fu_errmsg_text(&em, rc));
+    rc = dag_exec_load_weights(x, st, &em);
+    if (rc != FU_OK)
+        fail_msg("load_weights: %s", fu_errmsg_text(&em, rc));
+    return x;
+}
+
+/* ---- the plain-loops reference ------------------------------------------------------------------ */
+
+static float *rd(const fu_safetensors *st, const char *name, size_t n0, size_t n1)
+{
+    uint64_t shape[2] = {n0, n1};
+    size_t n = n1 ? n0 * n1 : n0;
+    float *f = malloc(n * sizeof *f);
+    assert_int_equal(fu_safetensors_read_f32(st, name, n1 ? 2 : 1, shape, f, n, NULL), FU_OK);
+    return f;
+}
+
+/* W_eff of a linear: the dense weight, or (SALR) decode(bitmap) + salr_B·salr_A; plus an optional
+ * LoRA delta s·B·A from a PEFT adapter. */
+static float *weight_eff(const fu_safetensors *st, const fu_safetensors *peft, const char *mod, size_t out, size_t in,
+                         double s)
+{
+    char name[256];
+    float *w = malloc(out * in * sizeof *w);
+    snprintf(name, sizeof name, "%s.weight.bitmap", mod);
+    const fu_st_tensor *tb = fu_safetensors_get(st, name);
+    if (tb) {
+        char vn[256], on[256];
+        snprintf(vn, sizeof vn, "%s.weight.values", mod);
+        snprintf(on, sizeof on, "%s.weight.offsets", mod);
+        const fu_st_tensor *tv = fu_safetensors_get(st, vn), *to = fu_safetensors_get(st, on);
+        kern_bitmap_t *bm = NULL;
+        assert_int_equal(kern_bitmap_from_buffers(out, in, KERN_BITMAP_F32, tb->data, tb->nbytes, tv->data, tv->nbytes,
+                                                  to->data, to->nbytes, &bm),
+                         FU_OK);
+        assert_int_equal(kern_bitmap_decode(bm, w, in), FU_OK);
+        kern_bitmap_destroy(&bm);
+        snprintf(name, sizeof name, "%s.salr_A.weight", mod);
+        const fu_st_tensor *ta = fu_safetensors_get(st, name);
+        size_t r = (size_t)ta->shape[0];
+        float *a2 = rd(st, name, r, in);
+        snprintf(name, sizeof name, "%s.salr_B.weight", mod);
+        float *b2 = rd(st, name, out, r);
+        for (size_t o = 0; o < out; o++)
+            for (size_t i = 0; i < in; i++) {
+                double acc = 0;
+                for (size_t k = 0; k < r; k++)
+                    acc += (double)b2[o * r + k] * a2[k * in + i];
+                w[o * in + i] += (float)acc;
+            }
+        free(a2);
+        free(b2);
+    } else {
+        snprintf(name, sizeof name, "%s.weight", mod);
+        free(w);
+        w = rd(st, name, out, in);
+    }
+    if (peft) {
+        snprintf(name, sizeof name, "base_model.model.%s.lora_A.weight", mod);
+        const fu_st_tensor *ta = fu_safetensors_get(peft, name);
+        assert_non_null(ta);
+        size_t r = (size_t)ta->shape[0];
+        float *a = rd(peft, name, r, in);
+        snprintf(name, sizeof name, "base_model.model.%s.lora_B.weight", mod);
+        float *b = rd(peft, name, out, r);
+        for (size_t o = 0; o < out; o++)
+            for (size_t i = 0; i < in; i++) {
+                double acc = 0;
+                for (size_t k = 0; k < r; k++)
+                    acc += (double)b[o * r + k] * a[k * in + i];
+                w[o * in + i] += (float)(s * acc);
+            }
+        free(a);
+        free(b);
+    }
+    return w;
+}
+
+static void ref_linear(const double *x, size_t n, size_t in, size_t out, const float *w, double *y)
+{
+    for (size_t t = 0; t < n; t++)
+        for (size_t o = 0; o < out; o++) {
+            double acc = 0;
+            for (size_t i = 0; i < in; i++)
+                acc += x[t * in + i] * w[o * in + i];
+            y[t * out + o] = acc;
+        }
+}
+
+static void ref_rmsnorm(const double *x, size_t n, size_t d, const float *w, double eps, double *y)
+{
+    for (size_t t = 0; t < n; t++) {
+        double ss = 0;
+        for (size_t i = 0; i < d; i++)
+            ss += x[t * d + i] * x[t * d + i];
+        double r = 1.0 / sqrt(ss / (double)d + eps);
+        for (size_t i = 0; i < d; i++)
+            y[t * d + i] = x[t * d + i] * r * w[i];
+    }
+}
+
+static void ref_rope(double *x, size_t n, size_t heads, size_t hd, size_t T, double theta)
+{
+    for (size_t t = 0; t < n; t++) {
+        double pos = (double)(t % T);
+        for (size_t h = 0; h < heads; h++) {
+            double *v = &x[t * heads * hd + h * hd];
+            for (size_t i = 0; i < hd / 2; i++) {
+                double a = pos * pow(theta, -2.0 * (double)i / (double)hd);
+                double x0 = v[i], x1 = v[i + hd / 2];
+                v[i] = x0 * cos(a) - x1 * sin(a);
+                v[i + hd / 2] = x1 * cos(a) + x0 * sin(a);
+            }
+        }
+    }
+}
+
+/* logits [n_seq*T, vocab] of the model (with a PEFT adapter's delta when peft is given). */
+static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safetensors *peft, double s,
+                          const int32_t *tok, size_t n_seq, size_t T)
+{
+    const fu_modelcfg *c = &t->cfg;
+    size_t H = c->hidden_size, F = c->intermediate_size, V = c->vocab_size, nh = c->num_attention_heads,
+           nkv = c->num_key_value_heads, hd = c->head_dim, n = n_seq * T;
+    size_t qw = nh * hd, kw = nkv * hd;
+    double eps = c->rms_norm_eps;
+    float *emb = rd(st, "model.embed_tokens.weight", V, H);
+    double *x = calloc(n * H, sizeof *x), *h = calloc(n * H, sizeof *h), *q = calloc(n * qw, sizeof *q),
+           *k = calloc(n * kw, sizeof *k), *v = calloc(n * kw, sizeof *v), *o = calloc(n * qw, sizeof *o),
+           *y = calloc(n * H, sizeof *y), *g = calloc(n * F, sizeof *g), *u = calloc(n * F, sizeof *u);
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = 0; j < H; j++)
+            x[i * H + j] = emb[(size_t)tok[i] * H + j];
+    char name[256];
+    for (size_t l = 0; l < c->num_hidden_layers; l++) {
+        snprintf(name, sizeof name, "model.layers.%zu.input_layernorm.weight", l);
+        float *wn = rd(st, name, H, 0);
+        ref_rmsnorm(x, n, H, wn, eps, h);
+        free(wn);
+        const char *mods[3] = {"q_proj", "k_proj", "v_proj"};
+        double *dst[3] = {q, k, v};
+        size_t ow[3] = {qw, kw, kw};
+        for (int m = 0; m < 3; m++) {
+            snprintf(name, sizeof name, "model.layers.%zu.self_attn.%s", l, mods[m]);
+            float *w = weight_eff(st, peft, name, ow[m], H, s);
+            ref_linear(h, n, H, ow[m], w, dst[m]);
+            free(w);
+        }
+        ref_rope(q, n, nh, hd, T, c->rope_theta);
+        ref_rope(k, n, nkv, hd, T, c->rope_theta);
+        for (size_t sq = 0; sq < n_seq; sq++)
+            for (size_t hh = 0; hh < nh; hh++) {
+                size_t kh = hh / (nh / nkv);
+                for (size_t i = 0; i < T; i++) {
+                    double sc[64], mx = -1e300, sum = 0;
+                    for (size_t j = 0; j <= i; j++) {
+                        double d = 0;
+                        for (size_t e = 0; e < hd; e++)
+                            d += q[(sq * T + i) * qw + hh * hd + e] * k[(sq * T + j) * kw + kh * hd + e];
+                        sc[j] = d / sqrt((double)hd);
+                        if (sc[j] > mx)
+                            mx = sc[j];
+                    }
+                    for (size_t j = 0; j <= i; j++)
+                        sum += (sc[j] = exp(sc[j] - mx));
+                    for (size_t e = 0; e < hd; e++) {
+                        double acc = 0;
+                        for (size_t j = 0; j <= i; j++)
+                            acc += sc[j] / sum * v[(sq * T + j) * kw + kh * hd + e];
+                        o[(sq * T + i) * qw + hh * hd + e] = acc;
+                    }
+                }
+            }
+        snprintf(name, sizeof name, "model.layers.%zu.self_attn.o_proj", l);
+        float *wo = weight_eff(st, peft, name, H, qw, s);
+        ref_linear(o, n, qw, H, wo, y);
+        free(wo);
+        for (size_t i = 0; i < n * H; i++)
+            x[i] += y[i];
+        snprintf(name, sizeof name, "model.layers.%zu.post_attention_layernorm.weight", l);
+        wn = rd(st, name, H, 0);
+        ref_rmsnorm(x, n, H, wn, eps, h);
+        free(wn);
+        snprintf(name, sizeof name, "model.layers.%zu.mlp.gate_proj", l);
+        float *wg = weight_eff(st, peft, name, F, H, s);
+        ref_linear(h, n, H, F, wg, g);
+        free(wg);
+        snprintf(name, sizeof name, "model.layers.%zu.mlp.up_proj", l);
+        float *wu = weight_eff(st, peft, name, F, H, s);
+        ref_linear(h, n, H, F, wu, u);
+        free(wu);
+        for (size_t i = 0; i < n * F; i++)
+            g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
+        snprintf(name, sizeof name, "model.layers.%zu.mlp.down_proj", l);
+        float *wd = weight_eff(st, peft, name, H, F, s);
+        ref_linear(g, n, F, H, wd, y);
+        free(wd);
+        for (size_t i = 0; i < n * H; i++)
+            x[i] += y[i];
+    }
+    float *wn = rd(st, "model.norm.weight", H, 0);
+    ref_rmsnorm(x, n, H, wn, eps, h);
+    free(wn);
+    float *lm = rd(st, c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", V, H);
+    double *logits = calloc(n * V, sizeof *logits);
+    ref_linear(h, n, H, V, lm, logits);
+    free(lm);
+    free(emb);
+    free(x);
+    free(h);
+    free(q);
+    free(k);
+    free(v);
+    free(o);
+    free(y);
+    free(g);
+    free(u);
+    return logits;
+}
+
+static void tokens_for(int32_t *tok, size_t n, uint32_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (int32_t)((i * 37u + seed * 11u + (i * i) % 7u) % 256u);
+}
+
+static size_t find_op(const dag_graph_t *g, dag_op op)
+{
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        if (dag_graph_node(g, i)->op == op)
+            return i;
+    fail();
+    return 0;
+}
+
+static double max_abs_diff(const float *a, const double *b, size_t n)
+{
+    double m = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > m)
+            m = d;
+    }
+    return m;
+}
+
+/* ---- tests -------------------------------------------------------------------------------------- */
+
+static void test_dag_exec_logits_match_reference(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-ref", 1);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
+    const size_t n_seq = 2, T = 8, V = t.cfg.vocab_size;
+    int32_t tok[16];
+    tokens_for(tok, n_seq * T, 3);
+    double *ref = ref_logits(&t, t.st, NULL, 0, tok, n_seq, T);
+
+    dag_exec_t *x = exec_for(g, t.st, false, 0, 0, 16, true);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, (uint32_t)n_seq, (uint32_t)T), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg = NULL;
+    size_t nf = 0;
+    uint32_t lm = (uint32_t)find_op(g, DAG_OP_LM_HEAD);
+    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+    assert_int_equal(nf, n_seq * T * V);
+    double d = max_abs_diff(lg, ref, nf);
+    if (d > 1e-5)
+        fail_msg("whole-sequence logits differ from the reference by %g", d);
+    dag_exec_destroy(&x);
+
+    /* Incremental decoding with a KV cache: prefill 5 tokens, then one at a time. */
+    x = exec_for(g, t.st, false, 0, 0, 8, false);
+    dag_session_t *s = NULL;
+    assert_int_equal(dag_exec_session_new(x, &s), FU_OK);
+    dag_exec_session_use(x, s);
+    size_t at = 0;
+    while (at < T) {
+        uint32_t step = at == 0 ? 5 : 1;
+        assert_int_equal(dag_exec_set_tokens(x, 0, tok + at, NULL, 1, step), FU_OK);
+        assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+        at += step;
+        assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+        assert_int_equal(nf, V);
+        d = max_abs_diff(lg, ref + (at - 1) * V, V);
+        if (d > 1e-5)
+            fail_msg("decode logits at position %zu differ by %g", at - 1, d);
+    }
+    assert_int_equal(dag_session_len(s), (int64_t)T);
+    /* Replay: truncate and decode the last token again. */
+    assert_int_equal(dag_session_truncate(s, (int64_t)T - 1), FU_OK);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok + T - 1, NULL, 1, 1), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+    assert_true(max_abs_diff(lg, ref + (T - 1) * V, V) <= 1e-5);
+    dag_exec_session_destroy(&s);
+    dag_exec_destroy(&x);
+    free(ref);
+    dag_graph_destroy(&g);
+    tiny_close(&t);
+}
+
+static float loss_of(dag_exec_t *x, const int32_t *tok, const int32_t *tgt, uint32_t n_seq, uint32_t T)
+{
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, tgt, n_seq, T), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    float l = 0;
+    assert_int_equal(dag_exec_loss(x, 0, &l, NULL), FU_OK);
+    return l;
+}
+
+static void check_fd(dag_exec_t *x, const dag_graph_t *g, bool check_a, const int32_t *tok, const int32_t *tgt)
+{
+    /* Non-zero B so that every path (and A's gradient) matters. */
+    for (size_t i = 0; i < dag_graph_size(g); i++) {
+        kern_tensor_t *A, *B;
+        if (dag_exec_adapter(x, (uint32_t)i, &A, &B, NULL, NULL) != FU_OK)
+            continue;
+        float *b = B->data;
+        for (int64_t k = 0; k < kern_tensor_numel(B); k++)
+            b[k] = 0.05f * (float)sin((double)(k + 3 * (int64_t)i));
+    }
+    (void)loss_of(x, tok, tgt, 2, 8);
+    assert_int_equal(dag_exec_backward(x, 0, 1.0f), FU_OK);
+    int checked = 0;
+    for (size_t i = 0; i < dag_graph_size(g); i++) {
+        kern_tensor_t *A, *B, *dA, *dB;
+        if (dag_exec_adapter(x, (uint32_t)i, &A, &B, &dA, &dB) != FU_OK)
+            continue;
+        for (int which = 0; which < (check_a ? 2 : 1); which++) {
+            kern_tensor_t *P = which ? A : B, *D = which ? dA : dB;
+            assert_non_null(D);
+            float *p = P->data, *d = D->data;
+            /* The entry with the largest analytic gradient. */
+            int64_t best = 0;
+            for (int64_t k = 1; k < kern_tensor_numel(D); k++)
+                if (fabsf(d[k]) > fabsf(d[best]))
+                    best = k;
+            float keep = p[best], h = 1e-2f;
+            p[best] = keep + h;
+            double lp = loss_of(x, tok, tgt, 2, 8);
+            p[best] = keep - h;
+            double lm = loss_of(x, tok, tgt, 2, 8);
+            p[best] = keep;
+            double fd = (lp - lm) / (2.0 * h), an = d[best];
+            if (fabs(fd - an) > 5e-4 + 0.03 * fabs(an))
+                fail_msg("node %zu %s[%lld]: analytic %g, finite difference %g", i, which ? "A" : "B",
+                         (long long)best, an, fd);
+            checked++;
+        }
+    }
+    assert_true(checked >= 14);
+}
+
+static void test_dag_exec_gradients_match_finite_differences(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-fd", 2);
+    int32_t tok[16], tgt[16];
+    tokens_for(tok, 16, 5);
+    for (int i = 0; i < 16; i++)
+        tgt[i] = (tok[i] * 7 + 1) % 256;
+    tgt[3] = -100; /* ignored position */
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 16, false);
+    check_fd(x, g, false, tok, tgt);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    g = graph(&t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
+    x = exec_for(g, t.st, true, 0, 0, 16, false);
+    check_fd(x, g, true, tok, tgt);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    tiny_close(&t);
+}
+
+static void test_dag_exec_stages_equal_whole_dag(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-stages", 3);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    int32_t tok[32], tgt[32];
+    tokens_for(tok, 32, 9);
+    for (int i = 0; i < 32; i++)
+        tgt[i] = (tok[i] + 1) % 256;
+    kern_adamw_params ap = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+    dag_exec_t *whole = exec_for(g, t.st, true, 0, 0, 32, false);
+    /* Three stages: embedding + layer 0 | layer 1's attention half | the rest (a mid-layer cut). */
+    size_t cuts[4] = {0, 16, 25, dag_graph_size(g)};
+    dag_exec_t *st[3];
+    for (int s = 0; s < 3; s++)
+        st[s] = exec_for(g, t.st, true, cuts[s], cuts[s + 1], 32, false);
+    for (int step = 0; step < 3; step++) {
+        float lw = loss_of(whole, tok, tgt, 2, 16);
+        assert_int_equal(dag_exec_backward(whole, 0, 1.0f), FU_OK);
+        assert_int_equal(dag_exec_step(whole, &ap), FU_OK);
+
+        for (int s = 0; s < 3; s++) {
+            assert_int_equal(dag_exec_set_tokens(st[s], 0, tok, tgt, 2, 16), FU_OK);
+            if (s > 0) {
+                uint32_t ids[4];
+                size_t nin = dag_exec_cut_inputs(st[s], ids, 4);
+                assert_int_equal(nin, 1);
+                const float *data;
+                size_t nf;
+                assert_int_equal(dag_exec_get_output(st[s - 1], 0, ids[0], &data, &nf), FU_OK);
+                assert_int_equal(dag_exec_set_input(st[s], 0, ids[0], data, nf), FU_OK);
+            }
+            assert_int_equal(dag_exec_forward(st[s], 0), FU_OK);
+        }
+        float ls = 0;
+        assert_int_equal(dag_exec_loss(st[2], 0, &ls, NULL), FU_OK);
+        assert_true(ls == lw);
+        for (int s = 2; s >= 0; s--) {
+            if (s < 2) {
+                uint32_t ids[4];
+                assert_int_equal(dag_exec_cut_outputs(st[s], ids, 4), 1);
+                const float *gd;
+                size_t nf;
+                assert_int_equal(dag_exec_get_input_grad(st[s + 1], ids[0], &gd, &nf), FU_OK);
+                assert_non_null(gd);
+                assert_int_equal(dag_exec_set_output_grad(st[s], 0, ids[0], gd, nf), FU_OK);
+            }
+            assert_int_equal(dag_exec_backward(st[s], 0, 1.0f), FU_OK);
+            assert_int_equal(dag_exec_step(st[s], &ap), FU_OK);
+        }
+        /* Every adapter is bit-identical to the whole DAG's. */
+        for (size_t i = 0; i < dag_graph_size(g); i++) {
+            kern_tensor_t *Bw;
+            if (dag_exec_adapter(whole, (uint32_t)i, NULL, &Bw, NULL, NULL) != FU_OK)
+                continue;
+            int s = i < cuts[1] ? 0 : i < cuts[2] ? 1 : 2;
+            kern_tensor_t *Bs;
+            assert_int_equal(dag_exec_adapter(st[s], (uint32_t)i, NULL, &Bs, NULL, NULL), FU_OK);
+            assert_memory_equal(Bw->data, Bs->data, kern_tensor_nbytes(Bw));
+        }
+    }
+    for (int s = 0; s < 3; s++)
+        dag_exec_destroy(&st[s]);
+    dag_exec_destroy(&whole);
+    dag_graph_destroy(&g);
+    tiny_close(&t);
+}
+
+static void test_dag_exec_lorafa_saves_less_than_lora(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-mem", 4);
+    int32_t tok[64], tgt[64];
+    tokens_for(tok, 64, 1);
+    for (int i = 0; i < 64; i++)
+        tgt[i] = tok[(i + 1) % 64];
+    size_t saved[2];
+    dag_adapter_method m[2] = {DAG_ADAPTER_LORA, DAG_ADAPTER_LORA_FA};
+    for (int k = 0; k < 2; k++) {
+        dag_graph_t *g = graph(&t, m[k], 8, DAG_HEAD_LOSS, 0);
+        dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 64, false);
+        (void)loss_of(x, tok, tgt, 4, 16);
+        saved[k] = dag_exec_saved_bytes(x);
+        assert_int_equal(dag_exec_backward(x, 0, 1.0f), FU_OK);
+        assert_int_equal(dag_exec_saved_bytes_peak(x), saved[k]);
+        dag_exec_destroy(&x);
+        dag_graph_destroy(&g);
+    }
+    /* LoRA keeps each adapted linear's input X (n × in); LoRA-FA only X·Aᵀ (n × r). Per layer the
+     * extra inputs are h (q/k/v share it), the attention output, h2 (gate/up) and the SwiGLU output. */
+    const fu_modelcfg *c = &t.cfg;
+    size_t extra = 64ull * 4 * (c->hidden_size * 2 + c->num_attention_heads * c->head_dim + c->intermediate_size) *
+                   c->num_hidden_layers;
+    print_message("saved activations: lora %zu B, lora-fa %zu B (%.2fx)\n", saved[0], saved[1],
+                  (double)saved[0] / (double)saved[1]);
+    assert_int_equal(saved[0] - saved[1], extra);
+    tiny_close(&t);
+}
+
+static void train(dag_exec_t *x, const int32_t *text, size_t n_text, int steps, float lr, float *first, float *last)
+{
+    kern_adamw_params ap = {.lr = lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+    const uint32_t B = 2, T = 16;
+    int32_t tok[32], tgt[32];
+    size_t windows = n_text / (T + 1), w = 0;
+    double head = 0, tail = 0;
+    for (int s = 0; s < steps; s++) {
+        for (uint32_t b = 0; b < B; b++, w = (w + 1) % windows) {
+            memcpy(tok + b * T, text + w * (T + 1), T * sizeof *tok);
+            memcpy(tgt + b * T, text + w * (T + 1) + 1, T * sizeof *tgt);
+        }
+        float l = loss_of(x, tok, tgt, B, T);
+        assert_int_equal(dag_exec_backward(x, 0, 1.0f), FU_OK);
+        assert_int_equal(dag_exec_step(x, &ap), FU_OK);
+        if (s < 5)
+            head += l / 5.0;
+        if (s >= steps - 5)
+            tail += l / 5.0;
+    }
+    *first = (float)head;
+    *last = (float)tail;
+}
+
+static int32_t *pattern_text(size_t n)
+{
+    const char *s = "the quick brown fox jumps over the lazy dog. ";
+    int32_t *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n; i++)
+        t[i] = (unsigned char)s[i % strlen(s)];
+    return t;
+}
+
+static void test_dag_exec_finetune_lowers_loss(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-train", 5);
+    int32_t *text = pattern_text(17 * 40);
+    dag_adapter_method m[2] = {DAG_ADAPTER_LORA_FA, DAG_ADAPTER_LORA};
+    for (int k = 0; k < 2; k++) {
+        dag_graph_t *g = graph(&t, m[k], 8, DAG_HEAD_LOSS, 0);
+        dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 32, false);
+        float a, b;
+        train(x, text, 17 * 40, 50, 2e-2f, &a, &b);
+        print_message("%s: loss %.3f -> %.3f over 50 steps\n", dag_adapter_name(m[k]), a, b);
+        assert_true(b < 0.7f * a);
+        assert_int_equal(dag_exec_steps_done(x), 50);
+        dag_exec_destroy(&x);
+        dag_graph_destroy(&g);
+    }
+    free(text);
+    tiny_close(&t);
+}
+
+static void test_dag_exec_checkpoint_round_trip_and_peft(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-ckpt", 6);
+    int32_t *text = pattern_text(17 * 10);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 32, false);
+    float a, b;
+    train(x, text, 170, 6, 1e-2f, &a, &b);
+    char *ck = fu_path_join(t.dir, "ckpt.safetensors");
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_exec_save_state(x, ck, &em), FU_OK);
+    dag_exec_t *y = exec_for(g, t.st, true, 0, 0, 32, false);
+    fu_safetensors *cs = NULL;
+    assert_int_equal(fu_safetensors_open_file(ck, &cs, &em), FU_OK);
+    assert_int_equal(dag_exec_load_state(y, cs, &em), FU_OK);
+    assert_int_equal(dag_exec_steps_done(y), 6);
+    train(x, text, 170, 2, 1e-2f, &a, &b);
+    train(y, text, 170, 2, 1e-2f, &a, &b);
+    for (size_t i = 0; i < dag_graph_size(g); i++) {
+        kern_tensor_t *B1, *B2;
+        if (dag_exec_adapter(x, (uint32_t)i, NULL, &B1, NULL, NULL) != FU_OK)
+            continue;
+        assert_int_equal(dag_exec_adapter(y, (uint32_t)i, NULL, &B2, NULL, NULL), FU_OK);
+        assert_memory_equal(B1->data, B2->data, kern_tensor_nbytes(B1));
+    }
+    fu_safetensors_close(&cs);
+
+    /* PEFT export: names, shapes, config; the reference with merged weights gives the same logits as
+     * the executor with the adapter loaded. */
+    char *ad = fu_path_join(t.dir, "adapter");
+    assert_int_equal(dag_exec_save_adapter(x, ad, "tiny", &em), FU_OK);
+    fu_safetensors *ps = NULL;
+    char *pp = fu_path_join(ad, "adapter_model.safetensors");
+    assert_int_equal(fu_safetensors_open_file(pp, &ps, &em), FU_OK);
+    assert_non_null(fu_safetensors_get(ps, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+    assert_non_null(fu_safetensors_get(ps, "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"));
+    assert_int_equal(fu_safetensors_count(ps), 2 * 7 * 2);
+    char *cj = NULL;
+    size_t cl = 0;
+    char *cp = fu_path_join(ad, "adapter_config.json");
+    assert_int_equal(fu_file_read_all(cp, 1 << 16, &cj, &cl, &em), FU_OK);
+    assert_non_null(strstr(cj, "\"peft_type\": \"LORA\""));
+    assert_non_null(strstr(cj, "\"r\": 4"));
+    assert_non_null(strstr(cj, "\"down_proj\""));
+    assert_non_null(strstr(cj, "CAUSAL_LM"));
+    free(cj);
+
+    dag_graph_t *gi = graph(&t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOGITS, 0);
+    dag_exec_t *inf = exec_for(gi, t.st, false, 0, 0, 16, true);
+    assert_int_equal(dag_exec_load_adapter(inf, ps, &em), FU_OK);
+    int32_t tok[16];
+    tokens_for(tok, 16, 2);
+    assert_int_equal(dag_exec_set_tokens(inf, 0, tok, NULL, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(inf, 0), FU_OK);
+    const float *lg;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(inf, 0, (uint32_t)find_op(gi, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
+    double *ref = ref_logits(&t, t.st, ps, 2.0 * 4 / 4.0, tok, 2, 8);
+    double *ref0 = ref_logits(&t, t.st, NULL, 0, tok, 2, 8);
+    double d = max_abs_diff(lg, ref, nf), d0 = max_abs_diff(lg, ref0, nf);
+    if (d > 1e-5)
+        fail_msg("logits with the adapter differ from merged weights by %g", d);
+    assert_true(d0 > 1e-3); /* the adapter changes the output */
+    free(ref);
+    free(ref0);
+    dag_exec_destroy(&inf);
+    dag_graph_destroy(&gi);
+    fu_safetensors_close(&ps);
+    free(cp);
+    free(pp);
+    free(ad);
+    free(ck);
+    dag_exec_destroy(&y);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    free(text);
+    tiny_close(&t);
+}
+
+static void test_dag_exec_salr_pruned_model(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-salr", 8);
+    char *pd = fu_path_join(t.dir, "pruned");
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_salr_prune_model(t.dir, pd, 0.5, 8, 1, &em);
+    if (rc != FU_OK)
+        fail_msg("prune: %s", fu_errmsg_text(&em, rc));
+    uint32_t rr = 0;
+    double sp = 0;
+    assert_int_equal(dag_salr_config_load(pd, &rr, &sp, &em), FU_OK);
+    assert_int_equal(rr, 8);
+    assert_true(fabs(sp - 0.5) < 1e-9);
+    fu_safetensors *ps = NULL;
+    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    assert_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight"));
+    assert_non_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight.bitmap"));
+
+    /* Forward equals the reference on decode(bitmap) + residual, with the trained adapter at 0. */
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_SALR, 4, DAG_HEAD_LOGITS, rr);
+    dag_exec_t *x = exec_for(g, ps, false, 0, 0, 16, true);
+    int32_t tok[16];
+    tokens_for(tok, 16, 4);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
+    double *ref = ref_logits(&t, ps, NULL, 0, tok, 2, 8);
+    double d = max_abs_diff(lg, ref, nf);
+    if (d > 1e-5)
+        fail_msg("SALR logits differ from the reference by %g", d);
+    free(ref);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+
+    /* Training the SALR adapter lowers the loss. */
+    g = graph(&t, DAG_ADAPTER_SALR, 8, DAG_HEAD_LOSS, rr);
+    x = exec_for(g, ps, true, 0, 0, 32, false);
+    int32_t *text = pattern_text(17 * 40);
+    float a, b;
+    train(x, text, 17 * 40, 40, 2e-2f, &a, &b);
+    print_message("salr: loss %.3f -> %.3f over 40 steps\n", a, b);
+    assert_true(b < 0.7f * a);
+    free(text);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ps);
+    free(pd);
+    tiny_close(&t);
+}
+
+static void test_dag_exec_rejects_bad_input(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-bad", 9);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_exec_opts o = {.max_tokens = 16, .training = true};
+    dag_exec_t *x = NULL;
+    fu_errmsg em = {{0}};
+    /* A model without the tensor the graph names. */
+    dag_model_dims d2 = t.dims;
+    d2.tie_word_embeddings = true;
+    dag_build_opts bo = {.method = DAG_ADAPTER_NONE, .head = DAG_HEAD_LOGITS};
+    dag_graph_t *g2 = NULL;
+    assert_int_equal(dag_build_llama(&d2, &bo, &g2), FU_OK);
+    d2.intermediate_size = 100;
+    dag_graph_t *g3 = NULL;
+    assert_int_equal(dag_build_llama(&d2, &bo, &g3), FU_OK);
+    assert_int_equal(dag_exec_new(g3, &o, &x, &em), FU_OK);
+    fu_err rc = dag_exec_load_weights(x, t.st, &em);
+    assert_int_equal(rc, FU_EINVAL);
+    assert_non_null(strstr(em.msg, "gate_proj"));
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g3);
+    dag_graph_destroy(&g2);
+
+    o.last = 1000;
+    assert_int_equal(dag_exec_new(g, &o, &x, &em), FU_EINVAL);
+    o.last = 0;
+    o.max_tokens = 0;
+    assert_int_equal(dag_exec_new(g, &o, &x, &em), FU_EINVAL);
+
+    x = exec_for(g, t.st, true, 0, 0, 16, false);
+    int32_t tok[16] = {0}, tgt[16] = {0};
+    tok[3] = 256; /* outside the vocabulary */
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, tgt, 1, 16), FU_EINVAL);
+    tok[3] = 1;
+    tgt[2] = -5;
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, tgt, 1, 16), FU_EINVAL);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 2, 16), FU_EINVAL); /* too many rows */
+    assert_int_equal(dag_exec_backward(x, 0, 1.0f), FU_EINVAL);                /* no forward */
+    dag_exec_destroy(&x);
+
+    /* A stage whose cut input was not given. */
+    x = exec_for(g, t.st, true, 16, 0, 16, false);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 16), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_EINVAL);
+    float junk[4] = {0};
+    assert_int_equal(dag_exec_set_input(x, 0, 3, junk, 4), FU_EINVAL); /* not a cut input */
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    tiny_close(&t);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dag_exec_logits_match_reference),
+        cmocka_unit_test(test_dag_exec_gradients_match_finite_differences),
+        cmocka_unit_test(test_dag_exec_stages_equal_whole_dag),
+        cmocka_unit_test(test_dag_exec_lorafa_saves_less_than_lora),
+        cmocka_unit_test(test_dag_exec_finetune_lowers_loss),
+        cmocka_unit_test(test_dag_exec_checkpoint_round_trip_and_peft),
+        cmocka_unit_test(test_dag_exec_salr_pruned_model),
+        cmocka_unit_test(test_dag_exec_rejects_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
