@@ -9,6 +9,7 @@ extern "C" {
 #endif
 
 typedef int (*cli_main_fn)(int argc, char **argv);
+int cli_keygen_main(int argc, char **argv); /* `fusion keygen`, cli_keygen.c */
 
 /* `fusion model` (init, info; prune comes with SALR). cli_model.c */
 int cli_model_main(int argc, char **argv);

@@ -16,7 +16,7 @@ typedef struct {
 } cli_subcommand;
 
 static const cli_subcommand subcommands[] = {
-    {"keygen", "make a CURVE key pair (public.key, secret.key) in a directory", NULL, "The wire"},
+    {"keygen", "make a CURVE key pair (public.key, secret.key) in a directory", cli_keygen_main, "The wire"},
     {"model", "make (init) or prune (prune --method salr) a Hugging Face model directory", cli_model_main,
      "Models and the DAG"},
     {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", NULL,

@@ -1,0 +1,312 @@
+/* CURVE + ZAP on a real server over tcp://127.0.0.1: an allowed key is admitted and its User-Id
+ * is its Z85 public key; unknown keys, NULL-mechanism clients and wrong server keys are refused;
+ * without a ZAP handler the server fails closed; enrolment by token. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <sodium.h>
+#include <zmq.h>
+
+#include "testutil.h"
+#include "wire.h"
+#include "wire_keys.h"
+#include "wire_socket.h"
+#include "wire_zap.h"
+
+typedef struct {
+    void *ctx;
+    wire_keypair_t *server_kp;
+    void *server;
+    char endpoint[256];
+    char *dir;
+    char allow_path[4096];
+    void *clients[8];
+    size_t n_clients;
+    wire_keypair_t *kps[8];
+    size_t n_kps;
+    wire_zap_t *zap;
+} fixture;
+
+static int setup(void **state)
+{
+    fixture *f = calloc(1, sizeof *f);
+    f->ctx = zmq_ctx_new();
+    f->server_kp = wire_keypair_generate();
+    f->dir = tu_tmpdir("curve");
+    snprintf(f->allow_path, sizeof f->allow_path, "%s/allow.keys", f->dir);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    for (size_t i = 0; i < f->n_clients; i++)
+        wire_socket_close(&f->clients[i]);
+    wire_socket_close(&f->server);
+    wire_zap_destroy(&f->zap);
+    zmq_ctx_term(f->ctx);
+    for (size_t i = 0; i < f->n_kps; i++)
+        wire_keypair_destroy(&f->kps[i]);
+    wire_keypair_destroy(&f->server_kp);
+    char *out = NULL;
+    tu_sh(&out, "rm -rf '%s'", f->dir);
+    free(out);
+    free(f->dir);
+    free(f);
+    return 0;
+}
+
+static void start_server(fixture *f)
+{
+    fu_err rc;
+    f->server = wire_socket_new(f->ctx, ZMQ_ROUTER, &rc);
+    assert_non_null(f->server);
+    assert_int_equal(wire_socket_curve_server(f->server, f->server_kp, NULL), FU_OK);
+    assert_int_equal(zmq_bind(f->server, "tcp://127.0.0.1:*"), 0);
+    assert_int_equal(wire_socket_endpoint(f->server, f->endpoint, sizeof f->endpoint), FU_OK);
+    int ms = 1500;
+    zmq_setsockopt(f->server, ZMQ_RCVTIMEO, &ms, sizeof ms);
+}
+
+static wire_keypair_t *new_kp(fixture *f)
+{
+    wire_keypair_t *kp = wire_keypair_generate();
+    f->kps[f->n_kps++] = kp;
+    return kp;
+}
+
+/* A CURVE client (kp NULL: a NULL-mechanism client) that sends one Heartbeat. */
+static void *client_send(fixture *f, const wire_keypair_t *kp, const uint8_t *server_pk)
+{
+    fu_err rc;
+    void *c = wire_socket_new(f->ctx, ZMQ_DEALER, &rc);
+    assert_non_null(c);
+    f->clients[f->n_clients++] = c;
+    if (kp)
+        assert_int_equal(wire_socket_curve_client(c, kp, server_pk), FU_OK);
+    assert_int_equal(zmq_connect(c, f->endpoint), 0);
+    int ms = 1500;
+    zmq_setsockopt(c, ZMQ_RCVTIMEO, &ms, sizeof ms);
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_HEARTBEAT};
+    assert_int_equal(wire_send(c, NULL, 0, &h, &hb.base), FU_OK); /* queued until connected */
+    return c;
+}
+
+static void write_allow_list(fixture *f, const wire_keypair_t *kp)
+{
+    FILE *fp = fopen(f->allow_path, "w");
+    assert_non_null(fp);
+    fprintf(fp, "# fusion allow-list\n\n  %s  # alice\n", wire_keypair_public_z85(kp));
+    fclose(fp);
+}
+
+static void test_wire_curve_available_here(void **state)
+{
+    (void)state;
+    char why[256] = "";
+    assert_int_equal(wire_curve_available(why, sizeof why), FU_OK);
+}
+
+static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *alice = new_kp(f);
+    write_allow_list(f, alice);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    char why[256] = "";
+    fu_err rc;
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    assert_non_null(f->zap);
+    start_server(f);
+    client_send(f, alice, wire_keypair_public(f->server_kp));
+    wire_counters c = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(alice));
+    assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
+    assert_true(wire_zap_msg_is_member(f->zap, m));
+    wire_msg_destroy(&m);
+    wire_zap_counters zc;
+    wire_zap_get_counters(f->zap, &zc);
+    assert_int_equal(zc.admitted, 1);
+    assert_int_equal(zc.refused, 0);
+}
+
+static void test_wire_curve_unknown_key_refused(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *alice = new_kp(f), *mallory = new_kp(f);
+    write_allow_list(f, alice);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    fu_err rc;
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    assert_non_null(f->zap);
+    start_server(f);
+    client_send(f, mallory, wire_keypair_public(f->server_kp));
+    wire_counters c = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+    assert_null(m);
+    wire_zap_counters zc;
+    wire_zap_get_counters(f->zap, &zc);
+    assert_true(zc.refused >= 1);
+    assert_int_equal(zc.admitted, 0);
+
+    /* A client with no CURVE at all gets nowhere either, nor one that has the wrong server key. */
+    client_send(f, NULL, NULL);
+    wire_keypair_t *other = new_kp(f);
+    client_send(f, alice, wire_keypair_public(other));
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+
+    /* and alice still gets in */
+    client_send(f, alice, wire_keypair_public(f->server_kp));
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(alice));
+    wire_msg_destroy(&m);
+
+    /* a denied key is refused on its next connection */
+    wire_zap_deny(f->zap, wire_keypair_public(alice));
+    assert_false(wire_zap_is_member(f->zap, wire_keypair_public_z85(alice)));
+    client_send(f, alice, wire_keypair_public(f->server_kp));
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+}
+
+static void test_wire_curve_no_zap_handler_fails_closed(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *alice = new_kp(f);
+    start_server(f); /* no wire_zap_new: ZMQ_ZAP_ENFORCE_DOMAIN must refuse everyone */
+    client_send(f, alice, wire_keypair_public(f->server_kp));
+    wire_counters c = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+}
+
+static void test_wire_curve_enrolment_by_token(void **state)
+{
+    fixture *f = *state;
+    char token[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(token);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path, .enrol_token = token}; /* file does not exist yet */
+    fu_err rc;
+    char why[256] = "";
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    assert_non_null(f->zap);
+    start_server(f);
+    wire_keypair_t *bob = new_kp(f), *eve = new_kp(f);
+
+    /* bob is admitted as enrolling: the broker accepts only an Enrol from him */
+    client_send(f, bob, wire_keypair_public(f->server_kp));
+    wire_counters c = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_ENROLLING);
+    assert_false(wire_zap_msg_is_member(f->zap, m));
+    wire_msg_destroy(&m);
+
+    void *cb = f->clients[f->n_clients - 1];
+    Fusion__Enrol en = FUSION__ENROL__INIT;
+    en.token = token;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_ENROL};
+    assert_int_equal(wire_send(cb, NULL, 0, &h, &en.base), FU_OK);
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    const Fusion__Enrol *got = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ENROL);
+    assert_non_null(got);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), got->token), FU_OK);
+    assert_true(wire_zap_msg_is_member(f->zap, m)); /* the live list decides */
+    wire_msg_destroy(&m);
+
+    /* eve presents a wrong token */
+    client_send(f, eve, wire_keypair_public(f->server_kp));
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    char wrong[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(wrong);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), wrong), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), "short"), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), NULL), FU_EAUTH);
+    assert_false(wire_zap_msg_is_member(f->zap, m));
+    wire_msg_destroy(&m);
+
+    /* bob's key was appended to the allow-list file and a fresh handler admits him as a member */
+    uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
+    size_t n = 0;
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, why, sizeof why), FU_OK);
+    assert_int_equal(n, 1);
+    assert_memory_equal(keys[0], wire_keypair_public(bob), WIRE_KEY_BYTES);
+    free(keys);
+    client_send(f, bob, wire_keypair_public(f->server_kp));
+    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
+    wire_msg_destroy(&m);
+
+    wire_zap_counters zc;
+    wire_zap_get_counters(f->zap, &zc);
+    assert_int_equal(zc.enrolled, 1);
+    assert_int_equal(zc.bad_tokens, 3);
+}
+
+static void test_wire_curve_enrolment_disabled_without_token(void **state)
+{
+    fixture *f = *state;
+    wire_zap_cfg cfg = {0};
+    fu_err rc;
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    assert_non_null(f->zap);
+    char token[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(token);
+    wire_keypair_t *bob = new_kp(f);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_keypair_public_z85(bob), token), FU_EAUTH);
+    /* a second handler in the same context is refused */
+    wire_zap_t *again = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    assert_null(again);
+    assert_int_equal(rc, FU_EEXIST);
+}
+
+static void test_wire_curve_allow_list_parsing(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *a = new_kp(f);
+    FILE *fp = fopen(f->allow_path, "w");
+    fprintf(fp, "# ok\n%s\nnot-a-key\n", wire_keypair_public_z85(a));
+    fclose(fp);
+    uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
+    size_t n = 0;
+    char why[256] = "";
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, why, sizeof why), FU_EINVAL);
+    assert_non_null(strstr(why, "line 3"));
+    assert_null(keys);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    fu_err rc;
+    assert_null(wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why));
+    assert_int_equal(rc, FU_EINVAL);
+    cfg.allow_file = NULL;
+    cfg.enrol_token = "too-short";
+    assert_null(wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why));
+    assert_int_equal(rc, FU_EINVAL);
+}
+
+int main(void)
+{
+    if (sodium_init() < 0)
+        return 1;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_wire_curve_available_here),
+        cmocka_unit_test_setup_teardown(test_wire_curve_allowed_key_admitted_with_user_id, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_curve_unknown_key_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_curve_no_zap_handler_fails_closed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_curve_enrolment_by_token, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_curve_enrolment_disabled_without_token, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_curve_allow_list_parsing, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
