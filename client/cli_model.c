@@ -251,20 +251,10 @@ static int model_info(int argc, char **argv)
         fprintf(stderr, "fusion: %s\n", fu_errmsg_text(&em, rc));
         return exit_for(rc);
     }
-    size_t n = fu_modelcfg_weight_count(&cfg);
+    rc = fu_modelcfg_check_weights(&cfg, st, &em);
     const char *dtname = "?";
-    for (size_t i = 0; i < n && rc == FU_OK; i++) {
-        fu_weight_info w;
-        const fu_st_tensor *t = NULL;
-        rc = fu_modelcfg_weight(&cfg, i, &w);
-        if (rc == FU_OK)
-            rc = fu_safetensors_expect(st, w.name, w.ndim, w.shape, &t, &em);
-        if (rc == FU_OK && !fu_st_dtype_is_float(t->dtype))
-            rc = fu_errmsg_set(&em, FU_EINVAL, "%s: tensor '%s' has dtype %s, expected F32, F16 or BF16", t->file,
-                               t->name, fu_st_dtype_name(t->dtype));
-        if (rc == FU_OK)
-            dtname = fu_st_dtype_name(t->dtype);
-    }
+    if (rc == FU_OK && fu_safetensors_count(st) > 0)
+        dtname = fu_st_dtype_name(fu_safetensors_get(st, "model.embed_tokens.weight")->dtype);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: model dir '%s': %s\n", dir, fu_errmsg_text(&em, rc));
         fu_safetensors_close(&st);

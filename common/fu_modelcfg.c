@@ -434,3 +434,20 @@ uint64_t fu_modelcfg_param_count(const fu_modelcfg *c)
     }
     return total;
 }
+
+fu_err fu_modelcfg_check_weights(const fu_modelcfg *c, const fu_safetensors *st, fu_errmsg *em)
+{
+    if (!c || !st)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_modelcfg_check_weights: NULL argument");
+    size_t n = fu_modelcfg_weight_count(c);
+    for (size_t i = 0; i < n; i++) {
+        fu_weight_info w;
+        const fu_st_tensor *t = NULL;
+        FU_TRY(fu_modelcfg_weight(c, i, &w));
+        FU_TRY(fu_safetensors_expect(st, w.name, w.ndim, w.shape, &t, em));
+        if (!fu_st_dtype_is_float(t->dtype) || t->dtype == FU_ST_F64)
+            return fu_errmsg_set(em, FU_EINVAL, "%s: tensor '%s' has dtype %s, expected F32, F16 or BF16", t->file,
+                                 t->name, fu_st_dtype_name(t->dtype));
+    }
+    return FU_OK;
+}

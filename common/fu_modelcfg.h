@@ -10,6 +10,7 @@
 
 #include "fu_err.h"
 #include "fu_file.h"
+#include "fu_safetensors.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -120,6 +121,12 @@ FU_MUST_CHECK fu_err fu_modelcfg_weight(const fu_modelcfg *cfg, size_t i, fu_wei
  * out of range, FU_ENOTFOUND for FU_W_LM_HEAD of a tied model. */
 FU_MUST_CHECK fu_err fu_modelcfg_weight_of(const fu_modelcfg *cfg, fu_weight_kind kind, int layer,
                                            fu_weight_info *out);
+
+/* Checks that st holds every weight cfg needs (fu_modelcfg_weight) with exactly its shape and a
+ * float dtype (F32, F16, BF16). FU_ENOTFOUND for a missing tensor, FU_EINVAL for a wrong shape or
+ * dtype, with a message naming the file and the tensor. An lm_head.weight beside tied embeddings
+ * is allowed. */
+FU_MUST_CHECK fu_err fu_modelcfg_check_weights(const fu_modelcfg *cfg, const fu_safetensors *st, fu_errmsg *em);
 
 /* Total parameters (elements of every weight). */
 uint64_t fu_modelcfg_param_count(const fu_modelcfg *cfg);

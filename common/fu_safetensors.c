@@ -269,6 +269,14 @@ static fu_err st_parse_image(fu_safetensors *st, const st_file *f, const uint8_t
     const uint8_t *data = buf + 8 + hsz;
     size_t data_len = len - 8 - hsz;
 
+    /* cJSON spends about 64 bytes per JSON value: bound the values before parsing, so that a
+     * 100 MiB header of "0,0,0,..." cannot cost gigabytes. Counting separators over-estimates. */
+    size_t values = 1;
+    for (size_t i = 0; i < hsz; i++)
+        values += hdr[i] == ',' || hdr[i] == ':' || hdr[i] == '[' || hdr[i] == '{';
+    if (values > FU_ST_MAX_JSON_VALUES)
+        return fu_errmsg_set(em, FU_ENOMEM, "%s: header has about %zu JSON values, more than the %d allowed", lab, values,
+                             FU_ST_MAX_JSON_VALUES);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(hdr, hsz, &end, 0);
     if (!root) {

@@ -33,6 +33,8 @@ extern "C" {
 
 /* Largest JSON header accepted (the reference implementation's limit is 100 MB as well). */
 #define FU_ST_HEADER_MAX ((uint64_t)100 << 20)
+/* Most JSON values (separators, counted before parsing) in one header: about 400k tensors. */
+#define FU_ST_MAX_JSON_VALUES (4 << 20)
 /* Most dimensions of one tensor. */
 #define FU_ST_MAX_DIMS 8
 /* Most shards a model.safetensors.index.json may name. */

@@ -12,6 +12,7 @@
 
 #include "fu_file.h"
 #include "fu_modelcfg.h"
+#include "fu_safetensors.h"
 #include "testutil.h"
 
 /* The config.json of TinyLlama-1.1B (as published), trimmed of nothing. */
@@ -263,6 +264,81 @@ static void test_modelcfg_weight_list_has_hf_names_and_shapes(void **state)
     assert_int_equal(fu_modelcfg_param_count(&c), 256 * 64 + 2 * (64 + 4096 + 4096 + 4096 + 64 + 3 * 8192) + 64);
 }
 
+/* Writes zero weights for cfg into dir/model.safetensors; skip names one tensor to leave out,
+ * bad_dtype gives every tensor that dtype, wrong_shape names one tensor to make one row short. */
+static void write_weights(const char *dir, const fu_modelcfg *c, const char *skip, fu_st_dtype dt, const char *wrong)
+{
+    size_t n = fu_modelcfg_weight_count(c), k = 0;
+    fu_weight_info *w = calloc(n, sizeof *w);
+    fu_st_tensor *t = calloc(n, sizeof *t);
+    void **bufs = calloc(n, sizeof *bufs);
+    for (size_t i = 0; i < n; i++) {
+        assert_int_equal(fu_modelcfg_weight(c, i, &w[i]), FU_OK);
+        if (skip && strcmp(w[i].name, skip) == 0)
+            continue;
+        fu_st_tensor *x = &t[k++];
+        x->name = w[i].name;
+        x->dtype = dt;
+        x->ndim = w[i].ndim;
+        size_t ne = 1;
+        for (size_t d = 0; d < w[i].ndim; d++) {
+            x->shape[d] = w[i].shape[d] - (wrong && d == 0 && strcmp(w[i].name, wrong) == 0 ? 1 : 0);
+            ne *= (size_t)x->shape[d];
+        }
+        x->nbytes = ne * fu_st_dtype_size(dt);
+        bufs[i] = calloc(1, x->nbytes + 1);
+        x->data = bufs[i];
+    }
+    char *p = fu_path_join(dir, "model.safetensors");
+    fu_errmsg em = {{0}};
+    if (fu_safetensors_write(p, t, k, NULL, 0, NULL, NULL, &em) != FU_OK)
+        fail_msg("%s", em.msg);
+    free(p);
+    for (size_t i = 0; i < n; i++)
+        free(bufs[i]);
+    free(bufs);
+    free(t);
+    free(w);
+}
+
+static fu_err check_dir(const char *dir, const fu_modelcfg *c, fu_errmsg *em)
+{
+    fu_safetensors *st = NULL;
+    fu_err rc = fu_safetensors_open_dir(dir, &st, em);
+    if (rc == FU_OK)
+        rc = fu_modelcfg_check_weights(c, st, em);
+    fu_safetensors_close(&st);
+    return rc;
+}
+
+static void test_modelcfg_check_weights(void **state)
+{
+    (void)state;
+    char *dir = tu_tmpdir("cfgw");
+    fu_modelcfg c;
+    fu_modelcfg_defaults(&c);
+    fu_errmsg em = {{0}};
+    write_weights(dir, &c, NULL, FU_ST_BF16, NULL);
+    assert_int_equal(check_dir(dir, &c, &em), FU_OK);
+    c.tie_word_embeddings = true; /* a spare lm_head is fine */
+    assert_int_equal(check_dir(dir, &c, &em), FU_OK);
+    c.tie_word_embeddings = false;
+    write_weights(dir, &c, "model.layers.1.self_attn.v_proj.weight", FU_ST_F32, NULL);
+    assert_int_equal(check_dir(dir, &c, &em), FU_ENOTFOUND);
+    assert_string_equal(em.msg, "model.safetensors: no tensor 'model.layers.1.self_attn.v_proj.weight'");
+    write_weights(dir, &c, NULL, FU_ST_F32, "model.layers.1.mlp.down_proj.weight");
+    assert_int_equal(check_dir(dir, &c, &em), FU_EINVAL);
+    assert_string_equal(em.msg, "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' has shape [63, 128], "
+                                "expected [64, 128]");
+    write_weights(dir, &c, NULL, FU_ST_I32, NULL);
+    assert_int_equal(check_dir(dir, &c, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "has dtype I32, expected F32, F16 or BF16"));
+    char *out = NULL;
+    tu_sh(&out, "rm -rf '%s'", dir);
+    free(out);
+    free(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -272,6 +348,7 @@ int main(void)
         cmocka_unit_test(test_modelcfg_missing_file_says_what_to_do),
         cmocka_unit_test(test_modelcfg_save_and_load_round_trip),
         cmocka_unit_test(test_modelcfg_weight_list_has_hf_names_and_shapes),
+        cmocka_unit_test(test_modelcfg_check_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -411,6 +411,19 @@ static void test_safetensors_rejects_bad_headers(void **state)
     assert_non_null(strstr(em.msg, "gap"));
     assert_int_equal(parse_text("{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 9, &em), FU_EPROTO);
     assert_non_null(strstr(em.msg, "has 9 bytes but its tensors cover 4"));
+    /* Too many JSON values for the parser's memory (checked before parsing). */
+    size_t big_n = 2 * ((size_t)FU_ST_MAX_JSON_VALUES + 16) + 16;
+    char *huge = malloc(big_n);
+    strcpy(huge, "{\"x\":[");
+    size_t at = strlen(huge);
+    while (at + 4 < big_n) {
+        huge[at++] = '0';
+        huge[at++] = ',';
+    }
+    strcpy(huge + at, "0]}");
+    assert_int_equal(parse_text(huge, 0, &em), FU_ENOMEM);
+    assert_non_null(strstr(em.msg, "JSON values"));
+    free(huge);
     /* A duplicated tensor name. */
     assert_int_equal(parse_text("{\"x\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
                                 "\"x\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
