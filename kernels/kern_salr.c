@@ -355,6 +355,48 @@ static fu_err spmm_fused(const kern_bitmap_view *v, kern_simd_isa isa, const flo
     return FU_OK;
 }
 
+/* One cached scratch buffer for the pipeline's two slices (reused across calls; a concurrent call
+ * that finds it taken allocates its own). */
+static pthread_mutex_t scratch_mu = PTHREAD_MUTEX_INITIALIZER;
+static float          *scratch_buf;
+static size_t          scratch_len;
+
+static float *scratch_take(size_t bytes)
+{
+    float *p = NULL;
+    pthread_mutex_lock(&scratch_mu);
+    if (scratch_buf && scratch_len >= bytes) {
+        p = scratch_buf;
+        scratch_buf = NULL;
+        scratch_len = 0;
+    }
+    pthread_mutex_unlock(&scratch_mu);
+    return p ? p : fu_malloc_aligned(bytes);
+}
+
+static void scratch_give(float *p, size_t bytes)
+{
+    pthread_mutex_lock(&scratch_mu);
+    if (!scratch_buf || scratch_len < bytes) {
+        float *old = scratch_buf;
+        scratch_buf = p;
+        scratch_len = bytes;
+        p = old;
+    }
+    pthread_mutex_unlock(&scratch_mu);
+    fu_free_aligned(p);
+}
+
+void kern_salr_scratch_release(void)
+{
+    pthread_mutex_lock(&scratch_mu);
+    float *p = scratch_buf;
+    scratch_buf = NULL;
+    scratch_len = 0;
+    pthread_mutex_unlock(&scratch_mu);
+    fu_free_aligned(p);
+}
+
 /* Two-stage pipeline: a decode thread fills two dense row-block buffers alternately; the calling
  * thread multiplies each ready block with cblas_sgemm while the next one is decoded. */
 typedef struct {
@@ -407,6 +449,9 @@ static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const
         return FU_EINVAL;
     spmm_pipe p = {.v = v, .isa = isa};
     size_t    rb = KERN_SALR_BLOCK_BYTES / (v->cols * sizeof(float));
+    size_t quarter = (v->rows / 4 + TR - 1) / TR * TR; /* at least ~4 blocks, so stages overlap */
+    if (rb > quarter)
+        rb = quarter;
     rb = rb / TR * TR;
     if (rb < 4 * TR)
         rb = 4 * TR;
@@ -415,8 +460,10 @@ static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const
         rb = rows_padded;
     p.rb = rb;
     p.nblocks = (v->rows + rb - 1) / rb;
-    p.slot[0] = fu_malloc_aligned(rb * v->cols * sizeof(float));
-    p.slot[1] = fu_malloc_aligned(rb * v->cols * sizeof(float));
+    size_t slot_floats = rb * v->cols;
+    float *scratch = scratch_take(2 * slot_floats * sizeof(float));
+    p.slot[0] = scratch;
+    p.slot[1] = scratch + slot_floats;
 
     bool      threaded = nt > 1 && p.nblocks > 1;
     pthread_t dec;
@@ -451,8 +498,7 @@ static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const
         pthread_mutex_destroy(&p.mu);
         pthread_cond_destroy(&p.cv);
     }
-    fu_free_aligned(p.slot[0]);
-    fu_free_aligned(p.slot[1]);
+    scratch_give(scratch, 2 * slot_floats * sizeof(float));
     return FU_OK;
 }
 

@@ -28,9 +28,14 @@ extern "C" {
 #define KERN_SALR_DEFAULT_SPARSITY 0.5     /* fraction of a matrix's elements pruned */
 #define KERN_SALR_THREADS          2       /* worker threads of kern_salr_spmm when 0 is given */
 #define KERN_SALR_FUSED_MAX_BATCH  4       /* batch rows one fused decode-and-multiply pass serves */
-#define KERN_SALR_FUSED_BATCH_LIMIT 8      /* batches up to this use fused passes, larger ones the
+#ifndef KERN_SALR_FUSED_BATCH_LIMIT
+#define KERN_SALR_FUSED_BATCH_LIMIT 16     /* batches up to this use fused passes, larger ones the
                                               decode + sgemm pipeline */
-#define KERN_SALR_BLOCK_BYTES      (2u << 20) /* dense slice decoded per pipeline step (about) */
+#endif
+#ifndef KERN_SALR_BLOCK_BYTES
+#define KERN_SALR_BLOCK_BYTES      (8u << 20) /* dense slice decoded per pipeline step (about):
+                                              big slices keep sgemm from re-packing X often */
+#endif
 #define KERN_SALR_SVD_EXACT_MAX_DIM 1024   /* KERN_SALR_SVD_AUTO: exact SVD when min(rows, cols)
                                               is at most this */
 #define KERN_SALR_SVD_OVERSAMPLE   16      /* randomized SVD: extra columns of the range sketch */
@@ -77,6 +82,11 @@ FU_MUST_CHECK fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols,
  * beyond BLAS's int. Thread-safe for distinct y. */
 FU_MUST_CHECK fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y,
                                     bool accumulate, int n_threads);
+
+/* kern_salr_spmm keeps the pipeline's two dense slice buffers (2 x KERN_SALR_BLOCK_BYTES) for
+ * the next call instead of faulting fresh pages in every time. This frees them (for example
+ * before a process drops to a small footprint). Thread-safe. */
+void kern_salr_scratch_release(void);
 
 /* Shapes of a layer's concatenated adapters: adapter 1 (trainable LoRA or LoRA-FA, rank r1) and
  * adapter 2 (the frozen SVD residual, rank r2) on a linear layer in -> out. rt = r1 + r2. */

@@ -308,7 +308,7 @@ static void check_spmm(size_t out, size_t in, size_t n, kern_bitmap_dtype dt)
 static void test_kern_salr_spmm_matches_dense(void **state)
 {
     (void)state;
-    static const size_t batches[] = {1, 2, 3, 4, 5, 8, 9, 64};
+    static const size_t batches[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 64};
     for (size_t k = 0; k < sizeof batches / sizeof batches[0]; k++) {
         check_spmm(67, 193, batches[k], KERN_BITMAP_F32);  /* odd shape, partial tiles */
         check_spmm(256, 128, batches[k], KERN_BITMAP_F32); /* whole tiles, several pipeline blocks */
@@ -324,7 +324,7 @@ static void test_kern_salr_spmm_large_pipeline(void **state)
 {
     (void)state;
     /* more rows than one pipeline block (KERN_SALR_BLOCK_BYTES / (cols*4) rows) */
-    check_spmm(8 * 130 + 3, 2048 + 7, 16, KERN_BITMAP_F32);
+    check_spmm(8 * 130 + 3, 2048 + 7, 40, KERN_BITMAP_F32);
 }
 
 static void test_kern_salr_spmm_bad_args(void **state)
