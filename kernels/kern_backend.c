@@ -132,10 +132,10 @@ fu_err kern_chk_contig(const kern_backend_t *be, const kern_tensor_t *t)
     return kern_tensor_is_contiguous(t) ? FU_OK : FU_EINVAL;
 }
 
-fu_err kern_chk_f32(const kern_backend_t *be, const kern_tensor_t *t, int ndim)
+fu_err kern_chk_float(const kern_backend_t *be, const kern_tensor_t *t, int ndim)
 {
     FU_TRY(kern_chk_contig(be, t));
-    if (t->dtype != KERN_F32 || (ndim > 0 && t->ndim != ndim))
+    if (!((kern_float_mask(be) >> t->dtype) & 1u) || (ndim > 0 && t->ndim != ndim))
         return FU_EINVAL;
     return FU_OK;
 }
@@ -143,7 +143,7 @@ fu_err kern_chk_f32(const kern_backend_t *be, const kern_tensor_t *t, int ndim)
 fu_err kern_chk_mat(const kern_backend_t *be, const kern_tensor_t *t)
 {
     FU_TRY(kern_chk_dev(be, t));
-    if (t->dtype != KERN_F32 || !kern_tensor_is_rowmajor_2d(t))
+    if (!((kern_float_mask(be) >> t->dtype) & 1u) || !kern_tensor_is_rowmajor_2d(t))
         return FU_EINVAL;
     if (t->shape[0] > KERN_INT_LIMIT || t->shape[1] > KERN_INT_LIMIT || t->stride[0] > KERN_INT_LIMIT)
         return FU_EINVAL;

@@ -7,7 +7,9 @@
  * it reads (token ids, targets) and return FU_EINVAL for out-of-range values.
  *
  * Conventions shared by all ops:
- *   - compute dtype is f32 (weights in f16/bf16 files are converted once with kern_tensor_convert);
+ *   - float tensors use a dtype in be->float_dtypes (the CPU: f32 only, so f16/bf16 weights are
+ *     converted once with kern_tensor_convert; a GPU backend may also take f16/bf16), and all float
+ *     tensors of one call share one dtype; ids, positions and targets are i32;
  *   - activations are row-major [tokens, features]; weights use the Hugging Face layout
  *     [out_features, in_features], so linear is Y = X·Wᵀ;
  *   - every tensor passed to a backend must live on that backend's device;
@@ -69,6 +71,16 @@ typedef struct {
     uint64_t seed;        /* RNG seed */
 } kern_sample_params;
 
+/* A frozen sparse weight W [rows, cols] (Hugging Face layout: rows = out_features) in a backend's
+ * own representation: on the CPU `handle` is a const kern_bitmap_t * (kern_bitmap.h); on CUDA a
+ * const kern_cuda_bitmap_t * (kern_cuda.h). rows/cols repeat the matrix's dimensions so that the
+ * wrappers can validate shapes without knowing the representation; the backend checks they match. */
+typedef struct {
+    const void *handle; /* backend-specific sparse matrix (borrowed) */
+    int64_t     rows;   /* out_features */
+    int64_t     cols;   /* in_features */
+} kern_sparse_weight;
+
 typedef struct kern_backend kern_backend_t;
 
 /* The backend table. Memory functions move raw bytes; op functions receive validated arguments
@@ -77,6 +89,7 @@ struct kern_backend {
     const char *name;   /* "cpu", "cuda:0" */
     kern_device device; /* where this backend's tensors live */
     void       *impl;   /* backend-private state */
+    unsigned    float_dtypes; /* bitmask (1u << kern_dtype) of float dtypes the ops accept; 0 = f32 */
 
     fu_err (*alloc)(const kern_backend_t *be, size_t bytes, void **out); /* KERN_ALIGN-aligned */
     void (*free)(const kern_backend_t *be, void *p);
@@ -126,8 +139,11 @@ struct kern_backend {
                     kern_tensor_t *m, kern_tensor_t *v, const kern_adamw_params *p, int64_t step);
     fu_err (*sample)(const kern_backend_t *be, const kern_tensor_t *logits,
                      const kern_sample_params *p, uint64_t counter, int32_t *out_tokens);
-    /* Bitmap-sparse weight products (kern_bitmap.h); NULL while a backend has none. */
-    void *bitmap_reserved_[2];
+    /* Frozen sparse (bitmap) weights; NULL when a backend has no sparse kernels. */
+    fu_err (*sparse_matmul)(const kern_backend_t *be, const kern_tensor_t *x, const kern_sparse_weight *w,
+                            float beta, kern_tensor_t *y);
+    fu_err (*sparse_matmul_dx)(const kern_backend_t *be, const kern_tensor_t *dy, const kern_sparse_weight *w,
+                               kern_tensor_t *dx);
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -141,8 +157,13 @@ const kern_backend_t *kern_backend_cpu(void);
  * any other name. *out is borrowed (static storage). */
 FU_MUST_CHECK fu_err kern_backend_get(const char *name, const kern_backend_t **out);
 
-/* Number of threads the CPU backend uses for its own loops (OpenMP). */
+/* Number of threads the CPU backend uses for its own loops (OpenMP; GEMMs use OpenBLAS's own
+ * threads, set with OPENBLAS_NUM_THREADS). Small ops always run on the calling thread. */
 int kern_cpu_threads(void);
+/* Sets that number process-wide (0: automatic = OpenMP's default). FU_EINVAL when n < 0 or absurd.
+ * Thread-safe, but workspace sizes queried before a change may no longer fit attention's
+ * few-query path (it then returns FU_ENOMEM rather than overrun). */
+FU_MUST_CHECK fu_err kern_cpu_set_threads(int n);
 
 /* ---------------------------------------------------------------------------------------------
  * Memory. All take the backend the tensors live on; FU_EINVAL when a tensor is on another device,
@@ -166,9 +187,9 @@ FU_MUST_CHECK fu_err kern_tensor_convert(const kern_backend_t *be, const kern_te
 FU_MUST_CHECK fu_err kern_backend_sync(const kern_backend_t *be);
 
 /* ---------------------------------------------------------------------------------------------
- * Ops (f32). Shapes in comments; n = tokens. FU_EINVAL for any shape/dtype/device mismatch. */
+ * Ops. Shapes in comments; n = tokens. FU_EINVAL for any shape/dtype/device mismatch. */
 
-/* C = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when trans_x. All 2-D f32 with contiguous rows
+/* C = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when trans_x. All 2-D, one float dtype, contiguous rows
  * (row strides allowed, so column slices work). Dimensions must fit in int. */
 FU_MUST_CHECK fu_err kern_gemm(const kern_backend_t *be, bool trans_a, bool trans_b, float alpha,
                                const kern_tensor_t *a, const kern_tensor_t *b, float beta,
@@ -258,11 +279,20 @@ FU_MUST_CHECK fu_err kern_xent_backward(const kern_backend_t *be, const kern_ten
                                         const kern_tensor_t *targets, int32_t ignore_index,
                                         float grad_scale, kern_tensor_t *dlogits);
 
-/* One AdamW step (see kern_adamw_params) over param, grad, m, v (same shape, contiguous f32);
+/* One AdamW step (see kern_adamw_params) over param, grad, m, v (same shape and dtype, contiguous);
  * step is the 1-based step count used for bias correction. */
 FU_MUST_CHECK fu_err kern_adamw_step(const kern_backend_t *be, kern_tensor_t *param,
                                      const kern_tensor_t *grad, kern_tensor_t *m, kern_tensor_t *v,
                                      const kern_adamw_params *p, int64_t step);
+
+/* Y[n,rows] = X[n,cols]·Wᵀ + beta·Y for a frozen sparse weight (SALR's pruned base weight); beta is
+ * 0 or 1. X and Y contiguous. With kern_lora_forward(w = NULL) afterwards this is a SALR layer.
+ * FU_ENOSYS when be has no sparse kernels; FU_EINVAL when w's handle does not match rows/cols. */
+FU_MUST_CHECK fu_err kern_sparse_linear_forward(const kern_backend_t *be, const kern_tensor_t *x,
+                                                const kern_sparse_weight *w, float beta, kern_tensor_t *y);
+/* dX[n,cols] = dY[n,rows]·W (overwritten): the input gradient through a frozen sparse weight. */
+FU_MUST_CHECK fu_err kern_sparse_linear_backward(const kern_backend_t *be, const kern_tensor_t *dy,
+                                                 const kern_sparse_weight *w, kern_tensor_t *dx);
 
 /* Draws one token per row of logits [n,V] (or [V]) into out_tokens[n] (host memory). */
 FU_MUST_CHECK fu_err kern_sample(const kern_backend_t *be, const kern_tensor_t *logits,

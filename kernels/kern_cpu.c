@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,7 +11,6 @@
 #include "kern_internal.h"
 
 /* Below this many elements an element-wise loop runs on one thread (thread start-up costs more). */
-#define CPU_PAR_MIN 32768
 
 static fu_err cpu_alloc(const kern_backend_t *be, size_t bytes, void **out)
 {
@@ -94,7 +94,7 @@ static fu_err cpu_add(const kern_backend_t *be, const kern_tensor_t *a, const ke
     const float *pa = a->data, *pb = b->data;
     float *py = y->data;
     int64_t n = kern_tensor_numel(y);
-#pragma omp parallel for simd if (n > CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
     for (int64_t i = 0; i < n; i++)
         py[i] = pa[i] + pb[i];
     return FU_OK;
@@ -106,7 +106,7 @@ static fu_err cpu_axpy(const kern_backend_t *be, float alpha, const kern_tensor_
     const float *px = x->data;
     float *py = y->data;
     int64_t n = kern_tensor_numel(y);
-#pragma omp parallel for simd if (n > CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
     for (int64_t i = 0; i < n; i++)
         py[i] += alpha * px[i];
     return FU_OK;
@@ -125,7 +125,7 @@ static fu_err cpu_adamw(const kern_backend_t *be, kern_tensor_t *param, const ke
     const double bc2 = 1.0 - pow((double)b2, (double)step);
     const float step_size = (float)((double)lr / bc1);
     const float inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
-#pragma omp parallel for simd if (n > CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i];
         float mi = b1 * pm[i] + (1.0f - b1) * gi;
@@ -142,6 +142,7 @@ static const kern_backend_t cpu_backend = {
     .name = "cpu",
     .device = {KERN_DEV_CPU, 0},
     .impl = NULL,
+    .float_dtypes = 1u << KERN_F32,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .copy_in = cpu_copy,
@@ -167,6 +168,8 @@ static const kern_backend_t cpu_backend = {
     .xent_bwd = kern_cpu_xent_bwd,
     .adamw = cpu_adamw,
     .sample = kern_cpu_sample,
+    .sparse_matmul = kern_cpu_sparse_matmul,
+    .sparse_matmul_dx = kern_cpu_sparse_matmul_dx,
 };
 
 const kern_backend_t *kern_backend_cpu(void)
@@ -174,7 +177,19 @@ const kern_backend_t *kern_backend_cpu(void)
     return &cpu_backend;
 }
 
+/* 0: automatic (OpenMP's default, normally one per core, or OMP_NUM_THREADS). */
+static _Atomic int cpu_threads_override;
+
 int kern_cpu_threads(void)
 {
-    return omp_get_max_threads();
+    int n = atomic_load_explicit(&cpu_threads_override, memory_order_relaxed);
+    return n > 0 ? n : omp_get_max_threads();
+}
+
+fu_err kern_cpu_set_threads(int n)
+{
+    if (n < 0 || n > 4096)
+        return FU_EINVAL;
+    atomic_store_explicit(&cpu_threads_override, n, memory_order_relaxed);
+    return FU_OK;
 }

@@ -26,7 +26,7 @@ fu_err kern_cpu_attn_ws_bytes(const kern_backend_t *be, const kern_attn_params *
 {
     (void)be;
     (void)p;
-    size_t nt = (size_t)omp_get_max_threads();
+    size_t nt = (size_t)kern_cpu_threads();
     size_t floats;
     if (backward)
         floats = 2 * (size_t)tq * (size_t)tk;
@@ -60,7 +60,7 @@ static fu_err scratch(kern_workspace_t *ws, size_t floats, float **out, void **o
 /* In-place causal softmax of S rows: row i keeps columns 0..lim(i), the rest become 0. */
 static void masked_softmax(float *S, int64_t tq, int64_t tk, int64_t q_offset)
 {
-#pragma omp parallel for if (tq * tk > 16384) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
     for (int64_t i = 0; i < tq; i++) {
         float *row = S + i * tk;
         int64_t lim = q_offset + i + 1; /* allowed: j < lim */
@@ -90,7 +90,7 @@ static void attn_fwd_small(const kern_attn_params *p, int64_t tq, int64_t tk, co
     const int64_t D = p->head_dim, Hq = p->n_head, Hkv = p->n_kv_head, group = Hq / Hkv;
     const int64_t ldq = Hq * D, ldk = Hkv * D;
     const int64_t pairs = (int64_t)p->n_seq * Hq;
-#pragma omp parallel if (pairs * tk * D > 16384)
+#pragma omp parallel num_threads(kern_cpu_threads()) if (pairs * tk * D > KERN_CPU_PAR_MIN)
     {
         float *sc = scr + (int64_t)omp_get_thread_num() * tk;
 #pragma omp for schedule(static)
@@ -151,7 +151,7 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
     void *owned = NULL;
     float *scr = NULL;
     bool small = tq <= ATTN_SMALL_TQ;
-    size_t floats = small ? (size_t)omp_get_max_threads() * (size_t)tk : (size_t)tq * (size_t)tk;
+    size_t floats = small ? (size_t)kern_cpu_threads() * (size_t)tk : (size_t)tq * (size_t)tk;
     FU_TRY(scratch(ws, floats, &scr, &owned));
     if (small) {
         attn_fwd_small(p, tq, tk, Q, K, Vp, O, scr, scale);
@@ -218,7 +218,7 @@ fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, co
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)tk, (int)D, (int)tq, 1.0f, P, (int)tk, dOh,
                         ldq, 1.0f, dVg, ldk);
             /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
-#pragma omp parallel for if (tq * tk > 16384) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
             for (int64_t i = 0; i < tq; i++) {
                 const float *pr = P + i * tk;
                 float *dr = dP + i * tk;

@@ -14,7 +14,7 @@ struct kern_kvcache {
     int64_t               len;  /* positions filled */
 };
 
-fu_err kern_kvcache_new(const kern_backend_t *be, int n_kv_head, int head_dim, int64_t max_tokens,
+fu_err kern_kvcache_new(const kern_backend_t *be, kern_dtype dtype, int n_kv_head, int head_dim, int64_t max_tokens,
                         kern_kvcache_t **out)
 {
     if (!out)
@@ -22,14 +22,16 @@ fu_err kern_kvcache_new(const kern_backend_t *be, int n_kv_head, int head_dim, i
     *out = NULL;
     if (!be || n_kv_head <= 0 || head_dim <= 0 || max_tokens <= 0)
         return FU_EINVAL;
+    if ((unsigned)dtype >= (unsigned)KERN_DTYPE_COUNT_ || !((kern_float_mask(be) >> dtype) & 1u))
+        return FU_EINVAL;
     int64_t shape[2] = {max_tokens, (int64_t)n_kv_head * head_dim};
     kern_kvcache_t *c = fu_calloc(1, sizeof *c);
     c->be = be;
     c->n_kv_head = n_kv_head;
     c->head_dim = head_dim;
-    fu_err rc = kern_tensor_new(be, KERN_F32, 2, shape, &c->k);
+    fu_err rc = kern_tensor_new(be, dtype, 2, shape, &c->k);
     if (rc == FU_OK)
-        rc = kern_tensor_new(be, KERN_F32, 2, shape, &c->v);
+        rc = kern_tensor_new(be, dtype, 2, shape, &c->v);
     if (rc != FU_OK) {
         kern_kvcache_destroy(&c);
         return rc;
@@ -63,9 +65,10 @@ fu_err kern_kvcache_append(kern_kvcache_t *c, const kern_tensor_t *k_new, const 
 {
     if (!c)
         return FU_EINVAL;
-    FU_TRY(kern_chk_f32(c->be, k_new, 2));
-    FU_TRY(kern_chk_f32(c->be, v_new, 2));
-    if (!kern_tensor_same_shape(k_new, v_new) || k_new->shape[1] != c->k->shape[1])
+    FU_TRY(kern_chk_float(c->be, k_new, 2));
+    FU_TRY(kern_chk_float(c->be, v_new, 2));
+    if (!kern_tensor_same_shape(k_new, v_new) || k_new->shape[1] != c->k->shape[1] ||
+        !kern_same_dtype(c->k, k_new) || !kern_same_dtype(c->k, v_new))
         return FU_EINVAL;
     int64_t t = k_new->shape[0];
     if (t > c->k->shape[0] - c->len)

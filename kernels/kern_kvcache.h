@@ -1,5 +1,5 @@
 /* kern_kvcache: per-layer key/value cache for incremental decoding. Keys and values are stored
- * post-RoPE as [max_tokens, n_kv_head*head_dim] f32 tensors on the cache's backend; appending new
+ * post-RoPE as [max_tokens, n_kv_head*head_dim] tensors on the cache's backend; appending new
  * positions copies rows on the device, and attention over the cache is kern_attn_forward with
  * q_offset = tokens already cached (kern_kvcache_attend does that bookkeeping). One sequence per
  * cache. Not thread-safe: one owner at a time. */
@@ -16,10 +16,11 @@ extern "C" {
 
 typedef struct kern_kvcache kern_kvcache_t;
 
-/* New empty cache for up to max_tokens positions on be. FU_EINVAL on non-positive sizes,
- * FU_ENOMEM when the backend cannot allocate. *out is owned by the caller. */
-FU_MUST_CHECK fu_err kern_kvcache_new(const kern_backend_t *be, int n_kv_head, int head_dim, int64_t max_tokens,
-                                      kern_kvcache_t **out);
+/* New empty cache for up to max_tokens positions on be, storing dtype (a float dtype be computes
+ * in: KERN_F32 on the CPU). FU_EINVAL on non-positive sizes or another dtype, FU_ENOMEM when the
+ * backend cannot allocate. *out is owned by the caller. */
+FU_MUST_CHECK fu_err kern_kvcache_new(const kern_backend_t *be, kern_dtype dtype, int n_kv_head, int head_dim,
+                                      int64_t max_tokens, kern_kvcache_t **out);
 void kern_kvcache_destroy(kern_kvcache_t **c_p); /* idempotent; NULLs *c_p */
 
 int64_t kern_kvcache_len(const kern_kvcache_t *c);      /* positions cached */

@@ -18,10 +18,10 @@ float kern_lora_scale(float alpha, int64_t rank)
 
 fu_err kern_lora_init(const kern_backend_t *be, kern_tensor_t *a, kern_tensor_t *b, uint64_t seed)
 {
-    FU_TRY(kern_chk_f32(be, a, 2));
-    FU_TRY(kern_chk_f32(be, b, 2));
+    FU_TRY(kern_chk_float(be, a, 2));
+    FU_TRY(kern_chk_float(be, b, 2));
     int64_t r = a->shape[0], in = a->shape[1];
-    if (b->shape[1] != r || in <= 0 || r <= 0)
+    if (b->shape[1] != r || in <= 0 || r <= 0 || !kern_same_dtype(a, b))
         return FU_EINVAL;
     size_t n = (size_t)(r * in);
     float *host = fu_malloc(n * sizeof(float));
@@ -30,7 +30,16 @@ fu_err kern_lora_init(const kern_backend_t *be, kern_tensor_t *a, kern_tensor_t 
     const double bound = 1.0 / sqrt((double)in);
     for (size_t i = 0; i < n; i++)
         host[i] = (float)((2.0 * kern_rng_uniform_d(&rng) - 1.0) * bound);
-    fu_err rc = kern_tensor_copy_in(be, a, host, n * sizeof(float));
+    void *conv = host;
+    fu_err rc = FU_OK;
+    if (a->dtype != KERN_F32) { /* f16/bf16 storage on a device backend */
+        conv = fu_malloc(n * kern_dtype_size(a->dtype));
+        rc = kern_convert_host(conv, a->dtype, host, KERN_F32, n);
+    }
+    if (rc == FU_OK)
+        rc = kern_tensor_copy_in(be, a, conv, n * kern_dtype_size(a->dtype));
+    if (conv != host)
+        free(conv);
     free(host);
     FU_TRY(rc);
     return kern_tensor_zero(be, b);
@@ -64,7 +73,7 @@ static fu_err chk_adapter(const kern_backend_t *be, const kern_tensor_t *w, cons
     *r = a->shape[0];
     *in = a->shape[1];
     *out = b->shape[0];
-    if (b->shape[1] != *r || !isfinite(scale))
+    if (b->shape[1] != *r || !isfinite(scale) || !kern_same_dtype(a, b) || !kern_same_dtype(a, w))
         return FU_EINVAL;
     if (w) {
         FU_TRY(kern_chk_mat(be, w));
@@ -91,6 +100,8 @@ fu_err kern_lora_forward(const kern_backend_t *be, const kern_tensor_t *x, const
     int64_t n = x->shape[0];
     if (x->shape[1] != in || !is2(h, n, r) || !is2(y, n, out))
         return FU_EINVAL;
+    if (!kern_same_dtype(a, x) || !kern_same_dtype(a, h) || !kern_same_dtype(a, y))
+        return FU_EINVAL;
     FU_TRY(kern_gemm(be, false, true, 1.0f, x, a, 0.0f, h));
     if (w)
         FU_TRY(kern_gemm(be, false, true, 1.0f, x, w, 0.0f, y));
@@ -109,6 +120,9 @@ static fu_err backward_common(const kern_backend_t *be, const kern_tensor_t *dy,
     FU_TRY(kern_chk_mat(be, h));
     int64_t n = dy->shape[0];
     if (dy->shape[1] != out || !is2(h, n, r))
+        return FU_EINVAL;
+    if (!kern_same_dtype(a, dy) || !kern_same_dtype(a, h) || !kern_same_dtype(a, dx) || !kern_same_dtype(a, da) ||
+        !kern_same_dtype(a, db) || !kern_same_dtype(a, x))
         return FU_EINVAL;
     if (db) {
         FU_TRY(kern_chk_mat(be, db));
@@ -141,9 +155,9 @@ static fu_err backward_common(const kern_backend_t *be, const kern_tensor_t *dy,
     kern_tensor_t *owned = NULL;
     size_t mark = kern_workspace_mark(ws);
     if (ws) {
-        FU_TRY(kern_workspace_tensor(ws, KERN_F32, 2, gshape, &g));
+        FU_TRY(kern_workspace_tensor(ws, dy->dtype, 2, gshape, &g));
     } else {
-        FU_TRY(kern_tensor_new(be, KERN_F32, 2, gshape, &owned));
+        FU_TRY(kern_tensor_new(be, dy->dtype, 2, gshape, &owned));
         g = *owned;
     }
     fu_err rc = kern_gemm(be, false, false, 1.0f, dy, b, 0.0f, &g);
@@ -179,8 +193,10 @@ fu_err kern_lora_backward(const kern_backend_t *be, const kern_tensor_t *dy, con
 
 fu_err kern_lorafa_correct_grad(const kern_backend_t *be, const kern_tensor_t *a, float scale, kern_tensor_t *db)
 {
-    FU_TRY(kern_chk_f32(be, a, 2));
-    FU_TRY(kern_chk_f32(be, db, 2));
+    FU_TRY(kern_chk_float(be, a, 2));
+    FU_TRY(kern_chk_float(be, db, 2));
+    if (a->dtype != KERN_F32 || db->dtype != KERN_F32)
+        return FU_EINVAL;
     int64_t r = a->shape[0], in = a->shape[1], out = db->shape[0];
     if (db->shape[1] != r || r <= 0 || in <= 0 || !isfinite(scale) || scale == 0.0f)
         return FU_EINVAL;

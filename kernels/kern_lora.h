@@ -15,7 +15,8 @@
  * written the base product into Y (forward) or dY·W into dX (backward), and these functions add the
  * adapter term.
  *
- * All tensors f32, 2-D, rows contiguous (row strides allowed), on be's device. Parameter gradients
+ * All tensors 2-D, rows contiguous (row strides allowed), on be's device, of one float dtype the
+ * backend computes in (f32 on the CPU). Parameter gradients
  * (dA, dB) accumulate; dX is overwritten unless w is NULL (then the adapter term is added). */
 #ifndef FU_KERN_LORA_H
 #define FU_KERN_LORA_H
@@ -72,7 +73,7 @@ FU_MUST_CHECK fu_err kern_lora_backward(const kern_backend_t *be, const kern_ten
 /* Optional LoRA-FA gradient correction used by PEFT's LoRA-FA optimizer (not part of the published
  * method, which trains B with the plain gradient): db ← db·(A·Aᵀ)⁻¹ / s². A·Aᵀ must be positive
  * definite (A of full row rank); FU_EINVAL otherwise. Runs on the host (LAPACK), copying through
- * the backend for device tensors. */
+ * the backend for device tensors. f32 tensors only. */
 FU_MUST_CHECK fu_err kern_lorafa_correct_grad(const kern_backend_t *be, const kern_tensor_t *a, float scale,
                                               kern_tensor_t *db);
 

@@ -34,6 +34,8 @@ fu_err kern_gemm(const kern_backend_t *be, bool trans_a, bool trans_b, float alp
     int64_t n = trans_b ? b->shape[0] : b->shape[1];
     if (ka != kb || c->shape[0] != m || c->shape[1] != n)
         return FU_EINVAL;
+    if (!kern_same_dtype(a, b) || !kern_same_dtype(a, c))
+        return FU_EINVAL;
     if (!isfinite(alpha) || !isfinite(beta))
         return FU_EINVAL;
     if (c->data && (c->data == a->data || c->data == b->data) && m * n > 0)
@@ -69,10 +71,12 @@ fu_err kern_linear_backward(const kern_backend_t *be, const kern_tensor_t *dy, c
 
 fu_err kern_add_forward(const kern_backend_t *be, const kern_tensor_t *a, const kern_tensor_t *b, kern_tensor_t *y)
 {
-    FU_TRY(kern_chk_f32(be, a, 0));
-    FU_TRY(kern_chk_f32(be, b, 0));
-    FU_TRY(kern_chk_f32(be, y, 0));
+    FU_TRY(kern_chk_float(be, a, 0));
+    FU_TRY(kern_chk_float(be, b, 0));
+    FU_TRY(kern_chk_float(be, y, 0));
     if (!kern_tensor_same_shape(a, b) || !kern_tensor_same_shape(a, y))
+        return FU_EINVAL;
+    if (!kern_same_dtype(a, b) || !kern_same_dtype(a, y))
         return FU_EINVAL;
     if (!be->add)
         return FU_ENOSYS;
@@ -81,9 +85,9 @@ fu_err kern_add_forward(const kern_backend_t *be, const kern_tensor_t *a, const 
 
 fu_err kern_axpy(const kern_backend_t *be, float alpha, const kern_tensor_t *x, kern_tensor_t *y)
 {
-    FU_TRY(kern_chk_f32(be, x, 0));
-    FU_TRY(kern_chk_f32(be, y, 0));
-    if (kern_tensor_numel(x) != kern_tensor_numel(y) || !isfinite(alpha))
+    FU_TRY(kern_chk_float(be, x, 0));
+    FU_TRY(kern_chk_float(be, y, 0));
+    if (kern_tensor_numel(x) != kern_tensor_numel(y) || !isfinite(alpha) || !kern_same_dtype(x, y))
         return FU_EINVAL;
     if (!be->axpy)
         return FU_ENOSYS;
@@ -101,9 +105,9 @@ static fu_err chk_ids(const kern_backend_t *be, const kern_tensor_t *ids, int64_
 fu_err kern_embedding_forward(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
                               kern_tensor_t *out)
 {
-    FU_TRY(kern_chk_f32(be, table, 2));
-    FU_TRY(kern_chk_f32(be, out, 2));
-    if (out->shape[1] != table->shape[1])
+    FU_TRY(kern_chk_float(be, table, 2));
+    FU_TRY(kern_chk_float(be, out, 2));
+    if (out->shape[1] != table->shape[1] || !kern_same_dtype(table, out))
         return FU_EINVAL;
     FU_TRY(chk_ids(be, ids, out->shape[0]));
     if (!be->embedding_fwd)
@@ -114,9 +118,9 @@ fu_err kern_embedding_forward(const kern_backend_t *be, const kern_tensor_t *ids
 fu_err kern_embedding_backward(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *dout,
                                kern_tensor_t *dtable)
 {
-    FU_TRY(kern_chk_f32(be, dtable, 2));
-    FU_TRY(kern_chk_f32(be, dout, 2));
-    if (dout->shape[1] != dtable->shape[1])
+    FU_TRY(kern_chk_float(be, dtable, 2));
+    FU_TRY(kern_chk_float(be, dout, 2));
+    if (dout->shape[1] != dtable->shape[1] || !kern_same_dtype(dtable, dout))
         return FU_EINVAL;
     FU_TRY(chk_ids(be, ids, dout->shape[0]));
     if (!be->embedding_bwd)
@@ -126,9 +130,9 @@ fu_err kern_embedding_backward(const kern_backend_t *be, const kern_tensor_t *id
 
 static fu_err chk_norm(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *w, float eps)
 {
-    FU_TRY(kern_chk_f32(be, x, 2));
-    FU_TRY(kern_chk_f32(be, w, 1));
-    if (w->shape[0] != x->shape[1] || !(eps > 0.0f) || !isfinite(eps))
+    FU_TRY(kern_chk_float(be, x, 2));
+    FU_TRY(kern_chk_float(be, w, 1));
+    if (w->shape[0] != x->shape[1] || !(eps > 0.0f) || !isfinite(eps) || !kern_same_dtype(x, w))
         return FU_EINVAL;
     return FU_OK;
 }
@@ -137,8 +141,8 @@ fu_err kern_rmsnorm_forward(const kern_backend_t *be, const kern_tensor_t *x, co
                             kern_tensor_t *y)
 {
     FU_TRY(chk_norm(be, x, w, eps));
-    FU_TRY(kern_chk_f32(be, y, 2));
-    if (!kern_tensor_same_shape(x, y))
+    FU_TRY(kern_chk_float(be, y, 2));
+    if (!kern_tensor_same_shape(x, y) || !kern_same_dtype(x, y))
         return FU_EINVAL;
     if (!be->rmsnorm_fwd)
         return FU_ENOSYS;
@@ -149,13 +153,13 @@ fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_tensor_t *dy, 
                              const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw)
 {
     FU_TRY(chk_norm(be, x, w, eps));
-    FU_TRY(kern_chk_f32(be, dy, 2));
-    FU_TRY(kern_chk_f32(be, dx, 2));
+    FU_TRY(kern_chk_float(be, dy, 2));
+    FU_TRY(kern_chk_float(be, dx, 2));
     if (!kern_tensor_same_shape(x, dy) || !kern_tensor_same_shape(x, dx) || dx->data == x->data ||
-        dx->data == dy->data)
+        dx->data == dy->data || !kern_same_dtype(x, dy) || !kern_same_dtype(x, dx) || !kern_same_dtype(x, dw))
         return FU_EINVAL;
     if (dw) {
-        FU_TRY(kern_chk_f32(be, dw, 1));
+        FU_TRY(kern_chk_float(be, dw, 1));
         if (!kern_tensor_same_shape(dw, w))
             return FU_EINVAL;
     }
@@ -167,9 +171,9 @@ fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_tensor_t *dy, 
 static fu_err rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
                    float theta, bool inverse, kern_tensor_t *y)
 {
-    FU_TRY(kern_chk_f32(be, x, 2));
-    FU_TRY(kern_chk_f32(be, y, 2));
-    if (!kern_tensor_same_shape(x, y) || head_dim <= 0 || head_dim % 2 != 0 || x->shape[1] % head_dim != 0)
+    FU_TRY(kern_chk_float(be, x, 2));
+    FU_TRY(kern_chk_float(be, y, 2));
+    if (!kern_tensor_same_shape(x, y) || !kern_same_dtype(x, y) || head_dim <= 0 || head_dim % 2 != 0 || x->shape[1] % head_dim != 0)
         return FU_EINVAL;
     if (!(theta > 0.0f) || !isfinite(theta))
         return FU_EINVAL;
@@ -194,10 +198,11 @@ fu_err kern_rope_backward(const kern_backend_t *be, const kern_tensor_t *dy, con
 fu_err kern_silu_mul_forward(const kern_backend_t *be, const kern_tensor_t *gate, const kern_tensor_t *up,
                              kern_tensor_t *out)
 {
-    FU_TRY(kern_chk_f32(be, gate, 0));
-    FU_TRY(kern_chk_f32(be, up, 0));
-    FU_TRY(kern_chk_f32(be, out, 0));
-    if (!kern_tensor_same_shape(gate, up) || !kern_tensor_same_shape(gate, out))
+    FU_TRY(kern_chk_float(be, gate, 0));
+    FU_TRY(kern_chk_float(be, up, 0));
+    FU_TRY(kern_chk_float(be, out, 0));
+    if (!kern_tensor_same_shape(gate, up) || !kern_tensor_same_shape(gate, out) || !kern_same_dtype(gate, up) ||
+        !kern_same_dtype(gate, out))
         return FU_EINVAL;
     if (!be->silu_mul_fwd)
         return FU_ENOSYS;
@@ -207,15 +212,18 @@ fu_err kern_silu_mul_forward(const kern_backend_t *be, const kern_tensor_t *gate
 fu_err kern_silu_mul_backward(const kern_backend_t *be, const kern_tensor_t *dout, const kern_tensor_t *gate,
                               const kern_tensor_t *up, kern_tensor_t *dgate, kern_tensor_t *dup)
 {
-    FU_TRY(kern_chk_f32(be, dout, 0));
-    FU_TRY(kern_chk_f32(be, gate, 0));
-    FU_TRY(kern_chk_f32(be, up, 0));
-    FU_TRY(kern_chk_f32(be, dgate, 0));
-    FU_TRY(kern_chk_f32(be, dup, 0));
+    FU_TRY(kern_chk_float(be, dout, 0));
+    FU_TRY(kern_chk_float(be, gate, 0));
+    FU_TRY(kern_chk_float(be, up, 0));
+    FU_TRY(kern_chk_float(be, dgate, 0));
+    FU_TRY(kern_chk_float(be, dup, 0));
     if (!kern_tensor_same_shape(gate, up) || !kern_tensor_same_shape(gate, dout) ||
         !kern_tensor_same_shape(gate, dgate) || !kern_tensor_same_shape(gate, dup))
         return FU_EINVAL;
     if (dgate->data == dup->data && kern_tensor_numel(dgate) > 0)
+        return FU_EINVAL;
+    if (!kern_same_dtype(gate, up) || !kern_same_dtype(gate, dout) || !kern_same_dtype(gate, dgate) ||
+        !kern_same_dtype(gate, dup))
         return FU_EINVAL;
     if (!be->silu_mul_bwd)
         return FU_ENOSYS;
@@ -228,15 +236,17 @@ static fu_err chk_attn(const kern_backend_t *be, const kern_attn_params *p, cons
 {
     if (!p)
         return FU_EINVAL;
-    FU_TRY(kern_chk_f32(be, q, 2));
-    FU_TRY(kern_chk_f32(be, k, 2));
-    FU_TRY(kern_chk_f32(be, v, 2));
+    FU_TRY(kern_chk_float(be, q, 2));
+    FU_TRY(kern_chk_float(be, k, 2));
+    FU_TRY(kern_chk_float(be, v, 2));
     if (p->n_head <= 0 || p->n_kv_head <= 0 || p->head_dim <= 0 || p->n_seq <= 0)
         return FU_EINVAL;
     if (p->n_head % p->n_kv_head != 0 || !isfinite(p->scale) || p->scale < 0.0f)
         return FU_EINVAL;
     int64_t fq = (int64_t)p->n_head * p->head_dim, fk = (int64_t)p->n_kv_head * p->head_dim;
     if (q->shape[1] != fq || k->shape[1] != fk || !kern_tensor_same_shape(k, v))
+        return FU_EINVAL;
+    if (!kern_same_dtype(q, k) || !kern_same_dtype(q, v))
         return FU_EINVAL;
     if (q->shape[0] % p->n_seq != 0 || k->shape[0] % p->n_seq != 0)
         return FU_EINVAL;
@@ -268,9 +278,9 @@ fu_err kern_attn_forward(const kern_backend_t *be, const kern_attn_params *p, co
 {
     int64_t tq, tk;
     FU_TRY(chk_attn(be, p, q, k, v, &tq, &tk));
-    FU_TRY(kern_chk_f32(be, o, 2));
+    FU_TRY(kern_chk_float(be, o, 2));
     FU_TRY(chk_ws(be, ws));
-    if (!kern_tensor_same_shape(o, q) || o->data == q->data || o->data == k->data || o->data == v->data)
+    if (!kern_tensor_same_shape(o, q) || !kern_same_dtype(o, q) || o->data == q->data || o->data == k->data || o->data == v->data)
         return FU_EINVAL;
     if (!be->attn_fwd)
         return FU_ENOSYS;
@@ -283,13 +293,15 @@ fu_err kern_attn_backward(const kern_backend_t *be, const kern_attn_params *p, c
 {
     int64_t tq, tk;
     FU_TRY(chk_attn(be, p, q, k, v, &tq, &tk));
-    FU_TRY(kern_chk_f32(be, dout, 2));
-    FU_TRY(kern_chk_f32(be, dq, 2));
-    FU_TRY(kern_chk_f32(be, dk, 2));
-    FU_TRY(kern_chk_f32(be, dv, 2));
+    FU_TRY(kern_chk_float(be, dout, 2));
+    FU_TRY(kern_chk_float(be, dq, 2));
+    FU_TRY(kern_chk_float(be, dk, 2));
+    FU_TRY(kern_chk_float(be, dv, 2));
     FU_TRY(chk_ws(be, ws));
     if (!kern_tensor_same_shape(dout, q) || !kern_tensor_same_shape(dq, q) || !kern_tensor_same_shape(dk, k) ||
         !kern_tensor_same_shape(dv, v))
+        return FU_EINVAL;
+    if (!kern_same_dtype(q, dout) || !kern_same_dtype(q, dq) || !kern_same_dtype(q, dk) || !kern_same_dtype(q, dv))
         return FU_EINVAL;
     const void *outs[3] = {dq->data, dk->data, dv->data};
     const void *ins[4] = {q->data, k->data, v->data, dout->data};
@@ -308,7 +320,7 @@ fu_err kern_attn_backward(const kern_backend_t *be, const kern_attn_params *p, c
 
 static fu_err chk_xent(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets)
 {
-    FU_TRY(kern_chk_f32(be, logits, 2));
+    FU_TRY(kern_chk_float(be, logits, 2));
     if (logits->shape[1] < 1 || logits->shape[1] > KERN_INT_LIMIT)
         return FU_EINVAL;
     return chk_ids(be, targets, logits->shape[0]);
@@ -329,8 +341,8 @@ fu_err kern_xent_backward(const kern_backend_t *be, const kern_tensor_t *logits,
                           int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits)
 {
     FU_TRY(chk_xent(be, logits, targets));
-    FU_TRY(kern_chk_f32(be, dlogits, 2));
-    if (!kern_tensor_same_shape(logits, dlogits) || !isfinite(grad_scale))
+    FU_TRY(kern_chk_float(be, dlogits, 2));
+    if (!kern_tensor_same_shape(logits, dlogits) || !kern_same_dtype(logits, dlogits) || !isfinite(grad_scale))
         return FU_EINVAL;
     if (!be->xent_bwd)
         return FU_ENOSYS;
@@ -342,12 +354,14 @@ fu_err kern_adamw_step(const kern_backend_t *be, kern_tensor_t *param, const ker
 {
     if (!p || step < 1)
         return FU_EINVAL;
-    FU_TRY(kern_chk_f32(be, param, 0));
-    FU_TRY(kern_chk_f32(be, grad, 0));
-    FU_TRY(kern_chk_f32(be, m, 0));
-    FU_TRY(kern_chk_f32(be, v, 0));
+    FU_TRY(kern_chk_float(be, param, 0));
+    FU_TRY(kern_chk_float(be, grad, 0));
+    FU_TRY(kern_chk_float(be, m, 0));
+    FU_TRY(kern_chk_float(be, v, 0));
     if (!kern_tensor_same_shape(param, grad) || !kern_tensor_same_shape(param, m) ||
         !kern_tensor_same_shape(param, v))
+        return FU_EINVAL;
+    if (!kern_same_dtype(param, grad) || !kern_same_dtype(param, m) || !kern_same_dtype(param, v))
         return FU_EINVAL;
     if (!isfinite(p->lr) || p->lr < 0.0f || !(p->beta1 >= 0.0f && p->beta1 < 1.0f) ||
         !(p->beta2 >= 0.0f && p->beta2 < 1.0f) || !(p->eps > 0.0f) || !isfinite(p->eps) ||
@@ -365,7 +379,7 @@ fu_err kern_sample(const kern_backend_t *be, const kern_tensor_t *logits, const 
 {
     if (!p || !out_tokens)
         return FU_EINVAL;
-    FU_TRY(kern_chk_f32(be, logits, 0));
+    FU_TRY(kern_chk_float(be, logits, 0));
     if (logits->ndim > 2)
         return FU_EINVAL;
     int64_t V = logits->ndim == 1 ? logits->shape[0] : logits->shape[1];
@@ -374,4 +388,42 @@ fu_err kern_sample(const kern_backend_t *be, const kern_tensor_t *logits, const 
     if (!be->sample)
         return FU_ENOSYS;
     return be->sample(be, logits, p, counter, out_tokens);
+}
+
+static fu_err chk_sparse(const kern_backend_t *be, const kern_sparse_weight *w)
+{
+    if (!be || !w || !w->handle || w->rows <= 0 || w->cols <= 0)
+        return FU_EINVAL;
+    if (w->rows > KERN_INT_LIMIT || w->cols > KERN_INT_LIMIT)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
+fu_err kern_sparse_linear_forward(const kern_backend_t *be, const kern_tensor_t *x, const kern_sparse_weight *w,
+                                  float beta, kern_tensor_t *y)
+{
+    FU_TRY(chk_sparse(be, w));
+    FU_TRY(kern_chk_float(be, x, 2));
+    FU_TRY(kern_chk_float(be, y, 2));
+    if (x->shape[1] != w->cols || y->shape[0] != x->shape[0] || y->shape[1] != w->rows || !kern_same_dtype(x, y))
+        return FU_EINVAL;
+    if (!(beta == 0.0f || beta == 1.0f) || x->data == y->data)
+        return FU_EINVAL;
+    if (!be->sparse_matmul)
+        return FU_ENOSYS;
+    return be->sparse_matmul(be, x, w, beta, y);
+}
+
+fu_err kern_sparse_linear_backward(const kern_backend_t *be, const kern_tensor_t *dy, const kern_sparse_weight *w,
+                                   kern_tensor_t *dx)
+{
+    FU_TRY(chk_sparse(be, w));
+    FU_TRY(kern_chk_float(be, dy, 2));
+    FU_TRY(kern_chk_float(be, dx, 2));
+    if (dy->shape[1] != w->rows || dx->shape[0] != dy->shape[0] || dx->shape[1] != w->cols ||
+        !kern_same_dtype(dy, dx) || dx->data == dy->data)
+        return FU_EINVAL;
+    if (!be->sparse_matmul_dx)
+        return FU_ENOSYS;
+    return be->sparse_matmul_dx(be, dy, w, dx);
 }

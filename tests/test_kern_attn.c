@@ -89,6 +89,11 @@ static void test_kern_attn_gqa_matches_plain_loop(void **state)
     check_forward(1, 4, 10, 6, 4, 1, 8, 130);  /* few queries at an offset: hand-written path, MQA */
     check_forward(2, 3, 3, 0, 4, 2, 8, 140);   /* hand-written path, two sequences */
     check_forward(1, 12, 20, 8, 4, 2, 8, 150); /* GEMM path with an offset (chunked prefill) */
+    /* sizes above the threading threshold, with several threads */
+    assert_int_equal(kern_cpu_set_threads(3), FU_OK);
+    check_forward(1, 1, 1100, 1099, 8, 2, 128, 160); /* decode over a long cache: heads split */
+    check_forward(1, 1030, 1030, 0, 1, 1, 8, 170);   /* long prefill: softmax rows split */
+    assert_int_equal(kern_cpu_set_threads(0), FU_OK);
 }
 
 typedef struct {
@@ -147,7 +152,7 @@ static void test_kern_attn_kvcache_decode_equals_full(void **state)
     assert_int_equal(kern_attn_forward(CPU, &p, &Q, &K, &V, &F, NULL), FU_OK);
 
     kern_kvcache_t *cache = NULL;
-    assert_int_equal(kern_kvcache_new(CPU, hkv, d, 16, &cache), FU_OK);
+    assert_int_equal(kern_kvcache_new(CPU, KERN_F32, hkv, d, 16, &cache), FU_OK);
     /* prefill the first positions in one call, then decode one token at a time */
     kern_tensor_t q0, k0, v0, o0;
     kern_tensor_t S = tk_f2(step, T, hq * d);
@@ -193,7 +198,9 @@ static void test_kern_attn_kvcache_decode_equals_full(void **state)
     assert_int_equal(kern_kvcache_len(cache), T);
     kern_kvcache_destroy(&cache);
     assert_null(cache);
-    assert_int_equal(kern_kvcache_new(CPU, 0, d, 16, &cache), FU_EINVAL);
+    assert_int_equal(kern_kvcache_new(CPU, KERN_F32, 0, d, 16, &cache), FU_EINVAL);
+    assert_int_equal(kern_kvcache_new(CPU, KERN_F16, hkv, d, 16, &cache), FU_EINVAL); /* CPU computes in f32 */
+    assert_int_equal(kern_kvcache_new(CPU, KERN_I32, hkv, d, 16, &cache), FU_EINVAL);
     free(q), free(k), free(v), free(full), free(step);
 }
 

@@ -10,6 +10,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kern_bitmap.h"
 #include "kern_lora.h"
 #include "test_kern_util.h"
 
@@ -213,6 +214,53 @@ static void test_kern_lora_concatenated_frozen_adapter(void **state)
     free(x), free(w), free(a1), free(b1), free(a2), free(b2), free(dy);
 }
 
+/* A bitmap-sparse base weight through the backend's sparse slot, plus the adapter via w == NULL,
+ * equals the dense layer with the pruned weight. */
+static void test_kern_lora_sparse_base_weight(void **state)
+{
+    (void)state;
+    enum { SO = 20, SI = 70, SN = 5 };
+    float *w = tk_rand(SO * SI, 50, -1, 1), *x = tk_rand(SN * SI, 51, -1, 1);
+    for (int i = 0; i < SO * SI; i++)
+        if (fabsf(w[i]) < 0.5f)
+            w[i] = 0.0f; /* about 50% sparse */
+    kern_bitmap_t *bm = NULL;
+    assert_int_equal(kern_bitmap_encode(w, SO, SI, SI, KERN_BITMAP_F32, &bm), FU_OK);
+    kern_sparse_weight sw = {bm, SO, SI};
+    float ys[SN * SO], yd[SN * SO];
+    kern_tensor_t X = tk_f2(x, SN, SI), W = tk_f2(w, SO, SI), Ys = tk_f2(ys, SN, SO), Yd = tk_f2(yd, SN, SO);
+    assert_int_equal(kern_sparse_linear_forward(CPU, &X, &sw, 0.0f, &Ys), FU_OK);
+    assert_int_equal(kern_linear_forward(CPU, &X, &W, &Yd), FU_OK);
+    assert_true(tk_close_ratio_f(ys, yd, SN * SO, 1e-5, 1e-5) <= 1.0);
+    /* + LoRA-FA adapter */
+    float *a = tk_rand(R * SI, 52, -0.1f, 0.1f), *b = tk_rand(SO * R, 53, -0.1f, 0.1f), h[SN * R], hd[SN * R];
+    kern_tensor_t A = tk_f2(a, R, SI), B = tk_f2(b, SO, R), H = tk_f2(h, SN, R), Hd = tk_f2(hd, SN, R);
+    assert_int_equal(kern_lora_forward(CPU, &X, NULL, &A, &B, 2.0f, &H, &Ys), FU_OK);
+    assert_int_equal(kern_lora_forward(CPU, &X, &W, &A, &B, 2.0f, &Hd, &Yd), FU_OK);
+    assert_true(tk_close_ratio_f(ys, yd, SN * SO, 1e-5, 1e-5) <= 1.0);
+    /* input gradient through the sparse weight, then the adapter's term */
+    float *dy = tk_rand(SN * SO, 54, -1, 1), dxs[SN * SI], dxd[SN * SI];
+    kern_tensor_t dY = tk_f2(dy, SN, SO), dXs = tk_f2(dxs, SN, SI), dXd = tk_f2(dxd, SN, SI);
+    assert_int_equal(kern_sparse_linear_backward(CPU, &dY, &sw, &dXs), FU_OK);
+    assert_int_equal(kern_lorafa_backward(CPU, &dY, &H, NULL, &A, &B, 2.0f, &dXs, NULL, NULL), FU_OK);
+    assert_int_equal(kern_lorafa_backward(CPU, &dY, &Hd, &W, &A, &B, 2.0f, &dXd, NULL, NULL), FU_OK);
+    assert_true(tk_close_ratio_f(dxs, dxd, SN * SI, 1e-5, 1e-5) <= 1.0);
+    /* mismatched descriptors are refused */
+    kern_sparse_weight lie = {bm, SO, SI + 1};
+    float yb[SN * SO];
+    kern_tensor_t Yb = tk_f2(yb, SN, SO);
+    assert_int_equal(kern_sparse_linear_forward(CPU, &X, &lie, 0.0f, &Yb), FU_EINVAL);
+    kern_sparse_weight lie2 = {bm, SO + 1, SI};
+    kern_tensor_t Yc = tk_f2(yb, 1, SO + 1);
+    kern_tensor_t X1 = tk_f2(x, 1, SI);
+    assert_int_equal(kern_sparse_linear_forward(CPU, &X1, &lie2, 0.0f, &Yc), FU_EINVAL);
+    assert_int_equal(kern_sparse_linear_forward(CPU, &X, &sw, 0.5f, &Ys), FU_EINVAL);
+    kern_sparse_weight none = {NULL, SO, SI};
+    assert_int_equal(kern_sparse_linear_forward(CPU, &X, &none, 0.0f, &Ys), FU_EINVAL);
+    kern_bitmap_destroy(&bm);
+    free(w), free(x), free(a), free(b), free(dy);
+}
+
 static void test_kern_lora_fa_correction_option(void **state)
 {
     (void)state;
@@ -264,6 +312,7 @@ int main(void)
         cmocka_unit_test(test_kern_lora_fa_backward_equals_lora_and_fd),
         cmocka_unit_test(test_kern_lora_saved_bytes),
         cmocka_unit_test(test_kern_lora_concatenated_frozen_adapter),
+        cmocka_unit_test(test_kern_lora_sparse_base_weight),
         cmocka_unit_test(test_kern_lora_fa_correction_option),
         cmocka_unit_test(test_kern_lora_bad_shapes_return_einval),
     };

@@ -470,6 +470,58 @@ static void test_kern_ops_sampling_rules(void **state)
     assert_int_equal(kern_sample(CPU, &Li, &greedy, 0, out), FU_EINVAL);
 }
 
+/* ---- threaded paths agree with the serial ones (sizes above the split threshold) ---- */
+
+static void run_big_ops(int threads, float *out_norm, float *out_dx, float *out_dw, float *out_dt, float *out_xg,
+                        float *loss, const float *x, const float *w, const float *logits, const int32_t *ids)
+{
+    enum { NR = 256, D = 4608, NX = 40, V = 32000, VOC = 64 };
+    assert_int_equal(kern_cpu_set_threads(threads), FU_OK);
+    assert_int_equal(kern_cpu_threads(), threads);
+    kern_tensor_t X = tk_f2((float *)x, NR, D), W = tk_f1((float *)w, D), Y = tk_f2(out_norm, NR, D);
+    assert_int_equal(kern_rmsnorm_forward(CPU, &X, &W, 1e-6f, &Y), FU_OK);
+    kern_tensor_t DX = tk_f2(out_dx, NR, D), DW = tk_f1(out_dw, D);
+    memset(out_dw, 0, D * sizeof(float));
+    assert_int_equal(kern_rmsnorm_backward(CPU, &X, &X, &W, 1e-6f, &DX, &DW), FU_OK);
+    kern_tensor_t I = tk_i1((int32_t *)ids, NR), G = tk_f2((float *)x, NR, D), DT = tk_f2(out_dt, VOC, D);
+    memset(out_dt, 0, (size_t)VOC * D * sizeof(float));
+    assert_int_equal(kern_embedding_backward(CPU, &I, &G, &DT), FU_OK);
+    kern_tensor_t L = tk_f2((float *)logits, NX, V), T = tk_i1((int32_t *)ids, NX), LG = tk_f2(out_xg, NX, V);
+    int64_t nv;
+    assert_int_equal(kern_xent_forward(CPU, &L, &T, -100, loss, &nv), FU_OK);
+    assert_int_equal(kern_xent_backward(CPU, &L, &T, -100, 1.0f, &LG), FU_OK);
+}
+
+static void test_kern_ops_threads_match_serial(void **state)
+{
+    (void)state;
+    enum { NR = 256, D = 4608, NX = 40, V = 32000, VOC = 64 };
+    float *x = tk_rand((size_t)NR * D, 70, -1, 1), *w = tk_rand(D, 71, 0.5f, 1.5f);
+    float *logits = tk_rand((size_t)NX * V, 72, -5, 5);
+    int32_t ids[NR];
+    for (int i = 0; i < NR; i++)
+        ids[i] = (i * 37) % VOC; /* repeated ids: scatter-add races would show */
+    float *a[5], *b[5];
+    size_t sz[5] = {(size_t)NR * D, (size_t)NR * D, D, (size_t)VOC * D, (size_t)NX * V};
+    for (int i = 0; i < 5; i++) {
+        a[i] = tk_zeros(sz[i]);
+        b[i] = tk_zeros(sz[i]);
+    }
+    float la, lb;
+    run_big_ops(1, a[0], a[1], a[2], a[3], a[4], &la, x, w, logits, ids);
+    run_big_ops(3, b[0], b[1], b[2], b[3], b[4], &lb, x, w, logits, ids);
+    assert_int_equal(kern_cpu_set_threads(0), FU_OK);
+    assert_int_equal(kern_cpu_set_threads(-1), FU_EINVAL);
+    /* per-row work is identical whatever the split; only the loss sum's order may differ */
+    for (int i = 0; i < 5; i++) {
+        assert_memory_equal(a[i], b[i], sz[i] * sizeof(float));
+        free(a[i]);
+        free(b[i]);
+    }
+    assert_float_equal(la, lb, 1e-5 * fabsf(la));
+    free(x), free(w), free(logits);
+}
+
 /* ---- bad arguments never crash ---- */
 
 static void test_kern_ops_bad_arguments_return_einval(void **state)
@@ -524,6 +576,7 @@ int main(void)
         cmocka_unit_test(test_kern_ops_xent_value_grad_and_ignore),
         cmocka_unit_test(test_kern_ops_adamw_matches_hand_computation),
         cmocka_unit_test(test_kern_ops_sampling_rules),
+        cmocka_unit_test(test_kern_ops_threads_match_serial),
         cmocka_unit_test(test_kern_ops_bad_arguments_return_einval),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
