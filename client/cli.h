@@ -14,6 +14,9 @@ int cli_keygen_main(int argc, char **argv); /* `fusion keygen`, cli_keygen.c */
 /* `fusion model` (init, info; prune comes with SALR). cli_model.c */
 int cli_model_main(int argc, char **argv);
 
+/* `fusion run` (finetune, infer): a job in this process, no broker. cli_run.c */
+int cli_run_main(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif

@@ -19,7 +19,7 @@ static const cli_subcommand subcommands[] = {
     {"keygen", "make a CURVE key pair (public.key, secret.key) in a directory", cli_keygen_main, "The wire"},
     {"model", "make (init) or prune (prune --method salr) a Hugging Face model directory", cli_model_main,
      "Models and the DAG"},
-    {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", NULL,
+    {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", cli_run_main,
      "Models and the DAG"},
     {"submit", "submit a finetune or infer job to a broker", NULL, "End to end: client CLI"},
     {"status", "show one job, or all of yours", NULL, "End to end: client CLI"},

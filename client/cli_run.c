@@ -1,0 +1,587 @@
+/* `fusion run`: a job in this process, no broker. `run finetune` trains a LoRA / LoRA-FA / SALR
+ * adapter on a text file and writes it in PEFT format; `run infer` generates text from a model
+ * (optionally with an adapter), streaming tokens as they come. Both build the job's DAG and run it
+ * whole with the DAG executor (dag_exec), the same code a peer runs for one stage. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli.h"
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_model.h"
+#include "fu_alloc.h"
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_modelcfg.h"
+#include "fu_opts.h"
+#include "fu_rng.h"
+#include "fu_safetensors.h"
+#include "fu_tokenizer.h"
+
+#define CLI_RUN_MAX_DATA      ((size_t)1 << 30) /* largest --data file read */
+#define CLI_RUN_MAX_PROMPT    65536             /* longest prompt in tokens */
+#define CLI_RUN_BAR_WIDTH     30                /* progress bar characters */
+
+static int exit_for(fu_err rc)
+{
+    switch (rc) {
+    case FU_ENOTFOUND: return FU_EXIT_NOTFOUND;
+    case FU_EPERM: return FU_EXIT_AUTH;
+    case FU_EINVAL: return FU_EXIT_USAGE;
+    default: return FU_EXIT_FAIL;
+    }
+}
+
+static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
+{
+    fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(em, rc));
+    return rc == FU_EINVAL ? FU_EXIT_FAIL : exit_for(rc);
+}
+
+/* The model directory: config, weights, tokenizer, and whether it is SALR-pruned. */
+typedef struct {
+    fu_modelcfg cfg;
+    dag_model_dims dims;
+    fu_safetensors *st;
+    fu_tokenizer *tok;
+    bool salr;
+    uint32_t res_rank;
+} cli_model;
+
+static fu_err model_open(const char *dir, cli_model *m, fu_errmsg *em)
+{
+    memset(m, 0, sizeof *m);
+    FU_TRY(fu_modelcfg_load(dir, &m->cfg, em));
+    dag_dims_from_cfg(&m->cfg, &m->dims);
+    FU_TRY(fu_safetensors_open_dir(dir, &m->st, em));
+    FU_TRY(fu_tokenizer_open_dir(dir, m->cfg.vocab_size, &m->tok, em));
+    char *sc = fu_path_join(dir, DAG_SALR_CONFIG_FILE);
+    bool has = fu_path_exists(sc);
+    free(sc);
+    if (has) {
+        FU_TRY(dag_salr_config_load(dir, &m->res_rank, NULL, em));
+        m->salr = true;
+    }
+    return FU_OK;
+}
+
+static void model_close(cli_model *m)
+{
+    fu_safetensors_close(&m->st);
+    fu_tokenizer_destroy(&m->tok);
+}
+
+static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_exec_opts *eo, dag_graph_t **g,
+                        dag_exec_t **x, fu_errmsg *em)
+{
+    fu_err rc = dag_build_llama(&m->dims, bo, g);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "cannot build the model's graph (rank larger than a layer?)");
+    char msg[256];
+    if ((rc = dag_graph_validate(*g, msg, sizeof msg)) != FU_OK)
+        return fu_errmsg_set(em, FU_EINVAL, "%s", msg);
+    FU_TRY(dag_exec_new(*g, eo, x, em));
+    return dag_exec_load_weights(*x, m->st, em);
+}
+
+/* ---- finetune ------------------------------------------------------------------------------- */
+
+static void progress(bool tty, long long step, long long steps, float loss, double tps)
+{
+    if (tty) {
+        int filled = (int)(CLI_RUN_BAR_WIDTH * step / (steps ? steps : 1));
+        char bar[CLI_RUN_BAR_WIDTH + 1];
+        for (int i = 0; i < CLI_RUN_BAR_WIDTH; i++)
+            bar[i] = i < filled ? '#' : '.';
+        bar[CLI_RUN_BAR_WIDTH] = '\0';
+        fprintf(stderr, "\rstep %lld/%lld [%s] loss %.4f  %.0f tokens/s ", step, steps, bar, (double)loss, tps);
+        if (step == steps)
+            fputc('\n', stderr);
+        fflush(stderr);
+    } else {
+        printf("step %lld/%lld loss %.4f tokens/s %.0f\n", step, steps, (double)loss, tps);
+        fflush(stdout);
+    }
+}
+
+static int run_finetune(int argc, char **argv)
+{
+    const char *model_dir = NULL, *data = NULL, *method_s = "lora-fa", *out = NULL, *loss_log = NULL,
+               *targets_s = NULL;
+    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0;
+    double alpha = -1, lr = 1e-3, wd = 0.0;
+    bool shuffle = false;
+    const fu_opt opts[] = {
+        {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory (config.json + safetensors)"},
+        {"data", 0, FU_OPT_STR, &data, "FILE", "training text (tokenized with the model's tokenizer)"},
+        {"method", 0, FU_OPT_STR, &method_s, "M", "lora-fa (default), lora, or salr (needs a pruned model)"},
+        {"rank", 0, FU_OPT_INT, &rank, "R", "adapter rank (default 8)"},
+        {"alpha", 0, FU_OPT_DOUBLE, &alpha, "A", "adapter alpha; scale = alpha/rank (default 2·rank)"},
+        {"targets", 0, FU_OPT_STR, &targets_s, "LIST", "linears to adapt: q,k,v,o,gate,up,down (default all)"},
+        {"lr", 0, FU_OPT_DOUBLE, &lr, "LR", "AdamW learning rate (default 1e-3)"},
+        {"weight-decay", 0, FU_OPT_DOUBLE, &wd, "W", "AdamW decoupled weight decay (default 0)"},
+        {"steps", 0, FU_OPT_INT, &steps, "N", "optimizer steps (default 100)"},
+        {"batch", 0, FU_OPT_INT, &batch, "B", "sequences per step (default 4)"},
+        {"seq-len", 0, FU_OPT_INT, &seq_len, "T", "tokens per sequence (default 128)"},
+        {"shuffle", 0, FU_OPT_FLAG, &shuffle, NULL, "visit the windows in a seeded random order"},
+        {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the shuffle and the adapter initialisation (default 0)"},
+        {"loss-log", 0, FU_OPT_STR, &loss_log, "FILE", "append one JSON line per step (step, loss, tokens/s)"},
+        {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the adapter (PEFT format)"},
+    };
+    const fu_cmd cmd = {
+        .prog = argv[0],
+        .usage = "--model DIR --data FILE -o DIR [options]",
+        .summary = "Fine-tunes an adapter in this process. Samples are non-overlapping windows of seq-len+1 "
+                   "tokens of the data (inputs the first seq-len, targets the last seq-len), in file order "
+                   "unless --shuffle; the loss is the mean next-token cross-entropy over the batch; AdamW "
+                   "with beta1 0.9, beta2 0.999, eps 1e-8. Writes adapter_model.safetensors and "
+                   "adapter_config.json (PEFT).",
+        .opts = opts,
+        .n_opts = sizeof opts / sizeof opts[0],
+        .min_pos = 0,
+        .max_pos = 0,
+    };
+    size_t npos = 0;
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    const char *prog = cmd.prog;
+    if (!model_dir || !data || !out) {
+        fprintf(stderr, "%s: --model, --data and -o are required\nTry '%s --help' for more information.\n", prog, prog);
+        return FU_EXIT_USAGE;
+    }
+    dag_adapter_method method;
+    if (dag_adapter_parse(method_s, &method) != FU_OK || method == DAG_ADAPTER_NONE) {
+        fprintf(stderr, "%s: unknown --method '%s' (lora-fa, lora or salr)\n", prog, method_s);
+        return FU_EXIT_USAGE;
+    }
+    uint32_t targets = 0;
+    if (targets_s && dag_targets_parse(targets_s, &targets) != FU_OK) {
+        fprintf(stderr, "%s: bad --targets '%s' (a comma list of q,k,v,o,gate,up,down)\n", prog, targets_s);
+        return FU_EXIT_USAGE;
+    }
+    if (rank < 1 || rank > DAG_MAX_RANK || steps < 1 || batch < 1 || seq_len < 1 || batch * seq_len > (1 << 20) ||
+        !(lr > 0) || !(wd >= 0) || seed < 0) {
+        fprintf(stderr, "%s: --rank, --steps, --batch, --seq-len and --lr must be positive (and --weight-decay, "
+                        "--seed not negative)\n", prog);
+        return FU_EXIT_USAGE;
+    }
+    if (alpha < 0)
+        alpha = 2.0 * (double)rank;
+
+    fu_errmsg em = {{0}};
+    cli_model m;
+    fu_err rc = model_open(model_dir, &m, &em);
+    if (rc != FU_OK) {
+        model_close(&m);
+        return fail(prog, rc, &em);
+    }
+    if (method == DAG_ADAPTER_SALR && !m.salr) {
+        fprintf(stderr, "%s: --method salr needs a SALR-pruned model; make one with `fusion model prune` "
+                        "('%s' has no %s)\n", prog, model_dir, DAG_SALR_CONFIG_FILE);
+        model_close(&m);
+        return FU_EXIT_USAGE;
+    }
+    if (m.salr && method != DAG_ADAPTER_SALR) {
+        fprintf(stderr, "%s: '%s' is a SALR-pruned model: use --method salr\n", prog, model_dir);
+        model_close(&m);
+        return FU_EXIT_USAGE;
+    }
+    char *text = NULL;
+    size_t text_len = 0;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    dag_graph_t *g = NULL;
+    dag_exec_t *x = NULL;
+    FILE *log = NULL;
+    size_t *order = NULL;
+    int32_t *tok = NULL, *tgt = NULL;
+    int exit_code = FU_EXIT_OK;
+    if ((rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) != FU_OK ||
+        (rc = fu_tokenizer_encode(m.tok, text, text_len, &ids, &n_ids, &em)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    size_t win = (size_t)seq_len + 1, n_win = n_ids / win;
+    if (n_win < (size_t)batch) {
+        fprintf(stderr, "%s: '%s' has %zu tokens: that makes %zu windows of %zu tokens, fewer than --batch %lld "
+                        "(use a shorter --seq-len or a smaller --batch)\n", prog, data, n_ids, n_win, win, batch);
+        exit_code = FU_EXIT_USAGE;
+        goto done;
+    }
+    dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = targets,
+                         .res_rank = m.res_rank, .head = DAG_HEAD_LOSS, .seq_len = (uint32_t)seq_len};
+    dag_exec_opts eo = {.max_tokens = (uint32_t)(batch * seq_len), .n_slots = 1, .training = true,
+                        .seed = (uint64_t)seed};
+    if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    if (loss_log && !(log = fopen(loss_log, "a"))) {
+        fprintf(stderr, "%s: cannot open --loss-log '%s' for appending\n", prog, loss_log);
+        exit_code = FU_EXIT_FAIL;
+        goto done;
+    }
+    order = fu_malloc(n_win * sizeof *order);
+    for (size_t i = 0; i < n_win; i++)
+        order[i] = i;
+    fu_rng rng;
+    fu_rng_seed(&rng, (uint64_t)seed);
+    tok = fu_malloc((size_t)(batch * seq_len) * sizeof *tok);
+    tgt = fu_malloc((size_t)(batch * seq_len) * sizeof *tgt);
+    kern_adamw_params ap = {.lr = (float)lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = (float)wd};
+    bool tty = isatty(STDERR_FILENO) != 0;
+    if (!tty)
+        printf("fine-tuning %s rank %lld alpha %g on %zu tokens (%zu windows of %lld), %lld steps of %lld x %lld, "
+               "%zu trainable parameters\n",
+               dag_adapter_name(method), rank, alpha, n_ids, n_win, seq_len, steps, batch, seq_len,
+               dag_exec_trainable_params(x));
+    size_t cursor = n_win; /* start a new pass at once */
+    double t0 = fu_clock_sec();
+    for (long long s = 1; s <= steps; s++) {
+        for (long long b = 0; b < batch; b++) {
+            if (cursor >= n_win) {
+                cursor = 0;
+                if (shuffle)
+                    for (size_t i = n_win; i > 1; i--) {
+                        size_t j = (size_t)(fu_rng_next(&rng) % i);
+                        size_t t = order[i - 1];
+                        order[i - 1] = order[j];
+                        order[j] = t;
+                    }
+            }
+            const int32_t *w = ids + order[cursor++] * win;
+            memcpy(tok + b * seq_len, w, (size_t)seq_len * sizeof *tok);
+            memcpy(tgt + b * seq_len, w + 1, (size_t)seq_len * sizeof *tgt);
+        }
+        float loss = 0;
+        if ((rc = dag_exec_set_tokens(x, 0, tok, tgt, (uint32_t)batch, (uint32_t)seq_len)) != FU_OK ||
+            (rc = dag_exec_forward(x, 0)) != FU_OK || (rc = dag_exec_loss(x, 0, &loss, NULL)) != FU_OK ||
+            (rc = dag_exec_backward(x, 0, 1.0f)) != FU_OK || (rc = dag_exec_step(x, &ap)) != FU_OK) {
+            fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_strerror(rc));
+            exit_code = FU_EXIT_FAIL;
+            goto done;
+        }
+        if (!isfinite(loss)) {
+            fprintf(stderr, "%s: the loss is not finite at step %lld (learning rate too high?)\n", prog, s);
+            exit_code = FU_EXIT_FAIL;
+            goto done;
+        }
+        double el = fu_clock_sec() - t0;
+        double tps = (double)(s * batch * seq_len) / (el > 0 ? el : 1e-9);
+        progress(tty, s, steps, loss, tps);
+        if (log) {
+            fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"tokens\":%lld,\"elapsed_s\":%.3f,\"tokens_per_s\":%.1f}\n", s,
+                    (double)loss, s * batch * seq_len, el, tps);
+            fflush(log);
+        }
+    }
+    if ((rc = dag_exec_save_adapter(x, out, model_dir, &em)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    printf("wrote adapter %s (PEFT: adapter_model.safetensors, adapter_config.json)\n", out);
+done:
+    if (log)
+        fclose(log);
+    free(tok);
+    free(tgt);
+    free(order);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    free(ids);
+    free(text);
+    model_close(&m);
+    return exit_code;
+}
+
+/* ---- infer ---------------------------------------------------------------------------------- */
+
+/* r, lora_alpha and target_modules of a PEFT adapter_config.json. */
+static fu_err adapter_config(const char *dir, uint32_t *r, float *alpha, uint32_t *targets, fu_errmsg *em)
+{
+    char *path = fu_path_join(dir, "adapter_config.json");
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = fu_file_read_all(path, 1 << 20, &txt, &len, em);
+    free(path);
+    if (rc == FU_ENOTFOUND)
+        return fu_errmsg_set(em, rc, "adapter dir '%s' has no adapter_config.json (expected a PEFT adapter)", dir);
+    FU_TRY(rc);
+    cJSON *j = cJSON_ParseWithLength(txt, len);
+    free(txt);
+    if (!j)
+        return fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: not valid JSON");
+    const cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "r");
+    const cJSON *ja = cJSON_GetObjectItemCaseSensitive(j, "lora_alpha");
+    const cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "target_modules");
+    const cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peft_type");
+    rc = FU_OK;
+    if (!cJSON_IsNumber(jr) || jr->valuedouble < 1 || jr->valuedouble > DAG_MAX_RANK || !cJSON_IsNumber(ja) ||
+        !(ja->valuedouble > 0) || !cJSON_IsArray(jt) || (jp && (!cJSON_IsString(jp) || strcmp(jp->valuestring, "LORA")))) {
+        rc = fu_errmsg_set(em, FU_EPROTO,
+                           "adapter_config.json: needs peft_type LORA, r (1..%d), lora_alpha > 0 and target_modules",
+                           DAG_MAX_RANK);
+    } else {
+        *r = (uint32_t)jr->valuedouble;
+        *alpha = (float)ja->valuedouble;
+        *targets = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, jt)
+        {
+            uint32_t one = 0;
+            if (!cJSON_IsString(it) || dag_targets_parse(it->valuestring, &one) != FU_OK) {
+                rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: unknown target module '%s'",
+                                   cJSON_IsString(it) ? it->valuestring : "?");
+                break;
+            }
+            *targets |= one;
+        }
+        if (rc == FU_OK && !*targets)
+            rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: empty target_modules");
+    }
+    cJSON_Delete(j);
+    return rc;
+}
+
+static fu_err parse_tokens(const char *s, uint32_t vocab, int32_t **ids, size_t *n)
+{
+    size_t cap = 16, k = 0;
+    int32_t *v = fu_malloc(cap * sizeof *v);
+    const char *p = s;
+    while (*p) {
+        char *end = NULL;
+        long val = strtol(p, &end, 10);
+        if (end == p || val < 0 || (unsigned long)val >= vocab || (*end && *end != ',') || k >= CLI_RUN_MAX_PROMPT) {
+            free(v);
+            return FU_EINVAL;
+        }
+        if (k == cap)
+            v = fu_realloc(v, (cap *= 2) * sizeof *v);
+        v[k++] = (int32_t)val;
+        p = *end ? end + 1 : end;
+    }
+    if (!k) {
+        free(v);
+        return FU_EINVAL;
+    }
+    *ids = v;
+    *n = k;
+    return FU_OK;
+}
+
+static int run_infer(int argc, char **argv)
+{
+    const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *prompt_tokens = NULL, *dump = NULL;
+    long long max_new = 64, top_k = 0, seed = 0;
+    double temperature = 0.0, top_p = 1.0;
+    bool quiet = false;
+    const fu_opt opts[] = {
+        {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory"},
+        {"adapter", 0, FU_OPT_STR, &adapter, "DIR", "PEFT adapter directory (from `fusion run finetune`)"},
+        {"prompt", 0, FU_OPT_STR, &prompt, "TEXT", "prompt text"},
+        {"prompt-tokens", 0, FU_OPT_STR, &prompt_tokens, "IDS", "prompt as comma-separated token ids"},
+        {"max-tokens", 0, FU_OPT_INT, &max_new, "N", "tokens to generate (default 64)"},
+        {"temperature", 0, FU_OPT_DOUBLE, &temperature, "T", "sampling temperature; 0 = greedy (default 0)"},
+        {"top-k", 0, FU_OPT_INT, &top_k, "K", "sample among the K most likely tokens (default 0: all)"},
+        {"top-p", 0, FU_OPT_DOUBLE, &top_p, "P", "nucleus sampling threshold (default 1: off)"},
+        {"seed", 0, FU_OPT_INT, &seed, "S", "sampling seed (default 0)"},
+        {"dump-logits", 0, FU_OPT_STR, &dump, "FILE",
+         "write float32 logits of every prompt position (little-endian, positions x vocab)"},
+        {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
+    };
+    const fu_cmd cmd = {
+        .prog = argv[0],
+        .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+        .summary = "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
+                   "through the model in one pass, then tokens are generated one at a time with a KV cache.",
+        .opts = opts,
+        .n_opts = sizeof opts / sizeof opts[0],
+        .min_pos = 0,
+        .max_pos = 0,
+    };
+    size_t npos = 0;
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    const char *prog = cmd.prog;
+    if (!model_dir || (!prompt == !prompt_tokens)) {
+        fprintf(stderr, "%s: --model and one of --prompt or --prompt-tokens are required\n"
+                        "Try '%s --help' for more information.\n", prog, prog);
+        return FU_EXIT_USAGE;
+    }
+    if (max_new < 0 || max_new > CLI_RUN_MAX_PROMPT || top_k < 0 || !(temperature >= 0) || !(top_p > 0) || seed < 0) {
+        fprintf(stderr, "%s: --max-tokens, --top-k, --temperature, --seed must not be negative and --top-p must "
+                        "be positive\n", prog);
+        return FU_EXIT_USAGE;
+    }
+    fu_errmsg em = {{0}};
+    cli_model m;
+    fu_err rc = model_open(model_dir, &m, &em);
+    if (rc != FU_OK) {
+        model_close(&m);
+        return fail(prog, rc, &em);
+    }
+    int32_t *ids = NULL;
+    size_t n_prompt = 0;
+    dag_graph_t *g = NULL;
+    dag_exec_t *x = NULL;
+    dag_session_t *sess = NULL;
+    fu_safetensors *ast = NULL;
+    FILE *df = NULL;
+    int exit_code = FU_EXIT_OK;
+    if (prompt_tokens) {
+        if (parse_tokens(prompt_tokens, m.dims.vocab_size, &ids, &n_prompt) != FU_OK) {
+            fprintf(stderr, "%s: --prompt-tokens must be comma-separated ids below the vocabulary size %u\n", prog,
+                    m.dims.vocab_size);
+            exit_code = FU_EXIT_USAGE;
+            goto done;
+        }
+    } else if ((rc = fu_tokenizer_encode(m.tok, prompt, strlen(prompt), &ids, &n_prompt, &em)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    if (n_prompt == 0 || n_prompt > CLI_RUN_MAX_PROMPT) {
+        fprintf(stderr, "%s: the prompt has %zu tokens (1 to %d accepted)\n", prog, n_prompt, CLI_RUN_MAX_PROMPT);
+        exit_code = FU_EXIT_USAGE;
+        goto done;
+    }
+    dag_build_opts bo = {.method = m.salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .rank = 0, .alpha = 0,
+                         .res_rank = m.res_rank, .head = DAG_HEAD_SAMPLE, .seq_len = (uint32_t)n_prompt};
+    if (adapter) {
+        uint32_t r = 0, tg = 0;
+        float a = 0;
+        if ((rc = adapter_config(adapter, &r, &a, &tg, &em)) != FU_OK) {
+            exit_code = fail(prog, rc, &em);
+            goto done;
+        }
+        if (!m.salr)
+            bo.method = DAG_ADAPTER_LORA;
+        bo.rank = r;
+        bo.alpha = a;
+        bo.targets = tg;
+        char *ap = fu_path_join(adapter, "adapter_model.safetensors");
+        rc = fu_safetensors_open_file(ap, &ast, &em);
+        free(ap);
+        if (rc != FU_OK) {
+            exit_code = fail(prog, rc, &em);
+            goto done;
+        }
+    }
+    dag_exec_opts eo = {.max_tokens = (uint32_t)n_prompt, .n_slots = 1, .training = false,
+                        .logits_all = dump != NULL, .max_context = (uint32_t)(n_prompt + (size_t)max_new + 1)};
+    if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK ||
+        (ast && (rc = dag_exec_load_adapter(x, ast, &em)) != FU_OK) || (rc = dag_exec_session_new(x, &sess)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    dag_exec_session_use(x, sess);
+    kern_sample_params sp = {.temperature = (float)temperature, .top_k = (int)top_k, .top_p = (float)top_p,
+                             .seed = (uint64_t)seed};
+    dag_exec_set_sampling(x, &sp, 0);
+    uint32_t lm = 0;
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        if (dag_graph_node(g, i)->op == DAG_OP_LM_HEAD)
+            lm = (uint32_t)i;
+
+    double t0 = fu_clock_sec();
+    if ((rc = dag_exec_set_tokens(x, 0, ids, NULL, 1, (uint32_t)n_prompt)) != FU_OK ||
+        (rc = dag_exec_forward(x, 0)) != FU_OK) {
+        fprintf(stderr, "%s: the prompt pass failed: %s\n", prog, fu_strerror(rc));
+        exit_code = FU_EXIT_FAIL;
+        goto done;
+    }
+    double t_prompt = fu_clock_sec() - t0;
+    if (dump) {
+        const float *lg = NULL;
+        size_t nf = 0;
+        if ((rc = dag_exec_get_output(x, 0, lm, &lg, &nf)) != FU_OK || !(df = fopen(dump, "wb")) ||
+            fwrite(lg, sizeof(float), nf, df) != nf) {
+            fprintf(stderr, "%s: cannot write --dump-logits '%s'\n", prog, dump);
+            exit_code = FU_EXIT_FAIL;
+            goto done;
+        }
+        if (fclose(df) != 0) {
+            df = NULL;
+            fprintf(stderr, "%s: cannot write --dump-logits '%s'\n", prog, dump);
+            exit_code = FU_EXIT_FAIL;
+            goto done;
+        }
+        df = NULL;
+    }
+    int64_t eos = m.cfg.eos_token_id >= 0 ? m.cfg.eos_token_id : fu_tokenizer_eos_id(m.tok);
+    long long generated = 0;
+    double t1 = fu_clock_sec();
+    for (long long k = 0; k < max_new; k++) {
+        int32_t next = 0;
+        if ((rc = dag_exec_sampled(x, 0, &next)) != FU_OK)
+            break;
+        generated++;
+        if (next == eos)
+            break;
+        char *piece = NULL;
+        size_t plen = 0;
+        if (fu_tokenizer_decode(m.tok, &next, 1, &piece, &plen, NULL) == FU_OK) {
+            fwrite(piece, 1, plen, stdout);
+            fflush(stdout);
+        }
+        free(piece);
+        if (k + 1 == max_new)
+            break;
+        dag_exec_set_sampling(x, NULL, (uint64_t)k + 1);
+        if ((rc = dag_exec_set_tokens(x, 0, &next, NULL, 1, 1)) != FU_OK || (rc = dag_exec_forward(x, 0)) != FU_OK)
+            break;
+    }
+    double t_gen = fu_clock_sec() - t1;
+    if (rc != FU_OK) {
+        fprintf(stderr, "\n%s: generation failed: %s\n", prog, fu_strerror(rc));
+        exit_code = FU_EXIT_FAIL;
+        goto done;
+    }
+    printf("\n");
+    if (!quiet)
+        fprintf(stderr, "prompt: %zu tokens in %.3f s (%.1f tokens/s); generated %lld tokens in %.3f s (%.1f tokens/s)\n",
+                n_prompt, t_prompt, (double)n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), generated, t_gen,
+                (double)generated / (t_gen > 0 ? t_gen : 1e-9));
+done:
+    if (df)
+        fclose(df);
+    dag_exec_session_destroy(&sess);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ast);
+    free(ids);
+    model_close(&m);
+    return exit_code;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------- */
+
+int cli_run_main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        printf("Usage: fusion run COMMAND [options]\n\n"
+               "Runs a job in this process (no broker):\n"
+               "  finetune  train a LoRA-FA, LoRA or SALR adapter on a text file (PEFT output)\n"
+               "  infer     generate text, optionally with an adapter\n\n"
+               "Run 'fusion run COMMAND --help' for a command's options.\n");
+        return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
+    }
+    char prog[64];
+    snprintf(prog, sizeof prog, "fusion run %s", argv[1]);
+    if (strcmp(argv[1], "finetune") == 0) {
+        argv[1] = prog;
+        return run_finetune(argc - 1, argv + 1);
+    }
+    if (strcmp(argv[1], "infer") == 0) {
+        argv[1] = prog;
+        return run_infer(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "fusion run: unknown command '%s' (finetune or infer)\n", argv[1]);
+    return FU_EXIT_USAGE;
+}
