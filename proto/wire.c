@@ -47,6 +47,9 @@ static const wire_type_info type_table[] = {
     T(MSG_ENROL_ACK, &fusion__enrol_ack__descriptor, false),
     T(MSG_SEAL_HELLO, &fusion__seal_hello__descriptor, false),
     T(MSG_STAGE_RELEASE, &fusion__stage_release__descriptor, false),
+    T(MSG_STAGE_START, &fusion__stage_start__descriptor, false),
+    T(MSG_STEP_DONE, &fusion__step_done__descriptor, false),
+    T(MSG_INFER_TOKEN, &fusion__infer_token__descriptor, true), /* logits of every prompt position */
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])
