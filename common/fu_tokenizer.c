@@ -228,7 +228,7 @@ struct fu_tokenizer {
     uint32_t    byte_cp[256];  /* GPT-2 byte -> code point */
     int16_t     cp_byte[512];  /* code point -> byte, or -1 */
     bool        add_prefix_space;
-    bool        use_regex;
+    int         split;         /* SPLIT_*: how text is cut into words before BPE */
     bool        ignore_merges;
     int32_t     bos_id, eos_id;
 };
@@ -298,7 +298,38 @@ static bool json_flag(const cJSON *o, const char *key, bool dflt)
     return cJSON_IsBool(it) ? (bool)cJSON_IsTrue(it) : dflt;
 }
 
-/* Accepts a ByteLevel pre-tokenizer, alone or as the only member of a Sequence. */
+/* Word splitting rules fusion knows, by their regular expression in tokenizer.json. */
+enum { SPLIT_NONE = 0, SPLIT_GPT2, SPLIT_LLAMA3, SPLIT_QWEN2 };
+static const char *const split_patterns[] = {
+    [SPLIT_GPT2] = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+    [SPLIT_LLAMA3] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                     "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    [SPLIT_QWEN2] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+};
+
+/* A Split pre-tokenizer with one of the known patterns, isolating the matches. */
+static fu_err parse_split(const cJSON *sp, const char *lab, int *split, fu_errmsg *em)
+{
+    const cJSON *pat = cJSON_GetObjectItemCaseSensitive(sp, "pattern");
+    const cJSON *re = pat ? cJSON_GetObjectItemCaseSensitive(pat, "Regex") : NULL;
+    const cJSON *beh = cJSON_GetObjectItemCaseSensitive(sp, "behavior");
+    if (!cJSON_IsString(re) || !cJSON_IsString(beh) || strcmp(beh->valuestring, "Isolated") != 0 ||
+        json_flag(sp, "invert", false))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: a Split pre_tokenizer needs a \"Regex\" pattern, behavior Isolated", lab);
+    for (int k = SPLIT_GPT2; k <= SPLIT_QWEN2; k++) {
+        if (strcmp(re->valuestring, split_patterns[k]) == 0) {
+            *split = k;
+            return FU_OK;
+        }
+    }
+    return fu_errmsg_set(em, FU_EVERSION,
+                         "%s: Split pattern '%.80s' is not one fusion knows (GPT-2, Llama-3 and Qwen2 patterns are)", lab,
+                         re->valuestring);
+}
+
+/* Accepts a ByteLevel pre-tokenizer, alone, as the only member of a Sequence, or after a Split with a
+ * known pattern (Llama-3 style: Split then ByteLevel with use_regex false). */
 static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *lab, fu_errmsg *em)
 {
     if (!pt || cJSON_IsNull(pt))
@@ -306,12 +337,19 @@ static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *
                              "%s: has no pre_tokenizer; fusion reads byte-level BPE tokenizers (pre_tokenizer ByteLevel)", lab);
     if (!cJSON_IsObject(pt))
         return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer is not an object", lab);
+    int split = SPLIT_NONE;
     if (strcmp(type_of(pt), "Sequence") == 0) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(pt, "pretokenizers");
-        if (!cJSON_IsArray(list) || cJSON_GetArraySize(list) != 1)
+        int n = cJSON_IsArray(list) ? cJSON_GetArraySize(list) : 0;
+        if (n == 2 && cJSON_IsObject(list->child) && strcmp(type_of(list->child), "Split") == 0) {
+            FU_TRY(parse_split(list->child, lab, &split, em));
+            pt = list->child->next;
+        } else if (n == 1) {
+            pt = list->child;
+        } else {
             return fu_errmsg_set(em, FU_EVERSION,
-                                 "%s: pre_tokenizer Sequence is supported only with a single ByteLevel member", lab);
-        pt = list->child;
+                                 "%s: pre_tokenizer Sequence is supported only as [ByteLevel] or [Split, ByteLevel]", lab);
+        }
         if (!cJSON_IsObject(pt))
             return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer member is not an object", lab);
     }
@@ -320,7 +358,10 @@ static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *
                              "%s: pre_tokenizer '%.40s' is not supported; fusion reads byte-level BPE tokenizers (ByteLevel)",
                              lab, type_of(pt));
     t->add_prefix_space = json_flag(pt, "add_prefix_space", false);
-    t->use_regex = json_flag(pt, "use_regex", true);
+    bool use_regex = json_flag(pt, "use_regex", true);
+    if (split != SPLIT_NONE && use_regex)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: a Split followed by ByteLevel with use_regex=true is not supported", lab);
+    t->split = use_regex ? SPLIT_GPT2 : split;
     return FU_OK;
 }
 
@@ -639,6 +680,84 @@ static size_t gpt2_piece(const uint8_t *s, size_t n, size_t i)
     return last - i;
 }
 
+/* Length of the Llama-3 / Qwen2 pre-token starting at s[i] (the regex
+ * (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}| ?[^\s\p{L}\p{N}]+[\r\n]*
+ * |\s*[\r\n]+|\s+(?!\S)|\s+  with D = max_digits). */
+static size_t llama3_piece(const uint8_t *s, size_t n, size_t i, size_t max_digits)
+{
+    if (s[i] == '\'' && i + 1 < n) {
+        uint8_t c = s[i + 1] | 0x20;
+        if (c == 's' || c == 't' || c == 'm' || c == 'd')
+            return 2;
+        if (i + 2 < n) {
+            uint8_t c2 = s[i + 2] | 0x20;
+            if ((c == 'r' && c2 == 'e') || (c == 'v' && c2 == 'e') || (c == 'l' && c2 == 'l'))
+                return 3;
+        }
+    }
+    uint32_t cp, cp1 = CP_INVALID;
+    size_t len = utf8_next(s, n, i, &cp), j;
+    int cl = char_class(cp), cl1 = -1;
+    if (i + len < n) {
+        utf8_next(s, n, i + len, &cp1);
+        cl1 = char_class(cp1);
+    }
+    /* [^\r\n\p{L}\p{N}]?\p{L}+ */
+    if (cl == CL_LETTER || (cl1 == CL_LETTER && cl != CL_NUMBER && cp != '\r' && cp != '\n')) {
+        j = cl == CL_LETTER ? i : i + len;
+        while (j < n) {
+            size_t l2 = utf8_next(s, n, j, &cp);
+            if (char_class(cp) != CL_LETTER)
+                break;
+            j += l2;
+        }
+        return j - i;
+    }
+    /* \p{N}{1,D} */
+    if (cl == CL_NUMBER) {
+        size_t d = 0;
+        j = i;
+        while (j < n && d < max_digits) {
+            size_t l2 = utf8_next(s, n, j, &cp);
+            if (char_class(cp) != CL_NUMBER)
+                break;
+            j += l2;
+            d++;
+        }
+        return j - i;
+    }
+    /*  ?[^\s\p{L}\p{N}]+[\r\n]* */
+    if (cl == CL_OTHER || (s[i] == ' ' && cl1 == CL_OTHER)) {
+        j = cl == CL_OTHER ? i : i + 1;
+        while (j < n) {
+            size_t l2 = utf8_next(s, n, j, &cp);
+            if (char_class(cp) != CL_OTHER)
+                break;
+            j += l2;
+        }
+        while (j < n && (s[j] == '\r' || s[j] == '\n'))
+            j++;
+        return j - i;
+    }
+    /* Whitespace: \s*[\r\n]+ up to the run's last line break; else \s+(?!\S) then \s+. */
+    size_t last = i, nl_end = 0;
+    j = i;
+    while (j < n) {
+        size_t l2 = utf8_next(s, n, j, &cp);
+        if (char_class(cp) != CL_SPACE)
+            break;
+        if (cp == '\r' || cp == '\n')
+            nl_end = j + 1;
+        last = j;
+        j += l2;
+    }
+    if (nl_end)
+        return nl_end - i;
+    if (j == n || last == i)
+        return j - i;
+    return last - i;
+}
+
 /* Work space of bpe_word, reused across words. */
 typedef struct {
     int32_t *id;   /* symbol ids */
@@ -778,7 +897,10 @@ static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, 
     }
     fu_err rc = FU_OK;
     for (size_t i = 0; i < n && rc == FU_OK;) {
-        size_t len = t->use_regex ? gpt2_piece(s, n, i) : n - i;
+        size_t len = t->split == SPLIT_GPT2     ? gpt2_piece(s, n, i)
+                     : t->split == SPLIT_LLAMA3 ? llama3_piece(s, n, i, 3)
+                     : t->split == SPLIT_QWEN2  ? llama3_piece(s, n, i, 1)
+                                                : n - i;
         rc = bpe_word(t, s + i, len, out, w, em);
         i += len;
     }

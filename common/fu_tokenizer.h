@@ -7,13 +7,15 @@
  *  - BPE read from a Hugging Face tokenizer.json (GPT-2 style byte-level BPE): "model" of type BPE
  *    with "vocab" and "merges" (either "a b" strings or ["a", "b"] pairs), a ByteLevel
  *    pre-tokenizer (GPT-2's byte<->unicode mapping and its split of words, numbers, punctuation and
- *    spaces), "added_tokens" (special tokens such as <s>, matched in the raw text first).
+ *    spaces), optionally after a Split with the Llama-3 or Qwen2 pattern (Llama-3 tokenizers),
+ *    "added_tokens" (special tokens such as <s>, matched in the raw text first).
  *
  * Limits (said by FU_EVERSION at load time, never silently ignored): normalizers, other
- * pre-tokenizers (Metaspace/SentencePiece style), BPE dropout, continuing_subword_prefix and
- * end_of_word_suffix. The split rule classes every non-ASCII character as a letter (GPT-2 uses
- * Unicode categories): for non-ASCII punctuation or digits the pieces, and so the ids, can differ
- * from Hugging Face's, but decode(encode(text)) == text always holds.
+ * pre-tokenizers (Metaspace/SentencePiece style), Split patterns other than the GPT-2, Llama-3 and
+ * Qwen2 ones, BPE dropout, byte_fallback, continuing_subword_prefix and end_of_word_suffix. The
+ * split rules class every non-ASCII character as a letter (the patterns use Unicode categories):
+ * for non-ASCII punctuation or digits the pieces, and so the ids, can differ from Hugging Face's;
+ * on ASCII they cut identically, and decode(encode(text)) == text always holds.
  *
  * A tokenizer is read-only after construction and may be shared by threads. */
 #ifndef FU_TOKENIZER_H

@@ -51,13 +51,15 @@ static const char *const merges[][2] = {
     {"Gworl", "d"}, /* 264 Ġworld */
     {"G", "t"},     /* 265 Ġt */
     {"Gt", "he"},   /* 266 Ġthe */
+    {"3", "4"},     /* 267 34 */
 };
 #define N_MERGES (sizeof merges / sizeof merges[0])
 #define ID_HELLO 259
 #define ID_WORLD 264
 #define ID_THE   266
-#define ID_BOS   267
-#define ID_EOS   268
+#define ID_34    267
+#define ID_BOS   268
+#define ID_EOS   269
 
 /* Writes s with 'G' replaced by the JSON escape of U+0120. */
 static void put_sym(char *buf, size_t cap, const char *s)
@@ -215,7 +217,7 @@ static void test_tokenizer_bpe_encodes_with_merges(void **state)
     for (int form = 0; form < 2; form++) {
         fu_tokenizer *t = bpe(form == 1);
         assert_int_equal(fu_tokenizer_kind(t), FU_TOK_BPE);
-        assert_int_equal(fu_tokenizer_vocab_size(t), 269);
+        assert_int_equal(fu_tokenizer_vocab_size(t), 270);
         expect_ids(t, "hello", (const int32_t[]){ID_HELLO}, 1);
         expect_ids(t, "hello world", (const int32_t[]){ID_HELLO, ID_WORLD}, 2);
         expect_ids(t, "hello the world!", (const int32_t[]){ID_HELLO, ID_THE, ID_WORLD, '!'}, 4);
@@ -282,7 +284,7 @@ static void test_tokenizer_bpe_utf8_and_round_trips(void **state)
     assert_null(fu_tokenizer_token(t, 5000));
     assert_int_equal(fu_tokenizer_bos_id(t), ID_BOS);
     assert_int_equal(fu_tokenizer_eos_id(t), ID_EOS);
-    const int32_t bad[] = {ID_HELLO, 269};
+    const int32_t bad[] = {ID_HELLO, 270};
     char *out = NULL;
     size_t len = 0;
     assert_int_equal(fu_tokenizer_decode(t, bad, 2, &out, &len, NULL), FU_EINVAL);
@@ -303,6 +305,36 @@ static void test_tokenizer_prefix_space_and_ignore_merges(void **state)
     assert_int_equal(fu_tokenizer_parse_json(j, strlen(j), NULL, &t, NULL), FU_OK);
     expect_ids(t, "hello world", (const int32_t[]){ID_HELLO, ID_WORLD}, 2);
     fu_tokenizer_destroy(&t);
+    free(j);
+    /* Llama-3 style: a Split with Llama-3's pattern, then ByteLevel without its own regex. Digits go
+     * by threes, so "1234" is "123" + "4" and the "3 4" merge cannot apply; with GPT-2's rule the
+     * digits stay together and it does. */
+    const char *llama3 =
+        "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":"
+        "\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}{1,3}| "
+        "?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|\\\\s+(?!\\\\S)|\\\\s+\"},"
+        "\"behavior\":\"Isolated\",\"invert\":false},{\"type\":\"ByteLevel\",\"add_prefix_space\":false,"
+        "\"trim_offsets\":true,\"use_regex\":false}]}";
+    j = make_tokenizer_json(false, llama3, "");
+    fu_errmsg em = {{0}};
+    if (fu_tokenizer_parse_json(j, strlen(j), NULL, &t, &em) != FU_OK)
+        fail_msg("llama3: %s", em.msg);
+    expect_ids(t, "hello world", (const int32_t[]){ID_HELLO, ID_WORLD}, 2);
+    expect_ids(t, "1234", (const int32_t[]){'1', '2', '3', '4'}, 4);
+    expect_ids(t, "x34", (const int32_t[]){'x', ID_34}, 2); /* "x" then "34": a new piece */
+    expect_ids(t, "234", (const int32_t[]){'2', ID_34}, 2);
+    const char *mixed = "Hello, World!\r\n\n  IT'S 12345 (x) \xe6\x97\xa5";
+    expect_round_trip(t, mixed, strlen(mixed));
+    fu_tokenizer_destroy(&t);
+    free(j);
+    t = bpe(false);
+    expect_ids(t, "1234", (const int32_t[]){'1', '2', ID_34}, 3);
+    fu_tokenizer_destroy(&t);
+    /* An unknown Split pattern, or a double split, is refused. */
+    j = make_tokenizer_json(false, "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":"
+                                   "{\"Regex\":\"\\\\w+\"},\"behavior\":\"Isolated\"},{\"type\":\"ByteLevel\"}]}", "");
+    assert_int_equal(fu_tokenizer_parse_json(j, strlen(j), NULL, &t, &em), FU_EVERSION);
+    assert_non_null(strstr(em.msg, "is not one fusion knows"));
     free(j);
     /* ignore_merges: a word in the vocab is taken whole. Without merges "hello" would be bytes. */
     j = make_tokenizer_json(false, bytelevel, "\"ignore_merges\":true,");
@@ -400,7 +432,7 @@ static void test_tokenizer_open_dir(void **state)
     expect_ids(t, "hello", (const int32_t[]){ID_HELLO}, 1);
     fu_tokenizer_destroy(&t);
     assert_int_equal(fu_tokenizer_open_dir(dir, 256, &t, &em), FU_EINVAL);
-    assert_non_null(strstr(em.msg, "tokenizer.json has ids up to 268 but the model's vocab_size is 256"));
+    assert_non_null(strstr(em.msg, "tokenizer.json has ids up to 269 but the model's vocab_size is 256"));
     assert_null(t);
     assert_int_equal(fu_file_write_atomic(p, "{\"model\":", 9, 0644, NULL), FU_OK);
     assert_int_equal(fu_tokenizer_open_dir(dir, 300, &t, &em), FU_EPROTO);
