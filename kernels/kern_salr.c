@@ -28,6 +28,40 @@ static inline uint32_t abs_key(float f)
     return x & 0x7fffffffu; /* for non-NaN floats, |a| < |b| iff key(a) < key(b) */
 }
 
+/* hist[d] += number of i with (key_i & mask) == prefix and digit d = (key_i >> shift) & dmask.
+ * Four interleaved 32-bit sub-histograms (flushed every 2^30 elements) avoid the store-forwarding
+ * chain on a hot bucket; matching is branchless. Returns false if a NaN is seen. */
+static bool radix_histogram(const float *w, size_t total, uint32_t mask, uint32_t prefix, unsigned shift,
+                            uint32_t dmask, size_t *hist)
+{
+    enum { SUB = 4, CHUNK = 1 << 30 };
+    size_t    nb = (size_t)dmask + 1;
+    uint32_t *sub = fu_calloc(SUB * nb, sizeof(uint32_t));
+    uint32_t  nan_seen = 0;
+    for (size_t c0 = 0; c0 < total; c0 += CHUNK) {
+        size_t c1 = total - c0 < CHUNK ? total : c0 + CHUNK;
+        size_t i = c0;
+        for (; i + SUB <= c1; i += SUB)
+            for (size_t j = 0; j < SUB; j++) {
+                uint32_t k = abs_key(w[i + j]);
+                nan_seen |= k > 0x7f800000u;
+                sub[j * nb + ((k >> shift) & dmask)] += (k & mask) == prefix;
+            }
+        for (; i < c1; i++) {
+            uint32_t k = abs_key(w[i]);
+            nan_seen |= k > 0x7f800000u;
+            sub[(k >> shift) & dmask] += (k & mask) == prefix;
+        }
+        for (size_t j = 0; j < SUB; j++)
+            for (size_t d = 0; d < nb; d++) {
+                hist[d] += sub[j * nb + d];
+                sub[j * nb + d] = 0;
+            }
+    }
+    free(sub);
+    return !nan_seen;
+}
+
 fu_err kern_salr_prune(const float *w, size_t rows, size_t cols, double sparsity, float *w_sparse,
                        float *residual, size_t *n_kept)
 {
@@ -35,9 +69,6 @@ fu_err kern_salr_prune(const float *w, size_t rows, size_t cols, double sparsity
     if (!w || !w_sparse || rows == 0 || cols == 0 || !fu_size_mul(rows, cols, &total) ||
         !(sparsity >= 0.0 && sparsity <= 1.0) || (residual && residual == w))
         return FU_EINVAL;
-    for (size_t i = 0; i < total; i++)
-        if (abs_key(w[i]) > 0x7f800000u)
-            return FU_EINVAL; /* NaN has no magnitude order */
 
     size_t n_prune = (size_t)floor(sparsity * (double)total + 0.5);
     if (n_prune > total)
@@ -45,33 +76,33 @@ fu_err kern_salr_prune(const float *w, size_t rows, size_t cols, double sparsity
     size_t n_keep = total - n_prune;
 
     /* Radix selection of the n_keep-th largest key: 11 + 11 + 10 bits, most significant first.
-     * After the passes `thr` is that key and `need` how many elements equal to it are kept. */
+     * After the passes `thr` is that key and `need` how many elements equal to it are kept. The
+     * first pass also rejects NaN (it has no magnitude order). */
     static const unsigned shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
     uint32_t thr = 0, prefix_mask = 0;
     size_t   need = n_keep;
-    if (n_keep > 0) {
-        size_t *hist = fu_malloc(sizeof(size_t) << 11);
-        for (int p = 0; p < 3; p++) {
-            size_t   nb = (size_t)1 << widths[p];
-            uint32_t digit_mask = (uint32_t)(nb - 1);
-            memset(hist, 0, nb * sizeof *hist);
-            for (size_t i = 0; i < total; i++) {
-                uint32_t k = abs_key(w[i]);
-                if ((k & prefix_mask) == thr)
-                    hist[(k >> shifts[p]) & digit_mask]++;
-            }
-            size_t bkt = nb - 1;
-            for (;;) {
-                if (hist[bkt] >= need || bkt == 0)
-                    break;
-                need -= hist[bkt];
-                bkt--;
-            }
-            thr |= (uint32_t)bkt << shifts[p];
-            prefix_mask |= digit_mask << shifts[p];
+    size_t  *hist = fu_malloc(sizeof(size_t) << 11);
+    for (int p = 0; p < 3; p++) {
+        size_t   nb = (size_t)1 << widths[p];
+        uint32_t digit_mask = (uint32_t)(nb - 1);
+        memset(hist, 0, nb * sizeof *hist);
+        if (!radix_histogram(w, total, prefix_mask, thr, shifts[p], digit_mask, hist)) {
+            free(hist);
+            return FU_EINVAL;
         }
-        free(hist);
+        if (n_keep == 0)
+            break; /* nothing to select; the pass only checked for NaN */
+        size_t bkt = nb - 1;
+        for (;;) {
+            if (hist[bkt] >= need || bkt == 0)
+                break;
+            need -= hist[bkt];
+            bkt--;
+        }
+        thr |= (uint32_t)bkt << shifts[p];
+        prefix_mask |= digit_mask << shifts[p];
     }
+    free(hist);
 
     /* Keep key > thr, and the first `need` elements (by index) with key == thr. */
     for (size_t i = 0; i < total; i++) {
