@@ -182,6 +182,8 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     FU_TRY(get_double(root, "rope_theta", lab, &c->rope_theta, em));
     c->tie_word_embeddings = false;
     FU_TRY(get_bool(root, "tie_word_embeddings", lab, &c->tie_word_embeddings, em));
+    c->sliding_window = 0;
+    FU_TRY(get_size(root, "sliding_window", lab, false, &c->sliding_window, em));
     FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
     FU_TRY(get_token_id(root, "eos_token_id", lab, &c->eos_token_id, em));
     const cJSON *td = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
@@ -307,6 +309,8 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
         cJSON_AddNumberToObject(o, "bos_token_id", (double)c->bos_token_id);
     if (c->eos_token_id >= 0)
         cJSON_AddNumberToObject(o, "eos_token_id", (double)c->eos_token_id);
+    if (c->sliding_window > 0)
+        cJSON_AddNumberToObject(o, "sliding_window", (double)c->sliding_window);
     cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype[0] ? c->torch_dtype : "float32");
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);

@@ -51,6 +51,9 @@ typedef struct {
     bool   tie_word_embeddings;      /* lm_head shares model.embed_tokens.weight; default false */
     int64_t bos_token_id;            /* -1 when absent */
     int64_t eos_token_id;            /* -1 when absent (the first one when a list) */
+    size_t sliding_window;           /* Mistral's attention window; 0 = none (full causal attention).
+                                        Executors that do not implement it must keep sequences
+                                        within it. */
 } fu_modelcfg;
 
 /* A small valid configuration (2 layers, hidden 64, 4 heads, 2 kv heads, ffn 128, vocab 256),

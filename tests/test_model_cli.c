@@ -146,6 +146,21 @@ static void test_model_cli_init_options_and_dtypes(void **state)
     fu_safetensors_close(&st);
     free(dir);
 
+    /* An explicit head size that is not hidden/heads. */
+    dir = fu_path_join(g_dir, "headdim");
+    snprintf(args, sizeof args, "model init --layers 1 --hidden 40 --heads 4 --kv-heads 1 --head-dim 16 -o '%s'", dir);
+    rc = fusion(&out, args);
+    if (rc != 0)
+        fail_msg("exit %d: %s", rc, out);
+    free(out);
+    assert_int_equal(fu_modelcfg_load(dir, &c, NULL), FU_OK);
+    assert_int_equal(c.head_dim, 16);
+    check_model_dir(dir, FU_ST_F32);
+    fu_weight_info w;
+    assert_int_equal(fu_modelcfg_weight_of(&c, FU_W_Q, 0, &w), FU_OK);
+    assert_true(w.shape[0] == 64 && w.shape[1] == 40);
+    free(dir);
+
     dir = fu_path_join(g_dir, "half");
     snprintf(args, sizeof args, "model init --layers 1 --dtype f16 -o '%s'", dir);
     assert_int_equal(fusion(&out, args), 0);

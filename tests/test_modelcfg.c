@@ -70,6 +70,7 @@ static void test_modelcfg_parses_a_real_config(void **state)
     assert_false(c.tie_word_embeddings);
     assert_int_equal(c.bos_token_id, 1);
     assert_int_equal(c.eos_token_id, 2);
+    assert_int_equal(c.sliding_window, 0);
     /* 1.1B parameters. */
     uint64_t p = fu_modelcfg_param_count(&c);
     assert_true(p > 1090000000ull && p < 1110000000ull);
@@ -82,7 +83,7 @@ static void test_modelcfg_defaults_for_missing_fields(void **state)
     fu_errmsg em;
     assert_int_equal(parse("{\"model_type\":\"mistral\",\"hidden_size\":32,\"intermediate_size\":64,"
                            "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":100,"
-                           "\"eos_token_id\":[7,8]}",
+                           "\"eos_token_id\":[7,8],\"sliding_window\":4096}",
                            &c, &em),
                      FU_OK);
     assert_string_equal(c.model_type, "mistral");
@@ -95,6 +96,7 @@ static void test_modelcfg_defaults_for_missing_fields(void **state)
     assert_int_equal(c.max_position_embeddings, FU_MODELCFG_DEFAULT_MAX_POS);
     assert_int_equal(c.bos_token_id, -1);
     assert_int_equal(c.eos_token_id, 7);
+    assert_int_equal(c.sliding_window, 4096);
     /* An explicit head_dim need not be hidden/heads. */
     assert_int_equal(parse("{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":30,\"intermediate_size\":64,"
                            "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"num_key_value_heads\":2,"
