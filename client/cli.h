@@ -17,6 +17,14 @@ int cli_model_main(int argc, char **argv);
 /* `fusion run` (finetune, infer): a job in this process, no broker. cli_run.c */
 int cli_run_main(int argc, char **argv);
 
+/* Jobs on a broker: cli_submit.c (submit), cli_jobs.c (status, jobs, wait, cancel, peers). */
+int cli_submit_main(int argc, char **argv);
+int cli_status_main(int argc, char **argv);
+int cli_jobs_main(int argc, char **argv);
+int cli_wait_main(int argc, char **argv);
+int cli_cancel_main(int argc, char **argv);
+int cli_peers_main(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif

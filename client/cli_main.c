@@ -21,13 +21,13 @@ static const cli_subcommand subcommands[] = {
      "Models and the DAG"},
     {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", cli_run_main,
      "Models and the DAG"},
-    {"submit", "submit a finetune or infer job to a broker", NULL, "End to end: client CLI"},
-    {"status", "show one job, or all of yours", NULL, "End to end: client CLI"},
-    {"jobs", "list your jobs", NULL, "End to end: client CLI"},
-    {"wait", "follow a job until it ends, with a progress bar", NULL, "End to end: client CLI"},
+    {"submit", "submit a finetune or infer job to a broker", cli_submit_main, "End to end: client CLI"},
+    {"status", "show one job, or all of yours", cli_status_main, "End to end: client CLI"},
+    {"jobs", "list your jobs", cli_jobs_main, "End to end: client CLI"},
+    {"wait", "follow a job until it ends, with a progress bar", cli_wait_main, "End to end: client CLI"},
     {"result", "download a finished job's adapter (PEFT format)", NULL, "End to end: client CLI"},
-    {"cancel", "cancel one of your jobs", NULL, "End to end: client CLI"},
-    {"peers", "list the broker's peers: device, speed, memory, state, stage", NULL, "End to end: client CLI"},
+    {"cancel", "cancel one of your jobs", cli_cancel_main, "End to end: client CLI"},
+    {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
 };
 #define N_SUB (sizeof subcommands / sizeof subcommands[0])
 

@@ -1,0 +1,283 @@
+#include "cli_conn.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "fu_alloc.h"
+#include "fu_clock.h"
+#include "wire_keys.h"
+#include "wire_socket.h"
+
+struct cli_conn {
+    const char *prog;   /* for messages; borrowed */
+    void *ctx;          /* ZeroMQ context */
+    void *sock;         /* DEALER to the broker */
+    void *monitor;      /* PAIR receiving the DEALER's handshake events */
+    long long timeout_ms;
+    uint64_t sequence;  /* of our requests */
+    char endpoint[256]; /* the broker, for messages */
+};
+
+/* Reads `key = value` from the config file into the fields still NULL. Values are copied into
+ * static storage: the CLI makes one connection per process. */
+static void conn_read_config(cli_conn_opts *o)
+{
+    static char broker[256], broker_key[1024], keys[1024];
+    char path[1024];
+    const char *env = getenv("FUSION_CONFIG"), *home = getenv("HOME");
+    if (env)
+        snprintf(path, sizeof path, "%s", env);
+    else if (home)
+        snprintf(path, sizeof path, "%s/.config/fusion/%s", home, CLI_CONFIG_NAME);
+    else
+        return;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char line[1200];
+    while (fgets(line, sizeof line, f)) {
+        char *eq = strchr(line, '=');
+        if (line[0] == '#' || !eq)
+            continue;
+        *eq = '\0';
+        char *k = line, *v = eq + 1;
+        while (*k == ' ' || *k == '\t')
+            k++;
+        for (char *e = k + strlen(k); e > k && (e[-1] == ' ' || e[-1] == '\t'); e--)
+            e[-1] = '\0';
+        while (*v == ' ' || *v == '\t')
+            v++;
+        v[strcspn(v, "\r\n")] = '\0';
+        for (char *e = v + strlen(v); e > v && (e[-1] == ' ' || e[-1] == '\t'); e--)
+            e[-1] = '\0';
+        if (strcmp(k, "broker") == 0 && !o->broker)
+            o->broker = strncpy(broker, v, sizeof broker - 1);
+        else if (strcmp(k, "broker-key") == 0 && !o->broker_key)
+            o->broker_key = strncpy(broker_key, v, sizeof broker_key - 1);
+        else if (strcmp(k, "keys") == 0 && !o->keys)
+            o->keys = strncpy(keys, v, sizeof keys - 1);
+    }
+    fclose(f);
+}
+
+static fu_err conn_fail(const char *prog, int *exit_code, int code, const char *msg, const char *arg)
+{
+    fprintf(stderr, "%s: ", prog);
+    fprintf(stderr, msg, arg);
+    fputc('\n', stderr);
+    *exit_code = code;
+    return code == FU_EXIT_AUTH ? FU_EAUTH : FU_EINVAL;
+}
+
+fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **out, int *exit_code)
+{
+    cli_conn_opts o = *given;
+    if (!o.broker)
+        o.broker = getenv("FUSION_BROKER");
+    if (!o.broker_key)
+        o.broker_key = getenv("FUSION_BROKER_KEY");
+    if (!o.keys)
+        o.keys = getenv("FUSION_KEYS");
+    conn_read_config(&o);
+    if (!o.broker)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE,
+                         "no broker given: use --broker tcp://HOST:7700, set FUSION_BROKER, or put "
+                         "`broker = …` in ~/.config/fusion/client.conf%s", "");
+    if (!o.broker_key)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE,
+                         "no broker key given: use --broker-key FILE (the broker's public.key) or set "
+                         "FUSION_BROKER_KEY%s", "");
+    if (!o.keys)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE,
+                         "no client keys given: make them with `fusion keygen -o DIR`, then use --keys DIR "
+                         "or set FUSION_KEYS%s", "");
+
+    char why[512] = "";
+    uint8_t server_pk[WIRE_KEY_BYTES];
+    if (wire_key_load_public(o.broker_key, server_pk, why, sizeof why) != FU_OK)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", why);
+    wire_keypair_t *kp = NULL;
+    if (wire_keypair_load(o.keys, &kp, why, sizeof why) != FU_OK)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", why);
+
+    cli_conn_t *c = fu_calloc(1, sizeof *c);
+    c->prog = prog;
+    c->timeout_ms = o.timeout_ms > 0 ? o.timeout_ms : CLI_DEFAULT_TIMEOUT_MS;
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", o.broker);
+    fu_err rc = FU_EIO;
+    c->ctx = zmq_ctx_new();
+    if (!c->ctx)
+        goto fail;
+    c->sock = wire_socket_new(c->ctx, ZMQ_DEALER, &rc);
+    if (!c->sock)
+        goto fail;
+    if ((rc = wire_socket_curve_client(c->sock, kp, server_pk)) != FU_OK)
+        goto fail;
+    /* Watch the handshake so a refused key is reported as such rather than as a timeout. */
+    char mon[64];
+    snprintf(mon, sizeof mon, "inproc://cli-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0)
+        goto fail;
+    c->monitor = zmq_socket(c->ctx, ZMQ_PAIR);
+    if (!c->monitor || zmq_connect(c->monitor, mon) != 0)
+        goto fail;
+    if (zmq_connect(c->sock, o.broker) != 0) {
+        wire_keypair_destroy(&kp);
+        cli_conn_close(&c);
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "cannot use broker endpoint '%s' (expected tcp://HOST:PORT)",
+                         o.broker);
+    }
+    wire_keypair_destroy(&kp);
+    *out = c;
+    return FU_OK;
+fail:
+    wire_keypair_destroy(&kp);
+    fprintf(stderr, "%s: cannot set up the connection to %s: %s\n", prog, o.broker,
+            rc != FU_OK ? fu_strerror(rc) : zmq_strerror(errno));
+    cli_conn_close(&c);
+    *exit_code = FU_EXIT_FAIL;
+    return rc != FU_OK ? rc : FU_EIO;
+}
+
+void cli_conn_close(cli_conn_t **self_p)
+{
+    cli_conn_t *c = *self_p;
+    if (!c)
+        return;
+    if (c->monitor) {
+        int zero = 0;
+        zmq_setsockopt(c->monitor, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(c->monitor);
+    }
+    wire_socket_close(&c->sock);
+    if (c->ctx)
+        zmq_ctx_term(c->ctx);
+    free(c);
+    *self_p = NULL;
+}
+
+/* Reads one monitor event: returns its event number, or 0 when none is queued. */
+static int conn_monitor_event(cli_conn_t *c)
+{
+    zmq_msg_t ev, addr;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, c->monitor, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&ev);
+        return 0;
+    }
+    uint16_t event = 0;
+    if (zmq_msg_size(&ev) >= sizeof event)
+        memcpy(&event, zmq_msg_data(&ev), sizeof event);
+    zmq_msg_close(&ev);
+    zmq_msg_init(&addr); /* second frame: the endpoint */
+    if (zmq_msg_recv(&addr, c->monitor, ZMQ_DONTWAIT) < 0) {
+    }
+    zmq_msg_close(&addr);
+    return event;
+}
+
+static int error_exit_code(Fusion__ErrorCode code)
+{
+    switch (code) {
+    case FUSION__ERROR_CODE__ERR_AUTH:
+        return FU_EXIT_AUTH;
+    case FUSION__ERROR_CODE__ERR_NOT_FOUND:
+        return FU_EXIT_NOTFOUND;
+    case FUSION__ERROR_CODE__ERR_INVALID:
+    case FUSION__ERROR_CODE__ERR_VERSION:
+        return FU_EXIT_USAGE;
+    default:
+        return FU_EXIT_FAIL;
+    }
+}
+
+fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, Fusion__MsgType want,
+                     wire_msg_t **reply, int *exit_code)
+{
+    wire_hdr h = *hdr;
+    h.sequence = ++c->sequence;
+    fu_err rc = wire_send(c->sock, NULL, 0, &h, body);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: cannot send to the broker at %s: %s\n", c->prog, c->endpoint, fu_strerror(rc));
+        *exit_code = FU_EXIT_FAIL;
+        return rc;
+    }
+    uint64_t deadline = fu_clock_ms() + (uint64_t)c->timeout_ms;
+    for (;;) {
+        uint64_t now = fu_clock_ms();
+        if (now >= deadline) {
+            fprintf(stderr,
+                    "%s: no answer from the broker at %s within %lld ms (is fusion-broker running there, and "
+                    "is --broker-key its public key?)\n",
+                    c->prog, c->endpoint, c->timeout_ms);
+            *exit_code = FU_EXIT_TIMEOUT;
+            return FU_ETIMEDOUT;
+        }
+        zmq_pollitem_t items[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->monitor, 0, ZMQ_POLLIN, 0}};
+        long wait = (long)(deadline - now);
+        if (zmq_poll(items, 2, wait > 200 ? 200 : wait) < 0 && errno != EINTR) {
+            *exit_code = FU_EXIT_FAIL;
+            return FU_EIO;
+        }
+        if (items[1].revents & ZMQ_POLLIN) {
+            int ev = conn_monitor_event(c);
+            if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
+                fprintf(stderr,
+                        "%s: the broker at %s refused this client's key (ask its operator to allow your "
+                        "public.key, or check --broker-key)\n",
+                        c->prog, c->endpoint);
+                *exit_code = FU_EXIT_AUTH;
+                return FU_EAUTH;
+            }
+        }
+        if (!(items[0].revents & ZMQ_POLLIN))
+            continue;
+        wire_msg_t *m = NULL;
+        rc = wire_recv(c->sock, WIRE_DONTWAIT, NULL, &m);
+        if (rc == FU_EAGAIN)
+            continue;
+        if (rc != FU_OK) {
+            fprintf(stderr, "%s: bad answer from the broker: %s\n", c->prog, fu_strerror(rc));
+            *exit_code = FU_EXIT_FAIL;
+            return rc;
+        }
+        if (wire_msg_hdr(m)->sequence != h.sequence && wire_msg_type(m) != want &&
+            wire_msg_type(m) != FUSION__MSG_TYPE__MSG_ERROR) {
+            wire_msg_destroy(&m); /* a late answer to an earlier request */
+            continue;
+        }
+        const Fusion__Error *err = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
+        if (err) {
+            fprintf(stderr, "%s: %s\n", c->prog, err->message && err->message[0] ? err->message : "refused");
+            *exit_code = error_exit_code(err->code);
+            wire_msg_destroy(&m);
+            return *exit_code == FU_EXIT_AUTH ? FU_EAUTH : *exit_code == FU_EXIT_NOTFOUND ? FU_ENOTFOUND : FU_EPROTO;
+        }
+        if (wire_msg_type(m) != want) {
+            wire_msg_destroy(&m);
+            continue;
+        }
+        *reply = m;
+        return FU_OK;
+    }
+}
+
+void cli_job_id_format(uint64_t id, char buf[17])
+{
+    snprintf(buf, 17, "%016" PRIx64, id);
+}
+
+fu_err cli_job_id_parse(const char *s, uint64_t *id)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > 16 || strspn(s, "0123456789abcdefABCDEF") != n)
+        return FU_EINVAL;
+    *id = strtoull(s, NULL, 16);
+    return FU_OK;
+}

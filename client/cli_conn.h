@@ -1,0 +1,62 @@
+/* cli_conn: the client's connection to a broker. Where the broker is and which keys to use come from
+ * the command line, else the environment (FUSION_BROKER, FUSION_BROKER_KEY, FUSION_KEYS), else the
+ * config file ($FUSION_CONFIG, or ~/.config/fusion/client.conf: `broker = …`, `broker-key = …`,
+ * `keys = …`), so that a user types them once. The connection is a CURVE DEALER; each call sends
+ * one request and waits for its answer until a deadline. */
+#ifndef FU_CLI_CONN_H
+#define FU_CLI_CONN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "fu_opts.h"
+#include "wire.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CLI_DEFAULT_TIMEOUT_MS 10000 /* one request's deadline */
+#define CLI_CONFIG_NAME        "client.conf"
+
+/* What the user said about the connection; NULL fields are filled from the environment and the
+ * config file by cli_conn_open. */
+typedef struct {
+    const char *broker;     /* control endpoint, "tcp://host:7700" */
+    const char *broker_key; /* path of the broker's public.key */
+    const char *keys;       /* this client's key directory */
+    long long timeout_ms;   /* per request; 0: CLI_DEFAULT_TIMEOUT_MS */
+} cli_conn_opts;
+
+/* The four fu_opt entries every broker-talking subcommand accepts, bound to *o. */
+#define CLI_CONN_OPTS(o)                                                                                   \
+    {"broker", 0, FU_OPT_STR, &(o)->broker, "ENDPOINT", "broker endpoint (else $FUSION_BROKER or the config)"}, \
+    {"broker-key", 0, FU_OPT_STR, &(o)->broker_key, "FILE", "the broker's public.key (else $FUSION_BROKER_KEY)"}, \
+    {"keys", 0, FU_OPT_STR, &(o)->keys, "DIR", "your key directory (else $FUSION_KEYS)"},                   \
+    {"timeout-ms", 0, FU_OPT_INT, &(o)->timeout_ms, "MS", "deadline of each request (default 10000)"}
+
+typedef struct cli_conn cli_conn_t;
+
+/* Resolves o, loads the keys and connects. On failure prints a sentence for the user (prefixed with
+ * prog) and returns the exit code to use in *exit_code. */
+FU_MUST_CHECK fu_err cli_conn_open(const char *prog, const cli_conn_opts *o, cli_conn_t **out, int *exit_code);
+void cli_conn_close(cli_conn_t **self_p);
+
+/* Sends (hdr, body) and waits for one answer. When the answer is of type `want` it is returned in
+ * *reply (free with wire_msg_destroy). An Error answer is printed (with prog) and mapped to an exit
+ * code: ERR_AUTH → FU_EXIT_AUTH, ERR_NOT_FOUND → FU_EXIT_NOTFOUND, others → FU_EXIT_FAIL. A
+ * refused key (the CURVE handshake failed) → FU_EXIT_AUTH; no answer by the deadline →
+ * FU_EXIT_TIMEOUT, each with a message. Returns FU_OK or the error with *exit_code set. */
+FU_MUST_CHECK fu_err cli_conn_call(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body,
+                                   Fusion__MsgType want, wire_msg_t **reply, int *exit_code);
+
+/* Formats a job id as the 16 hex digits users see; buf holds 17 chars. */
+void cli_job_id_format(uint64_t id, char buf[17]);
+/* Parses 1 to 16 hex digits. FU_EINVAL otherwise. */
+FU_MUST_CHECK fu_err cli_job_id_parse(const char *s, uint64_t *id);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

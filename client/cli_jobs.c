@@ -1,0 +1,439 @@
+/* `fusion status`, `jobs`, `wait`, `cancel`, `peers`: reading and steering jobs on a broker. */
+#include "cli_jobs.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli.h"
+#include "fu_clock.h"
+
+const char *cli_job_state_name(Fusion__JobState s)
+{
+    switch (s) {
+    case FUSION__JOB_STATE__JOB_STATE_QUEUED:
+        return "queued";
+    case FUSION__JOB_STATE__JOB_STATE_RUNNING:
+        return "running";
+    case FUSION__JOB_STATE__JOB_STATE_DONE:
+        return "done";
+    case FUSION__JOB_STATE__JOB_STATE_FAILED:
+        return "failed";
+    case FUSION__JOB_STATE__JOB_STATE_CANCELED:
+        return "cancelled";
+    default:
+        return "unknown";
+    }
+}
+
+static const char *kind_name(Fusion__JobKind k)
+{
+    return k == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? "finetune" : k == FUSION__JOB_KIND__JOB_KIND_INFER ? "infer" : "?";
+}
+
+static cJSON *status_json(const Fusion__JobStatus *s)
+{
+    char id[17];
+    cli_job_id_format(s->job_id, id);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "job", id);
+    cJSON_AddStringToObject(o, "kind", kind_name(s->kind));
+    cJSON_AddStringToObject(o, "state", cli_job_state_name(s->state));
+    cJSON_AddNumberToObject(o, "step", (double)s->step);
+    cJSON_AddNumberToObject(o, "total_steps", (double)s->total_steps);
+    cJSON_AddNumberToObject(o, "loss", s->loss);
+    cJSON_AddStringToObject(o, "message", s->message ? s->message : "");
+    cJSON_AddNumberToObject(o, "stages", s->stages);
+    cJSON_AddNumberToObject(o, "created_ms", (double)s->created_ms);
+    cJSON_AddNumberToObject(o, "updated_ms", (double)s->updated_ms);
+    cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
+    cJSON *stages = cJSON_AddArrayToObject(o, "stage_peers");
+    for (size_t i = 0; i < s->n_stage_info; i++) {
+        const Fusion__JobStage *st = s->stage_info[i];
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "index", st->index);
+        cJSON_AddStringToObject(e, "peer", st->peer_id ? st->peer_id : "");
+        cJSON_AddStringToObject(e, "name", st->peer_name ? st->peer_name : "");
+        cJSON_AddStringToObject(e, "layers", st->layers ? st->layers : "");
+        cJSON_AddItemToArray(stages, e);
+    }
+    if (s->output && s->output[0])
+        cJSON_AddStringToObject(o, "output", s->output);
+    return o;
+}
+
+static void print_json(cJSON *o)
+{
+    char *txt = cJSON_PrintUnformatted(o);
+    printf("%s\n", txt ? txt : "null");
+    free(txt);
+    cJSON_Delete(o);
+}
+
+static void print_status_row(const Fusion__JobStatus *s)
+{
+    char id[17];
+    cli_job_id_format(s->job_id, id);
+    char step[48] = "-";
+    if (s->total_steps)
+        snprintf(step, sizeof step, "%" PRIu64 "/%" PRIu64, s->step, s->total_steps);
+    char loss[32] = "-";
+    if (s->step && s->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE)
+        snprintf(loss, sizeof loss, "%.4f", s->loss);
+    printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", id, kind_name(s->kind), cli_job_state_name(s->state), step, loss,
+           s->message ? s->message : "");
+}
+
+/* Asks for one job's status. */
+static fu_err fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code)
+{
+    Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+    ref.job_id = id;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, .job_id = id};
+    return cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, m, code);
+}
+
+/* Options every job-reading command shares. */
+typedef struct {
+    cli_conn_opts conn;
+    bool json;
+} read_opts;
+
+static int open_conn(const char *prog, const read_opts *o, cli_conn_t **conn)
+{
+    int code = FU_EXIT_OK;
+    if (cli_conn_open(prog, &o->conn, conn, &code) != FU_OK)
+        return code;
+    return FU_EXIT_OK;
+}
+
+int cli_status_main(int argc, char **argv)
+{
+    read_opts o = {0};
+    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"}};
+    const fu_cmd cmd = {.prog = argv[0], .usage = "[JOB] [options]",
+                        .summary = "Shows one job (or, without JOB, all of yours): state, step, loss, and why a "
+                                   "queued job waits.",
+                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 1};
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    if (npos == 0)
+        return cli_jobs_main(argc, argv);
+    uint64_t id;
+    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
+        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+        return FU_EXIT_USAGE;
+    }
+    cli_conn_t *conn = NULL;
+    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
+        return code;
+    wire_msg_t *m = NULL;
+    if (fetch_status(conn, id, &m, &code) == FU_OK) {
+        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+        if (o.json) {
+            print_json(status_json(s));
+        } else {
+            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
+            print_status_row(s);
+        }
+        wire_msg_destroy(&m);
+        code = FU_EXIT_OK;
+    }
+    cli_conn_close(&conn);
+    return code;
+}
+
+int cli_jobs_main(int argc, char **argv)
+{
+    read_opts o = {0};
+    bool all = false;
+    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"},
+                           {"all", 'a', FU_OPT_FLAG, &all, NULL, "include finished jobs"}};
+    const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
+                        .summary = "Lists your jobs on the broker (jobs of other keys are never shown).",
+                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 0};
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    cli_conn_t *conn = NULL;
+    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
+        return code;
+    Fusion__JobListRequest req = FUSION__JOB_LIST_REQUEST__INIT;
+    req.include_done = all;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
+    wire_msg_t *m = NULL;
+    if (cli_conn_call(conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) == FU_OK) {
+        const Fusion__JobList *l = (const Fusion__JobList *)wire_msg_body(m);
+        if (o.json) {
+            cJSON *arr = cJSON_CreateArray();
+            for (size_t i = 0; i < l->n_jobs; i++)
+                cJSON_AddItemToArray(arr, status_json(l->jobs[i]));
+            print_json(arr);
+        } else {
+            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
+            for (size_t i = 0; i < l->n_jobs; i++)
+                print_status_row(l->jobs[i]);
+        }
+        wire_msg_destroy(&m);
+        code = FU_EXIT_OK;
+    }
+    cli_conn_close(&conn);
+    return code;
+}
+
+/* Draws the progress line of a running job on a terminal, or prints a line per new step. */
+static void show_progress(const Fusion__JobStatus *s, bool tty)
+{
+    if (!s->total_steps)
+        return;
+    if (tty) {
+        enum { WIDTH = 30 };
+        int filled = (int)((double)WIDTH * (double)s->step / (double)s->total_steps);
+        char bar[WIDTH + 1];
+        for (int i = 0; i < WIDTH; i++)
+            bar[i] = i < filled ? '#' : '.';
+        bar[WIDTH] = '\0';
+        fprintf(stderr, "\r[%s] step %" PRIu64 "/%" PRIu64 "  loss %.4f  %.0f tok/s  %s\033[K", bar, s->step,
+                s->total_steps, s->loss, s->tokens_per_s, s->message ? s->message : "");
+    } else {
+        fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " loss %.4f %.0f tok/s\n", s->step, s->total_steps, s->loss,
+                s->tokens_per_s);
+    }
+}
+
+/* Prints the job's stages and their peers when they differ from what was printed last (a new plan,
+ * or a stage that moved to a backup). seen holds the last printed list. */
+static void show_stages(const Fusion__JobStatus *s, bool tty, char *seen, size_t seen_cap)
+{
+    char now[1024] = "";
+    size_t n = 0;
+    for (size_t i = 0; i < s->n_stage_info && n < sizeof now; i++) {
+        const Fusion__JobStage *st = s->stage_info[i];
+        n += (size_t)snprintf(now + n, sizeof now - n, "%s%u: %s (%s)", i ? ", " : "", st->index,
+                              st->peer_name && st->peer_name[0] ? st->peer_name : st->peer_id,
+                              st->layers ? st->layers : "");
+    }
+    if (!now[0] || strcmp(now, seen) == 0)
+        return;
+    fprintf(stderr, "%sstages: %s\n", tty ? "\r\033[K" : "", now);
+    snprintf(seen, seen_cap, "%s", now);
+}
+
+int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet)
+{
+    char stages_seen[1024] = "";
+    bool tty = isatty(STDERR_FILENO) && !quiet;
+    uint64_t last_step = UINT64_MAX;
+    size_t printed = 0; /* bytes of generated text already written */
+    double start = fu_clock_sec();
+    char last_msg[256] = "";
+    for (;;) {
+        wire_msg_t *m = NULL;
+        int code;
+        if (fetch_status(conn, id, &m, &code) != FU_OK)
+            return code;
+        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+        size_t out_len = s->output ? strlen(s->output) : 0;
+        if (out_len > printed) {
+            fwrite(s->output + printed, 1, out_len - printed, stdout);
+            fflush(stdout);
+            printed = out_len;
+        }
+        const char *msg = s->message ? s->message : "";
+        if (!quiet && s->state == FUSION__JOB_STATE__JOB_STATE_QUEUED && strcmp(msg, last_msg) != 0) {
+            fprintf(stderr, "queued: %s\n", msg);
+            snprintf(last_msg, sizeof last_msg, "%s", msg);
+        }
+        if (!quiet)
+            show_stages(s, tty, stages_seen, sizeof stages_seen);
+        if (!quiet && s->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE && s->step != last_step) {
+            show_progress(s, tty);
+            last_step = s->step;
+        }
+        Fusion__JobState st = s->state;
+        char final_msg[512];
+        snprintf(final_msg, sizeof final_msg, "%s", msg);
+        uint64_t step = s->step;
+        wire_msg_destroy(&m);
+
+        if (st == FUSION__JOB_STATE__JOB_STATE_DONE || st == FUSION__JOB_STATE__JOB_STATE_FAILED ||
+            st == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
+            if (tty && last_step != UINT64_MAX)
+                fputc('\n', stderr);
+            if (printed)
+                putchar('\n');
+            char idt[17];
+            cli_job_id_format(id, idt);
+            if (st == FUSION__JOB_STATE__JOB_STATE_DONE) {
+                if (!quiet)
+                    fprintf(stderr, "job %s done\n", idt);
+                return FU_EXIT_OK;
+            }
+            fprintf(stderr, "%s: job %s %s%s%s\n", prog, idt, cli_job_state_name(st), final_msg[0] ? ": " : "",
+                    final_msg);
+            return FU_EXIT_FAIL;
+        }
+        if (timeout_s > 0 && fu_clock_sec() - start > timeout_s) {
+            fprintf(stderr, "%s: still %s after %.0f s (step %" PRIu64 "); run `fusion wait` again to follow it\n",
+                    prog, cli_job_state_name(st), timeout_s, step);
+            return FU_EXIT_TIMEOUT;
+        }
+        fu_sleep_ms(CLI_WAIT_POLL_MS);
+    }
+}
+
+int cli_wait_main(int argc, char **argv)
+{
+    cli_conn_opts co = {0};
+    double timeout = 0;
+    bool quiet = false;
+    const fu_opt opts[] = {CLI_CONN_OPTS(&co),
+                           {"wait-timeout", 0, FU_OPT_DOUBLE, &timeout, "S", "give up after S seconds (exit 5)"},
+                           {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "no progress bar"}};
+    const fu_cmd cmd = {.prog = argv[0], .usage = "JOB [options]",
+                        .summary = "Follows a job until it ends, with a progress bar (step of steps, loss, "
+                                   "tokens/s); an inference job's text is printed as it is generated.",
+                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 1, .max_pos = 1};
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    uint64_t id;
+    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
+        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+        return FU_EXIT_USAGE;
+    }
+    cli_conn_t *conn = NULL;
+    if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
+        return code;
+    code = cli_wait_job(conn, argv[0], id, timeout, quiet);
+    cli_conn_close(&conn);
+    return code;
+}
+
+int cli_cancel_main(int argc, char **argv)
+{
+    cli_conn_opts co = {0};
+    const fu_opt opts[] = {CLI_CONN_OPTS(&co)};
+    const fu_cmd cmd = {.prog = argv[0], .usage = "JOB [options]",
+                        .summary = "Cancels one of your jobs; its stages are released. A finished job cannot be "
+                                   "cancelled, and another key's job is not found.",
+                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 1, .max_pos = 1};
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    uint64_t id;
+    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
+        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+        return FU_EXIT_USAGE;
+    }
+    cli_conn_t *conn = NULL;
+    if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
+        return code;
+    Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+    ref.job_id = id;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_CANCEL, .job_id = id};
+    wire_msg_t *m = NULL;
+    if (cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code) == FU_OK) {
+        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+        printf("job %s: %s\n", argv[1], cli_job_state_name(s->state));
+        wire_msg_destroy(&m);
+        code = FU_EXIT_OK;
+    }
+    cli_conn_close(&conn);
+    return code;
+}
+
+static const char *peer_state_name(Fusion__PeerState s)
+{
+    switch (s) {
+    case FUSION__PEER_STATE__PEER_STATE_IDLE:
+        return "idle";
+    case FUSION__PEER_STATE__PEER_STATE_WARM:
+        return "backup";
+    case FUSION__PEER_STATE__PEER_STATE_BUSY:
+        return "busy";
+    case FUSION__PEER_STATE__PEER_STATE_DRAINING:
+        return "leaving";
+    case FUSION__PEER_STATE__PEER_STATE_DEAD:
+        return "dead";
+    default:
+        return "unknown";
+    }
+}
+
+static double best_gflops(const Fusion__PeerProfile *p)
+{
+    double best = 0;
+    for (size_t i = 0; p && i < p->n_speeds; i++)
+        if (p->speeds[i]->gemm_gflops > best)
+            best = p->speeds[i]->gemm_gflops;
+    return best;
+}
+
+int cli_peers_main(int argc, char **argv)
+{
+    read_opts o = {0};
+    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"}};
+    const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
+                        .summary = "Lists the broker's peers: name, device, GEMM GFLOP/s, memory, state, the job "
+                                   "stage each runs, and reputation.",
+                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 0};
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    cli_conn_t *conn = NULL;
+    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
+        return code;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_PEER_LIST_REQ};
+    wire_msg_t *m = NULL;
+    if (cli_conn_call(conn, &h, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, &m, &code) == FU_OK) {
+        const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
+        cJSON *arr = o.json ? cJSON_CreateArray() : NULL;
+        if (!o.json)
+            printf("%-14s  %-28s  %8s  %8s  %-7s  %-20s  %s\n", "NAME", "DEVICE", "GFLOP/s", "MEM GiB", "STATE",
+                   "STAGE", "REPUTATION");
+        for (size_t i = 0; i < l->n_peers; i++) {
+            const Fusion__PeerInfo *p = l->peers[i];
+            char stage[48] = "-";
+            if (p->job_id) {
+                char jid[17];
+                cli_job_id_format(p->job_id, jid);
+                snprintf(stage, sizeof stage, "%s/%u", jid, p->stage_index);
+            }
+            double mem = p->profile ? (double)p->profile->free_memory_bytes / (double)(1ull << 30) : 0;
+            const char *dev = p->profile && p->profile->device_name ? p->profile->device_name : "";
+            if (arr) {
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "peer", p->peer_id ? p->peer_id : "");
+                cJSON_AddStringToObject(e, "name", p->name ? p->name : "");
+                cJSON_AddStringToObject(e, "device", dev);
+                cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
+                cJSON_AddNumberToObject(e, "memory_bytes", p->profile ? (double)p->profile->free_memory_bytes : 0);
+                cJSON_AddStringToObject(e, "state", peer_state_name(p->state));
+                cJSON_AddStringToObject(e, "stage", stage);
+                cJSON_AddNumberToObject(e, "reputation", p->reputation);
+                cJSON_AddNumberToObject(e, "last_seen_ms", (double)p->last_seen_ms);
+                cJSON_AddItemToArray(arr, e);
+            } else {
+                printf("%-14.14s  %-28.28s  %8.1f  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "", dev,
+                       best_gflops(p->profile), mem, peer_state_name(p->state), stage, p->reputation);
+            }
+        }
+        if (arr)
+            print_json(arr);
+        wire_msg_destroy(&m);
+        code = FU_EXIT_OK;
+    }
+    cli_conn_close(&conn);
+    return code;
+}

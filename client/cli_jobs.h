@@ -1,0 +1,27 @@
+/* Shared pieces of the job commands (cli_jobs.c, cli_submit.c). */
+#ifndef FU_CLI_JOBS_H
+#define FU_CLI_JOBS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cli_conn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CLI_WAIT_POLL_MS 200 /* how often `wait` asks for a job's status */
+
+/* Follows job `id` until it ends: a progress bar on a terminal (step of steps, loss, tokens/s), one
+ * line per step otherwise, generated text as it arrives for inference jobs, nothing with quiet.
+ * Returns the exit code: 0 done, 1 failed or cancelled, 5 when timeout_s (> 0) passed first. */
+int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet);
+
+/* State names users see ("queued", "running", ...). */
+const char *cli_job_state_name(Fusion__JobState s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
