@@ -1,5 +1,6 @@
 #include "dag_exec.h"
 
+#include <cblas.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #define DAG_WS_SLACK          (256u << 10) /* workspace bytes beyond the computed needs */
 #define DAG_SALR_BWD_BLOCK    256          /* weight rows decoded per block in the sparse backward */
 #define DAG_PEFT_PREFIX       "base_model.model."
+#define DAG_GEMV_MAX_ROWS     2            /* rows up to which CPU linears use sgemv */
 
 /* One pooled device buffer. */
 typedef struct {
@@ -1036,6 +1038,20 @@ static int input_refs_for(const dag_exec_t *x, uint32_t src)
     return r + 1; /* released at the end of the slot */
 }
 
+/* Y = X·Wᵀ. A decode step has one row: OpenBLAS's sgemm then packs all of W for a single row (twice
+ * the memory traffic), so on the CPU a few rows go through sgemv instead. */
+static fu_err base_linear(const dag_exec_t *x, const kern_tensor_t *in, const kern_tensor_t *w, kern_tensor_t *out)
+{
+    int64_t rows = in->shape[0];
+    if (!x->cpu || rows > DAG_GEMV_MAX_ROWS || w->ndim != 2 || in->shape[1] != w->shape[1] ||
+        out->shape[1] != w->shape[0] || out->shape[0] != rows || !kern_tensor_is_contiguous(w))
+        return kern_linear_forward(x->be, in, w, out);
+    for (int64_t r = 0; r < rows; r++)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)w->shape[0], (int)w->shape[1], 1.0f, w->data, (int)w->shape[1],
+                    (const float *)in->data + r * in->stride[0], 1, 0.0f, (float *)out->data + r * out->stride[0], 1);
+    return FU_OK;
+}
+
 static fu_err fwd_linear(dag_exec_t *x, uint32_t slot, size_t i, const kern_tensor_t *in, kern_tensor_t *out)
 {
     const dag_node *nd = N(x, i);
@@ -1054,11 +1070,14 @@ static fu_err fwd_linear(dag_exec_t *x, uint32_t slot, size_t i, const kern_tens
         return rc;
     }
     if (!e->A)
-        return kern_linear_forward(x->be, in, e->w, out);
+        return base_linear(x, in, e->w, out);
     ebuf *h = NULL;
     FU_TRY(pool_get(x, (size_t)x->o.max_tokens * (size_t)e->r, &h));
     kern_tensor_t hv = bview(x, h, s->rows, e->r);
-    fu_err rc = kern_lora_forward(x->be, in, e->w, e->A, e->B, e->scale, &hv, out);
+    bool gemv = x->cpu && s->rows <= DAG_GEMV_MAX_ROWS;
+    fu_err rc = gemv ? base_linear(x, in, e->w, out) : FU_OK;
+    if (rc == FU_OK)
+        rc = kern_lora_forward(x->be, in, gemv ? NULL : e->w, e->A, e->B, e->scale, &hv, out);
     if (rc == FU_OK && x->nodes[i].run_bwd)
         x->hsave[(size_t)slot * x->n + i] = h;
     else
@@ -1146,7 +1165,7 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
         kern_tensor_t a = bview(x, in[0], in_rows, nd->dim_in);
         if (rows != in_rows) /* last row only */
             a = tv2((float *)in[0]->t->data + (size_t)(in_rows - 1) * nd->dim_in, 1, nd->dim_in, dev);
-        rc = kern_linear_forward(x->be, &a, e->w, &out);
+        rc = base_linear(x, &a, e->w, &out);
         break;
     }
     case DAG_OP_CROSS_ENTROPY: {

@@ -289,7 +289,9 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         return FU_EINVAL;
     }
     if (o->method >= DAG_ADAPTER_COUNT_ ||
-        (o->method != DAG_ADAPTER_NONE && (o->rank == 0 || o->rank > DAG_MAX_RANK || !(o->alpha > 0.0f))) ||
+        ((o->method == DAG_ADAPTER_LORA || o->method == DAG_ADAPTER_LORA_FA) &&
+         (o->rank == 0 || o->rank > DAG_MAX_RANK || !(o->alpha > 0.0f))) ||
+        (o->method == DAG_ADAPTER_SALR && (o->rank > DAG_MAX_RANK || (o->rank > 0 && !(o->alpha > 0.0f)))) ||
         (o->method == DAG_ADAPTER_SALR && (o->res_rank == 0 || o->res_rank > DAG_MAX_RANK)) ||
         (o->targets & ~DAG_TARGETS_ALL) != 0) {
         FU_ERROR("dag", "adapter options are invalid (method %d, rank %u, alpha %g, residual rank %u)",

@@ -1,0 +1,1 @@
+fu_add_bench(dag "train_*.c" LIBS fu_dag)

@@ -1,0 +1,356 @@
+/* Single-process fine-tuning and inference through the DAG executor, on a ~100M-parameter LLaMA
+ * (12 layers, hidden 768, 12 heads, ffn 2048, vocab 32000; batch 4 x seq 128; 2 threads), or a small
+ * model with --quick. Each case runs in a child process so that its peak memory (ru_maxrss) is its
+ * own. Prints tokens/s, peak memory and saved-activation bytes as JSON lines. */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_model.h"
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_modelcfg.h"
+#include "fu_safetensors.h"
+
+#define TB_THREADS      2   /* BLAS and OpenMP threads */
+#define TB_RANK         8   /* adapter rank */
+#define TB_SALR_RANK    16  /* SALR residual rank */
+#define TB_PROMPT       128 /* prompt tokens for inference */
+#define TB_GENERATE     64  /* generated tokens */
+
+typedef struct {
+    fu_modelcfg cfg;
+    uint32_t batch, seq, steps;
+    char dir[512];    /* dense model */
+    char pruned[600]; /* SALR model */
+    bool made, pruned_made;
+} tb_env;
+
+static tb_env env;
+
+static void tb_threads(void)
+{
+    openblas_set_num_threads(TB_THREADS);
+    if (kern_cpu_set_threads(TB_THREADS) != FU_OK)
+        fprintf(stderr, "bench: cannot set threads\n");
+}
+
+static void tb_cleanup(void)
+{
+    if (env.made) {
+        char cmd[1200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s'", env.dir, env.pruned);
+        if (system(cmd) != 0)
+            fprintf(stderr, "bench: could not remove %s\n", env.dir);
+    }
+}
+
+/* Runs fn in a child process; the child writes one result line into the pipe. */
+static bool in_child(void (*fn)(int fd, void *), void *arg, char *line, size_t cap)
+{
+    int p[2];
+    if (pipe(p) != 0)
+        return false;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0)
+        return false;
+    if (pid == 0) {
+        close(p[0]);
+        tb_threads();
+        fn(p[1], arg);
+        close(p[1]);
+        _exit(0);
+    }
+    close(p[1]);
+    size_t n = 0;
+    ssize_t r;
+    while (n + 1 < cap && (r = read(p[0], line + n, cap - 1 - n)) > 0)
+        n += (size_t)r;
+    line[n] = '\0';
+    close(p[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 && n > 0;
+}
+
+static void send_line(int fd, const char *s)
+{
+    size_t n = strlen(s);
+    if (write(fd, s, n) != (ssize_t)n)
+        _exit(3);
+}
+
+static void make_model(int fd, void *arg)
+{
+    (void)arg;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_model_init_random(env.dir, &env.cfg, 1, 0.02f, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "bench: %s\n", fu_errmsg_text(&em, rc));
+        _exit(2);
+    }
+    send_line(fd, "ok");
+}
+
+static void make_pruned(int fd, void *arg)
+{
+    (void)arg;
+    fu_errmsg em = {{0}};
+    double t0 = fu_clock_sec();
+    fu_err rc = dag_salr_prune_model(env.dir, env.pruned, 0.5, TB_SALR_RANK, 1, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "bench: %s\n", fu_errmsg_text(&em, rc));
+        _exit(2);
+    }
+    char l[64];
+    snprintf(l, sizeof l, "%.1f", fu_clock_sec() - t0);
+    send_line(fd, l);
+}
+
+static bool ensure_models(bool pruned)
+{
+    if (!env.made) {
+        if (bench_quick()) {
+            fu_modelcfg_defaults(&env.cfg);
+            env.cfg.num_hidden_layers = 4;
+            env.cfg.hidden_size = 256;
+            env.cfg.num_attention_heads = 4;
+            env.cfg.num_key_value_heads = 4;
+            env.cfg.head_dim = 64;
+            env.cfg.intermediate_size = 688;
+            env.cfg.vocab_size = 8000;
+            env.batch = 2;
+            env.seq = 64;
+            env.steps = 3;
+        } else {
+            fu_modelcfg_defaults(&env.cfg);
+            env.cfg.num_hidden_layers = 12;
+            env.cfg.hidden_size = 768;
+            env.cfg.num_attention_heads = 12;
+            env.cfg.num_key_value_heads = 12;
+            env.cfg.head_dim = 64;
+            env.cfg.intermediate_size = 2048;
+            env.cfg.vocab_size = 32000;
+            env.batch = 4;
+            env.seq = 128;
+            env.steps = 5;
+        }
+        env.cfg.max_position_embeddings = 2048;
+        const char *t = getenv("TMPDIR");
+        snprintf(env.dir, sizeof env.dir, "%s/fusion-bench-dag-XXXXXX", t ? t : "/tmp");
+        if (!mkdtemp(env.dir))
+            return false;
+        snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);
+        env.made = true;
+        atexit(tb_cleanup);
+        char line[64];
+        if (!in_child(make_model, NULL, line, sizeof line))
+            return false;
+    }
+    if (pruned && !env.pruned_made) {
+        char line[64];
+        if (!in_child(make_pruned, NULL, line, sizeof line))
+            return false;
+        env.pruned_made = true;
+        bench_emit("dag", "salr_prune", "\"seconds\":%s,\"sparsity\":0.5,\"residual_rank\":%d", line, TB_SALR_RANK);
+    }
+    return true;
+}
+
+static double peak_gib(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_maxrss * 1024.0 / (1024.0 * 1024.0 * 1024.0);
+}
+
+/* ---- training ------------------------------------------------------------------------------- */
+
+static void train_child(int fd, void *arg)
+{
+    dag_adapter_method m = *(const dag_adapter_method *)arg;
+    bool salr = m == DAG_ADAPTER_SALR;
+    fu_errmsg em = {{0}};
+    fu_safetensors *st = NULL;
+    if (fu_safetensors_open_dir(salr ? env.pruned : env.dir, &st, &em) != FU_OK)
+        _exit(2);
+    dag_model_dims d;
+    dag_dims_from_cfg(&env.cfg, &d);
+    dag_build_opts bo = {.method = m, .rank = TB_RANK, .alpha = 2 * TB_RANK, .res_rank = TB_SALR_RANK,
+                         .head = DAG_HEAD_LOSS, .seq_len = env.seq};
+    dag_graph_t *g = NULL;
+    dag_exec_t *x = NULL;
+    if (dag_build_llama(&d, &bo, &g) != FU_OK)
+        _exit(2);
+    dag_exec_opts eo = {.max_tokens = env.batch * env.seq, .training = true, .seed = 1};
+    if (dag_exec_new(g, &eo, &x, &em) != FU_OK || dag_exec_load_weights(x, st, &em) != FU_OK) {
+        fprintf(stderr, "bench: %s\n", em.msg);
+        _exit(2);
+    }
+    size_t n = (size_t)env.batch * env.seq;
+    int32_t *tok = malloc(n * sizeof *tok), *tgt = malloc(n * sizeof *tgt);
+    for (size_t i = 0; i < n; i++) {
+        tok[i] = (int32_t)((i * 7919u) % env.cfg.vocab_size);
+        tgt[i] = (int32_t)((i * 104729u + 1) % env.cfg.vocab_size);
+    }
+    kern_adamw_params ap = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+    float loss = 0;
+    double t0 = 0;
+    for (uint32_t s = 0; s <= env.steps; s++) {
+        if (s == 1)
+            t0 = fu_clock_sec(); /* step 0 warms the buffer pool up */
+        if (dag_exec_set_tokens(x, 0, tok, tgt, env.batch, env.seq) != FU_OK || dag_exec_forward(x, 0) != FU_OK ||
+            dag_exec_loss(x, 0, &loss, NULL) != FU_OK || dag_exec_backward(x, 0, 1.0f) != FU_OK ||
+            dag_exec_step(x, &ap) != FU_OK)
+            _exit(2);
+    }
+    double el = fu_clock_sec() - t0;
+    char line[512];
+    snprintf(line, sizeof line,
+             "\"method\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"batch\":%u,\"seq\":%u,\"threads\":%d,"
+             "\"steps\":%u,\"tokens_per_s\":%.1f,\"peak_rss_gib\":%.3f,\"saved_activation_mib\":%.1f,"
+             "\"trainable_params\":%zu,\"loss\":%.4f",
+             dag_adapter_name(m), env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, env.batch,
+             env.seq, TB_THREADS, env.steps, (double)(env.steps * n) / el, peak_gib(),
+             (double)dag_exec_saved_bytes_peak(x) / 1048576.0, dag_exec_trainable_params(x), (double)loss);
+    send_line(fd, line);
+    free(tok);
+    free(tgt);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&st);
+}
+
+static void train_case(const char *name, dag_adapter_method m)
+{
+    if (!ensure_models(m == DAG_ADAPTER_SALR)) {
+        bench_emit("dag", name, "\"error\":\"setup failed\"");
+        return;
+    }
+    char line[1024];
+    if (!in_child(train_child, &m, line, sizeof line))
+        bench_emit("dag", name, "\"error\":\"run failed\"");
+    else
+        bench_emit("dag", name, "%s", line);
+}
+
+BENCH_CASE(train_lorafa)
+{
+    train_case("train_lorafa", DAG_ADAPTER_LORA_FA);
+}
+
+BENCH_CASE(train_lora)
+{
+    train_case("train_lora", DAG_ADAPTER_LORA);
+}
+
+BENCH_CASE(train_salr)
+{
+    train_case("train_salr", DAG_ADAPTER_SALR);
+}
+
+/* ---- inference ------------------------------------------------------------------------------ */
+
+static void infer_child(int fd, void *arg)
+{
+    bool salr = *(const bool *)arg;
+    fu_errmsg em = {{0}};
+    fu_safetensors *st = NULL;
+    if (fu_safetensors_open_dir(salr ? env.pruned : env.dir, &st, &em) != FU_OK)
+        _exit(2);
+    dag_model_dims d;
+    dag_dims_from_cfg(&env.cfg, &d);
+    dag_build_opts bo = {.method = salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .rank = 0, .res_rank = TB_SALR_RANK,
+                         .head = DAG_HEAD_SAMPLE, .seq_len = TB_PROMPT};
+    dag_graph_t *g = NULL;
+    dag_exec_t *x = NULL;
+    if (dag_build_llama(&d, &bo, &g) != FU_OK)
+        _exit(2);
+    dag_exec_opts eo = {.max_tokens = TB_PROMPT, .training = false, .max_context = TB_PROMPT + TB_GENERATE + 1};
+    if (dag_exec_new(g, &eo, &x, &em) != FU_OK || dag_exec_load_weights(x, st, &em) != FU_OK) {
+        fprintf(stderr, "bench: %s\n", em.msg);
+        _exit(2);
+    }
+    int32_t prompt[TB_PROMPT];
+    for (int i = 0; i < TB_PROMPT; i++)
+        prompt[i] = (int32_t)((i * 7919u + 3) % env.cfg.vocab_size);
+    double best_prompt = 0, gen_tps = 0;
+    int reps = bench_quick() ? 2 : 3;
+    for (int r = 0; r <= reps; r++) {
+        dag_session_t *s = NULL;
+        if (dag_exec_session_new(x, &s) != FU_OK)
+            _exit(2);
+        dag_exec_session_use(x, s);
+        double t0 = fu_clock_sec();
+        if (dag_exec_set_tokens(x, 0, prompt, NULL, 1, TB_PROMPT) != FU_OK || dag_exec_forward(x, 0) != FU_OK)
+            _exit(2);
+        double tp = (double)TB_PROMPT / (fu_clock_sec() - t0);
+        if (r > 0 && tp > best_prompt)
+            best_prompt = tp; /* r == 0 warms up */
+        if (r == reps) {
+            double t1 = fu_clock_sec();
+            for (int k = 0; k < TB_GENERATE; k++) {
+                int32_t next = 0;
+                if (dag_exec_sampled(x, 0, &next) != FU_OK || dag_exec_set_tokens(x, 0, &next, NULL, 1, 1) != FU_OK ||
+                    dag_exec_forward(x, 0) != FU_OK)
+                    _exit(2);
+            }
+            gen_tps = TB_GENERATE / (fu_clock_sec() - t1);
+        }
+        dag_exec_session_destroy(&s);
+    }
+    char line[512];
+    snprintf(line, sizeof line,
+             "\"model\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"threads\":%d,\"prompt_tokens\":%d,"
+             "\"prompt_tokens_per_s\":%.1f,\"generated_tokens\":%d,\"generated_tokens_per_s\":%.1f,"
+             "\"peak_rss_gib\":%.3f",
+             salr ? "salr-50%" : "dense", env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size,
+             TB_THREADS, TB_PROMPT, best_prompt, TB_GENERATE, gen_tps, peak_gib());
+    send_line(fd, line);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&st);
+}
+
+static double field(const char *line, const char *key)
+{
+    const char *p = strstr(line, key);
+    return p ? atof(p + strlen(key)) : 0.0;
+}
+
+static double dense_gen_tps;
+
+BENCH_CASE(infer_dense)
+{
+    bool salr = false;
+    char line[1024];
+    if (!ensure_models(false) || !in_child(infer_child, &salr, line, sizeof line)) {
+        bench_emit("dag", "infer_dense", "\"error\":\"run failed\"");
+        return;
+    }
+    dense_gen_tps = field(line, "\"generated_tokens_per_s\":");
+    bench_emit("dag", "infer_dense", "%s", line);
+}
+
+BENCH_CASE(infer_salr)
+{
+    bool salr = true;
+    char line[1024];
+    if (!ensure_models(true) || !in_child(infer_child, &salr, line, sizeof line)) {
+        bench_emit("dag", "infer_salr", "\"error\":\"run failed\"");
+        return;
+    }
+    double g = field(line, "\"generated_tokens_per_s\":");
+    if (dense_gen_tps > 0)
+        bench_emit("dag", "infer_salr", "%s,\"generation_speedup_vs_dense\":%.2f", line, g / dense_gen_tps);
+    else
+        bench_emit("dag", "infer_salr", "%s", line);
+}
