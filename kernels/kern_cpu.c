@@ -112,20 +112,10 @@ static fu_err cpu_axpy(const kern_backend_t *be, float alpha, const kern_tensor_
     return FU_OK;
 }
 
-static fu_err cpu_adamw(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad,
-                        kern_tensor_t *m, kern_tensor_t *v, const kern_adamw_params *p, int64_t step)
+KERN_HOT static void adamw_chunk(float *w, const float *g, float *pm, float *pv, int64_t n, float b1, float b2,
+                                 float eps, float decay, float step_size, float inv_sqrt_bc2)
 {
-    (void)be;
-    float *w = param->data, *pm = m->data, *pv = v->data;
-    const float *g = grad->data;
-    int64_t n = kern_tensor_numel(param);
-    const float b1 = p->beta1, b2 = p->beta2, eps = p->eps, lr = p->lr;
-    const float decay = 1.0f - p->lr * p->weight_decay;
-    const double bc1 = 1.0 - pow((double)b1, (double)step);
-    const double bc2 = 1.0 - pow((double)b2, (double)step);
-    const float step_size = (float)((double)lr / bc1);
-    const float inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
-#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i];
         float mi = b1 * pm[i] + (1.0f - b1) * gi;
@@ -135,6 +125,24 @@ static fu_err cpu_adamw(const kern_backend_t *be, kern_tensor_t *param, const ke
         float denom = sqrtf(vi) * inv_sqrt_bc2 + eps;
         w[i] = w[i] * decay - step_size * mi / denom;
     }
+}
+
+static fu_err cpu_adamw(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad,
+                        kern_tensor_t *m, kern_tensor_t *v, const kern_adamw_params *p, int64_t step)
+{
+    (void)be;
+    float *w = param->data, *pm = m->data, *pv = v->data;
+    const float *g = grad->data;
+    int64_t n = kern_tensor_numel(param);
+    const float decay = 1.0f - p->lr * p->weight_decay;
+    const double bc1 = 1.0 - pow((double)p->beta1, (double)step);
+    const double bc2 = 1.0 - pow((double)p->beta2, (double)step);
+    const float step_size = (float)((double)p->lr / bc1);
+    const float inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+    for (int64_t c = 0; c < n; c += KERN_CHUNK)
+        adamw_chunk(w + c, g + c, pm + c, pv + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK, p->beta1, p->beta2, p->eps,
+                    decay, step_size, inv_sqrt_bc2);
     return FU_OK;
 }
 

@@ -57,30 +57,82 @@ static fu_err scratch(kern_workspace_t *ws, size_t floats, float **out, void **o
     return FU_OK;
 }
 
-/* In-place causal softmax of S rows: row i keeps columns 0..lim(i), the rest become 0. */
+/* In place: row[0..lim) becomes softmax(row[0..lim)), row[lim..tk) becomes 0. */
+KERN_HOT static void softmax_row(float *row, int64_t lim, int64_t tk)
+{
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < lim; j++)
+        mx = row[j] > mx ? row[j] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < lim; j++) {
+        row[j] = kern_expf(row[j] - mx);
+        sum += row[j];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < lim; j++)
+        row[j] *= inv;
+    for (int64_t j = lim; j < tk; j++)
+        row[j] = 0.0f;
+}
+
+/* In-place causal softmax of S rows: row i keeps columns 0..q_offset+i, the rest become 0. */
 static void masked_softmax(float *S, int64_t tq, int64_t tk, int64_t q_offset)
 {
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
     for (int64_t i = 0; i < tq; i++) {
-        float *row = S + i * tk;
         int64_t lim = q_offset + i + 1; /* allowed: j < lim */
-        if (lim > tk)
-            lim = tk;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < lim; j++)
-            mx = row[j] > mx ? row[j] : mx;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < lim; j++) {
-            row[j] = expf(row[j] - mx);
-            sum += row[j];
-        }
-        float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < lim; j++)
-            row[j] *= inv;
-        for (int64_t j = lim; j < tk; j++)
-            row[j] = 0.0f;
+        softmax_row(S + i * tk, lim < tk ? lim : tk, tk);
     }
+}
+
+/* dS = P ⊙ (dP − rowsum(P ⊙ dP)) for one row, in place in dr. */
+KERN_HOT static void dsoftmax_row(const float *pr, float *dr, int64_t tk)
+{
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < tk; j++)
+        dot += pr[j] * dr[j];
+#pragma omp simd
+    for (int64_t j = 0; j < tk; j++)
+        dr[j] = pr[j] * (dr[j] - dot);
+}
+
+/* One query row against keys/values 0..lim-1 (row stride ldk): o = softmax(scale·q·Kᵀ)·V. */
+KERN_HOT static void attn_row(const float *q, const float *K, const float *V, int64_t ldk, int64_t lim, int64_t D,
+                              float scale, float *sc, float *o)
+{
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < lim; j++) {
+        const float *k = K + j * ldk;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t c = 0; c < D; c++)
+            d += q[c] * k[c];
+        sc[j] = d * scale;
+        mx = sc[j] > mx ? sc[j] : mx;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < lim; j++) {
+        sc[j] = kern_expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    for (int64_t c = 0; c < D; c++)
+        o[c] = 0.0f;
+    for (int64_t j = 0; j < lim; j++) {
+        const float *v = V + j * ldk;
+        float w = sc[j];
+#pragma omp simd
+        for (int64_t c = 0; c < D; c++)
+            o[c] += w * v[c];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t c = 0; c < D; c++)
+        o[c] *= inv;
 }
 
 /* Hand-written path: each thread handles whole (sequence, head) pairs, one query row at a time. */
@@ -97,38 +149,9 @@ static void attn_fwd_small(const kern_attn_params *p, int64_t tq, int64_t tk, co
         for (int64_t ph = 0; ph < pairs; ph++) {
             int64_t s = ph / Hq, h = ph % Hq, g = h / group;
             for (int64_t i = 0; i < tq; i++) {
-                const float *q = Q + (s * tq + i) * ldq + h * D;
-                float *o = O + (s * tq + i) * ldq + h * D;
                 int64_t lim = p->q_offset + i + 1;
-                if (lim > tk)
-                    lim = tk;
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < lim; j++) {
-                    const float *k = K + (s * tk + j) * ldk + g * D;
-                    float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-                    for (int64_t c = 0; c < D; c++)
-                        d += q[c] * k[c];
-                    sc[j] = d * scale;
-                    mx = sc[j] > mx ? sc[j] : mx;
-                }
-                float sum = 0.0f;
-                for (int64_t j = 0; j < lim; j++) {
-                    sc[j] = expf(sc[j] - mx);
-                    sum += sc[j];
-                }
-                for (int64_t c = 0; c < D; c++)
-                    o[c] = 0.0f;
-                for (int64_t j = 0; j < lim; j++) {
-                    const float *v = V + (s * tk + j) * ldk + g * D;
-                    float w = sc[j];
-#pragma omp simd
-                    for (int64_t c = 0; c < D; c++)
-                        o[c] += w * v[c];
-                }
-                float inv = 1.0f / sum;
-                for (int64_t c = 0; c < D; c++)
-                    o[c] *= inv;
+                attn_row(Q + (s * tq + i) * ldq + h * D, K + s * tk * ldk + g * D, V + s * tk * ldk + g * D, ldk,
+                         lim < tk ? lim : tk, D, scale, sc, O + (s * tq + i) * ldq + h * D);
             }
         }
     }
@@ -219,17 +242,8 @@ fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, co
                         ldq, 1.0f, dVg, ldk);
             /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
-            for (int64_t i = 0; i < tq; i++) {
-                const float *pr = P + i * tk;
-                float *dr = dP + i * tk;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t j = 0; j < tk; j++)
-                    dot += pr[j] * dr[j];
-#pragma omp simd
-                for (int64_t j = 0; j < tk; j++)
-                    dr[j] = pr[j] * (dr[j] - dot);
-            }
+            for (int64_t i = 0; i < tq; i++)
+                dsoftmax_row(P + i * tk, dP + i * tk, tk);
             /* dQ = scale·dS·K; dK += scale·dSᵀ·Q */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)tq, (int)D, (int)tk, scale, dP, (int)tk, Kg,
                         ldk, 0.0f, dQh, ldq);

@@ -62,7 +62,7 @@ fu_err kern_cpu_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids
 
 /* ---- RMSNorm ---- */
 
-static inline float row_rstd(const float *x, int64_t d, float eps)
+KERN_HOT static float row_rstd(const float *x, int64_t d, float eps)
 {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -179,6 +179,26 @@ fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const ker
 
 /* ---- SwiGLU ---- */
 
+KERN_HOT static void silu_mul_chunk(const float *g, const float *u, float *o, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float s = 1.0f / (1.0f + kern_expf(-g[i]));
+        o[i] = g[i] * s * u[i];
+    }
+}
+
+KERN_HOT static void silu_mul_bwd_chunk(const float *d, const float *g, const float *u, float *dg, float *du, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i], di = d[i], ui = u[i];
+        float s = 1.0f / (1.0f + kern_expf(-gi));
+        dg[i] = di * ui * s * (1.0f + gi * (1.0f - s));
+        du[i] = di * gi * s;
+    }
+}
+
 fu_err kern_cpu_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate, const kern_tensor_t *up,
                              kern_tensor_t *out)
 {
@@ -186,11 +206,9 @@ fu_err kern_cpu_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate
     const float *g = gate->data, *u = up->data;
     float *o = out->data;
     int64_t n = kern_tensor_numel(out);
-#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float s = 1.0f / (1.0f + expf(-g[i]));
-        o[i] = g[i] * s * u[i];
-    }
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+    for (int64_t c = 0; c < n; c += KERN_CHUNK)
+        silu_mul_chunk(g + c, u + c, o + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK);
     return FU_OK;
 }
 
@@ -201,14 +219,9 @@ fu_err kern_cpu_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout
     const float *d = dout->data, *g = gate->data, *u = up->data;
     float *dg = dgate->data, *du = dup->data;
     int64_t n = kern_tensor_numel(dout);
-#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float gi = g[i], di = d[i], ui = u[i];
-        float s = 1.0f / (1.0f + expf(-gi));
-        float silu = gi * s;
-        dg[i] = di * ui * s * (1.0f + gi * (1.0f - s));
-        du[i] = di * silu;
-    }
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+    for (int64_t c = 0; c < n; c += KERN_CHUNK)
+        silu_mul_bwd_chunk(d + c, g + c, u + c, dg + c, du + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK);
     return FU_OK;
 }
 
@@ -228,10 +241,11 @@ static fu_err check_targets(const int32_t *t, int64_t n, int64_t vocab, int32_t 
     return FU_OK;
 }
 
-/* log(sum(exp(row))) computed stably. */
-static float row_lse(const float *row, int64_t V)
+/* log(sum(exp(row))) computed stably (-inf for a row of -inf). */
+KERN_HOT static float row_lse(const float *row, int64_t V)
 {
     float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < V; j++)
         mx = row[j] > mx ? row[j] : mx;
     if (mx == -INFINITY)
@@ -239,8 +253,16 @@ static float row_lse(const float *row, int64_t V)
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < V; j++)
-        s += expf(row[j] - mx);
+        s += kern_expf(row[j] - mx);
     return mx + logf(s);
+}
+
+/* drow = scale·softmax(row) (drow may be row). */
+KERN_HOT static void row_softmax_scaled(const float *row, float *drow, int64_t V, float lse, float scale)
+{
+#pragma omp simd
+    for (int64_t j = 0; j < V; j++)
+        drow[j] = kern_expf(row[j] - lse) * scale;
 }
 
 fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
@@ -284,10 +306,7 @@ fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, 
             memset(drow, 0, (size_t)V * sizeof(float));
             continue;
         }
-        float lse = row_lse(row, V);
-#pragma omp simd
-        for (int64_t j = 0; j < V; j++)
-            drow[j] = expf(row[j] - lse) * scale;
+        row_softmax_scaled(row, drow, V, row_lse(row, V), scale);
         drow[pt[i]] -= scale;
     }
     return FU_OK;

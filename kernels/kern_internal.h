@@ -21,6 +21,43 @@ extern "C" {
 fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t);
 /* kern_chk_dev and contiguous. */
 fu_err kern_chk_contig(const kern_backend_t *be, const kern_tensor_t *t);
+/* Hot leaf loops (exp-heavy rows, element-wise chunks) get an AVX2 clone picked at load time by
+ * GCC function multi-versioning; the default clone is baseline x86-64 (SSE2). Off under the
+ * sanitizers. OpenMP regions stay in plain functions that call these leaves. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define KERN_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define KERN_HOT
+#endif
+#define KERN_CHUNK 16384 /* elements per element-wise work item */
+
+/* exp(x) for f32 without a libm call, so loops that use it vectorise (glibc's vector expf is
+ * only declared under -ffast-math). Cephes' expf: Cody-Waite reduction by ln 2 and a degree-6
+ * polynomial, about 2 ulp on [-87, 88]; clamps below to ~2^-126 and above to ~2^127 (callers use
+ * it for softmax and sigmoid, where both ends are harmless); NaN propagates. */
+static inline float kern_expf(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    float t = x * 1.44269504088896341f;
+    float fi = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
+    float r = x - fi * 0.693359375f;
+    r = r - fi * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        uint32_t u;
+        float    f;
+    } sc;
+    sc.u = (uint32_t)((int32_t)fi + 127) << 23;
+    return p * sc.f;
+}
+
 /* Float dtypes be's ops accept (bitmask of 1u << dtype); a table that leaves float_dtypes 0
  * accepts f32 only. */
 static inline unsigned kern_float_mask(const kern_backend_t *be)
