@@ -75,7 +75,8 @@ FU_MUST_CHECK fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols,
 /* Sparse x dense product Y = X * W^T (accumulate: Y += X * W^T) with W [out, in] bitmap-encoded,
  * X [n, in], Y [n, out], both contiguous row-major. Batches up to KERN_SALR_FUSED_BATCH_LIMIT run
  * the fused decode-and-multiply kernel (AVX-512 expand / AVX2 / scalar, chosen at run time) with
- * tile rows split over n_threads threads; larger batches run a two-stage pipeline where a decode
+ * tile rows split over n_threads threads (with 2, the second half runs on a persistent helper
+ * thread started on first use and kept until exit); larger batches run a two-stage pipeline where a decode
  * thread fills double-buffered dense row blocks while the calling thread multiplies the previous
  * block with cblas_sgemm. n_threads <= 0 means KERN_SALR_THREADS; a thread that cannot be started
  * leaves its work to the calling thread. Returns FU_EINVAL for NULL pointers, n = 0 or dimensions

@@ -2,6 +2,7 @@
  * product against a dense reference (every ISA, batches 1..64, threads 1 and 2, accumulate),
  * concatenated adapters against separate ones (forward and backward), and bad arguments. */
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -327,6 +328,62 @@ static void test_kern_salr_spmm_large_pipeline(void **state)
     check_spmm(8 * 130 + 3, 2048 + 7, 40, KERN_BITMAP_F32);
 }
 
+/* Several threads calling the product at once (the helper thread is busy for all but one). */
+typedef struct {
+    const kern_bitmap_t *bm;
+    const float         *x;
+    const double        *ref;
+    size_t               n, out;
+    int                  ok;
+} conc_arg;
+
+static void *conc_main(void *p)
+{
+    conc_arg *a = p;
+    float    *y = malloc(a->n * a->out * sizeof(float));
+    a->ok = 1;
+    for (int it = 0; it < 50; it++) {
+        if (kern_salr_spmm(a->bm, a->x, a->n, y, false, 2) != FU_OK || rel_err(y, a->ref, a->n * a->out) > 1e-5)
+            a->ok = 0;
+    }
+    free(y);
+    return NULL;
+}
+
+static void test_kern_salr_spmm_concurrent_callers(void **state)
+{
+    (void)state;
+    size_t out = 120, in = 200, n = 2;
+    float *w = rand_mat(out * in);
+    assert_int_equal(kern_salr_prune(w, out, in, 0.5, w, NULL, NULL), FU_OK);
+    kern_bitmap_t *bm = NULL;
+    assert_int_equal(kern_bitmap_encode(w, out, in, in, KERN_BITMAP_F32, &bm), FU_OK);
+    float  *x = rand_mat(n * in);
+    double *ref = malloc(n * out * sizeof(double));
+    for (size_t b = 0; b < n; b++)
+        for (size_t o = 0; o < out; o++) {
+            double t = 0;
+            for (size_t i = 0; i < in; i++)
+                t += (double)x[b * in + i] * w[o * in + i];
+            ref[b * out + o] = t;
+        }
+    enum { NT = 4 };
+    pthread_t th[NT];
+    conc_arg  args[NT];
+    for (int i = 0; i < NT; i++) {
+        args[i] = (conc_arg){bm, x, ref, n, out, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, conc_main, &args[i]), 0);
+    }
+    for (int i = 0; i < NT; i++) {
+        pthread_join(th[i], NULL);
+        assert_true(args[i].ok);
+    }
+    kern_bitmap_destroy(&bm);
+    free(w);
+    free(x);
+    free(ref);
+}
+
 static void test_kern_salr_spmm_bad_args(void **state)
 {
     (void)state;
@@ -498,6 +555,7 @@ int main(void)
         cmocka_unit_test(test_kern_salr_svd_bad_args),
         cmocka_unit_test(test_kern_salr_spmm_matches_dense),
         cmocka_unit_test(test_kern_salr_spmm_large_pipeline),
+        cmocka_unit_test(test_kern_salr_spmm_concurrent_callers),
         cmocka_unit_test(test_kern_salr_spmm_bad_args),
         cmocka_unit_test(test_kern_salr_concat_equals_separate),
         cmocka_unit_test(test_kern_salr_concat_bad_args),
