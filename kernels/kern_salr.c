@@ -276,7 +276,7 @@ fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols, size_t rank, 
 {
     size_t total;
     if (!r_mat || !lora_a || !lora_b || rows == 0 || cols == 0 || rank == 0 || !fits_int(rows) ||
-        !fits_int(cols) || !fu_size_mul(rows, cols, &total))
+        !fits_int(cols) || !fu_size_mul(rows, cols, &total) || total > SIZE_MAX / (4 * sizeof(float)))
         return FU_EINVAL;
     size_t mn = rows < cols ? rows : cols;
     if (rank > mn)
