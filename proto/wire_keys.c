@@ -150,10 +150,15 @@ static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_
         size_t len = strlen(line);
         while (len && (line[len - 1] == '\r' || line[len - 1] == ' ' || line[len - 1] == '\t'))
             line[--len] = '\0';
-        if (len == 0 || line[0] == '#')
+        if (len == 0)
             continue;
-        rc = wire_key_from_z85(line, key);
-        break;
+        /* Z85 uses '#': a line is the key when it is one; otherwise a '#' line is a comment. */
+        if (wire_key_from_z85(line, key) == FU_OK) {
+            rc = FU_OK;
+            break;
+        }
+        if (line[0] != '#')
+            break;
     }
     sodium_memzero(buf, sizeof buf);
     if (rc != FU_OK)

@@ -74,17 +74,29 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
             rc = FU_EINVAL;
             break;
         }
+        /* Z85 uses '#', so a comment is a line starting with '#' that is not itself a key; after a
+         * key, whitespace and then '#' start a trailing comment. */
         char *s = line;
         while (*s == ' ' || *s == '\t')
             s++;
-        char *hash = strchr(s, '#');
-        if (hash)
-            *hash = '\0';
-        len = strlen(s);
-        while (len && (s[len - 1] == '\n' || s[len - 1] == '\r' || s[len - 1] == ' ' || s[len - 1] == '\t'))
-            s[--len] = '\0';
-        if (len == 0)
+        size_t tok = strcspn(s, " \t\r\n");
+        char *rest = s + tok;
+        while (*rest == ' ' || *rest == '\t' || *rest == '\r' || *rest == '\n')
+            rest++;
+        if (tok == 0)
+            continue; /* blank line */
+        char saved = s[tok];
+        s[tok] = '\0';
+        uint8_t key[WIRE_KEY_BYTES];
+        bool is_key = wire_key_from_z85(s, key) == FU_OK;
+        s[tok] = saved;
+        if (!is_key && s[0] == '#')
             continue;
+        if (!is_key || (*rest && *rest != '#')) {
+            say(why, why_cap, "allow-list '%s' line %zu is not a Z85 public key (40 characters)", path, lineno);
+            rc = FU_EINVAL;
+            break;
+        }
         if (count == WIRE_ALLOW_MAX_KEYS) {
             say(why, why_cap, "allow-list '%s' has more than %u keys", path, WIRE_ALLOW_MAX_KEYS);
             rc = FU_EINVAL;
@@ -94,11 +106,7 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
             cap = cap ? cap * 2 : 16;
             arr = fu_realloc(arr, cap * sizeof *arr);
         }
-        if (wire_key_from_z85(s, arr[count]) != FU_OK) {
-            say(why, why_cap, "allow-list '%s' line %zu is not a Z85 public key (40 characters)", path, lineno);
-            rc = FU_EINVAL;
-            break;
-        }
+        memcpy(arr[count], key, WIRE_KEY_BYTES);
         count++;
     }
     if (rc == FU_OK && ferror(f)) {

@@ -126,6 +126,8 @@ static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
     char why[256] = "";
     fu_err rc;
     f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    if (!f->zap)
+        print_message("wire_zap_new: %s\n", why);
     assert_non_null(f->zap);
     start_server(f);
     client_send(f, alice, wire_keypair_public(f->server_kp));
@@ -201,6 +203,8 @@ static void test_wire_curve_enrolment_by_token(void **state)
     fu_err rc;
     char why[256] = "";
     f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    if (!f->zap)
+        print_message("wire_zap_new: %s\n", why);
     assert_non_null(f->zap);
     start_server(f);
     wire_keypair_t *bob = new_kp(f), *eve = new_kp(f);
@@ -283,6 +287,7 @@ static void test_wire_curve_allow_list_parsing(void **state)
     size_t n = 0;
     char why[256] = "";
     assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, why, sizeof why), FU_EINVAL);
+    print_message("allow-list: %s\n", why);
     assert_non_null(strstr(why, "line 3"));
     assert_null(keys);
     wire_zap_cfg cfg = {.allow_file = f->allow_path};

@@ -5,3 +5,7 @@ fu_add_test(test_wire_curve SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_curve.
 fu_add_test(test_wire_seal SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_seal.c LIBS fu_proto)
 fu_add_test(test_wire_keys SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_keys.c LIBS fu_proto)
 add_dependencies(test_wire_keys fusion)   # runs `fusion keygen` as a real process
+
+# Fuzz targets (tests/fuzz/): corpora always run as tests; libFuzzer binaries with -DFUSION_FUZZ=ON.
+include(${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz.cmake)
+fu_add_fuzz(envelope SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_envelope.c LIBS fu_proto)

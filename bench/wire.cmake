@@ -1,0 +1,1 @@
+fu_add_bench(wire "wire_*.c" LIBS fu_proto)
