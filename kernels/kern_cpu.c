@@ -82,6 +82,31 @@ static fu_err cpu_gemm(const kern_backend_t *be, bool ta, bool tb, float alpha, 
         }
         return FU_OK;
     }
+    const float *A = a->data, *B = b->data;
+    float *C = c->data;
+    const int lda = ld_of(a), ldb = ld_of(b), ldc = ld_of(c);
+    if (m == 1 || n == 1) {
+        /* A vector on one side: OpenBLAS's sgemv is several times faster than sgemm with m = 1
+         * (decode). BLAS gemv may keep a NaN of y when beta = 0 (y·0), so clear y first. */
+        if (beta == 0.0f)
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++)
+                    C[(int64_t)i * ldc + j] = 0.0f;
+        if (m == 1) {
+            int inca = ta ? lda : 1; /* op(A)[0,p] */
+            if (tb) /* B [n,k]: c = B·a */
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, alpha, B, ldb, A, inca, beta, C, 1);
+            else    /* B [k,n]: c = Bᵀ·a */
+                cblas_sgemv(CblasRowMajor, CblasTrans, k, n, alpha, B, ldb, A, inca, beta, C, 1);
+        } else {
+            int incb = tb ? 1 : ldb; /* op(B)[p,0] */
+            if (ta) /* A [k,m]: c = Aᵀ·b */
+                cblas_sgemv(CblasRowMajor, CblasTrans, k, m, alpha, A, lda, B, incb, beta, C, ldc);
+            else    /* A [m,k]: c = A·b */
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, alpha, A, lda, B, incb, beta, C, ldc);
+        }
+        return FU_OK;
+    }
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
                 alpha, (const float *)a->data, ld_of(a), (const float *)b->data, ld_of(b), beta,
                 (float *)c->data, ld_of(c));

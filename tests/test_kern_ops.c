@@ -56,6 +56,61 @@ static void test_kern_ops_gemm_matches_reference(void **state)
             free(b);
             free(c);
         }
+    /* vector shapes take the GEMV path: every transpose, beta 0 clearing NaN, beta accumulating */
+    static const int64_t vs[][3] = {{1, 5, 9}, {7, 1, 9}, {1, 1, 9}, {1, 6, 1}};
+    for (size_t si = 0; si < 4; si++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int bz = 0; bz < 2; bz++) {
+                    int64_t vm = vs[si][0], vn = vs[si][1], vk = vs[si][2];
+                    float *a = tk_rand((size_t)(vm * vk), 5, -1, 1), *b = tk_rand((size_t)(vk * vn), 6, -1, 1);
+                    float *c = tk_rand((size_t)(vm * vn), 7, -1, 1);
+                    double ref[64];
+                    for (int64_t i = 0; i < vm * vn; i++) {
+                        ref[i] = bz ? 0.0 : c[i];
+                        if (bz)
+                            c[i] = NAN;
+                    }
+                    kern_tensor_t A = ta ? tk_f2(a, vk, vm) : tk_f2(a, vm, vk);
+                    kern_tensor_t B = tb ? tk_f2(b, vn, vk) : tk_f2(b, vk, vn);
+                    kern_tensor_t C = tk_f2(c, vm, vn);
+                    float beta = bz ? 0.0f : 0.5f;
+                    assert_int_equal(kern_gemm(CPU, ta, tb, 1.5f, &A, &B, beta, &C), FU_OK);
+                    ref_gemm(ta, tb, 1.5f, a, ta ? vm : vk, b, tb ? vk : vn, beta, ref, vm, vn, vk);
+                    assert_true(tk_close_ratio(c, ref, (size_t)(vm * vn), 1e-5, 1e-5) <= 1.0);
+                    free(a);
+                    free(b);
+                    free(c);
+                }
+    /* a strided single row and a strided single column (views into a bigger matrix) */
+    {
+        float *big = tk_rand(6 * 10, 8, -1, 1), *w = tk_rand(4 * 3, 9, -1, 1), out[4 * 10];
+        for (int i = 0; i < 40; i++)
+            out[i] = 100.0f;
+        kern_tensor_t Big = tk_f2(big, 6, 10), Row, W = tk_f2(w, 4, 3), Out = tk_f2(out, 4, 10), Orow, Ocol, Bcol;
+        assert_int_equal(kern_tensor_slice(&Big, 0, 2, 1, &Row), FU_OK); /* [1,10] */
+        assert_int_equal(kern_tensor_slice(&Row, 1, 4, 3, &Row), FU_OK); /* [1,3] at col 4 */
+        assert_int_equal(kern_tensor_slice(&Out, 0, 1, 1, &Orow), FU_OK);
+        assert_int_equal(kern_tensor_slice(&Orow, 1, 2, 4, &Orow), FU_OK); /* [1,4] */
+        assert_int_equal(kern_linear_forward(CPU, &Row, &W, &Orow), FU_OK);
+        double r1[4] = {0};
+        ref_gemm(false, true, 1.0f, big + 2 * 10 + 4, 10, w, 3, 0.0f, r1, 1, 4, 3);
+        assert_true(tk_close_ratio(out + 10 + 2, r1, 4, 1e-5, 1e-5) <= 1.0);
+        assert_float_equal(out[10 + 1], 100.0f, 0); /* neighbours untouched */
+        assert_float_equal(out[10 + 6], 100.0f, 0);
+        /* C[:,col 7] (4x1, stride 10) = W[4,3] · Big[0:3, col 1] (3x1, stride 10) */
+        assert_int_equal(kern_tensor_slice(&Out, 1, 7, 1, &Ocol), FU_OK);
+        assert_int_equal(kern_tensor_slice(&Big, 0, 0, 3, &Bcol), FU_OK);
+        assert_int_equal(kern_tensor_slice(&Bcol, 1, 1, 1, &Bcol), FU_OK);
+        assert_int_equal(kern_gemm(CPU, false, false, 1.0f, &W, &Bcol, 0.0f, &Ocol), FU_OK);
+        double r2[4] = {0};
+        ref_gemm(false, false, 1.0f, w, 3, big + 1, 10, 0.0f, r2, 4, 1, 3);
+        for (int i = 0; i < 4; i++)
+            assert_float_equal(out[i * 10 + 7], (float)r2[i], 1e-5);
+        assert_float_equal(out[0 * 10 + 8], 100.0f, 0);
+        free(big);
+        free(w);
+    }
     /* column views (row stride > width) work as BLAS leading dimensions */
     float *big = tk_rand(8 * 12, 4, -1, 1), *w = tk_rand(3 * 4, 5, -1, 1), y[8 * 3];
     kern_tensor_t X = tk_f2(big, 8, 12), Xc, W = tk_f2(w, 3, 4), Y = tk_f2(y, 8, 3);
