@@ -40,15 +40,18 @@ const char *fu_errmsg_text(const fu_errmsg *em, fu_err fallback);
 FU_MUST_CHECK fu_err fu_file_read_all(const char *path, size_t max_bytes, char **data, size_t *len, fu_errmsg *em);
 
 /* Writes len bytes to path atomically: a temp file beside it, fsync, rename over path, fsync of
- * the directory. Readers see the old file or the new one, never a part. FU_EIO on failure (the
- * temp file is removed). mode is the new file's permission bits (0644, 0600). */
+ * the directory. Readers see the old file or the new one, never a part. FU_ENOTFOUND when the
+ * directory does not exist, FU_EIO on other failures (the temp file is removed). mode is the new
+ * file's permission bits (0644, 0600). */
 FU_MUST_CHECK fu_err fu_file_write_atomic(const char *path, const void *data, size_t len, mode_t mode, fu_errmsg *em);
 
 /* A file being written atomically, piece by piece (for files too large to build in memory). */
 typedef struct fu_file_writer fu_file_writer;
 
 /* Starts writing path through a temp file in the same directory. *out owned by the caller: finish
- * with fu_file_writer_commit (publishes) or fu_file_writer_abort (removes the temp file). */
+ * with fu_file_writer_commit (publishes) or fu_file_writer_abort (removes the temp file).
+ * FU_ENOTFOUND when the directory does not exist, FU_EIO for other failures. Not thread-safe per
+ * writer; distinct writers are independent. */
 FU_MUST_CHECK fu_err fu_file_writer_open(const char *path, mode_t mode, fu_file_writer **out, fu_errmsg *em);
 /* Appends len bytes. FU_EIO on failure (the writer stays open; abort it). */
 FU_MUST_CHECK fu_err fu_file_writer_write(fu_file_writer *w, const void *data, size_t len, fu_errmsg *em);
