@@ -193,7 +193,7 @@ fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double spar
             fu_errmsg_set(em, rc, "cannot prune '%s'", w.name);
             break;
         }
-        char name[160], mod[160];
+        char name[160], mod[100];
         snprintf(mod, sizeof mod, "%s", w.name);
         size_t ml = strlen(mod);
         if (ml > 7 && strcmp(mod + ml - 7, ".weight") == 0)

@@ -3,3 +3,7 @@ fu_add_test(test_dag_graph SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_graph.c 
 fu_add_test(test_dag_exec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_exec.c LIBS fu_dag TIMEOUT 120)
 fu_add_test(test_dag_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_cli.c LIBS fu_dag TIMEOUT 120)
 add_dependencies(test_dag_cli fusion)
+
+# Fuzz target of the DAG decoder: its seed corpus runs as a test; libFuzzer binary with FUSION_FUZZ.
+include(${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz.cmake)
+fu_add_fuzz(dag_decode SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_dag_decode.c LIBS fu_dag)
