@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fu_alloc.h"
 #include "kern_internal.h"
 
 #ifdef FUSION_KERN_HAVE_CUDA
@@ -118,8 +119,9 @@ fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t)
         return FU_EINVAL;
     if (t->device.kind != be->device.kind || t->device.index != be->device.index)
         return FU_EINVAL;
-    for (int i = 0; i < t->ndim; i++)
-        if (t->shape[i] < 0)
+    size_t bytes = kern_dtype_size(t->dtype);
+    for (int i = 0; i < t->ndim; i++) /* a hand-made descriptor may lie: no overflowing sizes */
+        if (t->shape[i] < 0 || !fu_size_mul(bytes, (size_t)t->shape[i], &bytes) || bytes > (size_t)INT64_MAX)
             return FU_EINVAL;
     if (!t->data && kern_tensor_numel(t) > 0)
         return FU_EINVAL;

@@ -606,6 +606,11 @@ static void test_kern_ops_bad_arguments_return_einval(void **state)
     kern_tensor_t Ab = A;
     Ab.shape[0] = -4;
     assert_int_equal(kern_gemm(CPU, false, true, 1, &Ab, &B, 0, &C), FU_EINVAL);
+    kern_tensor_t Ah = A; /* sizes whose byte count overflows */
+    Ah.shape[0] = INT64_MAX / 2;
+    Ah.shape[1] = 3;
+    assert_int_equal(kern_gemm(CPU, false, true, 1, &Ah, &B, 0, &C), FU_EINVAL);
+    assert_int_equal(kern_axpy(CPU, 1.0f, &Ah, &Ah), FU_EINVAL);
     kern_tensor_t At; /* transposed strides are not row-major */
     At = tk_f2(a, 3, 2);
     At.stride[0] = 1;
