@@ -1,14 +1,25 @@
-/* fusion-broker: the registry, scheduler, backup pool and job store daemon. */
+/* fusion-broker: the registry, scheduler, backup pool and job store daemon. Runs in the foreground
+ * and logs to stderr; SIGTERM or SIGINT stop it cleanly (socket closed, store closed). */
+#include <signal.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <sodium.h>
 
+#include "broker.h"
+#include "fu_log.h"
 #include "fu_opts.h"
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    broker_request_stop();
+}
 
 int main(int argc, char **argv)
 {
-    const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL;
-    long long backups = 1, heartbeat_ms = 1000;
+    const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
+    long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "the broker's key directory (from `fusion keygen`)"},
@@ -17,12 +28,14 @@ int main(int argc, char **argv)
         {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "admit any key that presents TOKEN"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
+        {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
         .usage = "--keys DIR --db FILE [options]",
         .summary = "Runs the fusion broker: keeps the registry of peers, schedules jobs onto them as\n"
-                   "pipeline stages, keeps a backup pool, and stores jobs durably in SQLite.",
+                   "pipeline stages, keeps a backup pool, and stores jobs durably in SQLite.\n"
+                   "Runs in the foreground; SIGTERM or SIGINT stop it.",
         .opts = opts,
         .n_opts = sizeof opts / sizeof opts[0],
     };
@@ -30,11 +43,40 @@ int main(int argc, char **argv)
     int code;
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
-    if (sodium_init() < 0) {
+    if (!keys || !db) {
+        fprintf(stderr, "fusion-broker: --keys and --db are required\nTry 'fusion-broker --help' for more "
+                        "information.\n");
+        return FU_EXIT_USAGE;
+    }
+    if (backups < 0 || backups > 64 || heartbeat_ms < 50 || heartbeat_ms > 60000) {
+        fprintf(stderr, "fusion-broker: --backups must be 0..64 and --heartbeat-ms 50..60000\n");
+        return FU_EXIT_USAGE;
+    }
+    if (!allow && !(token && token[0]))
+        fprintf(stderr, "fusion-broker: neither --allow nor --enrol-token given: no key will be admitted\n");
+    if (sodium_init() < 0) { /* before any ZeroMQ context */
         fprintf(stderr, "fusion-broker: libsodium failed to initialise\n");
         return FU_EXIT_FAIL;
     }
-    fprintf(stderr, "fusion-broker: not available yet: the broker daemon comes with the capability "
-                    "\"fusion-broker\", which this build does not have\n");
-    return FU_EXIT_USAGE;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
+                      .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms};
+    fu_err err = FU_OK;
+    char why[1024] = "";
+    broker_t *b = broker_new(&cfg, &err, why, sizeof why);
+    if (!b) {
+        fprintf(stderr, "fusion-broker: %s\n", why[0] ? why : fu_strerror(err));
+        return err == FU_EAUTH || err == FU_EPERM ? FU_EXIT_AUTH : FU_EXIT_FAIL;
+    }
+    fu_err rc = broker_run(b);
+    broker_destroy(&b);
+    FU_INFO("broker", "stopped");
+    return rc == FU_OK ? FU_EXIT_OK : FU_EXIT_FAIL;
 }

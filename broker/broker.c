@@ -1,0 +1,461 @@
+/* broker: construction, the poll loop, dispatch by message type, sending helpers and the relay. */
+#include "broker.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "broker_internal.h"
+#include "fu_alloc.h"
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_log.h"
+#include "wire_socket.h"
+
+#define LOG "broker"
+#define BROKER_SWEEP_MIN_MS 50  /* shortest timer period */
+#define BROKER_SWEEP_MAX_MS 250 /* longest sleep in zmq_poll */
+
+static volatile sig_atomic_t g_stop;
+static volatile int g_wake_fd = -1; /* write end of the self-pipe */
+
+void broker_request_stop(void)
+{
+    g_stop = 1;
+    int fd = g_wake_fd;
+    if (fd >= 0) {
+        char c = 1;
+        ssize_t r = write(fd, &c, 1);
+        (void)r;
+    }
+}
+
+uint64_t broker_now(void) { return fu_clock_ms(); }
+int64_t broker_wall(void) { return fu_wallclock_ms(); }
+
+/* ---------- sending ---------- */
+
+fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
+{
+    wire_hdr h = {.type = t, .job_id = job};
+    fu_err rc = wire_send(b->sock, p->rid, p->rid_len, &h, body);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "send %s to peer %.8s (%s) failed: %s", wire_type_name(t), p->key, p->name, fu_strerror(rc));
+    return rc;
+}
+
+fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
+{
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    const wire_hdr *in = wire_msg_hdr(msg);
+    wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
+    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
+    return rc;
+}
+
+void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(wire_msg_type(msg)), wire_msg_user_id(msg), text);
+    Fusion__Error e = FUSION__ERROR__INIT;
+    e.code = code;
+    e.message = text;
+    e.in_reply_to = wire_msg_type(msg);
+    e.sequence = wire_msg_hdr(msg)->sequence;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+/* ---------- relay ---------- */
+
+void broker_on_relay(broker_t *b, const wire_msg_t *msg)
+{
+    const char *to = wire_msg_hdr(msg)->relay_to;
+    const char *from = wire_msg_user_id(msg);
+    broker_peer *src = broker_peer_find(b, from);
+    if (!src || !src->live) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "only registered peers may relay: send PeerHello first");
+        return;
+    }
+    broker_peer *dst = broker_peer_find(b, to);
+    if (!dst || !dst->live) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "relay target %.12s... is not a live peer", to);
+        return;
+    }
+    fu_err rc = wire_forward(b->sock, dst->rid, dst->rid_len, msg, from);
+    if (rc != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY, "relay to %.12s... failed: %s", to, fu_strerror(rc));
+        return;
+    }
+    b->relayed++;
+}
+
+/* ---------- dispatch ---------- */
+
+static void on_enrol(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__Enrol *e = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_ENROL);
+    const char *uid = wire_msg_user_id(msg);
+    if (!e || wire_zap_enrol(b->zap, uid, e->token) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH,
+                           "enrolment refused: the token is wrong or enrolment is off (ask the operator for the "
+                           "broker's --enrol-token)");
+        return;
+    }
+    FU_INFO(LOG, "enrolled key %s (%s)", uid, e->name);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), NULL, uid, "enrolled", e->name));
+    Fusion__EnrolAck ack = FUSION__ENROL_ACK__INIT;
+    ack.peer_id = (char *)uid;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ENROL_ACK, &ack.base);
+}
+
+/* Messages only a registered, live peer may send. */
+static broker_peer *peer_of(broker_t *b, const wire_msg_t *msg)
+{
+    broker_peer *p = broker_peer_find(b, wire_msg_user_id(msg));
+    if (!p || !p->live) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                           "this key is not a registered peer (or was declared dead): send PeerHello to register");
+        return NULL;
+    }
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    if (rl && rl <= sizeof p->rid) { /* the newest connection of this key is where it listens */
+        memcpy(p->rid, rid, rl);
+        p->rid_len = rl;
+    }
+    p->last_heard_ms = broker_now();
+    return p;
+}
+
+static void dispatch(broker_t *b, const wire_msg_t *msg)
+{
+    Fusion__MsgType t = wire_msg_type(msg);
+    const char *uid = wire_msg_user_id(msg);
+    if (!db_key_valid(uid)) { /* never happens with ZAP on; refuse rather than trust a routing id */
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "no authenticated key on this connection");
+        return;
+    }
+    if (!wire_zap_msg_is_member(b->zap, msg)) {
+        if (t == FUSION__MSG_TYPE__MSG_ENROL)
+            on_enrol(b, msg);
+        else
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH,
+                               "this key is not admitted yet: send Enrol with the broker's enrolment token first");
+        return;
+    }
+    const char *relay_to = wire_msg_hdr(msg)->relay_to;
+    if (relay_to && relay_to[0]) {
+        broker_on_relay(b, msg);
+        return;
+    }
+    broker_peer *p;
+    switch (t) {
+    case FUSION__MSG_TYPE__MSG_PEER_HELLO:
+        broker_on_hello(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_HEARTBEAT:
+        if ((p = peer_of(b, msg)))
+            broker_on_heartbeat(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_LEAVE:
+        if ((p = peer_of(b, msg)))
+            broker_on_leave(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_STAGE_READY:
+        if ((p = peer_of(b, msg)))
+            broker_on_stage_ready(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST:
+        if ((p = peer_of(b, msg)))
+            broker_on_weight_request(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT:
+        if ((p = peer_of(b, msg)))
+            broker_on_checkpoint(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_STEP_DONE:
+        if ((p = peer_of(b, msg)))
+            broker_on_step_done(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
+        if ((p = peer_of(b, msg)))
+            broker_on_infer_token(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_ERROR:
+        p = broker_peer_find(b, uid);
+        if (p && p->live)
+            broker_on_peer_error(b, p, msg);
+        break; /* an Error is never answered */
+    case FUSION__MSG_TYPE__MSG_JOB_SUBMIT:
+        broker_on_submit(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ:
+        broker_on_status(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_JOB_LIST_REQ:
+        broker_on_list(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_JOB_CANCEL:
+        broker_on_cancel(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ:
+        broker_on_result(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_PEER_LIST_REQ:
+        broker_on_peer_list(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_ENROL: {
+        Fusion__EnrolAck ack = FUSION__ENROL_ACK__INIT; /* already a member: nothing to do */
+        ack.peer_id = (char *)uid;
+        (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ENROL_ACK, &ack.base);
+        break;
+    }
+    case FUSION__MSG_TYPE__MSG_ACTIVATION:
+    case FUSION__MSG_TYPE__MSG_GRADIENT:
+    case FUSION__MSG_TYPE__MSG_SEAL_HELLO:
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "%s to the broker needs Envelope.relay_to (the receiving peer's key)", wire_type_name(t));
+        break;
+    default:
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_UNKNOWN_TYPE, "%s is not a message the broker accepts",
+                           wire_type_name(t));
+        break;
+    }
+}
+
+/* ---------- lifecycle ---------- */
+
+static void resume_jobs(broker_t *b)
+{
+    db_job *arr = NULL;
+    size_t n = 0;
+    if (db_jobs_unfinished(b->db, &arr, &n) != FU_OK) {
+        FU_ERROR(LOG, "could not read unfinished jobs back from the store");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        char why[512] = "";
+        broker_job *j = NULL;
+        fu_err rc = broker_job_load(b, &arr[i], &j, why, sizeof why);
+        if (rc != FU_OK) {
+            FU_WARN(LOG, "job %s cannot be resumed: %s", arr[i].id, why);
+            BROKER_IGNORE(db_job_set_state(b->db, arr[i].id, DB_JOB_FAILED, why, broker_wall()));
+            continue;
+        }
+        if (arr[i].state == DB_JOB_RUNNING) {
+            /* Peers notice our silence and re-register; recover once they had the time to. */
+            j->phase = BJ_RECOVER_WAIT;
+            j->recover_at_ms = broker_now() + 2u * b->dead_after_ms;
+            snprintf(j->reason, sizeof j->reason, "broker restarted: waiting for its peers to reconnect");
+        }
+        FU_INFO(LOG, "resumed job %s (%s, %s)", j->id, db_job_kind_name(j->kind), db_job_state_name(arr[i].state));
+    }
+    db_job_array_free(&arr, n);
+    b->sched_dirty = true;
+}
+
+broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_cap)
+{
+    fu_err rc = FU_EINVAL;
+    broker_t *b = fu_calloc(1, sizeof *b);
+    if (!cfg || !cfg->bind || !cfg->keys_dir || !cfg->db_path) {
+        snprintf(why, why_cap, "--bind, --keys and --db are required");
+        goto fail;
+    }
+    b->cfg = *cfg;
+    if (!b->cfg.heartbeat_ms)
+        b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
+    if (b->cfg.heartbeat_ms < 50 || b->cfg.heartbeat_ms > 60000) {
+        snprintf(why, why_cap, "--heartbeat-ms must be between 50 and 60000");
+        goto fail;
+    }
+    b->dead_after_ms = BROKER_DEAD_FACTOR * b->cfg.heartbeat_ms;
+    if (cfg->data_dir) {
+        snprintf(b->data_dir, sizeof b->data_dir, "%s", cfg->data_dir);
+    } else {
+        snprintf(b->data_dir, sizeof b->data_dir, "%s", cfg->db_path);
+        char *slash = strrchr(b->data_dir, '/');
+        if (slash)
+            *slash = '\0';
+        else
+            snprintf(b->data_dir, sizeof b->data_dir, ".");
+    }
+    fu_errmsg em = {{0}};
+    if ((rc = fu_mkdir_p(b->data_dir, 0700, &em)) != FU_OK) {
+        snprintf(why, why_cap, "cannot make --data-dir '%s': %s", b->data_dir, fu_errmsg_text(&em, rc));
+        goto fail;
+    }
+    if ((rc = wire_keypair_load(cfg->keys_dir, &b->kp, why, why_cap)) != FU_OK)
+        goto fail;
+    if ((rc = db_open(cfg->db_path, &b->db)) != FU_OK) {
+        snprintf(why, why_cap, "cannot open the store '%s': %s (see the log line above)", cfg->db_path,
+                 fu_strerror(rc));
+        goto fail;
+    }
+    if ((rc = wire_curve_available(why, why_cap)) != FU_OK)
+        goto fail;
+    b->ctx = zmq_ctx_new();
+    if (!b->ctx) {
+        rc = FU_EIO;
+        snprintf(why, why_cap, "cannot create a ZeroMQ context");
+        goto fail;
+    }
+    wire_zap_cfg zc = {.allow_file = cfg->allow_file, .enrol_token = cfg->enrol_token};
+    b->zap = wire_zap_new(b->ctx, &zc, &rc, why, why_cap);
+    if (!b->zap)
+        goto fail;
+    b->sock = wire_socket_new(b->ctx, ZMQ_ROUTER, &rc);
+    if (!b->sock) {
+        snprintf(why, why_cap, "cannot create the ROUTER socket");
+        goto fail;
+    }
+    if ((rc = wire_socket_curve_server(b->sock, b->kp, NULL)) != FU_OK) {
+        snprintf(why, why_cap, "cannot make the socket a CURVE server");
+        goto fail;
+    }
+    int handover = 1; /* a reconnecting peer with the same routing id replaces the old connection */
+    (void)zmq_setsockopt(b->sock, ZMQ_ROUTER_HANDOVER, &handover, sizeof handover);
+    if (zmq_bind(b->sock, cfg->bind) != 0) {
+        rc = FU_EIO;
+        snprintf(why, why_cap, "cannot bind %s: %s (is another broker running on that port?)", cfg->bind,
+                 zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    b->started_ms = broker_now();
+    resume_jobs(b);
+    char ep[256] = "";
+    if (wire_socket_endpoint(b->sock, ep, sizeof ep) != FU_OK)
+        snprintf(ep, sizeof ep, "%s", cfg->bind);
+    FU_INFO(LOG, "listening on %s as %s (heartbeat %u ms, dead after %u ms, %u backups per job, %s)", ep,
+            wire_keypair_public_z85(b->kp), b->cfg.heartbeat_ms, b->dead_after_ms, b->cfg.backups,
+            cfg->enrol_token && cfg->enrol_token[0] ? "allow-list + enrolment" : "allow-list");
+    if (err)
+        *err = FU_OK;
+    return b;
+fail:
+    if (err)
+        *err = rc == FU_OK ? FU_EINVAL : rc;
+    broker_destroy(&b);
+    return NULL;
+}
+
+void broker_destroy(broker_t **b_p)
+{
+    if (!b_p || !*b_p)
+        return;
+    broker_t *b = *b_p;
+    for (size_t i = 0; i < b->n_jobs; i++)
+        broker_job_free(&b->jobs[i]);
+    free(b->jobs);
+    free(b->peers);
+    broker_models_close(b);
+    wire_socket_close(&b->sock);
+    wire_zap_destroy(&b->zap);
+    if (b->ctx)
+        zmq_ctx_term(b->ctx);
+    db_close(&b->db);
+    wire_keypair_destroy(&b->kp);
+    free(b);
+    *b_p = NULL;
+}
+
+static uint64_t sweep_period(const broker_t *b)
+{
+    uint64_t p = b->cfg.heartbeat_ms / 4;
+    if (p < BROKER_SWEEP_MIN_MS)
+        p = BROKER_SWEEP_MIN_MS;
+    if (p > BROKER_SWEEP_MAX_MS)
+        p = BROKER_SWEEP_MAX_MS;
+    return p;
+}
+
+static void timers(broker_t *b)
+{
+    uint64_t now = broker_now();
+    if (now >= b->next_sweep_ms) {
+        broker_registry_sweep(b);
+        for (size_t i = 0; i < b->n_jobs; i++) {
+            broker_job *j = b->jobs[i];
+            if (!j->dead && j->phase == BJ_RECOVER_WAIT && now >= j->recover_at_ms)
+                broker_recover(b, j);
+        }
+        b->next_sweep_ms = now + sweep_period(b);
+    }
+    if (b->sched_dirty) {
+        b->sched_dirty = false;
+        broker_schedule(b);
+    }
+    broker_jobs_reap(b);
+}
+
+fu_err broker_run(broker_t *b)
+{
+    int pfd[2];
+    if (pipe(pfd) != 0)
+        return FU_EIO;
+    for (int i = 0; i < 2; i++)
+        (void)fcntl(pfd[i], F_SETFL, fcntl(pfd[i], F_GETFL) | O_NONBLOCK);
+    g_wake_fd = pfd[1];
+    if (g_stop) /* a signal before the pipe existed */
+        broker_request_stop();
+    fu_err result = FU_OK;
+    b->next_sweep_ms = broker_now();
+    while (!g_stop) {
+        timers(b);
+        uint64_t now = broker_now();
+        long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
+        zmq_pollitem_t items[2] = {{.socket = b->sock, .events = ZMQ_POLLIN}, {.fd = pfd[0], .events = ZMQ_POLLIN}};
+        int n = zmq_poll(items, 2, timeout);
+        if (n < 0) {
+            if (zmq_errno() == EINTR)
+                continue;
+            FU_ERROR(LOG, "poll failed: %s", zmq_strerror(zmq_errno()));
+            result = FU_EIO;
+            break;
+        }
+        if (items[1].revents & ZMQ_POLLIN) {
+            char buf[64];
+            while (read(pfd[0], buf, sizeof buf) > 0) {
+            }
+        }
+        /* Drain what is queued, but give the timers a turn every so often. */
+        for (int k = 0; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
+            wire_msg_t *msg = NULL;
+            fu_err rc = wire_recv(b->sock, WIRE_DONTWAIT | WIRE_REPLY_ERRORS, &b->counters, &msg);
+            if (rc == FU_EAGAIN)
+                break;
+            if (rc == FU_ECANCELED) {
+                g_stop = 1;
+                break;
+            }
+            if (rc != FU_OK) {
+                FU_DEBUG(LOG, "dropped a message: %s (%llu dropped so far)", fu_strerror(rc),
+                         (unsigned long long)wire_counters_dropped(&b->counters));
+                continue;
+            }
+            dispatch(b, msg);
+            wire_msg_destroy(&msg);
+        }
+    }
+    FU_INFO(LOG, "stopping: %llu messages handled, %llu dropped, %llu relayed",
+            (unsigned long long)b->counters.received, (unsigned long long)wire_counters_dropped(&b->counters),
+            (unsigned long long)b->relayed);
+    g_wake_fd = -1;
+    close(pfd[0]);
+    close(pfd[1]);
+    return result;
+}

@@ -1,0 +1,64 @@
+/* broker: the fusion-broker daemon as a library: one ROUTER socket (CURVE server with a ZAP
+ * handler), one poll loop that owns the socket, the timers and the SQLite store, and the modules
+ * that loop dispatches to (registry, scheduler, client API, blobs, failover). docs/BROKER.md and
+ * docs/PIPELINE.md describe the behaviour; main() in broker_main.c only parses options.
+ *
+ * Threads: broker_run runs the loop on the calling thread, which owns every socket and the store.
+ * broker_request_stop is async-signal-safe and may be called from a signal handler or any thread. */
+#ifndef FU_BROKER_H
+#define FU_BROKER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BROKER_HEARTBEAT_MS     1000      /* default heartbeat interval told to peers */
+#define BROKER_DEAD_FACTOR      3         /* a peer silent for this many intervals is dead */
+#define BROKER_LEASE_FACTOR     6         /* stage leases last this many intervals, renewed by heartbeats */
+#define BROKER_MAX_RETRIES      5         /* recoveries without progress before a job fails */
+#define BROKER_BACKUPS          1         /* default warm backups per job */
+#define BROKER_BLOB_CHUNK       (1u << 20) /* bytes of one WeightChunk / JobResultChunk */
+#define BROKER_BLOB_WINDOW      (16u << 20) /* most bytes answered to one WeightRequest or JobResultRequest */
+#define BROKER_MAX_PEERS        4096      /* peers held in the registry */
+#define BROKER_MAX_ACTIVE_JOBS  1024      /* queued + running jobs held in memory */
+#define BROKER_MAX_STAGES       64        /* stages of one job */
+#define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
+#define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
+#define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
+
+typedef struct {
+    const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */
+    const char *keys_dir;      /* the broker's key directory */
+    const char *db_path;       /* SQLite store */
+    const char *allow_file;    /* allow-list file, or NULL */
+    const char *enrol_token;   /* enrolment token (Z85), or NULL */
+    const char *data_dir;      /* scratch files (adapter assembly); NULL: the store's directory */
+    uint32_t backups;          /* warm backups per job */
+    uint32_t heartbeat_ms;     /* heartbeat interval (dead after BROKER_DEAD_FACTOR of them) */
+} broker_cfg;
+
+typedef struct broker broker_t;
+
+/* Opens the store, loads the keys, starts the ZAP handler, binds the socket and reads back every
+ * unfinished job. NULL on failure with *err set and a sentence for the operator in why. */
+broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_cap);
+
+/* Runs the loop until broker_request_stop; FU_OK on a clean stop, FU_EIO when the socket failed. */
+FU_MUST_CHECK fu_err broker_run(broker_t *b);
+
+/* Asks every running broker loop of this process to stop soon. Async-signal-safe. */
+void broker_request_stop(void);
+
+/* Closes the socket, stops ZAP, closes the store; idempotent; sets *b_p = NULL. */
+void broker_destroy(broker_t **b_p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,241 @@
+/* broker_internal: the state the broker's modules share. Everything here is owned by the loop's
+ * thread (broker.c); no locking. */
+#ifndef FU_BROKER_INTERNAL_H
+#define FU_BROKER_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "broker.h"
+#include "dag_graph.h"
+#include "dag_partition.h"
+#include "db.h"
+#include "fu_safetensors.h"
+#include "fu_tokenizer.h"
+#include "wire.h"
+#include "wire_keys.h"
+#include "wire_zap.h"
+
+/* Ignores a must-check result whose failure the store already logged (events, peer states). */
+#define BROKER_IGNORE(x)      \
+    do {                      \
+        fu_err ign_ = (x);    \
+        (void)ign_;           \
+    } while (0)
+
+#define BROKER_SPEC_MODEL_MAX 1024  /* longest model path in a spec */
+#define BROKER_ENDPOINT_MAX   256   /* longest data endpoint */
+#define BROKER_MODEL_ID_MAX   80    /* "m:" + 64 hex */
+
+/* A peer the broker has heard from since it started. */
+typedef struct {
+    char key[DB_KEY_LEN + 1];          /* z85 public key: the identity */
+    uint8_t rid[WIRE_MAX_ROUTING_ID];  /* routing id of its current connection */
+    size_t rid_len;                    /* its length */
+    char name[DB_NAME_MAX + 1];        /* display name */
+    char device[128];                  /* device name from its profile */
+    Fusion__Backend backend;           /* cpu or cuda */
+    double gflops;                     /* f32 GEMM GFLOP/s (or the best it reported) */
+    uint64_t mem_bytes;                /* memory it offers */
+    double link_bw;                    /* bytes/s */
+    double link_latency_ms;            /* round trip ms */
+    uint32_t threads;                  /* compute threads */
+    char endpoint[BROKER_ENDPOINT_MAX]; /* data endpoint, "" when relayed */
+    bool relay;                        /* needs the broker to relay its data frames */
+    bool live;                         /* registered and not dead or gone */
+    bool draining;                     /* sent Leave: takes no new work */
+    uint64_t last_heard_ms;            /* monotonic time of its last message */
+    int64_t joined_ms;                 /* wall time of its registration */
+    char job[DB_JOB_ID_LEN + 1];       /* job it works for, "" when idle */
+    uint32_t stage;                    /* stage it runs or backs up */
+    bool backup;                       /* it is a (warm) backup, not running */
+    bool warm;                         /* backup that reported StageReady */
+} broker_peer;
+
+/* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */
+typedef struct {
+    char model[BROKER_SPEC_MODEL_MAX]; /* model directory */
+    dag_adapter_method method;         /* adapter method (fine-tune) */
+    uint32_t rank;                     /* adapter rank */
+    double alpha;                      /* adapter alpha */
+    uint32_t targets;                  /* target bitmask (0: all) */
+    double lr, weight_decay;           /* optimiser */
+    uint64_t steps;                    /* training steps */
+    uint32_t batch, seq_len;           /* B sequences of seq_len tokens per step */
+    uint32_t micro_batches;            /* M, divides batch */
+    bool shuffle;                      /* seeded shuffle of the windows */
+    uint64_t seed;                     /* RNG seed */
+    uint64_t checkpoint_every;         /* K steps between checkpoints */
+    /* inference */
+    char adapter_job[DB_JOB_ID_LEN + 1]; /* "" for none */
+    uint32_t max_tokens;               /* tokens to generate */
+    double temperature, top_p;         /* sampler */
+    uint32_t top_k;                    /* sampler */
+    bool dump_logits;                  /* logits of every prompt position */
+    bool has_prompt_tokens;            /* the prompt came as ids in the spec */
+} broker_spec;
+
+/* A job stage as the loop tracks it. */
+typedef struct {
+    uint32_t first, last;              /* DAG node range [first, last) */
+    char peer[DB_KEY_LEN + 1];         /* who runs it, "" when nobody */
+    bool ready;                        /* StageReady received for the current assignment */
+    int64_t final_ckpt_step;           /* newest checkpoint step committed */
+    /* a checkpoint being received */
+    uint8_t *ck_buf;                   /* assembly buffer, NULL when none */
+    uint64_t ck_total, ck_got, ck_step; /* size, bytes so far, step */
+    uint8_t ck_hash[DB_HASH_LEN];      /* announced BLAKE2b-256 */
+} broker_jstage;
+
+typedef enum {
+    BJ_QUEUED = 0,   /* waiting for peers (reason says why) */
+    BJ_STARTING,     /* stages assigned, waiting for every StageReady */
+    BJ_RUNNING,      /* StageStart sent */
+    BJ_RECOVER_WAIT, /* restarted broker: waiting for peers to come back before recovery */
+} broker_phase;
+
+/* A queued or running job. */
+typedef struct {
+    char id[DB_JOB_ID_LEN + 1];        /* hex id */
+    uint64_t id64;                     /* the same as a number (Envelope.job_id) */
+    char owner[DB_KEY_LEN + 1];        /* submitter */
+    db_job_kind kind;                  /* finetune or infer */
+    broker_spec spec;                  /* parsed spec */
+    char *spec_json;                   /* spec text as submitted */
+    int32_t *tokens;                   /* tokenized data / prompt */
+    size_t n_tokens;                   /* count */
+    uint8_t tokens_hash[DB_HASH_LEN];  /* BLAKE2b-256 of the tokens' bytes */
+    dag_graph_t *graph;                /* the job's DAG */
+    uint8_t *dag_bytes;                /* encoded */
+    size_t dag_len;                    /* its length */
+    char model_id[BROKER_MODEL_ID_MAX]; /* weights name */
+    broker_phase phase;                /* where it is */
+    uint32_t n_stages;                 /* stages in the plan (0 while queued without a plan) */
+    broker_jstage stages[BROKER_MAX_STAGES];
+    uint64_t start_step;               /* step (or position) of the current run */
+    uint64_t steps_done;               /* progress */
+    double loss;                       /* latest loss */
+    uint32_t retries;                  /* recoveries since the last progress */
+    char reason[DB_REASON_MAX];        /* why it waits */
+    uint64_t recover_at_ms;            /* BJ_RECOVER_WAIT: monotonic time to recover */
+    /* inference */
+    int32_t *gen;                      /* generated tokens */
+    size_t n_gen, cap_gen;
+    char *output;                      /* decoded generated text (NUL-terminated) */
+    fu_tokenizer *tok;                 /* the model's tokenizer (infer: decode output) */
+    int64_t eos;                       /* end token id (config.json, else the tokenizer's), -1: none */
+    uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
+    bool dead;                         /* finished or removed: free at the next sweep */
+} broker_job;
+
+/* An mmapped model directory served by model_id. */
+typedef struct {
+    char id[BROKER_MODEL_ID_MAX];      /* "m:<hex>" */
+    char dir[BROKER_SPEC_MODEL_MAX];   /* its directory */
+    fu_safetensors *st;                /* mapped weights */
+    uint8_t (*hashes)[DB_HASH_LEN];    /* per tensor (index order), computed on first request */
+    bool *hashed;                      /* which are computed */
+} broker_model;
+
+struct broker {
+    broker_cfg cfg;                    /* options (strings borrowed from argv) */
+    char data_dir[DB_PATH_MAX];        /* scratch directory */
+    uint32_t dead_after_ms;            /* BROKER_DEAD_FACTOR × heartbeat */
+    void *ctx;                         /* ZeroMQ context */
+    void *sock;                        /* the ROUTER */
+    wire_zap_t *zap;                   /* ZAP handler */
+    wire_keypair_t *kp;                /* the broker's keys */
+    db_t *db;                          /* the store */
+    wire_counters counters;            /* receive counters */
+    broker_peer *peers;                /* registry */
+    size_t n_peers, cap_peers;
+    broker_job **jobs;                 /* queued and running jobs */
+    size_t n_jobs, cap_jobs;
+    broker_model *models;              /* models opened for serving */
+    size_t n_models, cap_models;
+    bool sched_dirty;                  /* something changed: run the scheduler */
+    uint64_t next_sweep_ms;            /* next liveness / lease sweep */
+    uint64_t started_ms;               /* monotonic start time */
+    uint64_t relayed;                  /* frames relayed */
+};
+
+/* ---- broker.c: sending ---- */
+/* Sends body of type t to a peer (by its current routing id); logs and returns the error. */
+fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body);
+/* Answers msg with a body of type t. */
+fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body);
+/* Answers msg with Error{code, text}. */
+void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+uint64_t broker_now(void);  /* monotonic ms */
+int64_t broker_wall(void);  /* Unix ms */
+
+/* ---- broker_registry.c ---- */
+broker_peer *broker_peer_find(broker_t *b, const char *key);
+void broker_on_hello(broker_t *b, const wire_msg_t *msg);
+void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Declares peers silent for dead_after_ms dead (and expired leases lost). */
+void broker_registry_sweep(broker_t *b);
+/* Marks p gone (dead or left): persists, frees its work, triggers failover. */
+void broker_peer_gone(broker_t *b, broker_peer *p, bool left, const char *why);
+void broker_on_peer_list(broker_t *b, const wire_msg_t *msg);
+
+/* ---- broker_jobs.c (client API) ---- */
+void broker_on_submit(broker_t *b, const wire_msg_t *msg);
+void broker_on_status(broker_t *b, const wire_msg_t *msg);
+void broker_on_list(broker_t *b, const wire_msg_t *msg);
+void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
+void broker_on_result(broker_t *b, const wire_msg_t *msg);
+/* Parses and checks a spec; FU_EINVAL with a sentence in why. */
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_spec *out, char *why, size_t cap);
+/* Loads an unfinished job from the store into memory (restart, or after submit). */
+fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap);
+broker_job *broker_job_find(broker_t *b, const char *id);
+broker_job *broker_job_find64(broker_t *b, uint64_t id);
+void broker_job_free(broker_job **j_p);
+/* Removes jobs marked dead from the table. */
+void broker_jobs_reap(broker_t *b);
+
+/* ---- broker_sched.c ---- */
+/* Plans queued jobs over idle peers; hands out backups. */
+void broker_schedule(broker_t *b);
+void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Stops every stage and backup of j (StageRelease) and frees its peers. */
+void broker_job_release(broker_t *b, broker_job *j, const char *reason);
+/* Puts j back to queued with reason (db state, peers released); counts a retry when it ran. */
+void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
+/* Fails j with reason. */
+void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
+
+/* ---- broker_failover.c ---- */
+/* The peer running stage `stage` of j is gone: hand it to a backup and resume from the newest
+ * common checkpoint, or requeue. */
+void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why);
+/* After a restart: re-assign a job that was running from its stored plan. */
+void broker_recover(broker_t *b, broker_job *j);
+/* Sends StageAssign (backup or not) for stage s of j to peer p. */
+fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
+/* Sends StageAssign{resume_step} to every stage of j (after a plan or a recovery). */
+void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
+
+/* ---- broker_blobs.c ---- */
+/* The model_id of a model directory (opening it for serving). FU_* with why. */
+fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, char *why, size_t cap);
+void broker_models_close(broker_t *b);
+void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Builds the finished adapter (PEFT safetensors) from every stage's checkpoint at `step`. */
+fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, char *why,
+                               size_t cap);
+/* adapter_config.json of a finished fine-tune (caller frees). */
+char *broker_adapter_config(const broker_spec *spec);
+
+/* ---- relay (broker.c) ---- */
+void broker_on_relay(broker_t *b, const wire_msg_t *msg);
+
+#endif

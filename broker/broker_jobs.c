@@ -1,0 +1,842 @@
+/* broker_jobs: the client API (submit, status, list, cancel, result download) and the in-memory
+ * table of unfinished jobs. A job is acknowledged only after db_job_submit committed; the client's
+ * identity is the ZAP User-Id of its connection, and another owner's job is "not found". */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <sodium.h>
+
+#include "broker_internal.h"
+#include "dag_model.h"
+#include "dag_serial.h"
+#include "fu_alloc.h"
+#include "fu_file.h"
+#include "fu_log.h"
+#include "fu_modelcfg.h"
+
+#define LOG "jobs"
+#define BROKER_LIST_MAX 1000 /* JobList.jobs cap (fusion.proto) */
+
+/* ---------- the job table ---------- */
+
+broker_job *broker_job_find(broker_t *b, const char *id)
+{
+    for (size_t i = 0; i < b->n_jobs; i++)
+        if (!b->jobs[i]->dead && strcmp(b->jobs[i]->id, id) == 0)
+            return b->jobs[i];
+    return NULL;
+}
+
+broker_job *broker_job_find64(broker_t *b, uint64_t id)
+{
+    for (size_t i = 0; i < b->n_jobs; i++)
+        if (!b->jobs[i]->dead && b->jobs[i]->id64 == id)
+            return b->jobs[i];
+    return NULL;
+}
+
+void broker_job_free(broker_job **j_p)
+{
+    if (!j_p || !*j_p)
+        return;
+    broker_job *j = *j_p;
+    for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
+        free(j->stages[s].ck_buf);
+    free(j->spec_json);
+    free(j->tokens);
+    dag_graph_destroy(&j->graph);
+    free(j->dag_bytes);
+    free(j->gen);
+    free(j->output);
+    fu_tokenizer_destroy(&j->tok);
+    free(j);
+    *j_p = NULL;
+}
+
+void broker_jobs_reap(broker_t *b)
+{
+    size_t w = 0;
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        if (b->jobs[i]->dead)
+            broker_job_free(&b->jobs[i]);
+        else
+            b->jobs[w++] = b->jobs[i];
+    }
+    b->n_jobs = w;
+}
+
+static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
+{
+    snprintf(out, DB_JOB_ID_LEN + 1, "%016" PRIx64, id);
+}
+
+/* ---------- the spec ---------- */
+
+static const char *const FINETUNE_KEYS[] = {"model", "method", "rank", "alpha", "targets", "lr", "weight_decay",
+                                            "steps", "batch", "seq_len", "micro_batches", "shuffle", "seed",
+                                            "checkpoint_every"};
+static const char *const INFER_KEYS[] = {"model", "adapter_job", "max_tokens", "temperature", "top_k", "top_p",
+                                         "seed", "dump_logits", "prompt_tokens"};
+
+static bool key_known(const char *k, const char *const *keys, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(k, keys[i]) == 0)
+            return true;
+    return false;
+}
+
+/* A number field: absent keeps *out; present must be a number within [lo, hi]. */
+static bool num(const cJSON *o, const char *k, double lo, double hi, double *out, char *why, size_t cap)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (!v)
+        return true;
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble < lo || v->valuedouble > hi) {
+        snprintf(why, cap, "spec: \"%s\" must be a number between %g and %g", k, lo, hi);
+        return false;
+    }
+    *out = v->valuedouble;
+    return true;
+}
+
+static bool integer(const cJSON *o, const char *k, double lo, double hi, uint64_t *out, char *why, size_t cap)
+{
+    double d = (double)*out;
+    if (!num(o, k, lo, hi, &d, why, cap))
+        return false;
+    if (d != floor(d)) {
+        snprintf(why, cap, "spec: \"%s\" must be a whole number", k);
+        return false;
+    }
+    *out = (uint64_t)d;
+    return true;
+}
+
+static bool boolean(const cJSON *o, const char *k, bool *out, char *why, size_t cap)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (!v)
+        return true;
+    if (!cJSON_IsBool(v)) {
+        snprintf(why, cap, "spec: \"%s\" must be true or false", k);
+        return false;
+    }
+    *out = cJSON_IsTrue(v);
+    return true;
+}
+
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_spec *s, char *why, size_t cap)
+{
+    memset(s, 0, sizeof *s);
+    s->method = DAG_ADAPTER_LORA_FA;
+    s->rank = 8;
+    s->alpha = -1;
+    s->lr = 1e-3;
+    s->steps = 1;
+    s->batch = 1;
+    s->seq_len = 64;
+    s->micro_batches = 1;
+    s->seed = 1;
+    s->max_tokens = 16;
+    s->temperature = 0;
+    s->top_p = 1;
+    cJSON *o = cJSON_ParseWithLength(json, len);
+    fu_err rc = FU_EINVAL;
+    if (!o || !cJSON_IsObject(o)) {
+        snprintf(why, cap, "spec: not a JSON object");
+        goto done;
+    }
+    const char *const *keys = kind == DB_JOB_FINETUNE ? FINETUNE_KEYS : INFER_KEYS;
+    size_t nk = kind == DB_JOB_FINETUNE ? sizeof FINETUNE_KEYS / sizeof *FINETUNE_KEYS
+                                        : sizeof INFER_KEYS / sizeof *INFER_KEYS;
+    for (const cJSON *it = o->child; it; it = it->next)
+        if (!it->string || !key_known(it->string, keys, nk)) {
+            snprintf(why, cap, "spec: unknown key \"%s\" for a %s job", it->string ? it->string : "?",
+                     db_job_kind_name(kind));
+            goto done;
+        }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(o, "model");
+    if (!cJSON_IsString(m) || !m->valuestring[0] || strlen(m->valuestring) >= sizeof s->model) {
+        snprintf(why, cap, "spec: \"model\" (a model directory readable by the broker) is required");
+        goto done;
+    }
+    snprintf(s->model, sizeof s->model, "%s", m->valuestring);
+    uint64_t u;
+    if (kind == DB_JOB_FINETUNE) {
+        const cJSON *me = cJSON_GetObjectItemCaseSensitive(o, "method");
+        if (me && (!cJSON_IsString(me) || dag_adapter_parse(me->valuestring, &s->method) != FU_OK ||
+                   s->method == DAG_ADAPTER_NONE)) {
+            snprintf(why, cap, "spec: \"method\" must be \"lora-fa\", \"lora\" or \"salr\"");
+            goto done;
+        }
+        const cJSON *tg = cJSON_GetObjectItemCaseSensitive(o, "targets");
+        if (tg) {
+            char list[512] = "";
+            bool ok = cJSON_IsArray(tg) && cJSON_GetArraySize(tg) > 0;
+            for (const cJSON *t = ok ? tg->child : NULL; t && ok; t = t->next) {
+                ok = cJSON_IsString(t) && strlen(list) + strlen(t->valuestring) + 2 < sizeof list;
+                if (ok) {
+                    if (list[0])
+                        strcat(list, ",");
+                    strcat(list, t->valuestring);
+                }
+            }
+            if (!ok || dag_targets_parse(list, &s->targets) != FU_OK) {
+                snprintf(why, cap, "spec: \"targets\" must be a list of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                                   "up_proj, down_proj");
+                goto done;
+            }
+        }
+        u = s->rank;
+        if (!integer(o, "rank", 1, DAG_MAX_RANK, &u, why, cap))
+            goto done;
+        s->rank = (uint32_t)u;
+        if (!num(o, "alpha", 0, 1e6, &s->alpha, why, cap) || !num(o, "lr", 1e-12, 10, &s->lr, why, cap) ||
+            !num(o, "weight_decay", 0, 10, &s->weight_decay, why, cap))
+            goto done;
+        if (s->alpha < 0)
+            s->alpha = 2.0 * s->rank;
+        if (!integer(o, "steps", 1, 1e9, &s->steps, why, cap))
+            goto done;
+        u = s->batch;
+        if (!integer(o, "batch", 1, 65536, &u, why, cap))
+            goto done;
+        s->batch = (uint32_t)u;
+        u = s->seq_len;
+        if (!integer(o, "seq_len", 1, 1 << 20, &u, why, cap))
+            goto done;
+        s->seq_len = (uint32_t)u;
+        u = s->micro_batches;
+        if (!integer(o, "micro_batches", 1, 65536, &u, why, cap))
+            goto done;
+        s->micro_batches = (uint32_t)u;
+        if (s->batch % s->micro_batches != 0) {
+            snprintf(why, cap, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)", s->micro_batches, s->batch);
+            goto done;
+        }
+        if ((uint64_t)s->batch * s->seq_len > (1u << 20)) {
+            snprintf(why, cap, "spec: batch x seq_len must be at most %u tokens", 1u << 20);
+            goto done;
+        }
+        s->checkpoint_every = s->steps;
+        if (!boolean(o, "shuffle", &s->shuffle, why, cap) || !integer(o, "seed", 0, 9e15, &s->seed, why, cap) ||
+            !integer(o, "checkpoint_every", 1, 1e9, &s->checkpoint_every, why, cap))
+            goto done;
+    } else {
+        const cJSON *aj = cJSON_GetObjectItemCaseSensitive(o, "adapter_job");
+        if (aj && (!cJSON_IsString(aj) || (aj->valuestring[0] && !db_job_id_valid(aj->valuestring)))) {
+            snprintf(why, cap, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
+            goto done;
+        }
+        if (aj)
+            snprintf(s->adapter_job, sizeof s->adapter_job, "%s", aj->valuestring);
+        u = s->max_tokens;
+        if (!integer(o, "max_tokens", 1, BROKER_MAX_INFER_TOKENS, &u, why, cap))
+            goto done;
+        s->max_tokens = (uint32_t)u;
+        u = 0;
+        if (!integer(o, "top_k", 0, 1 << 22, &u, why, cap))
+            goto done;
+        s->top_k = (uint32_t)u;
+        if (!num(o, "temperature", 0, 100, &s->temperature, why, cap) || !num(o, "top_p", 0, 1, &s->top_p, why, cap) ||
+            !integer(o, "seed", 0, 9e15, &s->seed, why, cap) || !boolean(o, "dump_logits", &s->dump_logits, why, cap))
+            goto done;
+        const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "prompt_tokens");
+        if (pt) {
+            if (!cJSON_IsArray(pt)) {
+                snprintf(why, cap, "spec: \"prompt_tokens\" must be a list of token ids");
+                goto done;
+            }
+            s->has_prompt_tokens = true;
+        }
+    }
+    rc = FU_OK;
+done:
+    cJSON_Delete(o);
+    return rc;
+}
+
+/* The prompt ids of an inference spec (validated against vocab). */
+static fu_err prompt_tokens(const char *json, size_t len, size_t vocab, int32_t **ids, size_t *n, char *why, size_t cap)
+{
+    cJSON *o = cJSON_ParseWithLength(json, len);
+    const cJSON *pt = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_tokens") : NULL;
+    int cnt = pt ? cJSON_GetArraySize(pt) : 0;
+    fu_err rc = FU_OK;
+    *ids = fu_malloc((size_t)(cnt > 0 ? cnt : 1) * sizeof **ids);
+    *n = 0;
+    for (const cJSON *t = pt ? pt->child : NULL; t; t = t->next) {
+        if (!cJSON_IsNumber(t) || t->valuedouble < 0 || t->valuedouble >= (double)vocab ||
+            t->valuedouble != floor(t->valuedouble)) {
+            snprintf(why, cap, "spec: \"prompt_tokens\" must hold ids between 0 and %zu", vocab - 1);
+            rc = FU_EINVAL;
+            break;
+        }
+        (*ids)[(*n)++] = (int32_t)t->valuedouble;
+    }
+    cJSON_Delete(o);
+    if (rc != FU_OK) {
+        free(*ids);
+        *ids = NULL;
+    }
+    return rc;
+}
+
+/* The stored form of a job: spec text, a NUL, then its tokens (I32 little-endian). */
+static uint8_t *stored_spec(const char *spec, size_t spec_len, const int32_t *tok, size_t n, size_t *len)
+{
+    *len = spec_len + 1 + n * sizeof *tok;
+    uint8_t *buf = fu_malloc(*len);
+    memcpy(buf, spec, spec_len);
+    buf[spec_len] = 0;
+    memcpy(buf + spec_len + 1, tok, n * sizeof *tok);
+    return buf;
+}
+
+/* Builds the job's DAG and the data it needs from the model (the same checks at submit and at load). */
+static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src, char *why, size_t cap)
+{
+    fu_errmsg em = {{0}};
+    fu_modelcfg cfg;
+    fu_err rc = fu_modelcfg_load(j->spec.model, &cfg, &em);
+    if (rc != FU_OK) {
+        snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
+        return FU_EINVAL;
+    }
+    uint32_t res_rank = 0;
+    char *sc = fu_path_join(j->spec.model, DAG_SALR_CONFIG_FILE);
+    bool salr = fu_path_exists(sc);
+    free(sc);
+    if (salr && (rc = dag_salr_config_load(j->spec.model, &res_rank, NULL, &em)) != FU_OK) {
+        snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
+        return FU_EINVAL;
+    }
+    broker_spec as = j->spec;
+    if (j->kind == DB_JOB_INFER) {
+        as.method = DAG_ADAPTER_NONE;
+        if (adapter_src) {
+            char w2[256];
+            if (broker_spec_parse((const char *)adapter_src->spec, strnlen((const char *)adapter_src->spec,
+                                                                          adapter_src->spec_len),
+                                  DB_JOB_FINETUNE, &as, w2, sizeof w2) != FU_OK) {
+                snprintf(why, cap, "adapter_job: its spec no longer parses: %s", w2);
+                return FU_EINVAL;
+            }
+        } else if (salr) {
+            as.method = DAG_ADAPTER_SALR;
+        }
+    }
+    if (as.method == DAG_ADAPTER_SALR && !salr) {
+        snprintf(why, cap, "spec: method salr needs a SALR-pruned model (make one with `fusion model prune`)");
+        return FU_EINVAL;
+    }
+    if (salr && as.method != DAG_ADAPTER_SALR && as.method != DAG_ADAPTER_NONE) {
+        snprintf(why, cap, "spec: '%s' is a SALR-pruned model: use \"method\": \"salr\"", j->spec.model);
+        return FU_EINVAL;
+    }
+    dag_model_dims dims;
+    dag_dims_from_cfg(&cfg, &dims);
+    dag_build_opts bo = {.method = as.method, .rank = as.rank, .alpha = (float)as.alpha, .targets = as.targets,
+                         .res_rank = res_rank,
+                         .head = j->kind == DB_JOB_FINETUNE ? DAG_HEAD_LOSS : DAG_HEAD_SAMPLE,
+                         .seq_len = j->kind == DB_JOB_FINETUNE ? j->spec.seq_len : 256};
+    if ((rc = dag_build_llama(&dims, &bo, &j->graph)) != FU_OK) {
+        snprintf(why, cap, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
+        return FU_EINVAL;
+    }
+    if ((rc = dag_graph_encode(j->graph, &j->dag_bytes, &j->dag_len)) != FU_OK) {
+        snprintf(why, cap, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
+        return FU_EINVAL;
+    }
+    const char *mid = NULL;
+    if ((rc = broker_model_open(b, j->spec.model, &mid, why, cap)) != FU_OK)
+        return FU_EINVAL;
+    snprintf(j->model_id, sizeof j->model_id, "%s", mid);
+    if ((rc = fu_tokenizer_open_dir(j->spec.model, cfg.vocab_size, &j->tok, &em)) != FU_OK) {
+        snprintf(why, cap, "spec: model tokenizer: %s", fu_errmsg_text(&em, rc));
+        return FU_EINVAL;
+    }
+    j->eos = cfg.eos_token_id >= 0 ? cfg.eos_token_id : fu_tokenizer_eos_id(j->tok);
+    return FU_OK;
+}
+
+static broker_job *job_new(broker_t *b, db_job_kind kind)
+{
+    (void)b;
+    broker_job *j = fu_calloc(1, sizeof *j);
+    j->kind = kind;
+    j->loss = NAN;
+    for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
+        j->stages[s].final_ckpt_step = -1;
+    return j;
+}
+
+static void job_table_add(broker_t *b, broker_job *j)
+{
+    if (b->n_jobs == b->cap_jobs) {
+        b->cap_jobs = b->cap_jobs ? 2 * b->cap_jobs : 16;
+        b->jobs = fu_realloc(b->jobs, b->cap_jobs * sizeof *b->jobs);
+    }
+    b->jobs[b->n_jobs++] = j;
+}
+
+fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap)
+{
+    broker_job *j = job_new(b, dj->kind);
+    fu_err rc = FU_EPROTO;
+    snprintf(j->id, sizeof j->id, "%s", dj->id);
+    j->id64 = strtoull(dj->id, NULL, 16);
+    snprintf(j->owner, sizeof j->owner, "%s", dj->owner);
+    size_t sl = dj->spec ? strnlen((const char *)dj->spec, dj->spec_len) : 0;
+    if (!dj->spec || sl == dj->spec_len || (dj->spec_len - sl - 1) % sizeof(int32_t) != 0) {
+        snprintf(why, cap, "stored spec is malformed");
+        goto fail;
+    }
+    j->spec_json = fu_malloc(sl + 1);
+    memcpy(j->spec_json, dj->spec, sl + 1);
+    j->n_tokens = (dj->spec_len - sl - 1) / sizeof(int32_t);
+    j->tokens = fu_malloc((j->n_tokens ? j->n_tokens : 1) * sizeof *j->tokens);
+    memcpy(j->tokens, dj->spec + sl + 1, j->n_tokens * sizeof *j->tokens);
+    crypto_generichash(j->tokens_hash, sizeof j->tokens_hash, (const uint8_t *)j->tokens,
+                       j->n_tokens * sizeof *j->tokens, NULL, 0);
+    if ((rc = broker_spec_parse(j->spec_json, sl, dj->kind, &j->spec, why, cap)) != FU_OK)
+        goto fail;
+    db_job *aj = NULL;
+    if (dj->kind == DB_JOB_INFER && j->spec.adapter_job[0] &&
+        (rc = db_job_get(b->db, j->spec.adapter_job, NULL, &aj)) != FU_OK) {
+        snprintf(why, cap, "adapter_job %s is not in the store", j->spec.adapter_job);
+        goto fail;
+    }
+    rc = job_prepare(b, j, aj, why, cap);
+    db_job_free(&aj);
+    if (rc != FU_OK)
+        goto fail;
+    j->steps_done = dj->step > 0 ? (uint64_t)dj->step : 0;
+    j->loss = dj->loss;
+    snprintf(j->reason, sizeof j->reason, "%s", dj->reason ? dj->reason : "");
+    j->phase = BJ_QUEUED;
+    /* The stored plan (a restarted broker recovers a running job from it). */
+    db_stage *st = NULL;
+    size_t n = 0;
+    if (db_stage_list(b->db, j->id, &st, &n) == FU_OK && n <= BROKER_MAX_STAGES) {
+        j->n_stages = (uint32_t)n;
+        for (size_t s = 0; s < n; s++) {
+            j->stages[s].first = st[s].first;
+            j->stages[s].last = st[s].last + 1;
+            snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", st[s].peer);
+        }
+    }
+    db_stage_array_free(&st, n);
+    if (dj->state == DB_JOB_QUEUED)
+        j->n_stages = 0; /* planned afresh */
+    job_table_add(b, j);
+    *out = j;
+    return FU_OK;
+fail:
+    broker_job_free(&j);
+    return rc == FU_OK ? FU_EPROTO : rc;
+}
+
+/* ---------- status ---------- */
+
+static Fusion__JobState wire_state(db_job_state s)
+{
+    switch (s) {
+    case DB_JOB_QUEUED: return FUSION__JOB_STATE__JOB_STATE_QUEUED;
+    case DB_JOB_RUNNING: return FUSION__JOB_STATE__JOB_STATE_RUNNING;
+    case DB_JOB_DONE: return FUSION__JOB_STATE__JOB_STATE_DONE;
+    case DB_JOB_FAILED: return FUSION__JOB_STATE__JOB_STATE_FAILED;
+    case DB_JOB_CANCELLED: return FUSION__JOB_STATE__JOB_STATE_CANCELED;
+    }
+    return FUSION__JOB_STATE__JOB_STATE_UNSPECIFIED;
+}
+
+/* Fills st from the stored job and, when it is in memory, the live details. Strings point into
+ * dj, j or buf (msg_buf of cap bytes). */
+static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, char *msg_buf, size_t cap)
+{
+    fusion__job_status__init(st);
+    broker_job *j = broker_job_find(b, dj->id);
+    st->job_id = strtoull(dj->id, NULL, 16);
+    st->kind = dj->kind == DB_JOB_FINETUNE ? FUSION__JOB_KIND__JOB_KIND_FINETUNE : FUSION__JOB_KIND__JOB_KIND_INFER;
+    st->state = wire_state(dj->state);
+    st->step = dj->step > 0 ? (uint64_t)dj->step : 0;
+    st->total_steps = dj->total_steps > 0 ? (uint64_t)dj->total_steps : 0;
+    st->loss = dj->loss;
+    st->created_ms = dj->created_ms;
+    st->updated_ms = dj->updated_ms;
+    st->idempotency_key = dj->idem_key ? dj->idem_key : (char *)"";
+    st->output = (char *)"";
+    if (j) {
+        st->stages = j->n_stages;
+        if (j->kind == DB_JOB_INFER && j->output)
+            st->output = j->output;
+        if (!st->total_steps)
+            st->total_steps = j->kind == DB_JOB_FINETUNE ? j->spec.steps : j->spec.max_tokens;
+    }
+    const char *reason = j && j->reason[0] ? j->reason : dj->reason;
+    if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind == DB_JOB_FINETUNE)
+        snprintf(msg_buf, cap, "running on %u stages: step %" PRIu64 "/%" PRIu64 "%s%s", j->n_stages, j->steps_done,
+                 j->spec.steps, reason && reason[0] ? "; " : "", reason ? reason : "");
+    else
+        snprintf(msg_buf, cap, "%s", reason ? reason : "");
+    st->message = msg_buf;
+}
+
+static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
+{
+    char buf[DB_REASON_MAX + 128];
+    Fusion__JobStatus st;
+    fill_status(b, dj, &st, buf, sizeof buf);
+    char *out = NULL;
+    if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && dj->result) {
+        size_t n = dj->result_len < (WIRE_MAX_CONTROL_BYTES / 2) ? dj->result_len : WIRE_MAX_CONTROL_BYTES / 2;
+        out = fu_malloc(n + 1);
+        memcpy(out, dj->result, n);
+        out[n] = 0;
+        if (!wire_utf8_valid(out, n))
+            out[0] = 0;
+        st.output = out;
+    }
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);
+    free(out);
+}
+
+/* Looks up the job named by a JobRef of the sender; answers Error when it cannot. */
+static db_job *own_job(broker_t *b, const wire_msg_t *msg, uint64_t id64)
+{
+    char id[DB_JOB_ID_LEN + 1];
+    id_hex(id64, id);
+    db_job *dj = NULL;
+    fu_err rc = db_job_get(b->db, id, wire_msg_user_id(msg), &dj);
+    if (rc == FU_ENOTFOUND)
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                           "no job %s among your jobs (list them with `fusion status`)", id);
+    else if (rc != FU_OK)
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker's store failed (%s); try again",
+                           fu_strerror(rc));
+    return rc == FU_OK ? dj : NULL;
+}
+
+/* ---------- handlers ---------- */
+
+void broker_on_submit(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__JobSubmit *js = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_SUBMIT);
+    const char *owner = wire_msg_user_id(msg);
+    char why[DB_REASON_MAX] = "";
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    broker_job *tmp = NULL;
+    uint8_t *blob = NULL;
+    db_job *dj = NULL;
+    db_job *aj = NULL;
+    if (!js || (js->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE && js->kind != FUSION__JOB_KIND__JOB_KIND_INFER)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "JobSubmit.kind must be finetune or infer");
+        goto done;
+    }
+    db_job_kind kind = js->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? DB_JOB_FINETUNE : DB_JOB_INFER;
+    size_t ik = js->idempotency_key ? strlen(js->idempotency_key) : 0;
+    if (ik > DB_IDEM_KEY_MAX) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "idempotency_key is longer than %d bytes",
+                           DB_IDEM_KEY_MAX);
+        goto done;
+    }
+    if (js->data.len > BROKER_MAX_DATA_BYTES) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_TOO_LARGE,
+                           "JobSubmit.data is %zu bytes; at most %u are accepted", js->data.len, BROKER_MAX_DATA_BYTES);
+        goto done;
+    }
+    size_t sl = js->spec_json ? strlen(js->spec_json) : 0;
+    tmp = job_new(b, kind);
+    if (broker_spec_parse(js->spec_json ? js->spec_json : "", sl, kind, &tmp->spec, why, sizeof why) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
+        goto done;
+    }
+    if (kind == DB_JOB_INFER && tmp->spec.adapter_job[0]) {
+        if (db_job_get(b->db, tmp->spec.adapter_job, owner, &aj) != FU_OK || aj->kind != DB_JOB_FINETUNE ||
+            aj->state != DB_JOB_DONE) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "adapter_job %s is not a finished fine-tune job of yours", tmp->spec.adapter_job);
+            goto done;
+        }
+    }
+    if (job_prepare(b, tmp, aj, why, sizeof why) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
+        goto done;
+    }
+    fu_errmsg em = {{0}};
+    size_t vocab = dag_graph_dims(tmp->graph)->vocab_size;
+    if (kind == DB_JOB_INFER && tmp->spec.has_prompt_tokens) {
+        if (prompt_tokens(js->spec_json, sl, vocab, &ids, &n_ids, why, sizeof why) != FU_OK) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
+            goto done;
+        }
+    } else if (fu_tokenizer_encode(tmp->tok, (const char *)js->data.data, js->data.len, &ids, &n_ids, &em) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, FU_EINVAL));
+        goto done;
+    }
+    if (kind == DB_JOB_FINETUNE) {
+        size_t win = (size_t)tmp->spec.seq_len + 1, n_win = n_ids / win;
+        if (n_win < tmp->spec.batch) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "data has %zu tokens: that makes %zu windows of %zu tokens, fewer than batch %u (send "
+                               "more data, or use a shorter seq_len or a smaller batch)",
+                               n_ids, n_win, win, tmp->spec.batch);
+            goto done;
+        }
+    } else if (n_ids == 0) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "an inference job needs a prompt: JobSubmit.data or \"prompt_tokens\"");
+        goto done;
+    }
+    size_t blen = 0;
+    blob = stored_spec(js->spec_json, sl, ids, n_ids, &blen);
+    if (blen > DB_SPEC_MAX) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_TOO_LARGE, "the job's data makes %zu tokens; too many", n_ids);
+        goto done;
+    }
+    char id[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    fu_err rc = db_job_submit(b->db, owner, ik ? js->idempotency_key : NULL, kind, blob, blen, broker_wall(), id,
+                              &created);
+    if (rc == FU_EEXIST) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "idempotency_key '%s' was used before for a different job: use a new key",
+                           js->idempotency_key);
+        goto done;
+    }
+    if (rc != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL,
+                           "the broker could not store the job (%s); nothing was queued, try again", fu_strerror(rc));
+        goto done;
+    }
+    if ((rc = db_job_get(b->db, id, owner, &dj)) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the job was stored as %s but cannot be read back",
+                           id);
+        goto done;
+    }
+    if (created) {
+        broker_job *j = NULL;
+        if (broker_job_load(b, dj, &j, why, sizeof why) != FU_OK) {
+            BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_FAILED, why, broker_wall()));
+        } else {
+            BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_QUEUED, "waiting for the scheduler", broker_wall()));
+            snprintf(j->reason, sizeof j->reason, "waiting for the scheduler");
+            b->sched_dirty = true;
+            FU_INFO(LOG, "job %s (%s) submitted by %.8s: %zu tokens", id, db_job_kind_name(kind), owner, n_ids);
+        }
+        db_job_free(&dj);
+        if (db_job_get(b->db, id, owner, &dj) != FU_OK)
+            goto done;
+    } else {
+        FU_INFO(LOG, "job %s resubmitted by %.8s (same idempotency key)", id, owner);
+    }
+    reply_status(b, msg, dj);
+done:
+    db_job_free(&dj);
+    db_job_free(&aj);
+    free(blob);
+    free(ids);
+    broker_job_free(&tmp);
+}
+
+void broker_on_status(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__JobRef *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ);
+    db_job *dj = r ? own_job(b, msg, r->job_id) : NULL;
+    if (dj)
+        reply_status(b, msg, dj);
+    db_job_free(&dj);
+}
+
+void broker_on_list(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__JobListRequest *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ);
+    db_job *arr = NULL;
+    size_t n = 0;
+    if (db_job_list(b->db, wire_msg_user_id(msg), &arr, &n) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker's store failed; try again");
+        return;
+    }
+    Fusion__JobStatus *sts = fu_calloc(n ? n : 1, sizeof *sts);
+    Fusion__JobStatus **ptrs = fu_calloc(n ? n : 1, sizeof *ptrs);
+    char (*bufs)[256] = fu_calloc(n ? n : 1, sizeof *bufs);
+    size_t k = 0;
+    for (size_t i = n; i-- > 0 && k < BROKER_LIST_MAX;) { /* newest first */
+        if (!(r && r->include_done) && db_job_state_final(arr[i].state))
+            continue;
+        fill_status(b, &arr[i], &sts[k], bufs[k], sizeof bufs[k]);
+        ptrs[k] = &sts[k];
+        k++;
+    }
+    Fusion__JobList jl = FUSION__JOB_LIST__INIT;
+    jl.n_jobs = k;
+    jl.jobs = ptrs;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_LIST, &jl.base);
+    free(sts);
+    free(ptrs);
+    free(bufs);
+    db_job_array_free(&arr, n);
+}
+
+void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__JobRef *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_CANCEL);
+    if (!r)
+        return;
+    char id[DB_JOB_ID_LEN + 1];
+    id_hex(r->job_id, id);
+    fu_err rc = db_job_cancel(b->db, id, wire_msg_user_id(msg), broker_wall());
+    if (rc == FU_ENOTFOUND) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                           "no job %s among your jobs (list them with `fusion status`)", id);
+        return;
+    }
+    if (rc == FU_EPERM) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "job %s already finished; nothing to cancel", id);
+        return;
+    }
+    if (rc != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker's store failed (%s); try again",
+                           fu_strerror(rc));
+        return;
+    }
+    broker_job *j = broker_job_find(b, id);
+    if (j) {
+        broker_job_release(b, j, "the job was cancelled by its owner");
+        j->dead = true;
+        b->sched_dirty = true;
+    }
+    FU_INFO(LOG, "job %s cancelled by its owner", id);
+    db_job *dj = own_job(b, msg, r->job_id);
+    if (dj)
+        reply_status(b, msg, dj);
+    db_job_free(&dj);
+}
+
+/* ---------- result download ---------- */
+
+char *broker_adapter_config(const broker_spec *spec)
+{
+    char tm[256] = "";
+    uint32_t targets = spec->targets ? spec->targets : DAG_TARGETS_ALL;
+    for (int t = 1; t < DAG_TARGET_COUNT_; t++)
+        if (targets & DAG_TARGET_BIT(t)) {
+            size_t l0 = strlen(tm);
+            snprintf(tm + l0, sizeof tm - l0, "%s\"%s\"", l0 ? ", " : "", dag_target_name((dag_target)t));
+        }
+    char *js = fu_malloc(4096 + strlen(spec->model));
+    snprintf(js, 4096 + strlen(spec->model),
+             "{\n"
+             "  \"peft_type\": \"LORA\",\n"
+             "  \"task_type\": \"CAUSAL_LM\",\n"
+             "  \"base_model_name_or_path\": \"%s\",\n"
+             "  \"r\": %u,\n"
+             "  \"lora_alpha\": %g,\n"
+             "  \"lora_dropout\": 0.0,\n"
+             "  \"bias\": \"none\",\n"
+             "  \"fan_in_fan_out\": false,\n"
+             "  \"inference_mode\": true,\n"
+             "  \"init_lora_weights\": true,\n"
+             "  \"target_modules\": [%s],\n"
+             "  \"modules_to_save\": null,\n"
+             "  \"revision\": null\n"
+             "}\n",
+             spec->model, spec->rank, spec->alpha, tm);
+    return js;
+}
+
+void broker_on_result(broker_t *b, const wire_msg_t *msg)
+{
+    const Fusion__JobResultRequest *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ);
+    db_job *dj = r ? own_job(b, msg, r->job_id) : NULL;
+    if (!dj)
+        return;
+    char *cfg = NULL;
+    if (dj->state != DB_JOB_DONE) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "job %s is %s: a result exists only once it is done (wait with `fusion wait`)", dj->id,
+                           db_job_state_name(dj->state));
+        goto done;
+    }
+    struct {
+        const char *name;
+        const uint8_t *data;
+        size_t len;
+    } files[2];
+    size_t nf = 0;
+    if (dj->kind == DB_JOB_FINETUNE) {
+        broker_spec spec;
+        char why[256];
+        size_t sl = strnlen((const char *)dj->spec, dj->spec_len);
+        if (broker_spec_parse((const char *)dj->spec, sl, DB_JOB_FINETUNE, &spec, why, sizeof why) != FU_OK) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "job %s: stored spec: %s", dj->id, why);
+            goto done;
+        }
+        cfg = broker_adapter_config(&spec);
+        files[nf++] = (typeof(files[0])){"adapter_model.safetensors", dj->result, dj->result_len};
+        files[nf++] = (typeof(files[0])){"adapter_config.json", (const uint8_t *)cfg, strlen(cfg)};
+    } else {
+        files[nf++] = (typeof(files[0])){"output.txt", dj->result, dj->result_len};
+    }
+    uint64_t total = 0;
+    for (size_t f = 0; f < nf; f++)
+        total += files[f].len;
+    if (r->offset > total) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "offset %" PRIu64 " is past the result's %" PRIu64
+                           " bytes", r->offset, total);
+        goto done;
+    }
+    /* Chunks from the global offset (over the files in order), at most BROKER_BLOB_WINDOW bytes. */
+    uint64_t pos = r->offset, end = total - r->offset > BROKER_BLOB_WINDOW ? r->offset + BROKER_BLOB_WINDOW : total;
+    uint64_t base = 0;
+    bool sent_any = false;
+    for (size_t f = 0; f < nf; f++) {
+        uint8_t hash[DB_HASH_LEN];
+        bool hashed = false;
+        while (pos < end && pos >= base && pos < base + files[f].len) {
+            uint64_t in = pos - base, n = files[f].len - in;
+            if (n > BROKER_BLOB_CHUNK)
+                n = BROKER_BLOB_CHUNK;
+            if (pos + n > end)
+                n = end - pos;
+            if (!hashed) {
+                crypto_generichash(hash, sizeof hash, files[f].data, files[f].len, NULL, 0);
+                hashed = true;
+            }
+            Fusion__JobResultChunk c = FUSION__JOB_RESULT_CHUNK__INIT;
+            c.job_id = r->job_id;
+            c.file_name = (char *)files[f].name;
+            c.offset = in;
+            c.total = files[f].len;
+            c.content_hash.data = hash;
+            c.content_hash.len = sizeof hash;
+            c.data.data = (uint8_t *)files[f].data + in;
+            c.data.len = (size_t)n;
+            c.last = pos + n == total;
+            if (broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, &c.base) != FU_OK)
+                goto done;
+            pos += n;
+            sent_any = true;
+        }
+        base += files[f].len;
+    }
+    if (!sent_any) { /* offset == total: say so with an empty last chunk */
+        Fusion__JobResultChunk c = FUSION__JOB_RESULT_CHUNK__INIT;
+        c.job_id = r->job_id;
+        c.file_name = (char *)files[nf - 1].name;
+        c.offset = files[nf - 1].len;
+        c.total = files[nf - 1].len;
+        c.last = true;
+        (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, &c.base);
+    }
+done:
+    free(cfg);
+    db_job_free(&dj);
+}
