@@ -1,0 +1,204 @@
+/* The real fusion-broker process with real peer processes on loopback: join and leave, heartbeat
+ * timeout of a SIGSTOPped peer (detection time measured), re-registration, an unknown key refused
+ * in allow-list mode, garbage bytes on the broker's port, clean stop on SIGTERM. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include "test_broker_util.h"
+
+#define GiB (1ull << 30)
+
+typedef struct {
+    tb_broker b;
+    wire_keypair_t *client;
+    tb_client cl;
+} fx;
+
+static int setup(void **state)
+{
+    fx *f = calloc(1, sizeof *f);
+    tb_broker_init(&f->b, "broker-peers");
+    f->client = tb_keygen(f->b.dir, "client");
+    tb_allow(f->b.allow, f->client);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fx *f = *state;
+    tb_client_close(&f->cl);
+    wire_keypair_destroy(&f->client);
+    tb_broker_fini(&f->b);
+    free(f);
+    return 0;
+}
+
+static void start(fx *f)
+{
+    tb_broker_start(&f->b);
+    tb_client_open(&f->cl, f->client, &f->b);
+    if (!tb_wait_up(&f->cl, 10000)) {
+        tb_broker_dump_log(&f->b);
+        fail_msg("the broker did not come up");
+    }
+}
+
+static wire_keypair_t *peer_keys(fx *f, const char *name, char *dir, size_t cap)
+{
+    wire_keypair_t *kp = tb_keygen(f->b.dir, name);
+    tb_allow(f->b.allow, kp);
+    snprintf(dir, cap, "%s/%s", f->b.dir, name);
+    return kp;
+}
+
+static int wait_state(tb_client *cl, const char *key, int want, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    int st = -1;
+    while (fu_clock_ms() < end) {
+        st = tb_peer_state(cl, key);
+        if (st == want)
+            return st;
+        fu_sleep_ms(50);
+    }
+    return st;
+}
+
+static void test_broker_peers_join_and_leave(void **state)
+{
+    fx *f = *state;
+    char dir[4200], line[512];
+    wire_keypair_t *kp = peer_keys(f, "p1", dir, sizeof dir);
+    start(f);
+    tb_peer p;
+    tb_peer_start(&p, &f->b, dir, "p1", 2 * GiB, 50, "ready");
+    assert_true(tb_peer_expect(&p, "WELCOME", 5000, line, sizeof line));
+    assert_string_equal(line, "WELCOME 1000 3000");
+    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    /* SIGTERM: the peer sends Leave, the broker acknowledges, the peer exits; the registry says gone */
+    kill(p.pid, SIGTERM);
+    assert_true(tb_peer_expect(&p, "LEAVE", 3000, NULL, 0));
+    assert_true(tb_peer_expect(&p, "RELEASE", 3000, line, sizeof line));
+    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_DEAD, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_int_equal(tb_peer_stop(&p, SIGTERM), 0);
+    /* the same key joins again */
+    tb_peer_start(&p, &f->b, dir, "p1-again", 2 * GiB, 50, "ready");
+    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    tb_peer_stop(&p, SIGKILL);
+    /* SIGTERM stops the broker cleanly */
+    assert_int_equal(tb_broker_stop(&f->b, SIGTERM), 0);
+    wire_keypair_destroy(&kp);
+}
+
+static void test_broker_peers_sigstop_is_dead(void **state)
+{
+    fx *f = *state;
+    char dir[4200];
+    wire_keypair_t *kp = peer_keys(f, "p2", dir, sizeof dir);
+    const char *key = wire_keypair_public_z85(kp);
+    start(f);
+    tb_peer p;
+    tb_peer_start(&p, &f->b, dir, "stopped", 2 * GiB, 50, "ready");
+    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    assert_int_equal(wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    fu_sleep_ms(600); /* let it beat a few times */
+    uint64_t t0 = fu_clock_ms();
+    kill(p.pid, SIGSTOP); /* the socket stays open: only the heartbeats tell */
+    int st = wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 8000);
+    uint64_t dt = fu_clock_ms() - t0;
+    print_message("heartbeat timeout: a SIGSTOPped peer was declared dead after %llu ms (heartbeat 1000 ms, dead "
+                  "after 3000 ms)\n", (unsigned long long)dt);
+    assert_int_equal(st, FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_true(dt <= 5000);
+    assert_true(dt >= 2000); /* not before its silence was long enough */
+    /* SIGCONT: its next heartbeat is refused, it registers again and is live */
+    kill(p.pid, SIGCONT);
+    assert_true(tb_peer_expect(&p, "REHELLO", 5000, NULL, 0));
+    assert_int_equal(wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 5000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    tb_peer_stop(&p, SIGKILL);
+    wire_keypair_destroy(&kp);
+}
+
+static void test_broker_peers_unknown_key_refused(void **state)
+{
+    fx *f = *state;
+    start(f);
+    wire_keypair_t *stranger = tb_keygen(f->b.dir, "stranger"); /* not on the allow-list */
+    tb_client sc;
+    tb_client_open(&sc, stranger, &f->b);
+    wire_msg_t *m = tb_call(&sc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 1500);
+    assert_null(m); /* ZAP refused the handshake: nothing reaches the broker */
+    tb_client_close(&sc);
+    /* the allowed client is still served, and no job was stored for anyone */
+    Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
+    lr.include_done = true;
+    m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    assert_non_null(m);
+    assert_int_equal(((const Fusion__JobList *)wire_msg_body(m))->n_jobs, 0);
+    wire_msg_destroy(&m);
+    wire_keypair_destroy(&stranger);
+}
+
+static void test_broker_peers_garbage_on_the_port(void **state)
+{
+    fx *f = *state;
+    start(f);
+    int port = atoi(strrchr(f->b.endpoint, ':') + 1);
+    uint8_t junk[4096];
+    for (int round = 0; round < 20; round++) {
+        int s = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        assert_int_equal(connect(s, (struct sockaddr *)&a, sizeof a), 0);
+        randombytes_buf(junk, sizeof junk);
+        if (round % 4 == 0) /* a ZMTP greeting signature, then junk */
+            memcpy(junk, "\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f", 10);
+        ssize_t w = write(s, junk, (size_t)(64 + round * 200));
+        (void)w;
+        close(s);
+    }
+    /* the broker still serves */
+    wire_msg_t *m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_PEER_LIST);
+    wire_msg_destroy(&m);
+    assert_int_equal(kill(f->b.pid, 0), 0);
+    /* an authenticated client sending a malformed body gets an Error, and the broker goes on */
+    uint8_t env_junk[] = {0x08, 0x01, 0x10, 13};       /* Envelope{version 1, type JOB_SUBMIT} */
+    uint8_t body_junk[] = {0x0a, 0xff, 0xff, 0xff, 0x7f}; /* a string field longer than the frame */
+    zmq_send(f->cl.sock, env_junk, sizeof env_junk, ZMQ_SNDMORE);
+    zmq_send(f->cl.sock, body_junk, sizeof body_junk, 0);
+    m = tb_recv(&f->cl, 3000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    wire_msg_destroy(&m);
+    m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "--fake-peer") == 0)
+        return tb_fake_peer_main(argc, argv);
+    if (sodium_init() < 0)
+        return 1;
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_broker_peers_join_and_leave, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_peers_sigstop_is_dead, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_peers_unknown_key_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_peers_garbage_on_the_port, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,518 @@
+/* Helpers for the broker tests: keys, a real fusion-broker process (fork/exec, real signals), a
+ * CURVE DEALER client that speaks the protocol, and a "fake peer" that is a real process (this test
+ * executable run again with --fake-peer) speaking the peer side of docs/PIPELINE.md: PeerHello,
+ * heartbeats, StageReady on StageAssign, re-registration when the broker goes silent, Leave on
+ * SIGTERM. It prints one line per event on stdout, which the test reads through a pipe.
+ * Header-only so each test stays one file. */
+#ifndef FU_TEST_BROKER_UTIL_H
+#define FU_TEST_BROKER_UTIL_H
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <sodium.h>
+#include <zmq.h>
+
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_modelcfg.h"
+#include "dag_model.h"
+#include "testutil.h"
+#include "wire.h"
+#include "wire_keys.h"
+#include "wire_socket.h"
+
+/* ---------- keys and files ---------- */
+
+/* Makes DIR/<name> with a fresh key pair; returns the pair (caller destroys). */
+static inline wire_keypair_t *tb_keygen(const char *dir, const char *name)
+{
+    char path[8192];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    wire_keypair_t *kp = wire_keypair_generate();
+    if (!kp || wire_keypair_save(kp, path, false, NULL, 0) != FU_OK) {
+        fprintf(stderr, "tb_keygen %s failed\n", path);
+        abort();
+    }
+    return kp;
+}
+
+static inline void tb_allow(const char *file, const wire_keypair_t *kp)
+{
+    FILE *f = fopen(file, "a");
+    if (!f)
+        abort();
+    fprintf(f, "%s\n", wire_keypair_public_z85(kp));
+    fclose(f);
+}
+
+/* A TCP port free on 127.0.0.1 right now. */
+static inline int tb_free_port(void)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(s, (struct sockaddr *)&a, &l) != 0)
+        abort();
+    int port = ntohs(a.sin_port);
+    close(s);
+    return port;
+}
+
+/* A tiny random LLaMA model directory (fu_modelcfg_defaults shapes). */
+static inline void tb_make_model(const char *dir)
+{
+    fu_modelcfg cfg;
+    fu_modelcfg_defaults(&cfg);
+    fu_errmsg em = {{0}};
+    if (dag_model_init_random(dir, &cfg, 7, 0.02f, &em) != FU_OK) {
+        fprintf(stderr, "model init failed: %s\n", em.msg);
+        abort();
+    }
+}
+
+/* ---------- the broker process ---------- */
+
+typedef struct {
+    char dir[4096];      /* scratch */
+    char keys[4200];     /* broker key dir */
+    char allow[4200];    /* allow-list */
+    char db[4200];       /* store */
+    char log[4200];      /* broker's stderr */
+    char endpoint[64];   /* tcp://127.0.0.1:PORT */
+    char bind[64];
+    wire_keypair_t *kp;  /* the broker's keys */
+    pid_t pid;           /* running broker, 0 when none */
+    int backups;
+    int heartbeat_ms;
+} tb_broker;
+
+static inline void tb_broker_init(tb_broker *b, const char *tag)
+{
+    memset(b, 0, sizeof *b);
+    char *d = tu_tmpdir(tag);
+    snprintf(b->dir, sizeof b->dir, "%s", d);
+    free(d);
+    snprintf(b->keys, sizeof b->keys, "%s/broker", b->dir);
+    snprintf(b->allow, sizeof b->allow, "%s/allow.txt", b->dir);
+    snprintf(b->db, sizeof b->db, "%s/jobs.db", b->dir);
+    snprintf(b->log, sizeof b->log, "%s/broker.log", b->dir);
+    b->kp = tb_keygen(b->dir, "broker");
+    int port = tb_free_port();
+    snprintf(b->endpoint, sizeof b->endpoint, "tcp://127.0.0.1:%d", port);
+    snprintf(b->bind, sizeof b->bind, "tcp://127.0.0.1:%d", port);
+    b->backups = 1;
+    b->heartbeat_ms = 1000;
+    FILE *f = fopen(b->allow, "w");
+    if (f)
+        fclose(f);
+}
+
+static inline void tb_broker_start(tb_broker *b)
+{
+    char backups[16], hb[16];
+    snprintf(backups, sizeof backups, "%d", b->backups);
+    snprintf(hb, sizeof hb, "%d", b->heartbeat_ms);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open(b->log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd >= 0) {
+            dup2(fd, 2);
+            dup2(fd, 1);
+        }
+        execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db, "--allow",
+              b->allow, "--backups", backups, "--heartbeat-ms", hb, "--log-level", "debug", (char *)NULL);
+        _exit(127);
+    }
+    b->pid = pid;
+}
+
+/* Sends sig and waits for the broker; returns its exit status (128+signal when killed). */
+static inline int tb_broker_stop(tb_broker *b, int sig)
+{
+    if (!b->pid)
+        return -1;
+    kill(b->pid, sig);
+    int st = 0;
+    waitpid(b->pid, &st, 0);
+    b->pid = 0;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static inline void tb_broker_dump_log(const tb_broker *b)
+{
+    char *out = NULL;
+    tu_sh(&out, "tail -n 40 '%s'", b->log);
+    fprintf(stderr, "---- broker log ----\n%s--------------------\n", out ? out : "");
+    free(out);
+}
+
+static inline void tb_broker_fini(tb_broker *b)
+{
+    if (b->pid)
+        tb_broker_stop(b, SIGKILL);
+    wire_keypair_destroy(&b->kp);
+    char *out = NULL;
+    tu_sh(&out, "rm -rf '%s'", b->dir);
+    free(out);
+}
+
+/* ---------- a protocol client ---------- */
+
+typedef struct {
+    void *ctx;
+    void *sock;
+    wire_keypair_t *kp;
+    wire_counters c;
+    uint64_t seq;
+} tb_client;
+
+static inline void tb_client_open(tb_client *cl, const wire_keypair_t *kp, const tb_broker *b)
+{
+    memset(cl, 0, sizeof *cl);
+    cl->ctx = zmq_ctx_new();
+    cl->kp = wire_keypair_from_bytes(wire_keypair_public(kp), wire_keypair_secret(kp));
+    fu_err rc;
+    cl->sock = wire_socket_new(cl->ctx, ZMQ_DEALER, &rc);
+    if (!cl->sock || wire_socket_curve_client(cl->sock, cl->kp, wire_keypair_public(b->kp)) != FU_OK ||
+        zmq_connect(cl->sock, b->endpoint) != 0)
+        abort();
+}
+
+static inline void tb_client_close(tb_client *cl)
+{
+    wire_socket_close(&cl->sock);
+    if (cl->ctx)
+        zmq_ctx_term(cl->ctx);
+    cl->ctx = NULL;
+    wire_keypair_destroy(&cl->kp);
+}
+
+static inline fu_err tb_send(tb_client *cl, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
+{
+    wire_hdr h = {.type = t, .job_id = job, .sequence = ++cl->seq};
+    return wire_send(cl->sock, NULL, 0, &h, body);
+}
+
+/* The next message within timeout_ms, or NULL. */
+static inline wire_msg_t *tb_recv(tb_client *cl, int timeout_ms)
+{
+    zmq_pollitem_t it = {.socket = cl->sock, .events = ZMQ_POLLIN};
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        uint64_t now = fu_clock_ms();
+        if (now >= end)
+            return NULL;
+        if (zmq_poll(&it, 1, (long)(end - now)) <= 0)
+            continue;
+        wire_msg_t *m = NULL;
+        if (wire_recv(cl->sock, WIRE_DONTWAIT, &cl->c, &m) == FU_OK)
+            return m;
+    }
+}
+
+/* Sends and waits for a message of type `want` (or an Error); others are dropped. */
+static inline wire_msg_t *tb_call(tb_client *cl, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body,
+                                  Fusion__MsgType want, int timeout_ms)
+{
+    if (tb_send(cl, t, job, body) != FU_OK)
+        return NULL;
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        wire_msg_t *m = tb_recv(cl, (int)(end - fu_clock_ms()) + 1);
+        if (!m)
+            return NULL;
+        if (wire_msg_type(m) == want || wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR)
+            return m;
+        wire_msg_destroy(&m);
+    }
+    return NULL;
+}
+
+/* Waits until the broker answers a PeerList request (it is up). */
+static inline bool tb_wait_up(tb_client *cl, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        wire_msg_t *m = tb_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 500);
+        if (m) {
+            wire_msg_destroy(&m);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* State of the peer with key z85 in the broker's PeerList, or -1 when absent / no answer. */
+static inline int tb_peer_state(tb_client *cl, const char *z85)
+{
+    wire_msg_t *m = tb_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 2000);
+    const Fusion__PeerList *pl = m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL;
+    int st = -1;
+    for (size_t i = 0; pl && i < pl->n_peers; i++)
+        if (strcmp(pl->peers[i]->peer_id, z85) == 0)
+            st = (int)pl->peers[i]->state;
+    wire_msg_destroy(&m);
+    return st;
+}
+
+static inline const char *TB_FINETUNE_SPEC(const char *model, char *buf, size_t cap)
+{
+    snprintf(buf, cap,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 2, "
+             "\"batch\": 2, \"seq_len\": 8, \"micro_batches\": 2, \"checkpoint_every\": 1}",
+             model);
+    return buf;
+}
+
+/* Submits a fine-tune job; returns the reply (JobStatus or Error). */
+static inline wire_msg_t *tb_submit(tb_client *cl, const char *spec, const char *idem)
+{
+    static const char text[] = "the quick brown fox jumps over the lazy dog, again and again and again and again.";
+    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+    js.idempotency_key = (char *)(idem ? idem : "");
+    js.kind = FUSION__JOB_KIND__JOB_KIND_FINETUNE;
+    js.spec_json = (char *)spec;
+    js.data.data = (uint8_t *)text;
+    js.data.len = sizeof text - 1;
+    return tb_call(cl, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 5000);
+}
+
+static inline wire_msg_t *tb_job_status(tb_client *cl, uint64_t id)
+{
+    Fusion__JobRef r = FUSION__JOB_REF__INIT;
+    r.job_id = id;
+    return tb_call(cl, FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
+}
+
+/* ---------- the fake peer process ---------- */
+
+typedef struct {
+    pid_t pid;
+    int out;          /* read end of its stdout */
+    char buf[65536];  /* unread output */
+    size_t len;
+} tb_peer;
+
+/* Starts `self --fake-peer ENDPOINT BROKER_KEY_DIR KEY_DIR NAME MEM_BYTES GFLOPS MODE`. */
+static inline void tb_peer_start(tb_peer *p, const tb_broker *b, const char *key_dir, const char *name,
+                                 unsigned long long mem, double gflops, const char *mode)
+{
+    memset(p, 0, sizeof *p);
+    int fds[2];
+    if (pipe(fds) != 0)
+        abort();
+    char memb[32], gf[32];
+    snprintf(memb, sizeof memb, "%llu", mem);
+    snprintf(gf, sizeof gf, "%g", gflops);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        dup2(fds[1], 1);
+        execl("/proc/self/exe", "fake-peer", "--fake-peer", b->endpoint, b->keys, key_dir, name, memb, gf, mode,
+              (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    p->pid = pid;
+    p->out = fds[0];
+}
+
+/* Waits for a line of the peer's output starting with prefix; copies it into line. */
+static inline bool tb_peer_expect(tb_peer *p, const char *prefix, int timeout_ms, char *line, size_t cap)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        char *nl;
+        while ((nl = memchr(p->buf, '\n', p->len))) {
+            size_t n = (size_t)(nl - p->buf);
+            bool hit = n >= strlen(prefix) && strncmp(p->buf, prefix, strlen(prefix)) == 0;
+            if (hit && line) {
+                size_t k = n < cap - 1 ? n : cap - 1;
+                memcpy(line, p->buf, k);
+                line[k] = 0;
+            }
+            memmove(p->buf, nl + 1, p->len - n - 1);
+            p->len -= n + 1;
+            if (hit)
+                return true;
+        }
+        uint64_t now = fu_clock_ms();
+        if (now >= end)
+            return false;
+        struct pollfd pf = {.fd = p->out, .events = POLLIN};
+        if (poll(&pf, 1, (int)(end - now)) <= 0)
+            continue;
+        ssize_t r = read(p->out, p->buf + p->len, sizeof p->buf - p->len - 1);
+        if (r <= 0)
+            return false;
+        p->len += (size_t)r;
+    }
+}
+
+static inline int tb_peer_stop(tb_peer *p, int sig)
+{
+    if (!p->pid)
+        return -1;
+    kill(p->pid, sig);
+    int st = 0;
+    waitpid(p->pid, &st, 0);
+    p->pid = 0;
+    close(p->out);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static volatile sig_atomic_t tb_fake_term;
+static inline void tb_fake_on_term(int s)
+{
+    (void)s;
+    tb_fake_term = 1;
+}
+
+static inline void tb_fake_hello(tb_client *cl, const char *name, uint64_t mem, double gflops)
+{
+    Fusion__DtypeSpeed sp = FUSION__DTYPE_SPEED__INIT;
+    sp.dtype = FUSION__DTYPE__DTYPE_F32;
+    sp.gemm_gflops = gflops;
+    Fusion__DtypeSpeed *spp = &sp;
+    Fusion__PeerProfile pr = FUSION__PEER_PROFILE__INIT;
+    pr.n_speeds = 1;
+    pr.speeds = &spp;
+    pr.free_memory_bytes = mem;
+    pr.backend = FUSION__BACKEND__BACKEND_CPU;
+    pr.device_name = (char *)"cpu: test";
+    pr.link_bandwidth_bps = 1e9;
+    pr.link_latency_ms = 0.1;
+    pr.threads = 1;
+    Fusion__PeerHello h = FUSION__PEER_HELLO__INIT;
+    h.name = (char *)name;
+    h.software = (char *)"fusion-test";
+    h.profile = &pr;
+    h.data_endpoint = (char *)"tcp://127.0.0.1:9";
+    (void)tb_send(cl, FUSION__MSG_TYPE__MSG_PEER_HELLO, 0, &h.base);
+}
+
+/* The fake peer's main: argv as in tb_peer_start. MODE "ready": answers StageAssign with StageReady. */
+static inline int tb_fake_peer_main(int argc, char **argv)
+{
+    if (argc < 9)
+        return 2;
+    if (sodium_init() < 0)
+        return 1;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    signal(SIGTERM, tb_fake_on_term);
+    tb_broker b;
+    memset(&b, 0, sizeof b);
+    snprintf(b.endpoint, sizeof b.endpoint, "%s", argv[2]);
+    wire_keypair_t *bkp = NULL, *kp = NULL;
+    if (wire_keypair_load(argv[3], &bkp, NULL, 0) != FU_OK || wire_keypair_load(argv[4], &kp, NULL, 0) != FU_OK)
+        return 1;
+    b.kp = bkp;
+    const char *name = argv[5];
+    uint64_t mem = strtoull(argv[6], NULL, 10);
+    double gflops = strtod(argv[7], NULL);
+    tb_client cl;
+    tb_client_open(&cl, kp, &b);
+    tb_fake_hello(&cl, name, mem, gflops);
+    uint32_t hb_ms = 1000, dead_ms = 3000;
+    uint64_t last_hb = fu_clock_ms(), last_heard = fu_clock_ms();
+    bool leaving = false, leaving_done = false;
+    uint64_t leave_at = 0;
+    for (;;) {
+        if (tb_fake_term && !leaving) {
+            Fusion__Leave l = FUSION__LEAVE__INIT;
+            l.reason = (char *)"SIGTERM";
+            (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_LEAVE, 0, &l.base);
+            leaving = true;
+            leave_at = fu_clock_ms();
+            printf("LEAVE\n");
+        }
+        if (leaving && fu_clock_ms() - leave_at > 5000)
+            break;
+        uint64_t now = fu_clock_ms();
+        if (!leaving && now - last_hb >= hb_ms / 2) {
+            Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+            hb.time_ms = (int64_t)now;
+            (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base);
+            last_hb = now;
+        }
+        if (!leaving && now - last_heard > dead_ms) { /* the broker went silent: register again */
+            printf("REHELLO\n");
+            tb_fake_hello(&cl, name, mem, gflops);
+            last_heard = now;
+        }
+        wire_msg_t *m = tb_recv(&cl, 100);
+        if (!m)
+            continue;
+        last_heard = fu_clock_ms();
+        const wire_hdr *h = wire_msg_hdr(m);
+        switch (wire_msg_type(m)) {
+        case FUSION__MSG_TYPE__MSG_PEER_WELCOME: {
+            const Fusion__PeerWelcome *w = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_WELCOME);
+            hb_ms = w->heartbeat_ms;
+            dead_ms = w->dead_after_ms;
+            printf("WELCOME %u %u\n", hb_ms, dead_ms);
+            break;
+        }
+        case FUSION__MSG_TYPE__MSG_STAGE_ASSIGN: {
+            const Fusion__StageAssign *a = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN);
+            printf("ASSIGN %016" PRIx64 " stage %u of %u backup %d resume %" PRIu64 " nodes %u-%u model %.10s dag %zu\n",
+                   a->job_id, a->stage_index, a->stage_count, a->backup ? 1 : 0, a->resume_step, a->node_begin,
+                   a->node_end, a->model_id, a->dag.len);
+            Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+            r.job_id = a->job_id;
+            r.stage_index = a->stage_index;
+            (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_STAGE_READY, a->job_id, &r.base);
+            break;
+        }
+        case FUSION__MSG_TYPE__MSG_STAGE_START: {
+            const Fusion__StageStart *s = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_START);
+            printf("START %016" PRIx64 " step %" PRIu64 "\n", s->job_id, s->step);
+            break;
+        }
+        case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
+            const Fusion__StageRelease *r = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_RELEASE);
+            printf("RELEASE %016" PRIx64 " stage %u: %s\n", r->job_id, r->stage_index, r->reason);
+            if (leaving)
+                leaving_done = true;
+            break;
+        }
+        case FUSION__MSG_TYPE__MSG_ERROR: {
+            const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
+            printf("ERROR %d %s\n", (int)e->code, e->message);
+            if (e->code == FUSION__ERROR_CODE__ERR_NOT_FOUND && e->in_reply_to == FUSION__MSG_TYPE__MSG_HEARTBEAT) {
+                printf("REHELLO\n");
+                tb_fake_hello(&cl, name, mem, gflops);
+            }
+            break;
+        }
+        default:
+            (void)h;
+            break;
+        }
+        wire_msg_destroy(&m);
+        if (leaving_done)
+            break;
+    }
+    tb_client_close(&cl);
+    wire_keypair_destroy(&kp);
+    wire_keypair_destroy(&bkp);
+    return 0;
+}
+
+#endif
