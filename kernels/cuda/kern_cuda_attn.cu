@@ -591,7 +591,8 @@ static int attn_splits(const kc_ctx *ctx, const attn_dims *a)
 static bool flash_ok(const kc_ctx *ctx, const attn_dims *a, kern_dtype dt, const kern_tensor_t *q,
                      const kern_tensor_t *k, const kern_tensor_t *v, const kern_tensor_t *o)
 {
-    if (dt == KERN_F32 || ctx->cc_major < 8 || a->tq < FLASH_MIN_TQ || (a->D != 64 && a->D != 128))
+    if (dt == KERN_F32 || ctx->cc_major < 8 || a->tq < FLASH_MIN_TQ || (a->D != 64 && a->D != 128) ||
+        a->n_seq > 65535 || a->Hq > 65535)
         return false;
     size_t need = a->D == 64 ? flash_layout<64>::bytes : flash_layout<128>::bytes;
     if (need > ctx->smem_optin)

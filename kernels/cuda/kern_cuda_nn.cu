@@ -253,21 +253,21 @@ extern "C" fu_err kc_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *
 
 template <typename T>
 __global__ void k_rope(const T *x, const int32_t *__restrict__ pos, T *y, int64_t n, int64_t f, int half, int heads,
-                       double log_theta, float sgn)
+                       double theta_d, float sgn)
 {
-    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n * half)
-        return;
-    const int64_t t = idx / half;
-    const int i = (int)(idx % half);
-    const float inv_freq = (float)(1.0 / exp(log_theta * (double)(2 * i) / (double)(2 * half)));
-    const float a = (float)pos[t] * inv_freq;
-    const float cs = (float)cos((double)a), sn = sgn * (float)sin((double)a);
-    for (int h = 0; h < heads; h++) {
-        const int64_t base = t * f + (int64_t)h * 2 * half;
-        float x1 = kc_ld(x[base + i]), x2 = kc_ld(x[base + i + half]);
-        y[base + i] = kc_st<T>(x1 * cs - x2 * sn);
-        y[base + i + half] = kc_st<T>(x2 * cs + x1 * sn);
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n * half;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = idx / half;
+        const int i = (int)(idx % half);
+        const float inv_freq = (float)(1.0 / pow(theta_d, (double)(2 * i) / (double)(2 * half)));
+        const float a = (float)pos[t] * inv_freq;
+        const float cs = (float)cos((double)a), sn = sgn * (float)sin((double)a);
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = t * f + (int64_t)h * 2 * half;
+            float x1 = kc_ld(x[base + i]), x2 = kc_ld(x[base + i + half]);
+            y[base + i] = kc_st<T>(x1 * cs - x2 * sn);
+            y[base + i + half] = kc_st<T>(x2 * cs + x1 * sn);
+        }
     }
 }
 
@@ -287,15 +287,12 @@ extern "C" fu_err kc_rope(const kern_backend_t *be, const kern_tensor_t *x, cons
     if (f % head_dim)
         return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
-    /* 1/theta^(2i/hd) = exp(-log(theta)*2i/hd): the CPU uses pow(); both are correctly rounded to
-     * within an ulp of double, far below float resolution. */
-    const double log_theta = log((double)theta);
     const int half = head_dim / 2;
     const int heads = (int)(f / head_dim);
     const int64_t items = n * half;
     KC_DISPATCH_FLOAT(x->dtype, T, {
-        k_rope<T><<<(unsigned)((items + NN_THREADS - 1) / NN_THREADS), NN_THREADS, 0, ctx->stream>>>(
-            (const T *)x->data, (const int32_t *)pos->data, (T *)y->data, n, f, half, heads, log_theta,
+        k_rope<T><<<kc_blocks(items, NN_THREADS), NN_THREADS, 0, ctx->stream>>>(
+            (const T *)x->data, (const int32_t *)pos->data, (T *)y->data, n, f, half, heads, (double)theta,
             inverse ? -1.0f : 1.0f);
     });
     KC_LAUNCHED();
