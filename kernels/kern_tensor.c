@@ -339,6 +339,24 @@ fu_err kern_convert_host(void *dst, kern_dtype dst_dt, const void *src, kern_dty
         memcpy(dst, src, n * kern_dtype_size(dst_dt));
         return FU_OK;
     }
+    if (src_dt == KERN_BF16 && dst_dt == KERN_F32) { /* the common load path: a shift, vectorised */
+        const uint16_t *s = src;
+        uint32_t *d = dst;
+        for (size_t i = 0; i < n; i++)
+            d[i] = (uint32_t)s[i] << 16;
+        return FU_OK;
+    }
+    if (src_dt == KERN_F32 && dst_dt == KERN_BF16) {
+        const uint32_t *s = src;
+        uint16_t *d = dst;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t x = s[i];
+            uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+            bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+            d[i] = (uint16_t)(nan ? (x >> 16) | 0x40u : rounded);
+        }
+        return FU_OK;
+    }
     for (size_t i = 0; i < n; i++) {
         float v;
         switch (src_dt) {

@@ -125,6 +125,28 @@ static void test_kern_tensor_half_conversions(void **state)
     assert_int_equal(kern_convert_host(h16, KERN_BF16, src, KERN_F32, 5), FU_OK);
     assert_int_equal(kern_convert_host(back, KERN_F32, h16, KERN_BF16, 5), FU_OK);
     assert_memory_equal(back, src, sizeof src);
+    /* the vectorised bf16 paths agree with the scalar conversions on many bit patterns */
+    {
+        enum { NB = 4096 };
+        float fs[NB], fb[NB];
+        uint16_t hb[NB];
+        uint32_t x = 12345;
+        for (int i = 0; i < NB; i++) {
+            x = x * 1664525u + 1013904223u;
+            uint32_t bits = x;
+            memcpy(&fs[i], &bits, 4);
+        }
+        fs[0] = NAN;
+        fs[1] = -INFINITY;
+        fs[2] = 3.4028235e38f; /* rounds to inf */
+        assert_int_equal(kern_convert_host(hb, KERN_BF16, fs, KERN_F32, NB), FU_OK);
+        assert_int_equal(kern_convert_host(fb, KERN_F32, hb, KERN_BF16, NB), FU_OK);
+        for (int i = 0; i < NB; i++) {
+            assert_int_equal(hb[i], kern_f32_to_bf16(fs[i]));
+            float want = kern_bf16_to_f32(hb[i]);
+            assert_memory_equal(&fb[i], &want, 4);
+        }
+    }
     assert_int_equal(kern_convert_host(back, KERN_I32, src, KERN_F32, 5), FU_EINVAL);
     assert_int_equal(kern_convert_host(NULL, KERN_F32, src, KERN_F32, 5), FU_EINVAL);
 }
