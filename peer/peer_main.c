@@ -1,15 +1,37 @@
-/* fusion-peer: a volunteer compute peer that runs pipeline stages for the broker. */
+/* fusion-peer: a volunteer compute peer that runs pipeline stages for the broker (docs/PEER.md).
+ * Exit codes: 0 after a graceful leave, 1 on a failure (a backend or socket error, or a second
+ * signal that cut the drain short), 2 bad command line, 3 the broker refused this peer's key. */
+#include <signal.h>
 #include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <sodium.h>
 
+#include "fu_log.h"
 #include "fu_opts.h"
+#include "peer.h"
+
+static volatile sig_atomic_t g_signals = 0;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    if (g_signals++ == 0) {
+        peer_request_stop(); /* leave gracefully: Leave, drain, exit 0 */
+        return;
+    }
+    static const char msg[] = "fusion-peer: second signal: exiting at once\n";
+    ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)w;
+    _exit(FU_EXIT_FAIL);
+}
 
 int main(int argc, char **argv)
 {
     const char *broker = NULL, *broker_key = NULL, *keys = NULL, *device = "cpu", *data_bind = NULL;
-    const char *cache = NULL, *name = NULL;
-    long long threads = 0;
+    const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL;
+    long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
     double max_memory = 0;
     bool no_listen = false;
     const fu_opt opts[] = {
@@ -18,17 +40,20 @@ int main(int argc, char **argv)
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "this peer's key directory (from `fusion keygen`)"},
         {"device", 0, FU_OPT_STR, &device, "DEV", "cpu or cuda:N (default cpu)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
-        {"data-bind", 0, FU_OPT_STR, &data_bind, "ENDPOINT", "where neighbours connect for activations"},
+        {"data-bind", 0, FU_OPT_STR, &data_bind, "ENDPOINT", "where neighbours connect for activations (default tcp://*:7701)"},
+        {"data-advertise", 0, FU_OPT_STR, &advertise, "ENDPOINT", "the data endpoint told to others (default: from --data-bind)"},
         {"no-listen", 0, FU_OPT_FLAG, &no_listen, NULL, "accept no connections; relay through the broker"},
-        {"cache", 0, FU_OPT_STR, &cache, "DIR", "weight cache directory"},
+        {"cache", 0, FU_OPT_STR, &cache, "DIR", "weight cache directory (default ~/.cache/fusion)"},
         {"max-memory", 0, FU_OPT_DOUBLE, &max_memory, "GB", "most memory to offer"},
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
+        {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "enrol this peer's key with the broker's token first"},
+        {"drain-timeout", 0, FU_OPT_INT, &drain_s, "S", "after a signal, wait this long for StageRelease (default 30)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-peer",
         .usage = "--broker ENDPOINT --broker-key FILE --keys DIR [options]",
         .summary = "Joins a fusion broker as a compute peer: measures this machine, runs the pipeline\n"
-                   "stages it is given, and leaves cleanly on SIGINT or SIGTERM.",
+                   "stages it is given, and leaves cleanly on SIGINT or SIGTERM (a second signal exits at once).",
         .opts = opts,
         .n_opts = sizeof opts / sizeof opts[0],
     };
@@ -36,11 +61,50 @@ int main(int argc, char **argv)
     int code;
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
+    if (!broker || !broker_key || !keys) {
+        fprintf(stderr, "fusion-peer: --broker, --broker-key and --keys are required\n"
+                        "Try 'fusion-peer --help' for more information.\n");
+        return FU_EXIT_USAGE;
+    }
+    if (threads < 0 || threads > 4096 || max_memory < 0 || drain_s < 0 || drain_s > 86400) {
+        fprintf(stderr, "fusion-peer: --threads, --max-memory and --drain-timeout must not be negative\n");
+        return FU_EXIT_USAGE;
+    }
+    if (no_listen && data_bind) {
+        fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
+        return FU_EXIT_USAGE;
+    }
     if (sodium_init() < 0) {
         fprintf(stderr, "fusion-peer: libsodium failed to initialise\n");
         return FU_EXIT_FAIL;
     }
-    fprintf(stderr, "fusion-peer: not available yet: the peer daemon comes with the capability "
-                    "\"fusion-peer\", which this build does not have\n");
-    return FU_EXIT_USAGE;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
+                    .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,
+                    .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory, .name = name,
+                    .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000)};
+    char why[1024];
+    fu_err err;
+    peer_t *p = peer_new(&cfg, &err, why, sizeof why);
+    if (!p) {
+        fprintf(stderr, "fusion-peer: %s\n", why);
+        return err == FU_EAUTH || err == FU_EPERM ? FU_EXIT_AUTH : err == FU_EINVAL ? FU_EXIT_USAGE : FU_EXIT_FAIL;
+    }
+    printf("fusion-peer: profile: %s\n", peer_profile_line(p));
+    fflush(stdout);
+    fu_err rc = peer_run(p);
+    peer_destroy(&p);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion-peer: stopped: %s\n", fu_strerror(rc));
+        return FU_EXIT_FAIL;
+    }
+    printf("fusion-peer: left cleanly\n");
+    return FU_EXIT_OK;
 }

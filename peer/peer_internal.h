@@ -1,0 +1,81 @@
+/* peer_internal: what the I/O thread (peer_io.c) and the compute thread (peer_stage.c) say to each
+ * other over their inproc PAIR. Each ZeroMQ message on the pipe is one pointer to a peer_cmd whose
+ * ownership (and that of everything it points to) passes to the receiver. */
+#ifndef FU_PEER_INTERNAL_H
+#define FU_PEER_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+#include "fusion.pb-c.h"
+#include "kern_backend.h"
+#include "wire.h"
+#include "wire_tensor.h"
+
+#define PEER_PIPE_ENDPOINT "inproc://fusion-peer-pipe"
+
+typedef enum {
+    PEER_CMD_MSG = 1,     /* io -> compute: a broker message for the stage (msg) */
+    PEER_CMD_TENSOR,      /* io -> compute: an assembled, opened activation or gradient (tensor) */
+    PEER_CMD_STOP,        /* io -> compute: finish the current command and exit */
+    PEER_CMD_SEND,        /* compute -> io: a packed message for the broker (hdr fields, body) */
+    PEER_CMD_SEND_TENSOR, /* compute -> io: a tensor for a neighbour (role, meta, data) */
+    PEER_CMD_READY,       /* compute -> io: stage loaded; send StageReady once the links are up */
+    PEER_CMD_STAGE_GONE,  /* compute -> io: the stage ended (released, failed): links may close */
+    PEER_CMD_FATAL,       /* compute -> io: the backend failed; the peer must leave */
+} peer_cmd_kind;
+
+typedef struct {
+    peer_cmd_kind kind;       /* what this is */
+    wire_msg_t *msg;          /* MSG: owned */
+    wire_tensor tensor;       /* TENSOR: owned data */
+    Fusion__MsgType type;     /* SEND: envelope type */
+    uint64_t job_id;          /* SEND / READY / STAGE_GONE / SEND_TENSOR: job */
+    uint64_t step;            /* SEND: envelope step */
+    uint32_t micro_batch;     /* SEND: envelope micro-batch */
+    uint32_t stage;           /* SEND / READY: stage index */
+    uint8_t *body;            /* SEND: packed body (malloc), NULL for an empty body */
+    size_t body_len;
+    Fusion__LinkRole role;    /* SEND_TENSOR: which neighbour */
+    wire_tensor_meta meta;    /* SEND_TENSOR: metadata (relay_to filled in by io) */
+    uint8_t *data;            /* SEND_TENSOR: plaintext (malloc) */
+    size_t len;
+    fu_err err;               /* FATAL: why */
+} peer_cmd;
+
+peer_cmd *peer_cmd_new(peer_cmd_kind kind);
+void peer_cmd_destroy(peer_cmd **c_p);
+/* Sends *c_p over the pipe (pointer message). flags: ZMQ_DONTWAIT or 0. On success *c_p is NULL
+ * (the receiver owns it); FU_EAGAIN when the pipe is full with ZMQ_DONTWAIT (*c_p kept). */
+FU_MUST_CHECK fu_err peer_cmd_send(void *pipe, peer_cmd **c_p, int flags);
+/* Receives one command; FU_EAGAIN with ZMQ_DONTWAIT and nothing there; FU_ETIMEDOUT (RCVTIMEO). */
+FU_MUST_CHECK fu_err peer_cmd_recv(void *pipe, int flags, peer_cmd **out);
+
+/* Packs body into a SEND command for the broker. */
+peer_cmd *peer_cmd_send_new(Fusion__MsgType type, uint64_t job_id, uint64_t step, uint32_t stage,
+                            const ProtobufCMessage *body);
+
+/* States the compute thread publishes for the heartbeat (Fusion__PeerState values). */
+typedef struct {
+    _Atomic int state;        /* PEER_STATE_IDLE / WARM / BUSY */
+    _Atomic int stage_active; /* 1 while an assignment (not a backup) is held */
+    _Atomic uint64_t bw_bps;  /* bandwidth measured on the last blob fetch (bytes/s) */
+    _Atomic int exited;       /* the compute thread has left its loop */
+} peer_shared;
+
+typedef struct {
+    void *ctx;                   /* the ZeroMQ context (sockets are made in the compute thread) */
+    const kern_backend_t *be;    /* backend */
+    const char *cache_dir;       /* weight cache */
+    uint64_t mem_budget;         /* most bytes one blob may take */
+    peer_shared *shared;         /* published state */
+    const uint8_t *self_pk;      /* this peer's long-term public key (32 bytes) */
+} peer_compute_cfg;
+
+/* The compute thread's body: connects the PAIR's other end and serves commands until STOP. */
+void *peer_compute_main(void *arg /* peer_compute_cfg * */);
+
+#endif

@@ -1,0 +1,1265 @@
+/* peer_stage: the compute thread. Owns the stage of the current assignment: blob fetches, the
+ * dag_exec executor for the node range, forward/backward per micro-batch, AdamW at the end of each
+ * step, StepDone, checkpoints and inference sessions. Talks only to the I/O thread, over the PAIR
+ * (peer_internal.h). Implements docs/PIPELINE.md; deviations are listed in docs/PEER.md. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_serial.h"
+#include "fu_alloc.h"
+#include "fu_clock.h"
+#include "fu_log.h"
+#include "fu_safetensors.h"
+#include "peer.h"
+#include "peer_blob.h"
+#include "peer_internal.h"
+#include "peer_spec.h"
+
+#define ST_MAX_CUTS   16 /* cut tensors one stage boundary may carry */
+#define ST_MAX_DEFER  (2 * DAG_EXEC_MAX_SLOTS) /* frames of the next step held back */
+#define ST_POLL_MS    200
+
+typedef enum { FETCH_WEIGHT, FETCH_TOKENS, FETCH_CKPT, FETCH_ADAPTER } fetch_kind;
+
+typedef struct {
+    peer_blob_t *blob;  /* the fetch */
+    fetch_kind kind;    /* what it is for */
+} fetch_item;
+
+typedef struct {
+    peer_compute_cfg cfg;     /* from the I/O thread */
+    void *pipe;               /* our end of the PAIR */
+    bool stop;                /* STOP received */
+
+    /* the assignment */
+    bool active;              /* a stage is held */
+    bool backup;              /* warm backup: fetch only */
+    bool loaded;              /* weights loaded, READY sent */
+    bool running;             /* StageStart received */
+    bool finished;            /* every step done (waiting for StageRelease) */
+    uint64_t job_id;
+    uint32_t stage_index, stage_count;
+    uint32_t first, last;     /* node range */
+    uint64_t resume_step;
+    char *model_id;
+    peer_spec spec;
+    uint32_t M, rows_mb;      /* micro-batches, sequences per micro-batch */
+    dag_graph_t *g;
+    dag_exec_t *x;
+    fu_safetensors *st;       /* the stage's weights (kept open: the executor may use them in place) */
+    fetch_item *fetch;        /* blobs to fetch, in order */
+    size_t n_fetch, cur_fetch;
+    uint64_t fetch_t0;        /* when the first blob was asked (bandwidth) */
+    uint64_t fetch_bytes;
+    int32_t *ids;             /* the job's tokens (first and last stage) */
+    size_t n_ids;
+    uint32_t cut_in[ST_MAX_CUTS], n_cut_in;
+    uint32_t cut_out[ST_MAX_CUTS], n_cut_out;
+    uint64_t w_in_total, w_out_total; /* floats per row over the cut inputs / outputs */
+
+    /* training progress */
+    uint64_t step;            /* the step being run */
+    uint32_t fwd_done, bwd_done;
+    double loss_sum;          /* sum over micro-batches of their mean loss */
+    int64_t tokens_sum;
+    peer_cmd *defer[ST_MAX_DEFER]; /* frames of a later step, in arrival order */
+    size_t n_defer;
+    int32_t *tok, *tgt;       /* one micro-batch of tokens / targets */
+
+    /* inference */
+    dag_session_t *sess;
+    uint32_t lm_node;         /* lm_head node in range, or UINT32_MAX */
+    int32_t *prompt;          /* stage 0: prompt tokens */
+    size_t n_prompt;
+    uint64_t prompt_len;      /* prompt length (stage 0: n_prompt; others: from position 0 frames) */
+    bool pending_fwd;         /* stage 0: the current step's forwards are due */
+} stage_t;
+
+/* ---- pipe helpers -------------------------------------------------------------------------- */
+
+peer_cmd *peer_cmd_new(peer_cmd_kind kind)
+{
+    peer_cmd *c = fu_calloc(1, sizeof *c);
+    c->kind = kind;
+    return c;
+}
+
+void peer_cmd_destroy(peer_cmd **c_p)
+{
+    if (!c_p || !*c_p)
+        return;
+    peer_cmd *c = *c_p;
+    wire_msg_destroy(&c->msg);
+    wire_tensor_clear(&c->tensor);
+    free(c->body);
+    free(c->data);
+    free((char *)c->meta.relay_to);
+    free(c);
+    *c_p = NULL;
+}
+
+fu_err peer_cmd_send(void *pipe, peer_cmd **c_p, int flags)
+{
+    if (!pipe || !c_p || !*c_p)
+        return FU_EINVAL;
+    peer_cmd *c = *c_p;
+    if (zmq_send(pipe, &c, sizeof c, flags) != (int)sizeof c) {
+        int e = zmq_errno();
+        if (e == EAGAIN)
+            return FU_EAGAIN;
+        return e == ETERM ? FU_ECANCELED : FU_EIO;
+    }
+    *c_p = NULL;
+    return FU_OK;
+}
+
+fu_err peer_cmd_recv(void *pipe, int flags, peer_cmd **out)
+{
+    peer_cmd *c = NULL;
+    int n = zmq_recv(pipe, &c, sizeof c, flags);
+    if (n < 0) {
+        int e = zmq_errno();
+        if (e == EAGAIN)
+            return (flags & ZMQ_DONTWAIT) ? FU_EAGAIN : FU_ETIMEDOUT;
+        return e == ETERM ? FU_ECANCELED : FU_EIO;
+    }
+    if (n != (int)sizeof c || !c)
+        return FU_EPROTO;
+    *out = c;
+    return FU_OK;
+}
+
+peer_cmd *peer_cmd_send_new(Fusion__MsgType type, uint64_t job_id, uint64_t step, uint32_t stage,
+                            const ProtobufCMessage *body)
+{
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND);
+    c->type = type;
+    c->job_id = job_id;
+    c->step = step;
+    c->stage = stage;
+    if (body) {
+        c->body_len = protobuf_c_message_get_packed_size(body);
+        c->body = fu_malloc(c->body_len ? c->body_len : 1);
+        protobuf_c_message_pack(body, c->body);
+    }
+    return c;
+}
+
+static void to_io(stage_t *s, peer_cmd *c)
+{
+    if (peer_cmd_send(s->pipe, &c, 0) != FU_OK) {
+        FU_WARN("peer", "compute: the I/O thread's pipe failed; dropping a %d command", (int)c->kind);
+        peer_cmd_destroy(&c);
+    }
+}
+
+static void send_msg(stage_t *s, Fusion__MsgType type, uint64_t step, const ProtobufCMessage *body)
+{
+    to_io(s, peer_cmd_send_new(type, s->job_id, step, s->stage_index, body));
+}
+
+static void send_error(stage_t *s, Fusion__ErrorCode code, Fusion__MsgType about, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void send_error(stage_t *s, Fusion__ErrorCode code, Fusion__MsgType about, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    FU_ERROR("peer", "job %016" PRIx64 " stage %u: %s", s->job_id, s->stage_index, text);
+    Fusion__Error e = FUSION__ERROR__INIT;
+    e.code = code;
+    e.message = text;
+    e.in_reply_to = about;
+    send_msg(s, FUSION__MSG_TYPE__MSG_ERROR, 0, &e.base);
+}
+
+/* ---- stage lifecycle ----------------------------------------------------------------------- */
+
+static void stage_clear(stage_t *s)
+{
+    dag_exec_session_destroy(&s->sess);
+    dag_exec_destroy(&s->x);
+    dag_graph_destroy(&s->g);
+    fu_safetensors_close(&s->st);
+    for (size_t i = 0; i < s->n_fetch; i++)
+        peer_blob_destroy(&s->fetch[i].blob);
+    free(s->fetch);
+    for (size_t i = 0; i < s->n_defer; i++)
+        peer_cmd_destroy(&s->defer[i]);
+    free(s->model_id);
+    free(s->ids);
+    free(s->tok);
+    free(s->tgt);
+    free(s->prompt);
+    peer_spec_clear(&s->spec);
+    peer_compute_cfg cfg = s->cfg;
+    void *pipe = s->pipe;
+    bool stop = s->stop;
+    memset(s, 0, sizeof *s);
+    s->cfg = cfg;
+    s->pipe = pipe;
+    s->stop = stop;
+    s->lm_node = UINT32_MAX;
+    atomic_store(&s->cfg.shared->state, FUSION__PEER_STATE__PEER_STATE_IDLE);
+    atomic_store(&s->cfg.shared->stage_active, 0);
+}
+
+/* Ends the stage and tells the I/O thread its links may close. */
+static void stage_end(stage_t *s, const char *why)
+{
+    if (!s->active)
+        return;
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: ended (%s)", s->job_id, s->stage_index, why);
+    peer_cmd *c = peer_cmd_new(PEER_CMD_STAGE_GONE);
+    c->job_id = s->job_id;
+    c->stage = s->stage_index;
+    stage_clear(s);
+    to_io(s, c);
+}
+
+/* A backend failure: report, tell the I/O thread to leave. */
+static void fatal(stage_t *s, fu_err rc, const char *what)
+{
+    send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_UNSPECIFIED, "%s failed on %s: %s", what,
+               s->cfg.be->name, fu_strerror(rc));
+    stage_end(s, "backend failure");
+    peer_cmd *c = peer_cmd_new(PEER_CMD_FATAL);
+    c->err = rc;
+    to_io(s, c);
+}
+
+/* An executor error: the backend's own (CUDA) errors are fatal; others are this stage's. */
+static void exec_failed(stage_t *s, fu_err rc, const char *what)
+{
+    if (rc == FU_ECUDA) {
+        fatal(s, rc, what);
+        return;
+    }
+    send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_UNSPECIFIED, "%s: %s", what,
+               fu_strerror(rc));
+    stage_end(s, "executor error");
+}
+
+static bool is_first(const stage_t *s)
+{
+    return s->stage_index == 0;
+}
+
+static bool is_last(const stage_t *s)
+{
+    return s->stage_index + 1 == s->stage_count;
+}
+
+static void add_fetch(stage_t *s, const char *model_id, const char *name, fetch_kind kind, bool cached)
+{
+    s->fetch = fu_realloc(s->fetch, (s->n_fetch + 1) * sizeof *s->fetch);
+    s->fetch[s->n_fetch].blob = peer_blob_new(model_id, name, cached ? s->cfg.cache_dir : NULL, s->cfg.mem_budget);
+    s->fetch[s->n_fetch].kind = kind;
+    s->n_fetch++;
+}
+
+static void ask_next(stage_t *s)
+{
+    while (s->cur_fetch < s->n_fetch) {
+        Fusion__WeightRequest req;
+        if (peer_blob_request(s->fetch[s->cur_fetch].blob, fu_clock_ms(), &req))
+            send_msg(s, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST, 0, &req.base);
+        return;
+    }
+}
+
+/* Cut tensors of the range; the stage boundary must carry exactly the nodes both sides expect. */
+static fu_err setup_cuts(stage_t *s, char *why, size_t cap)
+{
+    size_t ni = dag_exec_cut_inputs(s->x, s->cut_in, ST_MAX_CUTS);
+    size_t no = dag_exec_cut_outputs(s->x, s->cut_out, ST_MAX_CUTS);
+    if (ni > ST_MAX_CUTS || no > ST_MAX_CUTS) {
+        snprintf(why, cap, "the stage boundary carries more than %d tensors", ST_MAX_CUTS);
+        return FU_EINVAL;
+    }
+    s->n_cut_in = (uint32_t)ni;
+    s->n_cut_out = (uint32_t)no;
+    /* Every node before `first` read at or after `first` must be read inside this range (a cut
+     * tensor that skips a stage cannot be forwarded by dag_exec). */
+    size_t n = dag_graph_size(s->g);
+    for (size_t j = s->last; j < n; j++) {
+        const dag_node *nd = dag_graph_node(s->g, j);
+        for (uint32_t k = 0; k < nd->n_inputs; k++)
+            if (nd->inputs[k] < s->first) {
+                snprintf(why, cap, "node %zu reads node %u across this stage (%u..%u): skip connections over a "
+                         "whole stage are not supported", j, nd->inputs[k], s->first, s->last);
+                return FU_EINVAL;
+            }
+    }
+    s->w_in_total = s->w_out_total = 0;
+    for (uint32_t i = 0; i < s->n_cut_in; i++)
+        s->w_in_total += dag_graph_width(s->g, s->cut_in[i]);
+    for (uint32_t i = 0; i < s->n_cut_out; i++)
+        s->w_out_total += dag_graph_width(s->g, s->cut_out[i]);
+    if ((!is_first(s) && s->n_cut_in == 0) || (!is_last(s) && s->n_cut_out == 0)) {
+        snprintf(why, cap, "the range %u..%u has no cut tensor towards a neighbour", s->first, s->last);
+        return FU_EINVAL;
+    }
+    return FU_OK;
+}
+
+static void on_assign(stage_t *s, const Fusion__StageAssign *a)
+{
+    if (s->active) {
+        /* A new assignment replaces the old one (recovery after StageRelease, or a backup promoted). */
+        stage_end(s, "replaced by a new assignment");
+    }
+    char why[512] = "";
+    fu_errmsg em = {{0}};
+    fu_err rc;
+    s->active = true;
+    s->job_id = a->job_id;
+    s->stage_index = a->stage_index;
+    s->stage_count = a->stage_count;
+    s->first = a->node_begin;
+    s->last = a->node_end;
+    s->backup = a->backup;
+    s->resume_step = a->resume_step;
+    s->model_id = fu_strdup(a->model_id);
+    atomic_store(&s->cfg.shared->stage_active, a->backup ? 0 : 1);
+    atomic_store(&s->cfg.shared->state, a->backup ? FUSION__PEER_STATE__PEER_STATE_WARM : FUSION__PEER_STATE__PEER_STATE_BUSY);
+    if (a->stage_count == 0 || a->stage_index >= a->stage_count || a->node_begin >= a->node_end) {
+        snprintf(why, sizeof why, "bad stage %u of %u or node range %u..%u", a->stage_index, a->stage_count,
+                 a->node_begin, a->node_end);
+        goto invalid;
+    }
+    if ((rc = peer_spec_parse(a->spec_json ? a->spec_json : "", a->spec_json ? strlen(a->spec_json) : 0, &s->spec,
+                              &em)) != FU_OK) {
+        snprintf(why, sizeof why, "%s", fu_errmsg_text(&em, rc));
+        goto invalid;
+    }
+    if ((rc = dag_graph_decode(a->dag.data, a->dag.len, &s->g, why, sizeof why)) != FU_OK)
+        goto invalid;
+    if (a->node_end > dag_graph_size(s->g)) {
+        snprintf(why, sizeof why, "node range %u..%u outside the DAG's %zu nodes", a->node_begin, a->node_end,
+                 dag_graph_size(s->g));
+        goto invalid;
+    }
+    s->M = s->spec.infer ? 1 : (a->micro_batches ? a->micro_batches : s->spec.micro_batches);
+    if (!s->spec.infer && (s->M == 0 || s->M > DAG_EXEC_MAX_SLOTS || s->spec.batch % s->M != 0)) {
+        snprintf(why, sizeof why, "micro_batches %u must divide batch %u and be at most %d", s->M, s->spec.batch,
+                 DAG_EXEC_MAX_SLOTS);
+        goto invalid;
+    }
+    s->spec.micro_batches = s->M;
+    if (s->spec.infer) {
+        if (is_first(s) && s->spec.prompt_tokens) {
+            s->n_prompt = s->spec.n_prompt_tokens;
+            s->prompt = fu_malloc((s->n_prompt ? s->n_prompt : 1) * sizeof *s->prompt);
+            memcpy(s->prompt, s->spec.prompt_tokens, s->n_prompt * sizeof *s->prompt);
+        }
+    } else {
+        s->rows_mb = s->spec.batch / s->M;
+    }
+    /* The executor. Inference sizes its rows from the prompt, which stage 0 may only know after
+     * fetching the job's tokens: the executor is made after the fetches (make_exec). */
+    s->lm_node = UINT32_MAX;
+    for (uint32_t i = s->first; i < s->last; i++)
+        if (dag_graph_node(s->g, i)->op == DAG_OP_LM_HEAD)
+            s->lm_node = i;
+
+    /* What to fetch: every parameter of the range, then the job's data (stage 0 and the last stage),
+     * then the checkpoint to resume from, then a finished job's adapter for inference. */
+    for (uint32_t i = s->first; i < s->last; i++) {
+        const dag_node *nd = dag_graph_node(s->g, i);
+        for (uint32_t k = 0; k < nd->n_params; k++) {
+            bool dup = false;
+            for (size_t f = 0; f < s->n_fetch && !dup; f++)
+                dup = strcmp(peer_blob_name(s->fetch[f].blob), nd->params[k]) == 0;
+            if (!dup)
+                add_fetch(s, a->model_id, nd->params[k], FETCH_WEIGHT, true);
+        }
+    }
+    char jid[64], name[96];
+    snprintf(jid, sizeof jid, "job:%016" PRIx64, a->job_id);
+    bool need_tokens = s->spec.infer ? (is_first(s) && !s->prompt) : (is_first(s) || is_last(s));
+    if (need_tokens)
+        add_fetch(s, jid, "tokens", FETCH_TOKENS, false);
+    if (!s->spec.infer && a->resume_step > 0 && !a->backup) {
+        snprintf(name, sizeof name, "ckpt:%u:%" PRIu64, a->stage_index, a->resume_step);
+        add_fetch(s, jid, name, FETCH_CKPT, false);
+    }
+    if (s->spec.infer) {
+        /* "adapter_job": "<hex>" is in the spec text; peer_spec skips it, find it here. */
+        const char *aj = a->spec_json ? strstr(a->spec_json, "\"adapter_job\"") : NULL;
+        if (aj) {
+            aj = strchr(aj + 13, '"');
+            char hex[17] = "";
+            if (aj && sscanf(aj + 1, "%16[0-9a-f]", hex) == 1 && strlen(hex) == 16) {
+                snprintf(jid, sizeof jid, "job:%s", hex);
+                add_fetch(s, jid, "adapter", FETCH_ADAPTER, false);
+            }
+        }
+    }
+    FU_INFO("peer", "job %016" PRIx64 ": assigned stage %u of %u (nodes %u..%u)%s, %zu blobs to fetch", a->job_id,
+            a->stage_index, a->stage_count, a->node_begin, a->node_end, a->backup ? " as a warm backup" : "",
+            s->n_fetch);
+    s->fetch_t0 = fu_clock_ms();
+    ask_next(s);
+    return;
+invalid:
+    send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "refused the assignment: %s",
+               why);
+    stage_end(s, "invalid assignment");
+}
+
+static fu_st_dtype st_dtype(Fusion__Dtype d, bool *ok)
+{
+    *ok = true;
+    switch (d) {
+    case FUSION__DTYPE__DTYPE_F32: return FU_ST_F32;
+    case FUSION__DTYPE__DTYPE_F16: return FU_ST_F16;
+    case FUSION__DTYPE__DTYPE_BF16: return FU_ST_BF16;
+    case FUSION__DTYPE__DTYPE_I32: return FU_ST_I32;
+    case FUSION__DTYPE__DTYPE_I64: return FU_ST_I64;
+    case FUSION__DTYPE__DTYPE_U8: return FU_ST_U8;
+    default: *ok = false; return FU_ST_F32;
+    }
+}
+
+static char *scratch_path(const stage_t *s, const char *what)
+{
+    char name[160];
+    snprintf(name, sizeof name, ".%s-%ld-%016" PRIx64 "-%u.safetensors", what, (long)getpid(), s->job_id,
+             s->stage_index);
+    return fu_path_join(s->cfg.cache_dir, name);
+}
+
+/* Writes the fetched weight blobs as one safetensors file and opens it (then removes the name:
+ * the mapping stays valid). */
+static fu_err open_weights(stage_t *s, fu_errmsg *em)
+{
+    size_t n = 0;
+    fu_err rc;
+    fu_st_tensor *t = fu_calloc(s->n_fetch ? s->n_fetch : 1, sizeof *t);
+    for (size_t i = 0; i < s->n_fetch; i++) {
+        if (s->fetch[i].kind != FETCH_WEIGHT)
+            continue;
+        peer_blob_t *b = s->fetch[i].blob;
+        bool ok;
+        fu_st_tensor *e = &t[n++];
+        e->name = peer_blob_name(b);
+        e->dtype = st_dtype(peer_blob_dtype(b), &ok);
+        int64_t shape[PEER_BLOB_MAX_DIMS];
+        size_t nd = peer_blob_shape(b, shape, PEER_BLOB_MAX_DIMS);
+        e->ndim = nd;
+        uint64_t ne = 1;
+        for (size_t k = 0; k < nd; k++) {
+            if (shape[k] < 0)
+                ok = false;
+            e->shape[k] = (uint64_t)(shape[k] < 0 ? 0 : shape[k]);
+            ne *= e->shape[k];
+        }
+        e->data = peer_blob_data(b, &e->nbytes);
+        if (!ok || ne * fu_st_dtype_size(e->dtype) != e->nbytes) {
+            rc = fu_errmsg_set(em, FU_EPROTO, "weight '%s' came with a dtype/shape that does not fit its %zu bytes",
+                               e->name, e->nbytes);
+            free(t);
+            return rc;
+        }
+    }
+    char *path = scratch_path(s, "stage");
+    rc = fu_mkdir_p(s->cfg.cache_dir, 0700, em);
+    if (rc == FU_OK)
+        rc = fu_safetensors_write(path, t, n, NULL, 0, NULL, NULL, em);
+    free(t);
+    if (rc == FU_OK)
+        rc = fu_safetensors_open_file(path, &s->st, em);
+    unlink(path);
+    free(path);
+    /* The blobs' memory is no longer needed: the file maps the same bytes. */
+    for (size_t i = 0; i < s->n_fetch; i++)
+        if (s->fetch[i].kind == FETCH_WEIGHT)
+            peer_blob_destroy(&s->fetch[i].blob);
+    return rc;
+}
+
+/* The contract's checkpoint names (<name>.adam_m / .adam_v, metadata step and adam_t) from the
+ * executor's (<name>.exp_avg / .exp_avg_sq, metadata fusion.step), or back (to_contract false). */
+static fu_err ckpt_translate(const fu_safetensors *src, const char *dst, bool to_contract, uint64_t step,
+                             fu_errmsg *em)
+{
+    static const char *const dag_sfx[2] = {".exp_avg_sq", ".exp_avg"};
+    static const char *const pipe_sfx[2] = {".adam_v", ".adam_m"};
+    size_t n = fu_safetensors_count(src);
+    fu_st_tensor *t = fu_calloc(n ? n : 1, sizeof *t);
+    char **names = fu_calloc(n ? n : 1, sizeof *names);
+    for (size_t i = 0; i < n; i++) {
+        t[i] = *fu_safetensors_at(src, i);
+        const char *nm = t[i].name;
+        size_t L = strlen(nm);
+        for (int k = 0; k < 2; k++) {
+            const char *from = to_contract ? dag_sfx[k] : pipe_sfx[k];
+            const char *to = to_contract ? pipe_sfx[k] : dag_sfx[k];
+            size_t fl = strlen(from);
+            if (L > fl && strcmp(nm + L - fl, from) == 0) {
+                names[i] = fu_malloc(L - fl + strlen(to) + 1);
+                memcpy(names[i], nm, L - fl);
+                strcpy(names[i] + L - fl, to);
+                t[i].name = names[i];
+                break;
+            }
+        }
+    }
+    char a[32], b[32];
+    const char *meta[4];
+    size_t n_meta;
+    fu_err rc = FU_OK;
+    if (to_contract) {
+        const char *adam_t = fu_safetensors_metadata(src, "fusion.step");
+        snprintf(a, sizeof a, "%" PRIu64, step);
+        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
+        meta[0] = "step", meta[1] = a, meta[2] = "adam_t", meta[3] = b;
+        n_meta = 2;
+    } else {
+        const char *adam_t = fu_safetensors_metadata(src, "adam_t");
+        if (!adam_t)
+            rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint has no adam_t metadata");
+        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
+        meta[0] = "fusion.step", meta[1] = b;
+        n_meta = 1;
+    }
+    if (rc == FU_OK)
+        rc = fu_safetensors_write(dst, t, n, meta, n_meta, NULL, NULL, em);
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    free(t);
+    return rc;
+}
+
+/* Restores the executor from a checkpoint blob (contract names). */
+static fu_err restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errmsg *em)
+{
+    fu_safetensors *src = NULL, *st = NULL;
+    FU_TRY(fu_safetensors_parse_header(data, len, "checkpoint", &src, em));
+    const char *stp = fu_safetensors_metadata(src, "step");
+    char *path = scratch_path(s, "restore");
+    fu_err rc = ckpt_translate(src, path, false, 0, em);
+    if (rc == FU_OK)
+        rc = fu_safetensors_open_file(path, &st, em);
+    if (rc == FU_OK)
+        rc = dag_exec_load_state(s->x, st, em);
+    if (rc == FU_OK && stp && strtoull(stp, NULL, 10) != s->resume_step)
+        rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint says step %s, expected %" PRIu64, stp, s->resume_step);
+    fu_safetensors_close(&st);
+    fu_safetensors_close(&src);
+    unlink(path);
+    free(path);
+    return rc;
+}
+
+static fu_err make_exec(stage_t *s, fu_errmsg *em)
+{
+    dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed};
+    if (s->spec.infer) {
+        uint64_t prompt = s->n_prompt ? s->n_prompt : 1;
+        uint32_t maxtok = s->spec.max_tokens ? s->spec.max_tokens : 1;
+        /* Rows of one forward: the prompt at once (stage 0 knows it; others take the largest it
+         * may be, PEER_SPEC_MAX_PROMPT, only when they cannot know). */
+        o.max_tokens = (uint32_t)(is_first(s) ? prompt : PEER_SPEC_MAX_PROMPT / 16);
+        if (s->spec.prompt_tokens)
+            o.max_tokens = (uint32_t)(s->spec.n_prompt_tokens ? s->spec.n_prompt_tokens : 1);
+        o.max_context = o.max_tokens + maxtok + 1;
+        o.n_slots = 1;
+        o.training = false;
+        o.logits_all = s->spec.dump_logits;
+    } else {
+        o.max_tokens = s->rows_mb * s->spec.seq_len;
+        o.n_slots = s->M;
+        o.training = true;
+    }
+    FU_TRY(dag_exec_new(s->g, &o, &s->x, em));
+    FU_TRY(dag_exec_load_weights(s->x, s->st, em));
+    return FU_OK;
+}
+
+/* Every blob is in: load the stage and say so. */
+static void fetched_all(stage_t *s)
+{
+    fu_errmsg em = {{0}};
+    fu_err rc = FU_OK;
+    uint64_t el = fu_clock_ms() - s->fetch_t0;
+    if (el > 0 && s->fetch_bytes > 0)
+        atomic_store(&s->cfg.shared->bw_bps, (uint64_t)((double)s->fetch_bytes * 1000.0 / (double)el));
+    for (size_t i = 0; i < s->n_fetch; i++) {
+        if (s->fetch[i].kind != FETCH_TOKENS)
+            continue;
+        size_t len;
+        const uint8_t *d = peer_blob_data(s->fetch[i].blob, &len);
+        if (peer_blob_dtype(s->fetch[i].blob) != FUSION__DTYPE__DTYPE_I32 || len % sizeof(int32_t)) {
+            send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK,
+                       "the job's tokens are not an I32 blob");
+            stage_end(s, "bad tokens");
+            return;
+        }
+        free(s->ids);
+        s->n_ids = len / sizeof(int32_t);
+        s->ids = fu_malloc(len ? len : 1);
+        memcpy(s->ids, d, len);
+        if (s->spec.infer && is_first(s)) {
+            free(s->prompt);
+            s->n_prompt = s->n_ids;
+            s->prompt = fu_malloc(len ? len : 1);
+            memcpy(s->prompt, d, len);
+        }
+    }
+    if (s->spec.infer && is_first(s) && s->n_prompt == 0) {
+        send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "the prompt is empty");
+        stage_end(s, "empty prompt");
+        return;
+    }
+    if (!s->spec.infer && (is_first(s) || is_last(s)) && s->n_ids / ((size_t)s->spec.seq_len + 1) == 0) {
+        send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN,
+                   "the job's %zu tokens make no window of seq_len+1 = %u tokens", s->n_ids, s->spec.seq_len + 1);
+        stage_end(s, "no data");
+        return;
+    }
+    if ((rc = open_weights(s, &em)) != FU_OK || (rc = make_exec(s, &em)) != FU_OK) {
+        if (rc == FU_ECUDA) {
+            fatal(s, rc, "loading the stage");
+            return;
+        }
+        send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "cannot load the stage: %s",
+                   fu_errmsg_text(&em, rc));
+        stage_end(s, "load failed");
+        return;
+    }
+    char why[256] = "";
+    if ((rc = setup_cuts(s, why, sizeof why)) != FU_OK) {
+        send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "%s", why);
+        stage_end(s, "bad cut");
+        return;
+    }
+    for (size_t i = 0; i < s->n_fetch; i++) {
+        peer_blob_t *b = s->fetch[i].blob;
+        size_t len;
+        const uint8_t *d = peer_blob_data(b, &len);
+        if (s->fetch[i].kind == FETCH_CKPT) {
+            rc = restore_ckpt(s, d, len, &em);
+        } else if (s->fetch[i].kind == FETCH_ADAPTER) {
+            fu_safetensors *ast = NULL;
+            rc = fu_safetensors_parse_header(d, len, "adapter", &ast, &em);
+            if (rc == FU_OK)
+                rc = dag_exec_load_adapter(s->x, ast, &em);
+            fu_safetensors_close(&ast);
+        } else {
+            continue;
+        }
+        if (rc != FU_OK) {
+            send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "cannot use blob %s: %s",
+                       peer_blob_name(b), fu_errmsg_text(&em, rc));
+            stage_end(s, "restore failed");
+            return;
+        }
+    }
+    if (s->spec.infer && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
+        dag_exec_session_use(s->x, s->sess);
+    if (rc != FU_OK) {
+        exec_failed(s, rc, "session");
+        return;
+    }
+    s->tok = fu_malloc(((size_t)(s->spec.infer ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tok);
+    s->tgt = fu_malloc(((size_t)(s->spec.infer ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tgt);
+    s->step = s->resume_step;
+    s->loaded = true;
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: loaded (%zu trainable parameters)%s", s->job_id, s->stage_index,
+            dag_exec_trainable_params(s->x), s->resume_step ? ", restored" : "");
+    if (s->backup)
+        return; /* warm: the heartbeat says WARM */
+    peer_cmd *c = peer_cmd_new(PEER_CMD_READY);
+    c->job_id = s->job_id;
+    c->stage = s->stage_index;
+    to_io(s, c);
+}
+
+static void on_chunk(stage_t *s, const Fusion__WeightChunk *c)
+{
+    if (!s->active || s->cur_fetch >= s->n_fetch)
+        return;
+    peer_blob_t *b = s->fetch[s->cur_fetch].blob;
+    if (strcmp(c->model_id, peer_blob_model_id(b)) != 0 || strcmp(c->tensor_name, peer_blob_name(b)) != 0)
+        return; /* late chunk of an earlier fetch */
+    bool done = false;
+    fu_err rc = peer_blob_feed(b, c, fu_clock_ms(), &done);
+    if (rc == FU_EAUTH || rc == FU_ENOMEM) {
+        send_error(s, rc == FU_EAUTH ? FUSION__ERROR_CODE__ERR_PROTO : FUSION__ERROR_CODE__ERR_TOO_LARGE,
+                   FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, "blob %s/%s refused: %s", c->model_id, c->tensor_name,
+                   rc == FU_EAUTH ? "its hash did not match 3 times" : "over this peer's memory");
+        stage_end(s, "blob refused");
+        return;
+    }
+    if (done) {
+        size_t len;
+        bool hit;
+        peer_blob_data(b, &len);
+        peer_blob_counters(b, NULL, NULL, &hit);
+        if (!hit)
+            s->fetch_bytes += len;
+        s->cur_fetch++;
+        if (s->cur_fetch == s->n_fetch) {
+            fetched_all(s);
+            return;
+        }
+    }
+    ask_next(s);
+}
+
+/* ---- training ------------------------------------------------------------------------------ */
+
+/* Sends the cut outputs of slot m (rows × w_out_total floats, one block per cut node in id order). */
+static fu_err send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb, uint64_t rows)
+{
+    size_t total = (size_t)(rows * s->w_out_total);
+    uint8_t *data = fu_malloc(total * sizeof(float) + 1);
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_out; i++) {
+        const float *p;
+        size_t n;
+        fu_err rc = dag_exec_get_output(s->x, slot, s->cut_out[i], &p, &n);
+        if (rc != FU_OK || off + n > total) {
+            free(data);
+            return rc != FU_OK ? rc : FU_EINVAL;
+        }
+        memcpy(data + off * sizeof(float), p, n * sizeof(float));
+        off += n;
+    }
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+    c->job_id = s->job_id;
+    c->meta.type = FUSION__MSG_TYPE__MSG_ACTIVATION;
+    c->meta.job_id = s->job_id;
+    c->meta.step = step;
+    c->meta.micro_batch = mb;
+    c->meta.stage = s->stage_index;
+    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
+    c->meta.ndim = 2;
+    c->meta.shape[0] = (int64_t)rows;
+    c->meta.shape[1] = (int64_t)s->w_out_total;
+    c->data = data;
+    c->len = total * sizeof(float);
+    to_io(s, c);
+    return FU_OK;
+}
+
+/* Sends the gradient w.r.t. the cut inputs after a backward (zeros where none reaches). */
+static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t rows)
+{
+    size_t total = (size_t)(rows * s->w_in_total);
+    uint8_t *data = fu_calloc(total * sizeof(float) + 1, 1);
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_in; i++) {
+        const float *p = NULL;
+        size_t n = 0, want = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
+        fu_err rc = dag_exec_get_input_grad(s->x, s->cut_in[i], &p, &n);
+        if (rc != FU_OK || (p && n != want)) {
+            free(data);
+            return rc != FU_OK ? rc : FU_EINVAL;
+        }
+        if (p)
+            memcpy(data + off * sizeof(float), p, n * sizeof(float));
+        off += want;
+    }
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
+    c->job_id = s->job_id;
+    c->meta.type = FUSION__MSG_TYPE__MSG_GRADIENT;
+    c->meta.job_id = s->job_id;
+    c->meta.step = step;
+    c->meta.micro_batch = mb;
+    c->meta.stage = s->stage_index;
+    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
+    c->meta.ndim = 2;
+    c->meta.shape[0] = (int64_t)rows;
+    c->meta.shape[1] = (int64_t)s->w_in_total;
+    c->data = data;
+    c->len = total * sizeof(float);
+    to_io(s, c);
+    return FU_OK;
+}
+
+static void send_checkpoint(stage_t *s, uint64_t at)
+{
+    fu_errmsg em = {{0}};
+    char *raw = scratch_path(s, "ckpt-raw"), *out = scratch_path(s, "ckpt");
+    fu_safetensors *st = NULL;
+    char *blob = NULL;
+    size_t len = 0;
+    fu_err rc = dag_exec_save_state(s->x, raw, &em);
+    if (rc == FU_OK)
+        rc = fu_safetensors_open_file(raw, &st, &em);
+    if (rc == FU_OK)
+        rc = ckpt_translate(st, out, true, at, &em);
+    fu_safetensors_close(&st);
+    if (rc == FU_OK)
+        rc = fu_file_read_all(out, (size_t)1 << 31, &blob, &len, &em);
+    unlink(raw);
+    unlink(out);
+    free(raw);
+    free(out);
+    if (rc != FU_OK) {
+        send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT,
+                   "cannot write the checkpoint of step %" PRIu64 ": %s", at, fu_errmsg_text(&em, rc));
+        free(blob);
+        return;
+    }
+    uint8_t hash[PEER_BLOB_HASH_BYTES];
+    peer_blob_hash(hash, blob, len);
+    size_t off = 0;
+    do {
+        size_t n = len - off < PEER_CKPT_CHUNK ? len - off : PEER_CKPT_CHUNK;
+        Fusion__CheckpointPut cp = FUSION__CHECKPOINT_PUT__INIT;
+        cp.job_id = s->job_id;
+        cp.stage_index = s->stage_index;
+        cp.step = at;
+        cp.offset = off;
+        cp.total = len;
+        cp.content_hash.data = hash;
+        cp.content_hash.len = sizeof hash;
+        cp.data.data = (uint8_t *)blob + off;
+        cp.data.len = n;
+        send_msg(s, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, at, &cp.base);
+        off += n;
+    } while (off < len);
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: checkpoint of step %" PRIu64 " sent (%zu bytes)", s->job_id,
+            s->stage_index, at, len);
+    free(blob);
+}
+
+static void replay_deferred(stage_t *s);
+
+/* AdamW after the M-th backward, StepDone, checkpoint, next step. */
+static void finish_step(stage_t *s)
+{
+    kern_adamw_params ap = {.lr = (float)s->spec.lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                            .weight_decay = (float)s->spec.weight_decay};
+    fu_err rc = dag_exec_step(s->x, &ap);
+    if (rc != FU_OK) {
+        exec_failed(s, rc, "AdamW");
+        return;
+    }
+    uint64_t done = s->step;
+    if (is_last(s)) {
+        Fusion__StepDone sd = FUSION__STEP_DONE__INIT;
+        sd.job_id = s->job_id;
+        sd.step = done;
+        sd.loss = s->loss_sum / s->M;
+        sd.tokens = (uint64_t)s->spec.batch * s->spec.seq_len;
+        FU_INFO("peer", "job %016" PRIx64 ": step %" PRIu64 " loss %.6f", s->job_id, done, sd.loss);
+        send_msg(s, FUSION__MSG_TYPE__MSG_STEP_DONE, done, &sd.base);
+    }
+    uint64_t K = s->spec.checkpoint_every;
+    if ((K && (done + 1) % K == 0) || done + 1 == s->spec.steps)
+        send_checkpoint(s, done + 1);
+    s->step++;
+    s->fwd_done = s->bwd_done = 0;
+    s->loss_sum = 0;
+    s->tokens_sum = 0;
+    if (s->step >= s->spec.steps) {
+        s->finished = true;
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: all %" PRIu64 " steps done; waiting for StageRelease", s->job_id,
+                s->stage_index, s->spec.steps);
+        return;
+    }
+    if (is_first(s))
+        s->pending_fwd = true; /* run from the loop, after the commands already queued */
+    replay_deferred(s);
+}
+
+/* Loss and backward of slot m at the last stage, then the gradient up. */
+static void last_backward(stage_t *s, uint32_t m)
+{
+    float loss = 0;
+    int64_t nv = 0;
+    fu_err rc = dag_exec_loss(s->x, m, &loss, &nv);
+    if (rc == FU_OK)
+        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    if (rc == FU_OK && !is_first(s))
+        rc = send_input_grads(s, s->step, m, (uint64_t)s->rows_mb * s->spec.seq_len);
+    if (rc != FU_OK) {
+        exec_failed(s, rc, "backward");
+        return;
+    }
+    s->loss_sum += loss;
+    s->tokens_sum += nv;
+    if (++s->bwd_done == s->M)
+        finish_step(s);
+}
+
+/* Stage 0: forward every micro-batch of the current step. */
+static void run_forwards(stage_t *s)
+{
+    uint64_t step = s->step;
+    for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
+        fu_err rc = peer_data_rows(&s->spec, s->ids, s->n_ids, step, m, s->tok, s->tgt);
+        if (rc == FU_OK)
+            rc = dag_exec_set_tokens(s->x, m, s->tok, is_last(s) ? s->tgt : NULL, s->rows_mb, s->spec.seq_len);
+        if (rc == FU_OK)
+            rc = dag_exec_forward(s->x, m);
+        if (rc != FU_OK) {
+            exec_failed(s, rc, "forward");
+            return;
+        }
+        s->fwd_done++;
+        if (is_last(s)) {
+            last_backward(s, m);
+            continue;
+        }
+        if ((rc = send_outputs(s, m, step, m, (uint64_t)s->rows_mb * s->spec.seq_len)) != FU_OK) {
+            exec_failed(s, rc, "reading the stage output");
+            return;
+        }
+    }
+}
+
+static void on_activation_train(stage_t *s, const wire_tensor *t)
+{
+    uint32_t m = t->meta.micro_batch;
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    if (m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
+        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_in_total) {
+        send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_ACTIVATION,
+                   "activation (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+        return;
+    }
+    fu_err rc = FU_OK;
+    if (is_last(s)) {
+        rc = peer_data_rows(&s->spec, s->ids, s->n_ids, s->step, m, s->tok, s->tgt);
+        if (rc == FU_OK)
+            rc = dag_exec_set_tokens(s->x, m, NULL, s->tgt, s->rows_mb, s->spec.seq_len);
+    } else {
+        rc = dag_exec_set_tokens(s->x, m, NULL, NULL, s->rows_mb, s->spec.seq_len);
+    }
+    const float *f = (const float *)t->data;
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_in && rc == FU_OK; i++) {
+        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
+        rc = dag_exec_set_input(s->x, m, s->cut_in[i], f + off, n);
+        off += n;
+    }
+    if (rc == FU_OK)
+        rc = dag_exec_forward(s->x, m);
+    if (rc != FU_OK) {
+        exec_failed(s, rc, "forward");
+        return;
+    }
+    s->fwd_done++;
+    if (is_last(s)) {
+        last_backward(s, m);
+        return;
+    }
+    if ((rc = send_outputs(s, m, s->step, m, rows)) != FU_OK)
+        exec_failed(s, rc, "reading the stage output");
+}
+
+static void on_gradient_train(stage_t *s, const wire_tensor *t)
+{
+    uint32_t m = t->meta.micro_batch;
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    if (is_last(s) || m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
+        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_out_total) {
+        send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_GRADIENT,
+                   "gradient (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+        return;
+    }
+    const float *f = (const float *)t->data;
+    size_t off = 0;
+    fu_err rc = FU_OK;
+    for (uint32_t i = 0; i < s->n_cut_out && rc == FU_OK; i++) {
+        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_out[i]));
+        rc = dag_exec_set_output_grad(s->x, m, s->cut_out[i], f + off, n);
+        off += n;
+    }
+    if (rc == FU_OK)
+        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    if (rc == FU_OK && !is_first(s))
+        rc = send_input_grads(s, s->step, m, rows);
+    if (rc != FU_OK) {
+        exec_failed(s, rc, "backward");
+        return;
+    }
+    if (++s->bwd_done == s->M)
+        finish_step(s);
+}
+
+/* ---- inference ----------------------------------------------------------------------------- */
+
+static void set_sampling(stage_t *s, uint64_t counter)
+{
+    kern_sample_params sp = {.temperature = (float)s->spec.temperature, .top_k = s->spec.top_k,
+                             .top_p = (float)s->spec.top_p, .seed = s->spec.seed};
+    dag_exec_set_sampling(s->x, &sp, counter);
+}
+
+/* After a forward that consumed positions [p, p+rows): the last stage samples and reports. */
+static void infer_emit(stage_t *s, uint64_t p, uint64_t rows)
+{
+    fu_err rc;
+    if (!is_last(s)) {
+        rc = send_outputs(s, 0, p, 0, rows);
+        if (rc != FU_OK)
+            exec_failed(s, rc, "reading the stage output");
+        return;
+    }
+    int32_t tok = 0;
+    if ((rc = dag_exec_sampled(s->x, 0, &tok)) != FU_OK) {
+        exec_failed(s, rc, "sampling");
+        return;
+    }
+    Fusion__InferToken it = FUSION__INFER_TOKEN__INIT;
+    it.job_id = s->job_id;
+    it.position = p + rows;
+    it.token = tok;
+    const float *lg = NULL;
+    size_t nf = 0;
+    if (s->spec.dump_logits && s->lm_node != UINT32_MAX &&
+        dag_exec_get_output(s->x, 0, s->lm_node, &lg, &nf) == FU_OK && lg) {
+        it.logits.data = (uint8_t *)lg;
+        it.logits.len = nf * sizeof(float);
+    }
+    send_msg(s, FUSION__MSG_TYPE__MSG_INFER_TOKEN, p + rows, &it.base);
+}
+
+/* Runs rows new positions starting at p (tokens for stage 0, else the upstream's activation). */
+static void infer_forward(stage_t *s, uint64_t p, const int32_t *tokens, const float *act, uint64_t rows)
+{
+    int64_t have = dag_session_len(s->sess);
+    if ((uint64_t)have > p) {
+        fu_err rc = dag_session_truncate(s->sess, (int64_t)p); /* a replay after a failover */
+        if (rc != FU_OK) {
+            exec_failed(s, rc, "session truncate");
+            return;
+        }
+    } else if ((uint64_t)have < p) {
+        send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_INFER_TOKEN,
+                   "position %" PRIu64 " comes before this stage has positions %" PRId64 "..%" PRIu64
+                   " (replay from 0 to rebuild the cache)", p, have, p);
+        return;
+    }
+    if (p == 0 && !is_first(s))
+        s->prompt_len = rows;
+    if (is_last(s))
+        set_sampling(s, p + rows >= s->prompt_len ? p + rows - s->prompt_len : 0);
+    fu_err rc = dag_exec_set_tokens(s->x, 0, tokens, NULL, 1, (uint32_t)rows);
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_in && rc == FU_OK && act; i++) {
+        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
+        rc = dag_exec_set_input(s->x, 0, s->cut_in[i], act + off, n);
+        off += n;
+    }
+    if (rc == FU_OK)
+        rc = dag_exec_forward(s->x, 0);
+    if (rc != FU_OK) {
+        if (rc == FU_ECUDA)
+            fatal(s, rc, "inference forward");
+        else
+            send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_INFER_TOKEN,
+                       "inference forward at position %" PRIu64 " failed: %s", p, fu_strerror(rc));
+        return;
+    }
+    infer_emit(s, p, rows);
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+static void on_start(stage_t *s, const Fusion__StageStart *st)
+{
+    if (!s->active || st->job_id != s->job_id || !s->loaded || s->backup)
+        return;
+    s->running = true;
+    if (s->spec.infer) {
+        if (is_first(s)) {
+            s->prompt_len = s->n_prompt;
+            infer_forward(s, 0, s->prompt, NULL, s->n_prompt);
+        }
+        return;
+    }
+    if (st->step != s->step) {
+        FU_WARN("peer", "job %016" PRIx64 ": StageStart at step %" PRIu64 " while this stage is at %" PRIu64, s->job_id,
+                st->step, s->step);
+        s->step = st->step;
+    }
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: running from step %" PRIu64, s->job_id, s->stage_index, s->step);
+    if (s->step >= s->spec.steps) {
+        s->finished = true;
+        return;
+    }
+    if (is_first(s))
+        s->pending_fwd = true;
+    replay_deferred(s);
+}
+
+static void on_tensor(stage_t *s, peer_cmd *c)
+{
+    const wire_tensor *t = &c->tensor;
+    if (!s->active || !s->loaded || t->meta.job_id != s->job_id) {
+        peer_cmd_destroy(&c);
+        return;
+    }
+    if (s->spec.infer) {
+        if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !is_first(s) && t->meta.ndim == 2 &&
+            t->meta.shape[0] > 0 && (uint64_t)t->meta.shape[1] == s->w_in_total)
+            infer_forward(s, t->meta.step, NULL, (const float *)t->data, (uint64_t)t->meta.shape[0]);
+        peer_cmd_destroy(&c);
+        return;
+    }
+    if (!s->running || t->meta.step > s->step) {
+        /* A frame of a later step (or before StageStart): hold it, bounded. */
+        if (s->n_defer < ST_MAX_DEFER) {
+            s->defer[s->n_defer++] = c;
+        } else {
+            send_error(s, FUSION__ERROR_CODE__ERR_BUSY, t->meta.type, "too many frames ahead of step %" PRIu64,
+                       s->step);
+            peer_cmd_destroy(&c);
+        }
+        return;
+    }
+    if (t->meta.step < s->step || s->finished) {
+        peer_cmd_destroy(&c); /* stale (a step already taken) */
+        return;
+    }
+    if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !is_first(s))
+        on_activation_train(s, t);
+    else if (t->meta.type == FUSION__MSG_TYPE__MSG_GRADIENT)
+        on_gradient_train(s, t);
+    peer_cmd_destroy(&c);
+}
+
+static void replay_deferred(stage_t *s)
+{
+    /* Take the held frames of the current step, in arrival order; keep the rest. */
+    bool again = true;
+    while (again && s->active && s->running) {
+        again = false;
+        for (size_t i = 0; i < s->n_defer; i++) {
+            if (s->defer[i]->tensor.meta.step <= s->step) {
+                peer_cmd *c = s->defer[i];
+                memmove(&s->defer[i], &s->defer[i + 1], (s->n_defer - i - 1) * sizeof *s->defer);
+                s->n_defer--;
+                on_tensor(s, c);
+                again = true;
+                break;
+            }
+        }
+    }
+}
+
+static void on_infer_token(stage_t *s, const Fusion__InferToken *it)
+{
+    if (!s->active || !s->loaded || !s->spec.infer || !is_first(s) || it->job_id != s->job_id)
+        return;
+    int32_t tok = it->token;
+    /* The token at `position` is the input of that position. */
+    infer_forward(s, it->position, &tok, NULL, 1);
+}
+
+static void on_msg(stage_t *s, const wire_msg_t *m)
+{
+    switch (wire_msg_type(m)) {
+    case FUSION__MSG_TYPE__MSG_STAGE_ASSIGN:
+        on_assign(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN));
+        break;
+    case FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK:
+        on_chunk(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK));
+        break;
+    case FUSION__MSG_TYPE__MSG_STAGE_START:
+        on_start(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_START));
+        break;
+    case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
+        const Fusion__StageRelease *r = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_RELEASE);
+        if (s->active && r->job_id == s->job_id)
+            stage_end(s, r->reason && *r->reason ? r->reason : "released");
+        else {
+            peer_cmd *c = peer_cmd_new(PEER_CMD_STAGE_GONE); /* nothing held: the I/O side may go on */
+            c->job_id = r->job_id;
+            to_io(s, c);
+        }
+        break;
+    }
+    case FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK: {
+        const Fusion__CheckpointAck *a = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK);
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: checkpoint of step %" PRIu64 " committed by the broker",
+                a->job_id, a->stage_index, a->step);
+        break;
+    }
+    case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
+        on_infer_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
+        break;
+    default:
+        break;
+    }
+}
+
+void *peer_compute_main(void *arg)
+{
+    stage_t *s = fu_calloc(1, sizeof *s);
+    s->cfg = *(peer_compute_cfg *)arg;
+    s->lm_node = UINT32_MAX;
+    s->pipe = zmq_socket(s->cfg.ctx, ZMQ_PAIR);
+    int hwm = PEER_PAIR_HWM, tmo = ST_POLL_MS, linger = 0;
+    if (!s->pipe || zmq_setsockopt(s->pipe, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
+        zmq_setsockopt(s->pipe, ZMQ_RCVHWM, &hwm, sizeof hwm) != 0 ||
+        zmq_setsockopt(s->pipe, ZMQ_RCVTIMEO, &tmo, sizeof tmo) != 0 ||
+        zmq_setsockopt(s->pipe, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_connect(s->pipe, PEER_PIPE_ENDPOINT) != 0) {
+        FU_ERROR("peer", "compute: cannot open the pipe to the I/O thread: %s", zmq_strerror(zmq_errno()));
+        if (s->pipe)
+            zmq_close(s->pipe);
+        free(s);
+        return NULL;
+    }
+    while (!s->stop) {
+        peer_cmd *c = NULL;
+        fu_err rc = peer_cmd_recv(s->pipe, s->pending_fwd ? ZMQ_DONTWAIT : 0, &c);
+        if (rc == FU_EAGAIN) {
+            s->pending_fwd = false;
+            if (s->active && s->running)
+                run_forwards(s);
+            continue;
+        }
+        if (rc == FU_ETIMEDOUT) {
+            if (s->active && s->cur_fetch < s->n_fetch)
+                ask_next(s); /* resend a window nobody answered */
+            continue;
+        }
+        if (rc != FU_OK)
+            break;
+        switch (c->kind) {
+        case PEER_CMD_STOP:
+            s->stop = true;
+            peer_cmd_destroy(&c);
+            break;
+        case PEER_CMD_MSG:
+            on_msg(s, c->msg);
+            peer_cmd_destroy(&c);
+            break;
+        case PEER_CMD_TENSOR:
+            on_tensor(s, c); /* takes c */
+            break;
+        default:
+            peer_cmd_destroy(&c);
+            break;
+        }
+    }
+    stage_clear(s);
+    zmq_close(s->pipe);
+    atomic_store(&s->cfg.shared->exited, 1);
+    free(s);
+    return NULL;
+}

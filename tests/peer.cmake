@@ -1,0 +1,9 @@
+# The peer (peer/): profile, spec and data order, blob fetches in one process; the real fusion-peer
+# program against an in-test speaker of the broker protocol (stage output equals the executor's,
+# refused weights, graceful leave); the same on the CUDA backend (label gpu, skipped without one).
+fu_add_test(test_peer_unit SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_unit.c LIBS fu_peer TIMEOUT 60)
+fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120)
+add_dependencies(test_peer_proc fusion-peer)
+fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120
+            ARGS --device cuda:0 LABELS gpu)
+add_dependencies(test_peer_gpu fusion-peer)

@@ -1,0 +1,746 @@
+/* The real fusion-peer program against a speaker of the broker protocol written here (CURVE server
+ * with ZAP, WeightRequest serving, StageAssign/StageStart/StageRelease) on loopback, the test
+ * itself playing the downstream stage over a sealed direct link:
+ *   - PeerHello carries a sane measured profile; heartbeats follow the welcome;
+ *   - a stage's activations equal the single-process executor's for the same DAG range, and after
+ *     the test sends back the next stage's gradients the peer's checkpoint (PEFT names, AdamW
+ *     moments, step metadata) equals the executor's state after the same AdamW step;
+ *   - a weight whose bytes do not match its hash is refused (asked 3 times, then an Error, no
+ *     StageReady);
+ *   - SIGTERM: Leave, then exit 0 (at once without a stage; after StageRelease with one).
+ * With `--device cuda:0` (test_peer_gpu, label gpu) the peer runs the stage on the CUDA backend
+ * and must match the CPU executor within a tolerance; exit 77 without a device. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <sodium.h>
+#include <zmq.h>
+
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_model.h"
+#include "dag_serial.h"
+#include "fu_clock.h"
+#include "fu_encode.h"
+#include "fu_modelcfg.h"
+#include "fu_rng.h"
+#include "fu_safetensors.h"
+#include "peer_blob.h"
+#include "peer_spec.h"
+#include "testutil.h"
+#include "wire.h"
+#include "wire_keys.h"
+#include "wire_seal.h"
+#include "wire_socket.h"
+#include "wire_tensor.h"
+#include "wire_zap.h"
+
+#define JOB_ID   0x1234abcd5678ef01ull
+#define MODEL_ID "m:test"
+
+static const char *g_device = "cpu";
+static double g_tol = 1e-5;
+
+typedef struct {
+    char *dir;
+    char model_dir[4096];
+    fu_modelcfg cfg;
+    dag_model_dims dims;
+    fu_safetensors *st;
+    void *ctx;
+    wire_zap_t *zap;
+    void *router;                 /* the "broker" */
+    char endpoint[256];
+    wire_keypair_t *bkp, *pkp, *nkp; /* broker, peer, neighbour (this test as stage 1) */
+    pid_t pid;
+    char log_path[4096];
+    uint8_t rid[256];             /* the peer's routing id on the broker socket */
+    size_t rid_len;
+    Fusion__PeerHello *hello_copy;/* unused: fields checked on arrival */
+    char peer_data_ep[256];
+    int32_t *tokens;
+    size_t n_tokens;
+    const char *corrupt;          /* tensor served with a wrong hash */
+    int corrupt_requests;
+    int errors;                   /* Error messages from the peer */
+    char last_error[512];
+    int heartbeats;
+    void *data;                   /* this test's data ROUTER (stage 1) */
+    char data_ep[256];
+    wire_seal_t *seal;            /* link to the peer */
+    uint8_t data_rid[256];
+    size_t data_rid_len;
+    wire_tensor_asm_t *asm_;
+} env;
+
+/* ---- setup --------------------------------------------------------------------------------- */
+
+static void env_start(env *e, const char *tag)
+{
+    memset(e, 0, sizeof *e);
+    e->dir = tu_tmpdir(tag);
+    assert_non_null(e->dir);
+    fu_errmsg em = {{0}};
+    snprintf(e->model_dir, sizeof e->model_dir, "%s/model", e->dir);
+    fu_modelcfg_defaults(&e->cfg); /* 2 layers, hidden 64, 4/2 heads, ffn 128, vocab 256 */
+    assert_int_equal(dag_model_init_random(e->model_dir, &e->cfg, 11, 0.08f, &em), FU_OK);
+    dag_dims_from_cfg(&e->cfg, &e->dims);
+    assert_int_equal(fu_safetensors_open_dir(e->model_dir, &e->st, &em), FU_OK);
+    e->n_tokens = 400;
+    e->tokens = malloc(e->n_tokens * sizeof *e->tokens);
+    fu_rng r;
+    fu_rng_seed(&r, 99);
+    for (size_t i = 0; i < e->n_tokens; i++)
+        e->tokens[i] = (int32_t)(fu_rng_next(&r) % e->cfg.vocab_size);
+
+    char why[512], path[4096];
+    e->bkp = wire_keypair_generate();
+    e->pkp = wire_keypair_generate();
+    e->nkp = wire_keypair_generate();
+    snprintf(path, sizeof path, "%s/broker", e->dir);
+    assert_int_equal(wire_keypair_save(e->bkp, path, false, why, sizeof why), FU_OK);
+    snprintf(path, sizeof path, "%s/peer", e->dir);
+    assert_int_equal(wire_keypair_save(e->pkp, path, false, why, sizeof why), FU_OK);
+    snprintf(path, sizeof path, "%s/allow.keys", e->dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f, "%s\n", wire_keypair_public_z85(e->pkp));
+    fclose(f);
+
+    e->ctx = zmq_ctx_new();
+    fu_err err;
+    wire_zap_cfg zc = {.allow_file = path};
+    e->zap = wire_zap_new(e->ctx, &zc, &err, why, sizeof why);
+    assert_non_null(e->zap);
+    e->router = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
+    assert_non_null(e->router);
+    assert_int_equal(wire_socket_curve_server(e->router, e->bkp, NULL), FU_OK);
+    assert_int_equal(zmq_bind(e->router, "tcp://127.0.0.1:*"), 0);
+    assert_int_equal(wire_socket_endpoint(e->router, e->endpoint, sizeof e->endpoint), FU_OK);
+    snprintf(e->log_path, sizeof e->log_path, "%s/peer.log", e->dir);
+}
+
+static void dump_log(const env *e)
+{
+    char *out = NULL;
+    (void)tu_sh(&out, "tail -n 40 '%s'", e->log_path);
+    printf("---- fusion-peer log ----\n%s-------------------------\n", out ? out : "");
+    free(out);
+}
+
+static void spawn_peer(env *e)
+{
+    char bkey[4096], keys[4096], cache[4096];
+    snprintf(bkey, sizeof bkey, "%s/broker/public.key", e->dir);
+    snprintf(keys, sizeof keys, "%s/peer", e->dir);
+    snprintf(cache, sizeof cache, "%s/cache", e->dir);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int fd = open(e->log_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
+              "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--device", g_device,
+              "--drain-timeout", "10", "--name", "test-peer", "--log-level", "debug", (char *)NULL);
+        _exit(127);
+    }
+    e->pid = pid;
+}
+
+/* Waits for the peer to exit; its exit code, or -1 on timeout (then it is killed). */
+static int wait_exit(env *e, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        int st;
+        pid_t r = waitpid(e->pid, &st, WNOHANG);
+        if (r == e->pid) {
+            e->pid = 0;
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        }
+        fu_sleep_ms(10);
+    }
+    kill(e->pid, SIGKILL);
+    waitpid(e->pid, NULL, 0);
+    e->pid = 0;
+    return -1;
+}
+
+static void env_stop(env *e)
+{
+    if (e->pid > 0) {
+        kill(e->pid, SIGKILL);
+        waitpid(e->pid, NULL, 0);
+    }
+    wire_tensor_asm_destroy(&e->asm_);
+    wire_seal_destroy(&e->seal);
+    wire_socket_close(&e->data);
+    wire_socket_close(&e->router);
+    wire_zap_destroy(&e->zap);
+    zmq_ctx_term(e->ctx);
+    wire_keypair_destroy(&e->bkp);
+    wire_keypair_destroy(&e->pkp);
+    wire_keypair_destroy(&e->nkp);
+    fu_safetensors_close(&e->st);
+    free(e->tokens);
+    char *out = NULL;
+    (void)tu_sh(&out, "rm -rf '%s'", e->dir);
+    free(out);
+    free(e->dir);
+}
+
+/* ---- the broker side ----------------------------------------------------------------------- */
+
+static void to_peer(env *e, Fusion__MsgType type, uint64_t job, const ProtobufCMessage *body)
+{
+    wire_hdr h = {.type = type, .job_id = job};
+    assert_int_equal(wire_send(e->router, e->rid, e->rid_len, &h, body), FU_OK);
+}
+
+static void serve_weights(env *e, const Fusion__WeightRequest *rq)
+{
+    const uint8_t *bytes = NULL;
+    size_t total = 0;
+    Fusion__Dtype dt = FUSION__DTYPE__DTYPE_U8;
+    int64_t shape[8];
+    size_t nd = 0;
+    if (strcmp(rq->model_id, MODEL_ID) == 0) {
+        const fu_st_tensor *t = fu_safetensors_get(e->st, rq->tensor_name);
+        if (!t) {
+            Fusion__Error er = FUSION__ERROR__INIT;
+            er.code = FUSION__ERROR_CODE__ERR_NOT_FOUND;
+            er.message = (char *)"no such tensor";
+            er.in_reply_to = FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST;
+            to_peer(e, FUSION__MSG_TYPE__MSG_ERROR, 0, &er.base);
+            return;
+        }
+        bytes = t->data;
+        total = t->nbytes;
+        dt = t->dtype == FU_ST_F32 ? FUSION__DTYPE__DTYPE_F32 : t->dtype == FU_ST_F16 ? FUSION__DTYPE__DTYPE_F16
+                                                                                   : FUSION__DTYPE__DTYPE_BF16;
+        nd = t->ndim;
+        for (size_t i = 0; i < nd; i++)
+            shape[i] = (int64_t)t->shape[i];
+    } else if (strcmp(rq->tensor_name, "tokens") == 0) {
+        bytes = (const uint8_t *)e->tokens;
+        total = e->n_tokens * sizeof(int32_t);
+        dt = FUSION__DTYPE__DTYPE_I32;
+        nd = 1;
+        shape[0] = (int64_t)e->n_tokens;
+    } else {
+        fail_msg("unexpected WeightRequest %s/%s", rq->model_id, rq->tensor_name);
+    }
+    uint8_t hash[32];
+    peer_blob_hash(hash, bytes, total);
+    if (e->corrupt && strcmp(rq->tensor_name, e->corrupt) == 0) {
+        hash[5] ^= 0x40;
+        e->corrupt_requests++;
+    }
+    uint64_t end = rq->length ? rq->offset + rq->length : total;
+    if (end > total)
+        end = total;
+    uint64_t off = rq->offset;
+    do {
+        size_t n = (size_t)(end - off < (1u << 20) ? end - off : (1u << 20));
+        Fusion__WeightChunk c = FUSION__WEIGHT_CHUNK__INIT;
+        c.model_id = rq->model_id;
+        c.tensor_name = rq->tensor_name;
+        c.offset = off;
+        c.total = total;
+        c.content_hash.data = hash;
+        c.content_hash.len = 32;
+        c.data.data = (uint8_t *)bytes + off;
+        c.data.len = n;
+        c.dtype = dt;
+        c.shape = shape;
+        c.n_shape = nd;
+        to_peer(e, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, 0, &c.base);
+        off += n;
+    } while (off < end);
+}
+
+static void on_data_seal_hello(env *e, wire_msg_t *m)
+{
+    const Fusion__SealHello *h = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_SEAL_HELLO);
+    assert_non_null(h);
+    assert_int_equal(h->long_term_key.len, 32);
+    assert_memory_equal(h->long_term_key.data, wire_keypair_public(e->pkp), 32);
+    assert_int_equal(h->job_id, JOB_ID);
+    size_t n;
+    const uint8_t *rid = wire_msg_routing_id(m, &n);
+    memcpy(e->data_rid, rid, n);
+    e->data_rid_len = n;
+    wire_seal_eph_t *eph = wire_seal_eph_new();
+    Fusion__SealHello r = FUSION__SEAL_HELLO__INIT;
+    r.long_term_key.data = (uint8_t *)wire_keypair_public(e->nkp);
+    r.long_term_key.len = 32;
+    r.ephemeral_key.data = (uint8_t *)wire_seal_eph_public(eph);
+    r.ephemeral_key.len = 32;
+    r.job_id = JOB_ID;
+    r.stage_index = 1;
+    wire_hdr hd = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = JOB_ID, .stage = 1};
+    assert_int_equal(wire_send(e->data, e->data_rid, e->data_rid_len, &hd, &r.base), FU_OK);
+    fu_err err;
+    wire_seal_destroy(&e->seal);
+    e->seal = wire_seal_new(e->nkp, wire_keypair_public(e->pkp), &eph, h->ephemeral_key.data, &err);
+    assert_non_null(e->seal);
+}
+
+/* Runs the broker (and stage 1's data socket) until a message of `want` arrives from the peer on
+ * the broker socket (returned, caller destroys), or a tensor on the data socket when want is
+ * MSG_ACTIVATION (returned in *t). Serves WeightRequests, answers SealHellos, counts the rest.
+ * NULL on timeout. */
+static wire_msg_t *pump(env *e, Fusion__MsgType want, int timeout_ms, wire_tensor *t)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        zmq_pollitem_t it[2] = {{e->router, 0, ZMQ_POLLIN, 0}, {e->data, 0, ZMQ_POLLIN, 0}};
+        int r = zmq_poll(it, e->data ? 2 : 1, 50);
+        if (r <= 0)
+            continue;
+        if (it[0].revents & ZMQ_POLLIN) {
+            wire_msg_t *m = NULL;
+            if (wire_recv(e->router, WIRE_DONTWAIT, NULL, &m) == FU_OK) {
+                Fusion__MsgType ty = wire_msg_type(m);
+                if (ty == FUSION__MSG_TYPE__MSG_PEER_HELLO && e->rid_len == 0) {
+                    size_t n;
+                    const uint8_t *rid = wire_msg_routing_id(m, &n);
+                    memcpy(e->rid, rid, n);
+                    e->rid_len = n;
+                }
+                if (ty == want)
+                    return m;
+                if (ty == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST)
+                    serve_weights(e, wire_msg_body_as(m, ty));
+                else if (ty == FUSION__MSG_TYPE__MSG_HEARTBEAT)
+                    e->heartbeats++;
+                else if (ty == FUSION__MSG_TYPE__MSG_ERROR) {
+                    const Fusion__Error *er = wire_msg_body_as(m, ty);
+                    e->errors++;
+                    snprintf(e->last_error, sizeof e->last_error, "%s", er->message);
+                    printf("peer reported an Error: %s\n", er->message);
+                }
+                wire_msg_destroy(&m);
+            }
+        }
+        if (e->data && (it[1].revents & ZMQ_POLLIN)) {
+            wire_msg_t *m = NULL;
+            if (wire_recv(e->data, WIRE_DONTWAIT, NULL, &m) == FU_OK) {
+                Fusion__MsgType ty = wire_msg_type(m);
+                if (ty == FUSION__MSG_TYPE__MSG_SEAL_HELLO) {
+                    on_data_seal_hello(e, m);
+                } else if (ty == FUSION__MSG_TYPE__MSG_ACTIVATION && e->seal) {
+                    bool done = false;
+                    assert_int_equal(wire_tensor_asm_feed(e->asm_, e->seal, m, &done), FU_OK);
+                    if (done && want == FUSION__MSG_TYPE__MSG_ACTIVATION) {
+                        assert_int_equal(wire_tensor_asm_take(e->asm_, t), FU_OK);
+                        wire_msg_destroy(&m);
+                        return (wire_msg_t *)1; /* a tensor, in *t */
+                    }
+                }
+                wire_msg_destroy(&m);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* PeerHello with a sane profile, then the welcome. */
+static void handshake(env *e)
+{
+    wire_msg_t *m = pump(e, FUSION__MSG_TYPE__MSG_PEER_HELLO, 30000, NULL);
+    if (!m)
+        dump_log(e);
+    assert_non_null(m);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(e->pkp));
+    const Fusion__PeerHello *h = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_HELLO);
+    assert_string_equal(h->name, "test-peer");
+    assert_non_null(h->profile);
+    assert_true(h->profile->n_speeds >= 1);
+    assert_int_equal(h->profile->speeds[0]->dtype, FUSION__DTYPE__DTYPE_F32);
+    assert_true(h->profile->speeds[0]->gemm_gflops > 0.5);
+    assert_true(h->profile->free_memory_bytes > (64u << 20));
+    assert_true(h->profile->link_latency_ms >= 0 && h->profile->link_latency_ms < 1000);
+    printf("PeerHello: %s, %s, %.1f GFLOP/s f32, %.2f GiB, RTT %.3f ms, data %s\n", h->name,
+           h->profile->device_name, h->profile->speeds[0]->gemm_gflops,
+           (double)h->profile->free_memory_bytes / (1 << 30), h->profile->link_latency_ms, h->data_endpoint);
+    assert_false(h->needs_relay);
+    assert_true(strncmp(h->data_endpoint, "tcp://127.0.0.1:", 16) == 0);
+    snprintf(e->peer_data_ep, sizeof e->peer_data_ep, "%s", h->data_endpoint);
+    wire_msg_destroy(&m);
+    Fusion__PeerWelcome w = FUSION__PEER_WELCOME__INIT;
+    w.peer_id = (char *)wire_keypair_public_z85(e->pkp);
+    w.heartbeat_ms = 200;
+    w.dead_after_ms = 5000;
+    to_peer(e, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 0, &w.base);
+}
+
+/* ---- tests --------------------------------------------------------------------------------- */
+
+static void test_peer_graceful_leave_without_stage(void **state)
+{
+    (void)state;
+    env e;
+    env_start(&e, "peer-leave");
+    spawn_peer(&e);
+    handshake(&e);
+    /* Heartbeats come on the welcome's interval, from the I/O thread. */
+    (void)pump(&e, FUSION__MSG_TYPE__MSG_UNSPECIFIED, 1000, NULL);
+    assert_true(e.heartbeats >= 3);
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    int code = wait_exit(&e, 5000);
+    if (code != 0)
+        dump_log(&e);
+    assert_int_equal(code, 0);
+    env_stop(&e);
+}
+
+static const char *SPEC = "{\"model\": \"tiny\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, "
+                          "\"steps\": 1, \"batch\": 4, \"seq_len\": 8, \"micro_batches\": 2, \"seed\": 3, "
+                          "\"checkpoint_every\": 1}";
+
+static dag_graph_t *make_graph(const env *e)
+{
+    dag_build_opts o = {.method = DAG_ADAPTER_LORA_FA, .rank = 4, .alpha = 8.0f, .head = DAG_HEAD_LOSS, .seq_len = 8};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(&e->dims, &o, &g), FU_OK);
+    return g;
+}
+
+static size_t layer_start(const dag_graph_t *g, int layer)
+{
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        if (dag_graph_node(g, i)->layer == layer)
+            return i;
+    fail_msg("no layer %d", layer);
+    return 0;
+}
+
+static void assign_stage0(env *e, const dag_graph_t *g, size_t cut)
+{
+    uint8_t *dag = NULL;
+    size_t dag_len = 0;
+    assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
+    fu_err err;
+    e->data = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
+    assert_non_null(e->data);
+    assert_int_equal(zmq_bind(e->data, "tcp://127.0.0.1:*"), 0);
+    assert_int_equal(wire_socket_endpoint(e->data, e->data_ep, sizeof e->data_ep), FU_OK);
+    e->asm_ = wire_tensor_asm_new((size_t)1 << 28);
+    Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
+    nb.role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+    nb.public_key.data = (uint8_t *)wire_keypair_public(e->nkp);
+    nb.public_key.len = 32;
+    nb.data_endpoint = e->data_ep;
+    nb.stage_index = 1;
+    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
+    a.job_id = JOB_ID;
+    a.stage_index = 0;
+    a.stage_count = 2;
+    a.node_begin = 0;
+    a.node_end = (uint32_t)cut;
+    a.n_neighbours = 1;
+    a.neighbours = nbs;
+    a.dag.data = dag;
+    a.dag.len = dag_len;
+    a.model_id = (char *)MODEL_ID;
+    a.micro_batches = 2;
+    a.spec_json = (char *)SPEC;
+    to_peer(e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
+    free(dag);
+}
+
+static dag_exec_t *ref_exec(const env *e, const dag_graph_t *g, size_t first, size_t last)
+{
+    dag_exec_opts o = {.be = NULL, .first = first, .last = last, .max_tokens = 2 * 8, .n_slots = 2,
+                       .training = true, .seed = 3};
+    dag_exec_t *x = NULL;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_exec_new(g, &o, &x, &em);
+    if (rc == FU_OK)
+        rc = dag_exec_load_weights(x, e->st, &em);
+    if (rc != FU_OK)
+        fail_msg("reference executor: %s", fu_errmsg_text(&em, rc));
+    return x;
+}
+
+static double max_diff(const float *a, const float *b, size_t n, double *scale)
+{
+    double d = 0, s = 0;
+    for (size_t i = 0; i < n; i++) {
+        double v = fabs((double)a[i] - (double)b[i]);
+        if (v > d || isnan(v))
+            d = isnan(v) ? INFINITY : v;
+        if (fabs((double)b[i]) > s)
+            s = fabs((double)b[i]);
+    }
+    if (scale)
+        *scale = s;
+    return d;
+}
+
+static void test_peer_stage_matches_executor(void **state)
+{
+    (void)state;
+    env e;
+    env_start(&e, "peer-stage");
+    spawn_peer(&e);
+    handshake(&e);
+    dag_graph_t *g = make_graph(&e);
+    size_t cut = layer_start(g, 1), n = dag_graph_size(g);
+    assign_stage0(&e, g, cut);
+
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m)
+        dump_log(&e);
+    assert_non_null(m);
+    assert_non_null(e.seal); /* StageReady only after the sealed link is up */
+    const Fusion__StageReady *rd = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_READY);
+    assert_int_equal(rd->job_id, JOB_ID);
+    assert_int_equal(rd->stage_index, 0);
+    wire_msg_destroy(&m);
+    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
+    ss.job_id = JOB_ID;
+    ss.step = 0;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+
+    /* The references: stage 0 and stage 1 in this process, on the CPU. */
+    dag_exec_t *x0 = ref_exec(&e, g, 0, cut), *x1 = ref_exec(&e, g, cut, n);
+    uint32_t cut_ids[4];
+    assert_int_equal(dag_exec_cut_outputs(x0, cut_ids, 4), 1);
+    uint32_t cn = cut_ids[0];
+    size_t width = (size_t)dag_graph_width(g, cn), rows = 2 * 8;
+    peer_spec sp;
+    fu_errmsg em = {{0}};
+    assert_int_equal(peer_spec_parse(SPEC, strlen(SPEC), &sp, &em), FU_OK);
+    int32_t tok[16], tgt[16];
+    for (uint32_t mb = 0; mb < 2; mb++) {
+        wire_tensor t = {0};
+        wire_msg_t *got = pump(&e, FUSION__MSG_TYPE__MSG_ACTIVATION, 20000, &t);
+        if (!got)
+            dump_log(&e);
+        assert_non_null(got);
+        assert_int_equal(t.meta.job_id, JOB_ID);
+        assert_int_equal(t.meta.step, 0);
+        assert_int_equal(t.meta.micro_batch, mb);
+        assert_int_equal(t.meta.ndim, 2);
+        assert_int_equal(t.meta.shape[0], (int64_t)rows);
+        assert_int_equal(t.meta.shape[1], (int64_t)width);
+        assert_int_equal(t.len, rows * width * sizeof(float));
+        /* Stage 0 on this side. */
+        assert_int_equal(peer_data_rows(&sp, e.tokens, e.n_tokens, 0, mb, tok, tgt), FU_OK);
+        assert_int_equal(dag_exec_set_tokens(x0, mb, tok, NULL, 2, 8), FU_OK);
+        assert_int_equal(dag_exec_forward(x0, mb), FU_OK);
+        const float *ref;
+        size_t nf;
+        assert_int_equal(dag_exec_get_output(x0, mb, cn, &ref, &nf), FU_OK);
+        assert_int_equal(nf, rows * width);
+        double scale, d = max_diff((const float *)t.data, ref, nf, &scale);
+        printf("micro-batch %u: activation max |peer - executor| = %.3g (max |x| %.3g)\n", mb, d, scale);
+        assert_true(d <= g_tol * (1.0 + scale));
+        /* Stage 1 here: loss, backward, the gradient back to the peer. */
+        assert_int_equal(dag_exec_set_tokens(x1, mb, NULL, tgt, 2, 8), FU_OK);
+        assert_int_equal(dag_exec_set_input(x1, mb, cn, (const float *)t.data, nf), FU_OK);
+        assert_int_equal(dag_exec_forward(x1, mb), FU_OK);
+        assert_int_equal(dag_exec_backward(x1, mb, 0.5f), FU_OK);
+        const float *gr;
+        size_t ng;
+        assert_int_equal(dag_exec_get_input_grad(x1, cn, &gr, &ng), FU_OK);
+        assert_int_equal(ng, nf);
+        assert_int_equal(dag_exec_set_output_grad(x0, mb, cn, gr, ng), FU_OK);
+        assert_int_equal(dag_exec_backward(x0, mb, 0.5f), FU_OK);
+        wire_tensor_meta gm = {.type = FUSION__MSG_TYPE__MSG_GRADIENT, .job_id = JOB_ID, .step = 0,
+                               .micro_batch = mb, .stage = 1, .dtype = FUSION__DTYPE__DTYPE_F32, .ndim = 2,
+                               .shape = {(int64_t)rows, (int64_t)width}};
+        assert_int_equal(wire_tensor_send(e.data, e.data_rid, e.data_rid_len, e.seal, &gm, gr, ng * sizeof(float), 0,
+                                          NULL),
+                         FU_OK);
+        wire_tensor_clear(&t);
+    }
+    kern_adamw_params ap = {.lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0};
+    assert_int_equal(dag_exec_step(x0, &ap), FU_OK);
+
+    /* The checkpoint after step 0 (steps = 1): adapters and AdamW moments under PEFT names. */
+    uint8_t *blob = NULL;
+    uint64_t total = 0, have = 0;
+    uint8_t hash[32];
+    while (total == 0 || have < total) {
+        m = pump(&e, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, 20000, NULL);
+        if (!m)
+            dump_log(&e);
+        assert_non_null(m);
+        const Fusion__CheckpointPut *cp = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);
+        assert_int_equal(cp->job_id, JOB_ID);
+        assert_int_equal(cp->stage_index, 0);
+        assert_int_equal(cp->step, 1);
+        if (!blob) {
+            total = cp->total;
+            blob = malloc(total);
+            memcpy(hash, cp->content_hash.data, 32);
+        }
+        assert_int_equal(cp->offset, have);
+        memcpy(blob + have, cp->data.data, cp->data.len);
+        have += cp->data.len;
+        wire_msg_destroy(&m);
+    }
+    uint8_t h2[32];
+    peer_blob_hash(h2, blob, total);
+    assert_memory_equal(h2, hash, 32);
+    fu_safetensors *ck = NULL;
+    assert_int_equal(fu_safetensors_parse_header(blob, total, "ckpt", &ck, &em), FU_OK);
+    assert_string_equal(fu_safetensors_metadata(ck, "step"), "1");
+    assert_string_equal(fu_safetensors_metadata(ck, "adam_t"), "1");
+    char ref_path[4096];
+    snprintf(ref_path, sizeof ref_path, "%s/ref.safetensors", e.dir);
+    assert_int_equal(dag_exec_save_state(x0, ref_path, &em), FU_OK);
+    fu_safetensors *rs = NULL;
+    assert_int_equal(fu_safetensors_open_file(ref_path, &rs, &em), FU_OK);
+    assert_int_equal(fu_safetensors_count(rs), fu_safetensors_count(ck));
+    size_t n_b = 0;
+    double worst = 0;
+    for (size_t i = 0; i < fu_safetensors_count(rs); i++) {
+        const fu_st_tensor *rt = fu_safetensors_at(rs, i);
+        char name[512];
+        snprintf(name, sizeof name, "%s", rt->name);
+        size_t L = strlen(name);
+        if (L > 11 && strcmp(name + L - 11, ".exp_avg_sq") == 0)
+            strcpy(name + L - 11, ".adam_v");
+        else if (L > 8 && strcmp(name + L - 8, ".exp_avg") == 0)
+            strcpy(name + L - 8, ".adam_m");
+        const fu_st_tensor *ct = fu_safetensors_get(ck, name);
+        if (!ct)
+            fail_msg("checkpoint lacks %s", name);
+        assert_int_equal(ct->nbytes, rt->nbytes);
+        assert_true(strncmp(name, "base_model.model.model.layers.0.", 32) == 0);
+        float *a = malloc(rt->nbytes), *b = malloc(rt->nbytes);
+        assert_int_equal(fu_st_tensor_to_f32(ct, a, ct->nelem, &em), FU_OK);
+        assert_int_equal(fu_st_tensor_to_f32(rt, b, rt->nelem, &em), FU_OK);
+        double scale, d = max_diff(a, b, rt->nelem, &scale);
+        if (d > worst)
+            worst = d;
+        assert_true(d <= g_tol * (1.0 + scale));
+        if (strstr(name, "lora_B.weight") && !strstr(name, "adam"))
+            n_b++;
+        free(a);
+        free(b);
+    }
+    printf("checkpoint: %zu tensors (%zu trained B), max |peer - executor| = %.3g\n", fu_safetensors_count(rs), n_b,
+           worst);
+    assert_int_equal(n_b, 7); /* the seven linears of layer 0 */
+    fu_safetensors_close(&rs);
+    fu_safetensors_close(&ck);
+    free(blob);
+    Fusion__CheckpointAck ack = FUSION__CHECKPOINT_ACK__INIT;
+    ack.job_id = JOB_ID;
+    ack.step = 1;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, JOB_ID, &ack.base);
+
+    /* Leaving with a stage: Leave, then it waits for StageRelease, then exits 0. */
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    int st;
+    fu_sleep_ms(300);
+    assert_int_equal(waitpid(e.pid, &st, WNOHANG), 0); /* still draining */
+    Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;
+    rel.job_id = JOB_ID;
+    rel.reason = (char *)"job done";
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, JOB_ID, &rel.base);
+    int code = wait_exit(&e, 5000);
+    if (code != 0)
+        dump_log(&e);
+    assert_int_equal(code, 0);
+    assert_int_equal(e.errors, 0);
+
+    peer_spec_clear(&sp);
+    dag_exec_destroy(&x0);
+    dag_exec_destroy(&x1);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
+static void test_peer_refuses_weights_with_wrong_hash(void **state)
+{
+    (void)state;
+    env e;
+    env_start(&e, "peer-hash");
+    e.corrupt = "model.layers.0.self_attn.q_proj.weight";
+    spawn_peer(&e);
+    handshake(&e);
+    dag_graph_t *g = make_graph(&e);
+    assign_stage0(&e, g, layer_start(g, 1));
+    /* No StageReady: the peer asks for the tensor 3 times, then reports an Error. */
+    uint64_t end = fu_clock_ms() + 20000;
+    while (e.errors == 0 && fu_clock_ms() < end) {
+        wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 200, NULL);
+        if (m) {
+            dump_log(&e);
+            fail_msg("StageReady despite a weight with a wrong hash");
+        }
+    }
+    if (e.errors == 0)
+        dump_log(&e);
+    assert_int_equal(e.errors, 1);
+    assert_non_null(strstr(e.last_error, "q_proj"));
+    assert_true(e.corrupt_requests >= 3);
+    printf("wrong-hash tensor requested %d times, then: %s\n", e.corrupt_requests, e.last_error);
+    /* The refused bytes were not cached. */
+    char *out = NULL;
+    uint8_t hash[32];
+    const fu_st_tensor *t = fu_safetensors_get(e.st, e.corrupt);
+    peer_blob_hash(hash, t->data, t->nbytes);
+    hash[5] ^= 0x40;
+    char hex[65];
+    fu_hex_encode(hex, hash, 32);
+    assert_int_equal(tu_sh(&out, "test ! -e '%s/cache/%s'", e.dir, hex), 0);
+    free(out);
+    /* The peer is still alive and leaves cleanly. */
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    assert_int_equal(wait_exit(&e, 5000), 0);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
+int main(int argc, char **argv)
+{
+    if (sodium_init() < 0)
+        return 1;
+    signal(SIGPIPE, SIG_IGN);
+    if (argc >= 3 && strcmp(argv[1], "--device") == 0) {
+        g_device = argv[2];
+        const kern_backend_t *be = NULL;
+        if (kern_backend_get(g_device, &be) != FU_OK) {
+            printf("no %s backend here: skipped\n", g_device);
+            return 77;
+        }
+        g_tol = 2e-3; /* cuBLAS (TF32 off or on) against OpenBLAS */
+        const struct CMUnitTest gpu[] = {cmocka_unit_test(test_peer_stage_matches_executor)};
+        return cmocka_run_group_tests(gpu, NULL, NULL);
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_peer_graceful_leave_without_stage),
+        cmocka_unit_test(test_peer_stage_matches_executor),
+        cmocka_unit_test(test_peer_refuses_weights_with_wrong_hash),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
