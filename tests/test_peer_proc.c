@@ -84,6 +84,8 @@ typedef struct {
     uint8_t data_rid[256];
     size_t data_rid_len;
     wire_tensor_asm_t *asm_;
+    void *relay_in, *relay_out;   /* stage 1/0 frames that the "broker" relays (wire_forward) */
+    bool no_listen;               /* start the peer with --no-listen */
 } env;
 
 /* ---- setup --------------------------------------------------------------------------------- */
@@ -155,9 +157,14 @@ static void spawn_peer(env *e)
             dup2(fd, 1);
             dup2(fd, 2);
         }
-        execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
-              "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--device", g_device,
-              "--drain-timeout", "10", "--name", "test-peer", "--log-level", "debug", (char *)NULL);
+        if (e->no_listen)
+            execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
+                  "--no-listen", "--cache", cache, "--threads", "1", "--device", g_device, "--drain-timeout", "10",
+                  "--name", "test-peer", "--log-level", "debug", (char *)NULL);
+        else
+            execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
+                  "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--device", g_device,
+                  "--drain-timeout", "10", "--name", "test-peer", "--log-level", "debug", (char *)NULL);
         _exit(127);
     }
     e->pid = pid;
@@ -191,6 +198,8 @@ static void env_stop(env *e)
     wire_tensor_asm_destroy(&e->asm_);
     wire_seal_destroy(&e->seal);
     wire_socket_close(&e->data);
+    wire_socket_close(&e->relay_in);
+    wire_socket_close(&e->relay_out);
     wire_socket_close(&e->router);
     wire_zap_destroy(&e->zap);
     zmq_ctx_term(e->ctx);
@@ -286,6 +295,7 @@ static void on_data_seal_hello(env *e, wire_msg_t *m)
     const uint8_t *rid = wire_msg_routing_id(m, &n);
     memcpy(e->data_rid, rid, n);
     e->data_rid_len = n;
+    bool relayed = wire_msg_hdr(m)->relay_to && *wire_msg_hdr(m)->relay_to;
     wire_seal_eph_t *eph = wire_seal_eph_new();
     Fusion__SealHello r = FUSION__SEAL_HELLO__INIT;
     r.long_term_key.data = (uint8_t *)wire_keypair_public(e->nkp);
@@ -294,8 +304,14 @@ static void on_data_seal_hello(env *e, wire_msg_t *m)
     r.ephemeral_key.len = 32;
     r.job_id = JOB_ID;
     r.stage_index = 1;
-    wire_hdr hd = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = JOB_ID, .stage = 1};
-    assert_int_equal(wire_send(e->data, e->data_rid, e->data_rid_len, &hd, &r.base), FU_OK);
+    r.stage_index = relayed ? 0 : 1;
+    wire_hdr hd = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = JOB_ID, .stage = r.stage_index};
+    if (relayed) {
+        hd.relay_to = wire_keypair_public_z85(e->pkp);
+        assert_int_equal(wire_send(e->relay_out, NULL, 0, &hd, &r.base), FU_OK);
+    } else {
+        assert_int_equal(wire_send(e->data, e->data_rid, e->data_rid_len, &hd, &r.base), FU_OK);
+    }
     fu_err err;
     wire_seal_destroy(&e->seal);
     e->seal = wire_seal_new(e->nkp, wire_keypair_public(e->pkp), &eph, h->ephemeral_key.data, &err);
@@ -310,14 +326,43 @@ static wire_msg_t *pump(env *e, Fusion__MsgType want, int timeout_ms, wire_tenso
 {
     uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
     while (fu_clock_ms() < end) {
-        zmq_pollitem_t it[2] = {{e->router, 0, ZMQ_POLLIN, 0}, {e->data, 0, ZMQ_POLLIN, 0}};
-        int r = zmq_poll(it, e->data ? 2 : 1, 50);
+        zmq_pollitem_t it[3] = {{e->router, 0, ZMQ_POLLIN, 0}, {e->relay_in, 0, ZMQ_POLLIN, 0},
+                                {e->data, 0, ZMQ_POLLIN, 0}};
+        int r = zmq_poll(it, e->data ? 3 : e->relay_in ? 2 : 1, 50);
         if (r <= 0)
             continue;
+        if (e->relay_in && (it[1].revents & ZMQ_POLLIN)) {
+            /* What stage 0 (this test) sends with relay_to goes to the peer as the broker relays it. */
+            wire_msg_t *m = NULL;
+            if (wire_recv(e->relay_in, WIRE_DONTWAIT, NULL, &m) == FU_OK) {
+                assert_string_equal(wire_msg_hdr(m)->relay_to, wire_keypair_public_z85(e->pkp));
+                assert_int_equal(wire_forward(e->router, e->rid, e->rid_len, m, wire_keypair_public_z85(e->nkp)),
+                                 FU_OK);
+                wire_msg_destroy(&m);
+            }
+        }
         if (it[0].revents & ZMQ_POLLIN) {
             wire_msg_t *m = NULL;
             if (wire_recv(e->router, WIRE_DONTWAIT, NULL, &m) == FU_OK) {
                 Fusion__MsgType ty = wire_msg_type(m);
+                const char *rt = wire_msg_hdr(m)->relay_to;
+                if (rt && *rt) {
+                    /* Relayed data from the peer to stage 0 (this test): the broker would forward it. */
+                    assert_string_equal(rt, wire_keypair_public_z85(e->nkp));
+                    if (ty == FUSION__MSG_TYPE__MSG_SEAL_HELLO) {
+                        on_data_seal_hello(e, m);
+                    } else if (ty == FUSION__MSG_TYPE__MSG_GRADIENT && e->seal) {
+                        bool done = false;
+                        assert_int_equal(wire_tensor_asm_feed(e->asm_, e->seal, m, &done), FU_OK);
+                        if (done && want == FUSION__MSG_TYPE__MSG_GRADIENT) {
+                            assert_int_equal(wire_tensor_asm_take(e->asm_, t), FU_OK);
+                            wire_msg_destroy(&m);
+                            return (wire_msg_t *)1;
+                        }
+                    }
+                    wire_msg_destroy(&m);
+                    continue;
+                }
                 if (ty == FUSION__MSG_TYPE__MSG_PEER_HELLO && e->rid_len == 0) {
                     size_t n;
                     const uint8_t *rid = wire_msg_routing_id(m, &n);
@@ -339,7 +384,7 @@ static wire_msg_t *pump(env *e, Fusion__MsgType want, int timeout_ms, wire_tenso
                 wire_msg_destroy(&m);
             }
         }
-        if (e->data && (it[1].revents & ZMQ_POLLIN)) {
+        if (e->data && (it[2].revents & ZMQ_POLLIN)) {
             wire_msg_t *m = NULL;
             if (wire_recv(e->data, WIRE_DONTWAIT, NULL, &m) == FU_OK) {
                 Fusion__MsgType ty = wire_msg_type(m);
@@ -380,8 +425,13 @@ static void handshake(env *e)
     printf("PeerHello: %s, %s, %.1f GFLOP/s f32, %.2f GiB, RTT %.3f ms, data %s\n", h->name,
            h->profile->device_name, h->profile->speeds[0]->gemm_gflops,
            (double)h->profile->free_memory_bytes / (1 << 30), h->profile->link_latency_ms, h->data_endpoint);
-    assert_false(h->needs_relay);
-    assert_true(strncmp(h->data_endpoint, "tcp://127.0.0.1:", 16) == 0);
+    if (e->no_listen) {
+        assert_true(h->needs_relay);
+        assert_string_equal(h->data_endpoint, "");
+    } else {
+        assert_false(h->needs_relay);
+        assert_true(strncmp(h->data_endpoint, "tcp://127.0.0.1:", 16) == 0);
+    }
     snprintf(e->peer_data_ep, sizeof e->peer_data_ep, "%s", h->data_endpoint);
     wire_msg_destroy(&m);
     Fusion__PeerWelcome w = FUSION__PEER_WELCOME__INIT;
@@ -721,6 +771,145 @@ static void test_peer_refuses_weights_with_wrong_hash(void **state)
     env_stop(&e);
 }
 
+/* The last stage on a peer that cannot listen: every data frame (SealHello, activations down,
+ * gradients up) goes through the broker with Envelope.relay_to, and the broker forwards it with
+ * Envelope.sender (wire_forward). The peer's gradients and StepDone loss equal the executor's. */
+static void test_peer_last_stage_relayed_matches_executor(void **state)
+{
+    (void)state;
+    env e;
+    env_start(&e, "peer-relay");
+    e.no_listen = true;
+    spawn_peer(&e);
+    handshake(&e);
+    fu_err err;
+    e.relay_in = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
+    e.relay_out = wire_socket_new(e.ctx, ZMQ_DEALER, &err);
+    assert_int_equal(zmq_bind(e.relay_in, "inproc://test-relay"), 0);
+    assert_int_equal(zmq_connect(e.relay_out, "inproc://test-relay"), 0);
+    e.asm_ = wire_tensor_asm_new((size_t)1 << 28);
+
+    dag_graph_t *g = make_graph(&e);
+    size_t cut = layer_start(g, 1), n = dag_graph_size(g);
+    uint8_t *dag = NULL;
+    size_t dag_len = 0;
+    assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
+    Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
+    nb.role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
+    nb.public_key.data = (uint8_t *)wire_keypair_public(e.nkp);
+    nb.public_key.len = 32;
+    nb.data_endpoint = (char *)"";
+    nb.relay = true;
+    nb.stage_index = 0;
+    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
+    a.job_id = JOB_ID;
+    a.stage_index = 1;
+    a.stage_count = 2;
+    a.node_begin = (uint32_t)cut;
+    a.node_end = (uint32_t)n;
+    a.n_neighbours = 1;
+    a.neighbours = nbs;
+    a.relay = true;
+    a.dag.data = dag;
+    a.dag.len = dag_len;
+    a.model_id = (char *)MODEL_ID;
+    a.micro_batches = 2;
+    a.spec_json = (char *)SPEC;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
+    free(dag);
+
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m)
+        dump_log(&e);
+    assert_non_null(m);
+    assert_non_null(e.seal);
+    wire_msg_destroy(&m);
+    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
+    ss.job_id = JOB_ID;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+
+    dag_exec_t *x0 = ref_exec(&e, g, 0, cut), *x1 = ref_exec(&e, g, cut, n);
+    uint32_t cn;
+    assert_int_equal(dag_exec_cut_outputs(x0, &cn, 1), 1);
+    size_t width = (size_t)dag_graph_width(g, cn), rows = 16;
+    peer_spec sp;
+    fu_errmsg em = {{0}};
+    assert_int_equal(peer_spec_parse(SPEC, strlen(SPEC), &sp, &em), FU_OK);
+    int32_t tok[16], tgt[16];
+    double loss_sum = 0;
+    for (uint32_t mb = 0; mb < 2; mb++) {
+        assert_int_equal(peer_data_rows(&sp, e.tokens, e.n_tokens, 0, mb, tok, tgt), FU_OK);
+        assert_int_equal(dag_exec_set_tokens(x0, mb, tok, NULL, 2, 8), FU_OK);
+        assert_int_equal(dag_exec_forward(x0, mb), FU_OK);
+        const float *act;
+        size_t nf;
+        assert_int_equal(dag_exec_get_output(x0, mb, cn, &act, &nf), FU_OK);
+        float *copy = malloc(nf * sizeof *copy);
+        memcpy(copy, act, nf * sizeof *copy);
+        wire_tensor_meta am = {.type = FUSION__MSG_TYPE__MSG_ACTIVATION, .job_id = JOB_ID, .step = 0,
+                               .micro_batch = mb, .stage = 0, .dtype = FUSION__DTYPE__DTYPE_F32, .ndim = 2,
+                               .shape = {(int64_t)rows, (int64_t)width},
+                               .relay_to = wire_keypair_public_z85(e.pkp)};
+        assert_int_equal(wire_tensor_send(e.relay_out, NULL, 0, e.seal, &am, copy, nf * sizeof(float), 0, NULL),
+                         FU_OK);
+        /* The same micro-batch through stage 1 here. */
+        assert_int_equal(dag_exec_set_tokens(x1, mb, NULL, tgt, 2, 8), FU_OK);
+        assert_int_equal(dag_exec_set_input(x1, mb, cn, copy, nf), FU_OK);
+        assert_int_equal(dag_exec_forward(x1, mb), FU_OK);
+        float loss;
+        assert_int_equal(dag_exec_loss(x1, mb, &loss, NULL), FU_OK);
+        loss_sum += loss;
+        assert_int_equal(dag_exec_backward(x1, mb, 0.5f), FU_OK);
+        const float *ref;
+        size_t ng;
+        assert_int_equal(dag_exec_get_input_grad(x1, cn, &ref, &ng), FU_OK);
+        wire_tensor t = {0};
+        if (!pump(&e, FUSION__MSG_TYPE__MSG_GRADIENT, 20000, &t))
+            dump_log(&e);
+        assert_int_equal(t.meta.step, 0);
+        assert_int_equal(t.meta.micro_batch, mb);
+        assert_int_equal(t.len, ng * sizeof(float));
+        double scale, d = max_diff((const float *)t.data, ref, ng, &scale);
+        printf("micro-batch %u (relayed): gradient max |peer - executor| = %.3g (max |g| %.3g)\n", mb, d, scale);
+        assert_true(d <= g_tol * (1.0 + scale));
+        wire_tensor_clear(&t);
+        free(copy);
+    }
+    m = pump(&e, FUSION__MSG_TYPE__MSG_STEP_DONE, 20000, NULL);
+    if (!m)
+        dump_log(&e);
+    assert_non_null(m);
+    const Fusion__StepDone *sd = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STEP_DONE);
+    assert_int_equal(sd->job_id, JOB_ID);
+    assert_int_equal(sd->step, 0);
+    assert_int_equal(sd->tokens, 4 * 8);
+    printf("StepDone: loss %.6f (executor %.6f)\n", sd->loss, loss_sum / 2);
+    assert_true(fabs(sd->loss - loss_sum / 2) <= 1e-5 * (1 + fabs(sd->loss)) * (g_tol / 1e-5));
+    wire_msg_destroy(&m);
+    m = pump(&e, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, 20000, NULL);
+    assert_non_null(m);
+    const Fusion__CheckpointPut *cp = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);
+    assert_int_equal(cp->stage_index, 1);
+    assert_int_equal(cp->step, 1);
+    wire_msg_destroy(&m);
+
+    Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;
+    rel.job_id = JOB_ID;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, JOB_ID, &rel.base);
+    fu_sleep_ms(200);
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    assert_int_equal(wait_exit(&e, 5000), 0);
+    assert_int_equal(e.errors, 0);
+    peer_spec_clear(&sp);
+    dag_exec_destroy(&x0);
+    dag_exec_destroy(&x1);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
 int main(int argc, char **argv)
 {
     if (sodium_init() < 0)
@@ -741,6 +930,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_peer_graceful_leave_without_stage),
         cmocka_unit_test(test_peer_stage_matches_executor),
         cmocka_unit_test(test_peer_refuses_weights_with_wrong_hash),
+        cmocka_unit_test(test_peer_last_stage_relayed_matches_executor),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
