@@ -148,12 +148,13 @@ static void pool_init(budget_pool *pool, size_t limit)
     pool->alloc.allocator_data = pool;
 }
 
-/* Budget for unpacking a frame of n bytes: its size plus bounded slack for protobuf-c's expansion
- * of repeated fields and per-field allocations. */
+/* Budget for unpacking a frame of n bytes: its size (bytes and strings are copied out) plus a fixed
+ * slack for protobuf-c's structs and arrays. Flat rather than proportional: a canonical list of
+ * small sub-messages legitimately expands 50x or more, while a bomb of empty sub-messages (1 MiB
+ * became 84 MiB) is stopped at WIRE_BUDGET_SLACK whatever its size. */
 static size_t budget_for(size_t n)
 {
-    size_t slack = n * 15 < WIRE_BUDGET_SLACK ? n * 15 : WIRE_BUDGET_SLACK;
-    return n + slack + 4096;
+    return n + WIRE_BUDGET_SLACK;
 }
 
 /* ---------- validation ---------- */
@@ -255,6 +256,11 @@ static fu_err validate_at(const ProtobufCMessage *m, unsigned depth)
     const ProtobufCMessageDescriptor *d = m->descriptor;
     if (!d || d->magic != PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC)
         return FU_EINVAL;
+    /* protobuf-c keeps unknown fields (forward compatibility) but also accepts field number 0,
+     * which protobuf forbids and which does not survive re-encoding: refuse it. */
+    for (unsigned i = 0; i < m->n_unknown_fields; i++)
+        if (m->unknown_fields[i].tag == 0)
+            return FU_EPROTO;
     const char *base = (const char *)m;
     for (unsigned i = 0; i < d->n_fields; i++) {
         const ProtobufCFieldDescriptor *f = &d->fields[i];

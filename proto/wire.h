@@ -35,7 +35,7 @@ extern "C" {
 #define WIRE_MAX_ROUTING_ID     255u        /* ZeroMQ's own limit on routing ids */
 #define WIRE_MAX_REPEATED       10000u      /* elements in any one repeated field */
 #define WIRE_MAX_DEPTH          4u          /* sub-message nesting the validator accepts */
-/* Unpacking may allocate the frame's size plus this much (protobuf-c expands repeated fields:
+/* Unpacking a frame may allocate its size plus this much (protobuf-c expands repeated fields:
  * 1 MiB of empty sub-messages became 84 MiB of heap unbudgeted). */
 #define WIRE_BUDGET_SLACK       (1u << 20)
 #define WIRE_Z85_KEY_LEN        40u         /* a 32-byte key in Z85 */

@@ -469,6 +469,39 @@ static void test_wire_codec_oversized_refused(void **state)
     free(b);
 }
 
+static void test_wire_codec_long_list_of_small_entries_accepted(void **state)
+{
+    (void)state;
+    /* 1000 nearly empty JobStatus entries: a few KB on the wire that expand ~50x in memory. A
+     * legitimate message: the budget must not refuse it. */
+    enum { N = 1000 };
+    Fusion__JobStatus *items = calloc(N, sizeof *items);
+    Fusion__JobStatus **ptrs = calloc(N, sizeof *ptrs);
+    for (size_t i = 0; i < N; i++) {
+        fusion__job_status__init(&items[i]);
+        items[i].job_id = i + 1;
+        ptrs[i] = &items[i];
+    }
+    Fusion__JobList list = FUSION__JOB_LIST__INIT;
+    list.n_jobs = N;
+    list.jobs = ptrs;
+    wire_hdr h = sample_hdr(FUSION__MSG_TYPE__MSG_JOB_LIST);
+    uint8_t *e, *b;
+    size_t el, bl;
+    assert_int_equal(wire_encode(&h, &list.base, &e, &el, &b, &bl), FU_OK);
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_decode(e, el, b, bl, NULL, &m), FU_OK);
+    const Fusion__JobList *got = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_LIST);
+    assert_int_equal(got->n_jobs, N);
+    assert_int_equal(got->jobs[N - 1]->job_id, N);
+    assert_true(wire_msg_heap_bytes(m) > 20 * bl);
+    wire_msg_destroy(&m);
+    free(e);
+    free(b);
+    free(items);
+    free(ptrs);
+}
+
 static void test_wire_codec_unpack_budgeted(void **state)
 {
     (void)state;
@@ -505,6 +538,7 @@ int main(void)
         cmocka_unit_test(test_wire_codec_wrong_version_and_unknown_type),
         cmocka_unit_test(test_wire_codec_bad_enum_and_utf8_refused),
         cmocka_unit_test(test_wire_codec_oversized_refused),
+        cmocka_unit_test(test_wire_codec_long_list_of_small_entries_accepted),
         cmocka_unit_test(test_wire_codec_unpack_budgeted),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
