@@ -161,6 +161,7 @@ struct wire_tensor_asm {
     wire_tensor cur;        /* the tensor in progress */
     uint32_t chunk_count;   /* chunks it has */
     uint32_t received;      /* chunks arrived */
+    uint64_t stride;        /* bytes per chunk (all but the last) */
     uint8_t *seen;          /* one bit per chunk */
     uint64_t abandoned;     /* tensors dropped incomplete */
 };
@@ -228,13 +229,31 @@ fu_err wire_tensor_asm_feed(wire_tensor_asm_t *a, wire_seal_t *seal, const wire_
     size_t clen = tf->payload.len - tag;
     if (tf->offset > total || clen > total - tf->offset)
         return FU_EPROTO;
+    /* Chunk geometry: chunk i covers [i*L, min((i+1)*L, total)) for one stride L, so once every index
+     * has arrived every byte of the tensor has been written (the buffer need not be zeroed). */
+    uint64_t stride;
+    if (tf->chunk_count == 1) {
+        stride = total;
+    } else if (tf->chunk_index == 0) {
+        stride = clen;
+    } else {
+        if (tf->offset % tf->chunk_index)
+            return FU_EPROTO;
+        stride = tf->offset / tf->chunk_index;
+    }
+    if (tf->offset != (uint64_t)tf->chunk_index * stride ||
+        clen != (total - tf->offset < stride ? total - tf->offset : stride))
+        return FU_EPROTO;
+    if (tf->chunk_count > 1 &&
+        (stride == 0 || (uint64_t)(tf->chunk_count - 1) * stride >= total || (uint64_t)tf->chunk_count * stride < total))
+        return FU_EPROTO;
 
     bool continuing = a->active && !a->complete && same_tensor(&a->cur.meta, h);
     if (continuing) {
         const wire_tensor_meta *m = &a->cur.meta;
         if (m->dtype != tf->dtype || m->ndim != tf->n_shape ||
             memcmp(m->shape, tf->shape, sizeof(int64_t) * tf->n_shape) != 0 || a->cur.len != total ||
-            a->chunk_count != tf->chunk_count)
+            a->chunk_count != tf->chunk_count || a->stride != stride)
             return FU_EPROTO;
         if (a->seen[tf->chunk_index / 8] >> (tf->chunk_index % 8) & 1)
             return FU_EPROTO; /* duplicate chunk (a sealed one is also caught by the replay window) */
@@ -242,7 +261,7 @@ fu_err wire_tensor_asm_feed(wire_tensor_asm_t *a, wire_seal_t *seal, const wire_
 
     /* Open (or copy) the chunk into a scratch position first when starting, so a refused first
      * chunk leaves the assembler as it was. */
-    uint8_t *buf = continuing ? a->cur.data : calloc(1, total ? total : 1);
+    uint8_t *buf = continuing ? a->cur.data : malloc(total ? total : 1);
     if (!buf)
         return FU_ENOMEM;
     fu_err rc = FU_OK;
@@ -281,6 +300,7 @@ fu_err wire_tensor_asm_feed(wire_tensor_asm_t *a, wire_seal_t *seal, const wire_
                                          .ndim = (uint32_t)tf->n_shape};
         memcpy(a->cur.meta.shape, tf->shape, sizeof(int64_t) * tf->n_shape);
         a->chunk_count = tf->chunk_count;
+        a->stride = stride;
         a->seen = fu_calloc((tf->chunk_count + 7) / 8, 1);
     }
     a->seen[tf->chunk_index / 8] |= (uint8_t)(1u << (tf->chunk_index % 8));

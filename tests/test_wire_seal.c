@@ -426,6 +426,63 @@ static void test_wire_seal_tensor_tampered_chunk_refused(void **state)
     net_close(&n);
 }
 
+/* Encodes a plain TensorFrame chunk and feeds it to a. */
+static fu_err feed_chunk(wire_tensor_asm_t *a, uint64_t total, uint64_t offset, uint32_t index, uint32_t count,
+                         size_t len, bool *done)
+{
+    static uint8_t payload[64];
+    int64_t shape[1] = {(int64_t)total};
+    Fusion__TensorFrame tf = FUSION__TENSOR_FRAME__INIT;
+    tf.dtype = FUSION__DTYPE__DTYPE_U8;
+    tf.n_shape = 1;
+    tf.shape = shape;
+    tf.total_bytes = total;
+    tf.offset = offset;
+    tf.chunk_index = index;
+    tf.chunk_count = count;
+    tf.payload.data = payload;
+    tf.payload.len = len;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_ACTIVATION, .job_id = 1, .sequence = index + 1};
+    uint8_t *e, *b;
+    size_t el, bl;
+    assert_int_equal(wire_encode(&h, &tf.base, &e, &el, &b, &bl), FU_OK);
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_decode(e, el, b, bl, NULL, &m), FU_OK);
+    fu_err rc = wire_tensor_asm_feed(a, NULL, m, done);
+    wire_msg_destroy(&m);
+    free(e);
+    free(b);
+    return rc;
+}
+
+static void test_wire_seal_tensor_bad_geometry_refused(void **state)
+{
+    (void)state;
+    wire_tensor_asm_t *a = wire_tensor_asm_new(1024);
+    bool done = false;
+    /* 40 bytes in 3 chunks of 16: [0,16) [16,32) [32,40) */
+    assert_int_equal(feed_chunk(a, 40, 16, 1, 3, 16, &done), FU_OK);
+    assert_int_equal(feed_chunk(a, 40, 16, 1, 3, 16, &done), FU_EPROTO); /* duplicate */
+    assert_int_equal(feed_chunk(a, 40, 8, 0, 3, 16, &done), FU_EPROTO);  /* wrong offset */
+    assert_int_equal(feed_chunk(a, 40, 0, 0, 3, 8, &done), FU_EPROTO);   /* other stride: leaves a gap */
+    assert_int_equal(feed_chunk(a, 40, 32, 2, 3, 16, &done), FU_EPROTO); /* past the end */
+    assert_int_equal(feed_chunk(a, 40, 32, 2, 3, 8, &done), FU_OK);
+    assert_false(done);
+    assert_int_equal(feed_chunk(a, 40, 0, 0, 3, 16, &done), FU_OK);
+    assert_true(done);
+    wire_tensor t;
+    assert_int_equal(wire_tensor_asm_take(a, &t), FU_OK);
+    assert_int_equal(t.len, 40);
+    wire_tensor_clear(&t);
+    /* strides that cannot tile the tensor with that many chunks */
+    assert_int_equal(feed_chunk(a, 40, 0, 0, 2, 16, &done), FU_EPROTO); /* 2 x 16 < 40 */
+    assert_int_equal(feed_chunk(a, 40, 0, 0, 5, 16, &done), FU_EPROTO); /* 4 x 16 >= 40 */
+    assert_int_equal(feed_chunk(a, 40, 7, 1, 3, 16, &done), FU_EPROTO); /* offset not index x stride */
+    assert_int_equal(feed_chunk(a, 40, 0, 3, 3, 16, &done), FU_EPROTO); /* index out of range */
+    assert_int_equal(feed_chunk(a, 2000, 0, 0, 1, 0, &done), FU_ENOMEM); /* over max_bytes */
+    wire_tensor_asm_destroy(&a);
+}
+
 int main(void)
 {
     if (sodium_init() < 0)
@@ -438,6 +495,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_wire_seal_bad_keys_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wire_seal_tensor_direct_and_relayed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wire_seal_tensor_tampered_chunk_refused, setup, teardown),
+        cmocka_unit_test(test_wire_seal_tensor_bad_geometry_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
