@@ -791,6 +791,57 @@ static void test_dag_exec_rejects_bad_input(void **state)
     tiny_close(&t);
 }
 
+/* A bf16 copy of the model: weights are widened to f32 once at load and match the reference read
+ * from the same file. */
+static void test_dag_exec_loads_bf16_weights(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-bf16", 10);
+    size_t n = fu_safetensors_count(t.st);
+    fu_st_tensor *ts = calloc(n, sizeof *ts);
+    void **bufs = calloc(n, sizeof *bufs);
+    for (size_t i = 0; i < n; i++) {
+        const fu_st_tensor *src = fu_safetensors_at(t.st, i);
+        float *f = malloc(src->nelem * sizeof *f);
+        assert_int_equal(fu_st_tensor_to_f32(src, f, src->nelem, NULL), FU_OK);
+        bufs[i] = malloc(src->nelem * 2);
+        assert_int_equal(fu_st_from_f32(FU_ST_BF16, f, src->nelem, bufs[i]), FU_OK);
+        free(f);
+        ts[i] = *src;
+        ts[i].dtype = FU_ST_BF16;
+        ts[i].data = bufs[i];
+        ts[i].nbytes = src->nelem * 2;
+    }
+    char *path = fu_path_join(t.dir, "bf16.safetensors");
+    assert_int_equal(fu_safetensors_write(path, ts, n, NULL, 0, NULL, NULL, NULL), FU_OK);
+    for (size_t i = 0; i < n; i++)
+        free(bufs[i]);
+    free(bufs);
+    free(ts);
+    fu_safetensors *bs = NULL;
+    assert_int_equal(fu_safetensors_open_file(path, &bs, NULL), FU_OK);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
+    dag_exec_t *x = exec_for(g, bs, false, 0, 0, 8, true);
+    int32_t tok[8];
+    tokens_for(tok, 8, 6);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
+    double *ref = ref_logits(&t, bs, NULL, 0, tok, 1, 8);
+    double d = max_abs_diff(lg, ref, nf);
+    if (d > 1e-5)
+        fail_msg("bf16 logits differ from the reference by %g", d);
+    free(ref);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&bs);
+    free(path);
+    tiny_close(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -802,6 +853,7 @@ int main(void)
         cmocka_unit_test(test_dag_exec_checkpoint_round_trip_and_peft),
         cmocka_unit_test(test_dag_exec_salr_pruned_model),
         cmocka_unit_test(test_dag_exec_rejects_bad_input),
+        cmocka_unit_test(test_dag_exec_loads_bf16_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
