@@ -15,6 +15,7 @@
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_model.h"
+#include "dag_partition.h"
 #include "fu_modelcfg.h"
 #include "fu_safetensors.h"
 #include "kern_bitmap.h"
@@ -842,6 +843,110 @@ static void test_dag_exec_loads_bf16_weights(void **state)
     tiny_close(&t);
 }
 
+/* A pipeline as a peer runs it: stages from the partitioner, two micro-batches in flight (slots),
+ * both forwards before both backwards, gradients averaged with loss_scale 1/2. The adapters after
+ * one step match one executor that saw the two micro-batches as one batch. */
+static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-pipe", 11);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_peer_profile peers[3] = {{"a", 1.0, 1ull << 30, 1e9, 1e-4}, {"b", 2.0, 1ull << 30, 1e9, 1e-4},
+                                 {"c", 4.0, 1ull << 30, 1e9, 1e-4}};
+    dag_partition_opts po = {.tokens_per_micro = 32, .micro_batches = 2, .training = true, .max_stages = 3};
+    dag_plan plan;
+    char msg[256];
+    assert_int_equal(dag_partition(g, peers, 3, &po, &plan, msg, sizeof msg), FU_OK);
+    assert_true(plan.n_stages >= 2);
+    int32_t tok[64], tgt[64];
+    tokens_for(tok, 64, 12);
+    for (int i = 0; i < 64; i++)
+        tgt[i] = (tok[i] * 3 + 1) % 256;
+    kern_adamw_params ap = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+
+    dag_exec_t *whole = exec_for(g, t.st, true, 0, 0, 64, false);
+    float lw = loss_of(whole, tok, tgt, 4, 16);
+    assert_int_equal(dag_exec_backward(whole, 0, 1.0f), FU_OK);
+
+    size_t S = plan.n_stages;
+    dag_exec_t **st = calloc(S, sizeof *st);
+    for (size_t s = 0; s < S; s++) {
+        dag_exec_opts o = {.first = plan.stages[s].first, .last = plan.stages[s].last, .max_tokens = 32,
+                           .n_slots = 2, .training = true, .seed = 7};
+        fu_errmsg em = {{0}};
+        assert_int_equal(dag_exec_new(g, &o, &st[s], &em), FU_OK);
+        assert_int_equal(dag_exec_load_weights(st[s], t.st, &em), FU_OK);
+    }
+    double lsum = 0;
+    for (uint32_t mb = 0; mb < 2; mb++)
+        for (size_t s = 0; s < S; s++) {
+            assert_int_equal(dag_exec_set_tokens(st[s], mb, tok + 32 * mb, tgt + 32 * mb, 2, 16), FU_OK);
+            if (s > 0) {
+                uint32_t ids[8];
+                size_t nin = dag_exec_cut_inputs(st[s], ids, 8);
+                for (size_t k = 0; k < nin; k++) {
+                    const float *data;
+                    size_t nf;
+                    assert_int_equal(dag_exec_get_output(st[s - 1], mb, ids[k], &data, &nf), FU_OK);
+                    assert_int_equal(dag_exec_set_input(st[s], mb, ids[k], data, nf), FU_OK);
+                }
+            }
+            assert_int_equal(dag_exec_forward(st[s], mb), FU_OK);
+            if (s == S - 1) {
+                float l;
+                assert_int_equal(dag_exec_loss(st[s], mb, &l, NULL), FU_OK);
+                lsum += l;
+            }
+        }
+    assert_true(fabs(lsum / 2 - lw) < 1e-5);
+    for (uint32_t mb = 0; mb < 2; mb++)
+        for (size_t s = S; s-- > 0;) {
+            if (s < S - 1) {
+                uint32_t ids[8];
+                size_t nout = dag_exec_cut_outputs(st[s], ids, 8);
+                for (size_t k = 0; k < nout; k++) {
+                    const float *gd;
+                    size_t nf;
+                    assert_int_equal(dag_exec_get_input_grad(st[s + 1], ids[k], &gd, &nf), FU_OK);
+                    assert_int_equal(dag_exec_set_output_grad(st[s], mb, ids[k], gd, nf), FU_OK);
+                }
+            }
+            assert_int_equal(dag_exec_backward(st[s], mb, 0.5f), FU_OK);
+        }
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < dag_graph_size(g); i++) {
+        kern_tensor_t *Bw;
+        if (dag_exec_adapter(whole, (uint32_t)i, NULL, NULL, NULL, &Bw) != FU_OK)
+            continue;
+        size_t s = 0;
+        while (i >= plan.stages[s].last)
+            s++;
+        kern_tensor_t *Bs;
+        assert_int_equal(dag_exec_adapter(st[s], (uint32_t)i, NULL, NULL, NULL, &Bs), FU_OK);
+        const float *a = Bw->data, *b = Bs->data;
+        for (int64_t k = 0; k < kern_tensor_numel(Bw); k++) {
+            if (fabs((double)a[k] - b[k]) > worst)
+                worst = fabs((double)a[k] - b[k]);
+            if (fabs((double)a[k]) > scale)
+                scale = fabs((double)a[k]);
+        }
+    }
+    /* The accumulated dB of two half micro-batches (scaled 1/2) equals one whole batch's. */
+    assert_true(scale > 0);
+    if (worst > 1e-4 * scale)
+        fail_msg("pipelined adapter gradients differ from the whole DAG's by %g (largest %g)", worst, scale);
+    for (size_t s = 0; s < S; s++)
+        assert_int_equal(dag_exec_step(st[s], &ap), FU_OK);
+    for (size_t s = 0; s < S; s++)
+        dag_exec_destroy(&st[s]);
+    free(st);
+    dag_plan_free(&plan);
+    dag_exec_destroy(&whole);
+    dag_graph_destroy(&g);
+    tiny_close(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -854,6 +959,7 @@ int main(void)
         cmocka_unit_test(test_dag_exec_salr_pruned_model),
         cmocka_unit_test(test_dag_exec_rejects_bad_input),
         cmocka_unit_test(test_dag_exec_loads_bf16_weights),
+        cmocka_unit_test(test_dag_exec_planned_pipeline_with_micro_batches),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
