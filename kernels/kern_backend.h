@@ -135,6 +135,10 @@ struct kern_backend {
     fu_err (*xent_bwd)(const kern_backend_t *be, const kern_tensor_t *logits,
                        const kern_tensor_t *targets, int32_t ignore_index, float grad_scale,
                        kern_tensor_t *dlogits);
+    /* Optional (NULL: the wrapper runs xent_fwd then xent_bwd): loss and gradient in one pass. */
+    fu_err (*xent_fused)(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                         int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                         kern_tensor_t *dlogits);
     fu_err (*adamw)(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad,
                     kern_tensor_t *m, kern_tensor_t *v, const kern_adamw_params *p, int64_t step);
     fu_err (*sample)(const kern_backend_t *be, const kern_tensor_t *logits,
@@ -278,6 +282,14 @@ FU_MUST_CHECK fu_err kern_xent_forward(const kern_backend_t *be, const kern_tens
 FU_MUST_CHECK fu_err kern_xent_backward(const kern_backend_t *be, const kern_tensor_t *logits,
                                         const kern_tensor_t *targets, int32_t ignore_index,
                                         float grad_scale, kern_tensor_t *dlogits);
+
+/* kern_xent_forward and kern_xent_backward in one pass over the logits (each row's logsumexp is
+ * computed once): *loss, *n_valid and dlogits as those two give. dlogits may be logits (in place:
+ * the logits are then gone, which is what training wants after the loss). */
+FU_MUST_CHECK fu_err kern_xent_forward_backward(const kern_backend_t *be, const kern_tensor_t *logits,
+                                                const kern_tensor_t *targets, int32_t ignore_index,
+                                                float grad_scale, float *loss, int64_t *n_valid,
+                                                kern_tensor_t *dlogits);
 
 /* One AdamW step (see kern_adamw_params) over param, grad, m, v (same shape and dtype, contiguous);
  * step is the 1-based step count used for bias correction. */

@@ -199,6 +199,7 @@ static const kern_backend_t cpu_backend = {
     .attn_bwd = kern_cpu_attn_bwd,
     .xent_fwd = kern_cpu_xent_fwd,
     .xent_bwd = kern_cpu_xent_bwd,
+    .xent_fused = kern_cpu_xent_fused,
     .adamw = cpu_adamw,
     .sample = kern_cpu_sample,
     .sparse_matmul = kern_cpu_sparse_matmul,

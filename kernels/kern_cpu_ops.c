@@ -311,3 +311,35 @@ fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     }
     return FU_OK;
 }
+
+fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                           int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                           kern_tensor_t *dlogits)
+{
+    (void)be;
+    int64_t n = logits->shape[0], V = logits->shape[1];
+    const float *pl = logits->data;
+    const int32_t *pt = targets->data;
+    float *pd = dlogits->data;
+    int64_t nv = 0;
+    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
+    const float scale = nv ? grad_scale / (float)nv : 0.0f;
+    double sum = 0.0;
+#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > KERN_CPU_PAR_MIN) \
+    schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = pl + i * V;
+        float *drow = pd + i * V;
+        if (pt[i] == ignore_index) {
+            memset(drow, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        float lse = row_lse(row, V);
+        sum += (double)(lse - row[pt[i]]); /* read before an in-place gradient overwrites it */
+        row_softmax_scaled(row, drow, V, lse, scale);
+        drow[pt[i]] -= scale;
+    }
+    *loss = nv ? (float)(sum / (double)nv) : 0.0f;
+    *n_valid = nv;
+    return FU_OK;
+}

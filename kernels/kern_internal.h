@@ -101,6 +101,9 @@ fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits,
 fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits,
                          const kern_tensor_t *targets, int32_t ignore_index, float grad_scale,
                          kern_tensor_t *dlogits);
+fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                           int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                           kern_tensor_t *dlogits);
 fu_err kern_cpu_attn_ws_bytes(const kern_backend_t *be, const kern_attn_params *p, int64_t tq,
                               int64_t tk, bool backward, size_t *bytes);
 fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, const kern_tensor_t *q,

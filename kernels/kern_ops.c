@@ -349,6 +349,23 @@ fu_err kern_xent_backward(const kern_backend_t *be, const kern_tensor_t *logits,
     return be->xent_bwd(be, logits, targets, ignore_index, grad_scale, dlogits);
 }
 
+fu_err kern_xent_forward_backward(const kern_backend_t *be, const kern_tensor_t *logits,
+                                  const kern_tensor_t *targets, int32_t ignore_index, float grad_scale, float *loss,
+                                  int64_t *n_valid, kern_tensor_t *dlogits)
+{
+    FU_TRY(chk_xent(be, logits, targets));
+    FU_TRY(kern_chk_float(be, dlogits, 2));
+    if (!loss || !n_valid || !kern_tensor_same_shape(logits, dlogits) || !kern_same_dtype(logits, dlogits) ||
+        !isfinite(grad_scale))
+        return FU_EINVAL;
+    if (be->xent_fused)
+        return be->xent_fused(be, logits, targets, ignore_index, grad_scale, loss, n_valid, dlogits);
+    if (!be->xent_fwd || !be->xent_bwd)
+        return FU_ENOSYS;
+    FU_TRY(be->xent_fwd(be, logits, targets, ignore_index, loss, n_valid));
+    return be->xent_bwd(be, logits, targets, ignore_index, grad_scale, dlogits);
+}
+
 fu_err kern_adamw_step(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad, kern_tensor_t *m,
                        kern_tensor_t *v, const kern_adamw_params *p, int64_t step)
 {

@@ -397,6 +397,29 @@ static void test_kern_ops_xent_value_grad_and_ignore(void **state)
     assert_int_equal(kern_xent_backward(CPU, &LP, &c.targets, -100, 0.5f, &LP), FU_OK);
     for (int64_t i = 0; i < n * V; i++)
         assert_float_equal(lp[i], 0.5f * dl[i], 1e-6);
+    /* fused forward+backward: same loss and gradient, in place too, and through the fallback */
+    {
+        float fl = 0, fl2 = 0, fl3 = 0;
+        int64_t fn = 0;
+        float *fg = tk_zeros((size_t)(n * V)), *li = tk_dup(l, (size_t)(n * V)), *fg3 = tk_zeros((size_t)(n * V));
+        kern_tensor_t FG = tk_f2(fg, n, V), LI = tk_f2(li, n, V), FG3 = tk_f2(fg3, n, V);
+        assert_int_equal(kern_xent_forward_backward(CPU, &c.logits, &c.targets, -100, 1.0f, &fl, &fn, &FG), FU_OK);
+        assert_int_equal(fn, 3);
+        assert_float_equal(fl, c.loss, 1e-6);
+        assert_memory_equal(fg, dl, (size_t)(n * V) * sizeof(float));
+        assert_int_equal(kern_xent_forward_backward(CPU, &LI, &c.targets, -100, 1.0f, &fl2, &fn, &LI), FU_OK);
+        assert_float_equal(fl2, c.loss, 1e-6);
+        assert_memory_equal(li, dl, (size_t)(n * V) * sizeof(float));
+        kern_backend_t nofuse = *CPU;
+        nofuse.xent_fused = NULL;
+        assert_int_equal(kern_xent_forward_backward(&nofuse, &c.logits, &c.targets, -100, 1.0f, &fl3, &fn, &FG3), FU_OK);
+        assert_float_equal(fl3, c.loss, 1e-6);
+        assert_memory_equal(fg3, dl, (size_t)(n * V) * sizeof(float));
+        assert_int_equal(kern_xent_forward_backward(CPU, &c.logits, &c.targets, -100, 1.0f, NULL, &fn, &FG), FU_EINVAL);
+        kern_tensor_t FGs = tk_f2(fg, n, V - 1);
+        assert_int_equal(kern_xent_forward_backward(CPU, &c.logits, &c.targets, -100, 1.0f, &fl, &fn, &FGs), FU_EINVAL);
+        free(fg), free(li), free(fg3);
+    }
     /* everything ignored: loss 0, no division by zero */
     int32_t all_ign[4] = {-100, -100, -100, -100};
     kern_tensor_t TI = tk_i1(all_ign, n);
