@@ -28,6 +28,8 @@ extern "C" {
 #endif
 
 #define KERN_CUDA_MAX_DEVICES 64 /* ordinals kern_backend_cuda serves */
+#define KERN_CUDA_BITMAP_GEMV_MAX_BATCH 16   /* batches up to this use the fused decode+GEMV kernel */
+#define KERN_CUDA_BITMAP_DENSE_MIN_BATCH 256 /* batches from this decode W to a dense scratch + cuBLAS */
 
 /* Number of usable CUDA devices; 0 when there is no driver, no device, or the runtime fails (never
  * crashes, logs at debug level). Thread-safe. */
@@ -86,11 +88,18 @@ size_t kern_cuda_bitmap_rows(const kern_cuda_bitmap_t *self);
 size_t kern_cuda_bitmap_cols(const kern_cuda_bitmap_t *self);
 
 /* Y[n,rows] = X[n,cols]·Wᵀ + beta·Y with W the bitmap matrix (beta 0 or 1). X and Y 2-D with
- * contiguous rows, same float dtype. n <= 16: fused decode+GEMV kernel (tiles staged through shared
- * memory with cp.async, double-buffered); larger n with f16/bf16: tile-by-tile decode into shared
- * memory pipelined with tensor-core MMA; larger n with f32: decode to a dense scratch + cuBLAS. */
+ * contiguous rows, same float dtype. n <= KERN_CUDA_BITMAP_GEMV_MAX_BATCH: fused decode+GEMV kernel
+ * (tiles staged through shared memory with cp.async, double-buffered); up to
+ * KERN_CUDA_BITMAP_DENSE_MIN_BATCH with f16/bf16 (sm_80+, cols % 8 == 0): tile-by-tile decode into
+ * shared memory pipelined with tensor-core MMA; otherwise decode to a dense scratch (from the pool,
+ * rows·cols elements) + cuBLAS, which at large batch costs about one extra pass over W. */
 FU_MUST_CHECK fu_err kern_cuda_bitmap_matmul(const kern_backend_t *be, const kern_tensor_t *x,
                                              const kern_cuda_bitmap_t *w, float beta, kern_tensor_t *y);
+/* As kern_cuda_bitmap_matmul but never the dense scratch: the GEMV kernel up to the GEMV batch, the
+ * tensor-core kernel above it (FU_EINVAL when that kernel cannot serve: f32, sm < 80, cols % 8).
+ * For benchmarks and tests of the fused kernels. */
+FU_MUST_CHECK fu_err kern_cuda_bitmap_matmul_fused(const kern_backend_t *be, const kern_tensor_t *x,
+                                                   const kern_cuda_bitmap_t *w, float beta, kern_tensor_t *y);
 /* dX[n,cols] = dY[n,rows]·W (overwritten): the input gradient through a frozen sparse weight
  * (decode to a dense scratch + cuBLAS). */
 FU_MUST_CHECK fu_err kern_cuda_bitmap_matmul_dx(const kern_backend_t *be, const kern_tensor_t *dy,

@@ -110,6 +110,19 @@ static void spmm_case(kern_bitmap_dtype bdt, kern_dtype dt, size_t rows, size_t 
     snprintf(what, sizeof what, "spmm %s x %s %zux%zu n=%lld", bdt == KERN_BITMAP_F16 ? "f16" : "f32",
              kern_dtype_name(dt), rows, cols, (long long)n);
     tc_expect(what, gy, y, tc_tol_scaled(dt, 3.0));
+    /* the fused kernels alone (the tensor-core kernel where the automatic choice is the dense path) */
+    if (dt != KERN_F32 && cols % 8 == 0) {
+        float *y0 = tc_rand((size_t)n * rows, 303, -1, 1), *yf = malloc((size_t)n * rows * 4);
+        tc_round(dt, y0, (size_t)n * rows);
+        kern_tensor_t *gyf = tc_up(tc_gpu, dt, y0, 2, n, (int64_t)rows), cyf = tc_cpu_t(yf, 2, n, (int64_t)rows);
+        memcpy(yf, y0, (size_t)n * rows * 4);
+        assert_int_equal(kern_sparse_linear_forward(tc_cpu, &cx, &cs, beta, &cyf), FU_OK);
+        assert_int_equal(kern_cuda_bitmap_matmul_fused(tc_gpu, gx, gw, beta, gyf), FU_OK);
+        tc_expect("spmm fused", gyf, yf, tc_tol_scaled(dt, 3.0));
+        kern_tensor_destroy(&gyf);
+        free(y0);
+        free(yf);
+    }
 
     /* dX = dY·W */
     float *dy = tc_rand((size_t)n * rows, 304, -1, 1), *dx = malloc((size_t)n * cols * 4);
@@ -154,13 +167,13 @@ static void test_kern_cuda_spmm_matches_cpu(void **state)
     (void)state;
     /* 200 rows: a partial 64-row block and a partial tile row is impossible (200 = 25*8), so also
      * 203 rows; 328 cols: a partial tile column. Batches cover the GEMV kernel (1, 3, 16) and the
-     * tensor-core kernel (17, 100). */
+     * tensor-core kernel (17, 100) and the dense path (300). */
     const size_t shapes[][2] = {{200, 328}, {203, 512}, {64, 64}};
-    const int64_t batches[] = {1, 3, 16, 17, 100};
+    const int64_t batches[] = {1, 3, 16, 17, 100, 300};
     for (int b = 0; b < 2; b++)
         for (int d = 0; d < 3; d++)
             for (size_t s = 0; s < 3; s++)
-                for (size_t i = 0; i < 5; i++)
+                for (size_t i = 0; i < sizeof batches / sizeof batches[0]; i++)
                     spmm_case(b ? KERN_BITMAP_F16 : KERN_BITMAP_F32, tc_float_dtypes[d], shapes[s][0], shapes[s][1],
                               batches[i], i % 2 ? 1.0f : 0.0f);
 }

@@ -13,13 +13,14 @@
  *                    buffered (tile t+1 in flight while tile t is decoded and multiplied). X's chunk
  *                    [n, 512] is in shared memory as f32. Partial sums go through f32 atomics into a
  *                    scratch Y, and a finishing pass applies beta and the output dtype.
- *   k_bitmap_mma     n > 16, f16/bf16 activations (prefill): a block computes a 64x64 tile of Y over
+ *   k_bitmap_mma     16 < n < 256, f16/bf16 activations (prefill): a block computes a 64x64 tile of Y over
  *                    K in steps of one tile column (64). Stage s holds the raw tiles (8 tile rows) and
  *                    the X slab, loaded with cp.async; the tiles of step k+1 are decoded into a dense
  *                    shared slab while step k's slab multiplies on tensor cores (WMMA 16x16x16, f32
  *                    accumulators): two shared slabs, two raw stages.
- *   k_bitmap_decode  whole matrix to a dense tensor (for dX = dY·W and f32 prefill, followed by
- *                    cuBLAS).
+ *   k_bitmap_decode  whole matrix to a dense tensor, followed by cuBLAS: dX = dY·W, f32 activations
+ *                    above the GEMV batch, and every batch >= 256, where one decode pass is cheaper
+ *                    than this WMMA kernel's deficit against cuBLAS (Hopper's cuBLAS uses wgmma).
  * Values are stored as f32 or f16 (kern_bitmap_dtype); activations are f32, f16 or bf16. */
 #include <mma.h>
 #include <stdlib.h>
@@ -28,9 +29,8 @@
 
 #define BM_TILE_R    8
 #define BM_TILE_C    64
-#define BM_GEMV_WARPS 4  /* tile rows per block */
+#define BM_GEMV_WARPS 8  /* tile rows per block (they share the X chunk) */
 #define BM_GEMV_KT   8   /* tile columns per block (512 columns of X in shared memory) */
-#define BM_GEMV_MAXB 16  /* largest batch of the GEMV kernel */
 #define BM_PAD       32  /* bytes of slack after the values (aligned-up cp.async reads) */
 
 struct kern_cuda_bitmap {
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(32 * BM_GEMV_WARPS)
 {
     extern __shared__ __align__(128) unsigned char smem_gemv[];
     unsigned char *smem = smem_gemv;
-    float *xs = reinterpret_cast<float *>(smem); /* [NB][512] */
+    float *xs = reinterpret_cast<float *>(smem); /* [512][NB]: a column's NB values are one vector read */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t slot = 64 + (size_t)BM_TILE_R * BM_TILE_C * vsize + BM_PAD;
     unsigned char *wbuf = smem + (size_t)NB * BM_GEMV_KT * BM_TILE_C * 4 + (size_t)warp * 2 * slot;
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(32 * BM_GEMV_WARPS)
     for (int idx = threadIdx.x; idx < NB * BM_GEMV_KT * BM_TILE_C; idx += blockDim.x) {
         const int b = idx / (BM_GEMV_KT * BM_TILE_C), c = idx % (BM_GEMV_KT * BM_TILE_C);
         const int64_t kk = k0 + c;
-        xs[idx] = (b < nb && kk < cols) ? kc_ld(x[(int64_t)b * ldx + kk]) : 0.0f;
+        xs[c * NB + b] = (b < nb && kk < cols) ? kc_ld(x[(int64_t)b * ldx + kk]) : 0.0f;
     }
     __syncthreads();
 
@@ -173,15 +173,27 @@ __global__ void __launch_bounds__(32 * BM_GEMV_WARPS)
         int first = 0;
         unsigned mbits = bm_lane_bits(reinterpret_cast<const uint64_t *>(buf), rr, q, &first);
         const unsigned char *tv = bm_tile_vals(buf, offs, t, vsize);
-        const float *xcol = xs + it * BM_TILE_C + 16 * q;
+        const float *xcol = xs + (it * BM_TILE_C + 16 * q) * NB;
         int idx = first;
         while (mbits) {
             const int c = __ffs(mbits) - 1;
             mbits &= mbits - 1;
             const float w = bm_val(tv, idx++, vsize);
+            if constexpr (NB % 4 == 0) {
+                const float4 *xv = reinterpret_cast<const float4 *>(xcol + c * NB);
 #pragma unroll
-            for (int b = 0; b < NB; b++)
-                acc[b] += w * xcol[b * (BM_GEMV_KT * BM_TILE_C) + c];
+                for (int b4 = 0; b4 < NB / 4; b4++) {
+                    const float4 v4 = xv[b4];
+                    acc[4 * b4 + 0] += w * v4.x;
+                    acc[4 * b4 + 1] += w * v4.y;
+                    acc[4 * b4 + 2] += w * v4.z;
+                    acc[4 * b4 + 3] += w * v4.w;
+                }
+            } else {
+#pragma unroll
+                for (int b = 0; b < NB; b++)
+                    acc[b] += w * xcol[c * NB + b];
+            }
         }
         __syncwarp(); /* this buffer is restaged two iterations later */
     }
@@ -634,8 +646,8 @@ static fu_err dense_path(kc_ctx *ctx, const kern_cuda_bitmap_t *w, const kern_te
     return rc;
 }
 
-extern "C" fu_err kern_cuda_bitmap_matmul(const kern_backend_t *be, const kern_tensor_t *x, const kern_cuda_bitmap_t *w,
-                                          float beta, kern_tensor_t *y)
+static fu_err bitmap_matmul(const kern_backend_t *be, const kern_tensor_t *x, const kern_cuda_bitmap_t *w, float beta,
+                            kern_tensor_t *y, bool fused_only)
 {
     FU_TRY(bm_check(be, w));
     if (!bm_mat(be, x) || !bm_mat(be, y) || x->dtype != y->dtype || x->shape[1] != (int64_t)w->cols ||
@@ -649,7 +661,7 @@ extern "C" fu_err kern_cuda_bitmap_matmul(const kern_backend_t *be, const kern_t
     kc_ctx *ctx = kc_of(be);
     FU_TRY(kc_enter(ctx));
     const int64_t ldx = bm_ld(x), ldy = bm_ld(y);
-    if (n <= BM_GEMV_MAXB) {
+    if (n <= KERN_CUDA_BITMAP_GEMV_MAX_BATCH) {
         switch (x->dtype) {
         case KERN_F32:
             return gemv_t<float>(ctx, w, (const float *)x->data, ldx, n, (float *)y->data, ldy, beta);
@@ -661,14 +673,30 @@ extern "C" fu_err kern_cuda_bitmap_matmul(const kern_backend_t *be, const kern_t
         }
     }
     const bool aligned = ((uintptr_t)x->data & 15) == 0 && ldx % 8 == 0 && w->cols % 8 == 0;
-    if (x->dtype != KERN_F32 && ctx->cc_major >= 8 && aligned && mma_smem_bytes((int)w->vsize) <= ctx->smem_optin &&
-        n <= 65535LL * MMA_BM) {
+    const bool mma_ok = x->dtype != KERN_F32 && ctx->cc_major >= 8 && aligned &&
+                        mma_smem_bytes((int)w->vsize) <= ctx->smem_optin && n <= 65535LL * MMA_BM &&
+                        w->rows <= 65535ull * MMA_BN;
+    if (mma_ok && (fused_only || n < KERN_CUDA_BITMAP_DENSE_MIN_BATCH)) {
         if (x->dtype == KERN_F16)
             return mma_t<__half>(ctx, w, (const __half *)x->data, ldx, n, (__half *)y->data, ldy, beta);
         return mma_t<__nv_bfloat16>(ctx, w, (const __nv_bfloat16 *)x->data, ldx, n, (__nv_bfloat16 *)y->data, ldy,
                                     beta);
     }
+    if (fused_only)
+        return FU_EINVAL;
     return dense_path(ctx, w, x, beta, y);
+}
+
+extern "C" fu_err kern_cuda_bitmap_matmul(const kern_backend_t *be, const kern_tensor_t *x, const kern_cuda_bitmap_t *w,
+                                          float beta, kern_tensor_t *y)
+{
+    return bitmap_matmul(be, x, w, beta, y, false);
+}
+
+extern "C" fu_err kern_cuda_bitmap_matmul_fused(const kern_backend_t *be, const kern_tensor_t *x,
+                                                const kern_cuda_bitmap_t *w, float beta, kern_tensor_t *y)
+{
+    return bitmap_matmul(be, x, w, beta, y, true);
 }
 
 extern "C" fu_err kern_cuda_bitmap_matmul_dx(const kern_backend_t *be, const kern_tensor_t *dy,
