@@ -103,6 +103,7 @@ uint64_t wire_counters_dropped(const wire_counters *c)
 typedef struct budget_pool {
     fu_budget budget;
     ProtobufCAllocator alloc;
+    bool refused; /* an allocation was refused for the budget */
 } budget_pool;
 
 typedef union {
@@ -117,8 +118,10 @@ static void *pool_alloc(void *data, size_t size)
 {
     budget_pool *pool = data;
     size_t total;
-    if (!fu_size_add(size, sizeof(block_hdr), &total) || fu_budget_take(&pool->budget, total) != FU_OK)
+    if (!fu_size_add(size, sizeof(block_hdr), &total) || fu_budget_take(&pool->budget, total) != FU_OK) {
+        pool->refused = true;
         return NULL;
+    }
     block_hdr *b = malloc(total);
     if (!b) {
         fu_budget_give(&pool->budget, total);
@@ -143,6 +146,7 @@ static void pool_init(budget_pool *pool, size_t limit)
 {
     pool->budget.limit = limit;
     pool->budget.used = 0;
+    pool->refused = false;
     pool->alloc.alloc = pool_alloc;
     pool->alloc.free = pool_free;
     pool->alloc.allocator_data = pool;
@@ -308,8 +312,7 @@ fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *
     pool_init(pool, budget);
     ProtobufCMessage *m = protobuf_c_message_unpack(d, &pool->alloc, len, data);
     if (!m) {
-        /* protobuf-c reports failure as NULL; a budget refusal shows as used near the limit. */
-        bool over = pool->budget.used > 0 || len + sizeof(block_hdr) + d->sizeof_message > budget;
+        bool over = pool->refused; /* protobuf-c reports both kinds of failure as NULL */
         free(pool);
         return over ? FU_ENOMEM : FU_EPROTO;
     }
@@ -359,9 +362,13 @@ static fu_err decode_into(wire_msg_t *m, const uint8_t *env, size_t env_len, con
     m->env = (Fusion__Envelope *)protobuf_c_message_unpack(&fusion__envelope__descriptor, &m->pool.alloc, env_len,
                                                            env);
     if (!m->env) {
-        if (c)
-            c->dropped_malformed++;
-        return FU_EPROTO;
+        if (c) {
+            if (m->pool.refused)
+                c->dropped_too_large++;
+            else
+                c->dropped_malformed++;
+        }
+        return m->pool.refused ? FU_ENOMEM : FU_EPROTO;
     }
     if (m->env->version != WIRE_PROTOCOL_VERSION) {
         if (c)
@@ -392,11 +399,9 @@ static fu_err decode_into(wire_msg_t *m, const uint8_t *env, size_t env_len, con
             return FU_EPROTO;
         }
     } else {
-        size_t before = m->pool.budget.used;
         m->body = protobuf_c_message_unpack(ti->body, &m->pool.alloc, body_len, body);
         if (!m->body) {
-            bool over = m->pool.budget.used != before ||
-                        m->pool.budget.used + body_len + ti->body->sizeof_message > m->pool.budget.limit;
+            bool over = m->pool.refused;
             if (c) {
                 if (over)
                     c->dropped_too_large++;
@@ -721,8 +726,10 @@ static void reply_refusal(void *sock, const uint8_t *rid, size_t rid_len, fu_err
         c->errors_replied++;
 }
 
-fu_err wire_recv(void *sock, int flags, wire_counters *c, wire_msg_t **out)
+fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
 {
+    wire_counters local = {0};
+    wire_counters *c = c_in ? c_in : &local;
     if (!sock || !out)
         return FU_EINVAL;
     *out = NULL;
@@ -766,7 +773,7 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c, wire_msg_t **out)
     fu_err rc = FU_OK;
     size_t base = want - 2;
     wire_msg_t *m = NULL;
-    wire_counters before = c ? *c : (wire_counters){0};
+    wire_counters before = *c;
     const uint8_t *rid = NULL;
     size_t rid_len = 0;
     if (st == ZMQ_ROUTER && got >= 1) {

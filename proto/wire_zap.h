@@ -58,7 +58,8 @@ typedef struct wire_zap wire_zap_t;
  * ctx, FU_EIO other. */
 wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *why, size_t why_cap);
 
-/* Stops the thread, closes its sockets, wipes the token. Idempotent; sets *zap_p = NULL. */
+/* Stops the thread, closes its sockets, wipes the token. Idempotent; sets *zap_p = NULL. Call it
+ * before zmq_ctx_term: its sockets live in the context, which cannot end while they are open. */
 void wire_zap_destroy(wire_zap_t **zap_p);
 
 /* Adds key to the allow-list (in memory and, when configured, appended to the file). */
