@@ -1,8 +1,9 @@
 /* CPU backend: causal grouped-query attention, forward and backward.
  *
- * Two paths. Many queries (training, prefill): per (sequence, head) the scores S = scale·Q·Kᵀ and
- * the output P·V are OpenBLAS GEMMs (strided views of the packed [tokens, heads*dim] activations),
- * and the masked softmax runs on OpenMP threads over rows. Few queries (decode against a KV cache):
+ * Two paths. Many queries (training, prefill): per (sequence, head, block of ATTN_BLOCK_Q query rows)
+ * the scores S = scale·Q·Kᵀ over the keys the block can see and the output P·V are OpenBLAS GEMMs
+ * (strided views of the packed [tokens, heads*dim] activations), and the masked softmax runs on
+ * OpenMP threads over rows when a block is big enough. Few queries (decode against a KV cache):
  * GEMMs of one row waste BLAS set-up, so each (sequence, head, query row) is a hand-written loop and
  * the threads split the heads. Backward always takes the GEMM path and recomputes P from q and k. */
 #include <cblas.h>
@@ -15,6 +16,8 @@
 #include "kern_internal.h"
 
 #define ATTN_SMALL_TQ 8 /* at most this many query rows per sequence: the hand-written path */
+#define ATTN_BLOCK_Q  128 /* query rows per block of the GEMM path: a block only multiplies the keys
+                             its last row may see, so causal attention skips most of the masked half */
 
 static float attn_scale(const kern_attn_params *p)
 {
@@ -28,12 +31,13 @@ fu_err kern_cpu_attn_ws_bytes(const kern_backend_t *be, const kern_attn_params *
     (void)p;
     size_t nt = (size_t)kern_cpu_threads();
     size_t floats;
+    size_t bq = (size_t)(tq < ATTN_BLOCK_Q ? tq : ATTN_BLOCK_Q);
     if (backward)
-        floats = 2 * (size_t)tq * (size_t)tk;
+        floats = 2 * bq * (size_t)tk;
     else if (tq <= ATTN_SMALL_TQ)
         floats = nt * (size_t)tk;
     else
-        floats = (size_t)tq * (size_t)tk;
+        floats = bq * (size_t)tk;
     *bytes = floats * sizeof(float) + 2 * KERN_ALIGN;
     return FU_OK;
 }
@@ -174,7 +178,8 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
     void *owned = NULL;
     float *scr = NULL;
     bool small = tq <= ATTN_SMALL_TQ;
-    size_t floats = small ? (size_t)kern_cpu_threads() * (size_t)tk : (size_t)tq * (size_t)tk;
+    const int64_t BQ = tq < ATTN_BLOCK_Q ? tq : ATTN_BLOCK_Q;
+    size_t floats = small ? (size_t)kern_cpu_threads() * (size_t)tk : (size_t)BQ * (size_t)tk;
     FU_TRY(scratch(ws, floats, &scr, &owned));
     if (small) {
         attn_fwd_small(p, tq, tk, Q, K, Vp, O, scr, scale);
@@ -182,15 +187,20 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
         for (int64_t s = 0; s < S; s++) {
             for (int64_t h = 0; h < Hq; h++) {
                 int64_t g = h / group;
-                const float *Qh = Q + s * tq * ldq + h * D;
                 const float *Kg = K + s * tk * ldk + g * D;
                 const float *Vg = Vp + s * tk * ldk + g * D;
-                float *Oh = O + s * tq * ldq + h * D;
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, scale, Qh, ldq, Kg,
-                            ldk, 0.0f, scr, (int)tk);
-                masked_softmax(scr, tq, tk, p->q_offset);
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)tq, (int)D, (int)tk, 1.0f, scr, (int)tk,
-                            Vg, ldk, 0.0f, Oh, ldq);
+                for (int64_t i0 = 0; i0 < tq; i0 += BQ) {
+                    int64_t bq = tq - i0 < BQ ? tq - i0 : BQ;
+                    int64_t kl = p->q_offset + i0 + bq; /* keys the block's last row sees */
+                    kl = kl < tk ? kl : tk;
+                    const float *Qb = Q + (s * tq + i0) * ldq + h * D;
+                    float *Ob = O + (s * tq + i0) * ldq + h * D;
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, scale, Qb, ldq, Kg,
+                                ldk, 0.0f, scr, (int)kl);
+                    masked_softmax(scr, bq, kl, p->q_offset + i0);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)bq, (int)D, (int)kl, 1.0f, scr,
+                                (int)kl, Vg, ldk, 0.0f, Ob, ldq);
+                }
             }
         }
     }
@@ -220,35 +230,42 @@ fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, co
     size_t mark = kern_workspace_mark(ws);
     void *owned = NULL;
     float *P = NULL;
-    FU_TRY(scratch(ws, 2 * (size_t)tq * (size_t)tk, &P, &owned));
-    float *dP = P + tq * tk;
+    const int64_t BQ = tq < ATTN_BLOCK_Q ? tq : ATTN_BLOCK_Q;
+    FU_TRY(scratch(ws, 2 * (size_t)BQ * (size_t)tk, &P, &owned));
+    float *dP = P + BQ * tk;
     for (int64_t s = 0; s < S; s++) {
         for (int64_t h = 0; h < Hq; h++) {
             int64_t g = h / group;
-            const float *Qh = Q + s * tq * ldq + h * D;
-            const float *dOh = dO + s * tq * ldq + h * D;
             const float *Kg = K + s * tk * ldk + g * D;
             const float *Vg = Vp + s * tk * ldk + g * D;
-            float *dQh = dQ + s * tq * ldq + h * D;
             float *dKg = dK + s * tk * ldk + g * D;
             float *dVg = dV + s * tk * ldk + g * D;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, scale, Qh, ldq, Kg, ldk,
-                        0.0f, P, (int)tk);
-            masked_softmax(P, tq, tk, p->q_offset);
-            /* dP = dO·Vᵀ; dV += Pᵀ·dO */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)tq, (int)tk, (int)D, 1.0f, dOh, ldq, Vg, ldk,
-                        0.0f, dP, (int)tk);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)tk, (int)D, (int)tq, 1.0f, P, (int)tk, dOh,
-                        ldq, 1.0f, dVg, ldk);
-            /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
-            for (int64_t i = 0; i < tq; i++)
-                dsoftmax_row(P + i * tk, dP + i * tk, tk);
-            /* dQ = scale·dS·K; dK += scale·dSᵀ·Q */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)tq, (int)D, (int)tk, scale, dP, (int)tk, Kg,
-                        ldk, 0.0f, dQh, ldq);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)tk, (int)D, (int)tq, scale, dP, (int)tk, Qh,
-                        ldq, 1.0f, dKg, ldk);
+            for (int64_t i0 = 0; i0 < tq; i0 += BQ) {
+                int64_t bq = tq - i0 < BQ ? tq - i0 : BQ;
+                int64_t kl = p->q_offset + i0 + bq; /* keys the block's last row sees */
+                kl = kl < tk ? kl : tk;
+                const float *Qb = Q + (s * tq + i0) * ldq + h * D;
+                const float *dOb = dO + (s * tq + i0) * ldq + h * D;
+                float *dQb = dQ + (s * tq + i0) * ldq + h * D;
+                const int ldp = (int)kl;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, scale, Qb, ldq, Kg, ldk,
+                            0.0f, P, ldp);
+                masked_softmax(P, bq, kl, p->q_offset + i0);
+                /* dP = dO·Vᵀ; dV += Pᵀ·dO */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, 1.0f, dOb, ldq, Vg, ldk,
+                            0.0f, dP, ldp);
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kl, (int)D, (int)bq, 1.0f, P, ldp, dOb, ldq,
+                            1.0f, dVg, ldk);
+                /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (bq * kl > KERN_CPU_PAR_MIN) schedule(static)
+                for (int64_t i = 0; i < bq; i++)
+                    dsoftmax_row(P + i * kl, dP + i * kl, kl);
+                /* dQ = scale·dS·K; dK += scale·dSᵀ·Q */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)bq, (int)D, (int)kl, scale, dP, ldp, Kg,
+                            ldk, 0.0f, dQb, ldq);
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kl, (int)D, (int)bq, scale, dP, ldp, Qb, ldq,
+                            1.0f, dKg, ldk);
+            }
         }
     }
     free(owned);

@@ -139,6 +139,30 @@ static void test_kern_attn_backward_matches_fd(void **state)
     free(q), free(k), free(v), free(o), free(R), free(dq), free(dk), free(dv), free(dk2), free(R2);
 }
 
+/* Backward over several query blocks, with an offset (chunked prefill: more keys than queries). */
+static void test_kern_attn_backward_blocked_matches_fd(void **state)
+{
+    (void)state;
+    static const int64_t cfg[][3] = {{300, 300, 0}, {200, 260, 60}}; /* tq, tk, q_offset */
+    for (int ci = 0; ci < 2; ci++) {
+        const int hq = 2, hkv = 1, d = 4;
+        const int64_t tq = cfg[ci][0], tk = cfg[ci][1];
+        size_t nq = (size_t)(tq * hq * d), nk = (size_t)(tk * hkv * d);
+        float *q = tk_rand(nq, 400, -1, 1), *k = tk_rand(nk, 401, -1, 1), *v = tk_rand(nk, 402, -1, 1);
+        float *o = tk_zeros(nq), *R = tk_rand(nq, 403, -1, 1);
+        float *dq = tk_zeros(nq), *dk = tk_zeros(nk), *dv = tk_zeros(nk);
+        attn_ctx c = {{.n_head = hq, .n_kv_head = hkv, .head_dim = d, .n_seq = 1, .q_offset = cfg[ci][2]},
+                      tk_f2(q, tq, hq * d), tk_f2(k, tk, hkv * d), tk_f2(v, tk, hkv * d), tk_f2(o, tq, hq * d)};
+        kern_tensor_t dO = tk_f2(R, tq, hq * d), dQ = tk_f2(dq, tq, hq * d);
+        kern_tensor_t dK = tk_f2(dk, tk, hkv * d), dV = tk_f2(dv, tk, hkv * d);
+        assert_int_equal(kern_attn_backward(CPU, &c.p, &c.q, &c.k, &c.v, &dO, &dQ, &dK, &dV, NULL), FU_OK);
+        assert_true(tk_grad_check(attn_fwd, &c, q, nq, dq, o, R, nq, 1e-2f, 2e-3, 2e-2, 24) <= 1.0);
+        assert_true(tk_grad_check(attn_fwd, &c, k, nk, dk, o, R, nq, 1e-2f, 2e-3, 2e-2, 24) <= 1.0);
+        assert_true(tk_grad_check(attn_fwd, &c, v, nk, dv, o, R, nq, 1e-2f, 2e-3, 2e-2, 24) <= 1.0);
+        free(q), free(k), free(v), free(o), free(R), free(dq), free(dk), free(dv);
+    }
+}
+
 static void test_kern_attn_kvcache_decode_equals_full(void **state)
 {
     (void)state;
@@ -248,6 +272,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kern_attn_gqa_matches_plain_loop),
         cmocka_unit_test(test_kern_attn_backward_matches_fd),
+        cmocka_unit_test(test_kern_attn_backward_blocked_matches_fd),
         cmocka_unit_test(test_kern_attn_kvcache_decode_equals_full),
         cmocka_unit_test(test_kern_attn_bad_arguments_return_einval),
     };
