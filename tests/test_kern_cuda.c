@@ -516,6 +516,22 @@ static void test_kern_cuda_xent(void **state)
         tc_tol gt_tol = tc_tol_of(dt);
         gt_tol.atol = dt == KERN_F32 ? 1e-7 : 1e-5; /* gradients are ~1/(n·V) */
         tc_expect("xent bwd", gd, dl, gt_tol);
+        /* fused forward+backward, out of place then in place */
+        kern_tensor_t *gd2 = tc_zeros(tc_gpu, dt, 2, n, V);
+        float lf = 0;
+        int64_t nvf = 0;
+        assert_int_equal(kern_xent_forward_backward(tc_gpu, gl, gt, KERN_XENT_IGNORE_DEFAULT, 0.5f, &lf, &nvf, gd2),
+                         FU_OK);
+        assert_int_equal(nvf, nv_cpu);
+        assert_true(fabs((double)lf - (double)lg_cpu) <= t.atol + t.rtol * fabs((double)lg_cpu));
+        tc_expect("xent fused", gd2, dl, gt_tol);
+        kern_tensor_destroy(&gd2);
+        kern_tensor_t *gl2 = tc_up(tc_gpu, dt, lg, 2, n, V);
+        assert_int_equal(kern_xent_forward_backward(tc_gpu, gl2, gt, KERN_XENT_IGNORE_DEFAULT, 0.5f, &lf, &nvf, gl2),
+                         FU_OK);
+        assert_true(fabs((double)lf - (double)lg_cpu) <= t.atol + t.rtol * fabs((double)lg_cpu));
+        tc_expect("xent fused in place", gl2, dl, gt_tol);
+        kern_tensor_destroy(&gl2);
         assert_int_equal(kern_xent_backward(tc_gpu, gl, gt, KERN_XENT_IGNORE_DEFAULT, 0.5f, gl), FU_OK); /* in place */
         tc_expect("xent bwd in place", gl, dl, gt_tol);
         int32_t bad[13];
@@ -524,6 +540,8 @@ static void test_kern_cuda_xent(void **state)
         kern_tensor_t *gb = tc_up_i32(tc_gpu, bad, n);
         assert_int_equal(kern_xent_forward(tc_gpu, gd, gb, KERN_XENT_IGNORE_DEFAULT, &lg_gpu, &nv_gpu), FU_EINVAL);
         assert_int_equal(kern_xent_backward(tc_gpu, gd, gb, KERN_XENT_IGNORE_DEFAULT, 1.0f, gd), FU_EINVAL);
+        assert_int_equal(kern_xent_forward_backward(tc_gpu, gd, gb, KERN_XENT_IGNORE_DEFAULT, 1.0f, &lg_gpu, &nv_gpu, gd),
+                         FU_EINVAL);
         kern_tensor_destroy(&gb);
         kern_tensor_destroy(&gl);
         kern_tensor_destroy(&gt);

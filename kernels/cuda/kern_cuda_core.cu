@@ -505,6 +505,7 @@ static fu_err ctx_create(int device, kc_ctx **out)
     ctx->be.attn_bwd = kc_attn_bwd;
     ctx->be.xent_fwd = kc_xent_fwd;
     ctx->be.xent_bwd = kc_xent_bwd;
+    ctx->be.xent_fused = kc_xent_fused;
     ctx->be.adamw = kc_adamw;
     ctx->be.sample = kc_sample;
     ctx->be.sparse_matmul = kc_sparse_matmul;

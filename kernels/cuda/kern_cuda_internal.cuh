@@ -127,6 +127,8 @@ fu_err kc_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const 
                    int32_t ignore_index, float *loss, int64_t *n_valid);
 fu_err kc_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
                    int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits);
+fu_err kc_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                     int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid, kern_tensor_t *dlogits);
 fu_err kc_adamw(const kern_backend_t *be, kern_tensor_t *param, const kern_tensor_t *grad, kern_tensor_t *m,
                 kern_tensor_t *v, const kern_adamw_params *p, int64_t step);
 fu_err kc_sample(const kern_backend_t *be, const kern_tensor_t *logits, const kern_sample_params *p,

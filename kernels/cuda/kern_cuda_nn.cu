@@ -8,6 +8,7 @@
  *   silu·mul fwd / bwd (elementwise)
  *   cross-entropy fwd (one block per row: max, sum, lse; a one-block reduction in double) / bwd
  *     (fused softmax - onehot, scaled by grad_scale / n_valid read on the device; in place allowed)
+ *     / fused fwd+bwd (one lse per row gives both the row loss and the gradient row)
  *   AdamW (elementwise, the CPU backend's PyTorch formulation, bias corrections in double). */
 #include <math.h>
 
@@ -491,6 +492,46 @@ __global__ void k_xent_bwd_rows(const T *logits, const int32_t *__restrict__ tg,
     }
 }
 
+/* Fused forward+backward for one row: loss_row/valid as k_xent_rows, and the gradient row as
+ * k_xent_bwd_rows, from one log-sum-exp. In place allowed: the target logit is read by every
+ * thread before the reductions' barriers, and every write comes after them. */
+template <typename T>
+__global__ void k_xent_fused_rows(const T *logits, const int32_t *__restrict__ tg, T *dlogits,
+                                  float *__restrict__ loss_row, int *__restrict__ valid, int64_t V, int32_t ignore,
+                                  float grad_scale, const int *cnt, int *flag)
+{
+    __shared__ float red[32];
+    const int64_t i = blockIdx.x;
+    const int32_t t = tg[i];
+    const T *row = logits + i * V;
+    T *drow = dlogits + i * V;
+    if (t == ignore || t < 0 || (int64_t)t >= V) {
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+            drow[j] = kc_st<T>(0.0f);
+        if (threadIdx.x == 0) {
+            loss_row[i] = 0.0f;
+            valid[i] = 0;
+            if (t != ignore)
+                atomicOr(flag, KC_FLAG_BAD_INDEX);
+        }
+        return;
+    }
+    const float xt = kc_ld(row[t]);
+    const float lse = xent_row_lse(row, V, red);
+    const int nv = *cnt;
+    const float scale = nv ? grad_scale / (float)nv : 0.0f;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        float v = expf(kc_ld(row[j]) - lse) * scale;
+        if (j == (int64_t)t)
+            v -= scale;
+        drow[j] = kc_st<T>(v);
+    }
+    if (threadIdx.x == 0) {
+        loss_row[i] = lse - xt;
+        valid[i] = 1;
+    }
+}
+
 static fu_err xent_shape(const kern_tensor_t *logits, const kern_tensor_t *targets, int64_t *n, int64_t *V)
 {
     if (logits->ndim != 2 || targets->dtype != KERN_I32 || !kc_is_float(logits->dtype))
@@ -647,5 +688,70 @@ extern "C" fu_err kc_adamw(const kern_backend_t *be, kern_tensor_t *param, const
             step_size, inv_sqrt_bc2);
     });
     KC_LAUNCHED();
+    return FU_OK;
+}
+
+extern "C" fu_err kc_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                                int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                                kern_tensor_t *dlogits)
+{
+    kc_ctx *ctx = kc_of(be);
+    int64_t n = 0, V = 0;
+    FU_TRY(xent_shape(logits, targets, &n, &V));
+    if (dlogits->dtype != logits->dtype || kern_tensor_numel(dlogits) != n * V)
+        return FU_EINVAL;
+    *loss = 0.0f;
+    *n_valid = 0;
+    if (n == 0)
+        return FU_OK;
+    FU_TRY(kc_enter(ctx));
+    /* scratch: loss_row[n] f32 | valid[n] i32 | sum f64 | cnt i64 | count i32 */
+    size_t off_valid = (size_t)n * sizeof(float);
+    size_t off_sum = (off_valid + (size_t)n * sizeof(int) + 15) & ~(size_t)15;
+    size_t bytes = off_sum + 32;
+    char *scr = NULL;
+    FU_TRY(kc_scratch(ctx, bytes, (void **)&scr));
+    float *loss_row = (float *)scr;
+    int *valid = (int *)(scr + off_valid);
+    double *d_sum = (double *)(scr + off_sum);
+    long long *d_cnt = (long long *)(scr + off_sum + 8);
+    int *d_count = (int *)(scr + off_sum + 16);
+    struct {
+        double sum;
+        long long cnt;
+    } host = {0.0, 0};
+    k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>((const int32_t *)targets->data, n, V, ignore_index, d_count,
+                                                      ctx->d_flag);
+    switch (logits->dtype) {
+    case KERN_F32:
+        k_xent_fused_rows<float><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
+            (const float *)logits->data, (const int32_t *)targets->data, (float *)dlogits->data, loss_row, valid, V,
+            ignore_index, grad_scale, d_count, ctx->d_flag);
+        break;
+    case KERN_F16:
+        k_xent_fused_rows<__half><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
+            (const __half *)logits->data, (const int32_t *)targets->data, (__half *)dlogits->data, loss_row, valid, V,
+            ignore_index, grad_scale, d_count, ctx->d_flag);
+        break;
+    default:
+        k_xent_fused_rows<__nv_bfloat16><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
+            (const __nv_bfloat16 *)logits->data, (const int32_t *)targets->data, (__nv_bfloat16 *)dlogits->data,
+            loss_row, valid, V, ignore_index, grad_scale, d_count, ctx->d_flag);
+        break;
+    }
+    k_xent_reduce<<<1, XENT_THREADS, 0, ctx->stream>>>(loss_row, valid, n, d_sum, d_cnt);
+    fu_err rc = FU_OK;
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(&host, d_sum, 16, cudaMemcpyDeviceToHost, ctx->stream);
+    if (e != cudaSuccess)
+        rc = kc_cuda_err(e, "cross-entropy fused", __FILE__, __LINE__);
+    if (rc == FU_OK)
+        rc = kc_flag_check(ctx, "cross-entropy fused");
+    kc_scratch_free(ctx, scr);
+    if (rc != FU_OK)
+        return rc;
+    *n_valid = host.cnt;
+    *loss = host.cnt ? (float)(host.sum / (double)host.cnt) : 0.0f;
     return FU_OK;
 }
