@@ -81,6 +81,7 @@ struct peer {
 
     link_t links[2];               /* upstream, downstream */
     uint64_t job_id;               /* the assignment's job (0: none) */
+    uint64_t gen;                  /* number of the current assignment (links_open) */
     uint32_t stage_index;
     bool ready_pending;            /* compute is loaded; StageReady once the links are up */
     uint64_t assign_ms;            /* when the links were asked to open */
@@ -281,6 +282,7 @@ static void on_seal_hello(peer_t *p, int src, wire_msg_t *m);
 static void links_open(peer_t *p, const Fusion__StageAssign *a)
 {
     links_close(p);
+    p->gen++;
     p->job_id = a->job_id;
     p->stage_index = a->stage_index;
     p->assign_ms = fu_clock_ms();
@@ -446,7 +448,7 @@ static void on_data(peer_t *p, int src, wire_msg_t *m)
 static void send_tensor(peer_t *p, peer_cmd *c)
 {
     link_t *l = &p->links[c->role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM ? LINK_DOWN_IDX : LINK_UP_IDX];
-    if (!l->active || !l->up || c->job_id != p->job_id) {
+    if (!l->active || !l->up || c->job_id != p->job_id || c->gen != p->gen) {
         FU_WARN("peer", "no open link to send %s (%" PRIu64 ", %u): dropped", wire_type_name(c->meta.type),
                 c->meta.step, c->meta.micro_batch);
         return;
@@ -503,12 +505,13 @@ static void on_broker(peer_t *p, wire_msg_t *m)
             links_open(p, a);
         peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
         c->msg = m;
+        c->gen = a->backup ? 0 : p->gen;
         deliver(p, c);
         return;
     }
     case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
         const Fusion__StageRelease *r = wire_msg_body_as(m, t);
-        if (r->job_id == p->job_id)
+        if (r->job_id == p->job_id || r->job_id == 0)
             links_close(p);
         peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
         c->msg = m;
@@ -549,14 +552,20 @@ static void on_compute(peer_t *p, peer_cmd *c)
         send_tensor(p, c);
         break;
     case PEER_CMD_READY:
-        if (c->job_id == p->job_id) {
+        if (c->backup) {
+            Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+            r.job_id = c->job_id;
+            r.stage_index = c->stage;
+            if (to_broker(p, FUSION__MSG_TYPE__MSG_STAGE_READY, c->job_id, 0, c->stage, &r.base) == FU_OK)
+                FU_INFO("peer", "job %016" PRIx64 " stage %u: warm backup ready", c->job_id, c->stage);
+        } else if (c->gen == p->gen && c->job_id == p->job_id) {
             p->ready_pending = true;
             check_ready(p);
         }
         break;
     case PEER_CMD_STAGE_GONE:
-        if (c->job_id == p->job_id)
-            links_close(p);
+        if (c->gen == p->gen && c->job_id == p->job_id)
+            links_close(p); /* a newer assignment's links stay */
         break;
     case PEER_CMD_FATAL:
         p->fatal = true;

@@ -43,6 +43,8 @@ typedef struct {
     wire_tensor_meta meta;    /* SEND_TENSOR: metadata (relay_to filled in by io) */
     uint8_t *data;            /* SEND_TENSOR: plaintext (malloc) */
     size_t len;
+    uint64_t gen;             /* MSG (StageAssign) / READY / STAGE_GONE: the I/O thread's assignment number */
+    bool backup;              /* READY: a warm backup (StageReady at once: it has no links) */
     fu_err err;               /* FATAL: why */
 } peer_cmd;
 

@@ -47,6 +47,7 @@ typedef struct {
     bool running;             /* StageStart received */
     bool finished;            /* every step done (waiting for StageRelease) */
     uint64_t job_id;
+    uint64_t gen;             /* the I/O thread's number for this assignment */
     uint32_t stage_index, stage_count;
     uint32_t first, last;     /* node range */
     uint64_t resume_step;
@@ -224,6 +225,7 @@ static void stage_end(stage_t *s, const char *why)
     peer_cmd *c = peer_cmd_new(PEER_CMD_STAGE_GONE);
     c->job_id = s->job_id;
     c->stage = s->stage_index;
+    c->gen = s->gen;
     stage_clear(s);
     to_io(s, c);
 }
@@ -314,7 +316,7 @@ static fu_err setup_cuts(stage_t *s, char *why, size_t cap)
     return FU_OK;
 }
 
-static void on_assign(stage_t *s, const Fusion__StageAssign *a)
+static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
 {
     if (s->active) {
         /* A new assignment replaces the old one (recovery after StageRelease, or a backup promoted). */
@@ -324,6 +326,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a)
     fu_errmsg em = {{0}};
     fu_err rc;
     s->active = true;
+    s->gen = gen;
     s->job_id = a->job_id;
     s->stage_index = a->stage_index;
     s->stage_count = a->stage_count;
@@ -681,11 +684,11 @@ static void fetched_all(stage_t *s)
     s->loaded = true;
     FU_INFO("peer", "job %016" PRIx64 " stage %u: loaded (%zu trainable parameters)%s", s->job_id, s->stage_index,
             dag_exec_trainable_params(s->x), s->resume_step ? ", restored" : "");
-    if (s->backup)
-        return; /* warm: the heartbeat says WARM */
     peer_cmd *c = peer_cmd_new(PEER_CMD_READY);
     c->job_id = s->job_id;
     c->stage = s->stage_index;
+    c->gen = s->gen;
+    c->backup = s->backup; /* a warm backup says StageReady too (the broker marks it warm) */
     to_io(s, c);
 }
 
@@ -741,6 +744,7 @@ static fu_err send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb
         off += n;
     }
     peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->gen = s->gen;
     c->role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
     c->job_id = s->job_id;
     c->meta.type = FUSION__MSG_TYPE__MSG_ACTIVATION;
@@ -777,6 +781,7 @@ static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t 
         off += want;
     }
     peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->gen = s->gen;
     c->role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
     c->job_id = s->job_id;
     c->meta.type = FUSION__MSG_TYPE__MSG_GRADIENT;
@@ -1169,11 +1174,11 @@ static void on_infer_token(stage_t *s, const Fusion__InferToken *it)
     infer_forward(s, it->position, &tok, NULL, 1);
 }
 
-static void on_msg(stage_t *s, const wire_msg_t *m)
+static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
 {
     switch (wire_msg_type(m)) {
     case FUSION__MSG_TYPE__MSG_STAGE_ASSIGN:
-        on_assign(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN));
+        on_assign(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN), gen);
         break;
     case FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK:
         on_chunk(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK));
@@ -1183,11 +1188,13 @@ static void on_msg(stage_t *s, const wire_msg_t *m)
         break;
     case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
         const Fusion__StageRelease *r = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_RELEASE);
-        if (s->active && r->job_id == s->job_id)
+        /* job 0: everything this peer holds (the broker's answer to Leave). */
+        if (s->active && (r->job_id == s->job_id || r->job_id == 0))
             stage_end(s, r->reason && *r->reason ? r->reason : "released");
         else {
             peer_cmd *c = peer_cmd_new(PEER_CMD_STAGE_GONE); /* nothing held: the I/O side may go on */
             c->job_id = r->job_id;
+            c->gen = UINT64_MAX; /* closes nothing */
             to_io(s, c);
         }
         break;
@@ -1246,7 +1253,7 @@ void *peer_compute_main(void *arg)
             peer_cmd_destroy(&c);
             break;
         case PEER_CMD_MSG:
-            on_msg(s, c->msg);
+            on_msg(s, c->msg, c->gen);
             peer_cmd_destroy(&c);
             break;
         case PEER_CMD_TENSOR:
