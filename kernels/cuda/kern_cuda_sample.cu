@@ -125,7 +125,9 @@ __device__ int64_t smp_find_first(int64_t n, double target, bool strict, F val, 
     return res;
 }
 
-/* Temperature only. out[row] holds the greedy token already (the fallback the CPU uses). */
+/* Temperature only. out[row] holds the greedy token already (the fallback the CPU uses). The
+ * scaled logit is a separately rounded product (__fmul_rn): contracting it into an FMA with the
+ * subtraction would round differently from the CPU. */
 template <typename T>
 __global__ void __launch_bounds__(SMP_THREADS) k_sample_plain(const T *__restrict__ logits, int64_t V, float invt,
                                                               const double *__restrict__ u, int32_t *out)
@@ -137,17 +139,17 @@ __global__ void __launch_bounds__(SMP_THREADS) k_sample_plain(const T *__restric
     const T *row = logits + (int64_t)blockIdx.x * V;
     float mx = -INFINITY;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
-        mx = fmaxf(mx, smp_clean(kc_ld(row[j])) * invt);
+        mx = fmaxf(mx, __fmul_rn(smp_clean(kc_ld(row[j])), invt));
     mx = kc_block_max(mx, red);
     if (isinf(mx))
         return;
     double tot = 0.0;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
-        tot += exp((double)(smp_clean(kc_ld(row[j])) * invt - mx));
+        tot += exp((double)(__fmul_rn(smp_clean(kc_ld(row[j])), invt) - mx));
     tot = smp_block_sum(tot, dred);
     const double target = u[blockIdx.x] * tot;
     int64_t j = smp_find_first(
-        V, target, true, [&](int64_t i) { return exp((double)(smp_clean(kc_ld(row[i])) * invt - mx)); }, ts, &found);
+        V, target, true, [&](int64_t i) { return exp((double)(__fmul_rn(smp_clean(kc_ld(row[i])), invt) - mx)); }, ts, &found);
     if (threadIdx.x == 0 && j < V)
         out[blockIdx.x] = (int32_t)j;
 }
@@ -158,7 +160,7 @@ __global__ void k_sample_keys(const T *__restrict__ logits, int64_t total, int64
                               int32_t *ids)
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        float x = smp_clean(kc_ld(logits[i])) * invt;
+        float x = __fmul_rn(smp_clean(kc_ld(logits[i])), invt);
         keys[i] = x == 0.0f ? 0.0f : x;
         ids[i] = (int32_t)(i % V);
     }
