@@ -7,3 +7,7 @@ add_dependencies(test_peer_proc fusion-peer)
 fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120
             ARGS --device cuda:0 LABELS gpu)
 add_dependencies(test_peer_gpu fusion-peer)
+# With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
+# stage fails over to the warm backup and the adapter is unchanged.
+fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_peer fu_broker TIMEOUT 180)
+add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)

@@ -1,0 +1,353 @@
+/* fusion-peer with the real fusion-broker and the real client, as processes on loopback:
+ *   - a fine-tune through a two-stage pipeline gives the adapter `fusion run finetune` gives in one
+ *     process (same data order, same arithmetic);
+ *   - SIGKILL of the last stage's peer mid-job: the broker moves the stage to the warm backup, every
+ *     stage rewinds to the newest common checkpoint, and the final adapter is still the same;
+ *   - the peers leave on SIGTERM with exit 0.
+ * The result is read from the broker's store (fu_broker's db) once the job is done. */
+#include <fcntl.h>
+#include <math.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <sodium.h>
+
+#include "db.h"
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_safetensors.h"
+#include "testutil.h"
+
+#define N_PEERS 3
+
+typedef struct {
+    char *dir;
+    pid_t broker;
+    pid_t peers[N_PEERS];
+    char endpoint[128];
+    char conn[1024]; /* --broker ... --broker-key ... --keys ... for the client */
+} cluster;
+
+static pid_t spawn(const char *log, char *const argv[])
+{
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static char *slurp(const char *path)
+{
+    char *d = NULL;
+    size_t n = 0;
+    fu_errmsg em = {{0}};
+    if (fu_file_read_all(path, (size_t)64 << 20, &d, &n, &em) != FU_OK)
+        return strdup("");
+    return d;
+}
+
+/* Waits until the file holds `needle`; true when it does. */
+static bool wait_for(const char *path, const char *needle, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        char *d = slurp(path);
+        bool ok = strstr(d, needle) != NULL;
+        free(d);
+        if (ok)
+            return true;
+        fu_sleep_ms(20);
+    }
+    return false;
+}
+
+static void show(const char *path)
+{
+    char *out = NULL;
+    (void)tu_sh(&out, "tail -n 30 '%s'", path);
+    printf("---- %s ----\n%s\n", path, out ? out : "");
+    free(out);
+}
+
+static int wait_pid(pid_t pid, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        fu_sleep_ms(10);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return -1;
+}
+
+static void cluster_start(cluster *c, const char *tag)
+{
+    memset(c, 0, sizeof *c);
+    c->dir = tu_tmpdir(tag);
+    assert_non_null(c->dir);
+    char *out = NULL;
+    int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 p2 client; do '%s' keygen -o $k >/dev/null || exit 1; done && "
+                   "grep -hv '^#' p0/public.key p1/public.key p2/public.key client/public.key > allow && "
+                   "'%s' model init -o model --layers 4 --hidden 128 --ffn 256 --seed 2 >/dev/null",
+                   c->dir, tu_bin("fusion"), tu_bin("fusion"));
+    if (rc != 0)
+        fail_msg("setup failed: %s", out);
+    free(out);
+    /* Training text: a deterministic word stream. */
+    char path[4096];
+    snprintf(path, sizeof path, "%s/data.txt", c->dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    static const char *words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs",
+                                  "far", "away", "into", "forest", "river", "stone"};
+    uint32_t x = 12345;
+    for (int i = 0; i < 6000; i++) {
+        x = x * 1103515245u + 12345u;
+        fprintf(f, "%s%c", words[(x >> 16) % 16], i % 13 == 12 ? '\n' : ' ');
+    }
+    fclose(f);
+
+    char blog[4096], keys[4096], db[4096], allow[4096];
+    snprintf(blog, sizeof blog, "%s/broker.log", c->dir);
+    snprintf(keys, sizeof keys, "%s/broker", c->dir);
+    snprintf(db, sizeof db, "%s/store.db", c->dir);
+    snprintf(allow, sizeof allow, "%s/allow", c->dir);
+    char *bargv[] = {(char *)tu_bin("fusion-broker"), "--bind", "tcp://127.0.0.1:*", "--keys", keys, "--db", db,
+                     "--allow", allow, "--backups", "1", "--heartbeat-ms", "300", NULL};
+    bargv[0] = strdup(tu_bin("fusion-broker"));
+    c->broker = spawn(blog, bargv);
+    free(bargv[0]);
+    if (!wait_for(blog, "listening on ", 10000)) {
+        show(blog);
+        fail_msg("the broker did not start (a build without the broker daemon?)");
+    }
+    char *bl = slurp(blog);
+    const char *at = strstr(bl, "listening on ");
+    assert_non_null(at);
+    sscanf(at + 13, "%127s", c->endpoint);
+    free(bl);
+    snprintf(c->conn, sizeof c->conn, "--broker %s --broker-key '%s/broker/public.key' --keys '%s/client'",
+             c->endpoint, c->dir, c->dir);
+    for (int i = 0; i < N_PEERS; i++) {
+        char plog[4096], pkeys[4096], cache[4096], name[16], bkey[4096];
+        snprintf(plog, sizeof plog, "%s/p%d.log", c->dir, i);
+        snprintf(pkeys, sizeof pkeys, "%s/p%d", c->dir, i);
+        snprintf(cache, sizeof cache, "%s/cache%d", c->dir, i);
+        snprintf(bkey, sizeof bkey, "%s/broker/public.key", c->dir);
+        snprintf(name, sizeof name, "p%d", i);
+        char *pargv[] = {strdup(tu_bin("fusion-peer")), "--broker", c->endpoint, "--broker-key", bkey, "--keys", pkeys,
+                         "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name,
+                         "--drain-timeout", "10", NULL};
+        c->peers[i] = spawn(plog, pargv);
+        free(pargv[0]);
+    }
+    for (int i = 0; i < N_PEERS; i++) {
+        char needle[64];
+        snprintf(needle, sizeof needle, "(p%d) joined", i);
+        if (!wait_for(blog, needle, 20000)) {
+            show(blog);
+            fail_msg("peer p%d did not join", i);
+        }
+    }
+}
+
+static void cluster_stop(cluster *c)
+{
+    for (int i = 0; i < N_PEERS; i++)
+        if (c->peers[i] > 0) {
+            kill(c->peers[i], SIGTERM);
+            int code = wait_pid(c->peers[i], 15000);
+            if (code != 0) {
+                char p[4096];
+                snprintf(p, sizeof p, "%s/p%d.log", c->dir, i);
+                show(p);
+            }
+            assert_int_equal(code, 0); /* a graceful leave */
+        }
+    if (c->broker > 0) {
+        kill(c->broker, SIGTERM);
+        (void)wait_pid(c->broker, 10000);
+    }
+    char *out = NULL;
+    (void)tu_sh(&out, "rm -rf '%s'", c->dir);
+    free(out);
+    free(c->dir);
+}
+
+/* Submits and waits; returns the job id (static buffer). */
+static const char *submit(cluster *c, const char *opts)
+{
+    static char id[64];
+    char *out = NULL;
+    int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt --wait -q %s 2>&1",
+                   c->dir, tu_bin("fusion"), c->conn, c->dir, opts);
+    if (rc != 0) {
+        char p[4096];
+        snprintf(p, sizeof p, "%s/broker.log", c->dir);
+        show(p);
+        fail_msg("fusion submit failed (%d): %s", rc, out);
+    }
+    id[0] = '\0';
+    sscanf(out, "%63s", id);
+    free(out);
+    assert_int_equal(strlen(id), 16);
+    return id;
+}
+
+/* Max |a - b| over the PEFT tensors of two safetensors images; fails when the names differ. */
+static double adapter_diff(const uint8_t *a, size_t na, const char *ref_path, size_t *n_tensors)
+{
+    fu_errmsg em = {{0}};
+    fu_safetensors *x = NULL, *y = NULL;
+    assert_int_equal(fu_safetensors_parse_header(a, na, "result", &x, &em), FU_OK);
+    assert_int_equal(fu_safetensors_open_file(ref_path, &y, &em), FU_OK);
+    assert_int_equal(fu_safetensors_count(x), fu_safetensors_count(y));
+    double worst = 0;
+    for (size_t i = 0; i < fu_safetensors_count(y); i++) {
+        const fu_st_tensor *ty = fu_safetensors_at(y, i), *tx = fu_safetensors_get(x, ty->name);
+        if (!tx)
+            fail_msg("the pipeline's adapter lacks %s", ty->name);
+        assert_int_equal(tx->nelem, ty->nelem);
+        float *u = malloc(tx->nelem * sizeof *u), *v = malloc(ty->nelem * sizeof *v);
+        assert_int_equal(fu_st_tensor_to_f32(tx, u, tx->nelem, &em), FU_OK);
+        assert_int_equal(fu_st_tensor_to_f32(ty, v, ty->nelem, &em), FU_OK);
+        for (size_t k = 0; k < tx->nelem; k++)
+            if (fabs((double)u[k] - (double)v[k]) > worst)
+                worst = fabs((double)u[k] - (double)v[k]);
+        free(u);
+        free(v);
+    }
+    *n_tensors = fu_safetensors_count(y);
+    fu_safetensors_close(&x);
+    fu_safetensors_close(&y);
+    return worst;
+}
+
+static void check_result(cluster *c, const char *id, const char *run_opts)
+{
+    char *out = NULL;
+    int rc = tu_sh(&out, "cd '%s' && '%s' run finetune --model model --data data.txt -o ref-%s %s", c->dir,
+                   tu_bin("fusion"), id, run_opts);
+    if (rc != 0)
+        fail_msg("fusion run finetune failed: %s", out);
+    free(out);
+    char dbp[4096], ref[4096];
+    snprintf(dbp, sizeof dbp, "%s/store.db", c->dir);
+    snprintf(ref, sizeof ref, "%s/ref-%s/adapter_model.safetensors", c->dir, id);
+    db_t *db = NULL;
+    assert_int_equal(db_open(dbp, &db), FU_OK);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_DONE);
+    assert_non_null(j->result);
+    size_t nt = 0;
+    double d = adapter_diff(j->result, j->result_len, ref, &nt);
+    printf("job %s: %zu adapter tensors, max |pipeline - fusion run| = %.3g\n", id, nt, d);
+    assert_true(d <= 1e-5);
+    db_job_free(&j);
+    db_close(&db);
+}
+
+static void test_peer_broker_pipeline_equals_single_process(void **state)
+{
+    (void)state;
+    cluster c;
+    cluster_start(&c, "peer-broker");
+    const char *common = "--rank 4 --steps 12 --batch 4 --seq-len 16 --lr 0.01";
+    char opts[512];
+    snprintf(opts, sizeof opts, "%s --micro-batches 1 --checkpoint-every 4", common);
+    const char *id = submit(&c, opts);
+    char blog[4096], needle[128];
+    snprintf(blog, sizeof blog, "%s/broker.log", c.dir);
+    snprintf(needle, sizeof needle, "job %s stage 1/2", id);
+    char *bl = slurp(blog);
+    bool two = strstr(bl, needle) != NULL;
+    free(bl);
+    if (!two)
+        show(blog);
+    assert_true(two); /* the job really ran as a two-stage pipeline */
+    char jid[32];
+    snprintf(jid, sizeof jid, "%s", id);
+    check_result(&c, jid, common);
+    cluster_stop(&c);
+}
+
+static void test_peer_broker_failover_keeps_the_adapter(void **state)
+{
+    (void)state;
+    cluster c;
+    cluster_start(&c, "peer-failover");
+    const char *common = "--rank 4 --steps 400 --batch 4 --seq-len 16 --lr 0.01";
+    /* Submit without waiting, kill the last stage's peer after a checkpoint, then wait. */
+    char *out = NULL;
+    int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt -q %s "
+                   "--checkpoint-every 20", c.dir, tu_bin("fusion"), c.conn, c.dir, common);
+    assert_int_equal(rc, 0);
+    char id[32] = "";
+    sscanf(out, "%31s", id);
+    free(out);
+    char blog[4096], needle[160];
+    snprintf(blog, sizeof blog, "%s/broker.log", c.dir);
+    snprintf(needle, sizeof needle, "job %s: checkpoint of stage 1 at step 40 committed", id);
+    if (!wait_for(blog, needle, 60000)) {
+        show(blog);
+        fail_msg("no checkpoint at step 40");
+    }
+    snprintf(needle, sizeof needle, "job %s stage 1/2 on ", id);
+    char *bl = slurp(blog);
+    const char *at = strstr(bl, needle);
+    assert_non_null(at);
+    const char *pn = strstr(at, "(p");
+    assert_non_null(pn);
+    int victim = pn[2] - '0';
+    free(bl);
+    assert_true(victim >= 0 && victim < N_PEERS);
+    printf("killing p%d (stage 1) with SIGKILL\n", victim);
+    kill(c.peers[victim], SIGKILL);
+    waitpid(c.peers[victim], NULL, 0);
+    c.peers[victim] = 0;
+    rc = tu_sh(&out, "cd '%s' && '%s' wait %s %s", c.dir, tu_bin("fusion"), c.conn, id);
+    if (rc != 0) {
+        show(blog);
+        fail_msg("the job did not finish after the failover: %s", out);
+    }
+    free(out);
+    snprintf(needle, sizeof needle, "job %s: stage 1 moved from", id);
+    bl = slurp(blog);
+    assert_non_null(strstr(bl, needle));
+    free(bl);
+    check_result(&c, id, common);
+    cluster_stop(&c);
+}
+
+int main(void)
+{
+    if (sodium_init() < 0)
+        return 1;
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_peer_broker_pipeline_equals_single_process),
+        cmocka_unit_test(test_peer_broker_failover_keeps_the_adapter),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
