@@ -119,7 +119,7 @@ static fu_err cpu_add(const kern_backend_t *be, const kern_tensor_t *a, const ke
     const float *pa = a->data, *pb = b->data;
     float *py = y->data;
     int64_t n = kern_tensor_numel(y);
-#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++)
         py[i] = pa[i] + pb[i];
     return FU_OK;
@@ -131,7 +131,7 @@ static fu_err cpu_axpy(const kern_backend_t *be, float alpha, const kern_tensor_
     const float *px = x->data;
     float *py = y->data;
     int64_t n = kern_tensor_numel(y);
-#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for simd num_threads(kern_cpu_threads()) if (n > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++)
         py[i] += alpha * px[i];
     return FU_OK;
@@ -164,7 +164,7 @@ static fu_err cpu_adamw(const kern_backend_t *be, kern_tensor_t *param, const ke
     const double bc2 = 1.0 - pow((double)p->beta2, (double)step);
     const float step_size = (float)((double)p->lr / bc1);
     const float inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > kern_cpu_par_min()) schedule(static)
     for (int64_t c = 0; c < n; c += KERN_CHUNK)
         adamw_chunk(w + c, g + c, pm + c, pv + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK, p->beta1, p->beta2, p->eps,
                     decay, step_size, inv_sqrt_bc2);
@@ -209,6 +209,18 @@ static const kern_backend_t cpu_backend = {
 const kern_backend_t *kern_backend_cpu(void)
 {
     return &cpu_backend;
+}
+
+static _Atomic int64_t cpu_par_min = KERN_CPU_PAR_MIN;
+
+int64_t kern_cpu_par_min(void)
+{
+    return atomic_load_explicit(&cpu_par_min, memory_order_relaxed);
+}
+
+void kern_cpu_set_par_min(int64_t elements)
+{
+    atomic_store_explicit(&cpu_par_min, elements < 0 ? 0 : elements, memory_order_relaxed);
 }
 
 /* 0: automatic (OpenMP's default, normally one per core, or OMP_NUM_THREADS). */

@@ -85,7 +85,7 @@ KERN_HOT static void softmax_row(float *row, int64_t lim, int64_t tk)
 /* In-place causal softmax of S rows: row i keeps columns 0..q_offset+i, the rest become 0. */
 static void masked_softmax(float *S, int64_t tq, int64_t tk, int64_t q_offset)
 {
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < tq; i++) {
         int64_t lim = q_offset + i + 1; /* allowed: j < lim */
         softmax_row(S + i * tk, lim < tk ? lim : tk, tk);
@@ -146,7 +146,7 @@ static void attn_fwd_small(const kern_attn_params *p, int64_t tq, int64_t tk, co
     const int64_t D = p->head_dim, Hq = p->n_head, Hkv = p->n_kv_head, group = Hq / Hkv;
     const int64_t ldq = Hq * D, ldk = Hkv * D;
     const int64_t pairs = (int64_t)p->n_seq * Hq;
-#pragma omp parallel num_threads(kern_cpu_threads()) if (pairs * tk * D > KERN_CPU_PAR_MIN)
+#pragma omp parallel num_threads(kern_cpu_threads()) if (pairs * tk * D > kern_cpu_par_min())
     {
         float *sc = scr + (int64_t)omp_get_thread_num() * tk;
 #pragma omp for schedule(static)
@@ -257,7 +257,7 @@ fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, co
                 cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kl, (int)D, (int)bq, 1.0f, P, ldp, dOb, ldq,
                             1.0f, dVg, ldk);
                 /* dS = P ⊙ (dP − rowsum(P ⊙ dP)), stored in dP */
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (bq * kl > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (bq * kl > kern_cpu_par_min()) schedule(static)
                 for (int64_t i = 0; i < bq; i++)
                     dsoftmax_row(P + i * kl, dP + i * kl, kl);
                 /* dQ = scale·dS·K; dK += scale·dSᵀ·Q */

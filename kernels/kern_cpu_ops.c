@@ -29,7 +29,7 @@ fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids
     FU_TRY(check_ids(id, n, vocab));
     const float *tab = table->data;
     float *o = out->data;
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++)
         memcpy(o + i * d, tab + (int64_t)id[i] * d, (size_t)d * sizeof(float));
     return FU_OK;
@@ -45,7 +45,7 @@ fu_err kern_cpu_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids
     const float *g = dout->data;
     float *dt = dtable->data;
     /* Threads own disjoint column ranges, so repeated ids never race. */
-#pragma omp parallel num_threads(kern_cpu_threads()) if (n * d > KERN_CPU_PAR_MIN)
+#pragma omp parallel num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min())
     {
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t c0 = d * t / nt, c1 = d * (t + 1) / nt;
@@ -78,7 +78,7 @@ fu_err kern_cpu_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, co
     int64_t n = x->shape[0], d = x->shape[1];
     const float *px = x->data, *pw = w->data;
     float *py = y->data;
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xr = px + i * d;
         float *yr = py + i * d;
@@ -98,7 +98,7 @@ fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, c
     const float *px = x->data, *pw = w->data, *pdy = dy->data;
     float *pdx = dx->data;
     float *rs = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *xr = px + i * d, *gr = pdy + i * d;
         float *dr = pdx + i * d;
@@ -115,7 +115,7 @@ fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, c
     }
     if (dw) {
         float *pdw = dw->data;
-#pragma omp parallel num_threads(kern_cpu_threads()) if (n * d > KERN_CPU_PAR_MIN)
+#pragma omp parallel num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min())
         {
             int nt = omp_get_num_threads(), t = omp_get_thread_num();
             int64_t c0 = d * t / nt, c1 = d * (t + 1) / nt;
@@ -148,7 +148,7 @@ fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const ker
     for (int64_t i = 0; i < half; i++)
         inv_freq[i] = (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)head_dim));
     const float sgn = inverse ? -1.0f : 1.0f;
-#pragma omp parallel num_threads(kern_cpu_threads()) if (n * f > KERN_CPU_PAR_MIN)
+#pragma omp parallel num_threads(kern_cpu_threads()) if (n * f > kern_cpu_par_min())
     {
         float *cs = fu_malloc((size_t)half * 2 * sizeof(float));
         float *sn = cs + half;
@@ -206,7 +206,7 @@ fu_err kern_cpu_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate
     const float *g = gate->data, *u = up->data;
     float *o = out->data;
     int64_t n = kern_tensor_numel(out);
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > kern_cpu_par_min()) schedule(static)
     for (int64_t c = 0; c < n; c += KERN_CHUNK)
         silu_mul_chunk(g + c, u + c, o + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK);
     return FU_OK;
@@ -219,7 +219,7 @@ fu_err kern_cpu_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout
     const float *d = dout->data, *g = gate->data, *u = up->data;
     float *dg = dgate->data, *du = dup->data;
     int64_t n = kern_tensor_numel(dout);
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n > kern_cpu_par_min()) schedule(static)
     for (int64_t c = 0; c < n; c += KERN_CHUNK)
         silu_mul_bwd_chunk(d + c, g + c, u + c, dg + c, du + c, n - c < KERN_CHUNK ? n - c : KERN_CHUNK);
     return FU_OK;
@@ -275,7 +275,7 @@ fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     int64_t nv = 0;
     FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
     double sum = 0.0;
-#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         if (pt[i] == ignore_index)
             continue;
@@ -298,7 +298,7 @@ fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     int64_t nv = 0;
     FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
     const float scale = nv ? grad_scale / (float)nv : 0.0f;
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * V > KERN_CPU_PAR_MIN) schedule(static)
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * V > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *row = pl + i * V;
         float *drow = pd + i * V;
@@ -325,7 +325,7 @@ fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits
     FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
     const float scale = nv ? grad_scale / (float)nv : 0.0f;
     double sum = 0.0;
-#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > KERN_CPU_PAR_MIN) \
+#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) \
     schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *row = pl + i * V;

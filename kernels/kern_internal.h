@@ -16,6 +16,10 @@ extern "C" {
  * them for the cores: on a loaded 2-core machine 10 RMSNorms of 512x768 took 74 ms with 2 threads
  * right after a GEMM and 1.2 ms with one. Only work worth milliseconds is split. */
 #define KERN_CPU_PAR_MIN (1 << 20)
+/* The threshold in force (KERN_CPU_PAR_MIN unless changed). Tests set it to 0 to run every threaded
+ * path on small inputs; not for production use. Thread-safe (relaxed atomic). */
+int64_t kern_cpu_par_min(void);
+void    kern_cpu_set_par_min(int64_t elements);
 
 /* t is non-NULL, well formed, on be's device, with data when it has elements. */
 fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kern_backend.h"
+#include "kern_internal.h"
 #include "kern_kvcache.h"
 #include "test_kern_util.h"
 
@@ -51,6 +52,8 @@ static void ref_attn(const kern_attn_params *p, int64_t tq, int64_t tk, const fl
     free(sc);
 }
 
+static void test_kern_attn_backward_blocked_matches_fd(void **state);
+
 static void check_forward(int n_seq, int64_t tq, int64_t tk, int64_t q_offset, int hq, int hkv, int d, uint64_t seed)
 {
     kern_attn_params p = {.n_head = hq, .n_kv_head = hkv, .head_dim = d, .n_seq = n_seq, .q_offset = q_offset};
@@ -89,10 +92,24 @@ static void test_kern_attn_gqa_matches_plain_loop(void **state)
     check_forward(1, 4, 10, 6, 4, 1, 8, 130);  /* few queries at an offset: hand-written path, MQA */
     check_forward(2, 3, 3, 0, 4, 2, 8, 140);   /* hand-written path, two sequences */
     check_forward(1, 12, 20, 8, 4, 2, 8, 150); /* GEMM path with an offset (chunked prefill) */
-    /* sizes above the threading threshold, with several threads */
+    check_forward(1, 300, 300, 0, 2, 1, 8, 160); /* several query blocks */
+    check_forward(2, 140, 200, 60, 4, 2, 8, 170); /* blocks with an offset, two sequences */
+}
+
+/* The same checks with three threads and every OpenMP region forced to split. */
+static void test_kern_attn_threaded_paths(void **state)
+{
+    (void)state;
+    int64_t par0 = kern_cpu_par_min();
     assert_int_equal(kern_cpu_set_threads(3), FU_OK);
-    check_forward(1, 1, 1100, 1099, 8, 2, 128, 160); /* decode over a long cache: heads split */
-    check_forward(1, 1030, 1030, 0, 1, 1, 8, 170);   /* long prefill: softmax rows split */
+    kern_cpu_set_par_min(0);
+    check_forward(1, 12, 12, 0, 4, 2, 8, 100);
+    check_forward(1, 4, 10, 6, 4, 1, 8, 130);
+    check_forward(2, 3, 3, 0, 4, 2, 8, 140);
+    check_forward(1, 1, 40, 39, 8, 2, 16, 180); /* decode: heads split over threads */
+    check_forward(2, 140, 200, 60, 4, 2, 8, 170);
+    test_kern_attn_backward_blocked_matches_fd(state);
+    kern_cpu_set_par_min(par0);
     assert_int_equal(kern_cpu_set_threads(0), FU_OK);
 }
 
@@ -274,6 +291,7 @@ int main(void)
         cmocka_unit_test(test_kern_attn_backward_matches_fd),
         cmocka_unit_test(test_kern_attn_backward_blocked_matches_fd),
         cmocka_unit_test(test_kern_attn_kvcache_decode_equals_full),
+        cmocka_unit_test(test_kern_attn_threaded_paths),
         cmocka_unit_test(test_kern_attn_bad_arguments_return_einval),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "kern_backend.h"
+#include "kern_internal.h"
 #include "test_kern_util.h"
 
 #define CPU kern_backend_cpu()
@@ -548,56 +549,96 @@ static void test_kern_ops_sampling_rules(void **state)
     assert_int_equal(kern_sample(CPU, &Li, &greedy, 0, out), FU_EINVAL);
 }
 
-/* ---- threaded paths agree with the serial ones (sizes above the split threshold) ---- */
+/* ---- threaded paths agree with the serial ones ----
+ * Every op runs once on one thread and once on three threads with the split threshold at 0, so
+ * each OpenMP region really splits even these small inputs. */
 
-static void run_big_ops(int threads, float *out_norm, float *out_dx, float *out_dw, float *out_dt, float *out_xg,
-                        float *loss, const float *x, const float *w, const float *logits, const int32_t *ids)
+enum { TH_NR = 37, TH_D = 300, TH_V = 1000, TH_VOC = 16, TH_HD = 10 };
+
+typedef struct { /* outputs of one run */
+    float *norm, *ndx, *ndw, *dt, *emb, *xg, *xg2, *sm, *sgd, *sud, *rope, *add, *p, *m, *v;
+    float loss, loss2;
+} th_run;
+
+static void th_alloc(th_run *r)
 {
-    enum { NR = 256, D = 4608, NX = 40, V = 32000, VOC = 64 };
-    assert_int_equal(kern_cpu_set_threads(threads), FU_OK);
-    assert_int_equal(kern_cpu_threads(), threads);
-    kern_tensor_t X = tk_f2((float *)x, NR, D), W = tk_f1((float *)w, D), Y = tk_f2(out_norm, NR, D);
+    size_t nd = (size_t)TH_NR * TH_D, nv = (size_t)TH_NR * TH_V;
+    r->norm = tk_zeros(nd), r->ndx = tk_zeros(nd), r->ndw = tk_zeros(TH_D), r->dt = tk_zeros((size_t)TH_VOC * TH_D);
+    r->emb = tk_zeros(nd), r->xg = tk_zeros(nv), r->xg2 = tk_zeros(nv), r->sm = tk_zeros(nd), r->sgd = tk_zeros(nd);
+    r->sud = tk_zeros(nd), r->rope = tk_zeros(nd), r->add = tk_zeros(nd), r->p = tk_zeros(nd), r->m = tk_zeros(nd);
+    r->v = tk_zeros(nd);
+}
+
+static void th_ops(th_run *r, const float *x, const float *w, const float *g, const float *u, const float *logits,
+                   const int32_t *ids, const float *tab)
+{
+    kern_tensor_t X = tk_f2((float *)x, TH_NR, TH_D), W = tk_f1((float *)w, TH_D);
+    kern_tensor_t G = tk_f2((float *)g, TH_NR, TH_D), U = tk_f2((float *)u, TH_NR, TH_D);
+    kern_tensor_t I = tk_i1((int32_t *)ids, TH_NR), T = tk_f2((float *)tab, TH_VOC, TH_D);
+    kern_tensor_t Y = tk_f2(r->norm, TH_NR, TH_D), DX = tk_f2(r->ndx, TH_NR, TH_D), DW = tk_f1(r->ndw, TH_D);
     assert_int_equal(kern_rmsnorm_forward(CPU, &X, &W, 1e-6f, &Y), FU_OK);
-    kern_tensor_t DX = tk_f2(out_dx, NR, D), DW = tk_f1(out_dw, D);
-    memset(out_dw, 0, D * sizeof(float));
-    assert_int_equal(kern_rmsnorm_backward(CPU, &X, &X, &W, 1e-6f, &DX, &DW), FU_OK);
-    kern_tensor_t I = tk_i1((int32_t *)ids, NR), G = tk_f2((float *)x, NR, D), DT = tk_f2(out_dt, VOC, D);
-    memset(out_dt, 0, (size_t)VOC * D * sizeof(float));
+    assert_int_equal(kern_rmsnorm_backward(CPU, &G, &X, &W, 1e-6f, &DX, &DW), FU_OK);
+    kern_tensor_t E = tk_f2(r->emb, TH_NR, TH_D), DT = tk_f2(r->dt, TH_VOC, TH_D);
+    assert_int_equal(kern_embedding_forward(CPU, &I, &T, &E), FU_OK);
     assert_int_equal(kern_embedding_backward(CPU, &I, &G, &DT), FU_OK);
-    kern_tensor_t L = tk_f2((float *)logits, NX, V), T = tk_i1((int32_t *)ids, NX), LG = tk_f2(out_xg, NX, V);
+    kern_tensor_t L = tk_f2((float *)logits, TH_NR, TH_V), LG = tk_f2(r->xg, TH_NR, TH_V), LG2 = tk_f2(r->xg2, TH_NR, TH_V);
     int64_t nv;
-    assert_int_equal(kern_xent_forward(CPU, &L, &T, -100, loss, &nv), FU_OK);
-    assert_int_equal(kern_xent_backward(CPU, &L, &T, -100, 1.0f, &LG), FU_OK);
+    assert_int_equal(kern_xent_forward(CPU, &L, &I, 3, &r->loss, &nv), FU_OK);
+    assert_int_equal(kern_xent_backward(CPU, &L, &I, 3, 1.0f, &LG), FU_OK);
+    assert_int_equal(kern_xent_forward_backward(CPU, &L, &I, 3, 1.0f, &r->loss2, &nv, &LG2), FU_OK);
+    kern_tensor_t SM = tk_f2(r->sm, TH_NR, TH_D), SG = tk_f2(r->sgd, TH_NR, TH_D), SU = tk_f2(r->sud, TH_NR, TH_D);
+    assert_int_equal(kern_silu_mul_forward(CPU, &G, &U, &SM), FU_OK);
+    assert_int_equal(kern_silu_mul_backward(CPU, &X, &G, &U, &SG, &SU), FU_OK);
+    kern_tensor_t RO = tk_f2(r->rope, TH_NR, TH_D);
+    assert_int_equal(kern_rope_forward(CPU, &X, &I, TH_HD, 10000.0f, &RO), FU_OK);
+    kern_tensor_t AD = tk_f2(r->add, TH_NR, TH_D);
+    assert_int_equal(kern_add_forward(CPU, &X, &G, &AD), FU_OK);
+    assert_int_equal(kern_axpy(CPU, 0.5f, &U, &AD), FU_OK);
+    memcpy(r->p, x, sizeof(float) * TH_NR * TH_D);
+    kern_tensor_t P = tk_f2(r->p, TH_NR, TH_D), M = tk_f2(r->m, TH_NR, TH_D), V = tk_f2(r->v, TH_NR, TH_D);
+    kern_adamw_params hp = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
+    assert_int_equal(kern_adamw_step(CPU, &P, &G, &M, &V, &hp, 1), FU_OK);
+    assert_int_equal(kern_adamw_step(CPU, &P, &U, &M, &V, &hp, 2), FU_OK);
 }
 
 static void test_kern_ops_threads_match_serial(void **state)
 {
     (void)state;
-    enum { NR = 256, D = 4608, NX = 40, V = 32000, VOC = 64 };
-    float *x = tk_rand((size_t)NR * D, 70, -1, 1), *w = tk_rand(D, 71, 0.5f, 1.5f);
-    float *logits = tk_rand((size_t)NX * V, 72, -5, 5);
-    int32_t ids[NR];
-    for (int i = 0; i < NR; i++)
-        ids[i] = (i * 37) % VOC; /* repeated ids: scatter-add races would show */
-    float *a[5], *b[5];
-    size_t sz[5] = {(size_t)NR * D, (size_t)NR * D, D, (size_t)VOC * D, (size_t)NX * V};
-    for (int i = 0; i < 5; i++) {
-        a[i] = tk_zeros(sz[i]);
-        b[i] = tk_zeros(sz[i]);
-    }
-    float la, lb;
-    run_big_ops(1, a[0], a[1], a[2], a[3], a[4], &la, x, w, logits, ids);
-    run_big_ops(3, b[0], b[1], b[2], b[3], b[4], &lb, x, w, logits, ids);
+    size_t nd = (size_t)TH_NR * TH_D;
+    float *x = tk_rand(nd, 70, -1, 1), *w = tk_rand(TH_D, 71, 0.5f, 1.5f), *g = tk_rand(nd, 72, -3, 3);
+    float *u = tk_rand(nd, 73, -1, 1), *logits = tk_rand((size_t)TH_NR * TH_V, 74, -5, 5);
+    float *tab = tk_rand((size_t)TH_VOC * TH_D, 75, -1, 1);
+    int32_t ids[TH_NR];
+    for (int i = 0; i < TH_NR; i++)
+        ids[i] = (i * 7) % TH_VOC; /* repeated ids: scatter-add races would show; id 3 is also ignored by xent */
+    th_run a, b;
+    th_alloc(&a);
+    th_alloc(&b);
+    int64_t par0 = kern_cpu_par_min();
+    assert_int_equal(kern_cpu_set_threads(1), FU_OK);
+    assert_int_equal(kern_cpu_threads(), 1);
+    th_ops(&a, x, w, g, u, logits, ids, tab);
+    assert_int_equal(kern_cpu_set_threads(3), FU_OK);
+    kern_cpu_set_par_min(0);
+    th_ops(&b, x, w, g, u, logits, ids, tab);
+    kern_cpu_set_par_min(par0);
     assert_int_equal(kern_cpu_set_threads(0), FU_OK);
     assert_int_equal(kern_cpu_set_threads(-1), FU_EINVAL);
-    /* per-row work is identical whatever the split; only the loss sum's order may differ */
-    for (int i = 0; i < 5; i++) {
-        assert_memory_equal(a[i], b[i], sz[i] * sizeof(float));
-        free(a[i]);
-        free(b[i]);
+    float *pa[] = {a.norm, a.ndx, a.ndw, a.dt, a.emb, a.xg, a.xg2, a.sm, a.sgd, a.sud, a.rope, a.add, a.p, a.m, a.v};
+    float *pb[] = {b.norm, b.ndx, b.ndw, b.dt, b.emb, b.xg, b.xg2, b.sm, b.sgd, b.sud, b.rope, b.add, b.p, b.m, b.v};
+    size_t sz[] = {nd, nd, TH_D, (size_t)TH_VOC * TH_D, nd, (size_t)TH_NR * TH_V, (size_t)TH_NR * TH_V,
+                   nd, nd, nd, nd, nd, nd, nd, nd};
+    /* per-row (or per-column) work is identical whatever the split */
+    for (size_t i = 0; i < sizeof sz / sizeof sz[0]; i++) {
+        assert_memory_equal(pa[i], pb[i], sz[i] * sizeof(float));
+        free(pa[i]);
+        free(pb[i]);
     }
-    assert_float_equal(la, lb, 1e-5 * fabsf(la));
-    free(x), free(w), free(logits);
+    /* only the loss sums may be added in another order */
+    assert_float_equal(a.loss, b.loss, 1e-5 * fabsf(a.loss));
+    assert_float_equal(a.loss2, b.loss2, 1e-5 * fabsf(a.loss2));
+    assert_float_equal(a.loss, a.loss2, 1e-6 * fabsf(a.loss));
+    free(x), free(w), free(g), free(u), free(logits), free(tab);
 }
 
 /* ---- bad arguments never crash ---- */
