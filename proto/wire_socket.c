@@ -40,8 +40,12 @@ void *wire_socket_new(void *ctx, int type, fu_err *err)
     bad |= setopt_int(s, ZMQ_HANDSHAKE_IVL, WIRE_HANDSHAKE_MS);
     bad |= setopt_int(s, ZMQ_RECONNECT_IVL, WIRE_RECONNECT_MS);
     bad |= setopt_int(s, ZMQ_RECONNECT_IVL_MAX, WIRE_RECONNECT_MAX_MS);
-    if (type == ZMQ_ROUTER)
+    if (type == ZMQ_ROUTER) {
         bad |= setopt_int(s, ZMQ_ROUTER_MANDATORY, 1);
+        /* A ROUTER serves many peers from one event loop: a peer whose queue is full must not
+         * stall the others, so sends to it fail at once (FU_EAGAIN) instead of waiting. */
+        bad |= setopt_int(s, ZMQ_SNDTIMEO, 0);
+    }
     if (bad) {
         FU_ERROR("wire", "setting socket options failed: %s", zmq_strerror(zmq_errno()));
         zmq_close(s);

@@ -9,7 +9,8 @@
  *   ZMQ_HEARTBEAT_IVL     1000 ms            ZMTP PINGs notice a stopped or cut-off peer in ~4 s
  *   ZMQ_HEARTBEAT_TIMEOUT 3000 ms            (without them: 20 s and more)
  *   ZMQ_HEARTBEAT_TTL     3000 ms            the other side drops us as quickly
- *   ZMQ_SNDTIMEO          WIRE_SEND_TIMEOUT_MS a blocked send (full HWM) fails instead of hanging
+ *   ZMQ_SNDTIMEO          WIRE_SEND_TIMEOUT_MS a blocked send (full HWM) fails instead of hanging;
+ *                         0 on ROUTER     one slow peer never stalls a daemon's event loop
  *   ZMQ_HANDSHAKE_IVL     WIRE_HANDSHAKE_MS  half-open handshakes are shed
  *   ZMQ_RECONNECT_IVL(_MAX) 100 / 5000 ms    quick reconnect with back-off
  *   ZMQ_ROUTER_MANDATORY  1 (ROUTER only)    a send to an unknown peer fails (EHOSTUNREACH ->

@@ -84,6 +84,11 @@ static void test_wire_socket_options_set_on_purpose(void **state)
     assert_int_equal(v, 1000);
     assert_int_equal(zmq_getsockopt(f->router, ZMQ_HEARTBEAT_TIMEOUT, &v, &sz), 0);
     assert_int_equal(v, 3000);
+    assert_int_equal(zmq_getsockopt(f->router, ZMQ_SNDTIMEO, &v, &sz), 0);
+    assert_int_equal(v, 0); /* a ROUTER never blocks on one peer */
+    void *d = dealer(f);
+    assert_int_equal(zmq_getsockopt(d, ZMQ_SNDTIMEO, &v, &sz), 0);
+    assert_int_equal(v, WIRE_SEND_TIMEOUT_MS);
 }
 
 static void test_wire_socket_round_trip_router_dealer(void **state)
