@@ -390,7 +390,7 @@ __device__ __forceinline__ float xent_row_lse(const T *row, int64_t V, float *re
 
 /* loss_row[i] = lse - row[t] for counted rows, 0 otherwise; valid[i] = 1 for counted rows. */
 template <typename T>
-__global__ void k_xent_rows(const T *__restrict__ logits, const int32_t *__restrict__ tg, float *__restrict__ loss_row,
+__global__ void __launch_bounds__(XENT_THREADS) k_xent_rows(const T *__restrict__ logits, const int32_t *__restrict__ tg, float *__restrict__ loss_row,
                             int *__restrict__ valid, int64_t V, int32_t ignore, int *flag)
 {
     __shared__ float red[32];
@@ -414,7 +414,7 @@ __global__ void k_xent_rows(const T *__restrict__ logits, const int32_t *__restr
 }
 
 /* One block: sum (double) and count over n rows in a fixed order. out_sum[0], out_cnt[0]. */
-__global__ void k_xent_reduce(const float *__restrict__ loss_row, const int *__restrict__ valid, int64_t n,
+__global__ void __launch_bounds__(XENT_THREADS) k_xent_reduce(const float *__restrict__ loss_row, const int *__restrict__ valid, int64_t n,
                               double *out_sum, long long *out_cnt)
 {
     __shared__ double ssum[XENT_THREADS];
@@ -442,7 +442,7 @@ __global__ void k_xent_reduce(const float *__restrict__ loss_row, const int *__r
 }
 
 /* Counts the counted rows (flags bad targets) into *cnt. One block. */
-__global__ void k_xent_count(const int32_t *__restrict__ tg, int64_t n, int64_t V, int32_t ignore, int *cnt, int *flag)
+__global__ void __launch_bounds__(XENT_THREADS) k_xent_count(const int32_t *__restrict__ tg, int64_t n, int64_t V, int32_t ignore, int *cnt, int *flag)
 {
     __shared__ int scnt[XENT_THREADS];
     int c = 0;
@@ -468,7 +468,7 @@ __global__ void k_xent_count(const int32_t *__restrict__ tg, int64_t n, int64_t 
 
 /* dlogits row = scale*(softmax - onehot), scale = grad_scale / n_valid; may run in place. */
 template <typename T>
-__global__ void k_xent_bwd_rows(const T *logits, const int32_t *__restrict__ tg, T *dlogits, int64_t V, int32_t ignore,
+__global__ void __launch_bounds__(XENT_THREADS) k_xent_bwd_rows(const T *logits, const int32_t *__restrict__ tg, T *dlogits, int64_t V, int32_t ignore,
                                 float grad_scale, const int *cnt)
 {
     __shared__ float red[32];
@@ -496,7 +496,7 @@ __global__ void k_xent_bwd_rows(const T *logits, const int32_t *__restrict__ tg,
  * k_xent_bwd_rows, from one log-sum-exp. In place allowed: the target logit is read by every
  * thread before the reductions' barriers, and every write comes after them. */
 template <typename T>
-__global__ void k_xent_fused_rows(const T *logits, const int32_t *__restrict__ tg, T *dlogits,
+__global__ void __launch_bounds__(XENT_THREADS) k_xent_fused_rows(const T *logits, const int32_t *__restrict__ tg, T *dlogits,
                                   float *__restrict__ loss_row, int *__restrict__ valid, int64_t V, int32_t ignore,
                                   float grad_scale, const int *cnt, int *flag)
 {
