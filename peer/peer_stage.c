@@ -391,7 +391,8 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     }
     char jid[64], name[96];
     snprintf(jid, sizeof jid, "job:%016" PRIx64, a->job_id);
-    bool need_tokens = s->spec.infer ? (is_first(s) && !s->prompt) : (is_first(s) || is_last(s));
+    /* Inference: every stage reads the prompt's length from the tokens (it sizes the executor). */
+    bool need_tokens = s->spec.infer ? !s->spec.prompt_tokens : (is_first(s) || is_last(s));
     if (need_tokens)
         add_fetch(s, jid, "tokens", FETCH_TOKENS, false);
     if (!s->spec.infer && a->resume_step > 0 && !a->backup) {
@@ -572,13 +573,15 @@ static fu_err make_exec(stage_t *s, fu_errmsg *em)
 {
     dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed};
     if (s->spec.infer) {
-        uint64_t prompt = s->n_prompt ? s->n_prompt : 1;
+        /* Rows of one forward: the prompt (plus the tokens generated before a failover) at once. */
+        uint64_t prompt = s->spec.prompt_tokens ? s->spec.n_prompt_tokens : s->n_ids;
+        if (prompt == 0)
+            prompt = 1;
         uint32_t maxtok = s->spec.max_tokens ? s->spec.max_tokens : 1;
-        /* Rows of one forward: the prompt at once (stage 0 knows it; others take the largest it
-         * may be, PEER_SPEC_MAX_PROMPT, only when they cannot know). */
-        o.max_tokens = (uint32_t)(is_first(s) ? prompt : PEER_SPEC_MAX_PROMPT / 16);
-        if (s->spec.prompt_tokens)
-            o.max_tokens = (uint32_t)(s->spec.n_prompt_tokens ? s->spec.n_prompt_tokens : 1);
+        if (prompt + maxtok + 1 > UINT32_MAX / 2)
+            return fu_errmsg_set(em, FU_EINVAL, "prompt of %" PRIu64 " tokens plus %u to generate is too long",
+                                 prompt, maxtok);
+        o.max_tokens = (uint32_t)prompt;
         o.max_context = o.max_tokens + maxtok + 1;
         o.n_slots = 1;
         o.training = false;
@@ -1058,7 +1061,7 @@ static void infer_forward(stage_t *s, uint64_t p, const int32_t *tokens, const f
         return;
     }
     if (p == 0 && !is_first(s))
-        s->prompt_len = rows;
+        s->prompt_len = rows > s->resume_step ? rows - s->resume_step : 0; /* see on_start */
     if (is_last(s))
         set_sampling(s, p + rows >= s->prompt_len ? p + rows - s->prompt_len : 0);
     fu_err rc = dag_exec_set_tokens(s->x, 0, tokens, NULL, 1, (uint32_t)rows);
@@ -1090,7 +1093,10 @@ static void on_start(stage_t *s, const Fusion__StageStart *st)
     s->running = true;
     if (s->spec.infer) {
         if (is_first(s)) {
-            s->prompt_len = s->n_prompt;
+            /* After a failover the tokens blob is the prompt followed by the tokens generated so far;
+             * resume_step (when the broker sets it for inference) counts the latter, so that the
+             * sampler's counter (generated-token index) continues where it was. */
+            s->prompt_len = s->n_prompt > s->resume_step ? s->n_prompt - s->resume_step : 0;
             infer_forward(s, 0, s->prompt, NULL, s->n_prompt);
         }
         return;
