@@ -1228,6 +1228,13 @@ fu_err dag_exec_forward(dag_exec_t *x, uint32_t slot)
     if (rc != FU_OK) {
         slot_release(x, slot, false);
         s->forwarded = false;
+        /* Layers before the failure appended to their caches: rewind them to the session's length. */
+        if (x->session)
+            for (size_t i = x->first; i < x->last; i++)
+                if (x->session->caches[i] && kern_kvcache_len(x->session->caches[i]) > x->session->len) {
+                    fu_err trc = kern_kvcache_truncate(x->session->caches[i], x->session->len);
+                    (void)trc; /* cannot fail: len is below the cache's length */
+                }
         return rc;
     }
     if (x->session)

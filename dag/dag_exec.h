@@ -92,7 +92,8 @@ size_t dag_exec_cut_outputs(const dag_exec_t *self, uint32_t *ids, size_t cap);
  * against the vocabulary (targets may be -100: ignored). */
 FU_MUST_CHECK fu_err dag_exec_set_tokens(dag_exec_t *self, uint32_t slot, const int32_t *tokens,
                                          const int32_t *targets, uint32_t n_seq, uint32_t seq_len);
-/* Gives cut input `node` of a slot: rows × width floats (host memory, copied). */
+/* Gives cut input `node` of a slot: rows × width floats (host memory, copied), rows being those of
+ * the slot's dag_exec_set_tokens (call that first). FU_EINVAL when node is not a cut input. */
 FU_MUST_CHECK fu_err dag_exec_set_input(dag_exec_t *self, uint32_t slot, uint32_t node, const float *data,
                                         size_t n_floats);
 /* Runs the range forward for a slot. */
