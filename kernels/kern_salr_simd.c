@@ -12,6 +12,11 @@
 #define T256 __attribute__((target("avx2,fma,f16c,popcnt,bmi,bmi2")))
 #define INLINE static inline __attribute__((always_inline))
 
+/* Software prefetch distance of the fused product, in tiles (a tile holds ~256 values at 50%). */
+#ifndef KERN_SALR_PREFETCH_TILES
+#define KERN_SALR_PREFETCH_TILES 4
+#endif
+
 #define TR KERN_BITMAP_TILE_ROWS
 #define TC KERN_BITMAP_TILE_COLS
 
@@ -144,9 +149,16 @@ T512 INLINE void spmv512_tilerow(const kern_bitmap_view *v, size_t ti, const flo
                                      : _mm512_setzero_ps();
                 }
         }
+        _mm_prefetch((const char *)(bm + KERN_SALR_PREFETCH_TILES * TR), _MM_HINT_T0);
 #pragma GCC unroll 8
         for (size_t rr = 0; rr < TR; rr++) {
             uint64_t word = bm[rr];
+            if (F16) {
+                _mm_prefetch((const char *)(p16 + KERN_SALR_PREFETCH_TILES * 256), _MM_HINT_T0);
+            } else {
+                _mm_prefetch((const char *)(p32 + KERN_SALR_PREFETCH_TILES * 256), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p32 + KERN_SALR_PREFETCH_TILES * 256 + 16), _MM_HINT_T0);
+            }
 #pragma GCC unroll 4
             for (unsigned q = 0; q < 4; q++) {
                 __mmask16 m = (__mmask16)(word >> (16u * q));
