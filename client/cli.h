@@ -24,6 +24,7 @@ int cli_jobs_main(int argc, char **argv);
 int cli_wait_main(int argc, char **argv);
 int cli_cancel_main(int argc, char **argv);
 int cli_peers_main(int argc, char **argv);
+int cli_result_main(int argc, char **argv); /* `fusion result`, cli_result.c */
 
 #ifdef __cplusplus
 }

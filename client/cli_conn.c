@@ -208,6 +208,11 @@ fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
         *exit_code = FU_EXIT_FAIL;
         return rc;
     }
+    return cli_conn_recv(c, want, reply, exit_code);
+}
+
+fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, int *exit_code)
+{
     uint64_t deadline = fu_clock_ms() + (uint64_t)c->timeout_ms;
     for (;;) {
         uint64_t now = fu_clock_ms();
@@ -239,18 +244,13 @@ fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
         if (!(items[0].revents & ZMQ_POLLIN))
             continue;
         wire_msg_t *m = NULL;
-        rc = wire_recv(c->sock, WIRE_DONTWAIT, NULL, &m);
+        fu_err rc = wire_recv(c->sock, WIRE_DONTWAIT, NULL, &m);
         if (rc == FU_EAGAIN)
             continue;
         if (rc != FU_OK) {
             fprintf(stderr, "%s: bad answer from the broker: %s\n", c->prog, fu_strerror(rc));
             *exit_code = FU_EXIT_FAIL;
             return rc;
-        }
-        if (wire_msg_hdr(m)->sequence != h.sequence && wire_msg_type(m) != want &&
-            wire_msg_type(m) != FUSION__MSG_TYPE__MSG_ERROR) {
-            wire_msg_destroy(&m); /* a late answer to an earlier request */
-            continue;
         }
         const Fusion__Error *err = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
         if (err) {
@@ -259,7 +259,7 @@ fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
             wire_msg_destroy(&m);
             return *exit_code == FU_EXIT_AUTH ? FU_EAUTH : *exit_code == FU_EXIT_NOTFOUND ? FU_ENOTFOUND : FU_EPROTO;
         }
-        if (wire_msg_type(m) != want) {
+        if (wire_msg_type(m) != want) { /* a late answer to an earlier request */
             wire_msg_destroy(&m);
             continue;
         }

@@ -51,6 +51,10 @@ void cli_conn_close(cli_conn_t **self_p);
 FU_MUST_CHECK fu_err cli_conn_call(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body,
                                    Fusion__MsgType want, wire_msg_t **reply, int *exit_code);
 
+/* Waits for one more message of type `want` (a request answered with several, like result chunks),
+ * with the same deadline, Error and refusal handling as cli_conn_call. */
+FU_MUST_CHECK fu_err cli_conn_recv(cli_conn_t *self, Fusion__MsgType want, wire_msg_t **reply, int *exit_code);
+
 /* Formats a job id as the 16 hex digits users see; buf holds 17 chars. */
 void cli_job_id_format(uint64_t id, char buf[17]);
 /* Parses 1 to 16 hex digits. FU_EINVAL otherwise. */

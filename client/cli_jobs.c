@@ -152,9 +152,9 @@ int cli_status_main(int argc, char **argv)
 int cli_jobs_main(int argc, char **argv)
 {
     read_opts o = {0};
-    bool all = false;
+    bool active = false;
     const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"},
-                           {"all", 'a', FU_OPT_FLAG, &all, NULL, "include finished jobs"}};
+                           {"active", 0, FU_OPT_FLAG, &active, NULL, "only queued and running jobs"}};
     const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
                         .summary = "Lists your jobs on the broker (jobs of other keys are never shown).",
                         .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 0};
@@ -166,7 +166,7 @@ int cli_jobs_main(int argc, char **argv)
     if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
         return code;
     Fusion__JobListRequest req = FUSION__JOB_LIST_REQUEST__INIT;
-    req.include_done = all;
+    req.include_done = !active;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
     wire_msg_t *m = NULL;
     if (cli_conn_call(conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) == FU_OK) {
@@ -191,7 +191,7 @@ int cli_jobs_main(int argc, char **argv)
 /* Draws the progress line of a running job on a terminal, or prints a line per new step. */
 static void show_progress(const Fusion__JobStatus *s, bool tty)
 {
-    if (!s->total_steps)
+    if (!s->total_steps || !s->step)
         return;
     if (tty) {
         enum { WIDTH = 30 };

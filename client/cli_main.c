@@ -25,7 +25,7 @@ static const cli_subcommand subcommands[] = {
     {"status", "show one job, or all of yours", cli_status_main, "End to end: client CLI"},
     {"jobs", "list your jobs", cli_jobs_main, "End to end: client CLI"},
     {"wait", "follow a job until it ends, with a progress bar", cli_wait_main, "End to end: client CLI"},
-    {"result", "download a finished job's adapter (PEFT format)", NULL, "End to end: client CLI"},
+    {"result", "download a finished job's adapter (PEFT format)", cli_result_main, "End to end: client CLI"},
     {"cancel", "cancel one of your jobs", cli_cancel_main, "End to end: client CLI"},
     {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
 };
