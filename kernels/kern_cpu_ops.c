@@ -62,13 +62,21 @@ fu_err kern_cpu_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids
 
 /* ---- RMSNorm ---- */
 
-KERN_HOT static float row_rstd(const float *x, int64_t d, float eps)
+static inline float row_rstd(const float *x, int64_t d, float eps)
 {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < d; j++)
         ss += x[j] * x[j];
     return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
+KERN_HOT static void rmsnorm_fwd_row(const float *xr, const float *pw, int64_t d, float eps, float *yr)
+{
+    float r = row_rstd(xr, d, eps);
+#pragma omp simd
+    for (int64_t j = 0; j < d; j++)
+        yr[j] = (xr[j] * r) * pw[j];
 }
 
 fu_err kern_cpu_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *w, float eps,
@@ -79,15 +87,30 @@ fu_err kern_cpu_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, co
     const float *px = x->data, *pw = w->data;
     float *py = y->data;
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *xr = px + i * d;
-        float *yr = py + i * d;
-        float r = row_rstd(xr, d, eps);
+    for (int64_t i = 0; i < n; i++)
+        rmsnorm_fwd_row(px + i * d, pw, d, eps, py + i * d);
+    return FU_OK;
+}
+
+/* dx row of RMSNorm's backward; adds the row's dw term when dw is not NULL. Returns 1/rms. */
+KERN_HOT static float rmsnorm_bwd_row(const float *xr, const float *gr, const float *pw, int64_t d, float eps,
+                                      float *dr, float *dw)
+{
+    float r = row_rstd(xr, d, eps);
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < d; j++)
+        dot += gr[j] * pw[j] * xr[j];
+    float c = r * r * r * dot / (float)d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; j++)
+        dr[j] = r * gr[j] * pw[j] - c * xr[j];
+    if (dw) {
 #pragma omp simd
         for (int64_t j = 0; j < d; j++)
-            yr[j] = (xr[j] * r) * pw[j];
+            dw[j] += gr[j] * xr[j] * r;
     }
-    return FU_OK;
+    return r;
 }
 
 fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *x,
@@ -97,22 +120,16 @@ fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, c
     int64_t n = x->shape[0], d = x->shape[1];
     const float *px = x->data, *pw = w->data, *pdy = dy->data;
     float *pdx = dx->data;
-    float *rs = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *xr = px + i * d, *gr = pdy + i * d;
-        float *dr = pdx + i * d;
-        float r = row_rstd(xr, d, eps);
-        rs[i] = r;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < d; j++)
-            dot += gr[j] * pw[j] * xr[j];
-        float c = r * r * r * dot / (float)d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; j++)
-            dr[j] = r * gr[j] * pw[j] - c * xr[j];
+    const bool par = n * d > kern_cpu_par_min() && kern_cpu_threads() > 1;
+    if (!par) { /* one pass: dx and dw row by row (dw in the same order as the split path) */
+        for (int64_t i = 0; i < n; i++)
+            rmsnorm_bwd_row(px + i * d, pdy + i * d, pw, d, eps, pdx + i * d, dw ? (float *)dw->data : NULL);
+        return FU_OK;
     }
+    float *rs = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+#pragma omp parallel for num_threads(kern_cpu_threads()) schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        rs[i] = rmsnorm_bwd_row(px + i * d, pdy + i * d, pw, d, eps, pdx + i * d, NULL);
     if (dw) {
         float *pdw = dw->data;
 #pragma omp parallel num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min())

@@ -11,11 +11,13 @@ extern "C" {
 #endif
 
 #define KERN_INT_LIMIT 2147483647LL /* BLAS dimensions and leading dimensions are int */
-/* Work (elements) below which a CPU loop stays on the calling thread. OpenBLAS's pthread workers
- * keep spinning for a while after each GEMM, so a small OpenMP region that follows a GEMM fights
- * them for the cores: on a loaded 2-core machine 10 RMSNorms of 512x768 took 74 ms with 2 threads
- * right after a GEMM and 1.2 ms with one. Only work worth milliseconds is split. */
-#define KERN_CPU_PAR_MIN (1 << 20)
+/* Work (elements) below which a CPU loop stays on the calling thread. A fork-join costs a
+ * scheduling latency whenever the cores are busy: OpenBLAS's pthread workers keep spinning for a
+ * while after each GEMM, and volunteer machines run other things. Measured on a loaded 2-core
+ * machine: 10 RMSNorms of 512x768 took 74 ms with 2 threads right after a GEMM and 1.2 ms with one;
+ * RMSNorm 512x4096 took 10 ms with 2 threads and 1 ms with one; softmax cross-entropy 512x32000
+ * (16M elements, exp-bound) was no faster with 2. So only work of ~10 ms and more is split. */
+#define KERN_CPU_PAR_MIN (1 << 23)
 /* The threshold in force (KERN_CPU_PAR_MIN unless changed). Tests set it to 0 to run every threaded
  * path on small inputs; not for production use. Thread-safe (relaxed atomic). */
 int64_t kern_cpu_par_min(void);
