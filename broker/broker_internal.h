@@ -213,6 +213,9 @@ void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
 /* Fails j with reason. */
 void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
 
+/* Recovers at once every restarted job whose stored plan's peers are all back. */
+void broker_recover_ready(broker_t *b);
+
 /* ---- broker_failover.c ---- */
 /* The peer running stage `stage` of j is gone: hand it to a backup and resume from the newest
  * common checkpoint, or requeue. */

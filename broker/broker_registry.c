@@ -174,6 +174,7 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     w.dead_after_ms = b->dead_after_ms;
     w.broker_time_ms = broker_wall();
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_PEER_WELCOME, &w.base);
+    broker_recover_ready(b);
     b->sched_dirty = true;
 }
 

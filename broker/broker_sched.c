@@ -30,9 +30,41 @@ static void set_reason(broker_t *b, broker_job *j, const char *reason)
     FU_INFO(LOG, "job %s: %s", j->id, reason);
 }
 
-static bool peer_idle(const broker_peer *p)
+/* True when p is named in the stored plan of a job a restarted broker is about to recover. */
+static bool reserved(broker_t *b, const broker_peer *p)
+{
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        const broker_job *j = b->jobs[i];
+        if (j->dead || j->phase != BJ_RECOVER_WAIT)
+            continue;
+        for (uint32_t s = 0; s < j->n_stages; s++)
+            if (strcmp(j->stages[s].peer, p->key) == 0)
+                return true;
+    }
+    return false;
+}
+
+static bool peer_free(const broker_peer *p)
 {
     return p->live && !p->draining && !p->job[0];
+}
+
+#define peer_idle(p) (peer_free(p) && !reserved(b, (p)))
+
+void broker_recover_ready(broker_t *b)
+{
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        broker_job *j = b->jobs[i];
+        if (j->dead || j->phase != BJ_RECOVER_WAIT || j->n_stages == 0)
+            continue;
+        bool all = true;
+        for (uint32_t s = 0; s < j->n_stages && all; s++) {
+            broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+            all = p && peer_free(p);
+        }
+        if (all) /* every peer of the stored plan is back: no need to wait out the grace period */
+            broker_recover(b, j);
+    }
 }
 
 /* Stage whose peer is most likely to be lost: the one heard from longest ago. */

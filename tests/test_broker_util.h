@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -129,6 +130,7 @@ static inline void tb_broker_start(tb_broker *b)
     snprintf(hb, sizeof hb, "%d", b->heartbeat_ms);
     pid_t pid = fork();
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
         int fd = open(b->log, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (fd >= 0) {
             dup2(fd, 2);
@@ -321,6 +323,7 @@ static inline void tb_peer_start(tb_peer *p, const tb_broker *b, const char *key
     snprintf(gf, sizeof gf, "%g", gflops);
     pid_t pid = fork();
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
         close(fds[0]);
         dup2(fds[1], 1);
         execl("/proc/self/exe", "fake-peer", "--fake-peer", b->endpoint, b->keys, key_dir, name, memb, gf, mode,
