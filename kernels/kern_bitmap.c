@@ -398,6 +398,36 @@ fail:
     return rc;
 }
 
+static const char *parse_dim(const char *s, size_t *out)
+{
+    size_t v = 0;
+    if (*s < '0' || *s > '9')
+        return NULL;
+    while (*s >= '0' && *s <= '9') {
+        if (!fu_size_mul(v, 10, &v) || !fu_size_add(v, (size_t)(*s - '0'), &v))
+            return NULL;
+        s++;
+    }
+    *out = v;
+    return v ? s : NULL;
+}
+
+fu_err kern_bitmap_parse_shape(const char *s, size_t *rows, size_t *cols)
+{
+    if (!s || !rows || !cols)
+        return FU_EINVAL;
+    size_t r, c;
+    const char *p = parse_dim(s, &r);
+    if (!p || *p != ',')
+        return FU_EPROTO;
+    p = parse_dim(p + 1, &c);
+    if (!p || *p != '\0')
+        return FU_EPROTO;
+    *rows = r;
+    *cols = c;
+    return FU_OK;
+}
+
 /* ---- decode ------------------------------------------------------------------------------------- */
 
 /* Scalar decode of one 64-bit word: writes width floats at dst, returns values consumed. */

@@ -63,6 +63,11 @@ FU_MUST_CHECK fu_err kern_bitmap_from_buffers(size_t rows, size_t cols, kern_bit
                                               const void *offsets, size_t offsets_len,
                                               kern_bitmap_t **out);
 
+/* Parses the "<rows>,<cols>" shape string of the safetensors metadata entry <name>.shape (two
+ * positive decimal integers, one comma, nothing else; docs/SALR.md). Returns FU_EINVAL for NULL
+ * pointers, FU_EPROTO for anything else than that form, zeros, or values beyond SIZE_MAX. */
+FU_MUST_CHECK fu_err kern_bitmap_parse_shape(const char *s, size_t *rows, size_t *cols);
+
 /* Frees *self_p and sets it to NULL; NULL or *NULL is a no-op. */
 void kern_bitmap_destroy(kern_bitmap_t **self_p);
 

@@ -426,6 +426,22 @@ static void test_kern_bitmap_mutations_never_crash(void **state)
     bufs_free(&b);
 }
 
+static void test_kern_bitmap_parse_shape(void **state)
+{
+    (void)state;
+    size_t r = 0, c = 0;
+    assert_int_equal(kern_bitmap_parse_shape("11008,4096", &r, &c), FU_OK);
+    assert_int_equal(r, 11008);
+    assert_int_equal(c, 4096);
+    assert_int_equal(kern_bitmap_parse_shape("1,1", &r, &c), FU_OK);
+    static const char *bad[] = {"", ",", "1,", ",1", "1,2,3", "0,5", "5,0", " 1,2", "1 ,2", "1,2 ", "-1,2",
+                                "1;2", "a,b", "99999999999999999999999,1", "1,2x"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(kern_bitmap_parse_shape(bad[i], &r, &c), FU_EPROTO);
+    assert_int_equal(kern_bitmap_parse_shape(NULL, &r, &c), FU_EINVAL);
+    assert_int_equal(kern_bitmap_parse_shape("1,2", NULL, &c), FU_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -437,6 +453,7 @@ int main(void)
         cmocka_unit_test(test_kern_bitmap_from_buffers_round_trip),
         cmocka_unit_test(test_kern_bitmap_corrupt_buffers),
         cmocka_unit_test(test_kern_bitmap_mutations_never_crash),
+        cmocka_unit_test(test_kern_bitmap_parse_shape),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
