@@ -1,11 +1,16 @@
 /* CPU backend: causal grouped-query attention, forward and backward.
  *
- * Two paths. Many queries (training, prefill): per (sequence, head, block of ATTN_BLOCK_Q query rows)
- * the scores S = scale·Q·Kᵀ over the keys the block can see and the output P·V are OpenBLAS GEMMs
- * (strided views of the packed [tokens, heads*dim] activations), and the masked softmax runs on
- * OpenMP threads over rows when a block is big enough. Few queries (decode against a KV cache):
- * GEMMs of one row waste BLAS set-up, so each (sequence, head, query row) is a hand-written loop and
- * the threads split the heads. Backward always takes the GEMM path and recomputes P from q and k. */
+ * Three forward paths.
+ *   Many queries (training, prefill): per (sequence, head, block of ATTN_BLOCK_Q query rows) the
+ *     scores S = scale·Q·Kᵀ over the keys the block can see and the output P·V are OpenBLAS GEMMs
+ *     on strided views of the packed [tokens, heads*dim] activations; the masked softmax runs on
+ *     OpenMP threads over rows when a block is big enough.
+ *   One query (decode): per (sequence, KV head) one GEMM pair whose rows are the group's query
+ *     heads (adjacent in q's row), so K and V are read once per group; gemv when the group is 1.
+ *   A few queries (2..ATTN_SMALL_TQ, e.g. a short chunk against a cache): rows of different tokens
+ *     see different keys, so each (sequence, head, query row) is a hand-written loop and threads
+ *     split the heads.
+ * Backward always takes the blocked GEMM path and recomputes P from q and k. */
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
@@ -32,10 +37,11 @@ fu_err kern_cpu_attn_ws_bytes(const kern_backend_t *be, const kern_attn_params *
     size_t nt = (size_t)kern_cpu_threads();
     size_t floats;
     size_t bq = (size_t)(tq < ATTN_BLOCK_Q ? tq : ATTN_BLOCK_Q);
+    size_t group = (size_t)(p->n_kv_head > 0 ? p->n_head / p->n_kv_head : 1);
     if (backward)
         floats = 2 * bq * (size_t)tk;
     else if (tq <= ATTN_SMALL_TQ)
-        floats = nt * (size_t)tk;
+        floats = (nt > group ? nt : group) * (size_t)tk;
     else
         floats = bq * (size_t)tk;
     *bytes = floats * sizeof(float) + 2 * KERN_ALIGN;
@@ -179,9 +185,34 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
     float *scr = NULL;
     bool small = tq <= ATTN_SMALL_TQ;
     const int64_t BQ = tq < ATTN_BLOCK_Q ? tq : ATTN_BLOCK_Q;
-    size_t floats = small ? (size_t)kern_cpu_threads() * (size_t)tk : (size_t)BQ * (size_t)tk;
+    size_t nt = (size_t)kern_cpu_threads(), rows = nt > (size_t)group ? nt : (size_t)group;
+    size_t floats = small ? rows * (size_t)tk : (size_t)BQ * (size_t)tk;
     FU_TRY(scratch(ws, floats, &scr, &owned));
-    if (small) {
+    if (tq == 1) {
+        /* Decode: the query heads sharing a KV head are the rows of one [group, D] matrix (adjacent
+         * in q's row), so each (sequence, KV head) is one GEMM pair that reads K and V once. */
+        const int64_t lim = p->q_offset + 1 < tk ? p->q_offset + 1 : tk;
+        for (int64_t s = 0; s < S; s++) {
+            for (int64_t g = 0; g < Hkv; g++) {
+                const float *Qg = Q + s * ldq + g * group * D;
+                const float *Kg = K + s * tk * ldk + g * D;
+                const float *Vg = Vp + s * tk * ldk + g * D;
+                float *Og = O + s * ldq + g * group * D;
+                if (group == 1) { /* BLAS gemv beats a one-row gemm */
+                    cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)lim, (int)D, scale, Kg, ldk, Qg, 1, 0.0f, scr, 1);
+                    softmax_row(scr, lim, lim);
+                    cblas_sgemv(CblasRowMajor, CblasTrans, (int)lim, (int)D, 1.0f, Vg, ldk, scr, 1, 0.0f, Og, 1);
+                } else {
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)group, (int)lim, (int)D, scale, Qg,
+                                (int)D, Kg, ldk, 0.0f, scr, (int)lim);
+                    for (int64_t r = 0; r < group; r++)
+                        softmax_row(scr + r * lim, lim, lim);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)group, (int)D, (int)lim, 1.0f, scr,
+                                (int)lim, Vg, ldk, 0.0f, Og, (int)D);
+                }
+            }
+        }
+    } else if (small) {
         attn_fwd_small(p, tq, tk, Q, K, Vp, O, scr, scale);
     } else {
         for (int64_t s = 0; s < S; s++) {

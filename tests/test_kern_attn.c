@@ -92,6 +92,9 @@ static void test_kern_attn_gqa_matches_plain_loop(void **state)
     check_forward(1, 4, 10, 6, 4, 1, 8, 130);  /* few queries at an offset: hand-written path, MQA */
     check_forward(2, 3, 3, 0, 4, 2, 8, 140);   /* hand-written path, two sequences */
     check_forward(1, 12, 20, 8, 4, 2, 8, 150); /* GEMM path with an offset (chunked prefill) */
+    check_forward(1, 1, 9, 8, 4, 4, 8, 190);     /* decode, MHA: gemv */
+    check_forward(3, 1, 9, 8, 6, 2, 8, 191);     /* decode, GQA 3:1, three sequences */
+    check_forward(1, 1, 30, 20, 4, 1, 8, 192);   /* decode at an earlier position (keys beyond ignored) */
     check_forward(1, 300, 300, 0, 2, 1, 8, 160); /* several query blocks */
     check_forward(2, 140, 200, 60, 4, 2, 8, 170); /* blocks with an offset, two sequences */
 }
