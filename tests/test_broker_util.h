@@ -32,6 +32,8 @@
 #include "fu_file.h"
 #include "fu_modelcfg.h"
 #include "dag_model.h"
+#include "fu_safetensors.h"
+#include <cjson/cJSON.h>
 #include "testutil.h"
 #include "wire.h"
 #include "wire_keys.h"
@@ -410,6 +412,134 @@ static inline void tb_fake_hello(tb_client *cl, const char *name, uint64_t mem, 
     (void)tb_send(cl, FUSION__MSG_TYPE__MSG_PEER_HELLO, 0, &h.base);
 }
 
+
+/* Fake-peer "train" mode: asks the broker for one model tensor and the job's tokens and checks
+ * their hashes; on StageStart sends a checkpoint of its stage for every checkpoint step (waiting
+ * for each CheckpointAck) and, on the last stage, StepDone for every step. */
+typedef struct {
+    uint64_t job;
+    uint32_t stage, count;
+    uint64_t steps, every;
+    char model_id[96];
+    char dir[4096];
+} tb_train;
+
+static inline bool tb_fetch(tb_client *cl, const char *model_id, const char *name, size_t *bytes)
+{
+    Fusion__WeightRequest r = FUSION__WEIGHT_REQUEST__INIT;
+    r.model_id = (char *)model_id;
+    r.tensor_name = (char *)name;
+    if (tb_send(cl, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST, 0, &r.base) != FU_OK)
+        return false;
+    uint8_t *buf = NULL;
+    uint64_t got = 0, total = 0;
+    uint8_t hash[32];
+    for (;;) {
+        wire_msg_t *m = tb_recv(cl, 5000);
+        if (!m)
+            break;
+        const Fusion__WeightChunk *c = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK);
+        if (!c) {
+            wire_msg_destroy(&m);
+            continue; /* heartbeats */
+        }
+        if (!buf) {
+            total = c->total;
+            buf = malloc(total ? total : 1);
+            memcpy(hash, c->content_hash.data, 32);
+        }
+        memcpy(buf + c->offset, c->data.data, c->data.len);
+        got += c->data.len;
+        wire_msg_destroy(&m);
+        if (got >= total)
+            break;
+    }
+    uint8_t h2[32];
+    crypto_generichash(h2, 32, buf, got, NULL, 0);
+    bool ok = buf && got == total && memcmp(h2, hash, 32) == 0;
+    free(buf);
+    *bytes = got;
+    return ok;
+}
+
+static inline bool tb_put_ckpt(tb_client *cl, const tb_train *t, uint64_t step)
+{
+    char mod[128], na[200], nb[200], nm[220];
+    snprintf(mod, sizeof mod, "base_model.model.model.layers.%u.self_attn.q_proj", t->stage);
+    snprintf(na, sizeof na, "%s.lora_A.weight", mod);
+    snprintf(nb, sizeof nb, "%s.lora_B.weight", mod);
+    snprintf(nm, sizeof nm, "%s.lora_B.weight.adam_m", mod);
+    float a[8], bb[8], mm[8];
+    for (int i = 0; i < 8; i++) {
+        a[i] = (float)(t->stage * 100 + i);
+        bb[i] = (float)step;
+        mm[i] = 0.5f;
+    }
+    fu_st_tensor ts[3] = {
+        {.name = na, .dtype = FU_ST_F32, .ndim = 2, .shape = {2, 4}, .data = a, .nbytes = sizeof a},
+        {.name = nb, .dtype = FU_ST_F32, .ndim = 2, .shape = {4, 2}, .data = bb, .nbytes = sizeof bb},
+        {.name = nm, .dtype = FU_ST_F32, .ndim = 2, .shape = {4, 2}, .data = mm, .nbytes = sizeof mm},
+    };
+    char path[4200], stepv[32];
+    snprintf(path, sizeof path, "%s/ckpt-%u.safetensors", t->dir, t->stage);
+    snprintf(stepv, sizeof stepv, "%llu", (unsigned long long)step);
+    const char *meta[] = {"step", stepv, "adam_t", stepv};
+    char *data = NULL;
+    size_t len = 0;
+    if (fu_safetensors_write(path, ts, 3, meta, 2, NULL, NULL, NULL) != FU_OK ||
+        fu_file_read_all(path, 1 << 20, &data, &len, NULL) != FU_OK)
+        return false;
+    uint8_t hash[32];
+    crypto_generichash(hash, 32, (uint8_t *)data, len, NULL, 0);
+    size_t half = len / 2; /* two chunks */
+    for (int k = 0; k < 2; k++) {
+        Fusion__CheckpointPut c = FUSION__CHECKPOINT_PUT__INIT;
+        c.job_id = t->job;
+        c.stage_index = t->stage;
+        c.step = step;
+        c.offset = k ? half : 0;
+        c.total = len;
+        c.content_hash.data = hash;
+        c.content_hash.len = 32;
+        c.data.data = (uint8_t *)data + c.offset;
+        c.data.len = k ? len - half : half;
+        (void)tb_send(cl, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, t->job, &c.base);
+    }
+    free(data);
+    for (int tries = 0; tries < 50; tries++) {
+        wire_msg_t *m = tb_recv(cl, 5000);
+        if (!m)
+            return false;
+        Fusion__MsgType ty = wire_msg_type(m);
+        bool ok = ty == FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK;
+        if (ty == FUSION__MSG_TYPE__MSG_ERROR)
+            printf("ERROR ckpt %s\n", ((const Fusion__Error *)wire_msg_body(m))->message);
+        wire_msg_destroy(&m);
+        if (ok)
+            return true;
+        if (ty == FUSION__MSG_TYPE__MSG_ERROR)
+            return false;
+    }
+    return false;
+}
+
+static inline void tb_train_run(tb_client *cl, const tb_train *t, uint64_t from)
+{
+    for (uint64_t s = from; s < t->steps; s++) {
+        if (t->stage == t->count - 1) {
+            Fusion__StepDone d = FUSION__STEP_DONE__INIT;
+            d.job_id = t->job;
+            d.step = s;
+            d.loss = 5.0 - (double)s;
+            d.tokens = 16;
+            (void)tb_send(cl, FUSION__MSG_TYPE__MSG_STEP_DONE, t->job, &d.base);
+        }
+        if ((s + 1) % t->every == 0 || s + 1 == t->steps)
+            printf("CKPT %u step %llu %s\n", t->stage, (unsigned long long)(s + 1),
+                   tb_put_ckpt(cl, t, s + 1) ? "acked" : "FAILED");
+    }
+}
+
 /* The fake peer's main: argv as in tb_peer_start. MODE "ready": answers StageAssign with StageReady. */
 static inline int tb_fake_peer_main(int argc, char **argv)
 {
@@ -432,6 +562,10 @@ static inline int tb_fake_peer_main(int argc, char **argv)
     tb_client cl;
     tb_client_open(&cl, kp, &b);
     tb_fake_hello(&cl, name, mem, gflops);
+    bool train = strcmp(argv[8], "train") == 0;
+    tb_train tr;
+    memset(&tr, 0, sizeof tr);
+    snprintf(tr.dir, sizeof tr.dir, "%s", argv[4]);
     uint32_t hb_ms = 1000, dead_ms = 3000;
     uint64_t last_hb = fu_clock_ms(), last_heard = fu_clock_ms();
     bool leaving = false, leaving_done = false;
@@ -477,6 +611,23 @@ static inline int tb_fake_peer_main(int argc, char **argv)
             printf("ASSIGN %016" PRIx64 " stage %u of %u backup %d resume %" PRIu64 " nodes %u-%u model %.10s dag %zu\n",
                    a->job_id, a->stage_index, a->stage_count, a->backup ? 1 : 0, a->resume_step, a->node_begin,
                    a->node_end, a->model_id, a->dag.len);
+            if (train && !a->backup) {
+                cJSON *sp = cJSON_Parse(a->spec_json);
+                const cJSON *v;
+                tr.job = a->job_id;
+                tr.stage = a->stage_index;
+                tr.count = a->stage_count;
+                tr.steps = (v = cJSON_GetObjectItem(sp, "steps")) ? (uint64_t)v->valuedouble : 1;
+                tr.every = (v = cJSON_GetObjectItem(sp, "checkpoint_every")) ? (uint64_t)v->valuedouble : tr.steps;
+                cJSON_Delete(sp);
+                snprintf(tr.model_id, sizeof tr.model_id, "%s", a->model_id);
+                size_t n1 = 0, n2 = 0;
+                char jobblob[64];
+                snprintf(jobblob, sizeof jobblob, "job:%016" PRIx64, a->job_id);
+                bool w_ok = tb_fetch(&cl, a->model_id, "model.norm.weight", &n1);
+                bool t_ok = tb_fetch(&cl, jobblob, "tokens", &n2);
+                printf("FETCH weights %s %zu tokens %s %zu\n", w_ok ? "ok" : "BAD", n1, t_ok ? "ok" : "BAD", n2);
+            }
             Fusion__StageReady r = FUSION__STAGE_READY__INIT;
             r.job_id = a->job_id;
             r.stage_index = a->stage_index;
@@ -486,6 +637,8 @@ static inline int tb_fake_peer_main(int argc, char **argv)
         case FUSION__MSG_TYPE__MSG_STAGE_START: {
             const Fusion__StageStart *s = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_START);
             printf("START %016" PRIx64 " step %" PRIu64 "\n", s->job_id, s->step);
+            if (train && s->job_id == tr.job)
+                tb_train_run(&cl, &tr, s->step);
             break;
         }
         case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
