@@ -33,7 +33,7 @@ extern "C" {
                                               decode + sgemm pipeline */
 #endif
 #ifndef KERN_SALR_BLOCK_BYTES
-#define KERN_SALR_BLOCK_BYTES      (8u << 20) /* dense slice decoded per pipeline step (about):
+#define KERN_SALR_BLOCK_BYTES      (16u << 20) /* dense slice decoded per pipeline step (at most):
                                               big slices keep sgemm from re-packing X often */
 #endif
 #define KERN_SALR_SVD_EXACT_MAX_DIM 1024   /* KERN_SALR_SVD_AUTO: exact SVD when min(rows, cols)
