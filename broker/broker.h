@@ -31,6 +31,8 @@ extern "C" {
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
+#define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
+#define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 
 typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */

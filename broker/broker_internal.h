@@ -51,6 +51,7 @@ typedef struct {
     uint32_t stage;                    /* stage it runs or backs up */
     bool backup;                       /* it is a (warm) backup, not running */
     bool warm;                         /* backup that reported StageReady */
+    double reputation;                 /* from the store, in [0, 1] */
 } broker_peer;
 
 /* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */

@@ -472,6 +472,7 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     st->updated_ms = dj->updated_ms;
     st->idempotency_key = dj->idem_key ? dj->idem_key : (char *)"";
     st->output = (char *)"";
+    st->tokens_per_s = dj->tokens_per_s;
     if (j) {
         st->stages = j->n_stages;
         if (j->kind == DB_JOB_INFER && j->output)
@@ -493,6 +494,36 @@ static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
     char buf[DB_REASON_MAX + 128];
     Fusion__JobStatus st;
     fill_status(b, dj, &st, buf, sizeof buf);
+    /* each stage and its peer, while the job runs */
+    broker_job *j = broker_job_find(b, dj->id);
+    Fusion__JobStage stg[BROKER_MAX_STAGES], *stp[BROKER_MAX_STAGES];
+    char layers[BROKER_MAX_STAGES][48];
+    uint32_t ns = j && j->phase != BJ_QUEUED ? j->n_stages : 0;
+    for (uint32_t s = 0; s < ns; s++) {
+        fusion__job_stage__init(&stg[s]);
+        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        stg[s].index = s;
+        stg[s].peer_id = j->stages[s].peer;
+        stg[s].peer_name = p ? p->name : (char *)"";
+        stg[s].node_begin = j->stages[s].first;
+        stg[s].node_end = j->stages[s].last;
+        int32_t lo = INT32_MAX, hi = -1;
+        for (uint32_t n = j->stages[s].first; n < j->stages[s].last; n++) {
+            const dag_node *nd = dag_graph_node(j->graph, n);
+            if (nd && nd->layer != DAG_NO_LAYER) {
+                lo = nd->layer < lo ? nd->layer : lo;
+                hi = nd->layer > hi ? nd->layer : hi;
+            }
+        }
+        if (hi >= 0)
+            snprintf(layers[s], sizeof layers[s], "layers %d-%d", (int)lo, (int)hi);
+        else
+            snprintf(layers[s], sizeof layers[s], "no decoder layers");
+        stg[s].layers = layers[s];
+        stp[s] = &stg[s];
+    }
+    st.n_stage_info = ns;
+    st.stage_info = stp;
     char *out = NULL;
     if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && dj->result) {
         size_t n = dj->result_len < (WIRE_MAX_CONTROL_BYTES / 2) ? dj->result_len : WIRE_MAX_CONTROL_BYTES / 2;

@@ -164,6 +164,9 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
         return;
     }
     p->live = true;
+    db_peer *dp = NULL;
+    p->reputation = db_peer_get(b->db, p->key, &dp) == FU_OK ? dp->reputation : DB_REPUTATION_INIT;
+    db_peer_free(&dp);
     BROKER_IGNORE(db_event_add(b->db, p->joined_ms, NULL, p->key, "peer-join", p->name));
     FU_INFO(LOG, "peer %.8s (%s) %s: %.1f GFLOP/s, %.2f GiB, %s%s", p->key, p->name,
             created ? "joined" : "re-registered", p->gflops, (double)p->mem_bytes / (1u << 30),
@@ -261,8 +264,16 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
     Fusion__DtypeSpeed **spp = fu_calloc(n ? n : 1, sizeof *spp);
     uint64_t now = broker_now();
     int64_t wall = broker_wall();
+    db_peer *stored = NULL;
+    size_t n_stored = 0;
+    if (db_peer_list(b->db, 0, &stored, &n_stored) != FU_OK)
+        n_stored = 0;
     for (size_t i = 0; i < n; i++) {
         broker_peer *p = &b->peers[i];
+        infos[i].reputation = DB_REPUTATION_INIT;
+        for (size_t k = 0; k < n_stored; k++)
+            if (strcmp(stored[k].key, p->key) == 0)
+                infos[i].reputation = stored[k].reputation;
         fusion__dtype_speed__init(&spd[i]);
         spd[i].dtype = FUSION__DTYPE__DTYPE_F32;
         spd[i].gemm_gflops = p->gflops;
@@ -276,7 +287,9 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
         profs[i].link_bandwidth_bps = p->link_bw;
         profs[i].link_latency_ms = p->link_latency_ms;
         profs[i].threads = p->threads;
+        double rep = infos[i].reputation;
         fusion__peer_info__init(&infos[i]);
+        infos[i].reputation = rep;
         infos[i].peer_id = p->key;
         infos[i].name = p->name;
         infos[i].profile = &profs[i];
@@ -295,6 +308,7 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
     pl.n_peers = n;
     pl.peers = ptrs;
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_PEER_LIST, &pl.base);
+    db_peer_array_free(&stored, n_stored);
     free(infos);
     free(ptrs);
     free(profs);

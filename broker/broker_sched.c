@@ -46,7 +46,7 @@ static bool reserved(broker_t *b, const broker_peer *p)
 
 static bool peer_free(const broker_peer *p)
 {
-    return p->live && !p->draining && !p->job[0];
+    return p->live && !p->draining && !p->job[0] && p->reputation >= BROKER_MIN_REPUTATION;
 }
 
 #define peer_idle(p) (peer_free(p) && !reserved(b, (p)))
@@ -521,6 +521,8 @@ void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         return;
     char why[300];
     snprintf(why, sizeof why, "its peer reported an error: %s", e && e->message ? e->message : "?");
-    BROKER_IGNORE(db_peer_reputation_adjust(b->db, p->key, -0.1, broker_wall(), NULL));
+    double rep = p->reputation;
+    if (db_peer_reputation_adjust(b->db, p->key, -BROKER_ERROR_PENALTY, broker_wall(), &rep) == FU_OK)
+        p->reputation = rep;
     broker_failover(b, j, s, why);
 }
