@@ -36,6 +36,48 @@ typedef struct {
     float   scale;
 } attn_dims;
 
+/* The two 16-bit halves (low first) or the one f32 of a 32-bit word, as floats; no address is
+ * taken, so the vector stays in registers. */
+__device__ __forceinline__ float attn_word_lo(unsigned w, const __half *) { return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu))); }
+__device__ __forceinline__ float attn_word_hi(unsigned w, const __half *) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+__device__ __forceinline__ float attn_word_lo(unsigned w, const __nv_bfloat16 *) { return __bfloat162float(__ushort_as_bfloat16((unsigned short)(w & 0xffffu))); }
+__device__ __forceinline__ float attn_word_hi(unsigned w, const __nv_bfloat16 *) { return __bfloat162float(__ushort_as_bfloat16((unsigned short)(w >> 16))); }
+
+/* acc += xs[0..per word)·word, in element order. */
+template <typename T>
+__device__ __forceinline__ float attn_dot_word(float acc, const float *xs, unsigned w)
+{
+    if constexpr (sizeof(T) == 4) {
+        return acc + xs[0] * __uint_as_float(w);
+    } else {
+        acc += xs[0] * attn_word_lo(w, (const T *)nullptr);
+        return acc + xs[1] * attn_word_hi(w, (const T *)nullptr);
+    }
+}
+
+/* sum_d xs[d]·row[d] over D elements, in order d = 0..D-1 (the same rounding as a scalar loop), with
+ * 16-byte loads when the row allows them. xs is f32 in shared memory. */
+template <typename T>
+__device__ __forceinline__ float attn_dot(const float *__restrict__ xs, const T *__restrict__ row, int D)
+{
+    float acc = 0.0f;
+    constexpr int VEC = 16 / (int)sizeof(T); /* elements per 16 bytes */
+    constexpr int PER = VEC / 4;              /* elements per 32-bit word */
+    if (D % VEC == 0 && ((uintptr_t)row & 15) == 0) {
+        for (int d = 0; d < D; d += VEC) {
+            const uint4 raw = *reinterpret_cast<const uint4 *>(row + d);
+            acc = attn_dot_word<T>(acc, xs + d, raw.x);
+            acc = attn_dot_word<T>(acc, xs + d + PER, raw.y);
+            acc = attn_dot_word<T>(acc, xs + d + 2 * PER, raw.z);
+            acc = attn_dot_word<T>(acc, xs + d + 3 * PER, raw.w);
+        }
+        return acc;
+    }
+    for (int d = 0; d < D; d++)
+        acc += xs[d] * kc_ld(row[d]);
+    return acc;
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Row kernel (forward). grid.x = rowhead = qrow*Hq + h, grid.y = split. With splits == 1 it writes
  * o (and lse when non-NULL); otherwise the partial triple part[(rowhead*splits + z)*(D+2) ...]. */
@@ -79,11 +121,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_rows(const T *__restrict_
         const int64_t j = c0 + lane;
         float sc = -INFINITY;
         if (j < k1) {
-            const T *kp = kbase + j * ldk;
-            float dot = 0.0f;
-            for (int d = 0; d < D; d++)
-                dot += qs[d] * kc_ld(kp[d]);
-            sc = dot * a.scale;
+            sc = attn_dot(qs, kbase + j * ldk, D) * a.scale;
         }
         const float mnew = fmaxf(m, kc_warp_max(sc)); /* finite: key c0 < k1 is valid */
         const float corr = expf(m - mnew);
@@ -416,12 +454,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_bwd_dq(const T *__restric
         const int64_t j = c0 + lane;
         float ds = 0.0f;
         if (j < kend) {
-            const T *kp = kbase + j * ldk, *vp = vbase + j * ldk;
-            float dot = 0.0f, dp = 0.0f;
-            for (int d = 0; d < D; d++) {
-                dot += qs[d] * kc_ld(kp[d]);
-                dp += dos[d] * kc_ld(vp[d]);
-            }
+            const float dot = attn_dot(qs, kbase + j * ldk, D);
+            const float dp = attn_dot(dos, vbase + j * ldk, D);
             const float p = expf(dot * a.scale - L);
             ds = p * (dp - Dr);
         }
@@ -493,12 +527,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_bwd_dkv(const T *__restri
             const int64_t i = i0 + idx % cnt;
             const int h = g * a.group + hh;
             const int64_t qrow = s * a.tq + i, rowhead = qrow * a.Hq + h;
-            const T *qp = q + qrow * ldq + (int64_t)h * D, *dp_ = dout + qrow * ldq + (int64_t)h * D;
-            float dot = 0.0f, dp = 0.0f;
-            for (int d = 0; d < D; d++) {
-                dot += kc_ld(qp[d]) * ks[d];
-                dp += kc_ld(dp_[d]) * vs[d];
-            }
+            const float dot = attn_dot(ks, q + qrow * ldq + (int64_t)h * D, D);
+            const float dp = attn_dot(vs, dout + qrow * ldq + (int64_t)h * D, D);
             p = expf(dot * a.scale - lse[rowhead]);
             ds = p * (dp - dsum[rowhead]);
         }
