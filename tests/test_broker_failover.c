@@ -230,6 +230,59 @@ static void test_broker_failover_full_run_and_result(void **state)
         tb_peer_stop(&p[i], SIGKILL);
 }
 
+static void test_broker_failover_inference_streams_tokens(void **state)
+{
+    fx *f = *state;
+    f->b.backups = 0;
+    start(f);
+    tb_peer p;
+    char line[512];
+    tb_peer_start(&p, &f->b, f->pdir[0], "p0", 4 * GiB, 50, "infer");
+    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    char spec[9000];
+    snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"max_tokens\": 4, \"seed\": 3}", f->model);
+    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+    js.kind = FUSION__JOB_KIND__JOB_KIND_INFER;
+    js.spec_json = spec;
+    js.data.data = (uint8_t *)"Hello";
+    js.data.len = 5;
+    wire_msg_t *m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 5000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_JOB_STATUS);
+    uint64_t id = ((const Fusion__JobStatus *)wire_msg_body(m))->job_id;
+    wire_msg_destroy(&m);
+    assert_true(tb_peer_expect(&p, "FETCH", 5000, line, sizeof line));
+    assert_string_equal(line, "FETCH tokens ok 20 resume 0"); /* the 5 prompt bytes as I32 */
+    /* the broker hands each sampled token back to stage 0 until max_tokens */
+    assert_true(tb_peer_expect(&p, "TOKEN 5 65", 5000, NULL, 0));
+    assert_true(tb_peer_expect(&p, "TOKEN 7 67", 5000, NULL, 0));
+    const Fusion__JobStatus *st = NULL;
+    for (int k = 0; k < 50; k++) {
+        wire_msg_destroy(&m);
+        m = tb_job_status(&f->a, id);
+        st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        if (st && st->state == FUSION__JOB_STATE__JOB_STATE_DONE)
+            break;
+        fu_sleep_ms(100);
+    }
+    assert_non_null(st);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_DONE);
+    assert_string_equal(st->output, "ABCD");
+    wire_msg_destroy(&m);
+    /* the result is output.txt */
+    Fusion__JobResultRequest rr = FUSION__JOB_RESULT_REQUEST__INIT;
+    rr.job_id = id;
+    m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ, id, &rr.base, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, 3000);
+    const Fusion__JobResultChunk *c = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK);
+    assert_non_null(c);
+    assert_string_equal(c->file_name, "output.txt");
+    assert_int_equal(c->data.len, 4);
+    assert_memory_equal(c->data.data, "ABCD", 4);
+    assert_true(c->last);
+    wire_msg_destroy(&m);
+    tb_peer_stop(&p, SIGKILL);
+}
+
 static void test_broker_failover_relay(void **state)
 {
     fx *f = *state;
@@ -294,6 +347,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_broker_failover_to_warm_backup, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_full_run_and_result, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_failover_inference_streams_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_relay, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

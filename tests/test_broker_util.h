@@ -562,7 +562,9 @@ static inline int tb_fake_peer_main(int argc, char **argv)
     tb_client cl;
     tb_client_open(&cl, kp, &b);
     tb_fake_hello(&cl, name, mem, gflops);
-    bool train = strcmp(argv[8], "train") == 0;
+    bool train = strcmp(argv[8], "train") == 0, infer = strcmp(argv[8], "infer") == 0;
+    uint64_t infer_job = 0, prompt_len = 0;
+    uint32_t infer_stages = 0, infer_stage = 0;
     tb_train tr;
     memset(&tr, 0, sizeof tr);
     snprintf(tr.dir, sizeof tr.dir, "%s", argv[4]);
@@ -628,6 +630,17 @@ static inline int tb_fake_peer_main(int argc, char **argv)
                 bool t_ok = tb_fetch(&cl, jobblob, "tokens", &n2);
                 printf("FETCH weights %s %zu tokens %s %zu\n", w_ok ? "ok" : "BAD", n1, t_ok ? "ok" : "BAD", n2);
             }
+            if (infer && !a->backup) {
+                char jobblob[64];
+                size_t nb = 0;
+                snprintf(jobblob, sizeof jobblob, "job:%016" PRIx64, a->job_id);
+                bool t_ok = tb_fetch(&cl, jobblob, "tokens", &nb);
+                infer_job = a->job_id;
+                prompt_len = nb / 4;
+                infer_stages = a->stage_count;
+                infer_stage = a->stage_index;
+                printf("FETCH tokens %s %zu resume %" PRIu64 "\n", t_ok ? "ok" : "BAD", nb, a->resume_step);
+            }
             Fusion__StageReady r = FUSION__STAGE_READY__INIT;
             r.job_id = a->job_id;
             r.stage_index = a->stage_index;
@@ -639,6 +652,14 @@ static inline int tb_fake_peer_main(int argc, char **argv)
             printf("START %016" PRIx64 " step %" PRIu64 "\n", s->job_id, s->step);
             if (train && s->job_id == tr.job)
                 tb_train_run(&cl, &tr, s->step);
+            if (infer && s->job_id == infer_job && infer_stage == infer_stages - 1) {
+                /* the "sampled" token at position p is 'A' + (p - prompt length) */
+                Fusion__InferToken it = FUSION__INFER_TOKEN__INIT;
+                it.job_id = infer_job;
+                it.position = prompt_len;
+                it.token = 'A';
+                (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_INFER_TOKEN, infer_job, &it.base);
+            }
             break;
         }
         case FUSION__MSG_TYPE__MSG_STAGE_RELEASE: {
@@ -646,6 +667,16 @@ static inline int tb_fake_peer_main(int argc, char **argv)
             printf("RELEASE %016" PRIx64 " stage %u: %s\n", r->job_id, r->stage_index, r->reason);
             if (leaving)
                 leaving_done = true;
+            break;
+        }
+        case FUSION__MSG_TYPE__MSG_INFER_TOKEN: { /* stage 0's next input; this fake is every stage */
+            const Fusion__InferToken *in = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN);
+            printf("TOKEN %" PRIu64 " %d\n", in->position, in->token);
+            Fusion__InferToken it = FUSION__INFER_TOKEN__INIT;
+            it.job_id = in->job_id;
+            it.position = in->position + 1;
+            it.token = (int32_t)('A' + (in->position + 1 - prompt_len));
+            (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_INFER_TOKEN, in->job_id, &it.base);
             break;
         }
         case FUSION__MSG_TYPE__MSG_ERROR: {
