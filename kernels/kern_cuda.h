@@ -35,6 +35,21 @@ extern "C" {
  * crashes, logs at debug level). Thread-safe. */
 int kern_cuda_device_count(void);
 
+/* What a peer reports about a device (its profile for the scheduler). */
+typedef struct {
+    char   name[256];     /* "NVIDIA H100 80GB HBM3" (cudaDeviceProp.name) */
+    int    cc_major;      /* compute capability */
+    int    cc_minor;
+    int    sm_count;      /* multiprocessors */
+    size_t total_bytes;   /* device memory */
+    size_t free_bytes;    /* free now (cudaMemGetInfo) */
+    size_t smem_per_block; /* shared memory a block may opt in to */
+} kern_cuda_info;
+
+/* Fills *out for device `device`. FU_ENOTFOUND when there is no such device, FU_ECUDA when the
+ * driver fails. Thread-safe. */
+FU_MUST_CHECK fu_err kern_cuda_device_info(int device, kern_cuda_info *out);
+
 /* The shared backend of device `ordinal` (created on first use, static storage, never freed): what
  * kern_backend_get("cuda:N") returns. FU_ENOTFOUND when there is no such device, FU_ECUDA/FU_ENOMEM
  * when creating its stream, cuBLAS handle or buffers fails. Thread-safe. */

@@ -24,6 +24,11 @@ static void test_kern_cuda_lookup(void **state)
     kern_backend_cuda_close(&own);
     assert_null(own);
     kern_backend_cuda_close(&own); /* idempotent */
+    kern_cuda_info info;
+    assert_int_equal(kern_cuda_device_info(0, &info), FU_OK);
+    assert_true(info.sm_count > 0 && info.total_bytes > 0 && info.free_bytes <= info.total_bytes);
+    assert_true(info.name[0] != '\0');
+    assert_int_equal(kern_cuda_device_info(-1, &info), FU_ENOTFOUND);
 }
 
 static void test_kern_cuda_oom_is_an_error(void **state)

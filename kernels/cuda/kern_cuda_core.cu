@@ -55,6 +55,34 @@ extern "C" int kern_cuda_device_count(void)
     return n < 0 ? 0 : n;
 }
 
+extern "C" fu_err kern_cuda_device_info(int device, kern_cuda_info *out)
+{
+    if (!out)
+        return FU_EINVAL;
+    memset(out, 0, sizeof *out);
+    int count = kern_cuda_device_count();
+    if (device < 0 || device >= count)
+        return FU_ENOTFOUND;
+    int prev = -1;
+    KC_CUDA(cudaGetDevice(&prev));
+    cudaDeviceProp prop;
+    KC_CUDA(cudaGetDeviceProperties(&prop, device));
+    KC_CUDA(cudaSetDevice(device));
+    size_t free_b = 0, total_b = 0;
+    cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
+    (void)cudaSetDevice(prev);
+    if (e != cudaSuccess)
+        return kc_cuda_err(e, "cudaMemGetInfo", __FILE__, __LINE__);
+    snprintf(out->name, sizeof out->name, "%s", prop.name);
+    out->cc_major = prop.major;
+    out->cc_minor = prop.minor;
+    out->sm_count = prop.multiProcessorCount;
+    out->total_bytes = total_b;
+    out->free_bytes = free_b;
+    out->smem_per_block = prop.sharedMemPerBlockOptin;
+    return FU_OK;
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Pool. Blocks are cached per rounded size; a request first takes a cached block of the same
  * rounded size (or, for large sizes, one at most 25% bigger), then asks cudaMalloc, and on
