@@ -37,6 +37,8 @@ typedef struct {
     char conn[1024]; /* --broker ... --broker-key ... --keys ... for the client */
 } cluster;
 
+static cluster *g_live; /* the running cluster, for the teardown after a failed assertion */
+
 static pid_t spawn(const char *log, char *const argv[])
 {
     pid_t pid = fork();
@@ -103,6 +105,7 @@ static int wait_pid(pid_t pid, int timeout_ms)
 static void cluster_start(cluster *c, const char *tag)
 {
     memset(c, 0, sizeof *c);
+    g_live = c;
     c->dir = tu_tmpdir(tag);
     assert_non_null(c->dir);
     char *out = NULL;
@@ -192,6 +195,29 @@ static void cluster_stop(cluster *c)
     (void)tu_sh(&out, "rm -rf '%s'", c->dir);
     free(out);
     free(c->dir);
+    g_live = NULL;
+}
+
+/* After a failed assertion: kill what is left of the cluster (no orphans), keep its logs. */
+static int teardown(void **state)
+{
+    (void)state;
+    cluster *c = g_live;
+    if (!c)
+        return 0;
+    for (int i = 0; i < N_PEERS; i++)
+        if (c->peers[i] > 0) {
+            kill(c->peers[i], SIGKILL);
+            waitpid(c->peers[i], NULL, 0);
+        }
+    if (c->broker > 0) {
+        kill(c->broker, SIGKILL);
+        waitpid(c->broker, NULL, 0);
+    }
+    printf("logs kept in %s\n", c->dir);
+    free(c->dir);
+    g_live = NULL;
+    return 0;
 }
 
 /* Submits and waits; returns the job id (static buffer). */
@@ -282,9 +308,9 @@ static void test_peer_broker_pipeline_equals_single_process(void **state)
     snprintf(needle, sizeof needle, "job %s stage 1/2", id);
     char *bl = slurp(blog);
     bool two = strstr(bl, needle) != NULL;
-    free(bl);
     if (!two)
-        show(blog);
+        printf("the broker's plan:\n%s\n", bl);
+    free(bl);
     assert_true(two); /* the job really ran as a two-stage pipeline */
     char jid[32];
     snprintf(jid, sizeof jid, "%s", id);
@@ -473,9 +499,9 @@ int main(void)
         return 1;
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_peer_broker_pipeline_equals_single_process),
-        cmocka_unit_test(test_peer_broker_failover_keeps_the_adapter),
-        cmocka_unit_test(test_peer_broker_inference_equals_single_process),
+        cmocka_unit_test_teardown(test_peer_broker_pipeline_equals_single_process, teardown),
+        cmocka_unit_test_teardown(test_peer_broker_failover_keeps_the_adapter, teardown),
+        cmocka_unit_test_teardown(test_peer_broker_inference_equals_single_process, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
