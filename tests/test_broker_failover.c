@@ -49,9 +49,9 @@ static int teardown(void **state)
     wire_keypair_destroy(&f->alice);
     for (int i = 0; i < 3; i++)
         wire_keypair_destroy(&f->pk[i]);
-    tb_broker_fini(&f->b);
+    int rc = tb_broker_fini(&f->b);
     free(f);
-    return 0;
+    return rc;
 }
 
 static void start(fx *f)

@@ -47,9 +47,9 @@ static int teardown(void **state)
     wire_keypair_destroy(&f->alice);
     wire_keypair_destroy(&f->bob);
     wire_keypair_destroy(&f->peer);
-    tb_broker_fini(&f->b);
+    int rc = tb_broker_fini(&f->b);
     free(f);
-    return 0;
+    return rc;
 }
 
 static void start(fx *f)

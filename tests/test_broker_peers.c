@@ -32,9 +32,9 @@ static int teardown(void **state)
     fx *f = *state;
     tb_client_close(&f->cl);
     wire_keypair_destroy(&f->client);
-    tb_broker_fini(&f->b);
+    int rc = tb_broker_fini(&f->b);
     free(f);
-    return 0;
+    return rc;
 }
 
 static void start(fx *f)
