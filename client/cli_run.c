@@ -2,6 +2,7 @@
  * adapter on a text file and writes it in PEFT format; `run infer` generates text from a model
  * (optionally with an adapter), streaming tokens as they come. Both build the job's DAG and run it
  * whole with the DAG executor (dag_exec), the same code a peer runs for one stage. */
+#include <cblas.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +42,21 @@ static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
 {
     fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(em, rc));
     return rc == FU_EINVAL ? FU_EXIT_FAIL : exit_for(rc);
+}
+
+/* --threads: BLAS and kernel threads (0 leaves the libraries' defaults). */
+static bool set_threads(const char *prog, long long n)
+{
+    if (n < 0 || n > 1024) {
+        fprintf(stderr, "%s: --threads must be 0 (automatic) to 1024\n", prog);
+        return false;
+    }
+    if (n > 0) {
+        openblas_set_num_threads((int)n);
+        if (kern_cpu_set_threads((int)n) != FU_OK)
+            return false;
+    }
+    return true;
 }
 
 /* The model directory: config, weights, tokenizer, and whether it is SALR-pruned. */
@@ -113,7 +129,7 @@ static int run_finetune(int argc, char **argv)
 {
     const char *model_dir = NULL, *data = NULL, *method_s = "lora-fa", *out = NULL, *loss_log = NULL,
                *targets_s = NULL;
-    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0;
+    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, threads = 0;
     double alpha = -1, lr = 1e-3, wd = 0.0;
     bool shuffle = false;
     const fu_opt opts[] = {
@@ -132,6 +148,7 @@ static int run_finetune(int argc, char **argv)
         {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the shuffle and the adapter initialisation (default 0)"},
         {"loss-log", 0, FU_OPT_STR, &loss_log, "FILE", "append one JSON line per step (step, loss, tokens/s)"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the adapter (PEFT format)"},
+        {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
@@ -173,6 +190,8 @@ static int run_finetune(int argc, char **argv)
     }
     if (alpha < 0)
         alpha = 2.0 * (double)rank;
+    if (!set_threads(prog, threads))
+        return FU_EXIT_USAGE;
 
     fu_errmsg em = {{0}};
     cli_model m;
@@ -378,7 +397,7 @@ static fu_err parse_tokens(const char *s, uint32_t vocab, int32_t **ids, size_t 
 static int run_infer(int argc, char **argv)
 {
     const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *prompt_tokens = NULL, *dump = NULL;
-    long long max_new = 64, top_k = 0, seed = 0;
+    long long max_new = 64, top_k = 0, seed = 0, threads = 0;
     double temperature = 0.0, top_p = 1.0;
     bool quiet = false;
     const fu_opt opts[] = {
@@ -394,6 +413,7 @@ static int run_infer(int argc, char **argv)
         {"dump-logits", 0, FU_OPT_STR, &dump, "FILE",
          "write float32 logits of every prompt position (little-endian, positions x vocab)"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
+        {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
@@ -420,6 +440,8 @@ static int run_infer(int argc, char **argv)
                         "be positive\n", prog);
         return FU_EXIT_USAGE;
     }
+    if (!set_threads(prog, threads))
+        return FU_EXIT_USAGE;
     fu_errmsg em = {{0}};
     cli_model m;
     fu_err rc = model_open(model_dir, &m, &em);

@@ -104,7 +104,7 @@ static void test_dag_cli_finetune_then_infer(void **state)
                                   "--max-tokens 24 2>/dev/null", tu_bin("fusion"), model, dir), 0);
     assert_int_equal(tu_sh(&with2, "%s run infer -q --model %s --adapter %s/adapter --prompt-tokens 116,104,101 "
                                    "--max-tokens 24 2>/dev/null", tu_bin("fusion"), model, dir), 0);
-    assert_int_equal(tu_sh(&without, "%s run infer -q --model %s --prompt-tokens 116,104,101 --max-tokens 24 "
+    assert_int_equal(tu_sh(&without, "%s run infer -q --threads 1 --model %s --prompt-tokens 116,104,101 --max-tokens 24 "
                                      "2>/dev/null", tu_bin("fusion"), model), 0);
     assert_string_equal(with, with2);
     assert_string_not_equal(with, without);
