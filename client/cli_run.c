@@ -131,7 +131,7 @@ static int run_finetune(int argc, char **argv)
                *targets_s = NULL;
     long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, threads = 0;
     double alpha = -1, lr = 1e-3, wd = 0.0;
-    bool shuffle = false;
+    bool shuffle = false, correction = false;
     const fu_opt opts[] = {
         {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory (config.json + safetensors)"},
         {"data", 0, FU_OPT_STR, &data, "FILE", "training text (tokenized with the model's tokenizer)"},
@@ -149,6 +149,8 @@ static int run_finetune(int argc, char **argv)
         {"loss-log", 0, FU_OPT_STR, &loss_log, "FILE", "append one JSON line per step (step, loss, tokens/s)"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the adapter (PEFT format)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
+        {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
+         "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
@@ -236,7 +238,7 @@ static int run_finetune(int argc, char **argv)
     dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = targets,
                          .res_rank = m.res_rank, .head = DAG_HEAD_LOSS, .seq_len = (uint32_t)seq_len};
     dag_exec_opts eo = {.max_tokens = (uint32_t)(batch * seq_len), .n_slots = 1, .training = true,
-                        .seed = (uint64_t)seed};
+                        .seed = (uint64_t)seed, .lorafa_correction = correction};
     if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;

@@ -1708,6 +1708,8 @@ fu_err dag_exec_step(dag_exec_t *x, const kern_adamw_params *p)
         enode *e = &x->nodes[i];
         if (!e->dB)
             continue;
+        if (x->o.lorafa_correction && !e->train_a && N(x, i)->adapter.method == DAG_ADAPTER_LORA_FA)
+            FU_TRY(kern_lorafa_correct_grad(x->be, e->A, e->scale, e->dB));
         FU_TRY(kern_adamw_step(x->be, e->B, e->dB, e->mB, e->vB, p, x->step));
         FU_TRY(kern_tensor_zero(x->be, e->dB));
         if (e->dA) {

@@ -46,6 +46,8 @@ typedef struct {
     bool logits_all;          /* inference: logits for every row (else only the last row) */
     uint32_t max_context;     /* inference: KV cache positions per session (0: max_tokens) */
     uint64_t seed;            /* adapter initialisation (Kaiming-uniform A, zero B) */
+    bool lorafa_correction;   /* LoRA-FA: precondition B's gradient with (A·Aᵀ)⁻¹/s² before each
+                                 step (PEFT's LoRA-FA optimizer; the published method does not) */
 } dag_exec_opts;
 
 typedef struct dag_exec dag_exec_t;

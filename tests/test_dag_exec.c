@@ -599,6 +599,18 @@ static void test_dag_exec_finetune_lowers_loss(void **state)
         dag_exec_destroy(&x);
         dag_graph_destroy(&g);
     }
+    /* LoRA-FA with PEFT's gradient correction also learns. */
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 8, DAG_HEAD_LOSS, 0);
+    dag_exec_opts o = {.max_tokens = 32, .training = true, .seed = 7, .lorafa_correction = true};
+    dag_exec_t *x = NULL;
+    assert_int_equal(dag_exec_new(g, &o, &x, NULL), FU_OK);
+    assert_int_equal(dag_exec_load_weights(x, t.st, NULL), FU_OK);
+    float a, b;
+    train(x, text, 17 * 40, 30, 1e-2f, &a, &b);
+    print_message("lora_fa with correction: loss %.3f -> %.3f over 30 steps\n", a, b);
+    assert_true(b < 0.8f * a);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
     free(text);
     tiny_close(&t);
 }
