@@ -613,8 +613,8 @@ fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
             break;
         case DAG_OP_CROSS_ENTROPY:
         case DAG_OP_SAMPLE:
-            if (g->nodes[n->inputs[0]].op != DAG_OP_LM_HEAD || n->out_width != 1)
-                return bad(msg, cap, n, "must read an lm_head node and output width 1");
+            if (g->nodes[n->inputs[0]].op != DAG_OP_LM_HEAD || n->out_width != 1 || n->dim_in != w[0])
+                return bad(msg, cap, n, "must read an lm_head node, with dim_in its width, and output width 1");
             break;
         default:
             break;

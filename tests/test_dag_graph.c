@@ -118,6 +118,7 @@ static void c_heads(dag_node *n) { n->n_kv_heads = 3; }
 static void c_id(dag_node *n) { n->id = 5; }
 static void c_adapter_on_norm(dag_node *n) { n->adapter.method = DAG_ADAPTER_LORA; }
 static void c_eps(dag_node *n) { n->eps = 0.0f; }
+static void c_loss_width(dag_node *n) { n->dim_in = 1u << 19; }
 
 static void test_dag_graph_validation_rejects_malformed(void **state)
 {
@@ -135,6 +136,7 @@ static void test_dag_graph_validation_rejects_malformed(void **state)
     expect_bad(c_id, 3, "id 5");
     expect_bad(c_adapter_on_norm, 1, "only linear");
     expect_bad(c_eps, 1, "epsilon");
+    expect_bad(c_loss_width, 33, "node 33 (cross_entropy)");
 }
 
 static void test_dag_graph_protobuf_round_trip(void **state)
