@@ -395,6 +395,13 @@ static void timers(broker_t *b)
         }
         b->next_sweep_ms = now + sweep_period(b);
     }
+    if (now >= b->next_prune_ms) {
+        int64_t deleted = 0;
+        if (db_event_prune(b->db, broker_wall() - BROKER_EVENT_KEEP_MS, &deleted) == FU_OK && deleted > 0)
+            FU_INFO(LOG, "pruned %lld events older than %lld days", (long long)deleted,
+                    (long long)(BROKER_EVENT_KEEP_MS / (24 * 3600 * 1000)));
+        b->next_prune_ms = now + BROKER_PRUNE_EVERY_MS;
+    }
     if (b->sched_dirty) {
         b->sched_dirty = false;
         broker_schedule(b);

@@ -32,6 +32,8 @@ extern "C" {
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
+#define BROKER_EVENT_KEEP_MS    (30ll * 24 * 3600 * 1000) /* events older than this are pruned */
+#define BROKER_PRUNE_EVERY_MS   (3600u * 1000u)  /* how often */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 
 typedef struct {

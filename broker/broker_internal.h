@@ -157,6 +157,7 @@ struct broker {
     size_t n_models, cap_models;
     bool sched_dirty;                  /* something changed: run the scheduler */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
+    uint64_t next_prune_ms;            /* next event-log pruning */
     uint64_t started_ms;               /* monotonic start time */
     uint64_t relayed;                  /* frames relayed */
 };

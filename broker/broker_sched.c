@@ -125,8 +125,14 @@ static void plan_job(broker_t *b, broker_job *j)
     }
     char reason[DB_REASON_MAX];
     if (n_idle == 0) {
-        snprintf(reason, sizeof reason, "waiting for peers: %s",
-                 n_live ? "every live peer is busy with other jobs" : "no peer is registered");
+        const char *why_now = n_live ? "every live peer is busy with other jobs" : "no peer is registered";
+        if (strncmp(j->reason, "waiting for peers: stage", 24) == 0) { /* keep the lost stage in view */
+            const char *ctx = j->reason + 19, *end = strstr(ctx, " (now:");
+            int n = (int)(end ? (size_t)(end - ctx) : strlen(ctx));
+            snprintf(reason, sizeof reason, "waiting for peers: %.*s (now: %s)", n > 600 ? 600 : n, ctx, why_now);
+        } else {
+            snprintf(reason, sizeof reason, "waiting for peers: %s", why_now);
+        }
         set_reason(b, j, reason);
         return;
     }

@@ -8,6 +8,7 @@
 #include <cmocka.h>
 
 #include "test_broker_util.h"
+#include "wire_zap.h"
 
 #define GiB (1ull << 30)
 
@@ -149,6 +150,43 @@ static void test_broker_peers_unknown_key_refused(void **state)
     wire_keypair_destroy(&stranger);
 }
 
+static void test_broker_peers_enrolment_token(void **state)
+{
+    fx *f = *state;
+    wire_token_generate(f->b.token);
+    start(f);
+    wire_keypair_t *newcomer = tb_keygen(f->b.dir, "newcomer");
+    tb_client nc;
+    tb_client_open(&nc, newcomer, &f->b);
+    /* admitted as "enrolling": anything but Enrol is refused, saying what to do */
+    wire_msg_t *m = tb_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_AUTH);
+    wire_msg_destroy(&m);
+    Fusion__Enrol e = FUSION__ENROL__INIT;
+    e.token = (char *)"0000000000000000000000000000000000000000";
+    e.name = (char *)"newcomer";
+    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR); /* wrong token */
+    wire_msg_destroy(&m);
+    e.token = f->b.token;
+    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ENROL_ACK);
+    assert_string_equal(((const Fusion__EnrolAck *)wire_msg_body(m))->peer_id, wire_keypair_public_z85(newcomer));
+    wire_msg_destroy(&m);
+    /* now a member: served */
+    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_PEER_LIST);
+    wire_msg_destroy(&m);
+    tb_client_close(&nc);
+    /* and on the allow-list file for the next start */
+    char *out = NULL;
+    assert_int_equal(tu_sh(&out, "grep -cF '%s' '%s'", wire_keypair_public_z85(newcomer), f->b.allow), 0);
+    free(out);
+    wire_keypair_destroy(&newcomer);
+}
+
 static void test_broker_peers_garbage_on_the_port(void **state)
 {
     fx *f = *state;
@@ -198,6 +236,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_broker_peers_join_and_leave, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_sigstop_is_dead, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_unknown_key_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_peers_enrolment_token, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_garbage_on_the_port, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

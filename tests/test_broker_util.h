@@ -102,6 +102,7 @@ typedef struct {
     pid_t pid;           /* running broker, 0 when none */
     int backups;
     int heartbeat_ms;
+    char token[64];      /* --enrol-token, "" for none */
 } tb_broker;
 
 static inline void tb_broker_init(tb_broker *b, const char *tag)
@@ -138,8 +139,14 @@ static inline void tb_broker_start(tb_broker *b)
             dup2(fd, 2);
             dup2(fd, 1);
         }
-        execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db, "--allow",
-              b->allow, "--backups", backups, "--heartbeat-ms", hb, "--log-level", "debug", (char *)NULL);
+        if (b->token[0])
+            execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db,
+                  "--allow", b->allow, "--enrol-token", b->token, "--backups", backups, "--heartbeat-ms", hb,
+                  "--log-level", "debug", (char *)NULL);
+        else
+            execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db,
+                  "--allow", b->allow, "--backups", backups, "--heartbeat-ms", hb, "--log-level", "debug",
+                  (char *)NULL);
         _exit(127);
     }
     b->pid = pid;
