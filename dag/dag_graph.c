@@ -324,7 +324,7 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         n.flops_fwd = 4.0 * H;
         n.flops_bwd = train ? 8.0 * H : 0;
         n.param_bytes = 4ull * H;
-        n.act_bytes = train ? 4ull * (H + 1) : 0;
+        n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
         uint32_t h = push(&b, &n);
 
         uint32_t q = add_linear(&b, L, h, DAG_TARGET_Q, "self_attn", H, qw);
@@ -389,7 +389,7 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         n.flops_fwd = 4.0 * H;
         n.flops_bwd = train ? 8.0 * H : 0;
         n.param_bytes = 4ull * H;
-        n.act_bytes = train ? 4ull * (H + 1) : 0;
+        n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
         uint32_t h2 = push(&b, &n);
 
         uint32_t gt = add_linear(&b, L, h2, DAG_TARGET_GATE, "mlp", H, F);
@@ -428,7 +428,7 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
     n.flops_fwd = 4.0 * H;
     n.flops_bwd = train ? 8.0 * H : 0;
     n.param_bytes = 4ull * H;
-    n.act_bytes = train ? 4ull * (H + 1) : 0;
+    n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
     uint32_t hn = push(&b, &n);
 
     n = blank(DAG_OP_LM_HEAD, DAG_NO_LAYER);
@@ -454,6 +454,23 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         /* The logits' gradient is written in place of the logits: one vocab row per token. */
         n.act_bytes = train ? 4ull * d->vocab_size : 0;
         (void)push(&b, &n);
+    }
+    if (b.err == FU_OK && train) {
+        /* Plain LoRA keeps each adapted linear's input X, but linears reading the same tensor (q/k/v,
+         * gate/up) share one copy: charge it to the first of them only. */
+        size_t nn = dag_graph_size(b.g);
+        for (size_t i = 0; i < nn; i++) {
+            dag_node *a = dag_graph_node_mut(b.g, i);
+            if (a->op != DAG_OP_LINEAR || a->adapter.method != DAG_ADAPTER_LORA)
+                continue;
+            for (size_t j = 0; j < i; j++) {
+                const dag_node *p = dag_graph_node(b.g, j);
+                if (p->op == DAG_OP_LINEAR && p->adapter.method == DAG_ADAPTER_LORA && p->inputs[0] == a->inputs[0]) {
+                    a->act_bytes -= 4ull * a->dim_in;
+                    break;
+                }
+            }
+        }
     }
     if (b.err != FU_OK) {
         dag_graph_destroy(&b.g);
