@@ -38,6 +38,20 @@ void broker_request_stop(void)
 }
 
 uint64_t broker_now(void) { return fu_clock_ms(); }
+
+void broker_utf8_clean(char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0)) {
+            i += len;
+        } else {
+            s[i++] = '?';
+        }
+    }
+}
 int64_t broker_wall(void) { return fu_wallclock_ms(); }
 
 /* ---------- sending ---------- */
@@ -70,6 +84,7 @@ void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode co
     va_start(ap, fmt);
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
+    broker_utf8_trim(text);
     FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(wire_msg_type(msg)), wire_msg_user_id(msg), text);
     Fusion__Error e = FUSION__ERROR__INIT;
     e.code = code;

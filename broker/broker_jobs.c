@@ -481,11 +481,15 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
             st->total_steps = j->kind == DB_JOB_FINETUNE ? j->spec.steps : j->spec.max_tokens;
     }
     const char *reason = j && j->reason[0] ? j->reason : dj->reason;
+    if (reason && strcmp(reason, "running") == 0)
+        reason = NULL;
     if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind == DB_JOB_FINETUNE)
-        snprintf(msg_buf, cap, "running on %u stages: step %" PRIu64 "/%" PRIu64 "%s%s", j->n_stages, j->steps_done,
-                 j->spec.steps, reason && reason[0] ? "; " : "", reason ? reason : "");
+        snprintf(msg_buf, cap, "running on %u stage%s: step %" PRIu64 "/%" PRIu64 "%s%s", j->n_stages,
+                 j->n_stages == 1 ? "" : "s", j->steps_done, j->spec.steps, reason && reason[0] ? "; " : "",
+                 reason ? reason : "");
     else
         snprintf(msg_buf, cap, "%s", reason ? reason : "");
+    broker_utf8_trim(msg_buf);
     st->message = msg_buf;
 }
 
@@ -530,8 +534,7 @@ static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
         out = fu_malloc(n + 1);
         memcpy(out, dj->result, n);
         out[n] = 0;
-        if (!wire_utf8_valid(out, n))
-            out[0] = 0;
+        broker_utf8_clean(out, n);
         st.output = out;
     }
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);

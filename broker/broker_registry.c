@@ -207,11 +207,9 @@ void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     const Fusion__Leave *l = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_LEAVE);
     char why[300];
     snprintf(why, sizeof why, "left: %s", l && l->reason && l->reason[0] ? l->reason : "no reason given");
+    /* Drained: the peer stops taking frames now; its job goes on from the newest checkpoint on a
+     * backup (broker_peer_gone → failover sends StageRelease to every stage, this peer included). */
     p->draining = true;
-    if (p->job[0] && !p->backup) {
-        /* Drained: the peer stops taking frames now; its job goes on from the newest checkpoint on a
-         * backup, and the peer gets StageRelease (from the failover) before it is forgotten. */
-    }
     broker_peer_gone(b, p, true, why);
     if (p->rid_len) { /* tell it we heard: it may exit now */
         Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;

@@ -190,7 +190,7 @@ static void plan_job(broker_t *b, broker_job *j)
     j->n_stages = (uint32_t)plan.n_stages;
     for (size_t s = 0; s < plan.n_stages; s++) {
         broker_peer *p = who[plan.stages[s].peer];
-        memset(&j->stages[s].ready, 0, sizeof j->stages[s].ready);
+        j->stages[s].ready = false;
         j->stages[s].first = (uint32_t)plan.stages[s].first;
         j->stages[s].last = (uint32_t)plan.stages[s].last;
         snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", p->key);
@@ -481,10 +481,7 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     char *text = NULL;
     size_t tl = 0;
     if (fu_tokenizer_decode(j->tok, j->gen, j->n_gen, &text, &tl, NULL) == FU_OK) {
-        if (!wire_utf8_valid(text, tl)) { /* a multi-byte character cut in the middle: keep what is whole */
-            while (tl > 0 && !wire_utf8_valid(text, tl))
-                text[--tl] = '\0';
-        }
+        broker_utf8_clean(text, tl); /* JobStatus.output is a string: bytes that are no text show as '?' */
         free(j->output);
         j->output = text;
     }
