@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(32 * BM_GEMV_WARPS)
                     acc[b] += w * xcol[c * NB + b];
             }
         }
-        __syncwarp(); /* this buffer is restaged two iterations later */
+        __syncwarp(); /* every lane is done with this buffer before the next iteration restages it */
     }
 #pragma unroll
     for (int b = 0; b < NB; b++) {
