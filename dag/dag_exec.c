@@ -14,10 +14,12 @@
 #include "kern_kvcache.h"
 #include "kern_lora.h"
 #include "kern_salr.h"
+#ifdef FUSION_KERN_HAVE_CUDA
+#include "kern_cuda.h"
+#endif
 
 #define DAG_IGNORE_INDEX      KERN_XENT_IGNORE_DEFAULT
 #define DAG_WS_SLACK          (256u << 10) /* workspace bytes beyond the computed needs */
-#define DAG_SALR_BWD_BLOCK    256          /* weight rows decoded per block in the sparse backward */
 #define DAG_PEFT_PREFIX       "base_model.model."
 #define DAG_GEMV_MAX_ROWS     2            /* rows up to which CPU linears use sgemv */
 
@@ -32,7 +34,9 @@ typedef struct {
 typedef struct {
     kern_tensor_t *w;    /* weight (embedding table, norm gain, linear/lm_head weight) */
     bool w_shared;       /* w belongs to another node (tied embeddings) */
-    kern_bitmap_t *bm;   /* salr: bitmap-encoded sparse weight */
+    kern_bitmap_t *bm;   /* salr: bitmap-encoded sparse weight (host) */
+    void *dev_bm;        /* salr on CUDA: the device copy (kern_cuda_bitmap_t) */
+    kern_sparse_weight sw; /* salr: the sparse weight as the backend sees it */
     /* adapter */
     int64_t r;           /* trained rank (0: none) */
     int64_t r2;          /* salr residual rank */
@@ -41,7 +45,8 @@ typedef struct {
     kern_tensor_t *A, *B;               /* trained adapter (PEFT layout) */
     kern_tensor_t *dA, *dB, *mA, *vA, *mB, *vB; /* grads and AdamW moments */
     kern_tensor_t *A2, *B2;             /* salr frozen residual adapter */
-    float *a_cat, *b_cat;               /* salr concatenated adapters (host, CPU backend) */
+    kern_tensor_t *a_cat, *b_cat;       /* salr: [A1; A2] [r1+r2, in] and [s1·B1 | B2] [out, r1+r2] */
+    kern_tensor_t *eye;                 /* salr: I [r1, r1], to refresh b_cat's trained columns */
     /* graph facts */
     int n_cons;          /* consumers inside the range */
     bool cut_out;        /* read by a node at or after `last` */
@@ -92,8 +97,6 @@ struct dag_exec {
     float *staging;          /* host copies for non-CPU backends */
     size_t staging_cap;
     uint32_t bwd_rows;       /* rows of the last backward (cut-input gradients) */
-    float *salr_block;       /* host scratch for the sparse backward */
-    size_t salr_block_cap;
 };
 
 /* ---- small helpers -------------------------------------------------------------------------- */
@@ -250,9 +253,13 @@ fu_err dag_exec_new(const dag_graph_t *g, const dag_exec_opts *o, dag_exec_t **o
         return fu_errmsg_set(em, FU_EPROTO, "%s", vmsg);
     const kern_backend_t *be = o->be ? o->be : kern_backend_cpu();
     bool cpu = be->device.kind == KERN_DEV_CPU;
+    bool sparse_ok = cpu;
+#ifdef FUSION_KERN_HAVE_CUDA
+    sparse_ok = sparse_ok || be->device.kind == KERN_DEV_CUDA;
+#endif
     for (size_t i = o->first; i < last; i++)
-        if (dag_graph_node(g, i)->adapter.method == DAG_ADAPTER_SALR && !cpu)
-            return fu_errmsg_set(em, FU_ENOSYS, "node %zu: SALR linears run on the CPU backend only", i);
+        if (dag_graph_node(g, i)->adapter.method == DAG_ADAPTER_SALR && (!sparse_ok || !be->sparse_matmul))
+            return fu_errmsg_set(em, FU_ENOSYS, "node %zu: backend %s has no sparse (SALR) kernels", i, be->name);
 
     dag_exec_t *x = fu_calloc(1, sizeof *x);
     x->g = g;
@@ -352,12 +359,16 @@ static void free_node(enode *e)
         kern_tensor_destroy(&e->w);
     e->w = NULL;
     kern_bitmap_destroy(&e->bm);
-    kern_tensor_t **ts[] = {&e->A, &e->B, &e->dA, &e->dB, &e->mA, &e->vA, &e->mB, &e->vB, &e->A2, &e->B2};
+#ifdef FUSION_KERN_HAVE_CUDA
+    kern_cuda_bitmap_t *cb = e->dev_bm;
+    kern_cuda_bitmap_destroy(&cb);
+#endif
+    e->dev_bm = NULL;
+    memset(&e->sw, 0, sizeof e->sw);
+    kern_tensor_t **ts[] = {&e->A,  &e->B,  &e->dA,    &e->dB,    &e->mA, &e->vA,
+                            &e->mB, &e->vB, &e->A2, &e->B2, &e->a_cat, &e->b_cat, &e->eye};
     for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++)
         kern_tensor_destroy(ts[k]);
-    free(e->a_cat);
-    free(e->b_cat);
-    e->a_cat = e->b_cat = NULL;
 }
 
 void dag_exec_destroy(dag_exec_t **self_p)
@@ -387,7 +398,6 @@ void dag_exec_destroy(dag_exec_t **self_p)
     free(x->slots);
     kern_workspace_destroy(&x->ws);
     free(x->staging);
-    free(x->salr_block);
     free(x);
     *self_p = NULL;
 }
@@ -465,17 +475,89 @@ static kern_salr_dims salr_dims(const dag_node *nd, const enode *e)
     return d;
 }
 
-/* (Re)builds a salr node's concatenated adapters from A, B, A2, B2 (CPU). */
-static fu_err salr_rebuild(const dag_node *nd, enode *e)
+static fu_err copy_into(dag_exec_t *x, kern_tensor_t *t, const float *host)
+{
+    return kern_tensor_copy_in(x->be, t, host, kern_tensor_nbytes(t));
+}
+
+/* Host copy of a tensor (a borrowed pointer on the CPU, a new buffer in *own otherwise). */
+static fu_err host_copy(const dag_exec_t *x, const kern_tensor_t *t, const float **out, float **own)
+{
+    *own = NULL;
+    if (!t) {
+        *out = NULL;
+        return FU_OK;
+    }
+    if (x->cpu) {
+        *out = t->data;
+        return FU_OK;
+    }
+    size_t nb = kern_tensor_nbytes(t);
+    *own = fu_malloc(nb ? nb : 1);
+    fu_err rc = kern_tensor_copy_out(x->be, t, *own, nb);
+    if (rc != FU_OK) {
+        free(*own);
+        *own = NULL;
+        return rc;
+    }
+    *out = *own;
+    return FU_OK;
+}
+
+/* (Re)builds a salr node's concatenated adapters from A, B, A2, B2 (kern_salr_concat_build on the
+ * host, then copied to the backend). */
+static fu_err salr_rebuild(dag_exec_t *x, const dag_node *nd, enode *e)
 {
     kern_salr_dims d = salr_dims(nd, e);
-    size_t rt = d.r1 + d.r2;
+    int64_t rt = (int64_t)(d.r1 + d.r2);
     if (!e->a_cat) {
-        e->a_cat = fu_malloc(rt * d.in * sizeof(float));
-        e->b_cat = fu_malloc(d.out * rt * sizeof(float));
+        FU_TRY(new_tensor(x, 2, rt, (int64_t)d.in, false, &e->a_cat));
+        FU_TRY(new_tensor(x, 2, (int64_t)d.out, rt, false, &e->b_cat));
+        if (d.r1 > 0) {
+            float *id = fu_calloc(d.r1 * d.r1, sizeof *id);
+            for (size_t k = 0; k < d.r1; k++)
+                id[k * d.r1 + k] = 1.0f;
+            fu_err rc = new_tensor(x, 2, (int64_t)d.r1, (int64_t)d.r1, false, &e->eye);
+            if (rc == FU_OK)
+                rc = copy_into(x, e->eye, id);
+            free(id);
+            FU_TRY(rc);
+        }
     }
-    return kern_salr_concat_build(&d, e->A ? e->A->data : NULL, e->B ? e->B->data : NULL, e->scale,
-                                  e->A2 ? e->A2->data : NULL, e->B2 ? e->B2->data : NULL, 1.0f, e->a_cat, e->b_cat);
+    const float *a1, *b1, *a2, *b2;
+    float *o1 = NULL, *o2 = NULL, *o3 = NULL, *o4 = NULL;
+    float *ac = fu_malloc(kern_tensor_nbytes(e->a_cat)), *bc = fu_malloc(kern_tensor_nbytes(e->b_cat));
+    fu_err rc = host_copy(x, e->A, &a1, &o1);
+    if (rc == FU_OK)
+        rc = host_copy(x, e->B, &b1, &o2);
+    if (rc == FU_OK)
+        rc = host_copy(x, e->A2, &a2, &o3);
+    if (rc == FU_OK)
+        rc = host_copy(x, e->B2, &b2, &o4);
+    if (rc == FU_OK)
+        rc = kern_salr_concat_build(&d, a1, b1, e->scale, a2, b2, 1.0f, ac, bc);
+    if (rc == FU_OK)
+        rc = copy_into(x, e->a_cat, ac);
+    if (rc == FU_OK)
+        rc = copy_into(x, e->b_cat, bc);
+    free(o1);
+    free(o2);
+    free(o3);
+    free(o4);
+    free(ac);
+    free(bc);
+    return rc;
+}
+
+/* b_cat[:, :r1] = s1·B1 after an optimizer step, on the backend (a GEMM with the identity writes
+ * the strided column block). */
+static fu_err salr_refresh_b1(dag_exec_t *x, enode *e)
+{
+    if (e->r == 0)
+        return FU_OK;
+    kern_tensor_t cols = *e->b_cat;
+    cols.shape[1] = e->r;
+    return kern_gemm(x->be, false, false, e->scale, e->B, e->eye, 0.0f, &cols);
 }
 
 /* Allocates the trained adapter of a linear (A Kaiming-uniform, B zero) and its optimizer state. */
@@ -527,13 +609,30 @@ static fu_err load_salr_weight(dag_exec_t *x, const fu_safetensors *st, const da
         drop_pages(to->data, to->nbytes);
     } else {
         /* A dense (already pruned) weight: encode it here. */
-        kern_tensor_t *w = NULL;
-        FU_TRY(load_f32(x, st, name, 2, nd->dim_out, nd->dim_in, &w, em));
-        fu_err rc = kern_bitmap_encode(w->data, nd->dim_out, nd->dim_in, nd->dim_in, KERN_BITMAP_F32, &e->bm);
-        kern_tensor_destroy(&w);
-        if (rc != FU_OK)
-            return fu_errmsg_set(em, rc, "cannot bitmap-encode '%s'", name);
+        uint64_t shape[2] = {nd->dim_out, nd->dim_in};
+        size_t ne = (size_t)nd->dim_out * nd->dim_in;
+        float *w = fu_malloc(ne * sizeof *w);
+        fu_err rc = fu_safetensors_read_f32(st, name, 2, shape, w, ne, em);
+        if (rc == FU_OK && (rc = kern_bitmap_encode(w, nd->dim_out, nd->dim_in, nd->dim_in, KERN_BITMAP_F32, &e->bm)) !=
+                               FU_OK)
+            fu_errmsg_set(em, rc, "cannot bitmap-encode '%s'", name);
+        free(w);
+        FU_TRY(rc);
     }
+    e->sw.rows = nd->dim_out;
+    e->sw.cols = nd->dim_in;
+    e->sw.handle = e->bm;
+#ifdef FUSION_KERN_HAVE_CUDA
+    if (x->be->device.kind == KERN_DEV_CUDA) {
+        kern_cuda_bitmap_t *cb = NULL;
+        fu_err rc = kern_cuda_bitmap_upload(x->be, e->bm, &cb);
+        if (rc != FU_OK)
+            return fu_errmsg_set(em, rc, "cannot upload the sparse weight '%s' to %s", name, x->be->name);
+        e->dev_bm = cb;
+        e->sw.handle = cb;
+        kern_bitmap_destroy(&e->bm); /* the device copy is the one used */
+    }
+#endif
     e->r2 = nd->adapter.res_rank;
     FU_TRY(load_f32(x, st, nd->params[1], 2, nd->adapter.res_rank, nd->dim_in, &e->A2, em));
     FU_TRY(load_f32(x, st, nd->params[2], 2, nd->dim_out, nd->adapter.res_rank, &e->B2, em));
@@ -580,7 +679,7 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
                     return fu_errmsg_set(em, rc, "cannot allocate the adapter of node %zu", i);
             }
             if (nd->adapter.method == DAG_ADAPTER_SALR)
-                FU_TRY(salr_rebuild(nd, e));
+                FU_TRY(salr_rebuild(x, nd, e));
             break;
         default:
             break;
@@ -596,11 +695,6 @@ static void module_of(const char *param, char *out, size_t cap)
     size_t l = strlen(out);
     if (l > 7 && strcmp(out + l - 7, ".weight") == 0)
         out[l - 7] = '\0';
-}
-
-static fu_err copy_into(dag_exec_t *x, kern_tensor_t *t, const float *host)
-{
-    return kern_tensor_copy_in(x->be, t, host, kern_tensor_nbytes(t));
 }
 
 static fu_err read_into(dag_exec_t *x, const fu_safetensors *st, const char *name, kern_tensor_t *t, fu_errmsg *em)
@@ -643,7 +737,7 @@ fu_err dag_exec_load_adapter(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
         FU_TRY(read_into(x, st, name, e->B, em));
         FU_TRY(zero_opt_state(x, e));
         if (nd->adapter.method == DAG_ADAPTER_SALR)
-            FU_TRY(salr_rebuild(nd, e));
+            FU_TRY(salr_rebuild(x, nd, e));
     }
     x->step = 0;
     return FU_OK;
@@ -843,7 +937,7 @@ fu_err dag_exec_load_state(dag_exec_t *x, const fu_safetensors *st, fu_errmsg *e
         if (e->dB)
             FU_TRY(kern_tensor_zero(x->be, e->dB));
         if (nd->adapter.method == DAG_ADAPTER_SALR)
-            FU_TRY(salr_rebuild(nd, e));
+            FU_TRY(salr_rebuild(x, nd, e));
     }
     x->step = sv;
     return FU_OK;
@@ -1058,11 +1152,14 @@ static fu_err fwd_linear(dag_exec_t *x, uint32_t slot, size_t i, const kern_tens
     enode *e = &x->nodes[i];
     eslot *s = &x->slots[slot];
     if (nd->adapter.method == DAG_ADAPTER_SALR) {
-        kern_salr_dims d = salr_dims(nd, e);
-        size_t rt = d.r1 + d.r2;
+        /* Sparse base product, then every adapter as one GEMM pair: h = X·[A1; A2]ᵀ, Y += h·[s1B1 | B2]ᵀ. */
+        int64_t rt = e->r + e->r2;
         ebuf *h = NULL;
-        FU_TRY(pool_get(x, (size_t)x->o.max_tokens * rt, &h));
-        fu_err rc = kern_salr_linear_forward(e->bm, &d, e->a_cat, e->b_cat, in->data, s->rows, h->t->data, out->data);
+        FU_TRY(pool_get(x, (size_t)x->o.max_tokens * (size_t)rt, &h));
+        kern_tensor_t hv = bview(x, h, s->rows, rt);
+        fu_err rc = kern_sparse_linear_forward(x->be, in, &e->sw, 0.0f, out);
+        if (rc == FU_OK)
+            rc = kern_lora_forward(x->be, in, NULL, e->a_cat, e->b_cat, 1.0f, &hv, out);
         if (rc == FU_OK && x->nodes[i].run_bwd) /* backward needs h even for the frozen part */
             x->hsave[(size_t)slot * x->n + i] = h;
         else
@@ -1383,31 +1480,6 @@ static fu_err grad_finish(dag_exec_t *x, uint32_t src, uint32_t rows, ebuf **tmp
     return rc;
 }
 
-/* dX = dY·W_sparse for a bitmap weight: decode row blocks of W and accumulate GEMMs (CPU). */
-static fu_err salr_base_backward(dag_exec_t *x, const dag_node *nd, const enode *e, const kern_tensor_t *dy,
-                                 uint32_t rows, kern_tensor_t *dx)
-{
-    size_t in = nd->dim_in, outf = nd->dim_out;
-    size_t blk = DAG_SALR_BWD_BLOCK;
-    if (x->salr_block_cap < blk * in) {
-        free(x->salr_block);
-        x->salr_block = fu_malloc(blk * in * sizeof(float));
-        x->salr_block_cap = blk * in;
-    }
-    for (size_t r0 = 0; r0 < outf; r0 += blk) {
-        size_t nr = outf - r0 < blk ? outf - r0 : blk;
-        FU_TRY(kern_bitmap_decode_rows(e->bm, r0, nr, x->salr_block, in));
-        kern_tensor_t wb = tv2(x->salr_block, (int64_t)nr, (int64_t)in, x->be->device);
-        kern_tensor_t dys = *dy;
-        dys.data = (float *)dy->data + r0;
-        dys.shape[0] = rows;
-        dys.shape[1] = (int64_t)nr;
-        dys.stride[0] = (int64_t)outf;
-        FU_TRY(kern_gemm(x->be, false, false, 1.0f, &dys, &wb, r0 == 0 ? 0.0f : 1.0f, dx));
-    }
-    return FU_OK;
-}
-
 static fu_err bwd_linear(dag_exec_t *x, uint32_t slot, size_t j, const kern_tensor_t *dy)
 {
     const dag_node *nd = N(x, j);
@@ -1422,28 +1494,24 @@ static fu_err bwd_linear(dag_exec_t *x, uint32_t slot, size_t j, const kern_tens
     fu_err rc = FU_OK;
     ebuf *h = x->hsave[(size_t)slot * x->n + j];
     if (nd->adapter.method == DAG_ADAPTER_SALR) {
-        kern_salr_dims d = salr_dims(nd, e);
-        if (want_dx)
-            rc = salr_base_backward(x, nd, e, dy, s->rows, &dx);
-        float *db = NULL;
-        ebuf *dbb = NULL;
+        int64_t rt = e->r + e->r2;
+        if (!h)
+            return FU_EINVAL;
+        kern_tensor_t hv = bview(x, h, s->rows, rt);
+        if (want_dx) {
+            /* dX = dY·W_sparse, then + (dY·b_cat)·a_cat through both adapters. */
+            rc = kern_sparse_linear_backward(x->be, dy, &e->sw, &dx);
+            if (rc == FU_OK)
+                rc = ensure_ws_rank(x, s->rows, rt);
+            if (rc == FU_OK)
+                rc = kern_lorafa_backward(x->be, dy, &hv, NULL, e->a_cat, e->b_cat, 1.0f, &dx, NULL, x->ws);
+        }
         if (rc == FU_OK && e->r > 0 && e->dB) {
-            rc = pool_get(x, d.out * d.r1, &dbb);
-            db = rc == FU_OK ? dbb->t->data : NULL;
+            /* dB1 += s1·dYᵀ·h[:, :r1] (the trained adapter's columns of h). */
+            kern_tensor_t h1 = hv;
+            h1.shape[1] = e->r;
+            rc = kern_gemm(x->be, true, false, e->scale, dy, &h1, 1.0f, e->dB);
         }
-        if (rc == FU_OK && (db || want_dx)) {
-            if (!h)
-                rc = FU_EINVAL;
-            else
-                rc = kern_salr_concat_backward(&d, e->a_cat, e->b_cat, e->scale, h->t->data, dy->data, s->rows, db,
-                                               NULL, NULL, want_dx ? dx.data : NULL);
-        }
-        if (rc == FU_OK && db) {
-            kern_tensor_t dbt = tv2(db, (int64_t)d.out, (int64_t)d.r1, x->be->device);
-            rc = kern_axpy(x->be, 1.0f, &dbt, e->dB);
-        }
-        if (dbb)
-            dbb->refs = 0;
     } else if (!e->A) {
         if (want_dx)
             rc = kern_linear_backward(x->be, dy, NULL, e->w, &dx, NULL);
@@ -1717,10 +1785,8 @@ fu_err dag_exec_step(dag_exec_t *x, const kern_adamw_params *p)
             FU_TRY(kern_tensor_zero(x->be, e->dA));
         }
         const dag_node *nd = N(x, i);
-        if (nd->adapter.method == DAG_ADAPTER_SALR) {
-            kern_salr_dims d = salr_dims(nd, e);
-            FU_TRY(kern_salr_concat_set_b1(&d, e->B->data, e->scale, e->b_cat));
-        }
+        if (nd->adapter.method == DAG_ADAPTER_SALR)
+            FU_TRY(salr_refresh_b1(x, e));
     }
     return FU_OK;
 }
@@ -1747,7 +1813,7 @@ fu_err dag_exec_adapter_changed(dag_exec_t *x, uint32_t node)
     if (!x || !in_range(x, node) || !x->nodes[node].A)
         return FU_EINVAL;
     if (N(x, node)->adapter.method == DAG_ADAPTER_SALR)
-        return salr_rebuild(N(x, node), &x->nodes[node]);
+        return salr_rebuild(x, N(x, node), &x->nodes[node]);
     return FU_OK;
 }
 
