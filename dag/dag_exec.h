@@ -55,7 +55,7 @@ typedef struct dag_session dag_session_t;
 
 /* Makes an executor for g's nodes [first, last). g must be valid (dag_graph_validate) and outlive
  * the executor. FU_EINVAL on bad options (empty range, max_tokens 0), FU_ENOSYS for SALR on a
- * non-CPU backend. em (may be NULL) says why. */
+ * backend without sparse kernels. em (may be NULL) says why. */
 FU_MUST_CHECK fu_err dag_exec_new(const dag_graph_t *g, const dag_exec_opts *o, dag_exec_t **out, fu_errmsg *em);
 /* Frees everything (sessions must be destroyed first); idempotent; sets *self_p NULL. */
 void dag_exec_destroy(dag_exec_t **self_p);
