@@ -306,29 +306,39 @@ fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols, size_t rank, 
 
 /* ---- sparse x dense product --------------------------------------------------------------------- */
 
+/* One fused product shared by its threads: they take chunks of tile rows from `next` (work
+ * stealing), so a thread slowed down by another process, or by OpenBLAS workers still spinning after
+ * a GEMM, simply does fewer chunks. */
 typedef struct {
     const kern_bitmap_view *v;
     kern_simd_isa           isa;
-    size_t                  tr0, tr1; /* tile rows of this worker */
     const float            *x;
     size_t                  n;
     float                  *y;
     bool                    accumulate;
+    size_t                  chunk; /* tile rows per chunk */
+    size_t                  next;  /* first tile row not yet taken (atomic) */
 } fused_job;
 
-static void fused_run(const fused_job *j)
+static void fused_run(fused_job *j)
 {
     size_t ldx = j->v->cols, ldy = j->v->rows;
-    for (size_t b0 = 0; b0 < j->n; b0 += KERN_SALR_FUSED_MAX_BATCH) {
-        size_t nb = j->n - b0 < KERN_SALR_FUSED_MAX_BATCH ? j->n - b0 : KERN_SALR_FUSED_MAX_BATCH;
-        const float *x = j->x + b0 * ldx;
-        float       *y = j->y + b0 * ldy;
-        if (j->isa == KERN_SIMD_AVX512)
-            kern_salr_spmv_avx512(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
-        else if (j->isa == KERN_SIMD_AVX2)
-            kern_salr_spmv_avx2(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
-        else
-            kern_salr_spmv_scalar(j->v, j->tr0, j->tr1, x, ldx, nb, y, ldy, j->accumulate);
+    for (;;) {
+        size_t tr0 = __atomic_fetch_add(&j->next, j->chunk, __ATOMIC_RELAXED);
+        if (tr0 >= j->v->tiles_r)
+            break;
+        size_t tr1 = j->v->tiles_r - tr0 < j->chunk ? j->v->tiles_r : tr0 + j->chunk;
+        for (size_t b0 = 0; b0 < j->n; b0 += KERN_SALR_FUSED_MAX_BATCH) {
+            size_t nb = j->n - b0 < KERN_SALR_FUSED_MAX_BATCH ? j->n - b0 : KERN_SALR_FUSED_MAX_BATCH;
+            const float *x = j->x + b0 * ldx;
+            float       *y = j->y + b0 * ldy;
+            if (j->isa == KERN_SIMD_AVX512)
+                kern_salr_spmv_avx512(j->v, tr0, tr1, x, ldx, nb, y, ldy, j->accumulate);
+            else if (j->isa == KERN_SIMD_AVX2)
+                kern_salr_spmv_avx2(j->v, tr0, tr1, x, ldx, nb, y, ldy, j->accumulate);
+            else
+                kern_salr_spmv_scalar(j->v, tr0, tr1, x, ldx, nb, y, ldy, j->accumulate);
+        }
     }
 }
 
@@ -336,20 +346,6 @@ static void *fused_thread(void *arg)
 {
     fused_run(arg);
     return NULL;
-}
-
-/* First tile row whose cumulative value count reaches `target` (balances threads by work). */
-static size_t split_tile_row(const kern_bitmap_view *v, size_t target)
-{
-    size_t lo = 0, hi = v->tiles_r;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if ((size_t)v->offsets[mid * v->tiles_c] < target)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
 }
 
 /* A persistent helper thread for the common 2-thread fused case: starting a thread per call cost
@@ -364,7 +360,7 @@ static struct {
     bool             failed;/* it could not be started: do not retry */
     uint64_t         gen;   /* jobs handed out */
     uint64_t         done;  /* jobs finished */
-    const fused_job *job;   /* the job of generation gen */
+    fused_job       *job;   /* the job of generation gen */
 } helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false, 0, 0,
             NULL};
 
@@ -377,7 +373,7 @@ static void *helper_main(void *arg)
         while (helper.gen == seen)
             pthread_cond_wait(&helper.cv, &helper.mu);
         seen = helper.gen;
-        const fused_job *job = helper.job;
+        fused_job *job = helper.job;
         pthread_mutex_unlock(&helper.mu);
         fused_run(job);
         pthread_mutex_lock(&helper.mu);
@@ -388,9 +384,9 @@ static void *helper_main(void *arg)
     return NULL;
 }
 
-/* Runs `theirs` on the helper and `mine` here; false (nothing run) if the helper is busy or cannot
- * be started. */
-static bool helper_run(const fused_job *theirs, const fused_job *mine)
+/* Runs the job on the helper and on this thread; false (nothing run) if the helper is busy or
+ * cannot be started. */
+static bool helper_run(fused_job *job)
 {
     if (pthread_mutex_trylock(&helper.use) != 0)
         return false;
@@ -411,11 +407,11 @@ static bool helper_run(const fused_job *theirs, const fused_job *mine)
         pthread_mutex_unlock(&helper.use);
         return false;
     }
-    helper.job = theirs;
+    helper.job = job;
     uint64_t mine_gen = ++helper.gen;
     pthread_cond_broadcast(&helper.cv);
     pthread_mutex_unlock(&helper.mu);
-    fused_run(mine);
+    fused_run(job);
     pthread_mutex_lock(&helper.mu);
     while (helper.done != mine_gen)
         pthread_cond_wait(&helper.cv, &helper.mu);
@@ -433,30 +429,22 @@ static fu_err spmm_fused(const kern_bitmap_view *v, kern_simd_isa isa, const flo
         nt = v->tiles_r;
     if (nt < 1)
         nt = 1;
-    fused_job jobs[SALR_MAX_THREADS] = {0};
-    pthread_t th[SALR_MAX_THREADS];
-    size_t    nnz = (size_t)v->offsets[v->tiles_r * v->tiles_c];
-    size_t    prev = 0;
-    for (size_t i = 0; i < nt; i++) {
-        size_t end = i + 1 == nt ? v->tiles_r : split_tile_row(v, nnz / nt * (i + 1));
-        if (end < prev)
-            end = prev;
-        jobs[i] = (fused_job){v, isa, prev, end, x, n, y, accumulate};
-        prev = end;
-    }
-    if (nt == 2 && helper_run(&jobs[1], &jobs[0]))
+    size_t chunk = v->tiles_r / (8 * nt);
+    if (chunk < 2)
+        chunk = 2;
+    fused_job job = {v, isa, x, n, y, accumulate, chunk, 0};
+    if (nt == 2 && helper_run(&job))
         return FU_OK;
-    size_t started = 1;
+    pthread_t th[SALR_MAX_THREADS];
+    size_t    started = 1;
     for (size_t i = 1; i < nt; i++) {
-        if (pthread_create(&th[i], NULL, fused_thread, &jobs[i]) != 0)
-            break;
+        if (pthread_create(&th[i], NULL, fused_thread, &job) != 0)
+            break; /* the threads that did start, and this one, take all the chunks */
         started++;
     }
-    fused_run(&jobs[0]);
+    fused_run(&job);
     for (size_t i = 1; i < started; i++)
         pthread_join(th[i], NULL);
-    for (size_t i = started; i < nt; i++) /* slices whose thread did not start run here */
-        fused_run(&jobs[i]);
     return FU_OK;
 }
 
