@@ -132,6 +132,83 @@ static void test_broker_failover_to_warm_backup(void **state)
     assert_true(queued);
 }
 
+static void test_broker_failover_on_leave(void **state)
+{
+    fx *f = *state;
+    f->b.backups = 1;
+    start(f);
+    tb_peer p[2];
+    char line[512];
+    for (int i = 0; i < 2; i++) {
+        tb_peer_start(&p[i], &f->b, f->pdir[i], i ? "p1" : "p0", 4 * GiB, 50, "ready");
+        assert_true(tb_peer_expect(&p[i], "WELCOME", 5000, NULL, 0));
+    }
+    uint64_t id = submit(f);
+    int stage_peer = -1;
+    for (int i = 0; i < 2; i++) {
+        assert_true(tb_peer_expect(&p[i], "ASSIGN", 5000, line, sizeof line));
+        if (strstr(line, "backup 0"))
+            stage_peer = i;
+    }
+    assert_true(stage_peer >= 0);
+    int backup = 1 - stage_peer;
+    assert_true(tb_peer_expect(&p[stage_peer], "START", 5000, NULL, 0));
+    /* SIGTERM: the stage's peer sends Leave; its stage moves at once, it is released and exits */
+    uint64_t t0 = fu_clock_ms();
+    kill(p[stage_peer].pid, SIGTERM);
+    char want[64];
+    snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id);
+    assert_true(tb_peer_expect(&p[backup], "ASSIGN", 5000, line, sizeof line));
+    uint64_t dt = fu_clock_ms() - t0;
+    print_message("graceful leave: the backup got the stage %llu ms after the stage peer's SIGTERM\n",
+                  (unsigned long long)dt);
+    assert_memory_equal(line, want, strlen(want));
+    assert_true(dt < 1000);
+    assert_true(tb_peer_expect(&p[stage_peer], "RELEASE", 3000, NULL, 0));
+    assert_int_equal(tb_peer_stop(&p[stage_peer], SIGTERM), 0);
+    tb_peer_stop(&p[backup], SIGKILL);
+}
+
+static void test_broker_failover_retry_cap_fails_the_job(void **state)
+{
+    fx *f = *state;
+    f->b.backups = 1;
+    start(f);
+    tb_peer p[2];
+    for (int i = 0; i < 2; i++) {
+        tb_peer_start(&p[i], &f->b, f->pdir[i], i ? "bad1" : "bad0", 4 * GiB, 50, "error");
+        assert_true(tb_peer_expect(&p[i], "WELCOME", 5000, NULL, 0));
+    }
+    uint64_t id = submit(f);
+    const Fusion__JobStatus *st = NULL;
+    wire_msg_t *m = NULL;
+    for (int k = 0; k < 100; k++) {
+        wire_msg_destroy(&m);
+        m = tb_job_status(&f->a, id);
+        st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        if (st && st->state == FUSION__JOB_STATE__JOB_STATE_FAILED)
+            break;
+        fu_sleep_ms(100);
+    }
+    assert_non_null(st);
+    print_message("retry cap: %s\n", st->message);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_FAILED);
+    assert_non_null(strstr(st->message, "recoveries without progress"));
+    assert_non_null(strstr(st->message, "simulated stage failure"));
+    wire_msg_destroy(&m);
+    /* each failure cost its peer reputation */
+    m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    const Fusion__PeerList *pl = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST);
+    assert_non_null(pl);
+    double sum = 0;
+    for (size_t i = 0; i < pl->n_peers; i++)
+        sum += pl->peers[i]->reputation;
+    assert_true(sum < 2.0 - 0.5);
+    wire_msg_destroy(&m);
+    for (int i = 0; i < 2; i++)
+        tb_peer_stop(&p[i], SIGKILL);
+}
+
 static void test_broker_failover_full_run_and_result(void **state)
 {
     fx *f = *state;
@@ -143,7 +220,6 @@ static void test_broker_failover_full_run_and_result(void **state)
         tb_peer_start(&p[i], &f->b, f->pdir[i], i ? "p1" : "p0", 4 * GiB, 50, "train");
         assert_true(tb_peer_expect(&p[i], "WELCOME", 5000, NULL, 0));
     }
-    uint64_t t0 = fu_clock_ms();
     uint64_t id = submit(f);
     int used = 0;
     for (int i = 0; i < 2; i++) {
@@ -174,7 +250,7 @@ static void test_broker_failover_full_run_and_result(void **state)
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_DONE);
     assert_int_equal(st->step, 2);
     assert_true(st->loss > 3.9 && st->loss < 4.1);
-    print_message("job done on %d stage(s) in %llu ms\n", used, (unsigned long long)(fu_clock_ms() - t0));
+    print_message("job done on %d stage(s)\n", used);
     wire_msg_destroy(&m);
     /* download the result: adapter_model.safetensors then adapter_config.json */
     Fusion__JobResultRequest rr = FUSION__JOB_RESULT_REQUEST__INIT;
@@ -346,6 +422,8 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_broker_failover_to_warm_backup, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_failover_on_leave, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_failover_retry_cap_fails_the_job, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_full_run_and_result, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_inference_streams_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_relay, setup, teardown),

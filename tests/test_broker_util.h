@@ -602,6 +602,7 @@ static inline int tb_fake_peer_main(int argc, char **argv)
     tb_client_open(&cl, kp, &b);
     tb_fake_hello(&cl, name, mem, gflops);
     bool train = strcmp(argv[8], "train") == 0, infer = strcmp(argv[8], "infer") == 0;
+    bool failing = strcmp(argv[8], "error") == 0; /* every stage it gets fails with an Error */
     uint64_t infer_job = 0, prompt_len = 0;
     uint32_t infer_stages = 0, infer_stage = 0;
     tb_train tr;
@@ -679,6 +680,14 @@ static inline int tb_fake_peer_main(int argc, char **argv)
                 infer_stages = a->stage_count;
                 infer_stage = a->stage_index;
                 printf("FETCH tokens %s %zu resume %" PRIu64 "\n", t_ok ? "ok" : "BAD", nb, a->resume_step);
+            }
+            if (failing && !a->backup) {
+                Fusion__Error e = FUSION__ERROR__INIT;
+                e.code = FUSION__ERROR_CODE__ERR_INTERNAL;
+                e.message = (char *)"simulated stage failure";
+                e.in_reply_to = FUSION__MSG_TYPE__MSG_STAGE_ASSIGN;
+                (void)tb_send(&cl, FUSION__MSG_TYPE__MSG_ERROR, a->job_id, &e.base);
+                break;
             }
             Fusion__StageReady r = FUSION__STAGE_READY__INIT;
             r.job_id = a->job_id;
