@@ -493,6 +493,12 @@ static void on_broker(peer_t *p, wire_msg_t *m)
     case FUSION__MSG_TYPE__MSG_ERROR: {
         const Fusion__Error *e = wire_msg_body_as(m, t);
         FU_WARN("peer", "the broker refused our %s: %s", wire_type_name(e->in_reply_to), e->message);
+        if (e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) { /* the fetch must stop waiting */
+            peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
+            c->msg = m;
+            deliver(p, c);
+            return;
+        }
         break;
     }
     case FUSION__MSG_TYPE__MSG_STAGE_ASSIGN: {

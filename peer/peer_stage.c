@@ -382,11 +382,18 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     for (uint32_t i = s->first; i < s->last; i++) {
         const dag_node *nd = dag_graph_node(s->g, i);
         for (uint32_t k = 0; k < nd->n_params; k++) {
-            bool dup = false;
-            for (size_t f = 0; f < s->n_fetch && !dup; f++)
-                dup = strcmp(peer_blob_name(s->fetch[f].blob), nd->params[k]) == 0;
-            if (!dup)
-                add_fetch(s, a->model_id, nd->params[k], FETCH_WEIGHT, true);
+            /* A SALR linear's base weight is stored bitmap-encoded in a pruned model (dag_model.h). */
+            bool salr = nd->op == DAG_OP_LINEAR && nd->adapter.method == DAG_ADAPTER_SALR && k == 0;
+            static const char *const sfx[3] = {".bitmap", ".values", ".offsets"};
+            for (int v = 0; v < (salr ? 3 : 1); v++) {
+                char pn[DAG_NAME_MAX + 16];
+                snprintf(pn, sizeof pn, "%s%s", nd->params[k], salr ? sfx[v] : "");
+                bool dup = false;
+                for (size_t f = 0; f < s->n_fetch && !dup; f++)
+                    dup = strcmp(peer_blob_name(s->fetch[f].blob), pn) == 0;
+                if (!dup)
+                    add_fetch(s, a->model_id, pn, FETCH_WEIGHT, true);
+            }
         }
     }
     char jid[64], name[96];
@@ -1214,6 +1221,18 @@ static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
         on_infer_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
         break;
+    case FUSION__MSG_TYPE__MSG_ERROR: {
+        /* The broker refused a WeightRequest: the blob being fetched cannot be had. */
+        const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
+        if (s->active && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST && s->cur_fetch < s->n_fetch) {
+            peer_blob_t *b = s->fetch[s->cur_fetch].blob;
+            send_error(s, FUSION__ERROR_CODE__ERR_NOT_FOUND, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST,
+                       "cannot load the stage: the broker has no blob %s/%s (%s)", peer_blob_model_id(b),
+                       peer_blob_name(b), e->message);
+            stage_end(s, "blob not found");
+        }
+        break;
+    }
     default:
         break;
     }

@@ -910,6 +910,35 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
     env_stop(&e);
 }
 
+/* A second signal during the drain exits at once (status 1), without waiting for StageRelease. */
+static void test_peer_second_signal_exits_at_once(void **state)
+{
+    (void)state;
+    env e;
+    env_start(&e, "peer-sig2");
+    spawn_peer(&e);
+    handshake(&e);
+    dag_graph_t *g = make_graph(&e);
+    assign_stage0(&e, g, layer_start(g, 1));
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    fu_sleep_ms(200);
+    int st;
+    assert_int_equal(waitpid(e.pid, &st, WNOHANG), 0); /* draining: it holds a stage */
+    uint64_t t0 = fu_clock_ms();
+    assert_int_equal(kill(e.pid, SIGTERM), 0);
+    int code = wait_exit(&e, 3000);
+    printf("second SIGTERM: exit %d after %llu ms\n", code, (unsigned long long)(fu_clock_ms() - t0));
+    assert_int_equal(code, 1);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
 int main(int argc, char **argv)
 {
     if (sodium_init() < 0)
@@ -931,6 +960,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_peer_stage_matches_executor),
         cmocka_unit_test(test_peer_refuses_weights_with_wrong_hash),
         cmocka_unit_test(test_peer_last_stage_relayed_matches_executor),
+        cmocka_unit_test(test_peer_second_signal_exits_at_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
