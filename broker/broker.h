@@ -34,6 +34,7 @@ extern "C" {
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
 #define BROKER_EVENT_KEEP_MS    (30ll * 24 * 3600 * 1000) /* events older than this are pruned */
 #define BROKER_PRUNE_EVERY_MS   (3600u * 1000u)  /* how often */
+#define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 
 typedef struct {

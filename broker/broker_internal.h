@@ -157,6 +157,7 @@ struct broker {
     broker_model *models;              /* models opened for serving */
     size_t n_models, cap_models;
     bool sched_dirty;                  /* something changed: run the scheduler */
+    size_t sched_cursor;               /* where an interrupted planning pass goes on */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
     uint64_t next_prune_ms;            /* next event-log pruning */
     uint64_t started_ms;               /* monotonic start time */

@@ -215,10 +215,22 @@ done:
 
 void broker_schedule(broker_t *b)
 {
-    for (size_t i = 0; i < b->n_jobs; i++) {
+    /* A plan costs up to ~0.1 s with 10+ peers: keep one pass short so heartbeats are answered,
+     * and go on with the rest of the queue at the next turn of the loop. */
+    uint64_t t0 = broker_now();
+    size_t start = b->sched_cursor < b->n_jobs ? b->sched_cursor : 0;
+    b->sched_cursor = 0;
+    for (size_t k = 0; k < b->n_jobs; k++) {
+        size_t i = (start + k) % b->n_jobs;
         broker_job *j = b->jobs[i];
-        if (!j->dead && j->phase == BJ_QUEUED)
-            plan_job(b, j);
+        if (j->dead || j->phase != BJ_QUEUED)
+            continue;
+        if (broker_now() - t0 > BROKER_SCHED_SLICE_MS) {
+            b->sched_dirty = true;
+            b->sched_cursor = i; /* the next pass starts here */
+            break;
+        }
+        plan_job(b, j);
     }
     for (size_t i = 0; i < b->n_jobs; i++) {
         broker_job *j = b->jobs[i];
