@@ -868,6 +868,8 @@ fu_err peer_run(peer_t *p)
         }
         if (p->welcomed && now - p->last_hb_ms >= p->hb_ms)
             send_heartbeat(p);
+        if (input_paused(p))
+            p->last_broker_ms = now; /* not reading the broker is not the broker's silence */
         if (now - p->last_broker_ms >= p->dead_ms && now - p->hello_ms >= p->dead_ms) {
             if (p->welcomed)
                 FU_WARN("peer", "no word from the broker for %u ms: saying PeerHello again", p->dead_ms);

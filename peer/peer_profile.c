@@ -145,7 +145,7 @@ fu_err peer_profile_measure(const kern_backend_t *be, uint64_t max_memory_bytes,
             cudaGetDeviceProperties(&prop, be->device.index) != cudaSuccess)
             return fu_errmsg_set(em, FU_ECUDA, "profile: cannot query CUDA device %d", be->device.index);
         out->device_free_bytes = fr;
-        snprintf(out->device_name, sizeof out->device_name, "%s", prop.name);
+        snprintf(out->device_name, sizeof out->device_name, "%.127s", prop.name);
 #else
         return fu_errmsg_set(em, FU_ENOSYS, "profile: a CUDA backend in a build without CUDA");
 #endif
