@@ -1,5 +1,5 @@
 /* `fusion model`: make a random-weight model directory in Hugging Face layout (`model init`),
- * check one (`model info`); `model prune` arrives with SALR. */
+ * check one (`model info`), or SALR-prune one (`model prune`). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +8,7 @@
 #include "fu_alloc.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
+#include "dag_model.h"
 #include "fu_opts.h"
 #include "fu_rng.h"
 #include "fu_safetensors.h"
@@ -270,6 +271,63 @@ static int model_info(int argc, char **argv)
     return FU_EXIT_OK;
 }
 
+/* ---- prune ---------------------------------------------------------------------------------- */
+
+static int model_prune(int argc, char **argv)
+{
+    const char *in = NULL, *out = NULL, *method = "salr";
+    double sparsity = 0.5;
+    long long rank = DAG_SALR_DEFAULT_RANK, seed = 0;
+    bool force = false;
+    const fu_opt opts[] = {
+        {"method", 0, FU_OPT_STR, &method, "M", "pruning method: salr (the only one)"},
+        {"sparsity", 0, FU_OPT_DOUBLE, &sparsity, "S", "fraction of each linear weight set to zero (default 0.5)"},
+        {"svd-rank", 0, FU_OPT_INT, &rank, "R", "rank of the frozen SVD adapter kept for the pruned residual (default 16)"},
+        {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the randomized SVD (default 0)"},
+        {"input", 'i', FU_OPT_STR, &in, "DIR", "the dense Hugging Face model directory"},
+        {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the pruned model"},
+        {"force", 0, FU_OPT_FLAG, &force, NULL, "write into a non-empty output directory"},
+    };
+    const fu_cmd cmd = {
+        .prog = argv[0],
+        .usage = "--method salr -i DIR -o DIR [--sparsity 0.5] [--svd-rank R]",
+        .summary = "Writes a SALR model: every linear weight magnitude-pruned (per matrix) and stored bitmap-encoded,\n"
+                   "with the pruned residual kept as a frozen truncated-SVD adapter. `fusion run finetune\n"
+                   "--method salr` and `fusion run infer` read the result.",
+        .opts = opts,
+        .n_opts = sizeof opts / sizeof opts[0],
+    };
+    size_t npos;
+    int code;
+    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+        return code;
+    if (strcmp(method, "salr") != 0) {
+        fprintf(stderr, "%s: unknown method '%s' (only salr)\n", cmd.prog, method);
+        return FU_EXIT_USAGE;
+    }
+    if (!in || !out) {
+        fprintf(stderr, "%s: needs -i DIR (the dense model) and -o DIR (where to write)\n", cmd.prog);
+        return FU_EXIT_USAGE;
+    }
+    if (!(sparsity >= 0 && sparsity < 1) || rank < 1 || rank > 65536) {
+        fprintf(stderr, "%s: --sparsity must be in [0, 1) and --svd-rank in 1..65536\n", cmd.prog);
+        return FU_EXIT_USAGE;
+    }
+    bool empty = true;
+    if (!force && fu_path_exists(out) && (fu_dir_is_empty(out, &empty) != FU_OK || !empty)) {
+        fprintf(stderr, "%s: '%s' exists and is not empty; use --force to write into it\n", cmd.prog, out);
+        return FU_EXIT_FAIL;
+    }
+    fu_errmsg em = {0};
+    fu_err rc = dag_salr_prune_model(in, out, sparsity, (uint32_t)rank, (uint64_t)seed, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+        return rc == FU_EINVAL ? FU_EXIT_USAGE : rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : FU_EXIT_FAIL;
+    }
+    printf("wrote %s: SALR, sparsity %.2f, residual rank %lld\n", out, sparsity, rank);
+    return FU_EXIT_OK;
+}
+
 /* ---- dispatch ------------------------------------------------------------------------------- */
 
 static void model_help(void)
@@ -278,7 +336,7 @@ static void model_help(void)
            "Commands:\n"
            "  init     write a random-weight LLaMA model directory (Hugging Face layout)\n"
            "  info     check and summarise a Hugging Face model directory\n"
-           "  prune    prune a model with SALR [not in this build yet]\n\n"
+           "  prune    SALR-prune a model (bitmap-encoded sparse weights + frozen SVD residual adapters)\n\n"
            "Run 'fusion model COMMAND --help' for a command's options.\n");
 }
 
@@ -299,9 +357,8 @@ int cli_model_main(int argc, char **argv)
         return model_info(argc - 1, argv + 1);
     }
     if (strcmp(argv[1], "prune") == 0) {
-        fprintf(stderr, "fusion model prune: not available yet: comes with SALR in `fusion model prune`, which this "
-                        "build does not have\n");
-        return FU_EXIT_USAGE;
+        argv[1] = prog;
+        return model_prune(argc - 1, argv + 1);
     }
     fprintf(stderr, "fusion model: unknown command '%s'\nRun 'fusion model --help' for the list.\n", argv[1]);
     return FU_EXIT_USAGE;

@@ -296,13 +296,55 @@ static void test_model_cli_bad_arguments_exit_2(void **state)
     free(dir);
 }
 
+/* `model prune` writes a SALR model: bitmap-encoded linears, the SVD residual adapters and
+ * salr_config.json; it refuses to write into a non-empty directory without --force. */
+static void test_model_cli_prune_writes_salr_model(void **state)
+{
+    (void)state;
+    char *src = fu_path_join(g_dir, "prune-src"), *dst = fu_path_join(g_dir, "prune-dst");
+    char args[4300], *out = NULL;
+    snprintf(args, sizeof args, "model init --layers 1 --hidden 32 --heads 2 --kv-heads 1 --ffn 64 --seed 3 -o '%s'",
+             src);
+    assert_int_equal(fusion(&out, args), 0);
+    free(out);
+    snprintf(args, sizeof args, "model prune --method salr --sparsity 0.5 --svd-rank 4 -i '%s' -o '%s'", src, dst);
+    assert_int_equal(fusion(&out, args), 0);
+    assert_non_null(strstr(out, "sparsity 0.50, residual rank 4"));
+    free(out);
+    char *cfg = fu_path_join(dst, "salr_config.json");
+    assert_true(fu_path_exists(cfg));
+    free(cfg);
+    fu_safetensors *st = NULL;
+    assert_int_equal(fu_safetensors_open_dir(dst, &st, NULL), FU_OK);
+    assert_non_null(fu_safetensors_get(st, "model.layers.0.self_attn.q_proj.weight.bitmap"));
+    assert_non_null(fu_safetensors_get(st, "model.layers.0.mlp.down_proj.weight.values"));
+    assert_null(fu_safetensors_get(st, "model.layers.0.mlp.down_proj.weight")); /* no dense copy */
+    assert_non_null(fu_safetensors_get(st, "model.embed_tokens.weight"));     /* copied as is */
+    fu_safetensors_close(&st);
+    /* A second run into the same directory is refused, then allowed with --force. */
+    assert_int_equal(fusion(&out, args), 1);
+    assert_non_null(strstr(out, "exists and is not empty"));
+    free(out);
+    snprintf(args, sizeof args, "model prune --sparsity 0.5 --svd-rank 4 --force -i '%s' -o '%s'", src, dst);
+    assert_int_equal(fusion(&out, args), 0);
+    free(out);
+    free(src);
+    free(dst);
+}
+
 static void test_model_cli_prune_and_info_errors(void **state)
 {
     (void)state;
     char *out = NULL;
     char args[4300];
     assert_int_equal(fusion(&out, "model prune --method salr x"), 2);
-    assert_non_null(strstr(out, "not available yet: comes with SALR in `fusion model prune`"));
+    assert_non_null(strstr(out, "expects 0 argument"));
+    free(out);
+    assert_int_equal(fusion(&out, "model prune --method magnitude -i a -o b"), 2);
+    assert_non_null(strstr(out, "unknown method 'magnitude'"));
+    free(out);
+    assert_int_equal(fusion(&out, "model prune -i a -o b --sparsity 1.5"), 2);
+    assert_non_null(strstr(out, "--sparsity must be in [0, 1)"));
     free(out);
     char *dir = fu_path_join(g_dir, "info-empty");
     assert_int_equal(fu_mkdir_p(dir, 0755, NULL), FU_OK);
@@ -340,6 +382,7 @@ int main(void)
         cmocka_unit_test(test_model_cli_same_seed_same_bytes),
         cmocka_unit_test(test_model_cli_refuses_to_overwrite),
         cmocka_unit_test(test_model_cli_bad_arguments_exit_2),
+        cmocka_unit_test(test_model_cli_prune_writes_salr_model),
         cmocka_unit_test(test_model_cli_prune_and_info_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
