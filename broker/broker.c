@@ -22,6 +22,7 @@
 #define LOG "broker"
 #define BROKER_SWEEP_MIN_MS 50  /* shortest timer period */
 #define BROKER_SWEEP_MAX_MS 250 /* longest sleep in zmq_poll */
+#define BROKER_PENDING_POLL_MS 10 /* poll period while weight requests wait for a hash */
 
 static volatile sig_atomic_t g_stop;
 static volatile int g_wake_fd = -1; /* write end of the self-pipe */
@@ -421,6 +422,7 @@ static void timers(broker_t *b)
         b->sched_dirty = false;
         broker_schedule(b);
     }
+    b->blobs_waiting = b->n_pending ? broker_blobs_pending(b) : false;
     broker_jobs_reap(b);
 }
 
@@ -440,6 +442,8 @@ fu_err broker_run(broker_t *b)
         timers(b);
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
+        if (b->blobs_waiting && timeout > BROKER_PENDING_POLL_MS) /* a hash may be ready soon */
+            timeout = BROKER_PENDING_POLL_MS;
         zmq_pollitem_t items[2] = {{.socket = b->sock, .events = ZMQ_POLLIN}, {.fd = pfd[0], .events = ZMQ_POLLIN}};
         int n = zmq_poll(items, 2, timeout);
         if (n < 0) {

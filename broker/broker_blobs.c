@@ -24,11 +24,42 @@ static void hash_str(crypto_generichash_state *h, const char *s)
     crypto_generichash_update(h, (const uint8_t *)s, strlen(s) + 1);
 }
 
+/* Hashes tensor i of m (on whichever thread) and publishes it. */
+static void hash_tensor(broker_model *m, size_t i)
+{
+    if (atomic_load_explicit(&m->ready[i], memory_order_acquire))
+        return;
+    const fu_st_tensor *t = fu_safetensors_at(m->st, i);
+    crypto_generichash(m->hashes[i], DB_HASH_LEN, t->data, t->nbytes, NULL, 0);
+    atomic_store_explicit(&m->ready[i], 1, memory_order_release);
+}
+
+/* The hasher: wanted tensors first, then the rest in order, until every hash is ready. The loop
+ * thread never writes hashes while this runs (it only reads ready ones), so each is written once. */
+static void *hasher(void *arg)
+{
+    broker_model *m = arg;
+    size_t next = 0;
+    while (!atomic_load(&m->stop)) {
+        size_t pick = m->n;
+        for (size_t i = 0; i < m->n && pick == m->n; i++)
+            if (atomic_load(&m->wanted[i]) && !atomic_load(&m->ready[i]))
+                pick = i;
+        while (pick == m->n && next < m->n)
+            if (!atomic_load(&m->ready[next++]))
+                pick = next - 1;
+        if (pick == m->n)
+            break; /* all done */
+        hash_tensor(m, pick);
+    }
+    return NULL;
+}
+
 fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, char *why, size_t cap)
 {
     for (size_t i = 0; i < b->n_models; i++)
-        if (strcmp(b->models[i].dir, dir) == 0) {
-            *model_id = b->models[i].id;
+        if (strcmp(b->models[i]->dir, dir) == 0) {
+            *model_id = b->models[i]->id;
             return FU_OK;
         }
     fu_errmsg em = {{0}};
@@ -73,14 +104,21 @@ fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, ch
         b->cap_models = b->cap_models ? 2 * b->cap_models : 4;
         b->models = fu_realloc(b->models, b->cap_models * sizeof *b->models);
     }
-    broker_model *m = &b->models[b->n_models++];
-    memset(m, 0, sizeof *m);
+    broker_model *m = fu_calloc(1, sizeof *m);
+    b->models[b->n_models++] = m;
     memcpy(m->id, "m:", 2);
     fu_hex_encode(m->id + 2, digest, sizeof digest);
     snprintf(m->dir, sizeof m->dir, "%s", dir);
     m->st = st;
+    m->n = n;
     m->hashes = fu_calloc(n ? n : 1, sizeof *m->hashes);
-    m->hashed = fu_calloc(n ? n : 1, sizeof *m->hashed);
+    m->ready = fu_calloc(n ? n : 1, sizeof *m->ready);
+    m->wanted = fu_calloc(n ? n : 1, sizeof *m->wanted);
+    atomic_store(&m->stop, 0);
+    if (pthread_create(&m->thread, NULL, hasher, m) == 0)
+        m->thread_started = true;
+    else
+        FU_WARN(LOG, "no hasher thread for %s: tensors are hashed on the loop when first asked for", dir);
     FU_INFO(LOG, "serving model %s as %.18s... (%zu tensors, mapped)", dir, m->id, n);
     *model_id = m->id;
     return FU_OK;
@@ -89,13 +127,22 @@ fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, ch
 void broker_models_close(broker_t *b)
 {
     for (size_t i = 0; i < b->n_models; i++) {
-        fu_safetensors_close(&b->models[i].st);
-        free(b->models[i].hashes);
-        free(b->models[i].hashed);
+        broker_model *m = b->models[i];
+        atomic_store(&m->stop, 1);
+        if (m->thread_started)
+            pthread_join(m->thread, NULL);
+        fu_safetensors_close(&m->st);
+        free(m->hashes);
+        free((void *)m->ready);
+        free((void *)m->wanted);
+        free(m);
     }
     free(b->models);
     b->models = NULL;
     b->n_models = b->cap_models = 0;
+    free(b->pending);
+    b->pending = NULL;
+    b->n_pending = b->cap_pending = 0;
 }
 
 static Fusion__Dtype wire_dtype(fu_st_dtype d)
@@ -112,16 +159,10 @@ static Fusion__Dtype wire_dtype(fu_st_dtype d)
 }
 
 /* Sends data[offset .. offset+length) (length 0: to the end; at most BROKER_BLOB_WINDOW) as chunks. */
-static void send_chunks(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *r, const uint8_t *data,
-                        uint64_t total, const uint8_t hash[DB_HASH_LEN], Fusion__Dtype dtype, const int64_t *shape,
-                        size_t ndim)
+static void send_chunks_to(broker_t *b, const uint8_t *rid, size_t rid_len, uint64_t sequence,
+                           const Fusion__WeightRequest *r, const uint8_t *data, uint64_t total,
+                           const uint8_t hash[DB_HASH_LEN], Fusion__Dtype dtype, const int64_t *shape, size_t ndim)
 {
-    if (r->offset > total || (r->offset == total && total > 0)) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "%s/%s: offset %" PRIu64 " is at or past the blob's %" PRIu64 " bytes", r->model_id,
-                           r->tensor_name, r->offset, total);
-        return;
-    }
     uint64_t want = r->length ? r->length : total - r->offset;
     if (want > total - r->offset)
         want = total - r->offset;
@@ -142,10 +183,71 @@ static void send_chunks(broker_t *b, const wire_msg_t *msg, const Fusion__Weight
         c.dtype = dtype;
         c.n_shape = ndim;
         c.shape = (int64_t *)shape;
-        if (broker_reply(b, msg, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, &c.base) != FU_OK)
+        wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, .sequence = sequence};
+        fu_err rc = wire_send(b->sock, rid, rid_len, &h, &c.base);
+        if (rc != FU_OK) { /* the peer asks again after its resend timeout */
+            FU_DEBUG(LOG, "chunk of %s at %" PRIu64 " not sent: %s", r->tensor_name, pos, fu_strerror(rc));
             return;
+        }
         pos += n;
     } while (pos < end);
+}
+
+static bool range_ok(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *r, uint64_t total)
+{
+    if (r->offset > total || (r->offset == total && total > 0)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "%s/%s: offset %" PRIu64 " is at or past the blob's %" PRIu64 " bytes", r->model_id,
+                           r->tensor_name, r->offset, total);
+        return false;
+    }
+    return true;
+}
+
+static void send_chunks(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *r, const uint8_t *data,
+                        uint64_t total, const uint8_t hash[DB_HASH_LEN], Fusion__Dtype dtype, const int64_t *shape,
+                        size_t ndim)
+{
+    if (!range_ok(b, msg, r, total))
+        return;
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    send_chunks_to(b, rid, rl, wire_msg_hdr(msg)->sequence, r, data, total, hash, dtype, shape, ndim);
+}
+
+static void send_tensor(broker_t *b, const uint8_t *rid, size_t rid_len, uint64_t sequence, broker_model *m, size_t idx,
+                        const Fusion__WeightRequest *r)
+{
+    const fu_st_tensor *t = fu_safetensors_at(m->st, idx);
+    int64_t shape[FU_ST_MAX_DIMS];
+    for (size_t d = 0; d < t->ndim; d++)
+        shape[d] = (int64_t)t->shape[d];
+    send_chunks_to(b, rid, rid_len, sequence, r, t->data, t->nbytes, m->hashes[idx], wire_dtype(t->dtype), shape,
+                   t->ndim);
+}
+
+bool broker_blobs_pending(broker_t *b)
+{
+    size_t w = 0;
+    for (size_t i = 0; i < b->n_pending; i++) {
+        broker_pending *q = &b->pending[i];
+        if (!atomic_load_explicit(&q->model->ready[q->tensor], memory_order_acquire)) {
+            b->pending[w++] = *q;
+            continue;
+        }
+        broker_peer *p = broker_peer_find(b, q->peer);
+        if (p && p->live) {
+            const fu_st_tensor *t = fu_safetensors_at(q->model->st, q->tensor);
+            Fusion__WeightRequest r = FUSION__WEIGHT_REQUEST__INIT;
+            r.model_id = q->model->id;
+            r.tensor_name = (char *)t->name;
+            r.offset = q->offset;
+            r.length = q->length;
+            send_tensor(b, p->rid, p->rid_len, q->sequence, q->model, q->tensor, &r);
+        }
+    }
+    b->n_pending = w;
+    return w > 0;
 }
 
 static bool peer_serves_model(broker_t *b, const broker_peer *p, const char *model_id)
@@ -163,8 +265,8 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (strncmp(mid, "m:", 2) == 0) {
         broker_model *m = NULL;
         for (size_t i = 0; i < b->n_models; i++)
-            if (strcmp(b->models[i].id, mid) == 0)
-                m = &b->models[i];
+            if (strcmp(b->models[i]->id, mid) == 0)
+                m = b->models[i];
         if (!m || !peer_serves_model(b, p, mid)) {
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                                "model %.20s... is not served to you: ask only for the model_id of a stage you were "
@@ -176,18 +278,33 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %s has no tensor '%s'", m->dir, name);
             return;
         }
+        if (!range_ok(b, msg, r, t->nbytes))
+            return;
         size_t idx = 0;
-        for (size_t i = 0; i < fu_safetensors_count(m->st); i++)
+        for (size_t i = 0; i < m->n; i++)
             if (fu_safetensors_at(m->st, i) == t)
                 idx = i;
-        if (!m->hashed[idx]) {
-            crypto_generichash(m->hashes[idx], DB_HASH_LEN, t->data, t->nbytes, NULL, 0);
-            m->hashed[idx] = true;
+        if (!m->thread_started)
+            hash_tensor(m, idx);
+        size_t rl = 0;
+        const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+        if (atomic_load_explicit(&m->ready[idx], memory_order_acquire)) {
+            send_tensor(b, rid, rl, wire_msg_hdr(msg)->sequence, m, idx, r);
+            return;
         }
-        int64_t shape[FU_ST_MAX_DIMS];
-        for (size_t d = 0; d < t->ndim; d++)
-            shape[d] = (int64_t)t->shape[d];
-        send_chunks(b, msg, r, t->data, t->nbytes, m->hashes[idx], wire_dtype(t->dtype), shape, t->ndim);
+        /* its hash is being computed: answer when it is ready (the loop does not stall on it) */
+        atomic_store(&m->wanted[idx], 1);
+        if (b->n_pending == b->cap_pending) {
+            b->cap_pending = b->cap_pending ? 2 * b->cap_pending : 16;
+            b->pending = fu_realloc(b->pending, b->cap_pending * sizeof *b->pending);
+        }
+        broker_pending *q = &b->pending[b->n_pending++];
+        snprintf(q->peer, sizeof q->peer, "%s", p->key);
+        q->model = m;
+        q->tensor = idx;
+        q->offset = r->offset;
+        q->length = r->length;
+        q->sequence = wire_msg_hdr(msg)->sequence;
         return;
     }
     if (strncmp(mid, "job:", 4) != 0 || !db_job_id_valid(mid + 4)) {

@@ -3,6 +3,8 @@
 #ifndef FU_BROKER_INTERNAL_H
 #define FU_BROKER_INTERNAL_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -131,14 +133,30 @@ typedef struct {
     bool dead;                         /* finished or removed: free at the next sweep */
 } broker_job;
 
-/* An mmapped model directory served by model_id. */
+/* An mmapped model directory served by model_id. A hasher thread computes every tensor's
+ * BLAKE2b-256 (requested tensors first) so that the loop never stalls hashing a large tensor;
+ * requests for a tensor whose hash is not ready yet wait in the pending list. */
 typedef struct {
     char id[BROKER_MODEL_ID_MAX];      /* "m:<hex>" */
     char dir[BROKER_SPEC_MODEL_MAX];   /* its directory */
-    fu_safetensors *st;                /* mapped weights */
-    uint8_t (*hashes)[DB_HASH_LEN];    /* per tensor (index order), computed on first request */
-    bool *hashed;                      /* which are computed */
+    fu_safetensors *st;                /* mapped weights (read-only, shared with the hasher) */
+    size_t n;                          /* tensors */
+    uint8_t (*hashes)[DB_HASH_LEN];    /* per tensor (index order); valid once ready[i] */
+    _Atomic(unsigned char) *ready;     /* hash i is written (release/acquire) */
+    _Atomic(unsigned char) *wanted;    /* a peer waits for hash i: hash it next */
+    _Atomic(int) stop;                 /* ask the hasher to finish */
+    pthread_t thread;                  /* the hasher */
+    bool thread_started;
 } broker_model;
+
+/* A WeightRequest waiting for its tensor's hash. */
+typedef struct {
+    char peer[DB_KEY_LEN + 1];         /* who asked (answered on its current connection) */
+    broker_model *model;               /* which model */
+    size_t tensor;                     /* tensor index */
+    uint64_t offset, length;           /* as asked */
+    uint64_t sequence;                 /* Envelope.sequence of the request */
+} broker_pending;
 
 struct broker {
     broker_cfg cfg;                    /* options (strings borrowed from argv) */
@@ -154,8 +172,11 @@ struct broker {
     size_t n_peers, cap_peers;
     broker_job **jobs;                 /* queued and running jobs */
     size_t n_jobs, cap_jobs;
-    broker_model *models;              /* models opened for serving */
+    broker_model **models;             /* models opened for serving */
     size_t n_models, cap_models;
+    broker_pending *pending;           /* weight requests waiting for a hash */
+    size_t n_pending, cap_pending;
+    bool blobs_waiting;                /* some pending requests remain */
     bool sched_dirty;                  /* something changed: run the scheduler */
     size_t sched_cursor;               /* where an interrupted planning pass goes on */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
@@ -240,6 +261,8 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
 fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, char *why, size_t cap);
 void broker_models_close(broker_t *b);
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Serves the pending weight requests whose hashes are ready; true when some still wait. */
+bool broker_blobs_pending(broker_t *b);
 /* Builds the finished adapter (PEFT safetensors) from every stage's checkpoint at `step`. */
 fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, char *why,
                                size_t cap);
