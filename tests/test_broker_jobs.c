@@ -243,6 +243,61 @@ static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
     tb_peer_stop(&p, SIGKILL);
 }
 
+static void test_broker_jobs_kill9_mid_burst_keeps_every_ack(void **state)
+{
+    fx *f = *state;
+    start(f);
+    /* 40 submissions in flight; SIGKILL as soon as the 8th acknowledgement arrives */
+    static const char text[] = "the quick brown fox jumps over the lazy dog, again and again and again and again.";
+    enum { N = 40 };
+    for (int i = 0; i < N; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "burst-%d", i);
+        Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+        js.idempotency_key = key;
+        js.kind = FUSION__JOB_KIND__JOB_KIND_FINETUNE;
+        js.spec_json = f->spec;
+        js.data.data = (uint8_t *)text;
+        js.data.len = sizeof text - 1;
+        assert_int_equal(tb_send(&f->a, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base), FU_OK);
+    }
+    uint64_t acked[N];
+    size_t n_acked = 0;
+    while (n_acked < 8) {
+        wire_msg_t *m = tb_recv(&f->a, 5000);
+        assert_non_null(m);
+        const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        if (st)
+            acked[n_acked++] = st->job_id;
+        wire_msg_destroy(&m);
+    }
+    assert_int_equal(tb_broker_stop(&f->b, SIGKILL), 128 + SIGKILL);
+    /* acknowledgements that were already on their way count too */
+    for (wire_msg_t *m; n_acked < N && (m = tb_recv(&f->a, 200));) {
+        const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        if (st)
+            acked[n_acked++] = st->job_id;
+        wire_msg_destroy(&m);
+    }
+    tb_client_close(&f->a);
+    start(f);
+    Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
+    lr.include_done = true;
+    wire_msg_t *m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    const Fusion__JobList *jl = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_LIST);
+    assert_non_null(jl);
+    print_message("kill -9 mid-burst: %zu of %d submissions acknowledged, %zu jobs in the store after the restart\n",
+                  n_acked, N, jl->n_jobs);
+    assert_true(jl->n_jobs >= n_acked);
+    for (size_t i = 0; i < n_acked; i++) {
+        bool found = false;
+        for (size_t k = 0; k < jl->n_jobs; k++)
+            found |= jl->jobs[k]->job_id == acked[i];
+        assert_true(found);
+    }
+    wire_msg_destroy(&m);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--fake-peer") == 0)
@@ -255,6 +310,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_broker_jobs_idempotent_and_private, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_jobs_bad_spec_says_why, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_jobs_kill9_restart_loses_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_jobs_kill9_mid_burst_keeps_every_ack, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
