@@ -13,6 +13,7 @@
 
 #define LOG "registry"
 #define BROKER_DEFAULT_LINK_BW 1e9 /* bytes/s assumed when a peer did not measure its link */
+#define BROKER_PEER_LIST_MAX   2000 /* peers in one PeerList (about 300 bytes each; 1 MiB cap) */
 
 broker_peer *broker_peer_find(broker_t *b, const char *key)
 {
@@ -120,11 +121,20 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     if (p && p->live) { /* a new session of a known peer: whatever it ran is gone */
         drop_work(b, p, "the peer registered again (new session)");
     } else if (!p) {
-        if (b->n_peers >= BROKER_MAX_PEERS) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY, "the broker's registry is full (%d peers)",
-                               BROKER_MAX_PEERS);
-            return;
+        if (b->n_peers >= BROKER_MAX_PEERS) { /* reuse the entry of a peer that is gone */
+            for (size_t i = 0; i < b->n_peers && !p; i++)
+                if (!b->peers[i].live && !b->peers[i].job[0])
+                    p = &b->peers[i];
+            if (!p) {
+                broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                                   "the broker's registry is full (%d live peers); try again later", BROKER_MAX_PEERS);
+                return;
+            }
+            memset(p, 0, sizeof *p);
+            snprintf(p->key, sizeof p->key, "%s", key);
         }
+    }
+    if (!p) {
         if (b->n_peers == b->cap_peers) {
             b->cap_peers = b->cap_peers ? 2 * b->cap_peers : 16;
             b->peers = fu_realloc(b->peers, b->cap_peers * sizeof *b->peers);
@@ -254,7 +264,13 @@ void broker_registry_sweep(broker_t *b)
 
 void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
 {
-    size_t n = b->n_peers;
+    /* live peers first, then the gone ones, at most BROKER_PEER_LIST_MAX (the reply's size cap) */
+    size_t n = 0;
+    broker_peer **order = fu_calloc(b->n_peers ? b->n_peers : 1, sizeof *order);
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t i = 0; i < b->n_peers && n < BROKER_PEER_LIST_MAX; i++)
+            if (b->peers[i].live == (pass == 0))
+                order[n++] = &b->peers[i];
     Fusion__PeerInfo *infos = fu_calloc(n ? n : 1, sizeof *infos);
     Fusion__PeerInfo **ptrs = fu_calloc(n ? n : 1, sizeof *ptrs);
     Fusion__PeerProfile *profs = fu_calloc(n ? n : 1, sizeof *profs);
@@ -267,7 +283,7 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
     if (db_peer_list(b->db, 0, &stored, &n_stored) != FU_OK)
         n_stored = 0;
     for (size_t i = 0; i < n; i++) {
-        broker_peer *p = &b->peers[i];
+        broker_peer *p = order[i];
         infos[i].reputation = DB_REPUTATION_INIT;
         for (size_t k = 0; k < n_stored; k++)
             if (strcmp(stored[k].key, p->key) == 0)
@@ -307,6 +323,7 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
     pl.peers = ptrs;
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_PEER_LIST, &pl.base);
     db_peer_array_free(&stored, n_stored);
+    free(order);
     free(infos);
     free(ptrs);
     free(profs);

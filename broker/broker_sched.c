@@ -412,7 +412,13 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     }
     if (c->offset == 0) {
         free(st->ck_buf);
-        st->ck_buf = fu_malloc((size_t)c->total);
+        st->ck_buf = malloc((size_t)c->total); /* a size from the network: no aborting allocator */
+        if (!st->ck_buf) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                               "the broker has no memory for a %" PRIu64 "-byte checkpoint now; send it again later",
+                               c->total);
+            return;
+        }
         st->ck_total = c->total;
         st->ck_got = 0;
         st->ck_step = c->step;
