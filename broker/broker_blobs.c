@@ -341,6 +341,12 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (strcmp(name, "tokens") == 0) {
         /* fine-tune: the tokenized data; inference: the prompt followed by the tokens generated so far */
         size_t n = mine->n_tokens + mine->n_gen;
+        if (mine->n_gen == 0) { /* the stored tokens as they are, hashed once at load */
+            int64_t shape[1] = {(int64_t)n};
+            send_chunks(b, msg, r, (const uint8_t *)mine->tokens, n * sizeof *mine->tokens, mine->tokens_hash,
+                        FUSION__DTYPE__DTYPE_I32, shape, 1);
+            return;
+        }
         int32_t *all = fu_malloc((n ? n : 1) * sizeof *all);
         memcpy(all, mine->tokens, mine->n_tokens * sizeof *all);
         if (mine->n_gen)
