@@ -14,6 +14,7 @@
 #include "dag_model.h"
 #include "dag_serial.h"
 #include "fu_alloc.h"
+#include "fu_encode.h"
 #include "fu_file.h"
 #include "fu_log.h"
 #include "fu_modelcfg.h"
@@ -833,7 +834,8 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     bool sent_any = false;
     for (size_t f = 0; f < nf; f++) {
         uint8_t hash[DB_HASH_LEN];
-        bool hashed = false;
+        /* the stored result's hash was committed with it; others are small and hashed here */
+        bool hashed = f == 0 && dj->result_hash[0] && fu_hex_decode(hash, sizeof hash, dj->result_hash) == FU_OK;
         while (pos < end && pos >= base && pos < base + files[f].len) {
             uint64_t in = pos - base, n = files[f].len - in;
             if (n > BROKER_BLOB_CHUNK)
