@@ -14,8 +14,8 @@
 
 typedef struct {
     tb_broker b;
-    wire_keypair_t *alice, *bob, *peer;
-    char peer_dir[4300];
+    wire_keypair_t *alice, *bob, *peer, *small;
+    char peer_dir[4300], small_dir[4300];
     tb_client a, c2;
     char model[4300];
     char spec[8192];
@@ -32,6 +32,9 @@ static int setup(void **state)
     f->peer = tb_keygen(f->b.dir, "p1");
     tb_allow(f->b.allow, f->peer);
     snprintf(f->peer_dir, sizeof f->peer_dir, "%s/p1", f->b.dir);
+    f->small = tb_keygen(f->b.dir, "small");
+    tb_allow(f->b.allow, f->small);
+    snprintf(f->small_dir, sizeof f->small_dir, "%s/small", f->b.dir);
     snprintf(f->model, sizeof f->model, "%s/model", f->b.dir);
     tb_make_model(f->model);
     TB_FINETUNE_SPEC(f->model, f->spec, sizeof f->spec);
@@ -47,6 +50,7 @@ static int teardown(void **state)
     wire_keypair_destroy(&f->alice);
     wire_keypair_destroy(&f->bob);
     wire_keypair_destroy(&f->peer);
+    wire_keypair_destroy(&f->small);
     int rc = tb_broker_fini(&f->b);
     free(f);
     return rc;
@@ -88,6 +92,18 @@ static void test_broker_jobs_queued_then_assigned(void **state)
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     assert_non_null(strstr(st->message, "waiting for peers"));
     wire_msg_destroy(&m);
+    /* a peer too small for the model: still queued, and the reason is the memory */
+    tb_peer small;
+    tb_peer_start(&small, &f->b, f->small_dir, "small", 1u << 20, 50, "ready");
+    assert_true(tb_peer_expect(&small, "WELCOME", 5000, NULL, 0));
+    fu_sleep_ms(300);
+    m = tb_job_status(&f->a, id);
+    st = status_of(m);
+    print_message("with a 1 MiB peer the job says: %s\n", st->message);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    assert_non_null(strstr(st->message, "waiting for peers: the model does not fit in the peers' memory"));
+    wire_msg_destroy(&m);
+    tb_peer_stop(&small, SIGKILL);
     /* a peer joins: it gets the stage */
     const char *dir = f->peer_dir;
     char line[512];
