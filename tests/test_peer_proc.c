@@ -90,6 +90,8 @@ typedef struct {
 
 /* ---- setup --------------------------------------------------------------------------------- */
 
+static size_t g_hidden = 0; /* a larger model for the next env_start (0: the default) */
+
 static void env_start(env *e, const char *tag)
 {
     memset(e, 0, sizeof *e);
@@ -98,6 +100,13 @@ static void env_start(env *e, const char *tag)
     fu_errmsg em = {{0}};
     snprintf(e->model_dir, sizeof e->model_dir, "%s/model", e->dir);
     fu_modelcfg_defaults(&e->cfg); /* 2 layers, hidden 64, 4/2 heads, ffn 128, vocab 256 */
+    if (g_hidden) {
+        e->cfg.hidden_size = g_hidden;
+        e->cfg.intermediate_size = 4 * g_hidden;
+        e->cfg.num_attention_heads = 8;
+        e->cfg.num_key_value_heads = 8;
+        e->cfg.head_dim = g_hidden / 8;
+    }
     assert_int_equal(dag_model_init_random(e->model_dir, &e->cfg, 11, 0.08f, &em), FU_OK);
     dag_dims_from_cfg(&e->cfg, &e->dims);
     assert_int_equal(fu_safetensors_open_dir(e->model_dir, &e->st, &em), FU_OK);
@@ -939,6 +948,73 @@ static void test_peer_second_signal_exits_at_once(void **state)
     env_stop(&e);
 }
 
+/* The I/O thread never waits on compute: heartbeats keep their interval while the stage runs a
+ * forward that takes far longer than the interval. */
+static void test_peer_heartbeats_while_computing(void **state)
+{
+    (void)state;
+    env e;
+    g_hidden = 512;
+    env_start(&e, "peer-hb");
+    g_hidden = 0;
+    spawn_peer(&e);
+    handshake(&e);
+    dag_build_opts o = {.method = DAG_ADAPTER_LORA_FA, .rank = 4, .alpha = 8.0f, .head = DAG_HEAD_LOSS, .seq_len = 256};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(&e.dims, &o, &g), FU_OK);
+    uint8_t *dag = NULL;
+    size_t dag_len = 0;
+    assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
+    fu_err err;
+    e.data = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
+    assert_int_equal(zmq_bind(e.data, "tcp://127.0.0.1:*"), 0);
+    assert_int_equal(wire_socket_endpoint(e.data, e.data_ep, sizeof e.data_ep), FU_OK);
+    e.asm_ = wire_tensor_asm_new((size_t)1 << 30);
+    Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
+    nb.role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+    nb.public_key.data = (uint8_t *)wire_keypair_public(e.nkp);
+    nb.public_key.len = 32;
+    nb.data_endpoint = e.data_ep;
+    nb.stage_index = 1;
+    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
+    a.job_id = JOB_ID;
+    a.stage_count = 2;
+    a.node_end = (uint32_t)layer_start(g, 1);
+    a.n_neighbours = 1;
+    a.neighbours = nbs;
+    a.dag.data = dag;
+    a.dag.len = dag_len;
+    a.model_id = (char *)MODEL_ID;
+    a.micro_batches = 1;
+    a.spec_json = (char *)"{\"steps\": 1, \"batch\": 16, \"seq_len\": 256, \"micro_batches\": 1, \"seed\": 3}";
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
+    free(dag);
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m)
+        dump_log(&e);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
+    ss.job_id = JOB_ID;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+    int hb0 = e.heartbeats;
+    uint64_t t0 = fu_clock_ms();
+    wire_tensor t = {0};
+    assert_non_null(pump(&e, FUSION__MSG_TYPE__MSG_ACTIVATION, 60000, &t));
+    uint64_t el = fu_clock_ms() - t0;
+    int hb = e.heartbeats - hb0;
+    printf("forward of 4096 rows x hidden 512 took %llu ms; %d heartbeats (interval 200 ms) arrived meanwhile\n",
+           (unsigned long long)el, hb);
+    wire_tensor_clear(&t);
+    /* Every interval had its heartbeat, give or take the ends. */
+    assert_true(el >= 400);
+    assert_true(hb >= (int)(el / 200) - 2);
+    assert_int_equal(kill(e.pid, SIGKILL), 0);
+    (void)wait_exit(&e, 5000);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
 int main(int argc, char **argv)
 {
     if (sodium_init() < 0)
@@ -961,6 +1037,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_peer_refuses_weights_with_wrong_hash),
         cmocka_unit_test(test_peer_last_stage_relayed_matches_executor),
         cmocka_unit_test(test_peer_second_signal_exits_at_once),
+        cmocka_unit_test(test_peer_heartbeats_while_computing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
