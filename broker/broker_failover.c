@@ -74,7 +74,8 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
     int best_rank = 99;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!p->live || p->draining || p->reputation < BROKER_MIN_REPUTATION || (exclude && strcmp(p->key, exclude) == 0))
+        if (!p->live || p->draining || p->reputation < BROKER_MIN_REPUTATION ||
+            (exclude && strcmp(p->key, exclude) == 0) || !broker_peer_fits(j, s, p))
             continue;
         int rank;
         if (p->backup && strcmp(p->job, j->id) == 0)

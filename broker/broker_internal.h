@@ -242,6 +242,10 @@ void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
 /* Fails j with reason. */
 void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
 
+/* The partitioner's options for j (tokens per micro-batch, micro-batches, training). */
+dag_partition_opts broker_job_popts(const broker_job *j);
+/* True when p has the memory stage s of j needs (the partitioner's estimate). */
+bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p);
 /* Recovers at once every restarted job whose stored plan's peers are all back. */
 void broker_recover_ready(broker_t *b);
 

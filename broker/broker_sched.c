@@ -67,6 +67,27 @@ void broker_recover_ready(broker_t *b)
     }
 }
 
+dag_partition_opts broker_job_popts(const broker_job *j)
+{
+    dag_partition_opts o = {.micro_batches = 1, .training = j->kind == DB_JOB_FINETUNE};
+    if (j->kind == DB_JOB_FINETUNE) {
+        o.micro_batches = j->spec.micro_batches;
+        o.tokens_per_micro = j->spec.batch / j->spec.micro_batches * j->spec.seq_len;
+    } else {
+        uint64_t t = j->n_tokens + j->spec.max_tokens;
+        o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;
+    }
+    return o;
+}
+
+bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p)
+{
+    if (s >= j->n_stages)
+        return false;
+    dag_partition_opts o = broker_job_popts(j);
+    return dag_cost_stage_memory(j->graph, j->stages[s].first, j->stages[s].last, &o) <= p->mem_bytes;
+}
+
 /* Stage whose peer is most likely to be lost: the one heard from longest ago. */
 static uint32_t likely_loss(broker_t *b, const broker_job *j)
 {
@@ -101,6 +122,14 @@ static void give_backups(broker_t *b, broker_job *j)
         if (!peer_idle(p))
             continue;
         uint32_t s = likely_loss(b, j);
+        if (!broker_peer_fits(j, s, p)) { /* a backup for a stage it can hold, or none */
+            uint32_t k = 0;
+            while (k < j->n_stages && !broker_peer_fits(j, k, p))
+                k++;
+            if (k == j->n_stages)
+                continue;
+            s = k;
+        }
         snprintf(p->job, sizeof p->job, "%s", j->id);
         p->stage = s;
         p->backup = true;
@@ -153,14 +182,8 @@ static void plan_job(broker_t *b, broker_job *j)
     size_t n_plan = n_idle > b->cfg.backups ? n_idle - b->cfg.backups : n_idle;
     if (n_plan > BROKER_MAX_STAGES)
         n_plan = BROKER_MAX_STAGES;
-    dag_partition_opts o = {.micro_batches = 1, .training = j->kind == DB_JOB_FINETUNE, .max_stages = (uint32_t)n_plan};
-    if (j->kind == DB_JOB_FINETUNE) {
-        o.micro_batches = j->spec.micro_batches;
-        o.tokens_per_micro = j->spec.batch / j->spec.micro_batches * j->spec.seq_len;
-    } else {
-        uint64_t t = j->n_tokens + j->spec.max_tokens;
-        o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;
-    }
+    dag_partition_opts o = broker_job_popts(j);
+    o.max_stages = (uint32_t)n_plan;
     dag_plan plan = {0};
     char msg[512] = "";
     fu_err rc = dag_partition(j->graph, prof, n_idle, &o, &plan, msg, sizeof msg);

@@ -182,7 +182,7 @@ static void test_broker_peers_enrolment_token(void **state)
     tb_client_close(&nc);
     /* and on the allow-list file for the next start */
     char *out = NULL;
-    assert_int_equal(tu_sh(&out, "grep -cF '%s' '%s'", wire_keypair_public_z85(newcomer), f->b.allow), 0);
+    assert_int_equal(tu_sh(&out, "grep -cF -e '%s' '%s'", wire_keypair_public_z85(newcomer), f->b.allow), 0);
     free(out);
     wire_keypair_destroy(&newcomer);
 }
