@@ -46,6 +46,13 @@ static void run_sparse(void *p)
         abort();
 }
 
+static void run_sparse_1thread(void *p)
+{
+    mm_arg *a = p;
+    if (kern_salr_spmm(a->bm, a->x, a->n, a->y, false, 1) != FU_OK)
+        abort();
+}
+
 static void run_dense(void *p)
 {
     mm_arg *a = p;
@@ -120,6 +127,14 @@ static void spmm_shape(size_t out, size_t in, const size_t *batches, size_t nb)
         double td, ts;
         median_pair(run_dense, run_sparse, &a, repeats_for(a.n), &td, &ts);
         double flops = 2.0 * (double)a.n * (double)out * (double)in;
+        if (a.n > KERN_SALR_FUSED_BATCH_LIMIT) {
+            /* the same product without the decode thread: decode a block, multiply it, repeat */
+            double t1 = bench_median(run_sparse_1thread, &a, bench_quick() ? 2 : 3);
+            bench_emit("kernels", "salr_spmm_unpipelined",
+                       "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"time_s\":%.6g,"
+                       "\"pipelined_time_s\":%.6g,\"pipeline_gain\":%.3f",
+                       out, in, a.n, t1, ts, t1 / ts);
+        }
         bench_emit("kernels", "salr_spmm",
                    "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"sparsity\":0.5,\"dtype\":\"f32\","
                    "\"isa\":\"%s\",\"time_s\":%.6g,\"gflops\":%.2f,\"dense_op\":\"%s\",\"dense_time_s\":%.6g,"
