@@ -28,6 +28,10 @@
 #include "testutil.h"
 
 #define N_PEERS 3
+/* Each peer offers 60 MiB: the broker's plan for the 8-layer model needs about 71 MiB in one stage and
+ * about 52 MiB per stage in two, so every job runs as a two-stage pipeline whatever speeds the peers
+ * measured on a loaded machine. */
+#define PEER_MEM_GB "0.0586"
 
 typedef struct {
     char *dir;
@@ -111,7 +115,7 @@ static void cluster_start(cluster *c, const char *tag)
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 p2 client; do '%s' keygen -o $k >/dev/null || exit 1; done && "
                    "grep -hv '^#' p0/public.key p1/public.key p2/public.key client/public.key > allow && "
-                   "'%s' model init -o model --layers 4 --hidden 128 --ffn 256 --seed 2 >/dev/null",
+                   "'%s' model init -o model --layers 8 --hidden 256 --ffn 1024 --seed 2 >/dev/null",
                    c->dir, tu_bin("fusion"), tu_bin("fusion"));
     if (rc != 0)
         fail_msg("setup failed: %s", out);
@@ -160,7 +164,7 @@ static void cluster_start(cluster *c, const char *tag)
         snprintf(name, sizeof name, "p%d", i);
         char *pargv[] = {strdup(tu_bin("fusion-peer")), "--broker", c->endpoint, "--broker-key", bkey, "--keys", pkeys,
                          "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name,
-                         "--drain-timeout", "10", NULL};
+                         "--drain-timeout", "10", "--max-memory", PEER_MEM_GB, NULL};
         c->peers[i] = spawn(plog, pargv);
         free(pargv[0]);
     }
@@ -431,7 +435,7 @@ static void test_peer_broker_inference_equals_single_process(void **state)
     }
 
     /* Failover mid-generation (greedy): kill the last stage's peer once 100 tokens are out. */
-    const char *lng = "--prompt 'the river and the stone' --max-tokens 1200";
+    const char *lng = "--prompt 'the river and the stone' --max-tokens 600";
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && '%s' submit infer %s --model '%s/model' %s -q 2>/dev/null", c.dir,
                    tu_bin("fusion"), c.conn, c.dir, lng);
