@@ -9,5 +9,11 @@ fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c L
 add_dependencies(test_peer_gpu fusion-peer)
 # With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
 # stage fails over to the warm backup and the adapter is unchanged.
-fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_peer fu_broker TIMEOUT 180)
+fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_peer fu_broker TIMEOUT 90
+            ARGS "*pipeline_equals*")
 add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)
+add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_peer_broker_infer COMMAND test_peer_broker "*inference*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
+set_tests_properties(test_peer_broker_failover test_peer_broker_infer PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
+                     ENVIRONMENT "${FU_PEER_TEST_ENV}")

@@ -327,7 +327,7 @@ static void test_peer_broker_failover_keeps_the_adapter(void **state)
     (void)state;
     cluster c;
     cluster_start(&c, "peer-failover");
-    const char *common = "--rank 4 --steps 400 --batch 4 --seq-len 16 --lr 0.01";
+    const char *common = "--rank 4 --steps 160 --batch 4 --seq-len 16 --lr 0.01";
     /* Submit without waiting, kill the last stage's peer after a checkpoint, then wait. */
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt -q %s "
@@ -497,10 +497,12 @@ static void test_peer_broker_inference_equals_single_process(void **state)
     cluster_stop(&c);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     if (sodium_init() < 0)
         return 1;
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]); /* one ctest entry per test (tests/peer.cmake) */
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_peer_broker_pipeline_equals_single_process, teardown),
