@@ -11,6 +11,7 @@
 #include <sodium.h>
 
 #include "broker_internal.h"
+#include "dag_peft.h"
 #include "dag_model.h"
 #include "dag_serial.h"
 #include "fu_alloc.h"
@@ -759,32 +760,7 @@ void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
 
 char *broker_adapter_config(const broker_spec *spec)
 {
-    char tm[256] = "";
-    uint32_t targets = spec->targets ? spec->targets : DAG_TARGETS_ALL;
-    for (int t = 1; t < DAG_TARGET_COUNT_; t++)
-        if (targets & DAG_TARGET_BIT(t)) {
-            size_t l0 = strlen(tm);
-            snprintf(tm + l0, sizeof tm - l0, "%s\"%s\"", l0 ? ", " : "", dag_target_name((dag_target)t));
-        }
-    char *js = fu_malloc(4096 + strlen(spec->model));
-    snprintf(js, 4096 + strlen(spec->model),
-             "{\n"
-             "  \"peft_type\": \"LORA\",\n"
-             "  \"task_type\": \"CAUSAL_LM\",\n"
-             "  \"base_model_name_or_path\": \"%s\",\n"
-             "  \"r\": %u,\n"
-             "  \"lora_alpha\": %g,\n"
-             "  \"lora_dropout\": 0.0,\n"
-             "  \"bias\": \"none\",\n"
-             "  \"fan_in_fan_out\": false,\n"
-             "  \"inference_mode\": true,\n"
-             "  \"init_lora_weights\": true,\n"
-             "  \"target_modules\": [%s],\n"
-             "  \"modules_to_save\": null,\n"
-             "  \"revision\": null\n"
-             "}\n",
-             spec->model, spec->rank, spec->alpha, tm);
-    return js;
+    return dag_peft_config_json(spec->model, spec->rank, spec->alpha, spec->targets);
 }
 
 void broker_on_result(broker_t *b, const wire_msg_t *msg)

@@ -1,4 +1,5 @@
 #include "dag_exec.h"
+#include "dag_peft.h"
 
 #include <cblas.h>
 #include <inttypes.h>
@@ -852,35 +853,11 @@ fu_err dag_exec_save_adapter(const dag_exec_t *x, const char *dir, const char *b
             alpha = nd->adapter.alpha;
         }
     }
-    char tm[256] = "";
-    for (int t = 1; t < DAG_TARGET_COUNT_; t++)
-        if (targets & DAG_TARGET_BIT(t)) {
-            size_t l0 = strlen(tm);
-            snprintf(tm + l0, sizeof tm - l0, "%s\"%s\"", l0 ? ", " : "", dag_target_name((dag_target)t));
-        }
-    char js[2048];
-    int len = snprintf(js, sizeof js,
-                       "{\n"
-                       "  \"peft_type\": \"LORA\",\n"
-                       "  \"task_type\": \"CAUSAL_LM\",\n"
-                       "  \"base_model_name_or_path\": \"%s\",\n"
-                       "  \"r\": %u,\n"
-                       "  \"lora_alpha\": %g,\n"
-                       "  \"lora_dropout\": 0.0,\n"
-                       "  \"bias\": \"none\",\n"
-                       "  \"fan_in_fan_out\": false,\n"
-                       "  \"inference_mode\": true,\n"
-                       "  \"init_lora_weights\": true,\n"
-                       "  \"target_modules\": [%s],\n"
-                       "  \"modules_to_save\": null,\n"
-                       "  \"revision\": null\n"
-                       "}\n",
-                       base_model ? base_model : "", r, (double)alpha, tm);
-    if (len < 0 || (size_t)len >= sizeof js)
-        return fu_errmsg_set(em, FU_EINVAL, "adapter_config.json too long");
-    char *cpath = fu_path_join(dir, "adapter_config.json");
-    rc = fu_file_write_atomic(cpath, js, (size_t)len, 0644, em);
+    char *js = dag_peft_config_json(base_model, r, (double)alpha, targets);
+    char *cpath = fu_path_join(dir, DAG_PEFT_CONFIG_FILE);
+    rc = fu_file_write_atomic(cpath, js, strlen(js), 0644, em);
     free(cpath);
+    free(js);
     return rc;
 }
 

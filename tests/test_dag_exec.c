@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <cjson/cJSON.h>
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -664,10 +666,16 @@ static void test_dag_exec_checkpoint_round_trip_and_peft(void **state)
     size_t cl = 0;
     char *cp = fu_path_join(ad, "adapter_config.json");
     assert_int_equal(fu_file_read_all(cp, 1 << 16, &cj, &cl, &em), FU_OK);
-    assert_non_null(strstr(cj, "\"peft_type\": \"LORA\""));
-    assert_non_null(strstr(cj, "\"r\": 4"));
-    assert_non_null(strstr(cj, "\"down_proj\""));
-    assert_non_null(strstr(cj, "CAUSAL_LM"));
+    cJSON *cfg = cJSON_Parse(cj);
+    assert_non_null(cfg);
+    assert_string_equal(cJSON_GetObjectItem(cfg, "peft_type")->valuestring, "LORA");
+    assert_string_equal(cJSON_GetObjectItem(cfg, "task_type")->valuestring, "CAUSAL_LM");
+    assert_string_equal(cJSON_GetObjectItem(cfg, "base_model_name_or_path")->valuestring, "tiny");
+    assert_int_equal(cJSON_GetObjectItem(cfg, "r")->valueint, 4);
+    cJSON *tm = cJSON_GetObjectItem(cfg, "target_modules");
+    assert_int_equal(cJSON_GetArraySize(tm), 7);
+    assert_string_equal(cJSON_GetArrayItem(tm, 6)->valuestring, "down_proj");
+    cJSON_Delete(cfg);
     free(cj);
 
     dag_graph_t *gi = graph(&t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOGITS, 0);
