@@ -189,9 +189,6 @@ static int error_exit_code(Fusion__ErrorCode code)
         return FU_EXIT_AUTH;
     case FUSION__ERROR_CODE__ERR_NOT_FOUND:
         return FU_EXIT_NOTFOUND;
-    case FUSION__ERROR_CODE__ERR_INVALID:
-    case FUSION__ERROR_CODE__ERR_VERSION:
-        return FU_EXIT_USAGE;
     default:
         return FU_EXIT_FAIL;
     }
@@ -280,4 +277,12 @@ fu_err cli_job_id_parse(const char *s, uint64_t *id)
         return FU_EINVAL;
     *id = strtoull(s, NULL, 16);
     return FU_OK;
+}
+
+fu_err cli_job_arg(const char *prog, const char *s, uint64_t *id)
+{
+    fu_err rc = cli_job_id_parse(s, id);
+    if (rc != FU_OK)
+        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", prog, s);
+    return rc;
 }

@@ -59,6 +59,8 @@ FU_MUST_CHECK fu_err cli_conn_recv(cli_conn_t *self, Fusion__MsgType want, wire_
 void cli_job_id_format(uint64_t id, char buf[17]);
 /* Parses 1 to 16 hex digits. FU_EINVAL otherwise. */
 FU_MUST_CHECK fu_err cli_job_id_parse(const char *s, uint64_t *id);
+/* cli_job_id_parse for a command-line argument: on failure tells the user (prefixed with prog). */
+FU_MUST_CHECK fu_err cli_job_arg(const char *prog, const char *s, uint64_t *id);
 
 #ifdef __cplusplus
 }

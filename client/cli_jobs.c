@@ -126,10 +126,8 @@ int cli_status_main(int argc, char **argv)
     if (npos == 0)
         return cli_jobs_main(argc, argv);
     uint64_t id;
-    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
-        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
         return FU_EXIT_USAGE;
-    }
     cli_conn_t *conn = NULL;
     if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
         return code;
@@ -306,10 +304,8 @@ int cli_wait_main(int argc, char **argv)
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
     uint64_t id;
-    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
-        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
         return FU_EXIT_USAGE;
-    }
     cli_conn_t *conn = NULL;
     if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
         return code;
@@ -331,10 +327,8 @@ int cli_cancel_main(int argc, char **argv)
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
     uint64_t id;
-    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
-        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
         return FU_EXIT_USAGE;
-    }
     cli_conn_t *conn = NULL;
     if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
         return code;

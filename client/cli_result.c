@@ -86,10 +86,8 @@ int cli_result_main(int argc, char **argv)
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
     uint64_t id;
-    if (cli_job_id_parse(argv[1], &id) != FU_OK) {
-        fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", argv[0], argv[1]);
+    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
         return FU_EXIT_USAGE;
-    }
     if (!out) {
         fprintf(stderr, "%s: say where to write the result: -o DIR\n", argv[0]);
         return FU_EXIT_USAGE;

@@ -188,10 +188,8 @@ static int submit_infer(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     uint64_t aid = 0;
-    if (adapter_job && cli_job_id_parse(adapter_job, &aid) != FU_OK) {
-        fprintf(stderr, "%s: '%s' is not a job id\n", cmd.prog, adapter_job);
+    if (adapter_job && cli_job_arg(cmd.prog, adapter_job, &aid) != FU_OK)
         return FU_EXIT_USAGE;
-    }
     cJSON *spec = cJSON_CreateObject();
     cJSON_AddStringToObject(spec, "model", model_path(model));
     if (adapter_job) {

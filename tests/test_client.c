@@ -1,0 +1,194 @@
+/* `fusion submit|status|jobs|wait|cancel|peers|result` as a user runs them, against a real
+ * fusion-broker process with a real SQLite store: where the broker and keys come from, exit codes,
+ * idempotent submission, ownership, refused keys. No peers join, so jobs stay queued: the full
+ * pipeline is the end-to-end tests' business. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "test_broker_util.h"
+
+static tb_broker g_b;
+static char g_model[4300];
+static char g_env[3][8600]; /* FUSION_BROKER=… for the first client, the second, the stranger */
+
+static int setup(void **state)
+{
+    (void)state;
+    tb_broker_init(&g_b, "client");
+    const char *names[3] = {"alice", "bob", "mallory"};
+    for (int i = 0; i < 3; i++) {
+        wire_keypair_t *kp = tb_keygen(g_b.dir, names[i]);
+        if (i < 2) /* mallory is not on the allow-list */
+            tb_allow(g_b.allow, kp);
+        wire_keypair_destroy(&kp);
+        snprintf(g_env[i], sizeof g_env[i], "FUSION_CONFIG=/nonexistent FUSION_BROKER=%s FUSION_BROKER_KEY=%s/public.key "
+                 "FUSION_KEYS=%s/%s", g_b.endpoint, g_b.keys, g_b.dir, names[i]);
+    }
+    snprintf(g_model, sizeof g_model, "%s/model", g_b.dir);
+    tb_make_model(g_model);
+    tb_broker_start(&g_b);
+    char *out = NULL;
+    for (int i = 0; i < 100; i++) { /* until it answers */
+        if (tu_sh(&out, "%s %s peers", g_env[0], tu_bin("fusion")) == 0)
+            break;
+        free(out);
+        out = NULL;
+        fu_sleep_ms(100);
+    }
+    free(out);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    return tb_broker_fini(&g_b) == 0 ? 0 : -1;
+}
+
+/* Runs `fusion ARGS` as client `who` (0 alice, 1 bob, 2 mallory); returns the exit code. */
+static int as(int who, char **out, const char *fmt, ...)
+{
+    char args[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    return tu_sh(out, "%s %s %s", g_env[who], tu_bin("fusion"), args);
+}
+
+/* Submits a small fine-tune as `who` with idempotency key idem; the job id printed, in id. */
+static int submit(int who, const char *idem, char id[17])
+{
+    char *out = NULL;
+    char data[4300];
+    snprintf(data, sizeof data, "%s/deploy/data/shakespeare.txt", getenv("FUSION_SOURCE_DIR"));
+    int rc = as(who, &out, "submit finetune --model %s --data %s --steps 3 --batch 2 --seq-len 16 "
+                           "--idempotency-key %s",
+                g_model, data, idem);
+    if (rc == 0 && out)
+        snprintf(id, 17, "%.16s", out);
+    free(out);
+    return rc;
+}
+
+static void test_client_connection_settings_come_from_options_env_or_config(void **state)
+{
+    (void)state;
+    char *out = NULL;
+    /* Nothing said: exit 2 and what to do. */
+    assert_int_equal(tu_sh(&out, "env -u FUSION_BROKER FUSION_CONFIG=/nonexistent %s jobs", tu_bin("fusion")), 2);
+    assert_non_null(strstr(out, "no broker given: use --broker"));
+    free(out);
+    /* A config file alone is enough. */
+    char conf[4300];
+    snprintf(conf, sizeof conf, "%s/client.conf", g_b.dir);
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fprintf(f, "# test\nbroker = %s\nbroker-key=%s/public.key\n  keys =  %s/alice  \n", g_b.endpoint, g_b.keys,
+            g_b.dir);
+    fclose(f);
+    assert_int_equal(tu_sh(&out, "FUSION_CONFIG=%s %s peers --json", conf, tu_bin("fusion")), 0);
+    assert_true(out[0] == '[');
+    free(out);
+    /* Options win over the environment: a wrong --broker-key is used, and refused. */
+    assert_int_equal(as(0, &out, "peers --broker-key /nonexistent/public.key"), 2);
+    assert_non_null(strstr(out, "/nonexistent/public.key"));
+    free(out);
+}
+
+static void test_client_unknown_key_is_refused_with_exit_3(void **state)
+{
+    (void)state;
+    char *out = NULL;
+    assert_int_equal(as(2, &out, "jobs --timeout-ms 5000"), 3);
+    assert_non_null(strstr(out, "refused this client's key"));
+    free(out);
+}
+
+static void test_client_submit_is_idempotent_and_jobs_are_private(void **state)
+{
+    (void)state;
+    char a[17] = "", a2[17] = "", b[17] = "";
+    assert_int_equal(submit(0, "key-one", a), 0);
+    assert_int_equal(submit(0, "key-one", a2), 0);
+    assert_string_equal(a, a2); /* the retry is the same job */
+    assert_int_equal(submit(1, "key-one", b), 0);
+    assert_string_not_equal(a, b); /* same key, other owner: another job */
+
+    char *out = NULL;
+    assert_int_equal(as(0, &out, "status %s --json", a), 0);
+    assert_non_null(strstr(out, "\"state\":\"queued\""));
+    free(out);
+    /* Bob can neither see nor cancel Alice's job: it does not exist for him. */
+    assert_int_equal(as(1, &out, "status %s", a), 4);
+    free(out);
+    assert_int_equal(as(1, &out, "cancel %s", a), 4);
+    free(out);
+    assert_int_equal(as(1, &out, "jobs --json"), 0);
+    assert_null(strstr(out, a));
+    assert_non_null(strstr(out, b));
+    free(out);
+    /* Alice cancels hers; it is listed as cancelled, and has no result. */
+    assert_int_equal(as(0, &out, "cancel %s", a), 0);
+    assert_non_null(strstr(out, "cancelled"));
+    free(out);
+    assert_int_equal(as(0, &out, "jobs"), 0);
+    assert_non_null(strstr(out, a));
+    assert_non_null(strstr(out, "cancelled"));
+    free(out);
+    assert_int_equal(as(0, &out, "jobs --active --json"), 0);
+    assert_null(strstr(out, a));
+    free(out);
+    assert_int_equal(as(0, &out, "result %s -o %s/res", a, g_b.dir), 1);
+    assert_non_null(strstr(out, "a result exists only once it is done"));
+    free(out);
+}
+
+static void test_client_wait_reports_why_a_job_is_queued_and_times_out(void **state)
+{
+    (void)state;
+    char id[17] = "";
+    assert_int_equal(submit(1, "waiting", id), 0);
+    char *out = NULL;
+    assert_int_equal(as(1, &out, "wait %s --wait-timeout 1", id), 5);
+    assert_non_null(strstr(out, "queued: "));
+    assert_non_null(strstr(out, "still queued after 1 s"));
+    free(out);
+}
+
+static void test_client_bad_arguments_exit_2(void **state)
+{
+    (void)state;
+    char *out = NULL;
+    assert_int_equal(as(0, &out, "status not-a-job"), 2);
+    assert_non_null(strstr(out, "is not a job id"));
+    free(out);
+    assert_int_equal(as(0, &out, "submit finetune --model x"), 2);
+    assert_non_null(strstr(out, "needs --model DIR and --data FILE"));
+    free(out);
+    assert_int_equal(as(0, &out, "submit finetune --model x --data /nonexistent/data.txt"), 2);
+    free(out);
+    assert_int_equal(as(0, &out, "submit infer --model x --prompt hi --prompt-tokens 1,2"), 2);
+    free(out);
+    assert_int_equal(as(0, &out, "submit frobnicate"), 2);
+    free(out);
+    assert_int_equal(as(0, &out, "status 0123456789abcdef"), 4); /* well-formed, unknown */
+    free(out);
+}
+
+int main(void)
+{
+    if (sodium_init() < 0)
+        return 1;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_client_connection_settings_come_from_options_env_or_config),
+        cmocka_unit_test(test_client_unknown_key_is_refused_with_exit_3),
+        cmocka_unit_test(test_client_submit_is_idempotent_and_jobs_are_private),
+        cmocka_unit_test(test_client_wait_reports_why_a_job_is_queued_and_times_out),
+        cmocka_unit_test(test_client_bad_arguments_exit_2),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
