@@ -4,3 +4,7 @@ fu_add_test(test_modelcfg SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_modelcfg.c LI
 fu_add_test(test_model_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_model_cli.c LIBS fu_common TIMEOUT 120)
 add_dependencies(test_model_cli fusion)
 fu_add_test(test_tokenizer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer.c LIBS fu_common)
+
+# Fuzz target for the safetensors parser (its seed corpus runs as an ordinary test).
+include(${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz.cmake)
+fu_add_fuzz(safetensors SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_safetensors.c LIBS fu_common)
