@@ -145,7 +145,7 @@ static bool ensure_models(bool pruned)
         }
         env.cfg.max_position_embeddings = 2048;
         const char *t = getenv("TMPDIR");
-        snprintf(env.dir, sizeof env.dir, "%s/fusion-bench-dag-XXXXXX", t ? t : "/tmp");
+        snprintf(env.dir, sizeof env.dir, "%s/fusion-bench-train-XXXXXX", t ? t : "/tmp");
         if (!mkdtemp(env.dir))
             return false;
         snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);

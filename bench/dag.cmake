@@ -1,1 +1,0 @@
-fu_add_bench(dag "train_*.c" LIBS fu_dag)

@@ -1,0 +1,1 @@
+fu_add_bench(train "train_*.c" LIBS fu_dag)
