@@ -1,0 +1,53 @@
+# End-to-end tests (label e2e): the real fusion-broker, fusion-peer and fusion programs as processes
+# on loopback (tests/e2e_util.h), one ctest entry per scenario so each has its own timeout; and the
+# multi-host test in network namespaces (tests/netns/run.sh, exits 77 = skipped when not root).
+# Scenarios that expose a bug still open in someone else's code are registered only with
+# -DFUSION_E2E_KNOWN_BUGS=ON (they fail today, for the reason docs/TESTING.md gives).
+option(FUSION_E2E_KNOWN_BUGS "register the e2e tests that fail on known, not yet fixed bugs" OFF)
+
+# fu_e2e_exe(NAME): the executable tests/NAME.c, linked with fu_common only.
+function(fu_e2e_exe name)
+  add_executable(${name} ${CMAKE_CURRENT_SOURCE_DIR}/${name}.c)
+  target_link_libraries(${name} PRIVATE fu_common PkgConfig::CMOCKA)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  set_target_properties(${name} PROPERTIES LINKER_LANGUAGE C RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  add_dependencies(${name} fusion fusion-broker fusion-peer)
+endfunction()
+
+# fu_e2e_case(EXE CASE TIMEOUT [LABELS...]): ctest entry CASE running `EXE CASE`.
+function(fu_e2e_case exe case timeout)
+  add_test(NAME ${case} COMMAND ${exe} ${case} WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  set(env "FUSION_BIN_DIR=${PROJECT_BINARY_DIR}/bin;FUSION_SOURCE_DIR=${PROJECT_SOURCE_DIR};CMOCKA_MESSAGE_OUTPUT=stdout")
+  if(FUSION_SANITIZE)
+    list(APPEND env "ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1" "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
+  endif()
+  set(labels e2e ${ARGN})
+  # RUN_SERIAL: a cluster of 3-4 peers already fills the cores; two at once would make the timings
+  # (detection, recovery) meaningless and the timeouts tight.
+  set_tests_properties(${case} PROPERTIES TIMEOUT ${timeout} SKIP_RETURN_CODE 77 ENVIRONMENT "${env}"
+                       LABELS "${labels}" RUN_SERIAL TRUE)
+endfunction()
+
+fu_e2e_exe(test_e2e_pipeline)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_finetune_then_infer 90)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_salr 90)
+
+fu_e2e_exe(test_e2e_fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 90 fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_peer_leave 90 fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_peer_sigstop 90 fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_broker_kill9_restart 90 fault)
+
+fu_e2e_exe(test_e2e_security)
+fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 90)
+fu_e2e_case(test_e2e_security test_e2e_security_garbage_spares_the_job 90 fault)
+
+# Multi-host: a broker and three peers each in its own network namespace (needs root and `ip netns`).
+add_test(NAME test_e2e_netns_multihost COMMAND ${PROJECT_SOURCE_DIR}/tests/netns/run.sh
+         WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+set_tests_properties(test_e2e_netns_multihost PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77 LABELS "e2e;netns"
+                     RUN_SERIAL TRUE ENVIRONMENT "FUSION_BIN_DIR=${PROJECT_BINARY_DIR}/bin;FUSION_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+
+if(FUSION_E2E_KNOWN_BUGS)
+  fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_infer_logits 90 known_bug)
+endif()

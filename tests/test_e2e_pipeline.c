@@ -1,0 +1,165 @@
+/* End to end, no faults: a broker, three peers and the client as real processes on loopback.
+ *   - a LoRA-FA fine-tune through a three-stage pipeline (the peer tests cover two stages) gives the
+ *     adapter `fusion run finetune` gives (max abs difference over every tensor <= 1e-5), downloaded
+ *     with `fusion result`;
+ *   - greedy generation through the same three stages with that adapter (`fusion submit infer
+ *     --adapter-job`, `fusion result`) gives the tokens `fusion run infer --adapter` gives;
+ *   - with --dump-logits the job's result carries the prompt's logits, equal to `fusion run infer
+ *     --dump-logits` (known bug: the broker drops InferToken.logits; see docs/TESTING.md).
+ *   - SALR: `fusion model prune --method salr`, then `fusion submit finetune --method salr` on the
+ *     pruned model equals `fusion run finetune --method salr` on it. */
+#include "e2e_util.h"
+
+#define PROMPT_TOKENS "116,104,101,32,113,117,105,99,107"
+#define N_PROMPT      9
+
+/* The job ran as a three-stage pipeline: the broker's plan names stage 2/3. */
+static void assert_three_stages(const e2e_cluster *c, const char *id)
+{
+    char log[E2E_PATH], needle[96];
+    e2e_broker_log(c, log);
+    snprintf(needle, sizeof needle, "job %s stage 2/3 on ", id);
+    char *bl = e2e_slurp(log);
+    bool three = strstr(bl, needle) != NULL;
+    free(bl);
+    if (!three)
+        e2e_show(log, 40);
+    assert_true(three);
+}
+
+static void test_e2e_pipeline_finetune_then_infer(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    e2e_cluster_init(&c, "e2e-pipeline", 3);
+    c.backups = 0;
+    e2e_cluster_start(&c);
+    const char *train = E2E_TRAIN_ARGS " --steps 20";
+    char id[17];
+    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, train);
+    e2e_wait_done(&c, id, 80);
+    assert_three_stages(&c, id);
+    double d = e2e_job_vs_reference(&c, id, "model", train);
+    assert_true(d <= 1e-5);
+
+    /* Greedy generation with the adapter through the pipeline, against `fusion run infer`. */
+    char iid[17];
+    e2e_submit(&c, iid, "infer --model model --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens 24", id);
+    e2e_wait_done(&c, iid, 60);
+    assert_three_stages(&c, iid);
+    char *out = NULL;
+    assert_int_equal(e2e_fusion(&c, &out, "result %s -o 'res-%s'", iid, iid), 0);
+    free(out);
+    char p[E2E_PATH];
+    e2e_path(&c, p, "res-%s/output.txt", iid);
+    char *got = e2e_slurp(p);
+    char *want = NULL;
+    int rc = e2e_fusion(&c, &want, "run infer -q --threads 1 --model model --adapter 'res-%s' --prompt-tokens "
+                        PROMPT_TOKENS " --max-tokens 24 2>/dev/null", id);
+    assert_int_equal(rc, 0);
+    size_t wl = strlen(want);
+    if (wl && want[wl - 1] == '\n')
+        want[--wl] = '\0';
+    printf("infer %s: pipeline %zu bytes, fusion run %zu bytes: %s\n", iid, strlen(got), wl,
+           strcmp(got, want) == 0 ? "identical" : "DIFFERENT");
+    assert_true(wl > 0);
+    assert_string_equal(got, want);
+    free(got);
+    free(want);
+    e2e_cluster_stop(&c);
+}
+
+/* Known bug (FUSION_E2E_KNOWN_BUGS): the broker accepts dump_logits, the last stage sends
+ * InferToken.logits, but broker_on_infer_token never keeps them and the result is output.txt only. */
+static void test_e2e_pipeline_infer_logits(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    e2e_cluster_init(&c, "e2e-logits", 3);
+    c.backups = 0;
+    e2e_cluster_start(&c);
+    char iid[17];
+    e2e_submit(&c, iid, "infer --model model --prompt-tokens " PROMPT_TOKENS " --max-tokens 8 --dump-logits");
+    e2e_wait_done(&c, iid, 60);
+    char *out = NULL;
+    assert_int_equal(e2e_fusion(&c, &out, "result %s -o res", iid), 0);
+    free(out);
+    assert_int_equal(e2e_fusion(&c, &out, "run infer -q --threads 1 --model model --prompt-tokens " PROMPT_TOKENS
+                                " --max-tokens 8 --dump-logits ref-logits.bin >/dev/null"), 0);
+    free(out);
+    char p[E2E_PATH];
+    e2e_path(&c, p, "ref-logits.bin");
+    char *ref = NULL;
+    size_t nref = 0;
+    fu_errmsg em = {{0}};
+    assert_int_equal(fu_file_read_all(p, 1u << 26, &ref, &nref, &em), FU_OK);
+    assert_int_equal(nref, (size_t)N_PROMPT * 256 * sizeof(float));
+    /* The pipeline's logits: any result file named logits* (the broker's name for them is open). */
+    char *name = NULL;
+    (void)tu_sh(&name, "ls '%s/res' | grep '^logits' | head -n 1", c.dir);
+    size_t nl = strlen(name);
+    while (nl && (name[nl - 1] == '\n' || name[nl - 1] == ' '))
+        name[--nl] = '\0';
+    if (nl == 0) {
+        (void)tu_sh(&out, "ls -l '%s/res'", c.dir);
+        fail_msg("the result of an inference job submitted with --dump-logits holds no logits file (files: %s); "
+                 "the broker drops InferToken.logits", out);
+    }
+    e2e_path(&c, p, "res/%s", name);
+    free(name);
+    char *got = NULL;
+    size_t ngot = 0;
+    assert_int_equal(fu_file_read_all(p, 1u << 26, &got, &ngot, &em), FU_OK);
+    assert_int_equal(ngot, nref);
+    double worst = 0;
+    for (size_t i = 0; i < nref / sizeof(float); i++) {
+        float a, b;
+        memcpy(&a, got + i * sizeof a, sizeof a);
+        memcpy(&b, ref + i * sizeof b, sizeof b);
+        if (fabs((double)a - (double)b) > worst)
+            worst = fabs((double)a - (double)b);
+    }
+    printf("logits of %d prompt positions: max |pipeline - fusion run| = %.3g\n", N_PROMPT, worst);
+    assert_true(worst <= 1e-4);
+    free(got);
+    free(ref);
+    e2e_cluster_stop(&c);
+}
+
+static void test_e2e_pipeline_salr(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    e2e_cluster_init(&c, "e2e-salr", 3);
+    c.backups = 0;
+    e2e_cluster_start(&c);
+    char *out = NULL;
+    int rc = e2e_fusion(&c, &out, "model prune --method salr --sparsity 0.5 --svd-rank 8 --seed 1 -i model -o pruned");
+    if (rc != 0)
+        fail_msg("fusion model prune: exit %d: %s", rc, out);
+    free(out);
+    const char *train = "--method salr " E2E_TRAIN_ARGS " --steps 12";
+    char id[17];
+    e2e_submit(&c, id, "finetune --model pruned --data '%s' %s --checkpoint-every 4", c.data, train);
+    e2e_wait_done(&c, id, 80);
+    char log[E2E_PATH], needle[96];
+    e2e_broker_log(&c, log);
+    snprintf(needle, sizeof needle, "job %s stage 1/", id);
+    char *bl = e2e_slurp(log);
+    bool piped = strstr(bl, needle) != NULL;
+    free(bl);
+    assert_true(piped); /* more than one stage */
+    double d = e2e_job_vs_reference(&c, id, "pruned", train);
+    assert_true(d <= 1e-5);
+    e2e_cluster_stop(&c);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_salr, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, e2e_teardown),
+    };
+    return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_pipeline");
+}
