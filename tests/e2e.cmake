@@ -43,7 +43,7 @@ fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 90)
 fu_e2e_case(test_e2e_security test_e2e_security_garbage_spares_the_job 90 fault)
 
 # Multi-host: a broker and three peers each in its own network namespace (needs root and `ip netns`).
-add_test(NAME test_e2e_netns_multihost COMMAND ${PROJECT_SOURCE_DIR}/tests/netns/run.sh
+add_test(NAME test_e2e_netns_multihost COMMAND ${PROJECT_SOURCE_DIR}/tests/netns/run.sh $<TARGET_FILE:test_e2e_pipeline>
          WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 set_tests_properties(test_e2e_netns_multihost PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77 LABELS "e2e;netns"
                      RUN_SERIAL TRUE ENVIRONMENT "FUSION_BIN_DIR=${PROJECT_BINARY_DIR}/bin;FUSION_SOURCE_DIR=${PROJECT_SOURCE_DIR}")

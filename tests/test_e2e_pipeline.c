@@ -156,6 +156,13 @@ static void test_e2e_pipeline_salr(void **state)
 
 int main(int argc, char **argv)
 {
+    /* Used by tests/netns/run.sh: the max abs difference of two adapter files; exit 0 when <= 1e-5. */
+    if (argc == 4 && strcmp(argv[1], "--adapter-diff") == 0) {
+        size_t nt = 0;
+        double d = e2e_adapter_diff(argv[2], argv[3], &nt);
+        printf("%zu adapter tensors, max |a - b| = %.3g\n", nt, d);
+        return d <= 1e-5 ? 0 : 1;
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_salr, e2e_teardown),
