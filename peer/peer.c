@@ -43,8 +43,9 @@ typedef struct {
     char pk_z85[WIRE_KEY_Z85_LEN + 1];
     char endpoint[256];            /* where to connect (downstream, direct) */
     uint32_t stage_index;          /* the neighbour's stage */
-    wire_seal_eph_t *eph;          /* our pending ephemeral pair */
-    bool hello_sent;               /* our SealHello with eph went out */
+    wire_seal_eph_t *eph;          /* our pending ephemeral pair (an opening of ours awaits its reply) */
+    bool hello_sent;               /* our opening SealHello with eph went out */
+    uint64_t open_seq;             /* Envelope.sequence of that opening (the reply echoes it) */
     wire_seal_t *seal;             /* the session, once up */
     uint8_t rid[WIRE_MAX_ROUTING_ID]; /* upstream over our ROUTER: its routing id */
     size_t rid_len;
@@ -82,6 +83,7 @@ struct peer {
     link_t links[2];               /* upstream, downstream */
     uint64_t job_id;               /* the assignment's job (0: none) */
     uint64_t gen;                  /* number of the current assignment (links_open) */
+    uint64_t open_counter;         /* numbers our SealHello openings */
     uint32_t stage_index;
     bool ready_pending;            /* compute is loaded; StageReady once the links are up */
     uint64_t assign_ms;            /* when the links were asked to open */
@@ -234,19 +236,22 @@ static void send_leave(peer_t *p, const char *reason)
 
 /* ---- data links ---------------------------------------------------------------------------- */
 
-static fu_err send_seal_hello(peer_t *p, link_t *l)
+/* SealHello handshake. An *opening* (Envelope.step 0, Envelope.sequence = our opening number) carries
+ * our pending ephemeral key; a *reply* (Envelope.step 1, Envelope.sequence = the opening it answers)
+ * carries the key we derived with. Every opening is answered; a reply is used only when it answers
+ * our latest opening; a reply never triggers a message, so two sides never ping-pong. Openings that
+ * cross (both sides relayed) are each answered and both sides derive from the same pair. */
+static fu_err send_seal_hello(peer_t *p, link_t *l, bool reply, uint64_t seq, const uint8_t eph_pub[WIRE_KEY_BYTES])
 {
-    if (!l->eph && !(l->eph = wire_seal_eph_new()))
-        return FU_ENOMEM;
     Fusion__SealHello h = FUSION__SEAL_HELLO__INIT;
     h.long_term_key.data = (uint8_t *)wire_keypair_public(p->kp);
     h.long_term_key.len = WIRE_KEY_BYTES;
-    h.ephemeral_key.data = (uint8_t *)wire_seal_eph_public(l->eph);
+    h.ephemeral_key.data = (uint8_t *)eph_pub;
     h.ephemeral_key.len = WIRE_KEY_BYTES;
     h.job_id = p->job_id;
     h.stage_index = p->stage_index;
     wire_hdr hdr = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = p->job_id, .stage = p->stage_index,
-                    .relay_to = l->relay ? l->pk_z85 : NULL};
+                    .step = reply ? 1 : 0, .sequence = seq, .relay_to = l->relay ? l->pk_z85 : NULL};
     fu_err rc;
     if (l->relay)
         rc = wire_send(p->broker, NULL, 0, &hdr, &h.base);
@@ -254,10 +259,20 @@ static fu_err send_seal_hello(peer_t *p, link_t *l)
         rc = wire_send(p->down, NULL, 0, &hdr, &h.base);
     else
         rc = wire_send(p->router, l->rid, l->rid_len, &hdr, &h.base);
-    if (rc == FU_OK)
-        l->hello_sent = true;
-    else
+    if (rc != FU_OK)
         FU_WARN("peer", "SealHello to stage %u failed: %s", l->stage_index, fu_strerror(rc));
+    return rc;
+}
+
+/* Sends an opening with a fresh pending ephemeral key. */
+static fu_err send_opening(peer_t *p, link_t *l)
+{
+    wire_seal_eph_destroy(&l->eph);
+    if (!(l->eph = wire_seal_eph_new()))
+        return FU_ENOMEM;
+    l->open_seq = ++p->open_counter;
+    fu_err rc = send_seal_hello(p, l, false, l->open_seq, wire_seal_eph_public(l->eph));
+    l->hello_sent = rc == FU_OK;
     return rc;
 }
 
@@ -281,6 +296,20 @@ static void on_seal_hello(peer_t *p, int src, wire_msg_t *m);
 /* Opens the links of a new (non-backup) assignment; SealHellos that came early are taken now. */
 static void links_open(peer_t *p, const Fusion__StageAssign *a)
 {
+    /* A sealed upstream link to the same neighbour for the same job (its opening for this
+     * assignment came before the assignment did, e.g. after a broker restart) is kept. */
+    link_t kept;
+    bool keep = false;
+    link_t *ou = &p->links[LINK_UP_IDX];
+    for (size_t i = 0; i < a->n_neighbours && ou->active && ou->up && !ou->relay && ou->rid_len; i++) {
+        const Fusion__Neighbour *nb = a->neighbours[i];
+        if (nb->role == FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM && !nb->relay && !a->relay && a->job_id == p->job_id &&
+            nb->public_key.len == WIRE_KEY_BYTES && sodium_memcmp(nb->public_key.data, ou->pk, WIRE_KEY_BYTES) == 0) {
+            kept = *ou;
+            memset(ou, 0, sizeof *ou); /* ownership moves to kept */
+            keep = true;
+        }
+    }
     links_close(p);
     p->gen++;
     p->job_id = a->job_id;
@@ -296,6 +325,13 @@ static void links_open(peer_t *p, const Fusion__StageAssign *a)
             continue;
         }
         link_t *l = &p->links[idx];
+        if (idx == LINK_UP_IDX && keep) {
+            *l = kept;
+            keep = false;
+            l->stage_index = nb->stage_index;
+            FU_INFO("peer", "job %016" PRIx64 ": sealed link to upstream stage %u kept", a->job_id, l->stage_index);
+            continue;
+        }
         l->active = true;
         memcpy(l->pk, nb->public_key.data, WIRE_KEY_BYTES);
         wire_key_to_z85(l->pk, l->pk_z85);
@@ -304,12 +340,6 @@ static void links_open(peer_t *p, const Fusion__StageAssign *a)
         l->relay = nb->relay || a->relay || (idx == LINK_UP_IDX && !p->router) ||
                    (idx == LINK_DOWN_IDX && !l->endpoint[0]);
         l->asm_ = wire_tensor_asm_new(IO_MAX_TENSOR);
-        l->eph = wire_seal_eph_new();
-        if (!l->eph || !l->asm_) {
-            FU_ERROR("peer", "no secure memory for a link key");
-            l->active = false;
-            continue;
-        }
         if (idx == LINK_DOWN_IDX && !l->relay) {
             fu_err err;
             p->down = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
@@ -319,11 +349,16 @@ static void links_open(peer_t *p, const Fusion__StageAssign *a)
                 continue;
             }
         }
-        if (l->relay || idx == LINK_DOWN_IDX)
-            (void)send_seal_hello(p, l);
+        if ((l->relay || idx == LINK_DOWN_IDX) && send_opening(p, l) == FU_ENOMEM) {
+            FU_ERROR("peer", "no secure memory for a link key");
+            l->active = false;
+            continue;
+        }
         FU_INFO("peer", "job %016" PRIx64 ": link to %s stage %u %s%s", a->job_id, idx ? "downstream" : "upstream",
                 l->stage_index, l->relay ? "relayed by the broker" : "direct ", l->relay ? "" : l->endpoint);
     }
+    if (keep)
+        link_reset(&kept); /* the assignment has no such upstream any more */
     for (int s = 0; s < SRC_COUNT; s++) {
         wire_msg_t *m = p->early[s];
         p->early[s] = NULL;
@@ -384,9 +419,26 @@ static void on_seal_hello(peer_t *p, int src, wire_msg_t *m)
         memcpy(l->rid, rid, n);
         l->rid_len = n;
     }
-    if (!l->eph || !l->hello_sent) {
-        /* First answer on a link we did not open, or the neighbour started over: (re)send ours. */
-        if (send_seal_hello(p, l) != FU_OK) {
+    const wire_hdr *hd = wire_msg_hdr(m);
+    bool reply = hd->step == 1;
+    uint64_t their_seq = hd->sequence;
+    if (reply && !(l->eph && l->hello_sent && their_seq == l->open_seq)) {
+        FU_DEBUG("peer", "SealHello reply from stage %u to an opening we no longer wait for: ignored", l->stage_index);
+        wire_msg_destroy(&m);
+        return;
+    }
+    if (!reply) {
+        /* An opening: answer it, with our pending key when our own opening crossed it, else a new one. */
+        if (!(l->eph && l->hello_sent)) {
+            wire_seal_eph_destroy(&l->eph);
+            if (!(l->eph = wire_seal_eph_new())) {
+                wire_msg_destroy(&m);
+                return;
+            }
+        }
+        uint8_t pub[WIRE_KEY_BYTES];
+        memcpy(pub, wire_seal_eph_public(l->eph), WIRE_KEY_BYTES);
+        if (send_seal_hello(p, l, true, their_seq, pub) != FU_OK) {
             wire_msg_destroy(&m);
             return;
         }
@@ -493,6 +545,11 @@ static void on_broker(peer_t *p, wire_msg_t *m)
     case FUSION__MSG_TYPE__MSG_ERROR: {
         const Fusion__Error *e = wire_msg_body_as(m, t);
         FU_WARN("peer", "the broker refused our %s: %s", wire_type_name(e->in_reply_to), e->message);
+        if (e->in_reply_to == FUSION__MSG_TYPE__MSG_HEARTBEAT && fu_clock_ms() - p->hello_ms >= p->hb_ms) {
+            /* It does not know us (a restarted broker, or we were declared dead): register again. */
+            send_hello(p);
+            break;
+        }
         if (e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) { /* the fetch must stop waiting */
             peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
             c->msg = m;

@@ -314,7 +314,10 @@ static void on_data_seal_hello(env *e, wire_msg_t *m)
     r.job_id = JOB_ID;
     r.stage_index = 1;
     r.stage_index = relayed ? 0 : 1;
-    wire_hdr hd = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = JOB_ID, .stage = r.stage_index};
+    /* The peer opened (Envelope.step 0): answer with a reply echoing its opening's sequence. */
+    assert_int_equal(wire_msg_hdr(m)->step, 0);
+    wire_hdr hd = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = JOB_ID, .stage = r.stage_index, .step = 1,
+                   .sequence = wire_msg_hdr(m)->sequence};
     if (relayed) {
         hd.relay_to = wire_keypair_public_z85(e->pkp);
         assert_int_equal(wire_send(e->relay_out, NULL, 0, &hd, &r.base), FU_OK);
