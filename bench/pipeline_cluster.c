@@ -53,7 +53,7 @@
 
 #define PB_MAX_PEERS  4
 #define PB_CHUNK      (1u << 20) /* seal chunk, as WIRE_TENSOR_CHUNK */
-#define PB_OVERHEAD   (34.5 * 1048576.0) /* partitioner's fixed 32 MiB per stage + activations margin */
+#define PB_OVERHEAD_MIB 32.0     /* the partitioner's fixed memory per stage (DAG_STAGE_OVERHEAD_BYTES) */
 
 typedef struct {
     char bin[1024];      /* directory of the programs */
@@ -62,7 +62,7 @@ typedef struct {
     char model[1100];    /* model directory */
     char train[256];     /* fine-tune options shared by run and submit */
     int hidden, batch, seq, steps;
-    double params_bytes; /* model.safetensors size */
+    double need_mib;     /* the broker's estimate of the whole job's memory on one peer */
     bool ready;
 } pb_env;
 
@@ -216,7 +216,7 @@ static bool pb_setup(void)
         env.hidden = 256, env.batch = 4, env.seq = 16, env.steps = 30;
     } else {
         margs = "--layers 8 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 256 --seed 3";
-        env.hidden = 512, env.batch = 4, env.seq = 64, env.steps = 12;
+        env.hidden = 512, env.batch = 4, env.seq = 64, env.steps = 24;
     }
     snprintf(env.model, sizeof env.model, "%s/model", env.dir);
     snprintf(env.train, sizeof env.train, "--rank 8 --alpha 16 --lr 0.01 --seed 7 --batch %d --seq-len %d --steps %d",
@@ -230,12 +230,6 @@ static bool pb_setup(void)
         return false;
     }
     free(out);
-    char st[1200];
-    snprintf(st, sizeof st, "%s/model.safetensors", env.model);
-    struct stat sb;
-    if (stat(st, &sb) != 0)
-        return false;
-    env.params_bytes = (double)sb.st_size;
     env.ready = true;
     return true;
 }
@@ -246,14 +240,15 @@ __attribute__((destructor)) static void pb_cleanup(void)
         (void)pb_sh(NULL, "rm -rf '%s'", env.dir);
 }
 
-/* --max-memory (GiB) that makes the partitioner cut the model into `stages` stages: between what a
- * stage of 1/stages and one of 1/(stages-1) of the weights needs. 0 (no cap) for one stage. */
+/* --max-memory (GiB) that makes the partitioner cut the job into `stages` stages: halfway between
+ * what a stage of 1/stages and one of 1/(stages-1) of the job needs (weights and activations split
+ * with the layers, the fixed overhead does not). 0 (no cap) for one stage. */
 static double pb_cap_gb(int stages)
 {
     if (stages <= 1)
         return 0;
     double share = (1.0 / stages + 1.0 / (stages - 1)) / 2;
-    return (PB_OVERHEAD + env.params_bytes * share) / (1024.0 * 1024.0 * 1024.0);
+    return (PB_OVERHEAD_MIB + (env.need_mib - PB_OVERHEAD_MIB) * share) / 1024.0;
 }
 
 static bool pb_start(pb_cluster *c, const char *tag, int n_peers, int backups, double cap_gb)
@@ -322,6 +317,34 @@ static void pb_stop(pb_cluster *c)
 }
 
 static int pb_fusion(const pb_cluster *c, char **out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static bool pb_submit(const pb_cluster *c, char id[17], const char *train, const char *extra);
+
+/* Asks the broker what the whole job needs: one peer offering 30 MiB (less than any stage) leaves the
+ * job queued with "all of it needs about N MiB" in the log. */
+static bool pb_probe_need(void)
+{
+    if (env.need_mib > 0)
+        return true;
+    pb_cluster c;
+    bool ok = pb_start(&c, "probe", 1, 0, 30.0 / 1024.0);
+    char id[17];
+    ok = ok && pb_submit(&c, id, env.train, "");
+    ok = ok && pb_wait_file(c.log, "all of it needs about ", 20000);
+    if (ok) {
+        char *bl = pb_slurp(c.log);
+        const char *at = strstr(bl, "all of it needs about ");
+        env.need_mib = strtod(at + 22, NULL);
+        free(bl);
+        (void)pb_fusion(&c, NULL, "cancel %s >/dev/null 2>&1", id);
+    }
+    pb_stop(&c);
+    if (!(env.need_mib > PB_OVERHEAD_MIB)) {
+        fprintf(stderr, "bench-pipeline: could not read the job's memory estimate from the broker (logs in %s)\n",
+                env.dir);
+        return false;
+    }
+    return true;
+}
 static int pb_fusion(const pb_cluster *c, char **out, const char *fmt, ...)
 {
     char args[4096];
@@ -488,7 +511,7 @@ static void pb_finetune_peers(int n)
         return;
     }
     char *out = NULL;
-    int rc = pb_fusion(&c, &out, "wait %s -q --wait-timeout 1200 >/dev/null 2>&1", id);
+    int rc = pb_fusion(&c, &out, "wait %s -q --wait-timeout 600 >/dev/null 2>&1", id);
     double wall = fu_clock_sec() - t0;
     free(out);
     char *bl = pb_slurp(c.log);
@@ -526,7 +549,7 @@ static void pb_finetune_peers(int n)
 
 BENCH_CASE(pipeline_finetune)
 {
-    if (!pb_setup())
+    if (!pb_setup() || !pb_probe_need())
         return;
     pb_finetune_run();
     for (int n = 1; n <= 3; n++)
@@ -537,7 +560,7 @@ BENCH_CASE(pipeline_finetune)
  * heartbeat; the job is cancelled once the measurement is taken. */
 BENCH_CASE(pipeline_recovery)
 {
-    if (!pb_setup())
+    if (!pb_setup() || !pb_probe_need())
         return;
     pb_cluster c;
     if (!pb_start(&c, "rec", 4, 1, pb_cap_gb(3))) {
