@@ -150,6 +150,13 @@ static void links_close(peer_t *p)
     p->job_id = 0;
 }
 
+/* Largest activation/gradient a neighbour may send: what this peer offers, at most IO_MAX_TENSOR. */
+static size_t max_tensor(const peer_t *p)
+{
+    uint64_t m = p->prof.free_memory_bytes / 2;
+    return m && m < IO_MAX_TENSOR ? (size_t)m : IO_MAX_TENSOR;
+}
+
 /* Hands a command to the compute thread, or holds it in the stash (bounded: callers stop reading
  * input when the stash is nearly full). */
 static void deliver(peer_t *p, peer_cmd *c)
@@ -339,7 +346,7 @@ static void links_open(peer_t *p, const Fusion__StageAssign *a)
         snprintf(l->endpoint, sizeof l->endpoint, "%s", nb->data_endpoint ? nb->data_endpoint : "");
         l->relay = nb->relay || a->relay || (idx == LINK_UP_IDX && !p->router) ||
                    (idx == LINK_DOWN_IDX && !l->endpoint[0]);
-        l->asm_ = wire_tensor_asm_new(IO_MAX_TENSOR);
+        l->asm_ = wire_tensor_asm_new(max_tensor(p));
         if (idx == LINK_DOWN_IDX && !l->relay) {
             fu_err err;
             p->down = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
@@ -454,7 +461,7 @@ static void on_seal_hello(peer_t *p, int src, wire_msg_t *m)
         return;
     }
     wire_tensor_asm_destroy(&l->asm_);
-    l->asm_ = wire_tensor_asm_new(IO_MAX_TENSOR);
+    l->asm_ = wire_tensor_asm_new(max_tensor(p));
     l->up = true;
     FU_INFO("peer", "job %016" PRIx64 ": sealed link to stage %u up", p->job_id, l->stage_index);
     check_ready(p);
