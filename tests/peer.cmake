@@ -14,8 +14,10 @@ fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broke
 add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)
 add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_leave COMMAND test_peer_broker "*leave_keeps*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_peer_broker_enrol COMMAND test_peer_broker "*enrolment*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_restart COMMAND test_peer_broker "*restart_keeps*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_infer COMMAND test_peer_broker "*inference*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
-set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
+set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer
+                     test_peer_broker_enrol PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${FU_PEER_TEST_ENV}")

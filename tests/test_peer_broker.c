@@ -568,6 +568,76 @@ static void test_peer_broker_inference_equals_single_process(void **state)
     cluster_stop(&c);
 }
 
+/* --enrol-token: a key not on the allow-list enrols with the broker's token, reconnects as a member
+ * and joins; a wrong token is refused and the peer exits 3 with a sentence. */
+static void test_peer_broker_enrolment(void **state)
+{
+    (void)state;
+    char *dir = tu_tmpdir("peer-enrol");
+    assert_non_null(dir);
+    char *out = NULL;
+    int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 tok; do '%s' keygen -o $k >/dev/null || exit 1; done && "
+                   ": > allow", dir, tu_bin("fusion"));
+    assert_int_equal(rc, 0);
+    free(out);
+    char tokfile[4096], token[64] = "";
+    snprintf(tokfile, sizeof tokfile, "%s/tok/public.key", dir);
+    char *tk = slurp(tokfile); /* any 40-char Z85 string is a token; a public key file has one */
+    for (char *line = strtok(tk, "\n"); line; line = strtok(NULL, "\n"))
+        if (line[0] != '#' && strlen(line) == 40)
+            snprintf(token, sizeof token, "%s", line);
+    free(tk);
+    assert_int_equal(strlen(token), 40);
+    char blog[4096], keys[4096], db[4096], allow[4096], bkey[4096];
+    snprintf(blog, sizeof blog, "%s/broker.log", dir);
+    snprintf(keys, sizeof keys, "%s/broker", dir);
+    snprintf(db, sizeof db, "%s/store.db", dir);
+    snprintf(allow, sizeof allow, "%s/allow", dir);
+    snprintf(bkey, sizeof bkey, "%s/broker/public.key", dir);
+    char *bargv[] = {strdup(tu_bin("fusion-broker")), "--bind", "tcp://127.0.0.1:*", "--keys", keys, "--db", db,
+                     "--allow", allow, "--enrol-token", token, "--heartbeat-ms", "300", NULL};
+    pid_t broker = spawn(blog, bargv);
+    free(bargv[0]);
+    assert_true(wait_for(blog, "listening on ", 10000));
+    char ep[128] = "";
+    char *bl = slurp(blog);
+    sscanf(strstr(bl, "listening on ") + 13, "%127s", ep);
+    free(bl);
+    pid_t peers[2];
+    for (int i = 0; i < 2; i++) {
+        char plog[4096], pkeys[4096], cache[4096], name[16];
+        snprintf(plog, sizeof plog, "%s/p%d.log", dir, i);
+        snprintf(pkeys, sizeof pkeys, "%s/p%d", dir, i);
+        snprintf(cache, sizeof cache, "%s/cache%d", dir, i);
+        snprintf(name, sizeof name, "e%d", i);
+        char *pargv[] = {strdup(tu_bin("fusion-peer")), "--broker", ep, "--broker-key", bkey, "--keys", pkeys,
+                         "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name,
+                         "--enrol-token", i == 0 ? token : "0000000000000000000000000000000000000000", NULL};
+        peers[i] = spawn(plog, pargv);
+        free(pargv[0]);
+    }
+    bool joined = wait_for(blog, "(e0) joined", 20000);
+    int bad = wait_pid(peers[1], 20000);
+    char plog1[4096];
+    snprintf(plog1, sizeof plog1, "%s/p1.log", dir);
+    char *l1 = slurp(plog1);
+    printf("wrong token: exit %d: %s", bad, l1);
+    bool said = strstr(l1, "enrolment") != NULL;
+    free(l1);
+    if (!joined)
+        show(blog);
+    assert_true(joined);
+    assert_int_equal(bad, 3);
+    assert_true(said);
+    kill(peers[0], SIGTERM);
+    assert_int_equal(wait_pid(peers[0], 15000), 0);
+    kill(broker, SIGTERM);
+    (void)wait_pid(broker, 10000);
+    rc = tu_sh(&out, "rm -rf '%s'", dir);
+    free(out);
+    free(dir);
+}
+
 int main(int argc, char **argv)
 {
     if (sodium_init() < 0)
@@ -581,6 +651,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_peer_broker_leave_keeps_the_adapter, teardown),
         cmocka_unit_test_teardown(test_peer_broker_restart_keeps_the_adapter, teardown),
         cmocka_unit_test_teardown(test_peer_broker_inference_equals_single_process, teardown),
+        cmocka_unit_test(test_peer_broker_enrolment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
