@@ -234,6 +234,7 @@ typedef struct {
     long step;
     int n_stages;
     char stage_peer[8][32];
+    char message[512]; /* the broker's reason (why queued, what recovery does) */
 } e2e_status;
 
 static inline bool e2e_get_status(const e2e_cluster *c, const char *id, e2e_status *st)
@@ -251,6 +252,9 @@ static inline bool e2e_get_status(const e2e_cluster *c, const char *id, e2e_stat
         snprintf(st->state, sizeof st->state, "%s", s->valuestring);
     if (cJSON_IsNumber(n))
         st->step = (long)n->valuedouble;
+    const cJSON *msg = cJSON_GetObjectItem(j, "message");
+    if (cJSON_IsString(msg))
+        snprintf(st->message, sizeof st->message, "%s", msg->valuestring);
     const cJSON *e;
     cJSON_ArrayForEach(e, sp)
     {

@@ -154,6 +154,41 @@ static void test_e2e_pipeline_salr(void **state)
     e2e_cluster_stop(&c);
 }
 
+/* Known bug (FUSION_E2E_KNOWN_BUGS): a model whose hidden size is larger than its vocabulary (the
+ * byte-level 256 of `fusion model init` with --hidden 512) cannot be cut between layers: the
+ * partitioner only cuts where the narrowest tensor crosses, and that is the logits (width 256), so
+ * peers that each hold half of the model leave the job queued ("does not fit"). */
+static void test_e2e_pipeline_wide_model_splits(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    e2e_cluster_init(&c, "e2e-wide", 3);
+    c.backups = 0;
+    c.peer_memory_gb = "0.066"; /* about 2/3 of what the whole job needs: two stages fit, one does not */
+    e2e_cluster_start(&c);
+    char *out = NULL;
+    assert_int_equal(e2e_fusion(&c, &out, "model init -o wide --layers 4 --hidden 512 --heads 8 --kv-heads 4 "
+                                "--ffn 1376 --vocab 256 --seed 3 >/dev/null"), 0);
+    free(out);
+    const char *train = E2E_TRAIN_ARGS " --steps 4";
+    char id[17];
+    e2e_submit(&c, id, "finetune --model wide --data '%s' %s --checkpoint-every 2", c.data, train);
+    e2e_status st;
+    uint64_t end = fu_clock_ms() + 60000;
+    do {
+        assert_true(e2e_get_status(&c, id, &st));
+        if (strcmp(st.state, "done") == 0 || strcmp(st.state, "failed") == 0)
+            break;
+        fu_sleep_ms(50);
+    } while (fu_clock_ms() < end);
+    if (strcmp(st.state, "done") != 0)
+        fail_msg("job %s on a model with hidden 512 > vocab 256 and peers that hold half of it each: %s: %s", id,
+                 st.state, st.message);
+    double d = e2e_job_vs_reference(&c, id, "wide", train);
+    assert_true(d <= 1e-5);
+    e2e_cluster_stop(&c);
+}
+
 int main(int argc, char **argv)
 {
     /* Used by tests/netns/run.sh: the max abs difference of two adapter files; exit 0 when <= 1e-5. */
@@ -167,6 +202,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_salr, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, e2e_teardown),
     };
     return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_pipeline");
 }
