@@ -181,20 +181,20 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
     }
     size_t max_k = o->max_stages && o->max_stages < P ? o->max_stages : P;
 
-    /* Cut candidates: 0, n, and every boundary where only the narrowest cut crosses (for a decoder:
-     * the residual stream between layers and between a layer's attention and MLP halves). */
-    uint64_t min_cut = UINT64_MAX;
-    for (size_t i = 1; i < n; i++) {
-        uint64_t w = dag_graph_cut_width(g, i);
-        if (w && w < min_cut)
-            min_cut = w;
-    }
+    /* Cut candidates: 0, n, and every boundary no wider than the residual stream (for a decoder:
+     * between layers, between a layer's attention and MLP halves, and before the loss, where the
+     * logits cross). Boundaries inside attention or the MLP carry several tensors and are skipped.
+     * The bound is the residual width, not the narrowest cut: with a vocabulary smaller than the
+     * hidden size the logits boundary is the narrowest, and the layers must stay cuttable. */
+    uint64_t residual = dag_graph_dims(g)->hidden_size;
     size_t *cand = fu_malloc((n + 1) * sizeof *cand);
     size_t m = 0;
     cand[m++] = 0;
-    for (size_t i = 1; i < n; i++)
-        if (dag_graph_cut_width(g, i) == min_cut)
+    for (size_t i = 1; i < n; i++) {
+        uint64_t w = dag_graph_cut_width(g, i);
+        if (w && w <= residual)
             cand[m++] = i;
+    }
     cand[m++] = n;
 
     /* Stage time per (candidate a, candidate b, peer q) and memory per (a, b). */

@@ -263,6 +263,35 @@ static void test_dag_graph_partition_beats_even_split(void **state)
     dag_graph_destroy(&g);
 }
 
+/* A vocabulary smaller than the hidden size makes the logits the narrowest cut; the layers must
+ * still be cuttable, so two equal peers split the layers between them. */
+static void test_dag_graph_partition_cuts_layers_when_vocab_is_small(void **state)
+{
+    (void)state;
+    dag_model_dims d = base_dims();
+    d.vocab_size = 256;
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_peer_profile peers[2] = {{"a", 100.0, 8ull << 30, 1e9, 1e-4}, {"b", 100.0, 8ull << 30, 1e9, 1e-4}};
+    dag_partition_opts o = train_opts();
+    o.max_stages = 2;
+    dag_plan plan;
+    char msg[512];
+    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, msg, sizeof msg), FU_OK);
+    assert_int_equal(plan.n_stages, 2);
+    /* Each stage holds some of the twelve layers: the cut is between layers, not before the loss. */
+    int32_t last_layer_0 = -1, first_layer_1 = INT32_MAX;
+    for (size_t i = plan.stages[0].first; i < plan.stages[0].last; i++)
+        if (dag_graph_node(g, i)->layer != DAG_NO_LAYER && dag_graph_node(g, i)->layer > last_layer_0)
+            last_layer_0 = dag_graph_node(g, i)->layer;
+    for (size_t i = plan.stages[1].first; i < plan.stages[1].last; i++)
+        if (dag_graph_node(g, i)->layer != DAG_NO_LAYER && dag_graph_node(g, i)->layer < first_layer_1)
+            first_layer_1 = dag_graph_node(g, i)->layer;
+    assert_true(last_layer_0 >= 3 && last_layer_0 <= 8);
+    assert_true(first_layer_1 >= last_layer_0 && first_layer_1 <= 8);
+    dag_plan_free(&plan);
+    dag_graph_destroy(&g);
+}
+
 static void test_dag_graph_partition_respects_memory(void **state)
 {
     (void)state;
@@ -318,6 +347,7 @@ int main(void)
         cmocka_unit_test(test_dag_graph_protobuf_round_trip),
         cmocka_unit_test(test_dag_graph_decode_rejects_wrong_ids),
         cmocka_unit_test(test_dag_graph_partition_beats_even_split),
+        cmocka_unit_test(test_dag_graph_partition_cuts_layers_when_vocab_is_small),
         cmocka_unit_test(test_dag_graph_partition_respects_memory),
         cmocka_unit_test(test_dag_graph_partition_link_bound),
     };
