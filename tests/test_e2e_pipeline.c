@@ -3,7 +3,8 @@
  *     adapter `fusion run finetune` gives (max abs difference over every tensor <= 1e-5), downloaded
  *     with `fusion result`;
  *   - greedy generation through the same three stages with that adapter (`fusion submit infer
- *     --adapter-job`, `fusion result`) gives the tokens `fusion run infer --adapter` gives;
+ *     --adapter-job --dump-logits`, `fusion result`) gives the tokens `fusion run infer --adapter`
+ *     gives;
  *   - with --dump-logits the job's result carries the prompt's logits, equal to `fusion run infer
  *     --dump-logits` (known bug: the broker drops InferToken.logits; see docs/TESTING.md).
  *   - SALR: `fusion model prune --method salr`, then `fusion submit finetune --method salr` on the
@@ -44,7 +45,8 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
 
     /* Greedy generation with the adapter through the pipeline, against `fusion run infer`. */
     char iid[17];
-    e2e_submit(&c, iid, "infer --model model --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens 24", id);
+    e2e_submit(&c, iid, "infer --model model --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens 24 "
+               "--dump-logits", id);
     e2e_wait_done(&c, iid, 60);
     assert_three_stages(&c, iid);
     char *out = NULL;
