@@ -330,7 +330,7 @@ static void lose_stage(int sig)
 {
     cluster c;
     cluster_start(&c, sig == SIGKILL ? "peer-failover" : "peer-leave");
-    const char *common = "--rank 4 --steps 160 --batch 4 --seq-len 16 --lr 0.01";
+    const char *common = "--rank 4 --steps 100 --batch 4 --seq-len 16 --lr 0.01";
     /* Submit without waiting, kill the last stage's peer after a checkpoint, then wait. */
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt -q %s "
@@ -395,7 +395,7 @@ static void test_peer_broker_restart_keeps_the_adapter(void **state)
     (void)state;
     cluster c;
     cluster_start(&c, "peer-brestart");
-    const char *common = "--rank 4 --steps 160 --batch 4 --seq-len 16 --lr 0.01";
+    const char *common = "--rank 4 --steps 100 --batch 4 --seq-len 16 --lr 0.01";
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt -q %s "
                    "--checkpoint-every 20", c.dir, tu_bin("fusion"), c.conn, c.dir, common);
