@@ -31,6 +31,7 @@ endfunction()
 fu_e2e_exe(test_e2e_pipeline)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_finetune_then_infer 90)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_salr 90)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_wide_model_splits 90)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 90 fault)
@@ -50,5 +51,4 @@ set_tests_properties(test_e2e_netns_multihost PROPERTIES TIMEOUT 90 SKIP_RETURN_
 
 if(FUSION_E2E_KNOWN_BUGS)
   fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_infer_logits 90 known_bug)
-  fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_wide_model_splits 90 known_bug)
 endif()
