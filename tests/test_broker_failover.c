@@ -281,7 +281,11 @@ static void test_broker_failover_full_run_and_result(void **state)
     uint8_t h[32];
     crypto_generichash(h, 32, st_buf, st_len, NULL, 0);
     assert_memory_equal(h, st_hash, 32);
-    assert_non_null(strstr((char *)cfg_buf, "\"peft_type\": \"LORA\""));
+    cJSON *cfg = cJSON_Parse((char *)cfg_buf);
+    assert_non_null(cfg);
+    assert_string_equal(cJSON_GetObjectItem(cfg, "peft_type")->valuestring, "LORA");
+    assert_string_equal(cJSON_GetObjectItem(cfg, "task_type")->valuestring, "CAUSAL_LM");
+    cJSON_Delete(cfg);
     fu_safetensors *sf = NULL;
     assert_int_equal(fu_safetensors_parse_header(st_buf, st_len, "adapter", &sf, NULL), FU_OK);
     assert_int_equal(fu_safetensors_count(sf), 2u * (size_t)used); /* A and B of each stage, no optimizer state */
