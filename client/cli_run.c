@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "dag_data.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_model.h"
@@ -20,7 +21,6 @@
 #include "fu_file.h"
 #include "fu_modelcfg.h"
 #include "fu_opts.h"
-#include "fu_rng.h"
 #include "fu_safetensors.h"
 #include "fu_tokenizer.h"
 
@@ -129,7 +129,7 @@ static int run_finetune(int argc, char **argv)
 {
     const char *model_dir = NULL, *data = NULL, *method_s = "lora-fa", *out = NULL, *loss_log = NULL,
                *targets_s = NULL;
-    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, threads = 0;
+    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, threads = 0, micro = 1;
     double alpha = -1, lr = 1e-3, wd = 0.0;
     bool shuffle = false, correction = false;
     const fu_opt opts[] = {
@@ -143,6 +143,7 @@ static int run_finetune(int argc, char **argv)
         {"weight-decay", 0, FU_OPT_DOUBLE, &wd, "W", "AdamW decoupled weight decay (default 0)"},
         {"steps", 0, FU_OPT_INT, &steps, "N", "optimizer steps (default 100)"},
         {"batch", 0, FU_OPT_INT, &batch, "B", "sequences per step (default 4)"},
+        {"micro-batches", 0, FU_OPT_INT, &micro, "M", "split each step into M micro-batches, dividing B (default 1)"},
         {"seq-len", 0, FU_OPT_INT, &seq_len, "T", "tokens per sequence (default 128)"},
         {"shuffle", 0, FU_OPT_FLAG, &shuffle, NULL, "visit the windows in a seeded random order"},
         {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the shuffle and the adapter initialisation (default 0)"},
@@ -184,6 +185,10 @@ static int run_finetune(int argc, char **argv)
         fprintf(stderr, "%s: bad --targets '%s' (a comma list of q,k,v,o,gate,up,down)\n", prog, targets_s);
         return FU_EXIT_USAGE;
     }
+    if (micro < 1 || batch % micro != 0) {
+        fprintf(stderr, "%s: --micro-batches must be positive and divide --batch\n", prog);
+        return FU_EXIT_USAGE;
+    }
     if (rank < 1 || rank > DAG_MAX_RANK || steps < 1 || batch < 1 || seq_len < 1 || batch * seq_len > (1 << 20) ||
         !(lr > 0) || !(wd >= 0) || seed < 0) {
         fprintf(stderr, "%s: --rank, --steps, --batch, --seq-len and --lr must be positive (and --weight-decay, "
@@ -220,7 +225,6 @@ static int run_finetune(int argc, char **argv)
     dag_graph_t *g = NULL;
     dag_exec_t *x = NULL;
     FILE *log = NULL;
-    size_t *order = NULL;
     int32_t *tok = NULL, *tgt = NULL;
     int exit_code = FU_EXIT_OK;
     if ((rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) != FU_OK ||
@@ -237,7 +241,8 @@ static int run_finetune(int argc, char **argv)
     }
     dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = targets,
                          .res_rank = m.res_rank, .head = DAG_HEAD_LOSS, .seq_len = (uint32_t)seq_len};
-    dag_exec_opts eo = {.max_tokens = (uint32_t)(batch * seq_len), .n_slots = 1, .training = true,
+    uint32_t rows = (uint32_t)(batch / micro); /* sequences per micro-batch */
+    dag_exec_opts eo = {.max_tokens = rows * (uint32_t)seq_len, .n_slots = 1, .training = true,
                         .seed = (uint64_t)seed, .lorafa_correction = correction};
     if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
@@ -248,13 +253,10 @@ static int run_finetune(int argc, char **argv)
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
-    order = fu_malloc(n_win * sizeof *order);
-    for (size_t i = 0; i < n_win; i++)
-        order[i] = i;
-    fu_rng rng;
-    fu_rng_seed(&rng, (uint64_t)seed);
-    tok = fu_malloc((size_t)(batch * seq_len) * sizeof *tok);
-    tgt = fu_malloc((size_t)(batch * seq_len) * sizeof *tgt);
+    dag_data_order data_order = {.batch = (uint32_t)batch, .micro_batches = (uint32_t)micro,
+                                 .seq_len = (uint32_t)seq_len, .shuffle = shuffle, .seed = (uint64_t)seed};
+    tok = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tok);
+    tgt = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tgt);
     kern_adamw_params ap = {.lr = (float)lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = (float)wd};
     bool tty = isatty(STDERR_FILENO) != 0;
     if (!tty)
@@ -262,28 +264,23 @@ static int run_finetune(int argc, char **argv)
                "%zu trainable parameters\n",
                dag_adapter_name(method), rank, alpha, n_ids, n_win, seq_len, steps, batch, seq_len,
                dag_exec_trainable_params(x));
-    size_t cursor = n_win; /* start a new pass at once */
     double t0 = fu_clock_sec();
     for (long long s = 1; s <= steps; s++) {
-        for (long long b = 0; b < batch; b++) {
-            if (cursor >= n_win) {
-                cursor = 0;
-                if (shuffle)
-                    for (size_t i = n_win; i > 1; i--) {
-                        size_t j = (size_t)(fu_rng_next(&rng) % i);
-                        size_t t = order[i - 1];
-                        order[i - 1] = order[j];
-                        order[j] = t;
-                    }
-            }
-            const int32_t *w = ids + order[cursor++] * win;
-            memcpy(tok + b * seq_len, w, (size_t)seq_len * sizeof *tok);
-            memcpy(tgt + b * seq_len, w + 1, (size_t)seq_len * sizeof *tgt);
-        }
+        /* The micro-batches of step s in the pipeline's data order (dag_data), each loss gradient
+         * scaled by 1/M, then one AdamW step: what the pipeline's stages do. */
         float loss = 0;
-        if ((rc = dag_exec_set_tokens(x, 0, tok, tgt, (uint32_t)batch, (uint32_t)seq_len)) != FU_OK ||
-            (rc = dag_exec_forward(x, 0)) != FU_OK || (rc = dag_exec_loss(x, 0, &loss, NULL)) != FU_OK ||
-            (rc = dag_exec_backward(x, 0, 1.0f)) != FU_OK || (rc = dag_exec_step(x, &ap)) != FU_OK) {
+        for (uint32_t mb = 0; mb < (uint32_t)micro && rc == FU_OK; mb++) {
+            float mb_loss = 0;
+            if ((rc = dag_data_rows(&data_order, ids, n_ids, (uint64_t)(s - 1), mb, tok, tgt)) != FU_OK ||
+                (rc = dag_exec_set_tokens(x, 0, tok, tgt, rows, (uint32_t)seq_len)) != FU_OK ||
+                (rc = dag_exec_forward(x, 0)) != FU_OK || (rc = dag_exec_loss(x, 0, &mb_loss, NULL)) != FU_OK ||
+                (rc = dag_exec_backward(x, 0, 1.0f / (float)micro)) != FU_OK)
+                break;
+            loss += mb_loss / (float)micro;
+        }
+        if (rc == FU_OK)
+            rc = dag_exec_step(x, &ap);
+        if (rc != FU_OK) {
             fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_strerror(rc));
             exit_code = FU_EXIT_FAIL;
             goto done;
@@ -312,7 +309,6 @@ done:
         fclose(log);
     free(tok);
     free(tgt);
-    free(order);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
     free(ids);

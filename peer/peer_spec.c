@@ -1,6 +1,8 @@
 /* peer_spec: job spec keys and the pipeline data order (see peer_spec.h). */
 #include "peer_spec.h"
 
+#include "dag_data.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -333,52 +335,12 @@ malformed:
     return fu_errmsg_set(em, FU_EPROTO, "job spec is not valid JSON near byte %td", s.p - json);
 }
 
-/* Fisher-Yates over 0..W-1 with the stream of seed (the same swaps as `fusion run finetune`). */
-static void permute(size_t *order, size_t w, uint64_t seed)
-{
-    fu_rng rng;
-    fu_rng_seed(&rng, seed);
-    for (size_t i = 0; i < w; i++)
-        order[i] = i;
-    for (size_t i = w; i > 1; i--) {
-        size_t j = (size_t)(fu_rng_next(&rng) % i);
-        size_t t = order[i - 1];
-        order[i - 1] = order[j];
-        order[j] = t;
-    }
-}
-
 fu_err peer_data_rows(const peer_spec *sp, const int32_t *ids, size_t n_ids, uint64_t step, uint32_t mb,
                       int32_t *tokens, int32_t *targets)
 {
-    if (!sp || !ids || sp->micro_batches == 0 || sp->batch % sp->micro_batches != 0 || mb >= sp->micro_batches ||
-        sp->seq_len == 0)
+    if (!sp)
         return FU_EINVAL;
-    size_t win = (size_t)sp->seq_len + 1, w = n_ids / win;
-    if (w == 0)
-        return FU_EINVAL;
-    uint32_t rows = sp->batch / sp->micro_batches;
-    size_t *order = NULL;
-    uint64_t have_epoch = UINT64_MAX;
-    if (sp->shuffle)
-        order = fu_malloc(w * sizeof *order);
-    for (uint32_t j = 0; j < rows; j++) {
-        uint64_t k = step * sp->batch + (uint64_t)mb * rows + j;
-        uint64_t epoch = k / w, idx = k % w;
-        size_t wi = (size_t)idx;
-        if (order) {
-            if (epoch != have_epoch) {
-                permute(order, w, sp->seed + epoch);
-                have_epoch = epoch;
-            }
-            wi = order[idx];
-        }
-        const int32_t *src = ids + wi * win;
-        if (tokens)
-            memcpy(tokens + (size_t)j * sp->seq_len, src, sp->seq_len * sizeof *tokens);
-        if (targets)
-            memcpy(targets + (size_t)j * sp->seq_len, src + 1, sp->seq_len * sizeof *targets);
-    }
-    free(order);
-    return FU_OK;
+    dag_data_order o = {.batch = sp->batch, .micro_batches = sp->micro_batches, .seq_len = sp->seq_len,
+                        .shuffle = sp->shuffle, .seed = sp->seed};
+    return dag_data_rows(&o, ids, n_ids, step, mb, tokens, targets);
 }

@@ -55,13 +55,8 @@ typedef struct {
 FU_MUST_CHECK fu_err peer_spec_parse(const char *json, size_t len, peer_spec *out, fu_errmsg *em);
 void peer_spec_clear(peer_spec *s);
 
-/* The data order of docs/PIPELINE.md. Windows are the W = floor(n_tokens / (seq_len+1))
- * non-overlapping windows of seq_len+1 tokens; row j of micro-batch m of step s uses window
- * order[(s·B + m·(B/M) + j) mod W], order the identity or (shuffle) a Fisher-Yates permutation of
- * 0..W-1 drawn from fu_rng seeded with seed + epoch, epoch = (s·B + m·(B/M) + j) div W.
- * Writes B/M rows of seq_len tokens (inputs, the first seq_len of the window) and targets (the
- * last seq_len) into tokens / targets (either may be NULL), each (B/M)·seq_len long.
- * FU_EINVAL when W == 0 or the spec's sizes are inconsistent. Pure (recomputes the permutation). */
+/* The rows of micro-batch `micro_batch` of step `step` in the data order of docs/PIPELINE.md:
+ * dag_data_rows with the spec's batch, micro-batches, seq_len, shuffle and seed. */
 FU_MUST_CHECK fu_err peer_data_rows(const peer_spec *spec, const int32_t *ids, size_t n_ids, uint64_t step,
                                     uint32_t micro_batch, int32_t *tokens, int32_t *targets);
 
