@@ -3,6 +3,7 @@ fu_add_test(test_wire_codec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_codec.
 fu_add_test(test_wire_socket SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_socket.c LIBS fu_proto)
 fu_add_test(test_wire_curve SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_curve.c LIBS fu_proto)
 fu_add_test(test_wire_seal SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_seal.c LIBS fu_proto)
+fu_add_test(test_wire_tensor SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_tensor.c LIBS fu_proto)
 fu_add_test(test_wire_keys SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_wire_keys.c LIBS fu_proto)
 add_dependencies(test_wire_keys fusion)   # runs `fusion keygen` as a real process
 
