@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sodium.h>
 #include <zmq.h>
 
 #include "broker_internal.h"
@@ -211,6 +212,10 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         if ((p = peer_of(b, msg)))
             broker_on_infer_token(b, p, msg);
         break;
+    case FUSION__MSG_TYPE__MSG_VERIFY_SKETCH:
+        if ((p = peer_of(b, msg)))
+            broker_on_verify_sketch(b, p, msg);
+        break;
     case FUSION__MSG_TYPE__MSG_ERROR:
         p = broker_peer_find(b, uid);
         if (p && p->live)
@@ -293,6 +298,11 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_c
         goto fail;
     }
     b->cfg = *cfg;
+    if (!(b->cfg.min_reputation > 0 && b->cfg.min_reputation <= 1))
+        b->cfg.min_reputation = BROKER_MIN_REPUTATION;
+    if (!(b->cfg.verify >= 0 && b->cfg.verify <= 1))
+        b->cfg.verify = 0;
+    randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
     if (b->cfg.heartbeat_ms < 50 || b->cfg.heartbeat_ms > 60000) {
@@ -404,6 +414,7 @@ static void timers(broker_t *b)
     uint64_t now = broker_now();
     if (now >= b->next_sweep_ms) {
         broker_registry_sweep(b);
+        broker_verify_sweep(b);
         for (size_t i = 0; i < b->n_jobs; i++) {
             broker_job *j = b->jobs[i];
             if (!j->dead && j->phase == BJ_RECOVER_WAIT && now >= j->recover_at_ms)

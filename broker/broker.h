@@ -36,6 +36,12 @@ extern "C" {
 #define BROKER_PRUNE_EVERY_MS   (3600u * 1000u)  /* how often */
 #define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
+/* Verification of untrusted peers (docs/PIPELINE.md "Verification"). */
+#define BROKER_VERIFY_RTOL      1e-3      /* sketches agree when every entry and the norm differ by <= this x norm */
+#define BROKER_VERIFY_PENALTY   0.3       /* reputation lost by the peer a verification found wrong */
+#define BROKER_VERIFY_SOLO_PENALTY 0.05   /* lost by the verifier when no third opinion could settle a disagreement */
+#define BROKER_VERIFY_MAX       256       /* verification samples in flight (more are skipped and logged) */
+#define BROKER_VERIFY_TIMEOUT_MS 60000    /* a sample whose sketches did not all come back by then is dropped */
 
 typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */
@@ -46,6 +52,8 @@ typedef struct {
     const char *data_dir;      /* scratch files (adapter assembly); NULL: the store's directory */
     uint32_t backups;          /* warm backups per job */
     uint32_t heartbeat_ms;     /* heartbeat interval (dead after BROKER_DEAD_FACTOR of them) */
+    double verify;             /* fraction of micro-batches verified for jobs whose spec says nothing (0: off) */
+    double min_reputation;     /* peers below this get no work; <= 0: BROKER_MIN_REPUTATION */
 } broker_cfg;
 
 typedef struct broker broker_t;

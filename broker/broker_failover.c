@@ -52,6 +52,7 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
     a.backup = backup;
     a.micro_batches = j->kind == DB_JOB_FINETUNE ? j->spec.micro_batches : 1;
     a.spec_json = j->spec_json;
+    a.verify = broker_job_verify_fraction(b, j);
     return broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, j->id64, &a.base);
 }
 
@@ -74,7 +75,7 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
     int best_rank = 99;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!p->live || p->draining || p->reputation < BROKER_MIN_REPUTATION ||
+        if (!broker_peer_trusted(b, p) ||
             (exclude && strcmp(p->key, exclude) == 0) || !broker_peer_fits(j, s, p))
             continue;
         int rank;

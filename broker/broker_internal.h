@@ -55,6 +55,7 @@ typedef struct {
     bool backup;                       /* it is a (warm) backup, not running */
     bool warm;                         /* backup that reported StageReady */
     double reputation;                 /* from the store, in [0, 1] */
+    uint32_t v_checked, v_failed;      /* verification samples it took part in / was found wrong in */
 } broker_peer;
 
 /* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */
@@ -71,6 +72,7 @@ typedef struct {
     bool shuffle;                      /* seeded shuffle of the windows */
     uint64_t seed;                     /* RNG seed */
     uint64_t checkpoint_every;         /* K steps between checkpoints */
+    double verify;                     /* fraction of micro-batches verified; -1: the broker's --verify */
     /* inference */
     char adapter_job[DB_JOB_ID_LEN + 1]; /* "" for none */
     uint32_t max_tokens;               /* tokens to generate */
@@ -131,7 +133,26 @@ typedef struct {
     int64_t eos;                       /* end token id (config.json, else the tokenizer's), -1: none */
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
     bool dead;                         /* finished or removed: free at the next sweep */
+    uint32_t v_agree, v_disagree, v_skipped; /* verification samples: agreed, disagreed, not run */
 } broker_job;
+
+/* One verification sample in flight (docs/PIPELINE.md "Verification"): who was asked for the
+ * sketch of (job, stage, step, micro-batch) with which seed, and what came back. Slot 0 is the
+ * stage's peer, 1 the verifier, 2 a third opinion (asked only after a disagreement). */
+typedef struct {
+    bool used;                         /* slot in use */
+    char job[DB_JOB_ID_LEN + 1];       /* the job */
+    uint64_t job64;                    /* the same as a number */
+    uint32_t stage;                    /* the stage checked */
+    uint64_t step;                     /* training step */
+    uint32_t mb;                       /* micro-batch */
+    uint64_t seed;                     /* seed of the +-1 vectors */
+    char who[3][DB_KEY_LEN + 1];       /* peers asked ("" for none) */
+    bool have[3];                      /* their sketch came back */
+    double sk[3][WIRE_VERIFY_SKETCH_K]; /* the sketches */
+    double norm[3];                    /* the output norms */
+    uint64_t deadline_ms;              /* monotonic time after which the sample is dropped */
+} broker_vsample;
 
 /* An mmapped model directory served by model_id. A hasher thread computes every tensor's
  * BLAKE2b-256 (requested tensors first) so that the loop never stalls hashing a large tensor;
@@ -183,6 +204,8 @@ struct broker {
     uint64_t next_prune_ms;            /* next event-log pruning */
     uint64_t started_ms;               /* monotonic start time */
     uint64_t relayed;                  /* frames relayed */
+    uint8_t verify_key[32];            /* random key of the sample selection (peers cannot predict it) */
+    broker_vsample vs[BROKER_VERIFY_MAX]; /* verification samples in flight */
 };
 
 /* ---- broker.c: sending ---- */
@@ -259,6 +282,17 @@ void broker_recover(broker_t *b, broker_job *j);
 fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
 /* Sends StageAssign{resume_step} to every stage of j (after a plan or a recovery). */
 void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
+
+/* ---- broker_verify.c ---- */
+/* The fraction of j's micro-batches to verify (the spec's "verify", else --verify; 0 for inference). */
+double broker_job_verify_fraction(const broker_t *b, const broker_job *j);
+/* True when p may be given work (live, not draining, reputation at or above the threshold). */
+bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
+/* Step `step` of j is done (StepDone): starts the sampled verifications of its micro-batches. */
+void broker_verify_step(broker_t *b, broker_job *j, uint64_t step);
+void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Drops samples past their deadline (logged). */
+void broker_verify_sweep(broker_t *b);
 
 /* ---- broker_blobs.c ---- */
 /* The model_id of a model directory (opening it for serving). FU_* with why. */

@@ -80,7 +80,7 @@ static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
 
 static const char *const FINETUNE_KEYS[] = {"model", "method", "rank", "alpha", "targets", "lr", "weight_decay",
                                             "steps", "batch", "seq_len", "micro_batches", "shuffle", "seed",
-                                            "checkpoint_every"};
+                                            "checkpoint_every", "verify"};
 static const char *const INFER_KEYS[] = {"model", "adapter_job", "max_tokens", "temperature", "top_k", "top_p",
                                          "seed", "dump_logits", "prompt_tokens"};
 
@@ -147,6 +147,7 @@ fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_
     s->max_tokens = 16;
     s->temperature = 0;
     s->top_p = 1;
+    s->verify = -1;
     cJSON *o = cJSON_ParseWithLength(json, len);
     fu_err rc = FU_EINVAL;
     if (!o || !cJSON_IsObject(o)) {
@@ -227,7 +228,8 @@ fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_
         }
         s->checkpoint_every = s->steps;
         if (!boolean(o, "shuffle", &s->shuffle, why, cap) || !integer(o, "seed", 0, 9e15, &s->seed, why, cap) ||
-            !integer(o, "checkpoint_every", 1, 1e9, &s->checkpoint_every, why, cap))
+            !integer(o, "checkpoint_every", 1, 1e9, &s->checkpoint_every, why, cap) ||
+            !num(o, "verify", 0, 1, &s->verify, why, cap))
             goto done;
     } else {
         const cJSON *aj = cJSON_GetObjectItemCaseSensitive(o, "adapter_job");

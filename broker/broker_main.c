@@ -20,6 +20,7 @@ int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
+    double verify = 0, min_rep = BROKER_MIN_REPUTATION;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "the broker's key directory (from `fusion keygen`)"},
@@ -29,6 +30,10 @@ int main(int argc, char **argv)
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
         {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
+        {"verify", 0, FU_OPT_DOUBLE, &verify, "F",
+         "fraction 0..1 of micro-batches re-run on a second peer, for jobs whose spec has no \"verify\" (default 0)"},
+        {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
+         "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -52,6 +57,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-broker: --backups must be 0..64 and --heartbeat-ms 50..60000\n");
         return FU_EXIT_USAGE;
     }
+    if (!(verify >= 0 && verify <= 1) || !(min_rep > 0 && min_rep <= 1)) {
+        fprintf(stderr, "fusion-broker: --verify must be 0..1 and --reputation-threshold in (0, 1]\n");
+        return FU_EXIT_USAGE;
+    }
     if (!allow && !(token && token[0]))
         fprintf(stderr, "fusion-broker: neither --allow nor --enrol-token given: no key will be admitted\n");
     if (sodium_init() < 0) { /* before any ZeroMQ context */
@@ -67,7 +76,8 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
-                      .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms};
+                      .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
+                      .verify = verify, .min_reputation = min_rep};
     fu_err err = FU_OK;
     char why[1024] = "";
     broker_t *b = broker_new(&cfg, &err, why, sizeof why);

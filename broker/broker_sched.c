@@ -44,12 +44,12 @@ static bool reserved(broker_t *b, const broker_peer *p)
     return false;
 }
 
-static bool peer_free(const broker_peer *p)
+static bool peer_free(const broker_t *b, const broker_peer *p)
 {
-    return p->live && !p->draining && !p->job[0] && p->reputation >= BROKER_MIN_REPUTATION;
+    return broker_peer_trusted(b, p) && !p->job[0];
 }
 
-#define peer_idle(p) (peer_free(p) && !reserved(b, (p)))
+#define peer_idle(p) (peer_free(b, p) && !reserved(b, (p)))
 
 void broker_recover_ready(broker_t *b)
 {
@@ -60,7 +60,7 @@ void broker_recover_ready(broker_t *b)
         bool all = true;
         for (uint32_t s = 0; s < j->n_stages && all; s++) {
             broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-            all = p && peer_free(p);
+            all = p && peer_free(b, p);
         }
         if (all) /* every peer of the stored plan is back: no need to wait out the grace period */
             broker_recover(b, j);
@@ -113,6 +113,15 @@ static uint32_t backups_of(broker_t *b, const broker_job *j)
     return n;
 }
 
+/* True when a live backup of j holds stage s. */
+static bool backup_for(broker_t *b, const broker_job *j, uint32_t s)
+{
+    for (size_t i = 0; i < b->n_peers; i++)
+        if (b->peers[i].live && b->peers[i].backup && b->peers[i].stage == s && strcmp(b->peers[i].job, j->id) == 0)
+            return true;
+    return false;
+}
+
 /* Tops up j's warm backups from the idle peers. */
 static void give_backups(broker_t *b, broker_job *j)
 {
@@ -122,6 +131,8 @@ static void give_backups(broker_t *b, broker_job *j)
         if (!peer_idle(p))
             continue;
         uint32_t s = likely_loss(b, j);
+        if (broker_job_verify_fraction(b, j) > 0 && !backup_for(b, j, 0))
+            s = 0; /* verification needs a warm backup of stage 0 (broker_verify.c) */
         if (!broker_peer_fits(j, s, p)) { /* a backup for a stage it can hold, or none */
             uint32_t k = 0;
             while (k < j->n_stages && !broker_peer_fits(j, k, p))
@@ -383,6 +394,7 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (rc != FU_OK)
         FU_WARN(LOG, "job %s: progress not stored: %s", j->id, fu_strerror(rc));
     FU_DEBUG(LOG, "job %s step %" PRIu64 " loss %.4f", j->id, d->step, d->loss);
+    broker_verify_step(b, j, d->step); /* also after a rewind: the replayed step is checked again */
 }
 
 static void finish(broker_t *b, broker_job *j, const uint8_t *result, size_t len)

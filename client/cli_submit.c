@@ -81,7 +81,7 @@ static int submit_finetune(int argc, char **argv)
     cli_conn_opts co = {0};
     const char *model = NULL, *data = NULL, *method = "lora-fa", *targets = NULL, *idem = NULL;
     long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, micro = 1, ckpt_every = 10;
-    double alpha = 0, lr = 1e-3, wd = 0;
+    double alpha = 0, lr = 1e-3, wd = 0, verify = -1;
     bool shuffle = false, wait = false, quiet = false;
     const fu_opt opts[] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "Hugging Face model directory, as the broker sees it"},
@@ -99,6 +99,8 @@ static int submit_finetune(int argc, char **argv)
         {"checkpoint-every", 0, FU_OPT_INT, &ckpt_every, "K", "checkpoint every K steps (default 10)"},
         {"shuffle", 0, FU_OPT_FLAG, &shuffle, NULL, "visit the windows in a seeded random order"},
         {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the shuffle and the adapter initialisation (default 0)"},
+        {"verify", 0, FU_OPT_DOUBLE, &verify, "F",
+         "fraction 0..1 of micro-batches the broker re-runs on a second peer (default: the broker's --verify)"},
         {"idempotency-key", 0, FU_OPT_STR, &idem, "KEY", "resubmitting with the same KEY returns the same job"},
         {"wait", 'w', FU_OPT_FLAG, &wait, NULL, "follow the job until it ends"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the job id"},
@@ -119,6 +121,10 @@ static int submit_finetune(int argc, char **argv)
     if (rank <= 0 || steps <= 0 || batch <= 0 || seq_len <= 0 || micro <= 0 || batch % micro || ckpt_every <= 0) {
         fprintf(stderr, "%s: rank, steps, batch, seq-len, micro-batches and checkpoint-every must be positive, "
                         "and micro-batches must divide batch\n", cmd.prog);
+        return FU_EXIT_USAGE;
+    }
+    if (verify != -1 && !(verify >= 0 && verify <= 1)) {
+        fprintf(stderr, "%s: --verify must be a fraction between 0 and 1 (0 turns verification off)\n", cmd.prog);
         return FU_EXIT_USAGE;
     }
     char *text = NULL;
@@ -145,6 +151,8 @@ static int submit_finetune(int argc, char **argv)
     cJSON_AddNumberToObject(spec, "checkpoint_every", (double)ckpt_every);
     cJSON_AddBoolToObject(spec, "shuffle", shuffle);
     cJSON_AddNumberToObject(spec, "seed", (double)seed);
+    if (verify >= 0)
+        cJSON_AddNumberToObject(spec, "verify", verify);
     code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, spec, (const uint8_t *)text, text_len, idem, wait,
                              quiet);
     free(text);

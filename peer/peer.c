@@ -591,7 +591,8 @@ static void on_broker(peer_t *p, wire_msg_t *m)
     case FUSION__MSG_TYPE__MSG_STAGE_START:
     case FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK:
     case FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK:
-    case FUSION__MSG_TYPE__MSG_INFER_TOKEN: {
+    case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
+    case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST: {
         peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
         c->msg = m;
         deliver(p, c);

@@ -23,12 +23,22 @@
 #include "peer_blob.h"
 #include "peer_internal.h"
 #include "peer_spec.h"
+#include "peer_verify.h"
 
 #define ST_MAX_CUTS   16 /* cut tensors one stage boundary may carry */
 #define ST_MAX_DEFER  (2 * DAG_EXEC_MAX_SLOTS) /* frames of the next step held back */
 #define ST_POLL_MS    200
+#define ST_VERIFY_KEEP  3  /* steps of stage-0 outputs kept for the broker's verification sketches */
+#define ST_VERIFY_QUEUE 64 /* verification requests a verifier holds (more are answered "unavailable") */
 
-typedef enum { FETCH_WEIGHT, FETCH_TOKENS, FETCH_CKPT, FETCH_ADAPTER } fetch_kind;
+typedef enum { FETCH_WEIGHT, FETCH_TOKENS, FETCH_CKPT, FETCH_ADAPTER, FETCH_VERIFY_CKPT } fetch_kind;
+
+/* A verification request a verifier (warm backup) has yet to answer. */
+typedef struct {
+    uint64_t step;      /* training step */
+    uint32_t mb;        /* micro-batch */
+    uint64_t seed;      /* the broker's seed */
+} verify_req;
 
 typedef struct {
     peer_blob_t *blob;  /* the fetch */
@@ -83,6 +93,16 @@ typedef struct {
     size_t n_prompt;
     uint64_t prompt_len;      /* prompt length (stage 0: n_prompt; others: from position 0 frames) */
     bool pending_fwd;         /* stage 0: the current step's forwards are due */
+
+    /* verification (docs/PIPELINE.md "Verification") */
+    double verify;            /* StageAssign.verify: > 0 makes stage 0 keep its recent outputs */
+    float *kept[ST_VERIFY_KEEP][DAG_EXEC_MAX_SLOTS]; /* stage 0: outputs of recent steps, by step % KEEP */
+    uint64_t kept_step[ST_VERIFY_KEEP]; /* the step each row of kept holds */
+    size_t kept_n;            /* floats of one output */
+    verify_req vq[ST_VERIFY_QUEUE]; /* verifier: requests to answer, in arrival order */
+    size_t n_vq;
+    int64_t vstate_step;      /* verifier: step whose adapter state the executor holds, -1: none */
+    bool vfetching;           /* verifier: a checkpoint for the queue's head is being fetched */
 } stage_t;
 
 /* ---- pipe helpers -------------------------------------------------------------------------- */
@@ -203,6 +223,9 @@ static void stage_clear(stage_t *s)
     free(s->tok);
     free(s->tgt);
     free(s->prompt);
+    for (size_t r = 0; r < ST_VERIFY_KEEP; r++)
+        for (size_t m = 0; m < DAG_EXEC_MAX_SLOTS; m++)
+            free(s->kept[r][m]);
     peer_spec_clear(&s->spec);
     peer_compute_cfg cfg = s->cfg;
     void *pipe = s->pipe;
@@ -335,6 +358,8 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     s->backup = a->backup;
     s->resume_step = a->resume_step;
     s->model_id = fu_strdup(a->model_id);
+    s->verify = isfinite(a->verify) && a->verify > 0 && a->verify <= 1 ? a->verify : 0;
+    s->vstate_step = a->backup ? 0 : -1; /* a backup restores nothing: it holds the seeded initial state */
     atomic_store(&s->cfg.shared->stage_active, a->backup ? 0 : 1);
     atomic_store(&s->cfg.shared->state, a->backup ? FUSION__PEER_STATE__PEER_STATE_WARM : FUSION__PEER_STATE__PEER_STATE_BUSY);
     if (a->stage_count == 0 || a->stage_index >= a->stage_count || a->node_begin >= a->node_end) {
@@ -702,6 +727,8 @@ static void fetched_all(stage_t *s)
     to_io(s, c);
 }
 
+static void verify_fetched(stage_t *s, bool ok, const char *why);
+
 static void on_chunk(stage_t *s, const Fusion__WeightChunk *c)
 {
     if (!s->active || s->cur_fetch >= s->n_fetch)
@@ -711,6 +738,11 @@ static void on_chunk(stage_t *s, const Fusion__WeightChunk *c)
         return; /* late chunk of an earlier fetch */
     bool done = false;
     fu_err rc = peer_blob_feed(b, c, fu_clock_ms(), &done);
+    if ((rc == FU_EAUTH || rc == FU_ENOMEM) && s->vfetching && s->loaded) {
+        s->cur_fetch++; /* verify_fetched drops it */
+        verify_fetched(s, false, rc == FU_EAUTH ? "its hash did not match 3 times" : "over this peer's memory");
+        return;
+    }
     if (rc == FU_EAUTH || rc == FU_ENOMEM) {
         send_error(s, rc == FU_EAUTH ? FUSION__ERROR_CODE__ERR_PROTO : FUSION__ERROR_CODE__ERR_TOO_LARGE,
                    FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, "blob %s/%s refused: %s", c->model_id, c->tensor_name,
@@ -727,7 +759,10 @@ static void on_chunk(stage_t *s, const Fusion__WeightChunk *c)
             s->fetch_bytes += len;
         s->cur_fetch++;
         if (s->cur_fetch == s->n_fetch) {
-            fetched_all(s);
+            if (s->vfetching && s->loaded)
+                verify_fetched(s, true, NULL);
+            else
+                fetched_all(s);
             return;
         }
     }
@@ -752,6 +787,26 @@ static fu_err send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb
         }
         memcpy(data + off * sizeof(float), p, n * sizeof(float));
         off += n;
+    }
+    if (peer_verify_corrupt_now()) { /* FAULT INJECTION FOR TESTS ONLY (peer_verify.h): a dishonest peer */
+        float *f = (float *)data;
+        for (size_t i = 0; i < total; i++)
+            f[i] *= PEER_CORRUPT_SCALE;
+    }
+    if (s->verify > 0 && is_first(s) && !s->backup && mb < DAG_EXEC_MAX_SLOTS) {
+        /* Keep what was sent, so that a VerifyRequest is answered from the output actually produced. */
+        size_t r = (size_t)(step % ST_VERIFY_KEEP);
+        if (s->kept_step[r] != step || s->kept_n != total) {
+            for (uint32_t k = 0; k < DAG_EXEC_MAX_SLOTS; k++) {
+                free(s->kept[r][k]);
+                s->kept[r][k] = NULL;
+            }
+            s->kept_step[r] = step;
+        }
+        s->kept_n = total;
+        if (!s->kept[r][mb])
+            s->kept[r][mb] = fu_malloc(total * sizeof(float) + 1);
+        memcpy(s->kept[r][mb], data, total * sizeof(float));
     }
     peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
     c->gen = s->gen;
@@ -1178,6 +1233,169 @@ static void replay_deferred(stage_t *s)
     }
 }
 
+/* ---- verification (docs/PIPELINE.md "Verification") ------------------------------------------ */
+
+/* Answers the broker with the sketch of x (n floats), or with `unavailable` when x is NULL. */
+static void verify_answer(stage_t *s, uint64_t step, uint32_t mb, uint64_t seed, const float *x, size_t n,
+                          const char *unavailable)
+{
+    Fusion__VerifySketch v = FUSION__VERIFY_SKETCH__INIT;
+    double sk[WIRE_VERIFY_SKETCH_K], norm = 0;
+    v.job_id = s->job_id;
+    v.stage_index = s->stage_index;
+    v.step = step;
+    v.micro_batch = mb;
+    v.seed = seed;
+    if (x) {
+        peer_verify_sketch(x, n, seed, sk, &norm);
+        v.n_sketch = WIRE_VERIFY_SKETCH_K;
+        v.sketch = sk;
+        v.norm = norm;
+    } else {
+        v.unavailable = (char *)unavailable;
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: cannot sketch step %" PRIu64 " mb %u: %s", s->job_id,
+                s->stage_index, step, mb, unavailable);
+    }
+    send_msg(s, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, step, &v.base);
+}
+
+/* Restores the checkpoint of `step` (contract names) into the verifier's executor. */
+static fu_err verify_restore(stage_t *s, const uint8_t *d, size_t len, uint64_t step, fu_errmsg *em)
+{
+    uint64_t keep = s->resume_step;
+    s->resume_step = step; /* restore_ckpt checks the blob's step against it */
+    fu_err rc = restore_ckpt(s, d, len, em);
+    s->resume_step = keep;
+    return rc;
+}
+
+/* The verifier re-runs the forward of (step, mb) from the state it holds and sketches the output. */
+static void verify_compute(stage_t *s, const verify_req *q)
+{
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    size_t total = (size_t)(rows * s->w_out_total);
+    fu_err rc = peer_data_rows(&s->spec, s->ids, s->n_ids, q->step, q->mb, s->tok, s->tgt);
+    if (rc == FU_OK)
+        rc = dag_exec_set_tokens(s->x, q->mb, s->tok, NULL, s->rows_mb, s->spec.seq_len);
+    if (rc == FU_OK)
+        rc = dag_exec_forward(s->x, q->mb);
+    if (rc == FU_ECUDA) {
+        fatal(s, rc, "verification forward");
+        return;
+    }
+    float *out = rc == FU_OK ? fu_malloc(total * sizeof(float) + 1) : NULL;
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_out && rc == FU_OK; i++) {
+        const float *p;
+        size_t n;
+        rc = dag_exec_get_output(s->x, q->mb, s->cut_out[i], &p, &n);
+        if (rc == FU_OK && off + n > total)
+            rc = FU_EINVAL;
+        if (rc == FU_OK) {
+            memcpy(out + off, p, n * sizeof(float));
+            off += n;
+        }
+    }
+    if (rc == FU_OK)
+        verify_answer(s, q->step, q->mb, q->seed, out, total, NULL);
+    else
+        verify_answer(s, q->step, q->mb, q->seed, NULL, 0, "the verification forward failed");
+    free(out);
+}
+
+static void verify_pop(stage_t *s)
+{
+    memmove(s->vq, s->vq + 1, (s->n_vq - 1) * sizeof *s->vq);
+    s->n_vq--;
+}
+
+/* Answers queued requests whose state is loaded; starts the checkpoint fetch for the next one. */
+static void verify_pump(stage_t *s)
+{
+    while (s->active && s->n_vq > 0 && !s->vfetching) {
+        verify_req q = s->vq[0];
+        if ((int64_t)q.step == s->vstate_step) {
+            verify_pop(s);
+            verify_compute(s, &q);
+            continue;
+        }
+        if (q.step == 0) {
+            verify_pop(s);
+            verify_answer(s, q.step, q.mb, q.seed, NULL, 0, "the initial adapter state is no longer loaded");
+            continue;
+        }
+        char jid[64], name[96];
+        snprintf(jid, sizeof jid, "job:%016" PRIx64, s->job_id);
+        snprintf(name, sizeof name, "ckpt:%u:%" PRIu64, s->stage_index, q.step);
+        add_fetch(s, jid, name, FETCH_VERIFY_CKPT, false);
+        s->vfetching = true;
+        ask_next(s);
+    }
+}
+
+/* The checkpoint of the queue's head arrived (ok) or cannot be had: restore it, or answer every
+ * request of that step as unavailable; then go on with the queue. */
+static void verify_fetched(stage_t *s, bool ok, const char *why)
+{
+    if (!s->vfetching || s->n_fetch == 0)
+        return;
+    uint64_t step = s->vq[0].step;
+    fetch_item *f = &s->fetch[s->n_fetch - 1];
+    fu_err rc = FU_EPROTO;
+    fu_errmsg em = {{0}};
+    if (ok) {
+        size_t len;
+        const uint8_t *d = peer_blob_data(f->blob, &len);
+        s->vstate_step = -1; /* a failed restore may leave the state half-written */
+        rc = verify_restore(s, d, len, step, &em);
+        if (rc == FU_OK)
+            s->vstate_step = (int64_t)step;
+    }
+    peer_blob_destroy(&f->blob);
+    s->n_fetch--;
+    if (s->cur_fetch > s->n_fetch)
+        s->cur_fetch = s->n_fetch;
+    s->vfetching = false;
+    if (rc != FU_OK) {
+        char text[300];
+        snprintf(text, sizeof text, "checkpoint of step %" PRIu64 " unavailable: %s", step,
+                 ok ? fu_errmsg_text(&em, rc) : why);
+        while (s->n_vq > 0 && s->vq[0].step == step) {
+            verify_req q = s->vq[0];
+            verify_pop(s);
+            verify_answer(s, q.step, q.mb, q.seed, NULL, 0, text);
+        }
+    }
+    verify_pump(s);
+}
+
+static void on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
+{
+    uint64_t jid = s->job_id;
+    if (!s->active || r->job_id != s->job_id || r->stage_index != s->stage_index || !s->loaded || s->spec.infer ||
+        !is_first(s) || is_last(s) || r->step >= s->spec.steps || r->micro_batch >= s->M) {
+        s->job_id = r->job_id; /* the answer names the request's job */
+        verify_answer(s, r->step, r->micro_batch, r->seed, NULL, 0,
+                      "this peer holds no loaded stage 0 of this fine-tune job for that step and micro-batch");
+        s->job_id = jid;
+        return;
+    }
+    if (!s->backup) {
+        /* The stage's own peer: the sketch of the output it already sent. */
+        size_t k = (size_t)(r->step % ST_VERIFY_KEEP);
+        const float *x = s->kept_step[k] == r->step ? s->kept[k][r->micro_batch] : NULL;
+        verify_answer(s, r->step, r->micro_batch, r->seed, x, s->kept_n,
+                      "that output is no longer held (this peer keeps the last 3 steps)");
+        return;
+    }
+    if (s->n_vq == ST_VERIFY_QUEUE) {
+        verify_answer(s, r->step, r->micro_batch, r->seed, NULL, 0, "too many verification requests queued");
+        return;
+    }
+    s->vq[s->n_vq++] = (verify_req){.step = r->step, .mb = r->micro_batch, .seed = r->seed};
+    verify_pump(s);
+}
+
 static void on_infer_token(stage_t *s, const Fusion__InferToken *it)
 {
     if (!s->active || !s->loaded || !s->spec.infer || !is_first(s) || it->job_id != s->job_id)
@@ -1221,9 +1439,16 @@ static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
         on_infer_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
         break;
+    case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST:
+        on_verify_request(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST));
+        break;
     case FUSION__MSG_TYPE__MSG_ERROR: {
         /* The broker refused a WeightRequest: the blob being fetched cannot be had. */
         const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
+        if (s->active && s->vfetching && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) {
+            verify_fetched(s, false, e->message); /* a verification checkpoint the broker no longer has */
+            break;
+        }
         if (s->active && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST && s->cur_fetch < s->n_fetch) {
             peer_blob_t *b = s->fetch[s->cur_fetch].blob;
             send_error(s, FUSION__ERROR_CODE__ERR_NOT_FOUND, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST,

@@ -50,6 +50,8 @@ static const wire_type_info type_table[] = {
     T(MSG_STAGE_START, &fusion__stage_start__descriptor, false),
     T(MSG_STEP_DONE, &fusion__step_done__descriptor, false),
     T(MSG_INFER_TOKEN, &fusion__infer_token__descriptor, true), /* logits of every prompt position */
+    T(MSG_VERIFY_REQUEST, &fusion__verify_request__descriptor, false),
+    T(MSG_VERIFY_SKETCH, &fusion__verify_sketch__descriptor, false),
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

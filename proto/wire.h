@@ -29,6 +29,7 @@ extern "C" {
 #endif
 
 #define WIRE_PROTOCOL_VERSION   1u
+#define WIRE_VERIFY_SKETCH_K 16 /* entries of VerifySketch.sketch (docs/PROTOCOL.md "Verification sketch") */
 #define WIRE_MAX_MSG_BYTES      (32u << 20) /* ZMQ_MAXMSGSIZE of every socket: largest frame */
 #define WIRE_MAX_ENVELOPE_BYTES 4096u       /* an Envelope frame over this is refused unread */
 #define WIRE_MAX_CONTROL_BYTES  (1u << 20)  /* body cap for types that carry no bulk bytes */

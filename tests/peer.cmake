@@ -21,3 +21,14 @@ get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
 set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer
                      test_peer_broker_enrol PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${FU_PEER_TEST_ENV}")
+# Verification of untrusted peers (docs/PIPELINE.md "Verification"): the sketch; verify = 1.0 over
+# honest peers agrees and keeps the adapter; a dishonest stage-0 peer (test-only fault hook) is caught,
+# loses its stage and its work, and the job still finishes.
+fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker TIMEOUT 120
+            ARGS "*sketch*" LABELS peer)
+add_dependencies(test_verify fusion-peer fusion-broker fusion)
+add_test(NAME test_verify_honest COMMAND test_verify "*honest_peers*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_dishonest COMMAND test_verify "*dishonest*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
+set_tests_properties(test_verify_honest test_verify_dishonest PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77
+                     LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
