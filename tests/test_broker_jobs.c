@@ -185,6 +185,14 @@ static void test_broker_jobs_bad_spec_says_why(void **state)
     print_message("refused: %s\n", e->message);
     assert_non_null(strstr(e->message, "/nonexistent/model"));
     wire_msg_destroy(&m);
+    /* verification: a fraction of micro-batches, 0..1 */
+    snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"verify\": 1.5}", f->model);
+    m = tb_submit(&f->a, spec, NULL);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    e = (const Fusion__Error *)wire_msg_body(m);
+    print_message("refused: %s\n", e->message);
+    assert_non_null(strstr(e->message, "\"verify\" must be a number between 0 and 1"));
+    wire_msg_destroy(&m);
     /* a result of a job that is not done is refused with a reason */
     m = tb_submit(&f->a, f->spec, NULL);
     uint64_t id = status_of(m)->job_id;
