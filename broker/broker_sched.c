@@ -113,13 +113,14 @@ static uint32_t backups_of(broker_t *b, const broker_job *j)
     return n;
 }
 
-/* True when a live backup of j holds stage s. */
-static bool backup_for(broker_t *b, const broker_job *j, uint32_t s)
+/* Live backups of j that hold stage s. */
+static uint32_t backups_for(broker_t *b, const broker_job *j, uint32_t s)
 {
+    uint32_t n = 0;
     for (size_t i = 0; i < b->n_peers; i++)
         if (b->peers[i].live && b->peers[i].backup && b->peers[i].stage == s && strcmp(b->peers[i].job, j->id) == 0)
-            return true;
-    return false;
+            n++;
+    return n;
 }
 
 /* Tops up j's warm backups from the idle peers. */
@@ -131,8 +132,8 @@ static void give_backups(broker_t *b, broker_job *j)
         if (!peer_idle(p))
             continue;
         uint32_t s = likely_loss(b, j);
-        if (broker_job_verify_fraction(b, j) > 0 && !backup_for(b, j, 0))
-            s = 0; /* verification needs a warm backup of stage 0 (broker_verify.c) */
+        if (broker_job_verify_fraction(b, j) > 0 && backups_for(b, j, 0) < 2)
+            s = 0; /* verification wants warm backups of stage 0: a verifier and a third opinion */
         if (!broker_peer_fits(j, s, p)) { /* a backup for a stage it can hold, or none */
             uint32_t k = 0;
             while (k < j->n_stages && !broker_peer_fits(j, k, p))

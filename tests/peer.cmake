@@ -28,7 +28,8 @@ fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS f
             ARGS "*sketch*" LABELS peer)
 add_dependencies(test_verify fusion-peer fusion-broker fusion)
 add_test(NAME test_verify_honest COMMAND test_verify "*honest_peers*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
-add_test(NAME test_verify_dishonest COMMAND test_verify "*dishonest*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_dishonest COMMAND test_verify "*dishonest_peer_is_caught*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_third_opinion COMMAND test_verify "*third_opinion*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
-set_tests_properties(test_verify_honest test_verify_dishonest PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77
+set_tests_properties(test_verify_honest test_verify_dishonest test_verify_third_opinion PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")

@@ -31,7 +31,7 @@
 #include "peer_verify.h"
 #include "testutil.h"
 
-#define N_PEERS 3
+#define N_PEERS 4 /* at most; the tests run 3 (one backup) or 4 (two backups: a third opinion) */
 /* Each peer offers 60 MiB: the broker's plan for the 8-layer model needs about 71 MiB in one stage and
  * about 52 MiB per stage in two, so every job runs as a two-stage pipeline whatever speeds the peers
  * measured on a loaded machine. */
@@ -41,6 +41,7 @@ typedef struct {
     char *dir;
     pid_t broker;
     pid_t peers[N_PEERS];
+    int n_peers; /* started */
     char endpoint[128];
     char conn[1024]; /* --broker ... --broker-key ... --keys ... for the client */
 } cluster;
@@ -113,15 +114,16 @@ static int wait_pid(pid_t pid, int timeout_ms)
     return -1;
 }
 
-static void cluster_start(cluster *c, const char *tag)
+static void cluster_start(cluster *c, const char *tag, int n_peers)
 {
     memset(c, 0, sizeof *c);
+    c->n_peers = n_peers;
     g_live = c;
     c->dir = tu_tmpdir(tag);
     assert_non_null(c->dir);
     char *out = NULL;
-    int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 p2 client; do '%s' keygen -o $k >/dev/null || exit 1; done && "
-                   "grep -hv '^#' p0/public.key p1/public.key p2/public.key client/public.key > allow && "
+    int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 p2 p3 client; do '%s' keygen -o $k >/dev/null || exit 1; done && "
+                   "grep -hv '^#' p0/public.key p1/public.key p2/public.key p3/public.key client/public.key > allow && "
                    "'%s' model init -o model --layers 8 --hidden 256 --ffn 1024 --seed 2 >/dev/null",
                    c->dir, tu_bin("fusion"), tu_bin("fusion"));
     if (rc != 0)
@@ -147,7 +149,7 @@ static void cluster_start(cluster *c, const char *tag)
     snprintf(db, sizeof db, "%s/store.db", c->dir);
     snprintf(allow, sizeof allow, "%s/allow", c->dir);
     char *bargv[] = {(char *)tu_bin("fusion-broker"), "--bind", "tcp://127.0.0.1:*", "--keys", keys, "--db", db,
-                     "--allow", allow, "--backups", "1", "--heartbeat-ms", "300", NULL};
+                     "--allow", allow, "--backups", n_peers > 3 ? "2" : "1", "--heartbeat-ms", "300", NULL};
     bargv[0] = strdup(tu_bin("fusion-broker"));
     c->broker = spawn(blog, bargv, NULL);
     free(bargv[0]);
@@ -162,7 +164,7 @@ static void cluster_start(cluster *c, const char *tag)
     free(bl);
     snprintf(c->conn, sizeof c->conn, "--broker %s --broker-key '%s/broker/public.key' --keys '%s/client'",
              c->endpoint, c->dir, c->dir);
-    for (int i = 0; i < N_PEERS; i++) {
+    for (int i = 0; i < c->n_peers; i++) {
         char plog[4096], pkeys[4096], cache[4096], name[16], bkey[4096];
         snprintf(plog, sizeof plog, "%s/p%d.log", c->dir, i);
         snprintf(pkeys, sizeof pkeys, "%s/p%d", c->dir, i);
@@ -177,7 +179,7 @@ static void cluster_start(cluster *c, const char *tag)
         c->peers[i] = spawn(plog, pargv, corrupt);
         free(pargv[0]);
     }
-    for (int i = 0; i < N_PEERS; i++) {
+    for (int i = 0; i < c->n_peers; i++) {
         char needle[64];
         snprintf(needle, sizeof needle, "(p%d) joined", i);
         if (!wait_for(blog, needle, 20000)) {
@@ -189,7 +191,7 @@ static void cluster_start(cluster *c, const char *tag)
 
 static void cluster_stop(cluster *c)
 {
-    for (int i = 0; i < N_PEERS; i++)
+    for (int i = 0; i < c->n_peers; i++)
         if (c->peers[i] > 0) {
             kill(c->peers[i], SIGTERM);
             int code = wait_pid(c->peers[i], 15000);
@@ -218,7 +220,7 @@ static int teardown(void **state)
     cluster *c = g_live;
     if (!c)
         return 0;
-    for (int i = 0; i < N_PEERS; i++)
+    for (int i = 0; i < c->n_peers; i++)
         if (c->peers[i] > 0) {
             kill(c->peers[i], SIGKILL);
             waitpid(c->peers[i], NULL, 0);
@@ -355,7 +357,7 @@ static void test_verify_honest_peers_agree(void **state)
 {
     (void)state;
     cluster c;
-    cluster_start(&c, "verify-honest");
+    cluster_start(&c, "verify-honest", 3);
     const char *common = "--rank 4 --steps 12 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2";
     char opts[512];
     snprintf(opts, sizeof opts, "%s --checkpoint-every 2 --verify 1.0", common);
@@ -401,11 +403,30 @@ static void test_verify_honest_peers_agree(void **state)
     cluster_stop(&c);
 }
 
-static void test_verify_dishonest_peer_is_caught(void **state)
+/* Reputation of peer p<i> in the store of c. */
+static double reputation_of(cluster *c, db_t *db, int i)
 {
-    (void)state;
+    char key[128] = "", kp[4200];
+    snprintf(kp, sizeof kp, "%s/p%d/public.key", c->dir, i);
+    char *kt = slurp(kp);
+    for (char *line = strtok(kt, "\n"); line; line = strtok(NULL, "\n"))
+        if (line[0] != '#' && strlen(line) == DB_KEY_LEN)
+            snprintf(key, sizeof key, "%s", line);
+    free(kt);
+    assert_int_equal(strlen(key), DB_KEY_LEN);
+    db_peer *dp = NULL;
+    assert_int_equal(db_peer_get(db, key, &dp), FU_OK);
+    double r = dp->reputation;
+    db_peer_free(&dp);
+    return r;
+}
+
+/* n_peers = 3: one backup, no third opinion (the verifier loses a little too); 4: two backups of
+ * stage 0, the second settles each disagreement (the honest verifier keeps its reputation). */
+static void dishonest(int n_peers)
+{
     cluster c;
-    cluster_start(&c, "verify-cheat");
+    cluster_start(&c, n_peers > 3 ? "verify-cheat3" : "verify-cheat", n_peers);
     const char *common = "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2";
     char *out = NULL;
     int rc = tu_sh(&out, "cd '%s' && '%s' submit finetune %s --model '%s/model' --data data.txt -q %s "
@@ -426,7 +447,7 @@ static void test_verify_dishonest_peer_is_caught(void **state)
     assert_non_null(pn);
     int cheat = pn[2] - '0';
     free(bl);
-    assert_true(cheat >= 0 && cheat < N_PEERS);
+    assert_true(cheat >= 0 && cheat < n_peers);
     /* Once the job runs, stage 0's peer starts to cheat (its outputs x 1.5). */
     snprintf(needle, sizeof needle, "job %s: every stage is ready", id);
     assert_true(wait_for(blog, needle, 30000));
@@ -467,30 +488,50 @@ static void test_verify_dishonest_peer_is_caught(void **state)
     free(pl);
     printf("p%d was assigned %d stage(s) in all\n", cheat, assigned);
     assert_int_equal(assigned, 1);
+    int thirds = count_of(bl, "for a third opinion"), sided = count_of(bl, "sides with the verifier");
     free(bl);
-    /* Its reputation in the store is below the threshold; the job is done. */
-    char dbp[4096], key[128] = "", kp[4200];
+    printf("%d peers: %d disagreements went to a third opinion, %d sided with the verifier\n", n_peers, thirds,
+           sided);
+    if (n_peers > 3)
+        assert_true(thirds >= 1 && sided >= 1);
+    else
+        assert_int_equal(thirds, 0);
+    /* Its reputation in the store is below the threshold; the honest peers': see above. */
+    char dbp[4096];
     snprintf(dbp, sizeof dbp, "%s/store.db", c.dir);
-    snprintf(kp, sizeof kp, "%s/p%d/public.key", c.dir, cheat);
-    char *kt = slurp(kp);
-    for (char *line = strtok(kt, "\n"); line; line = strtok(NULL, "\n"))
-        if (line[0] != '#' && strlen(line) == DB_KEY_LEN)
-            snprintf(key, sizeof key, "%s", line);
-    free(kt);
-    assert_int_equal(strlen(key), DB_KEY_LEN);
     db_t *db = NULL;
     assert_int_equal(db_open(dbp, &db), FU_OK);
-    db_peer *dp = NULL;
-    assert_int_equal(db_peer_get(db, key, &dp), FU_OK);
-    printf("p%d: reputation %.2f in the store\n", cheat, dp->reputation);
-    assert_true(dp->reputation < 0.2);
-    db_peer_free(&dp);
+    double worst_honest = 1;
+    for (int i = 0; i < n_peers; i++) {
+        double r = reputation_of(&c, db, i);
+        printf("p%d: reputation %.2f in the store%s\n", i, r, i == cheat ? " (the dishonest one)" : "");
+        if (i == cheat)
+            assert_true(r < 0.2);
+        else if (r < worst_honest)
+            worst_honest = r;
+    }
+    if (n_peers > 3)
+        assert_true(worst_honest >= 0.999); /* the third opinion sided with the honest verifier */
+    else
+        assert_true(worst_honest >= 0.7 && worst_honest < 1); /* no third opinion: the verifier paid a little */
     db_job *j = NULL;
     assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
     assert_int_equal(j->state, DB_JOB_DONE);
     db_job_free(&j);
     db_close(&db);
     cluster_stop(&c);
+}
+
+static void test_verify_dishonest_peer_is_caught(void **state)
+{
+    (void)state;
+    dishonest(3);
+}
+
+static void test_verify_dishonest_peer_third_opinion(void **state)
+{
+    (void)state;
+    dishonest(4);
 }
 
 int main(int argc, char **argv)
@@ -504,6 +545,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_verify_sketch_properties),
         cmocka_unit_test_teardown(test_verify_honest_peers_agree, teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, teardown),
+        cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
