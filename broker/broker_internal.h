@@ -129,6 +129,9 @@ typedef struct {
     int32_t *gen;                      /* generated tokens */
     size_t n_gen, cap_gen;
     char *output;                      /* decoded generated text (NUL-terminated) */
+    uint8_t *logits;                   /* infer with dump_logits: float32 logits of every prompt
+                                          position (positions × vocab, little-endian), or NULL */
+    size_t logits_len;                 /* bytes */
     fu_tokenizer *tok;                 /* the model's tokenizer (infer: decode output) */
     int64_t eos;                       /* end token id (config.json, else the tokenizer's), -1: none */
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */

@@ -54,6 +54,7 @@ void broker_job_free(broker_job **j_p)
     free(j->dag_bytes);
     free(j->gen);
     free(j->output);
+    free(j->logits);
     fu_tokenizer_destroy(&j->tok);
     free(j);
     *j_p = NULL;
@@ -782,7 +783,9 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         const char *name;
         const uint8_t *data;
         size_t len;
-    } files[2];
+    } files[3];
+    char *logits = NULL;
+    size_t logits_len = 0;
     size_t nf = 0;
     if (dj->kind == DB_JOB_FINETUNE) {
         broker_spec spec;
@@ -797,6 +800,10 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         files[nf++] = (typeof(files[0])){"adapter_config.json", (const uint8_t *)cfg, strlen(cfg)};
     } else {
         files[nf++] = (typeof(files[0])){"output.txt", dj->result, dj->result_len};
+        /* The prompt's logits (dump_logits), kept beside the store by the job's completion. */
+        if (dj->result_path && fu_file_read_all(dj->result_path, BROKER_MAX_LOGITS_BYTES, &logits, &logits_len,
+                                                NULL) == FU_OK && logits_len > 0)
+            files[nf++] = (typeof(files[0])){BROKER_LOGITS_FILE, (const uint8_t *)logits, logits_len};
     }
     uint64_t total = 0;
     for (size_t f = 0; f < nf; f++)
@@ -851,6 +858,7 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, &c.base);
     }
 done:
+    free(logits);
     free(cfg);
     db_job_free(&dj);
 }

@@ -402,7 +402,28 @@ static void finish(broker_t *b, broker_job *j, const uint8_t *result, size_t len
 {
     char hash[DB_HASH_HEX_LEN + 1];
     db_hash_hex(hash, result, len);
-    fu_err rc = db_job_complete(b->db, j->id, result, len, NULL, hash, broker_wall());
+    /* An inference job's prompt logits go to a file beside the store, written (and synced) before
+     * the commit that names it, so a done job's result is whole. */
+    char *logits_path = NULL;
+    if (j->logits) {
+        char name[64];
+        snprintf(name, sizeof name, "results/%s.logits.f32", j->id);
+        logits_path = fu_path_join(b->data_dir, name);
+        char *dir = fu_path_join(b->data_dir, "results");
+        fu_errmsg em = {{0}};
+        fu_err wrc = fu_mkdir_p(dir, 0700, &em);
+        if (wrc == FU_OK)
+            wrc = fu_file_write_atomic(logits_path, j->logits, j->logits_len, 0600, &em);
+        free(dir);
+        if (wrc != FU_OK) {
+            FU_ERROR(LOG, "job %s: the prompt logits could not be kept: %s", j->id, fu_errmsg_text(&em, wrc));
+            free(logits_path);
+            broker_job_fail(b, j, "the broker could not store the prompt logits (disk full?)");
+            return;
+        }
+    }
+    fu_err rc = db_job_complete(b->db, j->id, result, len, logits_path, hash, broker_wall());
+    free(logits_path);
     if (rc != FU_OK) {
         FU_ERROR(LOG, "job %s: the result could not be stored: %s", j->id, fu_strerror(rc));
         broker_job_fail(b, j, "the broker could not store the result");
@@ -526,6 +547,19 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     }
     if (t->position < expect)
         return; /* a replay after a recovery: we have it already */
+    /* The first token carries the prompt's logits when the job asked for them: positions × vocab
+     * float32, checked against both before they are kept. */
+    if (j->spec.dump_logits && j->n_gen == 0 && t->logits.len > 0 && !j->logits) {
+        if (t->logits.len != j->n_tokens * vocab * sizeof(float)) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "InferToken: %zu bytes of logits, expected %zu prompt positions x %zu vocabulary "
+                               "x 4", t->logits.len, j->n_tokens, vocab);
+            return;
+        }
+        j->logits = fu_malloc(t->logits.len);
+        memcpy(j->logits, t->logits.data, t->logits.len);
+        j->logits_len = t->logits.len;
+    }
     if (j->n_gen == j->cap_gen) {
         j->cap_gen = j->cap_gen ? 2 * j->cap_gen : 64;
         j->gen = fu_realloc(j->gen, j->cap_gen * sizeof *j->gen);
