@@ -280,7 +280,7 @@ static bool pb_start(pb_cluster *c, const char *tag, int n_peers, int backups, d
     fprintf(f, "broker = %s\nbroker-key = %s/broker/public.key\nkeys = %s/client\n", c->endpoint, env.dir, env.dir);
     fclose(f);
     for (int i = 0; i < n_peers; i++) {
-        char log[1100], pk[1100], cache[1100], bkey[1100], name[8], cap[32];
+        char log[1100], pk[1100], cache[1100], bkey[1100], name[16], cap[32];
         snprintf(log, sizeof log, "%s/%s-p%d.log", env.dir, tag, i);
         snprintf(pk, sizeof pk, "%s/p%d", env.dir, i);
         snprintf(cache, sizeof cache, "%s/cache%d", env.dir, i);

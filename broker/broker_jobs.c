@@ -772,7 +772,8 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     db_job *dj = r ? own_job(b, msg, r->job_id) : NULL;
     if (!dj)
         return;
-    char *cfg = NULL;
+    char *cfg = NULL, *logits = NULL;
+    size_t logits_len = 0;
     if (dj->state != DB_JOB_DONE) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
                            "job %s is %s: a result exists only once it is done (wait with `fusion wait`)", dj->id,
@@ -784,8 +785,6 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         const uint8_t *data;
         size_t len;
     } files[3];
-    char *logits = NULL;
-    size_t logits_len = 0;
     size_t nf = 0;
     if (dj->kind == DB_JOB_FINETUNE) {
         broker_spec spec;
