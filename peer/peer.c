@@ -488,8 +488,8 @@ static void on_data(peer_t *p, int src, wire_msg_t *m)
         return;
     }
     bool done = false;
-    fu_err rc = wire_tensor_asm_feed(l->asm_, l->seal, m, &done);
-    wire_msg_destroy(&m);
+    /* Takes m: a sealed chunk is opened on the assembler's workers while the next one arrives. */
+    fu_err rc = wire_tensor_asm_feed_msg(l->asm_, l->seal, &m, &done);
     if (rc != FU_OK) {
         FU_WARN("peer", "%s chunk from stage %u refused: %s", wire_type_name(t), l->stage_index, fu_strerror(rc));
         return;
