@@ -160,7 +160,7 @@ static bool ensure_models(bool pruned)
         if (!in_child(make_pruned, NULL, line, sizeof line))
             return false;
         env.pruned_made = true;
-        bench_emit("dag", "salr_prune", "\"seconds\":%s,\"sparsity\":0.5,\"residual_rank\":%d", line, TB_SALR_RANK);
+        bench_emit("train", "salr_prune", "\"seconds\":%s,\"sparsity\":0.5,\"residual_rank\":%d", line, TB_SALR_RANK);
     }
     return true;
 }
@@ -245,14 +245,14 @@ static void train_child(int fd, void *arg)
 static void train_case(const char *name, dag_adapter_method m)
 {
     if (!ensure_models(m == DAG_ADAPTER_SALR)) {
-        bench_emit("dag", name, "\"error\":\"setup failed\"");
+        bench_emit("train", name, "\"error\":\"setup failed\"");
         return;
     }
     char line[1024];
     if (!in_child(train_child, &m, line, sizeof line))
-        bench_emit("dag", name, "\"error\":\"run failed\"");
+        bench_emit("train", name, "\"error\":\"run failed\"");
     else
-        bench_emit("dag", name, "%s", line);
+        bench_emit("train", name, "%s", line);
 }
 
 BENCH_CASE(train_lorafa)
@@ -350,11 +350,11 @@ BENCH_CASE(infer_dense)
     bool salr = false;
     char line[1024];
     if (!ensure_models(false) || !in_child(infer_child, &salr, line, sizeof line)) {
-        bench_emit("dag", "infer_dense", "\"error\":\"run failed\"");
+        bench_emit("train", "infer_dense", "\"error\":\"run failed\"");
         return;
     }
     dense_gen_tps = field(line, "\"generated_tokens_per_s\":");
-    bench_emit("dag", "infer_dense", "%s", line);
+    bench_emit("train", "infer_dense", "%s", line);
 }
 
 BENCH_CASE(infer_salr)
@@ -362,12 +362,12 @@ BENCH_CASE(infer_salr)
     bool salr = true;
     char line[1024];
     if (!ensure_models(true) || !in_child(infer_child, &salr, line, sizeof line)) {
-        bench_emit("dag", "infer_salr", "\"error\":\"run failed\"");
+        bench_emit("train", "infer_salr", "\"error\":\"run failed\"");
         return;
     }
     double g = field(line, "\"generated_tokens_per_s\":");
     if (dense_gen_tps > 0)
-        bench_emit("dag", "infer_salr", "%s,\"generation_speedup_vs_dense\":%.2f", line, g / dense_gen_tps);
+        bench_emit("train", "infer_salr", "%s,\"generation_speedup_vs_dense\":%.2f", line, g / dense_gen_tps);
     else
-        bench_emit("dag", "infer_salr", "%s", line);
+        bench_emit("train", "infer_salr", "%s", line);
 }
