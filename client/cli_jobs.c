@@ -111,6 +111,37 @@ static int open_conn(const char *prog, const read_opts *o, cli_conn_t **conn)
     return FU_EXIT_OK;
 }
 
+/* Lists the caller's jobs (unfinished only when active): the body of `fusion jobs` and of
+ * `fusion status` without a JOB. */
+static int list_jobs(const char *prog, const read_opts *o, bool active)
+{
+    cli_conn_t *conn = NULL;
+    int code = open_conn(prog, o, &conn);
+    if (code != FU_EXIT_OK)
+        return code;
+    Fusion__JobListRequest req = FUSION__JOB_LIST_REQUEST__INIT;
+    req.include_done = !active;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
+    wire_msg_t *m = NULL;
+    if (cli_conn_call(conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) == FU_OK) {
+        const Fusion__JobList *l = (const Fusion__JobList *)wire_msg_body(m);
+        if (o->json) {
+            cJSON *arr = cJSON_CreateArray();
+            for (size_t i = 0; i < l->n_jobs; i++)
+                cJSON_AddItemToArray(arr, status_json(l->jobs[i]));
+            print_json(arr);
+        } else {
+            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
+            for (size_t i = 0; i < l->n_jobs; i++)
+                print_status_row(l->jobs[i]);
+        }
+        wire_msg_destroy(&m);
+        code = FU_EXIT_OK;
+    }
+    cli_conn_close(&conn);
+    return code;
+}
+
 int cli_status_main(int argc, char **argv)
 {
     read_opts o = {0};
@@ -123,8 +154,8 @@ int cli_status_main(int argc, char **argv)
     int code;
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
-    if (npos == 0)
-        return cli_jobs_main(argc, argv);
+    if (npos == 0) /* argv has been consumed by the parse: list from the parsed options */
+        return list_jobs(argv[0], &o, false);
     uint64_t id;
     if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
         return FU_EXIT_USAGE;
@@ -160,30 +191,7 @@ int cli_jobs_main(int argc, char **argv)
     int code;
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
-    cli_conn_t *conn = NULL;
-    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
-        return code;
-    Fusion__JobListRequest req = FUSION__JOB_LIST_REQUEST__INIT;
-    req.include_done = !active;
-    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
-    wire_msg_t *m = NULL;
-    if (cli_conn_call(conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) == FU_OK) {
-        const Fusion__JobList *l = (const Fusion__JobList *)wire_msg_body(m);
-        if (o.json) {
-            cJSON *arr = cJSON_CreateArray();
-            for (size_t i = 0; i < l->n_jobs; i++)
-                cJSON_AddItemToArray(arr, status_json(l->jobs[i]));
-            print_json(arr);
-        } else {
-            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
-            for (size_t i = 0; i < l->n_jobs; i++)
-                print_status_row(l->jobs[i]);
-        }
-        wire_msg_destroy(&m);
-        code = FU_EXIT_OK;
-    }
-    cli_conn_close(&conn);
-    return code;
+    return list_jobs(argv[0], &o, active);
 }
 
 /* Draws the progress line of a running job on a terminal, or prints a line per new step. */

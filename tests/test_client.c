@@ -139,6 +139,10 @@ static void test_client_submit_is_idempotent_and_jobs_are_private(void **state)
     assert_non_null(strstr(out, a));
     assert_non_null(strstr(out, "cancelled"));
     free(out);
+    assert_int_equal(as(0, &out, "status --json"), 0); /* no JOB: all of Alice's jobs */
+    assert_non_null(strstr(out, a));
+    assert_null(strstr(out, b));
+    free(out);
     assert_int_equal(as(0, &out, "jobs --active --json"), 0);
     assert_null(strstr(out, a));
     free(out);
