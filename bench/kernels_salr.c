@@ -46,13 +46,6 @@ static void run_sparse(void *p)
         abort();
 }
 
-static void run_sparse_1thread(void *p)
-{
-    mm_arg *a = p;
-    if (kern_salr_spmm(a->bm, a->x, a->n, a->y, false, 1) != FU_OK)
-        abort();
-}
-
 static void run_dense(void *p)
 {
     mm_arg *a = p;
@@ -128,12 +121,17 @@ static void spmm_shape(size_t out, size_t in, const size_t *batches, size_t nb)
         median_pair(run_dense, run_sparse, &a, repeats_for(a.n), &td, &ts);
         double flops = 2.0 * (double)a.n * (double)out * (double)in;
         if (a.n > KERN_SALR_FUSED_BATCH_LIMIT) {
-            /* the same product without the decode thread: decode a block, multiply it, repeat */
-            double t1 = bench_median(run_sparse_1thread, &a, bench_quick() ? 2 : 3);
-            bench_emit("kernels", "salr_spmm_unpipelined",
-                       "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"time_s\":%.6g,"
-                       "\"pipelined_time_s\":%.6g,\"pipeline_gain\":%.3f",
-                       out, in, a.n, t1, ts, t1 / ts);
+            /* the two large-batch strategies side by side (AUTO picks one of them) */
+            int    reps = bench_quick() ? 2 : 3;
+            kern_salr_set_strategy(KERN_SALR_STRATEGY_BLOCKED);
+            double tb = bench_median(run_sparse, &a, reps);
+            kern_salr_set_strategy(KERN_SALR_STRATEGY_PIPELINED);
+            double tp = bench_median(run_sparse, &a, reps);
+            kern_salr_set_strategy(KERN_SALR_STRATEGY_AUTO);
+            bench_emit("kernels", "salr_spmm_strategies",
+                       "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"blocked_time_s\":%.6g,"
+                       "\"pipelined_time_s\":%.6g,\"pipeline_gain\":%.3f,\"blas_threads\":%d",
+                       out, in, a.n, tb, tp, tb / tp, openblas_get_num_threads());
         }
         bench_emit("kernels", "salr_spmm",
                    "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"sparsity\":0.5,\"dtype\":\"f32\","

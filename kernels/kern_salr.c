@@ -306,10 +306,11 @@ fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols, size_t rank, 
 
 /* ---- sparse x dense product --------------------------------------------------------------------- */
 
-/* One fused product shared by its threads: they take chunks of tile rows from `next` (work
- * stealing), so a thread slowed down by another process, or by OpenBLAS workers still spinning after
- * a GEMM, simply does fewer chunks. */
-typedef struct {
+/* Work over tile rows shared by threads: they take chunks of tile rows from `next` (work stealing),
+ * so a thread slowed down by another process, or by OpenBLAS workers still spinning after a GEMM,
+ * simply does fewer chunks. With fn NULL the work is the fused product, else fn (a decode). */
+typedef struct tile_job tile_job;
+struct tile_job {
     const kern_bitmap_view *v;
     kern_simd_isa           isa;
     const float            *x;
@@ -318,16 +319,23 @@ typedef struct {
     bool                    accumulate;
     size_t                  chunk; /* tile rows per chunk */
     size_t                  next;  /* first tile row not yet taken (atomic) */
-} fused_job;
+    size_t                  end;   /* tile rows [next, end) are the job's */
+    size_t                  row0;  /* decode: the first row of the block y points to */
+    void (*fn)(tile_job *j, size_t tr0, size_t tr1);
+};
 
-static void fused_run(fused_job *j)
+static void tile_job_work(tile_job *j)
 {
     size_t ldx = j->v->cols, ldy = j->v->rows;
     for (;;) {
         size_t tr0 = __atomic_fetch_add(&j->next, j->chunk, __ATOMIC_RELAXED);
-        if (tr0 >= j->v->tiles_r)
+        if (tr0 >= j->end)
             break;
-        size_t tr1 = j->v->tiles_r - tr0 < j->chunk ? j->v->tiles_r : tr0 + j->chunk;
+        size_t tr1 = j->end - tr0 < j->chunk ? j->end : tr0 + j->chunk;
+        if (j->fn) {
+            j->fn(j, tr0, tr1);
+            continue;
+        }
         for (size_t b0 = 0; b0 < j->n; b0 += KERN_SALR_FUSED_MAX_BATCH) {
             size_t nb = j->n - b0 < KERN_SALR_FUSED_MAX_BATCH ? j->n - b0 : KERN_SALR_FUSED_MAX_BATCH;
             const float *x = j->x + b0 * ldx;
@@ -342,9 +350,9 @@ static void fused_run(fused_job *j)
     }
 }
 
-static void *fused_thread(void *arg)
+static void *tile_job_thread(void *arg)
 {
-    fused_run(arg);
+    tile_job_work(arg);
     return NULL;
 }
 
@@ -360,7 +368,7 @@ static struct {
     bool             failed;/* it could not be started: do not retry */
     uint64_t         gen;   /* jobs handed out */
     uint64_t         done;  /* jobs finished */
-    fused_job       *job;   /* the job of generation gen */
+    tile_job       *job;   /* the job of generation gen */
 } helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false, 0, 0,
             NULL};
 
@@ -373,9 +381,9 @@ static void *helper_main(void *arg)
         while (helper.gen == seen)
             pthread_cond_wait(&helper.cv, &helper.mu);
         seen = helper.gen;
-        fused_job *job = helper.job;
+        tile_job *job = helper.job;
         pthread_mutex_unlock(&helper.mu);
-        fused_run(job);
+        tile_job_work(job);
         pthread_mutex_lock(&helper.mu);
         helper.done = seen;
         pthread_cond_broadcast(&helper.cv);
@@ -386,7 +394,7 @@ static void *helper_main(void *arg)
 
 /* Runs the job on the helper and on this thread; false (nothing run) if the helper is busy or
  * cannot be started. */
-static bool helper_run(fused_job *job)
+static bool helper_run(tile_job *job)
 {
     if (pthread_mutex_trylock(&helper.use) != 0)
         return false;
@@ -411,7 +419,7 @@ static bool helper_run(fused_job *job)
     uint64_t mine_gen = ++helper.gen;
     pthread_cond_broadcast(&helper.cv);
     pthread_mutex_unlock(&helper.mu);
-    fused_run(job);
+    tile_job_work(job);
     pthread_mutex_lock(&helper.mu);
     while (helper.done != mine_gen)
         pthread_cond_wait(&helper.cv, &helper.mu);
@@ -421,6 +429,27 @@ static bool helper_run(fused_job *job)
 }
 
 #define SALR_MAX_THREADS 64
+
+/* Runs a tile-row job on nt threads (the persistent helper for 2, fresh threads otherwise). */
+static void tile_job_run(tile_job *job, size_t nt)
+{
+    if (nt <= 1 || job->end - job->next <= job->chunk) {
+        tile_job_work(job);
+        return;
+    }
+    if (nt == 2 && helper_run(job))
+        return;
+    pthread_t th[SALR_MAX_THREADS];
+    size_t    started = 1;
+    for (size_t i = 1; i < nt; i++) {
+        if (pthread_create(&th[i], NULL, tile_job_thread, job) != 0)
+            break; /* the threads that did start, and this one, take all the chunks */
+        started++;
+    }
+    tile_job_work(job);
+    for (size_t i = 1; i < started; i++)
+        pthread_join(th[i], NULL);
+}
 
 static fu_err spmm_fused(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
                          bool accumulate, size_t nt)
@@ -432,24 +461,13 @@ static fu_err spmm_fused(const kern_bitmap_view *v, kern_simd_isa isa, const flo
     size_t chunk = v->tiles_r / (8 * nt);
     if (chunk < 2)
         chunk = 2;
-    fused_job job = {v, isa, x, n, y, accumulate, chunk, 0};
-    if (nt == 2 && helper_run(&job))
-        return FU_OK;
-    pthread_t th[SALR_MAX_THREADS];
-    size_t    started = 1;
-    for (size_t i = 1; i < nt; i++) {
-        if (pthread_create(&th[i], NULL, fused_thread, &job) != 0)
-            break; /* the threads that did start, and this one, take all the chunks */
-        started++;
-    }
-    fused_run(&job);
-    for (size_t i = 1; i < started; i++)
-        pthread_join(th[i], NULL);
+    tile_job job = {v, isa, x, n, y, accumulate, chunk, 0, v->tiles_r, 0, NULL};
+    tile_job_run(&job, nt);
     return FU_OK;
 }
 
-/* One cached scratch buffer for the pipeline's two slices (reused across calls; a concurrent call
- * that finds it taken allocates its own). */
+/* One cached scratch buffer for the dense row blocks (reused across calls; a concurrent call that
+ * finds it taken allocates its own). */
 static pthread_mutex_t scratch_mu = PTHREAD_MUTEX_INITIALIZER;
 static float          *scratch_buf;
 static size_t          scratch_len;
@@ -461,12 +479,13 @@ static float *scratch_take(size_t bytes)
     if (scratch_buf && scratch_len >= bytes) {
         p = scratch_buf;
         scratch_buf = NULL;
-        scratch_len = 0;
     }
     pthread_mutex_unlock(&scratch_mu);
     return p ? p : fu_malloc_aligned(bytes);
 }
 
+/* Gives back a buffer of `bytes` taken with scratch_take; the bigger of it and the cached one is
+ * kept. */
 static void scratch_give(float *p, size_t bytes)
 {
     pthread_mutex_lock(&scratch_mu);
@@ -490,35 +509,97 @@ void kern_salr_scratch_release(void)
     fu_free_aligned(p);
 }
 
-/* Two-stage pipeline: a decode thread fills two dense row-block buffers alternately; the calling
- * thread multiplies each ready block with cblas_sgemm while the next one is decoded. */
+/* Large batches: W is decoded to dense row blocks of rb rows (a multiple of the tile height), each
+ * multiplied with one cblas_sgemm. */
 typedef struct {
     const kern_bitmap_view *v;
     kern_simd_isa           isa;
-    size_t                  rb;       /* rows per block (multiple of 8) */
-    size_t                  nblocks;  /* ceil(rows / rb) */
-    float                  *slot[2];  /* rb x cols dense buffers */
-    pthread_mutex_t         mu;
-    pthread_cond_t          cv;
-    size_t                  produced; /* blocks decoded so far */
-    size_t                  consumed; /* blocks multiplied so far */
-} spmm_pipe;
+    size_t                  rb;      /* rows per block */
+    size_t                  nblocks; /* ceil(rows / rb) */
+} row_blocks;
 
-static size_t block_rows(const spmm_pipe *p, size_t blk)
+static row_blocks blocks_of(const kern_bitmap_view *v, kern_simd_isa isa, size_t cap_bytes, size_t min_blocks)
 {
-    size_t r0 = blk * p->rb;
-    return p->v->rows - r0 < p->rb ? p->v->rows - r0 : p->rb;
+    size_t cap = cap_bytes / (v->cols * sizeof(float)) / TR * TR;
+    if (cap < TR)
+        cap = TR;
+    size_t nb = (v->rows + cap - 1) / cap;
+    if (nb < min_blocks)
+        nb = min_blocks;
+    size_t rb = ((v->rows + nb - 1) / nb + TR - 1) / TR * TR; /* balanced: no small last block */
+    return (row_blocks){v, isa, rb, (v->rows + rb - 1) / rb};
 }
+
+static size_t block_rows(const row_blocks *b, size_t blk)
+{
+    size_t r0 = blk * b->rb;
+    return b->v->rows - r0 < b->rb ? b->v->rows - r0 : b->rb;
+}
+
+static void block_gemm(const row_blocks *b, size_t blk, const float *dense, const float *x, size_t n, float *y,
+                       bool accumulate)
+{
+    size_t r0 = blk * b->rb, nr = block_rows(b, blk);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)nr, (int)b->v->cols, 1.0f, x,
+                (int)b->v->cols, dense, (int)b->v->cols, accumulate ? 1.0f : 0.0f, y + r0, (int)b->v->rows);
+}
+
+/* tile_job callback: decodes tile rows [tr0, tr1) into the block that starts at row j->row0. */
+static void decode_part(tile_job *j, size_t tr0, size_t tr1)
+{
+    size_t r0 = tr0 * TR, r1 = tr1 * TR < j->v->rows ? tr1 * TR : j->v->rows;
+    kern_bitmap_decode_view(j->v, r0, r1 - r0, j->y + (r0 - j->row0) * j->v->cols, j->v->cols, j->isa);
+}
+
+/* Decodes block blk into dst with nt threads. */
+static void block_decode(const row_blocks *b, size_t blk, float *dst, size_t nt)
+{
+    size_t row0 = blk * b->rb;
+    size_t t0 = row0 / TR, t1 = (row0 + block_rows(b, blk) + TR - 1) / TR;
+    size_t chunk = (t1 - t0) / (4 * (nt ? nt : 1));
+    tile_job job = {b->v, b->isa, NULL, 0, dst, false, chunk ? chunk : 1, t0, t1, row0, decode_part};
+    tile_job_run(&job, nt);
+}
+
+/* Decode a block with every thread, multiply it with every BLAS thread, next block. When the BLAS
+ * threads already fill the cores (the usual case) this beats overlapping the stages: the decoder
+ * would only take cycles from the GEMM. Blocks are up to KERN_SALR_BLOCK_BYTES: big enough that
+ * sgemm keeps its full speed (it re-packs X for every block), small enough to stay in L3. */
+static fu_err spmm_blocked(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
+                           bool accumulate, size_t nt)
+{
+    row_blocks b = blocks_of(v, isa, KERN_SALR_BLOCK_BYTES, 1);
+    size_t     bytes = b.rb * v->cols * sizeof(float);
+    float     *dense = scratch_take(bytes);
+    for (size_t blk = 0; blk < b.nblocks; blk++) {
+        block_decode(&b, blk, dense, nt);
+        block_gemm(&b, blk, dense, x, n, y, accumulate);
+    }
+    scratch_give(dense, bytes);
+    return FU_OK;
+}
+
+/* Two-stage pipeline for when a core is left over from BLAS: a decode thread fills two dense row
+ * blocks alternately while the calling thread multiplies the previous one. */
+typedef struct {
+    row_blocks      b;
+    float          *slot[2];
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    size_t          produced; /* blocks decoded so far */
+    size_t          consumed; /* blocks multiplied so far */
+} spmm_pipe;
 
 static void *pipe_decoder(void *arg)
 {
     spmm_pipe *p = arg;
-    for (size_t blk = 0; blk < p->nblocks; blk++) {
+    for (size_t blk = 0; blk < p->b.nblocks; blk++) {
         pthread_mutex_lock(&p->mu);
         while (p->produced - p->consumed >= 2)
             pthread_cond_wait(&p->cv, &p->mu);
         pthread_mutex_unlock(&p->mu);
-        kern_bitmap_decode_view(p->v, blk * p->rb, block_rows(p, blk), p->slot[blk & 1], p->v->cols, p->isa);
+        kern_bitmap_decode_view(p->b.v, blk * p->b.rb, block_rows(&p->b, blk), p->slot[blk & 1], p->b.v->cols,
+                                p->b.isa);
         pthread_mutex_lock(&p->mu);
         p->produced++;
         pthread_cond_broadcast(&p->cv);
@@ -527,58 +608,28 @@ static void *pipe_decoder(void *arg)
     return NULL;
 }
 
-static void block_gemm(const spmm_pipe *p, size_t blk, const float *x, size_t n, float *y, bool accumulate)
-{
-    size_t r0 = blk * p->rb, nr = block_rows(p, blk);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)nr, (int)p->v->cols, 1.0f, x,
-                (int)p->v->cols, p->slot[blk & 1], (int)p->v->cols, accumulate ? 1.0f : 0.0f, y + r0,
-                (int)p->v->rows);
-}
-
 static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
-                             bool accumulate, size_t nt)
+                             bool accumulate)
 {
-    if (!fits_int(n) || !fits_int(v->rows) || !fits_int(v->cols))
-        return FU_EINVAL;
-    spmm_pipe p = {.v = v, .isa = isa};
-    size_t    rb = KERN_SALR_BLOCK_BYTES / (v->cols * sizeof(float));
-    size_t quarter = (v->rows / 4 + TR - 1) / TR * TR; /* at least ~4 blocks, so stages overlap */
-    if (rb > quarter)
-        rb = quarter;
-    rb = rb / TR * TR;
-    if (rb < 4 * TR)
-        rb = 4 * TR;
-    size_t rows_padded = v->tiles_r * TR;
-    if (rb > rows_padded)
-        rb = rows_padded;
-    p.rb = rb;
-    p.nblocks = (v->rows + rb - 1) / rb;
-    size_t slot_floats = rb * v->cols;
-    float *scratch = scratch_take(2 * slot_floats * sizeof(float));
+    spmm_pipe p = {.b = blocks_of(v, isa, KERN_SALR_BLOCK_BYTES / 2, 4)};
+    size_t    slot_floats = p.b.rb * v->cols, bytes = 2 * slot_floats * sizeof(float);
+    float    *scratch = scratch_take(bytes);
     p.slot[0] = scratch;
     p.slot[1] = scratch + slot_floats;
-
-    bool      threaded = nt > 1 && p.nblocks > 1;
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
     pthread_t dec;
-    if (threaded) {
-        pthread_mutex_init(&p.mu, NULL);
-        pthread_cond_init(&p.cv, NULL);
-        if (pthread_create(&dec, NULL, pipe_decoder, &p) != 0) {
-            pthread_mutex_destroy(&p.mu);
-            pthread_cond_destroy(&p.cv);
-            threaded = false;
-        }
-    }
-    for (size_t blk = 0; blk < p.nblocks; blk++) {
+    bool      threaded = pthread_create(&dec, NULL, pipe_decoder, &p) == 0;
+    for (size_t blk = 0; blk < p.b.nblocks; blk++) {
         if (threaded) {
             pthread_mutex_lock(&p.mu);
             while (p.produced <= blk)
                 pthread_cond_wait(&p.cv, &p.mu);
             pthread_mutex_unlock(&p.mu);
         } else {
-            kern_bitmap_decode_view(v, blk * rb, block_rows(&p, blk), p.slot[blk & 1], v->cols, isa);
+            kern_bitmap_decode_view(v, blk * p.b.rb, block_rows(&p.b, blk), p.slot[blk & 1], v->cols, isa);
         }
-        block_gemm(&p, blk, x, n, y, accumulate);
+        block_gemm(&p.b, blk, p.slot[blk & 1], x, n, y, accumulate);
         if (threaded) {
             pthread_mutex_lock(&p.mu);
             p.consumed++;
@@ -586,13 +637,19 @@ static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const
             pthread_mutex_unlock(&p.mu);
         }
     }
-    if (threaded) {
+    if (threaded)
         pthread_join(dec, NULL);
-        pthread_mutex_destroy(&p.mu);
-        pthread_cond_destroy(&p.cv);
-    }
-    scratch_give(scratch, 2 * slot_floats * sizeof(float));
+    pthread_mutex_destroy(&p.mu);
+    pthread_cond_destroy(&p.cv);
+    scratch_give(scratch, bytes);
     return FU_OK;
+}
+
+static kern_salr_strategy strategy = KERN_SALR_STRATEGY_AUTO;
+
+void kern_salr_set_strategy(kern_salr_strategy s)
+{
+    __atomic_store_n(&strategy, s, __ATOMIC_RELAXED);
 }
 
 fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y, bool accumulate,
@@ -602,13 +659,20 @@ fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y
         return FU_EINVAL;
     kern_bitmap_view v;
     kern_bitmap_view_of(w, &v);
+    if (!fits_int(n) || !fits_int(v.rows) || !fits_int(v.cols))
+        return FU_EINVAL;
     size_t nt = n_threads <= 0 ? KERN_SALR_THREADS : (size_t)n_threads;
     if (nt > SALR_MAX_THREADS)
         nt = SALR_MAX_THREADS;
     kern_simd_isa isa = kern_simd_active();
     if (n <= KERN_SALR_FUSED_BATCH_LIMIT)
         return spmm_fused(&v, isa, x, n, y, accumulate, nt);
-    return spmm_pipelined(&v, isa, x, n, y, accumulate, nt);
+    kern_salr_strategy s = __atomic_load_n(&strategy, __ATOMIC_RELAXED);
+    if (s == KERN_SALR_STRATEGY_AUTO) /* a spare core for the decoder: overlap; else take turns */
+        s = nt > (size_t)openblas_get_num_threads() ? KERN_SALR_STRATEGY_PIPELINED : KERN_SALR_STRATEGY_BLOCKED;
+    if (s == KERN_SALR_STRATEGY_PIPELINED)
+        return spmm_pipelined(&v, isa, x, n, y, accumulate);
+    return spmm_blocked(&v, isa, x, n, y, accumulate, nt);
 }
 
 /* ---- concatenated adapters ---------------------------------------------------------------------- */

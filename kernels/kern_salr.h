@@ -33,8 +33,9 @@ extern "C" {
                                               decode + sgemm pipeline */
 #endif
 #ifndef KERN_SALR_BLOCK_BYTES
-#define KERN_SALR_BLOCK_BYTES      (16u << 20) /* dense slice decoded per pipeline step (at most):
-                                              big slices keep sgemm from re-packing X often */
+#define KERN_SALR_BLOCK_BYTES      (32u << 20) /* dense row block decoded per sgemm (at most): big
+                                              blocks keep sgemm from re-packing X often, and
+                                              32 MiB still stays in a desktop L3 */
 #endif
 #define KERN_SALR_SVD_EXACT_MAX_DIM 1024   /* KERN_SALR_SVD_AUTO: exact SVD when min(rows, cols)
                                               is at most this */
@@ -72,19 +73,31 @@ FU_MUST_CHECK fu_err kern_salr_svd(const float *r_mat, size_t rows, size_t cols,
                                    kern_salr_svd_method method, uint64_t seed, float *lora_a,
                                    float *lora_b, double *err_ratio);
 
+/* How kern_salr_spmm runs batches above KERN_SALR_FUSED_BATCH_LIMIT. Both decode W to dense row
+ * blocks and multiply each with cblas_sgemm; they differ in what overlaps. */
+typedef enum {
+    KERN_SALR_STRATEGY_AUTO = 0,  /* PIPELINED when n_threads exceeds OpenBLAS's thread count (a
+                                     core is free for the decoder), else BLOCKED */
+    KERN_SALR_STRATEGY_BLOCKED,   /* decode block k with all n_threads, multiply it with all BLAS
+                                     threads, then block k+1 */
+    KERN_SALR_STRATEGY_PIPELINED, /* a decode thread fills block k+1 while block k is multiplied */
+} kern_salr_strategy;
+
+/* Process-wide choice for kern_salr_spmm (benchmarks and tests; AUTO by default). Thread-safe. */
+void kern_salr_set_strategy(kern_salr_strategy s);
+
 /* Sparse x dense product Y = X * W^T (accumulate: Y += X * W^T) with W [out, in] bitmap-encoded,
  * X [n, in], Y [n, out], both contiguous row-major. Batches up to KERN_SALR_FUSED_BATCH_LIMIT run
  * the fused decode-and-multiply kernel (AVX-512 expand / AVX2 / scalar, chosen at run time) with
  * tile rows split over n_threads threads (with 2, the second half runs on a persistent helper
- * thread started on first use and kept until exit); larger batches run a two-stage pipeline where a decode
- * thread fills double-buffered dense row blocks while the calling thread multiplies the previous
- * block with cblas_sgemm. n_threads <= 0 means KERN_SALR_THREADS; a thread that cannot be started
- * leaves its work to the calling thread. Returns FU_EINVAL for NULL pointers, n = 0 or dimensions
- * beyond BLAS's int. Thread-safe for distinct y. */
+ * thread started on first use and kept until exit); larger batches decode dense row blocks and
+ * multiply them with cblas_sgemm (kern_salr_strategy). n_threads <= 0 means KERN_SALR_THREADS; a
+ * thread that cannot be started leaves its work to the calling thread. Returns FU_EINVAL for NULL
+ * pointers, n = 0 or dimensions beyond BLAS's int. Thread-safe for distinct y. */
 FU_MUST_CHECK fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y,
                                     bool accumulate, int n_threads);
 
-/* kern_salr_spmm keeps the pipeline's two dense slice buffers (2 x KERN_SALR_BLOCK_BYTES) for
+/* kern_salr_spmm keeps its dense block buffer (at most KERN_SALR_BLOCK_BYTES) for
  * the next call instead of faulting fresh pages in every time. This frees them (for example
  * before a process drops to a small footprint). Thread-safe. */
 void kern_salr_scratch_release(void);

@@ -284,17 +284,24 @@ static void check_spmm(size_t out, size_t in, size_t n, kern_bitmap_dtype dt)
             ref[b * out + o] = s;
             refacc[b * out + o] = s + (double)y0[b * out + o];
         }
-    for (size_t k = 0; k < sizeof all_isas / sizeof all_isas[0]; k++) {
-        kern_simd_set(all_isas[k]);
-        for (int nt = 1; nt <= 2; nt++) {
-            memset(y, 0xFF, n * out * sizeof(float)); /* NaN garbage must be overwritten */
-            assert_int_equal(kern_salr_spmm(bm, x, n, y, false, nt), FU_OK);
-            assert_true(rel_err(y, ref, n * out) < 1e-5);
-            memcpy(y, y0, n * out * sizeof(float));
-            assert_int_equal(kern_salr_spmm(bm, x, n, y, true, nt), FU_OK);
-            assert_true(rel_err(y, refacc, n * out) < 1e-5);
+    static const kern_salr_strategy strategies[] = {KERN_SALR_STRATEGY_AUTO, KERN_SALR_STRATEGY_BLOCKED,
+                                                    KERN_SALR_STRATEGY_PIPELINED};
+    size_t n_strategies = n > KERN_SALR_FUSED_BATCH_LIMIT ? 3 : 1; /* small batches ignore it */
+    for (size_t st = 0; st < n_strategies; st++) {
+        kern_salr_set_strategy(strategies[st]);
+        for (size_t k = 0; k < sizeof all_isas / sizeof all_isas[0]; k++) {
+            kern_simd_set(all_isas[k]);
+            for (int nt = 1; nt <= 3; nt++) {
+                memset(y, 0xFF, n * out * sizeof(float)); /* NaN garbage must be overwritten */
+                assert_int_equal(kern_salr_spmm(bm, x, n, y, false, nt), FU_OK);
+                assert_true(rel_err(y, ref, n * out) < 1e-5);
+                memcpy(y, y0, n * out * sizeof(float));
+                assert_int_equal(kern_salr_spmm(bm, x, n, y, true, nt), FU_OK);
+                assert_true(rel_err(y, refacc, n * out) < 1e-5);
+            }
         }
     }
+    kern_salr_set_strategy(KERN_SALR_STRATEGY_AUTO);
     kern_simd_set(KERN_SIMD_AUTO);
     kern_bitmap_destroy(&bm);
     free(w);
@@ -324,8 +331,10 @@ static void test_kern_salr_spmm_matches_dense(void **state)
 static void test_kern_salr_spmm_large_pipeline(void **state)
 {
     (void)state;
-    /* more rows than one pipeline block (KERN_SALR_BLOCK_BYTES / (cols*4) rows) */
-    check_spmm(8 * 130 + 3, 2048 + 7, 40, KERN_BITMAP_F32);
+    /* more rows than one dense block (KERN_SALR_BLOCK_BYTES / (cols*4) rows), rows not a
+     * multiple of the tile height */
+    size_t cols = 2048 + 7, rows = KERN_SALR_BLOCK_BYTES / (cols * sizeof(float)) + 8 * 7 + 3;
+    check_spmm(rows, cols, 24, KERN_BITMAP_F32);
 }
 
 /* Several threads calling the product at once (the helper thread is busy for all but one). */
