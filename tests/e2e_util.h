@@ -3,7 +3,9 @@
  * e2e_cluster_start makes keys with `fusion keygen` (broker, client, one per peer), an allow-list,
  * a tiny model with `fusion model init`, a client configuration file (FUSION_CONFIG: broker,
  * broker-key, keys, the format of deploy/fusion.conf.example), then starts `fusion-broker` on a free
- * port of 127.0.0.1 and N `fusion-peer`s whose data sockets also take free ports. Every child gets
+ * port of 127.0.0.1 and N `fusion-peer`s whose data sockets also take free ports. The model, the
+ * training text, the peers' memory, the broker's backups and heartbeat, and the test-only fault hook
+ * of the peers are the cluster's settings (e2e_cluster fields). Every child gets
  * prctl(PR_SET_PDEATHSIG, SIGKILL) right after fork, so nothing outlives a crashed test; every child
  * is reaped by e2e_cluster_stop (graceful: SIGTERM, exit codes checked) or e2e_teardown (after a
  * failed assertion: SIGCONT, SIGKILL, logs kept and their tails printed).
@@ -61,14 +63,28 @@ typedef struct {
     int backups;                 /* --backups of the broker */
     int heartbeat_ms;            /* --heartbeat-ms of the broker (0: its default) */
     const char *peer_memory_gb;  /* --max-memory of every peer (NULL: none) */
+    const char *model_args;      /* `fusion model init` options (NULL: E2E_MODEL_ARGS) */
+    bool word_data;              /* train on E2E_WORDS words of a seeded stream (DIR/data.txt), not Shakespeare */
+    bool corrupt_hook;           /* peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=scale:DIR/corrupt.pI: it
+                                    cheats while that file exists (peer/peer_verify.h; tests only) */
 } e2e_cluster;
+
+#define E2E_WORDS 6000 /* words of the seeded training stream (word_data) */
+
+/* The two-stage cluster of the peer tests (test_peer_broker.c, test_verify.c): an 8-layer model;
+ * each peer offers 60 MiB, and the broker's plan needs about 71 MiB in one stage and about 52 MiB per
+ * stage in two, so every job runs as a two-stage pipeline whatever speeds the peers measured on a
+ * loaded machine; heartbeat 300 ms; the seeded word stream as training text. */
+#define E2E_TWO_STAGE_MODEL_ARGS "--layers 8 --hidden 256 --ffn 1024 --seed 2"
+#define E2E_TWO_STAGE_MEMORY_GB  "0.0586"
 
 static e2e_cluster *e2e_live; /* the running cluster, for the teardown after a failed assertion */
 
 /* ---- processes ------------------------------------------------------------------------------- */
 
-/* fork + exec argv[0] with stdout and stderr appended to log; the child dies with the test. */
-static inline pid_t e2e_spawn(const char *log, char *const argv[])
+/* fork + exec argv[0] with stdout and stderr appended to log, and the environment variable
+ * env_name=env_value when env_name is not NULL; the child dies with the test. */
+static inline pid_t e2e_spawn_env(const char *log, char *const argv[], const char *env_name, const char *env_value)
 {
     pid_t parent = getpid();
     pid_t pid = fork();
@@ -77,6 +93,8 @@ static inline pid_t e2e_spawn(const char *log, char *const argv[])
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent) /* the test died before prctl took effect */
             _exit(127);
+        if (env_name)
+            setenv(env_name, env_value, 1);
         int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (fd >= 0) {
             dup2(fd, 1);
@@ -87,6 +105,11 @@ static inline pid_t e2e_spawn(const char *log, char *const argv[])
         _exit(127);
     }
     return pid;
+}
+
+static inline pid_t e2e_spawn(const char *log, char *const argv[])
+{
+    return e2e_spawn_env(log, argv, NULL, NULL);
 }
 
 /* Waits for pid to exit within timeout_ms: its exit code (128+signal when killed); on timeout it is
@@ -291,6 +314,28 @@ static inline long e2e_wait_step(const e2e_cluster *c, const char *id, long step
     }
 }
 
+/* Index of the peer that the current broker's log says runs stage `stage` of job id ("job ID stage
+ * K/N on KEY (pI)"), waiting up to timeout_ms for the plan; fails the test when there is none. */
+static inline int e2e_planned_peer(const e2e_cluster *c, const char *id, int stage, int timeout_ms)
+{
+    char log[E2E_PATH], needle[96];
+    e2e_broker_log(c, log);
+    snprintf(needle, sizeof needle, "job %s stage %d/", id, stage);
+    if (!e2e_wait_file(log, needle, timeout_ms)) {
+        e2e_show(log, 40);
+        fail_msg("job %s: no stage %d in the broker's plan", id, stage);
+    }
+    char *bl = e2e_slurp(log);
+    const char *at = strstr(bl, needle);
+    const char *eol = at ? strchr(at, '\n') : NULL;
+    const char *pn = at ? strstr(at, " (p") : NULL;
+    int i = pn && (!eol || pn < eol) && pn[3] >= '0' && pn[3] <= '9' ? pn[3] - '0' : -1;
+    free(bl);
+    if (i < 0 || i >= c->n_peers)
+        fail_msg("job %s: cannot read stage %d's peer from the broker's log", id, stage);
+    return i;
+}
+
 /* Index of the peer named "pK" in the cluster (-1 if none). */
 static inline int e2e_peer_index(const char *name)
 {
@@ -421,7 +466,10 @@ static inline void e2e_peer_start(e2e_cluster *c, int i)
         argv[n++] = (char *)c->peer_memory_gb;
     }
     argv[n] = NULL;
-    c->peers[i] = e2e_spawn(log, argv);
+    char corrupt[E2E_PATH + 16];
+    if (c->corrupt_hook)
+        snprintf(corrupt, sizeof corrupt, "scale:%s/corrupt.p%d", c->dir, i);
+    c->peers[i] = e2e_spawn_env(log, argv, c->corrupt_hook ? "FUSION_TEST_CORRUPT_OUTPUT" : NULL, corrupt);
     c->stopped[i] = false;
     free(argv[0]);
 }
@@ -438,9 +486,10 @@ static inline void e2e_peer_wait_joined(e2e_cluster *c, int i, int timeout_ms)
     }
 }
 
-/* Makes the keys, allow-list, model (E2E_MODEL_ARGS in DIR/model) and client configuration, starts
- * the broker and n_peers peers, and waits until every peer has joined. Set c->backups,
- * c->heartbeat_ms and c->peer_memory_gb before (memset + defaults are done by e2e_cluster_init). */
+/* Makes the keys, allow-list, model (c->model_args, default E2E_MODEL_ARGS, in DIR/model), training
+ * text and client configuration, starts the broker and n_peers peers, and waits until every peer has
+ * joined. Set c->backups, c->heartbeat_ms, c->peer_memory_gb, c->model_args, c->word_data and
+ * c->corrupt_hook before e2e_cluster_start (memset + defaults are done by e2e_cluster_init). */
 static inline void e2e_cluster_init(e2e_cluster *c, const char *tag, int n_peers)
 {
     memset(c, 0, sizeof *c);
@@ -458,6 +507,17 @@ static inline void e2e_cluster_init(e2e_cluster *c, const char *tag, int n_peers
     e2e_live = c;
 }
 
+/* e2e_cluster_init for the two-stage cluster above, with `backups` warm backups. */
+static inline void e2e_two_stage_init(e2e_cluster *c, const char *tag, int n_peers, int backups)
+{
+    e2e_cluster_init(c, tag, n_peers);
+    c->backups = backups;
+    c->heartbeat_ms = 300;
+    c->peer_memory_gb = E2E_TWO_STAGE_MEMORY_GB;
+    c->model_args = E2E_TWO_STAGE_MODEL_ARGS;
+    c->word_data = true;
+}
+
 static inline void e2e_cluster_start(e2e_cluster *c)
 {
     char *out = NULL;
@@ -469,11 +529,25 @@ static inline void e2e_cluster_start(e2e_cluster *c)
     int rc = tu_sh(&out,
                    "cd '%s' && for k in %s; do '%s' keygen -o $k >/dev/null || exit 1; done && "
                    "for k in client %s; do grep -v '^#' $k/public.key; done > allow && "
-                   "'%s' model init -o model " E2E_MODEL_ARGS " >/dev/null",
-                   c->dir, keys, tu_bin("fusion"), keys + strlen("broker client "), tu_bin("fusion"));
+                   "'%s' model init -o model %s >/dev/null",
+                   c->dir, keys, tu_bin("fusion"), keys + strlen("broker client "), tu_bin("fusion"),
+                   c->model_args ? c->model_args : E2E_MODEL_ARGS);
     if (rc != 0)
         fail_msg("cluster setup failed: %s", out ? out : "");
     free(out);
+    if (c->word_data) { /* a deterministic word stream */
+        e2e_path(c, c->data, "data.txt");
+        FILE *df = fopen(c->data, "w");
+        assert_non_null(df);
+        static const char *words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs",
+                                      "far", "away", "into", "forest", "river", "stone"};
+        uint32_t x = 12345;
+        for (int i = 0; i < E2E_WORDS; i++) {
+            x = x * 1103515245u + 12345u;
+            fprintf(df, "%s%c", words[(x >> 16) % 16], i % 13 == 12 ? '\n' : ' ');
+        }
+        fclose(df);
+    }
     e2e_broker_start(c);
     FILE *f = fopen(c->conf, "w");
     assert_non_null(f);
