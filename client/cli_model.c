@@ -278,22 +278,26 @@ static int model_prune(int argc, char **argv)
     const char *in = NULL, *out = NULL, *method = "salr";
     double sparsity = 0.5;
     long long rank = DAG_SALR_DEFAULT_RANK, seed = 0;
-    bool force = false;
+    bool force = false, prune_head = false, keep_head = false;
     const fu_opt opts[] = {
         {"method", 0, FU_OPT_STR, &method, "M", "pruning method: salr (the only one)"},
         {"sparsity", 0, FU_OPT_DOUBLE, &sparsity, "S", "fraction of each linear weight set to zero (default 0.5)"},
         {"svd-rank", 0, FU_OPT_INT, &rank, "R", "rank of the frozen SVD adapter kept for the pruned residual (default 16)"},
         {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the randomized SVD (default 0)"},
+        {"prune-lm-head", 0, FU_OPT_FLAG, &prune_head, NULL,
+         "prune lm_head.weight too (faster generation, lower quality; `fusion submit` cannot run it yet)"},
+        {"keep-lm-head", 0, FU_OPT_FLAG, &keep_head, NULL, "keep lm_head.weight dense (the default)"},
         {"input", 'i', FU_OPT_STR, &in, "DIR", "the dense Hugging Face model directory"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the pruned model"},
         {"force", 0, FU_OPT_FLAG, &force, NULL, "write into a non-empty output directory"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
-        .usage = "--method salr -i DIR -o DIR [--sparsity 0.5] [--svd-rank R]",
-        .summary = "Writes a SALR model: every linear weight magnitude-pruned (per matrix) and stored bitmap-encoded,\n"
-                   "with the pruned residual kept as a frozen truncated-SVD adapter. `fusion run finetune\n"
-                   "--method salr` and `fusion run infer` read the result.",
+        .usage = "--method salr -i DIR -o DIR [--sparsity 0.5] [--svd-rank R] [--prune-lm-head | --keep-lm-head]",
+        .summary = "Writes a SALR model: every linear weight of the decoder layers magnitude-pruned (per matrix) and\n"
+                   "stored bitmap-encoded, with the pruned residual kept as a frozen truncated-SVD adapter; with\n"
+                   "--prune-lm-head the output projection (lm_head) too, unless the embeddings are tied.\n"
+                   "`fusion run finetune --method salr` and `fusion run infer` read the result.",
         .opts = opts,
         .n_opts = sizeof opts / sizeof opts[0],
     };
@@ -313,18 +317,35 @@ static int model_prune(int argc, char **argv)
         fprintf(stderr, "%s: --sparsity must be in [0, 1) and --svd-rank in 1..65536\n", cmd.prog);
         return FU_EXIT_USAGE;
     }
+    if (prune_head && keep_head) {
+        fprintf(stderr, "%s: --prune-lm-head and --keep-lm-head contradict each other; give one\n", cmd.prog);
+        return FU_EXIT_USAGE;
+    }
     bool empty = true;
     if (!force && fu_path_exists(out) && (fu_dir_is_empty(out, &empty) != FU_OK || !empty)) {
         fprintf(stderr, "%s: '%s' exists and is not empty; use --force to write into it\n", cmd.prog, out);
         return FU_EXIT_FAIL;
     }
     fu_errmsg em = {0};
-    fu_err rc = dag_salr_prune_model(in, out, sparsity, (uint32_t)rank, (uint64_t)seed, &em);
+    dag_salr_prune_opts po = {.sparsity = sparsity, .rank = (uint32_t)rank, .seed = (uint64_t)seed,
+                              .prune_lm_head = prune_head};
+    dag_salr_prune_report rep;
+    fu_err rc = dag_salr_prune(in, out, &po, &rep, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
         return rc == FU_EINVAL ? FU_EXIT_USAGE : rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : FU_EXIT_FAIL;
     }
-    printf("wrote %s: SALR, sparsity %.2f, residual rank %lld\n", out, sparsity, rank);
+    if (rep.lm_head_tied)
+        fprintf(stderr, "%s: the embeddings are tied (tie_word_embeddings): lm_head is the embedding table, which "
+                        "the token lookup needs dense, so it is left dense\n", cmd.prog);
+    printf("wrote %s: SALR, sparsity %.2f, residual rank %lld, lm_head %s; %.1f MiB of weights -> %.1f MiB\n", out,
+           sparsity, rank, rep.lm_head_pruned ? "pruned" : "dense", (double)rep.bytes_in / 1048576.0,
+           (double)rep.bytes_out / 1048576.0);
+    printf("  relative error |W - (W_sparse + B*A)| / |W| (Frobenius): %zu block linears mean %.4f, worst %.4f\n",
+           rep.n_blocks, rep.blocks_err_mean, rep.blocks_err_max);
+    if (rep.lm_head_pruned)
+        printf("  lm_head: relative error %.4f (the rank-%lld residual kept %.1f%% of the pruned energy)\n",
+               rep.lm_head_err, rank, 100.0 * (1.0 - rep.lm_head_svd_ratio));
     return FU_EXIT_OK;
 }
 

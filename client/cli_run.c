@@ -67,6 +67,7 @@ typedef struct {
     fu_tokenizer *tok;
     bool salr;
     uint32_t res_rank;
+    bool salr_lm_head; /* the SALR model's lm_head is pruned too */
 } cli_model;
 
 static fu_err model_open(const char *dir, cli_model *m, fu_errmsg *em)
@@ -80,8 +81,11 @@ static fu_err model_open(const char *dir, cli_model *m, fu_errmsg *em)
     bool has = fu_path_exists(sc);
     free(sc);
     if (has) {
-        FU_TRY(dag_salr_config_load(dir, &m->res_rank, NULL, em));
+        dag_salr_info info;
+        FU_TRY(dag_salr_info_load(dir, &info, em));
         m->salr = true;
+        m->res_rank = info.residual_rank;
+        m->salr_lm_head = info.lm_head;
     }
     return FU_OK;
 }
@@ -240,7 +244,8 @@ static int run_finetune(int argc, char **argv)
         goto done;
     }
     dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = targets,
-                         .res_rank = m.res_rank, .head = DAG_HEAD_LOSS, .seq_len = (uint32_t)seq_len};
+                         .res_rank = m.res_rank, .salr_lm_head = m.salr_lm_head, .head = DAG_HEAD_LOSS,
+                         .seq_len = (uint32_t)seq_len};
     uint32_t rows = (uint32_t)(batch / micro); /* sequences per micro-batch */
     dag_exec_opts eo = {.max_tokens = rows * (uint32_t)seq_len, .n_slots = 1, .training = true,
                         .seed = (uint64_t)seed, .lorafa_correction = correction};
@@ -472,7 +477,8 @@ static int run_infer(int argc, char **argv)
         goto done;
     }
     dag_build_opts bo = {.method = m.salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .rank = 0, .alpha = 0,
-                         .res_rank = m.res_rank, .head = DAG_HEAD_SAMPLE, .seq_len = (uint32_t)n_prompt};
+                         .res_rank = m.res_rank, .salr_lm_head = m.salr_lm_head, .head = DAG_HEAD_SAMPLE,
+                         .seq_len = (uint32_t)n_prompt};
     if (adapter) {
         uint32_t r = 0, tg = 0;
         float a = 0;

@@ -595,6 +595,17 @@ static fu_err load_salr_weight(dag_exec_t *x, const fu_safetensors *st, const da
     snprintf(on, sizeof on, "%s.offsets", name);
     const fu_st_tensor *tb = fu_safetensors_get(st, bn), *tvv = fu_safetensors_get(st, vn),
                        *to = fu_safetensors_get(st, on);
+    if ((tb || tvv || to) && !(tb && tvv && to))
+        return fu_errmsg_set(em, FU_EPROTO,
+                             "the bitmap-encoded weight '%s' is incomplete: '%s' is missing (a SALR weight is stored "
+                             "as .bitmap, .values and .offsets; prune the model again)",
+                             name, !tb ? bn : !tvv ? vn : on);
+    if (!tb && !fu_safetensors_get(st, name))
+        return fu_errmsg_set(em, FU_ENOTFOUND,
+                             "the model has neither '%s' nor a dense '%s': the graph expects a SALR-pruned %s%s", bn,
+                             name, nd->op == DAG_OP_LM_HEAD ? "lm_head" : "linear",
+                             nd->op == DAG_OP_LM_HEAD ? " (`fusion model prune --prune-lm-head` writes one)"
+                                                      : " (make one with `fusion model prune`)");
     if (tb && tvv && to) {
         if (tb->dtype != FU_ST_U8 || to->dtype != FU_ST_I32 || (tvv->dtype != FU_ST_F32 && tvv->dtype != FU_ST_F16))
             return fu_errmsg_set(em, FU_EPROTO, "%s: bitmap tensors of '%s' have the wrong dtypes (U8, F32/F16, I32)",
@@ -658,6 +669,24 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
             FU_TRY(load_f32(x, st, nd->params[0], 1, nd->dim_in, 1, &e->w, em));
             break;
         case DAG_OP_LM_HEAD: {
+            if (nd->adapter.method == DAG_ADAPTER_SALR) {
+                /* A pruned head: sparse weight and frozen residual as one SALR product, nothing trained. */
+                FU_TRY(load_salr_weight(x, st, nd, e, em));
+                e->r = 0;
+                e->scale = 0.0f;
+                FU_TRY(salr_rebuild(x, nd, e));
+                break;
+            }
+            if (!fu_safetensors_get(st, nd->params[0])) {
+                char bn[DAG_NAME_MAX + 16];
+                snprintf(bn, sizeof bn, "%s.bitmap", nd->params[0]);
+                if (fu_safetensors_get(st, bn))
+                    return fu_errmsg_set(em, FU_EINVAL,
+                                         "'%s' is stored SALR-pruned (bitmap-encoded) in this model, but the graph "
+                                         "has a dense lm_head: build it with salr_lm_head (dag_salr_info_load reads "
+                                         "salr_config.json)",
+                                         nd->params[0]);
+            }
             /* Tied embeddings: share the table when this range holds it. */
             for (size_t k = x->first; k < i; k++)
                 if (N(x, k)->op == DAG_OP_EMBEDDING && strcmp(N(x, k)->params[0], nd->params[0]) == 0 &&
@@ -1123,26 +1152,46 @@ static fu_err base_linear(const dag_exec_t *x, const kern_tensor_t *in, const ke
     return FU_OK;
 }
 
+/* A SALR product (linear or lm_head) over in's rows: the sparse base, then every adapter as one GEMM
+ * pair: h = X·[A1; A2]ᵀ, Y += h·[s1B1 | B2]ᵀ. h is kept for backward when the node runs one. */
+static fu_err fwd_salr(dag_exec_t *x, uint32_t slot, size_t i, const kern_tensor_t *in, kern_tensor_t *out)
+{
+    enode *e = &x->nodes[i];
+    int64_t rt = e->r + e->r2;
+    ebuf *h = NULL;
+    FU_TRY(pool_get(x, (size_t)x->o.max_tokens * (size_t)rt, &h));
+    kern_tensor_t hv = bview(x, h, in->shape[0], rt);
+    fu_err rc = kern_sparse_linear_forward(x->be, in, &e->sw, 0.0f, out);
+    if (rc == FU_OK)
+        rc = kern_lora_forward(x->be, in, NULL, e->a_cat, e->b_cat, 1.0f, &hv, out);
+    if (rc == FU_OK && e->run_bwd) /* backward needs h even for the frozen part */
+        x->hsave[(size_t)slot * x->n + i] = h;
+    else
+        h->refs = 0;
+    return rc;
+}
+
+/* dX = dY·W_sparse + (dY·b_cat)·a_cat (overwritten) of a SALR product, from the h its forward kept. */
+static fu_err bwd_salr_dx(dag_exec_t *x, uint32_t slot, size_t j, const kern_tensor_t *dy, kern_tensor_t *dx)
+{
+    enode *e = &x->nodes[j];
+    ebuf *h = x->hsave[(size_t)slot * x->n + j];
+    int64_t rt = e->r + e->r2;
+    if (!h)
+        return FU_EINVAL;
+    kern_tensor_t hv = bview(x, h, dy->shape[0], rt);
+    FU_TRY(kern_sparse_linear_backward(x->be, dy, &e->sw, dx));
+    FU_TRY(ensure_ws_rank(x, (uint32_t)dy->shape[0], rt));
+    return kern_lorafa_backward(x->be, dy, &hv, NULL, e->a_cat, e->b_cat, 1.0f, dx, NULL, x->ws);
+}
+
 static fu_err fwd_linear(dag_exec_t *x, uint32_t slot, size_t i, const kern_tensor_t *in, kern_tensor_t *out)
 {
     const dag_node *nd = N(x, i);
     enode *e = &x->nodes[i];
     eslot *s = &x->slots[slot];
-    if (nd->adapter.method == DAG_ADAPTER_SALR) {
-        /* Sparse base product, then every adapter as one GEMM pair: h = X·[A1; A2]ᵀ, Y += h·[s1B1 | B2]ᵀ. */
-        int64_t rt = e->r + e->r2;
-        ebuf *h = NULL;
-        FU_TRY(pool_get(x, (size_t)x->o.max_tokens * (size_t)rt, &h));
-        kern_tensor_t hv = bview(x, h, s->rows, rt);
-        fu_err rc = kern_sparse_linear_forward(x->be, in, &e->sw, 0.0f, out);
-        if (rc == FU_OK)
-            rc = kern_lora_forward(x->be, in, NULL, e->a_cat, e->b_cat, 1.0f, &hv, out);
-        if (rc == FU_OK && x->nodes[i].run_bwd) /* backward needs h even for the frozen part */
-            x->hsave[(size_t)slot * x->n + i] = h;
-        else
-            h->refs = 0;
-        return rc;
-    }
+    if (nd->adapter.method == DAG_ADAPTER_SALR)
+        return fwd_salr(x, slot, i, in, out);
     if (!e->A)
         return base_linear(x, in, e->w, out);
     ebuf *h = NULL;
@@ -1239,7 +1288,7 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
         kern_tensor_t a = bview(x, in[0], in_rows, nd->dim_in);
         if (rows != in_rows) /* last row only */
             a = tv2((float *)in[0]->t->data + (size_t)(in_rows - 1) * nd->dim_in, 1, nd->dim_in, dev);
-        rc = base_linear(x, &a, e->w, &out);
+        rc = nd->adapter.method == DAG_ADAPTER_SALR ? fwd_salr(x, slot, i, &a, &out) : base_linear(x, &a, e->w, &out);
         break;
     }
     case DAG_OP_CROSS_ENTROPY: {
@@ -1475,14 +1524,8 @@ static fu_err bwd_linear(dag_exec_t *x, uint32_t slot, size_t j, const kern_tens
         if (!h)
             return FU_EINVAL;
         kern_tensor_t hv = bview(x, h, s->rows, rt);
-        if (want_dx) {
-            /* dX = dY·W_sparse, then + (dY·b_cat)·a_cat through both adapters. */
-            rc = kern_sparse_linear_backward(x->be, dy, &e->sw, &dx);
-            if (rc == FU_OK)
-                rc = ensure_ws_rank(x, s->rows, rt);
-            if (rc == FU_OK)
-                rc = kern_lorafa_backward(x->be, dy, &hv, NULL, e->a_cat, e->b_cat, 1.0f, &dx, NULL, x->ws);
-        }
+        if (want_dx) /* dX = dY·W_sparse, then + (dY·b_cat)·a_cat through both adapters. */
+            rc = bwd_salr_dx(x, slot, j, dy, &dx);
         if (rc == FU_OK && e->r > 0 && e->dB) {
             /* dB1 += s1·dYᵀ·h[:, :r1] (the trained adapter's columns of h). */
             kern_tensor_t h1 = hv;
@@ -1565,7 +1608,10 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         kern_tensor_t dx;
         ebuf *tmp = NULL;
         FU_TRY(grad_target(x, src, s->rows, &dx, &tmp));
-        rc = kern_linear_backward(x->be, &dy, NULL, e->w, &dx, NULL);
+        if (nd->adapter.method == DAG_ADAPTER_SALR)
+            rc = bwd_salr_dx(x, slot, j, &dy, &dx);
+        else
+            rc = kern_linear_backward(x->be, &dy, NULL, e->w, &dx, NULL);
         if (rc == FU_OK)
             rc = grad_finish(x, src, s->rows, &tmp, &dx);
         if (tmp)

@@ -243,6 +243,24 @@ static void linear_costs(dag_node *n, bool train)
     n->act_bytes = train ? act : 0;
 }
 
+/* Fills the cost fields of the lm_head node: dense, or (SALR) the sparse base at 50% (bitmap + packed
+ * values, half the multiply-adds) plus the frozen residual pair; the backward computes dX only. */
+static void lm_head_costs(dag_node *n, bool train, bool tied)
+{
+    double in = n->dim_in, out = n->dim_out, base = 2.0 * in * out;
+    if (n->adapter.method == DAG_ADAPTER_SALR) {
+        double r2 = n->adapter.res_rank;
+        n->flops_fwd = base * 0.5 + 2.0 * r2 * (in + out);
+        n->flops_bwd = train ? n->flops_fwd : 0.0;
+        n->param_bytes = (uint64_t)(in * out / 8.0 + 4.0 * in * out * 0.5 + 4.0 * r2 * (in + out));
+        n->act_bytes = train ? (uint64_t)(4.0 * r2) : 0; /* h = X·A₂ᵀ, read by backward */
+        return;
+    }
+    n->flops_fwd = base;
+    n->flops_bwd = train ? base : 0.0;
+    n->param_bytes = tied ? 0 : (uint64_t)(4.0 * in * out); /* tied: the embedding's table */
+}
+
 static uint32_t add_linear(builder *b, int32_t layer, uint32_t in, dag_target tgt, const char *path,
                            uint32_t din, uint32_t dout)
 {
@@ -296,6 +314,13 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         (o->targets & ~DAG_TARGETS_ALL) != 0) {
         FU_ERROR("dag", "adapter options are invalid (method %d, rank %u, alpha %g, residual rank %u)",
                  (int)o->method, o->rank, (double)o->alpha, o->res_rank);
+        return FU_EINVAL;
+    }
+    if (o->salr_lm_head && (o->method != DAG_ADAPTER_SALR || d->tie_word_embeddings ||
+                            o->res_rank > (d->hidden_size < d->vocab_size ? d->hidden_size : d->vocab_size))) {
+        FU_ERROR("dag", "a SALR-pruned lm_head needs method salr, untied embeddings (a tied lm_head is the dense "
+                 "embedding table) and a residual rank of at most %u", d->hidden_size < d->vocab_size ? d->hidden_size
+                                                                                                  : d->vocab_size);
         return FU_EINVAL;
     }
     builder b = {.g = dag_graph_new(), .d = d, .o = o, .T = o->seq_len ? o->seq_len : 128, .err = FU_OK};
@@ -438,9 +463,14 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
     n.dim_out = d->vocab_size;
     n.out_width = d->vocab_size;
     set_param(&n, 0, "%s", d->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-    n.flops_fwd = 2.0 * H * d->vocab_size;
-    n.flops_bwd = train ? 2.0 * H * d->vocab_size : 0;
-    n.param_bytes = d->tie_word_embeddings ? 0 : 4ull * H * d->vocab_size;
+    if (o->salr_lm_head) {
+        /* A pruned head: sparse base and its frozen residual, no trained adapter. */
+        n.adapter.method = DAG_ADAPTER_SALR;
+        n.adapter.res_rank = o->res_rank;
+        set_param(&n, 1, "lm_head.salr_A.weight");
+        set_param(&n, 2, "lm_head.salr_B.weight");
+    }
+    lm_head_costs(&n, train, d->tie_word_embeddings);
     uint32_t lg = push(&b, &n);
 
     if (o->head != DAG_HEAD_LOGITS) {
@@ -561,8 +591,10 @@ fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
             return bad(msg, cap, n, "unknown adapter target %d", (int)n->target);
         if ((unsigned)n->adapter.method >= DAG_ADAPTER_COUNT_)
             return bad(msg, cap, n, "unknown adapter method %d", (int)n->adapter.method);
-        if (n->op != DAG_OP_LINEAR && (n->adapter.method != DAG_ADAPTER_NONE || n->target != DAG_TARGET_NONE))
-            return bad(msg, cap, n, "only linear nodes carry adapters");
+        if (n->op != DAG_OP_LINEAR && n->target != DAG_TARGET_NONE)
+            return bad(msg, cap, n, "only linear nodes have an adapter target");
+        if (n->op != DAG_OP_LINEAR && n->op != DAG_OP_LM_HEAD && n->adapter.method != DAG_ADAPTER_NONE)
+            return bad(msg, cap, n, "only linear and lm_head nodes carry adapters");
 
         uint64_t w[DAG_MAX_INPUTS] = {0};
         for (uint32_t k = 0; k < n->n_inputs; k++)
@@ -605,6 +637,23 @@ fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
                     return bad(msg, cap, n, "rank given without an adapter method");
                 if (n->target == DAG_TARGET_NONE && a->method != DAG_ADAPTER_NONE)
                     return bad(msg, cap, n, "adapter without a target module");
+            } else {
+                /* lm_head: dense, or SALR-pruned (sparse weight + frozen residual, nothing trained). */
+                const dag_adapter *a = &n->adapter;
+                uint32_t mn = n->dim_in < n->dim_out ? n->dim_in : n->dim_out;
+                if (a->method == DAG_ADAPTER_NONE) {
+                    if (a->rank || a->res_rank)
+                        return bad(msg, cap, n, "rank given without an adapter method");
+                } else if (a->method != DAG_ADAPTER_SALR || a->rank != 0 || a->alpha != 0.0f) {
+                    return bad(msg, cap, n, "lm_head takes no trained adapter (only a SALR-pruned base with its "
+                               "frozen residual)");
+                } else if (a->res_rank == 0 || a->res_rank > mn || a->res_rank > DAG_MAX_RANK) {
+                    return bad(msg, cap, n, "salr residual rank %u out of [1, %u]", a->res_rank, mn);
+                } else {
+                    want_params = 3;
+                    if (strcmp(n->params[0], "model.embed_tokens.weight") == 0)
+                        return bad(msg, cap, n, "a tied lm_head (the embedding table) cannot be SALR-pruned");
+                }
             }
             break;
         case DAG_OP_ROPE:

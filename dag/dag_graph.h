@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
-#define DAG_MAX_PARAMS   3       /* most parameter names (salr linear: weight, residual A, B) */
+#define DAG_MAX_PARAMS   3       /* most parameter names (salr linear/lm_head: weight, residual A, B) */
 #define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
 #define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
 #define DAG_MAX_DIM      (1u << 20) /* largest width, vocabulary or feature count accepted */
@@ -36,7 +36,7 @@ typedef enum {
     DAG_OP_ATTENTION = 5,     /* 3 inputs q, k, v; causal, grouped-query, KV cache in inference */
     DAG_OP_SILU_MUL = 6,      /* 2 inputs gate, up: silu(gate)·up */
     DAG_OP_ADD = 7,           /* 2 inputs */
-    DAG_OP_LM_HEAD = 8,       /* 1 input; logits = x·Wᵀ */
+    DAG_OP_LM_HEAD = 8,       /* 1 input; logits = x·Wᵀ (SALR-pruned: x·W_sparseᵀ + (x·A₂ᵀ)·B₂ᵀ) */
     DAG_OP_CROSS_ENTROPY = 9, /* 1 input (logits); mean next-token loss against the step's targets */
     DAG_OP_SAMPLE = 10,       /* 1 input (logits); picks the next token of the last position */
     DAG_OP_COUNT_
@@ -87,7 +87,8 @@ typedef struct {
     uint32_t n_params;                 /* number of used entries in params */
     char params[DAG_MAX_PARAMS][DAG_NAME_MAX]; /* HF safetensors names (weight first) */
     dag_target target;                 /* which of the seven linears this is (linear only) */
-    dag_adapter adapter;               /* linear only */
+    dag_adapter adapter;               /* linear; lm_head: NONE, or SALR with rank 0 (a pruned head:
+                                          sparse weight + frozen residual of res_rank, 3 params) */
     int32_t layer;                     /* decoder layer index, or DAG_NO_LAYER */
     uint32_t dim_in;                   /* input width (linear, rmsnorm, lm_head, embedding dim) */
     uint32_t dim_out;                  /* output width (linear: out features, lm_head: vocab) */
@@ -131,6 +132,9 @@ typedef struct {
     float alpha;               /* adapter alpha */
     uint32_t targets;          /* bitmask of DAG_TARGET_BIT(); 0 means all seven */
     uint32_t res_rank;         /* salr: rank of the model's residual adapters */
+    bool salr_lm_head;         /* salr: the model's lm_head is pruned too (bitmap-encoded weight plus
+                                  its own frozen residual of rank res_rank, no trained adapter);
+                                  needs method SALR and untied embeddings */
     dag_head head;             /* loss, sample or logits */
     uint32_t seq_len;          /* context length used for attention cost estimates */
 } dag_build_opts;
@@ -158,8 +162,10 @@ void dag_graph_set_dims(dag_graph_t *self, const dag_model_dims *dims);
 
 /* Builds a LLaMA decoder graph: embedding, n_layers × (rmsnorm, q/k/v linears, rope q/k, attention,
  * o linear, add, rmsnorm, gate/up linears, silu_mul, down linear, add), final rmsnorm, lm_head and
- * the head chosen in opts. Parameter names are Hugging Face's. FU_EINVAL (with a log line) on
- * impossible dimensions or options. *out is a new graph the caller destroys. */
+ * the head chosen in opts. Parameter names are Hugging Face's. With opts->salr_lm_head the lm_head
+ * node is SALR too (params lm_head.weight, lm_head.salr_A.weight, lm_head.salr_B.weight). FU_EINVAL
+ * (with a log line) on impossible dimensions or options (salr_lm_head without method SALR or with
+ * tied embeddings among them). *out is a new graph the caller destroys. */
 FU_MUST_CHECK fu_err dag_build_llama(const dag_model_dims *dims, const dag_build_opts *opts, dag_graph_t **out);
 
 /* Checks everything a graph from the network could get wrong: node count, ids equal positions,

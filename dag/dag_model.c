@@ -135,19 +135,96 @@ static void out_free(out_list *l)
     free(l->data);
 }
 
-fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double sparsity, uint32_t rank, uint64_t seed,
-                            fu_errmsg *em)
+static double sumsq(const float *f, size_t n)
 {
-    if (!in_dir || !out_dir)
+    double s = 0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)f[i] * f[i];
+    return s;
+}
+
+/* Prunes one matrix f [rows, cols] (consumed: freed) into l's tensors and meta's format entry.
+ * *rel_err and *svd_ratio receive its errors (see dag_salr_prune_report). */
+static fu_err prune_matrix(out_list *l, char ***meta, size_t *n_meta, const char *wname, float *f, size_t rows,
+                           size_t cols, const dag_salr_prune_opts *o, uint64_t seed, double *rel_err,
+                           double *svd_ratio, fu_errmsg *em)
+{
+    uint32_t rank = o->rank;
+    if (rank > (rows < cols ? rows : cols)) {
+        free(f);
+        return fu_errmsg_set(em, FU_EINVAL, "residual rank %u exceeds the smaller side of '%s' [%zu, %zu]", rank,
+                             wname, rows, cols);
+    }
+    size_t ne = rows * cols;
+    double w2 = sumsq(f, ne), r2 = 0, ratio = 0;
+    float *res = fu_malloc(ne * sizeof *res);
+    fu_err rc = kern_salr_prune(f, rows, cols, o->sparsity, f, res, NULL);
+    float *la = fu_malloc((size_t)rank * cols * sizeof *la);
+    float *lb = fu_malloc(rows * (size_t)rank * sizeof *lb);
+    if (rc == FU_OK) {
+        r2 = sumsq(res, ne);
+        rc = kern_salr_svd(res, rows, cols, rank, KERN_SALR_SVD_AUTO, seed, la, lb, &ratio);
+    }
+    free(res);
+    kern_bitmap_t *bm = NULL;
+    if (rc == FU_OK)
+        rc = kern_bitmap_encode(f, rows, cols, cols, KERN_BITMAP_F32, &bm);
+    free(f);
+    if (rc != FU_OK) {
+        free(la);
+        free(lb);
+        return fu_errmsg_set(em, rc, "cannot prune '%s'", wname);
+    }
+    *rel_err = w2 > 0 ? sqrt(ratio * r2 / w2) : 0.0;
+    *svd_ratio = ratio;
+    char name[160], mod[100];
+    snprintf(mod, sizeof mod, "%s", wname);
+    size_t ml = strlen(mod);
+    if (ml > 7 && strcmp(mod + ml - 7, ".weight") == 0)
+        mod[ml - 7] = '\0';
+    size_t blen, vlen, olen;
+    const uint8_t *bb = kern_bitmap_bitmap(bm, &blen);
+    const void *vv = kern_bitmap_values(bm, &vlen);
+    const int32_t *oo = kern_bitmap_offsets(bm, &olen);
+    void *bc = fu_malloc(blen ? blen : 1), *vc = fu_malloc(vlen ? vlen : 1), *oc = fu_malloc(olen ? olen : 1);
+    memcpy(bc, bb, blen);
+    memcpy(vc, vv, vlen);
+    memcpy(oc, oo, olen);
+    snprintf(name, sizeof name, "%s.bitmap", wname);
+    out_add(l, name, FU_ST_U8, 1, blen, 1, bc, blen);
+    snprintf(name, sizeof name, "%s.values", wname);
+    out_add(l, name, FU_ST_F32, 1, vlen / sizeof(float), 1, vc, vlen);
+    snprintf(name, sizeof name, "%s.offsets", wname);
+    out_add(l, name, FU_ST_I32, 1, olen / sizeof(int32_t), 1, oc, olen);
+    snprintf(name, sizeof name, "%s.salr_A.weight", mod);
+    out_add(l, name, FU_ST_F32, 2, rank, cols, la, (size_t)rank * cols * sizeof(float));
+    snprintf(name, sizeof name, "%s.salr_B.weight", mod);
+    out_add(l, name, FU_ST_F32, 2, rows, rank, lb, rows * (size_t)rank * sizeof(float));
+    kern_bitmap_destroy(&bm);
+    *meta = fu_realloc(*meta, (2 * *n_meta + 2) * sizeof **meta);
+    snprintf(name, sizeof name, "%s.format", wname);
+    (*meta)[2 * *n_meta] = fu_strdup(name);
+    (*meta)[2 * *n_meta + 1] = fu_strdup(KERN_BITMAP_FORMAT_NAME);
+    (*n_meta)++;
+    return FU_OK;
+}
+
+fu_err dag_salr_prune(const char *in_dir, const char *out_dir, const dag_salr_prune_opts *o,
+                      dag_salr_prune_report *rep_out, fu_errmsg *em)
+{
+    if (!in_dir || !out_dir || !o)
         return FU_EINVAL;
-    if (!(sparsity >= 0.0 && sparsity < 1.0))
-        return fu_errmsg_set(em, FU_EINVAL, "sparsity %g is outside [0, 1)", sparsity);
-    if (rank == 0)
+    if (!(o->sparsity >= 0.0 && o->sparsity < 1.0))
+        return fu_errmsg_set(em, FU_EINVAL, "sparsity %g is outside [0, 1)", o->sparsity);
+    if (o->rank == 0)
         return fu_errmsg_set(em, FU_EINVAL, "the residual rank must be at least 1");
     fu_modelcfg cfg;
     FU_TRY(fu_modelcfg_load(in_dir, &cfg, em));
     fu_safetensors *st = NULL;
     FU_TRY(fu_safetensors_open_dir(in_dir, &st, em));
+    dag_salr_prune_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.lm_head_tied = o->prune_lm_head && cfg.tie_word_embeddings;
     out_list l = {0};
     char **meta = NULL;
     size_t n_meta = 0;
@@ -165,65 +242,33 @@ fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double spar
             free(f);
             break;
         }
-        if (!is_linear(w.kind)) {
+        rep.bytes_in += ne * sizeof(float);
+        bool lm = w.kind == FU_W_LM_HEAD && o->prune_lm_head;
+        if (!is_linear(w.kind) && !lm) {
             out_add(&l, w.name, FU_ST_F32, w.ndim, w.shape[0], w.shape[1], f, ne * sizeof *f);
             continue;
         }
-        size_t rows = (size_t)w.shape[0], cols = (size_t)w.shape[1];
-        if (rank > (rows < cols ? rows : cols)) {
-            free(f);
-            rc = fu_errmsg_set(em, FU_EINVAL, "residual rank %u exceeds the smaller side of '%s' [%zu, %zu]", rank,
-                               w.name, rows, cols);
+        double err = 0, ratio = 0;
+        rc = prune_matrix(&l, &meta, &n_meta, w.name, f, (size_t)w.shape[0], (size_t)w.shape[1], o,
+                          o->seed ^ (uint64_t)i, &err, &ratio, em);
+        if (rc != FU_OK)
             break;
+        if (lm) {
+            rep.lm_head_pruned = true;
+            rep.lm_head_err = err;
+            rep.lm_head_svd_ratio = ratio;
+        } else {
+            rep.n_blocks++;
+            rep.blocks_err_mean += err;
+            if (err > rep.blocks_err_max)
+                rep.blocks_err_max = err;
         }
-        float *res = fu_malloc(ne * sizeof *res);
-        rc = kern_salr_prune(f, rows, cols, sparsity, f, res, NULL);
-        float *la = fu_malloc((size_t)rank * cols * sizeof *la);
-        float *lb = fu_malloc(rows * (size_t)rank * sizeof *lb);
-        if (rc == FU_OK)
-            rc = kern_salr_svd(res, rows, cols, rank, KERN_SALR_SVD_AUTO, seed ^ (uint64_t)i, la, lb, NULL);
-        free(res);
-        kern_bitmap_t *bm = NULL;
-        if (rc == FU_OK)
-            rc = kern_bitmap_encode(f, rows, cols, cols, KERN_BITMAP_F32, &bm);
-        free(f);
-        if (rc != FU_OK) {
-            free(la);
-            free(lb);
-            fu_errmsg_set(em, rc, "cannot prune '%s'", w.name);
-            break;
-        }
-        char name[160], mod[100];
-        snprintf(mod, sizeof mod, "%s", w.name);
-        size_t ml = strlen(mod);
-        if (ml > 7 && strcmp(mod + ml - 7, ".weight") == 0)
-            mod[ml - 7] = '\0';
-        size_t blen, vlen, olen;
-        const uint8_t *bb = kern_bitmap_bitmap(bm, &blen);
-        const void *vv = kern_bitmap_values(bm, &vlen);
-        const int32_t *oo = kern_bitmap_offsets(bm, &olen);
-        void *bc = fu_malloc(blen ? blen : 1), *vc = fu_malloc(vlen ? vlen : 1), *oc = fu_malloc(olen ? olen : 1);
-        memcpy(bc, bb, blen);
-        memcpy(vc, vv, vlen);
-        memcpy(oc, oo, olen);
-        snprintf(name, sizeof name, "%s.bitmap", w.name);
-        out_add(&l, name, FU_ST_U8, 1, blen, 1, bc, blen);
-        snprintf(name, sizeof name, "%s.values", w.name);
-        out_add(&l, name, FU_ST_F32, 1, vlen / sizeof(float), 1, vc, vlen);
-        snprintf(name, sizeof name, "%s.offsets", w.name);
-        out_add(&l, name, FU_ST_I32, 1, olen / sizeof(int32_t), 1, oc, olen);
-        snprintf(name, sizeof name, "%s.salr_A.weight", mod);
-        out_add(&l, name, FU_ST_F32, 2, rank, cols, la, (size_t)rank * cols * sizeof(float));
-        snprintf(name, sizeof name, "%s.salr_B.weight", mod);
-        out_add(&l, name, FU_ST_F32, 2, rows, rank, lb, rows * (size_t)rank * sizeof(float));
-        kern_bitmap_destroy(&bm);
-        meta = fu_realloc(meta, (2 * n_meta + 2) * sizeof *meta);
-        snprintf(name, sizeof name, "%s.format", w.name);
-        meta[2 * n_meta] = fu_strdup(name);
-        meta[2 * n_meta + 1] = fu_strdup(KERN_BITMAP_FORMAT_NAME);
-        n_meta++;
     }
     fu_safetensors_close(&st);
+    if (rep.n_blocks)
+        rep.blocks_err_mean /= (double)rep.n_blocks;
+    for (size_t i = 0; i < l.n; i++)
+        rep.bytes_out += l.t[i].nbytes;
     if (rc == FU_OK)
         rc = fu_mkdir_p(out_dir, 0755, em);
     if (rc == FU_OK) {
@@ -234,11 +279,11 @@ fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double spar
     if (rc == FU_OK)
         rc = fu_modelcfg_save(out_dir, &cfg, em);
     if (rc == FU_OK) {
-        char js[256];
+        char js[320];
         int len = snprintf(js, sizeof js,
                            "{\n  \"method\": \"salr\",\n  \"sparsity\": %.6g,\n  \"residual_rank\": %u,\n"
-                           "  \"format\": \"%s\"\n}\n",
-                           sparsity, rank, KERN_BITMAP_FORMAT_NAME);
+                           "  \"format\": \"%s\",\n  \"lm_head\": \"%s\"\n}\n",
+                           o->sparsity, o->rank, KERN_BITMAP_FORMAT_NAME, rep.lm_head_pruned ? "salr" : "dense");
         char *path = fu_path_join(out_dir, DAG_SALR_CONFIG_FILE);
         rc = fu_file_write_atomic(path, js, (size_t)len, 0644, em);
         free(path);
@@ -247,11 +292,22 @@ fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double spar
         free(meta[i]);
     free(meta);
     out_free(&l);
+    if (rc == FU_OK && rep_out)
+        *rep_out = rep;
     return rc;
 }
 
-fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em)
+fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double sparsity, uint32_t rank, uint64_t seed,
+                            fu_errmsg *em)
 {
+    dag_salr_prune_opts o = {.sparsity = sparsity, .rank = rank, .seed = seed, .prune_lm_head = false};
+    return dag_salr_prune(in_dir, out_dir, &o, NULL, em);
+}
+
+fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em)
+{
+    if (!dir || !out)
+        return FU_EINVAL;
     char *path = fu_path_join(dir, DAG_SALR_CONFIG_FILE);
     char *txt = NULL;
     size_t len = 0;
@@ -268,17 +324,36 @@ fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sp
         return fu_errmsg_set(em, FU_EPROTO, "%s: not valid JSON", DAG_SALR_CONFIG_FILE);
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "residual_rank");
     const cJSON *s = cJSON_GetObjectItemCaseSensitive(j, "sparsity");
+    const cJSON *lh = cJSON_GetObjectItemCaseSensitive(j, "lm_head");
     rc = FU_OK;
     if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > DAG_MAX_RANK || !cJSON_IsNumber(s) ||
         !(s->valuedouble >= 0 && s->valuedouble < 1))
         rc = fu_errmsg_set(em, FU_EPROTO, "%s: residual_rank must be 1..%d and sparsity in [0, 1)",
                            DAG_SALR_CONFIG_FILE, DAG_MAX_RANK);
+    else if (lh && !(cJSON_IsString(lh) && (strcmp(lh->valuestring, "salr") == 0 ||
+                                            strcmp(lh->valuestring, "dense") == 0)))
+        rc = fu_errmsg_set(em, FU_EPROTO, "%s: lm_head must be \"salr\" or \"dense\"", DAG_SALR_CONFIG_FILE);
     else {
-        if (residual_rank)
-            *residual_rank = (uint32_t)r->valuedouble;
-        if (sparsity)
-            *sparsity = s->valuedouble;
+        out->residual_rank = (uint32_t)r->valuedouble;
+        out->sparsity = s->valuedouble;
+        out->lm_head = lh && strcmp(lh->valuestring, "salr") == 0;
     }
     cJSON_Delete(j);
     return rc;
+}
+
+fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em)
+{
+    dag_salr_info info;
+    FU_TRY(dag_salr_info_load(dir, &info, em));
+    if (info.lm_head)
+        return fu_errmsg_set(em, FU_ENOSYS,
+                             "model dir '%s' has a SALR-pruned lm_head, which this path does not run yet "
+                             "(`fusion run` does); prune the model again with --keep-lm-head",
+                             dir);
+    if (residual_rank)
+        *residual_rank = info.residual_rank;
+    if (sparsity)
+        *sparsity = info.sparsity;
+    return FU_OK;
 }

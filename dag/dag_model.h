@@ -5,11 +5,14 @@
  * each of the seven linear weights of every layer is stored bitmap-encoded as three tensors
  * <name>.bitmap (U8), <name>.values (F32) and <name>.offsets (I32) (kern_bitmap.h; metadata
  * <name>.format = "salr-bitmap-v1"), next to its frozen truncated-SVD residual adapter
- * <module>.salr_A.weight [r, in] and <module>.salr_B.weight [out, r] (R ≈ salr_B·salr_A). Other
- * tensors are copied unchanged. See docs/DAG.md. */
+ * <module>.salr_A.weight [r, in] and <module>.salr_B.weight [out, r] (R ≈ salr_B·salr_A). With
+ * --prune-lm-head, lm_head.weight is stored the same way (lm_head.salr_A/B.weight). Other tensors are
+ * copied unchanged. See docs/DAG.md and docs/SALR.md. */
 #ifndef FU_DAG_MODEL_H
 #define FU_DAG_MODEL_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "dag_graph.h"
@@ -33,15 +36,57 @@ void dag_dims_from_cfg(const fu_modelcfg *cfg, dag_model_dims *out);
 FU_MUST_CHECK fu_err dag_model_init_random(const char *dir, const fu_modelcfg *cfg, uint64_t seed, float std,
                                            fu_errmsg *em);
 
-/* SALR-prunes the model in in_dir into out_dir: each linear weight magnitude-pruned to `sparsity`
- * (kern_salr_prune), stored bitmap-encoded, its residual kept as a rank-`rank` SVD adapter
- * (kern_salr_svd, seeded); everything else copied. Writes salr_config.json
- * {"sparsity", "residual_rank", "format"}. FU_EINVAL for sparsity outside [0, 1) or a rank above
- * a matrix's smaller side; errors of reading/writing with a message. */
+/* What `fusion model prune` does. */
+typedef struct {
+    double sparsity;    /* fraction of each pruned matrix set to zero, in [0, 1) */
+    uint32_t rank;      /* rank of each frozen residual adapter (1..the matrix's smaller side) */
+    uint64_t seed;      /* randomized SVD */
+    bool prune_lm_head; /* prune lm_head.weight too (ignored, and reported, with tied embeddings) */
+} dag_salr_prune_opts;
+
+/* What pruning did: relative errors ‖W − (W_s + B·A)‖_F / ‖W‖_F of the weight the model then
+ * computes with (the pruned matrix plus its rank-r residual) against the dense one. */
+typedef struct {
+    size_t n_blocks;          /* block linears pruned */
+    double blocks_err_mean;   /* mean relative error over the block linears */
+    double blocks_err_max;    /* worst relative error over the block linears */
+    bool lm_head_pruned;      /* lm_head.weight was pruned */
+    bool lm_head_tied;        /* pruning was asked for but the embeddings are tied: left dense */
+    double lm_head_err;       /* relative error of the pruned lm_head (0 when dense) */
+    double lm_head_svd_ratio; /* ‖R − R_r‖²_F / ‖R‖²_F of lm_head's residual (how little rank r kept) */
+    uint64_t bytes_in;        /* f32 bytes of every tensor read from in_dir */
+    uint64_t bytes_out;       /* bytes of the tensors written to out_dir */
+} dag_salr_prune_report;
+
+/* SALR-prunes the model in in_dir into out_dir: each linear weight of every layer (and lm_head.weight
+ * when o->prune_lm_head and the embeddings are untied) magnitude-pruned to o->sparsity
+ * (kern_salr_prune), stored bitmap-encoded, its residual kept as a rank-o->rank SVD adapter
+ * (kern_salr_svd, seeded); everything else copied. Writes salr_config.json {"method", "sparsity",
+ * "residual_rank", "format", "lm_head": "salr" | "dense"}. rep (may be NULL) receives what was done.
+ * FU_EINVAL for sparsity outside [0, 1) or a rank above a matrix's smaller side; errors of
+ * reading/writing with a message. */
+FU_MUST_CHECK fu_err dag_salr_prune(const char *in_dir, const char *out_dir, const dag_salr_prune_opts *o,
+                                    dag_salr_prune_report *rep, fu_errmsg *em);
+
+/* dag_salr_prune with the block linears only (lm_head kept dense), the `fusion model prune` default. */
 FU_MUST_CHECK fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double sparsity, uint32_t rank,
                                           uint64_t seed, fu_errmsg *em);
 
-/* Reads dir/salr_config.json. FU_ENOTFOUND when dir is not a pruned model. */
+/* A pruned model's salr_config.json. */
+typedef struct {
+    uint32_t residual_rank; /* rank of every residual adapter */
+    double sparsity;        /* pruned fraction of each matrix */
+    bool lm_head;           /* lm_head.weight is pruned too ("lm_head": "salr"): build with salr_lm_head */
+} dag_salr_info;
+
+/* Reads dir/salr_config.json. A file without "lm_head" (written before lm_head pruning existed)
+ * means a dense lm_head. FU_ENOTFOUND when dir is not a pruned model; FU_EPROTO for a malformed file. */
+FU_MUST_CHECK fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em);
+
+/* dag_salr_info_load for callers that build blocks-only SALR graphs (salr_lm_head false): the
+ * residual rank and sparsity. A model whose lm_head is pruned is refused with FU_ENOSYS and a message
+ * (such a caller would build a dense lm_head the files do not have, and fail later at the missing
+ * tensor), so it must move to dag_salr_info_load. */
 FU_MUST_CHECK fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em);
 
 #ifdef __cplusplus

@@ -165,6 +165,89 @@ static void test_dag_cli_salr_finetune(void **state)
     free(out);
 }
 
+/* `fusion model prune --prune-lm-head` as a user runs it: it reports the head's error, `fusion run`
+ * fine-tunes and generates with the pruned head; --keep-lm-head (the default) keeps it dense; the
+ * two together are a usage error; tied embeddings keep it dense with a note. */
+static void test_dag_cli_salr_prune_lm_head(void **state)
+{
+    (void)state;
+    char *out = NULL;
+    int rc = tu_sh(&out, "%s model prune --method salr --svd-rank 4 --prune-lm-head -i %s -o %s/pruned-head",
+                   tu_bin("fusion"), model, dir);
+    if (rc != 0)
+        fail_msg("prune --prune-lm-head exited %d: %s", rc, out);
+    assert_non_null(strstr(out, "residual rank 4, lm_head pruned"));
+    assert_non_null(strstr(out, "block linears mean"));
+    assert_non_null(strstr(out, "lm_head: relative error 0."));
+    free(out);
+    char p[4096];
+    snprintf(p, sizeof p, "%s/pruned-head/salr_config.json", dir);
+    char *cfg = NULL;
+    assert_int_equal(tu_sh(&cfg, "cat %s", p), 0);
+    assert_non_null(strstr(cfg, "\"lm_head\": \"salr\""));
+    free(cfg);
+    rc = tu_sh(&out,
+               "%s run finetune --model %s/pruned-head --data %s --method salr --rank 4 --lr 2e-2 --steps 20 "
+               "--batch 2 --seq-len 16 --loss-log %s/head.jsonl -o %s/head-adapter",
+               tu_bin("fusion"), dir, data, dir, dir);
+    if (rc != 0)
+        fail_msg("finetune on the pruned head exited %d: %s", rc, out);
+    free(out);
+    snprintf(p, sizeof p, "%s/head.jsonl", dir);
+    double first = 0, last = 0;
+    int n = 0;
+    read_losses(p, &first, &last, &n);
+    assert_int_equal(n, 20);
+    assert_true(last < first);
+    char *a = NULL, *b = NULL;
+    assert_int_equal(tu_sh(&a, "%s run infer -q --model %s/pruned-head --adapter %s/head-adapter "
+                               "--prompt-tokens 116,104,101 --max-tokens 12 2>/dev/null", tu_bin("fusion"), dir, dir), 0);
+    assert_int_equal(tu_sh(&b, "%s run infer -q --model %s/pruned-head --adapter %s/head-adapter "
+                               "--prompt-tokens 116,104,101 --max-tokens 12 2>/dev/null", tu_bin("fusion"), dir, dir), 0);
+    assert_true(strlen(a) > 0);
+    assert_string_equal(a, b);
+    free(a);
+    free(b);
+
+    /* The default, and --keep-lm-head said explicitly: a dense head. */
+    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 --keep-lm-head -i %s -o %s/pruned-kept", tu_bin("fusion"),
+                           model, dir), 0);
+    assert_non_null(strstr(out, "lm_head dense"));
+    assert_null(strstr(out, "lm_head: relative error"));
+    free(out);
+    snprintf(p, sizeof p, "%s/pruned-kept/salr_config.json", dir);
+    assert_int_equal(tu_sh(&cfg, "cat %s", p), 0);
+    assert_non_null(strstr(cfg, "\"lm_head\": \"dense\""));
+    free(cfg);
+    assert_int_equal(tu_sh(&out, "%s run infer -q --model %s/pruned-kept --prompt-tokens 1,2,3 --max-tokens 4",
+                           tu_bin("fusion"), dir), 0);
+    free(out);
+    assert_int_equal(tu_sh(&out, "%s model prune --prune-lm-head --keep-lm-head -i %s -o %s/x", tu_bin("fusion"), model,
+                           dir), 2);
+    assert_non_null(strstr(out, "contradict"));
+    free(out);
+    assert_int_equal(tu_sh(&out, "%s model prune --help", tu_bin("fusion")), 0);
+    assert_non_null(strstr(out, "--prune-lm-head"));
+    assert_non_null(strstr(out, "--keep-lm-head"));
+    free(out);
+
+    /* Tied embeddings: left dense, with a note saying why. */
+    fu_modelcfg tc;
+    fu_modelcfg_defaults(&tc);
+    tc.tie_word_embeddings = true;
+    snprintf(p, sizeof p, "%s/tied", dir);
+    assert_int_equal(dag_model_init_random(p, &tc, 4, 0.08f, NULL), FU_OK);
+    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 --prune-lm-head -i %s -o %s/tied-pruned",
+                           tu_bin("fusion"), p, dir), 0);
+    assert_non_null(strstr(out, "tied"));
+    assert_non_null(strstr(out, "left dense"));
+    assert_non_null(strstr(out, "lm_head dense"));
+    free(out);
+    assert_int_equal(tu_sh(&out, "%s run infer -q --model %s/tied-pruned --prompt-tokens 1,2,3 --max-tokens 4",
+                           tu_bin("fusion"), dir), 0);
+    free(out);
+}
+
 static void test_dag_cli_errors(void **state)
 {
     (void)state;
@@ -204,6 +287,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dag_cli_finetune_then_infer),
         cmocka_unit_test(test_dag_cli_salr_finetune),
+        cmocka_unit_test(test_dag_cli_salr_prune_lm_head),
         cmocka_unit_test(test_dag_cli_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

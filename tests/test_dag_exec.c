@@ -274,7 +274,8 @@ static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safe
     float *wn = rd(st, "model.norm.weight", H, 0);
     ref_rmsnorm(x, n, H, wn, eps, h);
     free(wn);
-    float *lm = rd(st, c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", V, H);
+    /* The head: the embedding table when tied, else lm_head (decode(bitmap) + residual when pruned). */
+    float *lm = c->tie_word_embeddings ? rd(st, "model.embed_tokens.weight", V, H) : weight_eff(st, NULL, "lm_head", V, H, 0);
     double *logits = calloc(n * V, sizeof *logits);
     ref_linear(h, n, H, V, lm, logits);
     free(lm);
@@ -393,6 +394,7 @@ static void check_fd(dag_exec_t *x, const dag_graph_t *g, bool check_a, const in
         float *b = B->data;
         for (int64_t k = 0; k < kern_tensor_numel(B); k++)
             b[k] = 0.05f * (float)sin((double)(k + 3 * (int64_t)i));
+        assert_int_equal(dag_exec_adapter_changed(x, (uint32_t)i), FU_OK); /* SALR: rebuild b_cat */
     }
     (void)loss_of(x, tok, tgt, 2, 8);
     assert_int_equal(dag_exec_backward(x, 0, 1.0f), FU_OK);
@@ -412,10 +414,13 @@ static void check_fd(dag_exec_t *x, const dag_graph_t *g, bool check_a, const in
                     best = k;
             float keep = p[best], h = 1e-2f;
             p[best] = keep + h;
+            assert_int_equal(dag_exec_adapter_changed(x, (uint32_t)i), FU_OK);
             double lp = loss_of(x, tok, tgt, 2, 8);
             p[best] = keep - h;
+            assert_int_equal(dag_exec_adapter_changed(x, (uint32_t)i), FU_OK);
             double lm = loss_of(x, tok, tgt, 2, 8);
             p[best] = keep;
+            assert_int_equal(dag_exec_adapter_changed(x, (uint32_t)i), FU_OK);
             double fd = (lp - lm) / (2.0 * h), an = d[best];
             if (fabs(fd - an) > 5e-4 + 0.03 * fabs(an))
                 fail_msg("node %zu %s[%lld]: analytic %g, finite difference %g", i, which ? "A" : "B",
@@ -764,6 +769,358 @@ static void test_dag_exec_salr_pruned_model(void **state)
     tiny_close(&t);
 }
 
+/* ---- a SALR-pruned lm_head ------------------------------------------------------------------ */
+
+static char *prune_tiny(const tiny *t, const char *sub, bool lm_head, dag_salr_prune_report *rep)
+{
+    char *pd = fu_path_join(t->dir, sub);
+    fu_errmsg em = {{0}};
+    dag_salr_prune_opts po = {.sparsity = 0.5, .rank = 8, .seed = 1, .prune_lm_head = lm_head};
+    fu_err rc = dag_salr_prune(t->dir, pd, &po, rep, &em);
+    if (rc != FU_OK)
+        fail_msg("prune: %s", fu_errmsg_text(&em, rc));
+    return pd;
+}
+
+static dag_graph_t *salr_graph(const tiny *t, uint32_t rank, dag_head head, bool salr_head)
+{
+    dag_build_opts o = {.method = DAG_ADAPTER_SALR, .rank = rank, .alpha = 2.0f * (float)rank, .res_rank = 8,
+                        .salr_lm_head = salr_head, .head = head, .seq_len = 16};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(&t->dims, &o, &g), FU_OK);
+    return g;
+}
+
+/* Loads g's weights from st and returns the error (with the message in em). */
+static fu_err load_err(const dag_graph_t *g, const fu_safetensors *st, fu_errmsg *em)
+{
+    dag_exec_opts o = {.max_tokens = 16, .training = false, .logits_all = true};
+    dag_exec_t *x = NULL;
+    assert_int_equal(dag_exec_new(g, &o, &x, em), FU_OK);
+    fu_err rc = dag_exec_load_weights(x, st, em);
+    dag_exec_destroy(&x);
+    return rc;
+}
+
+/* The pruned head computes with W_sparse + salr_B·salr_A: the logits (every row, and the last row of
+ * KV-cache decode steps) equal a reference whose lm_head weight is that sum; the file has no dense
+ * lm_head; a blocks-only graph on it fails with a message saying what to build. */
+static void test_dag_exec_salr_lm_head_matches_reference(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-salr-head", 21);
+    dag_salr_prune_report rep;
+    char *pd = prune_tiny(&t, "pruned", true, &rep);
+    assert_true(rep.lm_head_pruned);
+    assert_false(rep.lm_head_tied);
+    assert_int_equal(rep.n_blocks, 2 * 7);
+    assert_true(rep.lm_head_err > 0.0 && rep.lm_head_err < 0.5);
+    assert_true(rep.lm_head_svd_ratio > 0.0 && rep.lm_head_svd_ratio <= 1.0 - 8.0 / 64.0 + 1e-6);
+    assert_true(rep.bytes_out < rep.bytes_in);
+    fu_errmsg em = {{0}};
+    dag_salr_info info;
+    assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
+    assert_true(info.lm_head);
+    assert_int_equal(info.residual_rank, 8);
+    /* Callers that build blocks-only graphs are refused with a reason instead of failing later. */
+    uint32_t rr = 0;
+    assert_int_equal(dag_salr_config_load(pd, &rr, NULL, &em), FU_ENOSYS);
+    assert_non_null(strstr(em.msg, "--keep-lm-head"));
+    fu_safetensors *ps = NULL;
+    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    assert_null(fu_safetensors_get(ps, "lm_head.weight"));
+    assert_non_null(fu_safetensors_get(ps, "lm_head.weight.bitmap"));
+    assert_non_null(fu_safetensors_get(ps, "lm_head.weight.values"));
+    assert_non_null(fu_safetensors_get(ps, "lm_head.weight.offsets"));
+    const fu_st_tensor *ta = fu_safetensors_get(ps, "lm_head.salr_A.weight"),
+                       *tb = fu_safetensors_get(ps, "lm_head.salr_B.weight");
+    assert_non_null(ta);
+    assert_non_null(tb);
+    assert_true(ta->shape[0] == 8 && ta->shape[1] == 64 && tb->shape[0] == 256 && tb->shape[1] == 8);
+    assert_non_null(fu_safetensors_metadata(ps, "lm_head.weight.format"));
+
+    const size_t V = t.cfg.vocab_size;
+    int32_t tok[16];
+    tokens_for(tok, 16, 4);
+    double *ref = ref_logits(&t, ps, NULL, 0, tok, 2, 8);
+    double *dense = ref_logits(&t, t.st, NULL, 0, tok, 2, 8);
+    dag_graph_t *g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
+    uint32_t lm = (uint32_t)find_op(g, DAG_OP_LM_HEAD);
+    assert_int_equal(dag_graph_node(g, lm)->adapter.method, DAG_ADAPTER_SALR);
+    dag_exec_t *x = exec_for(g, ps, false, 0, 0, 16, true);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+    assert_int_equal(nf, 16 * V);
+    double d = max_abs_diff(lg, ref, nf), dd = max_abs_diff(lg, dense, nf);
+    if (d > 1e-5)
+        fail_msg("pruned-head logits differ from W_sparse + B·A by %g", d);
+    assert_true(dd > 1e-3); /* and the head really is not the dense one */
+    dag_exec_destroy(&x);
+
+    /* Generation: only the last row goes through the sparse head. */
+    x = exec_for(g, ps, false, 0, 0, 8, false);
+    dag_session_t *s = NULL;
+    assert_int_equal(dag_exec_session_new(x, &s), FU_OK);
+    dag_exec_session_use(x, s);
+    for (size_t at = 0; at < 8;) {
+        uint32_t step = at == 0 ? 5 : 1;
+        assert_int_equal(dag_exec_set_tokens(x, 0, tok + at, NULL, 1, step), FU_OK);
+        assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+        at += step;
+        assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+        assert_int_equal(nf, V);
+        d = max_abs_diff(lg, ref + (at - 1) * V, V);
+        if (d > 1e-5)
+            fail_msg("decode logits at position %zu differ by %g", at - 1, d);
+    }
+    dag_exec_session_destroy(&s);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+
+    /* A graph with a dense head on this model: refused, naming the fix. */
+    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, false);
+    assert_int_equal(load_err(g, ps, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "lm_head.weight"));
+    assert_non_null(strstr(em.msg, "salr_lm_head"));
+    dag_graph_destroy(&g);
+    free(ref);
+    free(dense);
+    fu_safetensors_close(&ps);
+    free(pd);
+    tiny_close(&t);
+}
+
+/* Fine-tuning through the pruned head: gradients reaching every adapter through its backward
+ * (dX = dY·W_sparse + (dY·B₂)·A₂) match finite differences, a pipeline split before the head gives
+ * the whole DAG's loss and input gradient, and a few dozen steps lower the loss. */
+static void test_dag_exec_salr_lm_head_trains(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-salr-head-train", 22);
+    char *pd = prune_tiny(&t, "pruned", true, NULL);
+    fu_errmsg em = {{0}};
+    fu_safetensors *ps = NULL;
+    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    int32_t tok[16], tgt[16];
+    tokens_for(tok, 16, 5);
+    for (int i = 0; i < 16; i++)
+        tgt[i] = (tok[i] * 7 + 1) % 256;
+    dag_graph_t *g = salr_graph(&t, 4, DAG_HEAD_LOSS, true);
+    dag_exec_t *x = exec_for(g, ps, true, 0, 0, 16, false);
+    check_fd(x, g, false, tok, tgt);
+
+    dag_exec_destroy(&x);
+
+    /* Two stages cut before the final norm (the head in the second): the whole DAG's loss and
+     * adapter gradients, bit for bit, with the head's dX crossing the cut. */
+    dag_exec_t *w = exec_for(g, ps, true, 0, 0, 16, false);
+    size_t cut = find_op(g, DAG_OP_LM_HEAD) - 1; /* the final rmsnorm */
+    dag_exec_t *sa = exec_for(g, ps, true, 0, cut, 16, false), *sb = exec_for(g, ps, true, cut, 0, 16, false);
+    float lw = loss_of(w, tok, tgt, 2, 8);
+    assert_int_equal(dag_exec_backward(w, 0, 1.0f), FU_OK);
+    assert_int_equal(dag_exec_set_tokens(sa, 0, tok, tgt, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(sa, 0), FU_OK);
+    uint32_t ids[4];
+    assert_int_equal(dag_exec_cut_outputs(sa, ids, 4), 1);
+    const float *data;
+    size_t n;
+    assert_int_equal(dag_exec_get_output(sa, 0, ids[0], &data, &n), FU_OK);
+    assert_int_equal(dag_exec_set_tokens(sb, 0, tok, tgt, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_set_input(sb, 0, ids[0], data, n), FU_OK);
+    assert_int_equal(dag_exec_forward(sb, 0), FU_OK);
+    float lb = 0;
+    assert_int_equal(dag_exec_loss(sb, 0, &lb, NULL), FU_OK);
+    assert_true(lb == lw);
+    assert_int_equal(dag_exec_backward(sb, 0, 1.0f), FU_OK);
+    assert_int_equal(dag_exec_get_input_grad(sb, ids[0], &data, &n), FU_OK);
+    assert_non_null(data);
+    assert_int_equal(dag_exec_set_output_grad(sa, 0, ids[0], data, n), FU_OK);
+    assert_int_equal(dag_exec_backward(sa, 0, 1.0f), FU_OK);
+    int compared = 0;
+    for (size_t i = 0; i < cut; i++) {
+        kern_tensor_t *dBw, *dBs;
+        if (dag_exec_adapter(w, (uint32_t)i, NULL, NULL, NULL, &dBw) != FU_OK)
+            continue;
+        assert_int_equal(dag_exec_adapter(sa, (uint32_t)i, NULL, NULL, NULL, &dBs), FU_OK);
+        assert_memory_equal(dBw->data, dBs->data, kern_tensor_nbytes(dBw));
+        compared++;
+    }
+    assert_int_equal(compared, 14);
+    dag_exec_destroy(&sa);
+    dag_exec_destroy(&sb);
+    dag_exec_destroy(&w);
+    dag_graph_destroy(&g);
+
+    /* Training lowers the loss. */
+    g = salr_graph(&t, 8, DAG_HEAD_LOSS, true);
+    x = exec_for(g, ps, true, 0, 0, 32, false);
+    int32_t *text = pattern_text(17 * 40);
+    float l0, l1;
+    train(x, text, 17 * 40, 40, 2e-2f, &l0, &l1);
+    print_message("salr with a pruned lm_head: loss %.3f -> %.3f over 40 steps\n", l0, l1);
+    assert_true(l1 < 0.7f * l0);
+    free(text);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ps);
+    free(pd);
+    tiny_close(&t);
+}
+
+/* Writes a copy of st into path without the tensors whose names start with `drop` (NULL: none), with bit 0 of byte `flip_at` of
+ * tensor `flip` (NULL: none) inverted, and returns it opened. */
+static fu_safetensors *copy_model(const fu_safetensors *st, const char *path, const char *drop, const char *flip,
+                                  size_t flip_at)
+{
+    size_t n = fu_safetensors_count(st), k = 0;
+    fu_st_tensor *ts = calloc(n, sizeof *ts);
+    void *own = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const fu_st_tensor *src = fu_safetensors_at(st, i);
+        if (drop && strncmp(src->name, drop, strlen(drop)) == 0)
+            continue;
+        ts[k] = *src;
+        if (flip && strcmp(src->name, flip) == 0) {
+            own = malloc(src->nbytes);
+            memcpy(own, src->data, src->nbytes);
+            ((uint8_t *)own)[flip_at] ^= 1u;
+            ts[k].data = own;
+        }
+        k++;
+    }
+    assert_int_equal(fu_safetensors_write(path, ts, k, NULL, 0, NULL, NULL, NULL), FU_OK);
+    free(own);
+    free(ts);
+    fu_safetensors *out = NULL;
+    assert_int_equal(fu_safetensors_open_file(path, &out, NULL), FU_OK);
+    return out;
+}
+
+/* The default prune keeps lm_head dense (blocks-only graphs load it); tied embeddings keep it dense
+ * even when asked; a pruned head whose files are missing a piece or are corrupt fails to load with a
+ * message naming the tensor. */
+static void test_dag_exec_salr_lm_head_files(void **state)
+{
+    (void)state;
+    tiny t;
+    tiny_open(&t, "exec-salr-head-files", 23);
+    fu_errmsg em = {{0}};
+
+    /* Default (--keep-lm-head): lm_head.weight dense, salr_config.json says so. */
+    dag_salr_prune_report rep;
+    char *kd = prune_tiny(&t, "kept", false, &rep);
+    assert_false(rep.lm_head_pruned);
+    assert_false(rep.lm_head_tied);
+    assert_true(rep.lm_head_err == 0.0);
+    assert_true(rep.blocks_err_mean > 0.0 && rep.blocks_err_max >= rep.blocks_err_mean);
+    dag_salr_info info;
+    assert_int_equal(dag_salr_info_load(kd, &info, &em), FU_OK);
+    assert_false(info.lm_head);
+    uint32_t rr = 0;
+    assert_int_equal(dag_salr_config_load(kd, &rr, NULL, &em), FU_OK);
+    assert_int_equal(rr, 8);
+    fu_safetensors *ks = NULL;
+    assert_int_equal(fu_safetensors_open_dir(kd, &ks, &em), FU_OK);
+    assert_non_null(fu_safetensors_get(ks, "lm_head.weight"));
+    assert_null(fu_safetensors_get(ks, "lm_head.weight.bitmap"));
+    dag_graph_t *g = salr_graph(&t, 0, DAG_HEAD_LOGITS, false);
+    assert_int_equal(load_err(g, ks, &em), FU_OK);
+    dag_graph_destroy(&g);
+    /* A pruned-head graph on it: the dense head would be accepted (encoded at load, as a linear's
+     * is), but its residual adapter is missing. */
+    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
+    assert_int_equal(load_err(g, ks, &em), FU_ENOTFOUND);
+    assert_non_null(strstr(em.msg, "lm_head.salr_A.weight"));
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ks);
+
+    /* A salr_config.json with a bad "lm_head" value. */
+    char *cp = fu_path_join(kd, DAG_SALR_CONFIG_FILE);
+    const char *bad = "{\"method\": \"salr\", \"sparsity\": 0.5, \"residual_rank\": 8, \"lm_head\": \"half\"}";
+    assert_int_equal(fu_file_write_atomic(cp, bad, strlen(bad), 0644, &em), FU_OK);
+    assert_int_equal(dag_salr_info_load(kd, &info, &em), FU_EPROTO);
+    assert_non_null(strstr(em.msg, "lm_head"));
+    free(cp);
+
+    /* Pruned head: the bitmap missing, the values missing, a corrupt bitmap, both missing. */
+    char *pd = prune_tiny(&t, "pruned", true, NULL);
+    fu_safetensors *ps = NULL;
+    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
+    char *path = fu_path_join(t.dir, "broken.safetensors");
+    fu_safetensors *bs = copy_model(ps, path, "lm_head.weight.bitmap", NULL, 0);
+    assert_int_equal(load_err(g, bs, &em), FU_EPROTO);
+    assert_non_null(strstr(em.msg, "'lm_head.weight.bitmap' is missing"));
+    fu_safetensors_close(&bs);
+    bs = copy_model(ps, path, "lm_head.weight.values", NULL, 0);
+    assert_int_equal(load_err(g, bs, &em), FU_EPROTO);
+    assert_non_null(strstr(em.msg, "'lm_head.weight.values' is missing"));
+    fu_safetensors_close(&bs);
+    bs = copy_model(ps, path, NULL, "lm_head.weight.bitmap", 64 * 3 + 8);
+    assert_int_equal(load_err(g, bs, &em), FU_EPROTO);
+    assert_non_null(strstr(em.msg, "'lm_head.weight' is inconsistent"));
+    fu_safetensors_close(&bs);
+    bs = copy_model(ps, path, NULL, "lm_head.weight.offsets", 4 * 7);
+    assert_int_equal(load_err(g, bs, &em), FU_EPROTO);
+    fu_safetensors_close(&bs);
+    /* Neither the bitmap form nor a dense weight. */
+    bs = copy_model(ps, path, "lm_head.weight", NULL, 0);
+    assert_int_equal(load_err(g, bs, &em), FU_ENOTFOUND);
+    assert_non_null(strstr(em.msg, "--prune-lm-head"));
+    fu_safetensors_close(&bs);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ps);
+    free(path);
+
+    /* Tied embeddings: asked to prune the head, the tool leaves it dense and says so. */
+    tiny tt;
+    tt.dir = tu_tmpdir("exec-salr-tied");
+    assert_non_null(tt.dir);
+    fu_modelcfg_defaults(&tt.cfg);
+    tt.cfg.tie_word_embeddings = true;
+    assert_int_equal(dag_model_init_random(tt.dir, &tt.cfg, 24, 0.08f, &em), FU_OK);
+    dag_dims_from_cfg(&tt.cfg, &tt.dims);
+    assert_int_equal(fu_safetensors_open_dir(tt.dir, &tt.st, &em), FU_OK);
+    char *td = prune_tiny(&tt, "pruned", true, &rep);
+    assert_false(rep.lm_head_pruned);
+    assert_true(rep.lm_head_tied);
+    assert_int_equal(dag_salr_info_load(td, &info, &em), FU_OK);
+    assert_false(info.lm_head);
+    fu_safetensors *ts = NULL;
+    assert_int_equal(fu_safetensors_open_dir(td, &ts, &em), FU_OK);
+    assert_null(fu_safetensors_get(ts, "lm_head.weight.bitmap"));
+    assert_non_null(fu_safetensors_get(ts, "model.embed_tokens.weight"));
+    dag_build_opts o = {.method = DAG_ADAPTER_SALR, .res_rank = 8, .salr_lm_head = true, .head = DAG_HEAD_LOGITS};
+    assert_int_equal(dag_build_llama(&tt.dims, &o, &g), FU_EINVAL);
+    /* The blocks-only graph runs, its head being the embedding table. */
+    o.salr_lm_head = false;
+    assert_int_equal(dag_build_llama(&tt.dims, &o, &g), FU_OK);
+    dag_exec_t *x = exec_for(g, ts, false, 0, 0, 16, true);
+    int32_t tok[8];
+    tokens_for(tok, 8, 2);
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
+    double *ref = ref_logits(&tt, ts, NULL, 0, tok, 1, 8);
+    assert_true(max_abs_diff(lg, ref, nf) <= 1e-5);
+    free(ref);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    fu_safetensors_close(&ts);
+    free(td);
+    tiny_close(&tt);
+    free(pd);
+    free(kd);
+    tiny_close(&t);
+}
+
 static void test_dag_exec_rejects_bad_input(void **state)
 {
     (void)state;
@@ -983,6 +1340,9 @@ int main(void)
         cmocka_unit_test(test_dag_exec_finetune_lowers_loss),
         cmocka_unit_test(test_dag_exec_checkpoint_round_trip_and_peft),
         cmocka_unit_test(test_dag_exec_salr_pruned_model),
+        cmocka_unit_test(test_dag_exec_salr_lm_head_matches_reference),
+        cmocka_unit_test(test_dag_exec_salr_lm_head_trains),
+        cmocka_unit_test(test_dag_exec_salr_lm_head_files),
         cmocka_unit_test(test_dag_exec_rejects_bad_input),
         cmocka_unit_test(test_dag_exec_loads_bf16_weights),
         cmocka_unit_test(test_dag_exec_planned_pipeline_with_micro_batches),

@@ -134,7 +134,7 @@ static void test_dag_graph_validation_rejects_malformed(void **state)
     expect_bad(c_alpha, 3, "alpha");
     expect_bad(c_heads, 7, "node 7 (attention)");
     expect_bad(c_id, 3, "id 5");
-    expect_bad(c_adapter_on_norm, 1, "only linear");
+    expect_bad(c_adapter_on_norm, 1, "only linear and lm_head");
     expect_bad(c_eps, 1, "epsilon");
     expect_bad(c_loss_width, 33, "node 33 (cross_entropy)");
 }
@@ -215,6 +215,113 @@ static void test_dag_graph_decode_rejects_wrong_ids(void **state)
     free(buf);
     dag_graph_destroy(&h);
     dag_graph_destroy(&g);
+}
+
+/* A SALR graph whose lm_head is pruned too: the node carries the sparse weight and its residual, the
+ * cost model counts the smaller bytes, the wire form keeps it, and validation holds it to its rules. */
+static dag_graph_t *build_salr_head(const dag_model_dims *d, bool salr_head, dag_head head)
+{
+    dag_build_opts o = {.method = DAG_ADAPTER_SALR, .rank = 4, .alpha = 8.0f, .res_rank = 4, .salr_lm_head = salr_head,
+                        .head = head, .seq_len = 16};
+    dag_graph_t *g = NULL;
+    assert_int_equal(dag_build_llama(d, &o, &g), FU_OK);
+    return g;
+}
+
+static size_t lm_head_of(const dag_graph_t *g)
+{
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        if (dag_graph_node(g, i)->op == DAG_OP_LM_HEAD)
+            return i;
+    fail();
+    return 0;
+}
+
+static void expect_bad_head(void (*corrupt)(dag_node *), const char *want)
+{
+    dag_model_dims d = tiny_dims();
+    dag_graph_t *g = build_salr_head(&d, true, DAG_HEAD_LOSS);
+    corrupt(dag_graph_node_mut(g, lm_head_of(g)));
+    char msg[256];
+    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_EPROTO);
+    if (!strstr(msg, want))
+        fail_msg("message '%s' lacks '%s'", msg, want);
+    dag_graph_destroy(&g);
+}
+
+static void c_head_rank(dag_node *n) { n->adapter.rank = 2; n->adapter.alpha = 4.0f; }
+static void c_head_lora(dag_node *n) { n->adapter.method = DAG_ADAPTER_LORA; }
+static void c_head_res0(dag_node *n) { n->adapter.res_rank = 0; }
+static void c_head_params(dag_node *n) { n->n_params = 1; }
+static void c_head_tied(dag_node *n) { strcpy(n->params[0], "model.embed_tokens.weight"); }
+static void c_head_target(dag_node *n) { n->target = DAG_TARGET_Q; }
+static void c_head_dense_res(dag_node *n) { n->adapter.method = DAG_ADAPTER_NONE; n->n_params = 1; }
+
+static void test_dag_graph_salr_lm_head(void **state)
+{
+    (void)state;
+    dag_model_dims d = base_dims();
+    dag_graph_t *dense = build_salr_head(&d, false, DAG_HEAD_SAMPLE), *g = build_salr_head(&d, true, DAG_HEAD_SAMPLE);
+    const dag_node *hd = dag_graph_node(dense, lm_head_of(dense)), *hs = dag_graph_node(g, lm_head_of(g));
+    assert_int_equal(hd->adapter.method, DAG_ADAPTER_NONE);
+    assert_int_equal(hd->n_params, 1);
+    assert_int_equal(hs->adapter.method, DAG_ADAPTER_SALR);
+    assert_int_equal(hs->adapter.rank, 0);
+    assert_int_equal(hs->adapter.res_rank, 4);
+    assert_int_equal(hs->n_params, 3);
+    assert_string_equal(hs->params[0], "lm_head.weight");
+    assert_string_equal(hs->params[1], "lm_head.salr_A.weight");
+    assert_string_equal(hs->params[2], "lm_head.salr_B.weight");
+    /* 32000 × 768: bitmap (1/32) + half the values (1/2) + the rank-4 residual, against 4 bytes each. */
+    assert_true(hs->param_bytes < 0.56 * (double)hd->param_bytes);
+    assert_true(hs->param_bytes > 0.5 * (double)hd->param_bytes);
+    assert_true(hs->flops_fwd < 0.55 * hd->flops_fwd);
+    dag_cost cd = dag_graph_cost(dense, 0, dag_graph_size(dense)), cs = dag_graph_cost(g, 0, dag_graph_size(g));
+    assert_true(cd.param_bytes - cs.param_bytes > 45u * 1000 * 1000); /* ~46 MB fewer bytes to read */
+    dag_partition_opts po = {.tokens_per_micro = 1, .micro_batches = 1, .training = false, .max_stages = 1};
+    assert_true(dag_cost_stage_memory(g, 0, dag_graph_size(g), &po) <
+                dag_cost_stage_memory(dense, 0, dag_graph_size(dense), &po));
+    char msg[256];
+    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_OK);
+    /* The wire form carries it. */
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
+    dag_graph_t *h = NULL;
+    assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        assert_memory_equal(dag_graph_node(h, i), dag_graph_node(g, i), sizeof(dag_node));
+    free(buf);
+    dag_graph_destroy(&h);
+    /* Training costs: the backward computes dX through the sparse head and keeps h (rank floats). */
+    dag_graph_t *gt = build_salr_head(&d, true, DAG_HEAD_LOSS);
+    hs = dag_graph_node(gt, lm_head_of(gt));
+    assert_true(hs->flops_bwd > 0 && hs->act_bytes == 16);
+    dag_graph_destroy(&gt);
+    dag_graph_destroy(&g);
+    dag_graph_destroy(&dense);
+
+    /* Builder refusals: without method salr, with tied embeddings, a residual rank above hidden. */
+    d = tiny_dims();
+    dag_build_opts o = {.method = DAG_ADAPTER_LORA_FA, .rank = 4, .alpha = 8.0f, .res_rank = 4, .salr_lm_head = true,
+                        .head = DAG_HEAD_LOSS};
+    assert_int_equal(dag_build_llama(&d, &o, &g), FU_EINVAL);
+    o.method = DAG_ADAPTER_SALR;
+    d.tie_word_embeddings = true;
+    assert_int_equal(dag_build_llama(&d, &o, &g), FU_EINVAL);
+    d.tie_word_embeddings = false;
+    o.res_rank = 33;
+    assert_int_equal(dag_build_llama(&d, &o, &g), FU_EINVAL);
+    assert_null(g);
+
+    /* Validation of hostile lm_head nodes. */
+    expect_bad_head(c_head_rank, "no trained adapter");
+    expect_bad_head(c_head_lora, "no trained adapter");
+    expect_bad_head(c_head_res0, "residual rank 0");
+    expect_bad_head(c_head_params, "parameter names");
+    expect_bad_head(c_head_tied, "tied lm_head");
+    expect_bad_head(c_head_target, "adapter target");
+    expect_bad_head(c_head_dense_res, "rank given without");
 }
 
 static dag_partition_opts train_opts(void)
@@ -350,6 +457,7 @@ int main(void)
         cmocka_unit_test(test_dag_graph_partition_cuts_layers_when_vocab_is_small),
         cmocka_unit_test(test_dag_graph_partition_respects_memory),
         cmocka_unit_test(test_dag_graph_partition_link_bound),
+        cmocka_unit_test(test_dag_graph_salr_lm_head),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
