@@ -107,6 +107,15 @@ void broker_on_relay(broker_t *b, const wire_msg_t *msg)
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "only registered peers may relay: send PeerHello first");
         return;
     }
+    Fusion__MsgType t = wire_msg_type(msg);
+    if (t != FUSION__MSG_TYPE__MSG_SEAL_HELLO && t != FUSION__MSG_TYPE__MSG_ACTIVATION &&
+        t != FUSION__MSG_TYPE__MSG_GRADIENT) {
+        /* Only data-plane frames travel peer to peer; anything else relayed would reach the other peer
+         * looking like the broker's own word (a StageAssign, a VerifyRequest...). */
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "only SealHello, activation and gradient frames are relayed, not %s", wire_type_name(t));
+        return;
+    }
     broker_peer *dst = broker_peer_find(b, to);
     if (!dst || !dst->live) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "relay target %.12s... is not a live peer", to);
@@ -215,6 +224,10 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     case FUSION__MSG_TYPE__MSG_VERIFY_SKETCH:
         if ((p = peer_of(b, msg)))
             broker_on_verify_sketch(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_VERIFY_INPUT:
+        if ((p = peer_of(b, msg)))
+            broker_on_verify_input(b, p, msg);
         break;
     case FUSION__MSG_TYPE__MSG_ERROR:
         p = broker_peer_find(b, uid);

@@ -42,6 +42,8 @@ extern "C" {
 #define BROKER_VERIFY_RTOL      1e-3      /* sketches agree when every entry and the norm differ by <= this x norm */
 #define BROKER_VERIFY_PENALTY   0.3       /* reputation lost by the peer a verification found wrong */
 #define BROKER_VERIFY_SOLO_PENALTY 0.05   /* lost by the verifier when no third opinion could settle a disagreement */
+#define BROKER_VERIFY_INPUT_PENALTY 0.05  /* lost by each of the two peers whose accounts of a stage input differ */
+#define BROKER_VERIFY_MAX_INPUT (1ull << 30) /* largest stage input the broker forwards to a verifier (bytes) */
 #define BROKER_VERIFY_MAX       256       /* verification samples in flight (more are skipped and logged) */
 #define BROKER_VERIFY_TIMEOUT_MS 60000    /* a sample whose sketches did not all come back by then is dropped */
 

@@ -56,6 +56,7 @@ typedef struct {
     bool warm;                         /* backup that reported StageReady */
     double reputation;                 /* from the store, in [0, 1] */
     uint32_t v_checked, v_failed;      /* verification samples it took part in / was found wrong in */
+    uint32_t v_mismatch;               /* samples where its account of a stage input differed (see broker_verify.c) */
 } broker_peer;
 
 /* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */
@@ -137,11 +138,13 @@ typedef struct {
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
     bool dead;                         /* finished or removed: free at the next sweep */
     uint32_t v_agree, v_disagree, v_skipped; /* verification samples: agreed, disagreed, not run */
+    uint32_t v_mismatch;               /* samples left inconclusive: the two peers used different inputs */
 } broker_job;
 
 /* One verification sample in flight (docs/PIPELINE.md "Verification"): who was asked for the
  * sketch of (job, stage, step, micro-batch) with which seed, and what came back. Slot 0 is the
- * stage's peer, 1 the verifier, 2 a third opinion (asked only after a disagreement). */
+ * stage's peer, 1 the verifier, 2 a third opinion (asked only after a disagreement). For a stage
+ * k > 0 the peer of stage k-1 (`up`) delivers the input to slots 1 and 2 through the broker. */
 typedef struct {
     bool used;                         /* slot in use */
     char job[DB_JOB_ID_LEN + 1];       /* the job */
@@ -154,6 +157,10 @@ typedef struct {
     bool have[3];                      /* their sketch came back */
     double sk[3][WIRE_VERIFY_SKETCH_K]; /* the sketches */
     double norm[3];                    /* the output norms */
+    uint8_t ih[3][WIRE_VERIFY_HASH_BYTES]; /* the input hashes they reported */
+    bool bad[3];                       /* a malformed answer (counts as a wrong one) */
+    char up[DB_KEY_LEN + 1];           /* stage > 0: the upstream peer asked to deliver the input; "" for stage 0 */
+    bool fed[3];                       /* slots 1, 2: the last chunk of their input was forwarded */
     uint64_t deadline_ms;              /* monotonic time after which the sample is dropped */
 } broker_vsample;
 
@@ -294,6 +301,9 @@ bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
 /* Step `step` of j is done (StepDone): starts the sampled verifications of its micro-batches. */
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step);
 void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* A chunk of a stage input the upstream peer delivers for a verifier: checked against the samples in
+ * flight and forwarded unread to the verifier (docs/PROTOCOL.md "Verification inputs"). */
+void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Drops samples past their deadline (logged). */
 void broker_verify_sweep(broker_t *b);
 

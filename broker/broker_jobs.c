@@ -488,11 +488,15 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     const char *reason = j && j->reason[0] ? j->reason : dj->reason;
     if (reason && strcmp(reason, "running") == 0)
         reason = NULL;
-    if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind == DB_JOB_FINETUNE)
-        snprintf(msg_buf, cap, "running on %u stage%s: step %" PRIu64 "/%" PRIu64 "%s%s", j->n_stages,
-                 j->n_stages == 1 ? "" : "s", j->steps_done, j->spec.steps, reason && reason[0] ? "; " : "",
+    if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind == DB_JOB_FINETUNE) {
+        char ver[160] = "";
+        if (broker_job_verify_fraction(b, j) > 0)
+            snprintf(ver, sizeof ver, "; verified samples: %u agreed, %u disagreed, %u input mismatches, %u skipped",
+                     j->v_agree, j->v_disagree, j->v_mismatch, j->v_skipped);
+        snprintf(msg_buf, cap, "running on %u stage%s: step %" PRIu64 "/%" PRIu64 "%s%s%s", j->n_stages,
+                 j->n_stages == 1 ? "" : "s", j->steps_done, j->spec.steps, ver, reason && reason[0] ? "; " : "",
                  reason ? reason : "");
-    else
+    } else
         snprintf(msg_buf, cap, "%s", reason ? reason : "");
     broker_utf8_trim(msg_buf);
     st->message = msg_buf;

@@ -132,8 +132,19 @@ static void give_backups(broker_t *b, broker_job *j)
         if (!peer_idle(p))
             continue;
         uint32_t s = likely_loss(b, j);
-        if (broker_job_verify_fraction(b, j) > 0 && backups_for(b, j, 0) < 2)
-            s = 0; /* verification wants warm backups of stage 0: a verifier and a third opinion */
+        if (broker_job_verify_fraction(b, j) > 0) {
+            /* Verification wants a warm backup of every stage (a verifier), then a second of each (a
+             * third opinion): the stage with the fewest backups gets the next one (ties: the lowest
+             * index). Any backup still takes over any stage on a failover (broker_failover). */
+            uint32_t fewest = UINT32_MAX;
+            for (uint32_t k = 0; k < j->n_stages; k++) {
+                uint32_t n = backups_for(b, j, k);
+                if (n < fewest && broker_peer_fits(j, k, p)) {
+                    fewest = n;
+                    s = k;
+                }
+            }
+        }
         if (!broker_peer_fits(j, s, p)) { /* a backup for a stage it can hold, or none */
             uint32_t k = 0;
             while (k < j->n_stages && !broker_peer_fits(j, k, p))

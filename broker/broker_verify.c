@@ -1,17 +1,28 @@
 /* broker_verify: verification of untrusted peers (docs/PIPELINE.md "Verification"). After a step
- * of a fine-tune job, the broker samples some of its micro-batches (keyed hash of job, job seed,
- * step, micro-batch, stage: deterministic for this broker, unpredictable to peers), and asks the
- * stage's peer and a warm backup of that stage (the verifier) for a sketch of the stage's forward
+ * of a fine-tune job, the broker samples some micro-batches of every stage (keyed hash of job, job
+ * seed, step, micro-batch, stage: deterministic for this broker, unpredictable to peers) and asks
+ * the stage's peer and a warm backup of that stage (the verifier) for a sketch of the stage's
  * output: WIRE_VERIFY_SKETCH_K dot products with +-1 vectors drawn from a fresh random seed, plus
- * the L2 norm. The broker never sees activations. Sketches that differ by more than
- * BROKER_VERIFY_RTOL x norm are a disagreement: a third warm backup settles it when there is one
- * (the minority loses BROKER_VERIFY_PENALTY); otherwise the stage's peer loses BROKER_VERIFY_PENALTY
- * and the verifier BROKER_VERIFY_SOLO_PENALTY. A peer that falls below the reputation threshold
- * gets no more work and its stage fails over.
+ * the L2 norm, plus the BLAKE2b-256 of the input the output was computed from. The output is the
+ * activation frame a stage sends down; for the last stage, the gradient frame it sends up.
  *
- * This version verifies stage 0 only: its input (the job's tokens, PIPELINE.md "Data order") and its
- * state at step s (checkpoint ckpt:0:s, or the seeded initial adapter at s = 0) are reproducible
- * by a backup; so steps that are multiples of checkpoint_every are eligible. */
+ * Steps that are multiples of checkpoint_every are eligible: there a verifier can restore the
+ * stage's state (checkpoint ckpt:k:s, or the seeded initial adapter at s = 0). Stage 0's input is
+ * the job's tokens, which the verifier reads itself. A stage k > 0's input is the activation stage
+ * k-1 sent it: the broker asks the peer of stage k-1 (VerifyDeliver) to seal its copy of that
+ * output to the verifier's public key (crypto_box_seal) and send it back in chunks (VerifyInput),
+ * which the broker checks against the sample and forwards unread. The broker never sees
+ * activations.
+ *
+ * Judging: when the two input hashes differ the sample is inconclusive ("input-mismatch" event):
+ * honest peers cannot produce that (the upstream keeps exactly what it sent over an authenticated
+ * link, the stage hashes exactly what it received), so one of the two accounts is a lie the broker
+ * cannot attribute; both peers lose BROKER_VERIFY_INPUT_PENALTY, so a peer that misreports its input
+ * to dodge verification still sinks. When they match, sketches that differ by more than
+ * BROKER_VERIFY_RTOL x norm are a disagreement: a third warm backup of the stage settles it when
+ * there is one (the minority loses BROKER_VERIFY_PENALTY); otherwise the stage's peer loses
+ * BROKER_VERIFY_PENALTY and the verifier BROKER_VERIFY_SOLO_PENALTY. A peer that falls below the
+ * reputation threshold gets no more work and its stage fails over. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -23,6 +34,9 @@
 #include "fu_log.h"
 
 #define LOG "verify"
+/* Reputations are sums of decimal penalties (1.0 - 16 x 0.05 is 0.1999...98 in binary): compare with
+ * the threshold to within this, so that a peer exactly at the threshold stays trusted. */
+#define REPUTATION_EPS 1e-9
 
 double broker_job_verify_fraction(const broker_t *b, const broker_job *j)
 {
@@ -33,7 +47,7 @@ double broker_job_verify_fraction(const broker_t *b, const broker_job *j)
 
 bool broker_peer_trusted(const broker_t *b, const broker_peer *p)
 {
-    return p->live && !p->draining && p->reputation >= b->cfg.min_reputation;
+    return p->live && !p->draining && p->reputation >= b->cfg.min_reputation - REPUTATION_EPS;
 }
 
 static void put64(uint8_t *o, uint64_t v)
@@ -63,7 +77,7 @@ static bool sampled(const broker_t *b, const broker_job *j, uint64_t step, uint3
     return (double)(u >> 11) * 0x1.0p-53 < frac;
 }
 
-/* A warm backup of stage `stage` of j that is trusted and none of the keys in `not` (n of them). */
+/* A warm backup of stage `stage` of j that is trusted and none of the keys in `skip` (n of them). */
 static broker_peer *pick_verifier(broker_t *b, const broker_job *j, uint32_t stage, char skip[][DB_KEY_LEN + 1],
                                   size_t n)
 {
@@ -91,56 +105,84 @@ static fu_err ask(broker_t *b, const broker_vsample *v, broker_peer *p)
     return broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST, v->job64, &r.base);
 }
 
+/* Asks a verifier (slot 1 or 2) for its sketch; for a stage k > 0 also asks the upstream peer to
+ * deliver it the stage's input. */
+static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
+{
+    fu_err rc = ask(b, v, p);
+    if (rc != FU_OK || v->stage == 0)
+        return rc;
+    broker_peer *up = broker_peer_find(b, v->up);
+    uint8_t key[WIRE_KEY_BYTES];
+    if (!up || !up->live)
+        return FU_ENOTFOUND;
+    if ((rc = wire_key_from_z85(p->key, key)) != FU_OK)
+        return rc;
+    Fusion__VerifyDeliver d = FUSION__VERIFY_DELIVER__INIT;
+    d.job_id = v->job64;
+    d.stage_index = v->stage;
+    d.step = v->step;
+    d.micro_batch = v->mb;
+    d.seed = v->seed;
+    d.verifier_key.data = key;
+    d.verifier_key.len = sizeof key;
+    return broker_send_peer(b, up, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER, v->job64, &d.base);
+}
+
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
     double frac = broker_job_verify_fraction(b, j);
-    const uint32_t stage = 0; /* the one stage whose input a backup can reproduce (see the top) */
     if (frac <= 0 || j->phase != BJ_RUNNING || j->n_stages < 2 || j->spec.checkpoint_every == 0 ||
         step % j->spec.checkpoint_every != 0)
         return;
-    broker_peer *primary = broker_peer_find(b, j->stages[stage].peer);
-    if (!primary || !primary->live)
-        return;
-    for (uint32_t m = 0; m < j->spec.micro_batches; m++) {
-        if (!sampled(b, j, step, m, stage, frac))
+    for (uint32_t stage = 0; stage < j->n_stages; stage++) {
+        broker_peer *primary = broker_peer_find(b, j->stages[stage].peer);
+        broker_peer *up = stage > 0 ? broker_peer_find(b, j->stages[stage - 1].peer) : NULL;
+        if (!primary || !primary->live || (stage > 0 && (!up || !up->live)))
             continue;
-        char skip[1][DB_KEY_LEN + 1];
-        snprintf(skip[0], sizeof skip[0], "%s", primary->key);
-        broker_peer *ver = pick_verifier(b, j, stage, skip, 1);
-        if (!ver) {
-            j->v_skipped++;
-            FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: no warm backup of stage %u to verify "
-                    "with", j->id, stage, step, m, stage);
-            continue;
+        for (uint32_t m = 0; m < j->spec.micro_batches; m++) {
+            if (!sampled(b, j, step, m, stage, frac))
+                continue;
+            char skip[1][DB_KEY_LEN + 1];
+            snprintf(skip[0], sizeof skip[0], "%s", primary->key);
+            broker_peer *ver = pick_verifier(b, j, stage, skip, 1);
+            if (!ver) {
+                j->v_skipped++;
+                FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: no warm backup of stage %u to "
+                        "verify with", j->id, stage, step, m, stage);
+                continue;
+            }
+            broker_vsample *v = NULL;
+            for (size_t i = 0; i < BROKER_VERIFY_MAX && !v; i++)
+                if (!b->vs[i].used)
+                    v = &b->vs[i];
+            if (!v) {
+                j->v_skipped++;
+                FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: %d samples already in flight",
+                        j->id, stage, step, m, BROKER_VERIFY_MAX);
+                continue;
+            }
+            memset(v, 0, sizeof *v);
+            v->used = true;
+            snprintf(v->job, sizeof v->job, "%s", j->id);
+            v->job64 = j->id64;
+            v->stage = stage;
+            v->step = step;
+            v->mb = m;
+            randombytes_buf(&v->seed, sizeof v->seed);
+            snprintf(v->who[0], sizeof v->who[0], "%s", primary->key);
+            snprintf(v->who[1], sizeof v->who[1], "%s", ver->key);
+            if (up)
+                snprintf(v->up, sizeof v->up, "%s", up->key);
+            v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
+            if (ask(b, v, primary) != FU_OK || ask_verifier(b, v, ver) != FU_OK) {
+                v->used = false;
+                j->v_skipped++;
+                continue;
+            }
+            FU_DEBUG(LOG, "job %s stage %u step %" PRIu64 " mb %u: asked %.8s and verifier %.8s%s%.8s", j->id, stage,
+                     step, m, primary->key, ver->key, up ? ", input from " : "", up ? up->key : "");
         }
-        broker_vsample *v = NULL;
-        for (size_t i = 0; i < BROKER_VERIFY_MAX && !v; i++)
-            if (!b->vs[i].used)
-                v = &b->vs[i];
-        if (!v) {
-            j->v_skipped++;
-            FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: %d samples already in flight", j->id,
-                    stage, step, m, BROKER_VERIFY_MAX);
-            continue;
-        }
-        memset(v, 0, sizeof *v);
-        v->used = true;
-        snprintf(v->job, sizeof v->job, "%s", j->id);
-        v->job64 = j->id64;
-        v->stage = stage;
-        v->step = step;
-        v->mb = m;
-        randombytes_buf(&v->seed, sizeof v->seed);
-        snprintf(v->who[0], sizeof v->who[0], "%s", primary->key);
-        snprintf(v->who[1], sizeof v->who[1], "%s", ver->key);
-        v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
-        if (ask(b, v, primary) != FU_OK || ask(b, v, ver) != FU_OK) {
-            v->used = false;
-            j->v_skipped++;
-            continue;
-        }
-        FU_DEBUG(LOG, "job %s stage %u step %" PRIu64 " mb %u: asked %.8s and verifier %.8s", j->id, stage, step, m,
-                 primary->key, ver->key);
     }
 }
 
@@ -152,7 +194,13 @@ static bool agree(const broker_vsample *v, int x, int y, double *diff)
     for (int i = 0; i < WIRE_VERIFY_SKETCH_K; i++)
         d = fmax(d, fabs(v->sk[x][i] - v->sk[y][i]));
     *diff = scale > 0 ? d / scale : d;
-    return d <= BROKER_VERIFY_RTOL * scale;
+    return !v->bad[x] && !v->bad[y] && d <= BROKER_VERIFY_RTOL * scale;
+}
+
+/* Both answers are well-formed and computed from the same input. */
+static bool same_input(const broker_vsample *v, int x, int y)
+{
+    return !v->bad[x] && !v->bad[y] && sodium_memcmp(v->ih[x], v->ih[y], WIRE_VERIFY_HASH_BYTES) == 0;
 }
 
 /* Lowers key's reputation; below the threshold it loses its work for j (a stage fails over). */
@@ -168,14 +216,14 @@ static void penalise(broker_t *b, broker_job *j, const char *key, double delta, 
         p->reputation = fmax(0, p->reputation - delta);
     FU_WARN(LOG, "job %s: peer %.8s (%s) loses %.2f reputation (now %.2f): %s", j->id, p->key, p->name, delta,
             p->reputation, why);
-    if (p->reputation >= b->cfg.min_reputation)
+    if (p->reputation >= b->cfg.min_reputation - REPUTATION_EPS)
         return;
     FU_WARN(LOG, "job %s: peer %.8s (%s) is below the reputation threshold %.2f after %u disagreeing samples of %u "
-            "verified: it gets no more work", j->id, p->key, p->name, b->cfg.min_reputation, p->v_failed,
-            p->v_checked);
+            "verified (and %u input mismatches): it gets no more work", j->id, p->key, p->name, b->cfg.min_reputation,
+            p->v_failed, p->v_checked, p->v_mismatch);
     char detail[200];
-    snprintf(detail, sizeof detail, "below threshold %.2f after %u of %u samples disagreed", b->cfg.min_reputation,
-             p->v_failed, p->v_checked);
+    snprintf(detail, sizeof detail, "below threshold %.2f after %u of %u samples disagreed, %u input mismatches",
+             b->cfg.min_reputation, p->v_failed, p->v_checked, p->v_mismatch);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "untrusted", detail));
     if (j->dead || strcmp(p->job, j->id) != 0)
         return;
@@ -208,62 +256,77 @@ static void count(broker_t *b, const char *key, bool failed)
     }
 }
 
-/* Every sketch asked for is in: compare and judge. */
-static void judge(broker_t *b, broker_vsample *v)
+/* The first 4 bytes of an input hash in hex, for logs and events. */
+static const char *ih_hex(const uint8_t *h, char out[9])
 {
-    broker_job *j = broker_job_find(b, v->job);
-    if (!j || j->dead) {
-        v->used = false;
-        return;
+    snprintf(out, 9, "%02x%02x%02x%02x", h[0], h[1], h[2], h[3]);
+    return out;
+}
+
+/* The stage's peer and the verifier computed from different inputs: inconclusive. One of the two
+ * accounts of the input is false (stage k > 0: the stage's hash of what it received, or the
+ * upstream's delivery of what it sent; stage 0: the stage's or the verifier's hash of the tokens);
+ * both sources lose a little (see the top of this file). */
+static void input_mismatch(broker_t *b, broker_job *j, broker_vsample *v)
+{
+    char ev[300], h0[9], h1[9];
+    j->v_mismatch++;
+    char src[2][DB_KEY_LEN + 1];
+    snprintf(src[0], sizeof src[0], "%s", v->who[0]);
+    snprintf(src[1], sizeof src[1], "%s", v->stage > 0 ? v->up : v->who[1]);
+    snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: INPUT MISMATCH: the stage's peer %.8s used input %s, "
+             "verifier %.8s used %s (%s %.8s): inconclusive", v->stage, v->step, v->mb, v->who[0], ih_hex(v->ih[0], h0),
+             v->who[1], ih_hex(v->ih[1], h1), v->stage > 0 ? "delivered by the upstream" : "its own tokens",
+             v->stage > 0 ? v->up : v->who[1]);
+    FU_WARN(LOG, "job %s %s", j->id, ev);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "input-mismatch", ev));
+    for (int k = 0; k < 2; k++) {
+        broker_peer *p = broker_peer_find(b, src[k]);
+        if (p)
+            p->v_mismatch++;
     }
+    v->used = false; /* before penalising: a failover may start new samples */
+    penalise(b, j, src[0], BROKER_VERIFY_INPUT_PENALTY,
+             v->stage > 0 ? "the input it says it received differs from what its upstream delivered to a verifier"
+                          : "its hash of the micro-batch's tokens differs from the verifier's");
+    if (!j->dead)
+        penalise(b, j, src[1], BROKER_VERIFY_INPUT_PENALTY,
+                 v->stage > 0 ? "what it delivered to a verifier differs from what the next stage says it received"
+                              : "its hash of the micro-batch's tokens differs from the stage's");
+}
+
+/* A disagreement between the stage's peer and the verifier that no third opinion settles (`why`):
+ * the stage's peer loses BROKER_VERIFY_PENALTY, the verifier BROKER_VERIFY_SOLO_PENALTY. */
+static void judge_two(broker_t *b, broker_job *j, broker_vsample *v, const char *why)
+{
     double d01 = 0;
-    char ev[240];
-    if (!v->who[2][0]) {
-        if (agree(v, 0, 1, &d01)) {
-            j->v_agree++;
-            count(b, v->who[0], false);
-            count(b, v->who[1], false);
-            snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: agree (norm %.6g, rel diff %.3g, verifier %.8s)",
-                     v->stage, v->step, v->mb, v->norm[0], d01, v->who[1]);
-            FU_INFO(LOG, "job %s %s", j->id, ev);
-            BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
-            v->used = false;
-            return;
-        }
-        FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: peer %.8s and verifier %.8s disagree (norms %.6g / %.6g, "
-                "rel diff %.3g)", j->id, v->stage, v->step, v->mb, v->who[0], v->who[1], v->norm[0], v->norm[1], d01);
-        /* A third opinion when another warm backup of the stage is there. */
-        broker_peer *third = pick_verifier(b, j, v->stage, v->who, 2);
-        if (third) {
-            snprintf(v->who[2], sizeof v->who[2], "%s", third->key);
-            v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
-            if (ask(b, v, third) == FU_OK) {
-                FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: asking %.8s for a third opinion", j->id, v->stage,
-                        v->step, v->mb, third->key);
-                return;
-            }
-            v->who[2][0] = '\0';
-        }
-        j->v_disagree++;
-        count(b, v->who[0], true);
-        count(b, v->who[1], false);
-        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: DISAGREE (norms %.6g / %.6g, rel diff %.3g, verifier "
-                 "%.8s, no third opinion)", v->stage, v->step, v->mb, v->norm[0], v->norm[1], d01, v->who[1]);
-        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
-        char primary[DB_KEY_LEN + 1], ver[DB_KEY_LEN + 1];
-        snprintf(primary, sizeof primary, "%s", v->who[0]);
-        snprintf(ver, sizeof ver, "%s", v->who[1]);
-        v->used = false; /* before penalising: a failover may start new samples */
-        penalise(b, j, primary, BROKER_VERIFY_PENALTY, "its stage output disagreed with a verifier");
-        if (!j->dead)
-            penalise(b, j, ver, BROKER_VERIFY_SOLO_PENALTY, "it disagreed with a stage's output and no third peer "
-                                                           "could settle it");
-        return;
-    }
+    (void)agree(v, 0, 1, &d01);
+    j->v_disagree++;
+    count(b, v->who[0], true);
+    count(b, v->who[1], false);
+    char ev[300];
+    snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: DISAGREE (norms %.6g / %.6g, rel diff %.3g, verifier "
+             "%.8s, %s)", v->stage, v->step, v->mb, v->norm[0], v->norm[1], d01, v->who[1], why);
+    FU_WARN(LOG, "job %s %s", j->id, ev);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
+    char primary[DB_KEY_LEN + 1], ver[DB_KEY_LEN + 1];
+    snprintf(primary, sizeof primary, "%s", v->who[0]);
+    snprintf(ver, sizeof ver, "%s", v->who[1]);
+    v->used = false; /* before penalising: a failover may start new samples */
+    penalise(b, j, primary, BROKER_VERIFY_PENALTY, "its stage output disagreed with a verifier");
+    if (!j->dead)
+        penalise(b, j, ver, BROKER_VERIFY_SOLO_PENALTY, "it disagreed with a stage's output and no third peer "
+                                                       "could settle it");
+}
+
+/* Three opinions from the same input: the minority loses. */
+static void judge_three(broker_t *b, broker_job *j, broker_vsample *v)
+{
     double d02 = 0, d12 = 0;
     bool a02 = agree(v, 0, 2, &d02), a12 = agree(v, 1, 2, &d12);
     char keys[3][DB_KEY_LEN + 1];
     memcpy(keys, v->who, sizeof keys);
+    char ev[240];
     snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: DISAGREE, third opinion %.8s sides with %s", v->stage,
              v->step, v->mb, v->who[2], a02 && !a12 ? "the stage" : a12 && !a02 ? "the verifier" : "neither");
     FU_WARN(LOG, "job %s %s (rel diffs %.3g / %.3g)", j->id, ev, d02, d12);
@@ -286,6 +349,63 @@ static void judge(broker_t *b, broker_vsample *v)
             penalise(b, j, keys[k], BROKER_VERIFY_SOLO_PENALTY, "three peers gave three different sketches");
         }
     }
+}
+
+/* Every answer asked for is in: compare and judge. */
+static void judge(broker_t *b, broker_vsample *v)
+{
+    broker_job *j = broker_job_find(b, v->job);
+    if (!j || j->dead) {
+        v->used = false;
+        return;
+    }
+    if (v->who[2][0]) {
+        if (!same_input(v, 0, 2)) {
+            FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: the third opinion %.8s %s: judged without it",
+                    j->id, v->stage, v->step, v->mb, v->who[2],
+                    v->bad[2] ? "was malformed" : "was computed from another input than the stage's");
+            judge_two(b, j, v, "third opinion unusable");
+            return;
+        }
+        judge_three(b, j, v);
+        return;
+    }
+    if (v->bad[0]) {
+        judge_two(b, j, v, "the stage's answer was malformed");
+        return;
+    }
+    if (!v->bad[1] && !same_input(v, 0, 1)) {
+        input_mismatch(b, j, v);
+        return;
+    }
+    double d01 = 0;
+    char ev[300], h[9];
+    if (agree(v, 0, 1, &d01)) {
+        j->v_agree++;
+        count(b, v->who[0], false);
+        count(b, v->who[1], false);
+        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: agree (norm %.6g, rel diff %.3g, verifier %.8s, "
+                 "input %s)", v->stage, v->step, v->mb, v->norm[0], d01, v->who[1], ih_hex(v->ih[0], h));
+        FU_INFO(LOG, "job %s %s", j->id, ev);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
+        v->used = false;
+        return;
+    }
+    FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: peer %.8s and verifier %.8s disagree (norms %.6g / %.6g, "
+            "rel diff %.3g)", j->id, v->stage, v->step, v->mb, v->who[0], v->who[1], v->norm[0], v->norm[1], d01);
+    /* A third opinion when another warm backup of the stage is there. */
+    broker_peer *third = pick_verifier(b, j, v->stage, v->who, 2);
+    if (third) {
+        snprintf(v->who[2], sizeof v->who[2], "%s", third->key);
+        v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
+        if (ask_verifier(b, v, third) == FU_OK) {
+            FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: asking %.8s for a third opinion", j->id, v->stage,
+                    v->step, v->mb, third->key);
+            return;
+        }
+        v->who[2][0] = '\0';
+    }
+    judge_two(b, j, v, "no third opinion");
 }
 
 void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
@@ -313,33 +433,130 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     }
     broker_job *j = broker_job_find(b, v->job);
     if (s->unavailable && s->unavailable[0]) {
-        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: peer %.8s cannot sketch it: %.200s", v->job,
-                v->stage, v->step, v->mb, p->key, s->unavailable);
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: %s: peer %.8s cannot sketch it: %.200s", v->job, v->stage,
+                v->step, v->mb, who == 2 ? "no third opinion" : "sample skipped", p->key, s->unavailable);
+        if (who == 2 && j && !j->dead) {
+            judge_two(b, j, v, "the third opinion could not be computed");
+            return;
+        }
         if (j)
             j->v_skipped++;
         v->used = false;
         return;
     }
-    bool ok = s->n_sketch == WIRE_VERIFY_SKETCH_K && isfinite(s->norm) && s->norm >= 0;
+    bool ok = s->n_sketch == WIRE_VERIFY_SKETCH_K && isfinite(s->norm) && s->norm >= 0 &&
+              s->input_hash.len == WIRE_VERIFY_HASH_BYTES;
     for (size_t i = 0; ok && i < s->n_sketch; i++)
         ok = isfinite(s->sketch[i]);
     if (!ok) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "VerifySketch needs %d finite sketch entries and a finite norm >= 0 (or `unavailable`)",
-                           WIRE_VERIFY_SKETCH_K);
-        /* A malformed answer counts as a wrong one: fill it in so that it disagrees. */
+                           "VerifySketch needs %d finite sketch entries, a finite norm >= 0 and a %u-byte input hash "
+                           "(or `unavailable`)", WIRE_VERIFY_SKETCH_K, WIRE_VERIFY_HASH_BYTES);
+        /* A malformed answer counts as a wrong one. */
         for (int i = 0; i < WIRE_VERIFY_SKETCH_K; i++)
             v->sk[who][i] = 0;
         v->norm[who] = -1;
+        v->bad[who] = true;
     } else {
         memcpy(v->sk[who], s->sketch, sizeof v->sk[who]);
         v->norm[who] = s->norm;
+        memcpy(v->ih[who], s->input_hash.data, WIRE_VERIFY_HASH_BYTES);
     }
     v->have[who] = true;
     for (int k = 0; k < 3; k++)
         if (v->who[k][0] && !v->have[k])
             return;
     judge(b, v);
+}
+
+/* The upstream could not deliver the input to slot k: skip the sample, or judge without the third. */
+static void input_lost(broker_t *b, broker_vsample *v, int k)
+{
+    broker_job *j = broker_job_find(b, v->job);
+    if (k == 2 && j && !j->dead && v->have[0] && v->have[1]) {
+        judge_two(b, j, v, "the third opinion got no input");
+        return;
+    }
+    if (j)
+        j->v_skipped++;
+    v->used = false;
+}
+
+void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__VerifyInput *vi = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_VERIFY_INPUT);
+    if (!vi)
+        return;
+    if (vi->stage_index == 0 || vi->stage_index >= BROKER_MAX_STAGES || vi->verifier_key.len != WIRE_KEY_BYTES) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "VerifyInput needs the verified stage's index (1..%d) and the verifier's %u-byte key",
+                           BROKER_MAX_STAGES - 1, WIRE_KEY_BYTES);
+        return;
+    }
+    char to[WIRE_KEY_Z85_LEN + 1];
+    wire_key_to_z85(vi->verifier_key.data, to);
+    broker_vsample *v = NULL;
+    int k = -1;
+    for (size_t i = 0; i < BROKER_VERIFY_MAX && !v; i++) {
+        broker_vsample *c = &b->vs[i];
+        if (!c->used || c->job64 != vi->job_id || c->stage != vi->stage_index || c->step != vi->step ||
+            c->mb != vi->micro_batch || c->seed != vi->seed || strcmp(c->up, p->key) != 0)
+            continue;
+        for (int s = 1; s < 3; s++)
+            if (c->who[s][0] && strcmp(c->who[s], to) == 0) {
+                v = c;
+                k = s;
+            }
+    }
+    if (!v) {
+        /* A delivery that comes after its sample ended (skipped, judged, timed out): dropped. */
+        FU_DEBUG(LOG, "peer %.8s: VerifyInput for no sample in flight that asks it (job %016" PRIx64 " stage %u step %"
+                 PRIu64 " mb %u, for %.8s): dropped", p->key, vi->job_id, vi->stage_index, vi->step, vi->micro_batch,
+                 to);
+        return;
+    }
+    broker_peer *dst = broker_peer_find(b, to);
+    if (vi->unavailable && vi->unavailable[0]) {
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: %s: upstream %.8s cannot deliver the input: %.200s",
+                v->job, v->stage, v->step, v->mb, k == 2 ? "no third opinion" : "sample skipped", p->key,
+                vi->unavailable);
+        if (dst && dst->live) /* so that the verifier stops waiting for it */
+            BROKER_IGNORE(wire_forward(b->sock, dst->rid, dst->rid_len, msg, p->key));
+        input_lost(b, v, k);
+        return;
+    }
+    uint64_t total = vi->total_bytes;
+    uint64_t nch = total / WIRE_VERIFY_INPUT_CHUNK + (total % WIRE_VERIFY_INPUT_CHUNK != 0);
+    uint64_t off = (uint64_t)vi->chunk_index * WIRE_VERIFY_INPUT_CHUNK;
+    uint64_t n = total > off ? (total - off < WIRE_VERIFY_INPUT_CHUNK ? total - off : WIRE_VERIFY_INPUT_CHUNK) : 0;
+    if (total == 0 || total % sizeof(float) != 0 || total > BROKER_VERIFY_MAX_INPUT || vi->chunk_count != nch ||
+        vi->chunk_index >= nch || vi->offset != off || vi->payload.len != n + WIRE_VERIFY_INPUT_OVERHEAD) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "VerifyInput chunk %u of %u (offset %" PRIu64 ", %zu sealed bytes) does not cut a %" PRIu64
+                           "-byte F32 input (at most %llu) into %u-byte chunks sealed with %u bytes of overhead",
+                           vi->chunk_index, vi->chunk_count, vi->offset, vi->payload.len, total,
+                           (unsigned long long)BROKER_VERIFY_MAX_INPUT, WIRE_VERIFY_INPUT_CHUNK,
+                           WIRE_VERIFY_INPUT_OVERHEAD);
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: upstream %.8s sent a malformed input "
+                "chunk", v->job, v->stage, v->step, v->mb, p->key);
+        input_lost(b, v, k);
+        return;
+    }
+    if (!dst || !dst->live) {
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: the verifier %.8s is gone", v->job,
+                v->stage, v->step, v->mb, to);
+        input_lost(b, v, k);
+        return;
+    }
+    fu_err rc = wire_forward(b->sock, dst->rid, dst->rid_len, msg, p->key);
+    if (rc != FU_OK) {
+        FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: forwarding the input to %.8s failed: %s",
+                v->job, v->stage, v->step, v->mb, to, fu_strerror(rc));
+        input_lost(b, v, k);
+        return;
+    }
+    if (vi->chunk_index + 1 == nch)
+        v->fed[k] = true;
 }
 
 void broker_verify_sweep(broker_t *b)
@@ -349,9 +566,26 @@ void broker_verify_sweep(broker_t *b)
         broker_vsample *v = &b->vs[i];
         if (!v->used || now < v->deadline_ms)
             continue;
-        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample dropped: not every sketch came back in %d s",
-                v->job, v->stage, v->step, v->mb, BROKER_VERIFY_TIMEOUT_MS / 1000);
         broker_job *j = broker_job_find(b, v->job);
+        if (v->who[2][0] && v->have[0] && v->have[1] && !v->have[2] && j && !j->dead) {
+            FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: the third opinion %.8s did not answer in %d s",
+                    v->job, v->stage, v->step, v->mb, v->who[2], BROKER_VERIFY_TIMEOUT_MS / 1000);
+            judge_two(b, j, v, "the third opinion did not answer");
+            continue;
+        }
+        char missing[200] = "";
+        size_t l = 0;
+        static const char *const role[3] = {"the stage's peer", "the verifier", "the third opinion"};
+        for (int k = 0; k < 3; k++) {
+            if (!v->who[k][0] || v->have[k])
+                continue;
+            l += (size_t)snprintf(missing + l, sizeof missing - l, "%s%s %.8s%s", l ? ", " : "", role[k], v->who[k],
+                                  k > 0 && v->stage > 0 && !v->fed[k] ? " (its input never came in full)" : "");
+            if (l >= sizeof missing)
+                break;
+        }
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample dropped: no answer in %d s from %s", v->job,
+                v->stage, v->step, v->mb, BROKER_VERIFY_TIMEOUT_MS / 1000, missing);
         if (j)
             j->v_skipped++;
         v->used = false;

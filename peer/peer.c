@@ -20,6 +20,7 @@
 #include "kern_backend.h"
 #include "peer_internal.h"
 #include "peer_profile.h"
+#include "peer_verify.h"
 #include "wire.h"
 #include "wire_keys.h"
 #include "wire_seal.h"
@@ -94,6 +95,7 @@ struct peer {
     peer_cmd *stash[PEER_STASH];   /* for the compute thread, when its pipe is full */
     size_t stash_head, stash_n;
     wire_counters counters;        /* data and control messages refused */
+    peer_vin_asm_t *vin;           /* verification inputs delivered to this peer (as a verifier) */
     bool leaving;                  /* Leave sent */
     uint64_t leave_ms;
     bool fatal;                    /* the compute thread failed */
@@ -523,6 +525,89 @@ static void send_tensor(peer_t *p, peer_cmd *c)
                 c->meta.step, c->meta.micro_batch, l->stage_index, fu_strerror(rc));
 }
 
+/* ---- verification inputs (docs/PROTOCOL.md "Verification inputs") ------------------------- */
+
+/* As the upstream of a stage being verified: seal the output the compute thread handed over to the
+ * verifier's key, chunk by chunk, and send the chunks to the broker, which forwards them. */
+static void send_verify_input(peer_t *p, const peer_cmd *c)
+{
+    peer_vin_id id = {.job_id = c->job_id, .stage = c->stage, .step = c->step, .micro_batch = c->micro_batch,
+                      .seed = c->seed};
+    uint64_t n = peer_vin_chunks(c->len);
+    for (uint64_t i = 0; i < n; i++) {
+        uint8_t *sealed = NULL;
+        size_t sealed_len = 0;
+        fu_err rc = peer_vin_seal(&id, c->key, c->data, c->len, i, &sealed, &sealed_len);
+        if (rc != FU_OK) {
+            FU_WARN("peer", "job %016" PRIx64 ": cannot seal the input of stage %u step %" PRIu64 " mb %u for its "
+                    "verifier: %s", c->job_id, c->stage, c->step, c->micro_batch, fu_strerror(rc));
+            return;
+        }
+        Fusion__VerifyInput vi = FUSION__VERIFY_INPUT__INIT;
+        vi.job_id = c->job_id;
+        vi.stage_index = c->stage;
+        vi.step = c->step;
+        vi.micro_batch = c->micro_batch;
+        vi.seed = c->seed;
+        vi.verifier_key.data = (uint8_t *)c->key;
+        vi.verifier_key.len = WIRE_KEY_BYTES;
+        vi.total_bytes = c->len;
+        vi.offset = i * WIRE_VERIFY_INPUT_CHUNK;
+        vi.chunk_index = (uint32_t)i;
+        vi.chunk_count = (uint32_t)n;
+        vi.payload.data = sealed;
+        vi.payload.len = sealed_len;
+        rc = to_broker(p, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, c->job_id, c->step, c->stage - 1, &vi.base);
+        free(sealed);
+        if (rc != FU_OK)
+            return;
+    }
+    FU_DEBUG("peer", "job %016" PRIx64 ": input of stage %u step %" PRIu64 " mb %u sent to its verifier (%zu bytes)",
+             c->job_id, c->stage, c->step, c->micro_batch, c->len);
+}
+
+/* A chunk of a stage input delivered to this peer as a verifier (or the news that none comes),
+ * forwarded by the broker: open, assemble, hand the whole input to the compute thread. Takes m. */
+static void on_verify_input(peer_t *p, wire_msg_t *m)
+{
+    const Fusion__VerifyInput *vi = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_VERIFY_INPUT);
+    if (!vi || vi->verifier_key.len != WIRE_KEY_BYTES ||
+        sodium_memcmp(vi->verifier_key.data, wire_keypair_public(p->kp), WIRE_KEY_BYTES) != 0) {
+        FU_WARN("peer", "a verification input sealed for another key: dropped");
+        wire_msg_destroy(&m);
+        return;
+    }
+    peer_cmd *c = peer_cmd_new(PEER_CMD_VERIFY_INPUT);
+    c->job_id = vi->job_id;
+    c->stage = vi->stage_index;
+    c->step = vi->step;
+    c->micro_batch = vi->micro_batch;
+    c->seed = vi->seed;
+    if (vi->unavailable && vi->unavailable[0]) {
+        c->text = fu_strdup(vi->unavailable);
+        wire_msg_destroy(&m);
+        deliver(p, c);
+        return;
+    }
+    bool done = false;
+    char why[256] = "";
+    fu_err rc = peer_vin_asm_feed(p->vin, vi, wire_keypair_public(p->kp), wire_keypair_secret(p->kp), &done, why,
+                                  sizeof why);
+    wire_msg_destroy(&m);
+    if (rc != FU_OK) {
+        FU_WARN("peer", "job %016" PRIx64 ": verification input of stage %u step %" PRIu64 " mb %u refused: %s",
+                c->job_id, c->stage, c->step, c->micro_batch, why);
+        peer_cmd_destroy(&c);
+        return;
+    }
+    peer_vin_id id;
+    if (!done || peer_vin_asm_take(p->vin, &id, &c->data, &c->len) != FU_OK) {
+        peer_cmd_destroy(&c);
+        return;
+    }
+    deliver(p, c);
+}
+
 /* ---- messages from the broker and the compute thread --------------------------------------- */
 
 static void on_broker(peer_t *p, wire_msg_t *m)
@@ -533,6 +618,14 @@ static void on_broker(peer_t *p, wire_msg_t *m)
     if (h->sender && *h->sender && (t == FUSION__MSG_TYPE__MSG_SEAL_HELLO || t == FUSION__MSG_TYPE__MSG_ACTIVATION ||
                                     t == FUSION__MSG_TYPE__MSG_GRADIENT)) {
         on_data(p, SRC_RELAY, m);
+        return;
+    }
+    if (h->sender && *h->sender && t != FUSION__MSG_TYPE__MSG_VERIFY_INPUT) {
+        /* Envelope.sender is set only on what the broker forwards from another peer: data frames and
+         * verification inputs. Anything else claiming to come from a peer is not the broker's word. */
+        FU_WARN("peer", "%s forwarded from peer %.12s... ignored: only data frames come that way", wire_type_name(t),
+                h->sender);
+        wire_msg_destroy(&m);
         return;
     }
     switch (t) {
@@ -588,11 +681,15 @@ static void on_broker(peer_t *p, wire_msg_t *m)
         deliver(p, c);
         return;
     }
+    case FUSION__MSG_TYPE__MSG_VERIFY_INPUT:
+        on_verify_input(p, m); /* takes m */
+        return;
     case FUSION__MSG_TYPE__MSG_STAGE_START:
     case FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK:
     case FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK:
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
-    case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST: {
+    case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST:
+    case FUSION__MSG_TYPE__MSG_VERIFY_DELIVER: {
         peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
         c->msg = m;
         deliver(p, c);
@@ -621,6 +718,9 @@ static void on_compute(peer_t *p, peer_cmd *c)
     }
     case PEER_CMD_SEND_TENSOR:
         send_tensor(p, c);
+        break;
+    case PEER_CMD_VERIFY_SEND:
+        send_verify_input(p, c);
         break;
     case PEER_CMD_READY:
         if (c->backup) {
@@ -887,6 +987,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
         goto fail;
     }
     p->compute_started = true;
+    p->vin = peer_vin_asm_new(max_tensor(p));
     FU_INFO("peer", "profile: %s | link RTT %.3f ms", p->prof_line, p->prof.link_latency_ms);
     if (err_out)
         *err_out = FU_OK;
@@ -1058,6 +1159,7 @@ void peer_destroy(peer_t **p_p)
         wire_msg_destroy(&p->early[s]);
     link_reset(&p->links[0]);
     link_reset(&p->links[1]);
+    peer_vin_asm_destroy(&p->vin);
     wire_socket_close(&p->down);
     wire_socket_close(&p->router);
     wire_socket_close(&p->broker);

@@ -13,6 +13,7 @@
 #include "fusion.pb-c.h"
 #include "kern_backend.h"
 #include "wire.h"
+#include "wire_keys.h"
 #include "wire_tensor.h"
 
 #define PEER_PIPE_ENDPOINT "inproc://fusion-peer-pipe"
@@ -26,6 +27,9 @@ typedef enum {
     PEER_CMD_READY,       /* compute -> io: stage loaded; send StageReady once the links are up */
     PEER_CMD_STAGE_GONE,  /* compute -> io: the stage ended (released, failed): links may close */
     PEER_CMD_FATAL,       /* compute -> io: the backend failed; the peer must leave */
+    PEER_CMD_VERIFY_SEND, /* compute -> io: deliver an output to a verifier (data, seed, key: seal to it) */
+    PEER_CMD_VERIFY_INPUT, /* io -> compute: a delivered, opened stage input (data), or NULL data and text
+                              when the upstream could not deliver it */
 } peer_cmd_kind;
 
 typedef struct {
@@ -33,19 +37,22 @@ typedef struct {
     wire_msg_t *msg;          /* MSG: owned */
     wire_tensor tensor;       /* TENSOR: owned data */
     Fusion__MsgType type;     /* SEND: envelope type */
-    uint64_t job_id;          /* SEND / READY / STAGE_GONE / SEND_TENSOR: job */
-    uint64_t step;            /* SEND: envelope step */
-    uint32_t micro_batch;     /* SEND: envelope micro-batch */
-    uint32_t stage;           /* SEND / READY: stage index */
+    uint64_t job_id;          /* SEND / READY / STAGE_GONE / SEND_TENSOR / VERIFY_*: job */
+    uint64_t step;            /* SEND / VERIFY_*: envelope step */
+    uint32_t micro_batch;     /* SEND / VERIFY_*: envelope micro-batch */
+    uint32_t stage;           /* SEND / READY: stage index; VERIFY_*: the stage being verified */
     uint8_t *body;            /* SEND: packed body (malloc), NULL for an empty body */
     size_t body_len;
     Fusion__LinkRole role;    /* SEND_TENSOR: which neighbour */
     wire_tensor_meta meta;    /* SEND_TENSOR: metadata (relay_to filled in by io) */
-    uint8_t *data;            /* SEND_TENSOR: plaintext (malloc) */
+    uint8_t *data;            /* SEND_TENSOR / VERIFY_*: plaintext (malloc) */
     size_t len;
     uint64_t gen;             /* MSG (StageAssign) / READY / STAGE_GONE: the I/O thread's assignment number */
     bool backup;              /* READY: a warm backup (StageReady at once: it has no links) */
     fu_err err;               /* FATAL: why */
+    uint64_t seed;            /* VERIFY_*: the sample's seed (with job_id, stage, step, micro_batch) */
+    uint8_t key[WIRE_KEY_BYTES]; /* VERIFY_SEND: the verifier's public key */
+    char *text;               /* VERIFY_INPUT: why it was not delivered (malloc), NULL when data is there */
 } peer_cmd;
 
 peer_cmd *peer_cmd_new(peer_cmd_kind kind);

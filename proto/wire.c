@@ -52,6 +52,8 @@ static const wire_type_info type_table[] = {
     T(MSG_INFER_TOKEN, &fusion__infer_token__descriptor, true), /* logits of every prompt position */
     T(MSG_VERIFY_REQUEST, &fusion__verify_request__descriptor, false),
     T(MSG_VERIFY_SKETCH, &fusion__verify_sketch__descriptor, false),
+    T(MSG_VERIFY_DELIVER, &fusion__verify_deliver__descriptor, false),
+    T(MSG_VERIFY_INPUT, &fusion__verify_input__descriptor, true), /* a sealed chunk of an activation */
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

@@ -30,6 +30,12 @@ extern "C" {
 
 #define WIRE_PROTOCOL_VERSION   1u
 #define WIRE_VERIFY_SKETCH_K 16 /* entries of VerifySketch.sketch (docs/PROTOCOL.md "Verification sketch") */
+#define WIRE_VERIFY_HASH_BYTES 32u /* VerifySketch.input_hash: BLAKE2b-256 */
+/* VerifyInput chunks (docs/PROTOCOL.md "Verification inputs"): plaintext bytes per chunk, and what
+ * sealing adds to each (a 56-byte binding header + crypto_box_SEALBYTES = 48). */
+#define WIRE_VERIFY_INPUT_CHUNK    (1u << 20)
+#define WIRE_VERIFY_INPUT_HEADER   56u
+#define WIRE_VERIFY_INPUT_OVERHEAD (WIRE_VERIFY_INPUT_HEADER + 48u)
 #define WIRE_MAX_MSG_BYTES      (32u << 20) /* ZMQ_MAXMSGSIZE of every socket: largest frame */
 #define WIRE_MAX_ENVELOPE_BYTES 4096u       /* an Envelope frame over this is refused unread */
 #define WIRE_MAX_CONTROL_BYTES  (1u << 20)  /* body cap for types that carry no bulk bytes */

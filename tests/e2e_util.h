@@ -65,8 +65,9 @@ typedef struct {
     const char *peer_memory_gb;  /* --max-memory of every peer (NULL: none) */
     const char *model_args;      /* `fusion model init` options (NULL: E2E_MODEL_ARGS) */
     bool word_data;              /* train on E2E_WORDS words of a seeded stream (DIR/data.txt), not Shakespeare */
-    bool corrupt_hook;           /* peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=scale:DIR/corrupt.pI: it
-                                    cheats while that file exists (peer/peer_verify.h; tests only) */
+    const char *corrupt_mode;    /* "scale" or "lie": peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=
+                                    MODE:DIR/corrupt.pI and cheats while that file exists
+                                    (peer/peer_verify.h; tests only); NULL: honest peers */
 } e2e_cluster;
 
 #define E2E_WORDS 6000 /* words of the seeded training stream (word_data) */
@@ -78,7 +79,30 @@ typedef struct {
 #define E2E_TWO_STAGE_MODEL_ARGS "--layers 8 --hidden 256 --ffn 1024 --seed 2"
 #define E2E_TWO_STAGE_MEMORY_GB  "0.0586"
 
-static e2e_cluster *e2e_live; /* the running cluster, for the teardown after a failed assertion */
+static e2e_cluster *e2e_live; /* the running cluster (NULL once stopped) */
+/* What the teardown after a failed assertion needs, kept in static memory: a cluster usually lives on
+ * the test function's stack, which is gone (and may be overwritten) by the time cmocka runs the
+ * teardown. A pid read from there could be 0 (kill(0) signals the whole process group: ctest
+ * included) or someone else's. */
+#define E2E_MAX_CHILDREN 64
+static pid_t e2e_kids[E2E_MAX_CHILDREN]; /* children spawned and not reaped yet (0: free slot) */
+static char e2e_live_dir[1024];          /* the running cluster's directory, "" when none */
+
+static inline void e2e_kid_add(pid_t pid)
+{
+    for (int i = 0; i < E2E_MAX_CHILDREN; i++)
+        if (e2e_kids[i] == 0) {
+            e2e_kids[i] = pid;
+            return;
+        }
+}
+
+static inline void e2e_kid_gone(pid_t pid)
+{
+    for (int i = 0; i < E2E_MAX_CHILDREN; i++)
+        if (e2e_kids[i] == pid)
+            e2e_kids[i] = 0;
+}
 
 /* ---- processes ------------------------------------------------------------------------------- */
 
@@ -104,6 +128,7 @@ static inline pid_t e2e_spawn_env(const char *log, char *const argv[], const cha
         execv(argv[0], argv);
         _exit(127);
     }
+    e2e_kid_add(pid);
     return pid;
 }
 
@@ -120,10 +145,14 @@ static inline int e2e_reap(pid_t pid, int timeout_ms)
     for (;;) {
         int st;
         pid_t r = waitpid(pid, &st, WNOHANG);
-        if (r == pid)
+        if (r == pid) {
+            e2e_kid_gone(pid);
             return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        if (r < 0)
+        }
+        if (r < 0) {
+            e2e_kid_gone(pid);
             return -2; /* not our child (already reaped) */
+        }
         if (fu_clock_ms() >= end)
             break;
         fu_sleep_ms(10);
@@ -131,6 +160,7 @@ static inline int e2e_reap(pid_t pid, int timeout_ms)
     kill(pid, SIGCONT);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
+    e2e_kid_gone(pid);
     return -1;
 }
 
@@ -467,9 +497,9 @@ static inline void e2e_peer_start(e2e_cluster *c, int i)
     }
     argv[n] = NULL;
     char corrupt[E2E_PATH + 16];
-    if (c->corrupt_hook)
-        snprintf(corrupt, sizeof corrupt, "scale:%s/corrupt.p%d", c->dir, i);
-    c->peers[i] = e2e_spawn_env(log, argv, c->corrupt_hook ? "FUSION_TEST_CORRUPT_OUTPUT" : NULL, corrupt);
+    if (c->corrupt_mode)
+        snprintf(corrupt, sizeof corrupt, "%s:%s/corrupt.p%d", c->corrupt_mode, c->dir, i);
+    c->peers[i] = e2e_spawn_env(log, argv, c->corrupt_mode ? "FUSION_TEST_CORRUPT_OUTPUT" : NULL, corrupt);
     c->stopped[i] = false;
     free(argv[0]);
 }
@@ -489,7 +519,7 @@ static inline void e2e_peer_wait_joined(e2e_cluster *c, int i, int timeout_ms)
 /* Makes the keys, allow-list, model (c->model_args, default E2E_MODEL_ARGS, in DIR/model), training
  * text and client configuration, starts the broker and n_peers peers, and waits until every peer has
  * joined. Set c->backups, c->heartbeat_ms, c->peer_memory_gb, c->model_args, c->word_data and
- * c->corrupt_hook before e2e_cluster_start (memset + defaults are done by e2e_cluster_init). */
+ * c->corrupt_mode before e2e_cluster_start (memset + defaults are done by e2e_cluster_init). */
 static inline void e2e_cluster_init(e2e_cluster *c, const char *tag, int n_peers)
 {
     memset(c, 0, sizeof *c);
@@ -505,6 +535,7 @@ static inline void e2e_cluster_init(e2e_cluster *c, const char *tag, int n_peers
     assert_true(fu_path_exists(c->data));
     e2e_path(c, c->conf, "client.conf");
     e2e_live = c;
+    snprintf(e2e_live_dir, sizeof e2e_live_dir, "%s", c->dir);
 }
 
 /* e2e_cluster_init for the two-stage cluster above, with `backups` warm backups. */
@@ -566,11 +597,12 @@ static inline void e2e_peer_kill9(e2e_cluster *c, int i)
     assert_true(c->peers[i] > 0);
     kill(c->peers[i], SIGKILL);
     waitpid(c->peers[i], NULL, 0);
+    e2e_kid_gone(c->peers[i]);
     c->peers[i] = 0;
 }
 
 /* Graceful stop: SIGCONT the stopped, SIGTERM every peer, then the broker; each must exit 0 (a
- * clean leave). Removes the directory when everything went well. */
+ * clean leave). Removes the directory when everything went well (and FUSION_TEST_KEEP is not set). */
 static inline void e2e_cluster_stop(e2e_cluster *c)
 {
     for (int i = 0; i < c->n_peers; i++)
@@ -605,7 +637,8 @@ static inline void e2e_cluster_stop(e2e_cluster *c)
         }
     }
     e2e_live = NULL;
-    if (bad == 0) {
+    e2e_live_dir[0] = '\0';
+    if (bad == 0 && !getenv("FUSION_TEST_KEEP")) { /* FUSION_TEST_KEEP=1 keeps the logs of a passing test */
         char *out = NULL;
         (void)tu_sh(&out, "rm -rf '%s'", c->dir);
         free(out);
@@ -615,27 +648,25 @@ static inline void e2e_cluster_stop(e2e_cluster *c)
     assert_int_equal(bad, 0);
 }
 
-/* cmocka teardown: after a failed assertion kill and reap what is left of the cluster. */
+/* cmocka teardown: after a failed assertion kill and reap what is left of the cluster: every child
+ * spawned and not reaped yet that is still this process's child (read from static memory only). */
 static inline int e2e_teardown(void **state)
 {
     (void)state;
-    e2e_cluster *c = e2e_live;
-    if (!c)
-        return 0;
-    for (int i = 0; i < c->n_peers; i++)
-        if (c->peers[i] > 0) {
-            kill(c->peers[i], SIGCONT);
-            kill(c->peers[i], SIGKILL);
-            waitpid(c->peers[i], NULL, 0);
-            c->peers[i] = 0;
-        }
-    if (c->broker > 0) {
-        kill(c->broker, SIGKILL);
-        waitpid(c->broker, NULL, 0);
-        c->broker = 0;
+    for (int i = 0; i < E2E_MAX_CHILDREN; i++) {
+        pid_t pid = e2e_kids[i];
+        siginfo_t info;
+        e2e_kids[i] = 0;
+        if (pid <= 0 || waitid(P_PID, (id_t)pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0)
+            continue; /* not (or no longer) our child */
+        kill(pid, SIGCONT);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
     }
-    printf("logs kept in %s\n", c->dir);
+    if (e2e_live_dir[0])
+        printf("logs kept in %s\n", e2e_live_dir);
     e2e_live = NULL;
+    e2e_live_dir[0] = '\0';
     return 0;
 }
 

@@ -9,7 +9,7 @@ fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c L
 add_dependencies(test_peer_gpu fusion-peer)
 # With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
 # stage fails over to the warm backup and the adapter is unchanged.
-fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_peer fu_broker TIMEOUT 90
+fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_common TIMEOUT 90
             ARGS "*pipeline_equals*")
 add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)
 add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -21,15 +21,29 @@ get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
 set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer
                      test_peer_broker_enrol PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${FU_PEER_TEST_ENV}")
-# Verification of untrusted peers (docs/PIPELINE.md "Verification"): the sketch; verify = 1.0 over
-# honest peers agrees and keeps the adapter; a dishonest stage-0 peer (test-only fault hook) is caught,
-# loses its stage and its work, and the job still finishes.
+# Verification of untrusted peers (docs/PIPELINE.md "Verification"): the sketch and the sealed input
+# chunks (unit); the broker refuses malformed verification messages and relayed control messages;
+# verify = 1.0 over honest peers agrees and keeps the adapter; a dishonest stage-0 peer
+# (test-only fault hook) is caught, loses its stage and its work, and the job still finishes, with and
+# without a third opinion; three stages with every stage verified (inputs delivered by the upstream
+# peer through the broker) agree and keep the adapter; a dishonest middle stage is caught while the
+# stage after it is not blamed; a stage-0 peer that keeps honest copies of what it corrupts shows up as
+# input mismatches at stage 1. The three-stage cases run 6 peers: RUN_SERIAL.
 fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker TIMEOUT 120
             ARGS "*sketch*" LABELS peer)
 add_dependencies(test_verify fusion-peer fusion-broker fusion)
+add_test(NAME test_verify_input_chunks COMMAND test_verify "*input_chunks*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_bad_messages COMMAND test_verify "*refuses_bad_messages*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_honest COMMAND test_verify "*honest_peers*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_dishonest COMMAND test_verify "*dishonest_peer_is_caught*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_third_opinion COMMAND test_verify "*third_opinion*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_every_stage COMMAND test_verify "*every_stage_honest*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_middle_stage COMMAND test_verify "*middle_stage_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_input_mismatch COMMAND test_verify "*input_mismatch*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
-set_tests_properties(test_verify_honest test_verify_dishonest test_verify_third_opinion PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77
+set_tests_properties(test_verify_input_chunks test_verify_bad_messages test_verify_honest test_verify_dishonest test_verify_third_opinion
+                     test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 120
+                     SKIP_RETURN_CODE 77
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
+set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 180
+                     RUN_SERIAL TRUE)

@@ -125,7 +125,7 @@ static void test_peer_broker_restart_keeps_the_adapter(void **state)
     }
     printf("SIGKILL to the broker, then a restart on %s\n", c.endpoint);
     kill(c.broker, SIGKILL);
-    waitpid(c.broker, NULL, 0);
+    (void)e2e_reap(c.broker, 10000);
     c.broker = 0;
     e2e_broker_start(&c); /* the same endpoint and store; its log is broker-2.log */
     e2e_wait_done(&c, id, 80);
