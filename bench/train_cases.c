@@ -1,7 +1,9 @@
 /* Single-process fine-tuning and inference through the DAG executor, on a ~100M-parameter LLaMA
  * (12 layers, hidden 768, 12 heads, ffn 2048, vocab 32000; batch 4 x seq 128; 2 threads), or a small
  * model with --quick. Each case runs in a child process so that its peak memory (ru_maxrss) is its
- * own. Prints tokens/s, peak memory and saved-activation bytes as JSON lines. */
+ * own. Prints tokens/s, peak memory and saved-activation bytes as JSON lines. SALR cases use the
+ * `fusion model prune` default (block linears pruned, lm_head dense); infer_salr_lm_head the
+ * --prune-lm-head variant. */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,14 +26,19 @@
 #define TB_SALR_RANK    16  /* SALR residual rank */
 #define TB_PROMPT       128 /* prompt tokens for inference */
 #define TB_GENERATE     64  /* generated tokens */
+#define TB_PAIRED_ROUNDS 7  /* alternating dense / pruned generation rounds of the paired ratio */
 
 typedef struct {
     fu_modelcfg cfg;
     uint32_t batch, seq, steps;
-    char dir[512];    /* dense model */
-    char pruned[600]; /* SALR model */
-    bool made, pruned_made;
+    char dir[512];         /* dense model */
+    char pruned[600];      /* SALR model, the prune default: block linears pruned, lm_head dense */
+    char pruned_head[600]; /* SALR model with lm_head pruned too (--prune-lm-head) */
+    bool made, pruned_made, pruned_head_made;
 } tb_env;
+
+/* Which model a case runs. */
+typedef enum { TB_DENSE, TB_SALR, TB_SALR_HEAD } tb_model;
 
 static tb_env env;
 
@@ -46,7 +53,7 @@ static void tb_cleanup(void)
 {
     if (env.made) {
         char cmd[1200];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s'", env.dir, env.pruned);
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", env.dir); /* the pruned models are inside it */
         if (system(cmd) != 0)
             fprintf(stderr, "bench: could not remove %s\n", env.dir);
     }
@@ -102,20 +109,26 @@ static void make_model(int fd, void *arg)
 
 static void make_pruned(int fd, void *arg)
 {
-    (void)arg;
+    bool head = *(const bool *)arg;
     fu_errmsg em = {{0}};
     double t0 = fu_clock_sec();
-    fu_err rc = dag_salr_prune_model(env.dir, env.pruned, 0.5, TB_SALR_RANK, 1, &em);
+    dag_salr_prune_opts po = {.sparsity = 0.5, .rank = TB_SALR_RANK, .seed = 1, .prune_lm_head = head};
+    dag_salr_prune_report rep;
+    fu_err rc = dag_salr_prune(env.dir, head ? env.pruned_head : env.pruned, &po, &rep, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "bench: %s\n", fu_errmsg_text(&em, rc));
         _exit(2);
     }
-    char l[64];
-    snprintf(l, sizeof l, "%.1f", fu_clock_sec() - t0);
+    char l[320];
+    snprintf(l, sizeof l,
+             "\"seconds\":%.1f,\"sparsity\":0.5,\"residual_rank\":%d,\"lm_head\":\"%s\",\"weights_mib\":%.1f,"
+             "\"pruned_mib\":%.1f,\"blocks_rel_err_mean\":%.4f,\"lm_head_rel_err\":%.4f",
+             fu_clock_sec() - t0, TB_SALR_RANK, rep.lm_head_pruned ? "salr" : "dense",
+             (double)rep.bytes_in / 1048576.0, (double)rep.bytes_out / 1048576.0, rep.blocks_err_mean, rep.lm_head_err);
     send_line(fd, l);
 }
 
-static bool ensure_models(bool pruned)
+static bool ensure_models(tb_model which)
 {
     if (!env.made) {
         if (bench_quick()) {
@@ -149,18 +162,21 @@ static bool ensure_models(bool pruned)
         if (!mkdtemp(env.dir))
             return false;
         snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);
+        snprintf(env.pruned_head, sizeof env.pruned_head, "%s/pruned-lm-head", env.dir);
         env.made = true;
         atexit(tb_cleanup);
         char line[64];
         if (!in_child(make_model, NULL, line, sizeof line))
             return false;
     }
-    if (pruned && !env.pruned_made) {
-        char line[64];
-        if (!in_child(make_pruned, NULL, line, sizeof line))
+    bool head = which == TB_SALR_HEAD;
+    bool *made = head ? &env.pruned_head_made : &env.pruned_made;
+    if (which != TB_DENSE && !*made) {
+        char line[512];
+        if (!in_child(make_pruned, &head, line, sizeof line))
             return false;
-        env.pruned_made = true;
-        bench_emit("train", "salr_prune", "\"seconds\":%s,\"sparsity\":0.5,\"residual_rank\":%d", line, TB_SALR_RANK);
+        *made = true;
+        bench_emit("train", head ? "salr_prune_lm_head" : "salr_prune", "%s", line);
     }
     return true;
 }
@@ -244,7 +260,7 @@ static void train_child(int fd, void *arg)
 
 static void train_case(const char *name, dag_adapter_method m)
 {
-    if (!ensure_models(m == DAG_ADAPTER_SALR)) {
+    if (!ensure_models(m == DAG_ADAPTER_SALR ? TB_SALR : TB_DENSE)) {
         bench_emit("train", name, "\"error\":\"setup failed\"");
         return;
     }
@@ -272,69 +288,152 @@ BENCH_CASE(train_salr)
 
 /* ---- inference ------------------------------------------------------------------------------ */
 
-static void infer_child(int fd, void *arg)
+/* One inference executor on a model (the `fusion run infer` graph for it). */
+typedef struct {
+    fu_safetensors *st;
+    dag_graph_t *g;
+    dag_exec_t *x;
+} tb_infer;
+
+static const char *model_dir(tb_model which)
 {
-    bool salr = *(const bool *)arg;
+    return which == TB_SALR_HEAD ? env.pruned_head : which == TB_SALR ? env.pruned : env.dir;
+}
+
+static void infer_open(tb_model which, tb_infer *m)
+{
+    bool salr = which != TB_DENSE;
+    const char *dir = model_dir(which);
     fu_errmsg em = {{0}};
-    fu_safetensors *st = NULL;
-    if (fu_safetensors_open_dir(salr ? env.pruned : env.dir, &st, &em) != FU_OK)
-        _exit(2);
-    dag_model_dims d;
-    dag_dims_from_cfg(&env.cfg, &d);
-    dag_build_opts bo = {.method = salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .rank = 0, .res_rank = TB_SALR_RANK,
-                         .head = DAG_HEAD_SAMPLE, .seq_len = TB_PROMPT};
-    dag_graph_t *g = NULL;
-    dag_exec_t *x = NULL;
-    if (dag_build_llama(&d, &bo, &g) != FU_OK)
-        _exit(2);
-    dag_exec_opts eo = {.max_tokens = TB_PROMPT, .training = false, .max_context = TB_PROMPT + TB_GENERATE + 1};
-    if (dag_exec_new(g, &eo, &x, &em) != FU_OK || dag_exec_load_weights(x, st, &em) != FU_OK) {
+    dag_salr_info info = {.lm_head = false};
+    if (fu_safetensors_open_dir(dir, &m->st, &em) != FU_OK || (salr && dag_salr_info_load(dir, &info, &em) != FU_OK)) {
         fprintf(stderr, "bench: %s\n", em.msg);
         _exit(2);
     }
+    dag_model_dims d;
+    dag_dims_from_cfg(&env.cfg, &d);
+    dag_build_opts bo = {.method = salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .rank = 0, .res_rank = TB_SALR_RANK,
+                         .salr_lm_head = info.lm_head, .head = DAG_HEAD_SAMPLE, .seq_len = TB_PROMPT};
+    if (dag_build_llama(&d, &bo, &m->g) != FU_OK)
+        _exit(2);
+    dag_exec_opts eo = {.max_tokens = TB_PROMPT, .training = false, .max_context = TB_PROMPT + TB_GENERATE + 1};
+    if (dag_exec_new(m->g, &eo, &m->x, &em) != FU_OK || dag_exec_load_weights(m->x, m->st, &em) != FU_OK) {
+        fprintf(stderr, "bench: %s\n", em.msg);
+        _exit(2);
+    }
+}
+
+static void infer_close(tb_infer *m)
+{
+    dag_exec_destroy(&m->x);
+    dag_graph_destroy(&m->g);
+    fu_safetensors_close(&m->st);
+}
+
+/* One round in a fresh session: the prompt in one pass, then TB_GENERATE tokens one at a time.
+ * Wall and CPU seconds of each part. */
+typedef struct {
+    double prompt_s, prompt_cpu_s, gen_s, gen_cpu_s;
+} tb_round;
+
+static tb_round infer_round(tb_infer *m)
+{
     int32_t prompt[TB_PROMPT];
     for (int i = 0; i < TB_PROMPT; i++)
         prompt[i] = (int32_t)((i * 7919u + 3) % env.cfg.vocab_size);
+    tb_round t;
+    dag_session_t *s = NULL;
+    if (dag_exec_session_new(m->x, &s) != FU_OK)
+        _exit(2);
+    dag_exec_session_use(m->x, s);
+    double t0 = fu_clock_sec(), c0 = cpu_s();
+    if (dag_exec_set_tokens(m->x, 0, prompt, NULL, 1, TB_PROMPT) != FU_OK || dag_exec_forward(m->x, 0) != FU_OK)
+        _exit(2);
+    t.prompt_s = fu_clock_sec() - t0;
+    t.prompt_cpu_s = cpu_s() - c0;
+    t0 = fu_clock_sec();
+    c0 = cpu_s();
+    for (int k = 0; k < TB_GENERATE; k++) {
+        int32_t next = 0;
+        if (dag_exec_sampled(m->x, 0, &next) != FU_OK || dag_exec_set_tokens(m->x, 0, &next, NULL, 1, 1) != FU_OK ||
+            dag_exec_forward(m->x, 0) != FU_OK)
+            _exit(2);
+    }
+    t.gen_s = fu_clock_sec() - t0;
+    t.gen_cpu_s = cpu_s() - c0;
+    dag_exec_session_destroy(&s);
+    return t;
+}
+
+static void infer_child(int fd, void *arg)
+{
+    tb_model which = *(const tb_model *)arg;
+    tb_infer m = {0};
+    infer_open(which, &m);
     double best_prompt = 0, gen_tps = 0, best_prompt_cpu = 0, gen_cpu = 0;
     int reps = bench_quick() ? 2 : 3;
     for (int r = 0; r <= reps; r++) {
-        dag_session_t *s = NULL;
-        if (dag_exec_session_new(x, &s) != FU_OK)
-            _exit(2);
-        dag_exec_session_use(x, s);
-        double t0 = fu_clock_sec(), c0 = cpu_s();
-        if (dag_exec_set_tokens(x, 0, prompt, NULL, 1, TB_PROMPT) != FU_OK || dag_exec_forward(x, 0) != FU_OK)
-            _exit(2);
-        double tp = (double)TB_PROMPT / (fu_clock_sec() - t0);
-        double tpc = (double)TB_PROMPT / ((cpu_s() - c0) / TB_THREADS);
-        if (r > 0 && tp > best_prompt)
-            best_prompt = tp; /* r == 0 warms up */
-        if (r > 0 && tpc > best_prompt_cpu)
-            best_prompt_cpu = tpc;
-        if (r == reps) {
-            double t1 = fu_clock_sec(), c1 = cpu_s();
-            for (int k = 0; k < TB_GENERATE; k++) {
-                int32_t next = 0;
-                if (dag_exec_sampled(x, 0, &next) != FU_OK || dag_exec_set_tokens(x, 0, &next, NULL, 1, 1) != FU_OK ||
-                    dag_exec_forward(x, 0) != FU_OK)
-                    _exit(2);
-            }
-            gen_tps = TB_GENERATE / (fu_clock_sec() - t1);
-            gen_cpu = TB_GENERATE / ((cpu_s() - c1) / TB_THREADS);
-        }
-        dag_exec_session_destroy(&s);
+        tb_round t = infer_round(&m);
+        if (r == 0)
+            continue; /* warms up */
+        /* The best round counts (load only slows a round). */
+        double v[4] = {TB_PROMPT / t.prompt_s, TB_PROMPT / (t.prompt_cpu_s / TB_THREADS), TB_GENERATE / t.gen_s,
+                       TB_GENERATE / (t.gen_cpu_s / TB_THREADS)};
+        double *best[4] = {&best_prompt, &best_prompt_cpu, &gen_tps, &gen_cpu};
+        for (int k = 0; k < 4; k++)
+            if (v[k] > *best[k])
+                *best[k] = v[k];
     }
-    char line[512];
+    char line[640];
     snprintf(line, sizeof line,
              "\"model\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"threads\":%d,\"prompt_tokens\":%d,"
              "\"prompt_tokens_per_s\":%.1f,\"prompt_tokens_per_cpu_s_x_threads\":%.1f,\"generated_tokens\":%d,"
              "\"generated_tokens_per_s\":%.1f,\"generated_tokens_per_cpu_s_x_threads\":%.1f,\"peak_rss_gib\":%.3f",
-             salr ? "salr-50%" : "dense", env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size,
-             TB_THREADS, TB_PROMPT, best_prompt, best_prompt_cpu, TB_GENERATE, gen_tps, gen_cpu, peak_gib());
+             which == TB_SALR_HEAD ? "salr-50%+lm_head" : which == TB_SALR ? "salr-50%" : "dense",
+             env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, TB_THREADS, TB_PROMPT, best_prompt,
+             best_prompt_cpu, TB_GENERATE, gen_tps, gen_cpu, peak_gib());
     send_line(fd, line);
-    dag_exec_destroy(&x);
-    dag_graph_destroy(&g);
-    fu_safetensors_close(&st);
+    infer_close(&m);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The dense model and a pruned one in one process, generating in alternating rounds (the order
+ * flips every round): the median over rounds of dense time / pruned time. On a shared machine the
+ * load changes between the separate infer cases; within a pair of adjacent rounds it mostly does not. */
+static void paired_child(int fd, void *arg)
+{
+    tb_model which = *(const tb_model *)arg;
+    tb_infer dm = {0}, sm = {0};
+    infer_open(TB_DENSE, &dm);
+    infer_open(which, &sm);
+    (void)infer_round(&dm);
+    (void)infer_round(&sm);
+    double ratio[TB_PAIRED_ROUNDS];
+    int n = bench_quick() ? 3 : TB_PAIRED_ROUNDS;
+    for (int r = 0; r < n; r++) {
+        double td, ts;
+        if (r % 2 == 0) {
+            td = infer_round(&dm).gen_s;
+            ts = infer_round(&sm).gen_s;
+        } else {
+            ts = infer_round(&sm).gen_s;
+            td = infer_round(&dm).gen_s;
+        }
+        ratio[r] = td / ts;
+    }
+    qsort(ratio, (size_t)n, sizeof *ratio, cmp_double);
+    char line[160];
+    snprintf(line, sizeof line, "\"generation_speedup_vs_dense_interleaved\":%.2f,\"interleaved_rounds\":%d,"
+             "\"interleaved_min\":%.2f,\"interleaved_max\":%.2f", n % 2 ? ratio[n / 2] : 0.5 * (ratio[n / 2 - 1] + ratio[n / 2]),
+             n, ratio[0], ratio[n - 1]);
+    send_line(fd, line);
+    infer_close(&sm);
+    infer_close(&dm);
 }
 
 static double field(const char *line, const char *key)
@@ -345,29 +444,41 @@ static double field(const char *line, const char *key)
 
 static double dense_gen_tps;
 
-BENCH_CASE(infer_dense)
+static void infer_case(const char *name, tb_model which)
 {
-    bool salr = false;
     char line[1024];
-    if (!ensure_models(false) || !in_child(infer_child, &salr, line, sizeof line)) {
-        bench_emit("train", "infer_dense", "\"error\":\"run failed\"");
-        return;
-    }
-    dense_gen_tps = field(line, "\"generated_tokens_per_s\":");
-    bench_emit("train", "infer_dense", "%s", line);
-}
-
-BENCH_CASE(infer_salr)
-{
-    bool salr = true;
-    char line[1024];
-    if (!ensure_models(true) || !in_child(infer_child, &salr, line, sizeof line)) {
-        bench_emit("train", "infer_salr", "\"error\":\"run failed\"");
+    if (!ensure_models(which) || !in_child(infer_child, &which, line, sizeof line)) {
+        bench_emit("train", name, "\"error\":\"run failed\"");
         return;
     }
     double g = field(line, "\"generated_tokens_per_s\":");
+    if (which == TB_DENSE) {
+        dense_gen_tps = g;
+        bench_emit("train", name, "%s", line);
+        return;
+    }
+    char pair[256];
+    if (!in_child(paired_child, &which, pair, sizeof pair))
+        snprintf(pair, sizeof pair, "\"interleaved_error\":\"run failed\"");
     if (dense_gen_tps > 0)
-        bench_emit("train", "infer_salr", "%s,\"generation_speedup_vs_dense\":%.2f", line, g / dense_gen_tps);
+        bench_emit("train", name, "%s,\"generation_speedup_vs_dense\":%.2f,%s", line, g / dense_gen_tps, pair);
     else
-        bench_emit("train", "infer_salr", "%s", line);
+        bench_emit("train", name, "%s,%s", line, pair);
+}
+
+BENCH_CASE(infer_dense)
+{
+    infer_case("infer_dense", TB_DENSE);
+}
+
+/* The `fusion model prune` default: block linears pruned, lm_head dense. */
+BENCH_CASE(infer_salr)
+{
+    infer_case("infer_salr", TB_SALR);
+}
+
+/* `fusion model prune --prune-lm-head`: the 32000 x 768 head is sparse too. */
+BENCH_CASE(infer_salr_lm_head)
+{
+    infer_case("infer_salr_lm_head", TB_SALR_HEAD);
 }
