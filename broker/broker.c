@@ -315,6 +315,10 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_c
         b->cfg.min_reputation = BROKER_MIN_REPUTATION;
     if (!(b->cfg.verify >= 0 && b->cfg.verify <= 1))
         b->cfg.verify = 0;
+    if (!b->cfg.ready_timeout_s || b->cfg.ready_timeout_s > BROKER_TIMEOUT_MAX_S)
+        b->cfg.ready_timeout_s = BROKER_READY_TIMEOUT_S;
+    if (b->cfg.step_timeout_s > BROKER_TIMEOUT_MAX_S)
+        b->cfg.step_timeout_s = 0;
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
@@ -428,6 +432,7 @@ static void timers(broker_t *b)
     if (now >= b->next_sweep_ms) {
         broker_registry_sweep(b);
         broker_verify_sweep(b);
+        broker_deadlines_sweep(b);
         for (size_t i = 0; i < b->n_jobs; i++) {
             broker_job *j = b->jobs[i];
             if (!j->dead && j->phase == BJ_RECOVER_WAIT && now >= j->recover_at_ms)

@@ -22,6 +22,12 @@ extern "C" {
 #define BROKER_DEAD_FACTOR      3         /* a peer silent for this many intervals is dead */
 #define BROKER_LEASE_FACTOR     6         /* stage leases last this many intervals, renewed by heartbeats */
 #define BROKER_MAX_RETRIES      5         /* recoveries without progress before a job fails */
+/* Deadlines on the work itself (docs/PIPELINE.md "Failures"): leases only prove a peer is alive. */
+#define BROKER_READY_TIMEOUT_S  600       /* default --ready-timeout: StageAssign to StageReady (weights fetched) */
+#define BROKER_STEP_TIMEOUT_MIN_S 120     /* derived step deadline: at least this many seconds ... */
+#define BROKER_STEP_TIMEOUT_FACTOR 20     /* ... and at least this many times the slowest step (token) seen */
+#define BROKER_TIMEOUT_MAX_S    86400     /* largest --ready-timeout / --step-timeout accepted */
+#define BROKER_JOB_EXCLUDE_MAX  16        /* peers a job remembers as taken off it for missing a deadline */
 #define BROKER_BACKUPS          1         /* default warm backups per job */
 #define BROKER_BLOB_CHUNK       (1u << 20) /* bytes of one WeightChunk / JobResultChunk */
 #define BROKER_BLOB_WINDOW      (16u << 20) /* most bytes answered to one WeightRequest or JobResultRequest */
@@ -58,6 +64,8 @@ typedef struct {
     uint32_t heartbeat_ms;     /* heartbeat interval (dead after BROKER_DEAD_FACTOR of them) */
     double verify;             /* fraction of micro-batches verified for jobs whose spec says nothing (0: off) */
     double min_reputation;     /* peers below this get no work; <= 0: BROKER_MIN_REPUTATION */
+    uint32_t ready_timeout_s;  /* a stage must send StageReady this long after StageAssign; 0: BROKER_READY_TIMEOUT_S */
+    uint32_t step_timeout_s;   /* a running job must make progress this often; 0: derived (broker_step_timeout_ms) */
 } broker_cfg;
 
 typedef struct broker broker_t;

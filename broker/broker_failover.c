@@ -1,6 +1,6 @@
 /* broker_failover: stage assignment messages, a lost stage handed to a backup (warm first) with
- * every stage rewound to the newest common checkpoint, the retry cap, and the recovery of running
- * jobs after a broker restart. */
+ * every stage rewound to the newest common checkpoint, the retry cap, the deadlines on the work
+ * itself (ready and step), and the recovery of running jobs after a broker restart. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,8 +60,11 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step)
 {
     j->start_step = resume_step;
     j->phase = BJ_STARTING;
+    j->stepped = false;
+    uint64_t now = broker_now();
     for (uint32_t s = 0; s < j->n_stages; s++) {
         j->stages[s].ready = false;
+        j->stages[s].assigned_ms = now;
         broker_peer *p = broker_peer_find(b, j->stages[s].peer);
         if (p && p->live)
             (void)broker_send_assign(b, j, s, p, false);
@@ -75,8 +78,8 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
     int best_rank = 99;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!broker_peer_trusted(b, p) ||
-            (exclude && strcmp(p->key, exclude) == 0) || !broker_peer_fits(j, s, p))
+        if (!broker_peer_trusted(b, p) || (exclude && strcmp(p->key, exclude) == 0) ||
+            broker_job_excludes(j, p->key) || !broker_peer_fits(j, s, p))
             continue;
         int rank;
         if (p->backup && strcmp(p->job, j->id) == 0)
@@ -204,4 +207,131 @@ void broker_recover(broker_t *b, broker_job *j)
     FU_INFO(LOG, "job %s: %s", j->id, text);
     broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen);
     b->sched_dirty = true;
+}
+
+/* ---- deadlines on the work (docs/PIPELINE.md "Failures") ---------------------------------------- */
+
+bool broker_job_excludes(const broker_job *j, const char *key)
+{
+    for (uint32_t i = 0; i < j->n_excluded; i++)
+        if (strcmp(j->excluded[i], key) == 0)
+            return true;
+    return false;
+}
+
+/* Takes key off j for good (the oldest entry makes room when the list is full). */
+static void job_exclude(broker_job *j, const char *key)
+{
+    if (broker_job_excludes(j, key))
+        return;
+    if (j->n_excluded == BROKER_JOB_EXCLUDE_MAX) {
+        memmove(j->excluded[0], j->excluded[1], (BROKER_JOB_EXCLUDE_MAX - 1) * sizeof j->excluded[0]);
+        j->n_excluded--;
+    }
+    snprintf(j->excluded[j->n_excluded++], sizeof j->excluded[0], "%s", key);
+}
+
+uint64_t broker_step_timeout_ms(const broker_t *b, const broker_job *j)
+{
+    if (b->cfg.step_timeout_s)
+        return (uint64_t)b->cfg.step_timeout_s * 1000u;
+    double t = (double)BROKER_STEP_TIMEOUT_FACTOR * j->slowest_s;
+    if (t < BROKER_STEP_TIMEOUT_MIN_S)
+        t = BROKER_STEP_TIMEOUT_MIN_S;
+    if (!j->stepped && t < (double)b->cfg.ready_timeout_s) /* the first step of a run includes its warm-up */
+        t = (double)b->cfg.ready_timeout_s;
+    if (t > BROKER_TIMEOUT_MAX_S)
+        t = BROKER_TIMEOUT_MAX_S;
+    return (uint64_t)(t * 1000.0);
+}
+
+/* Stage s of j sent no StageReady in time: its peer is released and taken off the job, and the stage
+ * fails over like a lost one. */
+static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
+{
+    char key[DB_KEY_LEN + 1], why[300];
+    snprintf(key, sizeof key, "%s", j->stages[s].peer);
+    broker_peer *p = broker_peer_find(b, key);
+    snprintf(why, sizeof why, "peer %.8s (%s) missed its ready deadline: no StageReady %u s after StageAssign", key,
+             p ? p->name : "?", b->cfg.ready_timeout_s);
+    FU_WARN(LOG, "job %s: stage %u: %s; it is taken off the job", j->id, s, why);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "ready-timeout", why));
+    job_exclude(j, key);
+    if (p && strcmp(p->job, j->id) == 0) {
+        if (p->live) {
+            Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
+            r.job_id = j->id64;
+            r.stage_index = s;
+            r.reason = why;
+            (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
+            BROKER_IGNORE(db_peer_set_state(b->db, p->key, DB_PEER_BACKUP, broker_wall()));
+        }
+        p->job[0] = '\0';
+        p->backup = p->warm = false;
+    }
+    broker_failover(b, j, s, why);
+}
+
+/* j made no progress within its step deadline. Peers report no per-stage progress (only the last
+ * stage's StepDone), so the broker cannot tell which stage stalled: every stage is released and
+ * restarted from the newest common checkpoint on the same peers, and a retry is counted; a peer that
+ * stalls every time makes the job fail after BROKER_MAX_RETRIES such recoveries. */
+static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t limit_ms)
+{
+    char why[300], text[DB_REASON_MAX];
+    bool ft = j->kind == DB_JOB_FINETUNE;
+    snprintf(why, sizeof why, "no progress past %s %" PRIu64 " for %" PRIu64 " s (step deadline %" PRIu64 " s)",
+             ft ? "step" : "token", ft ? j->steps_done : (uint64_t)j->n_gen, idle_ms / 1000, limit_ms / 1000);
+    FU_WARN(LOG, "job %s: %s", j->id, why);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "step-timeout", why));
+    j->retries++;
+    if (j->retries > BROKER_MAX_RETRIES) {
+        snprintf(text, sizeof text, "failed after %u recoveries without progress; the last: %s", BROKER_MAX_RETRIES,
+                 why);
+        broker_job_fail(b, j, text);
+        return;
+    }
+    int64_t c = 0;
+    if (ft && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
+        c = 0;
+    snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, ft ? "step" : "token",
+             ft ? (uint64_t)c : (uint64_t)j->n_gen);
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (!p || !p->live)
+            continue;
+        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
+        r.job_id = j->id64;
+        r.stage_index = s;
+        r.reason = text;
+        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
+        free(j->stages[s].ck_buf);
+        j->stages[s].ck_buf = NULL;
+    }
+    snprintf(j->reason, sizeof j->reason, "recovering: %.900s", text);
+    FU_INFO(LOG, "job %s: %s", j->id, text);
+    broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen);
+}
+
+void broker_deadlines_sweep(broker_t *b)
+{
+    uint64_t now = broker_now();
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        broker_job *j = b->jobs[i];
+        if (j->dead)
+            continue;
+        if (j->phase == BJ_STARTING) {
+            uint64_t limit = (uint64_t)b->cfg.ready_timeout_s * 1000u;
+            for (uint32_t s = 0; s < j->n_stages; s++) {
+                if (!j->stages[s].ready && j->stages[s].peer[0] && now - j->stages[s].assigned_ms > limit) {
+                    ready_missed(b, j, s); /* restarts every stage (new deadlines) or requeues j */
+                    break;
+                }
+            }
+        } else if (j->phase == BJ_RUNNING) {
+            uint64_t limit = broker_step_timeout_ms(b, j);
+            if (now - j->progress_ms > limit)
+                step_missed(b, j, now - j->progress_ms, limit);
+        }
+    }
 }

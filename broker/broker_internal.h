@@ -88,6 +88,7 @@ typedef struct {
     uint32_t first, last;              /* DAG node range [first, last) */
     char peer[DB_KEY_LEN + 1];         /* who runs it, "" when nobody */
     bool ready;                        /* StageReady received for the current assignment */
+    uint64_t assigned_ms;              /* monotonic time the current StageAssign was sent (ready deadline) */
     int64_t final_ckpt_step;           /* newest checkpoint step committed */
     /* a checkpoint being received */
     uint8_t *ck_buf;                   /* assembly buffer, NULL when none */
@@ -136,6 +137,13 @@ typedef struct {
     fu_tokenizer *tok;                 /* the model's tokenizer (infer: decode output) */
     int64_t eos;                       /* end token id (config.json, else the tokenizer's), -1: none */
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
+    uint64_t progress_ms;              /* monotonic time of the last sign of progress: StageStart, StepDone,
+                                          InferToken, a committed checkpoint (step deadline) */
+    double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
+    bool stepped;                      /* a step or token came since the last StageStart */
+    char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a
+                                          deadline: never picked for it again (in memory only) */
+    uint32_t n_excluded;               /* how many */
     bool dead;                         /* finished or removed: free at the next sweep */
     uint32_t v_agree, v_disagree, v_skipped; /* verification samples: agreed, disagreed, not run */
     uint32_t v_mismatch;               /* samples left inconclusive: the two peers used different inputs */
@@ -292,6 +300,14 @@ void broker_recover(broker_t *b, broker_job *j);
 fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
 /* Sends StageAssign{resume_step} to every stage of j (after a plan or a recovery). */
 void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
+/* True when key was taken off j for missing a deadline (the scheduler and failover skip it for j). */
+bool broker_job_excludes(const broker_job *j, const char *key);
+/* The step deadline of j in ms: --step-timeout, else max(BROKER_STEP_TIMEOUT_MIN_S,
+ * BROKER_STEP_TIMEOUT_FACTOR x the slowest step seen), and no less than the ready deadline before the
+ * first step of a run (it includes the warm-up). */
+uint64_t broker_step_timeout_ms(const broker_t *b, const broker_job *j);
+/* Enforces the ready and step deadlines of every job (docs/PIPELINE.md "Failures"). */
+void broker_deadlines_sweep(broker_t *b);
 
 /* ---- broker_verify.c ---- */
 /* The fraction of j's micro-batches to verify (the spec's "verify", else --verify; 0 for inference). */

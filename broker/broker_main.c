@@ -20,6 +20,7 @@ int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
+    long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0;
     double verify = 0, min_rep = BROKER_MIN_REPUTATION;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -34,6 +35,10 @@ int main(int argc, char **argv)
          "fraction 0..1 of micro-batches re-run on a second peer, for jobs whose spec has no \"verify\" (default 0)"},
         {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
          "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
+        {"ready-timeout", 0, FU_OPT_INT, &ready_timeout, "SEC",
+         "a stage not ready SEC after its assignment fails over to a backup (default 600)"},
+        {"step-timeout", 0, FU_OPT_INT, &step_timeout, "SEC",
+         "a job with no progress for SEC is recovered (default 0: max(120, 20 x slowest step))"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -61,6 +66,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-broker: --verify must be 0..1 and --reputation-threshold in (0, 1]\n");
         return FU_EXIT_USAGE;
     }
+    if (ready_timeout < 1 || ready_timeout > BROKER_TIMEOUT_MAX_S || step_timeout < 0 ||
+        step_timeout > BROKER_TIMEOUT_MAX_S) {
+        fprintf(stderr, "fusion-broker: --ready-timeout must be 1..%d seconds and --step-timeout 0..%d (0: derived)\n",
+                BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
+        return FU_EXIT_USAGE;
+    }
     if (!allow && !(token && token[0]))
         fprintf(stderr, "fusion-broker: neither --allow nor --enrol-token given: no key will be admitted\n");
     if (sodium_init() < 0) { /* before any ZeroMQ context */
@@ -77,7 +88,8 @@ int main(int argc, char **argv)
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
                       .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
-                      .verify = verify, .min_reputation = min_rep};
+                      .verify = verify, .min_reputation = min_rep,
+                      .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout};
     fu_err err = FU_OK;
     char why[1024] = "";
     broker_t *b = broker_new(&cfg, &err, why, sizeof why);

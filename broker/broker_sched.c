@@ -129,7 +129,7 @@ static void give_backups(broker_t *b, broker_job *j)
     uint32_t have = backups_of(b, j);
     for (size_t i = 0; i < b->n_peers && have < b->cfg.backups; i++) {
         broker_peer *p = &b->peers[i];
-        if (!peer_idle(p))
+        if (!peer_idle(p) || broker_job_excludes(j, p->key))
             continue;
         uint32_t s = likely_loss(b, j);
         if (broker_job_verify_fraction(b, j) > 0) {
@@ -170,14 +170,20 @@ static void give_backups(broker_t *b, broker_job *j)
 
 static void plan_job(broker_t *b, broker_job *j)
 {
-    size_t n_idle = 0, n_live = 0;
+    size_t n_idle = 0, n_live = 0, n_barred = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         n_live += b->peers[i].live;
-        n_idle += peer_idle(&b->peers[i]);
+        if (peer_idle(&b->peers[i])) {
+            bool barred = broker_job_excludes(j, b->peers[i].key); /* it missed a deadline of this job */
+            n_barred += barred;
+            n_idle += !barred;
+        }
     }
     char reason[DB_REASON_MAX];
     if (n_idle == 0) {
-        const char *why_now = n_live ? "every live peer is busy with other jobs" : "no peer is registered";
+        const char *why_now = n_barred ? "every idle peer was taken off this job for missing a deadline"
+                              : n_live ? "every live peer is busy with other jobs"
+                                       : "no peer is registered";
         if (strncmp(j->reason, "waiting for peers: stage", 24) == 0) { /* keep the lost stage in view */
             const char *ctx = j->reason + 19, *end = strstr(ctx, " (now:");
             int n = (int)(end ? (size_t)(end - ctx) : strlen(ctx));
@@ -193,7 +199,7 @@ static void plan_job(broker_t *b, broker_job *j)
     size_t k = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!peer_idle(p))
+        if (!peer_idle(p) || broker_job_excludes(j, p->key))
             continue;
         snprintf(prof[k].name, sizeof prof[k].name, "%.40s(%.8s)", p->name, p->key);
         prof[k].gflops = p->gflops;
@@ -363,7 +369,7 @@ void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         if (!j->stages[s].ready)
             return;
     j->phase = BJ_RUNNING;
-    j->last_step_ms = broker_now();
+    j->last_step_ms = j->progress_ms = broker_now();
     snprintf(j->reason, sizeof j->reason, "running");
     Fusion__StageStart st = FUSION__STAGE_START__INIT;
     st.job_id = j->id64;
@@ -395,7 +401,10 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     uint64_t now = broker_now();
     double dt = (double)(now - j->last_step_ms) / 1000.0;
     double tps = dt > 0 ? (double)d->tokens / dt : 0;
-    j->last_step_ms = now;
+    j->last_step_ms = j->progress_ms = now;
+    if (dt > j->slowest_s)
+        j->slowest_s = dt;
+    j->stepped = true;
     if (d->step + 1 > j->steps_done) {
         j->steps_done = d->step + 1;
         j->retries = 0; /* progress */
@@ -532,6 +541,7 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, &ack.base);
     if ((int64_t)st->ck_step > st->final_ckpt_step)
         st->final_ckpt_step = (int64_t)st->ck_step;
+    j->progress_ms = broker_now(); /* the last steps' checkpoints count as progress (step deadline) */
     FU_INFO(LOG, "job %s: checkpoint of stage %u at step %" PRIu64 " committed (%" PRIu64 " bytes)", j->id,
             c->stage_index, st->ck_step, st->ck_total);
     if (st->ck_step == j->spec.steps)
@@ -556,6 +566,12 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
                            ")", t->token, t->position, expect);
         return;
     }
+    uint64_t now = broker_now(); /* a token, even a replayed one, is progress (step deadline) */
+    double gap = (double)(now - j->progress_ms) / 1000.0;
+    if (j->phase == BJ_RUNNING && gap > j->slowest_s)
+        j->slowest_s = gap;
+    j->progress_ms = now;
+    j->stepped = true;
     if (t->position < expect)
         return; /* a replay after a recovery: we have it already */
     /* The first token carries the prompt's logits when the job asked for them: positions × vocab

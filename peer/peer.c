@@ -292,6 +292,8 @@ static void check_ready(peer_t *p)
     for (int i = 0; i < 2; i++)
         if (p->links[i].active && !p->links[i].up)
             return;
+    if (peer_test_stall_ready()) /* test hook (PEER_STALL_ENV): retried at every heartbeat */
+        return;
     Fusion__StageReady r = FUSION__STAGE_READY__INIT;
     r.job_id = p->job_id;
     r.stage_index = p->stage_index;
@@ -1032,8 +1034,10 @@ fu_err peer_run(peer_t *p)
                 break;
             }
         }
-        if (p->welcomed && now - p->last_hb_ms >= p->hb_ms)
+        if (p->welcomed && now - p->last_hb_ms >= p->hb_ms) {
             send_heartbeat(p);
+            check_ready(p); /* a StageReady the stall test hook held back */
+        }
         if (input_paused(p))
             p->last_broker_ms = now; /* not reading the broker is not the broker's silence */
         if (now - p->last_broker_ms >= p->dead_ms && now - p->hello_ms >= p->dead_ms) {

@@ -61,6 +61,7 @@ typedef struct {
     bool loaded;              /* weights loaded, READY sent */
     bool running;             /* StageStart received */
     bool finished;            /* every step done (waiting for StageRelease) */
+    bool stalling;            /* the stall test hook (PEER_STALL_ENV) holds this assignment at a step */
     uint64_t job_id;
     uint64_t gen;             /* the I/O thread's number for this assignment */
     uint32_t stage_index, stage_count;
@@ -362,6 +363,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     fu_errmsg em = {{0}};
     fu_err rc;
     s->active = true;
+    s->stalling = false;
     s->gen = gen;
     s->job_id = a->job_id;
     s->stage_index = a->stage_index;
@@ -1044,10 +1046,28 @@ static void last_backward(stage_t *s, uint32_t m)
         finish_step(s);
 }
 
+/* The stall test hook (PEER_STALL_ENV "step:N:PATH"): true when this assignment must drop the work of
+ * `step`. The hook fires once per process (the compute thread alone calls this). */
+static bool stall_at(stage_t *s, uint64_t step)
+{
+    static bool spent;
+    if (s->stalling || spent || s->backup)
+        return s->stalling;
+    int64_t n = peer_test_stall_step();
+    if (n < 0 || (uint64_t)n != step)
+        return false;
+    spent = s->stalling = true;
+    FU_WARN("peer", "job %016" PRIx64 " stage %u: test hook %s: stalling at step %" PRIu64 " (heartbeats go on)",
+            s->job_id, s->stage_index, PEER_STALL_ENV, step);
+    return true;
+}
+
 /* Stage 0: forward every micro-batch of the current step. */
 static void run_forwards(stage_t *s)
 {
     uint64_t step = s->step;
+    if (stall_at(s, step))
+        return;
     for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
         fu_err rc = peer_data_rows(&s->spec, s->ids, s->n_ids, step, m, s->tok, s->tgt);
         if (rc == FU_OK)
@@ -1280,8 +1300,8 @@ static void on_tensor(stage_t *s, peer_cmd *c)
         }
         return;
     }
-    if (t->meta.step < s->step || s->finished) {
-        peer_cmd_destroy(&c); /* stale (a step already taken) */
+    if (t->meta.step < s->step || s->finished || stall_at(s, s->step)) {
+        peer_cmd_destroy(&c); /* stale (a step already taken), or the stall hook */
         return;
     }
     if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !is_first(s))

@@ -63,6 +63,24 @@ peer_corrupt_mode peer_verify_corrupt_now(void)
     return v[n] == ':' && v[n + 1] && access(v + n + 1, F_OK) == 0 ? m : PEER_CORRUPT_NONE;
 }
 
+bool peer_test_stall_ready(void)
+{
+    const char *v = getenv(PEER_STALL_ENV);
+    return v && strncmp(v, "ready:", 6) == 0 && v[6] && access(v + 6, F_OK) == 0;
+}
+
+int64_t peer_test_stall_step(void)
+{
+    const char *v = getenv(PEER_STALL_ENV);
+    if (!v || strncmp(v, "step:", 5) != 0 || v[5] < '0' || v[5] > '9')
+        return -1;
+    char *end = NULL;
+    unsigned long long n = strtoull(v + 5, &end, 10);
+    if (n > INT64_MAX || !end || *end != ':' || !end[1] || access(end + 1, F_OK) != 0)
+        return -1;
+    return (int64_t)n;
+}
+
 void peer_verify_hash(const void *data, size_t n, uint8_t out[WIRE_VERIFY_HASH_BYTES])
 {
     crypto_generichash(out, WIRE_VERIFY_HASH_BYTES, data, n, NULL, 0);

@@ -47,6 +47,20 @@ void peer_verify_hash(const void *data, size_t n, uint8_t out[WIRE_VERIFY_HASH_B
 /* What the fault-injection hook asks this peer to do with its outputs now. */
 peer_corrupt_mode peer_verify_corrupt_now(void);
 
+/* Env var of the stall hook, FOR TESTS ONLY (the deadline tests of tests/test_e2e_fault.c): the
+ * peer stays alive and keeps heartbeating but stops doing a stage's work, as a hung weight fetch or
+ * a stuck step would. "ready:PATH": while the file PATH exists, a stage assignment (not a backup's)
+ * never says StageReady. "step:N:PATH": the first time this process, as a stage of a fine-tune, is
+ * to work on step N while PATH exists, it drops that step's work (frames, forwards) until its next
+ * StageAssign; it stalls once per process. Anything else: no stall. */
+#define PEER_STALL_ENV "FUSION_TEST_STALL"
+
+/* True when the stall hook withholds StageReady now. */
+bool peer_test_stall_ready(void);
+
+/* The step at which the stall hook stalls a fine-tune stage now, or -1 for none. */
+int64_t peer_test_stall_step(void);
+
 /* The verification sample a delivered input belongs to; every sealed chunk is bound to it. */
 typedef struct {
     uint64_t job_id;      /* the job */

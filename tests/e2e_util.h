@@ -68,6 +68,11 @@ typedef struct {
     const char *corrupt_mode;    /* "scale" or "lie": peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=
                                     MODE:DIR/corrupt.pI and cheats while that file exists
                                     (peer/peer_verify.h; tests only); NULL: honest peers */
+    const char *stall;           /* "ready" or "step:N": peer pI runs with FUSION_TEST_STALL=STALL:DIR/stall.pI
+                                    and stalls while that file exists (peer/peer_verify.h; tests only);
+                                    NULL: none (takes the place of corrupt_mode) */
+    int ready_timeout_s;         /* --ready-timeout of the broker (0: its default) */
+    int step_timeout_s;          /* --step-timeout of the broker (0: its default) */
 } e2e_cluster;
 
 #define E2E_WORDS 6000 /* words of the seeded training stream (word_data) */
@@ -461,8 +466,21 @@ static inline void e2e_broker_start(e2e_cluster *c)
     snprintf(hb, sizeof hb, "%d", c->heartbeat_ms > 0 ? c->heartbeat_ms : 1000);
     char bind[128];
     snprintf(bind, sizeof bind, "%s", c->endpoint[0] ? c->endpoint : "tcp://127.0.0.1:*");
-    char *argv[] = {strdup(tu_bin("fusion-broker")), "--bind", bind, "--keys", keys, "--db", db, "--allow", allow,
-                    "--backups", backups, "--heartbeat-ms", hb, NULL};
+    char rt[16], stt[16];
+    snprintf(rt, sizeof rt, "%d", c->ready_timeout_s);
+    snprintf(stt, sizeof stt, "%d", c->step_timeout_s);
+    char *argv[20] = {strdup(tu_bin("fusion-broker")), "--bind", bind, "--keys", keys, "--db", db, "--allow", allow,
+                      "--backups", backups, "--heartbeat-ms", hb, NULL};
+    int n = 13;
+    if (c->ready_timeout_s > 0) {
+        argv[n++] = "--ready-timeout";
+        argv[n++] = rt;
+    }
+    if (c->step_timeout_s > 0) {
+        argv[n++] = "--step-timeout";
+        argv[n++] = stt;
+    }
+    argv[n] = NULL;
     c->broker = e2e_spawn(log, argv);
     free(argv[0]);
     if (!e2e_wait_file(log, "listening on ", 15000)) {
@@ -496,10 +514,14 @@ static inline void e2e_peer_start(e2e_cluster *c, int i)
         argv[n++] = (char *)c->peer_memory_gb;
     }
     argv[n] = NULL;
-    char corrupt[E2E_PATH + 16];
-    if (c->corrupt_mode)
+    char corrupt[E2E_PATH + 32];
+    if (c->stall)
+        snprintf(corrupt, sizeof corrupt, "%s:%s/stall.p%d", c->stall, c->dir, i);
+    else if (c->corrupt_mode)
         snprintf(corrupt, sizeof corrupt, "%s:%s/corrupt.p%d", c->corrupt_mode, c->dir, i);
-    c->peers[i] = e2e_spawn_env(log, argv, c->corrupt_mode ? "FUSION_TEST_CORRUPT_OUTPUT" : NULL, corrupt);
+    c->peers[i] = e2e_spawn_env(log, argv,
+                                c->stall ? "FUSION_TEST_STALL" : c->corrupt_mode ? "FUSION_TEST_CORRUPT_OUTPUT" : NULL,
+                                corrupt);
     c->stopped[i] = false;
     free(argv[0]);
 }

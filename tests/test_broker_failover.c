@@ -2,7 +2,9 @@
  * killed goes to the warm backup (time measured); with no backup left the job waits and says
  * why; a whole fine-tune run through peer processes (weights and tokens fetched and hash-checked,
  * chunked checkpoints committed and acknowledged, progress, the adapter assembled, the result
- * downloaded in chunks and resumed from an offset); the data-plane relay. */
+ * downloaded in chunks and resumed from an offset); the data-plane relay; a stage peer that never says
+ * StageReady is released after --ready-timeout, the job waits (saying why) rather than go back to it,
+ * and runs on the next peer that joins. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -417,6 +419,50 @@ static void test_broker_failover_relay(void **state)
     tb_client_close(&pb);
 }
 
+static void test_broker_failover_ready_deadline_waits(void **state)
+{
+    fx *f = *state;
+    f->b.backups = 0;
+    f->b.ready_timeout_s = 2;
+    start(f);
+    tb_peer stuck, good;
+    char line[512];
+    tb_peer_start(&stuck, &f->b, f->pdir[0], "p0", 4 * GiB, 50, "noready");
+    assert_true(tb_peer_expect(&stuck, "WELCOME", 5000, NULL, 0));
+    uint64_t id = submit(f);
+    assert_true(tb_peer_expect(&stuck, "ASSIGN", 5000, line, sizeof line));
+    assert_non_null(strstr(line, "backup 0"));
+    uint64_t t0 = fu_clock_ms();
+    /* The deadline passes: it is released, and with no backup the job waits and says why. */
+    assert_true(tb_peer_expect(&stuck, "RELEASE", 6000, line, sizeof line));
+    uint64_t dt = fu_clock_ms() - t0;
+    print_message("released %llu ms after its assignment: %s\n", (unsigned long long)dt, line);
+    assert_non_null(strstr(line, "missed its ready deadline"));
+    assert_true(dt >= 1500 && dt < 4000);
+    uint64_t end = fu_clock_ms() + 5000;
+    bool said = false;
+    while (!said && fu_clock_ms() < end) {
+        wire_msg_t *m = tb_job_status(&f->a, id);
+        const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        if (st && st->state == FUSION__JOB_STATE__JOB_STATE_QUEUED &&
+            strstr(st->message, "missed its ready deadline") && strstr(st->message, "taken off this job")) {
+            print_message("queued: %s\n", st->message);
+            said = true;
+        }
+        wire_msg_destroy(&m);
+        fu_sleep_ms(200);
+    }
+    assert_true(said);
+    /* It is idle, yet the job is not given back to it. */
+    assert_false(tb_peer_expect(&stuck, "ASSIGN", 1500, NULL, 0));
+    /* A peer that works takes the job. */
+    tb_peer_start(&good, &f->b, f->pdir[1], "p1", 4 * GiB, 50, "ready");
+    assert_true(tb_peer_expect(&good, "ASSIGN", 8000, line, sizeof line));
+    assert_true(tb_peer_expect(&good, "START", 5000, NULL, 0));
+    tb_peer_stop(&good, SIGTERM);
+    tb_peer_stop(&stuck, SIGTERM);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--fake-peer") == 0)
@@ -431,6 +477,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_broker_failover_full_run_and_result, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_inference_streams_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_failover_relay, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_failover_ready_deadline_waits, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -102,6 +102,7 @@ typedef struct {
     pid_t pid;           /* running broker, 0 when none */
     int backups;
     int heartbeat_ms;
+    int ready_timeout_s; /* --ready-timeout, 0: the broker's default */
     char token[64];      /* --enrol-token, "" for none */
 } tb_broker;
 
@@ -128,9 +129,22 @@ static inline void tb_broker_init(tb_broker *b, const char *tag)
 
 static inline void tb_broker_start(tb_broker *b)
 {
-    char backups[16], hb[16];
+    char backups[16], hb[16], rt[16];
     snprintf(backups, sizeof backups, "%d", b->backups);
     snprintf(hb, sizeof hb, "%d", b->heartbeat_ms);
+    snprintf(rt, sizeof rt, "%d", b->ready_timeout_s);
+    char *argv[24] = {"fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db, "--allow", b->allow,
+                      "--backups", backups, "--heartbeat-ms", hb, "--log-level", "debug", NULL};
+    int n = 15;
+    if (b->token[0]) {
+        argv[n++] = "--enrol-token";
+        argv[n++] = b->token;
+    }
+    if (b->ready_timeout_s > 0) {
+        argv[n++] = "--ready-timeout";
+        argv[n++] = rt;
+    }
+    argv[n] = NULL;
     pid_t pid = fork();
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
@@ -139,14 +153,7 @@ static inline void tb_broker_start(tb_broker *b)
             dup2(fd, 2);
             dup2(fd, 1);
         }
-        if (b->token[0])
-            execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db,
-                  "--allow", b->allow, "--enrol-token", b->token, "--backups", backups, "--heartbeat-ms", hb,
-                  "--log-level", "debug", (char *)NULL);
-        else
-            execl(tu_bin("fusion-broker"), "fusion-broker", "--bind", b->bind, "--keys", b->keys, "--db", b->db,
-                  "--allow", b->allow, "--backups", backups, "--heartbeat-ms", hb, "--log-level", "debug",
-                  (char *)NULL);
+        execv(tu_bin("fusion-broker"), argv);
         _exit(127);
     }
     b->pid = pid;
@@ -603,6 +610,7 @@ static inline int tb_fake_peer_main(int argc, char **argv)
     tb_fake_hello(&cl, name, mem, gflops);
     bool train = strcmp(argv[8], "train") == 0, infer = strcmp(argv[8], "infer") == 0;
     bool failing = strcmp(argv[8], "error") == 0; /* every stage it gets fails with an Error */
+    bool stuck = strcmp(argv[8], "noready") == 0; /* heartbeats, never says StageReady for a stage */
     uint64_t infer_job = 0, prompt_len = 0;
     uint32_t infer_stages = 0, infer_stage = 0;
     tb_train tr;
@@ -681,6 +689,8 @@ static inline int tb_fake_peer_main(int argc, char **argv)
                 infer_stage = a->stage_index;
                 printf("FETCH tokens %s %zu resume %" PRIu64 "\n", t_ok ? "ok" : "BAD", nb, a->resume_step);
             }
+            if (stuck && !a->backup)
+                break;
             if (failing && !a->backup) {
                 Fusion__Error e = FUSION__ERROR__INIT;
                 e.code = FUSION__ERROR_CODE__ERR_INTERNAL;

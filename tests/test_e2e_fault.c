@@ -10,7 +10,14 @@
  *     are measured and printed; after SIGCONT it registers again; the adapter is the same.
  *   - broker_kill9_restart: the broker is SIGKILLed mid-job and restarted on the same port and SQLite
  *     file: every job acknowledged before the kill is listed after it, the running job finishes with
- *     the uninterrupted run's adapter, and the queued ones finish too. */
+ *     the uninterrupted run's adapter, and the queued ones finish too.
+ *   - ready_deadline: on the two-stage cluster, stage 1's peer is alive and heartbeating but never
+ *     says StageReady (test hook FUSION_TEST_STALL=ready:FILE): after --ready-timeout the broker
+ *     takes it off the job, the backup takes stage 1, `fusion status` says why, and the adapter
+ *     equals the uninterrupted run's.
+ *   - step_deadline: stage 1's peer stops working at step 8 while heartbeating (FUSION_TEST_STALL=
+ *     step:8:FILE): after --step-timeout every stage restarts from the newest common checkpoint and
+ *     the job finishes with the uninterrupted run's adapter. */
 #include "e2e_util.h"
 
 #define JOB_STEPS 120
@@ -265,6 +272,119 @@ static void test_e2e_fault_broker_kill9_restart(void **state)
     e2e_cluster_stop(&c);
 }
 
+/* ---- deadlines on the work (two-stage cluster, docs/PIPELINE.md "Failures") --------------------- */
+
+#define DL_STEPS 20
+static const char *dl_train_args(void)
+{
+    static char a[256];
+    snprintf(a, sizeof a, "%s --steps %d", E2E_TRAIN_ARGS, DL_STEPS);
+    return a;
+}
+
+static void stall_file(const e2e_cluster *c, int i, bool on)
+{
+    char f[E2E_PATH];
+    e2e_path(c, f, "stall.p%d", i);
+    if (on) {
+        FILE *fp = fopen(f, "w");
+        assert_non_null(fp);
+        fclose(fp);
+    } else {
+        (void)unlink(f);
+    }
+}
+
+/* The first line of the broker's log holding needle (printed), or a test failure. */
+static void assert_logged(const e2e_cluster *c, const char *needle)
+{
+    char log[E2E_PATH];
+    e2e_broker_log(c, log);
+    char *bl = e2e_slurp(log);
+    const char *at = strstr(bl, needle);
+    if (at) {
+        const char *nl = strchr(at, '\n');
+        printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
+    } else {
+        e2e_show(log, 40);
+    }
+    free(bl);
+    if (!at)
+        fail_msg("the broker's log has no '%s'", needle);
+}
+
+static void test_e2e_fault_ready_deadline(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    char id[17], needle[160];
+    e2e_two_stage_init(&c, "e2e-ready", 3, 1);
+    c.stall = "ready";
+    c.ready_timeout_s = 5;
+    e2e_cluster_start(&c);
+    for (int i = 0; i < c.n_peers; i++) /* nobody says StageReady until the victim is known */
+        stall_file(&c, i, true);
+    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, dl_train_args());
+    int victim = e2e_planned_peer(&c, id, 1, 30000);
+    uint64_t t0 = fu_clock_ms();
+    for (int i = 0; i < c.n_peers; i++)
+        if (i != victim)
+            stall_file(&c, i, false);
+    printf("p%d (stage 1) never says StageReady; --ready-timeout %d\n", victim, c.ready_timeout_s);
+    /* While it recovers, the job says why. */
+    char seen[512] = "";
+    e2e_status st;
+    while (fu_clock_ms() < t0 + 30000 && !seen[0]) {
+        if (e2e_get_status(&c, id, &st) && strstr(st.message, "missed its ready deadline"))
+            snprintf(seen, sizeof seen, "%s", st.message);
+        else if (strcmp(st.state, "done") == 0 || strcmp(st.state, "failed") == 0)
+            break;
+    }
+    printf("fusion status: %s\n", seen[0] ? seen : "(the recovery was not seen)");
+    e2e_wait_done(&c, id, 60);
+    printf("the job finished %llu ms after the victim was chosen\n", (unsigned long long)(fu_clock_ms() - t0));
+    snprintf(needle, sizeof needle, "(p%d) missed its ready deadline", victim);
+    assert_logged(&c, needle);
+    snprintf(needle, sizeof needle, "job %s: stage 1 moved from", id);
+    assert_logged(&c, needle);
+    assert_true(seen[0]);
+    assert_non_null(strstr(seen, "recovering"));
+    double d = e2e_job_vs_reference(&c, id, "model", dl_train_args());
+    assert_true(d <= 1e-5);
+    e2e_cluster_stop(&c);
+}
+
+static void test_e2e_fault_step_deadline(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    char id[17], needle[160];
+    e2e_two_stage_init(&c, "e2e-step", 3, 1);
+    c.stall = "step:8";
+    c.step_timeout_s = 3;
+    e2e_cluster_start(&c);
+    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, dl_train_args());
+    int victim = e2e_planned_peer(&c, id, 1, 30000);
+    stall_file(&c, victim, true);
+    printf("p%d (stage 1) stalls at step 8 while heartbeating; --step-timeout %d\n", victim, c.step_timeout_s);
+    uint64_t t0 = fu_clock_ms();
+    e2e_wait_done(&c, id, 70);
+    printf("the job finished %llu ms after the stall was armed\n", (unsigned long long)(fu_clock_ms() - t0));
+    char plog[E2E_PATH];
+    e2e_path(&c, plog, "p%d.log", victim);
+    char *pl = e2e_slurp(plog);
+    bool stalled = strstr(pl, "stalling at step 8") != NULL;
+    free(pl);
+    if (!stalled)
+        fail_msg("p%d never stalled (the job passed step 8 before the hook was armed?)", victim);
+    snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
+    assert_logged(&c, needle);
+    assert_logged(&c, "restarting every stage from step 5");
+    double d = e2e_job_vs_reference(&c, id, "model", dl_train_args());
+    assert_true(d <= 1e-5);
+    e2e_cluster_stop(&c);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -272,6 +392,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_peer_leave, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_sigstop, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_step_deadline, e2e_teardown),
     };
     return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_fault");
 }
