@@ -370,7 +370,13 @@ void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
             return;
     j->phase = BJ_RUNNING;
     j->last_step_ms = j->progress_ms = broker_now();
-    snprintf(j->reason, sizeof j->reason, "running");
+    if (strncmp(j->reason, "recovering: ", 12) == 0) { /* keep why it recovered in view (fusion status) */
+        char note[DB_REASON_MAX];
+        snprintf(note, sizeof note, "recovered: %s", j->reason + 12);
+        snprintf(j->reason, sizeof j->reason, "%s", note);
+    } else {
+        snprintf(j->reason, sizeof j->reason, "running");
+    }
     Fusion__StageStart st = FUSION__STAGE_START__INIT;
     st.job_id = j->id64;
     st.step = j->start_step;
