@@ -26,7 +26,7 @@
 #define TB_SALR_RANK    16  /* SALR residual rank */
 #define TB_PROMPT       128 /* prompt tokens for inference */
 #define TB_GENERATE     64  /* generated tokens */
-#define TB_PAIRED_ROUNDS 7  /* alternating dense / pruned generation rounds of the paired ratio */
+#define TB_PAIRED_ROUNDS 7  /* alternating dense / pruned generation rounds of the paired ratios */
 
 typedef struct {
     fu_modelcfg cfg;
@@ -403,11 +403,25 @@ static int cmp_double(const void *a, const void *b)
 }
 
 /* The dense model and a pruned one in one process, generating in alternating rounds (the order
- * flips every round): the median over rounds of dense time / pruned time. On a shared machine the
- * load changes between the separate infer cases; within a pair of adjacent rounds it mostly does not. */
+ * flips every round): the median over rounds of dense time / pruned time, with its range. On a
+ * shared machine the load changes between the separate infer cases; within a pair of adjacent rounds
+ * it mostly does not. With one_thread, BLAS and the kernels run on the calling thread and rounds are
+ * timed in CPU seconds: what the format and kernel save per core, nearly blind to other processes
+ * (time spent descheduled is not counted; memory bandwidth they take still is). */
+typedef struct {
+    tb_model which; /* the pruned model */
+    bool one_thread; /* BLAS and kernels on one thread, rounds timed in CPU seconds */
+} tb_pair;
+
 static void paired_child(int fd, void *arg)
 {
-    tb_model which = *(const tb_model *)arg;
+    const tb_pair *p = arg;
+    tb_model which = p->which;
+    if (p->one_thread) {
+        openblas_set_num_threads(1);
+        if (kern_cpu_set_threads(1) != FU_OK)
+            _exit(2);
+    }
     tb_infer dm = {0}, sm = {0};
     infer_open(TB_DENSE, &dm);
     infer_open(which, &sm);
@@ -416,21 +430,21 @@ static void paired_child(int fd, void *arg)
     double ratio[TB_PAIRED_ROUNDS];
     int n = bench_quick() ? 3 : TB_PAIRED_ROUNDS;
     for (int r = 0; r < n; r++) {
-        double td, ts;
+        tb_round td, ts;
         if (r % 2 == 0) {
-            td = infer_round(&dm).gen_s;
-            ts = infer_round(&sm).gen_s;
+            td = infer_round(&dm);
+            ts = infer_round(&sm);
         } else {
-            ts = infer_round(&sm).gen_s;
-            td = infer_round(&dm).gen_s;
+            ts = infer_round(&sm);
+            td = infer_round(&dm);
         }
-        ratio[r] = td / ts;
+        ratio[r] = p->one_thread ? td.gen_cpu_s / ts.gen_cpu_s : td.gen_s / ts.gen_s;
     }
     qsort(ratio, (size_t)n, sizeof *ratio, cmp_double);
-    char line[160];
-    snprintf(line, sizeof line, "\"generation_speedup_vs_dense_interleaved\":%.2f,\"interleaved_rounds\":%d,"
-             "\"interleaved_min\":%.2f,\"interleaved_max\":%.2f", n % 2 ? ratio[n / 2] : 0.5 * (ratio[n / 2 - 1] + ratio[n / 2]),
-             n, ratio[0], ratio[n - 1]);
+    const char *key = p->one_thread ? "generation_speedup_vs_dense_1thread_cpu" : "generation_speedup_vs_dense_interleaved";
+    char line[200];
+    snprintf(line, sizeof line, "\"%s\":%.2f,\"%s_range\":[%.2f,%.2f]", key,
+             n % 2 ? ratio[n / 2] : 0.5 * (ratio[n / 2 - 1] + ratio[n / 2]), key, ratio[0], ratio[n - 1]);
     send_line(fd, line);
     infer_close(&sm);
     infer_close(&dm);
@@ -457,9 +471,14 @@ static void infer_case(const char *name, tb_model which)
         bench_emit("train", name, "%s", line);
         return;
     }
-    char pair[256];
-    if (!in_child(paired_child, &which, pair, sizeof pair))
+    char pair[512], one[256];
+    tb_pair p2 = {.which = which, .one_thread = false}, p1 = {.which = which, .one_thread = true};
+    if (!in_child(paired_child, &p2, pair, sizeof pair))
         snprintf(pair, sizeof pair, "\"interleaved_error\":\"run failed\"");
+    if (!in_child(paired_child, &p1, one, sizeof one))
+        snprintf(one, sizeof one, "\"one_thread_error\":\"run failed\"");
+    size_t pl = strlen(pair);
+    snprintf(pair + pl, sizeof pair - pl, ",%s", one);
     if (dense_gen_tps > 0)
         bench_emit("train", name, "%s,\"generation_speedup_vs_dense\":%.2f,%s", line, g / dense_gen_tps, pair);
     else
