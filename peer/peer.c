@@ -18,6 +18,7 @@
 #include "fu_clock.h"
 #include "fu_log.h"
 #include "kern_backend.h"
+#include "peer_cache.h"
 #include "peer_internal.h"
 #include "peer_profile.h"
 #include "peer_verify.h"
@@ -56,6 +57,7 @@ typedef struct {
 struct peer {
     peer_cfg cfg;                  /* strings borrowed from the caller (main's argv) */
     char *cache_dir;               /* resolved cache directory */
+    uint64_t cache_max_bytes;      /* --cache-max-gb in bytes (0: no limit) */
     char name[128];                /* resolved peer name */
     void *ctx;                     /* ZeroMQ context */
     wire_keypair_t *kp;            /* our long-term key pair */
@@ -907,6 +909,10 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
         snprintf(why, cap, "cannot make the cache directory '%s': %s", p->cache_dir, fu_errmsg_text(&em, err));
         goto fail;
     }
+    p->cache_max_bytes = cfg->cache_max_gb > 0 ? (uint64_t)(cfg->cache_max_gb * 1024.0 * 1024.0 * 1024.0) : 0;
+    uint64_t freed;
+    if (peer_cache_trim(p->cache_dir, p->cache_max_bytes, NULL, &freed, &em) != FU_OK) /* a lowered limit */
+        FU_WARN("peer", "cannot trim the cache to --cache-max-gb: %s", em.msg);
     if (cfg->threads > 0) {
         if (openblas_set_num_threads)
             openblas_set_num_threads(cfg->threads);
@@ -975,6 +981,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
         goto fail;
     atomic_store(&p->shared.state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     p->ccfg = (peer_compute_cfg){.ctx = p->ctx, .be = p->be, .cache_dir = p->cache_dir,
+                                 .cache_max_bytes = p->cache_max_bytes,
                                  .mem_budget = p->prof.free_memory_bytes ? p->prof.free_memory_bytes : ((uint64_t)1 << 32),
                                  .shared = &p->shared, .self_pk = wire_keypair_public(p->kp)};
     /* The compute thread must not take the signals meant for the I/O thread's loop. */

@@ -11,6 +11,7 @@
 #include "fu_alloc.h"
 #include "fu_encode.h"
 #include "fu_log.h"
+#include "peer_cache.h"
 
 typedef enum {
     B_PROBE,     /* cached fetch: ask one byte to learn the hash */
@@ -24,6 +25,7 @@ struct peer_blob {
     char *model_id;          /* request's model_id */
     char *name;              /* request's tensor_name */
     char *cache_dir;         /* NULL: not cached */
+    uint64_t cache_max;      /* cache size limit after a write (0: none) */
     uint64_t max_bytes;      /* budget */
     bstate st;               /* where the fetch is */
     bool known;              /* total/hash/dtype/shape learnt from a chunk */
@@ -57,6 +59,12 @@ peer_blob_t *peer_blob_new(const char *model_id, const char *name, const char *c
     b->max_bytes = max_bytes;
     b->st = b->cache_dir ? B_PROBE : B_WINDOW;
     return b;
+}
+
+void peer_blob_set_cache_max(peer_blob_t *b, uint64_t max_bytes)
+{
+    if (b)
+        b->cache_max = max_bytes;
 }
 
 void peer_blob_destroy(peer_blob_t **b_p)
@@ -102,6 +110,8 @@ static bool try_cache(peer_blob_t *b)
         b->st = B_DONE;
         b->cache_hit = true;
         FU_DEBUG("peer", "blob %s/%s: from the cache", b->model_id, b->name);
+        if (peer_cache_touch(path, &em) != FU_OK)
+            FU_WARN("peer", "%s (it may be evicted before others)", em.msg);
     } else {
         free(d);
         b->bad_cache++;
@@ -236,6 +246,12 @@ fu_err peer_blob_feed(peer_blob_t *b, const Fusion__WeightChunk *c, uint64_t now
             FU_WARN("peer", "cannot cache blob %s/%s: %s", b->model_id, b->name, fu_errmsg_text(&em, rc));
             return FU_EIO;
         }
+        char hex[2 * PEER_BLOB_HASH_BYTES + 1];
+        fu_hex_encode(hex, b->hash, PEER_BLOB_HASH_BYTES);
+        uint64_t freed;
+        /* A failed trim leaves the cache larger than asked, not the blob unusable: a warning. */
+        if (peer_cache_trim(b->cache_dir, b->cache_max, hex, &freed, &em) != FU_OK)
+            FU_WARN("peer", "cannot keep the cache under its limit: %s", em.msg);
     }
     return FU_OK;
 }

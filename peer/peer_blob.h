@@ -41,6 +41,9 @@ typedef struct peer_blob peer_blob_t;
  * checkpoints). max_bytes: the largest blob accepted (memory budget). NULL on bad arguments. */
 peer_blob_t *peer_blob_new(const char *model_id, const char *name, const char *cache_dir, uint64_t max_bytes);
 void peer_blob_destroy(peer_blob_t **b_p);
+/* After a cached blob is written, the cache is trimmed to max_bytes keeping that blob
+ * (peer_cache_trim; 0, the default: no limit). A cache hit marks its file as used. */
+void peer_blob_set_cache_max(peer_blob_t *b, uint64_t max_bytes);
 
 /* The next WeightRequest to send, when one is due now (now_ms: fu_clock_ms()); false when the
  * fetch is waiting for chunks or done. */

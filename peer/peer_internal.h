@@ -79,6 +79,7 @@ typedef struct {
     void *ctx;                   /* the ZeroMQ context (sockets are made in the compute thread) */
     const kern_backend_t *be;    /* backend */
     const char *cache_dir;       /* weight cache */
+    uint64_t cache_max_bytes;    /* weight cache size limit (0: none) */
     uint64_t mem_budget;         /* most bytes one blob may take */
     peer_shared *shared;         /* published state */
     const uint8_t *self_pk;      /* this peer's long-term public key (32 bytes) */

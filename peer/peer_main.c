@@ -11,6 +11,7 @@
 #include "fu_log.h"
 #include "fu_opts.h"
 #include "peer.h"
+#include "peer_cache.h"
 
 static volatile sig_atomic_t g_signals = 0;
 
@@ -32,7 +33,7 @@ int main(int argc, char **argv)
     const char *broker = NULL, *broker_key = NULL, *keys = NULL, *device = "cpu", *data_bind = NULL;
     const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
-    double max_memory = 0;
+    double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB;
     bool no_listen = false;
     const fu_opt opts[] = {
         {"broker", 0, FU_OPT_STR, &broker, "ENDPOINT", "the broker's control endpoint (tcp://HOST:7700)"},
@@ -44,6 +45,8 @@ int main(int argc, char **argv)
         {"data-advertise", 0, FU_OPT_STR, &advertise, "ENDPOINT", "the data endpoint told to others (default: from --data-bind)"},
         {"no-listen", 0, FU_OPT_FLAG, &no_listen, NULL, "accept no connections; relay through the broker"},
         {"cache", 0, FU_OPT_STR, &cache, "DIR", "weight cache directory (default ~/.cache/fusion)"},
+        {"cache-max-gb", 0, FU_OPT_DOUBLE, &cache_max, "GB",
+         "most GiB the cache may hold, least recently used blobs evicted first (default 20; 0: no limit)"},
         {"max-memory", 0, FU_OPT_DOUBLE, &max_memory, "GB", "most memory to offer"},
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
         {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "enrol this peer's key with the broker's token first"},
@@ -70,6 +73,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --threads, --max-memory and --drain-timeout must not be negative\n");
         return FU_EXIT_USAGE;
     }
+    if (!(cache_max >= 0) || cache_max > 1e9) { /* also NaN */
+        fprintf(stderr, "fusion-peer: --cache-max-gb must be a number of GiB, 0 or more (0: no limit)\n");
+        return FU_EXIT_USAGE;
+    }
     if (no_listen && data_bind) {
         fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
         return FU_EXIT_USAGE;
@@ -88,7 +95,8 @@ int main(int argc, char **argv)
 
     peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
                     .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,
-                    .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory, .name = name,
+                    .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory,
+                    .cache_max_gb = cache_max, .name = name,
                     .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000)};
     char why[1024];
     fu_err err;

@@ -304,6 +304,7 @@ static void add_fetch(stage_t *s, const char *model_id, const char *name, fetch_
 {
     s->fetch = fu_realloc(s->fetch, (s->n_fetch + 1) * sizeof *s->fetch);
     s->fetch[s->n_fetch].blob = peer_blob_new(model_id, name, cached ? s->cfg.cache_dir : NULL, s->cfg.mem_budget);
+    peer_blob_set_cache_max(s->fetch[s->n_fetch].blob, s->cfg.cache_max_bytes);
     s->fetch[s->n_fetch].kind = kind;
     s->n_fetch++;
 }

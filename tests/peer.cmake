@@ -2,6 +2,9 @@
 # program against an in-test speaker of the broker protocol (stage output equals the executor's,
 # refused weights, graceful leave); the same on the CUDA backend (label gpu, skipped without one).
 fu_add_test(test_peer_unit SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_unit.c LIBS fu_peer TIMEOUT 60)
+# The blob cache's size limit: least recently used evicted first, the blob just written and files
+# the cache does not own never.
+fu_add_test(test_peer_cache SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_cache.c LIBS fu_peer TIMEOUT 30)
 fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120)
 add_dependencies(test_peer_proc fusion-peer)
 fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120
