@@ -234,7 +234,10 @@ static void send_heartbeat(peer_t *p)
     hb.state = p->leaving ? FUSION__PEER_STATE__PEER_STATE_DRAINING : (Fusion__PeerState)atomic_load(&p->shared.state);
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     (void)to_broker(p, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, 0, 0, &hb.base);
-    p->last_hb_ms = fu_clock_ms();
+    /* Fixed rate: a beat sent late does not push the next ones back (on a loaded machine the
+     * lateness of every wake-up used to add up); more than an interval behind, start afresh. */
+    uint64_t now = fu_clock_ms();
+    p->last_hb_ms = now - p->last_hb_ms < 2 * (uint64_t)p->hb_ms ? p->last_hb_ms + p->hb_ms : now;
 }
 
 static void send_leave(peer_t *p, const char *reason)

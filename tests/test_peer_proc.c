@@ -1011,10 +1011,11 @@ static void test_peer_heartbeats_while_computing(void **state)
     printf("forward of 8192 rows x hidden 512 took %llu ms; %d heartbeats (interval 200 ms) arrived meanwhile\n",
            (unsigned long long)el, hb);
     wire_tensor_clear(&t);
-    /* Every interval had its heartbeat, give or take the ends (a machine fast enough to finish in
-     * under 3 intervals shows nothing either way). */
+    /* Every interval had its heartbeat, give or take the ends and a late wake-up or two on a
+     * loaded machine (an I/O thread that waited on compute would show none at all; a machine fast
+     * enough to finish in under 3 intervals shows nothing either way). */
     if (el >= 600)
-        assert_true(hb >= (int)(el / 200) - 2);
+        assert_true(hb >= (int)(el / 200) * 9 / 10 - 2);
     else
         printf("the forward was too quick to tell\n");
     assert_int_equal(kill(e.pid, SIGKILL), 0);
