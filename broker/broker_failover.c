@@ -71,6 +71,24 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step)
     }
 }
 
+
+/* StageRelease{reason} to every live stage peer of j, which stays on the job (a StageAssign
+ * restarting it follows); checkpoint uploads in progress are dropped. */
+static void stop_stages(broker_t *b, broker_job *j, const char *reason)
+{
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        free(j->stages[s].ck_buf);
+        j->stages[s].ck_buf = NULL;
+        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (!p || !p->live)
+            continue;
+        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
+        r.job_id = j->id64;
+        r.stage_index = s;
+        r.reason = (char *)reason;
+        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
+    }
+}
 /* A peer to take stage s of j: its warm backup, another backup of j, then any idle peer. */
 static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const char *exclude)
 {
@@ -131,17 +149,8 @@ void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why
         return;
     }
     /* Every stage stops, then all restart from checkpoint c with the backup in place. */
-    for (uint32_t s = 0; s < j->n_stages; s++) {
-        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-        if (!p || !p->live)
-            continue;
-        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
-        r.job_id = j->id64;
-        r.stage_index = s;
-        snprintf(text, sizeof text, "stage %u lost its peer (%.300s): resuming from step %" PRId64, stage, why, c);
-        r.reason = text;
-        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
-    }
+    snprintf(text, sizeof text, "stage %u lost its peer (%.300s): resuming from step %" PRId64, stage, why, c);
+    stop_stages(b, j, text);
     bool was_warm = nb->warm;
     snprintf(j->stages[stage].peer, sizeof j->stages[stage].peer, "%s", nb->key);
     snprintf(nb->job, sizeof nb->job, "%s", j->id);
@@ -257,18 +266,8 @@ static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
     FU_WARN(LOG, "job %s: stage %u: %s; it is taken off the job", j->id, s, why);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "ready-timeout", why));
     job_exclude(j, key);
-    if (p && strcmp(p->job, j->id) == 0) {
-        if (p->live) {
-            Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
-            r.job_id = j->id64;
-            r.stage_index = s;
-            r.reason = why;
-            (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
-            BROKER_IGNORE(db_peer_set_state(b->db, p->key, DB_PEER_BACKUP, broker_wall()));
-        }
-        p->job[0] = '\0';
-        p->backup = p->warm = false;
-    }
+    if (p && strcmp(p->job, j->id) == 0)
+        broker_peer_release(b, j, p, why);
     broker_failover(b, j, s, why);
 }
 
@@ -296,18 +295,7 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
         c = 0;
     snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, ft ? "step" : "token",
              ft ? (uint64_t)c : (uint64_t)j->n_gen);
-    for (uint32_t s = 0; s < j->n_stages; s++) {
-        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-        if (!p || !p->live)
-            continue;
-        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
-        r.job_id = j->id64;
-        r.stage_index = s;
-        r.reason = text;
-        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
-        free(j->stages[s].ck_buf);
-        j->stages[s].ck_buf = NULL;
-    }
+    stop_stages(b, j, text);
     snprintf(j->reason, sizeof j->reason, "recovering: %.900s", text);
     FU_INFO(LOG, "job %s: %s", j->id, text);
     broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen);

@@ -278,6 +278,9 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Stops every stage and backup of j (StageRelease) and frees its peers. */
 void broker_job_release(broker_t *b, broker_job *j, const char *reason);
+/* Takes p (working on j) off the job: StageRelease{reason} when it is live, back to the backup
+ * state in the store, free for the scheduler. */
+void broker_peer_release(broker_t *b, broker_job *j, broker_peer *p, const char *reason);
 /* Puts j back to queued with reason (db state, peers released); counts a retry when it ran. */
 void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
 /* Fails j with reason. */

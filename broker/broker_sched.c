@@ -291,23 +291,26 @@ void broker_schedule(broker_t *b)
     }
 }
 
+void broker_peer_release(broker_t *b, broker_job *j, broker_peer *p, const char *reason)
+{
+    if (p->live) {
+        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
+        r.job_id = j->id64;
+        r.stage_index = p->stage;
+        r.reason = (char *)reason;
+        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
+        BROKER_IGNORE(db_peer_set_state(b->db, p->key, DB_PEER_BACKUP, broker_wall()));
+    }
+    p->job[0] = '\0';
+    p->backup = p->warm = false;
+    b->sched_dirty = true;
+}
+
 void broker_job_release(broker_t *b, broker_job *j, const char *reason)
 {
-    for (size_t i = 0; i < b->n_peers; i++) {
-        broker_peer *p = &b->peers[i];
-        if (strcmp(p->job, j->id) != 0)
-            continue;
-        if (p->live) {
-            Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
-            r.job_id = j->id64;
-            r.stage_index = p->stage;
-            r.reason = (char *)reason;
-            (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
-            BROKER_IGNORE(db_peer_set_state(b->db, p->key, DB_PEER_BACKUP, broker_wall()));
-        }
-        p->job[0] = '\0';
-        p->backup = p->warm = false;
-    }
+    for (size_t i = 0; i < b->n_peers; i++)
+        if (strcmp(b->peers[i].job, j->id) == 0)
+            broker_peer_release(b, j, &b->peers[i], reason);
     for (uint32_t s = 0; s < j->n_stages; s++) {
         j->stages[s].ready = false;
         free(j->stages[s].ck_buf);

@@ -229,17 +229,7 @@ static void penalise(broker_t *b, broker_job *j, const char *key, double delta, 
         return;
     uint32_t s = p->stage;
     bool backup = p->backup;
-    if (p->live) {
-        Fusion__StageRelease r = FUSION__STAGE_RELEASE__INIT;
-        r.job_id = j->id64;
-        r.stage_index = s;
-        r.reason = (char *)"your outputs failed verification: reputation below the broker's threshold";
-        (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
-        BROKER_IGNORE(db_peer_set_state(b->db, p->key, DB_PEER_BACKUP, broker_wall()));
-    }
-    p->job[0] = '\0';
-    p->backup = p->warm = false;
-    b->sched_dirty = true;
+    broker_peer_release(b, j, p, "your outputs failed verification: reputation below the broker's threshold");
     if (!backup && s < j->n_stages && strcmp(j->stages[s].peer, p->key) == 0) {
         char text[160];
         snprintf(text, sizeof text, "peer %.8s failed verification (reputation %.2f)", p->key, p->reputation);

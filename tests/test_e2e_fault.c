@@ -52,12 +52,11 @@ static int start_job(e2e_cluster *c, const char *tag, int heartbeat_ms, int stag
     return victim;
 }
 
-/* The broker moved `stage` away from its peer (the failover line of its log). */
-static void assert_moved(const e2e_cluster *c, const char *id, int stage)
+/* The first line of the broker's log holding needle (printed), or a test failure. */
+static void assert_logged(const e2e_cluster *c, const char *needle)
 {
-    char log[E2E_PATH], needle[96];
+    char log[E2E_PATH];
     e2e_broker_log(c, log);
-    snprintf(needle, sizeof needle, "job %s: stage %d moved from", id, stage);
     char *bl = e2e_slurp(log);
     const char *at = strstr(bl, needle);
     if (at) {
@@ -67,7 +66,16 @@ static void assert_moved(const e2e_cluster *c, const char *id, int stage)
         e2e_show(log, 40);
     }
     free(bl);
-    assert_non_null(at);
+    if (!at)
+        fail_msg("the broker's log has no '%s'", needle);
+}
+
+/* The broker moved `stage` away from its peer (the failover line of its log). */
+static void assert_moved(const e2e_cluster *c, const char *id, int stage)
+{
+    char needle[96];
+    snprintf(needle, sizeof needle, "job %s: stage %d moved from", id, stage);
+    assert_logged(c, needle);
 }
 
 static void test_e2e_fault_peer_kill9(void **state)
@@ -295,23 +303,6 @@ static void stall_file(const e2e_cluster *c, int i, bool on)
     }
 }
 
-/* The first line of the broker's log holding needle (printed), or a test failure. */
-static void assert_logged(const e2e_cluster *c, const char *needle)
-{
-    char log[E2E_PATH];
-    e2e_broker_log(c, log);
-    char *bl = e2e_slurp(log);
-    const char *at = strstr(bl, needle);
-    if (at) {
-        const char *nl = strchr(at, '\n');
-        printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
-    } else {
-        e2e_show(log, 40);
-    }
-    free(bl);
-    if (!at)
-        fail_msg("the broker's log has no '%s'", needle);
-}
 
 static void test_e2e_fault_ready_deadline(void **state)
 {
