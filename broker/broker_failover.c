@@ -73,12 +73,14 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step)
 
 
 /* StageRelease{reason} to every live stage peer of j, which stays on the job (a StageAssign
- * restarting it follows); checkpoint uploads in progress are dropped. */
-static void stop_stages(broker_t *b, broker_job *j, const char *reason)
+ * restarting it follows); with drop_uploads, checkpoint uploads in progress are dropped too. */
+static void stop_stages(broker_t *b, broker_job *j, const char *reason, bool drop_uploads)
 {
     for (uint32_t s = 0; s < j->n_stages; s++) {
-        free(j->stages[s].ck_buf);
-        j->stages[s].ck_buf = NULL;
+        if (drop_uploads) {
+            free(j->stages[s].ck_buf);
+            j->stages[s].ck_buf = NULL;
+        }
         broker_peer *p = broker_peer_find(b, j->stages[s].peer);
         if (!p || !p->live)
             continue;
@@ -150,7 +152,7 @@ void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why
     }
     /* Every stage stops, then all restart from checkpoint c with the backup in place. */
     snprintf(text, sizeof text, "stage %u lost its peer (%.300s): resuming from step %" PRId64, stage, why, c);
-    stop_stages(b, j, text);
+    stop_stages(b, j, text, false);
     bool was_warm = nb->warm;
     snprintf(j->stages[stage].peer, sizeof j->stages[stage].peer, "%s", nb->key);
     snprintf(nb->job, sizeof nb->job, "%s", j->id);
@@ -295,7 +297,7 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
         c = 0;
     snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, ft ? "step" : "token",
              ft ? (uint64_t)c : (uint64_t)j->n_gen);
-    stop_stages(b, j, text);
+    stop_stages(b, j, text, true);
     snprintf(j->reason, sizeof j->reason, "recovering: %.900s", text);
     FU_INFO(LOG, "job %s: %s", j->id, text);
     broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen);
