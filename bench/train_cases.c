@@ -2,8 +2,8 @@
  * (12 layers, hidden 768, 12 heads, ffn 2048, vocab 32000; batch 4 x seq 128; 2 threads), or a small
  * model with --quick. Each case runs in a child process so that its peak memory (ru_maxrss) is its
  * own. Prints tokens/s, peak memory and saved-activation bytes as JSON lines. SALR cases use the
- * `fusion model prune` default (block linears pruned, lm_head dense); infer_salr_lm_head the
- * --prune-lm-head variant. */
+ * `fusion model prune` default (every linear pruned, lm_head included); infer_salr_keep_head the
+ * --keep-lm-head variant (lm_head dense). */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,13 +32,13 @@ typedef struct {
     fu_modelcfg cfg;
     uint32_t batch, seq, steps;
     char dir[512];         /* dense model */
-    char pruned[600];      /* SALR model, the prune default: block linears pruned, lm_head dense */
-    char pruned_head[600]; /* SALR model with lm_head pruned too (--prune-lm-head) */
-    bool made, pruned_made, pruned_head_made;
+    char pruned[600];      /* SALR model, the prune default: every linear pruned, lm_head included */
+    char pruned_kept[600]; /* SALR model with lm_head dense (--keep-lm-head) */
+    bool made, pruned_made, pruned_kept_made;
 } tb_env;
 
 /* Which model a case runs. */
-typedef enum { TB_DENSE, TB_SALR, TB_SALR_HEAD } tb_model;
+typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD } tb_model;
 
 static tb_env env;
 
@@ -114,7 +114,7 @@ static void make_pruned(int fd, void *arg)
     double t0 = fu_clock_sec();
     dag_salr_prune_opts po = {.sparsity = 0.5, .rank = TB_SALR_RANK, .seed = 1, .prune_lm_head = head};
     dag_salr_prune_report rep;
-    fu_err rc = dag_salr_prune(env.dir, head ? env.pruned_head : env.pruned, &po, &rep, &em);
+    fu_err rc = dag_salr_prune(env.dir, head ? env.pruned : env.pruned_kept, &po, &rep, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "bench: %s\n", fu_errmsg_text(&em, rc));
         _exit(2);
@@ -162,21 +162,21 @@ static bool ensure_models(tb_model which)
         if (!mkdtemp(env.dir))
             return false;
         snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);
-        snprintf(env.pruned_head, sizeof env.pruned_head, "%s/pruned-lm-head", env.dir);
+        snprintf(env.pruned_kept, sizeof env.pruned_kept, "%s/pruned-keep-head", env.dir);
         env.made = true;
         atexit(tb_cleanup);
         char line[64];
         if (!in_child(make_model, NULL, line, sizeof line))
             return false;
     }
-    bool head = which == TB_SALR_HEAD;
-    bool *made = head ? &env.pruned_head_made : &env.pruned_made;
+    bool head = which == TB_SALR;
+    bool *made = head ? &env.pruned_made : &env.pruned_kept_made;
     if (which != TB_DENSE && !*made) {
         char line[512];
         if (!in_child(make_pruned, &head, line, sizeof line))
             return false;
         *made = true;
-        bench_emit("train", head ? "salr_prune_lm_head" : "salr_prune", "%s", line);
+        bench_emit("train", head ? "salr_prune" : "salr_prune_keep_head", "%s", line);
     }
     return true;
 }
@@ -211,7 +211,7 @@ static void train_child(int fd, void *arg)
     dag_model_dims d;
     dag_dims_from_cfg(&env.cfg, &d);
     dag_build_opts bo = {.method = m, .rank = TB_RANK, .alpha = 2 * TB_RANK, .res_rank = TB_SALR_RANK,
-                         .head = DAG_HEAD_LOSS, .seq_len = env.seq};
+                         .salr_lm_head = salr, .head = DAG_HEAD_LOSS, .seq_len = env.seq};
     dag_graph_t *g = NULL;
     dag_exec_t *x = NULL;
     if (dag_build_llama(&d, &bo, &g) != FU_OK)
@@ -297,7 +297,7 @@ typedef struct {
 
 static const char *model_dir(tb_model which)
 {
-    return which == TB_SALR_HEAD ? env.pruned_head : which == TB_SALR ? env.pruned : env.dir;
+    return which == TB_SALR_KEEP_HEAD ? env.pruned_kept : which == TB_SALR ? env.pruned : env.dir;
 }
 
 static void infer_open(tb_model which, tb_infer *m)
@@ -389,7 +389,7 @@ static void infer_child(int fd, void *arg)
              "\"model\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"threads\":%d,\"prompt_tokens\":%d,"
              "\"prompt_tokens_per_s\":%.1f,\"prompt_tokens_per_cpu_s_x_threads\":%.1f,\"generated_tokens\":%d,"
              "\"generated_tokens_per_s\":%.1f,\"generated_tokens_per_cpu_s_x_threads\":%.1f,\"peak_rss_gib\":%.3f",
-             which == TB_SALR_HEAD ? "salr-50%+lm_head" : which == TB_SALR ? "salr-50%" : "dense",
+             which == TB_SALR_KEEP_HEAD ? "salr-50%,dense-lm_head" : which == TB_SALR ? "salr-50%" : "dense",
              env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, TB_THREADS, TB_PROMPT, best_prompt,
              best_prompt_cpu, TB_GENERATE, gen_tps, gen_cpu, peak_gib());
     send_line(fd, line);
@@ -490,14 +490,14 @@ BENCH_CASE(infer_dense)
     infer_case("infer_dense", TB_DENSE);
 }
 
-/* The `fusion model prune` default: block linears pruned, lm_head dense. */
+/* The `fusion model prune` default: every linear pruned, the 32000 x 768 lm_head too. */
 BENCH_CASE(infer_salr)
 {
     infer_case("infer_salr", TB_SALR);
 }
 
-/* `fusion model prune --prune-lm-head`: the 32000 x 768 head is sparse too. */
-BENCH_CASE(infer_salr_lm_head)
+/* `fusion model prune --keep-lm-head`: block linears pruned, lm_head dense. */
+BENCH_CASE(infer_salr_keep_head)
 {
-    infer_case("infer_salr_lm_head", TB_SALR_HEAD);
+    infer_case("infer_salr_keep_head", TB_SALR_KEEP_HEAD);
 }

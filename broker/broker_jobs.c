@@ -313,11 +313,11 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
         snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
         return FU_EINVAL;
     }
-    uint32_t res_rank = 0;
+    dag_salr_info si = {0};
     char *sc = fu_path_join(j->spec.model, DAG_SALR_CONFIG_FILE);
     bool salr = fu_path_exists(sc);
     free(sc);
-    if (salr && (rc = dag_salr_config_load(j->spec.model, &res_rank, NULL, &em)) != FU_OK) {
+    if (salr && (rc = dag_salr_info_load(j->spec.model, &si, &em)) != FU_OK) {
         snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
         return FU_EINVAL;
     }
@@ -347,7 +347,7 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
     dag_model_dims dims;
     dag_dims_from_cfg(&cfg, &dims);
     dag_build_opts bo = {.method = as.method, .rank = as.rank, .alpha = (float)as.alpha, .targets = as.targets,
-                         .res_rank = res_rank,
+                         .res_rank = si.residual_rank, .salr_lm_head = si.lm_head,
                          .head = j->kind == DB_JOB_FINETUNE ? DAG_HEAD_LOSS : DAG_HEAD_SAMPLE,
                          .seq_len = j->kind == DB_JOB_FINETUNE ? j->spec.seq_len : 256};
     if ((rc = dag_build_llama(&dims, &bo, &j->graph)) != FU_OK) {

@@ -284,9 +284,9 @@ static int model_prune(int argc, char **argv)
         {"sparsity", 0, FU_OPT_DOUBLE, &sparsity, "S", "fraction of each linear weight set to zero (default 0.5)"},
         {"svd-rank", 0, FU_OPT_INT, &rank, "R", "rank of the frozen SVD adapter kept for the pruned residual (default 16)"},
         {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the randomized SVD (default 0)"},
-        {"prune-lm-head", 0, FU_OPT_FLAG, &prune_head, NULL,
-         "prune lm_head.weight too (faster generation, lower quality; `fusion submit` cannot run it yet)"},
-        {"keep-lm-head", 0, FU_OPT_FLAG, &keep_head, NULL, "keep lm_head.weight dense (the default)"},
+        {"prune-lm-head", 0, FU_OPT_FLAG, &prune_head, NULL, "prune lm_head.weight too (the default)"},
+        {"keep-lm-head", 0, FU_OPT_FLAG, &keep_head, NULL,
+         "keep lm_head.weight dense (closer logits, slower generation: the head is a fifth of a small model)"},
         {"input", 'i', FU_OPT_STR, &in, "DIR", "the dense Hugging Face model directory"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the pruned model"},
         {"force", 0, FU_OPT_FLAG, &force, NULL, "write into a non-empty output directory"},
@@ -294,10 +294,10 @@ static int model_prune(int argc, char **argv)
     const fu_cmd cmd = {
         .prog = argv[0],
         .usage = "--method salr -i DIR -o DIR [--sparsity 0.5] [--svd-rank R] [--prune-lm-head | --keep-lm-head]",
-        .summary = "Writes a SALR model: every linear weight of the decoder layers magnitude-pruned (per matrix) and\n"
-                   "stored bitmap-encoded, with the pruned residual kept as a frozen truncated-SVD adapter; with\n"
-                   "--prune-lm-head the output projection (lm_head) too, unless the embeddings are tied.\n"
-                   "`fusion run finetune --method salr` and `fusion run infer` read the result.",
+        .summary = "Writes a SALR model: every linear weight (the decoder layers' and the output projection\n"
+                   "lm_head, unless --keep-lm-head or the embeddings are tied) magnitude-pruned per matrix and\n"
+                   "stored bitmap-encoded, with the pruned residual kept as a frozen truncated-SVD adapter.\n"
+                   "`fusion run` and `fusion submit` (finetune --method salr, infer) read the result.",
         .opts = opts,
         .n_opts = sizeof opts / sizeof opts[0],
     };
@@ -328,7 +328,7 @@ static int model_prune(int argc, char **argv)
     }
     fu_errmsg em = {0};
     dag_salr_prune_opts po = {.sparsity = sparsity, .rank = (uint32_t)rank, .seed = (uint64_t)seed,
-                              .prune_lm_head = prune_head};
+                              .prune_lm_head = !keep_head};
     dag_salr_prune_report rep;
     fu_err rc = dag_salr_prune(in, out, &po, &rep, &em);
     if (rc != FU_OK) {

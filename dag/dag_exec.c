@@ -604,7 +604,7 @@ static fu_err load_salr_weight(dag_exec_t *x, const fu_safetensors *st, const da
         return fu_errmsg_set(em, FU_ENOTFOUND,
                              "the model has neither '%s' nor a dense '%s': the graph expects a SALR-pruned %s%s", bn,
                              name, nd->op == DAG_OP_LM_HEAD ? "lm_head" : "linear",
-                             nd->op == DAG_OP_LM_HEAD ? " (`fusion model prune --prune-lm-head` writes one)"
+                             nd->op == DAG_OP_LM_HEAD ? " (`fusion model prune` writes one)"
                                                       : " (make one with `fusion model prune`)");
     if (tb && tvv && to) {
         if (tb->dtype != FU_ST_U8 || to->dtype != FU_ST_I32 || (tvv->dtype != FU_ST_F32 && tvv->dtype != FU_ST_F16))

@@ -341,19 +341,3 @@ fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em)
     cJSON_Delete(j);
     return rc;
 }
-
-fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em)
-{
-    dag_salr_info info;
-    FU_TRY(dag_salr_info_load(dir, &info, em));
-    if (info.lm_head)
-        return fu_errmsg_set(em, FU_ENOSYS,
-                             "model dir '%s' has a SALR-pruned lm_head, which this path does not run yet "
-                             "(`fusion run` does); prune the model again with --keep-lm-head",
-                             dir);
-    if (residual_rank)
-        *residual_rank = info.residual_rank;
-    if (sparsity)
-        *sparsity = info.sparsity;
-    return FU_OK;
-}

@@ -5,8 +5,8 @@
  * each of the seven linear weights of every layer is stored bitmap-encoded as three tensors
  * <name>.bitmap (U8), <name>.values (F32) and <name>.offsets (I32) (kern_bitmap.h; metadata
  * <name>.format = "salr-bitmap-v1"), next to its frozen truncated-SVD residual adapter
- * <module>.salr_A.weight [r, in] and <module>.salr_B.weight [out, r] (R ≈ salr_B·salr_A). With
- * --prune-lm-head, lm_head.weight is stored the same way (lm_head.salr_A/B.weight). Other tensors are
+ * <module>.salr_A.weight [r, in] and <module>.salr_B.weight [out, r] (R ≈ salr_B·salr_A). Unless
+ * --keep-lm-head (or tied embeddings), lm_head.weight is stored the same way (lm_head.salr_A/B.weight). Other tensors are
  * copied unchanged. See docs/DAG.md and docs/SALR.md. */
 #ifndef FU_DAG_MODEL_H
 #define FU_DAG_MODEL_H
@@ -68,7 +68,7 @@ typedef struct {
 FU_MUST_CHECK fu_err dag_salr_prune(const char *in_dir, const char *out_dir, const dag_salr_prune_opts *o,
                                     dag_salr_prune_report *rep, fu_errmsg *em);
 
-/* dag_salr_prune with the block linears only (lm_head kept dense), the `fusion model prune` default. */
+/* dag_salr_prune with the block linears only (lm_head kept dense, as `fusion model prune --keep-lm-head`). */
 FU_MUST_CHECK fu_err dag_salr_prune_model(const char *in_dir, const char *out_dir, double sparsity, uint32_t rank,
                                           uint64_t seed, fu_errmsg *em);
 
@@ -82,12 +82,6 @@ typedef struct {
 /* Reads dir/salr_config.json. A file without "lm_head" (written before lm_head pruning existed)
  * means a dense lm_head. FU_ENOTFOUND when dir is not a pruned model; FU_EPROTO for a malformed file. */
 FU_MUST_CHECK fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em);
-
-/* dag_salr_info_load for callers that build blocks-only SALR graphs (salr_lm_head false): the
- * residual rank and sparsity. A model whose lm_head is pruned is refused with FU_ENOSYS and a message
- * (such a caller would build a dense lm_head the files do not have, and fail later at the missing
- * tensor), so it must move to dag_salr_info_load. */
-FU_MUST_CHECK fu_err dag_salr_config_load(const char *dir, uint32_t *residual_rank, double *sparsity, fu_errmsg *em);
 
 #ifdef __cplusplus
 }

@@ -423,8 +423,10 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     for (uint32_t i = s->first; i < s->last; i++) {
         const dag_node *nd = dag_graph_node(s->g, i);
         for (uint32_t k = 0; k < nd->n_params; k++) {
-            /* A SALR linear's base weight is stored bitmap-encoded in a pruned model (dag_model.h). */
-            bool salr = nd->op == DAG_OP_LINEAR && nd->adapter.method == DAG_ADAPTER_SALR && k == 0;
+            /* A SALR linear's (or pruned lm_head's) base weight is stored bitmap-encoded in a pruned
+             * model (dag_model.h). */
+            bool salr = (nd->op == DAG_OP_LINEAR || nd->op == DAG_OP_LM_HEAD) &&
+                        nd->adapter.method == DAG_ADAPTER_SALR && k == 0;
             static const char *const sfx[3] = {".bitmap", ".values", ".offsets"};
             for (int v = 0; v < (salr ? 3 : 1); v++) {
                 char pn[DAG_NAME_MAX + 16];

@@ -165,17 +165,18 @@ static void test_dag_cli_salr_finetune(void **state)
     free(out);
 }
 
-/* `fusion model prune --prune-lm-head` as a user runs it: it reports the head's error, `fusion run`
- * fine-tunes and generates with the pruned head; --keep-lm-head (the default) keeps it dense; the
- * two together are a usage error; tied embeddings keep it dense with a note. */
+/* `fusion model prune` as a user runs it: by default it prunes lm_head too and reports the head's
+ * error, `fusion run` fine-tunes and generates with the pruned head (so does --prune-lm-head, said
+ * explicitly); --keep-lm-head keeps it dense; the two together are a usage error; tied embeddings
+ * keep it dense with a note. */
 static void test_dag_cli_salr_prune_lm_head(void **state)
 {
     (void)state;
     char *out = NULL;
-    int rc = tu_sh(&out, "%s model prune --method salr --svd-rank 4 --prune-lm-head -i %s -o %s/pruned-head",
-                   tu_bin("fusion"), model, dir);
+    int rc = tu_sh(&out, "%s model prune --method salr --svd-rank 4 -i %s -o %s/pruned-head", tu_bin("fusion"),
+                   model, dir);
     if (rc != 0)
-        fail_msg("prune --prune-lm-head exited %d: %s", rc, out);
+        fail_msg("prune exited %d: %s", rc, out);
     assert_non_null(strstr(out, "residual rank 4, lm_head pruned"));
     assert_non_null(strstr(out, "block linears mean"));
     assert_non_null(strstr(out, "lm_head: relative error 0."));
@@ -209,7 +210,13 @@ static void test_dag_cli_salr_prune_lm_head(void **state)
     free(a);
     free(b);
 
-    /* The default, and --keep-lm-head said explicitly: a dense head. */
+    /* --prune-lm-head said explicitly: the same files as the default. */
+    assert_int_equal(tu_sh(&out, "%s model prune --method salr --svd-rank 4 --prune-lm-head -i %s -o %s/pruned-head2 && "
+                                 "cmp %s/pruned-head/model.safetensors %s/pruned-head2/model.safetensors",
+                           tu_bin("fusion"), model, dir, dir, dir), 0);
+    free(out);
+
+    /* --keep-lm-head: a dense head. */
     assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 --keep-lm-head -i %s -o %s/pruned-kept", tu_bin("fusion"),
                            model, dir), 0);
     assert_non_null(strstr(out, "lm_head dense"));
@@ -237,7 +244,7 @@ static void test_dag_cli_salr_prune_lm_head(void **state)
     tc.tie_word_embeddings = true;
     snprintf(p, sizeof p, "%s/tied", dir);
     assert_int_equal(dag_model_init_random(p, &tc, 4, 0.08f, NULL), FU_OK);
-    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 --prune-lm-head -i %s -o %s/tied-pruned",
+    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 -i %s -o %s/tied-pruned",
                            tu_bin("fusion"), p, dir), 0);
     assert_non_null(strstr(out, "tied"));
     assert_non_null(strstr(out, "left dense"));

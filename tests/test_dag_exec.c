@@ -725,18 +725,18 @@ static void test_dag_exec_salr_pruned_model(void **state)
     fu_err rc = dag_salr_prune_model(t.dir, pd, 0.5, 8, 1, &em);
     if (rc != FU_OK)
         fail_msg("prune: %s", fu_errmsg_text(&em, rc));
-    uint32_t rr = 0;
-    double sp = 0;
-    assert_int_equal(dag_salr_config_load(pd, &rr, &sp, &em), FU_OK);
-    assert_int_equal(rr, 8);
-    assert_true(fabs(sp - 0.5) < 1e-9);
+    dag_salr_info info;
+    assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
+    assert_int_equal(info.residual_rank, 8);
+    assert_true(fabs(info.sparsity - 0.5) < 1e-9);
+    assert_false(info.lm_head);
     fu_safetensors *ps = NULL;
     assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
     assert_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight"));
     assert_non_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight.bitmap"));
 
     /* Forward equals the reference on decode(bitmap) + residual, with the trained adapter at 0. */
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_SALR, 4, DAG_HEAD_LOGITS, rr);
+    dag_graph_t *g = graph(&t, DAG_ADAPTER_SALR, 4, DAG_HEAD_LOGITS, info.residual_rank);
     dag_exec_t *x = exec_for(g, ps, false, 0, 0, 16, true);
     int32_t tok[16];
     tokens_for(tok, 16, 4);
@@ -754,7 +754,7 @@ static void test_dag_exec_salr_pruned_model(void **state)
     dag_graph_destroy(&g);
 
     /* Training the SALR adapter lowers the loss. */
-    g = graph(&t, DAG_ADAPTER_SALR, 8, DAG_HEAD_LOSS, rr);
+    g = graph(&t, DAG_ADAPTER_SALR, 8, DAG_HEAD_LOSS, info.residual_rank);
     x = exec_for(g, ps, true, 0, 0, 32, false);
     int32_t *text = pattern_text(17 * 40);
     float a, b;
@@ -823,10 +823,6 @@ static void test_dag_exec_salr_lm_head_matches_reference(void **state)
     assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
     assert_true(info.lm_head);
     assert_int_equal(info.residual_rank, 8);
-    /* Callers that build blocks-only graphs are refused with a reason instead of failing later. */
-    uint32_t rr = 0;
-    assert_int_equal(dag_salr_config_load(pd, &rr, NULL, &em), FU_ENOSYS);
-    assert_non_null(strstr(em.msg, "--keep-lm-head"));
     fu_safetensors *ps = NULL;
     assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
     assert_null(fu_safetensors_get(ps, "lm_head.weight"));
@@ -1001,8 +997,8 @@ static fu_safetensors *copy_model(const fu_safetensors *st, const char *path, co
     return out;
 }
 
-/* The default prune keeps lm_head dense (blocks-only graphs load it); tied embeddings keep it dense
- * even when asked; a pruned head whose files are missing a piece or are corrupt fails to load with a
+/* Pruning with prune_lm_head false (--keep-lm-head) keeps lm_head dense (blocks-only graphs load
+ * it); tied embeddings keep it dense even when asked; a pruned head whose files are missing a piece or are corrupt fails to load with a
  * message naming the tensor. */
 static void test_dag_exec_salr_lm_head_files(void **state)
 {
@@ -1011,7 +1007,7 @@ static void test_dag_exec_salr_lm_head_files(void **state)
     tiny_open(&t, "exec-salr-head-files", 23);
     fu_errmsg em = {{0}};
 
-    /* Default (--keep-lm-head): lm_head.weight dense, salr_config.json says so. */
+    /* --keep-lm-head: lm_head.weight dense, salr_config.json says so. */
     dag_salr_prune_report rep;
     char *kd = prune_tiny(&t, "kept", false, &rep);
     assert_false(rep.lm_head_pruned);
@@ -1021,9 +1017,7 @@ static void test_dag_exec_salr_lm_head_files(void **state)
     dag_salr_info info;
     assert_int_equal(dag_salr_info_load(kd, &info, &em), FU_OK);
     assert_false(info.lm_head);
-    uint32_t rr = 0;
-    assert_int_equal(dag_salr_config_load(kd, &rr, NULL, &em), FU_OK);
-    assert_int_equal(rr, 8);
+    assert_int_equal(info.residual_rank, 8);
     fu_safetensors *ks = NULL;
     assert_int_equal(fu_safetensors_open_dir(kd, &ks, &em), FU_OK);
     assert_non_null(fu_safetensors_get(ks, "lm_head.weight"));
@@ -1071,7 +1065,7 @@ static void test_dag_exec_salr_lm_head_files(void **state)
     /* Neither the bitmap form nor a dense weight. */
     bs = copy_model(ps, path, "lm_head.weight", NULL, 0);
     assert_int_equal(load_err(g, bs, &em), FU_ENOTFOUND);
-    assert_non_null(strstr(em.msg, "--prune-lm-head"));
+    assert_non_null(strstr(em.msg, "`fusion model prune` writes one"));
     fu_safetensors_close(&bs);
     dag_graph_destroy(&g);
     fu_safetensors_close(&ps);

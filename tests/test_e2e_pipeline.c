@@ -8,8 +8,10 @@
  *   - with --dump-logits the job's result carries the prompt's logits, equal to `fusion run infer
  *     --dump-logits` (known bug: the broker drops InferToken.logits; see docs/TESTING.md).
  *   - a model with hidden 512 > vocabulary 256 on peers that each hold 2/3 of it runs as a pipeline;
- *   - SALR: `fusion model prune --method salr`, then `fusion submit finetune --method salr` on the
- *     pruned model equals `fusion run finetune --method salr` on it. */
+ *   - SALR: `fusion model prune --method salr` (every linear pruned, lm_head included), then
+ *     `fusion submit finetune --method salr` on the pruned model equals `fusion run finetune --method
+ *     salr` on it, and greedy generation through the pipeline with that adapter equals `fusion run
+ *     infer`'s. */
 #include "e2e_util.h"
 
 #define PROMPT_TOKENS "116,104,101,32,113,117,105,99,107"
@@ -29,6 +31,35 @@ static void assert_three_stages(const e2e_cluster *c, const char *id)
     assert_true(three);
 }
 
+/* Greedy generation of max_tokens with fine-tune job ftid's adapter through the pipeline (`fusion
+ * submit infer --adapter-job`, `fusion result`) gives the text `fusion run infer --adapter` gives.
+ * iid receives the inference job's id. */
+static void expect_same_generation(e2e_cluster *c, const char *model, const char *ftid, int max_tokens, char iid[17])
+{
+    e2e_submit(c, iid, "infer --model %s --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens %d "
+               "--dump-logits", model, ftid, max_tokens);
+    e2e_wait_done(c, iid, 60);
+    char *out = NULL;
+    assert_int_equal(e2e_fusion(c, &out, "result %s -o 'res-%s'", iid, iid), 0);
+    free(out);
+    char p[E2E_PATH];
+    e2e_path(c, p, "res-%s/output.txt", iid);
+    char *got = e2e_slurp(p);
+    char *want = NULL;
+    int rc = e2e_fusion(c, &want, "run infer -q --threads 1 --model %s --adapter 'res-%s' --prompt-tokens "
+                        PROMPT_TOKENS " --max-tokens %d 2>/dev/null", model, ftid, max_tokens);
+    assert_int_equal(rc, 0);
+    size_t wl = strlen(want);
+    if (wl && want[wl - 1] == '\n')
+        want[--wl] = '\0';
+    printf("infer %s on %s: pipeline %zu bytes, fusion run %zu bytes: %s\n", iid, model, strlen(got), wl,
+           strcmp(got, want) == 0 ? "identical" : "DIFFERENT");
+    assert_true(wl > 0);
+    assert_string_equal(got, want);
+    free(got);
+    free(want);
+}
+
 static void test_e2e_pipeline_finetune_then_infer(void **state)
 {
     (void)state;
@@ -44,31 +75,9 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     double d = e2e_job_vs_reference(&c, id, "model", train);
     assert_true(d <= 1e-5);
 
-    /* Greedy generation with the adapter through the pipeline, against `fusion run infer`. */
     char iid[17];
-    e2e_submit(&c, iid, "infer --model model --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens 24 "
-               "--dump-logits", id);
-    e2e_wait_done(&c, iid, 60);
+    expect_same_generation(&c, "model", id, 24, iid);
     assert_three_stages(&c, iid);
-    char *out = NULL;
-    assert_int_equal(e2e_fusion(&c, &out, "result %s -o 'res-%s'", iid, iid), 0);
-    free(out);
-    char p[E2E_PATH];
-    e2e_path(&c, p, "res-%s/output.txt", iid);
-    char *got = e2e_slurp(p);
-    char *want = NULL;
-    int rc = e2e_fusion(&c, &want, "run infer -q --threads 1 --model model --adapter 'res-%s' --prompt-tokens "
-                        PROMPT_TOKENS " --max-tokens 24 2>/dev/null", id);
-    assert_int_equal(rc, 0);
-    size_t wl = strlen(want);
-    if (wl && want[wl - 1] == '\n')
-        want[--wl] = '\0';
-    printf("infer %s: pipeline %zu bytes, fusion run %zu bytes: %s\n", iid, strlen(got), wl,
-           strcmp(got, want) == 0 ? "identical" : "DIFFERENT");
-    assert_true(wl > 0);
-    assert_string_equal(got, want);
-    free(got);
-    free(want);
     e2e_cluster_stop(&c);
 }
 
@@ -140,6 +149,7 @@ static void test_e2e_pipeline_salr(void **state)
     int rc = e2e_fusion(&c, &out, "model prune --method salr --sparsity 0.5 --svd-rank 8 --seed 1 -i model -o pruned");
     if (rc != 0)
         fail_msg("fusion model prune: exit %d: %s", rc, out);
+    assert_non_null(strstr(out, "lm_head pruned")); /* the peers fetch and run a bitmap-encoded head */
     free(out);
     const char *train = "--method salr " E2E_TRAIN_ARGS " --steps 12";
     char id[17];
@@ -154,6 +164,13 @@ static void test_e2e_pipeline_salr(void **state)
     assert_true(piped); /* more than one stage */
     double d = e2e_job_vs_reference(&c, id, "pruned", train);
     assert_true(d <= 1e-5);
+    char iid[17];
+    expect_same_generation(&c, "pruned", id, 16, iid);
+    snprintf(needle, sizeof needle, "job %s stage 1/", iid);
+    bl = e2e_slurp(log);
+    piped = strstr(bl, needle) != NULL;
+    free(bl);
+    assert_true(piped);
     e2e_cluster_stop(&c);
 }
 

@@ -309,7 +309,7 @@ static void test_model_cli_prune_writes_salr_model(void **state)
     free(out);
     snprintf(args, sizeof args, "model prune --method salr --sparsity 0.5 --svd-rank 4 -i '%s' -o '%s'", src, dst);
     assert_int_equal(fusion(&out, args), 0);
-    assert_non_null(strstr(out, "sparsity 0.50, residual rank 4"));
+    assert_non_null(strstr(out, "sparsity 0.50, residual rank 4, lm_head pruned"));
     free(out);
     char *cfg = fu_path_join(dst, "salr_config.json");
     assert_true(fu_path_exists(cfg));
@@ -319,6 +319,8 @@ static void test_model_cli_prune_writes_salr_model(void **state)
     assert_non_null(fu_safetensors_get(st, "model.layers.0.self_attn.q_proj.weight.bitmap"));
     assert_non_null(fu_safetensors_get(st, "model.layers.0.mlp.down_proj.weight.values"));
     assert_null(fu_safetensors_get(st, "model.layers.0.mlp.down_proj.weight")); /* no dense copy */
+    assert_non_null(fu_safetensors_get(st, "lm_head.weight.bitmap"));           /* the head too, by default */
+    assert_null(fu_safetensors_get(st, "lm_head.weight"));
     assert_non_null(fu_safetensors_get(st, "model.embed_tokens.weight"));     /* copied as is */
     fu_safetensors_close(&st);
     /* A second run into the same directory is refused, then allowed with --force. */
