@@ -1,8 +1,11 @@
 /* Tests of kern_salr: exact pruning with deterministic ties, the SVD residual bound, the sparse
- * product against a dense reference (every ISA, batches 1..64, threads 1 and 2, accumulate),
+ * product against a dense reference (every ISA, batches 1..64, threads 1 and 2, accumulate, the
+ * caller on each CPU in turn),
  * concatenated adapters against separate ones (forward and backward), and bad arguments. */
+#define _GNU_SOURCE /* sched_setaffinity, sched_getcpu */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -337,6 +340,33 @@ static void test_kern_salr_spmm_large_pipeline(void **state)
     check_spmm(rows, cols, 24, KERN_BITMAP_F32);
 }
 
+/* The helper is kept off its caller's CPU (kern_salr.c, helper_place): the product stays right when
+ * the caller moves from CPU to CPU (the helper is placed again each time) and when the caller may
+ * run on one CPU only (nothing to place it on; the helper stays wherever it is). */
+static void test_kern_salr_spmm_follows_caller_cpu(void **state)
+{
+    (void)state;
+    cpu_set_t all;
+    CPU_ZERO(&all);
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    int moved = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE && moved < 4; cpu++) {
+        if (!CPU_ISSET(cpu, &all))
+            continue;
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        assert_int_equal(sched_setaffinity(0, sizeof one, &one), 0);
+        assert_int_equal(sched_getcpu(), cpu);
+        check_spmm(67, 193, 1, KERN_BITMAP_F32); /* the caller pinned to one CPU */
+        check_spmm(67, 193, 4, KERN_BITMAP_F32);
+        assert_int_equal(sched_setaffinity(0, sizeof all, &all), 0);
+        check_spmm(256, 128, 1, KERN_BITMAP_F32); /* free again, maybe elsewhere */
+        moved++;
+    }
+    assert_true(moved >= 1);
+}
+
 /* Several threads calling the product at once (the helper thread is busy for all but one). */
 typedef struct {
     const kern_bitmap_t *bm;
@@ -564,6 +594,7 @@ int main(void)
         cmocka_unit_test(test_kern_salr_svd_bad_args),
         cmocka_unit_test(test_kern_salr_spmm_matches_dense),
         cmocka_unit_test(test_kern_salr_spmm_large_pipeline),
+        cmocka_unit_test(test_kern_salr_spmm_follows_caller_cpu),
         cmocka_unit_test(test_kern_salr_spmm_concurrent_callers),
         cmocka_unit_test(test_kern_salr_spmm_bad_args),
         cmocka_unit_test(test_kern_salr_concat_equals_separate),
