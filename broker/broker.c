@@ -229,6 +229,10 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         if ((p = peer_of(b, msg)))
             broker_on_verify_input(b, p, msg);
         break;
+    case FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ:
+        if ((p = peer_of(b, msg)))
+            broker_on_link_probe(b, p, msg);
+        break;
     case FUSION__MSG_TYPE__MSG_ERROR:
         p = broker_peer_find(b, uid);
         if (p && p->live)
@@ -405,6 +409,7 @@ void broker_destroy(broker_t **b_p)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);
     free(b->peers);
+    free(b->probe_zeros);
     broker_models_close(b);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);

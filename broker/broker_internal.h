@@ -42,6 +42,8 @@ typedef struct {
     double gflops;                     /* f32 GEMM GFLOP/s (or the best it reported) */
     uint64_t mem_bytes;                /* memory it offers */
     double link_bw;                    /* bytes/s */
+    bool link_measured;                /* link_bw came from the peer's measurement */
+    uint64_t probe_ms;                 /* last LinkProbe sent to it (broker_now), 0: none */
     double link_latency_ms;            /* round trip ms */
     uint32_t threads;                  /* compute threads */
     char endpoint[BROKER_ENDPOINT_MAX]; /* data endpoint, "" when relayed */
@@ -203,6 +205,7 @@ struct broker {
     uint32_t dead_after_ms;            /* BROKER_DEAD_FACTOR × heartbeat */
     void *ctx;                         /* ZeroMQ context */
     void *sock;                        /* the ROUTER */
+    uint8_t *probe_zeros;              /* LinkProbe payload (made on first use) */
     wire_zap_t *zap;                   /* ZAP handler */
     wire_keypair_t *kp;                /* the broker's keys */
     db_t *db;                          /* the store */
@@ -245,6 +248,7 @@ int64_t broker_wall(void);  /* Unix ms */
 broker_peer *broker_peer_find(broker_t *b, const char *key);
 void broker_on_hello(broker_t *b, const wire_msg_t *msg);
 void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_link_probe(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Declares peers silent for dead_after_ms dead (and expired leases lost). */
 void broker_registry_sweep(broker_t *b);

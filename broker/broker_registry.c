@@ -12,7 +12,10 @@
 #include "fu_log.h"
 
 #define LOG "registry"
-#define BROKER_DEFAULT_LINK_BW 1e9 /* bytes/s assumed when a peer did not measure its link */
+#define BROKER_DEFAULT_LINK_BW 1e9  /* bytes/s assumed when a peer did not measure its link */
+#define BROKER_MAX_LINK_BW     1e12 /* bytes/s above which a reported link is not believed */
+#define BROKER_PROBE_MAX_BYTES (4u << 20) /* largest LinkProbe payload */
+#define BROKER_PROBE_INTERVAL_MS 60000u   /* one LinkProbe per peer per minute */
 #define BROKER_PEER_LIST_MAX   2000 /* peers in one PeerList (about 300 bytes each; 1 MiB cap) */
 
 broker_peer *broker_peer_find(broker_t *b, const char *key)
@@ -150,8 +153,9 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     p->backend = pr->backend;
     p->gflops = gflops;
     p->mem_bytes = pr->free_memory_bytes;
-    p->link_bw = isfinite(pr->link_bandwidth_bps) && pr->link_bandwidth_bps > 0 ? pr->link_bandwidth_bps
-                                                                                : BROKER_DEFAULT_LINK_BW;
+    p->link_measured = isfinite(pr->link_bandwidth_bps) && pr->link_bandwidth_bps > 0 &&
+                       pr->link_bandwidth_bps <= BROKER_MAX_LINK_BW;
+    p->link_bw = p->link_measured ? pr->link_bandwidth_bps : BROKER_DEFAULT_LINK_BW;
     p->link_latency_ms = isfinite(pr->link_latency_ms) && pr->link_latency_ms >= 0 ? pr->link_latency_ms : 0;
     p->threads = pr->threads;
     size_t rl = 0;
@@ -196,6 +200,15 @@ void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     const Fusion__Heartbeat *hb = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_HEARTBEAT);
     if (hb && hb->free_memory_bytes)
         p->mem_bytes = hb->free_memory_bytes;
+    /* The link as measured by the peer's weight fetches: the scheduler's next plans use it. */
+    if (hb && isfinite(hb->link_bandwidth_bps) && hb->link_bandwidth_bps > 0 &&
+        hb->link_bandwidth_bps <= BROKER_MAX_LINK_BW && hb->link_bandwidth_bps != p->link_bw) {
+        if (!p->link_measured)
+            FU_INFO(LOG, "peer %s (%.8s): link measured at %.1f MB/s", p->name, p->key,
+                    hb->link_bandwidth_bps / 1e6);
+        p->link_bw = hb->link_bandwidth_bps;
+        p->link_measured = true;
+    }
     int64_t now = broker_wall();
     if (p->job[0] && !p->backup) {
         fu_err rc = db_stage_lease_extend(b->db, p->job, p->stage, p->key,
@@ -210,6 +223,29 @@ void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
               : p->backup ? (p->warm ? FUSION__PEER_STATE__PEER_STATE_WARM : FUSION__PEER_STATE__PEER_STATE_IDLE)
                           : FUSION__PEER_STATE__PEER_STATE_BUSY;
     (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_HEARTBEAT, &r.base);
+}
+
+/* LinkProbeRequest: up to BROKER_PROBE_MAX_BYTES of zeros, so that the peer can time its link from
+ * the broker. Once per BROKER_PROBE_INTERVAL_MS per peer: a peer cannot turn the broker into a firehose. */
+void broker_on_link_probe(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__LinkProbeRequest *rq = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ);
+    uint64_t now = broker_now();
+    if (!rq) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_PROTO, "LinkProbeRequest: malformed");
+        return;
+    }
+    if (p->probe_ms && now - p->probe_ms < BROKER_PROBE_INTERVAL_MS) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY, "one link probe per %u s", BROKER_PROBE_INTERVAL_MS / 1000);
+        return;
+    }
+    if (!b->probe_zeros)
+        b->probe_zeros = fu_calloc(1, BROKER_PROBE_MAX_BYTES);
+    p->probe_ms = now;
+    Fusion__LinkProbe r = FUSION__LINK_PROBE__INIT;
+    r.data.len = rq->bytes < BROKER_PROBE_MAX_BYTES ? rq->bytes : BROKER_PROBE_MAX_BYTES;
+    r.data.data = b->probe_zeros;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_LINK_PROBE, &r.base);
 }
 
 void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg)

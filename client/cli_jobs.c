@@ -421,6 +421,8 @@ int cli_peers_main(int argc, char **argv)
                 cJSON_AddStringToObject(e, "device", dev);
                 cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
                 cJSON_AddNumberToObject(e, "memory_bytes", p->profile ? (double)p->profile->free_memory_bytes : 0);
+                cJSON_AddNumberToObject(e, "link_bandwidth_bps", p->profile ? p->profile->link_bandwidth_bps : 0);
+                cJSON_AddNumberToObject(e, "link_latency_ms", p->profile ? p->profile->link_latency_ms : 0);
                 cJSON_AddStringToObject(e, "state", peer_state_name(p->state));
                 cJSON_AddStringToObject(e, "stage", stage);
                 cJSON_AddNumberToObject(e, "reputation", p->reputation);

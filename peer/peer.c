@@ -33,6 +33,8 @@
 #define IO_CONNECT_WAIT_MS 5000 /* how long the start waits for the broker's handshake */
 #define IO_ENROL_WAIT_MS  10000
 #define IO_MAX_TENSOR     ((size_t)1 << 31) /* largest activation/gradient accepted */
+#define PEER_PROBE_BYTES  (4u << 20) /* LinkProbe payload asked for after joining */
+#define PEER_PROBE_EVERY_MS 600000u  /* a rejoin measures the link again after this long */
 
 enum { LINK_UP_IDX = 0, LINK_DOWN_IDX = 1 };
 enum { SRC_ROUTER = 0, SRC_DOWN = 1, SRC_RELAY = 2, SRC_COUNT };
@@ -81,6 +83,8 @@ struct peer {
     uint64_t last_broker_ms;       /* last message from the broker */
     uint64_t last_hb_ms;           /* last Heartbeat sent */
     uint64_t hello_ms;             /* last PeerHello sent */
+    uint64_t probe_t0_ns;          /* LinkProbeRequest in flight since (0: none) */
+    uint64_t probe_done_ms;        /* last LinkProbe answered or refused (0: never) */
     uint64_t seq;                  /* envelope sequence towards the broker */
 
     link_t links[2];               /* upstream, downstream */
@@ -211,8 +215,7 @@ static void send_hello(peer_t *p)
     pr.free_memory_bytes = p->prof.free_memory_bytes;
     pr.backend = p->prof.cuda ? FUSION__BACKEND__BACKEND_CUDA : FUSION__BACKEND__BACKEND_CPU;
     pr.device_name = p->prof.device_name;
-    uint64_t bw = atomic_load(&p->shared.bw_bps);
-    pr.link_bandwidth_bps = bw ? (double)bw : p->prof.link_bandwidth_bps;
+    pr.link_bandwidth_bps = p->prof.link_bandwidth_bps;
     pr.link_latency_ms = p->prof.link_latency_ms;
     pr.threads = p->prof.threads;
     Fusion__PeerHello h = FUSION__PEER_HELLO__INIT;
@@ -233,6 +236,7 @@ static void send_heartbeat(peer_t *p)
     hb.time_ms = fu_wallclock_ms();
     hb.state = p->leaving ? FUSION__PEER_STATE__PEER_STATE_DRAINING : (Fusion__PeerState)atomic_load(&p->shared.state);
     hb.free_memory_bytes = p->prof.free_memory_bytes;
+    hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
     (void)to_broker(p, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, 0, 0, &hb.base);
     /* Fixed rate: a beat sent late does not push the next ones back (on a loaded machine the
      * lateness of every wake-up used to add up); more than an interval behind, start afresh. */
@@ -644,6 +648,26 @@ static void on_broker(peer_t *p, wire_msg_t *m)
         if (!p->welcomed)
             FU_INFO("peer", "welcomed by the broker as %s (heartbeat %u ms)", w->peer_id, p->hb_ms);
         p->welcomed = true;
+        if (!p->probe_t0_ns && (!p->probe_done_ms || fu_clock_ms() - p->probe_done_ms >= PEER_PROBE_EVERY_MS)) {
+            Fusion__LinkProbeRequest rq = FUSION__LINK_PROBE_REQUEST__INIT;
+            rq.bytes = PEER_PROBE_BYTES;
+            if (to_broker(p, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, 0, 0, &rq.base) == FU_OK)
+                p->probe_t0_ns = fu_clock_ns();
+        }
+        break;
+    }
+    case FUSION__MSG_TYPE__MSG_LINK_PROBE: {
+        /* Request to last byte: one round trip plus the payload's transfer, a lower bound of the
+         * link's bandwidth. Heartbeats carry it to the broker's scheduler. */
+        const Fusion__LinkProbe *lp = wire_msg_body_as(m, t);
+        uint64_t el_ns = p->probe_t0_ns ? fu_clock_ns() - p->probe_t0_ns : 0;
+        if (el_ns && lp->data.len >= PEER_PROBE_BYTES / 4) {
+            p->prof.link_bandwidth_bps = (double)lp->data.len * 1e9 / (double)el_ns;
+            FU_INFO("peer", "link from the broker: %.1f MB/s (%zu bytes in %.1f ms)", p->prof.link_bandwidth_bps / 1e6,
+                    lp->data.len, (double)el_ns / 1e6);
+        }
+        p->probe_t0_ns = 0;
+        p->probe_done_ms = fu_clock_ms();
         break;
     }
     case FUSION__MSG_TYPE__MSG_HEARTBEAT:
@@ -655,6 +679,11 @@ static void on_broker(peer_t *p, wire_msg_t *m)
         if (e->in_reply_to == FUSION__MSG_TYPE__MSG_HEARTBEAT && fu_clock_ms() - p->hello_ms >= p->hb_ms) {
             /* It does not know us (a restarted broker, or we were declared dead): register again. */
             send_hello(p);
+            break;
+        }
+        if (e->in_reply_to == FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ) { /* too soon: keep what we have */
+            p->probe_t0_ns = 0;
+            p->probe_done_ms = fu_clock_ms();
             break;
         }
         if (e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) { /* the fetch must stop waiting */

@@ -71,7 +71,6 @@ peer_cmd *peer_cmd_send_new(Fusion__MsgType type, uint64_t job_id, uint64_t step
 typedef struct {
     _Atomic int state;        /* PEER_STATE_IDLE / WARM / BUSY */
     _Atomic int stage_active; /* 1 while an assignment (not a backup) is held */
-    _Atomic uint64_t bw_bps;  /* bandwidth measured on the last blob fetch (bytes/s) */
     _Atomic int exited;       /* the compute thread has left its loop */
 } peer_shared;
 

@@ -75,8 +75,6 @@ typedef struct {
     fu_safetensors *st;       /* the stage's weights (kept open: the executor may use them in place) */
     fetch_item *fetch;        /* blobs to fetch, in order */
     size_t n_fetch, cur_fetch;
-    uint64_t fetch_t0;        /* when the first blob was asked (bandwidth) */
-    uint64_t fetch_bytes;
     int32_t *ids;             /* the job's tokens (first and last stage) */
     size_t n_ids;
     uint32_t cut_in[ST_MAX_CUTS], n_cut_in;
@@ -464,7 +462,6 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     FU_INFO("peer", "job %016" PRIx64 ": assigned stage %u of %u (nodes %u..%u)%s, %zu blobs to fetch", a->job_id,
             a->stage_index, a->stage_count, a->node_begin, a->node_end, a->backup ? " as a warm backup" : "",
             s->n_fetch);
-    s->fetch_t0 = fu_clock_ms();
     ask_next(s);
     return;
 invalid:
@@ -651,9 +648,6 @@ static void fetched_all(stage_t *s)
 {
     fu_errmsg em = {{0}};
     fu_err rc = FU_OK;
-    uint64_t el = fu_clock_ms() - s->fetch_t0;
-    if (el > 0 && s->fetch_bytes > 0)
-        atomic_store(&s->cfg.shared->bw_bps, (uint64_t)((double)s->fetch_bytes * 1000.0 / (double)el));
     for (size_t i = 0; i < s->n_fetch; i++) {
         if (s->fetch[i].kind != FETCH_TOKENS)
             continue;
@@ -769,12 +763,6 @@ static void on_chunk(stage_t *s, const Fusion__WeightChunk *c)
         return;
     }
     if (done) {
-        size_t len;
-        bool hit;
-        peer_blob_data(b, &len);
-        peer_blob_counters(b, NULL, NULL, &hit);
-        if (!hit)
-            s->fetch_bytes += len;
         s->cur_fetch++;
         if (s->cur_fetch == s->n_fetch) {
             if (s->vfetching && s->loaded)

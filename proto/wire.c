@@ -54,6 +54,8 @@ static const wire_type_info type_table[] = {
     T(MSG_VERIFY_SKETCH, &fusion__verify_sketch__descriptor, false),
     T(MSG_VERIFY_DELIVER, &fusion__verify_deliver__descriptor, false),
     T(MSG_VERIFY_INPUT, &fusion__verify_input__descriptor, true), /* a sealed chunk of an activation */
+    T(MSG_LINK_PROBE_REQ, &fusion__link_probe_request__descriptor, false),
+    T(MSG_LINK_PROBE, &fusion__link_probe__descriptor, true), /* up to 4 MiB of zeros */
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

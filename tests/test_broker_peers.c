@@ -1,6 +1,8 @@
-/* The real fusion-broker process with real peer processes on loopback: join and leave, heartbeat
+/* The real fusion-broker process with real peer processes on loopback: join and leave, the link
+ * probe and the bandwidth heartbeats carry, heartbeat
  * timeout of a SIGSTOPped peer (detection time measured), re-registration, an unknown key refused
  * in allow-list mode, garbage bytes on the broker's port, clean stop on SIGTERM. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -96,6 +98,71 @@ static void test_broker_peers_join_and_leave(void **state)
     tb_peer_stop(&p, SIGKILL);
     /* SIGTERM stops the broker cleanly */
     assert_int_equal(tb_broker_stop(&f->b, SIGTERM), 0);
+    wire_keypair_destroy(&kp);
+}
+
+/* The link probe: a registered peer gets the payload it asked for, at most 4 MiB, once a minute
+ * (then ERR_BUSY); a key that never said PeerHello gets nothing; the bandwidth a heartbeat then
+ * reports is what the peer list shows, and an absurd one is not believed. */
+static double listed_link_bw(tb_client *cl, const char *key)
+{
+    wire_msg_t *m = tb_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
+    double bw = -1;
+    for (size_t i = 0; l && i < l->n_peers; i++)
+        if (strcmp(l->peers[i]->peer_id, key) == 0 && l->peers[i]->profile)
+            bw = l->peers[i]->profile->link_bandwidth_bps;
+    wire_msg_destroy(&m);
+    return bw;
+}
+
+static void test_broker_peers_link_probe(void **state)
+{
+    fx *f = *state;
+    char dir[4200];
+    wire_keypair_t *kp = peer_keys(f, "prober", dir, sizeof dir);
+    start(f);
+    tb_client pc;
+    tb_client_open(&pc, kp, &f->b);
+    Fusion__LinkProbeRequest rq = FUSION__LINK_PROBE_REQUEST__INIT;
+    rq.bytes = 100u << 20;
+    /* not registered yet: no payload */
+    wire_msg_t *m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE,
+                            1000);
+    assert_true(m == NULL || wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR);
+    wire_msg_destroy(&m);
+    tb_fake_hello(&pc, "prober", 2 * GiB, 50);
+    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_LINK_PROBE);
+    const Fusion__LinkProbe *lp = (const Fusion__LinkProbe *)wire_msg_body(m);
+    assert_int_equal(lp->data.len, 4u << 20); /* capped */
+    wire_msg_destroy(&m);
+    m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_BUSY);
+    wire_msg_destroy(&m);
+    /* the measured bandwidth, carried by a heartbeat, replaces the hello's */
+    assert_true(listed_link_bw(&f->cl, wire_keypair_public_z85(kp)) == 1e9);
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    hb.state = FUSION__PEER_STATE__PEER_STATE_IDLE;
+    hb.link_bandwidth_bps = 123.5e6;
+    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    double bw = -1;
+    for (int i = 0; i < 40 && bw != 123.5e6; i++, fu_sleep_ms(50))
+        bw = listed_link_bw(&f->cl, wire_keypair_public_z85(kp));
+    assert_true(bw == 123.5e6);
+    hb.link_bandwidth_bps = 1e15; /* not believed */
+    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    hb.link_bandwidth_bps = NAN;
+    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    fu_sleep_ms(200);
+    assert_true(listed_link_bw(&f->cl, wire_keypair_public_z85(kp)) == 123.5e6);
+    tb_client_close(&pc);
     wire_keypair_destroy(&kp);
 }
 
@@ -234,6 +301,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_broker_peers_join_and_leave, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_broker_peers_link_probe, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_sigstop_is_dead, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_unknown_key_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_broker_peers_enrolment_token, setup, teardown),

@@ -1,7 +1,8 @@
 /* End to end, no faults: a broker, three peers and the client as real processes on loopback.
  *   - a LoRA-FA fine-tune through a three-stage pipeline (the peer tests cover two stages) gives the
  *     adapter `fusion run finetune` gives (max abs difference over every tensor <= 1e-5), downloaded
- *     with `fusion result`;
+ *     with `fusion result`; afterwards `fusion peers` shows each peer's link as measured by its
+ *     weight fetches (heartbeats carry it to the broker);
  *   - greedy generation through the same three stages with that adapter (`fusion submit infer
  *     --adapter-job --dump-logits`, `fusion result`) gives the tokens `fusion run infer --adapter`
  *     gives;
@@ -60,6 +61,35 @@ static void expect_same_generation(e2e_cluster *c, const char *model, const char
     free(want);
 }
 
+/* How many of the n peers `fusion peers --json` lists with a measured link: a bandwidth other than
+ * the broker's 1e9 default. Waits up to wait_ms for all n (heartbeats carry the measurement). */
+static int peers_with_measured_link(const e2e_cluster *c, int n, int wait_ms)
+{
+    int measured = 0;
+    for (int waited = 0;; waited += 100) {
+        char *out = NULL;
+        measured = 0;
+        if (e2e_fusion(c, &out, "peers --json 2>/dev/null") == 0) {
+            cJSON *arr = cJSON_Parse(out);
+            const cJSON *e;
+            cJSON_ArrayForEach(e, arr)
+            {
+                const cJSON *bw = cJSON_GetObjectItem(e, "link_bandwidth_bps");
+                if (cJSON_IsNumber(bw) && bw->valuedouble > 0 && bw->valuedouble != 1e9) {
+                    printf("peer %s: link %.1f MB/s\n", cJSON_GetStringValue(cJSON_GetObjectItem(e, "name")),
+                           bw->valuedouble / 1e6);
+                    measured++;
+                }
+            }
+            cJSON_Delete(arr);
+        }
+        free(out);
+        if (measured >= n || waited >= wait_ms)
+            return measured;
+        usleep(100 * 1000);
+    }
+}
+
 static void test_e2e_pipeline_finetune_then_infer(void **state)
 {
     (void)state;
@@ -74,6 +104,8 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     assert_three_stages(&c, id);
     double d = e2e_job_vs_reference(&c, id, "model", train);
     assert_true(d <= 1e-5);
+    /* Each peer fetched its stage's weights (> 1 MiB): the broker now plans with that link speed. */
+    assert_int_equal(peers_with_measured_link(&c, 3, 5000), 3);
 
     char iid[17];
     expect_same_generation(&c, "model", id, 24, iid);
