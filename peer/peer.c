@@ -34,6 +34,8 @@
 #define IO_ENROL_WAIT_MS  10000
 #define IO_MAX_TENSOR     ((size_t)1 << 31) /* largest activation/gradient accepted */
 #define PEER_PROBE_BYTES  (4u << 20) /* LinkProbe payload asked for after joining */
+#define PEER_SEND_WAIT_MS 60000u    /* longest one chunk of a tensor waits for room at a neighbour */
+#define PEER_HELD         16        /* data-plane messages held while a send waits */
 #define PEER_PROBE_EVERY_MS 600000u  /* a rejoin measures the link again after this long */
 
 enum { LINK_UP_IDX = 0, LINK_DOWN_IDX = 1 };
@@ -106,6 +108,12 @@ struct peer {
     uint64_t leave_ms;
     bool fatal;                    /* the compute thread failed */
     fu_err fatal_err;
+
+    wire_msg_t *held[PEER_HELD];   /* read while a send waited and not a tensor chunk (a SealHello):
+                                      handled by the loop next */
+    int held_src[PEER_HELD];
+    size_t n_held;
+    bool send_waited;              /* the last tensor send found a full queue */
 };
 
 static volatile sig_atomic_t g_stop = 0;
@@ -517,6 +525,49 @@ static void on_data(peer_t *p, int src, wire_msg_t *m)
     deliver(p, c);
 }
 
+/* While a tensor waits for room in a neighbour's queue (wire_tensor_send_waiting): heartbeats go
+ * out on time (blocking here used to silence them for up to the 10 s send timeout, long enough to
+ * be declared dead), and tensor chunks coming the other way are taken, so that two neighbours
+ * sending to each other with full queues do not wait on each other. Anything else read meanwhile is
+ * held for the loop: it may change the links a send is using. Gives up on stop or a failed compute
+ * thread. */
+static bool send_wait(void *arg)
+{
+    peer_t *p = arg;
+    p->send_waited = true;
+    if (p->welcomed && fu_clock_ms() - p->last_hb_ms >= p->hb_ms)
+        send_heartbeat(p);
+    flush_stash(p);
+    void *ds[2] = {p->router, p->down};
+    for (int s = 0; s < 2; s++) {
+        for (int k = 0; ds[s] && k < 64 && !input_paused(p) && p->n_held < PEER_HELD; k++) {
+            wire_msg_t *m = NULL;
+            fu_err rc = wire_recv(ds[s], WIRE_DONTWAIT, &p->counters, &m);
+            if (rc == FU_EAGAIN)
+                break;
+            if (rc != FU_OK)
+                continue;
+            int src = s == 0 ? SRC_ROUTER : SRC_DOWN;
+            Fusion__MsgType t = wire_msg_type(m);
+            if (t == FUSION__MSG_TYPE__MSG_ACTIVATION || t == FUSION__MSG_TYPE__MSG_GRADIENT) {
+                on_data(p, src, m);
+            } else {
+                p->held[p->n_held] = m;
+                p->held_src[p->n_held++] = src;
+            }
+        }
+    }
+    return !g_stop && !p->fatal;
+}
+
+static void handle_held(peer_t *p)
+{
+    size_t n = p->n_held;
+    p->n_held = 0;
+    for (size_t i = 0; i < n; i++)
+        on_data(p, p->held_src[i], p->held[i]); /* takes it */
+}
+
 static void send_tensor(peer_t *p, peer_cmd *c)
 {
     link_t *l = &p->links[c->role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM ? LINK_DOWN_IDX : LINK_UP_IDX];
@@ -528,9 +579,13 @@ static void send_tensor(peer_t *p, peer_cmd *c)
     void *sock = l->relay ? p->broker : l == &p->links[LINK_DOWN_IDX] ? p->down : p->router;
     c->meta.relay_to = l->relay ? fu_strdup(l->pk_z85) : NULL;
     uint64_t seq = 0;
-    fu_err rc = wire_tensor_send(sock, l->relay || l == &p->links[LINK_DOWN_IDX] ? NULL : l->rid,
-                                 l->relay || l == &p->links[LINK_DOWN_IDX] ? 0 : l->rid_len, l->seal, &c->meta,
-                                 c->data, c->len, 0, &seq);
+    wire_send_wait w = {.wait = send_wait, .arg = p, .timeout_ms = PEER_SEND_WAIT_MS};
+    p->send_waited = false;
+    fu_err rc = wire_tensor_send_waiting(sock, l->relay || l == &p->links[LINK_DOWN_IDX] ? NULL : l->rid,
+                                         l->relay || l == &p->links[LINK_DOWN_IDX] ? 0 : l->rid_len, l->seal,
+                                         &c->meta, c->data, c->len, 0, &seq, &w);
+    if (p->send_waited) /* the broker's messages queued unread meanwhile: not its silence */
+        p->last_broker_ms = fu_clock_ms();
     if (rc != FU_OK)
         FU_WARN("peer", "sending %s (%" PRIu64 ", %u) to stage %u failed: %s", wire_type_name(c->meta.type),
                 c->meta.step, c->meta.micro_batch, l->stage_index, fu_strerror(rc));
@@ -1089,6 +1144,7 @@ fu_err peer_run(peer_t *p)
             p->assign_ms = now;
         }
         flush_stash(p);
+        handle_held(p);
         zmq_pollitem_t items[4];
         int n = 0, i_pipe = -1, i_broker = -1, i_router = -1, i_down = -1;
         items[n] = (zmq_pollitem_t){p->pipe, 0, ZMQ_POLLIN, 0};
@@ -1200,6 +1256,8 @@ void peer_destroy(peer_t **p_p)
         peer_cmd_destroy(&p->stash[(p->stash_head + i) % PEER_STASH]);
     for (int s = 0; s < SRC_COUNT; s++)
         wire_msg_destroy(&p->early[s]);
+    for (size_t i = 0; i < p->n_held; i++)
+        wire_msg_destroy(&p->held[i]);
     link_reset(&p->links[0]);
     link_reset(&p->links[1]);
     peer_vin_asm_destroy(&p->vin);

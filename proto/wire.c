@@ -595,18 +595,23 @@ static void free_cb(void *data, void *hint)
     free(data);
 }
 
-/* Sends [rid][envelope] with SNDMORE; the caller sends the body. */
-static fu_err send_head(void *sock, const uint8_t *rid, size_t rid_len, const uint8_t *env, size_t env_len)
+/* Sends [rid][envelope] with SNDMORE; the caller sends the body. With first_flags ZMQ_DONTWAIT a
+ * full queue fails the first frame (FU_EAGAIN) and nothing is sent; once the first frame of a
+ * multipart message is queued, ZeroMQ queues the rest. */
+static fu_err send_head(void *sock, const uint8_t *rid, size_t rid_len, const uint8_t *env, size_t env_len,
+                        int first_flags)
 {
-    if (rid_len && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) < 0)
+    if (rid_len && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | first_flags) < 0)
         return zmq_errno_to_fu(zmq_errno());
-    if (zmq_send(sock, env, env_len, ZMQ_SNDMORE) < 0) /* copies: the envelope is small */
+    if (zmq_send(sock, env, env_len, ZMQ_SNDMORE | (rid_len ? 0 : first_flags)) < 0) /* copies: small */
         return zmq_errno_to_fu(zmq_errno());
     return FU_OK;
 }
 
-fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, void *data, size_t len,
-                        void (*free_fn)(void *data, void *hint), void *hint)
+/* wire_send_packed and wire_send_packed_try (try_: a full queue returns FU_EAGAIN with data still
+ * the caller's). */
+static fu_err send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, void *data,
+                          size_t len, void (*free_fn)(void *data, void *hint), void *hint, bool try_)
 {
     fu_err rc = FU_EINVAL;
     if (!sock || !hdr || !type_info(hdr->type) || rid_len > WIRE_MAX_ROUTING_ID || (len && !data) ||
@@ -616,22 +621,23 @@ fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wi
     size_t env_len;
     if ((rc = pack_envelope(hdr, env, sizeof env, &env_len)) != FU_OK)
         goto fail;
+    if ((rc = send_head(sock, rid, rid_len, env, env_len, try_ ? ZMQ_DONTWAIT : 0)) != FU_OK) {
+        if (try_ && rc == FU_EAGAIN)
+            return rc; /* nothing sent; data stays the caller's */
+        goto fail;
+    }
     zmq_msg_t part;
     if (free_fn) {
         if (zmq_msg_init_data(&part, data, len, free_fn, hint) != 0) {
             rc = FU_ENOMEM;
-            goto fail;
+            goto fail_sent;
         }
         free_fn = NULL; /* ZeroMQ owns data now */
-    } else {
-        if (zmq_msg_init_size(&part, len) != 0)
-            return FU_ENOMEM;
-        if (len)
-            memcpy(zmq_msg_data(&part), data, len);
-    }
-    if ((rc = send_head(sock, rid, rid_len, env, env_len)) != FU_OK) {
-        zmq_msg_close(&part);
-        return rc;
+    } else if (zmq_msg_init_size(&part, len) != 0) {
+        rc = FU_ENOMEM;
+        goto fail_sent;
+    } else if (len) {
+        memcpy(zmq_msg_data(&part), data, len);
     }
     if (zmq_msg_send(&part, sock, 0) < 0) {
         rc = zmq_errno_to_fu(zmq_errno());
@@ -639,10 +645,26 @@ fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wi
         return rc;
     }
     return FU_OK;
+fail_sent:
+    /* The head is queued: end the multipart message so the socket stays usable (the receiver
+     * refuses the empty body as malformed). */
+    (void)zmq_send(sock, "", 0, 0);
 fail:
     if (free_fn)
         free_fn(data, hint);
     return rc;
+}
+
+fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, void *data, size_t len,
+                        void (*free_fn)(void *data, void *hint), void *hint)
+{
+    return send_packed(sock, rid, rid_len, hdr, data, len, free_fn, hint, false);
+}
+
+fu_err wire_send_packed_try(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, void *data,
+                            size_t len, void (*free_fn)(void *data, void *hint), void *hint)
+{
+    return send_packed(sock, rid, rid_len, hdr, data, len, free_fn, hint, true);
 }
 
 fu_err wire_send(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr, const ProtobufCMessage *body)
@@ -843,7 +865,7 @@ fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len, const wire_m
         zmq_msg_close(&part);
         return FU_ENOMEM;
     }
-    fu_err rc = send_head(sock, rid, rid_len, env, env_len);
+    fu_err rc = send_head(sock, rid, rid_len, env, env_len, 0);
     if (rc == FU_OK && zmq_msg_send(&part, sock, 0) < 0)
         rc = zmq_errno_to_fu(zmq_errno());
     if (rc != FU_OK)

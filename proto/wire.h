@@ -117,6 +117,13 @@ FU_MUST_CHECK fu_err wire_send_packed(void *sock, const uint8_t *rid, size_t rid
                                       void *data, size_t len, void (*free_fn)(void *data, void *hint),
                                       void *hint);
 
+/* wire_send_packed that never waits for room: when the receiver's queue is full it returns
+ * FU_EAGAIN at once, having sent nothing, and data stays the caller's (free_fn is not called).
+ * Any other outcome is wire_send_packed's. */
+FU_MUST_CHECK fu_err wire_send_packed_try(void *sock, const uint8_t *rid, size_t rid_len, const wire_hdr *hdr,
+                                          void *data, size_t len, void (*free_fn)(void *data, void *hint),
+                                          void *hint);
+
 /* Receives one message from sock and validates it. flags: WIRE_DONTWAIT, WIRE_REPLY_ERRORS.
  * On success *out is the message (free with wire_msg_destroy) and c->received grows. A refused
  * message is fully drained from the socket, counted in *c (c may be NULL), optionally answered,

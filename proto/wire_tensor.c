@@ -10,6 +10,7 @@
 #include <sodium.h>
 
 #include "fu_alloc.h"
+#include "fu_clock.h"
 
 size_t wire_dtype_size(Fusion__Dtype dtype)
 {
@@ -98,6 +99,7 @@ typedef struct {
     const wire_tensor_meta *meta;
     const uint8_t *src;
     size_t len, chunk_bytes, count;
+    const wire_send_wait *wait; /* NULL: block in ZeroMQ (the socket's send timeout) */
 } send_plan;
 
 /* One chunk, ready to go: [TensorFrame header][payload tag + varint][payload]. */
@@ -156,9 +158,9 @@ static fu_err chunk_build(const send_plan *P, size_t i, send_chunk *out)
     return FU_OK;
 }
 
-static fu_err chunk_send(void *sock, const uint8_t *rid, size_t rid_len, const wire_tensor_meta *meta,
-                         send_chunk *c)
+static fu_err chunk_send(void *sock, const uint8_t *rid, size_t rid_len, const send_plan *P, send_chunk *c)
 {
+    const wire_tensor_meta *meta = P->meta;
     wire_hdr h = {.type = meta->type,
                   .job_id = meta->job_id,
                   .step = meta->step,
@@ -166,9 +168,25 @@ static fu_err chunk_send(void *sock, const uint8_t *rid, size_t rid_len, const w
                   .sequence = c->seq,
                   .stage = meta->stage,
                   .relay_to = meta->relay_to};
-    uint8_t *buf = c->buf;
-    c->buf = NULL; /* ZeroMQ's now, also on failure */
-    return wire_send_packed(sock, rid, rid_len, &h, buf, c->total, free_cb, NULL);
+    const wire_send_wait *w = P->wait;
+    if (!w) {
+        uint8_t *buf = c->buf;
+        c->buf = NULL; /* ZeroMQ's now, also on failure */
+        return wire_send_packed(sock, rid, rid_len, &h, buf, c->total, free_cb, NULL);
+    }
+    /* The receiver's queue is full: instead of blocking this thread, let the caller do what must
+     * not wait (heartbeats) between tries. */
+    uint64_t t0 = fu_clock_ms();
+    for (;;) {
+        fu_err rc = wire_send_packed_try(sock, rid, rid_len, &h, c->buf, c->total, free_cb, NULL);
+        if (rc != FU_EAGAIN) {
+            c->buf = NULL; /* ZeroMQ's */
+            return rc;
+        }
+        if ((w->timeout_ms && fu_clock_ms() - t0 >= w->timeout_ms) || (w->wait && !w->wait(w->arg)))
+            return FU_EAGAIN; /* c->buf is freed by the caller */
+        fu_sleep_ms(WIRE_SEND_RETRY_MS);
+    }
 }
 
 /* Parallel sealing: workers (and the sending thread, when the next chunk is not ready yet) claim
@@ -244,7 +262,7 @@ static fu_err send_parallel(void *sock, const uint8_t *rid, size_t rid_len, cons
         rc = sp.chunks[i].rc;
         pthread_mutex_unlock(&sp.mu);
         if (rc == FU_OK)
-            rc = chunk_send(sock, rid, rid_len, P->meta, &sp.chunks[i]);
+            rc = chunk_send(sock, rid, rid_len, P, &sp.chunks[i]);
     }
     if (rc != FU_OK) {
         pthread_mutex_lock(&sp.mu);
@@ -265,6 +283,13 @@ fu_err wire_tensor_send(void *sock, const uint8_t *rid, size_t rid_len, wire_sea
                         const wire_tensor_meta *meta, const void *data, size_t len, size_t chunk_bytes,
                         uint64_t *plain_seq)
 {
+    return wire_tensor_send_waiting(sock, rid, rid_len, seal, meta, data, len, chunk_bytes, plain_seq, NULL);
+}
+
+fu_err wire_tensor_send_waiting(void *sock, const uint8_t *rid, size_t rid_len, wire_seal_t *seal,
+                                const wire_tensor_meta *meta, const void *data, size_t len, size_t chunk_bytes,
+                                uint64_t *plain_seq, const wire_send_wait *wait)
+{
     size_t want;
     if (!sock || !meta || (len && !data) || (!seal && !plain_seq) ||
         (meta->type != FUSION__MSG_TYPE__MSG_ACTIVATION && meta->type != FUSION__MSG_TYPE__MSG_GRADIENT) ||
@@ -277,7 +302,8 @@ fu_err wire_tensor_send(void *sock, const uint8_t *rid, size_t rid_len, wire_sea
     size_t count = len ? (len + chunk_bytes - 1) / chunk_bytes : 1;
     if (count > WIRE_TENSOR_MAX_CHUNKS)
         return FU_EINVAL;
-    send_plan P = {.seal = seal, .meta = meta, .src = data, .len = len, .chunk_bytes = chunk_bytes, .count = count};
+    send_plan P = {.seal = seal, .meta = meta, .src = data, .len = len, .chunk_bytes = chunk_bytes, .count = count,
+                   .wait = wait};
 
     size_t threads = cores_available();
     if (threads > SEAL_MAX_THREADS)
@@ -292,7 +318,9 @@ fu_err wire_tensor_send(void *sock, const uint8_t *rid, size_t rid_len, wire_sea
         FU_TRY(chunk_build(&P, i, &c));
         if (!seal)
             c.seq = (*plain_seq)++;
-        FU_TRY(chunk_send(sock, rid, rid_len, meta, &c));
+        fu_err rc = chunk_send(sock, rid, rid_len, &P, &c);
+        free(c.buf); /* only when it was not sent */
+        FU_TRY(rc);
     }
     return FU_OK;
 }

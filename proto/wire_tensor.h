@@ -60,6 +60,24 @@ FU_MUST_CHECK fu_err wire_tensor_send(void *sock, const uint8_t *rid, size_t rid
                                       const wire_tensor_meta *meta, const void *data, size_t len, size_t chunk_bytes,
                                       uint64_t *plain_seq);
 
+#define WIRE_SEND_RETRY_MS 2 /* wire_tensor_send_waiting: pause between tries while a queue is full */
+
+/* How wire_tensor_send_waiting waits while the receiver's queue is full. */
+typedef struct {
+    bool (*wait)(void *arg); /* called between tries (NULL: none): do what must not wait, such as a
+                                heartbeat that is due; return false to give up */
+    void *arg;
+    uint32_t timeout_ms;     /* give up after this long without room for one chunk (0: never) */
+} wire_send_wait;
+
+/* wire_tensor_send that never blocks inside ZeroMQ (wait NULL: it does, as wire_tensor_send): while
+ * a chunk finds the queue full it calls wait->wait every WIRE_SEND_RETRY_MS and tries again, until
+ * the chunk goes, wait->wait returns false or wait->timeout_ms passes (then FU_EAGAIN; the chunks
+ * before it have been sent). Sealing threads run as in wire_tensor_send; wait runs on this thread. */
+FU_MUST_CHECK fu_err wire_tensor_send_waiting(void *sock, const uint8_t *rid, size_t rid_len, wire_seal_t *seal,
+                                              const wire_tensor_meta *meta, const void *data, size_t len,
+                                              size_t chunk_bytes, uint64_t *plain_seq, const wire_send_wait *wait);
+
 /* A received tensor. data is the caller's after wire_tensor_asm_take: free with wire_tensor_clear. */
 typedef struct {
     wire_tensor_meta meta; /* relay_to is NULL */

@@ -1,7 +1,8 @@
 /* The parallel tensor path: a multi-chunk sealed tensor is sealed by a pool of threads in
  * wire_tensor_send and opened on the assembler's workers by wire_tensor_asm_feed_msg. It must
  * round-trip exactly, refuse a tampered chunk in the middle (and accept the genuine one after),
- * assemble chunks delivered in any order, refuse replayed chunks, and leak nothing (ASan). */
+ * assemble chunks delivered in any order, refuse replayed chunks, wait for room in a full queue
+ * without blocking (wire_tensor_send_waiting), and leak nothing (ASan). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -198,6 +199,73 @@ static void test_wire_tensor_parallel_16mib_round_trips(void **state)
     assert_int_equal(replayed, 0);
 }
 
+/* wire_tensor_send_waiting against a receiver whose queue holds 2 chunks (inproc high-water marks
+ * of 1 each way): the wait callback runs between tries, on the sending thread, and here plays the
+ * receiver's part, taking one chunk each time; the tensor arrives whole, sealed or plain. A callback
+ * that gives up, or the timeout, ends the send with FU_EAGAIN and frees every chunk not sent. */
+typedef struct {
+    void *rx;
+    wire_tensor_asm_t *as;
+    wire_seal_t *seal;
+    int calls, give_up_after; /* give_up_after 0: never */
+    bool done;
+} full_rx;
+
+static bool take_one(void *arg)
+{
+    full_rx *r = arg;
+    r->calls++;
+    if (r->give_up_after && r->calls >= r->give_up_after)
+        return false;
+    if (!r->as)
+        return true;
+    wire_msg_t *m = NULL;
+    if (wire_recv(r->rx, WIRE_DONTWAIT, NULL, &m) == FU_OK)
+        assert_int_equal(wire_tensor_asm_feed_msg(r->as, r->seal, &m, &r->done), FU_OK);
+    return true;
+}
+
+static void test_wire_tensor_send_waits_for_a_full_queue(void **state)
+{
+    fx *F = *state;
+    fu_err rc;
+    void *tx = wire_socket_new(F->ctx, ZMQ_PAIR, &rc), *rx = wire_socket_new(F->ctx, ZMQ_PAIR, &rc);
+    int one = 1, ms = 5000;
+    zmq_setsockopt(tx, ZMQ_SNDHWM, &one, sizeof one);
+    zmq_setsockopt(rx, ZMQ_RCVHWM, &one, sizeof one);
+    zmq_setsockopt(rx, ZMQ_RCVTIMEO, &ms, sizeof ms);
+    assert_int_equal(zmq_bind(rx, "inproc://tensor-full"), 0);
+    assert_int_equal(zmq_connect(tx, "inproc://tensor-full"), 0);
+    for (int sealed = 0; sealed < 2; sealed++) {
+        wire_tensor_meta m = big_meta(40 + (uint64_t)sealed);
+        uint64_t pseq = 1;
+        full_rx r = {.rx = rx, .as = wire_tensor_asm_new(BIG), .seal = sealed ? F->b : NULL};
+        wire_send_wait w = {.wait = take_one, .arg = &r, .timeout_ms = 20000};
+        assert_int_equal(wire_tensor_send_waiting(tx, NULL, 0, sealed ? F->a : NULL, &m, F->data, BIG, 0, &pseq, &w),
+                         FU_OK);
+        assert_true(r.calls >= 16 - 4); /* 16 chunks, at most a few fit without waiting */
+        while (!r.done) {
+            wire_msg_t *msg = NULL;
+            assert_int_equal(wire_recv(rx, 0, NULL, &msg), FU_OK);
+            assert_int_equal(wire_tensor_asm_feed_msg(r.as, r.seal, &msg, &r.done), FU_OK);
+        }
+        expect_tensor(r.as, F, 40 + (uint64_t)sealed);
+        wire_tensor_asm_destroy(&r.as);
+    }
+    /* giving up: nothing more is sent, the chunks built and not sent are freed (ASan) */
+    wire_tensor_meta m = big_meta(50);
+    full_rx r = {.rx = rx, .give_up_after = 3};
+    wire_send_wait w = {.wait = take_one, .arg = &r};
+    assert_int_equal(wire_tensor_send_waiting(tx, NULL, 0, F->a, &m, F->data, BIG, 0, NULL, &w), FU_EAGAIN);
+    assert_int_equal(r.calls, 3);
+    /* the timeout alone */
+    w = (wire_send_wait){.timeout_ms = 30};
+    uint64_t pseq = 1;
+    assert_int_equal(wire_tensor_send_waiting(tx, NULL, 0, NULL, &m, F->data, BIG, 0, &pseq, &w), FU_EAGAIN);
+    wire_socket_close(&tx);
+    wire_socket_close(&rx);
+}
+
 static void test_wire_tensor_tampered_middle_chunk_refused(void **state)
 {
     fx *F = *state;
@@ -343,6 +411,7 @@ int main(void)
         return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_wire_tensor_parallel_16mib_round_trips, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wire_tensor_send_waits_for_a_full_queue, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wire_tensor_tampered_middle_chunk_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wire_tensor_out_of_order_assembles, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wire_tensor_replayed_chunk_refused, setup, teardown),
