@@ -273,18 +273,65 @@ static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
     broker_failover(b, j, s, why);
 }
 
-/* j made no progress within its step deadline. Peers report no per-stage progress (only the last
- * stage's StepDone), so the broker cannot tell which stage stalled: every stage is released and
- * restarted from the newest common checkpoint on the same peers, and a retry is counted; a peer that
- * stalls every time makes the job fail after BROKER_MAX_RETRIES such recoveries. */
+/* The stage of fine-tuning job j that stalled, from its peers' last heartbeats, or -1 when they do
+ * not say (a report missing or older than 3 heartbeats, an inference job, or every stage done).
+ * Within the oldest step any stage is on (later steps count as done): the first stage whose forward
+ * is not through all M micro-batches, although every stage before it is (so it has its inputs);
+ * else the last stage whose backward is not, although every stage after it is. */
+static int stalled_stage(const broker_t *b, const broker_job *j)
+{
+    if (j->kind != DB_JOB_FINETUNE || j->n_stages == 0 || j->n_stages > BROKER_MAX_STAGES)
+        return -1;
+    uint64_t now = broker_now(), fresh = 3ull * b->cfg.heartbeat_ms, smin = UINT64_MAX;
+    const broker_peer *ps[BROKER_MAX_STAGES];
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        const broker_peer *p = broker_peer_find((broker_t *)b, j->stages[s].peer);
+        if (!p || !p->live || strcmp(p->prog_job, j->id) != 0 || now - p->prog_ms > fresh)
+            return -1;
+        ps[s] = p;
+        smin = p->prog_step < smin ? p->prog_step : smin;
+    }
+    uint32_t M = j->spec.micro_batches ? j->spec.micro_batches : 1;
+    for (uint32_t s = 0; s < j->n_stages; s++)
+        if (ps[s]->prog_step == smin && ps[s]->prog_fwd < M)
+            return (int)s;
+    for (uint32_t s = j->n_stages; s-- > 0;)
+        if (ps[s]->prog_step == smin && ps[s]->prog_bwd < M)
+            return (int)s;
+    return -1;
+}
+
+/* j made no progress within its step deadline. When the peers' heartbeats show which stage stalled
+ * (stalled_stage) and a backup is free, that stage's peer is taken off the job and its stage fails
+ * over, as for a missed ready deadline. Otherwise every stage is released and restarted from the
+ * newest common checkpoint on the same peers. Either way a retry is counted; BROKER_MAX_RETRIES
+ * recoveries without progress fail the job. */
 static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t limit_ms)
 {
     char why[300], text[DB_REASON_MAX];
     bool ft = j->kind == DB_JOB_FINETUNE;
-    snprintf(why, sizeof why, "no progress past %s %" PRIu64 " for %" PRIu64 " s (step deadline %" PRIu64 " s)",
-             ft ? "step" : "token", ft ? j->steps_done : (uint64_t)j->n_gen, idle_ms / 1000, limit_ms / 1000);
+    int stalled = stalled_stage(b, j);
+    const broker_peer *sp = stalled >= 0 ? broker_peer_find(b, j->stages[stalled].peer) : NULL;
+    char stage_says[160] = "";
+    if (sp)
+        snprintf(stage_says, sizeof stage_says, "; stage %d (peer %.8s, %s) is behind: %u/%u forward, %u/%u backward",
+                 stalled, sp->key, sp->name, sp->prog_fwd, j->spec.micro_batches, sp->prog_bwd, j->spec.micro_batches);
+    snprintf(why, sizeof why, "no progress past %s %" PRIu64 " for %" PRIu64 " s (step deadline %" PRIu64 " s)%s",
+             ft ? "step" : "token", ft ? j->steps_done : (uint64_t)j->n_gen, idle_ms / 1000, limit_ms / 1000,
+             stage_says);
     FU_WARN(LOG, "job %s: %s", j->id, why);
-    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "step-timeout", why));
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, sp ? sp->key : NULL, "step-timeout", why));
+    if (sp && pick_backup(b, j, (uint32_t)stalled, sp->key)) {
+        char key[DB_KEY_LEN + 1];
+        snprintf(key, sizeof key, "%s", sp->key);
+        FU_WARN(LOG, "job %s: stage %d: peer %.8s is taken off the job", j->id, stalled, key);
+        job_exclude(j, key);
+        broker_peer *p = broker_peer_find(b, key);
+        if (p && strcmp(p->job, j->id) == 0)
+            broker_peer_release(b, j, p, why);
+        broker_failover(b, j, (uint32_t)stalled, why); /* counts the retry */
+        return;
+    }
     j->retries++;
     if (j->retries > BROKER_MAX_RETRIES) {
         snprintf(text, sizeof text, "failed after %u recoveries without progress; the last: %s", BROKER_MAX_RETRIES,

@@ -59,6 +59,11 @@ typedef struct {
     double reputation;                 /* from the store, in [0, 1] */
     uint32_t v_checked, v_failed;      /* verification samples it took part in / was found wrong in */
     uint32_t v_mismatch;               /* samples where its account of a stage input differed (see broker_verify.c) */
+    /* Fine-tuning progress from its last heartbeat (broker_failover.c: which stage stalled). */
+    char prog_job[DB_JOB_ID_LEN + 1];  /* the job it was for, "" when none reported */
+    uint64_t prog_step;                /* step worked on, plus 1 */
+    uint32_t prog_fwd, prog_bwd;       /* micro-batches of it through forward / backward */
+    uint64_t prog_ms;                  /* when it came (broker_now) */
 } broker_peer;
 
 /* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */

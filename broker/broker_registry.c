@@ -200,7 +200,15 @@ void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     const Fusion__Heartbeat *hb = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_HEARTBEAT);
     if (hb && hb->free_memory_bytes)
         p->mem_bytes = hb->free_memory_bytes;
-    /* The link as measured by the peer's weight fetches: the scheduler's next plans use it. */
+    /* Where its stage is, for the step deadline (only a running stage's report counts). */
+    if (hb && hb->step && p->job[0] && !p->backup) {
+        snprintf(p->prog_job, sizeof p->prog_job, "%s", p->job);
+        p->prog_step = hb->step;
+        p->prog_fwd = hb->forward_done;
+        p->prog_bwd = hb->backward_done;
+        p->prog_ms = broker_now();
+    }
+    /* The link as measured by the peer's LinkProbe: the scheduler's next plans use it. */
     if (hb && isfinite(hb->link_bandwidth_bps) && hb->link_bandwidth_bps > 0 &&
         hb->link_bandwidth_bps <= BROKER_MAX_LINK_BW && hb->link_bandwidth_bps != p->link_bw) {
         if (!p->link_measured)

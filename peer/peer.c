@@ -245,6 +245,12 @@ static void send_heartbeat(peer_t *p)
     hb.state = p->leaving ? FUSION__PEER_STATE__PEER_STATE_DRAINING : (Fusion__PeerState)atomic_load(&p->shared.state);
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
+    if (atomic_load(&p->shared.stage_active)) {
+        uint32_t mb = atomic_load(&p->shared.prog_mb);
+        hb.step = atomic_load(&p->shared.prog_step);
+        hb.forward_done = mb >> 16;
+        hb.backward_done = mb & 0xffffu;
+    }
     (void)to_broker(p, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, 0, 0, &hb.base);
     /* Fixed rate: a beat sent late does not push the next ones back (on a loaded machine the
      * lateness of every wake-up used to add up); more than an interval behind, start afresh. */

@@ -249,6 +249,7 @@ static void stage_clear(stage_t *s)
     s->lm_node = UINT32_MAX;
     atomic_store(&s->cfg.shared->state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     atomic_store(&s->cfg.shared->stage_active, 0);
+    atomic_store(&s->cfg.shared->prog_step, 0);
 }
 
 /* Ends the stage and tells the I/O thread its links may close. */
@@ -979,6 +980,16 @@ static void send_checkpoint(stage_t *s, uint64_t at)
 
 static void replay_deferred(stage_t *s);
 
+/* Publishes where a fine-tuning stage is (peer_shared.prog_*, carried by heartbeats). */
+static void publish_progress(const stage_t *s)
+{
+    if (s->backup || s->spec.infer)
+        return;
+    uint32_t f = s->fwd_done < 0xffffu ? s->fwd_done : 0xffffu, b = s->bwd_done < 0xffffu ? s->bwd_done : 0xffffu;
+    atomic_store(&s->cfg.shared->prog_step, s->step + 1);
+    atomic_store(&s->cfg.shared->prog_mb, f << 16 | b);
+}
+
 /* AdamW after the M-th backward, StepDone, checkpoint, next step. */
 static void finish_step(stage_t *s)
 {
@@ -1004,6 +1015,7 @@ static void finish_step(stage_t *s)
         send_checkpoint(s, done + 1);
     s->step++;
     s->fwd_done = s->bwd_done = 0;
+    publish_progress(s);
     s->loss_sum = 0;
     s->tokens_sum = 0;
     if (s->step >= s->spec.steps) {
@@ -1033,7 +1045,9 @@ static void last_backward(stage_t *s, uint32_t m)
     }
     s->loss_sum += loss;
     s->tokens_sum += nv;
-    if (++s->bwd_done == s->M)
+    ++s->bwd_done;
+    publish_progress(s);
+    if (s->bwd_done == s->M)
         finish_step(s);
 }
 
@@ -1070,6 +1084,7 @@ static void run_forwards(stage_t *s)
             return;
         }
         s->fwd_done++;
+        publish_progress(s);
         if (is_last(s)) {
             last_backward(s, m);
             continue;
@@ -1118,6 +1133,7 @@ static void on_activation_train(stage_t *s, const wire_tensor *t)
         return;
     }
     s->fwd_done++;
+    publish_progress(s);
     if (is_last(s)) {
         last_backward(s, m);
         return;
@@ -1152,7 +1168,9 @@ static void on_gradient_train(stage_t *s, const wire_tensor *t)
         exec_failed(s, rc, "backward");
         return;
     }
-    if (++s->bwd_done == s->M)
+    ++s->bwd_done;
+    publish_progress(s);
+    if (s->bwd_done == s->M)
         finish_step(s);
 }
 
@@ -1257,6 +1275,7 @@ static void on_start(stage_t *s, const Fusion__StageStart *st)
         s->step = st->step;
     }
     FU_INFO("peer", "job %016" PRIx64 " stage %u: running from step %" PRIu64, s->job_id, s->stage_index, s->step);
+    publish_progress(s);
     if (s->step >= s->spec.steps) {
         s->finished = true;
         return;

@@ -41,6 +41,7 @@ fu_e2e_case(test_e2e_fault test_e2e_fault_broker_kill9_restart 90 fault)
 # Deadlines on the work (a stuck peer that still heartbeats; FUSION_TEST_STALL, peer/peer_verify.h).
 fu_e2e_case(test_e2e_fault test_e2e_fault_ready_deadline 90 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline 90 fault broker)
+fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline_no_spare 90 fault broker)
 
 fu_e2e_exe(test_e2e_security)
 fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 90)

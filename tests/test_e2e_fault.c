@@ -370,6 +370,35 @@ static void test_e2e_fault_step_deadline(void **state)
         fail_msg("p%d never stalled (the job passed step 8 before the hook was armed?)", victim);
     snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
     assert_logged(&c, needle);
+    /* The heartbeats say which stage is behind: it moves to the free peer, the staller is barred. */
+    assert_logged(&c, "; stage 1 (peer ");
+    snprintf(needle, sizeof needle, "job %s: stage 1: peer", id);
+    assert_logged(&c, needle);
+    assert_logged(&c, "is taken off the job");
+    assert_moved(&c, id, 1);
+    double d = e2e_job_vs_reference(&c, id, "model", dl_train_args());
+    assert_true(d <= 1e-5);
+    e2e_cluster_stop(&c);
+}
+
+/* The same stall with no other peer to move the stage to: every stage restarts from the newest
+ * checkpoint on the same peers (the hook stalls once, so the second run gets through). */
+static void test_e2e_fault_step_deadline_no_spare(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    char id[17], needle[160];
+    e2e_two_stage_init(&c, "e2e-step-same", 2, 0);
+    c.stall = "step:8";
+    c.step_timeout_s = 3;
+    e2e_cluster_start(&c);
+    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, dl_train_args());
+    int victim = e2e_planned_peer(&c, id, 1, 30000);
+    stall_file(&c, victim, true);
+    e2e_wait_done(&c, id, 70);
+    snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
+    assert_logged(&c, needle);
+    assert_logged(&c, "; stage 1 (peer ");
     assert_logged(&c, "restarting every stage from step 5");
     double d = e2e_job_vs_reference(&c, id, "model", dl_train_args());
     assert_true(d <= 1e-5);
@@ -385,6 +414,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, e2e_teardown),
     };
     return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_fault");
 }
