@@ -531,6 +531,27 @@ static void on_data(peer_t *p, int src, wire_msg_t *m)
     deliver(p, c);
 }
 
+/* Reads up to 64 data-plane messages from sock (NULL: none) while the compute thread keeps up. With
+ * hold, only tensor chunks are handled now; anything else is held for the loop (see send_wait). */
+static void read_data(peer_t *p, void *sock, int src, bool hold)
+{
+    for (int k = 0; sock && k < 64 && !input_paused(p) && !(hold && p->n_held == PEER_HELD); k++) {
+        wire_msg_t *m = NULL;
+        fu_err rc = wire_recv(sock, WIRE_DONTWAIT, &p->counters, &m);
+        if (rc == FU_EAGAIN)
+            break;
+        if (rc != FU_OK)
+            continue;
+        Fusion__MsgType t = wire_msg_type(m);
+        if (hold && t != FUSION__MSG_TYPE__MSG_ACTIVATION && t != FUSION__MSG_TYPE__MSG_GRADIENT) {
+            p->held[p->n_held] = m;
+            p->held_src[p->n_held++] = src;
+        } else {
+            on_data(p, src, m); /* takes m */
+        }
+    }
+}
+
 /* While a tensor waits for room in a neighbour's queue (wire_tensor_send_waiting): heartbeats go
  * out on time (blocking here used to silence them for up to the 10 s send timeout, long enough to
  * be declared dead), and tensor chunks coming the other way are taken, so that two neighbours
@@ -544,25 +565,8 @@ static bool send_wait(void *arg)
     if (p->welcomed && fu_clock_ms() - p->last_hb_ms >= p->hb_ms)
         send_heartbeat(p);
     flush_stash(p);
-    void *ds[2] = {p->router, p->down};
-    for (int s = 0; s < 2; s++) {
-        for (int k = 0; ds[s] && k < 64 && !input_paused(p) && p->n_held < PEER_HELD; k++) {
-            wire_msg_t *m = NULL;
-            fu_err rc = wire_recv(ds[s], WIRE_DONTWAIT, &p->counters, &m);
-            if (rc == FU_EAGAIN)
-                break;
-            if (rc != FU_OK)
-                continue;
-            int src = s == 0 ? SRC_ROUTER : SRC_DOWN;
-            Fusion__MsgType t = wire_msg_type(m);
-            if (t == FUSION__MSG_TYPE__MSG_ACTIVATION || t == FUSION__MSG_TYPE__MSG_GRADIENT) {
-                on_data(p, src, m);
-            } else {
-                p->held[p->n_held] = m;
-                p->held_src[p->n_held++] = src;
-            }
-        }
-    }
+    read_data(p, p->router, SRC_ROUTER, true);
+    read_data(p, p->down, SRC_DOWN, true);
     return !g_stop && !p->fatal;
 }
 
@@ -1205,21 +1209,10 @@ fu_err peer_run(peer_t *p)
                 on_broker(p, m);
             }
         }
-        void *ds[2] = {i_router >= 0 ? p->router : NULL, i_down >= 0 ? p->down : NULL};
-        int di[2] = {i_router, i_down};
-        for (int s = 0; s < 2; s++) {
-            if (!ds[s] || !(items[di[s]].revents & ZMQ_POLLIN))
-                continue;
-            for (int k = 0; k < 64 && !input_paused(p); k++) {
-                wire_msg_t *m = NULL;
-                fu_err rc = wire_recv(ds[s], WIRE_DONTWAIT, &p->counters, &m);
-                if (rc == FU_EAGAIN)
-                    break;
-                if (rc != FU_OK)
-                    continue;
-                on_data(p, s == 0 ? SRC_ROUTER : SRC_DOWN, m);
-            }
-        }
+        if (i_router >= 0 && (items[i_router].revents & ZMQ_POLLIN))
+            read_data(p, p->router, SRC_ROUTER, false);
+        if (i_down >= 0 && (items[i_down].revents & ZMQ_POLLIN))
+            read_data(p, p->down, SRC_DOWN, false);
     }
     if (p->fatal)
         result = p->fatal_err ? p->fatal_err : FU_EIO;

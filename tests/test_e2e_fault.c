@@ -16,8 +16,10 @@
  *     takes it off the job, the backup takes stage 1, `fusion status` says why, and the adapter
  *     equals the uninterrupted run's.
  *   - step_deadline: stage 1's peer stops working at step 8 while heartbeating (FUSION_TEST_STALL=
- *     step:8:FILE): after --step-timeout every stage restarts from the newest common checkpoint and
- *     the job finishes with the uninterrupted run's adapter. */
+ *     step:8:FILE): after --step-timeout the broker names stage 1 from the heartbeats' progress, moves
+ *     it to the free peer and takes the staller off the job; with no free peer (_no_spare) every
+ *     stage restarts from the newest common checkpoint. Either way the job finishes with the
+ *     uninterrupted run's adapter. */
 #include "e2e_util.h"
 
 #define JOB_STEPS 120
@@ -345,33 +347,42 @@ static void test_e2e_fault_ready_deadline(void **state)
     e2e_cluster_stop(&c);
 }
 
-static void test_e2e_fault_step_deadline(void **state)
+/* Starts a two-stage job on n_peers peers, makes stage 1's peer stall at step 8 while it keeps
+ * heartbeating (--step-timeout 3), waits for the job to finish and checks that the broker saw the
+ * deadline pass and named stage 1 from the heartbeats. */
+static void stall_stage1(e2e_cluster *c, const char *tag, int n_peers, int backups, char id[17])
 {
-    (void)state;
-    e2e_cluster c;
-    char id[17], needle[160];
-    e2e_two_stage_init(&c, "e2e-step", 3, 1);
-    c.stall = "step:8";
-    c.step_timeout_s = 3;
-    e2e_cluster_start(&c);
-    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, dl_train_args());
-    int victim = e2e_planned_peer(&c, id, 1, 30000);
-    stall_file(&c, victim, true);
-    printf("p%d (stage 1) stalls at step 8 while heartbeating; --step-timeout %d\n", victim, c.step_timeout_s);
+    char needle[160];
+    e2e_two_stage_init(c, tag, n_peers, backups);
+    c->stall = "step:8";
+    c->step_timeout_s = 3;
+    e2e_cluster_start(c);
+    e2e_submit(c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c->data, dl_train_args());
+    int victim = e2e_planned_peer(c, id, 1, 30000);
+    stall_file(c, victim, true);
+    printf("p%d (stage 1) stalls at step 8 while heartbeating; --step-timeout %d\n", victim, c->step_timeout_s);
     uint64_t t0 = fu_clock_ms();
-    e2e_wait_done(&c, id, 70);
+    e2e_wait_done(c, id, 70);
     printf("the job finished %llu ms after the stall was armed\n", (unsigned long long)(fu_clock_ms() - t0));
     char plog[E2E_PATH];
-    e2e_path(&c, plog, "p%d.log", victim);
+    e2e_path(c, plog, "p%d.log", victim);
     char *pl = e2e_slurp(plog);
     bool stalled = strstr(pl, "stalling at step 8") != NULL;
     free(pl);
     if (!stalled)
         fail_msg("p%d never stalled (the job passed step 8 before the hook was armed?)", victim);
     snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
-    assert_logged(&c, needle);
-    /* The heartbeats say which stage is behind: it moves to the free peer, the staller is barred. */
-    assert_logged(&c, "; stage 1 (peer ");
+    assert_logged(c, needle);
+    assert_logged(c, "; stage 1 (peer "); /* named from the heartbeats: 0/1 forward */
+}
+
+/* With a free peer, the stage behind moves to it and the staller is taken off the job. */
+static void test_e2e_fault_step_deadline(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    char id[17], needle[160];
+    stall_stage1(&c, "e2e-step", 3, 1, id);
     snprintf(needle, sizeof needle, "job %s: stage 1: peer", id);
     assert_logged(&c, needle);
     assert_logged(&c, "is taken off the job");
@@ -381,24 +392,14 @@ static void test_e2e_fault_step_deadline(void **state)
     e2e_cluster_stop(&c);
 }
 
-/* The same stall with no other peer to move the stage to: every stage restarts from the newest
- * checkpoint on the same peers (the hook stalls once, so the second run gets through). */
+/* With no other peer to move the stage to, every stage restarts from the newest checkpoint on the
+ * same peers (the hook stalls once, so the second run gets through). */
 static void test_e2e_fault_step_deadline_no_spare(void **state)
 {
     (void)state;
     e2e_cluster c;
-    char id[17], needle[160];
-    e2e_two_stage_init(&c, "e2e-step-same", 2, 0);
-    c.stall = "step:8";
-    c.step_timeout_s = 3;
-    e2e_cluster_start(&c);
-    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, dl_train_args());
-    int victim = e2e_planned_peer(&c, id, 1, 30000);
-    stall_file(&c, victim, true);
-    e2e_wait_done(&c, id, 70);
-    snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
-    assert_logged(&c, needle);
-    assert_logged(&c, "; stage 1 (peer ");
+    char id[17];
+    stall_stage1(&c, "e2e-step-same", 2, 0, id);
     assert_logged(&c, "restarting every stage from step 5");
     double d = e2e_job_vs_reference(&c, id, "model", dl_train_args());
     assert_true(d <= 1e-5);
