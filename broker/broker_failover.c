@@ -231,7 +231,7 @@ bool broker_job_excludes(const broker_job *j, const char *key)
 }
 
 /* Takes key off j for good (the oldest entry makes room when the list is full). */
-static void job_exclude(broker_job *j, const char *key)
+static void exclude_in_memory(broker_job *j, const char *key)
 {
     if (broker_job_excludes(j, key))
         return;
@@ -240,6 +240,35 @@ static void job_exclude(broker_job *j, const char *key)
         j->n_excluded--;
     }
     snprintf(j->excluded[j->n_excluded++], sizeof j->excluded[0], "%s", key);
+}
+
+/* exclude_in_memory, recorded as an "excluded" event so that a restarted broker keeps it
+ * (broker_job_exclusions_load). */
+static void job_exclude(broker_t *b, broker_job *j, const char *key, const char *why)
+{
+    if (broker_job_excludes(j, key))
+        return;
+    exclude_in_memory(j, key);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "excluded", why));
+}
+
+void broker_job_exclusions_load(broker_t *b, broker_job *j)
+{
+    int64_t after = 0;
+    for (;;) {
+        db_event *ev = NULL;
+        size_t n = 0;
+        if (db_event_list(b->db, j->id, after, 0, &ev, &n) != FU_OK)
+            return;
+        for (size_t i = 0; i < n; i++)
+            if (strcmp(ev[i].kind, "excluded") == 0 && db_key_valid(ev[i].peer))
+                exclude_in_memory(j, ev[i].peer);
+        if (n)
+            after = ev[n - 1].id;
+        db_event_array_free(&ev, n);
+        if (n < DB_EVENT_LIST_MAX)
+            return;
+    }
 }
 
 uint64_t broker_step_timeout_ms(const broker_t *b, const broker_job *j)
@@ -267,7 +296,7 @@ static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
              p ? p->name : "?", b->cfg.ready_timeout_s);
     FU_WARN(LOG, "job %s: stage %u: %s; it is taken off the job", j->id, s, why);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "ready-timeout", why));
-    job_exclude(j, key);
+    job_exclude(b, j, key, why);
     if (p && strcmp(p->job, j->id) == 0)
         broker_peer_release(b, j, p, why);
     broker_failover(b, j, s, why);
@@ -325,7 +354,7 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
         char key[DB_KEY_LEN + 1];
         snprintf(key, sizeof key, "%s", sp->key);
         FU_WARN(LOG, "job %s: stage %d: peer %.8s is taken off the job", j->id, stalled, key);
-        job_exclude(j, key);
+        job_exclude(b, j, key, why);
         broker_peer *p = broker_peer_find(b, key);
         if (p && strcmp(p->job, j->id) == 0)
             broker_peer_release(b, j, p, why);

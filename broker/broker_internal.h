@@ -149,7 +149,8 @@ typedef struct {
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
     char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a
-                                          deadline: never picked for it again (in memory only) */
+                                          deadline: never picked for it again ("excluded" events
+                                          keep them across restarts) */
     uint32_t n_excluded;               /* how many */
     bool dead;                         /* finished or removed: free at the next sweep */
     uint32_t v_agree, v_disagree, v_skipped; /* verification samples: agreed, disagreed, not run */
@@ -314,6 +315,8 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
 void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
 /* True when key was taken off j for missing a deadline (the scheduler and failover skip it for j). */
 bool broker_job_excludes(const broker_job *j, const char *key);
+/* Reads back the peers taken off j ("excluded" events) after a broker restart. */
+void broker_job_exclusions_load(broker_t *b, broker_job *j);
 /* The step deadline of j in ms: --step-timeout, else max(BROKER_STEP_TIMEOUT_MIN_S,
  * BROKER_STEP_TIMEOUT_FACTOR x the slowest step seen), and no less than the ready deadline before the
  * first step of a run (it includes the warm-up). */

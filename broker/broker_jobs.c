@@ -421,6 +421,7 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *wh
     db_job_free(&aj);
     if (rc != FU_OK)
         goto fail;
+    broker_job_exclusions_load(b, j);
     j->steps_done = dj->step > 0 ? (uint64_t)dj->step : 0;
     j->loss = dj->loss;
     snprintf(j->reason, sizeof j->reason, "%s", dj->reason ? dj->reason : "");

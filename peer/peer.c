@@ -713,7 +713,8 @@ static void on_broker(peer_t *p, wire_msg_t *m)
         if (!p->welcomed)
             FU_INFO("peer", "welcomed by the broker as %s (heartbeat %u ms)", w->peer_id, p->hb_ms);
         p->welcomed = true;
-        if (!p->probe_t0_ns && (!p->probe_done_ms || fu_clock_ms() - p->probe_done_ms >= PEER_PROBE_EVERY_MS)) {
+        if (p->cfg.link_mbps <= 0 && !p->probe_t0_ns &&
+            (!p->probe_done_ms || fu_clock_ms() - p->probe_done_ms >= PEER_PROBE_EVERY_MS)) {
             Fusion__LinkProbeRequest rq = FUSION__LINK_PROBE_REQUEST__INIT;
             rq.bytes = PEER_PROBE_BYTES;
             if (to_broker(p, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, 0, 0, &rq.base) == FU_OK)
@@ -1031,6 +1032,8 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
         snprintf(why, cap, "measuring this peer failed: %s", fu_errmsg_text(&em, err));
         goto fail;
     }
+    if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
+        p->prof.link_bandwidth_bps = p->cfg.link_mbps * 1e6;
     peer_profile_format(&p->prof, p->prof_line, sizeof p->prof_line);
 
     p->ctx = zmq_ctx_new();

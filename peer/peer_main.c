@@ -33,7 +33,7 @@ int main(int argc, char **argv)
     const char *broker = NULL, *broker_key = NULL, *keys = NULL, *device = "cpu", *data_bind = NULL;
     const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
-    double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB;
+    double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0;
     bool no_listen = false;
     const fu_opt opts[] = {
         {"broker", 0, FU_OPT_STR, &broker, "ENDPOINT", "the broker's control endpoint (tcp://HOST:7700)"},
@@ -48,6 +48,8 @@ int main(int argc, char **argv)
         {"cache-max-gb", 0, FU_OPT_DOUBLE, &cache_max, "GB",
          "most GiB the cache may hold, least recently used blobs evicted first (default 20; 0: no limit)"},
         {"max-memory", 0, FU_OPT_DOUBLE, &max_memory, "GB", "most memory to offer"},
+        {"link-mbps", 0, FU_OPT_DOUBLE, &link_mbps, "MB/S",
+         "this link's speed in MB/s, told to the broker instead of measuring it (default 0: measure)"},
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
         {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "enrol this peer's key with the broker's token first"},
         {"drain-timeout", 0, FU_OPT_INT, &drain_s, "S", "after a signal, wait this long for StageRelease (default 30)"},
@@ -77,6 +79,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --cache-max-gb must be a number of GiB, 0 or more (0: no limit)\n");
         return FU_EXIT_USAGE;
     }
+    if (!(link_mbps >= 0) || link_mbps > 1e6) {
+        fprintf(stderr, "fusion-peer: --link-mbps must be a number of MB/s, 0 to 1000000 (0: measure)\n");
+        return FU_EXIT_USAGE;
+    }
     if (no_listen && data_bind) {
         fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
         return FU_EXIT_USAGE;
@@ -96,7 +102,7 @@ int main(int argc, char **argv)
     peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
                     .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,
                     .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory,
-                    .cache_max_gb = cache_max, .name = name,
+                    .cache_max_gb = cache_max, .link_mbps = link_mbps, .name = name,
                     .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000)};
     char why[1024];
     fu_err err;

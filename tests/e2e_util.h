@@ -47,6 +47,7 @@
  * three-stage pipeline, whatever their measured speeds. */
 #define E2E_MODEL_ARGS      "--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"
 #define E2E_PEER_MEMORY_GB  "0.039"
+#define E2E_LINK_MBPS       "1000" /* the broker's own default: the plans the tests were written for */
 /* The fine-tune options shared by `fusion submit finetune` and `fusion run finetune`. */
 #define E2E_TRAIN_ARGS      "--rank 4 --alpha 8 --batch 4 --seq-len 16 --lr 0.01 --seed 7"
 
@@ -63,6 +64,8 @@ typedef struct {
     int backups;                 /* --backups of the broker */
     int heartbeat_ms;            /* --heartbeat-ms of the broker (0: its default) */
     const char *peer_memory_gb;  /* --max-memory of every peer (NULL: none) */
+    const char *link_mbps;       /* --link-mbps of every peer (E2E_LINK_MBPS: plans that do not depend
+                                    on how fast a loaded machine times its probe; NULL: measure) */
     const char *model_args;      /* `fusion model init` options (NULL: E2E_MODEL_ARGS) */
     bool word_data;              /* train on E2E_WORDS words of a seeded stream (DIR/data.txt), not Shakespeare */
     const char *corrupt_mode;    /* "scale" or "lie": peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=
@@ -513,6 +516,10 @@ static inline void e2e_peer_start(e2e_cluster *c, int i)
         argv[n++] = "--max-memory";
         argv[n++] = (char *)c->peer_memory_gb;
     }
+    if (c->link_mbps) {
+        argv[n++] = "--link-mbps";
+        argv[n++] = (char *)c->link_mbps;
+    }
     argv[n] = NULL;
     char corrupt[E2E_PATH + 32];
     if (c->stall)
@@ -548,6 +555,7 @@ static inline void e2e_cluster_init(e2e_cluster *c, const char *tag, int n_peers
     assert_true(n_peers >= 1 && n_peers <= E2E_MAX_PEERS);
     c->n_peers = n_peers;
     c->peer_memory_gb = E2E_PEER_MEMORY_GB;
+    c->link_mbps = E2E_LINK_MBPS;
     char *d = tu_tmpdir(tag);
     assert_non_null(d);
     snprintf(c->dir, sizeof c->dir, "%s", d);

@@ -4,7 +4,7 @@
  * chunked checkpoints committed and acknowledged, progress, the adapter assembled, the result
  * downloaded in chunks and resumed from an offset); the data-plane relay; a stage peer that never says
  * StageReady is released after --ready-timeout, the job waits (saying why) rather than go back to it,
- * and runs on the next peer that joins. */
+ * also after a broker restart, and runs on the next peer that joins. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -455,6 +455,11 @@ static void test_broker_failover_ready_deadline_waits(void **state)
     assert_true(said);
     /* It is idle, yet the job is not given back to it. */
     assert_false(tb_peer_expect(&stuck, "ASSIGN", 1500, NULL, 0));
+    /* Nor after the broker is killed and restarted on the same store: the exclusion is stored. */
+    assert_int_equal(tb_broker_stop(&f->b, SIGKILL), 128 + SIGKILL);
+    tb_broker_start(&f->b);
+    assert_true(tb_peer_expect(&stuck, "WELCOME", 8000, NULL, 0)); /* registered again */
+    assert_false(tb_peer_expect(&stuck, "ASSIGN", 2500, NULL, 0));
     /* A peer that works takes the job. */
     tb_peer_start(&good, &f->b, f->pdir[1], "p1", 4 * GiB, 50, "ready");
     assert_true(tb_peer_expect(&good, "ASSIGN", 8000, line, sizeof line));

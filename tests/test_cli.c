@@ -49,6 +49,15 @@ static void test_cli_unknown_command_and_option_exit_2(void **state)
     assert_int_equal(tu_sh(&out, "%s --threads many", tu_bin("fusion-peer")), 2);
     assert_non_null(strstr(out, "needs an integer"));
     free(out);
+    /* values checked before anything starts (the key files need not exist) */
+    assert_int_equal(tu_sh(&out, "%s --broker tcp://127.0.0.1:9 --broker-key x --keys y --link-mbps -5",
+                           tu_bin("fusion-peer")), 2);
+    assert_non_null(strstr(out, "--link-mbps must be"));
+    free(out);
+    assert_int_equal(tu_sh(&out, "%s --broker tcp://127.0.0.1:9 --broker-key x --keys y --cache-max-gb nan",
+                           tu_bin("fusion-peer")), 2);
+    assert_non_null(strstr(out, "--cache-max-gb must be"));
+    free(out);
     assert_int_equal(tu_sh(&out, "%s", tu_bin("fusion")), 2); /* no command: usage, exit 2 */
     free(out);
 }

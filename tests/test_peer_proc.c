@@ -1,7 +1,8 @@
 /* The real fusion-peer program against a speaker of the broker protocol written here (CURVE server
  * with ZAP, WeightRequest serving, StageAssign/StageStart/StageRelease) on loopback, the test
  * itself playing the downstream stage over a sealed direct link:
- *   - PeerHello carries a sane measured profile; heartbeats follow the welcome;
+ *   - PeerHello carries a sane measured profile; heartbeats follow the welcome and, after one link
+ *     probe, carry its bandwidth;
  *   - a stage's activations equal the single-process executor's for the same DAG range, and after
  *     the test sends back the next stage's gradients the peer's checkpoint (PEFT names, AdamW
  *     moments, step metadata) equals the executor's state after the same AdamW step;
@@ -79,6 +80,8 @@ typedef struct {
     int errors;                   /* Error messages from the peer */
     char last_error[512];
     int heartbeats;
+    double hb_link_bps;           /* link bandwidth the last heartbeat carried */
+    int probes;                   /* LinkProbeRequests answered */
     void *data;                   /* this test's data ROUTER (stage 1) */
     char data_ep[256];
     wire_seal_t *seal;            /* link to the peer */
@@ -385,10 +388,22 @@ static wire_msg_t *pump(env *e, Fusion__MsgType want, int timeout_ms, wire_tenso
                 }
                 if (ty == want)
                     return m;
-                if (ty == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST)
+                if (ty == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) {
                     serve_weights(e, wire_msg_body_as(m, ty));
-                else if (ty == FUSION__MSG_TYPE__MSG_HEARTBEAT)
+                } else if (ty == FUSION__MSG_TYPE__MSG_HEARTBEAT) {
                     e->heartbeats++;
+                    e->hb_link_bps = ((const Fusion__Heartbeat *)wire_msg_body_as(m, ty))->link_bandwidth_bps;
+                } else if (ty == FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ) { /* what the broker does */
+                    const Fusion__LinkProbeRequest *rq = wire_msg_body_as(m, ty);
+                    size_t len = rq->bytes < (4u << 20) ? rq->bytes : (4u << 20);
+                    uint8_t *zeros = calloc(1, len ? len : 1);
+                    Fusion__LinkProbe lp = FUSION__LINK_PROBE__INIT;
+                    lp.data.len = len;
+                    lp.data.data = zeros;
+                    to_peer(e, FUSION__MSG_TYPE__MSG_LINK_PROBE, 0, &lp.base);
+                    free(zeros);
+                    e->probes++;
+                }
                 else if (ty == FUSION__MSG_TYPE__MSG_ERROR) {
                     const Fusion__Error *er = wire_msg_body_as(m, ty);
                     e->errors++;
@@ -464,9 +479,13 @@ static void test_peer_graceful_leave_without_stage(void **state)
     env_start(&e, "peer-leave");
     spawn_peer(&e);
     handshake(&e);
-    /* Heartbeats come on the welcome's interval, from the I/O thread. */
+    /* Heartbeats come on the welcome's interval, from the I/O thread. After the welcome the peer
+     * times a link probe once; its heartbeats then carry the bandwidth. */
     (void)pump(&e, FUSION__MSG_TYPE__MSG_UNSPECIFIED, 1000, NULL);
     assert_true(e.heartbeats >= 3);
+    assert_int_equal(e.probes, 1);
+    printf("link from the test's broker: %.1f MB/s\n", e.hb_link_bps / 1e6);
+    assert_true(e.hb_link_bps > 1e6);
     assert_int_equal(kill(e.pid, SIGTERM), 0);
     wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
     assert_non_null(m);
