@@ -307,14 +307,14 @@ static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
  * Within the oldest step any stage is on (later steps count as done): the first stage whose forward
  * is not through all M micro-batches, although every stage before it is (so it has its inputs);
  * else the last stage whose backward is not, although every stage after it is. */
-static int stalled_stage(const broker_t *b, const broker_job *j)
+static int stalled_stage(broker_t *b, const broker_job *j)
 {
     if (j->kind != DB_JOB_FINETUNE || j->n_stages == 0 || j->n_stages > BROKER_MAX_STAGES)
         return -1;
     uint64_t now = broker_now(), fresh = 3ull * b->cfg.heartbeat_ms, smin = UINT64_MAX;
     const broker_peer *ps[BROKER_MAX_STAGES];
     for (uint32_t s = 0; s < j->n_stages; s++) {
-        const broker_peer *p = broker_peer_find((broker_t *)b, j->stages[s].peer);
+        const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
         if (!p || !p->live || strcmp(p->prog_job, j->id) != 0 || now - p->prog_ms > fresh)
             return -1;
         ps[s] = p;

@@ -246,10 +246,10 @@ static void send_heartbeat(peer_t *p)
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
     if (atomic_load(&p->shared.stage_active)) {
-        uint32_t mb = atomic_load(&p->shared.prog_mb);
-        hb.step = atomic_load(&p->shared.prog_step);
-        hb.forward_done = mb >> 16;
-        hb.backward_done = mb & 0xffffu;
+        uint64_t pr = atomic_load(&p->shared.progress);
+        hb.step = pr >> 32;
+        hb.forward_done = (uint32_t)(pr >> 16) & 0xffffu;
+        hb.backward_done = (uint32_t)pr & 0xffffu;
     }
     (void)to_broker(p, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, 0, 0, &hb.base);
     /* Fixed rate: a beat sent late does not push the next ones back (on a loaded machine the

@@ -73,10 +73,9 @@ typedef struct {
     _Atomic int stage_active; /* 1 while an assignment (not a backup) is held */
     _Atomic int exited;       /* the compute thread has left its loop */
     /* Fine-tuning progress of the stage held, for the heartbeat (the broker's step deadline finds
-     * the stage that stalled from it): the step worked on (+1; 0: none) and its micro-batches done,
-     * forward << 16 | backward. Published separately; a torn pair only blurs one heartbeat. */
-    _Atomic uint64_t prog_step;
-    _Atomic uint32_t prog_mb;
+     * the stage that stalled from it), in one word: the step worked on plus 1 (0: none) << 32 |
+     * micro-batches through forward << 16 | through backward. */
+    _Atomic uint64_t progress;
 } peer_shared;
 
 typedef struct {

@@ -249,7 +249,7 @@ static void stage_clear(stage_t *s)
     s->lm_node = UINT32_MAX;
     atomic_store(&s->cfg.shared->state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     atomic_store(&s->cfg.shared->stage_active, 0);
-    atomic_store(&s->cfg.shared->prog_step, 0);
+    atomic_store(&s->cfg.shared->progress, 0);
 }
 
 /* Ends the stage and tells the I/O thread its links may close. */
@@ -985,9 +985,9 @@ static void publish_progress(const stage_t *s)
 {
     if (s->backup || s->spec.infer)
         return;
-    uint32_t f = s->fwd_done < 0xffffu ? s->fwd_done : 0xffffu, b = s->bwd_done < 0xffffu ? s->bwd_done : 0xffffu;
-    atomic_store(&s->cfg.shared->prog_step, s->step + 1);
-    atomic_store(&s->cfg.shared->prog_mb, f << 16 | b);
+    uint64_t step = s->step + 1 < 0xffffffffu ? s->step + 1 : 0xffffffffu;
+    uint64_t f = s->fwd_done < 0xffffu ? s->fwd_done : 0xffffu, b = s->bwd_done < 0xffffu ? s->bwd_done : 0xffffu;
+    atomic_store(&s->cfg.shared->progress, step << 32 | f << 16 | b);
 }
 
 /* AdamW after the M-th backward, StepDone, checkpoint, next step. */
