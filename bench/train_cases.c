@@ -44,7 +44,6 @@ static tb_env env;
 
 static void tb_threads(void)
 {
-    openblas_set_num_threads(TB_THREADS);
     if (kern_cpu_set_threads(TB_THREADS) != FU_OK)
         fprintf(stderr, "bench: cannot set threads\n");
 }
@@ -418,7 +417,6 @@ static void paired_child(int fd, void *arg)
     const tb_pair *p = arg;
     tb_model which = p->which;
     if (p->one_thread) {
-        openblas_set_num_threads(1);
         if (kern_cpu_set_threads(1) != FU_OK)
             _exit(2);
     }

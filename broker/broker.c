@@ -323,6 +323,8 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_c
         b->cfg.ready_timeout_s = BROKER_READY_TIMEOUT_S;
     if (b->cfg.step_timeout_s > BROKER_TIMEOUT_MAX_S)
         b->cfg.step_timeout_s = 0;
+    if (!b->cfg.pause_grace_s || b->cfg.pause_grace_s > BROKER_TIMEOUT_MAX_S)
+        b->cfg.pause_grace_s = BROKER_PAUSE_GRACE_S;
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;

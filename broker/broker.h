@@ -27,6 +27,7 @@ extern "C" {
 #define BROKER_STEP_TIMEOUT_MIN_S 120     /* derived step deadline: at least this many seconds ... */
 #define BROKER_STEP_TIMEOUT_FACTOR 20     /* ... and at least this many times the slowest step (token) seen */
 #define BROKER_TIMEOUT_MAX_S    86400     /* largest --ready-timeout / --step-timeout accepted */
+#define BROKER_PAUSE_GRACE_S    300       /* default --pause-grace: a paused stage keeps its peer this long */
 #define BROKER_JOB_EXCLUDE_MAX  16        /* peers a job remembers as taken off it for missing a deadline */
 #define BROKER_BACKUPS          1         /* default warm backups per job */
 #define BROKER_BLOB_CHUNK       (1u << 20) /* bytes of one WeightChunk / JobResultChunk */
@@ -66,6 +67,7 @@ typedef struct {
     double min_reputation;     /* peers below this get no work; <= 0: BROKER_MIN_REPUTATION */
     uint32_t ready_timeout_s;  /* a stage must send StageReady this long after StageAssign; 0: BROKER_READY_TIMEOUT_S */
     uint32_t step_timeout_s;   /* a running job must make progress this often; 0: derived (broker_step_timeout_ms) */
+    uint32_t pause_grace_s;    /* a paused peer keeps its stage this long before it moves; 0: BROKER_PAUSE_GRACE_S */
 } broker_cfg;
 
 typedef struct broker broker_t;

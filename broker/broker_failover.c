@@ -98,7 +98,7 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
     int best_rank = 99;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!broker_peer_trusted(b, p) || (exclude && strcmp(p->key, exclude) == 0) ||
+        if (!broker_peer_trusted(b, p) || p->paused || (exclude && strcmp(p->key, exclude) == 0) ||
             broker_job_excludes(j, p->key) || !broker_peer_fits(j, s, p))
             continue;
         int rank;
@@ -379,6 +379,43 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
     broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen);
 }
 
+/* A stage of running job j whose peer is paused (its owner's machine is busy, or outside its hours):
+ * the step clock of j stops while the pause lasts, up to the grace period; then the stage moves to a
+ * free peer as for a lost one, and its peer leaves the job without blame (it is not excluded and
+ * keeps its reputation). With no peer to move to, j keeps waiting for the paused one. Returns
+ * whether j is held by a pause (its step deadline is not checked then). */
+static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
+{
+    uint64_t grace = (uint64_t)b->cfg.pause_grace_s * 1000u;
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (!p || !p->live || !p->paused || strcmp(p->job, j->id) != 0)
+            continue;
+        j->progress_ms = now; /* a pause is not a stall */
+        uint64_t for_ms = now - p->paused_since_ms;
+        char why[DB_REASON_MAX];
+        if (for_ms < grace || !pick_backup(b, j, s, p->key)) {
+            snprintf(why, sizeof why, "stage %u's peer %.8s (%s) is paused (%.300s) for %" PRIu64 " s; %s", s, p->key,
+                     p->name, p->pause_reason, for_ms / 1000,
+                     for_ms < grace ? "it keeps its stage during the grace period" : "no free peer to move it to");
+            if (strncmp(j->reason, "paused: ", 8) != 0)
+                FU_INFO(LOG, "job %s: %s", j->id, why);
+            snprintf(j->reason, sizeof j->reason, "paused: %.900s", why);
+            return true;
+        }
+        snprintf(why, sizeof why, "peer %.8s (%s) stayed paused for %" PRIu64 " s, past the grace period of %u s (%.300s)",
+                 p->key, p->name, for_ms / 1000, b->cfg.pause_grace_s, p->pause_reason);
+        FU_WARN(LOG, "job %s: stage %u: %s; the stage moves", j->id, s, why);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "pause-timeout", why));
+        broker_peer_release(b, j, p, why);
+        broker_failover(b, j, s, why);
+        return true;
+    }
+    if (strncmp(j->reason, "paused: ", 8) == 0)
+        snprintf(j->reason, sizeof j->reason, "running");
+    return false;
+}
+
 void broker_deadlines_sweep(broker_t *b)
 {
     uint64_t now = broker_now();
@@ -394,7 +431,7 @@ void broker_deadlines_sweep(broker_t *b)
                     break;
                 }
             }
-        } else if (j->phase == BJ_RUNNING) {
+        } else if (j->phase == BJ_RUNNING && !pause_hold(b, j, now)) {
             uint64_t limit = broker_step_timeout_ms(b, j);
             if (now - j->progress_ms > limit)
                 step_missed(b, j, now - j->progress_ms, limit);

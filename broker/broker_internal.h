@@ -30,6 +30,7 @@
 #define BROKER_SPEC_MODEL_MAX 1024  /* longest model path in a spec */
 #define BROKER_ENDPOINT_MAX   256   /* longest data endpoint */
 #define BROKER_MODEL_ID_MAX   80    /* "m:" + 64 hex */
+#define BROKER_PAUSE_REASON_MAX 200 /* longest pause reason kept from a heartbeat */
 
 /* A peer the broker has heard from since it started. */
 typedef struct {
@@ -64,6 +65,11 @@ typedef struct {
     uint64_t prog_step;                /* step worked on, plus 1 */
     uint32_t prog_fwd, prog_bwd;       /* micro-batches of it through forward / backward */
     uint64_t prog_ms;                  /* when it came (broker_now) */
+    /* Paused by its owner's machine (heartbeats say PEER_STATE_PAUSED): alive, keeps its stage up to
+     * the grace period, computes nothing meanwhile, and gets no new work. */
+    bool paused;                       /* its last heartbeat said paused */
+    uint64_t paused_since_ms;          /* since when (broker_now) */
+    char pause_reason[BROKER_PAUSE_REASON_MAX + 1]; /* why, as it said (printable ASCII) */
 } broker_peer;
 
 /* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */

@@ -20,7 +20,7 @@ int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
-    long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0;
+    long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     double verify = 0, min_rep = BROKER_MIN_REPUTATION;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -39,6 +39,8 @@ int main(int argc, char **argv)
          "a stage not ready SEC after its assignment fails over to a backup (default 600)"},
         {"step-timeout", 0, FU_OPT_INT, &step_timeout, "SEC",
          "a job with no progress for SEC is recovered (default 0: max(120, 20 x slowest step))"},
+        {"pause-grace", 0, FU_OPT_INT, &pause_grace, "SEC",
+         "a stage whose peer is paused by its owner's machine keeps that peer SEC before it moves (default 300)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -67,9 +69,9 @@ int main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     if (ready_timeout < 1 || ready_timeout > BROKER_TIMEOUT_MAX_S || step_timeout < 0 ||
-        step_timeout > BROKER_TIMEOUT_MAX_S) {
-        fprintf(stderr, "fusion-broker: --ready-timeout must be 1..%d seconds and --step-timeout 0..%d (0: derived)\n",
-                BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
+        step_timeout > BROKER_TIMEOUT_MAX_S || pause_grace < 1 || pause_grace > BROKER_TIMEOUT_MAX_S) {
+        fprintf(stderr, "fusion-broker: --ready-timeout and --pause-grace must be 1..%d seconds and --step-timeout "
+                        "0..%d (0: derived)\n", BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
         return FU_EXIT_USAGE;
     }
     if (!allow && !(token && token[0]))
@@ -89,7 +91,8 @@ int main(int argc, char **argv)
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
                       .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
                       .verify = verify, .min_reputation = min_rep,
-                      .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout};
+                      .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
+                      .pause_grace_s = (uint32_t)pause_grace};
     fu_err err = FU_OK;
     char why[1024] = "";
     broker_t *b = broker_new(&cfg, &err, why, sizeof why);

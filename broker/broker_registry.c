@@ -1,5 +1,6 @@
 /* broker_registry: peers join (PeerHello → PeerWelcome), beat (Heartbeat, answered), leave
  * (Leave: drained) or die (silent for dead_after_ms, even when their socket stays open). */
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -195,6 +196,34 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     b->sched_dirty = true;
 }
 
+/* A heartbeat's PEER_STATE_PAUSED (or its end): kept on p, logged and stored as events. The reason
+ * is the peer's own text: kept only when it is short printable ASCII. */
+static void note_pause(broker_t *b, broker_peer *p, const Fusion__Heartbeat *hb)
+{
+    bool paused = hb->state == FUSION__PEER_STATE__PEER_STATE_PAUSED;
+    if (paused) {
+        const char *r = hb->pause_reason && text_ok(hb->pause_reason, BROKER_PAUSE_REASON_MAX) ? hb->pause_reason
+                                                                                               : "no reason given";
+        if (!p->paused || strcmp(p->pause_reason, r) != 0) {
+            snprintf(p->pause_reason, sizeof p->pause_reason, "%s", r);
+            FU_INFO(LOG, "peer %s (%.8s) %s: %s", p->name, p->key, p->paused ? "is still paused" : "paused", r);
+            if (!p->paused)
+                BROKER_IGNORE(db_event_add(b->db, broker_wall(), p->job[0] ? p->job : NULL, p->key, "peer-paused", r));
+        }
+        if (!p->paused)
+            p->paused_since_ms = broker_now();
+        p->paused = true;
+    } else if (p->paused) {
+        char text[64];
+        snprintf(text, sizeof text, "after %" PRIu64 " s", (broker_now() - p->paused_since_ms) / 1000);
+        FU_INFO(LOG, "peer %s (%.8s) resumed %s", p->name, p->key, text);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), p->job[0] ? p->job : NULL, p->key, "peer-resumed", text));
+        p->paused = false;
+        p->pause_reason[0] = '\0';
+        b->sched_dirty = true; /* it may take work again */
+    }
+}
+
 void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__Heartbeat *hb = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_HEARTBEAT);
@@ -208,6 +237,8 @@ void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         p->prog_bwd = hb->backward_done;
         p->prog_ms = broker_now();
     }
+    if (hb)
+        note_pause(b, p, hb);
     /* The link as measured by the peer's LinkProbe: the scheduler's next plans use it. */
     if (hb && isfinite(hb->link_bandwidth_bps) && hb->link_bandwidth_bps > 0 &&
         hb->link_bandwidth_bps <= BROKER_MAX_LINK_BW && hb->link_bandwidth_bps != p->link_bw) {
@@ -353,6 +384,7 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
         infos[i].profile = &profs[i];
         infos[i].state = !p->live        ? FUSION__PEER_STATE__PEER_STATE_DEAD
                          : p->draining   ? FUSION__PEER_STATE__PEER_STATE_DRAINING
+                         : p->paused     ? FUSION__PEER_STATE__PEER_STATE_PAUSED
                          : !p->job[0]    ? FUSION__PEER_STATE__PEER_STATE_IDLE
                          : p->backup     ? (p->warm ? FUSION__PEER_STATE__PEER_STATE_WARM
                                                     : FUSION__PEER_STATE__PEER_STATE_IDLE)
@@ -360,6 +392,10 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
         infos[i].job_id = p->job[0] ? strtoull(p->job, NULL, 16) : 0;
         infos[i].stage_index = p->stage;
         infos[i].last_seen_ms = wall - (int64_t)(now - p->last_heard_ms);
+        if (p->paused) {
+            infos[i].pause_reason = p->pause_reason;
+            infos[i].paused_ms = (int64_t)(now - p->paused_since_ms);
+        }
         ptrs[i] = &infos[i];
     }
     Fusion__PeerList pl = FUSION__PEER_LIST__INIT;

@@ -46,7 +46,7 @@ static bool reserved(broker_t *b, const broker_peer *p)
 
 static bool peer_free(const broker_t *b, const broker_peer *p)
 {
-    return broker_peer_trusted(b, p) && !p->job[0];
+    return broker_peer_trusted(b, p) && !p->job[0] && !p->paused;
 }
 
 #define peer_idle(p) (peer_free(b, p) && !reserved(b, (p)))

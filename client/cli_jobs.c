@@ -367,6 +367,8 @@ static const char *peer_state_name(Fusion__PeerState s)
         return "leaving";
     case FUSION__PEER_STATE__PEER_STATE_DEAD:
         return "dead";
+    case FUSION__PEER_STATE__PEER_STATE_PAUSED:
+        return "paused";
     default:
         return "unknown";
     }
@@ -427,10 +429,17 @@ int cli_peers_main(int argc, char **argv)
                 cJSON_AddStringToObject(e, "stage", stage);
                 cJSON_AddNumberToObject(e, "reputation", p->reputation);
                 cJSON_AddNumberToObject(e, "last_seen_ms", (double)p->last_seen_ms);
+                if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) {
+                    cJSON_AddStringToObject(e, "pause_reason", p->pause_reason ? p->pause_reason : "");
+                    cJSON_AddNumberToObject(e, "paused_ms", (double)p->paused_ms);
+                }
                 cJSON_AddItemToArray(arr, e);
             } else {
                 printf("%-14.14s  %-28.28s  %8.1f  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "", dev,
                        best_gflops(p->profile), mem, peer_state_name(p->state), stage, p->reputation);
+                if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) /* the reason on a line of its own */
+                    printf("%-14s  paused %llds: %s\n", "", (long long)(p->paused_ms / 1000),
+                           p->pause_reason && *p->pause_reason ? p->pause_reason : "no reason given");
             }
         }
         if (arr)

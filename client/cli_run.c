@@ -52,7 +52,6 @@ static bool set_threads(const char *prog, long long n)
         return false;
     }
     if (n > 0) {
-        openblas_set_num_threads((int)n);
         if (kern_cpu_set_threads((int)n) != FU_OK)
             return false;
     }

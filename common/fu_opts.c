@@ -1,9 +1,12 @@
 #include "fu_opts.h"
 
+#include <ctype.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "fu_log.h"
 
@@ -79,47 +82,197 @@ static int usage_error(const fu_cmd *cmd, const char *fmt, const char *a)
     return FU_EXIT_USAGE;
 }
 
-static int store(const fu_cmd *cmd, const fu_opt *o, const char *val)
+/* snprintf into an optional message buffer. */
+__attribute__((format(printf, 3, 4))) static void say(char *why, size_t cap, const char *fmt, ...)
+{
+    if (!why || !cap)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, cap, fmt, ap);
+    va_end(ap);
+}
+
+static bool parse_bool(const char *s, bool *out)
+{
+    static const char *const words[] = {"true", "false", "yes", "no", "on", "off", "1", "0"};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
+        if (strcasecmp(s, words[i]) == 0) {
+            *out = i % 2 == 0;
+            return true;
+        }
+    return false;
+}
+
+/* The one conversion of an option's text value, for argv and files alike. val is NULL for a flag
+ * given on the command line; a STR val must outlive the program's use of it. */
+static fu_err opt_set(const fu_opt *o, const char *val, char *why, size_t cap)
 {
     char *end = NULL;
     errno = 0;
     switch (o->kind) {
-    case FU_OPT_FLAG:
-        *(bool *)o->dest = true;
-        return 0;
+    case FU_OPT_FLAG: {
+        bool v = true;
+        if (val && !parse_bool(val, &v)) {
+            say(why, cap, "--%s needs true or false (yes/no, on/off, 1/0), got '%s'", o->name, val);
+            return FU_EINVAL;
+        }
+        *(bool *)o->dest = v;
+        return FU_OK;
+    }
     case FU_OPT_STR:
         *(const char **)o->dest = val;
-        return 0;
+        return FU_OK;
     case FU_OPT_INT: {
         long long v = strtoll(val, &end, 0);
-        if (errno || end == val || *end)
-            return usage_error(cmd, "option needs an integer, got '%s'", val);
+        if (errno || end == val || *end) {
+            say(why, cap, "--%s needs an integer, got '%s'", o->name, val);
+            return FU_EINVAL;
+        }
         *(long long *)o->dest = v;
-        return 0;
+        return FU_OK;
     }
     case FU_OPT_DOUBLE: {
         double v = strtod(val, &end);
-        if (errno || end == val || *end)
-            return usage_error(cmd, "option needs a number, got '%s'", val);
+        if (errno || end == val || *end) {
+            say(why, cap, "--%s needs a number, got '%s'", o->name, val);
+            return FU_EINVAL;
+        }
         *(double *)o->dest = v;
-        return 0;
+        return FU_OK;
     }
     }
-    return FU_EXIT_USAGE;
+    say(why, cap, "--%s has an unknown kind", o->name);
+    return FU_EINVAL;
 }
 
-fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, int *exit_code)
+/* Applies --log-level and --log-json to fu_log, if they were given. */
+static fu_err apply_log(char *why, size_t cap)
 {
-    flag_help = flag_version = flag_log_json = false;
-    opt_log_level = NULL;
-    size_t npos = 0;
+    if (opt_log_level) {
+        fu_log_level lvl;
+        if (fu_log_parse_level(opt_log_level, &lvl) != FU_OK) {
+            say(why, cap, "unknown log level '%s' (debug, info, warn, error, off)", opt_log_level);
+            return FU_EINVAL;
+        }
+        fu_log_set_level(lvl);
+    }
+    if (flag_log_json)
+        fu_log_set_format(FU_LOG_JSON);
+    return FU_OK;
+}
+
+/* String values read from config files: copied here, kept until exit, so nothing is freed or leaked. */
+static char   arena[FU_OPTS_ARENA_SIZE];
+static size_t arena_used;
+
+static const char *arena_copy(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    if (n > sizeof arena - arena_used)
+        return NULL;
+    char *p = memcpy(arena + arena_used, s, n);
+    arena_used += n;
+    return p;
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    for (char *e = s + strlen(s); e > s && isspace((unsigned char)e[-1]); e--)
+        e[-1] = '\0';
+    return s;
+}
+
+static const fu_opt *find_config(const fu_cmd *cmd)
+{
+    for (size_t i = 0; i < cmd->n_opts; i++)
+        if (cmd->opts[i].kind == FU_OPT_STR && strcmp(cmd->opts[i].name, "config") == 0)
+            return &cmd->opts[i];
+    return NULL;
+}
+
+/* Applies one config-file line (as read by fgets, newline included when it fit). */
+static fu_err load_line(const fu_cmd *cmd, char *line, char *msg, size_t cap)
+{
+    size_t len = strlen(line);
+    if (len > FU_OPTS_LINE_MAX && line[len - 1] != '\n') {
+        say(msg, cap, "line longer than %d bytes", FU_OPTS_LINE_MAX);
+        return FU_EINVAL;
+    }
+    char *key = trim(line);
+    if (*key == '\0' || *key == '#')
+        return FU_OK;
+    char *eq = strchr(key, '=');
+    if (!eq) {
+        say(msg, cap, "expected 'key = value', got '%s'", key);
+        return FU_EINVAL;
+    }
+    *eq = '\0';
+    key = trim(key);
+    const char *val = trim(eq + 1);
+    const fu_opt *o = find_long(cmd, key, strlen(key));
+    if (!o) {
+        say(msg, cap, "unknown setting '%s' (see --help for the options)", key);
+        return FU_EINVAL;
+    }
+    if (o == find_config(cmd)) {
+        say(msg, cap, "'config' cannot be set from a config file (config files do not nest)");
+        return FU_EINVAL;
+    }
+    if (o->dest == &flag_help || o->dest == &flag_version) {
+        say(msg, cap, "'%s' cannot be set from a config file", key);
+        return FU_EINVAL;
+    }
+    if (o->kind == FU_OPT_STR && !(val = arena_copy(val))) {
+        say(msg, cap, "config file strings exceed the %d bytes kept for them", FU_OPTS_ARENA_SIZE);
+        return FU_ENOMEM;
+    }
+    fu_err err = opt_set(o, val, msg, cap);
+    if (err == FU_OK && (o->dest == &opt_log_level || o->dest == &flag_log_json))
+        err = apply_log(msg, cap);
+    return err;
+}
+
+fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, char *why, size_t why_cap)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        int e = errno;
+        say(why, why_cap, "cannot read config file '%s': %s", path, strerror(e));
+        return e == ENOENT ? FU_ENOTFOUND : FU_EIO;
+    }
+    char line[FU_OPTS_LINE_MAX + 2], msg[FU_OPTS_WHY_MAX];
+    unsigned lineno = 0;
+    fu_err err = FU_OK;
+    while (err == FU_OK && fgets(line, sizeof line, f)) {
+        lineno++;
+        err = load_line(cmd, line, msg, sizeof msg);
+    }
+    if (err != FU_OK) {
+        say(why, why_cap, "%s:%u: %s", path, lineno, msg);
+    } else if (ferror(f)) {
+        say(why, why_cap, "cannot read config file '%s': %s", path, strerror(errno));
+        err = FU_EIO;
+    }
+    fclose(f);
+    return err;
+}
+
+/* One walk over argv[1..argc). Normally stores every option and moves positionals to
+ * argv[1..1+*npos). In the pre-scan (only non-NULL) it stores nothing and moves nothing: it just
+ * puts the value of option `only`, if given, in *only_val. Returns 0 or an exit code. */
+static int walk_argv(const fu_cmd *cmd, int argc, char **argv, const fu_opt *only, const char **only_val,
+                     size_t *npos)
+{
     bool only_pos = false;
     int rc = 0;
-
     for (int i = 1; i < argc && rc == 0; i++) {
         char *a = argv[i];
         if (only_pos || a[0] != '-' || a[1] == '\0') {
-            argv[1 + npos++] = a;
+            if (!only)
+                argv[1 + (*npos)++] = a;
             continue;
         }
         if (strcmp(a, "--") == 0) {
@@ -131,33 +284,51 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
         if (a[1] == '-') {
             const char *name = a + 2, *eq = strchr(name, '=');
             o = find_long(cmd, name, eq ? (size_t)(eq - name) : strlen(name));
-            if (!o) {
-                rc = usage_error(cmd, "unknown option '%s'", a);
-                break;
-            }
+            if (!o)
+                return usage_error(cmd, "unknown option '%s'", a);
             if (eq) {
-                if (o->kind == FU_OPT_FLAG) {
-                    rc = usage_error(cmd, "option '%s' takes no value", a);
-                    break;
-                }
+                if (o->kind == FU_OPT_FLAG)
+                    return usage_error(cmd, "option '%s' takes no value", a);
                 val = eq + 1;
             }
         } else {
             o = a[2] == '\0' ? find_short(cmd, a[1]) : NULL;
-            if (!o) {
-                rc = usage_error(cmd, "unknown option '%s'", a);
-                break;
-            }
+            if (!o)
+                return usage_error(cmd, "unknown option '%s'", a);
         }
         if (o->kind != FU_OPT_FLAG && !val) {
-            if (i + 1 >= argc) {
-                rc = usage_error(cmd, "option '%s' needs a value", a);
-                break;
-            }
+            if (i + 1 >= argc)
+                return usage_error(cmd, "option '%s' needs a value", a);
             val = argv[++i];
         }
-        rc = store(cmd, o, val);
+        if (only) {
+            if (o == only)
+                *only_val = val;
+            continue;
+        }
+        char why[FU_OPTS_WHY_MAX];
+        if (opt_set(o, val, why, sizeof why) != FU_OK)
+            rc = usage_error(cmd, "%s", why);
     }
+    return rc;
+}
+
+fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, int *exit_code)
+{
+    flag_help = flag_version = flag_log_json = false;
+    opt_log_level = NULL;
+    size_t npos = 0;
+    char why[FU_OPTS_WHY_MAX];
+    int rc = 0;
+
+    const fu_opt *config = find_config(cmd);
+    const char *config_path = NULL;
+    if (config)
+        rc = walk_argv(cmd, argc, argv, config, &config_path, &npos);
+    if (rc == 0 && config_path && fu_opts_load_file(cmd, config_path, why, sizeof why) != FU_OK)
+        rc = usage_error(cmd, "%s", why);
+    if (rc == 0)
+        rc = walk_argv(cmd, argc, argv, NULL, NULL, &npos);
     if (rc) {
         *exit_code = rc;
         return FU_ECANCELED;
@@ -172,16 +343,10 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
         *exit_code = FU_EXIT_OK;
         return FU_ECANCELED;
     }
-    if (opt_log_level) {
-        fu_log_level lvl;
-        if (fu_log_parse_level(opt_log_level, &lvl) != FU_OK) {
-            *exit_code = usage_error(cmd, "unknown log level '%s' (debug, info, warn, error, off)", opt_log_level);
-            return FU_ECANCELED;
-        }
-        fu_log_set_level(lvl);
+    if (apply_log(why, sizeof why) != FU_OK) {
+        *exit_code = usage_error(cmd, "%s", why);
+        return FU_ECANCELED;
     }
-    if (flag_log_json)
-        fu_log_set_format(FU_LOG_JSON);
     if (npos < cmd->min_pos || npos > cmd->max_pos) {
         char want[64];
         if (cmd->min_pos == cmd->max_pos)

@@ -1,5 +1,6 @@
 /* Command-line options for every fusion program: a table of long options (optionally with a short
- * letter), typed destinations, and the common --help, --version, --log-level and --log-json. */
+ * letter), typed destinations, and the common --help, --version, --log-level and --log-json.
+ * The same options can be set from a config file of `key = value` lines (fu_opts_load_file). */
 #ifndef FU_OPTS_H
 #define FU_OPTS_H
 
@@ -20,9 +21,13 @@ extern "C" {
 #define FU_EXIT_NOTFOUND 4 /* the job, file or peer named does not exist */
 #define FU_EXIT_TIMEOUT 5 /* a wait ran out of time */
 
+#define FU_OPTS_LINE_MAX   4096  /* longest config-file line, in bytes without the newline */
+#define FU_OPTS_ARENA_SIZE 65536 /* bytes for string values read from config files, per process */
+#define FU_OPTS_WHY_MAX    512   /* a why buffer of this size holds any fu_opts message whole */
+
 typedef enum {
-    FU_OPT_FLAG,   /* bool *: set to true when present */
-    FU_OPT_STR,    /* const char **: points into argv */
+    FU_OPT_FLAG,   /* bool *: set to true when present; a file says true/false, yes/no, on/off, 1/0 */
+    FU_OPT_STR,    /* const char **: points into argv, or into static storage for a file's values */
     FU_OPT_INT,    /* long long * */
     FU_OPT_DOUBLE, /* double * */
 } fu_opt_kind;
@@ -50,8 +55,25 @@ typedef struct {
  * order, to argv[1..1+*n_pos). On success returns FU_OK and *exit_code is untouched. When the
  * program should exit now (--help or --version printed to stdout: exit 0; a usage error printed to
  * stderr: exit FU_EXIT_USAGE) returns FU_ECANCELED and sets *exit_code. --log-level and --log-json
- * configure fu_log directly. */
+ * configure fu_log directly.
+ * If cmd->opts has a FU_OPT_STR option named "config" and argv gives it (--config FILE or
+ * --config=FILE, before any "--"), FILE is loaded with fu_opts_load_file first, so the command line
+ * overrides the file; a file that cannot be loaded is a usage error. Not thread-safe (the common
+ * options and the file arena are process-wide). */
 FU_MUST_CHECK fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, int *exit_code);
+
+/* Sets cmd's options from the config file at path: `key = value` lines, key an option's long name
+ * without dashes, whitespace around key and value ignored, blank lines and lines starting with '#'
+ * skipped. Values are checked as on the command line; a later line overrides an earlier one, and a
+ * later fu_opts_parse overrides the file (load a default file before parsing). String values are
+ * copied into static storage (FU_OPTS_ARENA_SIZE bytes per process, never freed) so they outlive the
+ * file. --log-level and --log-json take effect at once; help, version and config cannot be set from
+ * a file (no nesting).
+ * Returns FU_OK, or on error writes one sentence to why (why_cap bytes, may be NULL; "FILE:LINE: ..."
+ * for content errors) and returns FU_ENOTFOUND (no such file), FU_EIO (unreadable), FU_EINVAL (an
+ * unknown key, a line without '=', a bad value, a line over FU_OPTS_LINE_MAX bytes) or FU_ENOMEM (the
+ * string storage is full). Lines before the bad one may already be applied. Not thread-safe. */
+FU_MUST_CHECK fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, char *why, size_t why_cap);
 
 /* Prints cmd's --help text to stdout. */
 void fu_opts_print_help(const fu_cmd *cmd);

@@ -1346,8 +1346,11 @@ fu_err dag_exec_forward(dag_exec_t *x, uint32_t slot)
             b->refs = input_refs_for(x, (uint32_t)i);
     }
     fu_err rc = FU_OK;
-    for (size_t i = x->first; i < x->last && rc == FU_OK; i++)
+    for (size_t i = x->first; i < x->last && rc == FU_OK; i++) {
+        if (x->o.yield)
+            x->o.yield(x->o.yield_arg);
         rc = fwd_node(x, slot, i);
+    }
     if (rc != FU_OK) {
         slot_release(x, slot, false);
         s->forwarded = false;
@@ -1758,11 +1761,15 @@ fu_err dag_exec_backward(dag_exec_t *x, uint32_t slot, float loss_scale)
         buf_unref(&x->grad[i]);
     x->bwd_rows = s->rows;
     fu_err rc = FU_OK;
-    for (size_t j = x->last; j-- > x->first && rc == FU_OK;)
-        if (x->nodes[j].run_bwd)
-            rc = bwd_node(x, slot, j, loss_scale);
-        else
+    for (size_t j = x->last; j-- > x->first && rc == FU_OK;) {
+        if (!x->nodes[j].run_bwd) {
             buf_unref(&x->grad[j]);
+            continue;
+        }
+        if (x->o.yield)
+            x->o.yield(x->o.yield_arg);
+        rc = bwd_node(x, slot, j, loss_scale);
+    }
     for (size_t j = x->first; j < x->last; j++)
         buf_unref(&x->grad[j]);
     slot_release(x, slot, false);

@@ -48,6 +48,10 @@ typedef struct {
     uint64_t seed;            /* adapter initialisation (Kaiming-uniform A, zero B) */
     bool lorafa_correction;   /* LoRA-FA: precondition B's gradient with (A·Aᵀ)⁻¹/s² before each
                                  step (PEFT's LoRA-FA optimizer; the published method does not) */
+    void (*yield)(void *arg); /* called before each node's forward and backward (NULL: none): where
+                                 the caller may pause or throttle the computation; it must not use
+                                 the executor */
+    void *yield_arg;          /* its argument */
 } dag_exec_opts;
 
 typedef struct dag_exec dag_exec_t;

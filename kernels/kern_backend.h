@@ -162,9 +162,10 @@ const kern_backend_t *kern_backend_cpu(void);
 FU_MUST_CHECK fu_err kern_backend_get(const char *name, const kern_backend_t **out);
 
 /* Number of threads the CPU backend uses for its own loops (OpenMP; GEMMs use OpenBLAS's own
- * threads, set with OPENBLAS_NUM_THREADS). Small ops always run on the calling thread. */
+ * threads). Small ops always run on the calling thread. */
 int kern_cpu_threads(void);
-/* Sets that number process-wide (0: automatic = OpenMP's default). FU_EINVAL when n < 0 or absurd.
+/* Sets that number process-wide for the OpenMP loops and OpenBLAS's GEMMs (0: automatic = OpenMP's
+ * default, OpenBLAS left as it is). FU_EINVAL when n < 0 or absurd.
  * Thread-safe, but workspace sizes queried before a change may no longer fit attention's
  * few-query path (it then returns FU_ENOMEM rather than overrun). */
 FU_MUST_CHECK fu_err kern_cpu_set_threads(int n);

@@ -226,6 +226,9 @@ void kern_cpu_set_par_min(int64_t elements)
 /* 0: automatic (OpenMP's default, normally one per core, or OMP_NUM_THREADS). */
 static _Atomic int cpu_threads_override;
 
+/* OpenBLAS's own thread count (GEMMs); weak so that a BLAS without it still links. */
+extern void openblas_set_num_threads(int n) __attribute__((weak));
+
 int kern_cpu_threads(void)
 {
     int n = atomic_load_explicit(&cpu_threads_override, memory_order_relaxed);
@@ -237,5 +240,7 @@ fu_err kern_cpu_set_threads(int n)
     if (n < 0 || n > 4096)
         return FU_EINVAL;
     atomic_store_explicit(&cpu_threads_override, n, memory_order_relaxed);
+    if (n > 0 && openblas_set_num_threads)
+        openblas_set_num_threads(n);
     return FU_OK;
 }

@@ -114,16 +114,22 @@ struct peer {
     int held_src[PEER_HELD];
     size_t n_held;
     bool send_waited;              /* the last tensor send found a full queue */
+    peer_guest_t *guest;           /* priority, duty cycle, pauses */
+    unsigned pause_mask;           /* the pause last reported (PEER_PAUSE_*) */
+    char pause_text[200];          /* its reason, for heartbeats */
 };
 
 static volatile sig_atomic_t g_stop = 0;
-
-/* OpenBLAS's own thread count (GEMMs); weak so that a BLAS without it still links. */
-extern void openblas_set_num_threads(int n) __attribute__((weak));
+static volatile sig_atomic_t g_pause_req = 0; /* 1: the owner pauses, 2: resumes (taken by the loop) */
 
 void peer_request_stop(void)
 {
     g_stop = 1;
+}
+
+void peer_request_pause(bool on)
+{
+    g_pause_req = on ? 1 : 2;
 }
 
 const char *peer_profile_line(const peer_t *p)
@@ -238,11 +244,17 @@ static void send_hello(peer_t *p)
     p->hello_ms = fu_clock_ms();
 }
 
-static void send_heartbeat(peer_t *p)
+/* A Heartbeat now. on_time: the timer's beat (the schedule moves on); else an extra one (a pause
+ * began or ended) that leaves the schedule alone. */
+static void send_heartbeat(peer_t *p, bool on_time)
 {
     Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
     hb.time_ms = fu_wallclock_ms();
-    hb.state = p->leaving ? FUSION__PEER_STATE__PEER_STATE_DRAINING : (Fusion__PeerState)atomic_load(&p->shared.state);
+    hb.state = p->leaving      ? FUSION__PEER_STATE__PEER_STATE_DRAINING
+               : p->pause_mask ? FUSION__PEER_STATE__PEER_STATE_PAUSED
+                               : (Fusion__PeerState)atomic_load(&p->shared.state);
+    if (hb.state == FUSION__PEER_STATE__PEER_STATE_PAUSED)
+        hb.pause_reason = p->pause_text;
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
     if (atomic_load(&p->shared.stage_active)) {
@@ -252,6 +264,8 @@ static void send_heartbeat(peer_t *p)
         hb.backward_done = (uint32_t)pr & 0xffffu;
     }
     (void)to_broker(p, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, 0, 0, &hb.base);
+    if (!on_time)
+        return;
     /* Fixed rate: a beat sent late does not push the next ones back (on a loaded machine the
      * lateness of every wake-up used to add up); more than an interval behind, start afresh. */
     uint64_t now = fu_clock_ms();
@@ -563,7 +577,7 @@ static bool send_wait(void *arg)
     peer_t *p = arg;
     p->send_waited = true;
     if (p->welcomed && fu_clock_ms() - p->last_hb_ms >= p->hb_ms)
-        send_heartbeat(p);
+        send_heartbeat(p, true);
     flush_stash(p);
     read_data(p, p->router, SRC_ROUTER, true);
     read_data(p, p->down, SRC_DOWN, true);
@@ -1012,8 +1026,6 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
     if (peer_cache_trim(p->cache_dir, p->cache_max_bytes, NULL, &freed, &em) != FU_OK) /* a lowered limit */
         FU_WARN("peer", "cannot trim the cache to --cache-max-gb: %s", em.msg);
     if (cfg->threads > 0) {
-        if (openblas_set_num_threads)
-            openblas_set_num_threads(cfg->threads);
         if ((err = kern_cpu_set_threads(cfg->threads)) != FU_OK) {
             snprintf(why, cap, "bad --threads %d", cfg->threads);
             goto fail;
@@ -1035,6 +1047,19 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
     if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
         p->prof.link_bandwidth_bps = p->cfg.link_mbps * 1e6;
     peer_profile_format(&p->prof, p->prof_line, sizeof p->prof_line);
+
+    /* A guest on its owner's machine (peer_guest.h). The threads that exist now are compute
+     * threads (OpenBLAS's pool, the profile's OpenMP team): they take the compute priority before
+     * ZeroMQ starts its I/O threads, which keep the process's own, as this thread does. */
+    if (!(p->guest = peer_guest_new(&cfg->guest, cfg->threads))) {
+        snprintf(why, cap, "bad --max-cpu, --busy-percent or --hours");
+        err = FU_EINVAL;
+        goto fail;
+    }
+    kern_priority got = KERN_PRIORITY_NORMAL;
+    if (kern_priority_set_others(cfg->guest.priority, &got) != FU_OK || got != cfg->guest.priority)
+        FU_WARN("peer", "compute threads: priority %s wanted, %s obtained", kern_priority_name(cfg->guest.priority),
+                kern_priority_name(got));
 
     p->ctx = zmq_ctx_new();
     if (!p->ctx) {
@@ -1083,7 +1108,8 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
     p->ccfg = (peer_compute_cfg){.ctx = p->ctx, .be = p->be, .cache_dir = p->cache_dir,
                                  .cache_max_bytes = p->cache_max_bytes,
                                  .mem_budget = p->prof.free_memory_bytes ? p->prof.free_memory_bytes : ((uint64_t)1 << 32),
-                                 .shared = &p->shared, .self_pk = wire_keypair_public(p->kp)};
+                                 .shared = &p->shared, .self_pk = wire_keypair_public(p->kp),
+                                 .guest = p->guest, .priority = cfg->guest.priority};
     /* The compute thread must not take the signals meant for the I/O thread's loop. */
     sigset_t all, old;
     sigfillset(&all);
@@ -1110,6 +1136,31 @@ fail:
 
 /* ---- the loop ------------------------------------------------------------------------------ */
 
+/* The owner's pause requests, the machine's load and the hours: a change of the pause is logged and
+ * told to the broker at once (a heartbeat). A leaving peer pauses no more: its stage must drain. */
+static void guest_tick(peer_t *p, uint64_t now)
+{
+    sig_atomic_t req = g_pause_req;
+    if (req) {
+        g_pause_req = 0;
+        peer_guest_owner_pause(p->guest, req == 1);
+    }
+    if (p->leaving)
+        peer_guest_release(p->guest);
+    unsigned mask = peer_guest_tick(p->guest, now);
+    if (mask == p->pause_mask)
+        return;
+    if (mask)
+        peer_guest_describe(p->guest, mask, p->pause_text, sizeof p->pause_text);
+    if (mask)
+        FU_INFO("peer", "compute paused: %s", p->pause_text);
+    else
+        FU_INFO("peer", "compute resumed");
+    p->pause_mask = mask;
+    if (p->welcomed)
+        send_heartbeat(p, false);
+}
+
 fu_err peer_run(peer_t *p)
 {
     if (!p)
@@ -1130,6 +1181,7 @@ fu_err peer_run(peer_t *p)
             p->leave_ms = now;
             send_leave(p, "backend failure");
         }
+        guest_tick(p, now);
         if (p->leaving) {
             bool active = atomic_load(&p->shared.stage_active) != 0;
             if (!active || p->fatal) {
@@ -1142,7 +1194,7 @@ fu_err peer_run(peer_t *p)
             }
         }
         if (p->welcomed && now - p->last_hb_ms >= p->hb_ms) {
-            send_heartbeat(p);
+            send_heartbeat(p, true);
             check_ready(p); /* a StageReady the stall test hook held back */
         }
         if (input_paused(p))
@@ -1228,6 +1280,7 @@ void peer_destroy(peer_t **p_p)
         return;
     peer_t *p = *p_p;
     if (p->compute_started) {
+        peer_guest_release(p->guest); /* a paused compute thread must come to its STOP */
         peer_cmd *stop = peer_cmd_new(PEER_CMD_STOP);
         /* Drain what the compute thread sends while it finishes its command, until it has the STOP. */
         while (p->pipe) {
@@ -1263,6 +1316,7 @@ void peer_destroy(peer_t **p_p)
     link_reset(&p->links[0]);
     link_reset(&p->links[1]);
     peer_vin_asm_destroy(&p->vin);
+    peer_guest_destroy(&p->guest);
     wire_socket_close(&p->down);
     wire_socket_close(&p->router);
     wire_socket_close(&p->broker);

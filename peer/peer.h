@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "fu_err.h"
+#include "peer_guest.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,6 +55,7 @@ typedef struct {
     const char *name;            /* shown by `fusion peers` (NULL: the host name) */
     const char *enrol_token;     /* enrol with this token first (NULL: already allowed) */
     uint32_t drain_ms;           /* PEER_DRAIN_MS when 0 */
+    peer_guest_cfg guest;        /* priority, duty cycle, pauses (peer_guest.h) */
 } peer_cfg;
 
 typedef struct peer peer_t;
@@ -69,6 +71,9 @@ FU_MUST_CHECK fu_err peer_run(peer_t *p);
 
 /* Asks the loop to leave gracefully. Async-signal-safe. */
 void peer_request_stop(void);
+
+/* The owner pauses (true) or resumes (false) compute by hand (SIGUSR1 / SIGUSR2). Async-signal-safe. */
+void peer_request_pause(bool on);
 
 /* Stops the compute thread, closes the sockets; idempotent; sets *p_p = NULL. */
 void peer_destroy(peer_t **p_p);

@@ -12,6 +12,7 @@
 #include "fu_err.h"
 #include "fusion.pb-c.h"
 #include "kern_backend.h"
+#include "peer_guest.h"
 #include "wire.h"
 #include "wire_keys.h"
 #include "wire_tensor.h"
@@ -86,6 +87,8 @@ typedef struct {
     uint64_t mem_budget;         /* most bytes one blob may take */
     peer_shared *shared;         /* published state */
     const uint8_t *self_pk;      /* this peer's long-term public key (32 bytes) */
+    peer_guest_t *guest;         /* pauses and duty cycle (the executor's yield hook); borrowed */
+    kern_priority priority;      /* the compute thread sets itself to it */
 } peer_compute_cfg;
 
 /* The compute thread's body: connects the PAIR's other end and serves commands until STOP. */

@@ -17,7 +17,10 @@ static volatile sig_atomic_t g_signals = 0;
 
 static void on_signal(int sig)
 {
-    (void)sig;
+    if (sig == SIGUSR1 || sig == SIGUSR2) { /* the owner's pause and resume */
+        peer_request_pause(sig == SIGUSR1);
+        return;
+    }
     if (g_signals++ == 0) {
         peer_request_stop(); /* leave gracefully: Leave, drain, exit 0 */
         return;
@@ -34,8 +37,11 @@ int main(int argc, char **argv)
     const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
     double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0;
-    bool no_listen = false;
+    bool no_listen = false, pause_busy = false;
+    const char *priority = "idle", *hours = NULL, *config = NULL;
+    long long max_cpu = 100, busy_pct = PEER_GUEST_BUSY_DEFAULT;
     const fu_opt opts[] = {
+        {"config", 0, FU_OPT_STR, &config, "FILE", "read options from FILE (`option = value` lines); the command line wins"},
         {"broker", 0, FU_OPT_STR, &broker, "ENDPOINT", "the broker's control endpoint (tcp://HOST:7700)"},
         {"broker-key", 0, FU_OPT_STR, &broker_key, "FILE", "the broker's public key file"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "this peer's key directory (from `fusion keygen`)"},
@@ -53,12 +59,22 @@ int main(int argc, char **argv)
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
         {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "enrol this peer's key with the broker's token first"},
         {"drain-timeout", 0, FU_OPT_INT, &drain_s, "S", "after a signal, wait this long for StageRelease (default 30)"},
+        {"priority", 0, FU_OPT_STR, &priority, "P",
+         "compute threads' priority: idle (default: only time nothing else wants), low (nice 19) or normal"},
+        {"max-cpu", 0, FU_OPT_INT, &max_cpu, "PERCENT", "compute runs at most PERCENT of the time (default 100)"},
+        {"pause-when-busy", 0, FU_OPT_FLAG, &pause_busy, NULL,
+         "pause compute while other programs use more than --busy-percent of the CPU"},
+        {"busy-percent", 0, FU_OPT_INT, &busy_pct, "PERCENT",
+         "the other programs' share of all CPUs that counts as busy (default 25)"},
+        {"hours", 0, FU_OPT_STR, &hours, "FROM-TO", "compute only in this daily window, local time (22-08, 22:30-07:00)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-peer",
         .usage = "--broker ENDPOINT --broker-key FILE --keys DIR [options]",
         .summary = "Joins a fusion broker as a compute peer: measures this machine, runs the pipeline\n"
-                   "stages it is given, and leaves cleanly on SIGINT or SIGTERM (a second signal exits at once).",
+                   "stages it is given, and leaves cleanly on SIGINT or SIGTERM (a second signal exits at once).\n"
+                   "A guest on its owner's machine: compute runs at idle priority; SIGUSR1 pauses it, SIGUSR2\n"
+                   "resumes it (the stage is kept).",
         .opts = opts,
         .n_opts = sizeof opts / sizeof opts[0],
     };
@@ -83,6 +99,20 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --link-mbps must be a number of MB/s, 0 to 1000000 (0: measure)\n");
         return FU_EXIT_USAGE;
     }
+    peer_guest_cfg guest = {.max_cpu = (int)max_cpu, .pause_when_busy = pause_busy, .busy_percent = (int)busy_pct};
+    if (kern_priority_parse(priority, &guest.priority) != FU_OK) {
+        fprintf(stderr, "fusion-peer: --priority must be idle, low or normal\n");
+        return FU_EXIT_USAGE;
+    }
+    if (max_cpu < 1 || max_cpu > 100 || busy_pct < 1 || busy_pct > 100) {
+        fprintf(stderr, "fusion-peer: --max-cpu and --busy-percent must be 1..100\n");
+        return FU_EXIT_USAGE;
+    }
+    char hwhy[256];
+    if (hours && peer_guest_hours_parse(hours, &guest.hours_from, &guest.hours_to, hwhy, sizeof hwhy) != FU_OK) {
+        fprintf(stderr, "fusion-peer: %s\n", hwhy);
+        return FU_EXIT_USAGE;
+    }
     if (no_listen && data_bind) {
         fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
         return FU_EXIT_USAGE;
@@ -97,13 +127,15 @@ int main(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
+    sigaction(SIGUSR2, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
 
     peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
                     .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,
                     .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory,
                     .cache_max_gb = cache_max, .link_mbps = link_mbps, .name = name,
-                    .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000)};
+                    .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000), .guest = guest};
     char why[1024];
     fu_err err;
     peer_t *p = peer_new(&cfg, &err, why, sizeof why);

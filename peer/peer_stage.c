@@ -619,7 +619,8 @@ static fu_err restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errms
 
 static fu_err make_exec(stage_t *s, fu_errmsg *em)
 {
-    dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed};
+    dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed,
+                       .yield = peer_guest_yield, .yield_arg = s->cfg.guest};
     if (s->spec.infer) {
         /* Rows of one forward: the prompt (plus the tokens generated before a failover) at once. */
         uint64_t prompt = s->spec.prompt_tokens ? s->spec.n_prompt_tokens : s->n_ids;
@@ -1750,6 +1751,12 @@ void *peer_compute_main(void *arg)
 {
     stage_t *s = fu_calloc(1, sizeof *s);
     s->cfg = *(peer_compute_cfg *)arg;
+    /* A guest: this thread and the threads it starts (OpenMP team, SALR helper) at the owner's chosen
+     * priority; the I/O thread keeps the process's own. */
+    kern_priority got = KERN_PRIORITY_NORMAL;
+    if (kern_priority_set_self(s->cfg.priority, &got) != FU_OK || got != s->cfg.priority)
+        FU_WARN("peer", "compute: priority %s wanted, %s obtained", kern_priority_name(s->cfg.priority),
+                kern_priority_name(got));
     s->lm_node = UINT32_MAX;
     s->pipe = zmq_socket(s->cfg.ctx, ZMQ_PAIR);
     int hwm = PEER_PAIR_HWM, tmo = ST_POLL_MS, linger = 0;

@@ -76,6 +76,10 @@ typedef struct {
                                     NULL: none (takes the place of corrupt_mode) */
     int ready_timeout_s;         /* --ready-timeout of the broker (0: its default) */
     int step_timeout_s;          /* --step-timeout of the broker (0: its default) */
+    int pause_grace_s;           /* --pause-grace of the broker (0: its default) */
+    const char *priority;        /* --priority of every peer (NULL: "normal": a test cluster is not a
+                                    guest, and other tests share the machine) */
+    const char *peer_extra[8];   /* more fusion-peer arguments (NULL-terminated) */
 } e2e_cluster;
 
 #define E2E_WORDS 6000 /* words of the seeded training stream (word_data) */
@@ -469,9 +473,10 @@ static inline void e2e_broker_start(e2e_cluster *c)
     snprintf(hb, sizeof hb, "%d", c->heartbeat_ms > 0 ? c->heartbeat_ms : 1000);
     char bind[128];
     snprintf(bind, sizeof bind, "%s", c->endpoint[0] ? c->endpoint : "tcp://127.0.0.1:*");
-    char rt[16], stt[16];
+    char rt[16], stt[16], pg[16];
     snprintf(rt, sizeof rt, "%d", c->ready_timeout_s);
     snprintf(stt, sizeof stt, "%d", c->step_timeout_s);
+    snprintf(pg, sizeof pg, "%d", c->pause_grace_s);
     char *argv[20] = {strdup(tu_bin("fusion-broker")), "--bind", bind, "--keys", keys, "--db", db, "--allow", allow,
                       "--backups", backups, "--heartbeat-ms", hb, NULL};
     int n = 13;
@@ -482,6 +487,10 @@ static inline void e2e_broker_start(e2e_cluster *c)
     if (c->step_timeout_s > 0) {
         argv[n++] = "--step-timeout";
         argv[n++] = stt;
+    }
+    if (c->pause_grace_s > 0) {
+        argv[n++] = "--pause-grace";
+        argv[n++] = pg;
     }
     argv[n] = NULL;
     c->broker = e2e_spawn(log, argv);
@@ -508,10 +517,12 @@ static inline void e2e_peer_start(e2e_cluster *c, int i)
     e2e_path(c, cache, "cache%d", i);
     e2e_path(c, bkey, "broker/public.key");
     snprintf(name, sizeof name, "p%d", i);
-    char *argv[24] = {strdup(tu_bin("fusion-peer")), "--broker", c->endpoint, "--broker-key", bkey, "--keys", keys,
+    char *argv[32] = {strdup(tu_bin("fusion-peer")), "--broker", c->endpoint, "--broker-key", bkey, "--keys", keys,
                       "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name,
-                      "--drain-timeout", "15"};
-    int n = 17;
+                      "--drain-timeout", "15", "--priority", (char *)(c->priority ? c->priority : "normal")};
+    int n = 19;
+    for (int k = 0; k < 8 && c->peer_extra[k]; k++)
+        argv[n++] = (char *)c->peer_extra[k];
     if (c->peer_memory_gb) {
         argv[n++] = "--max-memory";
         argv[n++] = (char *)c->peer_memory_gb;
@@ -683,6 +694,7 @@ static inline void e2e_cluster_stop(e2e_cluster *c)
 static inline int e2e_teardown(void **state)
 {
     (void)state;
+    tu_load_stop();
     for (int i = 0; i < E2E_MAX_CHILDREN; i++) {
         pid_t pid = e2e_kids[i];
         siginfo_t info;

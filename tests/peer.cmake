@@ -50,3 +50,6 @@ set_tests_properties(test_verify_input_chunks test_verify_bad_messages test_veri
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
 set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 180
                      RUN_SERIAL TRUE)
+# A good guest (peer_guest): the daily window, the busy hysteresis, the owner's pause, a paused
+# compute thread that waits and resumes, the duty cycle's CPU share.
+fu_add_test(test_peer_guest SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_guest.c LIBS fu_peer TIMEOUT 60)

@@ -12,6 +12,7 @@
 #include "fu_err.h"
 #include "fu_log.h"
 #include "fu_opts.h"
+#include "testutil.h"
 
 static void test_common_strerror_covers_every_code(void **state)
 {
@@ -151,6 +152,257 @@ static void test_common_opts_reject_bad_input(void **state)
     assert_int_equal(code, FU_EXIT_USAGE);
 }
 
+/* Config files: the options of the table below, written to a scratch directory per test. */
+typedef struct {
+    char       *dir;        /* scratch directory (owned) */
+    char        path[4200]; /* the config file in it */
+    bool        wait;       /* --wait, a flag */
+    const char *name;       /* --name / -n, a string */
+    long long   steps;      /* --steps, an integer (1 until set) */
+    double      lr;         /* --lr, a double */
+    const char *config;     /* --config / -c FILE */
+    fu_opt      opts[5];    /* the table over the fields above */
+    fu_cmd      cmd;        /* "t": the table, at most one positional */
+} conf_fixture;
+
+static conf_fixture *conf_new(const char *text)
+{
+    conf_fixture *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    f->dir = tu_tmpdir("opts");
+    assert_non_null(f->dir);
+    snprintf(f->path, sizeof f->path, "%s/t.conf", f->dir);
+    FILE *fp = fopen(f->path, "w");
+    assert_non_null(fp);
+    fputs(text, fp);
+    fclose(fp);
+    f->steps = 1;
+    const fu_opt opts[5] = {
+        {"wait", 'w', FU_OPT_FLAG, &f->wait, NULL, ""},
+        {"name", 'n', FU_OPT_STR, &f->name, "NAME", ""},
+        {"steps", 0, FU_OPT_INT, &f->steps, "N", ""},
+        {"lr", 0, FU_OPT_DOUBLE, &f->lr, "LR", ""},
+        {"config", 'c', FU_OPT_STR, &f->config, "FILE", ""},
+    };
+    memcpy(f->opts, opts, sizeof opts);
+    f->cmd = (fu_cmd){.prog = "t", .opts = f->opts, .n_opts = 5, .min_pos = 0, .max_pos = 1};
+    return f;
+}
+
+static void conf_destroy(conf_fixture **f_p)
+{
+    conf_fixture *f = *f_p;
+    unlink(f->path);
+    rmdir(f->dir);
+    free(f->dir);
+    free(f);
+    *f_p = NULL;
+}
+
+/* fu_opts_load_file on text must fail with err and exactly "PATH:<suffix>" in why. */
+static void conf_expect_error(const char *text, fu_err err, const char *suffix)
+{
+    conf_fixture *f = conf_new(text);
+    char why[FU_OPTS_WHY_MAX], want[FU_OPTS_WHY_MAX + 4200];
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), err);
+    snprintf(want, sizeof want, "%s:%s", f->path, suffix);
+    assert_string_equal(why, want);
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_sets_each_kind(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("wait = yes\nname = model-a\nsteps = 40\nlr = 2.5e-4\n");
+    char why[FU_OPTS_WHY_MAX] = "";
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), FU_OK);
+    assert_true(f->wait);
+    assert_string_equal(f->name, "model-a");
+    assert_int_equal(f->steps, 40);
+    assert_true(f->lr == 2.5e-4);
+    conf_destroy(&f);
+
+    f = conf_new("wait = off\n");
+    f->wait = true;
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_false(f->wait);
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_comments_blanks_and_whitespace(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("# a comment = not a setting\n\n   \n  # indented comment\n"
+                               "\t name \t=   hello world  \r\n  steps=7\nlr =\t0.5");
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_string_equal(f->name, "hello world");
+    assert_int_equal(f->steps, 7);
+    assert_true(f->lr == 0.5); /* last line without a newline */
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_string_outlives_file(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("name = kept/after/the/file/is/gone\n");
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    const char *name = f->name;
+    conf_destroy(&f); /* the file and the buffer that read it are gone */
+    f = conf_new("steps = 12345678901234567890123456789 # overwrites the reader's line buffer\n");
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_EINVAL);
+    conf_destroy(&f);
+    assert_string_equal(name, "kept/after/the/file/is/gone");
+}
+
+static void test_common_opts_command_line_overrides_file(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("name = from-file\nsteps = 3\nlr = 0.25\n");
+    char *argv[] = {"t", "--steps", "5", "pos", "--config", f->path, NULL};
+    size_t npos = 0;
+    int code = -1;
+    assert_int_equal(fu_opts_parse(&f->cmd, 6, argv, &npos, &code), FU_OK);
+    assert_int_equal(code, -1);
+    assert_int_equal(f->steps, 5);              /* argv wins, though it came before --config */
+    assert_string_equal(f->name, "from-file"); /* the file fills what argv does not give */
+    assert_true(f->lr == 0.25);
+    assert_string_equal(f->config, f->path);   /* --config itself is stored as usual */
+    assert_int_equal(npos, 1);
+    assert_string_equal(argv[1], "pos");
+    conf_destroy(&f);
+}
+
+static void test_common_opts_config_equals_form_and_short_alias(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("steps = 9\n");
+    char arg[4300];
+    snprintf(arg, sizeof arg, "--config=%s", f->path);
+    char *a1[] = {"t", arg, NULL};
+    size_t npos = 0;
+    int code = -1;
+    assert_int_equal(fu_opts_parse(&f->cmd, 2, a1, &npos, &code), FU_OK);
+    assert_int_equal(f->steps, 9);
+
+    f->steps = 1;
+    char *a2[] = {"t", "-c", f->path, NULL};
+    assert_int_equal(fu_opts_parse(&f->cmd, 3, a2, &npos, &code), FU_OK);
+    assert_int_equal(f->steps, 9);
+
+    /* After "--" it is a positional argument, and a value of another option is not --config. */
+    f->steps = 1;
+    char *a3[] = {"t", "--name", "--config", "--", "--config=/nonexistent/x.conf", NULL};
+    assert_int_equal(fu_opts_parse(&f->cmd, 5, a3, &npos, &code), FU_OK);
+    assert_int_equal(npos, 1);
+    assert_string_equal(a3[1], "--config=/nonexistent/x.conf");
+    assert_string_equal(f->name, "--config");
+    assert_int_equal(f->steps, 1);
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_unknown_key_names_line(void **state)
+{
+    (void)state;
+    conf_expect_error("# threads\nsteps = 2\ntreads = 4\n", FU_EINVAL,
+                      "3: unknown setting 'treads' (see --help for the options)");
+    /* Short letters and dashes are command-line spellings, not keys. */
+    conf_expect_error("n = x\n", FU_EINVAL, "1: unknown setting 'n' (see --help for the options)");
+    conf_expect_error("--steps = 2\n", FU_EINVAL, "1: unknown setting '--steps' (see --help for the options)");
+
+    /* Through fu_opts_parse it is a usage error, and the command line is not applied. */
+    conf_fixture *f = conf_new("treads = 4\n");
+    char *argv[] = {"t", "--config", f->path, "--steps", "6", NULL};
+    size_t npos = 0;
+    int code = -1;
+    assert_int_equal(fu_opts_parse(&f->cmd, 5, argv, &npos, &code), FU_ECANCELED);
+    assert_int_equal(code, FU_EXIT_USAGE);
+    assert_int_equal(f->steps, 1);
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_bad_values_refused(void **state)
+{
+    (void)state;
+    conf_expect_error("\nsteps = abc\n", FU_EINVAL, "2: --steps needs an integer, got 'abc'");
+    conf_expect_error("steps = 1.5\n", FU_EINVAL, "1: --steps needs an integer, got '1.5'");
+    conf_expect_error("steps =\n", FU_EINVAL, "1: --steps needs an integer, got ''");
+    conf_expect_error("lr = fast\n", FU_EINVAL, "1: --lr needs a number, got 'fast'");
+    conf_expect_error("wait = maybe\n", FU_EINVAL,
+                      "1: --wait needs true or false (yes/no, on/off, 1/0), got 'maybe'");
+    conf_expect_error("steps 5\n", FU_EINVAL, "1: expected 'key = value', got 'steps 5'");
+    conf_expect_error("log-level = loud\n", FU_EINVAL,
+                      "1: unknown log level 'loud' (debug, info, warn, error, off)");
+
+    char *long_line = malloc(FU_OPTS_LINE_MAX + 16);
+    assert_non_null(long_line);
+    /* Exactly FU_OPTS_LINE_MAX bytes is fine; one more is refused, not cut. */
+    memset(long_line, ' ', FU_OPTS_LINE_MAX);
+    memcpy(long_line, "name = x", 8);
+    strcpy(long_line + FU_OPTS_LINE_MAX, "\nsteps = 2\n");
+    conf_fixture *f = conf_new(long_line);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_int_equal(f->steps, 2);
+    conf_destroy(&f);
+    memset(long_line, ' ', FU_OPTS_LINE_MAX + 1);
+    memcpy(long_line, "name = x", 8);
+    strcpy(long_line + FU_OPTS_LINE_MAX + 1, "\n");
+    conf_expect_error(long_line, FU_EINVAL, "1: line longer than 4096 bytes");
+    free(long_line);
+}
+
+static void test_common_opts_file_missing_refused(void **state)
+{
+    (void)state;
+    conf_fixture *f = conf_new("");
+    char missing[4300], why[FU_OPTS_WHY_MAX], want[FU_OPTS_WHY_MAX + 4300];
+    snprintf(missing, sizeof missing, "%s/absent.conf", f->dir);
+    assert_int_equal(fu_opts_load_file(&f->cmd, missing, why, sizeof why), FU_ENOTFOUND);
+    snprintf(want, sizeof want, "cannot read config file '%s': No such file or directory", missing);
+    assert_string_equal(why, want);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->dir, why, sizeof why), FU_EIO); /* a directory */
+    snprintf(want, sizeof want, "cannot read config file '%s': Is a directory", f->dir);
+    assert_string_equal(why, want);
+
+    char *argv[] = {"t", "--config", missing, NULL};
+    size_t npos = 0;
+    int code = -1;
+    assert_int_equal(fu_opts_parse(&f->cmd, 3, argv, &npos, &code), FU_ECANCELED);
+    assert_int_equal(code, FU_EXIT_USAGE);
+    conf_destroy(&f);
+}
+
+static void test_common_opts_file_cannot_set_config_help_version(void **state)
+{
+    (void)state;
+    conf_expect_error("steps = 2\nconfig = other.conf\n", FU_EINVAL,
+                      "2: 'config' cannot be set from a config file (config files do not nest)");
+    conf_expect_error("help = true\n", FU_EINVAL, "1: 'help' cannot be set from a config file");
+    conf_expect_error("version = yes\n", FU_EINVAL, "1: 'version' cannot be set from a config file");
+}
+
+/* Runs last: it fills the process-wide string storage for config files. */
+static void test_common_opts_file_string_storage_is_bounded(void **state)
+{
+    (void)state;
+    size_t n_lines = FU_OPTS_ARENA_SIZE / 4000 + 1;
+    char *text = malloc(n_lines * 4010 + 1), *p = text;
+    assert_non_null(text);
+    for (size_t i = 0; i < n_lines; i++) {
+        p += sprintf(p, "name = ");
+        memset(p, 'a' + (int)(i % 26), 4000);
+        p += 4000;
+        *p++ = '\n';
+    }
+    *p = '\0';
+    conf_fixture *f = conf_new(text);
+    char why[FU_OPTS_WHY_MAX];
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), FU_ENOMEM);
+    assert_non_null(strstr(why, "config file strings exceed the 65536 bytes kept for them"));
+    assert_int_equal(strlen(f->name), 4000); /* the lines before stay applied */
+    conf_destroy(&f);
+    free(text);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -162,6 +414,16 @@ int main(void)
         cmocka_unit_test(test_common_log_levels_parse),
         cmocka_unit_test(test_common_opts_parse_values_and_positionals),
         cmocka_unit_test(test_common_opts_reject_bad_input),
+        cmocka_unit_test(test_common_opts_file_sets_each_kind),
+        cmocka_unit_test(test_common_opts_file_comments_blanks_and_whitespace),
+        cmocka_unit_test(test_common_opts_file_string_outlives_file),
+        cmocka_unit_test(test_common_opts_command_line_overrides_file),
+        cmocka_unit_test(test_common_opts_config_equals_form_and_short_alias),
+        cmocka_unit_test(test_common_opts_file_unknown_key_names_line),
+        cmocka_unit_test(test_common_opts_file_bad_values_refused),
+        cmocka_unit_test(test_common_opts_file_missing_refused),
+        cmocka_unit_test(test_common_opts_file_cannot_set_config_help_version),
+        cmocka_unit_test(test_common_opts_file_string_storage_is_bounded), /* last: fills the storage */
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

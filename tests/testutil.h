@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,6 +56,43 @@ static inline int tu_sh(char **out, const char *fmt, ...)
     if (st == -1)
         return -1;
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Competing load for tests that assert on timing (docs/TESTING.md): n busy-loop processes, one per
+ * core by default (n = 0), started by the test and stopped by tu_load_stop (they also die with the
+ * test: PR_SET_PDEATHSIG). At most 16. */
+#define TU_LOAD_MAX 16
+static pid_t tu_load_pids[TU_LOAD_MAX];
+
+static inline int tu_load_start(int n)
+{
+    if (n <= 0) {
+        long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 ? (int)c : 1;
+    }
+    if (n > TU_LOAD_MAX)
+        n = TU_LOAD_MAX;
+    for (int i = 0; i < n; i++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            volatile unsigned long x = 0;
+            for (;;)
+                x++;
+        }
+        tu_load_pids[i] = pid > 0 ? pid : 0;
+    }
+    return n;
+}
+
+static inline void tu_load_stop(void)
+{
+    for (int i = 0; i < TU_LOAD_MAX; i++)
+        if (tu_load_pids[i] > 0) {
+            kill(tu_load_pids[i], SIGKILL);
+            waitpid(tu_load_pids[i], NULL, 0);
+            tu_load_pids[i] = 0;
+        }
 }
 
 /* Makes a fresh scratch directory under TMPDIR; returns its path (caller frees). */
