@@ -43,6 +43,11 @@ fu_e2e_case(test_e2e_fault test_e2e_fault_ready_deadline 90 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline 90 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline_no_spare 90 fault broker)
 
+# A guest on its owner's machine: a paused stage keeps its peer (same adapter), or moves after the grace.
+fu_e2e_exe(test_e2e_guest)
+fu_e2e_case(test_e2e_guest test_e2e_guest_pause_resume 150 fault broker)
+fu_e2e_case(test_e2e_guest test_e2e_guest_pause_grace 150 fault broker)
+
 fu_e2e_exe(test_e2e_security)
 fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 90)
 fu_e2e_case(test_e2e_security test_e2e_security_garbage_spares_the_job 90 fault)
