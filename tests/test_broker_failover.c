@@ -101,14 +101,16 @@ static void test_broker_failover_to_warm_backup(void **state)
     int backup = 1 - stage_peer;
     assert_true(tb_peer_expect(&p[stage_peer], "START", 5000, NULL, 0));
     fu_sleep_ms(300);
+    int cores = tu_load_start(0); /* timed: against one busy loop per core (docs/TESTING.md) */
     uint64_t t0 = fu_clock_ms();
     tb_peer_stop(&p[stage_peer], SIGKILL);
     char want[64];
     snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id);
     assert_true(tb_peer_expect(&p[backup], "ASSIGN", 8000, line, sizeof line));
     uint64_t dt = fu_clock_ms() - t0;
-    print_message("failover: stage peer killed (SIGKILL), its backup got the stage %llu ms later: %s\n",
-                  (unsigned long long)dt, line);
+    tu_load_stop();
+    print_message("failover: stage peer killed (SIGKILL), its backup got the stage %llu ms later (%d busy loops): %s\n",
+                  (unsigned long long)dt, cores, line);
     assert_memory_equal(line, want, strlen(want));
     assert_true(dt < 6000);
     assert_true(tb_peer_expect(&p[backup], "START", 5000, NULL, 0));
@@ -156,14 +158,16 @@ static void test_broker_failover_on_leave(void **state)
     int backup = 1 - stage_peer;
     assert_true(tb_peer_expect(&p[stage_peer], "START", 5000, NULL, 0));
     /* SIGTERM: the stage's peer sends Leave; its stage moves at once, it is released and exits */
+    int cores = tu_load_start(0); /* timed: against one busy loop per core (docs/TESTING.md) */
     uint64_t t0 = fu_clock_ms();
     kill(p[stage_peer].pid, SIGTERM);
     char want[64];
     snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id);
     assert_true(tb_peer_expect(&p[backup], "ASSIGN", 5000, line, sizeof line));
     uint64_t dt = fu_clock_ms() - t0;
-    print_message("graceful leave: the backup got the stage %llu ms after the stage peer's SIGTERM\n",
-                  (unsigned long long)dt);
+    tu_load_stop();
+    print_message("graceful leave: the backup got the stage %llu ms after the stage peer's SIGTERM (%d busy loops)\n",
+                  (unsigned long long)dt, cores);
     assert_memory_equal(line, want, strlen(want));
     assert_true(dt < 1000);
     assert_true(tb_peer_expect(&p[stage_peer], "RELEASE", 3000, NULL, 0));
@@ -432,11 +436,13 @@ static void test_broker_failover_ready_deadline_waits(void **state)
     uint64_t id = submit(f);
     assert_true(tb_peer_expect(&stuck, "ASSIGN", 5000, line, sizeof line));
     assert_non_null(strstr(line, "backup 0"));
+    int cores = tu_load_start(0); /* timed: against one busy loop per core (docs/TESTING.md) */
     uint64_t t0 = fu_clock_ms();
     /* The deadline passes: it is released, and with no backup the job waits and says why. */
     assert_true(tb_peer_expect(&stuck, "RELEASE", 6000, line, sizeof line));
     uint64_t dt = fu_clock_ms() - t0;
-    print_message("released %llu ms after its assignment: %s\n", (unsigned long long)dt, line);
+    tu_load_stop();
+    print_message("released %llu ms after its assignment (%d busy loops): %s\n", (unsigned long long)dt, cores, line);
     assert_non_null(strstr(line, "missed its ready deadline"));
     assert_true(dt >= 1500 && dt < 4000);
     uint64_t end = fu_clock_ms() + 5000;

@@ -179,12 +179,14 @@ static void test_broker_peers_sigstop_is_dead(void **state)
     assert_int_equal(wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
     fu_sleep_ms(600); /* let it beat a few times */
+    int cores = tu_load_start(0); /* timed: against one busy loop per core (docs/TESTING.md) */
     uint64_t t0 = fu_clock_ms();
     kill(p.pid, SIGSTOP); /* the socket stays open: only the heartbeats tell */
     int st = wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 8000);
     uint64_t dt = fu_clock_ms() - t0;
+    tu_load_stop();
     print_message("heartbeat timeout: a SIGSTOPped peer was declared dead after %llu ms (heartbeat 1000 ms, dead "
-                  "after 3000 ms)\n", (unsigned long long)dt);
+                  "after 3000 ms; %d busy loops)\n", (unsigned long long)dt, cores);
     assert_int_equal(st, FUSION__PEER_STATE__PEER_STATE_DEAD);
     assert_true(dt <= 5000);
     assert_true(dt >= 2000); /* not before its silence was long enough */

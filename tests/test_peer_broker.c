@@ -290,7 +290,7 @@ static void test_peer_broker_enrolment(void **state)
         snprintf(cache, sizeof cache, "%s/cache%d", dir, i);
         snprintf(name, sizeof name, "e%d", i);
         char *pargv[] = {strdup(tu_bin("fusion-peer")), "--broker", ep, "--broker-key", bkey, "--keys", pkeys,
-                         "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name,
+                         "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name, "--priority", "normal",
                          "--enrol-token", i == 0 ? token : "0000000000000000000000000000000000000000", NULL};
         peers[i] = e2e_spawn(plog, pargv);
         free(pargv[0]);
