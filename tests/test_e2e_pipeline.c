@@ -18,18 +18,18 @@
 #define PROMPT_TOKENS "116,104,101,32,113,117,105,99,107"
 #define N_PROMPT      9
 
-/* The job ran as a three-stage pipeline: the broker's plan names stage 2/3. */
-static void assert_three_stages(const e2e_cluster *c, const char *id)
+/* The job ran as a pipeline of at least `want` stages: the broker's plan names stage want-1. */
+static void assert_stages(const e2e_cluster *c, const char *id, int want)
 {
     char log[E2E_PATH], needle[96];
     e2e_broker_log(c, log);
-    snprintf(needle, sizeof needle, "job %s stage 2/3 on ", id);
+    snprintf(needle, sizeof needle, "job %s stage %d/", id, want - 1);
     char *bl = e2e_slurp(log);
-    bool three = strstr(bl, needle) != NULL;
+    bool ok = strstr(bl, needle) != NULL;
     free(bl);
-    if (!three)
+    if (!ok)
         e2e_show(log, 40);
-    assert_true(three);
+    assert_true(ok);
 }
 
 /* Greedy generation of max_tokens with fine-tune job ftid's adapter through the pipeline (`fusion
@@ -92,14 +92,16 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     char id[17];
     e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, train);
     e2e_wait_done(&c, id, 80);
-    assert_three_stages(&c, id);
+    assert_stages(&c, id, 3); /* the memory cap makes the fine-tune need all three */
     double d = e2e_job_vs_reference(&c, id, "model", train);
     assert_true(d <= 1e-5);
     assert_int_equal(peers_with_link(&c, 900e6), 3);
 
     char iid[17];
     expect_same_generation(&c, "model", id, 24, iid);
-    assert_three_stages(&c, iid);
+    /* Inference needs less memory (no optimiser state): two or three stages fit, and which the
+     * planner picks depends on the speeds the peers measured, which a loaded machine changes. */
+    assert_stages(&c, iid, 2);
     e2e_cluster_stop(&c);
 }
 
