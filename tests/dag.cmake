@@ -1,5 +1,7 @@
 # The IR plane: graph, serialisation, partitioner, executor, and `fusion run` as real processes.
 fu_add_test(test_dag_graph SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_graph.c LIBS fu_dag TIMEOUT 60)
+# The job spec (dag_spec): defaults, every field through JSON and back and refused out of range.
+fu_add_test(test_dag_spec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_spec.c LIBS fu_dag TIMEOUT 30)
 fu_add_test(test_dag_data SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_data.c LIBS fu_dag TIMEOUT 30)
 fu_add_test(test_dag_exec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_exec.c LIBS fu_dag TIMEOUT 120)
 fu_add_test(test_dag_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_cli.c LIBS fu_dag TIMEOUT 120)
