@@ -13,6 +13,7 @@
 #include "broker.h"
 #include "dag_graph.h"
 #include "dag_partition.h"
+#include "dag_spec.h"
 #include "db.h"
 #include "fu_safetensors.h"
 #include "fu_tokenizer.h"
@@ -72,29 +73,6 @@ typedef struct {
     char pause_reason[BROKER_PAUSE_REASON_MAX + 1]; /* why, as it said (printable ASCII) */
 } broker_peer;
 
-/* A parsed, validated job spec (docs/PIPELINE.md "The job spec"). */
-typedef struct {
-    char model[BROKER_SPEC_MODEL_MAX]; /* model directory */
-    dag_adapter_method method;         /* adapter method (fine-tune) */
-    uint32_t rank;                     /* adapter rank */
-    double alpha;                      /* adapter alpha */
-    uint32_t targets;                  /* target bitmask (0: all) */
-    double lr, weight_decay;           /* optimiser */
-    uint64_t steps;                    /* training steps */
-    uint32_t batch, seq_len;           /* B sequences of seq_len tokens per step */
-    uint32_t micro_batches;            /* M, divides batch */
-    bool shuffle;                      /* seeded shuffle of the windows */
-    uint64_t seed;                     /* RNG seed */
-    uint64_t checkpoint_every;         /* K steps between checkpoints */
-    double verify;                     /* fraction of micro-batches verified; -1: the broker's --verify */
-    /* inference */
-    char adapter_job[DB_JOB_ID_LEN + 1]; /* "" for none */
-    uint32_t max_tokens;               /* tokens to generate */
-    double temperature, top_p;         /* sampler */
-    uint32_t top_k;                    /* sampler */
-    bool dump_logits;                  /* logits of every prompt position */
-    bool has_prompt_tokens;            /* the prompt came as ids in the spec */
-} broker_spec;
 
 /* A job stage as the loop tracks it. */
 typedef struct {
@@ -122,8 +100,9 @@ typedef struct {
     uint64_t id64;                     /* the same as a number (Envelope.job_id) */
     char owner[DB_KEY_LEN + 1];        /* submitter */
     db_job_kind kind;                  /* finetune or infer */
-    broker_spec spec;                  /* parsed spec */
-    char *spec_json;                   /* spec text as submitted */
+    dag_spec spec;                     /* parsed spec (dag_spec owns the format) */
+    char *spec_json;                   /* spec text as submitted (and stored) */
+    char *spec_canon;                  /* what peers get: dag_spec_to_json of spec without the model path */
     int32_t *tokens;                   /* tokenized data / prompt */
     size_t n_tokens;                   /* count */
     uint8_t tokens_hash[DB_HASH_LEN];  /* BLAKE2b-256 of the tokens' bytes */
@@ -275,7 +254,7 @@ void broker_on_list(broker_t *b, const wire_msg_t *msg);
 void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
 void broker_on_result(broker_t *b, const wire_msg_t *msg);
 /* Parses and checks a spec; FU_EINVAL with a sentence in why. */
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_spec *out, char *why, size_t cap);
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *out, char *why, size_t cap);
 /* Loads an unfinished job from the store into memory (restart, or after submit). */
 fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap);
 broker_job *broker_job_find(broker_t *b, const char *id);
@@ -355,7 +334,7 @@ bool broker_blobs_pending(broker_t *b);
 fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, char *why,
                                size_t cap);
 /* adapter_config.json of a finished fine-tune (caller frees). */
-char *broker_adapter_config(const broker_spec *spec);
+char *broker_adapter_config(const dag_spec *spec);
 
 /* ---- relay (broker.c) ---- */
 void broker_on_relay(broker_t *b, const wire_msg_t *msg);

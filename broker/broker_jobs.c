@@ -14,6 +14,7 @@
 #include "dag_peft.h"
 #include "dag_model.h"
 #include "dag_serial.h"
+#include "dag_spec.h"
 #include "fu_alloc.h"
 #include "fu_encode.h"
 #include "fu_file.h"
@@ -49,6 +50,8 @@ void broker_job_free(broker_job **j_p)
     for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
         free(j->stages[s].ck_buf);
     free(j->spec_json);
+    free(j->spec_canon);
+    dag_spec_clear(&j->spec);
     free(j->tokens);
     dag_graph_destroy(&j->graph);
     free(j->dag_bytes);
@@ -79,217 +82,18 @@ static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
 
 /* ---------- the spec ---------- */
 
-static const char *const FINETUNE_KEYS[] = {"model", "method", "rank", "alpha", "targets", "lr", "weight_decay",
-                                            "steps", "batch", "seq_len", "micro_batches", "shuffle", "seed",
-                                            "checkpoint_every", "verify"};
-static const char *const INFER_KEYS[] = {"model", "adapter_job", "max_tokens", "temperature", "top_k", "top_p",
-                                         "seed", "dump_logits", "prompt_tokens"};
-
-static bool key_known(const char *k, const char *const *keys, size_t n)
+/* Parses a stored or submitted spec of a db job kind (dag_spec owns the format); why gets the text. */
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *s, char *why, size_t cap)
 {
-    for (size_t i = 0; i < n; i++)
-        if (strcmp(k, keys[i]) == 0)
-            return true;
-    return false;
-}
-
-/* A number field: absent keeps *out; present must be a number within [lo, hi]. */
-static bool num(const cJSON *o, const char *k, double lo, double hi, double *out, char *why, size_t cap)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
-    if (!v)
-        return true;
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble < lo || v->valuedouble > hi) {
-        snprintf(why, cap, "spec: \"%s\" must be a number between %g and %g", k, lo, hi);
-        return false;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_spec_parse(json, len, kind == DB_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE, s, &em);
+    if (rc == FU_OK && !s->model[0]) {
+        dag_spec_clear(s);
+        rc = fu_errmsg_set(&em, FU_EINVAL, "spec: \"model\" (a model directory readable by the broker) is required");
     }
-    *out = v->valuedouble;
-    return true;
-}
-
-static bool integer(const cJSON *o, const char *k, double lo, double hi, uint64_t *out, char *why, size_t cap)
-{
-    double d = (double)*out;
-    if (!num(o, k, lo, hi, &d, why, cap))
-        return false;
-    if (d != floor(d)) {
-        snprintf(why, cap, "spec: \"%s\" must be a whole number", k);
-        return false;
-    }
-    *out = (uint64_t)d;
-    return true;
-}
-
-static bool boolean(const cJSON *o, const char *k, bool *out, char *why, size_t cap)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
-    if (!v)
-        return true;
-    if (!cJSON_IsBool(v)) {
-        snprintf(why, cap, "spec: \"%s\" must be true or false", k);
-        return false;
-    }
-    *out = cJSON_IsTrue(v);
-    return true;
-}
-
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, broker_spec *s, char *why, size_t cap)
-{
-    memset(s, 0, sizeof *s);
-    s->method = DAG_ADAPTER_LORA_FA;
-    s->rank = 8;
-    s->alpha = -1;
-    s->lr = 1e-3;
-    s->steps = 1;
-    s->batch = 1;
-    s->seq_len = 64;
-    s->micro_batches = 1;
-    s->seed = 1;
-    s->max_tokens = 16;
-    s->temperature = 0;
-    s->top_p = 1;
-    s->verify = -1;
-    cJSON *o = cJSON_ParseWithLength(json, len);
-    fu_err rc = FU_EINVAL;
-    if (!o || !cJSON_IsObject(o)) {
-        snprintf(why, cap, "spec: not a JSON object");
-        goto done;
-    }
-    const char *const *keys = kind == DB_JOB_FINETUNE ? FINETUNE_KEYS : INFER_KEYS;
-    size_t nk = kind == DB_JOB_FINETUNE ? sizeof FINETUNE_KEYS / sizeof *FINETUNE_KEYS
-                                        : sizeof INFER_KEYS / sizeof *INFER_KEYS;
-    for (const cJSON *it = o->child; it; it = it->next)
-        if (!it->string || !key_known(it->string, keys, nk)) {
-            snprintf(why, cap, "spec: unknown key \"%s\" for a %s job", it->string ? it->string : "?",
-                     db_job_kind_name(kind));
-            goto done;
-        }
-    const cJSON *m = cJSON_GetObjectItemCaseSensitive(o, "model");
-    if (!cJSON_IsString(m) || !m->valuestring[0] || strlen(m->valuestring) >= sizeof s->model) {
-        snprintf(why, cap, "spec: \"model\" (a model directory readable by the broker) is required");
-        goto done;
-    }
-    snprintf(s->model, sizeof s->model, "%s", m->valuestring);
-    uint64_t u;
-    if (kind == DB_JOB_FINETUNE) {
-        const cJSON *me = cJSON_GetObjectItemCaseSensitive(o, "method");
-        if (me && (!cJSON_IsString(me) || dag_adapter_parse(me->valuestring, &s->method) != FU_OK ||
-                   s->method == DAG_ADAPTER_NONE)) {
-            snprintf(why, cap, "spec: \"method\" must be \"lora-fa\", \"lora\" or \"salr\"");
-            goto done;
-        }
-        const cJSON *tg = cJSON_GetObjectItemCaseSensitive(o, "targets");
-        if (tg) {
-            char list[512] = "";
-            bool ok = cJSON_IsArray(tg) && cJSON_GetArraySize(tg) > 0;
-            for (const cJSON *t = ok ? tg->child : NULL; t && ok; t = t->next) {
-                ok = cJSON_IsString(t) && strlen(list) + strlen(t->valuestring) + 2 < sizeof list;
-                if (ok) {
-                    if (list[0])
-                        strcat(list, ",");
-                    strcat(list, t->valuestring);
-                }
-            }
-            if (!ok || dag_targets_parse(list, &s->targets) != FU_OK) {
-                snprintf(why, cap, "spec: \"targets\" must be a list of q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                                   "up_proj, down_proj");
-                goto done;
-            }
-        }
-        u = s->rank;
-        if (!integer(o, "rank", 1, DAG_MAX_RANK, &u, why, cap))
-            goto done;
-        s->rank = (uint32_t)u;
-        if (!num(o, "alpha", 0, 1e6, &s->alpha, why, cap) || !num(o, "lr", 1e-12, 10, &s->lr, why, cap) ||
-            !num(o, "weight_decay", 0, 10, &s->weight_decay, why, cap))
-            goto done;
-        if (s->alpha < 0)
-            s->alpha = 2.0 * s->rank;
-        if (!integer(o, "steps", 1, 1e9, &s->steps, why, cap))
-            goto done;
-        u = s->batch;
-        if (!integer(o, "batch", 1, 65536, &u, why, cap))
-            goto done;
-        s->batch = (uint32_t)u;
-        u = s->seq_len;
-        if (!integer(o, "seq_len", 1, 1 << 20, &u, why, cap))
-            goto done;
-        s->seq_len = (uint32_t)u;
-        u = s->micro_batches;
-        if (!integer(o, "micro_batches", 1, 65536, &u, why, cap))
-            goto done;
-        s->micro_batches = (uint32_t)u;
-        if (s->batch % s->micro_batches != 0) {
-            snprintf(why, cap, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)", s->micro_batches, s->batch);
-            goto done;
-        }
-        if ((uint64_t)s->batch * s->seq_len > (1u << 20)) {
-            snprintf(why, cap, "spec: batch x seq_len must be at most %u tokens", 1u << 20);
-            goto done;
-        }
-        s->checkpoint_every = s->steps;
-        if (!boolean(o, "shuffle", &s->shuffle, why, cap) || !integer(o, "seed", 0, 9e15, &s->seed, why, cap) ||
-            !integer(o, "checkpoint_every", 1, 1e9, &s->checkpoint_every, why, cap) ||
-            !num(o, "verify", 0, 1, &s->verify, why, cap))
-            goto done;
-    } else {
-        const cJSON *aj = cJSON_GetObjectItemCaseSensitive(o, "adapter_job");
-        if (aj && (!cJSON_IsString(aj) || (aj->valuestring[0] && !db_job_id_valid(aj->valuestring)))) {
-            snprintf(why, cap, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
-            goto done;
-        }
-        if (aj)
-            snprintf(s->adapter_job, sizeof s->adapter_job, "%s", aj->valuestring);
-        u = s->max_tokens;
-        if (!integer(o, "max_tokens", 1, BROKER_MAX_INFER_TOKENS, &u, why, cap))
-            goto done;
-        s->max_tokens = (uint32_t)u;
-        u = 0;
-        if (!integer(o, "top_k", 0, 1 << 22, &u, why, cap))
-            goto done;
-        s->top_k = (uint32_t)u;
-        if (!num(o, "temperature", 0, 100, &s->temperature, why, cap) || !num(o, "top_p", 0, 1, &s->top_p, why, cap) ||
-            !integer(o, "seed", 0, 9e15, &s->seed, why, cap) || !boolean(o, "dump_logits", &s->dump_logits, why, cap))
-            goto done;
-        const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "prompt_tokens");
-        if (pt) {
-            if (!cJSON_IsArray(pt)) {
-                snprintf(why, cap, "spec: \"prompt_tokens\" must be a list of token ids");
-                goto done;
-            }
-            s->has_prompt_tokens = true;
-        }
-    }
-    rc = FU_OK;
-done:
-    cJSON_Delete(o);
-    return rc;
-}
-
-/* The prompt ids of an inference spec (validated against vocab). */
-static fu_err prompt_tokens(const char *json, size_t len, size_t vocab, int32_t **ids, size_t *n, char *why, size_t cap)
-{
-    cJSON *o = cJSON_ParseWithLength(json, len);
-    const cJSON *pt = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt_tokens") : NULL;
-    int cnt = pt ? cJSON_GetArraySize(pt) : 0;
-    fu_err rc = FU_OK;
-    *ids = fu_malloc((size_t)(cnt > 0 ? cnt : 1) * sizeof **ids);
-    *n = 0;
-    for (const cJSON *t = pt ? pt->child : NULL; t; t = t->next) {
-        if (!cJSON_IsNumber(t) || t->valuedouble < 0 || t->valuedouble >= (double)vocab ||
-            t->valuedouble != floor(t->valuedouble)) {
-            snprintf(why, cap, "spec: \"prompt_tokens\" must hold ids between 0 and %zu", vocab - 1);
-            rc = FU_EINVAL;
-            break;
-        }
-        (*ids)[(*n)++] = (int32_t)t->valuedouble;
-    }
-    cJSON_Delete(o);
-    if (rc != FU_OK) {
-        free(*ids);
-        *ids = NULL;
-    }
-    return rc;
+    if (rc != FU_OK)
+        snprintf(why, cap, "%s", em.msg);
+    return rc == FU_OK ? FU_OK : FU_EINVAL;
 }
 
 /* The stored form of a job: spec text, a NUL, then its tokens (I32 little-endian). */
@@ -321,17 +125,23 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
         snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
         return FU_EINVAL;
     }
-    broker_spec as = j->spec;
+    dag_spec as = j->spec; /* the adapter's fields only (prompt_tokens stays j's) */
     if (j->kind == DB_JOB_INFER) {
         as.method = DAG_ADAPTER_NONE;
         if (adapter_src) {
             char w2[256];
+            dag_spec ft;
             if (broker_spec_parse((const char *)adapter_src->spec, strnlen((const char *)adapter_src->spec,
                                                                           adapter_src->spec_len),
-                                  DB_JOB_FINETUNE, &as, w2, sizeof w2) != FU_OK) {
+                                  DB_JOB_FINETUNE, &ft, w2, sizeof w2) != FU_OK) {
                 snprintf(why, cap, "adapter_job: its spec no longer parses: %s", w2);
                 return FU_EINVAL;
             }
+            as.method = ft.method;
+            as.rank = ft.rank;
+            as.alpha = ft.alpha;
+            as.targets = ft.targets;
+            dag_spec_clear(&ft);
         } else if (salr) {
             as.method = DAG_ADAPTER_SALR;
         }
@@ -367,6 +177,11 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
         return FU_EINVAL;
     }
     j->eos = cfg.eos_token_id >= 0 ? cfg.eos_token_id : fu_tokenizer_eos_id(j->tok);
+    /* Peers get the canonical spec (every field, the same defaults), without the broker's paths. */
+    dag_spec pub = j->spec;
+    pub.model[0] = '\0';
+    free(j->spec_canon);
+    j->spec_canon = dag_spec_to_json(&pub);
     return FU_OK;
 }
 
@@ -616,11 +431,16 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     }
     fu_errmsg em = {{0}};
     size_t vocab = dag_graph_dims(tmp->graph)->vocab_size;
-    if (kind == DB_JOB_INFER && tmp->spec.has_prompt_tokens) {
-        if (prompt_tokens(js->spec_json, sl, vocab, &ids, &n_ids, why, sizeof why) != FU_OK) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
-            goto done;
-        }
+    if (kind == DB_JOB_INFER && tmp->spec.prompt_tokens) {
+        for (size_t i = 0; i < tmp->spec.n_prompt_tokens; i++)
+            if ((size_t)tmp->spec.prompt_tokens[i] >= vocab) {
+                broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                                   "spec: \"prompt_tokens\" must hold ids between 0 and %zu", vocab - 1);
+                goto done;
+            }
+        n_ids = tmp->spec.n_prompt_tokens;
+        ids = fu_malloc((n_ids ? n_ids : 1) * sizeof *ids);
+        memcpy(ids, tmp->spec.prompt_tokens, n_ids * sizeof *ids);
     } else if (fu_tokenizer_encode(tmp->tok, (const char *)js->data.data, js->data.len, &ids, &n_ids, &em) != FU_OK) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, FU_EINVAL));
         goto done;
@@ -766,7 +586,7 @@ void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
 
 /* ---------- result download ---------- */
 
-char *broker_adapter_config(const broker_spec *spec)
+char *broker_adapter_config(const dag_spec *spec)
 {
     return dag_peft_config_json(spec->model, spec->rank, spec->alpha, spec->targets);
 }
@@ -792,7 +612,7 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     } files[3];
     size_t nf = 0;
     if (dj->kind == DB_JOB_FINETUNE) {
-        broker_spec spec;
+        dag_spec spec;
         char why[256];
         size_t sl = strnlen((const char *)dj->spec, dj->spec_len);
         if (broker_spec_parse((const char *)dj->spec, sl, DB_JOB_FINETUNE, &spec, why, sizeof why) != FU_OK) {
@@ -800,6 +620,7 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
             goto done;
         }
         cfg = broker_adapter_config(&spec);
+        dag_spec_clear(&spec);
         files[nf++] = (typeof(files[0])){"adapter_model.safetensors", dj->result, dj->result_len};
         files[nf++] = (typeof(files[0])){"adapter_config.json", (const uint8_t *)cfg, strlen(cfg)};
     } else {

@@ -16,6 +16,7 @@
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_model.h"
+#include "dag_spec.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 #include "fu_file.h"
@@ -130,32 +131,23 @@ static void progress(bool tty, long long step, long long steps, float loss, doub
 
 static int run_finetune(int argc, char **argv)
 {
-    const char *model_dir = NULL, *data = NULL, *method_s = "lora-fa", *out = NULL, *loss_log = NULL,
-               *targets_s = NULL;
-    long long rank = 8, steps = 100, batch = 4, seq_len = 128, seed = 0, threads = 0, micro = 1;
-    double alpha = -1, lr = 1e-3, wd = 0.0;
-    bool shuffle = false, correction = false;
-    const fu_opt opts[] = {
+    const char *model_dir = NULL, *data = NULL, *out = NULL, *loss_log = NULL;
+    long long threads = 0;
+    bool correction = false;
+    dag_spec_cli sc;
+    fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 8] = {
         {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory (config.json + safetensors)"},
         {"data", 0, FU_OPT_STR, &data, "FILE", "training text (tokenized with the model's tokenizer)"},
-        {"method", 0, FU_OPT_STR, &method_s, "M", "lora-fa (default), lora, or salr (needs a pruned model)"},
-        {"rank", 0, FU_OPT_INT, &rank, "R", "adapter rank (default 8)"},
-        {"alpha", 0, FU_OPT_DOUBLE, &alpha, "A", "adapter alpha; scale = alpha/rank (default 2·rank)"},
-        {"targets", 0, FU_OPT_STR, &targets_s, "LIST", "linears to adapt: q,k,v,o,gate,up,down (default all)"},
-        {"lr", 0, FU_OPT_DOUBLE, &lr, "LR", "AdamW learning rate (default 1e-3)"},
-        {"weight-decay", 0, FU_OPT_DOUBLE, &wd, "W", "AdamW decoupled weight decay (default 0)"},
-        {"steps", 0, FU_OPT_INT, &steps, "N", "optimizer steps (default 100)"},
-        {"batch", 0, FU_OPT_INT, &batch, "B", "sequences per step (default 4)"},
-        {"micro-batches", 0, FU_OPT_INT, &micro, "M", "split each step into M micro-batches, dividing B (default 1)"},
-        {"seq-len", 0, FU_OPT_INT, &seq_len, "T", "tokens per sequence (default 128)"},
-        {"shuffle", 0, FU_OPT_FLAG, &shuffle, NULL, "visit the windows in a seeded random order"},
-        {"seed", 0, FU_OPT_INT, &seed, "S", "seed of the shuffle and the adapter initialisation (default 0)"},
         {"loss-log", 0, FU_OPT_STR, &loss_log, "FILE", "append one JSON line per step (step, loss, tokens/s)"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the adapter (PEFT format)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
         {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
          "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
     };
+    size_t n_opts = 0;
+    while (opts[n_opts].name)
+        n_opts++;
+    dag_spec_cli_opts(&sc, DAG_JOB_FINETUNE, 0, opts, sizeof opts / sizeof opts[0], &n_opts);
     const fu_cmd cmd = {
         .prog = argv[0],
         .usage = "--model DIR --data FILE -o DIR [options]",
@@ -165,7 +157,7 @@ static int run_finetune(int argc, char **argv)
                    "with beta1 0.9, beta2 0.999, eps 1e-8. Writes adapter_model.safetensors and "
                    "adapter_config.json (PEFT).",
         .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
+        .n_opts = n_opts,
         .min_pos = 0,
         .max_pos = 0,
     };
@@ -178,28 +170,16 @@ static int run_finetune(int argc, char **argv)
         fprintf(stderr, "%s: --model, --data and -o are required\nTry '%s --help' for more information.\n", prog, prog);
         return FU_EXIT_USAGE;
     }
-    dag_adapter_method method;
-    if (dag_adapter_parse(method_s, &method) != FU_OK || method == DAG_ADAPTER_NONE) {
-        fprintf(stderr, "%s: unknown --method '%s' (lora-fa, lora or salr)\n", prog, method_s);
+    dag_spec spec;
+    fu_errmsg sem = {{0}};
+    if (dag_spec_from_cli(&sc, DAG_JOB_FINETUNE, model_dir, &spec, &sem) != FU_OK) {
+        fprintf(stderr, "%s: %s\n", prog, sem.msg);
         return FU_EXIT_USAGE;
     }
-    uint32_t targets = 0;
-    if (targets_s && dag_targets_parse(targets_s, &targets) != FU_OK) {
-        fprintf(stderr, "%s: bad --targets '%s' (a comma list of q,k,v,o,gate,up,down)\n", prog, targets_s);
-        return FU_EXIT_USAGE;
-    }
-    if (micro < 1 || batch % micro != 0) {
-        fprintf(stderr, "%s: --micro-batches must be positive and divide --batch\n", prog);
-        return FU_EXIT_USAGE;
-    }
-    if (rank < 1 || rank > DAG_MAX_RANK || steps < 1 || batch < 1 || seq_len < 1 || batch * seq_len > (1 << 20) ||
-        !(lr > 0) || !(wd >= 0) || seed < 0) {
-        fprintf(stderr, "%s: --rank, --steps, --batch, --seq-len and --lr must be positive (and --weight-decay, "
-                        "--seed not negative)\n", prog);
-        return FU_EXIT_USAGE;
-    }
-    if (alpha < 0)
-        alpha = 2.0 * (double)rank;
+    const dag_adapter_method method = spec.method;
+    const long long rank = spec.rank, steps = (long long)spec.steps, batch = spec.batch, seq_len = spec.seq_len,
+                    micro = spec.micro_batches;
+    const double alpha = spec.alpha;
     if (!set_threads(prog, threads))
         return FU_EXIT_USAGE;
 
@@ -242,12 +222,12 @@ static int run_finetune(int argc, char **argv)
         exit_code = FU_EXIT_USAGE;
         goto done;
     }
-    dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = targets,
+    dag_build_opts bo = {.method = method, .rank = (uint32_t)rank, .alpha = (float)alpha, .targets = spec.targets,
                          .res_rank = m.res_rank, .salr_lm_head = m.salr_lm_head, .head = DAG_HEAD_LOSS,
                          .seq_len = (uint32_t)seq_len};
     uint32_t rows = (uint32_t)(batch / micro); /* sequences per micro-batch */
     dag_exec_opts eo = {.max_tokens = rows * (uint32_t)seq_len, .n_slots = 1, .training = true,
-                        .seed = (uint64_t)seed, .lorafa_correction = correction};
+                        .seed = spec.seed, .lorafa_correction = correction};
     if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
@@ -257,11 +237,10 @@ static int run_finetune(int argc, char **argv)
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
-    dag_data_order data_order = {.batch = (uint32_t)batch, .micro_batches = (uint32_t)micro,
-                                 .seq_len = (uint32_t)seq_len, .shuffle = shuffle, .seed = (uint64_t)seed};
+    dag_data_order data_order = dag_spec_data_order(&spec);
     tok = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tok);
     tgt = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tgt);
-    kern_adamw_params ap = {.lr = (float)lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = (float)wd};
+    kern_adamw_params ap = dag_spec_adamw(&spec);
     bool tty = isatty(STDERR_FILENO) != 0;
     if (!tty)
         printf("fine-tuning %s rank %lld alpha %g on %zu tokens (%zu windows of %lld), %lld steps of %lld x %lld, "
@@ -370,60 +349,32 @@ static fu_err adapter_config(const char *dir, uint32_t *r, float *alpha, uint32_
     return rc;
 }
 
-static fu_err parse_tokens(const char *s, uint32_t vocab, int32_t **ids, size_t *n)
-{
-    size_t cap = 16, k = 0;
-    int32_t *v = fu_malloc(cap * sizeof *v);
-    const char *p = s;
-    while (*p) {
-        char *end = NULL;
-        long val = strtol(p, &end, 10);
-        if (end == p || val < 0 || (unsigned long)val >= vocab || (*end && *end != ',') || k >= CLI_RUN_MAX_PROMPT) {
-            free(v);
-            return FU_EINVAL;
-        }
-        if (k == cap)
-            v = fu_realloc(v, (cap *= 2) * sizeof *v);
-        v[k++] = (int32_t)val;
-        p = *end ? end + 1 : end;
-    }
-    if (!k) {
-        free(v);
-        return FU_EINVAL;
-    }
-    *ids = v;
-    *n = k;
-    return FU_OK;
-}
-
 static int run_infer(int argc, char **argv)
 {
-    const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *prompt_tokens = NULL, *dump = NULL;
-    long long max_new = 64, top_k = 0, seed = 0, threads = 0;
-    double temperature = 0.0, top_p = 1.0;
+    const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *dump = NULL;
+    long long threads = 0;
     bool quiet = false;
-    const fu_opt opts[] = {
+    dag_spec_cli sc;
+    fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 8] = {
         {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory"},
         {"adapter", 0, FU_OPT_STR, &adapter, "DIR", "PEFT adapter directory (from `fusion run finetune`)"},
         {"prompt", 0, FU_OPT_STR, &prompt, "TEXT", "prompt text"},
-        {"prompt-tokens", 0, FU_OPT_STR, &prompt_tokens, "IDS", "prompt as comma-separated token ids"},
-        {"max-tokens", 0, FU_OPT_INT, &max_new, "N", "tokens to generate (default 64)"},
-        {"temperature", 0, FU_OPT_DOUBLE, &temperature, "T", "sampling temperature; 0 = greedy (default 0)"},
-        {"top-k", 0, FU_OPT_INT, &top_k, "K", "sample among the K most likely tokens (default 0: all)"},
-        {"top-p", 0, FU_OPT_DOUBLE, &top_p, "P", "nucleus sampling threshold (default 1: off)"},
-        {"seed", 0, FU_OPT_INT, &seed, "S", "sampling seed (default 0)"},
         {"dump-logits", 0, FU_OPT_STR, &dump, "FILE",
          "write float32 logits of every prompt position (little-endian, positions x vocab)"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
     };
+    size_t n_opts = 0;
+    while (opts[n_opts].name)
+        n_opts++;
+    dag_spec_cli_opts(&sc, DAG_JOB_INFER, 0, opts, sizeof opts / sizeof opts[0], &n_opts);
     const fu_cmd cmd = {
         .prog = argv[0],
         .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
         .summary = "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
                    "through the model in one pass, then tokens are generated one at a time with a KV cache.",
         .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
+        .n_opts = n_opts,
         .min_pos = 0,
         .max_pos = 0,
     };
@@ -432,22 +383,25 @@ static int run_infer(int argc, char **argv)
     if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
         return code;
     const char *prog = cmd.prog;
-    if (!model_dir || (!prompt == !prompt_tokens)) {
+    if (!model_dir || (!prompt == !sc.prompt_tokens)) {
         fprintf(stderr, "%s: --model and one of --prompt or --prompt-tokens are required\n"
                         "Try '%s --help' for more information.\n", prog, prog);
         return FU_EXIT_USAGE;
     }
-    if (max_new < 0 || max_new > CLI_RUN_MAX_PROMPT || top_k < 0 || !(temperature >= 0) || !(top_p > 0) || seed < 0) {
-        fprintf(stderr, "%s: --max-tokens, --top-k, --temperature, --seed must not be negative and --top-p must "
-                        "be positive\n", prog);
+    dag_spec spec;
+    fu_errmsg sem = {{0}};
+    if (dag_spec_from_cli(&sc, DAG_JOB_INFER, model_dir, &spec, &sem) != FU_OK) {
+        fprintf(stderr, "%s: %s\n", prog, sem.msg);
         return FU_EXIT_USAGE;
     }
-    if (!set_threads(prog, threads))
-        return FU_EXIT_USAGE;
+    const long long max_new = spec.max_tokens;
     fu_errmsg em = {{0}};
     cli_model m;
-    fu_err rc = model_open(model_dir, &m, &em);
+    fu_err rc = !set_threads(prog, threads) ? FU_EINVAL : model_open(model_dir, &m, &em);
     if (rc != FU_OK) {
+        dag_spec_clear(&spec);
+        if (rc == FU_EINVAL && !em.msg[0])
+            return FU_EXIT_USAGE; /* --threads */
         model_close(&m);
         return fail(prog, rc, &em);
     }
@@ -459,13 +413,17 @@ static int run_infer(int argc, char **argv)
     fu_safetensors *ast = NULL;
     FILE *df = NULL;
     int exit_code = FU_EXIT_OK;
-    if (prompt_tokens) {
-        if (parse_tokens(prompt_tokens, m.dims.vocab_size, &ids, &n_prompt) != FU_OK) {
-            fprintf(stderr, "%s: --prompt-tokens must be comma-separated ids below the vocabulary size %u\n", prog,
-                    m.dims.vocab_size);
-            exit_code = FU_EXIT_USAGE;
-            goto done;
-        }
+    if (spec.prompt_tokens) {
+        for (size_t i = 0; i < spec.n_prompt_tokens; i++)
+            if ((uint32_t)spec.prompt_tokens[i] >= m.dims.vocab_size) {
+                fprintf(stderr, "%s: --prompt-tokens must be ids below the vocabulary size %u\n", prog,
+                        m.dims.vocab_size);
+                exit_code = FU_EXIT_USAGE;
+                goto done;
+            }
+        ids = spec.prompt_tokens; /* the spec's: ownership moves to ids */
+        n_prompt = spec.n_prompt_tokens;
+        spec.prompt_tokens = NULL;
     } else if ((rc = fu_tokenizer_encode(m.tok, prompt, strlen(prompt), &ids, &n_prompt, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
@@ -506,8 +464,8 @@ static int run_infer(int argc, char **argv)
         goto done;
     }
     dag_exec_session_use(x, sess);
-    kern_sample_params sp = {.temperature = (float)temperature, .top_k = (int)top_k, .top_p = (float)top_p,
-                             .seed = (uint64_t)seed};
+    kern_sample_params sp = {.temperature = (float)spec.temperature, .top_k = (int)spec.top_k,
+                             .top_p = (float)spec.top_p, .seed = spec.seed};
     dag_exec_set_sampling(x, &sp, 0);
     uint32_t lm = 0;
     for (size_t i = 0; i < dag_graph_size(g); i++)
@@ -581,6 +539,7 @@ done:
     dag_graph_destroy(&g);
     fu_safetensors_close(&ast);
     free(ids);
+    dag_spec_clear(&spec);
     model_close(&m);
     return exit_code;
 }

@@ -15,6 +15,7 @@
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_serial.h"
+#include "dag_spec.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 #include "fu_log.h"
@@ -22,7 +23,6 @@
 #include "peer.h"
 #include "peer_blob.h"
 #include "peer_internal.h"
-#include "peer_spec.h"
 #include "peer_verify.h"
 
 #define ST_MAX_CUTS   16 /* cut tensors one stage boundary may carry */
@@ -68,7 +68,7 @@ typedef struct {
     uint32_t first, last;     /* node range */
     uint64_t resume_step;
     char *model_id;
-    peer_spec spec;
+    dag_spec spec;
     uint32_t M, rows_mb;      /* micro-batches, sequences per micro-batch */
     dag_graph_t *g;
     dag_exec_t *x;
@@ -238,7 +238,7 @@ static void stage_clear(stage_t *s)
             free(s->kept[r][m]);
     for (size_t i = 0; i < s->n_vq; i++)
         free(s->vq[i].input);
-    peer_spec_clear(&s->spec);
+    dag_spec_clear(&s->spec);
     peer_compute_cfg cfg = s->cfg;
     void *pipe = s->pipe;
     bool stop = s->stop;
@@ -287,6 +287,19 @@ static void exec_failed(stage_t *s, fu_err rc, const char *what)
     send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_UNSPECIFIED, "%s: %s", what,
                fu_strerror(rc));
     stage_end(s, "executor error");
+}
+
+static bool is_infer(const stage_t *s)
+{
+    return s->spec.kind == DAG_JOB_INFER;
+}
+
+/* The rows of micro-batch mb of step `step` in the pipeline's data order (docs/PIPELINE.md). */
+static fu_err spec_rows(const stage_t *s, const int32_t *ids, size_t n_ids, uint64_t step, uint32_t mb, int32_t *tokens,
+                        int32_t *targets)
+{
+    dag_data_order o = dag_spec_data_order(&s->spec);
+    return dag_data_rows(&o, ids, n_ids, step, mb, tokens, targets);
 }
 
 static bool is_first(const stage_t *s)
@@ -382,8 +395,8 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
                  a->node_begin, a->node_end);
         goto invalid;
     }
-    if ((rc = peer_spec_parse(a->spec_json ? a->spec_json : "", a->spec_json ? strlen(a->spec_json) : 0, &s->spec,
-                              &em)) != FU_OK) {
+    if ((rc = dag_spec_parse(a->spec_json ? a->spec_json : "", a->spec_json ? strlen(a->spec_json) : 0, DAG_JOB_ANY,
+                             &s->spec, &em)) != FU_OK) {
         snprintf(why, sizeof why, "%s", fu_errmsg_text(&em, rc));
         goto invalid;
     }
@@ -394,14 +407,14 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
                  dag_graph_size(s->g));
         goto invalid;
     }
-    s->M = s->spec.infer ? 1 : (a->micro_batches ? a->micro_batches : s->spec.micro_batches);
-    if (!s->spec.infer && (s->M == 0 || s->M > DAG_EXEC_MAX_SLOTS || s->spec.batch % s->M != 0)) {
+    s->M = is_infer(s) ? 1 : (a->micro_batches ? a->micro_batches : s->spec.micro_batches);
+    if (!is_infer(s) && (s->M == 0 || s->M > DAG_EXEC_MAX_SLOTS || s->spec.batch % s->M != 0)) {
         snprintf(why, sizeof why, "micro_batches %u must divide batch %u and be at most %d", s->M, s->spec.batch,
                  DAG_EXEC_MAX_SLOTS);
         goto invalid;
     }
     s->spec.micro_batches = s->M;
-    if (s->spec.infer) {
+    if (is_infer(s)) {
         if (is_first(s) && s->spec.prompt_tokens) {
             s->n_prompt = s->spec.n_prompt_tokens;
             s->prompt = fu_malloc((s->n_prompt ? s->n_prompt : 1) * sizeof *s->prompt);
@@ -441,23 +454,17 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     char jid[64], name[96];
     snprintf(jid, sizeof jid, "job:%016" PRIx64, a->job_id);
     /* Inference: every stage reads the prompt's length from the tokens (it sizes the executor). */
-    bool need_tokens = s->spec.infer ? !s->spec.prompt_tokens : (is_first(s) || is_last(s));
+    bool need_tokens = is_infer(s) ? !s->spec.prompt_tokens : (is_first(s) || is_last(s));
     if (need_tokens)
         add_fetch(s, jid, "tokens", FETCH_TOKENS, false);
-    if (!s->spec.infer && a->resume_step > 0 && !a->backup) {
+    if (!is_infer(s) && a->resume_step > 0 && !a->backup) {
         snprintf(name, sizeof name, "ckpt:%u:%" PRIu64, a->stage_index, a->resume_step);
         add_fetch(s, jid, name, FETCH_CKPT, false);
     }
-    if (s->spec.infer) {
-        /* "adapter_job": "<hex>" is in the spec text; peer_spec skips it, find it here. */
-        const char *aj = a->spec_json ? strstr(a->spec_json, "\"adapter_job\"") : NULL;
-        if (aj) {
-            aj = strchr(aj + 13, '"');
-            char hex[17] = "";
-            if (aj && sscanf(aj + 1, "%16[0-9a-f]", hex) == 1 && strlen(hex) == 16) {
-                snprintf(jid, sizeof jid, "job:%s", hex);
-                add_fetch(s, jid, "adapter", FETCH_ADAPTER, false);
-            }
+    if (is_infer(s)) {
+        if (s->spec.adapter_job[0]) { /* checked by dag_spec: 16 hex characters */
+            snprintf(jid, sizeof jid, "job:%s", s->spec.adapter_job);
+            add_fetch(s, jid, "adapter", FETCH_ADAPTER, false);
         }
     }
     FU_INFO("peer", "job %016" PRIx64 ": assigned stage %u of %u (nodes %u..%u)%s, %zu blobs to fetch", a->job_id,
@@ -621,7 +628,7 @@ static fu_err make_exec(stage_t *s, fu_errmsg *em)
 {
     dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed,
                        .yield = peer_guest_yield, .yield_arg = s->cfg.guest};
-    if (s->spec.infer) {
+    if (is_infer(s)) {
         /* Rows of one forward: the prompt (plus the tokens generated before a failover) at once. */
         uint64_t prompt = s->spec.prompt_tokens ? s->spec.n_prompt_tokens : s->n_ids;
         if (prompt == 0)
@@ -665,19 +672,19 @@ static void fetched_all(stage_t *s)
         s->n_ids = len / sizeof(int32_t);
         s->ids = fu_malloc(len ? len : 1);
         memcpy(s->ids, d, len);
-        if (s->spec.infer && is_first(s)) {
+        if (is_infer(s) && is_first(s)) {
             free(s->prompt);
             s->n_prompt = s->n_ids;
             s->prompt = fu_malloc(len ? len : 1);
             memcpy(s->prompt, d, len);
         }
     }
-    if (s->spec.infer && is_first(s) && s->n_prompt == 0) {
+    if (is_infer(s) && is_first(s) && s->n_prompt == 0) {
         send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "the prompt is empty");
         stage_end(s, "empty prompt");
         return;
     }
-    if (!s->spec.infer && (is_first(s) || is_last(s)) && s->n_ids / ((size_t)s->spec.seq_len + 1) == 0) {
+    if (!is_infer(s) && (is_first(s) || is_last(s)) && s->n_ids / ((size_t)s->spec.seq_len + 1) == 0) {
         send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN,
                    "the job's %zu tokens make no window of seq_len+1 = %u tokens", s->n_ids, s->spec.seq_len + 1);
         stage_end(s, "no data");
@@ -721,14 +728,14 @@ static void fetched_all(stage_t *s)
             return;
         }
     }
-    if (s->spec.infer && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
+    if (is_infer(s) && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
         dag_exec_session_use(s->x, s->sess);
     if (rc != FU_OK) {
         exec_failed(s, rc, "session");
         return;
     }
-    s->tok = fu_malloc(((size_t)(s->spec.infer ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tok);
-    s->tgt = fu_malloc(((size_t)(s->spec.infer ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tgt);
+    s->tok = fu_malloc(((size_t)(is_infer(s) ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tok);
+    s->tgt = fu_malloc(((size_t)(is_infer(s) ? 1 : s->rows_mb * s->spec.seq_len)) * sizeof *s->tgt);
     s->step = s->resume_step;
     s->loaded = true;
     FU_INFO("peer", "job %016" PRIx64 " stage %u: loaded (%zu trainable parameters)%s", s->job_id, s->stage_index,
@@ -831,7 +838,7 @@ static size_t kept_row(stage_t *s, uint64_t step)
 
 static bool keeps_for_verify(const stage_t *s, uint32_t mb)
 {
-    return s->verify > 0 && !s->backup && !s->spec.infer && mb < DAG_EXEC_MAX_SLOTS;
+    return s->verify > 0 && !s->backup && !is_infer(s) && mb < DAG_EXEC_MAX_SLOTS;
 }
 
 /* Keeps a copy of the output of (step, mb) in the verification ring. */
@@ -879,7 +886,7 @@ static fu_err send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb
         free(data);
         return rc;
     }
-    if (!s->spec.infer)
+    if (!is_infer(s))
         output_produced(s, step, mb, (float *)data, total);
     peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
     c->gen = s->gen;
@@ -984,7 +991,7 @@ static void replay_deferred(stage_t *s);
 /* Publishes where a fine-tuning stage is (peer_shared.prog_*, carried by heartbeats). */
 static void publish_progress(const stage_t *s)
 {
-    if (s->backup || s->spec.infer)
+    if (s->backup || is_infer(s))
         return;
     uint64_t step = s->step + 1 < 0xffffffffu ? s->step + 1 : 0xffffffffu;
     uint64_t f = s->fwd_done < 0xffffu ? s->fwd_done : 0xffffu, b = s->bwd_done < 0xffffu ? s->bwd_done : 0xffffu;
@@ -994,8 +1001,7 @@ static void publish_progress(const stage_t *s)
 /* AdamW after the M-th backward, StepDone, checkpoint, next step. */
 static void finish_step(stage_t *s)
 {
-    kern_adamw_params ap = {.lr = (float)s->spec.lr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                            .weight_decay = (float)s->spec.weight_decay};
+    kern_adamw_params ap = dag_spec_adamw(&s->spec);
     fu_err rc = dag_exec_step(s->x, &ap);
     if (rc != FU_OK) {
         exec_failed(s, rc, "AdamW");
@@ -1075,7 +1081,7 @@ static void run_forwards(stage_t *s)
     if (stall_at(s, step))
         return;
     for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
-        fu_err rc = peer_data_rows(&s->spec, s->ids, s->n_ids, step, m, s->tok, s->tgt);
+        fu_err rc = spec_rows(s, s->ids, s->n_ids, step, m, s->tok, s->tgt);
         if (rc == FU_OK)
             rc = dag_exec_set_tokens(s->x, m, s->tok, is_last(s) ? s->tgt : NULL, s->rows_mb, s->spec.seq_len);
         if (rc == FU_OK)
@@ -1114,7 +1120,7 @@ static void on_activation_train(stage_t *s, const wire_tensor *t)
     }
     fu_err rc = FU_OK;
     if (is_last(s)) {
-        rc = peer_data_rows(&s->spec, s->ids, s->n_ids, s->step, m, s->tok, s->tgt);
+        rc = spec_rows(s, s->ids, s->n_ids, s->step, m, s->tok, s->tgt);
         if (rc == FU_OK)
             rc = dag_exec_set_tokens(s->x, m, NULL, s->tgt, s->rows_mb, s->spec.seq_len);
     } else {
@@ -1179,7 +1185,7 @@ static void on_gradient_train(stage_t *s, const wire_tensor *t)
 
 static void set_sampling(stage_t *s, uint64_t counter)
 {
-    kern_sample_params sp = {.temperature = (float)s->spec.temperature, .top_k = s->spec.top_k,
+    kern_sample_params sp = {.temperature = (float)s->spec.temperature, .top_k = (int)s->spec.top_k,
                              .top_p = (float)s->spec.top_p, .seed = s->spec.seed};
     dag_exec_set_sampling(s->x, &sp, counter);
 }
@@ -1260,7 +1266,7 @@ static void on_start(stage_t *s, const Fusion__StageStart *st)
     if (!s->active || st->job_id != s->job_id || !s->loaded || s->backup)
         return;
     s->running = true;
-    if (s->spec.infer) {
+    if (is_infer(s)) {
         if (is_first(s)) {
             /* After a failover the tokens blob is the prompt followed by the tokens generated so far;
              * resume_step (when the broker sets it for inference) counts the latter, so that the
@@ -1293,7 +1299,7 @@ static void on_tensor(stage_t *s, peer_cmd *c)
         peer_cmd_destroy(&c);
         return;
     }
-    if (s->spec.infer) {
+    if (is_infer(s)) {
         if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !is_first(s) && t->meta.ndim == 2 &&
             t->meta.shape[0] > 0 && (uint64_t)t->meta.shape[1] == s->w_in_total)
             infer_forward(s, t->meta.step, NULL, (const float *)t->data, (uint64_t)t->meta.shape[0]);
@@ -1373,7 +1379,7 @@ static void verify_answer(stage_t *s, uint64_t step, uint32_t mb, uint64_t seed,
 /* Stage 0's input hash for (step, mb): the micro-batch's token ids (I32, PIPELINE.md data order). */
 static fu_err token_hash(stage_t *s, uint64_t step, uint32_t mb, uint8_t out[WIRE_VERIFY_HASH_BYTES])
 {
-    FU_TRY(peer_data_rows(&s->spec, s->ids, s->n_ids, step, mb, s->tok, s->tgt));
+    FU_TRY(spec_rows(s, s->ids, s->n_ids, step, mb, s->tok, s->tgt));
     peer_verify_hash(s->tok, (size_t)s->rows_mb * s->spec.seq_len * sizeof(int32_t), out);
     return FU_OK;
 }
@@ -1413,7 +1419,7 @@ static void verify_compute(stage_t *s, const verify_req *q)
         }
         peer_verify_hash(q->input, q->n_input, ih);
         if (last)
-            rc = peer_data_rows(&s->spec, s->ids, s->n_ids, q->step, q->mb, s->tok, s->tgt);
+            rc = spec_rows(s, s->ids, s->n_ids, q->step, q->mb, s->tok, s->tgt);
         if (rc == FU_OK)
             rc = dag_exec_set_tokens(s->x, q->mb, NULL, last ? s->tgt : NULL, s->rows_mb, s->spec.seq_len);
         const float *f = (const float *)q->input;
@@ -1553,7 +1559,7 @@ static void verify_fetched(stage_t *s, bool ok, const char *why)
 static void on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
 {
     uint64_t jid = s->job_id;
-    if (!s->active || r->job_id != s->job_id || r->stage_index != s->stage_index || !s->loaded || s->spec.infer ||
+    if (!s->active || r->job_id != s->job_id || r->stage_index != s->stage_index || !s->loaded || is_infer(s) ||
         s->stage_count < 2 || r->step >= s->spec.steps || r->micro_batch >= s->M) {
         s->job_id = r->job_id; /* the answer names the request's job */
         uint32_t keep = s->stage_index;
@@ -1611,7 +1617,7 @@ static void deliver_unavailable(stage_t *s, const Fusion__VerifyDeliver *d, cons
 static void on_verify_deliver(stage_t *s, const Fusion__VerifyDeliver *d)
 {
     char why[200];
-    if (!s->active || d->job_id != s->job_id || !s->loaded || s->backup || s->spec.infer) {
+    if (!s->active || d->job_id != s->job_id || !s->loaded || s->backup || is_infer(s)) {
         deliver_unavailable(s, d, "this peer runs no stage of that fine-tune job");
         return;
     }
@@ -1679,7 +1685,7 @@ static void on_verify_input(stage_t *s, peer_cmd *c)
 
 static void on_infer_token(stage_t *s, const Fusion__InferToken *it)
 {
-    if (!s->active || !s->loaded || !s->spec.infer || !is_first(s) || it->job_id != s->job_id)
+    if (!s->active || !s->loaded || !is_infer(s) || !is_first(s) || it->job_id != s->job_id)
         return;
     int32_t tok = it->token;
     /* The token at `position` is the input of that position. */

@@ -178,7 +178,7 @@ static void test_client_bad_arguments_exit_2(void **state)
     assert_int_equal(as(0, &out, "submit infer --model x --prompt hi --prompt-tokens 1,2"), 2);
     free(out);
     assert_int_equal(as(0, &out, "submit finetune --model x --data /dev/null --verify 1.5"), 2);
-    assert_non_null(strstr(out, "--verify must be a fraction between 0 and 1"));
+    assert_non_null(strstr(out, "--verify must be a number between 0 and 1"));
     free(out);
     assert_int_equal(as(0, &out, "submit frobnicate"), 2);
     free(out);

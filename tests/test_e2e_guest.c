@@ -1,5 +1,7 @@
 /* End to end: a peer that is a guest on its owner's machine (docs/PEER.md "A good guest"), on the
- * two-stage cluster of real processes (tests/e2e_util.h), the peers at their default idle priority.
+ * two-stage cluster of real processes (tests/e2e_util.h). The peers run at normal priority: a pause
+ * is the same at any priority, and an idle-priority cluster would crawl on a machine busy with other
+ * work (the priority itself is tested by test_peer_proc's heartbeats_while_computing).
  *   - pause_resume: stage 1's peer is paused by its owner (SIGUSR1) mid-job; `fusion peers` shows it
  *     paused with the reason, the job's status says so, and the broker waits through twice its step
  *     deadline without recovering anything; after SIGUSR2 the job finishes with exactly the adapter
@@ -83,7 +85,6 @@ static int start_and_pause(e2e_cluster *c, const char *tag, int n_peers, int bac
                            peer_seen *before)
 {
     e2e_two_stage_init(c, tag, n_peers, backups);
-    c->priority = "idle";
     c->step_timeout_s = 3;
     c->pause_grace_s = grace_s;
     e2e_cluster_start(c);

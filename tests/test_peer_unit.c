@@ -17,7 +17,7 @@
 #include "kern_backend.h"
 #include "peer_blob.h"
 #include "peer_profile.h"
-#include "peer_spec.h"
+#include "dag_spec.h"
 #include "testutil.h"
 
 static void test_peer_profile_measures_this_machine(void **state)
@@ -44,17 +44,25 @@ static void test_peer_profile_measures_this_machine(void **state)
     assert_int_equal(q.free_memory_bytes, 100u << 20);
 }
 
+/* The data order of spec s (what a stage computes for itself). */
+static fu_err peer_data_rows(const dag_spec *s, const int32_t *ids, size_t n, uint64_t step, uint32_t mb, int32_t *tok,
+                             int32_t *tgt)
+{
+    dag_data_order o = dag_spec_data_order(s);
+    return dag_data_rows(&o, ids, n, step, mb, tok, tgt);
+}
+
 static void test_peer_spec_parses_the_contract_example(void **state)
 {
     (void)state;
     const char *js = "{\"model\": \"/srv/models/tiny\", \"method\": \"lora-fa\", \"rank\": 8, \"alpha\": 16, "
                      "\"targets\": [\"q_proj\", \"down_proj\"], \"lr\": 0.01, \"weight_decay\": 0.0, \"steps\": 40, "
                      "\"batch\": 4, \"seq_len\": 64, \"micro_batches\": 2, \"shuffle\": true, \"seed\": 1, "
-                     "\"checkpoint_every\": 5, \"nested\": {\"a\": [1, {\"b\": null}]}}";
-    peer_spec s;
+                     "\"checkpoint_every\": 5}";
+    dag_spec s;
     fu_errmsg em = {{0}};
-    assert_int_equal(peer_spec_parse(js, strlen(js), &s, &em), FU_OK);
-    assert_false(s.infer);
+    assert_int_equal(dag_spec_parse(js, strlen(js), DAG_JOB_ANY, &s, &em), FU_OK);
+    assert_int_equal(s.kind, DAG_JOB_FINETUNE);
     assert_true(s.lr == 0.01);
     assert_int_equal(s.steps, 40);
     assert_int_equal(s.batch, 4);
@@ -63,24 +71,24 @@ static void test_peer_spec_parses_the_contract_example(void **state)
     assert_true(s.shuffle);
     assert_int_equal(s.seed, 1);
     assert_int_equal(s.checkpoint_every, 5);
-    peer_spec_clear(&s);
+    dag_spec_clear(&s);
 
     const char *inf = "{\"model\":\"m\",\"adapter_job\":\"\",\"max_tokens\":5,\"temperature\":0,\"top_k\":0,"
                       "\"top_p\":1,\"seed\":3,\"dump_logits\":true,\"prompt_tokens\":[1,2,3]}";
-    assert_int_equal(peer_spec_parse(inf, strlen(inf), &s, &em), FU_OK);
-    assert_true(s.infer);
+    assert_int_equal(dag_spec_parse(inf, strlen(inf), DAG_JOB_ANY, &s, &em), FU_OK);
+    assert_int_equal(s.kind, DAG_JOB_INFER);
     assert_int_equal(s.max_tokens, 5);
     assert_true(s.dump_logits);
     assert_int_equal(s.n_prompt_tokens, 3);
     assert_int_equal(s.prompt_tokens[2], 3);
-    peer_spec_clear(&s);
+    dag_spec_clear(&s);
 
     /* Wrong types, bad values, broken JSON: refused, never a crash. */
     const char *bad[] = {"{\"steps\": \"ten\"}", "{\"batch\": 4, \"micro_batches\": 3}", "{\"lr\": -1}",
                          "{\"steps\": 1.5}", "{\"steps\": 10", "[1,2]", "{\"a\" 1}", "", "{\"x\": tru}",
-                         "{\"prompt_tokens\": [1, -2]}"};
+                         "{\"prompt_tokens\": [1, -2]}", "{\"nested\": {\"a\": [1, {\"b\": null}]}}"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        fu_err rc = peer_spec_parse(bad[i], strlen(bad[i]), &s, &em);
+        fu_err rc = dag_spec_parse(bad[i], strlen(bad[i]), DAG_JOB_ANY, &s, &em);
         assert_true(rc == FU_EINVAL || rc == FU_EPROTO);
     }
     /* Deep nesting is refused, not recursed into without bound. */
@@ -90,7 +98,7 @@ static void test_peer_spec_parses_the_contract_example(void **state)
     for (int i = 0; i < 1000; i++)
         deep[n++] = '[';
     deep[n] = '\0';
-    assert_int_equal(peer_spec_parse(deep, n, &s, &em), FU_EPROTO);
+    assert_int_equal(dag_spec_parse(deep, n, DAG_JOB_ANY, &s, &em), FU_EPROTO);
 }
 
 /* The data order, written out the way PIPELINE.md states it. */
@@ -101,7 +109,12 @@ static void test_peer_data_order_follows_the_contract(void **state)
     int32_t ids[NTOK];
     for (int i = 0; i < NTOK; i++)
         ids[i] = 1000 + i;
-    peer_spec s = {.batch = 4, .seq_len = T, .micro_batches = 2, .steps = 10};
+    dag_spec s;
+    dag_spec_init(&s, DAG_JOB_FINETUNE);
+    s.batch = 4;
+    s.seq_len = T;
+    s.micro_batches = 2;
+    s.steps = 10;
     int32_t tok[2 * T], tgt[2 * T];
     /* Identity order: step 2, micro-batch 1 → k = 2*4 + 1*2 + j = 10, 11 → windows 3, 4. */
     assert_int_equal(peer_data_rows(&s, ids, NTOK, 2, 1, tok, tgt), FU_OK);
