@@ -16,6 +16,7 @@ CLUSTER_DIR=${CLUSTER_DIR:-var/cluster}
 FUSION_BIN=${FUSION_BIN:-build/release/bin}
 FUSION_PORT=${FUSION_PORT:-7700}
 PEER_THREADS=${PEER_THREADS:-1}
+PEER_PRIORITY=${PEER_PRIORITY:-idle} # the peers' compute: idle (a guest, the default), low or normal
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
 
@@ -62,7 +63,7 @@ CONF
     start_bg "peer$i" "$dir/peer$i.pid" "$dir/logs/peer$i.log" \
       "$FUSION_BIN/fusion-peer" --broker "tcp://127.0.0.1:$FUSION_PORT" --broker-key "$dir/keys/broker/public.key" \
       --keys "$dir/keys/peer$i" --name "peer$i" --data-bind "tcp://127.0.0.1:*" --cache "$dir/cache/peer$i" \
-      --threads "$PEER_THREADS"
+      --threads "$PEER_THREADS" --priority "$PEER_PRIORITY"
   done
 
   # Wait until every peer has registered.

@@ -29,7 +29,8 @@ mkdir -p "$VAR"
 trap './deploy/local-cluster.sh down' EXIT
 
 echo "== starting a broker and three peers on loopback"
-./deploy/local-cluster.sh up 3
+# The demo's own peers compute at normal priority: on a busy machine, guests (the default) would wait.
+PEER_PRIORITY=normal ./deploy/local-cluster.sh up 3
 export FUSION_CONFIG="$CLUSTER_DIR/client.conf"
 "$BIN/fusion" peers
 

@@ -32,6 +32,7 @@ fu_e2e_exe(test_e2e_pipeline)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_finetune_then_infer 90)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_salr 90)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_wide_model_splits 90)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_targets 90)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 90 fault)

@@ -240,6 +240,49 @@ static void test_e2e_pipeline_wide_model_splits(void **state)
     e2e_cluster_stop(&c);
 }
 
+/* `fusion submit finetune --targets q,v` through the pipeline: the adapter holds exactly the q and v
+ * projections of every layer (nothing else), and equals `fusion run finetune --targets q,v`'s. (The
+ * client used to send "q,v" as a string where the broker wanted a list, and the job was refused.) */
+static void test_e2e_pipeline_targets(void **state)
+{
+    (void)state;
+    e2e_cluster c;
+    e2e_cluster_init(&c, "e2e-targets", 3);
+    c.backups = 0;
+    e2e_cluster_start(&c);
+    const char *train = E2E_TRAIN_ARGS " --steps 6 --targets q,v";
+    char id[17];
+    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 3", c.data, train);
+    e2e_wait_done(&c, id, 80);
+    assert_stages(&c, id, 2);
+    double d = e2e_job_vs_reference(&c, id, "model", train);
+    assert_true(d <= 1e-5);
+    char path[E2E_PATH];
+    e2e_path(&c, path, "res-%s/adapter_model.safetensors", id);
+    fu_errmsg em = {{0}};
+    fu_safetensors *st = NULL;
+    assert_int_equal(fu_safetensors_open_file(path, &st, &em), FU_OK);
+    size_t q = 0, v = 0, n = fu_safetensors_count(st);
+    for (size_t i = 0; i < n; i++) {
+        const char *name = fu_safetensors_at(st, i)->name;
+        q += strstr(name, ".q_proj.") != NULL;
+        v += strstr(name, ".v_proj.") != NULL;
+        if (!strstr(name, ".q_proj.") && !strstr(name, ".v_proj."))
+            fail_msg("the adapter of --targets q,v holds %s", name);
+    }
+    printf("job %s: %zu tensors, %zu of q_proj and %zu of v_proj\n", id, n, q, v);
+    assert_true(q > 0 && q == v && q + v == n);
+    fu_safetensors_close(&st);
+    char cfg[E2E_PATH];
+    e2e_path(&c, cfg, "res-%s/adapter_config.json", id);
+    char *txt = e2e_slurp(cfg);
+    assert_non_null(strstr(txt, "q_proj"));
+    assert_non_null(strstr(txt, "v_proj"));
+    assert_null(strstr(txt, "k_proj"));
+    free(txt);
+    e2e_cluster_stop(&c);
+}
+
 int main(int argc, char **argv)
 {
     /* Used by tests/netns/run.sh: the max abs difference of two adapter files; exit 0 when <= 1e-5. */
@@ -254,6 +297,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_salr, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, e2e_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_targets, e2e_teardown),
     };
     return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_pipeline");
 }

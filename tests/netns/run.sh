@@ -96,7 +96,7 @@ grep -q "listening on" broker.log || { echo "netns: the broker did not start" >&
 for i in 0 1 2; do
   run_in "p$i" "p$i.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
     --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache$i" --threads 1 \
-    --max-memory 0.039 --drain-timeout 15
+    --max-memory 0.039 --drain-timeout 15 --priority normal # a test cluster, not a guest (docs/TESTING.md)
 done
 for i in 0 1 2; do
   for _ in $(seq 1 300); do grep -q "(p$i) joined" broker.log && break; sleep 0.1; done
