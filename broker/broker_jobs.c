@@ -205,26 +205,37 @@ static void job_table_add(broker_t *b, broker_job *j)
     b->jobs[b->n_jobs++] = j;
 }
 
-fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap)
+/* The stored row's part of j: its ids, owner, spec text and tokens (the spec is parsed by the
+ * caller). FU_EPROTO when the stored form is malformed. */
+static fu_err job_row(broker_job *j, const db_job *dj, char *why, size_t cap)
 {
-    broker_job *j = job_new(b, dj->kind);
-    fu_err rc = FU_EPROTO;
     snprintf(j->id, sizeof j->id, "%s", dj->id);
     j->id64 = strtoull(dj->id, NULL, 16);
     snprintf(j->owner, sizeof j->owner, "%s", dj->owner);
     size_t sl = dj->spec ? strnlen((const char *)dj->spec, dj->spec_len) : 0;
     if (!dj->spec || sl == dj->spec_len || (dj->spec_len - sl - 1) % sizeof(int32_t) != 0) {
         snprintf(why, cap, "stored spec is malformed");
-        goto fail;
+        return FU_EPROTO;
     }
+    free(j->spec_json);
     j->spec_json = fu_malloc(sl + 1);
     memcpy(j->spec_json, dj->spec, sl + 1);
+    free(j->tokens);
     j->n_tokens = (dj->spec_len - sl - 1) / sizeof(int32_t);
     j->tokens = fu_malloc((j->n_tokens ? j->n_tokens : 1) * sizeof *j->tokens);
     memcpy(j->tokens, dj->spec + sl + 1, j->n_tokens * sizeof *j->tokens);
     crypto_generichash(j->tokens_hash, sizeof j->tokens_hash, (const uint8_t *)j->tokens,
                        j->n_tokens * sizeof *j->tokens, NULL, 0);
-    if ((rc = broker_spec_parse(j->spec_json, sl, dj->kind, &j->spec, why, cap)) != FU_OK)
+    return FU_OK;
+}
+
+fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap)
+{
+    broker_job *j = job_new(b, dj->kind);
+    fu_err rc = job_row(j, dj, why, cap);
+    if (rc != FU_OK)
+        goto fail;
+    if ((rc = broker_spec_parse(j->spec_json, strlen(j->spec_json), dj->kind, &j->spec, why, cap)) != FU_OK)
         goto fail;
     db_job *aj = NULL;
     if (dj->kind == DB_JOB_INFER && j->spec.adapter_job[0] &&
@@ -486,10 +497,14 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
         goto done;
     }
     if (created) {
-        broker_job *j = NULL;
-        if (broker_job_load(b, dj, &j, why, sizeof why) != FU_OK) {
+        /* The job checked above is the one that runs: its graph, tokenizer and model are not made twice. */
+        broker_job *j = tmp;
+        if (job_row(j, dj, why, sizeof why) != FU_OK) {
             BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_FAILED, why, broker_wall()));
         } else {
+            tmp = NULL;
+            j->phase = BJ_QUEUED;
+            job_table_add(b, j);
             BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_QUEUED, "waiting for the scheduler", broker_wall()));
             snprintf(j->reason, sizeof j->reason, "waiting for the scheduler");
             b->sched_dirty = true;
