@@ -2,6 +2,7 @@
 #include "kern_backend.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,6 +10,7 @@
 #include "kern_internal.h"
 
 #ifdef FUSION_KERN_HAVE_CUDA
+#include "kern_cuda.h"
 /* Provided by the CUDA backend's sources (the kernels/ .cu files) when the build has them: the backend for
  * device `ordinal` (static storage), FU_ENOTFOUND when there is no such device, FU_ECUDA when the
  * driver fails. */
@@ -149,5 +151,61 @@ fu_err kern_chk_mat(const kern_backend_t *be, const kern_tensor_t *t)
         return FU_EINVAL;
     if (t->shape[0] > KERN_INT_LIMIT || t->shape[1] > KERN_INT_LIMIT || t->stride[0] > KERN_INT_LIMIT)
         return FU_EINVAL;
+    return FU_OK;
+}
+
+/* ---- the device ---------------------------------------------------------------------------- */
+
+/* "key: value" of a /proc file into out (the value's first line), or false. */
+static bool proc_field(const char *path, const char *key, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    char line[512];
+    size_t kl = strlen(key);
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f)) {
+        if (strncmp(line, key, kl) != 0)
+            continue;
+        const char *c = strchr(line + kl, ':');
+        if (!c)
+            continue;
+        c++;
+        while (*c == ' ' || *c == '\t')
+            c++;
+        snprintf(out, cap, "%.*s", (int)strcspn(c, "\n"), c);
+        found = true;
+    }
+    fclose(f);
+    return found;
+}
+
+fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out)
+{
+    if (!be || !out)
+        return FU_EINVAL;
+    memset(out, 0, sizeof *out);
+    if (be->device.kind == KERN_DEV_CUDA) {
+#ifdef FUSION_KERN_HAVE_CUDA
+        kern_cuda_info ci;
+        FU_TRY(kern_cuda_device_info(be->device.index, &ci));
+        snprintf(out->name, sizeof out->name, "%s", ci.name);
+        out->free_bytes = ci.free_bytes;
+        out->total_bytes = ci.total_bytes;
+        return FU_OK;
+#else
+        return FU_ENOSYS;
+#endif
+    }
+    char v[256];
+    snprintf(out->name, sizeof out->name, "cpu");
+    if (proc_field("/proc/cpuinfo", "model name", v, sizeof v))
+        snprintf(out->name, sizeof out->name, "cpu: %.240s", v);
+    unsigned long long kb = 0;
+    if (proc_field("/proc/meminfo", "MemAvailable", v, sizeof v) && sscanf(v, "%llu", &kb) == 1)
+        out->free_bytes = (uint64_t)kb * 1024u;
+    if (proc_field("/proc/meminfo", "MemTotal", v, sizeof v) && sscanf(v, "%llu", &kb) == 1)
+        out->total_bytes = (uint64_t)kb * 1024u;
     return FU_OK;
 }

@@ -161,6 +161,16 @@ const kern_backend_t *kern_backend_cpu(void);
  * any other name. *out is borrowed (static storage). */
 FU_MUST_CHECK fu_err kern_backend_get(const char *name, const kern_backend_t **out);
 
+/* What a backend's device is, for a peer's profile. */
+typedef struct {
+    char name[256];        /* "cpu: AMD EPYC 9R14" (/proc/cpuinfo) or the GPU's name */
+    uint64_t free_bytes;   /* memory free now: MemAvailable, or the GPU's free memory */
+    uint64_t total_bytes;  /* all of it (0 when unknown) */
+} kern_device_info;
+
+/* Fills *out for be's device. FU_ECUDA when the driver cannot say, FU_EINVAL without be. */
+FU_MUST_CHECK fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out);
+
 /* Number of threads the CPU backend uses for its own loops (OpenMP; GEMMs use OpenBLAS's own
  * threads). Small ops always run on the calling thread. */
 int kern_cpu_threads(void);

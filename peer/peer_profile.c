@@ -7,49 +7,8 @@
 
 #include "fu_clock.h"
 
-#ifdef FUSION_KERN_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 #define PROFILE_CPU_N  512  /* 0.27 GFLOP per GEMM: a few ms on one core, many reps in the budget */
 #define PROFILE_CUDA_N 4096 /* 137 GFLOP: large enough to reach a GPU's steady throughput */
-
-uint64_t peer_mem_available(void)
-{
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f)
-        return 0;
-    char line[256];
-    unsigned long long kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
-            break;
-    fclose(f);
-    return (uint64_t)kb * 1024u;
-}
-
-static void cpu_name(char *buf, size_t cap)
-{
-    snprintf(buf, cap, "cpu");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (!f)
-        return;
-    char line[512];
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "model name", 10) == 0) {
-            const char *c = strchr(line, ':');
-            if (c) {
-                c++;
-                while (*c == ' ' || *c == '\t')
-                    c++;
-                size_t n = strcspn(c, "\n");
-                snprintf(buf, cap, "cpu: %.*s", (int)n, c);
-            }
-            break;
-        }
-    }
-    fclose(f);
-}
 
 /* GFLOP/s of square n×n GEMMs in dtype dt on be, run for about budget seconds after a warm-up. */
 static fu_err gemm_speed(const kern_backend_t *be, kern_dtype dt, int64_t n, double budget, double *gflops,
@@ -137,22 +96,12 @@ fu_err peer_profile_measure(const kern_backend_t *be, uint64_t max_memory_bytes,
         FU_TRY(gemm_speed(be, out->dtypes[i], n, budget_s / n_dt, &out->gflops[i], em));
     out->n_speeds = n_dt;
 
-    if (out->cuda) {
-#ifdef FUSION_KERN_HAVE_CUDA
-        size_t fr = 0, tot = 0;
-        struct cudaDeviceProp prop;
-        if (cudaSetDevice(be->device.index) != cudaSuccess || cudaMemGetInfo(&fr, &tot) != cudaSuccess ||
-            cudaGetDeviceProperties(&prop, be->device.index) != cudaSuccess)
-            return fu_errmsg_set(em, FU_ECUDA, "profile: cannot query CUDA device %d", be->device.index);
-        out->device_free_bytes = fr;
-        snprintf(out->device_name, sizeof out->device_name, "%.127s", prop.name);
-#else
-        return fu_errmsg_set(em, FU_ENOSYS, "profile: a CUDA backend in a build without CUDA");
-#endif
-    } else {
-        out->device_free_bytes = peer_mem_available();
-        cpu_name(out->device_name, sizeof out->device_name);
-    }
+    kern_device_info di;
+    fu_err rc = kern_backend_device_info(be, &di);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "profile: cannot query the device of %s: %s", be->name, fu_strerror(rc));
+    out->device_free_bytes = di.free_bytes;
+    snprintf(out->device_name, sizeof out->device_name, "%.127s", di.name);
     out->free_memory_bytes = out->device_free_bytes;
     if (max_memory_bytes && max_memory_bytes < out->free_memory_bytes)
         out->free_memory_bytes = max_memory_bytes;

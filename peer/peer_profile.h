@@ -35,14 +35,11 @@ typedef struct {
 } peer_profile;
 
 /* Measures be: square GEMMs (C = A·B) per float dtype be accepts, for about budget_s seconds in
- * all (0: PEER_PROFILE_BUDGET_S), after one warm-up; free memory from cudaMemGetInfo (CUDA) or
- * MemAvailable in /proc/meminfo (CPU), capped at max_memory_bytes when that is not 0; the device
- * name. FU_ECUDA / FU_ENOMEM from the backend with a message. */
+ * all (0: PEER_PROFILE_BUDGET_S), after one warm-up; the device's name and free memory from
+ * kern_backend_device_info (MemAvailable on the CPU, the GPU's free memory on CUDA), capped at
+ * max_memory_bytes when that is not 0. FU_ECUDA / FU_ENOMEM from the backend with a message. */
 FU_MUST_CHECK fu_err peer_profile_measure(const kern_backend_t *be, uint64_t max_memory_bytes, double budget_s,
                                           peer_profile *out, fu_errmsg *em);
-
-/* MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read. */
-uint64_t peer_mem_available(void);
 
 /* One line for logs and tests: "cpu: ... | f32 112.3 GFLOP/s | 3.1 GiB free". */
 void peer_profile_format(const peer_profile *p, char *buf, size_t cap);

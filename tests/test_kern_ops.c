@@ -688,9 +688,21 @@ static void test_kern_ops_bad_arguments_return_einval(void **state)
     assert_int_equal(kern_linear_forward(CPU, &E0, &B, &Y0), FU_OK);
 }
 
+/* The CPU backend's device: a name and the machine's memory. */
+static void test_kern_ops_device_info(void **state)
+{
+    (void)state;
+    kern_device_info di;
+    assert_int_equal(kern_backend_device_info(kern_backend_cpu(), &di), FU_OK);
+    assert_true(strncmp(di.name, "cpu", 3) == 0);
+    assert_true(di.free_bytes > 0 && di.total_bytes >= di.free_bytes);
+    assert_int_equal(kern_backend_device_info(NULL, &di), FU_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_kern_ops_device_info),
         cmocka_unit_test(test_kern_ops_gemm_matches_reference),
         cmocka_unit_test(test_kern_ops_linear_backward_matches_fd),
         cmocka_unit_test(test_kern_ops_embedding_gather_and_scatter_add),
