@@ -1,0 +1,497 @@
+/* peer_train: a fine-tuning stage's work on the compute thread (peer_stage.c holds the lifecycle):
+ * the pipeline's data order, the frames of a step (held while they are early, taken in order), forward
+ * and backward per micro-batch, the cut tensors sent to the neighbours, AdamW at the end of each step,
+ * StepDone, the progress published for heartbeats, the stall test hook, and the checkpoints (written
+ * in the contract's format, and restored from it). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dag_exec.h"
+#include "dag_graph.h"
+#include "dag_spec.h"
+#include "fu_alloc.h"
+#include "fu_log.h"
+#include "fu_safetensors.h"
+#include "peer.h"
+#include "peer_blob.h"
+#include "peer_stage_internal.h"
+#include "peer_verify.h"
+
+/* The rows of micro-batch mb of step `step` in the pipeline's data order (docs/PIPELINE.md). */
+fu_err stage_spec_rows(const stage_t *s, const int32_t *ids, size_t n_ids, uint64_t step, uint32_t mb, int32_t *tokens,
+                       int32_t *targets)
+{
+    dag_data_order o = dag_spec_data_order(&s->spec);
+    return dag_data_rows(&o, ids, n_ids, step, mb, tokens, targets);
+}
+
+/* The contract's checkpoint names (<name>.adam_m / .adam_v, metadata step and adam_t) from the
+ * executor's (<name>.exp_avg / .exp_avg_sq, metadata fusion.step), or back (to_contract false). */
+static fu_err ckpt_translate(const fu_safetensors *src, const char *dst, bool to_contract, uint64_t step,
+                             fu_errmsg *em)
+{
+    static const char *const dag_sfx[2] = {".exp_avg_sq", ".exp_avg"};
+    static const char *const pipe_sfx[2] = {".adam_v", ".adam_m"};
+    size_t n = fu_safetensors_count(src);
+    fu_st_tensor *t = fu_calloc(n ? n : 1, sizeof *t);
+    char **names = fu_calloc(n ? n : 1, sizeof *names);
+    for (size_t i = 0; i < n; i++) {
+        t[i] = *fu_safetensors_at(src, i);
+        const char *nm = t[i].name;
+        size_t L = strlen(nm);
+        for (int k = 0; k < 2; k++) {
+            const char *from = to_contract ? dag_sfx[k] : pipe_sfx[k];
+            const char *to = to_contract ? pipe_sfx[k] : dag_sfx[k];
+            size_t fl = strlen(from);
+            if (L > fl && strcmp(nm + L - fl, from) == 0) {
+                names[i] = fu_malloc(L - fl + strlen(to) + 1);
+                memcpy(names[i], nm, L - fl);
+                strcpy(names[i] + L - fl, to);
+                t[i].name = names[i];
+                break;
+            }
+        }
+    }
+    char a[32], b[32];
+    const char *meta[4];
+    size_t n_meta;
+    fu_err rc = FU_OK;
+    if (to_contract) {
+        const char *adam_t = fu_safetensors_metadata(src, "fusion.step");
+        snprintf(a, sizeof a, "%" PRIu64, step);
+        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
+        meta[0] = "step", meta[1] = a, meta[2] = "adam_t", meta[3] = b;
+        n_meta = 2;
+    } else {
+        const char *adam_t = fu_safetensors_metadata(src, "adam_t");
+        if (!adam_t)
+            rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint has no adam_t metadata");
+        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
+        meta[0] = "fusion.step", meta[1] = b;
+        n_meta = 1;
+    }
+    if (rc == FU_OK)
+        rc = fu_safetensors_write(dst, t, n, meta, n_meta, NULL, NULL, em);
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    free(t);
+    return rc;
+}
+
+/* Restores the executor from a checkpoint blob (contract names). */
+fu_err stage_restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errmsg *em)
+{
+    fu_safetensors *src = NULL, *st = NULL;
+    FU_TRY(fu_safetensors_parse_header(data, len, "checkpoint", &src, em));
+    const char *stp = fu_safetensors_metadata(src, "step");
+    char *path = stage_scratch_path(s, "restore");
+    fu_err rc = ckpt_translate(src, path, false, 0, em);
+    if (rc == FU_OK)
+        rc = fu_safetensors_open_file(path, &st, em);
+    if (rc == FU_OK)
+        rc = dag_exec_load_state(s->x, st, em);
+    if (rc == FU_OK && stp && strtoull(stp, NULL, 10) != s->resume_step)
+        rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint says step %s, expected %" PRIu64, stp, s->resume_step);
+    fu_safetensors_close(&st);
+    fu_safetensors_close(&src);
+    unlink(path);
+    free(path);
+    return rc;
+}
+
+/* The cut outputs of slot m after a forward: rows × w_out_total floats (one block per cut node in id
+ * order), total floats in all, into out. */
+fu_err stage_collect_outputs(stage_t *s, uint32_t slot, size_t total, float *out)
+{
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_out; i++) {
+        const float *p;
+        size_t n;
+        fu_err rc = dag_exec_get_output(s->x, slot, s->cut_out[i], &p, &n);
+        if (rc != FU_OK || off + n > total)
+            return rc != FU_OK ? rc : FU_EINVAL;
+        memcpy(out + off, p, n * sizeof(float));
+        off += n;
+    }
+    return FU_OK;
+}
+
+/* The gradient w.r.t. the cut inputs after a backward: rows × w_in_total floats, zeros where no
+ * gradient reaches, into out (total floats, zeroed by the caller). */
+fu_err stage_collect_input_grads(stage_t *s, uint64_t rows, size_t total, float *out)
+{
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_in; i++) {
+        const float *p = NULL;
+        size_t n = 0, want = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
+        fu_err rc = dag_exec_get_input_grad(s->x, s->cut_in[i], &p, &n);
+        if (rc != FU_OK || (p && n != want) || off + want > total)
+            return rc != FU_OK ? rc : FU_EINVAL;
+        if (p)
+            memcpy(out + off, p, n * sizeof(float));
+        off += want;
+    }
+    return FU_OK;
+}
+
+/* Sends the cut outputs of slot m (rows × w_out_total floats, one block per cut node in id order). */
+fu_err stage_send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb, uint64_t rows)
+{
+    size_t total = (size_t)(rows * s->w_out_total);
+    uint8_t *data = fu_malloc(total * sizeof(float) + 1);
+    fu_err rc = stage_collect_outputs(s, slot, total, (float *)data);
+    if (rc != FU_OK) {
+        free(data);
+        return rc;
+    }
+    if (!stage_is_infer(s))
+        stage_output_produced(s, step, mb, (float *)data, total);
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->gen = s->gen;
+    c->role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+    c->job_id = s->job_id;
+    c->meta.type = FUSION__MSG_TYPE__MSG_ACTIVATION;
+    c->meta.job_id = s->job_id;
+    c->meta.step = step;
+    c->meta.micro_batch = mb;
+    c->meta.stage = s->stage_index;
+    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
+    c->meta.ndim = 2;
+    c->meta.shape[0] = (int64_t)rows;
+    c->meta.shape[1] = (int64_t)s->w_out_total;
+    c->data = data;
+    c->len = total * sizeof(float);
+    stage_to_io(s, c);
+    return FU_OK;
+}
+
+/* Sends the gradient w.r.t. the cut inputs after a backward (zeros where none reaches). */
+static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t rows)
+{
+    size_t total = (size_t)(rows * s->w_in_total);
+    uint8_t *data = fu_calloc(total * sizeof(float) + 1, 1);
+    fu_err rc = stage_collect_input_grads(s, rows, total, (float *)data);
+    if (rc != FU_OK) {
+        free(data);
+        return rc;
+    }
+    if (stage_is_last(s)) /* the last stage's verified output (PROTOCOL.md "Verification sketch") */
+        stage_output_produced(s, step, mb, (float *)data, total);
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->gen = s->gen;
+    c->role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
+    c->job_id = s->job_id;
+    c->meta.type = FUSION__MSG_TYPE__MSG_GRADIENT;
+    c->meta.job_id = s->job_id;
+    c->meta.step = step;
+    c->meta.micro_batch = mb;
+    c->meta.stage = s->stage_index;
+    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
+    c->meta.ndim = 2;
+    c->meta.shape[0] = (int64_t)rows;
+    c->meta.shape[1] = (int64_t)s->w_in_total;
+    c->data = data;
+    c->len = total * sizeof(float);
+    stage_to_io(s, c);
+    return FU_OK;
+}
+
+static void send_checkpoint(stage_t *s, uint64_t at)
+{
+    fu_errmsg em = {{0}};
+    char *raw = stage_scratch_path(s, "ckpt-raw"), *out = stage_scratch_path(s, "ckpt");
+    fu_safetensors *st = NULL;
+    char *blob = NULL;
+    size_t len = 0;
+    fu_err rc = dag_exec_save_state(s->x, raw, &em);
+    if (rc == FU_OK)
+        rc = fu_safetensors_open_file(raw, &st, &em);
+    if (rc == FU_OK)
+        rc = ckpt_translate(st, out, true, at, &em);
+    fu_safetensors_close(&st);
+    if (rc == FU_OK)
+        rc = fu_file_read_all(out, (size_t)1 << 31, &blob, &len, &em);
+    unlink(raw);
+    unlink(out);
+    free(raw);
+    free(out);
+    if (rc != FU_OK) {
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT,
+                         "cannot write the checkpoint of step %" PRIu64 ": %s", at, fu_errmsg_text(&em, rc));
+        free(blob);
+        return;
+    }
+    uint8_t hash[PEER_BLOB_HASH_BYTES];
+    peer_blob_hash(hash, blob, len);
+    size_t off = 0;
+    do {
+        size_t n = len - off < PEER_CKPT_CHUNK ? len - off : PEER_CKPT_CHUNK;
+        Fusion__CheckpointPut cp = FUSION__CHECKPOINT_PUT__INIT;
+        cp.job_id = s->job_id;
+        cp.stage_index = s->stage_index;
+        cp.step = at;
+        cp.offset = off;
+        cp.total = len;
+        cp.content_hash.data = hash;
+        cp.content_hash.len = sizeof hash;
+        cp.data.data = (uint8_t *)blob + off;
+        cp.data.len = n;
+        stage_send_msg(s, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, at, &cp.base);
+        off += n;
+    } while (off < len);
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: checkpoint of step %" PRIu64 " sent (%zu bytes)", s->job_id,
+            s->stage_index, at, len);
+    free(blob);
+}
+
+/* Publishes where a fine-tuning stage is (peer_shared.prog_*, carried by heartbeats). */
+void stage_publish_progress(const stage_t *s)
+{
+    if (s->backup || stage_is_infer(s))
+        return;
+    uint64_t step = s->step + 1 < 0xffffffffu ? s->step + 1 : 0xffffffffu;
+    uint64_t f = s->fwd_done < 0xffffu ? s->fwd_done : 0xffffu, b = s->bwd_done < 0xffffu ? s->bwd_done : 0xffffu;
+    atomic_store(&s->cfg.shared->progress, step << 32 | f << 16 | b);
+}
+
+/* AdamW after the M-th backward, StepDone, checkpoint, next step. */
+static void finish_step(stage_t *s)
+{
+    kern_adamw_params ap = dag_spec_adamw(&s->spec);
+    fu_err rc = dag_exec_step(s->x, &ap);
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "AdamW");
+        return;
+    }
+    uint64_t done = s->step;
+    if (stage_is_last(s)) {
+        Fusion__StepDone sd = FUSION__STEP_DONE__INIT;
+        sd.job_id = s->job_id;
+        sd.step = done;
+        sd.loss = s->loss_sum / s->M;
+        sd.tokens = (uint64_t)s->spec.batch * s->spec.seq_len;
+        FU_INFO("peer", "job %016" PRIx64 ": step %" PRIu64 " loss %.6f", s->job_id, done, sd.loss);
+        stage_send_msg(s, FUSION__MSG_TYPE__MSG_STEP_DONE, done, &sd.base);
+    }
+    uint64_t K = s->spec.checkpoint_every;
+    if ((K && (done + 1) % K == 0) || done + 1 == s->spec.steps)
+        send_checkpoint(s, done + 1);
+    s->step++;
+    s->fwd_done = s->bwd_done = 0;
+    stage_publish_progress(s);
+    s->loss_sum = 0;
+    s->tokens_sum = 0;
+    if (s->step >= s->spec.steps) {
+        s->finished = true;
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: all %" PRIu64 " steps done; waiting for StageRelease", s->job_id,
+                s->stage_index, s->spec.steps);
+        return;
+    }
+    if (stage_is_first(s))
+        s->pending_fwd = true; /* run from the loop, after the commands already queued */
+    stage_replay_deferred(s);
+}
+
+/* Loss and backward of slot m at the last stage, then the gradient up. */
+static void last_backward(stage_t *s, uint32_t m)
+{
+    float loss = 0;
+    int64_t nv = 0;
+    fu_err rc = dag_exec_loss(s->x, m, &loss, &nv);
+    if (rc == FU_OK)
+        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    if (rc == FU_OK && !stage_is_first(s))
+        rc = send_input_grads(s, s->step, m, (uint64_t)s->rows_mb * s->spec.seq_len);
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "backward");
+        return;
+    }
+    s->loss_sum += loss;
+    s->tokens_sum += nv;
+    ++s->bwd_done;
+    stage_publish_progress(s);
+    if (s->bwd_done == s->M)
+        finish_step(s);
+}
+
+/* The stall test hook (PEER_STALL_ENV "step:N:PATH"): true when this assignment must drop the work of
+ * `step`. The hook fires once per process (the compute thread alone calls this). */
+static bool stall_at(stage_t *s, uint64_t step)
+{
+    static bool spent;
+    if (s->stalling || spent || s->backup)
+        return s->stalling;
+    int64_t n = peer_test_stall_step();
+    if (n < 0 || (uint64_t)n != step)
+        return false;
+    spent = s->stalling = true;
+    FU_WARN("peer", "job %016" PRIx64 " stage %u: test hook %s: stalling at step %" PRIu64 " (heartbeats go on)",
+            s->job_id, s->stage_index, PEER_STALL_ENV, step);
+    return true;
+}
+
+/* Stage 0: forward every micro-batch of the current step. */
+void stage_run_forwards(stage_t *s)
+{
+    uint64_t step = s->step;
+    if (stall_at(s, step))
+        return;
+    for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
+        fu_err rc = stage_spec_rows(s, s->ids, s->n_ids, step, m, s->tok, s->tgt);
+        if (rc == FU_OK)
+            rc = dag_exec_set_tokens(s->x, m, s->tok, stage_is_last(s) ? s->tgt : NULL, s->rows_mb, s->spec.seq_len);
+        if (rc == FU_OK)
+            rc = dag_exec_forward(s->x, m);
+        if (rc != FU_OK) {
+            stage_exec_failed(s, rc, "forward");
+            return;
+        }
+        s->fwd_done++;
+        stage_publish_progress(s);
+        if (stage_is_last(s)) {
+            last_backward(s, m);
+            continue;
+        }
+        if ((rc = stage_send_outputs(s, m, step, m, (uint64_t)s->rows_mb * s->spec.seq_len)) != FU_OK) {
+            stage_exec_failed(s, rc, "reading the stage output");
+            return;
+        }
+    }
+}
+
+static void on_activation_train(stage_t *s, const wire_tensor *t)
+{
+    uint32_t m = t->meta.micro_batch;
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    if (m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
+        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_in_total) {
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_ACTIVATION,
+                         "activation (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+        return;
+    }
+    if (stage_keeps_for_verify(s, m)) { /* the input hash a VerifySketch of this (step, m) reports */
+        size_t r = stage_kept_row(s, s->step);
+        peer_verify_hash(t->data, t->len, s->kept_in[r][m]);
+        s->kept_in_ok[r][m] = true;
+    }
+    fu_err rc = FU_OK;
+    if (stage_is_last(s)) {
+        rc = stage_spec_rows(s, s->ids, s->n_ids, s->step, m, s->tok, s->tgt);
+        if (rc == FU_OK)
+            rc = dag_exec_set_tokens(s->x, m, NULL, s->tgt, s->rows_mb, s->spec.seq_len);
+    } else {
+        rc = dag_exec_set_tokens(s->x, m, NULL, NULL, s->rows_mb, s->spec.seq_len);
+    }
+    const float *f = (const float *)t->data;
+    size_t off = 0;
+    for (uint32_t i = 0; i < s->n_cut_in && rc == FU_OK; i++) {
+        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
+        rc = dag_exec_set_input(s->x, m, s->cut_in[i], f + off, n);
+        off += n;
+    }
+    if (rc == FU_OK)
+        rc = dag_exec_forward(s->x, m);
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "forward");
+        return;
+    }
+    s->fwd_done++;
+    stage_publish_progress(s);
+    if (stage_is_last(s)) {
+        last_backward(s, m);
+        return;
+    }
+    if ((rc = stage_send_outputs(s, m, s->step, m, rows)) != FU_OK)
+        stage_exec_failed(s, rc, "reading the stage output");
+}
+
+static void on_gradient_train(stage_t *s, const wire_tensor *t)
+{
+    uint32_t m = t->meta.micro_batch;
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    if (stage_is_last(s) || m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
+        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_out_total) {
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_GRADIENT,
+                         "gradient (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+        return;
+    }
+    const float *f = (const float *)t->data;
+    size_t off = 0;
+    fu_err rc = FU_OK;
+    for (uint32_t i = 0; i < s->n_cut_out && rc == FU_OK; i++) {
+        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_out[i]));
+        rc = dag_exec_set_output_grad(s->x, m, s->cut_out[i], f + off, n);
+        off += n;
+    }
+    if (rc == FU_OK)
+        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    if (rc == FU_OK && !stage_is_first(s))
+        rc = send_input_grads(s, s->step, m, rows);
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "backward");
+        return;
+    }
+    ++s->bwd_done;
+    stage_publish_progress(s);
+    if (s->bwd_done == s->M)
+        finish_step(s);
+}
+
+void stage_on_tensor(stage_t *s, peer_cmd *c)
+{
+    const wire_tensor *t = &c->tensor;
+    if (!s->active || !s->loaded || t->meta.job_id != s->job_id) {
+        peer_cmd_destroy(&c);
+        return;
+    }
+    if (stage_is_infer(s)) {
+        if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !stage_is_first(s) && t->meta.ndim == 2 &&
+            t->meta.shape[0] > 0 && (uint64_t)t->meta.shape[1] == s->w_in_total)
+            stage_infer_forward(s, t->meta.step, NULL, (const float *)t->data, (uint64_t)t->meta.shape[0]);
+        peer_cmd_destroy(&c);
+        return;
+    }
+    if (!s->running || t->meta.step > s->step) {
+        /* A frame of a later step (or before StageStart): hold it, bounded. */
+        if (s->n_defer < ST_MAX_DEFER) {
+            s->defer[s->n_defer++] = c;
+        } else {
+            stage_send_error(s, FUSION__ERROR_CODE__ERR_BUSY, t->meta.type, "too many frames ahead of step %" PRIu64,
+                             s->step);
+            peer_cmd_destroy(&c);
+        }
+        return;
+    }
+    if (t->meta.step < s->step || s->finished || stall_at(s, s->step)) {
+        peer_cmd_destroy(&c); /* stale (a step already taken), or the stall hook */
+        return;
+    }
+    if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !stage_is_first(s))
+        on_activation_train(s, t);
+    else if (t->meta.type == FUSION__MSG_TYPE__MSG_GRADIENT)
+        on_gradient_train(s, t);
+    peer_cmd_destroy(&c);
+}
+
+void stage_replay_deferred(stage_t *s)
+{
+    /* Take the held frames of the current step, in arrival order; keep the rest. */
+    bool again = true;
+    while (again && s->active && s->running) {
+        again = false;
+        for (size_t i = 0; i < s->n_defer; i++) {
+            if (s->defer[i]->tensor.meta.step <= s->step) {
+                peer_cmd *c = s->defer[i];
+                memmove(&s->defer[i], &s->defer[i + 1], (s->n_defer - i - 1) * sizeof *s->defer);
+                s->n_defer--;
+                stage_on_tensor(s, c);
+                again = true;
+                break;
+            }
+        }
+    }
+}
