@@ -50,7 +50,6 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
     a.model_id = j->model_id;
     a.resume_step = j->start_step;
     a.backup = backup;
-    a.micro_batches = j->kind == DB_JOB_FINETUNE ? j->spec.micro_batches : 1;
     a.spec_json = j->spec_canon;
     a.verify = broker_job_verify_fraction(b, j);
     return broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, j->id64, &a.base);

@@ -223,7 +223,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
                  dag_graph_size(s->g));
         goto invalid;
     }
-    s->M = stage_is_infer(s) ? 1 : (a->micro_batches ? a->micro_batches : s->spec.micro_batches);
+    s->M = stage_is_infer(s) ? 1 : s->spec.micro_batches; /* the spec's: it travels once */
     if (!stage_is_infer(s) && (s->M == 0 || s->M > DAG_EXEC_MAX_SLOTS || s->spec.batch % s->M != 0)) {
         snprintf(why, sizeof why, "micro_batches %u must divide batch %u and be at most %d", s->M, s->spec.batch,
                  DAG_EXEC_MAX_SLOTS);

@@ -566,7 +566,6 @@ static void assign_stage0(env *e, const dag_graph_t *g, size_t cut)
     a.dag.data = dag;
     a.dag.len = dag_len;
     a.model_id = (char *)MODEL_ID;
-    a.micro_batches = 2;
     a.spec_json = (char *)SPEC;
     to_peer(e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
     free(dag);
@@ -867,7 +866,6 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
     a.dag.data = dag;
     a.dag.len = dag_len;
     a.model_id = (char *)MODEL_ID;
-    a.micro_batches = 2;
     a.spec_json = (char *)SPEC;
     to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
     free(dag);
@@ -1040,7 +1038,6 @@ static void test_peer_heartbeats_while_computing(void **state)
     a.dag.data = dag;
     a.dag.len = dag_len;
     a.model_id = (char *)MODEL_ID;
-    a.micro_batches = 1;
     a.spec_json = (char *)"{\"steps\": 1, \"batch\": 32, \"seq_len\": 256, \"micro_batches\": 1, \"seed\": 3}";
     to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
     free(dag);
