@@ -5,14 +5,14 @@ fu_add_test(test_peer_unit SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_unit.c 
 # The blob cache's size limit: least recently used evicted first, the blob just written and files
 # the cache does not own never.
 fu_add_test(test_peer_cache SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_cache.c LIBS fu_peer TIMEOUT 30)
-fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120)
+fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 240)
 add_dependencies(test_peer_proc fusion-peer)
 fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120
             ARGS --device cuda:0 LABELS gpu)
 add_dependencies(test_peer_gpu fusion-peer)
 # With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
 # stage fails over to the warm backup and the adapter is unchanged.
-fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_common TIMEOUT 90
+fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_common TIMEOUT 240
             ARGS "*pipeline_equals*")
 add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)
 add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -22,7 +22,7 @@ add_test(NAME test_peer_broker_restart COMMAND test_peer_broker "*restart_keeps*
 add_test(NAME test_peer_broker_infer COMMAND test_peer_broker "*inference*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
 set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer
-                     test_peer_broker_enrol PROPERTIES TIMEOUT 90 SKIP_RETURN_CODE 77
+                     test_peer_broker_enrol PROPERTIES TIMEOUT 240 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${FU_PEER_TEST_ENV}")
 # Verification of untrusted peers (docs/PIPELINE.md "Verification"): the sketch and the sealed input
 # chunks (unit); the broker refuses malformed verification messages and relayed control messages;
@@ -32,7 +32,7 @@ set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_
 # peer through the broker) agree and keep the adapter; a dishonest middle stage is caught while the
 # stage after it is not blamed; a stage-0 peer that keeps honest copies of what it corrupts shows up as
 # input mismatches at stage 1. The three-stage cases run 6 peers: RUN_SERIAL.
-fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker TIMEOUT 120
+fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker TIMEOUT 240
             ARGS "*sketch*" LABELS peer)
 add_dependencies(test_verify fusion-peer fusion-broker fusion)
 add_test(NAME test_verify_input_chunks COMMAND test_verify "*input_chunks*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -45,10 +45,10 @@ add_test(NAME test_verify_middle_stage COMMAND test_verify "*middle_stage_cheate
 add_test(NAME test_verify_input_mismatch COMMAND test_verify "*input_mismatch*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
 set_tests_properties(test_verify_input_chunks test_verify_bad_messages test_verify_honest test_verify_dishonest test_verify_third_opinion
-                     test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 120
+                     test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 240
                      SKIP_RETURN_CODE 77
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
-set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 180
+set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 300
                      RUN_SERIAL TRUE)
 # A good guest (peer_guest): the daily window, the busy hysteresis, the owner's pause, a paused
 # compute thread that waits and resumes, the duty cycle's CPU share.
