@@ -1,0 +1,335 @@
+/* fu_tokenizer_json: reading a Hugging Face tokenizer.json (see fu_tokenizer.h): the checks of what
+ * fusion supports (normalizer, pre-tokenizers and their Split patterns, the BPE options), the
+ * vocabulary, the added tokens, the merges, unk/BOS/EOS, and the loaders (a file, a model
+ * directory). */
+#include "fu_tokenizer.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "fu_alloc.h"
+#include "fu_tokenizer_internal.h"
+
+static bool json_id(const cJSON *it, int32_t *out)
+{
+    if (!cJSON_IsNumber(it))
+        return false;
+    double d = it->valuedouble;
+    if (!(d >= 0.0) || d >= (double)FU_TOKENIZER_MAX_VOCAB || d != floor(d))
+        return false;
+    *out = (int32_t)d;
+    return true;
+}
+
+static const char *type_of(const cJSON *o)
+{
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "type");
+    return cJSON_IsString(ty) ? ty->valuestring : "?";
+}
+
+static bool json_flag(const cJSON *o, const char *key, bool dflt)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsBool(it) ? (bool)cJSON_IsTrue(it) : dflt;
+}
+
+/* Word splitting rules fusion knows, by their regular expression in tokenizer.json. */
+static const char *const split_patterns[] = {
+    [SPLIT_GPT2] = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+    [SPLIT_LLAMA3] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                     "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    [SPLIT_QWEN2] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+};
+
+/* A Split pre-tokenizer with one of the known patterns, isolating the matches. */
+static fu_err parse_split(const cJSON *sp, const char *lab, int *split, fu_errmsg *em)
+{
+    const cJSON *pat = cJSON_GetObjectItemCaseSensitive(sp, "pattern");
+    const cJSON *re = pat ? cJSON_GetObjectItemCaseSensitive(pat, "Regex") : NULL;
+    const cJSON *beh = cJSON_GetObjectItemCaseSensitive(sp, "behavior");
+    if (!cJSON_IsString(re) || !cJSON_IsString(beh) || strcmp(beh->valuestring, "Isolated") != 0 ||
+        json_flag(sp, "invert", false))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: a Split pre_tokenizer needs a \"Regex\" pattern, behavior Isolated", lab);
+    for (int k = SPLIT_GPT2; k <= SPLIT_QWEN2; k++) {
+        if (strcmp(re->valuestring, split_patterns[k]) == 0) {
+            *split = k;
+            return FU_OK;
+        }
+    }
+    return fu_errmsg_set(em, FU_EVERSION,
+                         "%s: Split pattern '%.80s' is not one fusion knows (GPT-2, Llama-3 and Qwen2 patterns are)", lab,
+                         re->valuestring);
+}
+
+/* Accepts a ByteLevel pre-tokenizer, alone, as the only member of a Sequence, or after a Split with a
+ * known pattern (Llama-3 style: Split then ByteLevel with use_regex false). */
+static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *lab, fu_errmsg *em)
+{
+    if (!pt || cJSON_IsNull(pt))
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: has no pre_tokenizer; fusion reads byte-level BPE tokenizers (pre_tokenizer ByteLevel)", lab);
+    if (!cJSON_IsObject(pt))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer is not an object", lab);
+    int split = SPLIT_NONE;
+    if (strcmp(type_of(pt), "Sequence") == 0) {
+        const cJSON *list = cJSON_GetObjectItemCaseSensitive(pt, "pretokenizers");
+        int n = cJSON_IsArray(list) ? cJSON_GetArraySize(list) : 0;
+        if (n == 2 && cJSON_IsObject(list->child) && strcmp(type_of(list->child), "Split") == 0) {
+            FU_TRY(parse_split(list->child, lab, &split, em));
+            pt = list->child->next;
+        } else if (n == 1) {
+            pt = list->child;
+        } else {
+            return fu_errmsg_set(em, FU_EVERSION,
+                                 "%s: pre_tokenizer Sequence is supported only as [ByteLevel] or [Split, ByteLevel]", lab);
+        }
+        if (!cJSON_IsObject(pt))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer member is not an object", lab);
+    }
+    if (strcmp(type_of(pt), "ByteLevel") != 0)
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: pre_tokenizer '%.40s' is not supported; fusion reads byte-level BPE tokenizers (ByteLevel)",
+                             lab, type_of(pt));
+    t->add_prefix_space = json_flag(pt, "add_prefix_space", false);
+    bool use_regex = json_flag(pt, "use_regex", true);
+    if (split != SPLIT_NONE && use_regex)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: a Split followed by ByteLevel with use_regex=true is not supported", lab);
+    t->split = use_regex ? SPLIT_GPT2 : split;
+    return FU_OK;
+}
+
+static int cmp_added(const void *a, const void *b)
+{
+    const added_tok *x = a, *y = b;
+    if (x->len != y->len)
+        return x->len > y->len ? -1 : 1;
+    return x->id - y->id;
+}
+
+static void set_id_str(fu_tokenizer *t, int32_t id, const char *s, size_t len, bool raw)
+{
+    free(t->id_str[id]);
+    t->id_str[id] = fu_malloc(len + 1);
+    memcpy(t->id_str[id], s, len);
+    t->id_str[id][len] = '\0';
+    t->id_raw[id] = raw;
+}
+
+static fu_err parse_bpe(fu_tokenizer *t, const cJSON *root, const char *lab, fu_errmsg *em)
+{
+    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
+    if (norm && !cJSON_IsNull(norm))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: normalizer '%.40s' is not supported (byte-level BPE has none)", lab,
+                             type_of(norm));
+    FU_TRY(parse_pre_tokenizer(t, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), lab, em));
+
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (!cJSON_IsObject(model))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: has no \"model\" object", lab);
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(model, "type");
+    if (ty && (!cJSON_IsString(ty) || strcmp(ty->valuestring, "BPE") != 0))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: model type '%.40s' is not supported (only BPE)", lab, type_of(model));
+    const cJSON *drop = cJSON_GetObjectItemCaseSensitive(model, "dropout");
+    if (drop && !cJSON_IsNull(drop) && !(cJSON_IsNumber(drop) && drop->valuedouble == 0.0))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: BPE dropout is not supported", lab);
+    const char *affixes[2] = {"continuing_subword_prefix", "end_of_word_suffix"};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *a = cJSON_GetObjectItemCaseSensitive(model, affixes[i]);
+        if (a && !cJSON_IsNull(a) && !(cJSON_IsString(a) && a->valuestring[0] == '\0'))
+            return fu_errmsg_set(em, FU_EVERSION, "%s: BPE %s is not supported", lab, affixes[i]);
+    }
+    if (json_flag(model, "byte_fallback", false))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: BPE byte_fallback (SentencePiece style) is not supported", lab);
+    t->ignore_merges = json_flag(model, "ignore_merges", false);
+
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
+    const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
+    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
+    if (!cJSON_IsObject(vocab))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: model has no \"vocab\" object", lab);
+    if (merges && !cJSON_IsNull(merges) && !cJSON_IsArray(merges))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: model \"merges\" is not a list", lab);
+    if (added && !cJSON_IsNull(added) && !cJSON_IsArray(added))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"added_tokens\" is not a list", lab);
+
+    /* Sizes first: the largest id decides the table. */
+    size_t n_vocab = 0, n_added = 0, n_merges = 0;
+    int32_t max_id = -1;
+    for (const cJSON *v = vocab->child; v; v = v->next) {
+        int32_t id;
+        if (!json_id(v, &id))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: vocab entry '%.60s' has no valid id (0 to %zu)", lab,
+                                 v->string ? v->string : "", FU_TOKENIZER_MAX_VOCAB - 1);
+        if (!v->string || strlen(v->string) > FU_TOKENIZER_MAX_TOKEN)
+            return fu_errmsg_set(em, FU_EPROTO, "%s: vocab has a token longer than %d bytes", lab, FU_TOKENIZER_MAX_TOKEN);
+        max_id = id > max_id ? id : max_id;
+        n_vocab++;
+    }
+    for (const cJSON *a = added ? added->child : NULL; a; a = a->next) {
+        int32_t id;
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(a, "content");
+        if (!cJSON_IsObject(a) || !json_id(cJSON_GetObjectItemCaseSensitive(a, "id"), &id) || !cJSON_IsString(c) ||
+            c->valuestring[0] == '\0' || strlen(c->valuestring) > FU_TOKENIZER_MAX_TOKEN)
+            return fu_errmsg_set(em, FU_EPROTO, "%s: added_tokens entry %zu needs an \"id\" and a non-empty \"content\"",
+                                 lab, n_added);
+        max_id = id > max_id ? id : max_id;
+        n_added++;
+    }
+    if (max_id < 0)
+        return fu_errmsg_set(em, FU_EPROTO, "%s: the vocabulary is empty", lab);
+    for (const cJSON *m = merges ? merges->child : NULL; m; m = m->next)
+        n_merges++;
+    if (n_merges >= (size_t)INT32_MAX)
+        return fu_errmsg_set(em, FU_ENOMEM, "%s: too many merges", lab);
+
+    t->vocab_size = (size_t)max_id + 1;
+    t->id_str = fu_calloc(t->vocab_size, sizeof *t->id_str);
+    t->id_raw = fu_calloc(t->vocab_size, 1);
+    fu_tok_smap_init(&t->vocab, n_vocab + n_added);
+    for (const cJSON *v = vocab->child; v; v = v->next) {
+        int32_t id = (int32_t)v->valuedouble;
+        size_t len = strlen(v->string);
+        if (t->id_str[id])
+            return fu_errmsg_set(em, FU_EPROTO, "%s: id %d is given to both '%.60s' and '%.60s'", lab, id, t->id_str[id],
+                                 v->string);
+        if (!fu_tok_smap_put(&t->vocab, v->string, len, id))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: token '%.60s' is in the vocab twice", lab, v->string);
+        set_id_str(t, id, v->string, len, false);
+    }
+    t->added = n_added ? fu_calloc(n_added, sizeof *t->added) : NULL;
+    for (const cJSON *a = added ? added->child : NULL; a; a = a->next) {
+        added_tok *x = &t->added[t->n_added++];
+        const char *c = cJSON_GetObjectItemCaseSensitive(a, "content")->valuestring;
+        x->id = (int32_t)cJSON_GetObjectItemCaseSensitive(a, "id")->valuedouble;
+        x->len = strlen(c);
+        x->content = fu_malloc(x->len + 1);
+        memcpy(x->content, c, x->len + 1);
+        x->special = json_flag(a, "special", false);
+        set_id_str(t, x->id, c, x->len, true);
+        t->added_first[(uint8_t)c[0] >> 6] |= (uint64_t)1 << ((uint8_t)c[0] & 63);
+        fu_tok_smap_put(&t->vocab, c, x->len, x->id); /* already there when the vocab lists it too */
+    }
+    if (t->n_added > 1)
+        qsort(t->added, t->n_added, sizeof *t->added, cmp_added);
+
+    fu_tok_pmap_init(&t->merges, n_merges);
+    int32_t rank = 0;
+    char pair[2 * FU_TOKENIZER_MAX_TOKEN + 2];
+    for (const cJSON *m = merges ? merges->child : NULL; m; m = m->next, rank++) {
+        const char *l, *r;
+        size_t ll, rl;
+        if (cJSON_IsString(m)) {
+            const char *sp = strchr(m->valuestring, ' ');
+            if (!sp || sp == m->valuestring || sp[1] == '\0' || strchr(sp + 1, ' '))
+                return fu_errmsg_set(em, FU_EPROTO, "%s: merge %d '%.60s' is not two tokens separated by one space", lab,
+                                     rank, m->valuestring);
+            l = m->valuestring, ll = (size_t)(sp - l), r = sp + 1, rl = strlen(r);
+        } else if (cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2 && cJSON_IsString(m->child) &&
+                   cJSON_IsString(m->child->next)) {
+            l = m->child->valuestring, ll = strlen(l), r = m->child->next->valuestring, rl = strlen(r);
+        } else {
+            return fu_errmsg_set(em, FU_EPROTO, "%s: merge %d is neither \"a b\" nor [\"a\", \"b\"]", lab, rank);
+        }
+        if (ll > FU_TOKENIZER_MAX_TOKEN || rl > FU_TOKENIZER_MAX_TOKEN)
+            return fu_errmsg_set(em, FU_EPROTO, "%s: merge %d has a token that is too long", lab, rank);
+        int32_t a = fu_tok_smap_get(&t->vocab, l, ll), b = fu_tok_smap_get(&t->vocab, r, rl);
+        memcpy(pair, l, ll);
+        memcpy(pair + ll, r, rl);
+        int32_t ab = fu_tok_smap_get(&t->vocab, pair, ll + rl);
+        if (a < 0 || b < 0 || ab < 0)
+            return fu_errmsg_set(em, FU_EPROTO, "%s: merge %d ('%.*s' + '%.*s') uses a token that is not in the vocab", lab,
+                                 rank, (int)(ll > 60 ? 60 : ll), l, (int)(rl > 60 ? 60 : rl), r);
+        uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+        pmap_ent *e = fu_tok_pmap_slot(&t->merges, key);
+        if (e->rank < 0) { /* the first (best) rank of a repeated merge wins */
+            e->key = key;
+            e->rank = rank;
+            e->id = ab;
+        }
+    }
+
+    const cJSON *unk = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
+    t->unk_id =
+        cJSON_IsString(unk) ? fu_tok_smap_get(&t->vocab, unk->valuestring, strlen(unk->valuestring)) : -1;
+    fu_tok_byte_unicode_maps(t->byte_cp, t->cp_byte);
+    for (int b = 0; b < 256; b++) {
+        char u[4];
+        size_t n = fu_tok_utf8_put(u, t->byte_cp[b]);
+        t->byte_tok[b] = fu_tok_smap_get(&t->vocab, u, n);
+    }
+    static const char *const bos_names[] = {"<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"};
+    static const char *const eos_names[] = {"</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"};
+    t->bos_id = t->eos_id = -1;
+    for (size_t i = 0; i < 4; i++) {
+        if (t->bos_id < 0)
+            t->bos_id = fu_tok_smap_get(&t->vocab, bos_names[i], strlen(bos_names[i]));
+        if (t->eos_id < 0)
+            t->eos_id = fu_tok_smap_get(&t->vocab, eos_names[i], strlen(eos_names[i]));
+    }
+    return FU_OK;
+}
+
+fu_err fu_tokenizer_parse_json(const char *json, size_t len, const char *label, fu_tokenizer **out, fu_errmsg *em)
+{
+    const char *lab = label ? label : FU_TOKENIZER_FILE;
+    if (!json || !out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_parse_json: NULL argument");
+    *out = NULL;
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (!root)
+        return fu_errmsg_set(em, FU_EPROTO, "%s: not valid JSON", lab);
+    fu_tokenizer *t = fu_calloc(1, sizeof *t);
+    t->kind = FU_TOK_BPE;
+    fu_err rc = cJSON_IsObject(root) ? parse_bpe(t, root, lab, em)
+                                     : fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", lab);
+    cJSON_Delete(root);
+    if (rc != FU_OK) {
+        fu_tokenizer_destroy(&t);
+        return rc;
+    }
+    *out = t;
+    return FU_OK;
+}
+
+fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em)
+{
+    if (!path || !out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_load: NULL argument");
+    *out = NULL;
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = fu_file_read_all(path, FU_TOKENIZER_MAX_BYTES, &txt, &len, em);
+    if (rc != FU_OK)
+        return rc;
+    rc = fu_tokenizer_parse_json(txt, len, fu_path_base(path), out, em);
+    free(txt);
+    return rc;
+}
+
+fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em)
+{
+    if (!dir || !out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_open_dir: NULL argument");
+    *out = NULL;
+    char *p = fu_path_join(dir, FU_TOKENIZER_FILE);
+    fu_err rc;
+    if (fu_path_exists(p)) {
+        rc = fu_tokenizer_load(p, out, em);
+        if (rc == FU_OK && model_vocab > 0 && (*out)->vocab_size > model_vocab) {
+            rc = fu_errmsg_set(em, FU_EINVAL, "model dir '%s': %s has ids up to %zu but the model's vocab_size is %zu",
+                               dir, FU_TOKENIZER_FILE, (*out)->vocab_size - 1, model_vocab);
+            fu_tokenizer_destroy(out);
+        }
+    } else {
+        *out = fu_tokenizer_new_bytes(model_vocab);
+        rc = *out ? FU_OK : fu_errmsg_set(em, FU_EINVAL, "vocab_size %zu is over the limit", model_vocab);
+    }
+    free(p);
+    return rc;
+}
