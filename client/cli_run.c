@@ -17,6 +17,7 @@
 #include "dag_graph.h"
 #include "dag_model.h"
 #include "dag_spec.h"
+#include "dag_train.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 #include "fu_file.h"
@@ -111,7 +112,7 @@ static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_
 
 /* ---- finetune ------------------------------------------------------------------------------- */
 
-static void progress(bool tty, long long step, long long steps, float loss, double tps)
+static void progress(bool tty, long long step, long long steps, double loss, double tps)
 {
     if (tty) {
         int filled = (int)(CLI_RUN_BAR_WIDTH * step / (steps ? steps : 1));
@@ -119,7 +120,7 @@ static void progress(bool tty, long long step, long long steps, float loss, doub
         for (int i = 0; i < CLI_RUN_BAR_WIDTH; i++)
             bar[i] = i < filled ? '#' : '.';
         bar[CLI_RUN_BAR_WIDTH] = '\0';
-        fprintf(stderr, "\rstep %lld/%lld [%s] loss %.4f  %.0f tokens/s ", step, steps, bar, (double)loss, tps);
+        fprintf(stderr, "\rstep %lld/%lld [%s] loss %.4f  %.0f tokens/s ", step, steps, bar, loss, tps);
         if (step == steps)
             fputc('\n', stderr);
         fflush(stderr);
@@ -208,7 +209,7 @@ static int run_finetune(int argc, char **argv)
     dag_graph_t *g = NULL;
     dag_exec_t *x = NULL;
     FILE *log = NULL;
-    int32_t *tok = NULL, *tgt = NULL;
+    dag_train_stage ts = {0};
     int exit_code = FU_EXIT_OK;
     if ((rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) != FU_OK ||
         (rc = fu_tokenizer_encode(m.tok, text, text_len, &ids, &n_ids, &em)) != FU_OK) {
@@ -237,10 +238,11 @@ static int run_finetune(int argc, char **argv)
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
-    dag_data_order data_order = dag_spec_data_order(&spec);
-    tok = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tok);
-    tgt = fu_malloc((size_t)rows * (size_t)seq_len * sizeof *tgt);
-    kern_adamw_params ap = dag_spec_adamw(&spec);
+    /* The one-stage pipeline: the peers' step (dag_train) with this process as first and last stage. */
+    if ((rc = dag_train_stage_init(&ts, x, g, &spec, ids, n_ids, true, true, 1)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
     bool tty = isatty(STDERR_FILENO) != 0;
     if (!tty)
         printf("fine-tuning %s rank %lld alpha %g on %zu tokens (%zu windows of %lld), %lld steps of %lld x %lld, "
@@ -249,20 +251,8 @@ static int run_finetune(int argc, char **argv)
                dag_exec_trainable_params(x));
     double t0 = fu_clock_sec();
     for (long long s = 1; s <= steps; s++) {
-        /* The micro-batches of step s in the pipeline's data order (dag_data), each loss gradient
-         * scaled by 1/M, then one AdamW step: what the pipeline's stages do. */
-        float loss = 0;
-        for (uint32_t mb = 0; mb < (uint32_t)micro && rc == FU_OK; mb++) {
-            float mb_loss = 0;
-            if ((rc = dag_data_rows(&data_order, ids, n_ids, (uint64_t)(s - 1), mb, tok, tgt)) != FU_OK ||
-                (rc = dag_exec_set_tokens(x, 0, tok, tgt, rows, (uint32_t)seq_len)) != FU_OK ||
-                (rc = dag_exec_forward(x, 0)) != FU_OK || (rc = dag_exec_loss(x, 0, &mb_loss, NULL)) != FU_OK ||
-                (rc = dag_exec_backward(x, 0, 1.0f / (float)micro)) != FU_OK)
-                break;
-            loss += mb_loss / (float)micro;
-        }
-        if (rc == FU_OK)
-            rc = dag_exec_step(x, &ap);
+        double loss = 0;
+        rc = dag_train_run_step(&ts, (uint64_t)(s - 1), &loss);
         if (rc != FU_OK) {
             fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_strerror(rc));
             exit_code = FU_EXIT_FAIL;
@@ -290,8 +280,7 @@ static int run_finetune(int argc, char **argv)
 done:
     if (log)
         fclose(log);
-    free(tok);
-    free(tgt);
+    dag_train_stage_clear(&ts);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
     free(ids);

@@ -59,6 +59,7 @@ void stage_send_error(stage_t *s, Fusion__ErrorCode code, Fusion__MsgType about,
 static void stage_clear(stage_t *s)
 {
     dag_exec_session_destroy(&s->sess);
+    dag_train_stage_clear(&s->train);
     dag_exec_destroy(&s->x);
     dag_graph_destroy(&s->g);
     fu_safetensors_close(&s->st);
@@ -472,6 +473,9 @@ static void fetched_all(stage_t *s)
     }
     if (stage_is_infer(s) && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
         dag_exec_session_use(s->x, s->sess);
+    if (!stage_is_infer(s) && rc == FU_OK)
+        rc = dag_train_stage_init(&s->train, s->x, s->g, &s->spec, s->ids, s->n_ids, stage_is_first(s),
+                                  stage_is_last(s), s->M);
     if (rc != FU_OK) {
         stage_exec_failed(s, rc, "session");
         return;

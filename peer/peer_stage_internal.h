@@ -12,6 +12,7 @@
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_spec.h"
+#include "dag_train.h"
 #include "fu_err.h"
 #include "fu_safetensors.h"
 #include "fusion.pb-c.h"
@@ -79,6 +80,7 @@ typedef struct {
 
     /* training progress */
     uint64_t step;            /* the step being run */
+    dag_train_stage train;    /* the fine-tuning step (dag_train): shared with `fusion run finetune` */
     uint32_t fwd_done, bwd_done;
     double loss_sum;          /* sum over micro-batches of their mean loss */
     int64_t tokens_sum;

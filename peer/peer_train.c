@@ -261,8 +261,7 @@ void stage_publish_progress(const stage_t *s)
 /* AdamW after the M-th backward, StepDone, checkpoint, next step. */
 static void finish_step(stage_t *s)
 {
-    kern_adamw_params ap = dag_spec_adamw(&s->spec);
-    fu_err rc = dag_exec_step(s->x, &ap);
+    fu_err rc = dag_train_step(&s->train);
     if (rc != FU_OK) {
         stage_exec_failed(s, rc, "AdamW");
         return;
@@ -301,9 +300,7 @@ static void last_backward(stage_t *s, uint32_t m)
 {
     float loss = 0;
     int64_t nv = 0;
-    fu_err rc = dag_exec_loss(s->x, m, &loss, &nv);
-    if (rc == FU_OK)
-        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    fu_err rc = dag_train_backward(&s->train, m, NULL, 0, &loss, &nv);
     if (rc == FU_OK && !stage_is_first(s))
         rc = send_input_grads(s, s->step, m, (uint64_t)s->rows_mb * s->spec.seq_len);
     if (rc != FU_OK) {
@@ -341,11 +338,7 @@ void stage_run_forwards(stage_t *s)
     if (stall_at(s, step))
         return;
     for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
-        fu_err rc = stage_spec_rows(s, s->ids, s->n_ids, step, m, s->tok, s->tgt);
-        if (rc == FU_OK)
-            rc = dag_exec_set_tokens(s->x, m, s->tok, stage_is_last(s) ? s->tgt : NULL, s->rows_mb, s->spec.seq_len);
-        if (rc == FU_OK)
-            rc = dag_exec_forward(s->x, m);
+        fu_err rc = dag_train_forward(&s->train, step, m, NULL, 0);
         if (rc != FU_OK) {
             stage_exec_failed(s, rc, "forward");
             return;
@@ -378,23 +371,7 @@ static void on_activation_train(stage_t *s, const wire_tensor *t)
         peer_verify_hash(t->data, t->len, s->kept_in[r][m]);
         s->kept_in_ok[r][m] = true;
     }
-    fu_err rc = FU_OK;
-    if (stage_is_last(s)) {
-        rc = stage_spec_rows(s, s->ids, s->n_ids, s->step, m, s->tok, s->tgt);
-        if (rc == FU_OK)
-            rc = dag_exec_set_tokens(s->x, m, NULL, s->tgt, s->rows_mb, s->spec.seq_len);
-    } else {
-        rc = dag_exec_set_tokens(s->x, m, NULL, NULL, s->rows_mb, s->spec.seq_len);
-    }
-    const float *f = (const float *)t->data;
-    size_t off = 0;
-    for (uint32_t i = 0; i < s->n_cut_in && rc == FU_OK; i++) {
-        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
-        rc = dag_exec_set_input(s->x, m, s->cut_in[i], f + off, n);
-        off += n;
-    }
-    if (rc == FU_OK)
-        rc = dag_exec_forward(s->x, m);
+    fu_err rc = dag_train_forward(&s->train, s->step, m, (const float *)t->data, t->len / sizeof(float));
     if (rc != FU_OK) {
         stage_exec_failed(s, rc, "forward");
         return;
@@ -419,16 +396,7 @@ static void on_gradient_train(stage_t *s, const wire_tensor *t)
                          "gradient (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
         return;
     }
-    const float *f = (const float *)t->data;
-    size_t off = 0;
-    fu_err rc = FU_OK;
-    for (uint32_t i = 0; i < s->n_cut_out && rc == FU_OK; i++) {
-        size_t n = (size_t)(rows * dag_graph_width(s->g, s->cut_out[i]));
-        rc = dag_exec_set_output_grad(s->x, m, s->cut_out[i], f + off, n);
-        off += n;
-    }
-    if (rc == FU_OK)
-        rc = dag_exec_backward(s->x, m, 1.0f / (float)s->M);
+    fu_err rc = dag_train_backward(&s->train, m, (const float *)t->data, t->len / sizeof(float), NULL, NULL);
     if (rc == FU_OK && !stage_is_first(s))
         rc = send_input_grads(s, s->step, m, rows);
     if (rc != FU_OK) {
