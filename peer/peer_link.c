@@ -14,6 +14,7 @@
 #include "fu_clock.h"
 #include "fu_log.h"
 #include "peer_internal.h"
+#include "peer_faults.h"
 #include "peer_io_internal.h"
 #include "wire.h"
 #include "wire_keys.h"
@@ -92,7 +93,7 @@ void peer_link_check_ready(peer_t *p)
     for (int i = 0; i < 2; i++)
         if (p->links[i].active && !p->links[i].up)
             return;
-    if (peer_test_stall_ready()) /* test hook (PEER_STALL_ENV): retried at every heartbeat */
+    if (peer_fault_stall_ready()) /* test hook (PEER_STALL_ENV): retried at every heartbeat */
         return;
     Fusion__StageReady r = FUSION__STAGE_READY__INIT;
     r.job_id = p->job_id;

@@ -15,6 +15,7 @@
 #include "fu_log.h"
 #include "peer_blob.h"
 #include "peer_stage_internal.h"
+#include "peer_faults.h"
 #include "peer_verify.h"
 
 #define ST_VERIFY_INPUT_WAIT_MS 60000 /* a verifier gives up on an input that has not come by then */
@@ -63,7 +64,7 @@ static void keep_output(stage_t *s, uint64_t step, uint32_t mb, const float *f, 
 void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total)
 {
     /* FAULT INJECTION FOR TESTS ONLY (peer_verify.h): a dishonest peer */
-    peer_corrupt_mode cheat = peer_verify_corrupt_now();
+    peer_corrupt_mode cheat = peer_fault_corrupt_now();
     if (cheat == PEER_CORRUPT_SEND)
         for (size_t i = 0; i < total; i++)
             f[i] *= PEER_CORRUPT_SCALE;

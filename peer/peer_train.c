@@ -18,6 +18,7 @@
 #include "peer.h"
 #include "peer_blob.h"
 #include "peer_stage_internal.h"
+#include "peer_faults.h"
 #include "peer_verify.h"
 
 /* The rows of micro-batch mb of step `step` in the pipeline's data order (docs/PIPELINE.md). */
@@ -322,7 +323,7 @@ static bool stall_at(stage_t *s, uint64_t step)
     static bool spent;
     if (s->stalling || spent || s->backup)
         return s->stalling;
-    int64_t n = peer_test_stall_step();
+    int64_t n = peer_fault_stall_step();
     if (n < 0 || (uint64_t)n != step)
         return false;
     spent = s->stalling = true;

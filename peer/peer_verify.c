@@ -1,5 +1,5 @@
 /* peer_verify: sketches, input hashes, sealed input chunks and their assembler for the broker's
- * verification, and the test-only fault hook (peer_verify.h). */
+ * verification (peer_verify.h). */
 #include "peer_verify.h"
 
 #include <inttypes.h>
@@ -42,43 +42,6 @@ void peer_verify_sketch(const float *x, size_t n, uint64_t seed, double sketch[W
         }
         sketch[i] = acc;
     }
-}
-
-peer_corrupt_mode peer_verify_corrupt_now(void)
-{
-    const char *v = getenv(PEER_CORRUPT_ENV);
-    peer_corrupt_mode m = PEER_CORRUPT_NONE;
-    size_t n = 0;
-    if (v && strncmp(v, "scale", 5) == 0) {
-        m = PEER_CORRUPT_SEND;
-        n = 5;
-    } else if (v && strncmp(v, "lie", 3) == 0) {
-        m = PEER_CORRUPT_LIE;
-        n = 3;
-    } else {
-        return PEER_CORRUPT_NONE;
-    }
-    if (v[n] == '\0')
-        return m;
-    return v[n] == ':' && v[n + 1] && access(v + n + 1, F_OK) == 0 ? m : PEER_CORRUPT_NONE;
-}
-
-bool peer_test_stall_ready(void)
-{
-    const char *v = getenv(PEER_STALL_ENV);
-    return v && strncmp(v, "ready:", 6) == 0 && v[6] && access(v + 6, F_OK) == 0;
-}
-
-int64_t peer_test_stall_step(void)
-{
-    const char *v = getenv(PEER_STALL_ENV);
-    if (!v || strncmp(v, "step:", 5) != 0 || v[5] < '0' || v[5] > '9')
-        return -1;
-    char *end = NULL;
-    unsigned long long n = strtoull(v + 5, &end, 10);
-    if (n > INT64_MAX || !end || *end != ':' || !end[1] || access(end + 1, F_OK) != 0)
-        return -1;
-    return (int64_t)n;
 }
 
 void peer_verify_hash(const void *data, size_t n, uint8_t out[WIRE_VERIFY_HASH_BYTES])

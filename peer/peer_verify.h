@@ -1,8 +1,8 @@
 /* peer_verify: what a peer computes and moves for the broker's verification (docs/PIPELINE.md
  * "Verification"): the sketch of a stage output (docs/PROTOCOL.md "Verification sketch"), the input
  * hash, the sealed chunks that carry a stage's input from the upstream peer to a verifier through
- * the broker (docs/PROTOCOL.md "Verification inputs") and their assembler, and the test-only
- * fault-injection hook that makes a peer cheat. */
+ * the broker (docs/PROTOCOL.md "Verification inputs") and their assembler. The test-only hooks
+ * that make a peer cheat or stall are in peer_faults.h. */
 #ifndef FU_PEER_VERIFY_H
 #define FU_PEER_VERIFY_H
 
@@ -18,22 +18,6 @@
 extern "C" {
 #endif
 
-/* Env var of the fault-injection hook, FOR TESTS ONLY: "scale" multiplies the output this peer
- * produces as a stage (not as a verifier) by PEER_CORRUPT_SCALE: the activations it sends down, or,
- * at the last stage, the gradients it sends up; the peer keeps (and sketches, and delivers to
- * verifiers) what it sent. "lie" sends the scaled output too but keeps the honest one: its own
- * sketches agree, and what it delivers to the next stage's verifier differs from what the next
- * stage received. "MODE:PATH" does so only while the file PATH exists. A peer run this way is a
- * dishonest peer; verification must catch it. */
-#define PEER_CORRUPT_ENV   "FUSION_TEST_CORRUPT_OUTPUT"
-#define PEER_CORRUPT_SCALE 1.5f
-
-typedef enum {
-    PEER_CORRUPT_NONE = 0, /* honest */
-    PEER_CORRUPT_SEND,     /* "scale": sends and keeps the scaled output */
-    PEER_CORRUPT_LIE,      /* "lie": sends the scaled output, keeps the honest one */
-} peer_corrupt_mode;
-
 #define PEER_VIN_SLOTS 4 /* delivered inputs a verifier assembles at once (the oldest is dropped) */
 
 /* sketch[i] = sum_e x[e] * r_i[e] for i < WIRE_VERIFY_SKETCH_K, with r_i[e] = +1 or -1 from the
@@ -43,23 +27,6 @@ void peer_verify_sketch(const float *x, size_t n, uint64_t seed, double sketch[W
 
 /* The input hash of VerifySketch: BLAKE2b-256 of n bytes. Thread-safe. */
 void peer_verify_hash(const void *data, size_t n, uint8_t out[WIRE_VERIFY_HASH_BYTES]);
-
-/* What the fault-injection hook asks this peer to do with its outputs now. */
-peer_corrupt_mode peer_verify_corrupt_now(void);
-
-/* Env var of the stall hook, FOR TESTS ONLY (the deadline tests of tests/test_e2e_fault.c): the
- * peer stays alive and keeps heartbeating but stops doing a stage's work, as a hung weight fetch or
- * a stuck step would. "ready:PATH": while the file PATH exists, a stage assignment (not a backup's)
- * never says StageReady. "step:N:PATH": the first time this process, as a stage of a fine-tune, is
- * to work on step N while PATH exists, it drops that step's work (frames, forwards) until its next
- * StageAssign; it stalls once per process. Anything else: no stall. */
-#define PEER_STALL_ENV "FUSION_TEST_STALL"
-
-/* True when the stall hook withholds StageReady now. */
-bool peer_test_stall_ready(void);
-
-/* The step at which the stall hook stalls a fine-tune stage now, or -1 for none. */
-int64_t peer_test_stall_step(void);
 
 /* The verification sample a delivered input belongs to; every sealed chunk is bound to it. */
 typedef struct {

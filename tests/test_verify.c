@@ -26,6 +26,7 @@
 #include <sodium.h>
 
 #include "db.h"
+#include "peer_faults.h"
 #include "peer_verify.h"
 
 #define VERIFY_OPTS "--checkpoint-every 2 --verify 1.0"

@@ -1,0 +1,64 @@
+/* peer_faults: fault-injection hooks FOR TESTS ONLY (the verification and deadline tests make a peer
+ * cheat or stall through them). They are compiled in only when FUSION_TEST_HOOKS is defined (CMake
+ * option FUSION_TEST_HOOKS, on in every build type but Release): a release binary has no hooks and
+ * ignores the variables below. */
+#ifndef FU_PEER_FAULTS_H
+#define FU_PEER_FAULTS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Env var of the fault-injection hook, FOR TESTS ONLY: "scale" multiplies the output this peer
+ * produces as a stage (not as a verifier) by PEER_CORRUPT_SCALE: the activations it sends down, or,
+ * at the last stage, the gradients it sends up; the peer keeps (and sketches, and delivers to
+ * verifiers) what it sent. "lie" sends the scaled output too but keeps the honest one: its own
+ * sketches agree, and what it delivers to the next stage's verifier differs from what the next
+ * stage received. "MODE:PATH" does so only while the file PATH exists. A peer run this way is a
+ * dishonest peer; verification must catch it. */
+#define PEER_CORRUPT_ENV   "FUSION_TEST_CORRUPT_OUTPUT"
+#define PEER_CORRUPT_SCALE 1.5f
+
+typedef enum {
+    PEER_CORRUPT_NONE = 0, /* honest */
+    PEER_CORRUPT_SEND,     /* "scale": sends and keeps the scaled output */
+    PEER_CORRUPT_LIE,      /* "lie": sends the scaled output, keeps the honest one */
+} peer_corrupt_mode;
+
+/* Env var of the stall hook, FOR TESTS ONLY (the deadline tests of tests/test_e2e_fault.c): the
+ * peer stays alive and keeps heartbeating but stops doing a stage's work, as a hung weight fetch or
+ * a stuck step would. "ready:PATH": while the file PATH exists, a stage assignment (not a backup's)
+ * never says StageReady. "step:N:PATH": the first time this process, as a stage of a fine-tune, is
+ * to work on step N while PATH exists, it drops that step's work (frames, forwards) until its next
+ * StageAssign; it stalls once per process. Anything else: no stall. */
+#define PEER_STALL_ENV "FUSION_TEST_STALL"
+
+#ifdef FUSION_TEST_HOOKS
+/* What the fault-injection hook asks this peer to do with its outputs now. */
+peer_corrupt_mode peer_fault_corrupt_now(void);
+/* True when the stall hook withholds StageReady now. */
+bool peer_fault_stall_ready(void);
+/* The step at which the stall hook stalls a fine-tune stage now, or -1 for none. */
+int64_t peer_fault_stall_step(void);
+#else
+static inline peer_corrupt_mode peer_fault_corrupt_now(void)
+{
+    return PEER_CORRUPT_NONE;
+}
+static inline bool peer_fault_stall_ready(void)
+{
+    return false;
+}
+static inline int64_t peer_fault_stall_step(void)
+{
+    return -1;
+}
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif
