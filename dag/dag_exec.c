@@ -12,10 +12,6 @@
 #include "kern_bitmap.h"
 #include "kern_kvcache.h"
 #include "kern_lora.h"
-#ifdef FUSION_KERN_HAVE_CUDA
-#include "kern_cuda.h"
-#endif
-
 /* ---- buffer pool ---------------------------------------------------------------------------- */
 
 fu_err dagx_pool_get(dag_exec_t *x, size_t nfloats, ebuf **out)
@@ -72,12 +68,8 @@ fu_err dag_exec_new(const dag_graph_t *g, const dag_exec_opts *o, dag_exec_t **o
         return fu_errmsg_set(em, FU_EPROTO, "%s", vmsg);
     const kern_backend_t *be = o->be ? o->be : kern_backend_cpu();
     bool cpu = be->device.kind == KERN_DEV_CPU;
-    bool sparse_ok = cpu;
-#ifdef FUSION_KERN_HAVE_CUDA
-    sparse_ok = sparse_ok || be->device.kind == KERN_DEV_CUDA;
-#endif
     for (size_t i = o->first; i < last; i++)
-        if (dag_graph_node(g, i)->adapter.method == DAG_ADAPTER_SALR && (!sparse_ok || !be->sparse_matmul))
+        if (dag_graph_node(g, i)->adapter.method == DAG_ADAPTER_SALR && !kern_backend_has_sparse(be))
             return fu_errmsg_set(em, FU_ENOSYS, "node %zu: backend %s has no sparse (SALR) kernels", i, be->name);
 
     dag_exec_t *x = fu_calloc(1, sizeof *x);
@@ -178,11 +170,7 @@ void dagx_free_node(enode *e)
         kern_tensor_destroy(&e->w);
     e->w = NULL;
     kern_bitmap_destroy(&e->bm);
-#ifdef FUSION_KERN_HAVE_CUDA
-    kern_cuda_bitmap_t *cb = e->dev_bm;
-    kern_cuda_bitmap_destroy(&cb);
-#endif
-    e->dev_bm = NULL;
+    kern_sparse_weight_release(NULL, &e->dev_bm);
     memset(&e->sw, 0, sizeof e->sw);
     kern_tensor_t **ts[] = {&e->A,  &e->B,  &e->dA,    &e->dB,    &e->mA, &e->vA,
                             &e->mB, &e->vB, &e->A2, &e->B2, &e->a_cat, &e->b_cat, &e->eye};

@@ -16,10 +16,6 @@
 #include "kern_bitmap.h"
 #include "kern_lora.h"
 #include "kern_salr.h"
-#ifdef FUSION_KERN_HAVE_CUDA
-#include "kern_cuda.h"
-#endif
-
 #define DAG_PEFT_PREFIX       "base_model.model."
 
 /* ---- weights -------------------------------------------------------------------------------- */
@@ -239,20 +235,9 @@ static fu_err load_salr_weight(dag_exec_t *x, const fu_safetensors *st, const da
         free(w);
         FU_TRY(rc);
     }
-    e->sw.rows = nd->dim_out;
-    e->sw.cols = nd->dim_in;
-    e->sw.handle = e->bm;
-#ifdef FUSION_KERN_HAVE_CUDA
-    if (x->be->device.kind == KERN_DEV_CUDA) {
-        kern_cuda_bitmap_t *cb = NULL;
-        fu_err rc = kern_cuda_bitmap_upload(x->be, e->bm, &cb);
-        if (rc != FU_OK)
-            return fu_errmsg_set(em, rc, "cannot upload the sparse weight '%s' to %s", name, x->be->name);
-        e->dev_bm = cb;
-        e->sw.handle = cb;
-        kern_bitmap_destroy(&e->bm); /* the device copy is the one used */
-    }
-#endif
+    fu_err rc = kern_sparse_weight_make(x->be, &e->bm, nd->dim_out, nd->dim_in, &e->sw, &e->dev_bm);
+    if (rc != FU_OK)
+        return fu_errmsg_set(em, rc, "cannot make the sparse weight '%s' on %s", name, x->be->name);
     e->r2 = nd->adapter.res_rank;
     FU_TRY(load_f32(x, st, nd->params[1], 2, nd->adapter.res_rank, nd->dim_in, &e->A2, em));
     FU_TRY(load_f32(x, st, nd->params[2], 2, nd->dim_out, nd->adapter.res_rank, &e->B2, em));

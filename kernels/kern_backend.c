@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fu_alloc.h"
+#include "kern_bitmap.h"
 #include "kern_internal.h"
 
 #ifdef FUSION_KERN_HAVE_CUDA
@@ -208,4 +209,50 @@ fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out)
     if (proc_field("/proc/meminfo", "MemTotal", v, sizeof v) && sscanf(v, "%llu", &kb) == 1)
         out->total_bytes = (uint64_t)kb * 1024u;
     return FU_OK;
+}
+
+/* ---- sparse weights ------------------------------------------------------------------------ */
+
+bool kern_backend_has_sparse(const kern_backend_t *be)
+{
+    if (!be || !be->sparse_matmul)
+        return false;
+#ifdef FUSION_KERN_HAVE_CUDA
+    if (be->device.kind == KERN_DEV_CUDA)
+        return true;
+#endif
+    return be->device.kind == KERN_DEV_CPU;
+}
+
+fu_err kern_sparse_weight_make(const kern_backend_t *be, struct kern_bitmap **bm, int64_t rows, int64_t cols,
+                               kern_sparse_weight *w, void **dev)
+{
+    if (!be || !bm || !*bm || !w || !dev)
+        return FU_EINVAL;
+    *dev = NULL;
+    if (!kern_backend_has_sparse(be))
+        return FU_ENOSYS;
+    *w = (kern_sparse_weight){.handle = *bm, .rows = rows, .cols = cols};
+#ifdef FUSION_KERN_HAVE_CUDA
+    if (be->device.kind == KERN_DEV_CUDA) {
+        kern_cuda_bitmap_t *cb = NULL;
+        FU_TRY(kern_cuda_bitmap_upload(be, *bm, &cb));
+        *dev = cb;
+        w->handle = cb;
+        kern_bitmap_destroy(bm);
+    }
+#endif
+    return FU_OK;
+}
+
+void kern_sparse_weight_release(const kern_backend_t *be, void **dev)
+{
+    (void)be;
+    if (!dev || !*dev)
+        return;
+#ifdef FUSION_KERN_HAVE_CUDA
+    kern_cuda_bitmap_t *cb = *dev;
+    kern_cuda_bitmap_destroy(&cb);
+#endif
+    *dev = NULL;
 }

@@ -161,6 +161,23 @@ const kern_backend_t *kern_backend_cpu(void);
  * any other name. *out is borrowed (static storage). */
 FU_MUST_CHECK fu_err kern_backend_get(const char *name, const kern_backend_t **out);
 
+/* ---------------------------------------------------------------------------------------------
+ * Sparse (bitmap) weights on any backend. */
+
+struct kern_bitmap;
+
+/* Whether be can multiply by frozen bitmap-sparse weights (SALR). */
+bool kern_backend_has_sparse(const kern_backend_t *be);
+
+/* Makes *bm (a rows x cols bitmap matrix, kern_bitmap.h) a sparse weight of be: *w is what be's
+ * sparse ops take. On the CPU the bitmap is used in place (*bm kept; *dev NULL); on a GPU it is
+ * uploaded, *dev owns the device copy and *bm is freed (the device copy is the one used). FU_ENOSYS
+ * when be has no sparse kernels, FU_ENOMEM / FU_ECUDA when the upload fails (*bm kept). */
+FU_MUST_CHECK fu_err kern_sparse_weight_make(const kern_backend_t *be, struct kern_bitmap **bm, int64_t rows,
+                                             int64_t cols, kern_sparse_weight *w, void **dev);
+/* Frees what kern_sparse_weight_make left in *dev (NULL-safe; NULLs *dev). */
+void kern_sparse_weight_release(const kern_backend_t *be, void **dev);
+
 /* What a backend's device is, for a peer's profile. */
 typedef struct {
     char name[256];        /* "cpu: AMD EPYC 9R14" (/proc/cpuinfo) or the GPU's name */
