@@ -820,15 +820,30 @@ static int cmp_write_order(const void *a, const void *b)
     return strcmp(x->t->name, y->t->name);
 }
 
-fu_err fu_safetensors_write(const char *path, const fu_st_tensor *tensors, size_t n, const char *const *meta_kv,
-                            size_t n_meta, fu_st_fill_fn fill, void *fill_ctx, fu_errmsg *em)
+/* Where the writer's bytes go: a file (path) or memory (mem). */
+typedef struct {
+    fu_file_writer *w; /* the file, or NULL */
+    sbuf *mem;         /* the memory, or NULL */
+} st_sink;
+
+static fu_err sink_put(st_sink *k, const void *data, size_t len, fu_errmsg *em)
 {
-    if (!path || (!tensors && n) || (!meta_kv && n_meta))
-        return fu_errmsg_set(em, FU_EINVAL, "fu_safetensors_write: NULL argument");
-    const char *lab = fu_path_base(path);
+    if (k->mem) {
+        sb_put(k->mem, data, len);
+        return FU_OK;
+    }
+    return fu_file_writer_write(k->w, data, len, em);
+}
+
+/* The writer: checks the tensors, builds the header, sends header and data to the sink (a file at
+ * path, or memory); lab names the output in messages. */
+static fu_err st_write(const char *path, const char *lab, const fu_st_tensor *tensors, size_t n,
+                       const char *const *meta_kv, size_t n_meta, fu_st_fill_fn fill, void *fill_ctx, sbuf *mem,
+                       fu_errmsg *em)
+{
     wr_item *items = n ? fu_calloc(n, sizeof *items) : NULL;
     sbuf h = {0};
-    fu_file_writer *w = NULL;
+    st_sink k = {.mem = mem};
     void *buf = NULL;
     fu_err rc = FU_OK;
 
@@ -913,16 +928,15 @@ fu_err fu_safetensors_write(const char *path, const fu_st_tensor *tensors, size_
     for (int i = 0; i < 8; i++)
         lenb[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
 
-    rc = fu_file_writer_open(path, 0644, &w, em);
-    if (rc != FU_OK)
+    if (!mem && (rc = fu_file_writer_open(path, 0644, &k.w, em)) != FU_OK)
         goto out;
-    rc = fu_file_writer_write(w, lenb, 8, em);
+    rc = sink_put(&k, lenb, 8, em);
     if (rc == FU_OK)
-        rc = fu_file_writer_write(w, h.p, h.len, em);
+        rc = sink_put(&k, h.p, h.len, em);
     for (size_t i = 0; rc == FU_OK && i < n; i++) {
         const fu_st_tensor *t = items[i].t;
         if (t->data) {
-            rc = fu_file_writer_write(w, t->data, items[i].nbytes, em);
+            rc = sink_put(&k, t->data, items[i].nbytes, em);
             continue;
         }
         if (items[i].nbytes == 0)
@@ -932,16 +946,40 @@ fu_err fu_safetensors_write(const char *path, const fu_st_tensor *tensors, size_
         if (rc != FU_OK)
             fu_errmsg_set(em, rc, "%s: could not make the data of tensor '%s': %s", lab, t->name, fu_strerror(rc));
         else
-            rc = fu_file_writer_write(w, buf, items[i].nbytes, em);
+            rc = sink_put(&k, buf, items[i].nbytes, em);
         free(buf);
         buf = NULL;
     }
-    if (rc == FU_OK)
-        rc = fu_file_writer_commit(&w, em);
+    if (rc == FU_OK && k.w)
+        rc = fu_file_writer_commit(&k.w, em);
 out:
-    fu_file_writer_abort(&w);
+    fu_file_writer_abort(&k.w);
     free(buf);
     free(h.p);
     free(items);
     return rc;
+}
+
+fu_err fu_safetensors_write(const char *path, const fu_st_tensor *tensors, size_t n, const char *const *meta_kv,
+                            size_t n_meta, fu_st_fill_fn fill, void *fill_ctx, fu_errmsg *em)
+{
+    if (!path || (!tensors && n) || (!meta_kv && n_meta))
+        return fu_errmsg_set(em, FU_EINVAL, "fu_safetensors_write: NULL argument");
+    return st_write(path, fu_path_base(path), tensors, n, meta_kv, n_meta, fill, fill_ctx, NULL, em);
+}
+
+fu_err fu_safetensors_serialize(const fu_st_tensor *tensors, size_t n, const char *const *meta_kv, size_t n_meta,
+                                fu_st_fill_fn fill, void *fill_ctx, uint8_t **out, size_t *out_len, fu_errmsg *em)
+{
+    if ((!tensors && n) || (!meta_kv && n_meta) || !out || !out_len)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_safetensors_serialize: NULL argument");
+    sbuf mem = {0};
+    fu_err rc = st_write(NULL, "safetensors", tensors, n, meta_kv, n_meta, fill, fill_ctx, &mem, em);
+    if (rc != FU_OK) {
+        free(mem.p);
+        return rc;
+    }
+    *out = (uint8_t *)mem.p;
+    *out_len = mem.len;
+    return FU_OK;
 }

@@ -151,6 +151,12 @@ FU_MUST_CHECK fu_err fu_safetensors_write(const char *path, const fu_st_tensor *
                                           const char *const *meta_kv, size_t n_meta, fu_st_fill_fn fill,
                                           void *fill_ctx, fu_errmsg *em);
 
+/* The bytes fu_safetensors_write would write, in memory: *out (caller frees) of *out_len bytes.
+ * Errors as fu_safetensors_write. */
+FU_MUST_CHECK fu_err fu_safetensors_serialize(const fu_st_tensor *tensors, size_t n, const char *const *meta_kv,
+                                              size_t n_meta, fu_st_fill_fn fill, void *fill_ctx, uint8_t **out,
+                                              size_t *out_len, fu_errmsg *em);
+
 /* IEEE half and bfloat16 conversions (round to nearest even; NaN stays NaN). */
 float    fu_f16_to_f32(uint16_t h);
 uint16_t fu_f32_to_f16(float f);

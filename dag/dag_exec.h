@@ -82,9 +82,14 @@ FU_MUST_CHECK fu_err dag_exec_load_adapter(dag_exec_t *self, const fu_safetensor
 FU_MUST_CHECK fu_err dag_exec_save_adapter(const dag_exec_t *self, const char *dir, const char *base_model,
                                            fu_errmsg *em);
 
-/* Checkpoint: adapters plus AdamW moments and the step count, as one safetensors file written
- * atomically to path; load_state reads one back (the same graph range) from an open file. */
+/* Checkpoint, in the pipeline's one format (docs/FORMATS.md): the adapters under their PEFT names,
+ * each AdamW moment beside its tensor (<name>.adam_m, <name>.adam_v) and the optimizer's step
+ * count (metadata "adam_t"). save_state writes one atomically to path; state_serialize makes the
+ * same bytes in memory (*out, caller frees) with metadata "step" = step, the job's step it
+ * follows; load_state reads one back (the same graph range) from an open or parsed file. */
 FU_MUST_CHECK fu_err dag_exec_save_state(const dag_exec_t *self, const char *path, fu_errmsg *em);
+FU_MUST_CHECK fu_err dag_exec_state_serialize(const dag_exec_t *self, uint64_t step, uint8_t **out, size_t *len,
+                                              fu_errmsg *em);
 FU_MUST_CHECK fu_err dag_exec_load_state(dag_exec_t *self, const fu_safetensors *st, fu_errmsg *em);
 
 /* Cut tensors of the range: node ids (ascending) written to ids[0..cap), count returned. */

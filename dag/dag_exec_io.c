@@ -432,10 +432,10 @@ static fu_err collect(const dag_exec_t *x, tlist *l, bool with_state)
         } items[] = {
             {"lora_A.weight", e->A},
             {"lora_B.weight", e->B},
-            {"lora_A.weight.exp_avg", with_state ? e->mA : NULL},
-            {"lora_A.weight.exp_avg_sq", with_state ? e->vA : NULL},
-            {"lora_B.weight.exp_avg", with_state ? e->mB : NULL},
-            {"lora_B.weight.exp_avg_sq", with_state ? e->vB : NULL},
+            {"lora_A.weight.adam_m", with_state ? e->mA : NULL},
+            {"lora_A.weight.adam_v", with_state ? e->vA : NULL},
+            {"lora_B.weight.adam_m", with_state ? e->mB : NULL},
+            {"lora_B.weight.adam_v", with_state ? e->vB : NULL},
         };
         for (size_t k = 0; k < sizeof items / sizeof items[0]; k++) {
             if (!items[k].t)
@@ -483,30 +483,48 @@ fu_err dag_exec_save_adapter(const dag_exec_t *x, const char *dir, const char *b
     return rc;
 }
 
+/* The checkpoint's tensors and metadata: "adam_t" the optimizer's step count, "step" the job's step
+ * after which it was taken (when step >= 0). */
+static fu_err save_state(const dag_exec_t *x, const char *path, int64_t step, uint8_t **out, size_t *len,
+                         fu_errmsg *em)
+{
+    tlist l = {0};
+    fu_err rc = collect(x, &l, true);
+    char t[32], st[32];
+    snprintf(t, sizeof t, "%" PRId64, x->step);
+    snprintf(st, sizeof st, "%" PRId64, step);
+    const char *meta[] = {"adam_t", t, "step", st};
+    size_t n_meta = step >= 0 ? 2 : 1;
+    if (rc == FU_OK)
+        rc = path ? fu_safetensors_write(path, l.t, l.n, meta, n_meta, NULL, NULL, em)
+                  : fu_safetensors_serialize(l.t, l.n, meta, n_meta, NULL, NULL, out, len, em);
+    tlist_free(&l);
+    return rc;
+}
+
 fu_err dag_exec_save_state(const dag_exec_t *x, const char *path, fu_errmsg *em)
 {
     if (!x || !path)
         return FU_EINVAL;
-    tlist l = {0};
-    fu_err rc = collect(x, &l, true);
-    char step[32];
-    snprintf(step, sizeof step, "%" PRId64, x->step);
-    const char *meta[] = {"fusion.step", step};
-    if (rc == FU_OK)
-        rc = fu_safetensors_write(path, l.t, l.n, meta, 1, NULL, NULL, em);
-    tlist_free(&l);
-    return rc;
+    return save_state(x, path, -1, NULL, NULL, em);
+}
+
+fu_err dag_exec_state_serialize(const dag_exec_t *x, uint64_t step, uint8_t **out, size_t *len, fu_errmsg *em)
+{
+    if (!x || !out || !len || step > INT64_MAX)
+        return FU_EINVAL;
+    return save_state(x, NULL, (int64_t)step, out, len, em);
 }
 
 fu_err dag_exec_load_state(dag_exec_t *x, const fu_safetensors *st, fu_errmsg *em)
 {
     if (!x || !st)
         return FU_EINVAL;
-    const char *step = fu_safetensors_metadata(st, "fusion.step");
+    const char *step = fu_safetensors_metadata(st, "adam_t");
     char *end = NULL;
     long long sv = step ? strtoll(step, &end, 10) : -1;
     if (!step || !end || *end || sv < 0)
-        return fu_errmsg_set(em, FU_EPROTO, "checkpoint has no valid fusion.step metadata");
+        return fu_errmsg_set(em, FU_EPROTO, "checkpoint has no valid adam_t metadata");
     for (size_t i = x->first; i < x->last; i++) {
         const dag_node *nd = N(x, i);
         enode *e = &x->nodes[i];
@@ -520,10 +538,10 @@ fu_err dag_exec_load_state(dag_exec_t *x, const fu_safetensors *st, fu_errmsg *e
         } items[] = {
             {"lora_A.weight", e->A},
             {"lora_B.weight", e->B},
-            {"lora_A.weight.exp_avg", e->mA},
-            {"lora_A.weight.exp_avg_sq", e->vA},
-            {"lora_B.weight.exp_avg", e->mB},
-            {"lora_B.weight.exp_avg_sq", e->vB},
+            {"lora_A.weight.adam_m", e->mA},
+            {"lora_A.weight.adam_v", e->vA},
+            {"lora_B.weight.adam_m", e->mB},
+            {"lora_B.weight.adam_v", e->vB},
         };
         for (size_t k = 0; k < sizeof items / sizeof items[0]; k++) {
             if (!items[k].t)

@@ -29,78 +29,16 @@ fu_err stage_spec_rows(const stage_t *s, const int32_t *ids, size_t n_ids, uint6
     return dag_data_rows(&o, ids, n_ids, step, mb, tokens, targets);
 }
 
-/* The contract's checkpoint names (<name>.adam_m / .adam_v, metadata step and adam_t) from the
- * executor's (<name>.exp_avg / .exp_avg_sq, metadata fusion.step), or back (to_contract false). */
-static fu_err ckpt_translate(const fu_safetensors *src, const char *dst, bool to_contract, uint64_t step,
-                             fu_errmsg *em)
-{
-    static const char *const dag_sfx[2] = {".exp_avg_sq", ".exp_avg"};
-    static const char *const pipe_sfx[2] = {".adam_v", ".adam_m"};
-    size_t n = fu_safetensors_count(src);
-    fu_st_tensor *t = fu_calloc(n ? n : 1, sizeof *t);
-    char **names = fu_calloc(n ? n : 1, sizeof *names);
-    for (size_t i = 0; i < n; i++) {
-        t[i] = *fu_safetensors_at(src, i);
-        const char *nm = t[i].name;
-        size_t L = strlen(nm);
-        for (int k = 0; k < 2; k++) {
-            const char *from = to_contract ? dag_sfx[k] : pipe_sfx[k];
-            const char *to = to_contract ? pipe_sfx[k] : dag_sfx[k];
-            size_t fl = strlen(from);
-            if (L > fl && strcmp(nm + L - fl, from) == 0) {
-                names[i] = fu_malloc(L - fl + strlen(to) + 1);
-                memcpy(names[i], nm, L - fl);
-                strcpy(names[i] + L - fl, to);
-                t[i].name = names[i];
-                break;
-            }
-        }
-    }
-    char a[32], b[32];
-    const char *meta[4];
-    size_t n_meta;
-    fu_err rc = FU_OK;
-    if (to_contract) {
-        const char *adam_t = fu_safetensors_metadata(src, "fusion.step");
-        snprintf(a, sizeof a, "%" PRIu64, step);
-        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
-        meta[0] = "step", meta[1] = a, meta[2] = "adam_t", meta[3] = b;
-        n_meta = 2;
-    } else {
-        const char *adam_t = fu_safetensors_metadata(src, "adam_t");
-        if (!adam_t)
-            rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint has no adam_t metadata");
-        snprintf(b, sizeof b, "%s", adam_t ? adam_t : "0");
-        meta[0] = "fusion.step", meta[1] = b;
-        n_meta = 1;
-    }
-    if (rc == FU_OK)
-        rc = fu_safetensors_write(dst, t, n, meta, n_meta, NULL, NULL, em);
-    for (size_t i = 0; i < n; i++)
-        free(names[i]);
-    free(names);
-    free(t);
-    return rc;
-}
-
 /* Restores the executor from a checkpoint blob (contract names). */
 fu_err stage_restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errmsg *em)
 {
-    fu_safetensors *src = NULL, *st = NULL;
+    fu_safetensors *src = NULL;
     FU_TRY(fu_safetensors_parse_header(data, len, "checkpoint", &src, em));
     const char *stp = fu_safetensors_metadata(src, "step");
-    char *path = stage_scratch_path(s, "restore");
-    fu_err rc = ckpt_translate(src, path, false, 0, em);
-    if (rc == FU_OK)
-        rc = fu_safetensors_open_file(path, &st, em);
-    if (rc == FU_OK)
-        rc = dag_exec_load_state(s->x, st, em);
+    fu_err rc = dag_exec_load_state(s->x, src, em);
     if (rc == FU_OK && stp && strtoull(stp, NULL, 10) != s->resume_step)
         rc = fu_errmsg_set(em, FU_EPROTO, "checkpoint says step %s, expected %" PRIu64, stp, s->resume_step);
-    fu_safetensors_close(&st);
     fu_safetensors_close(&src);
-    unlink(path);
-    free(path);
     return rc;
 }
 
@@ -204,22 +142,9 @@ static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t 
 static void send_checkpoint(stage_t *s, uint64_t at)
 {
     fu_errmsg em = {{0}};
-    char *raw = stage_scratch_path(s, "ckpt-raw"), *out = stage_scratch_path(s, "ckpt");
-    fu_safetensors *st = NULL;
-    char *blob = NULL;
+    uint8_t *blob = NULL;
     size_t len = 0;
-    fu_err rc = dag_exec_save_state(s->x, raw, &em);
-    if (rc == FU_OK)
-        rc = fu_safetensors_open_file(raw, &st, &em);
-    if (rc == FU_OK)
-        rc = ckpt_translate(st, out, true, at, &em);
-    fu_safetensors_close(&st);
-    if (rc == FU_OK)
-        rc = fu_file_read_all(out, (size_t)1 << 31, &blob, &len, &em);
-    unlink(raw);
-    unlink(out);
-    free(raw);
-    free(out);
+    fu_err rc = dag_exec_state_serialize(s->x, at, &blob, &len, &em); /* in memory: no temp file */
     if (rc != FU_OK) {
         stage_send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT,
                          "cannot write the checkpoint of step %" PRIu64 ": %s", at, fu_errmsg_text(&em, rc));

@@ -130,6 +130,19 @@ static void test_safetensors_round_trip_every_dtype(void **state)
     const char *meta[] = {"producer", "fusion test"};
     fu_errmsg em = {{0}};
     assert_int_equal(fu_safetensors_write(p, t, 6, meta, 1, NULL, NULL, &em), FU_OK);
+    /* In memory: the same bytes as the file (checkpoints travel this way, with no temp file). */
+    uint8_t *mem = NULL;
+    size_t mem_len = 0;
+    assert_int_equal(fu_safetensors_serialize(t, 6, meta, 1, NULL, NULL, &mem, &mem_len, &em), FU_OK);
+    char *file_bytes = NULL;
+    size_t file_len = 0;
+    assert_int_equal(fu_file_read_all(p, 1 << 20, &file_bytes, &file_len, &em), FU_OK);
+    assert_int_equal(mem_len, file_len);
+    assert_memory_equal(mem, file_bytes, file_len);
+    free(mem);
+    free(file_bytes);
+    fu_st_tensor dup[2] = {t[0], t[0]};
+    assert_int_equal(fu_safetensors_serialize(dup, 2, NULL, 0, NULL, NULL, &mem, &mem_len, &em), FU_EINVAL);
 
     fu_safetensors *st = NULL;
     assert_int_equal(fu_safetensors_open_file(p, &st, &em), FU_OK);
