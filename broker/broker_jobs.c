@@ -259,7 +259,7 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *wh
         j->n_stages = (uint32_t)n;
         for (size_t s = 0; s < n; s++) {
             j->stages[s].first = st[s].first;
-            j->stages[s].last = st[s].last + 1;
+            j->stages[s].last = st[s].end;
             snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", st[s].peer);
         }
     }

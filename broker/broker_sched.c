@@ -225,7 +225,7 @@ static void plan_job(broker_t *b, broker_job *j)
     int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
     for (size_t s = 0; s < plan.n_stages; s++) {
         sp[s].first = (uint32_t)plan.stages[s].first;
-        sp[s].last = (uint32_t)plan.stages[s].last - 1;
+        sp[s].end = (uint32_t)plan.stages[s].last;
         sp[s].peer = who[plan.stages[s].peer]->key;
         sp[s].lease_deadline_ms = lease;
     }

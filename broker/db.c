@@ -96,6 +96,9 @@ static const char *const migrations[] = {
     "  detail  TEXT NOT NULL DEFAULT ''"
     ") STRICT;"
     "CREATE INDEX events_by_job ON events(job_id, id);",
+    /* 1 → 2: stage node ranges are half-open, as in memory: node_end = node_last + 1. */
+    "ALTER TABLE stages RENAME COLUMN node_last TO node_end;"
+    "UPDATE stages SET node_end = node_end + 1;",
 };
 _Static_assert(sizeof migrations / sizeof migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     1          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     2          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -114,7 +114,7 @@ typedef struct {
 /* One stage of a job's pipeline plan, as given to db_stage_assign. */
 typedef struct {
     uint32_t    first;              /* first DAG node of the stage (topological index) */
-    uint32_t    last;               /* last DAG node, inclusive (>= first) */
+    uint32_t    end;                /* one past its last node (> first): [first, end) as everywhere */
     const char *peer;               /* key of the peer that runs it, or NULL for pending */
     int64_t     lease_deadline_ms;  /* lease end when peer is set */
 } db_stage_plan;
@@ -123,7 +123,7 @@ typedef struct {
 typedef struct {
     char           job[DB_JOB_ID_LEN + 1]; /* the job it belongs to */
     uint32_t       index;              /* position in the pipeline, 0-based */
-    uint32_t       first, last;        /* DAG node range, inclusive */
+    uint32_t       first, end;         /* DAG node range [first, end) */
     char           peer[DB_KEY_LEN + 1]; /* holder's key; "" when none */
     int64_t        lease_deadline_ms;  /* 0 when no lease */
     db_stage_state state;              /* pending, assigned, lost or released */

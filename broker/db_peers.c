@@ -290,7 +290,7 @@ void db_peer_array_free(db_peer **arr_p, size_t n)
 /* ------------------------------------------------------------------------------------------------
  * Stages and leases.
  */
-#define STAGE_COLS "job_id, idx, node_first, node_last, peer_key, lease_deadline_ms, state, updated_ms"
+#define STAGE_COLS "job_id, idx, node_first, node_end, peer_key, lease_deadline_ms, state, updated_ms"
 
 static fu_err read_stage(db_t *db, sqlite3_stmt *st, db_stage *s)
 {
@@ -301,15 +301,15 @@ static fu_err read_stage(db_t *db, sqlite3_stmt *st, db_stage *s)
         (err = db_col_text(db, st, 4, s->peer, sizeof s->peer, true)) != FU_OK ||
         (err = db_col_enum(db, st, 6, db_stage_state_names, DB_N_STAGE_STATES, &state)) != FU_OK)
         return err;
-    int64_t idx = sqlite3_column_int64(st, 1), first = sqlite3_column_int64(st, 2), last = sqlite3_column_int64(st, 3);
-    if (idx < 0 || idx > UINT32_MAX || first < 0 || last < first || last > UINT32_MAX ||
+    int64_t idx = sqlite3_column_int64(st, 1), first = sqlite3_column_int64(st, 2), end = sqlite3_column_int64(st, 3);
+    if (idx < 0 || idx > UINT32_MAX || first < 0 || end <= first || end > UINT32_MAX ||
         (s->peer[0] && !db_key_valid(s->peer))) {
         FU_ERROR(DB_LOG, "%s: stage row of job '%s' fails validation (corrupt or foreign row)", db->path, s->job);
         return FU_EDB;
     }
     s->index = (uint32_t)idx;
     s->first = (uint32_t)first;
-    s->last = (uint32_t)last;
+    s->end = (uint32_t)end;
     s->lease_deadline_ms = sqlite3_column_int64(st, 5);
     s->state = (db_stage_state)state;
     s->updated_ms = sqlite3_column_int64(st, 7);
@@ -364,12 +364,12 @@ static fu_err check_job_peer(db_t *db, const char *job, const char *peer)
 fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, size_t n, int64_t now_ms)
 {
     static const char SQL_CLEAR[] = "DELETE FROM stages WHERE job_id = ?";
-    static const char SQL_INSERT[] = "INSERT INTO stages (job_id, idx, node_first, node_last, peer_key, "
+    static const char SQL_INSERT[] = "INSERT INTO stages (job_id, idx, node_first, node_end, peer_key, "
                                      "lease_deadline_ms, state, updated_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
     if (!db || !db_job_id_valid(job) || !plan || n == 0 || n > DB_STAGES_MAX)
         return FU_EINVAL;
     for (size_t i = 0; i < n; i++)
-        if (plan[i].last < plan[i].first || (i > 0 && plan[i].first <= plan[i - 1].last) ||
+        if (plan[i].end <= plan[i].first || (i > 0 && plan[i].first < plan[i - 1].end) ||
             (plan[i].peer && !db_key_valid(plan[i].peer)))
             return FU_EINVAL;
     FU_TRY(db_begin(db));
@@ -385,14 +385,14 @@ fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, siz
         if (p->peer && (err = check_job_peer(db, job, p->peer)) != FU_OK)
             goto fail;
         if ((err = db_prep(db, SQL_INSERT, &st)) != FU_OK ||
-            (err = db_bind(db, st, "tiiititi", job, (int64_t)i, (int64_t)p->first, (int64_t)p->last, p->peer,
+            (err = db_bind(db, st, "tiiititi", job, (int64_t)i, (int64_t)p->first, (int64_t)p->end, p->peer,
                            p->peer ? p->lease_deadline_ms : (int64_t)0,
                            db_stage_state_names[p->peer ? DB_STAGE_ASSIGNED : DB_STAGE_PENDING], now_ms)) != FU_OK ||
             (err = db_run(db, st, "inserting a stage")) != FU_OK)
             goto fail;
     }
-    if ((err = db_event_put(db, now_ms, job, NULL, "plan", "%zu stages over nodes %u..%u", n, plan[0].first,
-                            plan[n - 1].last)) != FU_OK ||
+    if ((err = db_event_put(db, now_ms, job, NULL, "plan", "%zu stages over nodes [%u, %u)", n, plan[0].first,
+                            plan[n - 1].end)) != FU_OK ||
         (err = db_commit(db)) != FU_OK)
         goto fail;
     return FU_OK;

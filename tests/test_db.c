@@ -228,6 +228,35 @@ static void test_db_reopen_keeps_data(void **state)
     db_close(&db);
 }
 
+static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_t nstages, char id[DB_JOB_ID_LEN + 1]);
+
+/* A version-1 store (stage ranges inclusive, column node_last) opens as version 2 with the same
+ * stages as half-open ranges: nothing lost, nothing shifted. */
+static void test_db_v1_stage_ranges_migrate(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char id[DB_JOB_ID_LEN + 1], owner[DB_KEY_LEN + 1];
+    make_key(owner);
+    job_with_plan(db, owner, "idem-v1", 3, id);
+    db_close(&db);
+    /* What version 1 wrote for the same plan. */
+    raw_exec(f->path, "ALTER TABLE stages RENAME COLUMN node_end TO node_last;"
+                      "UPDATE stages SET node_last = node_last - 1; PRAGMA user_version = 1");
+    db = open_ok(f->path);
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        assert_int_equal(st[i].first, 10 * i);
+        assert_int_equal(st[i].end, 10 * i + 10);
+    }
+    db_stage_array_free(&st, n);
+    db_close(&db);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+}
+
 static void test_db_newer_version_refused(void **state)
 {
     fx *f = *state;
@@ -509,7 +538,7 @@ static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_
     db_stage_plan plan[8];
     assert_true(nstages <= 8);
     for (uint32_t i = 0; i < nstages; i++)
-        plan[i] = (db_stage_plan){.first = 10 * i, .last = 10 * i + 9, .peer = peer, .lease_deadline_ms = 5000};
+        plan[i] = (db_stage_plan){.first = 10 * i, .end = 10 * i + 10, .peer = peer, .lease_deadline_ms = 5000};
     assert_int_equal(db_stage_assign(db, id, plan, nstages, 1000), FU_OK);
     assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 1000), FU_OK);
 }
@@ -728,9 +757,9 @@ static void test_db_stage_leases(void **state)
     submit_ok(db, owner, "s", "{\"layers\":4}", id);
 
     /* Bad plans change nothing. */
-    db_stage_plan overlap[2] = {{0, 10, pa, 1000}, {10, 20, pb, 2000}};
-    db_stage_plan reversed[1] = {{5, 4, pa, 1000}};
-    db_stage_plan stranger[2] = {{0, 9, pa, 1000}, {10, 20, unknown, 2000}};
+    db_stage_plan overlap[2] = {{0, 11, pa, 1000}, {10, 20, pb, 2000}}; /* [first, end): 10 in both */
+    db_stage_plan reversed[1] = {{5, 5, pa, 1000}};                      /* empty */
+    db_stage_plan stranger[2] = {{0, 10, pa, 1000}, {10, 20, unknown, 2000}};
     assert_int_equal(db_stage_assign(db, id, overlap, 2, 0), FU_EINVAL);
     assert_int_equal(db_stage_assign(db, id, reversed, 1, 0), FU_EINVAL);
     assert_int_equal(db_stage_assign(db, id, stranger, 2, 0), FU_ENOTFOUND);
@@ -740,14 +769,14 @@ static void test_db_stage_leases(void **state)
     assert_int_equal(n, 0);
     db_stage_array_free(&st, n);
 
-    db_stage_plan plan[3] = {{0, 9, pa, 1000}, {10, 19, pb, 2000}, {20, 29, NULL, 0}};
+    db_stage_plan plan[3] = {{0, 10, pa, 1000}, {10, 20, pb, 2000}, {20, 30, NULL, 0}};
     assert_int_equal(db_stage_assign(db, id, plan, 3, 0), FU_OK);
     assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
     assert_int_equal(n, 3);
     assert_int_equal(st[0].state, DB_STAGE_ASSIGNED);
     assert_string_equal(st[0].peer, pa);
     assert_int_equal(st[1].first, 10);
-    assert_int_equal(st[1].last, 19);
+    assert_int_equal(st[1].end, 20);
     assert_int_equal(st[1].lease_deadline_ms, 2000);
     assert_int_equal(st[2].state, DB_STAGE_PENDING);
     assert_string_equal(st[2].peer, "");
@@ -1149,7 +1178,7 @@ static void test_db_disk_full(void **state)
         submit_ok(db, owner, key, "{\"small\":true}", ids[i]);
     }
     assert_int_equal(db_peer_upsert(db, peer, "p", PROFILE, DB_PEER_ACTIVE, 1, NULL), FU_OK);
-    db_stage_plan plan[1] = {{0, 9, peer, 100000}};
+    db_stage_plan plan[1] = {{0, 10, peer, 100000}};
     assert_int_equal(db_stage_assign(db, ids[0], plan, 1, 1), FU_OK);
     assert_int_equal(db_job_set_state(db, ids[0], DB_JOB_RUNNING, NULL, 1), FU_OK);
     db_close(&db);
@@ -1287,6 +1316,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_db_schema_created, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_reopen_keeps_data, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_newer_version_refused, fx_setup, fx_teardown),
+        cmocka_unit_test_setup_teardown(test_db_v1_stage_ranges_migrate, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_garbage_refused, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_missing_dir_refused, fx_setup, fx_teardown),
         cmocka_unit_test_setup_teardown(test_db_submit_idempotent, fx_setup, fx_teardown),
