@@ -1,5 +1,6 @@
-/* broker_sched: planning queued jobs over the idle live peers (dag_partition), the backup pool,
- * and a job's run: StageReady → StageStart, StepDone progress, checkpoints (committed before they
+/* broker_sched: planning queued jobs over the idle live peers (dag_partition), assigning and
+ * starting their stages (StageAssign, also for failover and recovery), the backup pool, and a
+ * job's run: StageReady → StageStart, StepDone progress, checkpoints (committed before they
  * are acknowledged), inference tokens, and the finish (adapter assembled, job done in one commit). */
 #include <inttypes.h>
 #include <math.h>
@@ -652,4 +653,65 @@ void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (db_peer_reputation_adjust(b->db, p->key, -BROKER_ERROR_PENALTY, broker_wall(), &rep) == FU_OK)
         p->reputation = rep;
     broker_failover(b, j, s, why);
+}
+
+/* ---- assign and start (the normal path; failover and recovery call these too) ------------------- */
+
+fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup)
+{
+    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
+    Fusion__Neighbour nb[2];
+    Fusion__Neighbour *nbp[2];
+    uint8_t keys[2][WIRE_KEY_BYTES];
+    size_t nn = 0;
+    for (int d = -1; d <= 1; d += 2) {
+        int64_t o = (int64_t)s + d;
+        if (o < 0 || o >= (int64_t)j->n_stages)
+            continue;
+        broker_peer *q = broker_peer_find(b, j->stages[o].peer);
+        fusion__neighbour__init(&nb[nn]);
+        nb[nn].role = d < 0 ? FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM : FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+        nb[nn].stage_index = (uint32_t)o;
+        if (q && wire_key_from_z85(q->key, keys[nn]) == FU_OK) {
+            nb[nn].public_key.data = keys[nn];
+            nb[nn].public_key.len = WIRE_KEY_BYTES;
+            nb[nn].data_endpoint = q->endpoint;
+            nb[nn].relay = q->relay || p->relay;
+        } else {
+            nb[nn].data_endpoint = (char *)"";
+        }
+        nbp[nn] = &nb[nn];
+        nn++;
+    }
+    a.job_id = j->id64;
+    a.stage_index = s;
+    a.stage_count = j->n_stages;
+    a.node_begin = j->stages[s].first;
+    a.node_end = j->stages[s].last;
+    a.n_neighbours = nn;
+    a.neighbours = nbp;
+    a.relay = p->relay;
+    a.dag.data = j->dag_bytes;
+    a.dag.len = j->dag_len;
+    a.model_id = j->model_id;
+    a.resume_step = j->start_step;
+    a.backup = backup;
+    a.spec_json = j->spec_canon;
+    a.verify = broker_job_verify_fraction(b, j);
+    return broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, j->id64, &a.base);
+}
+
+void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step)
+{
+    j->start_step = resume_step;
+    j->phase = BJ_STARTING;
+    j->stepped = false;
+    uint64_t now = broker_now();
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        j->stages[s].ready = false;
+        j->stages[s].assigned_ms = now;
+        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (p && p->live)
+            (void)broker_send_assign(b, j, s, p, false);
+    }
 }
