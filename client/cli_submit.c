@@ -81,8 +81,9 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
 static cJSON *spec_json(dag_spec *spec)
 {
     const char *model = model_path(spec->model);
-    if (model != spec->model)
-        snprintf(spec->model, sizeof spec->model, "%s", model);
+    size_t n = strlen(model);
+    if (model != spec->model && n < sizeof spec->model) /* else the path as given */
+        memcpy(spec->model, model, n + 1);
     char *txt = dag_spec_to_json(spec);
     cJSON *j = cJSON_Parse(txt);
     free(txt);
