@@ -235,8 +235,10 @@ static fu_err load_line(const fu_cmd *cmd, char *line, char *msg, size_t cap)
     return err;
 }
 
-fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, char *why, size_t why_cap)
+fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, fu_errmsg *em)
 {
+    char *why = em ? em->msg : NULL;
+    size_t why_cap = em ? sizeof em->msg : 0;
     FILE *f = fopen(path, "r");
     if (!f) {
         int e = errno;
@@ -318,15 +320,15 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
     flag_help = flag_version = flag_log_json = false;
     opt_log_level = NULL;
     size_t npos = 0;
-    char why[FU_OPTS_WHY_MAX];
+    fu_errmsg em = {{0}};
     int rc = 0;
 
     const fu_opt *config = find_config(cmd);
     const char *config_path = NULL;
     if (config)
         rc = walk_argv(cmd, argc, argv, config, &config_path, &npos);
-    if (rc == 0 && config_path && fu_opts_load_file(cmd, config_path, why, sizeof why) != FU_OK)
-        rc = usage_error(cmd, "%s", why);
+    if (rc == 0 && config_path && fu_opts_load_file(cmd, config_path, &em) != FU_OK)
+        rc = usage_error(cmd, "%s", em.msg);
     if (rc == 0)
         rc = walk_argv(cmd, argc, argv, NULL, NULL, &npos);
     if (rc) {
@@ -343,8 +345,8 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
         *exit_code = FU_EXIT_OK;
         return FU_ECANCELED;
     }
-    if (apply_log(why, sizeof why) != FU_OK) {
-        *exit_code = usage_error(cmd, "%s", why);
+    if (apply_log(em.msg, sizeof em.msg) != FU_OK) {
+        *exit_code = usage_error(cmd, "%s", em.msg);
         return FU_ECANCELED;
     }
     if (npos < cmd->min_pos || npos > cmd->max_pos) {

@@ -8,6 +8,7 @@
 #include <stddef.h>
 
 #include "fu_err.h"
+#include "fu_file.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -69,11 +70,11 @@ FU_MUST_CHECK fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, siz
  * copied into static storage (FU_OPTS_ARENA_SIZE bytes per process, never freed) so they outlive the
  * file. --log-level and --log-json take effect at once; help, version and config cannot be set from
  * a file (no nesting).
- * Returns FU_OK, or on error writes one sentence to why (why_cap bytes, may be NULL; "FILE:LINE: ..."
+ * Returns FU_OK, or on error writes one sentence to em (may be NULL; "FILE:LINE: ..."
  * for content errors) and returns FU_ENOTFOUND (no such file), FU_EIO (unreadable), FU_EINVAL (an
  * unknown key, a line without '=', a bad value, a line over FU_OPTS_LINE_MAX bytes) or FU_ENOMEM (the
  * string storage is full). Lines before the bad one may already be applied. Not thread-safe. */
-FU_MUST_CHECK fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, char *why, size_t why_cap);
+FU_MUST_CHECK fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, fu_errmsg *em);
 
 /* Prints cmd's --help text to stdout. */
 void fu_opts_print_help(const fu_cmd *cmd);

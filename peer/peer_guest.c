@@ -26,7 +26,7 @@ struct peer_guest {
     uint64_t wall0_ns, cpu0_ns;
 };
 
-fu_err peer_guest_hours_parse(const char *text, int *from, int *to, char *why, size_t cap)
+fu_err peer_guest_hours_parse(const char *text, int *from, int *to, fu_errmsg *em)
 {
     int h[2] = {0, 0}, m[2] = {0, 0};
     const char *p = text ? text : "";
@@ -54,13 +54,13 @@ fu_err peer_guest_hours_parse(const char *text, int *from, int *to, char *why, s
     *from = (h[0] * 60 + m[0]) % 1440;
     *to = (h[1] * 60 + m[1]) % 1440;
     if (*from == *to) {
-        snprintf(why, cap, "--hours '%s' is empty or the whole day (leave --hours out to run at any time)", text);
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "--hours '%s' is empty or the whole day (leave --hours out to run at any "
+                                            "time)", text);
     }
     return FU_OK;
 bad:
-    snprintf(why, cap, "--hours '%s': expected FROM-TO in local hours, like 22-08 or 22:30-07:15", text ? text : "");
-    return FU_EINVAL;
+    return fu_errmsg_set(em, FU_EINVAL, "--hours '%s': expected FROM-TO in local hours, like 22-08 or 22:30-07:15",
+                         text ? text : "");
 }
 
 bool peer_guest_in_hours(int from, int to, int m)

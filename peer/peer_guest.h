@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "fu_err.h"
+#include "fu_file.h"
 #include "kern_priority.h"
 
 #define PEER_GUEST_SAMPLE_MS     1000 /* how often the I/O thread reads the machine's load */
@@ -52,8 +53,8 @@ typedef struct {
 typedef struct peer_guest peer_guest_t;
 
 /* Parses a daily window "22-08", "9-17" or "22:30-07:15" (local time; FROM == TO is refused, use
- * no --hours for always) into minutes of the day. FU_EINVAL with a sentence in why otherwise. */
-FU_MUST_CHECK fu_err peer_guest_hours_parse(const char *text, int *from, int *to, char *why, size_t cap);
+ * no --hours for always) into minutes of the day. FU_EINVAL with a sentence in em otherwise. */
+FU_MUST_CHECK fu_err peer_guest_hours_parse(const char *text, int *from, int *to, fu_errmsg *em);
 /* Whether minute m of the day lies in [from, to), a window that may wrap past midnight. */
 bool peer_guest_in_hours(int from, int to, int m);
 

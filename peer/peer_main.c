@@ -108,9 +108,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --max-cpu and --busy-percent must be 1..100\n");
         return FU_EXIT_USAGE;
     }
-    char hwhy[256];
-    if (hours && peer_guest_hours_parse(hours, &guest.hours_from, &guest.hours_to, hwhy, sizeof hwhy) != FU_OK) {
-        fprintf(stderr, "fusion-peer: %s\n", hwhy);
+    fu_errmsg hem = {{0}};
+    if (hours && peer_guest_hours_parse(hours, &guest.hours_from, &guest.hours_to, &hem) != FU_OK) {
+        fprintf(stderr, "fusion-peer: %s\n", hem.msg);
         return FU_EXIT_USAGE;
     }
     if (no_listen && data_bind) {

@@ -199,14 +199,15 @@ static void conf_destroy(conf_fixture **f_p)
     *f_p = NULL;
 }
 
-/* fu_opts_load_file on text must fail with err and exactly "PATH:<suffix>" in why. */
+/* fu_opts_load_file on text must fail with err and exactly "PATH:<suffix>" in its message. */
 static void conf_expect_error(const char *text, fu_err err, const char *suffix)
 {
     conf_fixture *f = conf_new(text);
-    char why[FU_OPTS_WHY_MAX], want[FU_OPTS_WHY_MAX + 4200];
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), err);
+    fu_errmsg em = {{0}};
+    char want[FU_OPTS_WHY_MAX + 4200];
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, &em), err);
     snprintf(want, sizeof want, "%s:%s", f->path, suffix);
-    assert_string_equal(why, want);
+    assert_string_equal(em.msg, want);
     conf_destroy(&f);
 }
 
@@ -214,8 +215,8 @@ static void test_common_opts_file_sets_each_kind(void **state)
 {
     (void)state;
     conf_fixture *f = conf_new("wait = yes\nname = model-a\nsteps = 40\nlr = 2.5e-4\n");
-    char why[FU_OPTS_WHY_MAX] = "";
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, &em), FU_OK);
     assert_true(f->wait);
     assert_string_equal(f->name, "model-a");
     assert_int_equal(f->steps, 40);
@@ -224,7 +225,7 @@ static void test_common_opts_file_sets_each_kind(void **state)
 
     f = conf_new("wait = off\n");
     f->wait = true;
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL), FU_OK);
     assert_false(f->wait);
     conf_destroy(&f);
 }
@@ -234,7 +235,7 @@ static void test_common_opts_file_comments_blanks_and_whitespace(void **state)
     (void)state;
     conf_fixture *f = conf_new("# a comment = not a setting\n\n   \n  # indented comment\n"
                                "\t name \t=   hello world  \r\n  steps=7\nlr =\t0.5");
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL), FU_OK);
     assert_string_equal(f->name, "hello world");
     assert_int_equal(f->steps, 7);
     assert_true(f->lr == 0.5); /* last line without a newline */
@@ -245,11 +246,11 @@ static void test_common_opts_file_string_outlives_file(void **state)
 {
     (void)state;
     conf_fixture *f = conf_new("name = kept/after/the/file/is/gone\n");
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL), FU_OK);
     const char *name = f->name;
     conf_destroy(&f); /* the file and the buffer that read it are gone */
     f = conf_new("steps = 12345678901234567890123456789 # overwrites the reader's line buffer\n");
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_EINVAL);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL), FU_EINVAL);
     conf_destroy(&f);
     assert_string_equal(name, "kept/after/the/file/is/gone");
 }
@@ -340,7 +341,7 @@ static void test_common_opts_file_bad_values_refused(void **state)
     memcpy(long_line, "name = x", 8);
     strcpy(long_line + FU_OPTS_LINE_MAX, "\nsteps = 2\n");
     conf_fixture *f = conf_new(long_line);
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL, 0), FU_OK);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, NULL), FU_OK);
     assert_int_equal(f->steps, 2);
     conf_destroy(&f);
     memset(long_line, ' ', FU_OPTS_LINE_MAX + 1);
@@ -354,14 +355,15 @@ static void test_common_opts_file_missing_refused(void **state)
 {
     (void)state;
     conf_fixture *f = conf_new("");
-    char missing[4300], why[FU_OPTS_WHY_MAX], want[FU_OPTS_WHY_MAX + 4300];
+    char missing[4300], want[FU_OPTS_WHY_MAX + 4300];
+    fu_errmsg em = {{0}};
     snprintf(missing, sizeof missing, "%s/absent.conf", f->dir);
-    assert_int_equal(fu_opts_load_file(&f->cmd, missing, why, sizeof why), FU_ENOTFOUND);
+    assert_int_equal(fu_opts_load_file(&f->cmd, missing, &em), FU_ENOTFOUND);
     snprintf(want, sizeof want, "cannot read config file '%s': No such file or directory", missing);
-    assert_string_equal(why, want);
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->dir, why, sizeof why), FU_EIO); /* a directory */
+    assert_string_equal(em.msg, want);
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->dir, &em), FU_EIO); /* a directory */
     snprintf(want, sizeof want, "cannot read config file '%s': Is a directory", f->dir);
-    assert_string_equal(why, want);
+    assert_string_equal(em.msg, want);
 
     char *argv[] = {"t", "--config", missing, NULL};
     size_t npos = 0;
@@ -395,9 +397,9 @@ static void test_common_opts_file_string_storage_is_bounded(void **state)
     }
     *p = '\0';
     conf_fixture *f = conf_new(text);
-    char why[FU_OPTS_WHY_MAX];
-    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, why, sizeof why), FU_ENOMEM);
-    assert_non_null(strstr(why, "config file strings exceed the 65536 bytes kept for them"));
+    fu_errmsg em = {{0}};
+    assert_int_equal(fu_opts_load_file(&f->cmd, f->path, &em), FU_ENOMEM);
+    assert_non_null(strstr(em.msg, "config file strings exceed the 65536 bytes kept for them"));
     assert_int_equal(strlen(f->name), 4000); /* the lines before stay applied */
     conf_destroy(&f);
     free(text);

@@ -18,23 +18,23 @@ static void test_peer_guest_hours_parse(void **state)
 {
     (void)state;
     int f, t;
-    char why[256];
-    assert_int_equal(peer_guest_hours_parse("22-08", &f, &t, why, sizeof why), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(peer_guest_hours_parse("22-08", &f, &t, &em), FU_OK);
     assert_int_equal(f, 22 * 60);
     assert_int_equal(t, 8 * 60);
-    assert_int_equal(peer_guest_hours_parse("9-17", &f, &t, why, sizeof why), FU_OK);
+    assert_int_equal(peer_guest_hours_parse("9-17", &f, &t, &em), FU_OK);
     assert_int_equal(f, 9 * 60);
     assert_int_equal(t, 17 * 60);
-    assert_int_equal(peer_guest_hours_parse("22:30-07:15", &f, &t, why, sizeof why), FU_OK);
+    assert_int_equal(peer_guest_hours_parse("22:30-07:15", &f, &t, &em), FU_OK);
     assert_int_equal(f, 22 * 60 + 30);
     assert_int_equal(t, 7 * 60 + 15);
-    assert_int_equal(peer_guest_hours_parse("0-24", &f, &t, why, sizeof why), FU_EINVAL); /* the whole day */
-    assert_non_null(strstr(why, "whole day"));
+    assert_int_equal(peer_guest_hours_parse("0-24", &f, &t, &em), FU_EINVAL); /* the whole day */
+    assert_non_null(strstr(em.msg, "whole day"));
     const char *bad[] = {"", "22", "25-3", "22-08x", "7-7", "22:3-08", "22:60-08", "-3-4", "24:30-1", "a-b"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        why[0] = '\0';
-        assert_int_equal(peer_guest_hours_parse(bad[i], &f, &t, why, sizeof why), FU_EINVAL);
-        assert_non_null(strstr(why, "--hours"));
+        em.msg[0] = '\0';
+        assert_int_equal(peer_guest_hours_parse(bad[i], &f, &t, &em), FU_EINVAL);
+        assert_non_null(strstr(em.msg, "--hours"));
     }
 }
 
