@@ -320,40 +320,65 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
 }
 
 /* A stage of running job j whose peer is paused (its owner's machine is busy, or outside its hours):
- * the step clock of j stops while the pause lasts, up to the grace period; then the stage moves to a
- * free peer as for a lost one, and its peer leaves the job without blame (it is not excluded and
- * keeps its reputation). With no peer to move to, j keeps waiting for the paused one. Returns
- * whether j is held by a pause (its step deadline is not checked then). */
+ * the time it holds j does not count against j's step deadline, up to the grace period in all since
+ * j last made progress (pauses that stop and start again share one allowance: a peer cannot hold a
+ * job by toggling). When the allowance is spent, the stage moves to a free peer as for a lost one,
+ * and its peer is kept off this job (no reputation lost: a pause is no fault); with no free peer,
+ * the step deadline applies again, blame included. Returns whether j is held by a pause now. */
 static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
 {
+    if (j->pause_progress_ms != j->progress_ms) { /* progress since: a fresh allowance */
+        j->pause_progress_ms = j->progress_ms;
+        j->pause_held_ms = 0;
+    }
     uint64_t grace = (uint64_t)b->cfg.pause_grace_s * 1000u;
-    for (uint32_t s = 0; s < j->n_stages; s++) {
-        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-        if (!p || !p->live || !p->paused || strcmp(p->job, j->id) != 0)
-            continue;
-        j->progress_ms = now; /* a pause is not a stall */
-        uint64_t for_ms = now - p->paused_since_ms;
-        char why[DB_REASON_MAX];
-        if (for_ms < grace || !pick_backup(b, j, s, p->key)) {
-            snprintf(why, sizeof why, "stage %u's peer %.8s (%s) is paused (%.300s) for %" PRIu64 " s; %s", s, p->key,
-                     p->name, p->pause_reason, for_ms / 1000,
-                     for_ms < grace ? "it keeps its stage during the grace period" : "no free peer to move it to");
-            if (strncmp(j->reason, "paused: ", 8) != 0)
-                FU_INFO(LOG, "job %s: %s", j->id, why);
-            snprintf(j->reason, sizeof j->reason, "paused: %.900s", why);
-            return true;
-        }
-        snprintf(why, sizeof why, "peer %.8s (%s) stayed paused for %" PRIu64 " s, past the grace period of %u s (%.300s)",
-                 p->key, p->name, for_ms / 1000, b->cfg.pause_grace_s, p->pause_reason);
-        FU_WARN(LOG, "job %s: stage %u: %s; the stage moves", j->id, s, why);
-        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "pause-timeout", why));
-        broker_peer_release(b, j, p, why);
-        broker_failover(b, j, s, why);
+    broker_peer *p = NULL;
+    uint32_t s = 0;
+    for (; s < j->n_stages && !p; s++) {
+        broker_peer *q = broker_peer_find(b, j->stages[s].peer);
+        if (q && q->live && q->paused && strcmp(q->job, j->id) == 0)
+            p = q;
+    }
+    if (!p) {
+        j->pause_last_ms = 0;
+        if (strncmp(j->reason, "paused: ", 8) == 0)
+            snprintf(j->reason, sizeof j->reason, "running");
+        return false;
+    }
+    s--;
+    if (j->pause_last_ms && now > j->pause_last_ms)
+        j->pause_held_ms += now - j->pause_last_ms;
+    j->pause_last_ms = now;
+    char why[DB_REASON_MAX];
+    if (j->pause_held_ms < grace) {
+        snprintf(why, sizeof why, "stage %u's peer %.8s (%s) is paused (%.300s) for %" PRIu64 " s; it keeps its stage "
+                 "during the grace period", s, p->key, p->name, p->pause_reason, (now - p->paused_since_ms) / 1000);
+        if (strncmp(j->reason, "paused: ", 8) != 0)
+            FU_INFO(LOG, "job %s: %s", j->id, why);
+        snprintf(j->reason, sizeof j->reason, "paused: %.900s", why);
         return true;
     }
-    if (strncmp(j->reason, "paused: ", 8) == 0)
-        snprintf(j->reason, sizeof j->reason, "running");
-    return false;
+    j->pause_last_ms = 0;
+    if (!pick_backup(b, j, s, p->key)) {
+        snprintf(why, sizeof why, "stage %u's peer %.8s (%s) used up the pause grace of %u s (%.300s) and no free peer "
+                 "can take the stage: the step deadline applies", s, p->key, p->name, b->cfg.pause_grace_s,
+                 p->pause_reason);
+        if (strncmp(j->reason, "paused: ", 8) == 0)
+            FU_WARN(LOG, "job %s: %s", j->id, why);
+        snprintf(j->reason, sizeof j->reason, "%.900s", why);
+        return false;
+    }
+    char key[DB_KEY_LEN + 1];
+    snprintf(key, sizeof key, "%s", p->key);
+    snprintf(why, sizeof why, "peer %.8s (%s) stayed paused past the grace period of %u s (%.300s)", key, p->name,
+             b->cfg.pause_grace_s, p->pause_reason);
+    FU_WARN(LOG, "job %s: stage %u: %s; the stage moves and the peer is kept off this job, its reputation unchanged",
+            j->id, s, why);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "pause-timeout", why));
+    job_exclude(b, j, key, why);
+    broker_peer_release(b, j, p, why);
+    broker_failover(b, j, s, why);
+    return true;
 }
 
 void broker_deadlines_sweep(broker_t *b)
@@ -372,9 +397,10 @@ void broker_deadlines_sweep(broker_t *b)
                 }
             }
         } else if (j->phase == BJ_RUNNING && !pause_hold(b, j, now)) {
-            uint64_t limit = broker_step_timeout_ms(b, j);
-            if (now - j->progress_ms > limit)
-                step_missed(b, j, now - j->progress_ms, limit);
+            uint64_t limit = broker_step_timeout_ms(b, j), idle = now - j->progress_ms;
+            idle = idle > j->pause_held_ms ? idle - j->pause_held_ms : 0; /* time a pause held j is no stall */
+            if (idle > limit)
+                step_missed(b, j, idle, limit);
         }
     }
 }

@@ -32,6 +32,7 @@
 #define BROKER_ENDPOINT_MAX   256   /* longest data endpoint */
 #define BROKER_MODEL_ID_MAX   80    /* "m:" + 64 hex */
 #define BROKER_PAUSE_REASON_MAX 200 /* longest pause reason kept from a heartbeat */
+#define BROKER_PAUSE_EVENT_MS   60000 /* a peer's pause events are stored at most this often */
 
 /* A peer the broker has heard from since it started. */
 typedef struct {
@@ -71,6 +72,7 @@ typedef struct {
     bool paused;                       /* its last heartbeat said paused */
     uint64_t paused_since_ms;          /* since when (broker_now) */
     char pause_reason[BROKER_PAUSE_REASON_MAX + 1]; /* why, as it said (printable ASCII) */
+    uint64_t pause_event_ms;           /* last peer-paused / peer-resumed event stored (broker_now) */
 } broker_peer;
 
 
@@ -131,6 +133,10 @@ typedef struct {
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
     uint64_t progress_ms;              /* monotonic time of the last sign of progress: StageStart, StepDone,
                                           InferToken, a committed checkpoint (step deadline) */
+    uint64_t pause_held_ms;            /* time since that progress that a paused peer held j (pause_hold):
+                                          not counted against the step deadline, at most the grace */
+    uint64_t pause_progress_ms;        /* the progress_ms pause_held_ms counts from */
+    uint64_t pause_last_ms;            /* last sweep that held j (0: the previous sweep did not) */
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
     char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a

@@ -196,19 +196,39 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     b->sched_dirty = true;
 }
 
-/* A heartbeat's PEER_STATE_PAUSED (or its end): kept on p, logged and stored as events. The reason
- * is the peer's own text: kept only when it is short printable ASCII. */
+/* Printable ASCII only (the reason is shown to other users' terminals). */
+static bool ascii_ok(const char *s, size_t max)
+{
+    size_t n = s ? strnlen(s, max + 1) : 0;
+    if (n > max)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] < 0x20 || (unsigned char)s[i] >= 0x7f)
+            return false;
+    return true;
+}
+
+/* A heartbeat's PEER_STATE_PAUSED (or its end): kept on p and logged; stored as events at most once
+ * per BROKER_PAUSE_EVENT_MS per peer (a peer that toggles cannot make the store commit per beat). The
+ * reason is the peer's own text: kept only when it is short printable ASCII. */
 static void note_pause(broker_t *b, broker_peer *p, const Fusion__Heartbeat *hb)
 {
     bool paused = hb->state == FUSION__PEER_STATE__PEER_STATE_PAUSED;
+    uint64_t now = broker_now();
+    bool store = !p->pause_event_ms || now - p->pause_event_ms >= BROKER_PAUSE_EVENT_MS;
     if (paused) {
-        const char *r = hb->pause_reason && text_ok(hb->pause_reason, BROKER_PAUSE_REASON_MAX) ? hb->pause_reason
-                                                                                               : "no reason given";
-        if (!p->paused || strcmp(p->pause_reason, r) != 0) {
+        const char *r = ascii_ok(hb->pause_reason, BROKER_PAUSE_REASON_MAX) && hb->pause_reason[0] ? hb->pause_reason
+                                                                                                   : "no reason given";
+        if (!p->paused) {
             snprintf(p->pause_reason, sizeof p->pause_reason, "%s", r);
-            FU_INFO(LOG, "peer %s (%.8s) %s: %s", p->name, p->key, p->paused ? "is still paused" : "paused", r);
-            if (!p->paused)
+            FU_INFO(LOG, "peer %s (%.8s) paused: %s", p->name, p->key, r);
+            if (store) {
+                p->pause_event_ms = now;
                 BROKER_IGNORE(db_event_add(b->db, broker_wall(), p->job[0] ? p->job : NULL, p->key, "peer-paused", r));
+            }
+        } else if (strcmp(p->pause_reason, r) != 0) {
+            snprintf(p->pause_reason, sizeof p->pause_reason, "%s", r);
+            FU_DEBUG(LOG, "peer %s (%.8s) is still paused: %s", p->name, p->key, r);
         }
         if (!p->paused)
             p->paused_since_ms = broker_now();
@@ -217,7 +237,10 @@ static void note_pause(broker_t *b, broker_peer *p, const Fusion__Heartbeat *hb)
         char text[64];
         snprintf(text, sizeof text, "after %" PRIu64 " s", (broker_now() - p->paused_since_ms) / 1000);
         FU_INFO(LOG, "peer %s (%.8s) resumed %s", p->name, p->key, text);
-        BROKER_IGNORE(db_event_add(b->db, broker_wall(), p->job[0] ? p->job : NULL, p->key, "peer-resumed", text));
+        if (store) {
+            p->pause_event_ms = now;
+            BROKER_IGNORE(db_event_add(b->db, broker_wall(), p->job[0] ? p->job : NULL, p->key, "peer-resumed", text));
+        }
         p->paused = false;
         p->pause_reason[0] = '\0';
         b->sched_dirty = true; /* it may take work again */

@@ -10,6 +10,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "dag_exec.h"
 #include "fu_alloc.h"
 
 typedef enum { F_U32, F_U64, F_DBL } ftype;
@@ -41,13 +42,13 @@ static const field FIELDS[] = {
     {"steps", "steps", F_U64, OFF(steps), 1, 1e9, 100, KF, "N", "optimizer steps (default 100)"},
     {"batch", "batch", F_U32, OFF(batch), 1, 65536, 4, KF, "B", "sequences per step (default 4)"},
     {"seq_len", "seq-len", F_U32, OFF(seq_len), 1, DAG_SPEC_MAX_ROWS, 128, KF, "T", "tokens per sequence (default 128)"},
-    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 1, 65536, 1, KF, "M",
+    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 1, DAG_EXEC_MAX_SLOTS, 1, KF, "M",
      "micro-batches per step, dividing B (default 1)"},
     {"checkpoint_every", "checkpoint-every", F_U64, OFF(checkpoint_every), 1, 1e9, 10, KF | PL, "K",
      "checkpoint every K steps (default 10)"},
     {"verify", "verify", F_DBL, OFF(verify), 0, 1, -1, KF | PL, "F",
      "fraction 0..1 of micro-batches the broker re-runs on a second peer (default: the broker's --verify)"},
-    {"seed", "seed", F_U64, OFF(seed), 0, 9007199254740992.0, 0, KF | KI, "S",
+    {"seed", "seed", F_U64, OFF(seed), 0, DAG_SPEC_MAX_SEED, 0, KF | KI, "S",
      "seed of the shuffle and the adapter initialisation, or of the sampler (default 0)"},
     {"max_tokens", "max-tokens", F_U32, OFF(max_tokens), 1, DAG_SPEC_MAX_TOKENS, 64, KI, "N",
      "tokens to generate (default 64)"},
@@ -431,9 +432,10 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
             continue;
         char name[48];
         snprintf(name, sizeof name, "--%s", f->opt);
-        fu_err rc = check_value(f, v, name, em);
+        fu_errmsg vm = {{0}};
+        fu_err rc = check_value(f, v, name, &vm);
         if (rc != FU_OK) /* the option's own words, without the JSON prefix */
-            return em ? fu_errmsg_set(em, rc, "%s", em->msg + strlen("spec: ")) : rc;
+            return fu_errmsg_set(em, rc, "%s", vm.msg + strlen("spec: "));
         set(out, f, v);
     }
     if (out->kind == DAG_JOB_FINETUNE) {

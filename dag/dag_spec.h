@@ -35,6 +35,8 @@ extern "C" {
 #define DAG_SPEC_MAX_ROWS    (1u << 20) /* batch x seq_len: most tokens of one step */
 #define DAG_SPEC_MAX_TOKENS  65536u     /* most tokens one inference job generates */
 #define DAG_SPEC_JOB_ID_LEN  16         /* "adapter_job": 16 hex characters */
+#define DAG_SPEC_MAX_SEED    1125899906842624.0 /* 2^50: JSON numbers (doubles, printed with 15 digits) keep
+                                                    every seed up to here exactly */
 
 /* AdamW's constants (the spec carries lr and weight_decay; these are fixed for every job). */
 #define DAG_SPEC_ADAM_BETA1 0.9f

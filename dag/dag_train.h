@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define DAG_TRAIN_MAX_CUTS 8 /* most cut tensors on one side of a stage */
+#define DAG_TRAIN_MAX_CUTS 16 /* most cut tensors on one side of a stage (the peer's ST_MAX_CUTS) */
 
 /* One stage's view of a fine-tune. */
 typedef struct {

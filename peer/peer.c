@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +30,7 @@
 #include "wire_socket.h"
 
 static volatile sig_atomic_t g_stop = 0;
-static volatile sig_atomic_t g_pause_req = 0; /* 1: the owner pauses, 2: resumes (taken by the loop) */
+static _Atomic int g_pause_req = 0; /* 1: the owner pauses, 2: resumes (taken by the loop; lock-free) */
 
 void peer_request_stop(void)
 {
@@ -38,7 +39,7 @@ void peer_request_stop(void)
 
 void peer_request_pause(bool on)
 {
-    g_pause_req = on ? 1 : 2;
+    atomic_store(&g_pause_req, on ? 1 : 2);
 }
 
 const char *peer_profile_line(const peer_t *p)
@@ -440,11 +441,9 @@ fail:
  * told to the broker at once (a heartbeat). A leaving peer pauses no more: its stage must drain. */
 static void guest_tick(peer_t *p, uint64_t now)
 {
-    sig_atomic_t req = g_pause_req;
-    if (req) {
-        g_pause_req = 0;
+    int req = atomic_exchange(&g_pause_req, 0);
+    if (req)
         peer_guest_owner_pause(p->guest, req == 1);
-    }
     if (p->leaving)
         peer_guest_release(p->guest);
     unsigned mask = peer_guest_tick(p->guest, now);
