@@ -334,10 +334,12 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
     uint64_t grace = (uint64_t)b->cfg.pause_grace_s * 1000u;
     broker_peer *p = NULL;
     uint32_t s = 0;
-    for (; s < j->n_stages && !p; s++) {
-        broker_peer *q = broker_peer_find(b, j->stages[s].peer);
-        if (q && q->live && q->paused && strcmp(q->job, j->id) == 0)
+    for (uint32_t k = 0; k < j->n_stages && !p; k++) {
+        broker_peer *q = broker_peer_find(b, j->stages[k].peer);
+        if (q && q->live && q->paused && strcmp(q->job, j->id) == 0) {
             p = q;
+            s = k;
+        }
     }
     if (!p) {
         j->pause_last_ms = 0;
@@ -345,7 +347,6 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
             snprintf(j->reason, sizeof j->reason, "running");
         return false;
     }
-    s--;
     if (j->pause_last_ms && now > j->pause_last_ms)
         j->pause_held_ms += now - j->pause_last_ms;
     j->pause_last_ms = now;

@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cjson/cJSON.h>
 #include <sodium.h>
 
 #include "cli.h"
@@ -28,7 +27,7 @@ static const char *model_path(const char *dir)
 }
 
 /* Sends the submission (retrying with the same key), prints the job id, optionally waits. */
-static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__JobKind kind, cJSON *spec,
+static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__JobKind kind, char *spec_txt,
                              const uint8_t *data, size_t data_len, const char *idem, bool wait, bool quiet)
 {
     char key[33];
@@ -38,8 +37,6 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
         fu_hex_encode(key, raw, sizeof raw);
         idem = key;
     }
-    char *spec_txt = cJSON_PrintUnformatted(spec);
-    cJSON_Delete(spec);
     cli_conn_t *conn = NULL;
     int code = FU_EXIT_OK;
     if (cli_conn_open(prog, co, &conn, &code) != FU_OK) {
@@ -78,16 +75,13 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
 }
 
 /* The spec (dag_spec) as the broker will read it: the model path made absolute when it exists here. */
-static cJSON *spec_json(dag_spec *spec)
+static char *spec_json(dag_spec *spec)
 {
     const char *model = model_path(spec->model);
     size_t n = strlen(model);
     if (model != spec->model && n < sizeof spec->model) /* else the path as given */
         memcpy(spec->model, model, n + 1);
-    char *txt = dag_spec_to_json(spec);
-    cJSON *j = cJSON_Parse(txt);
-    free(txt);
-    return j;
+    return dag_spec_to_json(spec);
 }
 
 static int submit_finetune(int argc, char **argv)
@@ -183,7 +177,7 @@ static int submit_infer(int argc, char **argv)
     if (adapter_job)
         cli_job_id_format(aid, spec.adapter_job);
     spec.dump_logits = dump_logits;
-    cJSON *j = spec_json(&spec);
+    char *j = spec_json(&spec);
     dag_spec_clear(&spec);
     return submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_INFER, j, (const uint8_t *)prompt,
                              prompt ? strlen(prompt) : 0, idem, wait, quiet);

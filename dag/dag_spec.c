@@ -119,13 +119,14 @@ void dag_spec_copy(dag_spec *dst, const dag_spec *src)
     }
 }
 
-/* A value v for field f: in range, whole for integer fields. name is how the user wrote it. */
+/* A value v for field f: in range, whole for integer fields. name is how the user wrote it
+ * ("spec: \"rank\"" in JSON, "--rank" on the command line). */
 static fu_err check_value(const field *f, double v, const char *name, fu_errmsg *em)
 {
     if (!isfinite(v) || v < f->lo || v > f->hi)
-        return fu_errmsg_set(em, FU_EINVAL, "spec: %s must be a number between %g and %g", name, f->lo, f->hi);
+        return fu_errmsg_set(em, FU_EINVAL, "%s must be a number between %g and %g", name, f->lo, f->hi);
     if (f->type != F_DBL && v != floor(v))
-        return fu_errmsg_set(em, FU_EINVAL, "spec: %s must be a whole number", name);
+        return fu_errmsg_set(em, FU_EINVAL, "%s must be a whole number", name);
     return FU_OK;
 }
 
@@ -149,7 +150,7 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
     for (size_t i = 0; i < N_FIELDS; i++) {
         const field *f = &FIELDS[i];
         char name[48];
-        snprintf(name, sizeof name, "\"%s\"", f->key);
+        snprintf(name, sizeof name, "spec: \"%s\"", f->key);
         double v = get(s, f);
         if ((f->kinds & k) && !(f->def < 0 && v == f->def)) /* a negative default means "unset" */
             FU_TRY(check_value(f, v, name, em));
@@ -311,9 +312,9 @@ fu_err dag_spec_parse(const char *json, size_t len, dag_job_kind kind, dag_spec 
         if (!f)
             continue;
         char name[48];
-        snprintf(name, sizeof name, "\"%s\"", f->key);
+        snprintf(name, sizeof name, "spec: \"%s\"", f->key);
         if (!cJSON_IsNumber(it)) {
-            rc = fu_errmsg_set(em, FU_EINVAL, "spec: %s must be a number between %g and %g", name, f->lo, f->hi);
+            rc = fu_errmsg_set(em, FU_EINVAL, "%s must be a number between %g and %g", name, f->lo, f->hi);
             goto done;
         }
         if ((rc = check_value(f, it->valuedouble, name, em)) != FU_OK)
@@ -432,10 +433,7 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
             continue;
         char name[48];
         snprintf(name, sizeof name, "--%s", f->opt);
-        fu_errmsg vm = {{0}};
-        fu_err rc = check_value(f, v, name, &vm);
-        if (rc != FU_OK) /* the option's own words, without the JSON prefix */
-            return fu_errmsg_set(em, rc, "%s", vm.msg + strlen("spec: "));
+        FU_TRY(check_value(f, v, name, em));
         set(out, f, v);
     }
     if (out->kind == DAG_JOB_FINETUNE) {
