@@ -39,63 +39,6 @@ void broker_request_stop(void)
     }
 }
 
-uint64_t broker_now(void) { return fu_clock_ms(); }
-
-void broker_utf8_clean(char *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = (unsigned char)s[i];
-        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0)) {
-            i += len;
-        } else {
-            s[i++] = '?';
-        }
-    }
-}
-int64_t broker_wall(void) { return fu_wallclock_ms(); }
-
-/* ---------- sending ---------- */
-
-fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
-{
-    wire_hdr h = {.type = t, .job_id = job};
-    fu_err rc = wire_send(b->sock, p->rid, p->rid_len, &h, body);
-    if (rc != FU_OK)
-        FU_WARN(LOG, "send %s to peer %.8s (%s) failed: %s", wire_type_name(t), p->key, p->name, fu_strerror(rc));
-    return rc;
-}
-
-fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
-{
-    size_t rl = 0;
-    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
-    const wire_hdr *in = wire_msg_hdr(msg);
-    wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
-    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
-    if (rc != FU_OK)
-        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
-    return rc;
-}
-
-void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    broker_utf8_trim(text);
-    FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(wire_msg_type(msg)), wire_msg_user_id(msg), text);
-    Fusion__Error e = FUSION__ERROR__INIT;
-    e.code = code;
-    e.message = text;
-    e.in_reply_to = wire_msg_type(msg);
-    e.sequence = wire_msg_hdr(msg)->sequence;
-    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
-}
-
 /* ---------- relay ---------- */
 
 void broker_on_relay(broker_t *b, const wire_msg_t *msg)
@@ -286,32 +229,27 @@ static void resume_jobs(broker_t *b)
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        char why[512] = "";
+        fu_errmsg em = {{0}};
         broker_job *j = NULL;
-        fu_err rc = broker_job_load(b, &arr[i], &j, why, sizeof why);
+        fu_err rc = broker_job_load(b, &arr[i], &j, &em);
         if (rc != FU_OK) {
-            FU_WARN(LOG, "job %s cannot be resumed: %s", arr[i].id, why);
-            BROKER_IGNORE(db_job_set_state(b->db, arr[i].id, DB_JOB_FAILED, why, broker_wall()));
+            broker_job_refuse(b, arr[i].id, fu_errmsg_text(&em, rc));
             continue;
         }
-        if (arr[i].state == DB_JOB_RUNNING) {
-            /* Peers notice our silence and re-register; recover once they had the time to. */
-            j->phase = BJ_RECOVER_WAIT;
-            j->recover_at_ms = broker_now() + 2u * b->dead_after_ms;
-            snprintf(j->reason, sizeof j->reason, "broker restarted: waiting for its peers to reconnect");
-        }
+        if (arr[i].state == DB_JOB_RUNNING) /* peers notice our silence and re-register: recover once they could */
+            broker_job_recover_wait(b, j, broker_now() + 2u * b->dead_after_ms);
         FU_INFO(LOG, "resumed job %s (%s, %s)", j->id, db_job_kind_name(j->kind), db_job_state_name(arr[i].state));
     }
     db_job_array_free(&arr, n);
     b->sched_dirty = true;
 }
 
-broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_cap)
+broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
     broker_t *b = fu_calloc(1, sizeof *b);
     if (!cfg || !cfg->bind || !cfg->keys_dir || !cfg->db_path) {
-        snprintf(why, why_cap, "--bind, --keys and --db are required");
+        fu_errmsg_set(em, rc, "--bind, --keys and --db are required");
         goto fail;
     }
     b->cfg = *cfg;
@@ -329,7 +267,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_c
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
     if (b->cfg.heartbeat_ms < 50 || b->cfg.heartbeat_ms > 60000) {
-        snprintf(why, why_cap, "--heartbeat-ms must be between 50 and 60000");
+        fu_errmsg_set(em, rc, "--heartbeat-ms must be between 50 and 60000");
         goto fail;
     }
     b->dead_after_ms = BROKER_DEAD_FACTOR * b->cfg.heartbeat_ms;
@@ -343,45 +281,45 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_c
         else
             snprintf(b->data_dir, sizeof b->data_dir, ".");
     }
-    fu_errmsg em = {{0}};
-    if ((rc = fu_mkdir_p(b->data_dir, 0700, &em)) != FU_OK) {
-        snprintf(why, why_cap, "cannot make --data-dir '%s': %s", b->data_dir, fu_errmsg_text(&em, rc));
+    fu_errmsg inner = {{0}}; /* a callee's message, quoted in em */
+    if ((rc = fu_mkdir_p(b->data_dir, 0700, &inner)) != FU_OK) {
+        fu_errmsg_set(em, rc, "cannot make --data-dir '%s': %s", b->data_dir, fu_errmsg_text(&inner, rc));
         goto fail;
     }
-    if ((rc = wire_keypair_load(cfg->keys_dir, &b->kp, why, why_cap)) != FU_OK)
+    if ((rc = wire_keypair_load(cfg->keys_dir, &b->kp, em)) != FU_OK)
         goto fail;
     if ((rc = db_open(cfg->db_path, &b->db)) != FU_OK) {
-        snprintf(why, why_cap, "cannot open the store '%s': %s (see the log line above)", cfg->db_path,
-                 fu_strerror(rc));
+        fu_errmsg_set(em, rc, "cannot open the store '%s': %s (see the log line above)", cfg->db_path,
+                      fu_strerror(rc));
         goto fail;
     }
-    if ((rc = wire_curve_available(why, why_cap)) != FU_OK)
+    if ((rc = wire_curve_available(em)) != FU_OK)
         goto fail;
     b->ctx = zmq_ctx_new();
     if (!b->ctx) {
         rc = FU_EIO;
-        snprintf(why, why_cap, "cannot create a ZeroMQ context");
+        fu_errmsg_set(em, rc, "cannot create a ZeroMQ context");
         goto fail;
     }
     wire_zap_cfg zc = {.allow_file = cfg->allow_file, .enrol_token = cfg->enrol_token};
-    b->zap = wire_zap_new(b->ctx, &zc, &rc, why, why_cap);
+    b->zap = wire_zap_new(b->ctx, &zc, &rc, em);
     if (!b->zap)
         goto fail;
     b->sock = wire_socket_new(b->ctx, ZMQ_ROUTER, &rc);
     if (!b->sock) {
-        snprintf(why, why_cap, "cannot create the ROUTER socket");
+        fu_errmsg_set(em, rc, "cannot create the ROUTER socket");
         goto fail;
     }
     if ((rc = wire_socket_curve_server(b->sock, b->kp, NULL)) != FU_OK) {
-        snprintf(why, why_cap, "cannot make the socket a CURVE server");
+        fu_errmsg_set(em, rc, "cannot make the socket a CURVE server");
         goto fail;
     }
     int handover = 1; /* a reconnecting peer with the same routing id replaces the old connection */
     (void)zmq_setsockopt(b->sock, ZMQ_ROUTER_HANDOVER, &handover, sizeof handover);
     if (zmq_bind(b->sock, cfg->bind) != 0) {
         rc = FU_EIO;
-        snprintf(why, why_cap, "cannot bind %s: %s (is another broker running on that port?)", cfg->bind,
-                 zmq_strerror(zmq_errno()));
+        fu_errmsg_set(em, rc, "cannot bind %s: %s (is another broker running on that port?)", cfg->bind,
+                      zmq_strerror(zmq_errno()));
         goto fail;
     }
     b->started_ms = broker_now();
@@ -437,7 +375,7 @@ static void timers(broker_t *b)
 {
     uint64_t now = broker_now();
     if (now >= b->next_sweep_ms) {
-        broker_registry_sweep(b);
+        broker_peers_sweep(b);
         broker_verify_sweep(b);
         broker_deadlines_sweep(b);
         for (size_t i = 0; i < b->n_jobs; i++) {

@@ -73,8 +73,9 @@ typedef struct {
 typedef struct broker broker_t;
 
 /* Opens the store, loads the keys, starts the ZAP handler, binds the socket and reads back every
- * unfinished job. NULL on failure with *err set and a sentence for the operator in why. */
-broker_t *broker_new(const broker_cfg *cfg, fu_err *err, char *why, size_t why_cap);
+ * unfinished job. NULL on failure with *err set (err may be NULL) and a sentence for the operator in
+ * em (may be NULL). */
+broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em);
 
 /* Runs the loop until broker_request_stop; FU_OK on a clean stop, FU_EIO when the socket failed. */
 FU_MUST_CHECK fu_err broker_run(broker_t *b);

@@ -55,27 +55,27 @@ static void *hasher(void *arg)
     return NULL;
 }
 
-fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, char *why, size_t cap)
+fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, fu_errmsg *em)
 {
     for (size_t i = 0; i < b->n_models; i++)
         if (strcmp(b->models[i]->dir, dir) == 0) {
             *model_id = b->models[i]->id;
             return FU_OK;
         }
-    fu_errmsg em = {{0}};
+    fu_errmsg sub = {{0}};
     char *cfg_text = NULL;
     size_t cfg_len = 0;
     char *cpath = fu_path_join(dir, FU_MODELCFG_FILE);
-    fu_err rc = fu_file_read_all(cpath, FU_MODELCFG_MAX_BYTES, &cfg_text, &cfg_len, &em);
+    fu_err rc = fu_file_read_all(cpath, FU_MODELCFG_MAX_BYTES, &cfg_text, &cfg_len, &sub);
     free(cpath);
     if (rc != FU_OK) {
-        snprintf(why, cap, "model '%s': %s", dir, fu_errmsg_text(&em, rc));
+        fu_errmsg_set(em, rc, "model '%s': %s", dir, fu_errmsg_text(&sub, rc));
         return rc;
     }
     fu_safetensors *st = NULL;
-    if ((rc = fu_safetensors_open_dir(dir, &st, &em)) != FU_OK) {
+    if ((rc = fu_safetensors_open_dir(dir, &st, &sub)) != FU_OK) {
         free(cfg_text);
-        snprintf(why, cap, "model '%s': %s", dir, fu_errmsg_text(&em, rc));
+        fu_errmsg_set(em, rc, "model '%s': %s", dir, fu_errmsg_text(&sub, rc));
         return rc;
     }
     /* The id covers config.json and everything the safetensors headers say (names, dtypes,
@@ -393,8 +393,7 @@ static bool is_adapter_weight(const char *name)
     return false;
 }
 
-fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, char *why,
-                               size_t cap)
+fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em)
 {
     db_ckpt *ck[BROKER_MAX_STAGES] = {0};
     fu_safetensors *st[BROKER_MAX_STAGES] = {0};
@@ -402,14 +401,14 @@ fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t
     size_t n = 0, cap_list = 0;
     fu_err rc = FU_OK;
     char *path = NULL;
-    fu_errmsg em = {{0}};
+    fu_errmsg sub = {{0}};
     for (uint32_t s = 0; s < j->n_stages && rc == FU_OK; s++) {
         if ((rc = db_ckpt_get(b->db, j->id, s, step, &ck[s])) != FU_OK) {
-            snprintf(why, cap, "stage %u has no checkpoint at step %" PRId64, s, step);
+            fu_errmsg_set(em, rc, "stage %u has no checkpoint at step %" PRId64, s, step);
             break;
         }
-        if ((rc = fu_safetensors_parse_header(ck[s]->data, ck[s]->len, "checkpoint", &st[s], &em)) != FU_OK) {
-            snprintf(why, cap, "checkpoint of stage %u: %s", s, fu_errmsg_text(&em, rc));
+        if ((rc = fu_safetensors_parse_header(ck[s]->data, ck[s]->len, "checkpoint", &st[s], &sub)) != FU_OK) {
+            fu_errmsg_set(em, rc, "checkpoint of stage %u: %s", s, fu_errmsg_text(&sub, rc));
             break;
         }
         for (size_t i = 0; i < fu_safetensors_count(st[s]); i++) {
@@ -424,20 +423,20 @@ fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t
         }
     }
     if (rc == FU_OK && n == 0) {
-        snprintf(why, cap, "the stages' checkpoints hold no adapter tensors (*.lora_A.weight / *.lora_B.weight)");
-        rc = FU_EPROTO;
+        rc = fu_errmsg_set(em, FU_EPROTO,
+                           "the stages' checkpoints hold no adapter tensors (*.lora_A.weight / *.lora_B.weight)");
     }
     if (rc == FU_OK) {
         char name[64];
         snprintf(name, sizeof name, "adapter-%s-%d.safetensors", j->id, (int)getpid());
         path = fu_path_join(b->data_dir, name);
-        if ((rc = fu_safetensors_write(path, list, n, NULL, 0, NULL, NULL, &em)) != FU_OK)
-            snprintf(why, cap, "%s", fu_errmsg_text(&em, rc));
+        if ((rc = fu_safetensors_write(path, list, n, NULL, 0, NULL, NULL, &sub)) != FU_OK)
+            fu_errmsg_set(em, rc, "%s", fu_errmsg_text(&sub, rc));
     }
     if (rc == FU_OK) {
         char *data = NULL;
-        if ((rc = fu_file_read_all(path, DB_BLOB_MAX, &data, len, &em)) != FU_OK)
-            snprintf(why, cap, "%s", fu_errmsg_text(&em, rc));
+        if ((rc = fu_file_read_all(path, DB_BLOB_MAX, &data, len, &sub)) != FU_OK)
+            fu_errmsg_set(em, rc, "%s", fu_errmsg_text(&sub, rc));
         *out = (uint8_t *)data;
     }
     if (path)

@@ -95,16 +95,14 @@ void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why
     stop_stages(b, j, text, false);
     bool was_warm = nb->warm;
     snprintf(j->stages[stage].peer, sizeof j->stages[stage].peer, "%s", nb->key);
-    snprintf(nb->job, sizeof nb->job, "%s", j->id);
-    nb->stage = stage;
-    nb->backup = nb->warm = false;
-    BROKER_IGNORE(db_peer_set_state(b->db, nb->key, DB_PEER_ACTIVE, broker_wall()));
+    broker_peer_take(b, nb, j, stage, false);
     snprintf(text, sizeof text, "stage %u moved from %.8s to %s backup %.8s (%.300s); resuming from step %" PRId64, stage,
              lost, was_warm ? "warm" : "cold", nb->key, why, c);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, nb->key, "failover", text));
     FU_INFO(LOG, "job %s: %s", j->id, text);
-    snprintf(j->reason, sizeof j->reason, "recovering: %.900s", text);
-    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen);
+    char reason[DB_REASON_MAX];
+    snprintf(reason, sizeof reason, "recovering: %.900s", text);
+    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, reason);
     b->sched_dirty = true; /* top up the backups */
 }
 
@@ -119,9 +117,7 @@ void broker_recover(broker_t *b, broker_job *j)
     for (uint32_t s = 0; s < j->n_stages; s++) {
         broker_peer *p = broker_peer_find(b, j->stages[s].peer);
         if (p && p->live && !p->draining && !p->job[0]) {
-            snprintf(p->job, sizeof p->job, "%s", j->id);
-            p->stage = s;
-            p->backup = false;
+            broker_peer_take(b, p, j, s, false);
             continue;
         }
         j->stages[s].peer[0] = '\0';
@@ -137,9 +133,7 @@ void broker_recover(broker_t *b, broker_job *j)
             return;
         }
         snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", nb->key);
-        snprintf(nb->job, sizeof nb->job, "%s", j->id);
-        nb->stage = s;
-        nb->backup = false;
+        broker_peer_take(b, nb, j, s, false);
     }
     int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
     for (uint32_t s = 0; s < j->n_stages; s++) {
@@ -147,69 +141,17 @@ void broker_recover(broker_t *b, broker_job *j)
             broker_job_requeue(b, j, "broker restarted: the stored plan could not be renewed; planning again");
             return;
         }
-        BROKER_IGNORE(db_peer_set_state(b->db, j->stages[s].peer, DB_PEER_ACTIVE, broker_wall()));
     }
     int64_t c = 0;
     if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
         c = 0;
     snprintf(text, sizeof text, "recovering after a broker restart: resuming from step %" PRId64, c);
-    snprintf(j->reason, sizeof j->reason, "%s", text);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "recovered", text));
-    FU_INFO(LOG, "job %s: %s", j->id, text);
-    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen);
+    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, text);
     b->sched_dirty = true;
 }
 
 /* ---- deadlines on the work (docs/PIPELINE.md "Failures") ---------------------------------------- */
-
-bool broker_job_excludes(const broker_job *j, const char *key)
-{
-    for (uint32_t i = 0; i < j->n_excluded; i++)
-        if (strcmp(j->excluded[i], key) == 0)
-            return true;
-    return false;
-}
-
-/* Takes key off j for good (the oldest entry makes room when the list is full). */
-static void exclude_in_memory(broker_job *j, const char *key)
-{
-    if (broker_job_excludes(j, key))
-        return;
-    if (j->n_excluded == BROKER_JOB_EXCLUDE_MAX) {
-        memmove(j->excluded[0], j->excluded[1], (BROKER_JOB_EXCLUDE_MAX - 1) * sizeof j->excluded[0]);
-        j->n_excluded--;
-    }
-    snprintf(j->excluded[j->n_excluded++], sizeof j->excluded[0], "%s", key);
-}
-
-/* exclude_in_memory, recorded as an "excluded" event so that a restarted broker keeps it
- * (broker_job_exclusions_load). */
-static void job_exclude(broker_t *b, broker_job *j, const char *key, const char *why)
-{
-    if (broker_job_excludes(j, key))
-        return;
-    exclude_in_memory(j, key);
-    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "excluded", why));
-}
-
-void broker_job_exclusions_load(broker_t *b, broker_job *j)
-{
-    int64_t after = 0;
-    for (;;) {
-        db_event *ev = NULL;
-        size_t n = 0;
-        if (db_event_list(b->db, j->id, after, 0, &ev, &n) != FU_OK)
-            return;
-        for (size_t i = 0; i < n; i++)
-            if (strcmp(ev[i].kind, "excluded") == 0 && db_key_valid(ev[i].peer))
-                exclude_in_memory(j, ev[i].peer);
-        if (n)
-            after = ev[n - 1].id;
-        db_event_array_free(&ev, n);
-        if (n < DB_EVENT_LIST_MAX)
-            return;
-    }
-}
 
 uint64_t broker_step_timeout_ms(const broker_t *b, const broker_job *j)
 {
@@ -236,7 +178,7 @@ static void ready_missed(broker_t *b, broker_job *j, uint32_t s)
              p ? p->name : "?", b->cfg.ready_timeout_s);
     FU_WARN(LOG, "job %s: stage %u: %s; it is taken off the job", j->id, s, why);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "ready-timeout", why));
-    job_exclude(b, j, key, why);
+    broker_job_exclude(b, j, key, why);
     if (p && strcmp(p->job, j->id) == 0)
         broker_peer_release(b, j, p, why);
     broker_failover(b, j, s, why);
@@ -294,7 +236,7 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
         char key[DB_KEY_LEN + 1];
         snprintf(key, sizeof key, "%s", sp->key);
         FU_WARN(LOG, "job %s: stage %d: peer %.8s is taken off the job", j->id, stalled, key);
-        job_exclude(b, j, key, why);
+        broker_job_exclude(b, j, key, why);
         broker_peer *p = broker_peer_find(b, key);
         if (p && strcmp(p->job, j->id) == 0)
             broker_peer_release(b, j, p, why);
@@ -314,9 +256,10 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
     snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, ft ? "step" : "token",
              ft ? (uint64_t)c : (uint64_t)j->n_gen);
     stop_stages(b, j, text, true);
-    snprintf(j->reason, sizeof j->reason, "recovering: %.900s", text);
     FU_INFO(LOG, "job %s: %s", j->id, text);
-    broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen);
+    char reason[DB_REASON_MAX];
+    snprintf(reason, sizeof reason, "recovering: %.900s", text);
+    broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen, reason);
 }
 
 /* A stage of running job j whose peer is paused (its owner's machine is busy, or outside its hours):
@@ -344,7 +287,7 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
     if (!p) {
         j->pause_last_ms = 0;
         if (strncmp(j->reason, "paused: ", 8) == 0)
-            snprintf(j->reason, sizeof j->reason, "running");
+            broker_job_show(j, "running");
         return false;
     }
     if (j->pause_last_ms && now > j->pause_last_ms)
@@ -356,7 +299,9 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
                  "during the grace period", s, p->key, p->name, p->pause_reason, (now - p->paused_since_ms) / 1000);
         if (strncmp(j->reason, "paused: ", 8) != 0)
             FU_INFO(LOG, "job %s: %s", j->id, why);
-        snprintf(j->reason, sizeof j->reason, "paused: %.900s", why);
+        char shown[DB_REASON_MAX];
+        snprintf(shown, sizeof shown, "paused: %.900s", why);
+        broker_job_show(j, shown);
         return true;
     }
     j->pause_last_ms = 0;
@@ -366,7 +311,7 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
                  p->pause_reason);
         if (strncmp(j->reason, "paused: ", 8) == 0)
             FU_WARN(LOG, "job %s: %s", j->id, why);
-        snprintf(j->reason, sizeof j->reason, "%.900s", why);
+        broker_job_show(j, why);
         return false;
     }
     char key[DB_KEY_LEN + 1];
@@ -376,7 +321,7 @@ static bool pause_hold(broker_t *b, broker_job *j, uint64_t now)
     FU_WARN(LOG, "job %s: stage %u: %s; the stage moves and the peer is kept off this job, its reputation unchanged",
             j->id, s, why);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, key, "pause-timeout", why));
-    job_exclude(b, j, key, why);
+    broker_job_exclude(b, j, key, why);
     broker_peer_release(b, j, p, why);
     broker_failover(b, j, s, why);
     return true;
@@ -403,5 +348,21 @@ void broker_deadlines_sweep(broker_t *b)
             if (idle > limit)
                 step_missed(b, j, idle, limit);
         }
+    }
+}
+
+void broker_recover_ready(broker_t *b)
+{
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        broker_job *j = b->jobs[i];
+        if (j->dead || j->phase != BJ_RECOVER_WAIT || j->n_stages == 0)
+            continue;
+        bool all = true;
+        for (uint32_t s = 0; s < j->n_stages && all; s++) {
+            broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+            all = p && broker_peer_free(b, p);
+        }
+        if (all) /* every peer of the stored plan is back: no need to wait out the grace period */
+            broker_recover(b, j);
     }
 }

@@ -33,6 +33,9 @@
 #define BROKER_MODEL_ID_MAX   80    /* "m:" + 64 hex */
 #define BROKER_PAUSE_REASON_MAX 200 /* longest pause reason kept from a heartbeat */
 #define BROKER_PAUSE_EVENT_MS   60000 /* a peer's pause events are stored at most this often */
+/* Reputations are sums of decimal penalties (1.0 - 16 x 0.05 is 0.1999...98 in binary): compare with
+ * the threshold to within this, so that a peer exactly at the threshold stays trusted. */
+#define BROKER_REPUTATION_EPS   1e-9
 
 /* A peer the broker has heard from since it started. */
 typedef struct {
@@ -226,7 +229,11 @@ struct broker {
     broker_vsample vs[BROKER_VERIFY_MAX]; /* verification samples in flight */
 };
 
-/* ---- broker.c: sending ---- */
+/* The modules, from the bottom up; each calls only those above it in this list (docs/BROKER.md
+ * "Modules"): io ← registry ← job ← sched ← failover ← the handlers (peers, stages, verify, blobs,
+ * jobs) ← broker.c (the loop and dispatch). */
+
+/* ---- broker_io.c: clocks and sending ---- */
 /* Sends body of type t to a peer (by its current routing id); logs and returns the error. */
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body);
 /* Answers msg with a body of type t. */
@@ -241,73 +248,104 @@ void broker_utf8_clean(char *s, size_t n);
 uint64_t broker_now(void);  /* monotonic ms */
 int64_t broker_wall(void);  /* Unix ms */
 
-/* ---- broker_registry.c ---- */
+/* ---- broker_registry.c: the peers ---- */
 broker_peer *broker_peer_find(broker_t *b, const char *key);
-void broker_on_hello(broker_t *b, const wire_msg_t *msg);
-void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_link_probe(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-/* Declares peers silent for dead_after_ms dead (and expired leases lost). */
-void broker_registry_sweep(broker_t *b);
-/* Marks p gone (dead or left): persists, frees its work, triggers failover. */
-void broker_peer_gone(broker_t *b, broker_peer *p, bool left, const char *why);
-void broker_on_peer_list(broker_t *b, const wire_msg_t *msg);
+/* Checks what a PeerHello claims (texts, a believable profile, an endpoint); FU_EINVAL with why. */
+FU_MUST_CHECK fu_err broker_peer_hello_check(const Fusion__PeerHello *h, fu_errmsg *em);
+/* Registers (or renews) key from a checked PeerHello on connection rid: idle, live, stored.
+ * FU_EAGAIN when the table is full of live peers; the store's error when it failed. */
+FU_MUST_CHECK fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *h, const uint8_t *rid,
+                                       size_t rl, broker_peer **out, fu_errmsg *em);
+/* What a heartbeat tells: free memory, its stage's progress, a pause, its link; extends its lease. */
+void broker_peer_heartbeat(broker_t *b, broker_peer *p, const Fusion__Heartbeat *hb);
+/* Idle, warm (a backup that is ready) or busy, as the wire says it. */
+Fusion__PeerState broker_peer_wire_state(const broker_peer *p);
+/* p is gone (left or dead): stored with an event (naming job, may be ""), no work, not live. */
+void broker_peer_set_gone(broker_t *b, broker_peer *p, bool left, const char *job, const char *why);
+/* p takes stage `stage` of j, as its runner or as a backup (stored as active or backup). */
+void broker_peer_take(broker_t *b, broker_peer *p, const broker_job *j, uint32_t stage, bool backup);
+/* p holds no work any more (in memory; its stage, if any, is the caller's to hand on). */
+void broker_peer_forget_work(broker_peer *p);
+/* Takes p (working on j) off the job: StageRelease{reason} when it is live, back to the backup
+ * state in the store, free for the scheduler. */
+void broker_peer_release(broker_t *b, broker_job *j, broker_peer *p, const char *reason);
+/* Adds delta to p's reputation (stored; clamped to [0, 1]). */
+void broker_peer_reputation_adjust(broker_t *b, broker_peer *p, double delta);
+/* True when p may be given work (live, not draining, reputation at or above the threshold). */
+bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
+/* Trusted, holding no work and not paused. */
+bool broker_peer_free(const broker_t *b, const broker_peer *p);
 
-/* ---- broker_jobs.c (client API) ---- */
-void broker_on_submit(broker_t *b, const wire_msg_t *msg);
-void broker_on_status(broker_t *b, const wire_msg_t *msg);
-void broker_on_list(broker_t *b, const wire_msg_t *msg);
-void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
-void broker_on_result(broker_t *b, const wire_msg_t *msg);
-/* Parses and checks a spec; FU_EINVAL with a sentence in why. */
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *out, char *why, size_t cap);
-/* Loads an unfinished job from the store into memory (restart, or after submit). */
-fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap);
+/* ---- broker_job.c: the jobs and their state machine ---- */
+broker_job *broker_job_new(db_job_kind kind);
+/* Puts j in the table (the table owns it from then on). */
+void broker_job_add(broker_t *b, broker_job *j);
 broker_job *broker_job_find(broker_t *b, const char *id);
 broker_job *broker_job_find64(broker_t *b, uint64_t id);
 void broker_job_free(broker_job **j_p);
 /* Removes jobs marked dead from the table. */
 void broker_jobs_reap(broker_t *b);
-
-/* ---- broker_sched.c ---- */
-/* Plans queued jobs over idle peers; hands out backups. */
-void broker_schedule(broker_t *b);
-void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+const char *broker_phase_name(broker_phase p);
+/* The transitions. Each stores the job's state and reason in one commit (or none when they did not
+ * change) and logs. */
+/* A new job: queued, in the table. */
+void broker_job_enqueue(broker_t *b, broker_job *j);
+/* A job read back after a restart that was running: wait until at_ms for its peers. */
+void broker_job_recover_wait(broker_t *b, broker_job *j, uint64_t at_ms);
+/* A plan for j: its stages, stored with the move to running in one commit (nothing changes in
+ * memory when the store refuses). */
+FU_MUST_CHECK fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan, size_t n);
+/* Stages (re)assigned from resume_step: waiting for every StageReady. reason NULL keeps the reason. */
+void broker_job_starting(broker_t *b, broker_job *j, uint64_t resume_step, const char *reason);
+/* Every stage is ready: running (the caller sends StageStart). */
+void broker_job_running(broker_t *b, broker_job *j);
+/* Back to the queue: stages released, plan dropped. */
+void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
+/* Failed for good: stages released, out of the table. */
+void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
+/* Done with its result (blob and/or file; hash hex): stored in one commit, stages released, out of
+ * the table. The store's error leaves j as it was. */
+FU_MUST_CHECK fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *result, size_t len,
+                                     const char *file, const char *hash);
+/* Cancels owner's job id (db_job_cancel's errors); releases it when it is in the table. */
+FU_MUST_CHECK fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner);
+/* A stored job that cannot be made into one (a corrupt row, a model gone): stored as failed. */
+void broker_job_refuse(broker_t *b, const char *id, const char *reason);
+/* A new reason within the phase (why it waits), stored when it changed. */
+void broker_job_note(broker_t *b, broker_job *j, const char *reason);
+/* A reason shown by `fusion status` but not stored: live detail that changes every sweep. */
+void broker_job_show(broker_job *j, const char *reason);
 /* Stops every stage and backup of j (StageRelease) and frees its peers. */
 void broker_job_release(broker_t *b, broker_job *j, const char *reason);
-/* Takes p (working on j) off the job: StageRelease{reason} when it is live, back to the backup
- * state in the store, free for the scheduler. */
-void broker_peer_release(broker_t *b, broker_job *j, broker_peer *p, const char *reason);
-/* Puts j back to queued with reason (db state, peers released); counts a retry when it ran. */
-void broker_job_requeue(broker_t *b, broker_job *j, const char *reason);
-/* Fails j with reason. */
-void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
-
+/* True when key was taken off j for missing a deadline (the scheduler and failover skip it for j). */
+bool broker_job_excludes(const broker_job *j, const char *key);
+/* Takes key off j for good, recorded as an "excluded" event (kept across restarts). */
+void broker_job_exclude(broker_t *b, broker_job *j, const char *key, const char *why);
+/* Reads back the peers taken off j ("excluded" events) after a broker restart. */
+void broker_job_exclusions_load(broker_t *b, broker_job *j);
+/* The fraction of j's micro-batches to verify (the spec's "verify", else --verify; 0 for inference). */
+double broker_job_verify_fraction(const broker_t *b, const broker_job *j);
 /* The partitioner's options for j (tokens per micro-batch, micro-batches, training). */
 dag_partition_opts broker_job_popts(const broker_job *j);
+
+/* ---- broker_sched.c: plan, assign, start ---- */
+/* Plans queued jobs over idle peers; hands out backups. */
+void broker_schedule(broker_t *b);
 /* True when p has the memory stage s of j needs (the partitioner's estimate). */
 bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p);
-/* Recovers at once every restarted job whose stored plan's peers are all back. */
-void broker_recover_ready(broker_t *b);
+/* Sends StageAssign (backup or not) for stage s of j to peer p. */
+fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
+/* Starts j's stages from resume_step (broker_job_starting with reason) and sends each its StageAssign. */
+void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step, const char *reason);
 
-/* ---- broker_failover.c ---- */
+/* ---- broker_failover.c: what replaces what ---- */
 /* The peer running stage `stage` of j is gone: hand it to a backup and resume from the newest
  * common checkpoint, or requeue. */
 void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why);
 /* After a restart: re-assign a job that was running from its stored plan. */
 void broker_recover(broker_t *b, broker_job *j);
-/* Sends StageAssign (backup or not) for stage s of j to peer p. */
-fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
-/* Sends StageAssign{resume_step} to every stage of j (after a plan or a recovery). */
-void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step);
-/* True when key was taken off j for missing a deadline (the scheduler and failover skip it for j). */
-bool broker_job_excludes(const broker_job *j, const char *key);
-/* Reads back the peers taken off j ("excluded" events) after a broker restart. */
-void broker_job_exclusions_load(broker_t *b, broker_job *j);
+/* Recovers at once every restarted job whose stored plan's peers are all back. */
+void broker_recover_ready(broker_t *b);
 /* The step deadline of j in ms: --step-timeout, else max(BROKER_STEP_TIMEOUT_MIN_S,
  * BROKER_STEP_TIMEOUT_FACTOR x the slowest step seen), and no less than the ready deadline before the
  * first step of a run (it includes the warm-up). */
@@ -315,11 +353,25 @@ uint64_t broker_step_timeout_ms(const broker_t *b, const broker_job *j);
 /* Enforces the ready and step deadlines of every job (docs/PIPELINE.md "Failures"). */
 void broker_deadlines_sweep(broker_t *b);
 
+/* ---- broker_peers.c: a peer's messages ---- */
+void broker_on_hello(broker_t *b, const wire_msg_t *msg);
+void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_link_probe(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_peer_list(broker_t *b, const wire_msg_t *msg);
+/* Marks p gone (dead or left): its stage fails over, then it is stored as gone. */
+void broker_peer_gone(broker_t *b, broker_peer *p, bool left, const char *why);
+/* Declares peers silent for dead_after_ms dead, and stages whose lease ran out lost. */
+void broker_peers_sweep(broker_t *b);
+
+/* ---- broker_stages.c: a running job's stage messages ---- */
+void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+
 /* ---- broker_verify.c ---- */
-/* The fraction of j's micro-batches to verify (the spec's "verify", else --verify; 0 for inference). */
-double broker_job_verify_fraction(const broker_t *b, const broker_job *j);
-/* True when p may be given work (live, not draining, reputation at or above the threshold). */
-bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
 /* Step `step` of j is done (StepDone): starts the sampled verifications of its micro-batches. */
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step);
 void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg);
@@ -331,18 +383,28 @@ void broker_verify_sweep(broker_t *b);
 
 /* ---- broker_blobs.c ---- */
 /* The model_id of a model directory (opening it for serving). FU_* with why. */
-fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, char *why, size_t cap);
+fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, fu_errmsg *em);
 void broker_models_close(broker_t *b);
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Serves the pending weight requests whose hashes are ready; true when some still wait. */
 bool broker_blobs_pending(broker_t *b);
 /* Builds the finished adapter (PEFT safetensors) from every stage's checkpoint at `step`. */
-fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, char *why,
-                               size_t cap);
+fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em);
+
+/* ---- broker_jobs.c (client API) ---- */
+void broker_on_submit(broker_t *b, const wire_msg_t *msg);
+void broker_on_status(broker_t *b, const wire_msg_t *msg);
+void broker_on_list(broker_t *b, const wire_msg_t *msg);
+void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
+void broker_on_result(broker_t *b, const wire_msg_t *msg);
+/* Parses and checks a spec; FU_EINVAL with a sentence in why. */
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *out, fu_errmsg *em);
+/* Loads an unfinished job from the store into the table (restart). */
+fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errmsg *em);
 /* adapter_config.json of a finished fine-tune (caller frees). */
 char *broker_adapter_config(const dag_spec *spec);
 
-/* ---- relay (broker.c) ---- */
+/* ---- broker.c ---- */
 void broker_on_relay(broker_t *b, const wire_msg_t *msg);
 
 #endif

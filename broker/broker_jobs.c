@@ -1,5 +1,6 @@
-/* broker_jobs: the client API (submit, status, list, cancel, result download) and the in-memory
- * table of unfinished jobs. A job is acknowledged only after db_job_submit committed; the client's
+/* broker_jobs: the client API (submit, status, list, cancel, result download), and making a job
+ * from its stored row (its spec, tokens, graph and model) for the job table (broker_job.c). A job is
+ * acknowledged only after db_job_submit committed; the client's
  * identity is the ZAP User-Id of its connection, and another owner's job is "not found". */
 #include <inttypes.h>
 #include <math.h>
@@ -26,55 +27,6 @@
 
 /* ---------- the job table ---------- */
 
-broker_job *broker_job_find(broker_t *b, const char *id)
-{
-    for (size_t i = 0; i < b->n_jobs; i++)
-        if (!b->jobs[i]->dead && strcmp(b->jobs[i]->id, id) == 0)
-            return b->jobs[i];
-    return NULL;
-}
-
-broker_job *broker_job_find64(broker_t *b, uint64_t id)
-{
-    for (size_t i = 0; i < b->n_jobs; i++)
-        if (!b->jobs[i]->dead && b->jobs[i]->id64 == id)
-            return b->jobs[i];
-    return NULL;
-}
-
-void broker_job_free(broker_job **j_p)
-{
-    if (!j_p || !*j_p)
-        return;
-    broker_job *j = *j_p;
-    for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
-        free(j->stages[s].ck_buf);
-    free(j->spec_json);
-    free(j->spec_canon);
-    dag_spec_clear(&j->spec);
-    free(j->tokens);
-    dag_graph_destroy(&j->graph);
-    free(j->dag_bytes);
-    free(j->gen);
-    free(j->output);
-    free(j->logits);
-    fu_tokenizer_destroy(&j->tok);
-    free(j);
-    *j_p = NULL;
-}
-
-void broker_jobs_reap(broker_t *b)
-{
-    size_t w = 0;
-    for (size_t i = 0; i < b->n_jobs; i++) {
-        if (b->jobs[i]->dead)
-            broker_job_free(&b->jobs[i]);
-        else
-            b->jobs[w++] = b->jobs[i];
-    }
-    b->n_jobs = w;
-}
-
 static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
 {
     snprintf(out, DB_JOB_ID_LEN + 1, "%016" PRIx64, id);
@@ -82,17 +34,14 @@ static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
 
 /* ---------- the spec ---------- */
 
-/* Parses a stored or submitted spec of a db job kind (dag_spec owns the format); why gets the text. */
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *s, char *why, size_t cap)
+/* Parses a stored or submitted spec of a db job kind (dag_spec owns the format); FU_EINVAL with why. */
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *s, fu_errmsg *em)
 {
-    fu_errmsg em = {{0}};
-    fu_err rc = dag_spec_parse(json, len, kind == DB_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE, s, &em);
+    fu_err rc = dag_spec_parse(json, len, kind == DB_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE, s, em);
     if (rc == FU_OK && !s->model[0]) {
         dag_spec_clear(s);
-        rc = fu_errmsg_set(&em, FU_EINVAL, "spec: \"model\" (a model directory readable by the broker) is required");
+        rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" (a model directory readable by the broker) is required");
     }
-    if (rc != FU_OK)
-        snprintf(why, cap, "%s", em.msg);
     return rc == FU_OK ? FU_OK : FU_EINVAL;
 }
 
@@ -108,34 +57,30 @@ static uint8_t *stored_spec(const char *spec, size_t spec_len, const int32_t *to
 }
 
 /* Builds the job's DAG and the data it needs from the model (the same checks at submit and at load). */
-static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src, char *why, size_t cap)
+static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src, fu_errmsg *em)
 {
-    fu_errmsg em = {{0}};
+    fu_errmsg sub = {{0}};
     fu_modelcfg cfg;
-    fu_err rc = fu_modelcfg_load(j->spec.model, &cfg, &em);
+    fu_err rc = fu_modelcfg_load(j->spec.model, &cfg, &sub);
     if (rc != FU_OK) {
-        snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
     }
     dag_salr_info si = {0};
     char *sc = fu_path_join(j->spec.model, DAG_SALR_CONFIG_FILE);
     bool salr = fu_path_exists(sc);
     free(sc);
-    if (salr && (rc = dag_salr_info_load(j->spec.model, &si, &em)) != FU_OK) {
-        snprintf(why, cap, "spec: model: %s", fu_errmsg_text(&em, rc));
-        return FU_EINVAL;
+    if (salr && (rc = dag_salr_info_load(j->spec.model, &si, &sub)) != FU_OK) {
+        return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
     }
     dag_spec as = j->spec; /* the adapter's fields only (prompt_tokens stays j's) */
     if (j->kind == DB_JOB_INFER) {
         as.method = DAG_ADAPTER_NONE;
         if (adapter_src) {
-            char w2[256];
             dag_spec ft;
             if (broker_spec_parse((const char *)adapter_src->spec, strnlen((const char *)adapter_src->spec,
                                                                           adapter_src->spec_len),
-                                  DB_JOB_FINETUNE, &ft, w2, sizeof w2) != FU_OK) {
-                snprintf(why, cap, "adapter_job: its spec no longer parses: %s", w2);
-                return FU_EINVAL;
+                                  DB_JOB_FINETUNE, &ft, &sub) != FU_OK) {
+                return fu_errmsg_set(em, FU_EINVAL, "adapter_job: its spec no longer parses: %s", sub.msg);
             }
             as.method = ft.method;
             as.rank = ft.rank;
@@ -147,12 +92,10 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
         }
     }
     if (as.method == DAG_ADAPTER_SALR && !salr) {
-        snprintf(why, cap, "spec: method salr needs a SALR-pruned model (make one with `fusion model prune`)");
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "spec: method salr needs a SALR-pruned model (make one with `fusion model prune`)");
     }
     if (salr && as.method != DAG_ADAPTER_SALR && as.method != DAG_ADAPTER_NONE) {
-        snprintf(why, cap, "spec: '%s' is a SALR-pruned model: use \"method\": \"salr\"", j->spec.model);
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "spec: '%s' is a SALR-pruned model: use \"method\": \"salr\"", j->spec.model);
     }
     dag_model_dims dims;
     dag_dims_from_cfg(&cfg, &dims);
@@ -161,20 +104,17 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
                          .head = j->kind == DB_JOB_FINETUNE ? DAG_HEAD_LOSS : DAG_HEAD_SAMPLE,
                          .seq_len = j->kind == DB_JOB_FINETUNE ? j->spec.seq_len : 256};
     if ((rc = dag_build_llama(&dims, &bo, &j->graph)) != FU_OK) {
-        snprintf(why, cap, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
     }
     if ((rc = dag_graph_encode(j->graph, &j->dag_bytes, &j->dag_len)) != FU_OK) {
-        snprintf(why, cap, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
-        return FU_EINVAL;
+        return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
     }
     const char *mid = NULL;
-    if ((rc = broker_model_open(b, j->spec.model, &mid, why, cap)) != FU_OK)
+    if ((rc = broker_model_open(b, j->spec.model, &mid, em)) != FU_OK)
         return FU_EINVAL;
     snprintf(j->model_id, sizeof j->model_id, "%s", mid);
-    if ((rc = fu_tokenizer_open_dir(j->spec.model, cfg.vocab_size, &j->tok, &em)) != FU_OK) {
-        snprintf(why, cap, "spec: model tokenizer: %s", fu_errmsg_text(&em, rc));
-        return FU_EINVAL;
+    if ((rc = fu_tokenizer_open_dir(j->spec.model, cfg.vocab_size, &j->tok, &sub)) != FU_OK) {
+        return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
     }
     j->eos = cfg.eos_token_id >= 0 ? cfg.eos_token_id : fu_tokenizer_eos_id(j->tok);
     /* Peers get the canonical spec (every field, the same defaults), without the broker's paths. */
@@ -185,37 +125,16 @@ static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src,
     return FU_OK;
 }
 
-static broker_job *job_new(broker_t *b, db_job_kind kind)
-{
-    (void)b;
-    broker_job *j = fu_calloc(1, sizeof *j);
-    j->kind = kind;
-    j->loss = NAN;
-    for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
-        j->stages[s].final_ckpt_step = -1;
-    return j;
-}
-
-static void job_table_add(broker_t *b, broker_job *j)
-{
-    if (b->n_jobs == b->cap_jobs) {
-        b->cap_jobs = b->cap_jobs ? 2 * b->cap_jobs : 16;
-        b->jobs = fu_realloc(b->jobs, b->cap_jobs * sizeof *b->jobs);
-    }
-    b->jobs[b->n_jobs++] = j;
-}
-
 /* The stored row's part of j: its ids, owner, spec text and tokens (the spec is parsed by the
  * caller). FU_EPROTO when the stored form is malformed. */
-static fu_err job_row(broker_job *j, const db_job *dj, char *why, size_t cap)
+static fu_err job_row(broker_job *j, const db_job *dj, fu_errmsg *em)
 {
     snprintf(j->id, sizeof j->id, "%s", dj->id);
     j->id64 = strtoull(dj->id, NULL, 16);
     snprintf(j->owner, sizeof j->owner, "%s", dj->owner);
     size_t sl = dj->spec ? strnlen((const char *)dj->spec, dj->spec_len) : 0;
     if (!dj->spec || sl == dj->spec_len || (dj->spec_len - sl - 1) % sizeof(int32_t) != 0) {
-        snprintf(why, cap, "stored spec is malformed");
-        return FU_EPROTO;
+        return fu_errmsg_set(em, FU_EPROTO, "stored spec is malformed");
     }
     free(j->spec_json);
     j->spec_json = fu_malloc(sl + 1);
@@ -229,29 +148,28 @@ static fu_err job_row(broker_job *j, const db_job *dj, char *why, size_t cap)
     return FU_OK;
 }
 
-fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *why, size_t cap)
+fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errmsg *em)
 {
-    broker_job *j = job_new(b, dj->kind);
-    fu_err rc = job_row(j, dj, why, cap);
+    broker_job *j = broker_job_new(dj->kind);
+    fu_err rc = job_row(j, dj, em);
     if (rc != FU_OK)
         goto fail;
-    if ((rc = broker_spec_parse(j->spec_json, strlen(j->spec_json), dj->kind, &j->spec, why, cap)) != FU_OK)
+    if ((rc = broker_spec_parse(j->spec_json, strlen(j->spec_json), dj->kind, &j->spec, em)) != FU_OK)
         goto fail;
     db_job *aj = NULL;
     if (dj->kind == DB_JOB_INFER && j->spec.adapter_job[0] &&
         (rc = db_job_get(b->db, j->spec.adapter_job, NULL, &aj)) != FU_OK) {
-        snprintf(why, cap, "adapter_job %s is not in the store", j->spec.adapter_job);
+        fu_errmsg_set(em, rc, "adapter_job %s is not in the store", j->spec.adapter_job);
         goto fail;
     }
-    rc = job_prepare(b, j, aj, why, cap);
+    rc = job_prepare(b, j, aj, em);
     db_job_free(&aj);
     if (rc != FU_OK)
         goto fail;
     broker_job_exclusions_load(b, j);
     j->steps_done = dj->step > 0 ? (uint64_t)dj->step : 0;
     j->loss = dj->loss;
-    snprintf(j->reason, sizeof j->reason, "%s", dj->reason ? dj->reason : "");
-    j->phase = BJ_QUEUED;
+    broker_job_show(j, dj->reason ? dj->reason : "");
     /* The stored plan (a restarted broker recovers a running job from it). */
     db_stage *st = NULL;
     size_t n = 0;
@@ -266,7 +184,7 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, char *wh
     db_stage_array_free(&st, n);
     if (dj->state == DB_JOB_QUEUED)
         j->n_stages = 0; /* planned afresh */
-    job_table_add(b, j);
+    broker_job_add(b, j);
     *out = j;
     return FU_OK;
 fail:
@@ -399,7 +317,7 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobSubmit *js = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_SUBMIT);
     const char *owner = wire_msg_user_id(msg);
-    char why[DB_REASON_MAX] = "";
+    fu_errmsg em = {{0}};
     int32_t *ids = NULL;
     size_t n_ids = 0;
     broker_job *tmp = NULL;
@@ -423,9 +341,9 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
         goto done;
     }
     size_t sl = js->spec_json ? strlen(js->spec_json) : 0;
-    tmp = job_new(b, kind);
-    if (broker_spec_parse(js->spec_json ? js->spec_json : "", sl, kind, &tmp->spec, why, sizeof why) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
+    tmp = broker_job_new(kind);
+    if (broker_spec_parse(js->spec_json ? js->spec_json : "", sl, kind, &tmp->spec, &em) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
         goto done;
     }
     if (kind == DB_JOB_INFER && tmp->spec.adapter_job[0]) {
@@ -436,11 +354,10 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
             goto done;
         }
     }
-    if (job_prepare(b, tmp, aj, why, sizeof why) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", why);
+    if (job_prepare(b, tmp, aj, &em) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
         goto done;
     }
-    fu_errmsg em = {{0}};
     size_t vocab = dag_graph_dims(tmp->graph)->vocab_size;
     if (kind == DB_JOB_INFER && tmp->spec.prompt_tokens) {
         for (size_t i = 0; i < tmp->spec.n_prompt_tokens; i++)
@@ -499,15 +416,11 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     if (created) {
         /* The job checked above is the one that runs: its graph, tokenizer and model are not made twice. */
         broker_job *j = tmp;
-        if (job_row(j, dj, why, sizeof why) != FU_OK) {
-            BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_FAILED, why, broker_wall()));
+        if (job_row(j, dj, &em) != FU_OK) {
+            broker_job_refuse(b, id, em.msg);
         } else {
             tmp = NULL;
-            j->phase = BJ_QUEUED;
-            job_table_add(b, j);
-            BROKER_IGNORE(db_job_set_state(b->db, id, DB_JOB_QUEUED, "waiting for the scheduler", broker_wall()));
-            snprintf(j->reason, sizeof j->reason, "waiting for the scheduler");
-            b->sched_dirty = true;
+            broker_job_enqueue(b, j);
             FU_INFO(LOG, "job %s (%s) submitted by %.8s: %zu tokens", id, db_job_kind_name(kind), owner, n_ids);
         }
         db_job_free(&dj);
@@ -571,7 +484,7 @@ void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
         return;
     char id[DB_JOB_ID_LEN + 1];
     id_hex(r->job_id, id);
-    fu_err rc = db_job_cancel(b->db, id, wire_msg_user_id(msg), broker_wall());
+    fu_err rc = broker_job_cancel(b, id, wire_msg_user_id(msg));
     if (rc == FU_ENOTFOUND) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "no job %s among your jobs (list them with `fusion status`)", id);
@@ -586,13 +499,6 @@ void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
                            fu_strerror(rc));
         return;
     }
-    broker_job *j = broker_job_find(b, id);
-    if (j) {
-        broker_job_release(b, j, "the job was cancelled by its owner");
-        j->dead = true;
-        b->sched_dirty = true;
-    }
-    FU_INFO(LOG, "job %s cancelled by its owner", id);
     db_job *dj = own_job(b, msg, r->job_id);
     if (dj)
         reply_status(b, msg, dj);
@@ -628,10 +534,10 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     size_t nf = 0;
     if (dj->kind == DB_JOB_FINETUNE) {
         dag_spec spec;
-        char why[256];
+        fu_errmsg em = {{0}};
         size_t sl = strnlen((const char *)dj->spec, dj->spec_len);
-        if (broker_spec_parse((const char *)dj->spec, sl, DB_JOB_FINETUNE, &spec, why, sizeof why) != FU_OK) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "job %s: stored spec: %s", dj->id, why);
+        if (broker_spec_parse((const char *)dj->spec, sl, DB_JOB_FINETUNE, &spec, &em) != FU_OK) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "job %s: stored spec: %s", dj->id, em.msg);
             goto done;
         }
         cfg = broker_adapter_config(&spec);

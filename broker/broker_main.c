@@ -94,10 +94,10 @@ int main(int argc, char **argv)
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace};
     fu_err err = FU_OK;
-    char why[1024] = "";
-    broker_t *b = broker_new(&cfg, &err, why, sizeof why);
+    fu_errmsg em = {{0}};
+    broker_t *b = broker_new(&cfg, &err, &em);
     if (!b) {
-        fprintf(stderr, "fusion-broker: %s\n", why[0] ? why : fu_strerror(err));
+        fprintf(stderr, "fusion-broker: %s\n", fu_errmsg_text(&em, err));
         return err == FU_EAUTH || err == FU_EPERM ? FU_EXIT_AUTH : FU_EXIT_FAIL;
     }
     fu_err rc = broker_run(b);

@@ -34,21 +34,6 @@
 #include "fu_log.h"
 
 #define LOG "verify"
-/* Reputations are sums of decimal penalties (1.0 - 16 x 0.05 is 0.1999...98 in binary): compare with
- * the threshold to within this, so that a peer exactly at the threshold stays trusted. */
-#define REPUTATION_EPS 1e-9
-
-double broker_job_verify_fraction(const broker_t *b, const broker_job *j)
-{
-    if (j->kind != DB_JOB_FINETUNE)
-        return 0;
-    return j->spec.verify >= 0 ? j->spec.verify : b->cfg.verify;
-}
-
-bool broker_peer_trusted(const broker_t *b, const broker_peer *p)
-{
-    return p->live && !p->draining && p->reputation >= b->cfg.min_reputation - REPUTATION_EPS;
-}
 
 static void put64(uint8_t *o, uint64_t v)
 {
@@ -209,14 +194,10 @@ static void penalise(broker_t *b, broker_job *j, const char *key, double delta, 
     broker_peer *p = broker_peer_find(b, key);
     if (!p)
         return;
-    double rep = p->reputation;
-    if (db_peer_reputation_adjust(b->db, p->key, -delta, broker_wall(), &rep) == FU_OK)
-        p->reputation = rep;
-    else
-        p->reputation = fmax(0, p->reputation - delta);
+    broker_peer_reputation_adjust(b, p, -delta);
     FU_WARN(LOG, "job %s: peer %.8s (%s) loses %.2f reputation (now %.2f): %s", j->id, p->key, p->name, delta,
             p->reputation, why);
-    if (p->reputation >= b->cfg.min_reputation - REPUTATION_EPS)
+    if (p->reputation >= b->cfg.min_reputation - BROKER_REPUTATION_EPS)
         return;
     FU_WARN(LOG, "job %s: peer %.8s (%s) is below the reputation threshold %.2f after %u disagreeing samples of %u "
             "verified (and %u input mismatches): it gets no more work", j->id, p->key, p->name, b->cfg.min_reputation,

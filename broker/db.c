@@ -797,6 +797,70 @@ fu_err db_event_add(db_t *db, int64_t now_ms, const char *job, const char *peer,
     return event_insert(db, now_ms, job, peer, kind, detail);
 }
 
+fu_err db_collect(db_t *db, sqlite3_stmt *st, const char *what, size_t elem, db_row_read_fn read, const void *ctx,
+                  db_item_free_fn drop, void **out, size_t *n)
+{
+    uint8_t *arr = NULL;
+    size_t cnt = 0, cap = 0;
+    fu_err err;
+    for (;;) {
+        bool row;
+        if ((err = db_step(db, st, what, &row)) != FU_OK)
+            goto fail;
+        if (!row)
+            break;
+        if (cnt == cap) {
+            cap = cap ? 2 * cap : 16;
+            arr = fu_realloc(arr, cap * elem);
+        }
+        memset(arr + cnt * elem, 0, elem);
+        if ((err = read(db, st, ctx, arr + cnt * elem)) != FU_OK)
+            goto fail;
+        cnt++;
+    }
+    db_done(st);
+    *out = arr;
+    *n = cnt;
+    return FU_OK;
+fail:
+    db_done(st);
+    db_items_free(&arr, cnt, elem, drop);
+    return err;
+}
+
+void db_items_free(void *arr_p, size_t n, size_t elem, db_item_free_fn drop)
+{
+    uint8_t **pp = arr_p;
+    if (!pp || !*pp)
+        return;
+    for (size_t i = 0; drop && i < n; i++)
+        drop(*pp + i * elem);
+    free(*pp);
+    *pp = NULL;
+}
+
+static fu_err read_event(db_t *db, sqlite3_stmt *st, const void *ctx, void *item)
+{
+    (void)ctx;
+    db_event *e = item;
+    e->id = sqlite3_column_int64(st, 0);
+    e->time_ms = sqlite3_column_int64(st, 1);
+    fu_err err;
+    if ((err = db_col_text(db, st, 2, e->job, sizeof e->job, true)) != FU_OK ||
+        (err = db_col_text(db, st, 3, e->peer, sizeof e->peer, true)) != FU_OK ||
+        (err = db_col_text(db, st, 4, e->kind, sizeof e->kind, false)) != FU_OK ||
+        (err = db_col_dup(db, st, 5, DB_EVENT_DETAIL_MAX, false, &e->detail)) != FU_OK) {
+        free(e->detail);
+        return err;
+    }
+    return FU_OK;
+}
+
+static void event_members_free(void *item)
+{
+    free(((db_event *)item)->detail);
+}
+
 fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, db_event **out, size_t *n)
 {
     static const char SQL[] = "SELECT id, time_ms, job_id, peer_key, kind, detail FROM events "
@@ -808,42 +872,7 @@ fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, 
     sqlite3_stmt *st;
     FU_TRY(db_prep(db, SQL, &st));
     FU_TRY(db_bind(db, st, "iti", after_id, job, (int64_t)limit));
-    db_event *arr = NULL;
-    size_t cnt = 0, cap = 0;
-    fu_err err = FU_OK;
-    for (;;) {
-        bool row;
-        if ((err = db_step(db, st, "listing events", &row)) != FU_OK)
-            goto fail;
-        if (!row)
-            break;
-        if (cnt == cap) {
-            cap = cap ? 2 * cap : 16;
-            arr = fu_realloc(arr, cap * sizeof *arr);
-        }
-        db_event *e = &arr[cnt];
-        memset(e, 0, sizeof *e);
-        e->id = sqlite3_column_int64(st, 0);
-        e->time_ms = sqlite3_column_int64(st, 1);
-        if ((err = db_col_text(db, st, 2, e->job, sizeof e->job, true)) != FU_OK ||
-            (err = db_col_text(db, st, 3, e->peer, sizeof e->peer, true)) != FU_OK ||
-            (err = db_col_text(db, st, 4, e->kind, sizeof e->kind, false)) != FU_OK ||
-            (err = db_col_dup(db, st, 5, DB_EVENT_DETAIL_MAX, false, &e->detail)) != FU_OK)
-            goto fail_row;
-        cnt++;
-        continue;
-    fail_row:
-        free(e->detail);
-        goto fail;
-    }
-    db_done(st);
-    *out = arr;
-    *n = cnt;
-    return FU_OK;
-fail:
-    db_done(st);
-    db_event_array_free(&arr, cnt);
-    return err;
+    return db_collect(db, st, "listing events", sizeof **out, read_event, NULL, event_members_free, (void **)out, n);
 }
 
 fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted)
@@ -862,10 +891,5 @@ fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted)
 
 void db_event_array_free(db_event **arr_p, size_t n)
 {
-    if (!arr_p || !*arr_p)
-        return;
-    for (size_t i = 0; i < n; i++)
-        free((*arr_p)[i].detail);
-    free(*arr_p);
-    *arr_p = NULL;
+    db_items_free(arr_p, n, sizeof **arr_p, event_members_free);
 }

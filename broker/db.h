@@ -252,12 +252,13 @@ void db_peer_array_free(db_peer **arr_p, size_t n);
 
 /* ---- stages and leases ---- */
 
-/* Replaces job's stage plan with n stages (index = position in plan) in one transaction. A stage
- * with a peer is assigned with that lease, one without is pending. Ranges must be in order and not
+/* Replaces job's stage plan with n stages (index = position in plan) in one transaction; with a
+ * running_reason (may be NULL) the same transaction moves the job to running with that reason. A
+ * stage with a peer is assigned with that lease, one without is pending. Ranges must be in order and not
  * overlap (FU_EINVAL); the job must be queued or running (FU_EPERM) and every peer known
  * (FU_ENOTFOUND). Checkpoints are kept: a re-plan with the same cut resumes from them. */
 FU_MUST_CHECK fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, size_t n,
-                                     int64_t now_ms);
+                                     const char *running_reason, int64_t now_ms);
 /* Hands stage `index` of job to peer (a backup taking over) with a new lease. FU_ENOTFOUND no such
  * stage or peer; FU_EPERM the job is final. */
 FU_MUST_CHECK fu_err db_stage_reassign(db_t *db, const char *job, uint32_t index, const char *peer,

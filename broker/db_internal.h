@@ -60,6 +60,21 @@ FU_MUST_CHECK fu_err db_event_put(db_t *db, int64_t now_ms, const char *job, con
 
 /* The state of job id (of owner, when not NULL: another owner's job is FU_ENOTFOUND). */
 FU_MUST_CHECK fu_err db_job_state_read(db_t *db, const char *id, const char *owner, db_job_state *out);
+/* Reads the current row of a listing into item (db_collect); on an error it frees what it took. */
+typedef fu_err (*db_row_read_fn)(db_t *db, sqlite3_stmt *st, const void *ctx, void *item);
+/* Frees the members of one item (not the item). */
+typedef void (*db_item_free_fn)(void *item);
+/* Runs st (already bound) and reads every row with read into a new array of elem-byte items (*out,
+ * *n; NULL and 0 when none). On an error the items read so far are freed with drop (may be NULL).
+ * st is done either way. `what` names the listing in errors. */
+FU_MUST_CHECK fu_err db_collect(db_t *db, sqlite3_stmt *st, const char *what, size_t elem, db_row_read_fn read,
+                                const void *ctx, db_item_free_fn drop, void **out, size_t *n);
+/* Frees an array of n elem-byte items from db_collect (members with drop, may be NULL) and sets
+ * *arr_p = NULL. Idempotent. */
+void db_items_free(void *arr_p, size_t n, size_t elem, db_item_free_fn drop);
+/* Moves a job whose current state is `from` to `to` inside the caller's transaction (no checks). */
+FU_MUST_CHECK fu_err db_job_move(db_t *db, const char *id, db_job_state from, db_job_state to, const char *reason,
+                                 int64_t now_ms);
 
 /* Stage releases shared by jobs and peers: marks job's non-released stages released. */
 FU_MUST_CHECK fu_err db_stages_release(db_t *db, const char *job, int64_t now_ms);

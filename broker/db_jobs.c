@@ -85,34 +85,20 @@ fail:
     return err;
 }
 
+static fu_err read_job_row(db_t *db, sqlite3_stmt *st, const void *blobs, void *item)
+{
+    return read_job(db, st, *(const bool *)blobs, item);
+}
+
+static void job_item_free(void *item)
+{
+    job_members_free(item);
+}
+
 /* Runs st (already bound) and collects every row into an array. */
 static fu_err collect_jobs(db_t *db, sqlite3_stmt *st, bool blobs, db_job **out, size_t *n)
 {
-    db_job *arr = NULL;
-    size_t cnt = 0, cap = 0;
-    fu_err err;
-    for (;;) {
-        bool row;
-        if ((err = db_step(db, st, "listing jobs", &row)) != FU_OK)
-            goto fail;
-        if (!row)
-            break;
-        if (cnt == cap) {
-            cap = cap ? 2 * cap : 16;
-            arr = fu_realloc(arr, cap * sizeof *arr);
-        }
-        if ((err = read_job(db, st, blobs, &arr[cnt])) != FU_OK)
-            goto fail;
-        cnt++;
-    }
-    db_done(st);
-    *out = arr;
-    *n = cnt;
-    return FU_OK;
-fail:
-    db_done(st);
-    db_job_array_free(&arr, cnt);
-    return err;
+    return db_collect(db, st, "listing jobs", sizeof **out, read_job_row, &blobs, job_item_free, (void **)out, n);
 }
 
 void db_job_free(db_job **job_p)
@@ -126,12 +112,7 @@ void db_job_free(db_job **job_p)
 
 void db_job_array_free(db_job **arr_p, size_t n)
 {
-    if (!arr_p || !*arr_p)
-        return;
-    for (size_t i = 0; i < n; i++)
-        job_members_free(&(*arr_p)[i]);
-    free(*arr_p);
-    *arr_p = NULL;
+    db_items_free(arr_p, n, sizeof **arr_p, job_item_free);
 }
 
 static bool idem_valid(const char *k)
@@ -297,9 +278,8 @@ fu_err db_stages_release(db_t *db, const char *job, int64_t now_ms)
     return db_run(db, st, "releasing stages");
 }
 
-/* Moves a job whose current state is `from` to `to` inside the caller's transaction. */
-static fu_err job_move(db_t *db, const char *id, db_job_state from, db_job_state to, const char *reason,
-                       int64_t now_ms)
+fu_err db_job_move(db_t *db, const char *id, db_job_state from, db_job_state to, const char *reason,
+                   int64_t now_ms)
 {
     static const char SQL[] = "UPDATE jobs SET state = ?, reason = ?, updated_ms = ?, retries = retries + ? "
                               "WHERE id = ?";
@@ -330,7 +310,7 @@ fu_err db_job_set_state(db_t *db, const char *id, db_job_state to, const char *r
         err = FU_EPERM;
         goto fail;
     }
-    if ((err = job_move(db, id, from, to, reason, now_ms)) != FU_OK || (err = db_commit(db)) != FU_OK)
+    if ((err = db_job_move(db, id, from, to, reason, now_ms)) != FU_OK || (err = db_commit(db)) != FU_OK)
         goto fail;
     return FU_OK;
 fail:
@@ -355,7 +335,7 @@ fu_err db_job_cancel(db_t *db, const char *id, const char *owner, int64_t now_ms
         err = FU_EPERM;
         goto fail;
     }
-    if ((err = job_move(db, id, from, DB_JOB_CANCELLED, owner ? "cancelled by its owner" : "cancelled by the broker",
+    if ((err = db_job_move(db, id, from, DB_JOB_CANCELLED, owner ? "cancelled by its owner" : "cancelled by the broker",
                         now_ms)) != FU_OK ||
         (err = db_commit(db)) != FU_OK)
         goto fail;
@@ -413,7 +393,7 @@ fu_err db_job_complete(db_t *db, const char *id, const void *result, size_t resu
     if ((err = db_prep(db, SQL, &st)) != FU_OK ||
         (err = db_bind(db, st, "bttt", result, result_len, path, hash, id)) != FU_OK ||
         (err = db_run(db, st, "storing a result")) != FU_OK ||
-        (err = job_move(db, id, from, DB_JOB_DONE, NULL, now_ms)) != FU_OK || (err = db_commit(db)) != FU_OK)
+        (err = db_job_move(db, id, from, DB_JOB_DONE, NULL, now_ms)) != FU_OK || (err = db_commit(db)) != FU_OK)
         goto fail;
     return FU_OK;
 fail:

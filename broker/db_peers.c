@@ -229,6 +229,17 @@ fu_err db_peer_get(db_t *db, const char *key, db_peer **out)
     return FU_OK;
 }
 
+static fu_err read_peer_row(db_t *db, sqlite3_stmt *st, const void *ctx, void *item)
+{
+    (void)ctx;
+    return read_peer(db, st, item);
+}
+
+static void peer_item_free(void *item)
+{
+    peer_members_free(item);
+}
+
 void db_peer_free(db_peer **peer_p)
 {
     if (!peer_p || !*peer_p)
@@ -248,43 +259,23 @@ fu_err db_peer_list(db_t *db, unsigned state_mask, db_peer **out, size_t *n)
     sqlite3_stmt *st;
     FU_TRY(db_prep(db, SQL, &st));
     db_peer *arr = NULL;
-    size_t cnt = 0, cap = 0;
-    fu_err err;
-    for (;;) {
-        bool row;
-        if ((err = db_step(db, st, "listing peers", &row)) != FU_OK)
-            goto fail;
-        if (!row)
-            break;
-        if (cnt == cap) {
-            cap = cap ? 2 * cap : 16;
-            arr = fu_realloc(arr, cap * sizeof *arr);
-        }
-        if ((err = read_peer(db, st, &arr[cnt])) != FU_OK)
-            goto fail;
-        if (state_mask & (1u << arr[cnt].state))
-            cnt++;
+    size_t cnt = 0;
+    FU_TRY(db_collect(db, st, "listing peers", sizeof *arr, read_peer_row, NULL, peer_item_free, (void **)&arr, &cnt));
+    size_t k = 0; /* keep those in state_mask */
+    for (size_t i = 0; i < cnt; i++) {
+        if (state_mask & (1u << arr[i].state))
+            arr[k++] = arr[i];
         else
-            peer_members_free(&arr[cnt]);
+            peer_members_free(&arr[i]);
     }
-    db_done(st);
     *out = arr;
-    *n = cnt;
+    *n = k;
     return FU_OK;
-fail:
-    db_done(st);
-    db_peer_array_free(&arr, cnt);
-    return err;
 }
 
 void db_peer_array_free(db_peer **arr_p, size_t n)
 {
-    if (!arr_p || !*arr_p)
-        return;
-    for (size_t i = 0; i < n; i++)
-        peer_members_free(&(*arr_p)[i]);
-    free(*arr_p);
-    *arr_p = NULL;
+    db_items_free(arr_p, n, sizeof **arr_p, peer_item_free);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -316,33 +307,15 @@ static fu_err read_stage(db_t *db, sqlite3_stmt *st, db_stage *s)
     return FU_OK;
 }
 
+static fu_err read_stage_row(db_t *db, sqlite3_stmt *st, const void *ctx, void *item)
+{
+    (void)ctx;
+    return read_stage(db, st, item);
+}
+
 static fu_err collect_stages(db_t *db, sqlite3_stmt *st, db_stage **out, size_t *n)
 {
-    db_stage *arr = NULL;
-    size_t cnt = 0, cap = 0;
-    fu_err err;
-    for (;;) {
-        bool row;
-        if ((err = db_step(db, st, "listing stages", &row)) != FU_OK)
-            goto fail;
-        if (!row)
-            break;
-        if (cnt == cap) {
-            cap = cap ? 2 * cap : 8;
-            arr = fu_realloc(arr, cap * sizeof *arr);
-        }
-        if ((err = read_stage(db, st, &arr[cnt])) != FU_OK)
-            goto fail;
-        cnt++;
-    }
-    db_done(st);
-    *out = arr;
-    *n = cnt;
-    return FU_OK;
-fail:
-    db_done(st);
-    free(arr);
-    return err;
+    return db_collect(db, st, "listing stages", sizeof **out, read_stage_row, NULL, NULL, (void **)out, n);
 }
 
 /* The job must exist and not be final; the peer (when given) must exist and be alive. */
@@ -361,7 +334,8 @@ static fu_err check_job_peer(db_t *db, const char *job, const char *peer)
     return FU_OK;
 }
 
-fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, size_t n, int64_t now_ms)
+fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, size_t n, const char *running_reason,
+                       int64_t now_ms)
 {
     static const char SQL_CLEAR[] = "DELETE FROM stages WHERE job_id = ?";
     static const char SQL_INSERT[] = "INSERT INTO stages (job_id, idx, node_first, node_end, peer_key, "
@@ -391,6 +365,10 @@ fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, siz
             (err = db_run(db, st, "inserting a stage")) != FU_OK)
             goto fail;
     }
+    db_job_state from;
+    if (running_reason && ((err = db_job_state_read(db, job, NULL, &from)) != FU_OK ||
+                           (err = db_job_move(db, job, from, DB_JOB_RUNNING, running_reason, now_ms)) != FU_OK))
+        goto fail;
     if ((err = db_event_put(db, now_ms, job, NULL, "plan", "%zu stages over nodes [%u, %u)", n, plan[0].first,
                             plan[n - 1].end)) != FU_OK ||
         (err = db_commit(db)) != FU_OK)
@@ -528,9 +506,5 @@ fu_err db_stages_in_state(db_t *db, db_stage_state state, db_stage **out, size_t
 
 void db_stage_array_free(db_stage **arr_p, size_t n)
 {
-    (void)n;
-    if (!arr_p)
-        return;
-    free(*arr_p);
-    *arr_p = NULL;
+    db_items_free(arr_p, n, sizeof **arr_p, NULL);
 }

@@ -97,13 +97,14 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
                          "no client keys given: make them with `fusion keygen -o DIR`, then use --keys DIR "
                          "or set FUSION_KEYS%s", "");
 
-    char why[512] = "";
+    fu_errmsg em = {{0}};
     uint8_t server_pk[WIRE_KEY_BYTES];
-    if (wire_key_load_public(o.broker_key, server_pk, why, sizeof why) != FU_OK)
-        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", why);
+    fu_err krc = wire_key_load_public(o.broker_key, server_pk, &em);
+    if (krc != FU_OK)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", fu_errmsg_text(&em, krc));
     wire_keypair_t *kp = NULL;
-    if (wire_keypair_load(o.keys, &kp, why, sizeof why) != FU_OK)
-        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", why);
+    if ((krc = wire_keypair_load(o.keys, &kp, &em)) != FU_OK)
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", fu_errmsg_text(&em, krc));
 
     cli_conn_t *c = fu_calloc(1, sizeof *c);
     c->prog = prog;

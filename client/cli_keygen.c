@@ -47,10 +47,10 @@ int cli_keygen_main(int argc, char **argv)
         fprintf(stderr, "%s: cannot allocate secure memory for the key\n", argv[0]);
         return FU_EXIT_FAIL;
     }
-    char why[512] = "";
-    fu_err rc = wire_keypair_save(kp, dir, force, why, sizeof why);
+    fu_errmsg em = {{0}};
+    fu_err rc = wire_keypair_save(kp, dir, force, &em);
     if (rc != FU_OK) {
-        fprintf(stderr, "%s: %s\n", argv[0], why[0] ? why : fu_strerror(rc));
+        fprintf(stderr, "%s: %s\n", argv[0], fu_errmsg_text(&em, rc));
         wire_keypair_destroy(&kp);
         return FU_EXIT_FAIL;
     }

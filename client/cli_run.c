@@ -15,6 +15,7 @@
 #include "dag_data.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
+#include "dag_infer.h"
 #include "dag_model.h"
 #include "dag_spec.h"
 #include "dag_train.h"
@@ -44,6 +45,21 @@ static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
 {
     fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(em, rc));
     return rc == FU_EINVAL ? FU_EXIT_FAIL : exit_for(rc);
+}
+
+/* A command's options: opts (its own rows, then empty ones: cap in all) with the job spec's options
+ * of kind appended, parsed from argv (argv[0] is the program's name). FU_OK to go on; otherwise the
+ * program exits with *code (0 after --help). */
+static fu_err parse_opts(int argc, char **argv, dag_job_kind kind, dag_spec_cli *sc, fu_opt *opts, size_t cap,
+                         const char *usage, const char *summary, int *code)
+{
+    size_t n_opts = 0;
+    while (opts[n_opts].name)
+        n_opts++;
+    dag_spec_cli_opts(sc, kind, 0, opts, cap, &n_opts);
+    const fu_cmd cmd = {.prog = argv[0], .usage = usage, .summary = summary, .opts = opts, .n_opts = n_opts};
+    size_t npos = 0;
+    return fu_opts_parse(&cmd, argc, argv, &npos, code);
 }
 
 /* --threads: BLAS and kernel threads (0 leaves the libraries' defaults). */
@@ -103,9 +119,8 @@ static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_
     fu_err rc = dag_build_llama(&m->dims, bo, g);
     if (rc != FU_OK)
         return fu_errmsg_set(em, rc, "cannot build the model's graph (rank larger than a layer?)");
-    char msg[256];
-    if ((rc = dag_graph_validate(*g, msg, sizeof msg)) != FU_OK)
-        return fu_errmsg_set(em, FU_EINVAL, "%s", msg);
+    if (dag_graph_validate(*g, em) != FU_OK)
+        return FU_EINVAL;
     FU_TRY(dag_exec_new(*g, eo, x, em));
     return dag_exec_load_weights(*x, m->st, em);
 }
@@ -145,28 +160,17 @@ static int run_finetune(int argc, char **argv)
         {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
          "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
     };
-    size_t n_opts = 0;
-    while (opts[n_opts].name)
-        n_opts++;
-    dag_spec_cli_opts(&sc, DAG_JOB_FINETUNE, 0, opts, sizeof opts / sizeof opts[0], &n_opts);
-    const fu_cmd cmd = {
-        .prog = argv[0],
-        .usage = "--model DIR --data FILE -o DIR [options]",
-        .summary = "Fine-tunes an adapter in this process. Samples are non-overlapping windows of seq-len+1 "
+    int code = 0;
+    if (parse_opts(argc, argv, DAG_JOB_FINETUNE, &sc, opts, sizeof opts / sizeof opts[0],
+                   "--model DIR --data FILE -o DIR [options]",
+                   "Fine-tunes an adapter in this process. Samples are non-overlapping windows of seq-len+1 "
                    "tokens of the data (inputs the first seq-len, targets the last seq-len), in file order "
                    "unless --shuffle; the loss is the mean next-token cross-entropy over the batch; AdamW "
                    "with beta1 0.9, beta2 0.999, eps 1e-8. Writes adapter_model.safetensors and "
                    "adapter_config.json (PEFT).",
-        .opts = opts,
-        .n_opts = n_opts,
-        .min_pos = 0,
-        .max_pos = 0,
-    };
-    size_t npos = 0;
-    int code = 0;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+                   &code) != FU_OK)
         return code;
-    const char *prog = cmd.prog;
+    const char *prog = argv[0];
     if (!model_dir || !data || !out) {
         fprintf(stderr, "%s: --model, --data and -o are required\nTry '%s --help' for more information.\n", prog, prog);
         return FU_EXIT_USAGE;
@@ -338,6 +342,20 @@ static fu_err adapter_config(const char *dir, uint32_t *r, float *alpha, uint32_
     return rc;
 }
 
+/* --dump-logits: the prompt pass's logits, f32 little-endian (positions x vocab). */
+static bool write_logits(const dag_infer_stage *is, const char *path)
+{
+    const float *lg = NULL;
+    size_t nf = 0;
+    if (dag_infer_logits(is, &lg, &nf) != FU_OK)
+        return false;
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return false;
+    bool ok = fwrite(lg, sizeof(float), nf, f) == nf;
+    return fclose(f) == 0 && ok;
+}
+
 static int run_infer(int argc, char **argv)
 {
     const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *dump = NULL;
@@ -353,25 +371,14 @@ static int run_infer(int argc, char **argv)
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
     };
-    size_t n_opts = 0;
-    while (opts[n_opts].name)
-        n_opts++;
-    dag_spec_cli_opts(&sc, DAG_JOB_INFER, 0, opts, sizeof opts / sizeof opts[0], &n_opts);
-    const fu_cmd cmd = {
-        .prog = argv[0],
-        .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
-        .summary = "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
-                   "through the model in one pass, then tokens are generated one at a time with a KV cache.",
-        .opts = opts,
-        .n_opts = n_opts,
-        .min_pos = 0,
-        .max_pos = 0,
-    };
-    size_t npos = 0;
     int code = 0;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (parse_opts(argc, argv, DAG_JOB_INFER, &sc, opts, sizeof opts / sizeof opts[0],
+                   "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+                   "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
+                   "through the model in one pass, then tokens are generated one at a time with a KV cache.",
+                   &code) != FU_OK)
         return code;
-    const char *prog = cmd.prog;
+    const char *prog = argv[0];
     if (!model_dir || (!prompt == !sc.prompt_tokens)) {
         fprintf(stderr, "%s: --model and one of --prompt or --prompt-tokens are required\n"
                         "Try '%s --help' for more information.\n", prog, prog);
@@ -400,7 +407,6 @@ static int run_infer(int argc, char **argv)
     dag_exec_t *x = NULL;
     dag_session_t *sess = NULL;
     fu_safetensors *ast = NULL;
-    FILE *df = NULL;
     int exit_code = FU_EXIT_OK;
     if (spec.prompt_tokens) {
         for (size_t i = 0; i < spec.n_prompt_tokens; i++)
@@ -447,51 +453,34 @@ static int run_infer(int argc, char **argv)
     }
     dag_exec_opts eo = {.max_tokens = (uint32_t)n_prompt, .n_slots = 1, .training = false,
                         .logits_all = dump != NULL, .max_context = (uint32_t)(n_prompt + (size_t)max_new + 1)};
+    dag_infer_stage is;
     if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK ||
-        (ast && (rc = dag_exec_load_adapter(x, ast, &em)) != FU_OK) || (rc = dag_exec_session_new(x, &sess)) != FU_OK) {
+        (ast && (rc = dag_exec_load_adapter(x, ast, &em)) != FU_OK) || (rc = dag_exec_session_new(x, &sess)) != FU_OK ||
+        (rc = dag_infer_stage_init(&is, x, g, sess, &spec, true, true, 0)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
     }
-    dag_exec_session_use(x, sess);
-    kern_sample_params sp = {.temperature = (float)spec.temperature, .top_k = (int)spec.top_k,
-                             .top_p = (float)spec.top_p, .seed = spec.seed};
-    dag_exec_set_sampling(x, &sp, 0);
-    uint32_t lm = 0;
-    for (size_t i = 0; i < dag_graph_size(g); i++)
-        if (dag_graph_node(g, i)->op == DAG_OP_LM_HEAD)
-            lm = (uint32_t)i;
-
+    /* The one-stage pipeline: the peers' step (dag_infer) with this process as stage 0 and the last
+     * stage: the prompt at position 0, then each sampled token fed back at the next position. */
     double t0 = fu_clock_sec();
-    if ((rc = dag_exec_set_tokens(x, 0, ids, NULL, 1, (uint32_t)n_prompt)) != FU_OK ||
-        (rc = dag_exec_forward(x, 0)) != FU_OK) {
+    if ((rc = dag_infer_forward(&is, ids, NULL, 0, n_prompt, NULL)) != FU_OK) {
         fprintf(stderr, "%s: the prompt pass failed: %s\n", prog, fu_strerror(rc));
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
     double t_prompt = fu_clock_sec() - t0;
-    if (dump) {
-        const float *lg = NULL;
-        size_t nf = 0;
-        if ((rc = dag_exec_get_output(x, 0, lm, &lg, &nf)) != FU_OK || !(df = fopen(dump, "wb")) ||
-            fwrite(lg, sizeof(float), nf, df) != nf) {
-            fprintf(stderr, "%s: cannot write --dump-logits '%s'\n", prog, dump);
-            exit_code = FU_EXIT_FAIL;
-            goto done;
-        }
-        if (fclose(df) != 0) {
-            df = NULL;
-            fprintf(stderr, "%s: cannot write --dump-logits '%s'\n", prog, dump);
-            exit_code = FU_EXIT_FAIL;
-            goto done;
-        }
-        df = NULL;
+    if (dump && !write_logits(&is, dump)) {
+        fprintf(stderr, "%s: cannot write --dump-logits '%s'\n", prog, dump);
+        exit_code = FU_EXIT_FAIL;
+        goto done;
     }
     int64_t eos = m.cfg.eos_token_id >= 0 ? m.cfg.eos_token_id : fu_tokenizer_eos_id(m.tok);
     long long generated = 0;
     double t1 = fu_clock_sec();
+    int32_t next = 0;
     for (long long k = 0; k < max_new; k++) {
-        int32_t next = 0;
-        if ((rc = dag_exec_sampled(x, 0, &next)) != FU_OK)
+        if ((k > 0 && (rc = dag_infer_forward(&is, &next, NULL, 0, 1, NULL)) != FU_OK) ||
+            (rc = dag_infer_sampled(&is, &next)) != FU_OK)
             break;
         generated++;
         if (next == eos)
@@ -503,11 +492,6 @@ static int run_infer(int argc, char **argv)
             fflush(stdout);
         }
         free(piece);
-        if (k + 1 == max_new)
-            break;
-        dag_exec_set_sampling(x, NULL, (uint64_t)k + 1);
-        if ((rc = dag_exec_set_tokens(x, 0, &next, NULL, 1, 1)) != FU_OK || (rc = dag_exec_forward(x, 0)) != FU_OK)
-            break;
     }
     double t_gen = fu_clock_sec() - t1;
     if (rc != FU_OK) {
@@ -521,8 +505,6 @@ static int run_infer(int argc, char **argv)
                 n_prompt, t_prompt, (double)n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), generated, t_gen,
                 (double)generated / (t_gen > 0 ? t_gen : 1e-9));
 done:
-    if (df)
-        fclose(df);
     dag_exec_session_destroy(&sess);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);

@@ -1,5 +1,8 @@
 #include "fu_err.h"
 
+#include <stdarg.h>
+#include <stdio.h>
+
 static const struct {
     const char *name;
     const char *text;
@@ -34,4 +37,22 @@ const char *fu_errname(fu_err err)
     if ((unsigned)err >= FU_ERR_COUNT_)
         return "FU_EUNKNOWN";
     return fu_err_table[err].name;
+}
+
+fu_err fu_errmsg_set(fu_errmsg *em, fu_err err, const char *fmt, ...)
+{
+    if (em) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(em->msg, sizeof em->msg, fmt, ap);
+        va_end(ap);
+    }
+    return err;
+}
+
+const char *fu_errmsg_text(const fu_errmsg *em, fu_err fallback)
+{
+    if (em && em->msg[0])
+        return em->msg;
+    return fu_strerror(fallback);
 }

@@ -1,5 +1,6 @@
-/* fu_err: the one error enum of fusion. 0 is success; every fallible function returns an fu_err
- * (or NULL for constructors) and reports results through out-parameters. */
+/* fu_err: the one error enum of fusion, and fu_errmsg, the one way to carry an error's text. 0 is
+ * success; every fallible function returns an fu_err (or NULL for constructors) and reports results
+ * through out-parameters. */
 #ifndef FU_ERR_H
 #define FU_ERR_H
 
@@ -32,6 +33,25 @@ const char *fu_strerror(fu_err err);
 
 /* Stable machine name of err ("FU_ENOMEM"), for logs and the wire. Never NULL. */
 const char *fu_errname(fu_err err);
+
+/* Longest message an fu_errmsg keeps (longer ones are cut). */
+#define FU_ERRMSG_MAX 1024
+
+/* The one text channel that goes with an fu_err across modules: functions that can say more than
+ * the code take an `fu_errmsg *em` as their last parameter and fill it on failure. em may always be
+ * NULL (the caller does not want the text). The message names the thing that was wrong and where
+ * ("model.safetensors: tensor 'x' has shape [2], expected [3]"), says what to do when there is
+ * something to do, and carries no "fusion:" prefix: the program adds its own. */
+typedef struct {
+    char msg[FU_ERRMSG_MAX]; /* NUL-terminated; empty when nothing was reported */
+} fu_errmsg;
+
+/* Formats a message into em (if em is not NULL) and returns err, so that error paths read
+ * `return fu_errmsg_set(em, FU_EPROTO, "%s: ...", file)`. */
+fu_err fu_errmsg_set(fu_errmsg *em, fu_err err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* em's text, or fu_strerror(fallback) when em is NULL or empty. Never NULL. */
+const char *fu_errmsg_text(const fu_errmsg *em, fu_err fallback);
 
 #define FU_MUST_CHECK __attribute__((warn_unused_result))
 

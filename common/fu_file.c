@@ -4,7 +4,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,24 +12,6 @@
 #include <unistd.h>
 
 #include "fu_alloc.h"
-
-fu_err fu_errmsg_set(fu_errmsg *em, fu_err err, const char *fmt, ...)
-{
-    if (em) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(em->msg, sizeof em->msg, fmt, ap);
-        va_end(ap);
-    }
-    return err;
-}
-
-const char *fu_errmsg_text(const fu_errmsg *em, fu_err fallback)
-{
-    if (em && em->msg[0])
-        return em->msg;
-    return fu_strerror(fallback);
-}
 
 static fu_err errno_to_fu(int e)
 {

@@ -1,7 +1,7 @@
 /* fu_file: file helpers for everything fusion keeps on disk (model directories, checkpoints,
  * keys): read a whole file with a size cap, write a file atomically (temp file + fsync + rename +
- * fsync of the directory), make directories, map a file read-only, join paths, and a small
- * error-message buffer that lets file parsers say which file and which field was wrong. */
+ * fsync of the directory), make directories, map a file read-only, and join paths.
+ * Errors carry their text in an fu_errmsg (fu_err.h). */
 #ifndef FU_FILE_H
 #define FU_FILE_H
 
@@ -15,24 +15,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Longest message an fu_errmsg keeps (longer ones are cut). */
-#define FU_ERRMSG_MAX 512
-
-/* A human-readable reason to go with an fu_err, written by functions that take an `fu_errmsg *em`
- * out-parameter. em may always be NULL (the caller does not want the text). The message names the
- * file and the thing in it that was wrong ("model.safetensors: tensor 'x' has shape [2], expected
- * [3]") and carries no "fusion:" prefix: the program adds its own. */
-typedef struct {
-    char msg[FU_ERRMSG_MAX]; /* NUL-terminated; empty when nothing was reported */
-} fu_errmsg;
-
-/* Formats a message into em (if em is not NULL) and returns err, so that error paths read
- * `return fu_errmsg_set(em, FU_EPROTO, "%s: ...", file)`. */
-fu_err fu_errmsg_set(fu_errmsg *em, fu_err err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-/* em's text, or fu_strerror(fallback) when em is NULL or empty. Never NULL. */
-const char *fu_errmsg_text(const fu_errmsg *em, fu_err fallback);
 
 /* Reads all of path into a new buffer with a NUL byte after the last one (so text files can be
  * used as C strings). FU_ENOTFOUND when the file does not exist, FU_ENOMEM when it is larger than

@@ -2,7 +2,6 @@
 
 #include <ctype.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,17 +81,6 @@ static int usage_error(const fu_cmd *cmd, const char *fmt, const char *a)
     return FU_EXIT_USAGE;
 }
 
-/* snprintf into an optional message buffer. */
-__attribute__((format(printf, 3, 4))) static void say(char *why, size_t cap, const char *fmt, ...)
-{
-    if (!why || !cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, cap, fmt, ap);
-    va_end(ap);
-}
-
 static bool parse_bool(const char *s, bool *out)
 {
     static const char *const words[] = {"true", "false", "yes", "no", "on", "off", "1", "0"};
@@ -106,17 +94,16 @@ static bool parse_bool(const char *s, bool *out)
 
 /* The one conversion of an option's text value, for argv and files alike. val is NULL for a flag
  * given on the command line; a STR val must outlive the program's use of it. */
-static fu_err opt_set(const fu_opt *o, const char *val, char *why, size_t cap)
+static fu_err opt_set(const fu_opt *o, const char *val, fu_errmsg *em)
 {
     char *end = NULL;
     errno = 0;
     switch (o->kind) {
     case FU_OPT_FLAG: {
         bool v = true;
-        if (val && !parse_bool(val, &v)) {
-            say(why, cap, "--%s needs true or false (yes/no, on/off, 1/0), got '%s'", o->name, val);
-            return FU_EINVAL;
-        }
+        if (val && !parse_bool(val, &v))
+            return fu_errmsg_set(em, FU_EINVAL, "--%s needs true or false (yes/no, on/off, 1/0), got '%s'",
+                                 o->name, val);
         *(bool *)o->dest = v;
         return FU_OK;
     }
@@ -125,36 +112,30 @@ static fu_err opt_set(const fu_opt *o, const char *val, char *why, size_t cap)
         return FU_OK;
     case FU_OPT_INT: {
         long long v = strtoll(val, &end, 0);
-        if (errno || end == val || *end) {
-            say(why, cap, "--%s needs an integer, got '%s'", o->name, val);
-            return FU_EINVAL;
-        }
+        if (errno || end == val || *end)
+            return fu_errmsg_set(em, FU_EINVAL, "--%s needs an integer, got '%s'", o->name, val);
         *(long long *)o->dest = v;
         return FU_OK;
     }
     case FU_OPT_DOUBLE: {
         double v = strtod(val, &end);
-        if (errno || end == val || *end) {
-            say(why, cap, "--%s needs a number, got '%s'", o->name, val);
-            return FU_EINVAL;
-        }
+        if (errno || end == val || *end)
+            return fu_errmsg_set(em, FU_EINVAL, "--%s needs a number, got '%s'", o->name, val);
         *(double *)o->dest = v;
         return FU_OK;
     }
     }
-    say(why, cap, "--%s has an unknown kind", o->name);
-    return FU_EINVAL;
+    return fu_errmsg_set(em, FU_EINVAL, "--%s has an unknown kind", o->name);
 }
 
 /* Applies --log-level and --log-json to fu_log, if they were given. */
-static fu_err apply_log(char *why, size_t cap)
+static fu_err apply_log(fu_errmsg *em)
 {
     if (opt_log_level) {
         fu_log_level lvl;
-        if (fu_log_parse_level(opt_log_level, &lvl) != FU_OK) {
-            say(why, cap, "unknown log level '%s' (debug, info, warn, error, off)", opt_log_level);
-            return FU_EINVAL;
-        }
+        if (fu_log_parse_level(opt_log_level, &lvl) != FU_OK)
+            return fu_errmsg_set(em, FU_EINVAL, "unknown log level '%s' (debug, info, warn, error, off)",
+                                 opt_log_level);
         fu_log_set_level(lvl);
     }
     if (flag_log_json)
@@ -194,70 +175,57 @@ static const fu_opt *find_config(const fu_cmd *cmd)
 }
 
 /* Applies one config-file line (as read by fgets, newline included when it fit). */
-static fu_err load_line(const fu_cmd *cmd, char *line, char *msg, size_t cap)
+static fu_err load_line(const fu_cmd *cmd, char *line, fu_errmsg *em)
 {
     size_t len = strlen(line);
-    if (len > FU_OPTS_LINE_MAX && line[len - 1] != '\n') {
-        say(msg, cap, "line longer than %d bytes", FU_OPTS_LINE_MAX);
-        return FU_EINVAL;
-    }
+    if (len > FU_OPTS_LINE_MAX && line[len - 1] != '\n')
+        return fu_errmsg_set(em, FU_EINVAL, "line longer than %d bytes", FU_OPTS_LINE_MAX);
     char *key = trim(line);
     if (*key == '\0' || *key == '#')
         return FU_OK;
     char *eq = strchr(key, '=');
-    if (!eq) {
-        say(msg, cap, "expected 'key = value', got '%s'", key);
-        return FU_EINVAL;
-    }
+    if (!eq)
+        return fu_errmsg_set(em, FU_EINVAL, "expected 'key = value', got '%s'", key);
     *eq = '\0';
     key = trim(key);
     const char *val = trim(eq + 1);
     const fu_opt *o = find_long(cmd, key, strlen(key));
-    if (!o) {
-        say(msg, cap, "unknown setting '%s' (see --help for the options)", key);
-        return FU_EINVAL;
-    }
-    if (o == find_config(cmd)) {
-        say(msg, cap, "'config' cannot be set from a config file (config files do not nest)");
-        return FU_EINVAL;
-    }
-    if (o->dest == &flag_help || o->dest == &flag_version) {
-        say(msg, cap, "'%s' cannot be set from a config file", key);
-        return FU_EINVAL;
-    }
-    if (o->kind == FU_OPT_STR && !(val = arena_copy(val))) {
-        say(msg, cap, "config file strings exceed the %d bytes kept for them", FU_OPTS_ARENA_SIZE);
-        return FU_ENOMEM;
-    }
-    fu_err err = opt_set(o, val, msg, cap);
+    if (!o)
+        return fu_errmsg_set(em, FU_EINVAL, "unknown setting '%s' (see --help for the options)", key);
+    if (o == find_config(cmd))
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "'config' cannot be set from a config file (config files do not nest)");
+    if (o->dest == &flag_help || o->dest == &flag_version)
+        return fu_errmsg_set(em, FU_EINVAL, "'%s' cannot be set from a config file", key);
+    if (o->kind == FU_OPT_STR && !(val = arena_copy(val)))
+        return fu_errmsg_set(em, FU_ENOMEM, "config file strings exceed the %d bytes kept for them",
+                             FU_OPTS_ARENA_SIZE);
+    fu_err err = opt_set(o, val, em);
     if (err == FU_OK && (o->dest == &opt_log_level || o->dest == &flag_log_json))
-        err = apply_log(msg, cap);
+        err = apply_log(em);
     return err;
 }
 
 fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, fu_errmsg *em)
 {
-    char *why = em ? em->msg : NULL;
-    size_t why_cap = em ? sizeof em->msg : 0;
     FILE *f = fopen(path, "r");
     if (!f) {
         int e = errno;
-        say(why, why_cap, "cannot read config file '%s': %s", path, strerror(e));
-        return e == ENOENT ? FU_ENOTFOUND : FU_EIO;
+        return fu_errmsg_set(em, e == ENOENT ? FU_ENOTFOUND : FU_EIO, "cannot read config file '%s': %s",
+                             path, strerror(e));
     }
-    char line[FU_OPTS_LINE_MAX + 2], msg[FU_OPTS_WHY_MAX];
+    char line[FU_OPTS_LINE_MAX + 2];
+    fu_errmsg line_em = {{0}}; /* the line's problem, quoted after its place */
     unsigned lineno = 0;
     fu_err err = FU_OK;
     while (err == FU_OK && fgets(line, sizeof line, f)) {
         lineno++;
-        err = load_line(cmd, line, msg, sizeof msg);
+        err = load_line(cmd, line, &line_em);
     }
-    if (err != FU_OK) {
-        say(why, why_cap, "%s:%u: %s", path, lineno, msg);
-    } else if (ferror(f)) {
-        say(why, why_cap, "cannot read config file '%s': %s", path, strerror(errno));
-        err = FU_EIO;
-    }
+    if (err != FU_OK)
+        fu_errmsg_set(em, err, "%s:%u: %s", path, lineno, fu_errmsg_text(&line_em, err));
+    else if (ferror(f))
+        err = fu_errmsg_set(em, FU_EIO, "cannot read config file '%s': %s", path, strerror(errno));
     fclose(f);
     return err;
 }
@@ -308,9 +276,9 @@ static int walk_argv(const fu_cmd *cmd, int argc, char **argv, const fu_opt *onl
                 *only_val = val;
             continue;
         }
-        char why[FU_OPTS_WHY_MAX];
-        if (opt_set(o, val, why, sizeof why) != FU_OK)
-            rc = usage_error(cmd, "%s", why);
+        fu_errmsg em = {{0}};
+        if (opt_set(o, val, &em) != FU_OK)
+            rc = usage_error(cmd, "%s", em.msg);
     }
     return rc;
 }
@@ -345,7 +313,7 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
         *exit_code = FU_EXIT_OK;
         return FU_ECANCELED;
     }
-    if (apply_log(em.msg, sizeof em.msg) != FU_OK) {
+    if (apply_log(&em) != FU_OK) {
         *exit_code = usage_error(cmd, "%s", em.msg);
         return FU_ECANCELED;
     }

@@ -24,7 +24,6 @@ extern "C" {
 
 #define FU_OPTS_LINE_MAX   4096  /* longest config-file line, in bytes without the newline */
 #define FU_OPTS_ARENA_SIZE 65536 /* bytes for string values read from config files, per process */
-#define FU_OPTS_WHY_MAX    512   /* a why buffer of this size holds any fu_opts message whole */
 
 typedef enum {
     FU_OPT_FLAG,   /* bool *: set to true when present; a file says true/false, yes/no, on/off, 1/0 */

@@ -63,9 +63,7 @@ fu_err dag_exec_new(const dag_graph_t *g, const dag_exec_opts *o, dag_exec_t **o
         return fu_errmsg_set(em, FU_EINVAL, "max_tokens must be at least 1");
     if (o->n_slots > DAG_EXEC_MAX_SLOTS)
         return fu_errmsg_set(em, FU_EINVAL, "at most %d slots", DAG_EXEC_MAX_SLOTS);
-    char vmsg[256];
-    if (dag_graph_validate(g, vmsg, sizeof vmsg) != FU_OK)
-        return fu_errmsg_set(em, FU_EPROTO, "%s", vmsg);
+    FU_TRY(dag_graph_validate(g, em));
     const kern_backend_t *be = o->be ? o->be : kern_backend_cpu();
     bool cpu = be->device.kind == KERN_DEV_CPU;
     for (size_t i = o->first; i < last; i++)

@@ -512,21 +512,20 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
 
 /* ---- validation ----------------------------------------------------------------------------- */
 
-static fu_err bad(char *msg, size_t cap, const dag_node *n, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static fu_err bad(char *msg, size_t cap, const dag_node *n, const char *fmt, ...)
+static fu_err bad(fu_errmsg *em, const dag_node *n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static fu_err bad(fu_errmsg *em, const dag_node *n, const char *fmt, ...)
 {
-    if (msg && cap) {
-        char why[256];
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, sizeof why, fmt, ap);
-        va_end(ap);
-        if (n)
-            snprintf(msg, cap, "node %u (%s): %s", n->id, dag_op_name(n->op), why);
-        else
-            snprintf(msg, cap, "graph: %s", why);
-    }
-    return FU_EPROTO;
+    if (!em)
+        return FU_EPROTO;
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    if (n)
+        return fu_errmsg_set(em, FU_EPROTO, "node %u (%s): %s", n->id, dag_op_name(n->op), why);
+    return fu_errmsg_set(em, FU_EPROTO, "graph: %s", why);
 }
 
 static bool name_ok(const char *s)
@@ -551,50 +550,50 @@ static const uint32_t arity[DAG_OP_COUNT_] = {
     [DAG_OP_CROSS_ENTROPY] = 1, [DAG_OP_SAMPLE] = 1,
 };
 
-fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
+fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
 {
-    if (msg && cap)
-        msg[0] = '\0';
     if (!g)
-        return bad(msg, cap, NULL, "no graph");
+        return bad(em, NULL, "no graph");
     if (g->n == 0)
-        return bad(msg, cap, NULL, "no nodes");
+        return bad(em, NULL, "no nodes");
     if (g->n > DAG_MAX_NODES)
-        return bad(msg, cap, NULL, "%zu nodes (at most %d)", g->n, DAG_MAX_NODES);
+        return bad(em, NULL, "%zu nodes (at most %d)", g->n, DAG_MAX_NODES);
     for (size_t i = 0; i < g->n; i++) {
         const dag_node *n = &g->nodes[i];
         if (n->id != i)
-            return bad(msg, cap, n, "id %u at position %zu (ids must equal positions)", n->id, i);
+            return bad(em, n, "id %u at position %zu (ids must equal positions)", n->id, i);
         if (n->op <= 0 || n->op >= DAG_OP_COUNT_)
-            return bad(msg, cap, n, "unknown op %d", (int)n->op);
+            return bad(em, n, "unknown op %d", (int)n->op);
         if (n->n_inputs != arity[n->op])
-            return bad(msg, cap, n, "%u inputs, %s takes %u", n->n_inputs, dag_op_name(n->op), arity[n->op]);
+            return bad(em, n, "%u inputs, %s takes %u", n->n_inputs, dag_op_name(n->op), arity[n->op]);
         for (uint32_t k = 0; k < n->n_inputs; k++)
             if (n->inputs[k] >= n->id)
-                return bad(msg, cap, n, "input %u is node %u, not an earlier node (graph not topological)", k,
+                return bad(em, n, "input %u is node %u, not an earlier node (graph not topological)", k,
                            n->inputs[k]);
         if (n->layer < DAG_NO_LAYER || n->layer > 65535)
-            return bad(msg, cap, n, "layer index %d out of range", n->layer);
+            return bad(em, n, "layer index %d out of range", n->layer);
         if (n->dim_in > DAG_MAX_DIM || n->dim_out > DAG_MAX_DIM || n->n_heads > DAG_MAX_DIM ||
             n->n_kv_heads > DAG_MAX_DIM || n->head_dim > DAG_MAX_DIM || n->out_width > DAG_MAX_DIM)
-            return bad(msg, cap, n, "a dimension exceeds %u", DAG_MAX_DIM);
+            return bad(em, n, "a dimension exceeds %u", DAG_MAX_DIM);
         if (n->out_width == 0)
-            return bad(msg, cap, n, "output width is 0");
+            return bad(em, n, "output width is 0");
         if (!isfinite(n->flops_fwd) || !isfinite(n->flops_bwd) || n->flops_fwd < 0 || n->flops_bwd < 0)
-            return bad(msg, cap, n, "cost estimates are not finite non-negative numbers");
+            return bad(em, n, "cost estimates are not finite non-negative numbers");
         if (n->n_params > DAG_MAX_PARAMS)
-            return bad(msg, cap, n, "%u parameter names (at most %d)", n->n_params, DAG_MAX_PARAMS);
+            return bad(em, n, "%u parameter names (at most %d)", n->n_params, DAG_MAX_PARAMS);
         for (uint32_t k = 0; k < n->n_params; k++)
             if (!name_ok(n->params[k]))
-                return bad(msg, cap, n, "parameter name %u is empty, too long or has characters outside [A-Za-z0-9._-]", k);
+                return bad(em, n,
+                           "parameter name %u is empty, too long or has characters outside [A-Za-z0-9._-]",
+                           k);
         if ((unsigned)n->target >= DAG_TARGET_COUNT_)
-            return bad(msg, cap, n, "unknown adapter target %d", (int)n->target);
+            return bad(em, n, "unknown adapter target %d", (int)n->target);
         if ((unsigned)n->adapter.method >= DAG_ADAPTER_COUNT_)
-            return bad(msg, cap, n, "unknown adapter method %d", (int)n->adapter.method);
+            return bad(em, n, "unknown adapter method %d", (int)n->adapter.method);
         if (n->op != DAG_OP_LINEAR && n->target != DAG_TARGET_NONE)
-            return bad(msg, cap, n, "only linear nodes have an adapter target");
+            return bad(em, n, "only linear nodes have an adapter target");
         if (n->op != DAG_OP_LINEAR && n->op != DAG_OP_LM_HEAD && n->adapter.method != DAG_ADAPTER_NONE)
-            return bad(msg, cap, n, "only linear and lm_head nodes carry adapters");
+            return bad(em, n, "only linear and lm_head nodes carry adapters");
 
         uint64_t w[DAG_MAX_INPUTS] = {0};
         for (uint32_t k = 0; k < n->n_inputs; k++)
@@ -604,21 +603,22 @@ fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
         case DAG_OP_EMBEDDING:
             want_params = 1;
             if (!n->dim_in || n->out_width != n->dim_out || !n->dim_out)
-                return bad(msg, cap, n, "vocabulary %u and width %u/%" PRIu64 " inconsistent", n->dim_in, n->dim_out,
-                           n->out_width);
+                return bad(em, n, "vocabulary %u and width %u/%" PRIu64 " inconsistent", n->dim_in,
+                           n->dim_out, n->out_width);
             break;
         case DAG_OP_RMSNORM:
             want_params = 1;
             if (w[0] != n->dim_in || n->out_width != n->dim_in || n->dim_out != n->dim_in)
-                return bad(msg, cap, n, "input width %" PRIu64 " but the norm is %u wide", w[0], n->dim_in);
+                return bad(em, n, "input width %" PRIu64 " but the norm is %u wide", w[0], n->dim_in);
             if (!(n->eps > 0.0f) || !isfinite(n->eps) || n->eps > 1.0f)
-                return bad(msg, cap, n, "epsilon %g out of (0, 1]", (double)n->eps);
+                return bad(em, n, "epsilon %g out of (0, 1]", (double)n->eps);
             break;
         case DAG_OP_LINEAR:
         case DAG_OP_LM_HEAD:
             want_params = 1;
             if (!n->dim_in || !n->dim_out || w[0] != n->dim_in || n->out_width != n->dim_out)
-                return bad(msg, cap, n, "input width %" PRIu64 " vs in features %u, output %" PRIu64 " vs out features %u",
+                return bad(em, n,
+                           "input width %" PRIu64 " vs in features %u, output %" PRIu64 " vs out features %u",
                            w[0], n->dim_in, n->out_width, n->dim_out);
             if (n->op == DAG_OP_LINEAR) {
                 const dag_adapter *a = &n->adapter;
@@ -627,66 +627,69 @@ fu_err dag_graph_validate(const dag_graph_t *g, char *msg, size_t cap)
                     want_params = 3;
                 if ((a->method == DAG_ADAPTER_LORA || a->method == DAG_ADAPTER_LORA_FA) &&
                     (a->rank == 0 || a->rank > mn || a->rank > DAG_MAX_RANK))
-                    return bad(msg, cap, n, "adapter rank %u out of [1, %u]", a->rank, mn);
+                    return bad(em, n, "adapter rank %u out of [1, %u]", a->rank, mn);
                 if (a->method == DAG_ADAPTER_SALR &&
                     (a->res_rank == 0 || a->res_rank > mn || a->rank > mn || a->res_rank > DAG_MAX_RANK))
-                    return bad(msg, cap, n, "salr ranks %u/%u out of range (at most %u)", a->rank, a->res_rank, mn);
+                    return bad(em, n, "salr ranks %u/%u out of range (at most %u)", a->rank, a->res_rank, mn);
                 if (a->method != DAG_ADAPTER_NONE && a->rank > 0 && (!(a->alpha > 0.0f) || !isfinite(a->alpha)))
-                    return bad(msg, cap, n, "adapter alpha %g is not a positive number", (double)a->alpha);
+                    return bad(em, n, "adapter alpha %g is not a positive number", (double)a->alpha);
                 if (a->method == DAG_ADAPTER_NONE && (a->rank || a->res_rank))
-                    return bad(msg, cap, n, "rank given without an adapter method");
+                    return bad(em, n, "rank given without an adapter method");
                 if (n->target == DAG_TARGET_NONE && a->method != DAG_ADAPTER_NONE)
-                    return bad(msg, cap, n, "adapter without a target module");
+                    return bad(em, n, "adapter without a target module");
             } else {
                 /* lm_head: dense, or SALR-pruned (sparse weight + frozen residual, nothing trained). */
                 const dag_adapter *a = &n->adapter;
                 uint32_t mn = n->dim_in < n->dim_out ? n->dim_in : n->dim_out;
                 if (a->method == DAG_ADAPTER_NONE) {
                     if (a->rank || a->res_rank)
-                        return bad(msg, cap, n, "rank given without an adapter method");
+                        return bad(em, n, "rank given without an adapter method");
                 } else if (a->method != DAG_ADAPTER_SALR || a->rank != 0 || a->alpha != 0.0f) {
-                    return bad(msg, cap, n, "lm_head takes no trained adapter (only a SALR-pruned base with its "
+                    return bad(em, n,
+                               "lm_head takes no trained adapter (only a SALR-pruned base with its "
                                "frozen residual)");
                 } else if (a->res_rank == 0 || a->res_rank > mn || a->res_rank > DAG_MAX_RANK) {
-                    return bad(msg, cap, n, "salr residual rank %u out of [1, %u]", a->res_rank, mn);
+                    return bad(em, n, "salr residual rank %u out of [1, %u]", a->res_rank, mn);
                 } else {
                     want_params = 3;
                     if (strcmp(n->params[0], "model.embed_tokens.weight") == 0)
-                        return bad(msg, cap, n, "a tied lm_head (the embedding table) cannot be SALR-pruned");
+                        return bad(em, n, "a tied lm_head (the embedding table) cannot be SALR-pruned");
                 }
             }
             break;
         case DAG_OP_ROPE:
             if (!n->n_heads || !n->head_dim || n->head_dim % 2 || (uint64_t)n->n_heads * n->head_dim != w[0] ||
                 n->out_width != w[0])
-                return bad(msg, cap, n, "%u heads × %u does not match width %" PRIu64, n->n_heads, n->head_dim, w[0]);
+                return bad(em, n, "%u heads × %u does not match width %" PRIu64, n->n_heads, n->head_dim,
+                           w[0]);
             if (!(n->theta > 0.0f) || !isfinite(n->theta))
-                return bad(msg, cap, n, "rope theta %g is not a positive number", (double)n->theta);
+                return bad(em, n, "rope theta %g is not a positive number", (double)n->theta);
             break;
         case DAG_OP_ATTENTION:
             if (!n->n_heads || !n->n_kv_heads || !n->head_dim || n->n_heads % n->n_kv_heads)
-                return bad(msg, cap, n, "heads %u / kv heads %u / head dim %u invalid", n->n_heads, n->n_kv_heads,
+                return bad(em, n, "heads %u / kv heads %u / head dim %u invalid", n->n_heads, n->n_kv_heads,
                            n->head_dim);
             if (w[0] != (uint64_t)n->n_heads * n->head_dim || w[1] != (uint64_t)n->n_kv_heads * n->head_dim ||
                 w[2] != w[1] || n->out_width != w[0])
-                return bad(msg, cap, n, "q/k/v widths %" PRIu64 "/%" PRIu64 "/%" PRIu64 " do not match the heads", w[0],
-                           w[1], w[2]);
+                return bad(em, n, "q/k/v widths %" PRIu64 "/%" PRIu64 "/%" PRIu64 " do not match the heads",
+                           w[0], w[1], w[2]);
             break;
         case DAG_OP_SILU_MUL:
         case DAG_OP_ADD:
             if (w[0] != w[1] || n->out_width != w[0])
-                return bad(msg, cap, n, "input widths %" PRIu64 " and %" PRIu64 " differ", w[0], w[1]);
+                return bad(em, n, "input widths %" PRIu64 " and %" PRIu64 " differ", w[0], w[1]);
             break;
         case DAG_OP_CROSS_ENTROPY:
         case DAG_OP_SAMPLE:
             if (g->nodes[n->inputs[0]].op != DAG_OP_LM_HEAD || n->out_width != 1 || n->dim_in != w[0])
-                return bad(msg, cap, n, "must read an lm_head node, with dim_in its width, and output width 1");
+                return bad(em, n, "must read an lm_head node, with dim_in its width, and output width 1");
             break;
         default:
             break;
         }
         if (n->n_params != want_params)
-            return bad(msg, cap, n, "%u parameter names, %s needs %u", n->n_params, dag_op_name(n->op), want_params);
+            return bad(em, n, "%u parameter names, %s needs %u", n->n_params, dag_op_name(n->op),
+                       want_params);
     }
     return FU_OK;
 }

@@ -172,8 +172,8 @@ FU_MUST_CHECK fu_err dag_build_llama(const dag_model_dims *dims, const dag_build
  * inputs earlier than the node, op and enum ranges, arity per op, widths consistent between
  * producers and consumers, attributes in range, parameter names present and sane, adapters only on
  * linears with sane rank/alpha. Returns FU_OK or FU_EPROTO and writes a message naming the node to
- * msg (cap bytes, may be NULL). Pure; thread-safe. */
-FU_MUST_CHECK fu_err dag_graph_validate(const dag_graph_t *self, char *msg, size_t cap);
+ * em (may be NULL). Pure; thread-safe. */
+FU_MUST_CHECK fu_err dag_graph_validate(const dag_graph_t *self, fu_errmsg *em);
 
 /* Stable lower-case names ("linear", "lora_fa", "q_proj"); "?" when out of range. */
 const char *dag_op_name(dag_op op);

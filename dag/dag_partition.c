@@ -156,10 +156,8 @@ static bool better(double b1, double s1, uint32_t k1, double b2, double s2, uint
 }
 
 fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
-                     const dag_partition_opts *o, dag_plan *plan, char *msg, size_t cap)
+                     const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em)
 {
-    if (msg && cap)
-        msg[0] = '\0';
     FU_TRY(check_args(g, peers, n_peers, o));
     if (!plan)
         return FU_EINVAL;
@@ -245,7 +243,7 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
     }
     fu_err rc = FU_OK;
     if (!bc) {
-        if (msg && cap) {
+        if (em) {
             uint64_t total = 0, largest = 0, smallest_stage = UINT64_MAX;
             for (size_t q = 0; q < n_peers; q++) {
                 total += peers[q].mem_bytes;
@@ -255,12 +253,12 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
             for (size_t a = 0; a + 1 < m; a++)
                 if (mm[a * m + a + 1] < smallest_stage)
                     smallest_stage = mm[a * m + a + 1];
-            snprintf(msg, cap,
-                     "the model does not fit in the peers' memory: all of it needs about %.0f MiB, the "
-                     "peers offer %.0f MiB together (largest %.0f MiB) and the smallest possible stage "
-                     "needs %.0f MiB; add peers or memory, or use fewer micro-batches",
-                     (double)mm[m - 1] / 1048576.0, (double)total / 1048576.0, (double)largest / 1048576.0,
-                     (double)smallest_stage / 1048576.0);
+            fu_errmsg_set(em, FU_ENOMEM,
+                          "the model does not fit in the peers' memory: all of it needs about %.0f MiB, the "
+                          "peers offer %.0f MiB together (largest %.0f MiB) and the smallest possible stage "
+                          "needs %.0f MiB; add peers or memory, or use fewer micro-batches",
+                          (double)mm[m - 1] / 1048576.0, (double)total / 1048576.0,
+                          (double)largest / 1048576.0, (double)smallest_stage / 1048576.0);
         }
         rc = FU_ENOMEM;
         goto done;

@@ -72,9 +72,10 @@ uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, 
  * orders are searched; beyond that peers are ordered fastest first. Cuts fall where only the narrowest
  * tensor crosses (between decoder layers, and between a layer's attention and MLP halves).
  * FU_EINVAL on bad arguments (no peers, zero speed/bandwidth, empty graph); FU_ENOMEM with a message
- * in msg when no assignment fits in the peers' memory. plan is filled on success (dag_plan_free). */
+ * in em (may be NULL) when no assignment fits in the peers' memory. plan is filled on success
+ * (dag_plan_free). */
 FU_MUST_CHECK fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
-                                   const dag_partition_opts *o, dag_plan *plan, char *msg, size_t cap);
+                                   const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em);
 
 /* The naive plan for comparison: every peer, in the order given, gets an equal share of the decoder
  * layers (embedding with the first, head with the last). Memory is not checked. */

@@ -1,7 +1,6 @@
 #include "dag_serial.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -62,7 +61,7 @@ fu_err dag_graph_encode(const dag_graph_t *g, uint8_t **buf, size_t *len)
         return FU_EINVAL;
     *buf = NULL;
     *len = 0;
-    if (dag_graph_validate(g, NULL, 0) != FU_OK)
+    if (dag_graph_validate(g, NULL) != FU_OK)
         return FU_EINVAL;
     size_t n = dag_graph_size(g);
     const dag_model_dims *d = dag_graph_dims(g);
@@ -136,46 +135,34 @@ fu_err dag_graph_encode(const dag_graph_t *g, uint8_t **buf, size_t *len)
 
 /* ---- decode --------------------------------------------------------------------------------- */
 
-static fu_err fail(char *msg, size_t cap, fu_err err, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static fu_err fail(char *msg, size_t cap, fu_err err, const char *fmt, ...)
+fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_errmsg *em)
 {
-    if (msg && cap) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, cap, fmt, ap);
-        va_end(ap);
-    }
-    return err;
-}
-
-fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char *msg, size_t cap)
-{
-    if (msg && cap)
-        msg[0] = '\0';
     if (!out)
         return FU_EINVAL;
     *out = NULL;
     if (!buf && len)
         return FU_EINVAL;
     if (len > DAG_MAX_ENCODED)
-        return fail(msg, cap, FU_ENOMEM, "graph: %zu bytes encoded, at most %u accepted", len, DAG_MAX_ENCODED);
+        return fu_errmsg_set(em, FU_ENOMEM, "graph: %zu bytes encoded, at most %u accepted", len,
+                             DAG_MAX_ENCODED);
     dag_pb_budget bud = {.budget = {.limit = DAG_DECODE_BUDGET, .used = 0}, .over = false};
     ProtobufCAllocator alloc = {.alloc = pb_alloc, .free = pb_free, .allocator_data = &bud};
     Fusion__Dag__Graph *pg = fusion__dag__graph__unpack(&alloc, len, buf ? buf : (const uint8_t *)"");
     if (!pg) {
         if (bud.over)
-            return fail(msg, cap, FU_ENOMEM, "graph: unpacking needs more than %u bytes of memory", DAG_DECODE_BUDGET);
-        return fail(msg, cap, FU_EPROTO, "graph: not a valid fusion.dag.Graph protobuf message");
+            return fu_errmsg_set(em, FU_ENOMEM, "graph: unpacking needs more than %u bytes of memory",
+                                 DAG_DECODE_BUDGET);
+        return fu_errmsg_set(em, FU_EPROTO, "graph: not a valid fusion.dag.Graph protobuf message");
     }
     fu_err rc = FU_OK;
     dag_graph_t *g = NULL;
     if (pg->version != DAG_SCHEMA_VERSION) {
-        rc = fail(msg, cap, FU_EVERSION, "graph: schema version %u, this build reads %u", pg->version,
-                  DAG_SCHEMA_VERSION);
+        rc = fu_errmsg_set(em, FU_EVERSION, "graph: schema version %u, this build reads %u", pg->version,
+                           DAG_SCHEMA_VERSION);
         goto done;
     }
     if (pg->n_nodes == 0 || pg->n_nodes > DAG_MAX_NODES) {
-        rc = fail(msg, cap, FU_EPROTO, "graph: %zu nodes (1 to %d accepted)", pg->n_nodes, DAG_MAX_NODES);
+        rc = fu_errmsg_set(em, FU_EPROTO, "graph: %zu nodes (1 to %d accepted)", pg->n_nodes, DAG_MAX_NODES);
         goto done;
     }
     dag_model_dims d = {
@@ -193,7 +180,7 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char 
     if (d.vocab_size > DAG_MAX_DIM || d.hidden_size > DAG_MAX_DIM || d.intermediate_size > DAG_MAX_DIM ||
         d.n_layers > DAG_MAX_NODES || d.n_heads > DAG_MAX_DIM || d.n_kv_heads > DAG_MAX_DIM ||
         d.head_dim > DAG_MAX_DIM || !isfinite(d.rms_eps) || !isfinite(d.rope_theta)) {
-        rc = fail(msg, cap, FU_EPROTO, "graph: model dimensions out of range");
+        rc = fu_errmsg_set(em, FU_EPROTO, "graph: model dimensions out of range");
         goto done;
     }
     g = dag_graph_new();
@@ -201,18 +188,18 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char 
     for (size_t i = 0; i < pg->n_nodes; i++) {
         const Fusion__Dag__Node *s = pg->nodes[i];
         if (!s) {
-            rc = fail(msg, cap, FU_EPROTO, "node %zu: missing", i);
+            rc = fu_errmsg_set(em, FU_EPROTO, "node %zu: missing", i);
             goto done;
         }
         if (s->n_inputs > DAG_MAX_INPUTS || s->n_params > DAG_MAX_PARAMS) {
-            rc = fail(msg, cap, FU_EPROTO, "node %zu: %zu inputs / %zu parameter names (at most %d / %d)", i,
-                      s->n_inputs, s->n_params, DAG_MAX_INPUTS, DAG_MAX_PARAMS);
+            rc = fu_errmsg_set(em, FU_EPROTO, "node %zu: %zu inputs / %zu parameter names (at most %d / %d)",
+                               i, s->n_inputs, s->n_params, DAG_MAX_INPUTS, DAG_MAX_PARAMS);
             goto done;
         }
         if ((int)s->op <= 0 || (int)s->op >= DAG_OP_COUNT_ || (unsigned)s->target >= DAG_TARGET_COUNT_ ||
             (unsigned)s->adapter_method >= DAG_ADAPTER_COUNT_) {
-            rc = fail(msg, cap, FU_EPROTO, "node %zu: op %d, target %d or adapter %d out of range", i, (int)s->op,
-                      (int)s->target, (int)s->adapter_method);
+            rc = fu_errmsg_set(em, FU_EPROTO, "node %zu: op %d, target %d or adapter %d out of range", i,
+                               (int)s->op, (int)s->target, (int)s->adapter_method);
             goto done;
         }
         dag_node n;
@@ -227,8 +214,9 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char 
             const char *p = s->params[k] ? s->params[k] : "";
             size_t pl = strlen(p);
             if (pl == 0 || pl >= DAG_NAME_MAX) {
-                rc = fail(msg, cap, FU_EPROTO, "node %zu (%s): parameter name %zu is empty or longer than %d bytes", i,
-                          dag_op_name(n.op), k, DAG_NAME_MAX - 1);
+                rc = fu_errmsg_set(em, FU_EPROTO,
+                                   "node %zu (%s): parameter name %zu is empty or longer than %d bytes", i,
+                                   dag_op_name(n.op), k, DAG_NAME_MAX - 1);
                 goto done;
             }
             memcpy(n.params[k], p, pl + 1);
@@ -253,13 +241,13 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char 
         n.act_bytes = s->act_bytes;
         uint32_t id;
         if (dag_graph_add_node(g, &n, &id) != FU_OK) {
-            rc = fail(msg, cap, FU_EPROTO, "node %zu: graph full", i);
+            rc = fu_errmsg_set(em, FU_EPROTO, "node %zu: graph full", i);
             goto done;
         }
         /* dag_graph_add_node renumbers; a wrong id on the wire is an error, not something to fix. */
         dag_graph_node_mut(g, id)->id = s->id;
     }
-    rc = dag_graph_validate(g, msg, cap);
+    rc = dag_graph_validate(g, em);
 done:
     fusion__dag__graph__free_unpacked(pg, &alloc);
     if (rc != FU_OK) {

@@ -24,10 +24,10 @@ extern "C" {
 FU_MUST_CHECK fu_err dag_graph_encode(const dag_graph_t *g, uint8_t **buf, size_t *len);
 
 /* Decodes len bytes into a new validated graph (*out, caller destroys). FU_EPROTO with a message in
- * msg (cap bytes, may be NULL) for anything malformed, FU_ENOMEM when over DAG_MAX_ENCODED or the
- * unpack budget, FU_EVERSION for another schema version. Never asserts; never leaks; thread-safe.
- * This is the entry point of the libFuzzer target. */
-FU_MUST_CHECK fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, char *msg, size_t cap);
+ * em (may be NULL) for anything malformed, FU_ENOMEM when over DAG_MAX_ENCODED or the unpack budget,
+ * FU_EVERSION for another schema version. Never asserts; never leaks; thread-safe. This is the
+ * entry point of the libFuzzer target. */
+FU_MUST_CHECK fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_errmsg *em);
 
 #ifdef __cplusplus
 }

@@ -201,19 +201,15 @@ static fu_err wait_handshake(peer_t *p, uint64_t t0_ns)
     return FU_ETIMEDOUT;
 }
 
-static fu_err broker_connect(peer_t *p, char *why, size_t cap)
+static fu_err broker_connect(peer_t *p, fu_errmsg *em)
 {
     fu_err err = FU_OK;
     wire_socket_close(&p->broker);
     p->broker = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
-    if (!p->broker) {
-        snprintf(why, cap, "cannot make the broker socket: %s", fu_strerror(err));
-        return err;
-    }
-    if ((err = wire_socket_curve_client(p->broker, p->kp, p->broker_pk)) != FU_OK) {
-        snprintf(why, cap, "this libzmq cannot be a CURVE client: %s", fu_strerror(err));
-        return err;
-    }
+    if (!p->broker)
+        return fu_errmsg_set(em, err, "cannot make the broker socket: %s", fu_strerror(err));
+    if ((err = wire_socket_curve_client(p->broker, p->kp, p->broker_pk)) != FU_OK)
+        return fu_errmsg_set(em, err, "this libzmq cannot be a CURVE client: %s", fu_strerror(err));
     if (p->mon) {
         zmq_close(p->mon);
         p->mon = NULL;
@@ -230,27 +226,27 @@ static fu_err broker_connect(peer_t *p, char *why, size_t cap)
         }
     }
     uint64_t t0 = fu_clock_ns();
-    if (zmq_connect(p->broker, p->cfg.broker) != 0) {
-        snprintf(why, cap, "bad --broker endpoint '%s': %s", p->cfg.broker, zmq_strerror(zmq_errno()));
-        return FU_EINVAL;
-    }
+    if (zmq_connect(p->broker, p->cfg.broker) != 0)
+        return fu_errmsg_set(em, FU_EINVAL, "bad --broker endpoint '%s': %s", p->cfg.broker,
+                             zmq_strerror(zmq_errno()));
     if (p->mon) {
         fu_err rc = wait_handshake(p, t0);
         zmq_socket_monitor(p->broker, NULL, 0);
         zmq_close(p->mon);
         p->mon = NULL;
-        if (rc == FU_EAUTH) {
-            snprintf(why, cap, "the broker at %s refused this peer's key %s (add it to the broker's allow-list, or "
-                     "pass --enrol-token)", p->cfg.broker, wire_keypair_public_z85(p->kp));
-            return FU_EAUTH;
-        }
+        if (rc == FU_EAUTH)
+            return fu_errmsg_set(
+                em, FU_EAUTH,
+                "the broker at %s refused this peer's key %s (add it to the broker's allow-list, or "
+                "pass --enrol-token)",
+                p->cfg.broker, wire_keypair_public_z85(p->kp));
         if (rc == FU_ETIMEDOUT)
             FU_WARN("peer", "the broker at %s does not answer yet; PeerHello waits in the queue", p->cfg.broker);
     }
     return FU_OK;
 }
 
-static fu_err enrol(peer_t *p, char *why, size_t cap)
+static fu_err enrol(peer_t *p, fu_errmsg *em)
 {
     Fusion__Enrol e = FUSION__ENROL__INIT;
     e.token = (char *)p->cfg.enrol_token;
@@ -268,42 +264,34 @@ static fu_err enrol(peer_t *p, char *why, size_t cap)
         if (t == FUSION__MSG_TYPE__MSG_ENROL_ACK) {
             FU_INFO("peer", "enrolled with the broker");
             wire_msg_destroy(&m);
-            return broker_connect(p, why, cap); /* a fresh connection, admitted as a member */
+            return broker_connect(p, em); /* a fresh connection, admitted as a member */
         }
         if (t == FUSION__MSG_TYPE__MSG_ERROR) {
             const Fusion__Error *er = wire_msg_body_as(m, t);
-            snprintf(why, cap, "the broker refused the enrolment: %s", er->message);
+            fu_errmsg_set(em, FU_EAUTH, "the broker refused the enrolment: %s", er->message);
             wire_msg_destroy(&m);
             return FU_EAUTH;
         }
         wire_msg_destroy(&m);
     }
-    snprintf(why, cap, "the broker did not answer the enrolment within %d s", IO_ENROL_WAIT_MS / 1000);
-    return FU_ETIMEDOUT;
+    return fu_errmsg_set(em, FU_ETIMEDOUT, "the broker did not answer the enrolment within %d s",
+                         IO_ENROL_WAIT_MS / 1000);
 }
 
-peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
+peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
 {
     fu_err err = FU_OK;
-    fu_errmsg em = {{0}};
-    if (why && cap)
-        why[0] = '\0';
-    char dummy[8];
-    if (!why) {
-        why = dummy;
-        cap = sizeof dummy;
-    }
+    fu_errmsg inner = {{0}}; /* a callee's message, quoted in em */
     peer_t *p = fu_calloc(1, sizeof *p);
     p->cfg = *cfg;
     p->hb_ms = PEER_HEARTBEAT_MS;
     p->dead_ms = PEER_DEAD_AFTER_MS;
     if (!cfg->broker || !cfg->broker_key_file || !cfg->keys_dir) {
-        snprintf(why, cap, "--broker, --broker-key and --keys are required");
-        err = FU_EINVAL;
+        err = fu_errmsg_set(em, FU_EINVAL, "--broker, --broker-key and --keys are required");
         goto fail;
     }
-    if ((err = wire_keypair_load(cfg->keys_dir, &p->kp, why, cap)) != FU_OK ||
-        (err = wire_key_load_public(cfg->broker_key_file, p->broker_pk, why, cap)) != FU_OK)
+    if ((err = wire_keypair_load(cfg->keys_dir, &p->kp, em)) != FU_OK ||
+        (err = wire_key_load_public(cfg->broker_key_file, p->broker_pk, em)) != FU_OK)
         goto fail;
     if (cfg->name && *cfg->name) {
         snprintf(p->name, sizeof p->name, "%s", cfg->name);
@@ -318,31 +306,33 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
         snprintf(buf, sizeof buf, "%s%s/fusion", x && *x ? x : home ? home : "/tmp", x && *x ? "" : "/.cache");
         p->cache_dir = fu_strdup(buf);
     }
-    if ((err = fu_mkdir_p(p->cache_dir, 0700, &em)) != FU_OK) {
-        snprintf(why, cap, "cannot make the cache directory '%s': %s", p->cache_dir, fu_errmsg_text(&em, err));
+    if ((err = fu_mkdir_p(p->cache_dir, 0700, &inner)) != FU_OK) {
+        fu_errmsg_set(em, err, "cannot make the cache directory '%s': %s", p->cache_dir,
+                      fu_errmsg_text(&inner, err));
         goto fail;
     }
     p->cache_max_bytes = cfg->cache_max_gb > 0 ? (uint64_t)(cfg->cache_max_gb * 1024.0 * 1024.0 * 1024.0) : 0;
     uint64_t freed;
-    if (peer_cache_trim(p->cache_dir, p->cache_max_bytes, NULL, &freed, &em) != FU_OK) /* a lowered limit */
-        FU_WARN("peer", "cannot trim the cache to --cache-max-gb: %s", em.msg);
+    /* A lowered limit applies at once. */
+    if (peer_cache_trim(p->cache_dir, p->cache_max_bytes, NULL, &freed, &inner) != FU_OK)
+        FU_WARN("peer", "cannot trim the cache to --cache-max-gb: %s", inner.msg);
     if (cfg->threads > 0) {
         if ((err = kern_cpu_set_threads(cfg->threads)) != FU_OK) {
-            snprintf(why, cap, "bad --threads %d", cfg->threads);
+            fu_errmsg_set(em, err, "bad --threads %d", cfg->threads);
             goto fail;
         }
     }
     const char *dev = cfg->device && *cfg->device ? cfg->device : "cpu";
     if ((err = kern_backend_get(dev, &p->be)) != FU_OK) {
-        snprintf(why, cap, "--device '%s': %s", dev,
-                 err == FU_ENOSYS      ? "this build has no CUDA backend"
-                 : err == FU_ENOTFOUND ? "no such CUDA device"
-                                       : "expected cpu, cuda or cuda:N");
+        fu_errmsg_set(em, err, "--device '%s': %s", dev,
+                      err == FU_ENOSYS      ? "this build has no CUDA backend"
+                      : err == FU_ENOTFOUND ? "no such CUDA device"
+                                            : "expected cpu, cuda or cuda:N");
         goto fail;
     }
     uint64_t cap_bytes = cfg->max_memory_gb > 0 ? (uint64_t)(cfg->max_memory_gb * 1024.0 * 1024.0 * 1024.0) : 0;
-    if ((err = peer_profile_measure(p->be, cap_bytes, PEER_PROFILE_BUDGET_S, &p->prof, &em)) != FU_OK) {
-        snprintf(why, cap, "measuring this peer failed: %s", fu_errmsg_text(&em, err));
+    if ((err = peer_profile_measure(p->be, cap_bytes, PEER_PROFILE_BUDGET_S, &p->prof, &inner)) != FU_OK) {
+        fu_errmsg_set(em, err, "measuring this peer failed: %s", fu_errmsg_text(&inner, err));
         goto fail;
     }
     if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
@@ -353,8 +343,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
      * threads (OpenBLAS's pool, the profile's OpenMP team): they take the compute priority before
      * ZeroMQ starts its I/O threads, which keep the process's own, as this thread does. */
     if (!(p->guest = peer_guest_new(&cfg->guest, cfg->threads))) {
-        snprintf(why, cap, "bad --max-cpu, --busy-percent or --hours");
-        err = FU_EINVAL;
+        err = fu_errmsg_set(em, FU_EINVAL, "bad --max-cpu, --busy-percent or --hours");
         goto fail;
     }
     kern_priority got = KERN_PRIORITY_NORMAL;
@@ -364,22 +353,23 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
 
     p->ctx = zmq_ctx_new();
     if (!p->ctx) {
-        snprintf(why, cap, "cannot make a ZeroMQ context");
-        err = FU_EIO;
+        err = fu_errmsg_set(em, FU_EIO, "cannot make a ZeroMQ context");
         goto fail;
     }
     if (!cfg->no_listen) {
         const char *bind = cfg->data_bind && *cfg->data_bind ? cfg->data_bind : "tcp://*:7701";
         p->router = wire_socket_new(p->ctx, ZMQ_ROUTER, &err);
         if (!p->router || zmq_bind(p->router, bind) != 0) {
-            snprintf(why, cap, "cannot listen on --data-bind '%s': %s (or pass --no-listen to relay through the "
-                     "broker)", bind, zmq_strerror(zmq_errno()));
-            err = FU_EIO;
+            err = fu_errmsg_set(
+                em, FU_EIO,
+                "cannot listen on --data-bind '%s': %s (or pass --no-listen to relay through the "
+                "broker)",
+                bind, zmq_strerror(zmq_errno()));
             goto fail;
         }
         char ep[256];
         if ((err = wire_socket_endpoint(p->router, ep, sizeof ep)) != FU_OK) {
-            snprintf(why, cap, "cannot read the bound data endpoint");
+            fu_errmsg_set(em, err, "cannot read the bound data endpoint");
             goto fail;
         }
         if (cfg->data_advertise && *cfg->data_advertise) {
@@ -397,13 +387,12 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
     if (!p->pipe || zmq_setsockopt(p->pipe, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
         zmq_setsockopt(p->pipe, ZMQ_RCVHWM, &hwm, sizeof hwm) != 0 ||
         zmq_setsockopt(p->pipe, ZMQ_LINGER, &linger, sizeof linger) != 0 || zmq_bind(p->pipe, PEER_PIPE_ENDPOINT) != 0) {
-        snprintf(why, cap, "cannot make the compute pipe: %s", zmq_strerror(zmq_errno()));
-        err = FU_EIO;
+        err = fu_errmsg_set(em, FU_EIO, "cannot make the compute pipe: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
-    if ((err = broker_connect(p, why, cap)) != FU_OK)
+    if ((err = broker_connect(p, em)) != FU_OK)
         goto fail;
-    if (cfg->enrol_token && *cfg->enrol_token && (err = enrol(p, why, cap)) != FU_OK)
+    if (cfg->enrol_token && *cfg->enrol_token && (err = enrol(p, em)) != FU_OK)
         goto fail;
     atomic_store(&p->shared.state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     p->ccfg = (peer_compute_cfg){.ctx = p->ctx, .be = p->be, .cache_dir = p->cache_dir,
@@ -418,8 +407,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, char *why, size_t cap)
     int prc = pthread_create(&p->compute, NULL, peer_compute_main, &p->ccfg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (prc != 0) {
-        snprintf(why, cap, "cannot start the compute thread");
-        err = FU_EIO;
+        err = fu_errmsg_set(em, FU_EIO, "cannot start the compute thread");
         goto fail;
     }
     p->compute_started = true;

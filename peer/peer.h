@@ -61,8 +61,9 @@ typedef struct {
 typedef struct peer peer_t;
 
 /* Loads the keys, picks the backend, measures the profile (GEMM, memory), makes the sockets and
- * starts the compute thread. NULL on failure with *err and a sentence for the operator in why. */
-peer_t *peer_new(const peer_cfg *cfg, fu_err *err, char *why, size_t why_cap);
+ * starts the compute thread. NULL on failure with *err (may be NULL) and a sentence for the operator
+ * in em (may be NULL). */
+peer_t *peer_new(const peer_cfg *cfg, fu_err *err, fu_errmsg *em);
 
 /* Runs the I/O loop until a stop: FU_OK after a graceful leave (peer_request_stop, then StageRelease
  * or the drain timeout), FU_ECUDA / FU_EIO after a fatal backend or socket failure (an Error and a

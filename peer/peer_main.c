@@ -136,11 +136,11 @@ int main(int argc, char **argv)
                     .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory,
                     .cache_max_gb = cache_max, .link_mbps = link_mbps, .name = name,
                     .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000), .guest = guest};
-    char why[1024];
+    fu_errmsg em = {{0}};
     fu_err err;
-    peer_t *p = peer_new(&cfg, &err, why, sizeof why);
+    peer_t *p = peer_new(&cfg, &err, &em);
     if (!p) {
-        fprintf(stderr, "fusion-peer: %s\n", why);
+        fprintf(stderr, "fusion-peer: %s\n", fu_errmsg_text(&em, err));
         return err == FU_EAUTH || err == FU_EPERM ? FU_EXIT_AUTH : err == FU_EINVAL ? FU_EXIT_USAGE : FU_EXIT_FAIL;
     }
     printf("fusion-peer: profile: %s\n", peer_profile_line(p));

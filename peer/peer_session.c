@@ -90,13 +90,12 @@ static void on_verify_input(peer_t *p, wire_msg_t *m)
         return;
     }
     bool done = false;
-    char why[256] = "";
-    fu_err rc = peer_vin_asm_feed(p->vin, vi, wire_keypair_public(p->kp), wire_keypair_secret(p->kp), &done, why,
-                                  sizeof why);
+    fu_errmsg em = {{0}};
+    fu_err rc = peer_vin_asm_feed(p->vin, vi, wire_keypair_public(p->kp), wire_keypair_secret(p->kp), &done, &em);
     wire_msg_destroy(&m);
     if (rc != FU_OK) {
         FU_WARN("peer", "job %016" PRIx64 ": verification input of stage %u step %" PRIu64 " mb %u refused: %s",
-                c->job_id, c->stage, c->step, c->micro_batch, why);
+                c->job_id, c->stage, c->step, c->micro_batch, fu_errmsg_text(&em, rc));
         peer_cmd_destroy(&c);
         return;
     }

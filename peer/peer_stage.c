@@ -86,7 +86,6 @@ static void stage_clear(stage_t *s)
     s->cfg = cfg;
     s->pipe = pipe;
     s->stop = stop;
-    s->lm_node = UINT32_MAX;
     atomic_store(&s->cfg.shared->state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     atomic_store(&s->cfg.shared->stage_active, 0);
     atomic_store(&s->cfg.shared->progress, 0);
@@ -149,14 +148,12 @@ void stage_ask_next(stage_t *s)
 }
 
 /* Cut tensors of the range; the stage boundary must carry exactly the nodes both sides expect. */
-static fu_err setup_cuts(stage_t *s, char *why, size_t cap)
+static fu_err setup_cuts(stage_t *s, fu_errmsg *em)
 {
     size_t ni = dag_exec_cut_inputs(s->x, s->cut_in, ST_MAX_CUTS);
     size_t no = dag_exec_cut_outputs(s->x, s->cut_out, ST_MAX_CUTS);
-    if (ni > ST_MAX_CUTS || no > ST_MAX_CUTS) {
-        snprintf(why, cap, "the stage boundary carries more than %d tensors", ST_MAX_CUTS);
-        return FU_EINVAL;
-    }
+    if (ni > ST_MAX_CUTS || no > ST_MAX_CUTS)
+        return fu_errmsg_set(em, FU_EINVAL, "the stage boundary carries more than %d tensors", ST_MAX_CUTS);
     s->n_cut_in = (uint32_t)ni;
     s->n_cut_out = (uint32_t)no;
     /* Every node before `first` read at or after `first` must be read inside this range (a cut
@@ -165,21 +162,21 @@ static fu_err setup_cuts(stage_t *s, char *why, size_t cap)
     for (size_t j = s->last; j < n; j++) {
         const dag_node *nd = dag_graph_node(s->g, j);
         for (uint32_t k = 0; k < nd->n_inputs; k++)
-            if (nd->inputs[k] < s->first) {
-                snprintf(why, cap, "node %zu reads node %u across this stage (%u..%u): skip connections over a "
-                         "whole stage are not supported", j, nd->inputs[k], s->first, s->last);
-                return FU_EINVAL;
-            }
+            if (nd->inputs[k] < s->first)
+                return fu_errmsg_set(
+                    em, FU_EINVAL,
+                    "node %zu reads node %u across this stage (%u..%u): skip connections over a "
+                    "whole stage are not supported",
+                    j, nd->inputs[k], s->first, s->last);
     }
     s->w_in_total = s->w_out_total = 0;
     for (uint32_t i = 0; i < s->n_cut_in; i++)
         s->w_in_total += dag_graph_width(s->g, s->cut_in[i]);
     for (uint32_t i = 0; i < s->n_cut_out; i++)
         s->w_out_total += dag_graph_width(s->g, s->cut_out[i]);
-    if ((!stage_is_first(s) && s->n_cut_in == 0) || (!stage_is_last(s) && s->n_cut_out == 0)) {
-        snprintf(why, cap, "the range %u..%u has no cut tensor towards a neighbour", s->first, s->last);
-        return FU_EINVAL;
-    }
+    if ((!stage_is_first(s) && s->n_cut_in == 0) || (!stage_is_last(s) && s->n_cut_out == 0))
+        return fu_errmsg_set(em, FU_EINVAL, "the range %u..%u has no cut tensor towards a neighbour",
+                             s->first, s->last);
     return FU_OK;
 }
 
@@ -189,8 +186,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
         /* A new assignment replaces the old one (recovery after StageRelease, or a backup promoted). */
         stage_end(s, "replaced by a new assignment");
     }
-    char why[512] = "";
-    fu_errmsg em = {{0}};
+    fu_errmsg em = {{0}}; /* why the assignment is refused */
     fu_err rc;
     s->active = true;
     s->stalling = false;
@@ -208,26 +204,24 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     atomic_store(&s->cfg.shared->stage_active, a->backup ? 0 : 1);
     atomic_store(&s->cfg.shared->state, a->backup ? FUSION__PEER_STATE__PEER_STATE_WARM : FUSION__PEER_STATE__PEER_STATE_BUSY);
     if (a->stage_count == 0 || a->stage_index >= a->stage_count || a->node_begin >= a->node_end) {
-        snprintf(why, sizeof why, "bad stage %u of %u or node range %u..%u", a->stage_index, a->stage_count,
-                 a->node_begin, a->node_end);
+        fu_errmsg_set(&em, FU_EINVAL, "bad stage %u of %u or node range %u..%u", a->stage_index,
+                      a->stage_count, a->node_begin, a->node_end);
         goto invalid;
     }
-    if ((rc = dag_spec_parse(a->spec_json ? a->spec_json : "", a->spec_json ? strlen(a->spec_json) : 0, DAG_JOB_ANY,
-                             &s->spec, &em)) != FU_OK) {
-        snprintf(why, sizeof why, "%s", fu_errmsg_text(&em, rc));
+    if ((rc = dag_spec_parse(a->spec_json ? a->spec_json : "", a->spec_json ? strlen(a->spec_json) : 0,
+                             DAG_JOB_ANY, &s->spec, &em)) != FU_OK)
         goto invalid;
-    }
-    if ((rc = dag_graph_decode(a->dag.data, a->dag.len, &s->g, why, sizeof why)) != FU_OK)
+    if ((rc = dag_graph_decode(a->dag.data, a->dag.len, &s->g, &em)) != FU_OK)
         goto invalid;
     if (a->node_end > dag_graph_size(s->g)) {
-        snprintf(why, sizeof why, "node range %u..%u outside the DAG's %zu nodes", a->node_begin, a->node_end,
-                 dag_graph_size(s->g));
+        fu_errmsg_set(&em, FU_EINVAL, "node range %u..%u outside the DAG's %zu nodes", a->node_begin,
+                      a->node_end, dag_graph_size(s->g));
         goto invalid;
     }
     s->M = stage_is_infer(s) ? 1 : s->spec.micro_batches; /* the spec's: it travels once */
     if (!stage_is_infer(s) && (s->M == 0 || s->M > DAG_EXEC_MAX_SLOTS || s->spec.batch % s->M != 0)) {
-        snprintf(why, sizeof why, "micro_batches %u must divide batch %u and be at most %d", s->M, s->spec.batch,
-                 DAG_EXEC_MAX_SLOTS);
+        fu_errmsg_set(&em, FU_EINVAL, "micro_batches %u must divide batch %u and be at most %d", s->M,
+                      s->spec.batch, DAG_EXEC_MAX_SLOTS);
         goto invalid;
     }
     s->spec.micro_batches = s->M;
@@ -242,11 +236,6 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     }
     /* The executor. Inference sizes its rows from the prompt, which stage 0 may only know after
      * fetching the job's tokens: the executor is made after the fetches (make_exec). */
-    s->lm_node = UINT32_MAX;
-    for (uint32_t i = s->first; i < s->last; i++)
-        if (dag_graph_node(s->g, i)->op == DAG_OP_LM_HEAD)
-            s->lm_node = i;
-
     /* What to fetch: every parameter of the range, then the job's data (stage 0 and the last stage),
      * then the checkpoint to resume from, then a finished job's adapter for inference. */
     for (uint32_t i = s->first; i < s->last; i++) {
@@ -291,7 +280,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     return;
 invalid:
     stage_send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN,
-                     "refused the assignment: %s", why);
+                     "refused the assignment: %s", fu_errmsg_text(&em, FU_EINVAL));
     stage_end(s, "invalid assignment");
 }
 
@@ -443,9 +432,9 @@ static void fetched_all(stage_t *s)
         stage_end(s, "load failed");
         return;
     }
-    char why[256] = "";
-    if ((rc = setup_cuts(s, why, sizeof why)) != FU_OK) {
-        stage_send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "%s", why);
+    if ((rc = setup_cuts(s, &em)) != FU_OK) {
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "%s",
+                         fu_errmsg_text(&em, rc));
         stage_end(s, "bad cut");
         return;
     }
@@ -472,7 +461,8 @@ static void fetched_all(stage_t *s)
         }
     }
     if (stage_is_infer(s) && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
-        dag_exec_session_use(s->x, s->sess);
+        rc = dag_infer_stage_init(&s->infer, s->x, s->g, s->sess, &s->spec, stage_is_first(s), stage_is_last(s),
+                                  s->resume_step);
     if (!stage_is_infer(s) && rc == FU_OK)
         rc = dag_train_stage_init(&s->train, s->x, s->g, &s->spec, s->ids, s->n_ids, stage_is_first(s),
                                   stage_is_last(s), s->M);
@@ -536,9 +526,7 @@ static void on_start(stage_t *s, const Fusion__StageStart *st)
     if (stage_is_infer(s)) {
         if (stage_is_first(s)) {
             /* After a failover the tokens blob is the prompt followed by the tokens generated so far;
-             * resume_step (when the broker sets it for inference) counts the latter, so that the
-             * sampler's counter (generated-token index) continues where it was. */
-            s->prompt_len = s->n_prompt > s->resume_step ? s->n_prompt - s->resume_step : 0;
+             * resume_step counts the latter (dag_infer: the sampler's counter continues). */
             stage_infer_forward(s, 0, s->prompt, NULL, s->n_prompt);
         }
         return;
@@ -630,7 +618,6 @@ void *peer_compute_main(void *arg)
     if (kern_priority_set_self(s->cfg.priority, &got) != FU_OK || got != s->cfg.priority)
         FU_WARN("peer", "compute: priority %s wanted, %s obtained", kern_priority_name(s->cfg.priority),
                 kern_priority_name(got));
-    s->lm_node = UINT32_MAX;
     s->pipe = zmq_socket(s->cfg.ctx, ZMQ_PAIR);
     int hwm = PEER_PAIR_HWM, tmo = ST_POLL_MS, linger = 0;
     if (!s->pipe || zmq_setsockopt(s->pipe, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||

@@ -11,6 +11,7 @@
 
 #include "dag_exec.h"
 #include "dag_graph.h"
+#include "dag_infer.h"
 #include "dag_spec.h"
 #include "dag_train.h"
 #include "fu_err.h"
@@ -90,10 +91,9 @@ typedef struct {
 
     /* inference */
     dag_session_t *sess;
-    uint32_t lm_node;         /* lm_head node in range, or UINT32_MAX */
+    dag_infer_stage infer;    /* the generation step (dag_infer), shared with `fusion run infer` */
     int32_t *prompt;          /* stage 0: prompt tokens */
     size_t n_prompt;
-    uint64_t prompt_len;      /* prompt length (stage 0: n_prompt; others: from position 0 frames) */
     bool pending_fwd;         /* stage 0: the current step's forwards are due */
 
     /* verification (docs/PIPELINE.md "Verification") */

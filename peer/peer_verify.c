@@ -4,8 +4,6 @@
 
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -159,51 +157,43 @@ static bool same_id(const peer_vin_id *a, const peer_vin_id *b)
            a->seed == b->seed;
 }
 
-static fu_err say(char *why, size_t cap, fu_err rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static fu_err say(char *why, size_t cap, fu_err rc, const char *fmt, ...)
-{
-    if (why && cap) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, cap, fmt, ap);
-        va_end(ap);
-    }
-    return rc;
-}
-
 fu_err peer_vin_asm_feed(peer_vin_asm_t *a, const Fusion__VerifyInput *vi, const uint8_t pk[WIRE_KEY_BYTES],
-                         const uint8_t sk[WIRE_KEY_BYTES], bool *done, char *why, size_t cap)
+                         const uint8_t sk[WIRE_KEY_BYTES], bool *done, fu_errmsg *em)
 {
     if (!a || !vi || !pk || !sk || !done)
         return FU_EINVAL;
     *done = false;
     if ((vi->unavailable && vi->unavailable[0]) || vi->payload.len == 0)
-        return say(why, cap, FU_EINVAL, "a VerifyInput without a payload is not a chunk");
+        return fu_errmsg_set(em, FU_EINVAL, "a VerifyInput without a payload is not a chunk");
     uint64_t total = vi->total_bytes;
     uint64_t nch = peer_vin_chunks(total);
     if (total == 0 || vi->chunk_count != nch || vi->chunk_index >= nch ||
         vi->offset != (uint64_t)vi->chunk_index * WIRE_VERIFY_INPUT_CHUNK)
-        return say(why, cap, FU_EPROTO, "chunk %u of %u at offset %" PRIu64 " does not cut %" PRIu64 " bytes into %u-byte "
-                   "chunks", vi->chunk_index, vi->chunk_count, vi->offset, total, WIRE_VERIFY_INPUT_CHUNK);
+        return fu_errmsg_set(em, FU_EPROTO,
+                             "chunk %u of %u at offset %" PRIu64 " does not cut %" PRIu64
+                             " bytes into %u-byte chunks",
+                             vi->chunk_index, vi->chunk_count, vi->offset, total, WIRE_VERIFY_INPUT_CHUNK);
     if (total > a->max_bytes)
-        return say(why, cap, FU_ENOMEM, "an input of %" PRIu64 " bytes is over this peer's %zu", total, a->max_bytes);
+        return fu_errmsg_set(em, FU_ENOMEM, "an input of %" PRIu64 " bytes is over this peer's %zu", total,
+                             a->max_bytes);
     uint64_t n = total - vi->offset < WIRE_VERIFY_INPUT_CHUNK ? total - vi->offset : WIRE_VERIFY_INPUT_CHUNK;
     if (vi->payload.len != n + WIRE_VERIFY_INPUT_OVERHEAD)
-        return say(why, cap, FU_EPROTO, "chunk %u carries %zu sealed bytes, expected %" PRIu64, vi->chunk_index,
-                   vi->payload.len, n + WIRE_VERIFY_INPUT_OVERHEAD);
+        return fu_errmsg_set(em, FU_EPROTO, "chunk %u carries %zu sealed bytes, expected %" PRIu64,
+                             vi->chunk_index, vi->payload.len, n + WIRE_VERIFY_INPUT_OVERHEAD);
     peer_vin_id id = {.job_id = vi->job_id, .stage = vi->stage_index, .step = vi->step,
                       .micro_batch = vi->micro_batch, .seed = vi->seed};
     uint8_t *pt = fu_malloc((size_t)n + WIRE_VERIFY_INPUT_HEADER);
     if (crypto_box_seal_open(pt, vi->payload.data, vi->payload.len, pk, sk) != 0) {
         free(pt);
-        return say(why, cap, FU_EAUTH, "chunk %u does not open with this peer's key", vi->chunk_index);
+        return fu_errmsg_set(em, FU_EAUTH, "chunk %u does not open with this peer's key", vi->chunk_index);
     }
     uint8_t want[WIRE_VERIFY_INPUT_HEADER];
     vin_header(want, &id, vi->offset, total);
     if (sodium_memcmp(pt, want, WIRE_VERIFY_INPUT_HEADER) != 0) {
         sodium_memzero(pt, (size_t)n + WIRE_VERIFY_INPUT_HEADER);
         free(pt);
-        return say(why, cap, FU_EAUTH, "chunk %u was sealed for another sample, place or size", vi->chunk_index);
+        return fu_errmsg_set(em, FU_EAUTH, "chunk %u was sealed for another sample, place or size",
+                             vi->chunk_index);
     }
     vin_slot *s = NULL;
     for (int i = 0; i < PEER_VIN_SLOTS && !s; i++)
@@ -212,7 +202,7 @@ fu_err peer_vin_asm_feed(peer_vin_asm_t *a, const Fusion__VerifyInput *vi, const
     if (s && s->have[vi->chunk_index]) {
         sodium_memzero(pt, (size_t)n + WIRE_VERIFY_INPUT_HEADER);
         free(pt);
-        return say(why, cap, FU_EPROTO, "chunk %u of that input came twice", vi->chunk_index);
+        return fu_errmsg_set(em, FU_EPROTO, "chunk %u of that input came twice", vi->chunk_index);
     }
     if (!s) {
         /* A new input: make room (the oldest first), then start it. */

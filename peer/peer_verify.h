@@ -61,13 +61,13 @@ void peer_vin_asm_destroy(peer_vin_asm_t **a_p); /* idempotent; sets *a_p = NULL
  * geometry (total, chunk count, index, offset, payload size), opens the payload, checks that the
  * sealed header names exactly the message's sample, offset and total, and places the bytes. *done
  * becomes true when that input is complete: take it with peer_vin_asm_take before the next feed.
- * Errors (the input in progress is left as it was; why holds a sentence): FU_EINVAL a message that
- * is not a chunk (no payload, `unavailable` set), FU_EPROTO bad geometry or a chunk seen before,
- * FU_EAUTH the payload does not open with this key or its header does not match, FU_ENOMEM an input
- * over max_bytes. */
+ * Errors (the input in progress is left as it was; em, which may be NULL, holds a sentence):
+ * FU_EINVAL a message that is not a chunk (no payload, `unavailable` set), FU_EPROTO bad geometry or
+ * a chunk seen before, FU_EAUTH the payload does not open with this key or its header does not
+ * match, FU_ENOMEM an input over max_bytes. */
 FU_MUST_CHECK fu_err peer_vin_asm_feed(peer_vin_asm_t *a, const Fusion__VerifyInput *vi,
                                        const uint8_t pk[WIRE_KEY_BYTES],
-                                       const uint8_t sk[WIRE_KEY_BYTES], bool *done, char *why, size_t cap);
+                                       const uint8_t sk[WIRE_KEY_BYTES], bool *done, fu_errmsg *em);
 
 /* Moves the input the last feed completed into *data (malloc'd, the caller frees; *len bytes) and
  * its sample into *id. FU_EAGAIN when none is complete. */

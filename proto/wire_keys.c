@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,17 +17,6 @@ struct wire_keypair {
     uint8_t sk[WIRE_KEY_BYTES];           /* secret key (the whole struct is sodium_malloc'd) */
     char pk_z85[WIRE_KEY_Z85_LEN + 1];    /* public key as text */
 };
-
-static void say(char *why, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void say(char *why, size_t cap, const char *fmt, ...)
-{
-    if (!why || !cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, cap, fmt, ap);
-    va_end(ap);
-}
 
 static wire_keypair_t *kp_alloc(void)
 {
@@ -98,49 +86,45 @@ void wire_keypair_destroy(wire_keypair_t **kp_p)
 }
 
 /* Reads a key file into key. secret: enforce owner-only permissions. */
-static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_BYTES], char *why, size_t cap)
+static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_BYTES], fu_errmsg *em)
 {
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;
-        if (e == ENOENT) {
-            say(why, cap, "key file '%s' does not exist (make keys with: fusion keygen -o DIR)", path);
-            return FU_ENOTFOUND;
-        }
-        if (e == ELOOP) {
-            say(why, cap, "key file '%s' is a symbolic link; point to the real file", path);
-            return FU_EPERM;
-        }
-        say(why, cap, "cannot open key file '%s': %s", path, strerror(e));
-        return e == EACCES ? FU_EPERM : FU_EIO;
+        if (e == ENOENT)
+            return fu_errmsg_set(em, FU_ENOTFOUND,
+                                 "key file '%s' does not exist (make keys with: fusion keygen -o DIR)", path);
+        if (e == ELOOP)
+            return fu_errmsg_set(em, FU_EPERM, "key file '%s' is a symbolic link; point to the real file",
+                                 path);
+        return fu_errmsg_set(em, e == EACCES ? FU_EPERM : FU_EIO, "cannot open key file '%s': %s", path,
+                             strerror(e));
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        say(why, cap, "key file '%s' is not a regular file", path);
-        return FU_EPERM;
+        return fu_errmsg_set(em, FU_EPERM, "key file '%s' is not a regular file", path);
     }
     if (secret && (st.st_mode & (S_IRWXG | S_IRWXO))) {
         close(fd);
-        say(why, cap,
-            "secret key file '%s' has mode %04o: it is accessible by group or others, so it is refused; "
-            "fix it with: chmod 600 '%s' (and consider the key compromised if others could read it)",
+        return fu_errmsg_set(
+            em, FU_EPERM,
+            "secret key file '%s' has mode %04o: it is accessible by group or others, so it is "
+            "refused; fix it with: chmod 600 '%s' (and consider the key compromised if others could "
+            "read it)",
             path, (unsigned)(st.st_mode & 07777), path);
-        return FU_EPERM;
     }
     if (secret && st.st_uid != geteuid()) {
         close(fd);
-        say(why, cap, "secret key file '%s' is owned by uid %u, not by this user (uid %u); refused", path,
-            (unsigned)st.st_uid, (unsigned)geteuid());
-        return FU_EPERM;
+        return fu_errmsg_set(em, FU_EPERM,
+                             "secret key file '%s' is owned by uid %u, not by this user (uid %u); refused",
+                             path, (unsigned)st.st_uid, (unsigned)geteuid());
     }
     char buf[1024];
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
-    if (n < 0) {
-        say(why, cap, "cannot read key file '%s': %s", path, strerror(errno));
-        return FU_EIO;
-    }
+    if (n < 0)
+        return fu_errmsg_set(em, FU_EIO, "cannot read key file '%s': %s", path, strerror(errno));
     buf[n] = '\0';
     fu_err rc = FU_EINVAL;
     char *save = NULL;
@@ -162,18 +146,19 @@ static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_
     }
     sodium_memzero(buf, sizeof buf);
     if (rc != FU_OK)
-        say(why, cap, "key file '%s' holds no valid key (expected one line of 40 Z85 characters)", path);
-    return rc;
+        return fu_errmsg_set(
+            em, rc, "key file '%s' holds no valid key (expected one line of 40 Z85 characters)", path);
+    return FU_OK;
 }
 
-fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], char *why, size_t why_cap)
+fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em)
 {
     if (!path || !out)
         return FU_EINVAL;
-    return read_key_file(path, false, out, why, why_cap);
+    return read_key_file(path, false, out, em);
 }
 
-fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, char *why, size_t why_cap)
+fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em)
 {
     if (!dir || !out)
         return FU_EINVAL;
@@ -183,17 +168,17 @@ fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, char *why, size_
     if (!kp)
         return FU_ENOMEM;
     snprintf(path, sizeof path, "%s/%s", dir, WIRE_SECRET_KEY_FILE);
-    fu_err rc = read_key_file(path, true, kp->sk, why, why_cap);
+    fu_err rc = read_key_file(path, true, kp->sk, em);
     if (rc != FU_OK)
         goto fail;
     snprintf(path, sizeof path, "%s/%s", dir, WIRE_PUBLIC_KEY_FILE);
-    if ((rc = read_key_file(path, false, kp->pk, why, why_cap)) != FU_OK)
+    if ((rc = read_key_file(path, false, kp->pk, em)) != FU_OK)
         goto fail;
     uint8_t derived[WIRE_KEY_BYTES];
     if (crypto_scalarmult_base(derived, kp->sk) != 0 || sodium_memcmp(derived, kp->pk, WIRE_KEY_BYTES) != 0) {
-        say(why, why_cap, "'%s' does not belong to the secret key beside it; make a new pair with fusion keygen",
-            path);
-        rc = FU_EINVAL;
+        rc = fu_errmsg_set(
+            em, FU_EINVAL,
+            "'%s' does not belong to the secret key beside it; make a new pair with fusion keygen", path);
         goto fail;
     }
     wire_key_to_z85(kp->pk, kp->pk_z85);
@@ -205,17 +190,15 @@ fail:
 }
 
 /* Writes text to dir/name through a temporary file with the given mode. */
-static fu_err write_key_file(const char *dir, const char *name, const char *text, mode_t mode, bool force, char *why,
-                             size_t cap)
+static fu_err write_key_file(const char *dir, const char *name, const char *text, mode_t mode, bool force,
+                             fu_errmsg *em)
 {
     char tmp[4096], path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     snprintf(tmp, sizeof tmp, "%s/.%s.tmp-XXXXXX", dir, name);
     int fd = mkstemp(tmp); /* created 0600 */
-    if (fd < 0) {
-        say(why, cap, "cannot create a file in '%s': %s", dir, strerror(errno));
-        return FU_EIO;
-    }
+    if (fd < 0)
+        return fu_errmsg_set(em, FU_EIO, "cannot create a file in '%s': %s", dir, strerror(errno));
     size_t len = strlen(text);
     bool ok = fchmod(fd, mode) == 0 && write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
     ok = (close(fd) == 0) && ok;
@@ -227,38 +210,36 @@ static fu_err write_key_file(const char *dir, const char *name, const char *text
             int e = errno;
             unlink(tmp);
             errno = e;
-            if (!ok && e == EEXIST) {
-                say(why, cap, "'%s' exists; refusing to overwrite a key (use --force to replace it)", path);
-                return FU_EEXIST;
-            }
+            if (!ok && e == EEXIST)
+                return fu_errmsg_set(em, FU_EEXIST,
+                                     "'%s' exists; refusing to overwrite a key (use --force to replace it)",
+                                     path);
         }
     }
     if (!ok) {
-        say(why, cap, "cannot write '%s': %s", path, strerror(errno));
+        int e = errno;
         unlink(tmp);
-        return FU_EIO;
+        return fu_errmsg_set(em, FU_EIO, "cannot write '%s': %s", path, strerror(e));
     }
     return FU_OK;
 }
 
-fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, char *why, size_t why_cap)
+fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, fu_errmsg *em)
 {
     if (!kp || !dir)
         return FU_EINVAL;
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
-        say(why, why_cap, "cannot create directory '%s': %s", dir, strerror(errno));
-        return FU_EIO;
-    }
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return fu_errmsg_set(em, FU_EIO, "cannot create directory '%s': %s", dir, strerror(errno));
     char path[4096];
     const char *names[2] = {WIRE_SECRET_KEY_FILE, WIRE_PUBLIC_KEY_FILE};
     if (!force) {
         for (int i = 0; i < 2; i++) {
             snprintf(path, sizeof path, "%s/%s", dir, names[i]);
             struct stat st;
-            if (lstat(path, &st) == 0) {
-                say(why, why_cap, "'%s' exists; refusing to overwrite a key (use --force to replace it)", path);
-                return FU_EEXIST;
-            }
+            if (lstat(path, &st) == 0)
+                return fu_errmsg_set(em, FU_EEXIST,
+                                     "'%s' exists; refusing to overwrite a key (use --force to replace it)",
+                                     path);
         }
     }
     char *text = sodium_malloc(256);
@@ -268,11 +249,11 @@ fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, 
     wire_key_to_z85(kp->sk, z85);
     snprintf(text, 256, "# fusion secret key (X25519, Z85). Keep it private: mode 0600, never share it.\n%s\n", z85);
     sodium_memzero(z85, sizeof z85);
-    fu_err rc = write_key_file(dir, WIRE_SECRET_KEY_FILE, text, 0600, force, why, why_cap);
+    fu_err rc = write_key_file(dir, WIRE_SECRET_KEY_FILE, text, 0600, force, em);
     sodium_free(text);
     if (rc != FU_OK)
         return rc;
     char pub[256];
     snprintf(pub, sizeof pub, "# fusion public key (X25519, Z85). Share it freely.\n%s\n", kp->pk_z85);
-    return write_key_file(dir, WIRE_PUBLIC_KEY_FILE, pub, 0644, force, why, why_cap);
+    return write_key_file(dir, WIRE_PUBLIC_KEY_FILE, pub, 0644, force, em);
 }

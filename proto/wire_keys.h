@@ -32,17 +32,16 @@ wire_keypair_t *wire_keypair_generate(void);
 /* A key pair from raw bytes (tests, the broker's in-memory keys). NULL on failure. */
 wire_keypair_t *wire_keypair_from_bytes(const uint8_t pk[WIRE_KEY_BYTES], const uint8_t sk[WIRE_KEY_BYTES]);
 
-/* Loads DIR/public.key and DIR/secret.key. On failure why (if not NULL) holds a sentence for the
+/* Loads DIR/public.key and DIR/secret.key. On failure em (may be NULL) holds a sentence for the
  * user saying what is wrong and what to do. Errors: FU_ENOTFOUND a file is missing, FU_EPERM the
  * secret key file is group/other accessible, not a regular file or not owned by this user,
  * FU_EINVAL bad contents or a public key that does not match the secret key, FU_EIO read error. */
-FU_MUST_CHECK fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, char *why, size_t why_cap);
+FU_MUST_CHECK fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em);
 
 /* Writes kp into DIR (created with mode 0700 when missing): secret.key with mode 0600, public.key
  * with mode 0644, each written to a temporary file first and then moved into place. Refuses with
- * FU_EEXIST when either file exists, unless force. FU_EIO on write errors. why as above. */
-FU_MUST_CHECK fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, char *why,
-                                       size_t why_cap);
+ * FU_EEXIST when either file exists, unless force. FU_EIO on write errors. em as above. */
+FU_MUST_CHECK fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, fu_errmsg *em);
 
 const uint8_t *wire_keypair_public(const wire_keypair_t *kp); /* WIRE_KEY_BYTES, borrowed */
 const uint8_t *wire_keypair_secret(const wire_keypair_t *kp); /* WIRE_KEY_BYTES, borrowed, secret */
@@ -50,7 +49,7 @@ const char    *wire_keypair_public_z85(const wire_keypair_t *kp); /* borrowed */
 void           wire_keypair_destroy(wire_keypair_t **kp_p);       /* wipes; idempotent */
 
 /* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
-FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], char *why, size_t why_cap);
+FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em);
 
 /* Z85 text (exactly 40 chars) to key bytes; FU_EINVAL otherwise. */
 FU_MUST_CHECK fu_err wire_key_from_z85(const char *z85, uint8_t out[WIRE_KEY_BYTES]);

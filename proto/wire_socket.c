@@ -69,24 +69,20 @@ void wire_socket_close(void **sock_p)
     *sock_p = NULL;
 }
 
-fu_err wire_curve_available(char *why, size_t why_cap)
+fu_err wire_curve_available(fu_errmsg *em)
 {
     int major, minor, patch;
     zmq_version(&major, &minor, &patch);
     int v = major * 10000 + minor * 100 + patch;
-    if (v < WIRE_CURVE_MIN_ZMQ_VERSION) {
-        if (why && why_cap)
-            snprintf(why, why_cap,
-                     "libzmq %d.%d.%d is too old to serve CURVE safely (CVE-2020-15166); install libzmq 4.3.3 "
-                     "or newer",
-                     major, minor, patch);
-        return FU_EVERSION;
-    }
-    if (!zmq_has("curve")) {
-        if (why && why_cap)
-            snprintf(why, why_cap, "this libzmq was built without CURVE; install a libzmq built with libsodium");
-        return FU_ENOSYS;
-    }
+    if (v < WIRE_CURVE_MIN_ZMQ_VERSION)
+        return fu_errmsg_set(
+            em, FU_EVERSION,
+            "libzmq %d.%d.%d is too old to serve CURVE safely (CVE-2020-15166); install libzmq "
+            "4.3.3 or newer",
+            major, minor, patch);
+    if (!zmq_has("curve"))
+        return fu_errmsg_set(em, FU_ENOSYS,
+                             "this libzmq was built without CURVE; install a libzmq built with libsodium");
     return FU_OK;
 }
 
@@ -94,10 +90,10 @@ fu_err wire_socket_curve_server(void *sock, const wire_keypair_t *kp, const char
 {
     if (!sock || !kp)
         return FU_EINVAL;
-    char why[256];
-    fu_err rc = wire_curve_available(why, sizeof why);
+    fu_errmsg em = {0};
+    fu_err rc = wire_curve_available(&em);
     if (rc != FU_OK) {
-        FU_ERROR("wire", "refusing to open a CURVE listener: %s", why);
+        FU_ERROR("wire", "refusing to open a CURVE listener: %s", fu_errmsg_text(&em, rc));
         return rc;
     }
     const char *dom = domain ? domain : WIRE_ZAP_DOMAIN;

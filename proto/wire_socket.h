@@ -50,8 +50,8 @@ void *wire_socket_new(void *ctx, int type, fu_err *err);
 void wire_socket_close(void **sock_p);
 
 /* FU_OK when this libzmq can serve CURVE safely (version >= 4.3.3 and built with CURVE);
- * FU_EVERSION or FU_ENOSYS otherwise, with a sentence in why. */
-FU_MUST_CHECK fu_err wire_curve_available(char *why, size_t why_cap);
+ * FU_EVERSION or FU_ENOSYS otherwise, with a sentence in em (may be NULL). */
+FU_MUST_CHECK fu_err wire_curve_available(fu_errmsg *em);
 
 /* Makes sock a CURVE server with kp and ZAP domain `domain` (WIRE_ZAP_DOMAIN when NULL), with
  * ZMQ_ZAP_ENFORCE_DOMAIN=1 so that a missing ZAP handler refuses every client (fail closed). Call

@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,17 +30,6 @@ struct wire_zap {
     wire_zap_counters counters;
 };
 
-static void say(char *why, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void say(char *why, size_t cap, const char *fmt, ...)
-{
-    if (!why || !cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, cap, fmt, ap);
-    va_end(ap);
-}
-
 void wire_token_generate(char out[WIRE_KEY_Z85_LEN + 1])
 {
     uint8_t t[WIRE_TOKEN_BYTES];
@@ -50,8 +38,7 @@ void wire_token_generate(char out[WIRE_KEY_Z85_LEN + 1])
     sodium_memzero(t, sizeof t);
 }
 
-fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], size_t *n, char *why,
-                            size_t why_cap)
+fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], size_t *n, fu_errmsg *em)
 {
     if (!path || !keys || !n)
         return FU_EINVAL;
@@ -59,8 +46,9 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
     *n = 0;
     FILE *f = fopen(path, "r");
     if (!f) {
-        say(why, why_cap, "cannot open allow-list '%s': %s", path, strerror(errno));
-        return errno == ENOENT ? FU_ENOTFOUND : FU_EIO;
+        int e = errno;
+        return fu_errmsg_set(em, e == ENOENT ? FU_ENOTFOUND : FU_EIO, "cannot open allow-list '%s': %s", path,
+                             strerror(e));
     }
     size_t cap = 0, count = 0, lineno = 0;
     uint8_t (*arr)[WIRE_KEY_BYTES] = NULL;
@@ -70,8 +58,7 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
         lineno++;
         size_t len = strlen(line);
         if (len == sizeof line - 1 && line[len - 1] != '\n') {
-            say(why, why_cap, "allow-list '%s' line %zu is too long", path, lineno);
-            rc = FU_EINVAL;
+            rc = fu_errmsg_set(em, FU_EINVAL, "allow-list '%s' line %zu is too long", path, lineno);
             break;
         }
         /* Z85 uses '#', so a comment is a line starting with '#' that is not itself a key; after a
@@ -93,13 +80,14 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
         if (!is_key && s[0] == '#')
             continue;
         if (!is_key || (*rest && *rest != '#')) {
-            say(why, why_cap, "allow-list '%s' line %zu is not a Z85 public key (40 characters)", path, lineno);
-            rc = FU_EINVAL;
+            rc = fu_errmsg_set(em, FU_EINVAL,
+                               "allow-list '%s' line %zu is not a Z85 public key (40 characters)", path,
+                               lineno);
             break;
         }
         if (count == WIRE_ALLOW_MAX_KEYS) {
-            say(why, why_cap, "allow-list '%s' has more than %u keys", path, WIRE_ALLOW_MAX_KEYS);
-            rc = FU_EINVAL;
+            rc = fu_errmsg_set(em, FU_EINVAL, "allow-list '%s' has more than %u keys", path,
+                               WIRE_ALLOW_MAX_KEYS);
             break;
         }
         if (count == cap) {
@@ -109,10 +97,8 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
         memcpy(arr[count], key, WIRE_KEY_BYTES);
         count++;
     }
-    if (rc == FU_OK && ferror(f)) {
-        say(why, why_cap, "cannot read allow-list '%s'", path);
-        rc = FU_EIO;
-    }
+    if (rc == FU_OK && ferror(f))
+        rc = fu_errmsg_set(em, FU_EIO, "cannot read allow-list '%s'", path);
     fclose(f);
     if (rc != FU_OK) {
         free(arr);
@@ -252,11 +238,11 @@ static void *zap_actor(void *arg)
     return NULL;
 }
 
-wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *why, size_t why_cap)
+wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
     if (!ctx || !cfg) {
-        say(why, why_cap, "wire_zap_new: no context or configuration");
+        rc = fu_errmsg_set(em, rc, "wire_zap_new: no context or configuration");
         if (err)
             *err = rc;
         return NULL;
@@ -268,7 +254,7 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *
     if (cfg->allow_file) {
         zap->allow_file = fu_strdup(cfg->allow_file);
         size_t n = 0;
-        rc = wire_allow_list_load(cfg->allow_file, &zap->keys, &n, why, why_cap);
+        rc = wire_allow_list_load(cfg->allow_file, &zap->keys, &n, em);
         if (rc == FU_ENOTFOUND) {
             rc = FU_OK;
         } else if (rc != FU_OK) {
@@ -279,8 +265,9 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *
     if (cfg->enrol_token && cfg->enrol_token[0]) {
         uint8_t tok[WIRE_KEY_BYTES];
         if (wire_key_from_z85(cfg->enrol_token, tok) != FU_OK) {
-            say(why, why_cap, "the enrolment token is not 40 Z85 characters (make one with fusion keygen --token)");
-            rc = FU_EINVAL;
+            rc = fu_errmsg_set(
+                em, FU_EINVAL,
+                "the enrolment token is not 40 Z85 characters (make one with fusion keygen --token)");
             goto fail;
         }
         zap->token_hash = sodium_malloc(crypto_generichash_BYTES);
@@ -296,8 +283,7 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *
     zap->pipe_main = zmq_socket(ctx, ZMQ_PAIR);
     zap->pipe_actor = zmq_socket(ctx, ZMQ_PAIR);
     if (!zap->rep || !zap->pipe_main || !zap->pipe_actor) {
-        say(why, why_cap, "cannot make ZAP sockets: %s", zmq_strerror(zmq_errno()));
-        rc = FU_EIO;
+        rc = fu_errmsg_set(em, FU_EIO, "cannot make ZAP sockets: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
     int linger = 0;
@@ -306,21 +292,19 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *
     zmq_setsockopt(zap->pipe_actor, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_bind(zap->rep, WIRE_ZAP_ENDPOINT) != 0) {
         int e = zmq_errno();
-        say(why, why_cap, "cannot bind the ZAP handler at %s: %s", WIRE_ZAP_ENDPOINT, zmq_strerror(e));
-        rc = e == EADDRINUSE ? FU_EEXIST : FU_EIO;
+        rc = fu_errmsg_set(em, e == EADDRINUSE ? FU_EEXIST : FU_EIO, "cannot bind the ZAP handler at %s: %s",
+                           WIRE_ZAP_ENDPOINT, zmq_strerror(e));
         goto fail;
     }
     char pipe_ep[64];
     snprintf(pipe_ep, sizeof pipe_ep, "inproc://fusion-zap-pipe-%p", (void *)zap);
     if (zmq_bind(zap->pipe_actor, pipe_ep) != 0 || zmq_connect(zap->pipe_main, pipe_ep) != 0) {
-        say(why, why_cap, "cannot make the ZAP handler's pipe: %s", zmq_strerror(zmq_errno()));
-        rc = FU_EIO;
+        rc = fu_errmsg_set(em, FU_EIO, "cannot make the ZAP handler's pipe: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
     /* The sockets move to the actor thread; pthread_create is the full memory barrier libzmq asks for. */
     if (pthread_create(&zap->thread, NULL, zap_actor, zap) != 0) {
-        say(why, why_cap, "cannot start the ZAP handler thread");
-        rc = FU_EIO;
+        rc = fu_errmsg_set(em, FU_EIO, "cannot start the ZAP handler thread");
         goto fail;
     }
     zap->started = true;

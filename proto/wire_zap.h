@@ -53,10 +53,10 @@ typedef struct {
 typedef struct wire_zap wire_zap_t;
 
 /* Starts the handler in ctx: loads the allow-list, binds inproc://zeromq.zap.01 (synchronously,
- * so it is ready when this returns) and starts the actor thread. NULL on failure with *err and a
- * sentence in why: FU_EINVAL bad allow-list line or token, FU_EEXIST a handler is already bound in
- * ctx, FU_EIO other. */
-wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, char *why, size_t why_cap);
+ * so it is ready when this returns) and starts the actor thread. NULL on failure with *err (may be
+ * NULL) and a sentence in em (may be NULL): FU_EINVAL bad allow-list line or token, FU_EEXIST a
+ * handler is already bound in ctx, FU_EIO other. */
+wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_errmsg *em);
 
 /* Stops the thread, closes its sockets, wipes the token. Idempotent; sets *zap_p = NULL. Call it
  * before zmq_ctx_term: its sockets live in the context, which cannot end while they are open. */
@@ -82,9 +82,9 @@ FU_MUST_CHECK fu_err wire_zap_enrol(wire_zap_t *zap, const char *user_id, const 
 void wire_zap_get_counters(wire_zap_t *zap, wire_zap_counters *out);
 
 /* Parses an allow-list file into a new array of keys (caller frees *keys with free()). A missing
- * file gives FU_ENOTFOUND; a bad line FU_EINVAL with its line number in why. */
-FU_MUST_CHECK fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], size_t *n, char *why,
-                                          size_t why_cap);
+ * file gives FU_ENOTFOUND; a bad line FU_EINVAL with its line number in em (may be NULL). */
+FU_MUST_CHECK fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], size_t *n,
+                                          fu_errmsg *em);
 
 /* A fresh random enrolment token (Z85, 40 chars + NUL). */
 void wire_token_generate(char out[WIRE_KEY_Z85_LEN + 1]);

@@ -4,6 +4,8 @@ fu_add_test(test_dag_graph SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_graph.c 
 fu_add_test(test_dag_spec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_spec.c LIBS fu_dag TIMEOUT 30)
 fu_add_test(test_dag_data SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_data.c LIBS fu_dag TIMEOUT 30)
 fu_add_test(test_dag_exec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_exec.c LIBS fu_dag TIMEOUT 120)
+# The generation step (dag_infer): a two-stage split equals one stage, replays, gaps and bad inputs.
+fu_add_test(test_dag_infer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_infer.c LIBS fu_dag TIMEOUT 60)
 fu_add_test(test_dag_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_cli.c LIBS fu_dag TIMEOUT 120)
 add_dependencies(test_dag_cli fusion)
 

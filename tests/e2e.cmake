@@ -1,17 +1,16 @@
 # End-to-end tests (label e2e): the real fusion-broker, fusion-peer and fusion programs as processes
-# on loopback (tests/e2e_util.h), one ctest entry per scenario so each has its own timeout; and the
-# multi-host test in network namespaces (tests/netns/run.sh, exits 77 = skipped when not root).
+# on loopback (the test cluster, tests/cluster.h), one ctest entry per scenario so each has its own
+# timeout; and the multi-host test in network namespaces (tests/netns/run.sh, exits 77 = skipped when
+# not root).
 # Scenarios that expose a bug still open in someone else's code are registered only with
 # -DFUSION_E2E_KNOWN_BUGS=ON (they fail today, for the reason docs/TESTING.md gives).
 option(FUSION_E2E_KNOWN_BUGS "register the e2e tests that fail on known, not yet fixed bugs" OFF)
 
-# fu_e2e_exe(NAME): the executable tests/NAME.c, linked with fu_common only.
+# fu_e2e_exe(NAME): the executable tests/NAME.c, linked with the test cluster harness only.
 function(fu_e2e_exe name)
   add_executable(${name} ${CMAKE_CURRENT_SOURCE_DIR}/${name}.c)
-  target_link_libraries(${name} PRIVATE fu_common PkgConfig::CMOCKA)
-  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  target_link_libraries(${name} PRIVATE fu_test_cluster)
   set_target_properties(${name} PROPERTIES LINKER_LANGUAGE C RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
-  add_dependencies(${name} fusion fusion-broker fusion-peer)
 endfunction()
 
 # fu_e2e_case(EXE CASE TIMEOUT [LABELS...]): ctest entry CASE running `EXE CASE`.

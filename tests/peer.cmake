@@ -5,16 +5,13 @@ fu_add_test(test_peer_unit SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_unit.c 
 # The blob cache's size limit: least recently used evicted first, the blob just written and files
 # the cache does not own never.
 fu_add_test(test_peer_cache SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_cache.c LIBS fu_peer TIMEOUT 30)
-fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 240)
-add_dependencies(test_peer_proc fusion-peer)
-fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer TIMEOUT 120
+fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer fu_test_cluster TIMEOUT 240)
+fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer fu_test_cluster TIMEOUT 120
             ARGS --device cuda:0 LABELS gpu)
-add_dependencies(test_peer_gpu fusion-peer)
 # With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
 # stage fails over to the warm backup and the adapter is unchanged.
-fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_common TIMEOUT 240
+fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_test_cluster TIMEOUT 240
             ARGS "*pipeline_equals*")
-add_dependencies(test_peer_broker fusion-peer fusion-broker fusion)
 add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_leave COMMAND test_peer_broker "*leave_keeps*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_enrol COMMAND test_peer_broker "*enrolment*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -32,9 +29,8 @@ set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_
 # peer through the broker) agree and keep the adapter; a dishonest middle stage is caught while the
 # stage after it is not blamed; a stage-0 peer that keeps honest copies of what it corrupts shows up as
 # input mismatches at stage 1. The three-stage cases run 6 peers: RUN_SERIAL.
-fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker TIMEOUT 240
-            ARGS "*sketch*" LABELS peer)
-add_dependencies(test_verify fusion-peer fusion-broker fusion)
+fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker fu_test_cluster
+            TIMEOUT 240 ARGS "*sketch*" LABELS peer)
 add_test(NAME test_verify_input_chunks COMMAND test_verify "*input_chunks*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_bad_messages COMMAND test_verify "*refuses_bad_messages*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_honest COMMAND test_verify "*honest_peers*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)

@@ -2,69 +2,23 @@
  * assigned when a peer joins; idempotent resubmission; a second client can neither see nor cancel
  * the first one's job; a bad spec is refused naming the key; kill -9 and restart lose no
  * acknowledged job and a running job is recovered onto its reconnected peer (time measured). */
+#include <inttypes.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cmocka.h>
 
-#include "test_broker_util.h"
+#include "cluster.h"
+#include "fake_peer.h"
+#include "fu_clock.h"
 
 #define GiB (1ull << 30)
-
-typedef struct {
-    tb_broker b;
-    wire_keypair_t *alice, *bob, *peer, *small;
-    char peer_dir[4300], small_dir[4300];
-    tb_client a, c2;
-    char model[4300];
-    char spec[8192];
-} fx;
-
-static int setup(void **state)
-{
-    fx *f = calloc(1, sizeof *f);
-    tb_broker_init(&f->b, "broker-jobs");
-    f->alice = tb_keygen(f->b.dir, "alice");
-    f->bob = tb_keygen(f->b.dir, "bob");
-    tb_allow(f->b.allow, f->alice);
-    tb_allow(f->b.allow, f->bob);
-    f->peer = tb_keygen(f->b.dir, "p1");
-    tb_allow(f->b.allow, f->peer);
-    snprintf(f->peer_dir, sizeof f->peer_dir, "%s/p1", f->b.dir);
-    f->small = tb_keygen(f->b.dir, "small");
-    tb_allow(f->b.allow, f->small);
-    snprintf(f->small_dir, sizeof f->small_dir, "%s/small", f->b.dir);
-    snprintf(f->model, sizeof f->model, "%s/model", f->b.dir);
-    tb_make_model(f->model);
-    TB_FINETUNE_SPEC(f->model, f->spec, sizeof f->spec);
-    *state = f;
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    fx *f = *state;
-    tb_client_close(&f->a);
-    tb_client_close(&f->c2);
-    wire_keypair_destroy(&f->alice);
-    wire_keypair_destroy(&f->bob);
-    wire_keypair_destroy(&f->peer);
-    wire_keypair_destroy(&f->small);
-    int rc = tb_broker_fini(&f->b);
-    free(f);
-    return rc;
-}
-
-static void start(fx *f)
-{
-    tb_broker_start(&f->b);
-    tb_client_open(&f->a, f->alice, &f->b);
-    if (!tb_wait_up(&f->a, 10000)) {
-        tb_broker_dump_log(&f->b);
-        fail_msg("the broker did not come up");
-    }
-}
 
 static const Fusion__JobStatus *status_of(const wire_msg_t *m)
 {
@@ -75,60 +29,60 @@ static const Fusion__JobStatus *status_of(const wire_msg_t *m)
     return wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
 }
 
+/* Job id is queued, and its status says `says` (printed with `when`). */
+static void assert_queued(tu_broker_fx *f, uint64_t id, const char *when, const char *says)
+{
+    wire_msg_t *m = tu_client_job_status(&f->cl, id);
+    const Fusion__JobStatus *st = status_of(m);
+    print_message("%s the job says: %s\n", when, st->message);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    assert_non_null(strstr(st->message, says));
+    wire_msg_destroy(&m);
+}
+
 static void test_broker_jobs_queued_then_assigned(void **state)
 {
-    fx *f = *state;
-    start(f);
-    wire_msg_t *m = tb_submit(&f->a, f->spec, "q1");
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "q1");
     const Fusion__JobStatus *st = status_of(m);
     uint64_t id = st->job_id;
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     wire_msg_destroy(&m);
     /* no peer: it waits and says why */
     fu_sleep_ms(400);
-    m = tb_job_status(&f->a, id);
-    st = status_of(m);
-    print_message("queued job says: %s\n", st->message);
-    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
-    assert_non_null(strstr(st->message, "waiting for peers"));
-    wire_msg_destroy(&m);
+    assert_queued(f, id, "with no peer", "waiting for peers");
     /* a peer too small for the model: still queued, and the reason is the memory */
-    tb_peer small;
-    tb_peer_start(&small, &f->b, f->small_dir, "small", 1u << 20, 50, "ready");
-    assert_true(tb_peer_expect(&small, "WELCOME", 5000, NULL, 0));
+    tu_fake_peer small;
+    tu_fake_peer_start(&small, f->c, "p2", "small", 1u << 20, 50, "ready");
+    assert_true(tu_fake_peer_expect(&small, "WELCOME", 5000, NULL, 0));
     fu_sleep_ms(300);
-    m = tb_job_status(&f->a, id);
-    st = status_of(m);
-    print_message("with a 1 MiB peer the job says: %s\n", st->message);
-    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
-    assert_non_null(strstr(st->message, "waiting for peers: the model does not fit in the peers' memory"));
-    wire_msg_destroy(&m);
-    tb_peer_stop(&small, SIGKILL);
+    assert_queued(f, id, "with a 1 MiB peer", "waiting for peers: the model does not fit in the peers' memory");
+    tu_fake_peer_stop(&small, SIGKILL);
     /* a peer joins: it gets the stage */
-    const char *dir = f->peer_dir;
     char line[512];
-    tb_peer p;
-    tb_peer_start(&p, &f->b, dir, "p1", 4 * GiB, 50, "ready");
-    assert_true(tb_peer_expect(&p, "ASSIGN", 5000, line, sizeof line));
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p1", "p1", 4 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p, "ASSIGN", 5000, line, sizeof line));
     print_message("peer got: %s\n", line);
     char want[64];
     snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0 resume 0", id);
     assert_memory_equal(line, want, strlen(want));
-    assert_true(tb_peer_expect(&p, "START", 5000, line, sizeof line));
-    m = tb_job_status(&f->a, id);
+    assert_true(tu_fake_peer_expect(&p, "START", 5000, line, sizeof line));
+    m = tu_client_job_status(&f->cl, id);
     st = status_of(m);
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
     assert_int_equal(st->stages, 1);
     wire_msg_destroy(&m);
-    tb_peer_stop(&p, SIGKILL);
+    tu_fake_peer_stop(&p, SIGKILL);
 }
 
 static void test_broker_jobs_idempotent_and_private(void **state)
 {
-    fx *f = *state;
-    start(f);
-    wire_msg_t *m1 = tb_submit(&f->a, f->spec, "same-key");
-    wire_msg_t *m2 = tb_submit(&f->a, f->spec, "same-key");
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    wire_msg_t *m1 = tu_client_submit(&f->cl, f->spec, "same-key");
+    wire_msg_t *m2 = tu_client_submit(&f->cl, f->spec, "same-key");
     uint64_t id = status_of(m1)->job_id;
     assert_int_equal(status_of(m2)->job_id, id);
     assert_string_equal(status_of(m2)->idempotency_key, "same-key");
@@ -137,69 +91,72 @@ static void test_broker_jobs_idempotent_and_private(void **state)
     /* the same key for a different request is refused */
     char other[9000];
     snprintf(other, sizeof other, "{\"model\": \"%s\", \"steps\": 3, \"batch\": 2, \"seq_len\": 8}", f->model);
-    m1 = tb_submit(&f->a, other, "same-key");
+    m1 = tu_client_submit(&f->cl, other, "same-key");
     assert_int_equal(wire_msg_type(m1), FUSION__MSG_TYPE__MSG_ERROR);
     wire_msg_destroy(&m1);
-    /* bob sees nothing of alice's and cannot cancel it */
-    tb_client_open(&f->c2, f->bob, &f->b);
-    m1 = tb_job_status(&f->c2, id);
+    /* another client sees nothing of this one's and cannot cancel it */
+    tu_client bob;
+    tu_client_open(&bob, f->c, "other");
+    m1 = tu_client_job_status(&bob, id);
     assert_non_null(m1);
     assert_int_equal(wire_msg_type(m1), FUSION__MSG_TYPE__MSG_ERROR);
     assert_int_equal(((const Fusion__Error *)wire_msg_body(m1))->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);
     wire_msg_destroy(&m1);
     Fusion__JobRef r = FUSION__JOB_REF__INIT;
     r.job_id = id;
-    m1 = tb_call(&f->c2, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
+    m1 = tu_client_call(&bob, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
     assert_int_equal(wire_msg_type(m1), FUSION__MSG_TYPE__MSG_ERROR);
     assert_int_equal(((const Fusion__Error *)wire_msg_body(m1))->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);
     wire_msg_destroy(&m1);
     Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
     lr.include_done = true;
-    m1 = tb_call(&f->c2, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    m1 = tu_client_call(&bob, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
     assert_int_equal(((const Fusion__JobList *)wire_msg_body(m1))->n_jobs, 0);
     wire_msg_destroy(&m1);
-    m1 = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    m1 = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
     assert_int_equal(((const Fusion__JobList *)wire_msg_body(m1))->n_jobs, 1);
     wire_msg_destroy(&m1);
-    /* alice cancels her job */
-    m1 = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
+    /* its owner cancels it */
+    m1 = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
     assert_int_equal(status_of(m1)->state, FUSION__JOB_STATE__JOB_STATE_CANCELED);
     wire_msg_destroy(&m1);
+    tu_client_close(&bob);
 }
 
 static void test_broker_jobs_bad_spec_says_why(void **state)
 {
-    fx *f = *state;
-    start(f);
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
     char spec[9000];
     snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"stepz\": 3}", f->model);
-    wire_msg_t *m = tb_submit(&f->a, spec, NULL);
+    wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     const Fusion__Error *e = (const Fusion__Error *)wire_msg_body(m);
     print_message("refused: %s\n", e->message);
     assert_int_equal(e->code, FUSION__ERROR_CODE__ERR_INVALID);
     assert_non_null(strstr(e->message, "stepz"));
     wire_msg_destroy(&m);
-    m = tb_submit(&f->a, "{\"model\": \"/nonexistent/model\"}", NULL);
+    m = tu_client_submit(&f->cl, "{\"model\": \"/nonexistent/model\"}", NULL);
     e = (const Fusion__Error *)wire_msg_body(m);
     print_message("refused: %s\n", e->message);
     assert_non_null(strstr(e->message, "/nonexistent/model"));
     wire_msg_destroy(&m);
     /* verification: a fraction of micro-batches, 0..1 */
     snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"verify\": 1.5}", f->model);
-    m = tb_submit(&f->a, spec, NULL);
+    m = tu_client_submit(&f->cl, spec, NULL);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     e = (const Fusion__Error *)wire_msg_body(m);
     print_message("refused: %s\n", e->message);
     assert_non_null(strstr(e->message, "\"verify\" must be a number between 0 and 1"));
     wire_msg_destroy(&m);
     /* a result of a job that is not done is refused with a reason */
-    m = tb_submit(&f->a, f->spec, NULL);
+    m = tu_client_submit(&f->cl, f->spec, NULL);
     uint64_t id = status_of(m)->job_id;
     wire_msg_destroy(&m);
     Fusion__JobResultRequest rr = FUSION__JOB_RESULT_REQUEST__INIT;
     rr.job_id = id;
-    m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ, id, &rr.base, FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, 3000);
+    m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ, id, &rr.base,
+                       FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, 3000);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     assert_non_null(strstr(((const Fusion__Error *)wire_msg_body(m))->message, "queued"));
     wire_msg_destroy(&m);
@@ -207,33 +164,33 @@ static void test_broker_jobs_bad_spec_says_why(void **state)
 
 static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
 {
-    fx *f = *state;
-    start(f);
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
     /* one job running on a peer, three more queued behind it (the only peer is busy) */
-    const char *dir = f->peer_dir;
     char line[512];
-    tb_peer p;
-    tb_peer_start(&p, &f->b, dir, "p1", 4 * GiB, 50, "ready");
-    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p1", "p1", 4 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
     uint64_t ids[4];
     for (int i = 0; i < 4; i++) {
         char key[16];
         snprintf(key, sizeof key, "k%d", i);
-        wire_msg_t *m = tb_submit(&f->a, f->spec, key);
+        wire_msg_t *m = tu_client_submit(&f->cl, f->spec, key);
         ids[i] = status_of(m)->job_id;
         wire_msg_destroy(&m);
     }
-    assert_true(tb_peer_expect(&p, "START", 5000, line, sizeof line));
+    assert_true(tu_fake_peer_expect(&p, "START", 5000, line, sizeof line));
     uint64_t running = strtoull(line + 6, NULL, 16);
     /* kill -9 right after the acknowledgements */
-    assert_int_equal(tb_broker_stop(&f->b, SIGKILL), 128 + SIGKILL);
-    tb_client_close(&f->a);
+    assert_int_equal(tu_broker_stop(f->c, SIGKILL), 128 + SIGKILL);
+    tu_client_close(&f->cl);
     uint64_t t0 = fu_clock_ms();
-    start(f);
+    tu_broker_fx_start(f);
     uint64_t up = fu_clock_ms() - t0;
     Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
     lr.include_done = true;
-    wire_msg_t *m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    wire_msg_t *m =
+        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
     const Fusion__JobList *jl = (const Fusion__JobList *)wire_msg_body(m);
     assert_int_equal(jl->n_jobs, 4);
     for (int i = 0; i < 4; i++) {
@@ -244,33 +201,33 @@ static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
     }
     wire_msg_destroy(&m);
     /* idempotency survives the restart */
-    m = tb_submit(&f->a, f->spec, "k2");
+    m = tu_client_submit(&f->cl, f->spec, "k2");
     assert_int_equal(status_of(m)->job_id, ids[2]);
     wire_msg_destroy(&m);
     /* the peer notices the silence, registers again, and the running job is recovered on it */
-    assert_true(tb_peer_expect(&p, "REHELLO", 8000, NULL, 0));
+    assert_true(tu_fake_peer_expect(&p, "REHELLO", 8000, NULL, 0));
     char want[64];
     snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", running);
     bool got = false;
-    while (!got && tb_peer_expect(&p, "ASSIGN", 15000, line, sizeof line))
+    while (!got && tu_fake_peer_expect(&p, "ASSIGN", 15000, line, sizeof line))
         got = strncmp(line, want, strlen(want)) == 0;
     uint64_t rec = fu_clock_ms() - t0;
     print_message("broker restart: up again in %llu ms; running job %016" PRIx64 " re-assigned to its peer %llu ms "
                   "after the restart\n", (unsigned long long)up, running, (unsigned long long)rec);
     if (!got)
-        tb_broker_dump_log(&f->b);
+        tu_file_show(tu_broker_log(f->c), 40);
     assert_true(got);
-    assert_true(tb_peer_expect(&p, "START", 5000, NULL, 0));
-    m = tb_job_status(&f->a, running);
+    assert_true(tu_fake_peer_expect(&p, "START", 5000, NULL, 0));
+    m = tu_client_job_status(&f->cl, running);
     assert_int_equal(status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
     wire_msg_destroy(&m);
-    tb_peer_stop(&p, SIGKILL);
+    tu_fake_peer_stop(&p, SIGKILL);
 }
 
 static void test_broker_jobs_kill9_mid_burst_keeps_every_ack(void **state)
 {
-    fx *f = *state;
-    start(f);
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
     /* 40 submissions in flight; SIGKILL as soon as the 8th acknowledgement arrives */
     static const char text[] = "the quick brown fox jumps over the lazy dog, again and again and again and again.";
     enum { N = 40 };
@@ -283,31 +240,31 @@ static void test_broker_jobs_kill9_mid_burst_keeps_every_ack(void **state)
         js.spec_json = f->spec;
         js.data.data = (uint8_t *)text;
         js.data.len = sizeof text - 1;
-        assert_int_equal(tb_send(&f->a, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base), FU_OK);
+        assert_int_equal(tu_client_send(&f->cl, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base), FU_OK);
     }
     uint64_t acked[N];
     size_t n_acked = 0;
     while (n_acked < 8) {
-        wire_msg_t *m = tb_recv(&f->a, 5000);
+        wire_msg_t *m = tu_client_recv(&f->cl, 5000);
         assert_non_null(m);
         const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
         if (st)
             acked[n_acked++] = st->job_id;
         wire_msg_destroy(&m);
     }
-    assert_int_equal(tb_broker_stop(&f->b, SIGKILL), 128 + SIGKILL);
+    assert_int_equal(tu_broker_stop(f->c, SIGKILL), 128 + SIGKILL);
     /* acknowledgements that were already on their way count too */
-    for (wire_msg_t *m; n_acked < N && (m = tb_recv(&f->a, 200));) {
+    for (wire_msg_t *m; n_acked < N && (m = tu_client_recv(&f->cl, 200));) {
         const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
         if (st)
             acked[n_acked++] = st->job_id;
         wire_msg_destroy(&m);
     }
-    tb_client_close(&f->a);
-    start(f);
+    tu_broker_fx_start(f);
     Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
     lr.include_done = true;
-    wire_msg_t *m = tb_call(&f->a, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    wire_msg_t *m =
+        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
     const Fusion__JobList *jl = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_LIST);
     assert_non_null(jl);
     print_message("kill -9 mid-burst: %zu of %d submissions acknowledged, %zu jobs in the store after the restart\n",
@@ -324,17 +281,14 @@ static void test_broker_jobs_kill9_mid_burst_keeps_every_ack(void **state)
 
 int main(int argc, char **argv)
 {
-    if (argc > 1 && strcmp(argv[1], "--fake-peer") == 0)
-        return tb_fake_peer_main(argc, argv);
-    if (sodium_init() < 0)
-        return 1;
-    signal(SIGPIPE, SIG_IGN);
+    if (tu_fake_peer_requested(argc, argv))
+        return tu_fake_peer_main(argc, argv);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_broker_jobs_queued_then_assigned, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_jobs_idempotent_and_private, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_jobs_bad_spec_says_why, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_jobs_kill9_restart_loses_nothing, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_jobs_kill9_mid_burst_keeps_every_ack, setup, teardown),
+        tu_broker_test(test_broker_jobs_queued_then_assigned),
+        tu_broker_test(test_broker_jobs_idempotent_and_private),
+        tu_broker_test(test_broker_jobs_bad_spec_says_why),
+        tu_broker_test(test_broker_jobs_kill9_restart_loses_nothing),
+        tu_broker_test(test_broker_jobs_kill9_mid_burst_keeps_every_ack),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

@@ -4,109 +4,62 @@
  * in allow-list mode, garbage bytes on the broker's port, clean stop on SIGTERM. */
 #include <math.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
+#include <sodium.h>
+#include <zmq.h>
 
-#include "test_broker_util.h"
+#include "cluster.h"
+#include "fake_peer.h"
+#include "fu_clock.h"
+#include "testutil.h"
 #include "wire_zap.h"
 
 #define GiB (1ull << 30)
 
-typedef struct {
-    tb_broker b;
-    wire_keypair_t *client;
-    tb_client cl;
-} fx;
-
-static int setup(void **state)
-{
-    fx *f = calloc(1, sizeof *f);
-    tb_broker_init(&f->b, "broker-peers");
-    f->client = tb_keygen(f->b.dir, "client");
-    tb_allow(f->b.allow, f->client);
-    *state = f;
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    fx *f = *state;
-    tb_client_close(&f->cl);
-    wire_keypair_destroy(&f->client);
-    int rc = tb_broker_fini(&f->b);
-    free(f);
-    return rc;
-}
-
-static void start(fx *f)
-{
-    tb_broker_start(&f->b);
-    tb_client_open(&f->cl, f->client, &f->b);
-    if (!tb_wait_up(&f->cl, 10000)) {
-        tb_broker_dump_log(&f->b);
-        fail_msg("the broker did not come up");
-    }
-}
-
-static wire_keypair_t *peer_keys(fx *f, const char *name, char *dir, size_t cap)
-{
-    wire_keypair_t *kp = tb_keygen(f->b.dir, name);
-    tb_allow(f->b.allow, kp);
-    snprintf(dir, cap, "%s/%s", f->b.dir, name);
-    return kp;
-}
-
-static int wait_state(tb_client *cl, const char *key, int want, int timeout_ms)
-{
-    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
-    int st = -1;
-    while (fu_clock_ms() < end) {
-        st = tb_peer_state(cl, key);
-        if (st == want)
-            return st;
-        fu_sleep_ms(50);
-    }
-    return st;
-}
-
 static void test_broker_peers_join_and_leave(void **state)
 {
-    fx *f = *state;
-    char dir[4200], line[512];
-    wire_keypair_t *kp = peer_keys(f, "p1", dir, sizeof dir);
-    start(f);
-    tb_peer p;
-    tb_peer_start(&p, &f->b, dir, "p1", 2 * GiB, 50, "ready");
-    assert_true(tb_peer_expect(&p, "WELCOME", 5000, line, sizeof line));
+    tu_broker_fx *f = *state;
+    char key[41], line[512];
+    tu_key_public(f->c, "p1", key);
+    tu_broker_fx_start(f);
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p1", "p1", 2 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, line, sizeof line));
     assert_string_equal(line, "WELCOME 1000 3000");
-    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
     /* SIGTERM: the peer sends Leave, the broker acknowledges, the peer exits; the registry says gone */
     kill(p.pid, SIGTERM);
-    assert_true(tb_peer_expect(&p, "LEAVE", 3000, NULL, 0));
-    assert_true(tb_peer_expect(&p, "RELEASE", 3000, line, sizeof line));
-    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_DEAD, 3000),
+    assert_true(tu_fake_peer_expect(&p, "LEAVE", 3000, NULL, 0));
+    assert_true(tu_fake_peer_expect(&p, "RELEASE", 3000, line, sizeof line));
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 3000),
                      FUSION__PEER_STATE__PEER_STATE_DEAD);
-    assert_int_equal(tb_peer_stop(&p, SIGTERM), 0);
+    assert_int_equal(tu_fake_peer_stop(&p, SIGTERM), 0);
     /* the same key joins again */
-    tb_peer_start(&p, &f->b, dir, "p1-again", 2 * GiB, 50, "ready");
-    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
-    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+    tu_fake_peer_start(&p, f->c, "p1", "p1-again", 2 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
-    tb_peer_stop(&p, SIGKILL);
+    tu_fake_peer_stop(&p, SIGKILL);
     /* SIGTERM stops the broker cleanly */
-    assert_int_equal(tb_broker_stop(&f->b, SIGTERM), 0);
-    wire_keypair_destroy(&kp);
+    assert_int_equal(tu_broker_stop(f->c, SIGTERM), 0);
 }
 
 /* The link probe: a registered peer gets the payload it asked for, at most 4 MiB, once a minute
  * (then ERR_BUSY); a key that never said PeerHello gets nothing; the bandwidth a heartbeat then
  * reports is what the peer list shows, and an absurd one is not believed. */
-static double listed_link_bw(tb_client *cl, const char *key)
+static double listed_link_bw(tu_client *cl, const char *key)
 {
-    wire_msg_t *m = tb_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    wire_msg_t *m =
+        tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
     assert_non_null(m);
     const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
     double bw = -1;
@@ -119,70 +72,68 @@ static double listed_link_bw(tb_client *cl, const char *key)
 
 static void test_broker_peers_link_probe(void **state)
 {
-    fx *f = *state;
-    char dir[4200];
-    wire_keypair_t *kp = peer_keys(f, "prober", dir, sizeof dir);
-    start(f);
-    tb_client pc;
-    tb_client_open(&pc, kp, &f->b);
+    tu_broker_fx *f = *state;
+    char key[41];
+    tu_key_public(f->c, "p0", key);
+    tu_broker_fx_start(f);
+    tu_client pc;
+    tu_client_open(&pc, f->c, "p0");
     Fusion__LinkProbeRequest rq = FUSION__LINK_PROBE_REQUEST__INIT;
     rq.bytes = 100u << 20;
     /* not registered yet: no payload */
-    wire_msg_t *m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE,
-                            1000);
+    wire_msg_t *m = tu_client_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base,
+                                   FUSION__MSG_TYPE__MSG_LINK_PROBE, 1000);
     assert_true(m == NULL || wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR);
     wire_msg_destroy(&m);
-    tb_fake_hello(&pc, "prober", 2 * GiB, 50);
-    assert_int_equal(wait_state(&f->cl, wire_keypair_public_z85(kp), FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+    tu_client_hello(&pc, "prober", 2 * GiB, 50);
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
-    m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
+    m = tu_client_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_LINK_PROBE);
     const Fusion__LinkProbe *lp = (const Fusion__LinkProbe *)wire_msg_body(m);
     assert_int_equal(lp->data.len, 4u << 20); /* capped */
     wire_msg_destroy(&m);
-    m = tb_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
+    m = tu_client_call(&pc, FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ, 0, &rq.base, FUSION__MSG_TYPE__MSG_LINK_PROBE, 5000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_BUSY);
     wire_msg_destroy(&m);
     /* the measured bandwidth, carried by a heartbeat, replaces the hello's */
-    assert_true(listed_link_bw(&f->cl, wire_keypair_public_z85(kp)) == 1e9);
+    assert_true(listed_link_bw(&f->cl, key) == 1e9);
     Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
     hb.state = FUSION__PEER_STATE__PEER_STATE_IDLE;
     hb.link_bandwidth_bps = 123.5e6;
-    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    assert_int_equal(tu_client_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
     double bw = -1;
     for (int i = 0; i < 40 && bw != 123.5e6; i++, fu_sleep_ms(50))
-        bw = listed_link_bw(&f->cl, wire_keypair_public_z85(kp));
+        bw = listed_link_bw(&f->cl, key);
     assert_true(bw == 123.5e6);
     hb.link_bandwidth_bps = 1e15; /* not believed */
-    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    assert_int_equal(tu_client_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
     hb.link_bandwidth_bps = NAN;
-    assert_int_equal(tb_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    assert_int_equal(tu_client_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
     fu_sleep_ms(200);
-    assert_true(listed_link_bw(&f->cl, wire_keypair_public_z85(kp)) == 123.5e6);
-    tb_client_close(&pc);
-    wire_keypair_destroy(&kp);
+    assert_true(listed_link_bw(&f->cl, key) == 123.5e6);
+    tu_client_close(&pc);
 }
 
 static void test_broker_peers_sigstop_is_dead(void **state)
 {
-    fx *f = *state;
-    char dir[4200];
-    wire_keypair_t *kp = peer_keys(f, "p2", dir, sizeof dir);
-    const char *key = wire_keypair_public_z85(kp);
-    start(f);
-    tb_peer p;
-    tb_peer_start(&p, &f->b, dir, "stopped", 2 * GiB, 50, "ready");
-    assert_true(tb_peer_expect(&p, "WELCOME", 5000, NULL, 0));
-    assert_int_equal(wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+    tu_broker_fx *f = *state;
+    char key[41];
+    tu_key_public(f->c, "p2", key);
+    tu_broker_fx_start(f);
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p2", "stopped", 2 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
     fu_sleep_ms(600); /* let it beat a few times */
     int cores = tu_load_start(0); /* timed: against one busy loop per core (docs/TESTING.md) */
     uint64_t t0 = fu_clock_ms();
     kill(p.pid, SIGSTOP); /* the socket stays open: only the heartbeats tell */
-    int st = wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 8000);
+    int st = tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 8000);
     uint64_t dt = fu_clock_ms() - t0;
     tu_load_stop();
     print_message("heartbeat timeout: a SIGSTOPped peer was declared dead after %llu ms (heartbeat 1000 ms, dead "
@@ -192,43 +143,46 @@ static void test_broker_peers_sigstop_is_dead(void **state)
     assert_true(dt >= 2000); /* not before its silence was long enough */
     /* SIGCONT: its next heartbeat is refused, it registers again and is live */
     kill(p.pid, SIGCONT);
-    assert_true(tb_peer_expect(&p, "REHELLO", 5000, NULL, 0));
-    assert_int_equal(wait_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 5000),
+    assert_true(tu_fake_peer_expect(&p, "REHELLO", 5000, NULL, 0));
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 5000),
                      FUSION__PEER_STATE__PEER_STATE_IDLE);
-    tb_peer_stop(&p, SIGKILL);
-    wire_keypair_destroy(&kp);
+    tu_fake_peer_stop(&p, SIGKILL);
 }
 
 static void test_broker_peers_unknown_key_refused(void **state)
 {
-    fx *f = *state;
-    start(f);
-    wire_keypair_t *stranger = tb_keygen(f->b.dir, "stranger"); /* not on the allow-list */
-    tb_client sc;
-    tb_client_open(&sc, stranger, &f->b);
-    wire_msg_t *m = tb_call(&sc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 1500);
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_keygen(f->c, "stranger", false); /* not on the allow-list */
+    tu_client sc;
+    tu_client_open(&sc, f->c, "stranger");
+    wire_msg_t *m =
+        tu_client_call(&sc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 1500);
     assert_null(m); /* ZAP refused the handshake: nothing reaches the broker */
-    tb_client_close(&sc);
+    tu_client_close(&sc);
     /* the allowed client is still served, and no job was stored for anyone */
     Fusion__JobListRequest lr = FUSION__JOB_LIST_REQUEST__INIT;
     lr.include_done = true;
-    m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
+    m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_LIST_REQ, 0, &lr.base, FUSION__MSG_TYPE__MSG_JOB_LIST, 3000);
     assert_non_null(m);
     assert_int_equal(((const Fusion__JobList *)wire_msg_body(m))->n_jobs, 0);
     wire_msg_destroy(&m);
-    wire_keypair_destroy(&stranger);
 }
 
 static void test_broker_peers_enrolment_token(void **state)
 {
-    fx *f = *state;
-    wire_token_generate(f->b.token);
-    start(f);
-    wire_keypair_t *newcomer = tb_keygen(f->b.dir, "newcomer");
-    tb_client nc;
-    tb_client_open(&nc, newcomer, &f->b);
+    tu_broker_fx *f = *state;
+    char token[WIRE_KEY_Z85_LEN + 1], key[41];
+    wire_token_generate(token);
+    tu_cluster_opts(f->c)->enrol_token = token;
+    tu_broker_fx_start(f);
+    tu_keygen(f->c, "newcomer", false);
+    tu_key_public(f->c, "newcomer", key);
+    tu_client nc;
+    tu_client_open(&nc, f->c, "newcomer");
     /* admitted as "enrolling": anything but Enrol is refused, saying what to do */
-    wire_msg_t *m = tb_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    wire_msg_t *m =
+        tu_client_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_AUTH);
@@ -236,37 +190,33 @@ static void test_broker_peers_enrolment_token(void **state)
     Fusion__Enrol e = FUSION__ENROL__INIT;
     e.token = (char *)"0000000000000000000000000000000000000000";
     e.name = (char *)"newcomer";
-    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
+    m = tu_client_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR); /* wrong token */
     wire_msg_destroy(&m);
-    e.token = f->b.token;
-    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
+    e.token = token;
+    m = tu_client_call(&nc, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base, FUSION__MSG_TYPE__MSG_ENROL_ACK, 3000);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ENROL_ACK);
-    assert_string_equal(((const Fusion__EnrolAck *)wire_msg_body(m))->peer_id, wire_keypair_public_z85(newcomer));
+    assert_string_equal(((const Fusion__EnrolAck *)wire_msg_body(m))->peer_id, key);
     wire_msg_destroy(&m);
     /* now a member: served */
-    m = tb_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    m = tu_client_call(&nc, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_PEER_LIST);
     wire_msg_destroy(&m);
-    tb_client_close(&nc);
+    tu_client_close(&nc);
     /* and on the allow-list file for the next start */
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "grep -cF -e '%s' '%s'", wire_keypair_public_z85(newcomer), f->b.allow), 0);
+    char allow[TU_PATH], *out = NULL;
+    tu_path(f->c, allow, "allow");
+    assert_int_equal(tu_sh(&out, "grep -cF -e '%s' '%s'", key, allow), 0);
     free(out);
-    wire_keypair_destroy(&newcomer);
 }
 
 static void test_broker_peers_garbage_on_the_port(void **state)
 {
-    fx *f = *state;
-    start(f);
-    int port = atoi(strrchr(f->b.endpoint, ':') + 1);
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
     uint8_t junk[4096];
     for (int round = 0; round < 20; round++) {
-        int s = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        assert_int_equal(connect(s, (struct sockaddr *)&a, sizeof a), 0);
+        int s = tu_broker_connect_raw(f->c);
         randombytes_buf(junk, sizeof junk);
         if (round % 4 == 0) /* a ZMTP greeting signature, then junk */
             memcpy(junk, "\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f", 10);
@@ -275,39 +225,37 @@ static void test_broker_peers_garbage_on_the_port(void **state)
         close(s);
     }
     /* the broker still serves */
-    wire_msg_t *m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    wire_msg_t *m =
+        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_PEER_LIST);
     wire_msg_destroy(&m);
-    assert_int_equal(kill(f->b.pid, 0), 0);
+    assert_true(tu_broker_alive(f->c));
     /* an authenticated client sending a malformed body gets an Error, and the broker goes on */
     uint8_t env_junk[] = {0x08, 0x01, 0x10, 13};       /* Envelope{version 1, type JOB_SUBMIT} */
     uint8_t body_junk[] = {0x0a, 0xff, 0xff, 0xff, 0x7f}; /* a string field longer than the frame */
     zmq_send(f->cl.sock, env_junk, sizeof env_junk, ZMQ_SNDMORE);
     zmq_send(f->cl.sock, body_junk, sizeof body_junk, 0);
-    m = tb_recv(&f->cl, 3000);
+    m = tu_client_recv(&f->cl, 3000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
     wire_msg_destroy(&m);
-    m = tb_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
     assert_non_null(m);
     wire_msg_destroy(&m);
 }
 
 int main(int argc, char **argv)
 {
-    if (argc > 1 && strcmp(argv[1], "--fake-peer") == 0)
-        return tb_fake_peer_main(argc, argv);
-    if (sodium_init() < 0)
-        return 1;
-    signal(SIGPIPE, SIG_IGN);
+    if (tu_fake_peer_requested(argc, argv))
+        return tu_fake_peer_main(argc, argv);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_broker_peers_join_and_leave, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_peers_link_probe, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_peers_sigstop_is_dead, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_peers_unknown_key_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_peers_enrolment_token, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_broker_peers_garbage_on_the_port, setup, teardown),
+        tu_broker_test(test_broker_peers_join_and_leave),
+        tu_broker_test(test_broker_peers_link_probe),
+        tu_broker_test(test_broker_peers_sigstop_is_dead),
+        tu_broker_test(test_broker_peers_unknown_key_refused),
+        tu_broker_test(test_broker_peers_enrolment_token),
+        tu_broker_test(test_broker_peers_garbage_on_the_port),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

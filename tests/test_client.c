@@ -6,30 +6,35 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include <cmocka.h>
 
-#include "test_broker_util.h"
+#include "cluster.h"
+#include "fu_clock.h"
+#include "testutil.h"
 
-static tb_broker g_b;
-static char g_model[4300];
+static tu_cluster *g_c;
+static char g_model[TU_PATH];
 static char g_env[3][8600]; /* FUSION_BROKER=… for the first client, the second, the stranger */
 
 static int setup(void **state)
 {
     (void)state;
-    tb_broker_init(&g_b, "client");
+    tu_opts o = tu_opts_broker_alone();
+    g_c = tu_cluster_new("client", &o);
     const char *names[3] = {"alice", "bob", "mallory"};
-    for (int i = 0; i < 3; i++) {
-        wire_keypair_t *kp = tb_keygen(g_b.dir, names[i]);
-        if (i < 2) /* mallory is not on the allow-list */
-            tb_allow(g_b.allow, kp);
-        wire_keypair_destroy(&kp);
-        snprintf(g_env[i], sizeof g_env[i], "FUSION_CONFIG=/nonexistent FUSION_BROKER=%s FUSION_BROKER_KEY=%s/public.key "
-                 "FUSION_KEYS=%s/%s", g_b.endpoint, g_b.keys, g_b.dir, names[i]);
-    }
-    snprintf(g_model, sizeof g_model, "%s/model", g_b.dir);
-    tb_make_model(g_model);
-    tb_broker_start(&g_b);
+    for (int i = 0; i < 3; i++)
+        tu_keygen(g_c, names[i], i < 2); /* mallory is not on the allow-list */
+    tu_path(g_c, g_model, "model");
+    tu_broker_start(g_c);
+    const char *dir = tu_cluster_dir(g_c);
+    for (int i = 0; i < 3; i++)
+        snprintf(g_env[i], sizeof g_env[i],
+                 "FUSION_CONFIG=/nonexistent FUSION_BROKER=%s FUSION_BROKER_KEY=%s/broker/public.key "
+                 "FUSION_KEYS=%s/%s", tu_broker_endpoint(g_c), dir, dir, names[i]);
     char *out = NULL;
     for (int i = 0; i < 100; i++) { /* until it answers */
         if (tu_sh(&out, "%s %s peers", g_env[0], tu_bin("fusion")) == 0)
@@ -45,7 +50,7 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     (void)state;
-    return tb_broker_fini(&g_b) == 0 ? 0 : -1;
+    return tu_cluster_stop(&g_c) == FU_OK ? 0 : -1;
 }
 
 /* Runs `fusion ARGS` as client `who` (0 alice, 1 bob, 2 mallory); returns the exit code. */
@@ -63,11 +68,9 @@ static int as(int who, char **out, const char *fmt, ...)
 static int submit(int who, const char *idem, char id[17])
 {
     char *out = NULL;
-    char data[4300];
-    snprintf(data, sizeof data, "%s/deploy/data/shakespeare.txt", getenv("FUSION_SOURCE_DIR"));
     int rc = as(who, &out, "submit finetune --model %s --data %s --steps 3 --batch 2 --seq-len 16 "
                            "--idempotency-key %s",
-                g_model, data, idem);
+                g_model, tu_cluster_data(g_c), idem);
     if (rc == 0 && out)
         snprintf(id, 17, "%.16s", out);
     free(out);
@@ -83,12 +86,12 @@ static void test_client_connection_settings_come_from_options_env_or_config(void
     assert_non_null(strstr(out, "no broker given: use --broker"));
     free(out);
     /* A config file alone is enough. */
-    char conf[4300];
-    snprintf(conf, sizeof conf, "%s/client.conf", g_b.dir);
+    char conf[TU_PATH];
+    tu_path(g_c, conf, "alice.conf");
     FILE *f = fopen(conf, "w");
     assert_non_null(f);
-    fprintf(f, "# test\nbroker = %s\nbroker-key=%s/public.key\n  keys =  %s/alice  \n", g_b.endpoint, g_b.keys,
-            g_b.dir);
+    fprintf(f, "# test\nbroker = %s\nbroker-key=%s/broker/public.key\n  keys =  %s/alice  \n",
+            tu_broker_endpoint(g_c), tu_cluster_dir(g_c), tu_cluster_dir(g_c));
     fclose(f);
     assert_int_equal(tu_sh(&out, "FUSION_CONFIG=%s %s peers --json", conf, tu_bin("fusion")), 0);
     assert_true(out[0] == '[');
@@ -146,7 +149,7 @@ static void test_client_submit_is_idempotent_and_jobs_are_private(void **state)
     assert_int_equal(as(0, &out, "jobs --active --json"), 0);
     assert_null(strstr(out, a));
     free(out);
-    assert_int_equal(as(0, &out, "result %s -o %s/res", a, g_b.dir), 1);
+    assert_int_equal(as(0, &out, "result %s -o %s/res", a, tu_cluster_dir(g_c)), 1);
     assert_non_null(strstr(out, "a result exists only once it is done"));
     free(out);
 }
@@ -186,10 +189,8 @@ static void test_client_bad_arguments_exit_2(void **state)
     free(out);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_client_connection_settings_come_from_options_env_or_config),
         cmocka_unit_test(test_client_unknown_key_is_refused_with_exit_3),
@@ -197,5 +198,5 @@ int main(void)
         cmocka_unit_test(test_client_wait_reports_why_a_job_is_queued_and_times_out),
         cmocka_unit_test(test_client_bad_arguments_exit_2),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tu_run_tests(argc, argv, tests, setup, teardown);
 }

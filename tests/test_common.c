@@ -204,7 +204,7 @@ static void conf_expect_error(const char *text, fu_err err, const char *suffix)
 {
     conf_fixture *f = conf_new(text);
     fu_errmsg em = {{0}};
-    char want[FU_OPTS_WHY_MAX + 4200];
+    char want[FU_ERRMSG_MAX + 4200];
     assert_int_equal(fu_opts_load_file(&f->cmd, f->path, &em), err);
     snprintf(want, sizeof want, "%s:%s", f->path, suffix);
     assert_string_equal(em.msg, want);
@@ -355,7 +355,7 @@ static void test_common_opts_file_missing_refused(void **state)
 {
     (void)state;
     conf_fixture *f = conf_new("");
-    char missing[4300], want[FU_OPTS_WHY_MAX + 4300];
+    char missing[4300], want[FU_ERRMSG_MAX + 4300];
     fu_errmsg em = {{0}};
     snprintf(missing, sizeof missing, "%s/absent.conf", f->dir);
     assert_int_equal(fu_opts_load_file(&f->cmd, missing, &em), FU_ENOTFOUND);

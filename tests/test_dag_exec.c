@@ -1233,8 +1233,8 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
                                  {"c", 4.0, 1ull << 30, 1e9, 1e-4}};
     dag_partition_opts po = {.tokens_per_micro = 32, .micro_batches = 2, .training = true, .max_stages = 3};
     dag_plan plan;
-    char msg[256];
-    assert_int_equal(dag_partition(g, peers, 3, &po, &plan, msg, sizeof msg), FU_OK);
+    fu_errmsg pem = {{0}};
+    assert_int_equal(dag_partition(g, peers, 3, &po, &plan, &pem), FU_OK);
     assert_true(plan.n_stages >= 2);
     int32_t tok[64], tgt[64];
     tokens_for(tok, 64, 12);

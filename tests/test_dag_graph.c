@@ -45,8 +45,8 @@ static void test_dag_graph_builder_shapes_and_names(void **state)
     dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
     /* embedding + 15 per layer + norm + lm_head + loss */
     assert_int_equal(dag_graph_size(g), 1 + 15 * 2 + 3);
-    char msg[256];
-    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_validate(g, &em), FU_OK);
     int adapters = 0;
     for (size_t i = 0; i < dag_graph_size(g); i++) {
         const dag_node *n = dag_graph_node(g, i);
@@ -94,10 +94,10 @@ static void expect_bad(void (*corrupt)(dag_node *), size_t at, const char *want)
     dag_model_dims d = tiny_dims();
     dag_graph_t *g = build(&d, DAG_ADAPTER_LORA, DAG_HEAD_LOSS);
     corrupt(dag_graph_node_mut(g, at));
-    char msg[256];
-    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_EPROTO);
-    if (!strstr(msg, want))
-        fail_msg("message '%s' lacks '%s'", msg, want);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_validate(g, &em), FU_EPROTO);
+    if (!strstr(em.msg, want))
+        fail_msg("message '%s' lacks '%s'", em.msg, want);
     /* The encoder refuses it too. */
     uint8_t *buf = NULL;
     size_t len = 0;
@@ -150,8 +150,8 @@ static void test_dag_graph_protobuf_round_trip(void **state)
         assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
         assert_true(len > 100);
         dag_graph_t *h = NULL;
-        char msg[256];
-        assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+        fu_errmsg em = {{0}};
+        assert_int_equal(dag_graph_decode(buf, len, &h, &em), FU_OK);
         assert_int_equal(dag_graph_size(h), dag_graph_size(g));
         const dag_model_dims *da = dag_graph_dims(h), *db = dag_graph_dims(g);
         assert_int_equal(da->vocab_size, db->vocab_size);
@@ -168,9 +168,9 @@ static void test_dag_graph_protobuf_round_trip(void **state)
         /* Every truncation is rejected or decodes to a valid graph; never crashes. */
         for (size_t cut = 0; cut < len; cut += 7) {
             dag_graph_t *t = NULL;
-            fu_err e = dag_graph_decode(buf, cut, &t, msg, sizeof msg);
+            fu_err e = dag_graph_decode(buf, cut, &t, &em);
             if (e == FU_OK)
-                assert_int_equal(dag_graph_validate(t, NULL, 0), FU_OK);
+                assert_int_equal(dag_graph_validate(t, NULL), FU_OK);
             else
                 assert_null(t);
             dag_graph_destroy(&t);
@@ -180,8 +180,8 @@ static void test_dag_graph_protobuf_round_trip(void **state)
             uint8_t save = buf[i];
             buf[i] ^= (uint8_t)(1u << (i % 8));
             dag_graph_t *t = NULL;
-            if (dag_graph_decode(buf, len, &t, msg, sizeof msg) == FU_OK)
-                assert_int_equal(dag_graph_validate(t, NULL, 0), FU_OK);
+            if (dag_graph_decode(buf, len, &t, &em) == FU_OK)
+                assert_int_equal(dag_graph_validate(t, NULL), FU_OK);
             dag_graph_destroy(&t);
             buf[i] = save;
         }
@@ -190,9 +190,9 @@ static void test_dag_graph_protobuf_round_trip(void **state)
         dag_graph_destroy(&g);
     }
     dag_graph_t *t = NULL;
-    char msg[256];
-    assert_int_equal(dag_graph_decode((const uint8_t *)"\xff\xff\xff", 3, &t, msg, sizeof msg), FU_EPROTO);
-    assert_int_equal(dag_graph_decode((const uint8_t *)"", 0, &t, msg, sizeof msg), FU_EVERSION);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_decode((const uint8_t *)"\xff\xff\xff", 3, &t, &em), FU_EPROTO);
+    assert_int_equal(dag_graph_decode((const uint8_t *)"", 0, &t, &em), FU_EVERSION);
     assert_null(t);
 }
 
@@ -207,11 +207,11 @@ static void test_dag_graph_decode_rejects_wrong_ids(void **state)
     size_t len = 0;
     assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
     dag_graph_t *h = NULL;
-    char msg[256];
-    assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_decode(buf, len, &h, &em), FU_OK);
     dag_graph_node_mut(h, 4)->inputs[0] = 30;
-    assert_int_equal(dag_graph_validate(h, msg, sizeof msg), FU_EPROTO);
-    assert_non_null(strstr(msg, "node 4"));
+    assert_int_equal(dag_graph_validate(h, &em), FU_EPROTO);
+    assert_non_null(strstr(em.msg, "node 4"));
     free(buf);
     dag_graph_destroy(&h);
     dag_graph_destroy(&g);
@@ -242,10 +242,10 @@ static void expect_bad_head(void (*corrupt)(dag_node *), const char *want)
     dag_model_dims d = tiny_dims();
     dag_graph_t *g = build_salr_head(&d, true, DAG_HEAD_LOSS);
     corrupt(dag_graph_node_mut(g, lm_head_of(g)));
-    char msg[256];
-    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_EPROTO);
-    if (!strstr(msg, want))
-        fail_msg("message '%s' lacks '%s'", msg, want);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_validate(g, &em), FU_EPROTO);
+    if (!strstr(em.msg, want))
+        fail_msg("message '%s' lacks '%s'", em.msg, want);
     dag_graph_destroy(&g);
 }
 
@@ -281,14 +281,14 @@ static void test_dag_graph_salr_lm_head(void **state)
     dag_partition_opts po = {.tokens_per_micro = 1, .micro_batches = 1, .training = false, .max_stages = 1};
     assert_true(dag_cost_stage_memory(g, 0, dag_graph_size(g), &po) <
                 dag_cost_stage_memory(dense, 0, dag_graph_size(dense), &po));
-    char msg[256];
-    assert_int_equal(dag_graph_validate(g, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_graph_validate(g, &em), FU_OK);
     /* The wire form carries it. */
     uint8_t *buf = NULL;
     size_t len = 0;
     assert_int_equal(dag_graph_encode(g, &buf, &len), FU_OK);
     dag_graph_t *h = NULL;
-    assert_int_equal(dag_graph_decode(buf, len, &h, msg, sizeof msg), FU_OK);
+    assert_int_equal(dag_graph_decode(buf, len, &h, &em), FU_OK);
     for (size_t i = 0; i < dag_graph_size(g); i++)
         assert_memory_equal(dag_graph_node(h, i), dag_graph_node(g, i), sizeof(dag_node));
     free(buf);
@@ -343,8 +343,8 @@ static void test_dag_graph_partition_beats_even_split(void **state)
     dag_partition_opts o = train_opts();
     o.max_stages = 3;
     dag_plan plan, even;
-    char msg[512];
-    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, &em), FU_OK);
     assert_int_equal(dag_partition_even(g, peers, 3, &o, &even), FU_OK);
     assert_true(plan.bottleneck_s < 0.8 * even.bottleneck_s);
     /* Stages are contiguous and cover the graph. */
@@ -382,8 +382,8 @@ static void test_dag_graph_partition_cuts_layers_when_vocab_is_small(void **stat
     dag_partition_opts o = train_opts();
     o.max_stages = 2;
     dag_plan plan;
-    char msg[512];
-    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, &em), FU_OK);
     assert_int_equal(plan.n_stages, 2);
     /* Each stage holds some of the twelve layers: the cut is between layers, not before the loss. */
     int32_t last_layer_0 = -1, first_layer_1 = INT32_MAX;
@@ -413,20 +413,20 @@ static void test_dag_graph_partition_respects_memory(void **state)
         {"b", 100.0, whole, 1e9, 1e-4},
     };
     dag_plan plan;
-    char msg[512];
-    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, &em), FU_OK);
     for (size_t s = 0; s < plan.n_stages; s++)
         assert_true(plan.stages[s].mem_bytes <= peers[plan.stages[s].peer].mem_bytes);
     dag_plan_free(&plan);
 
     /* Nothing fits: a clear error. */
     dag_peer_profile tiny[2] = {{"t1", 100.0, whole / 10, 1e9, 1e-4}, {"t2", 100.0, whole / 10, 1e9, 1e-4}};
-    assert_int_equal(dag_partition(g, tiny, 2, &o, &plan, msg, sizeof msg), FU_ENOMEM);
-    assert_non_null(strstr(msg, "does not fit"));
+    assert_int_equal(dag_partition(g, tiny, 2, &o, &plan, &em), FU_ENOMEM);
+    assert_non_null(strstr(em.msg, "does not fit"));
     assert_int_equal(plan.n_stages, 0);
     /* Bad profiles. */
     dag_peer_profile zero[1] = {{"z", 0.0, whole, 1e9, 0}};
-    assert_int_equal(dag_partition(g, zero, 1, &o, &plan, msg, sizeof msg), FU_EINVAL);
+    assert_int_equal(dag_partition(g, zero, 1, &o, &plan, &em), FU_EINVAL);
     dag_graph_destroy(&g);
 }
 
@@ -439,8 +439,8 @@ static void test_dag_graph_partition_link_bound(void **state)
     /* A very slow link makes splitting pointless: one fast-enough peer takes it all. */
     dag_peer_profile peers[2] = {{"p1", 100.0, 64ull << 30, 1e5, 0.01}, {"p2", 100.0, 64ull << 30, 1e5, 0.01}};
     dag_plan plan;
-    char msg[512];
-    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, msg, sizeof msg), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, &em), FU_OK);
     assert_int_equal(plan.n_stages, 1);
     dag_plan_free(&plan);
     dag_graph_destroy(&g);

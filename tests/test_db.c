@@ -539,7 +539,7 @@ static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_
     assert_true(nstages <= 8);
     for (uint32_t i = 0; i < nstages; i++)
         plan[i] = (db_stage_plan){.first = 10 * i, .end = 10 * i + 10, .peer = peer, .lease_deadline_ms = 5000};
-    assert_int_equal(db_stage_assign(db, id, plan, nstages, 1000), FU_OK);
+    assert_int_equal(db_stage_assign(db, id, plan, nstages, NULL, 1000), FU_OK);
     assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 1000), FU_OK);
 }
 
@@ -760,17 +760,26 @@ static void test_db_stage_leases(void **state)
     db_stage_plan overlap[2] = {{0, 11, pa, 1000}, {10, 20, pb, 2000}}; /* [first, end): 10 in both */
     db_stage_plan reversed[1] = {{5, 5, pa, 1000}};                      /* empty */
     db_stage_plan stranger[2] = {{0, 10, pa, 1000}, {10, 20, unknown, 2000}};
-    assert_int_equal(db_stage_assign(db, id, overlap, 2, 0), FU_EINVAL);
-    assert_int_equal(db_stage_assign(db, id, reversed, 1, 0), FU_EINVAL);
-    assert_int_equal(db_stage_assign(db, id, stranger, 2, 0), FU_ENOTFOUND);
+    assert_int_equal(db_stage_assign(db, id, overlap, 2, "planned", 0), FU_EINVAL);
+    assert_int_equal(db_stage_assign(db, id, reversed, 1, "planned", 0), FU_EINVAL);
+    assert_int_equal(db_stage_assign(db, id, stranger, 2, "planned", 0), FU_ENOTFOUND);
     db_stage *st = NULL;
     size_t n = 0;
     assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
     assert_int_equal(n, 0);
     db_stage_array_free(&st, n);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_QUEUED); /* a refused plan does not move the job either */
+    db_job_free(&j);
 
+    /* The plan and the job's move to running are one transaction. */
     db_stage_plan plan[3] = {{0, 10, pa, 1000}, {10, 20, pb, 2000}, {20, 30, NULL, 0}};
-    assert_int_equal(db_stage_assign(db, id, plan, 3, 0), FU_OK);
+    assert_int_equal(db_stage_assign(db, id, plan, 3, "starting: stages assigned", 0), FU_OK);
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_RUNNING);
+    assert_string_equal(j->reason, "starting: stages assigned");
+    db_job_free(&j);
     assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
     assert_int_equal(n, 3);
     assert_int_equal(st[0].state, DB_STAGE_ASSIGNED);
@@ -781,7 +790,6 @@ static void test_db_stage_leases(void **state)
     assert_int_equal(st[2].state, DB_STAGE_PENDING);
     assert_string_equal(st[2].peer, "");
     db_stage_array_free(&st, n);
-    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, NULL, 0), FU_OK);
 
     /* The holder extends; others cannot; a lease is never shortened. */
     assert_int_equal(db_stage_lease_extend(db, id, 0, pa, 1500, 500), FU_OK);
@@ -840,7 +848,7 @@ static void test_db_stage_leases(void **state)
     assert_int_equal(db_stage_expired(db, 99999, &st, &n), FU_OK);
     assert_int_equal(n, 0);
     db_stage_array_free(&st, n);
-    assert_int_equal(db_stage_assign(db, id, plan, 3, 3400), FU_EPERM);
+    assert_int_equal(db_stage_assign(db, id, plan, 3, NULL, 3400), FU_EPERM);
     assert_int_equal(db_stage_reassign(db, id, 1, pa, 9000, 3400), FU_EPERM);
     db_close(&db);
 }
@@ -1179,7 +1187,7 @@ static void test_db_disk_full(void **state)
     }
     assert_int_equal(db_peer_upsert(db, peer, "p", PROFILE, DB_PEER_ACTIVE, 1, NULL), FU_OK);
     db_stage_plan plan[1] = {{0, 10, peer, 100000}};
-    assert_int_equal(db_stage_assign(db, ids[0], plan, 1, 1), FU_OK);
+    assert_int_equal(db_stage_assign(db, ids[0], plan, 1, NULL, 1), FU_OK);
     assert_int_equal(db_job_set_state(db, ids[0], DB_JOB_RUNNING, NULL, 1), FU_OK);
     db_close(&db);
 

@@ -1,4 +1,5 @@
-/* End to end, no faults: a broker, three peers and the client as real processes on loopback.
+/* End to end, no faults: a broker, three peers and the client as real processes on loopback (the
+ * test cluster, tests/cluster.h).
  *   - a LoRA-FA fine-tune through a three-stage pipeline (the peer tests cover two stages) gives the
  *     adapter `fusion run finetune` gives (max abs difference over every tensor <= 1e-5), downloaded
  *     with `fusion result`; `fusion peers` shows each peer's link as its operator stated it
@@ -7,48 +8,80 @@
  *     --adapter-job --dump-logits`, `fusion result`) gives the tokens `fusion run infer --adapter`
  *     gives;
  *   - with --dump-logits the job's result carries the prompt's logits, equal to `fusion run infer
- *     --dump-logits` (known bug: the broker drops InferToken.logits; see docs/TESTING.md).
+ *     --dump-logits`;
  *   - a model with hidden 512 > vocabulary 256 on peers that each hold 2/3 of it runs as a pipeline;
+ *   - `--targets q,v`: the adapter holds exactly the q and v projections, as `fusion run finetune`'s;
  *   - SALR: `fusion model prune --method salr` (every linear pruned, lm_head included), then
  *     `fusion submit finetune --method salr` on the pruned model equals `fusion run finetune --method
  *     salr` on it, and greedy generation through the pipeline with that adapter equals `fusion run
  *     infer`'s. */
-#include "e2e_util.h"
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "cluster.h"
+#include "fu_clock.h"
+#include "fu_file.h"
+#include "fu_safetensors.h"
+#include "testutil.h"
 
 #define PROMPT_TOKENS "116,104,101,32,113,117,105,99,107"
 #define N_PROMPT      9
 
-/* The job ran as a pipeline of at least `want` stages: the broker's plan names stage want-1. */
-static void assert_stages(const e2e_cluster *c, const char *id, int want)
+/* Starts the three-peer e2e cluster (no backups) with the peers' memory cap memory_gb. */
+static tu_cluster *three_peers(const char *tag, const char *memory_gb)
 {
-    char log[E2E_PATH], needle[96];
-    e2e_broker_log(c, log);
-    snprintf(needle, sizeof needle, "job %s stage %d/", id, want - 1);
-    char *bl = e2e_slurp(log);
-    bool ok = strstr(bl, needle) != NULL;
-    free(bl);
+    tu_opts o = tu_opts_default(3);
+    o.peer_memory_gb = memory_gb;
+    tu_cluster *c = tu_cluster_new(tag, &o);
+    tu_cluster_start(c);
+    return c;
+}
+
+/* The job ran as a pipeline of at least `want` stages: the broker's plan names stage want-1. */
+static void assert_stages(const tu_cluster *c, const char *id, int want)
+{
+    bool ok = tu_broker_logged(c, "job %s stage %d/", id, want - 1);
     if (!ok)
-        e2e_show(log, 40);
+        tu_file_show(tu_broker_log(c), 40);
     assert_true(ok);
+}
+
+/* A fine-tune of model with train (a checkpoint every `every` steps) through the pipeline: done, run
+ * as at least `stages` stages, with the adapter `fusion run finetune` gives. Its id in id. */
+static void finetune_as_run(tu_cluster *c, const char *model, const char *train, int every, int stages, char id[17])
+{
+    tu_submit_finetune(c, id, model, "%s --checkpoint-every %d", train, every);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, stages);
+    tu_assert_same_adapter(c, id, model, train);
 }
 
 /* Greedy generation of max_tokens with fine-tune job ftid's adapter through the pipeline (`fusion
  * submit infer --adapter-job`, `fusion result`) gives the text `fusion run infer --adapter` gives.
- * iid receives the inference job's id. */
-static void expect_same_generation(e2e_cluster *c, const char *model, const char *ftid, int max_tokens, char iid[17])
+ * Inference needs less memory than the fine-tune (no optimiser state): two or three stages fit, and
+ * which the planner picks depends on the speeds the peers measured, which a loaded machine changes;
+ * it runs as at least two. */
+static void expect_same_generation(tu_cluster *c, const char *model, const char *ftid, int max_tokens)
 {
-    e2e_submit(c, iid, "infer --model %s --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens %d "
-               "--dump-logits", model, ftid, max_tokens);
-    e2e_wait_done(c, iid, 60);
-    char *out = NULL;
-    assert_int_equal(e2e_fusion(c, &out, "result %s -o 'res-%s'", iid, iid), 0);
-    free(out);
-    char p[E2E_PATH];
-    e2e_path(c, p, "res-%s/output.txt", iid);
-    char *got = e2e_slurp(p);
+    char iid[17];
+    tu_submit(c, iid, "infer --model %s --adapter-job %s --prompt-tokens " PROMPT_TOKENS " --max-tokens %d "
+              "--dump-logits", model, ftid, max_tokens);
+    tu_wait_done(c, iid, 60);
+    tu_result(c, iid);
+    char p[TU_PATH];
+    tu_path(c, p, "res-%s/output.txt", iid);
+    char *got = tu_file_text(p);
     char *want = NULL;
-    int rc = e2e_fusion(c, &want, "run infer -q --threads 1 --model %s --adapter 'res-%s' --prompt-tokens "
-                        PROMPT_TOKENS " --max-tokens %d 2>/dev/null", model, ftid, max_tokens);
+    int rc = tu_fusion(c, &want, "run infer -q --threads 1 --model %s --adapter 'res-%s' --prompt-tokens "
+                       PROMPT_TOKENS " --max-tokens %d 2>/dev/null", model, ftid, max_tokens);
     assert_int_equal(rc, 0);
     size_t wl = strlen(want);
     if (wl && want[wl - 1] == '\n')
@@ -59,72 +92,51 @@ static void expect_same_generation(e2e_cluster *c, const char *model, const char
     assert_string_equal(got, want);
     free(got);
     free(want);
+    assert_stages(c, iid, 2);
 }
 
 /* How many peers `fusion peers --json` lists with a link of want_bps. */
-static int peers_with_link(const e2e_cluster *c, double want_bps)
+static int peers_with_link(const tu_cluster *c, double want_bps)
 {
-    int n = 0;
-    char *out = NULL;
-    if (e2e_fusion(c, &out, "peers --json 2>/dev/null") == 0) {
-        cJSON *arr = cJSON_Parse(out);
-        const cJSON *e;
-        cJSON_ArrayForEach(e, arr)
-        {
-            const cJSON *bw = cJSON_GetObjectItem(e, "link_bandwidth_bps");
-            n += cJSON_IsNumber(bw) && bw->valuedouble == want_bps;
-        }
-        cJSON_Delete(arr);
-    }
-    free(out);
-    return n;
+    tu_peer_seen seen[TU_MAX_PEERS];
+    int n = tu_peers_list(c, seen, TU_MAX_PEERS), k = 0;
+    for (int i = 0; i < n; i++)
+        k += seen[i].link_bps == want_bps;
+    return k;
 }
 
 static void test_e2e_pipeline_finetune_then_infer(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_cluster_init(&c, "e2e-pipeline", 3);
-    c.backups = 0;
-    c.link_mbps = "900"; /* stated by the operator: no probe, and the broker plans with it */
-    e2e_cluster_start(&c);
-    const char *train = E2E_TRAIN_ARGS " --steps 20";
+    tu_opts o = tu_opts_default(3);
+    o.link_mbps = "900"; /* stated by the operator: no probe, and the broker plans with it */
+    tu_cluster *c = tu_cluster_new("e2e-pipeline", &o);
+    tu_cluster_start(c);
+    const char *train = TU_TRAIN_ARGS " --steps 20";
     char id[17];
-    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 5", c.data, train);
-    e2e_wait_done(&c, id, 80);
-    assert_stages(&c, id, 3); /* the memory cap makes the fine-tune need all three */
-    double d = e2e_job_vs_reference(&c, id, "model", train);
-    assert_true(d <= 1e-5);
-    assert_int_equal(peers_with_link(&c, 900e6), 3);
-
-    char iid[17];
-    expect_same_generation(&c, "model", id, 24, iid);
-    /* Inference needs less memory (no optimiser state): two or three stages fit, and which the
-     * planner picks depends on the speeds the peers measured, which a loaded machine changes. */
-    assert_stages(&c, iid, 2);
-    e2e_cluster_stop(&c);
+    finetune_as_run(c, "model", train, 5, 3, id); /* the memory cap makes the fine-tune need all three stages */
+    assert_int_equal(peers_with_link(c, 900e6), 3);
+    expect_same_generation(c, "model", id, 24);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
-/* Known bug (FUSION_E2E_KNOWN_BUGS): the broker accepts dump_logits, the last stage sends
- * InferToken.logits, but broker_on_infer_token never keeps them and the result is output.txt only. */
+/* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
+ * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_cluster_init(&c, "e2e-logits", 3);
-    c.backups = 0;
-    e2e_cluster_start(&c);
+    tu_cluster *c = three_peers("e2e-logits", TU_PEER_MEMORY_GB);
     char iid[17];
-    e2e_submit(&c, iid, "infer --model model --prompt-tokens " PROMPT_TOKENS " --max-tokens 8 --dump-logits");
-    e2e_wait_done(&c, iid, 60);
+    tu_submit(c, iid, "infer --model model --prompt-tokens " PROMPT_TOKENS " --max-tokens 8 --dump-logits");
+    tu_wait_done(c, iid, 60);
     char *out = NULL;
-    assert_int_equal(e2e_fusion(&c, &out, "result %s -o res", iid), 0);
+    assert_int_equal(tu_fusion(c, &out, "result %s -o res", iid), 0);
     free(out);
-    assert_int_equal(e2e_fusion(&c, &out, "run infer -q --threads 1 --model model --prompt-tokens " PROMPT_TOKENS
-                                " --max-tokens 8 --dump-logits ref-logits.bin >/dev/null"), 0);
+    assert_int_equal(tu_fusion(c, &out, "run infer -q --threads 1 --model model --prompt-tokens " PROMPT_TOKENS
+                               " --max-tokens 8 --dump-logits ref-logits.bin >/dev/null"), 0);
     free(out);
-    char p[E2E_PATH];
-    e2e_path(&c, p, "ref-logits.bin");
+    char p[TU_PATH];
+    tu_path(c, p, "ref-logits.bin");
     char *ref = NULL;
     size_t nref = 0;
     fu_errmsg em = {{0}};
@@ -132,16 +144,16 @@ static void test_e2e_pipeline_infer_logits(void **state)
     assert_int_equal(nref, (size_t)N_PROMPT * 256 * sizeof(float));
     /* The pipeline's logits: any result file named logits* (the broker's name for them is open). */
     char *name = NULL;
-    (void)tu_sh(&name, "ls '%s/res' | grep '^logits' | head -n 1", c.dir);
+    (void)tu_sh(&name, "ls '%s/res' | grep '^logits' | head -n 1", tu_cluster_dir(c));
     size_t nl = strlen(name);
     while (nl && (name[nl - 1] == '\n' || name[nl - 1] == ' '))
         name[--nl] = '\0';
     if (nl == 0) {
-        (void)tu_sh(&out, "ls -l '%s/res'", c.dir);
+        (void)tu_sh(&out, "ls -l '%s/res'", tu_cluster_dir(c));
         fail_msg("the result of an inference job submitted with --dump-logits holds no logits file (files: %s); "
                  "the broker drops InferToken.logits", out);
     }
-    e2e_path(&c, p, "res/%s", name);
+    tu_path(c, p, "res/%s", name);
     free(name);
     char *got = NULL;
     size_t ngot = 0;
@@ -159,43 +171,24 @@ static void test_e2e_pipeline_infer_logits(void **state)
     assert_true(worst <= 1e-4);
     free(got);
     free(ref);
-    e2e_cluster_stop(&c);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 static void test_e2e_pipeline_salr(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_cluster_init(&c, "e2e-salr", 3);
-    c.backups = 0;
-    e2e_cluster_start(&c);
+    tu_cluster *c = three_peers("e2e-salr", TU_PEER_MEMORY_GB);
     char *out = NULL;
-    int rc = e2e_fusion(&c, &out, "model prune --method salr --sparsity 0.5 --svd-rank 8 --seed 1 -i model -o pruned");
+    int rc = tu_fusion(c, &out, "model prune --method salr --sparsity 0.5 --svd-rank 8 --seed 1 -i model -o pruned");
     if (rc != 0)
         fail_msg("fusion model prune: exit %d: %s", rc, out);
     assert_non_null(strstr(out, "lm_head pruned")); /* the peers fetch and run a bitmap-encoded head */
     free(out);
-    const char *train = "--method salr " E2E_TRAIN_ARGS " --steps 12";
+    const char *train = "--method salr " TU_TRAIN_ARGS " --steps 12";
     char id[17];
-    e2e_submit(&c, id, "finetune --model pruned --data '%s' %s --checkpoint-every 4", c.data, train);
-    e2e_wait_done(&c, id, 80);
-    char log[E2E_PATH], needle[96];
-    e2e_broker_log(&c, log);
-    snprintf(needle, sizeof needle, "job %s stage 1/", id);
-    char *bl = e2e_slurp(log);
-    bool piped = strstr(bl, needle) != NULL;
-    free(bl);
-    assert_true(piped); /* more than one stage */
-    double d = e2e_job_vs_reference(&c, id, "pruned", train);
-    assert_true(d <= 1e-5);
-    char iid[17];
-    expect_same_generation(&c, "pruned", id, 16, iid);
-    snprintf(needle, sizeof needle, "job %s stage 1/", iid);
-    bl = e2e_slurp(log);
-    piped = strstr(bl, needle) != NULL;
-    free(bl);
-    assert_true(piped);
-    e2e_cluster_stop(&c);
+    finetune_as_run(c, "pruned", train, 4, 2, id); /* more than one stage */
+    expect_same_generation(c, "pruned", id, 16);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* A model whose hidden size is larger than its vocabulary (the byte-level 256 of `fusion model init`
@@ -205,22 +198,19 @@ static void test_e2e_pipeline_salr(void **state)
 static void test_e2e_pipeline_wide_model_splits(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_cluster_init(&c, "e2e-wide", 3);
-    c.backups = 0;
-    c.peer_memory_gb = "0.066"; /* about 2/3 of what the whole job needs: two stages fit, one does not */
-    e2e_cluster_start(&c);
+    /* about 2/3 of what the whole job needs: two stages fit, one does not */
+    tu_cluster *c = three_peers("e2e-wide", "0.066");
     char *out = NULL;
-    assert_int_equal(e2e_fusion(&c, &out, "model init -o wide --layers 4 --hidden 512 --heads 8 --kv-heads 4 "
-                                "--ffn 1376 --vocab 256 --seed 3 >/dev/null"), 0);
+    assert_int_equal(tu_fusion(c, &out, "model init -o wide --layers 4 --hidden 512 --heads 8 --kv-heads 4 "
+                               "--ffn 1376 --vocab 256 --seed 3 >/dev/null"), 0);
     free(out);
-    const char *train = E2E_TRAIN_ARGS " --steps 4";
+    const char *train = TU_TRAIN_ARGS " --steps 4";
     char id[17];
-    e2e_submit(&c, id, "finetune --model wide --data '%s' %s --checkpoint-every 2", c.data, train);
-    e2e_status st;
+    tu_submit_finetune(c, id, "wide", "%s --checkpoint-every 2", train);
+    tu_status st;
     uint64_t end = fu_clock_ms() + 60000;
     do {
-        assert_true(e2e_get_status(&c, id, &st));
+        assert_true(tu_status_get(c, id, &st));
         if (strcmp(st.state, "done") == 0 || strcmp(st.state, "failed") == 0)
             break;
         fu_sleep_ms(50);
@@ -228,16 +218,9 @@ static void test_e2e_pipeline_wide_model_splits(void **state)
     if (strcmp(st.state, "done") != 0)
         fail_msg("job %s on a model with hidden 512 > vocab 256 and peers that hold half of it each: %s: %s", id,
                  st.state, st.message);
-    char log[E2E_PATH], needle[96];
-    e2e_broker_log(&c, log);
-    snprintf(needle, sizeof needle, "job %s stage 1/", id);
-    char *bl = e2e_slurp(log);
-    bool piped = strstr(bl, needle) != NULL;
-    free(bl);
-    assert_true(piped);
-    double d = e2e_job_vs_reference(&c, id, "wide", train);
-    assert_true(d <= 1e-5);
-    e2e_cluster_stop(&c);
+    assert_stages(c, id, 2);
+    tu_assert_same_adapter(c, id, "wide", train);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* `fusion submit finetune --targets q,v` through the pipeline: the adapter holds exactly the q and v
@@ -246,19 +229,12 @@ static void test_e2e_pipeline_wide_model_splits(void **state)
 static void test_e2e_pipeline_targets(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_cluster_init(&c, "e2e-targets", 3);
-    c.backups = 0;
-    e2e_cluster_start(&c);
-    const char *train = E2E_TRAIN_ARGS " --steps 6 --targets q,v";
+    tu_cluster *c = three_peers("e2e-targets", TU_PEER_MEMORY_GB);
+    const char *train = TU_TRAIN_ARGS " --steps 6 --targets q,v";
     char id[17];
-    e2e_submit(&c, id, "finetune --model model --data '%s' %s --checkpoint-every 3", c.data, train);
-    e2e_wait_done(&c, id, 80);
-    assert_stages(&c, id, 2);
-    double d = e2e_job_vs_reference(&c, id, "model", train);
-    assert_true(d <= 1e-5);
-    char path[E2E_PATH];
-    e2e_path(&c, path, "res-%s/adapter_model.safetensors", id);
+    finetune_as_run(c, "model", train, 3, 2, id);
+    char path[TU_PATH];
+    tu_path(c, path, "res-%s/adapter_model.safetensors", id);
     fu_errmsg em = {{0}};
     fu_safetensors *st = NULL;
     assert_int_equal(fu_safetensors_open_file(path, &st, &em), FU_OK);
@@ -273,31 +249,33 @@ static void test_e2e_pipeline_targets(void **state)
     printf("job %s: %zu tensors, %zu of q_proj and %zu of v_proj\n", id, n, q, v);
     assert_true(q > 0 && q == v && q + v == n);
     fu_safetensors_close(&st);
-    char cfg[E2E_PATH];
-    e2e_path(&c, cfg, "res-%s/adapter_config.json", id);
-    char *txt = e2e_slurp(cfg);
+    char cfg[TU_PATH];
+    tu_path(c, cfg, "res-%s/adapter_config.json", id);
+    char *txt = tu_file_text(cfg);
     assert_non_null(strstr(txt, "q_proj"));
     assert_non_null(strstr(txt, "v_proj"));
     assert_null(strstr(txt, "k_proj"));
     free(txt);
-    e2e_cluster_stop(&c);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 int main(int argc, char **argv)
 {
-    /* Used by tests/netns/run.sh: the max abs difference of two adapter files; exit 0 when <= 1e-5. */
+    /* Used by tests/netns/run.sh: the max abs difference of two adapter files; exit 0 when it is at
+     * most TU_ADAPTER_TOL. */
     if (argc == 4 && strcmp(argv[1], "--adapter-diff") == 0) {
+        tu_fail_exits();
         size_t nt = 0;
-        double d = e2e_adapter_diff(argv[2], argv[3], &nt);
+        double d = tu_adapter_diff(argv[2], argv[3], &nt);
         printf("%zu adapter tensors, max |a - b| = %.3g\n", nt, d);
-        return d <= 1e-5 ? 0 : 1;
+        return d <= TU_ADAPTER_TOL ? 0 : 1;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, e2e_teardown),
-        cmocka_unit_test_teardown(test_e2e_pipeline_salr, e2e_teardown),
-        cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, e2e_teardown),
-        cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, e2e_teardown),
-        cmocka_unit_test_teardown(test_e2e_pipeline_targets, e2e_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_salr, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
     };
-    return e2e_main(argc, argv, tests, sizeof tests / sizeof tests[0], "e2e_pipeline");
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

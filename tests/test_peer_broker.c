@@ -1,5 +1,5 @@
 /* fusion-peer with the real fusion-broker and the real client, as processes on loopback (the
- * two-stage cluster of tests/e2e_util.h: an 8-layer model over 60 MiB peers, one warm backup):
+ * two-stage test cluster of tests/cluster.h: an 8-layer model over 60 MiB peers, one warm backup):
  *   - a fine-tune through a two-stage pipeline gives the adapter `fusion run finetune` gives in one
  *     process (same data order, same arithmetic);
  *   - SIGKILL of the last stage's peer mid-job: the broker moves the stage to the warm backup, every
@@ -9,87 +9,84 @@
  *   - enrolment with a token;
  *   - the peers leave on SIGTERM with exit 0.
  * The adapter is downloaded with `fusion result` once the job is done. */
-#include "e2e_util.h"
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
-#include <sodium.h>
+#include <cmocka.h>
+
+#include "cluster.h"
+#include "fu_clock.h"
+#include "wire_zap.h"
 
 #define N_PEERS 3
+#define COMMON  "--rank 4 --batch 4 --seq-len 16 --lr 0.01" /* the options of every fine-tune here */
 
 /* Starts the cluster: 3 peers, one of them a warm backup. */
-static void cluster_start(e2e_cluster *c, const char *tag)
+static tu_cluster *cluster_start(const char *tag)
 {
-    e2e_two_stage_init(c, tag, N_PEERS, 1);
-    e2e_cluster_start(c);
+    tu_opts o = tu_opts_two_stage(N_PEERS, 1);
+    tu_cluster *c = tu_cluster_new(tag, &o);
+    tu_cluster_start(c);
+    return c;
 }
 
-/* `fusion submit finetune` with opts on the cluster's model and text: the job id in id[17]. */
-static void submit(e2e_cluster *c, char id[17], const char *opts)
+/* The broker's log says that job id's stage 1 moved to another peer. */
+static void assert_moved(const tu_cluster *c, const char *id)
 {
-    e2e_submit(c, id, "finetune --model '%s/model' --data '%s' %s", c->dir, c->data, opts);
+    bool moved = tu_broker_logged(c, "job %s: stage 1 moved from", id);
+    if (!moved)
+        tu_file_show(tu_broker_log(c), 30);
+    assert_true(moved);
 }
 
-/* The job's adapter equals `fusion run finetune`'s with run_opts (max abs difference <= 1e-5). */
-static void check_result(e2e_cluster *c, const char *id, const char *run_opts)
+/* Submits a 100-step fine-tune and waits until stage 1 has committed its checkpoint at step 40. */
+static void submit_long(tu_cluster *c, char id[17])
 {
-    double d = e2e_job_vs_reference(c, id, "model", run_opts);
-    assert_true(d <= 1e-5);
+    tu_submit_finetune(c, id, "model", COMMON " --steps 100 --checkpoint-every 20");
+    if (!tu_broker_wait_log(c, 60000, "job %s: checkpoint of stage 1 at step 40 committed", id)) {
+        tu_file_show(tu_broker_log(c), 30);
+        fail_msg("no checkpoint at step 40");
+    }
 }
 
 static void test_peer_broker_pipeline_equals_single_process(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    cluster_start(&c, "peer-broker");
-    const char *common = "--rank 4 --steps 12 --batch 4 --seq-len 16 --lr 0.01";
-    char opts[512], id[17];
-    snprintf(opts, sizeof opts, "%s --micro-batches 1 --checkpoint-every 4", common);
-    submit(&c, id, opts);
-    e2e_wait_done(&c, id, 80);
-    char blog[E2E_PATH], needle[128];
-    e2e_broker_log(&c, blog);
-    snprintf(needle, sizeof needle, "job %s stage 1/2", id);
-    char *bl = e2e_slurp(blog);
-    bool two = strstr(bl, needle) != NULL;
+    tu_cluster *c = cluster_start("peer-broker");
+    char id[17];
+    tu_submit_finetune(c, id, "model", COMMON " --steps 12 --micro-batches 1 --checkpoint-every 4");
+    tu_wait_done(c, id, 80);
+    bool two = tu_broker_logged(c, "job %s stage 1/2", id);
     if (!two)
-        printf("the broker's plan:\n%s\n", bl);
-    free(bl);
+        tu_file_show(tu_broker_log(c), 60);
     assert_true(two); /* the job really ran as a two-stage pipeline */
-    check_result(&c, id, common);
-    e2e_cluster_stop(&c);
+    tu_assert_same_adapter(c, id, "model", COMMON " --steps 12");
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* The last stage's peer goes away mid-job: SIGKILL (dead after the heartbeat timeout) or SIGTERM
  * (Leave: it drains and exits 0). Either way the job ends with the uninterrupted run's adapter. */
 static void lose_stage(int sig)
 {
-    e2e_cluster c;
-    cluster_start(&c, sig == SIGKILL ? "peer-failover" : "peer-leave");
-    const char *common = "--rank 4 --steps 100 --batch 4 --seq-len 16 --lr 0.01";
+    tu_cluster *c = cluster_start(sig == SIGKILL ? "peer-failover" : "peer-leave");
     /* Submit without waiting, kill the last stage's peer after a checkpoint, then wait. */
-    char opts[512], id[17];
-    snprintf(opts, sizeof opts, "%s --checkpoint-every 20", common);
-    submit(&c, id, opts);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    snprintf(needle, sizeof needle, "job %s: checkpoint of stage 1 at step 40 committed", id);
-    if (!e2e_wait_file(blog, needle, 60000)) {
-        e2e_show(blog, 30);
-        fail_msg("no checkpoint at step 40");
-    }
-    int victim = e2e_planned_peer(&c, id, 1, 1000);
+    char id[17];
+    submit_long(c, id);
+    int victim = tu_stage_peer(c, id, 1, 1000);
     printf("%s p%d (stage 1)\n", sig == SIGKILL ? "SIGKILL to" : "SIGTERM to", victim);
-    kill(c.peers[victim], sig);
-    int vcode = e2e_reap(c.peers[victim], 15000);
-    c.peers[victim] = 0;
+    int vcode = tu_peer_stop(c, victim, sig, 15000);
     if (sig == SIGTERM)
         assert_int_equal(vcode, 0); /* Leave, StageRelease, exit 0 */
-    e2e_wait_done(&c, id, 80);
-    snprintf(needle, sizeof needle, "job %s: stage 1 moved from", id);
-    char *bl = e2e_slurp(blog);
-    assert_non_null(strstr(bl, needle));
-    free(bl);
-    check_result(&c, id, common);
-    e2e_cluster_stop(&c);
+    tu_wait_done(c, id, 80);
+    assert_moved(c, id);
+    tu_assert_same_adapter(c, id, "model", COMMON " --steps 100");
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 static void test_peer_broker_failover_keeps_the_adapter(void **state)
@@ -110,28 +107,15 @@ static void test_peer_broker_leave_keeps_the_adapter(void **state)
 static void test_peer_broker_restart_keeps_the_adapter(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    cluster_start(&c, "peer-brestart");
-    const char *common = "--rank 4 --steps 100 --batch 4 --seq-len 16 --lr 0.01";
-    char opts[512], id[17];
-    snprintf(opts, sizeof opts, "%s --checkpoint-every 20", common);
-    submit(&c, id, opts);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    snprintf(needle, sizeof needle, "job %s: checkpoint of stage 1 at step 40 committed", id);
-    if (!e2e_wait_file(blog, needle, 60000)) {
-        e2e_show(blog, 30);
-        fail_msg("no checkpoint at step 40");
-    }
-    printf("SIGKILL to the broker, then a restart on %s\n", c.endpoint);
-    kill(c.broker, SIGKILL);
-    (void)e2e_reap(c.broker, 10000);
-    c.broker = 0;
-    e2e_broker_start(&c); /* the same endpoint and store; its log is broker-2.log */
-    e2e_wait_done(&c, id, 80);
+    tu_cluster *c = cluster_start("peer-brestart");
+    char id[17];
+    submit_long(c, id);
+    printf("SIGKILL to the broker, then a restart on %s\n", tu_broker_endpoint(c));
+    (void)tu_broker_stop(c, SIGKILL);
+    tu_broker_start(c); /* the same endpoint and store; its log is broker-2.log */
+    tu_wait_done(c, id, 80);
     int rejoined = 0;
-    e2e_broker_log(&c, blog);
-    char *bl = e2e_slurp(blog);
+    char *bl = tu_broker_log_text(c);
     for (const char *q = bl; (q = strstr(q, "registered: ")) != NULL; q++) /* "re-registered: " */
         rejoined++;
     for (const char *q = bl; (q = strstr(q, ") joined: ")) != NULL; q++)
@@ -139,29 +123,25 @@ static void test_peer_broker_restart_keeps_the_adapter(void **state)
     free(bl);
     printf("%d peers registered again with the restarted broker\n", rejoined);
     assert_true(rejoined >= 2);
-    check_result(&c, id, common);
-    e2e_cluster_stop(&c);
+    tu_assert_same_adapter(c, id, "model", COMMON " --steps 100");
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* The generated bytes of an inference job (`fusion result`'s output.txt). */
-static char *infer_result(e2e_cluster *c, const char *id, size_t *len)
+static char *infer_result(tu_cluster *c, const char *id, size_t *len)
 {
-    char *out = NULL;
-    int rc = e2e_fusion(c, &out, "result %s -o 'res-%s'", id, id);
-    if (rc != 0)
-        fail_msg("fusion result %s: exit %d: %s", id, rc, out ? out : "");
-    free(out);
-    char p[E2E_PATH];
-    e2e_path(c, p, "res-%s/output.txt", id);
-    char *r = e2e_slurp(p);
+    tu_result(c, id);
+    char p[TU_PATH];
+    tu_path(c, p, "res-%s/output.txt", id);
+    char *r = tu_file_text(p);
     *len = strlen(r);
     return r;
 }
 
-static char *run_infer(e2e_cluster *c, const char *opts, size_t *len)
+static char *run_infer(tu_cluster *c, const char *opts, size_t *len)
 {
     char *out = NULL;
-    int rc = e2e_fusion(c, &out, "run infer --model model %s 2>/dev/null", opts);
+    int rc = tu_fusion(c, &out, "run infer --model model %s 2>/dev/null", opts);
     if (rc != 0)
         fail_msg("fusion run infer failed: %s", out);
     *len = strlen(out);
@@ -170,10 +150,17 @@ static char *run_infer(e2e_cluster *c, const char *opts, size_t *len)
     return out;
 }
 
-/* Submits an inference job: its id in id[17]. */
-static void submit_infer(e2e_cluster *c, char id[17], const char *opts)
+/* Job id's generation through the pipeline equals `fusion run infer` with opts. */
+static void expect_same_text(tu_cluster *c, const char *id, const char *opts, const char *when)
 {
-    e2e_submit(c, id, "infer --model '%s/model' %s", c->dir, opts);
+    size_t n1, n2;
+    char *got = infer_result(c, id, &n1), *want = run_infer(c, opts, &n2);
+    printf("infer %s%s: pipeline %zu bytes, fusion run %zu bytes, %s\n", id, when, n1, n2,
+           n1 == n2 && memcmp(got, want, n1) == 0 ? "identical" : "DIFFERENT");
+    assert_int_equal(n1, n2);
+    assert_memory_equal(got, want, n1);
+    free(got);
+    free(want);
 }
 
 /* Generation through the pipeline gives the tokens `fusion run infer` gives (greedy and seeded
@@ -182,33 +169,25 @@ static void submit_infer(e2e_cluster *c, char id[17], const char *opts)
 static void test_peer_broker_inference_equals_single_process(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    cluster_start(&c, "peer-infer");
+    tu_cluster *c = cluster_start("peer-infer");
     const char *runs[] = {"--prompt 'the quick brown fox' --max-tokens 24",
                           "--prompt 'over the lazy dog' --max-tokens 24 --temperature 0.9 --top-k 40 --seed 5"};
     for (size_t k = 0; k < 2; k++) {
         char id[17];
-        submit_infer(&c, id, runs[k]);
-        e2e_wait_done(&c, id, 60);
-        size_t n1, n2;
-        char *got = infer_result(&c, id, &n1), *want = run_infer(&c, runs[k], &n2);
-        printf("infer %s: pipeline %zu bytes, fusion run %zu bytes, %s\n", id, n1, n2,
-               n1 == n2 && memcmp(got, want, n1) == 0 ? "identical" : "DIFFERENT");
-        assert_int_equal(n1, n2);
-        assert_memory_equal(got, want, n1);
-        free(got);
-        free(want);
+        tu_submit(c, id, "infer --model model %s", runs[k]);
+        tu_wait_done(c, id, 60);
+        expect_same_text(c, id, runs[k], "");
     }
 
     /* Failover mid-generation (greedy): kill the last stage's peer once 100 tokens are out. */
     const char *lng = "--prompt 'the river and the stone' --max-tokens 600";
     char id[17];
-    submit_infer(&c, id, lng);
+    tu_submit(c, id, "infer --model model %s", lng);
     uint64_t end = fu_clock_ms() + 60000;
     long done = 0;
     while (done < 100 && fu_clock_ms() < end) {
         char *out = NULL;
-        (void)e2e_fusion(&c, &out, "status %s", id);
+        (void)tu_fusion(c, &out, "status %s", id);
         const char *at = out ? strstr(out, id) : NULL;
         const char *sl = at ? strchr(at, '/') : NULL;
         if (sl) {
@@ -223,28 +202,13 @@ static void test_peer_broker_inference_equals_single_process(void **state)
         fu_sleep_ms(10);
     }
     assert_true(done >= 100);
-    int victim = e2e_planned_peer(&c, id, 1, 1000);
+    int victim = tu_stage_peer(c, id, 1, 1000);
     printf("killing p%d (stage 1 of the generation) at token %ld\n", victim, done);
-    e2e_peer_kill9(&c, victim);
-    e2e_wait_done(&c, id, 80);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    snprintf(needle, sizeof needle, "job %s: stage 1 moved from", id);
-    char *bl = e2e_slurp(blog);
-    bool moved = strstr(bl, needle) != NULL;
-    free(bl);
-    if (!moved)
-        e2e_show(blog, 30);
-    assert_true(moved);
-    size_t n1, n2;
-    char *got = infer_result(&c, id, &n1), *want = run_infer(&c, lng, &n2);
-    printf("infer %s after failover: pipeline %zu bytes, fusion run %zu bytes, %s\n", id, n1, n2,
-           n1 == n2 && memcmp(got, want, n1) == 0 ? "identical" : "DIFFERENT");
-    assert_int_equal(n1, n2);
-    assert_memory_equal(got, want, n1);
-    free(got);
-    free(want);
-    e2e_cluster_stop(&c);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    tu_wait_done(c, id, 80);
+    assert_moved(c, id);
+    expect_same_text(c, id, lng, " after failover");
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* --enrol-token: a key not on the allow-list enrols with the broker's token, reconnects as a member
@@ -252,85 +216,42 @@ static void test_peer_broker_inference_equals_single_process(void **state)
 static void test_peer_broker_enrolment(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("peer-enrol");
-    assert_non_null(dir);
-    char *out = NULL;
-    int rc = tu_sh(&out, "cd '%s' && for k in broker p0 p1 tok; do '%s' keygen -o $k >/dev/null || exit 1; done && "
-                   ": > allow", dir, tu_bin("fusion"));
-    assert_int_equal(rc, 0);
-    free(out);
-    char tokfile[4096], token[64] = "";
-    snprintf(tokfile, sizeof tokfile, "%s/tok/public.key", dir);
-    char *tk = e2e_slurp(tokfile); /* any 40-char Z85 string is a token; a public key file has one */
-    for (char *line = strtok(tk, "\n"); line; line = strtok(NULL, "\n"))
-        if (line[0] != '#' && strlen(line) == 40)
-            snprintf(token, sizeof token, "%s", line);
-    free(tk);
-    assert_int_equal(strlen(token), 40);
-    char blog[4096], keys[4096], db[4096], allow[4096], bkey[4096];
-    snprintf(blog, sizeof blog, "%s/broker.log", dir);
-    snprintf(keys, sizeof keys, "%s/broker", dir);
-    snprintf(db, sizeof db, "%s/store.db", dir);
-    snprintf(allow, sizeof allow, "%s/allow", dir);
-    snprintf(bkey, sizeof bkey, "%s/broker/public.key", dir);
-    char *bargv[] = {strdup(tu_bin("fusion-broker")), "--bind", "tcp://127.0.0.1:*", "--keys", keys, "--db", db,
-                     "--allow", allow, "--enrol-token", token, "--heartbeat-ms", "300", NULL};
-    pid_t broker = e2e_spawn(blog, bargv);
-    free(bargv[0]);
-    assert_true(e2e_wait_file(blog, "listening on ", 10000));
-    char ep[128] = "";
-    char *bl = e2e_slurp(blog);
-    sscanf(strstr(bl, "listening on ") + 13, "%127s", ep);
-    free(bl);
-    pid_t peers[2];
-    for (int i = 0; i < 2; i++) {
-        char plog[4096], pkeys[4096], cache[4096], name[16];
-        snprintf(plog, sizeof plog, "%s/p%d.log", dir, i);
-        snprintf(pkeys, sizeof pkeys, "%s/p%d", dir, i);
-        snprintf(cache, sizeof cache, "%s/cache%d", dir, i);
-        snprintf(name, sizeof name, "e%d", i);
-        char *pargv[] = {strdup(tu_bin("fusion-peer")), "--broker", ep, "--broker-key", bkey, "--keys", pkeys,
-                         "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name, "--priority", "normal",
-                         "--enrol-token", i == 0 ? token : "0000000000000000000000000000000000000000", NULL};
-        peers[i] = e2e_spawn(plog, pargv);
-        free(pargv[0]);
-    }
-    bool joined = e2e_wait_file(blog, "(e0) joined", 20000);
-    int bad = e2e_reap(peers[1], 20000);
-    char plog1[4096];
-    snprintf(plog1, sizeof plog1, "%s/p1.log", dir);
-    char *l1 = e2e_slurp(plog1);
+    char token[64];
+    wire_token_generate(token);
+    tu_opts o = tu_opts_default(2);
+    o.peers_unlisted = true; /* they must enrol */
+    o.enrol_token = token;
+    o.heartbeat_ms = 300;
+    o.model_args = NULL;
+    tu_cluster *c = tu_cluster_new("peer-enrol", &o);
+    tu_broker_start(c);
+    tu_peer_start(c, 0, "--enrol-token", token, NULL);
+    tu_peer_start(c, 1, "--enrol-token", "0000000000000000000000000000000000000000", NULL);
+    bool joined = tu_broker_wait_log(c, 20000, "(p0) joined");
+    int bad = tu_peer_stop(c, 1, 0, 20000); /* no signal: it exits by itself */
+    char plog1[TU_PATH];
+    tu_path(c, plog1, "p1.log");
+    char *l1 = tu_file_text(plog1);
     printf("wrong token: exit %d: %s", bad, l1);
     bool said = strstr(l1, "enrolment") != NULL;
     free(l1);
     if (!joined)
-        e2e_show(blog, 30);
+        tu_file_show(tu_broker_log(c), 30);
     assert_true(joined);
     assert_int_equal(bad, 3);
     assert_true(said);
-    kill(peers[0], SIGTERM);
-    assert_int_equal(e2e_reap(peers[0], 15000), 0);
-    kill(broker, SIGTERM);
-    (void)e2e_reap(broker, 10000);
-    rc = tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 int main(int argc, char **argv)
 {
-    if (sodium_init() < 0)
-        return 1;
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]); /* one ctest entry per test (tests/peer.cmake) */
-    signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_peer_broker_pipeline_equals_single_process, e2e_teardown),
-        cmocka_unit_test_teardown(test_peer_broker_failover_keeps_the_adapter, e2e_teardown),
-        cmocka_unit_test_teardown(test_peer_broker_leave_keeps_the_adapter, e2e_teardown),
-        cmocka_unit_test_teardown(test_peer_broker_restart_keeps_the_adapter, e2e_teardown),
-        cmocka_unit_test_teardown(test_peer_broker_inference_equals_single_process, e2e_teardown),
-        cmocka_unit_test(test_peer_broker_enrolment),
+        cmocka_unit_test_teardown(test_peer_broker_pipeline_equals_single_process, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_broker_failover_keeps_the_adapter, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_broker_leave_keeps_the_adapter, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_broker_restart_keeps_the_adapter, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_broker_inference_equals_single_process, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_broker_enrolment, tu_teardown),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

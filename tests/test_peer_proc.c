@@ -12,7 +12,6 @@
  * With `--device cuda:0` (test_peer_gpu, label gpu) the peer runs the stage on the CUDA backend
  * and must match the CPU executor within a tolerance; exit 77 without a device. */
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <setjmp.h>
@@ -23,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +29,7 @@
 #include <sodium.h>
 #include <zmq.h>
 
+#include "cluster.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_model.h"
@@ -107,8 +106,7 @@ static const char *g_extra = NULL;        /* one more fusion-peer option for the
 static void env_start(env *e, const char *tag)
 {
     memset(e, 0, sizeof *e);
-    e->dir = tu_tmpdir(tag);
-    assert_non_null(e->dir);
+    e->dir = tu_dir_new(tag);
     fu_errmsg em = {{0}};
     snprintf(e->model_dir, sizeof e->model_dir, "%s/model", e->dir);
     fu_modelcfg_defaults(&e->cfg); /* 2 layers, hidden 64, 4/2 heads, ffn 128, vocab 256 */
@@ -129,14 +127,14 @@ static void env_start(env *e, const char *tag)
     for (size_t i = 0; i < e->n_tokens; i++)
         e->tokens[i] = (int32_t)(fu_rng_next(&r) % e->cfg.vocab_size);
 
-    char why[512], path[4096];
+    char path[4096];
     e->bkp = wire_keypair_generate();
     e->pkp = wire_keypair_generate();
     e->nkp = wire_keypair_generate();
     snprintf(path, sizeof path, "%s/broker", e->dir);
-    assert_int_equal(wire_keypair_save(e->bkp, path, false, why, sizeof why), FU_OK);
+    assert_int_equal(wire_keypair_save(e->bkp, path, false, &em), FU_OK);
     snprintf(path, sizeof path, "%s/peer", e->dir);
-    assert_int_equal(wire_keypair_save(e->pkp, path, false, why, sizeof why), FU_OK);
+    assert_int_equal(wire_keypair_save(e->pkp, path, false, &em), FU_OK);
     snprintf(path, sizeof path, "%s/allow.keys", e->dir);
     FILE *f = fopen(path, "w");
     assert_non_null(f);
@@ -146,7 +144,7 @@ static void env_start(env *e, const char *tag)
     e->ctx = zmq_ctx_new();
     fu_err err;
     wire_zap_cfg zc = {.allow_file = path};
-    e->zap = wire_zap_new(e->ctx, &zc, &err, why, sizeof why);
+    e->zap = wire_zap_new(e->ctx, &zc, &err, &em);
     assert_non_null(e->zap);
     e->router = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
     assert_non_null(e->router);
@@ -158,65 +156,44 @@ static void env_start(env *e, const char *tag)
 
 static void dump_log(const env *e)
 {
-    char *out = NULL;
-    (void)tu_sh(&out, "tail -n 40 '%s'", e->log_path);
-    printf("---- fusion-peer log ----\n%s-------------------------\n", out ? out : "");
-    free(out);
+    tu_file_show(e->log_path, 40);
 }
 
 static void spawn_peer(env *e)
 {
-    char bkey[4096], keys[4096], cache[4096];
+    char bkey[4096], keys[4096], cache[4096], prog[4096];
     snprintf(bkey, sizeof bkey, "%s/broker/public.key", e->dir);
     snprintf(keys, sizeof keys, "%s/peer", e->dir);
     snprintf(cache, sizeof cache, "%s/cache", e->dir);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* no orphans when ctest kills a test on its timeout */
-        int fd = open(e->log_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        if (e->no_listen)
-            execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
-                  "--no-listen", "--cache", cache, "--threads", "1", "--device", g_device, "--drain-timeout", "10",
-                  "--name", "test-peer", "--log-level", "debug", "--priority", g_priority, g_extra, (char *)NULL);
-        else
-            execl(tu_bin("fusion-peer"), "fusion-peer", "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys,
-                  "--data-bind", "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--device", g_device,
-                  "--drain-timeout", "10", "--name", "test-peer", "--log-level", "debug", "--priority", g_priority,
-                  g_extra, (char *)NULL);
-        _exit(127);
+    snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
+    char *argv[32] = {prog, "--broker", e->endpoint, "--broker-key", bkey, "--keys", keys, "--cache", cache,
+                      "--threads", "1", "--device", (char *)g_device, "--drain-timeout", "10", "--name", "test-peer",
+                      "--log-level", "debug", "--priority", (char *)g_priority};
+    int n = 21;
+    if (e->no_listen) {
+        argv[n++] = "--no-listen";
+    } else {
+        argv[n++] = "--data-bind";
+        argv[n++] = "tcp://127.0.0.1:*";
     }
-    e->pid = pid;
+    argv[n++] = (char *)g_extra; /* may be NULL: the end */
+    argv[n] = NULL;
+    e->pid = tu_spawn(e->log_path, argv, NULL);
 }
 
 /* Waits for the peer to exit; its exit code, or -1 on timeout (then it is killed). */
 static int wait_exit(env *e, int timeout_ms)
 {
-    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
-    while (fu_clock_ms() < end) {
-        int st;
-        pid_t r = waitpid(e->pid, &st, WNOHANG);
-        if (r == e->pid) {
-            e->pid = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        }
-        fu_sleep_ms(10);
-    }
-    kill(e->pid, SIGKILL);
-    waitpid(e->pid, NULL, 0);
+    int code = tu_reap(e->pid, timeout_ms);
     e->pid = 0;
-    return -1;
+    return code;
 }
 
 static void env_stop(env *e)
 {
     if (e->pid > 0) {
         kill(e->pid, SIGKILL);
-        waitpid(e->pid, NULL, 0);
+        (void)wait_exit(e, 5000);
     }
     wire_tensor_asm_destroy(&e->asm_);
     wire_seal_destroy(&e->seal);
@@ -231,9 +208,7 @@ static void env_stop(env *e)
     wire_keypair_destroy(&e->nkp);
     fu_safetensors_close(&e->st);
     free(e->tokens);
-    char *out = NULL;
-    (void)tu_sh(&out, "rm -rf '%s'", e->dir);
-    free(out);
+    tu_dir_remove(e->dir);
     free(e->dir);
 }
 
@@ -493,15 +468,30 @@ static void handshake(env *e)
     to_peer(e, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 0, &w.base);
 }
 
+/* A fresh environment and the real fusion-peer connected to it, through the handshake. */
+static void peer_up(env *e, const char *tag)
+{
+    env_start(e, tag);
+    spawn_peer(e);
+    handshake(e);
+}
+
+/* SIGTERM to the peer: its Leave arrives within 5 s. */
+static void expect_leave(env *e)
+{
+    assert_int_equal(kill(e->pid, SIGTERM), 0);
+    wire_msg_t *m = pump(e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+}
+
 /* ---- tests --------------------------------------------------------------------------------- */
 
 static void test_peer_graceful_leave_without_stage(void **state)
 {
     (void)state;
     env e;
-    env_start(&e, "peer-leave");
-    spawn_peer(&e);
-    handshake(&e);
+    peer_up(&e, "peer-leave");
     /* Heartbeats come on the welcome's interval, from the I/O thread. After the welcome the peer
      * times a link probe once; its heartbeats then carry the bandwidth. */
     (void)pump(&e, FUSION__MSG_TYPE__MSG_UNSPECIFIED, 1000, NULL);
@@ -509,10 +499,7 @@ static void test_peer_graceful_leave_without_stage(void **state)
     assert_int_equal(e.probes, 1);
     printf("link from the test's broker: %.1f MB/s\n", e.hb_link_bps / 1e6);
     assert_true(e.hb_link_bps > 1e6);
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    expect_leave(&e);
     int code = wait_exit(&e, 5000);
     if (code != 0)
         dump_log(&e);
@@ -541,37 +528,67 @@ static size_t layer_start(const dag_graph_t *g, int layer)
     return 0;
 }
 
-static void assign_stage0(env *e, const dag_graph_t *g, size_t cut)
+/* Sends StageAssign: nodes [begin, end) of g as stage `stage` of two; this test is the other stage,
+ * downstream of stage 0 at a data socket opened here, or upstream of stage 1 through the broker (the
+ * relay). Received tensors are assembled within asm_budget bytes. */
+static void assign_stage(env *e, const dag_graph_t *g, uint32_t stage, size_t begin, size_t end, const char *spec,
+                         size_t asm_budget)
 {
     uint8_t *dag = NULL;
     size_t dag_len = 0;
     assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
-    fu_err err;
-    e->data = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
-    assert_non_null(e->data);
-    assert_int_equal(zmq_bind(e->data, "tcp://127.0.0.1:*"), 0);
-    assert_int_equal(wire_socket_endpoint(e->data, e->data_ep, sizeof e->data_ep), FU_OK);
-    e->asm_ = wire_tensor_asm_new((size_t)1 << 28);
+    e->asm_ = wire_tensor_asm_new(asm_budget);
     Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
-    nb.role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
     nb.public_key.data = (uint8_t *)wire_keypair_public(e->nkp);
     nb.public_key.len = 32;
-    nb.data_endpoint = e->data_ep;
-    nb.stage_index = 1;
+    nb.stage_index = 1 - stage;
     Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
+    if (stage == 0) {
+        fu_err err;
+        e->data = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
+        assert_non_null(e->data);
+        assert_int_equal(zmq_bind(e->data, "tcp://127.0.0.1:*"), 0);
+        assert_int_equal(wire_socket_endpoint(e->data, e->data_ep, sizeof e->data_ep), FU_OK);
+        nb.role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
+        nb.data_endpoint = e->data_ep;
+    } else {
+        nb.role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
+        nb.data_endpoint = (char *)"";
+        nb.relay = true;
+        a.relay = true;
+    }
     a.job_id = JOB_ID;
-    a.stage_index = 0;
+    a.stage_index = stage;
     a.stage_count = 2;
-    a.node_begin = 0;
-    a.node_end = (uint32_t)cut;
+    a.node_begin = (uint32_t)begin;
+    a.node_end = (uint32_t)end;
     a.n_neighbours = 1;
     a.neighbours = nbs;
     a.dag.data = dag;
     a.dag.len = dag_len;
     a.model_id = (char *)MODEL_ID;
-    a.spec_json = (char *)SPEC;
+    a.spec_json = (char *)spec;
     to_peer(e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
     free(dag);
+}
+
+/* peer_up, then stage 0 of the SPEC job (layer 0 of the test's graph, returned) assigned to the peer. */
+static dag_graph_t *peer_with_stage0(env *e, const char *tag)
+{
+    peer_up(e, tag);
+    dag_graph_t *g = make_graph(e);
+    assign_stage(e, g, 0, 0, layer_start(g, 1), SPEC, (size_t)1 << 28);
+    return g;
+}
+
+/* Sends StageRelease of the job (reason may be NULL: none). */
+static void release_stage(env *e, const char *reason)
+{
+    Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;
+    rel.job_id = JOB_ID;
+    if (reason)
+        rel.reason = (char *)reason;
+    to_peer(e, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, JOB_ID, &rel.base);
 }
 
 static dag_exec_t *ref_exec(const env *e, const dag_graph_t *g, size_t first, size_t last)
@@ -607,12 +624,8 @@ static void test_peer_stage_matches_executor(void **state)
 {
     (void)state;
     env e;
-    env_start(&e, "peer-stage");
-    spawn_peer(&e);
-    handshake(&e);
-    dag_graph_t *g = make_graph(&e);
+    dag_graph_t *g = peer_with_stage0(&e, "peer-stage");
     size_t cut = layer_start(g, 1), n = dag_graph_size(g);
-    assign_stage0(&e, g, cut);
 
     wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
     if (!m)
@@ -755,17 +768,11 @@ static void test_peer_stage_matches_executor(void **state)
     to_peer(&e, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, JOB_ID, &ack.base);
 
     /* Leaving with a stage: Leave, then it waits for StageRelease, then exits 0. */
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    expect_leave(&e);
     int st;
     fu_sleep_ms(300);
     assert_int_equal(waitpid(e.pid, &st, WNOHANG), 0); /* still draining */
-    Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;
-    rel.job_id = JOB_ID;
-    rel.reason = (char *)"job done";
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, JOB_ID, &rel.base);
+    release_stage(&e, "job done");
     int code = wait_exit(&e, 5000);
     if (code != 0)
         dump_log(&e);
@@ -783,12 +790,8 @@ static void test_peer_refuses_weights_with_wrong_hash(void **state)
 {
     (void)state;
     env e;
-    env_start(&e, "peer-hash");
-    e.corrupt = "model.layers.0.self_attn.q_proj.weight";
-    spawn_peer(&e);
-    handshake(&e);
-    dag_graph_t *g = make_graph(&e);
-    assign_stage0(&e, g, layer_start(g, 1));
+    dag_graph_t *g = peer_with_stage0(&e, "peer-hash");
+    e.corrupt = "model.layers.0.self_attn.q_proj.weight"; /* served with a wrong hash when asked for */
     /* No StageReady: the peer asks for the tensor 3 times, then reports an Error. */
     uint64_t end = fu_clock_ms() + 20000;
     while (e.errors == 0 && fu_clock_ms() < end) {
@@ -837,35 +840,10 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
     e.relay_out = wire_socket_new(e.ctx, ZMQ_DEALER, &err);
     assert_int_equal(zmq_bind(e.relay_in, "inproc://test-relay"), 0);
     assert_int_equal(zmq_connect(e.relay_out, "inproc://test-relay"), 0);
-    e.asm_ = wire_tensor_asm_new((size_t)1 << 28);
 
     dag_graph_t *g = make_graph(&e);
     size_t cut = layer_start(g, 1), n = dag_graph_size(g);
-    uint8_t *dag = NULL;
-    size_t dag_len = 0;
-    assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
-    Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
-    nb.role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
-    nb.public_key.data = (uint8_t *)wire_keypair_public(e.nkp);
-    nb.public_key.len = 32;
-    nb.data_endpoint = (char *)"";
-    nb.relay = true;
-    nb.stage_index = 0;
-    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
-    a.job_id = JOB_ID;
-    a.stage_index = 1;
-    a.stage_count = 2;
-    a.node_begin = (uint32_t)cut;
-    a.node_end = (uint32_t)n;
-    a.n_neighbours = 1;
-    a.neighbours = nbs;
-    a.relay = true;
-    a.dag.data = dag;
-    a.dag.len = dag_len;
-    a.model_id = (char *)MODEL_ID;
-    a.spec_json = (char *)SPEC;
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
-    free(dag);
+    assign_stage(&e, g, 1, cut, n, SPEC, (size_t)1 << 28);
 
     wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
     if (!m)
@@ -943,14 +921,9 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
     assert_int_equal(cp->step, 1);
     wire_msg_destroy(&m);
 
-    Fusion__StageRelease rel = FUSION__STAGE_RELEASE__INIT;
-    rel.job_id = JOB_ID;
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, JOB_ID, &rel.base);
+    release_stage(&e, NULL);
     fu_sleep_ms(200);
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    expect_leave(&e);
     assert_int_equal(wait_exit(&e, 5000), 0);
     assert_int_equal(e.errors, 0);
     dag_spec_clear(&sp);
@@ -965,18 +938,11 @@ static void test_peer_second_signal_exits_at_once(void **state)
 {
     (void)state;
     env e;
-    env_start(&e, "peer-sig2");
-    spawn_peer(&e);
-    handshake(&e);
-    dag_graph_t *g = make_graph(&e);
-    assign_stage0(&e, g, layer_start(g, 1));
+    dag_graph_t *g = peer_with_stage0(&e, "peer-sig2");
     wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
     assert_non_null(m);
     wire_msg_destroy(&m);
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    expect_leave(&e);
     fu_sleep_ms(200);
     int st;
     assert_int_equal(waitpid(e.pid, &st, WNOHANG), 0); /* draining: it holds a stage */
@@ -1012,32 +978,9 @@ static void test_peer_heartbeats_while_computing(void **state)
     dag_build_opts o = {.method = DAG_ADAPTER_LORA_FA, .rank = 4, .alpha = 8.0f, .head = DAG_HEAD_LOSS, .seq_len = 256};
     dag_graph_t *g = NULL;
     assert_int_equal(dag_build_llama(&e.dims, &o, &g), FU_OK);
-    uint8_t *dag = NULL;
-    size_t dag_len = 0;
-    assert_int_equal(dag_graph_encode(g, &dag, &dag_len), FU_OK);
-    fu_err err;
-    e.data = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
-    assert_int_equal(zmq_bind(e.data, "tcp://127.0.0.1:*"), 0);
-    assert_int_equal(wire_socket_endpoint(e.data, e.data_ep, sizeof e.data_ep), FU_OK);
-    e.asm_ = wire_tensor_asm_new((size_t)1 << 30);
-    Fusion__Neighbour nb = FUSION__NEIGHBOUR__INIT, *nbs[1] = {&nb};
-    nb.role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
-    nb.public_key.data = (uint8_t *)wire_keypair_public(e.nkp);
-    nb.public_key.len = 32;
-    nb.data_endpoint = e.data_ep;
-    nb.stage_index = 1;
-    Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
-    a.job_id = JOB_ID;
-    a.stage_count = 2;
-    a.node_end = (uint32_t)layer_start(g, 1);
-    a.n_neighbours = 1;
-    a.neighbours = nbs;
-    a.dag.data = dag;
-    a.dag.len = dag_len;
-    a.model_id = (char *)MODEL_ID;
-    a.spec_json = (char *)"{\"steps\": 1, \"batch\": 32, \"seq_len\": 256, \"micro_batches\": 1, \"seed\": 3}";
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, JOB_ID, &a.base);
-    free(dag);
+    assign_stage(&e, g, 0, 0, layer_start(g, 1),
+                 "{\"steps\": 1, \"batch\": 32, \"seq_len\": 256, \"micro_batches\": 1, \"seed\": 3}",
+                 (size_t)1 << 30);
     /* The compute thread works from the assignment on: it loads the stage, then (StageStart) runs
      * the forward. On a machine busy with other work a guest may still be loading when the window
      * opens; the heartbeats must keep their interval either way. */
@@ -1103,9 +1046,7 @@ static void test_peer_pause_reported(void **state)
     env_stop(&e);
 
     /* The owner's own pause, without load. */
-    env_start(&e, "peer-owner-pause");
-    spawn_peer(&e);
-    handshake(&e);
+    peer_up(&e, "peer-owner-pause");
     assert_int_equal(kill(e.pid, SIGUSR1), 0);
     end = fu_clock_ms() + 10000;
     while (e.hb_paused == 0 && fu_clock_ms() < end)
@@ -1117,10 +1058,7 @@ static void test_peer_pause_reported(void **state)
     int paused = e.hb_paused;
     (void)pump(&e, FUSION__MSG_TYPE__MSG_UNSPECIFIED, 1000, NULL);
     assert_int_equal(e.hb_paused, paused); /* no paused heartbeat after the resume */
-    assert_int_equal(kill(e.pid, SIGTERM), 0);
-    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_LEAVE, 5000, NULL);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    expect_leave(&e);
     assert_int_equal(wait_exit(&e, 5000), 0);
     env_stop(&e);
 }
@@ -1138,17 +1076,17 @@ int main(int argc, char **argv)
             return 77;
         }
         g_tol = 2e-3; /* cuBLAS (TF32 off or on) against OpenBLAS */
-        const struct CMUnitTest gpu[] = {cmocka_unit_test(test_peer_stage_matches_executor)};
+        const struct CMUnitTest gpu[] = {cmocka_unit_test_teardown(test_peer_stage_matches_executor, tu_teardown)};
         return cmocka_run_group_tests(gpu, NULL, NULL);
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_peer_graceful_leave_without_stage),
-        cmocka_unit_test(test_peer_stage_matches_executor),
-        cmocka_unit_test(test_peer_refuses_weights_with_wrong_hash),
-        cmocka_unit_test(test_peer_last_stage_relayed_matches_executor),
-        cmocka_unit_test(test_peer_second_signal_exits_at_once),
-        cmocka_unit_test(test_peer_heartbeats_while_computing),
-        cmocka_unit_test(test_peer_pause_reported),
+        cmocka_unit_test_teardown(test_peer_graceful_leave_without_stage, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_stage_matches_executor, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_refuses_weights_with_wrong_hash, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_last_stage_relayed_matches_executor, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_second_signal_exits_at_once, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_heartbeats_while_computing, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_pause_reported, tu_teardown),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

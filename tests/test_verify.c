@@ -1,5 +1,5 @@
 /* Verification of untrusted peers (docs/PIPELINE.md "Verification"), with the real fusion-broker,
- * real fusion-peer processes and the real client on loopback (the clusters of tests/e2e_util.h):
+ * real fusion-peer processes and the real client on loopback (the test clusters of tests/cluster.h):
  *   - the sketch itself: deterministic, linear, seed-dependent, norm exact; the sealed chunks that
  *     carry a stage's input to a verifier: round trip, and every way a chunk is refused;
  *   - the broker refuses malformed verification messages from a registered peer with a sentence (or
@@ -20,10 +20,21 @@
  *     mismatches at stage 1: inconclusive samples, "input-mismatch" events, and both accounts' peers
  *     sink together.
  * The tests print how many verified samples it took. */
-#include "e2e_util.h"
-#include "test_broker_util.h"
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include <cmocka.h>
 #include <sodium.h>
+
+#include "cluster.h"
+#include "fake_peer.h"
+#include "fu_clock.h"
 
 #include "db.h"
 #include "peer_faults.h"
@@ -55,10 +66,10 @@ static int lines_with(const char *bl, const char *id, int stage, const char *wha
 }
 
 /* Events of kind `kind` of job id in the cluster's store whose detail starts with "stage S ". */
-static int events_of(const e2e_cluster *c, const char *id, const char *kind, int stage)
+static int events_of(const tu_cluster *c, const char *id, const char *kind, int stage)
 {
-    char dbp[E2E_PATH], pre[32];
-    e2e_path(c, dbp, "store.db");
+    char dbp[TU_PATH], pre[32];
+    tu_path(c, dbp, "store.db");
     snprintf(pre, sizeof pre, "stage %d ", stage);
     db_t *db = NULL;
     assert_int_equal(db_open(dbp, &db), FU_OK);
@@ -74,17 +85,12 @@ static int events_of(const e2e_cluster *c, const char *id, const char *kind, int
 }
 
 /* Reputation of peer p<i> in the store of c. */
-static double reputation_of(const e2e_cluster *c, int i)
+static double reputation_of(const tu_cluster *c, int i)
 {
-    char key[128] = "", kp[E2E_PATH], dbp[E2E_PATH];
-    e2e_path(c, kp, "p%d/public.key", i);
-    e2e_path(c, dbp, "store.db");
-    char *kt = e2e_slurp(kp);
-    for (char *line = strtok(kt, "\n"); line; line = strtok(NULL, "\n"))
-        if (line[0] != '#' && strlen(line) == DB_KEY_LEN)
-            snprintf(key, sizeof key, "%s", line);
-    free(kt);
-    assert_int_equal(strlen(key), DB_KEY_LEN);
+    char key[41], name[16], dbp[TU_PATH];
+    snprintf(name, sizeof name, "p%d", i);
+    tu_key_public(c, name, key);
+    tu_path(c, dbp, "store.db");
     db_t *db = NULL;
     assert_int_equal(db_open(dbp, &db), FU_OK);
     db_peer *dp = NULL;
@@ -96,10 +102,10 @@ static double reputation_of(const e2e_cluster *c, int i)
 }
 
 /* The job's state in the store. */
-static db_job_state job_state(const e2e_cluster *c, const char *id)
+static db_job_state job_state(const tu_cluster *c, const char *id)
 {
-    char dbp[E2E_PATH];
-    e2e_path(c, dbp, "store.db");
+    char dbp[TU_PATH];
+    tu_path(c, dbp, "store.db");
     db_t *db = NULL;
     assert_int_equal(db_open(dbp, &db), FU_OK);
     db_job *j = NULL;
@@ -191,43 +197,43 @@ static void test_verify_input_chunks(void **state)
     } while (0)
     peer_vin_asm_t *a = peer_vin_asm_new(8u << 20);
     bool done = false;
-    char why[256];
+    fu_errmsg em = {{0}};
     peer_vin_id got_id;
     uint8_t *got = NULL;
     size_t got_len = 0;
     assert_int_equal(peer_vin_asm_take(a, &got_id, &got, &got_len), FU_EAGAIN);
     CHUNK(2);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk2, sk2, &done, why, sizeof why), FU_EAUTH); /* not our key */
-    printf("another key: %s\n", why);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk2, sk2, &done, &em), FU_EAUTH); /* not our key */
+    printf("another key: %s\n", em.msg);
     vi.seed = 100; /* the message says another sample than the sealed header */
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EAUTH);
-    printf("another sample: %s\n", why);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EAUTH);
+    printf("another sample: %s\n", em.msg);
     vi.seed = id.seed;
     vi.offset = 0; /* geometry that does not fit the index */
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EPROTO);
-    printf("bad offset: %s\n", why);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EPROTO);
+    printf("bad offset: %s\n", em.msg);
     CHUNK(2);
     vi.payload.len--;
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EPROTO);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EPROTO);
     CHUNK(2);
     vi.chunk_count = 4;
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EPROTO);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EPROTO);
     vi.chunk_count = (uint32_t)nch;
     CHUNK(2);
     vi.unavailable = (char *)"gone";
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EINVAL);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EINVAL);
     vi.unavailable = (char *)"";
     /* The genuine chunks, out of order, with a duplicate in between. */
     CHUNK(2);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_OK);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_OK);
     assert_false(done);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_EPROTO);
-    printf("duplicate: %s\n", why);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_EPROTO);
+    printf("duplicate: %s\n", em.msg);
     CHUNK(0);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_OK);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_OK);
     assert_false(done);
     CHUNK(1);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_OK);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_OK);
     assert_true(done);
     assert_int_equal(peer_vin_asm_take(a, &got_id, &got, &got_len), FU_OK);
     assert_int_equal(got_len, total);
@@ -241,8 +247,8 @@ static void test_verify_input_chunks(void **state)
     /* Over the budget. */
     a = peer_vin_asm_new(1u << 20);
     CHUNK(0);
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_ENOMEM);
-    printf("over budget: %s\n", why);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_ENOMEM);
+    printf("over budget: %s\n", em.msg);
     peer_vin_asm_destroy(&a);
     /* More inputs in progress than slots (or than the budget holds): the oldest is dropped. */
     a = peer_vin_asm_new(total * PEER_VIN_SLOTS);
@@ -257,7 +263,7 @@ static void test_verify_input_chunks(void **state)
         vi.offset = 0;
         vi.payload.data = c0;
         vi.payload.len = l0;
-        assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_OK);
+        assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_OK);
         assert_false(done);
         free(c0);
     }
@@ -270,7 +276,7 @@ static void test_verify_input_chunks(void **state)
     vi.seed = o.seed;
     vi.payload.data = c0;
     vi.payload.len = l0;
-    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, why, sizeof why), FU_OK);
+    assert_int_equal(peer_vin_asm_feed(a, &vi, pk, sk, &done, &em), FU_OK);
     free(c0);
     peer_vin_asm_destroy(&a);
 #undef CHUNK
@@ -280,11 +286,11 @@ static void test_verify_input_chunks(void **state)
 }
 
 /* Waits for an Error answering a message of type `about`; its text (static) or NULL. */
-static const char *expect_error(tb_client *cl, Fusion__MsgType about, Fusion__ErrorCode code)
+static const char *expect_error(tu_client *cl, Fusion__MsgType about, Fusion__ErrorCode code)
 {
     static char text[512];
     for (uint64_t end = fu_clock_ms() + 3000; fu_clock_ms() < end;) {
-        wire_msg_t *m = tb_recv(cl, 500);
+        wire_msg_t *m = tu_client_recv(cl, 500);
         if (!m)
             continue;
         const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
@@ -307,18 +313,18 @@ static const char *expect_error(tb_client *cl, Fusion__MsgType about, Fusion__Er
 static void test_verify_broker_refuses_bad_messages(void **state)
 {
     (void)state;
-    tb_broker b;
-    tb_broker_init(&b, "verify-bad");
-    wire_keypair_t *pk = tb_keygen(b.dir, "peer");
-    tb_allow(b.allow, pk);
-    tb_broker_start(&b);
-    tb_client cl;
-    tb_client_open(&cl, pk, &b);
-    assert_true(tb_wait_up(&cl, 10000));
-    tb_fake_hello(&cl, "bad", 1ull << 30, 10);
+    tu_opts o = tu_opts_broker_alone();
+    o.model_args = NULL;
+    tu_cluster *c = tu_cluster_new("verify-bad", &o);
+    tu_keygen(c, "peer", true);
+    tu_broker_start(c);
+    tu_client cl;
+    tu_client_open(&cl, c, "peer");
+    assert_true(tu_client_wait_up(&cl, 10000));
+    tu_client_hello(&cl, "bad", 1ull << 30, 10);
     wire_msg_t *m = NULL;
     for (uint64_t end = fu_clock_ms() + 5000; !m && fu_clock_ms() < end;) {
-        m = tb_recv(&cl, 500);
+        m = tu_client_recv(&cl, 500);
         if (m && wire_msg_type(m) != FUSION__MSG_TYPE__MSG_PEER_WELCOME)
             wire_msg_destroy(&m);
     }
@@ -334,33 +340,33 @@ static void test_verify_broker_refuses_bad_messages(void **state)
     vi.chunk_count = 1;
     vi.payload.data = payload;
     vi.payload.len = sizeof payload;
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
     const char *why = expect_error(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, FUSION__ERROR_CODE__ERR_INVALID);
     assert_non_null(why);
     printf("VerifyInput for stage 0: %s\n", why);
     vi.stage_index = 1;
     vi.verifier_key.len = 5; /* not a key */
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
     assert_non_null(expect_error(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, FUSION__ERROR_CODE__ERR_INVALID));
     vi.stage_index = 100000; /* out of range */
     vi.verifier_key.len = sizeof key;
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
     assert_non_null(expect_error(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, FUSION__ERROR_CODE__ERR_INVALID));
     /* Well-formed but about no sample in flight: dropped (a late delivery is normal). */
     vi.stage_index = 1;
     vi.unavailable = (char *)"not held";
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_INPUT, 0x77, &vi.base), FU_OK);
     double sk[WIRE_VERIFY_SKETCH_K] = {0};
     Fusion__VerifySketch vs = FUSION__VERIFY_SKETCH__INIT;
     vs.job_id = 0x77;
     vs.stage_index = 3;
     vs.n_sketch = 3; /* wrong length, and no sample */
     vs.sketch = sk;
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, 0x77, &vs.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, 0x77, &vs.base), FU_OK);
     /* Broker-bound only: VerifyDeliver and VerifyRequest come from the broker, not to it. */
     Fusion__VerifyDeliver vd = FUSION__VERIFY_DELIVER__INIT;
     vd.stage_index = 1;
-    assert_int_equal(tb_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER, 0x77, &vd.base), FU_OK);
+    assert_int_equal(tu_client_send(&cl, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER, 0x77, &vd.base), FU_OK);
     why = expect_error(&cl, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER, FUSION__ERROR_CODE__ERR_UNKNOWN_TYPE);
     assert_non_null(why);
     printf("VerifyDeliver to the broker: %s\n", why);
@@ -368,82 +374,78 @@ static void test_verify_broker_refuses_bad_messages(void **state)
     Fusion__VerifyRequest vr = FUSION__VERIFY_REQUEST__INIT;
     vr.stage_index = 1;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_VERIFY_REQUEST, .job_id = 0x77, .sequence = ++cl.seq,
-                  .relay_to = wire_keypair_public_z85(pk)};
+                  .relay_to = wire_keypair_public_z85(cl.kp)};
     assert_int_equal(wire_send(cl.sock, NULL, 0, &h, &vr.base), FU_OK);
     why = expect_error(&cl, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST, FUSION__ERROR_CODE__ERR_INVALID);
     assert_non_null(why);
     printf("relayed VerifyRequest: %s\n", why);
     /* Still serving. */
     Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
-    m = tb_call(&cl, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_HEARTBEAT, 3000);
+    m = tu_client_call(&cl, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_HEARTBEAT, 3000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_HEARTBEAT);
     wire_msg_destroy(&m);
-    tb_client_close(&cl);
-    wire_keypair_destroy(&pk);
-    assert_int_equal(tb_broker_fini(&b), 0);
+    tu_client_close(&cl);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* Two stages (3 peers, one backup: a verifier of stage 0), verify 1.0 over honest peers. */
 static void test_verify_honest_peers_agree(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    e2e_two_stage_init(&c, "verify-honest", 3, 1);
-    e2e_cluster_start(&c);
+    tu_opts o = tu_opts_two_stage(3, 1);
+    tu_cluster *c = tu_cluster_new("verify-honest", &o);
+    tu_cluster_start(c);
     const char *common = "--rank 4 --steps 12 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2";
     char id[17];
-    e2e_submit(&c, id, "finetune --model '%s/model' --data '%s' %s " VERIFY_OPTS, c.dir, c.data, common);
-    e2e_wait_done(&c, id, 90);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    char *bl = e2e_slurp(blog);
-    snprintf(needle, sizeof needle, "job %s stage 0/2 on", id);
-    assert_non_null(strstr(bl, needle)); /* a two-stage pipeline */
+    tu_submit_finetune(c, id, "model", "%s " VERIFY_OPTS, common);
+    tu_wait_done(c, id, 90);
+    assert_true(tu_broker_logged(c, "job %s stage 0/2 on", id)); /* a two-stage pipeline */
+    char *bl = tu_broker_log_text(c);
     int agree = lines_with(bl, id, 0, ": agree ("), disagree = count_of(bl, "DISAGREE"),
         skipped = count_of(bl, "sample skipped"), mismatch = count_of(bl, "INPUT MISMATCH");
     printf("job %s: %d samples of stage 0 agreed, %d disagreed, %d input mismatches, %d skipped (12 steps x 2 "
            "micro-batches, eligible every 2nd step: 12 possible per stage; the one backup verifies stage 0)\n", id,
            agree, disagree, mismatch, skipped);
     if (agree == 0 || disagree != 0)
-        e2e_show(blog, 40);
+        tu_file_show(tu_broker_log(c), 40);
     free(bl);
     assert_int_equal(disagree, 0);
     assert_int_equal(mismatch, 0);
     assert_true(agree >= 6); /* most samples ran (a few may find the backup still warming up) */
-    assert_int_equal(events_of(&c, id, "verified", 0), agree); /* the store records them */
+    assert_int_equal(events_of(c, id, "verified", 0), agree); /* the store records them */
     /* Verification changed nothing in the result. */
-    assert_true(e2e_job_vs_reference(&c, id, "model", common) <= 1e-5);
-    e2e_cluster_stop(&c);
+    tu_assert_same_adapter(c, id, "model", common);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* Once every stage of job id is ready, peer pI starts to cheat (the hook's file DIR/corrupt.pI). */
+static void corrupt_once_ready(const tu_cluster *c, const char *id, int i)
+{
+    assert_true(tu_broker_wait_log(c, 30000, "job %s: every stage is ready", id));
+    char flag[TU_PATH];
+    tu_path(c, flag, "corrupt.p%d", i);
+    FILE *f = fopen(flag, "w");
+    assert_non_null(f);
+    fclose(f);
 }
 
 /* A dishonest stage-`stage` peer of a `n_stages`-stage job: armed once every stage is ready, caught
  * after a few disagreeing samples, released, its stage failed over, never assigned again; the job
  * finishes. Returns the cheater's index. */
-static int catch_cheater(e2e_cluster *c, const char *id, int stage, int n_stages)
+static int catch_cheater(tu_cluster *c, const char *id, int stage, int n_stages)
 {
-    char blog[E2E_PATH], needle[200];
-    e2e_broker_log(c, blog);
-    int cheat = e2e_planned_peer(c, id, stage, 30000);
-    snprintf(needle, sizeof needle, "job %s stage %d/%d on ", id, stage, n_stages);
-    char *bl = e2e_slurp(blog);
-    bool planned = strstr(bl, needle) != NULL;
-    free(bl);
-    assert_true(planned);
+    char needle[200];
+    int cheat = tu_stage_peer(c, id, stage, 30000);
+    assert_true(tu_broker_logged(c, "job %s stage %d/%d on ", id, stage, n_stages));
     /* Once the job runs, the stage's peer starts to cheat (its outputs x 1.5). */
-    snprintf(needle, sizeof needle, "job %s: every stage is ready", id);
-    assert_true(e2e_wait_file(blog, needle, 30000));
-    char flag[E2E_PATH];
-    e2e_path(c, flag, "corrupt.p%d", cheat);
-    FILE *f = fopen(flag, "w");
-    assert_non_null(f);
-    fclose(f);
+    corrupt_once_ready(c, id, cheat);
     printf("p%d (stage %d of %d) now scales its outputs by %.1f\n", cheat, stage, n_stages, (double)PEER_CORRUPT_SCALE);
     /* `fusion status` tells the tally while the job runs (once there is one). */
     bool tallied = false, ran = false;
-    e2e_status st;
+    tu_status st;
     for (uint64_t end = fu_clock_ms() + 20000; !tallied && fu_clock_ms() < end; fu_sleep_ms(50)) {
-        if (!e2e_get_status(c, id, &st))
+        if (!tu_status_get(c, id, &st))
             continue;
         if (strcmp(st.state, "running") != 0 && strcmp(st.state, "queued") != 0)
             break;
@@ -452,12 +454,12 @@ static int catch_cheater(e2e_cluster *c, const char *id, int stage, int n_stages
     }
     printf("fusion status: %s\n", tallied ? st.message : "(the job ended before a status showed the tally)");
     assert_true(tallied || !ran);
-    e2e_wait_done(c, id, 100);
-    bl = e2e_slurp(blog);
+    tu_wait_done(c, id, 100);
+    char *bl = tu_broker_log_text(c);
     snprintf(needle, sizeof needle, "(p%d) is below the reputation threshold", cheat);
     const char *det = strstr(bl, needle);
     if (!det)
-        e2e_show(blog, 40);
+        tu_file_show(tu_broker_log(c), 40);
     assert_non_null(det);
     unsigned failed = 0, checked = 0;
     const char *after = strstr(det, "after ");
@@ -472,9 +474,9 @@ static int catch_cheater(e2e_cluster *c, const char *id, int stage, int n_stages
     snprintf(needle, sizeof needle, "(p%d) is a warm backup", cheat);
     assert_null(strstr(det, needle));
     free(bl);
-    char plog[E2E_PATH];
-    e2e_path(c, plog, "p%d.log", cheat);
-    char *pl = e2e_slurp(plog);
+    char plog[TU_PATH];
+    tu_path(c, plog, "p%d.log", cheat);
+    char *pl = tu_file_text(plog);
     int assigned = count_of(pl, ": assigned stage ");
     free(pl);
     printf("p%d was assigned %d stage(s) in all\n", cheat, assigned);
@@ -490,17 +492,15 @@ static int catch_cheater(e2e_cluster *c, const char *id, int stage, int n_stages
  * each disagreement and the honest verifier keeps its reputation. */
 static void dishonest(int n_peers)
 {
-    e2e_cluster c;
-    e2e_two_stage_init(&c, n_peers > 3 ? "verify-cheat3" : "verify-cheat", n_peers, n_peers > 3 ? 3 : 1);
-    c.corrupt_mode = "scale";
-    e2e_cluster_start(&c);
+    tu_opts o = tu_opts_two_stage(n_peers, n_peers > 3 ? 3 : 1);
+    o.corrupt_mode = "scale";
+    tu_cluster *c = tu_cluster_new(n_peers > 3 ? "verify-cheat3" : "verify-cheat", &o);
+    tu_cluster_start(c);
     char id[17];
-    e2e_submit(&c, id, "finetune --model '%s/model' --data '%s' --rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 "
-               "--micro-batches 2 " VERIFY_OPTS, c.dir, c.data);
-    int cheat = catch_cheater(&c, id, 0, 2);
-    char blog[E2E_PATH];
-    e2e_broker_log(&c, blog);
-    char *bl = e2e_slurp(blog);
+    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
+                       VERIFY_OPTS);
+    int cheat = catch_cheater(c, id, 0, 2);
+    char *bl = tu_broker_log_text(c);
     int thirds = count_of(bl, "for a third opinion"), sided = count_of(bl, "sides with the verifier");
     free(bl);
     printf("%d peers: %d disagreements went to a third opinion, %d sided with the verifier\n", n_peers, thirds,
@@ -511,7 +511,7 @@ static void dishonest(int n_peers)
         assert_int_equal(thirds, 0);
     double worst_honest = 1;
     for (int i = 0; i < n_peers; i++) {
-        double r = reputation_of(&c, i);
+        double r = reputation_of(c, i);
         printf("p%d: reputation %.2f in the store%s\n", i, r, i == cheat ? " (the dishonest one)" : "");
         if (i != cheat && r < worst_honest)
             worst_honest = r;
@@ -520,7 +520,7 @@ static void dishonest(int n_peers)
         assert_true(worst_honest >= 0.999); /* the third opinion sided with the honest verifier */
     else
         assert_true(worst_honest >= 0.7 && worst_honest < 1); /* no third opinion: the verifier paid a little */
-    e2e_cluster_stop(&c);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 static void test_verify_dishonest_peer_is_caught(void **state)
@@ -537,13 +537,15 @@ static void test_verify_dishonest_peer_third_opinion(void **state)
 
 /* The three-stage cluster: the e2e model over 6 peers, 3 running the stages and 3 warm backups (one
  * per stage: every stage has a verifier). */
-static void three_stages(e2e_cluster *c, const char *tag, const char *corrupt_mode)
+static tu_cluster *three_stages(const char *tag, const char *corrupt_mode)
 {
-    e2e_cluster_init(c, tag, 6);
-    c->backups = 3;
-    c->heartbeat_ms = 300;
-    c->corrupt_mode = corrupt_mode;
-    e2e_cluster_start(c);
+    tu_opts o = tu_opts_default(6);
+    o.backups = 3;
+    o.heartbeat_ms = 300;
+    o.corrupt_mode = corrupt_mode;
+    tu_cluster *c = tu_cluster_new(tag, &o);
+    tu_cluster_start(c);
+    return c;
 }
 
 /* Every stage of a three-stage job verified over honest peers: stages 1 and 2 get their inputs from
@@ -552,15 +554,13 @@ static void three_stages(e2e_cluster *c, const char *tag, const char *corrupt_mo
 static void test_verify_every_stage_honest(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    three_stages(&c, "verify-stages", NULL);
-    const char *train = E2E_TRAIN_ARGS " --steps 12 --micro-batches 2";
+    tu_cluster *c = three_stages("verify-stages", NULL);
+    const char *train = TU_TRAIN_ARGS " --steps 12 --micro-batches 2";
     char id[17];
-    e2e_submit(&c, id, "finetune --model '%s/model' --data '%s' %s " VERIFY_OPTS, c.dir, c.data, train);
-    e2e_wait_done(&c, id, 100);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    char *bl = e2e_slurp(blog);
+    tu_submit_finetune(c, id, "model", "%s " VERIFY_OPTS, train);
+    tu_wait_done(c, id, 100);
+    char needle[160];
+    char *bl = tu_broker_log_text(c);
     snprintf(needle, sizeof needle, "job %s stage 2/3 on", id);
     bool three = strstr(bl, needle) != NULL;
     for (int s = 0; s < 3; s++) {
@@ -568,7 +568,7 @@ static void test_verify_every_stage_honest(void **state)
         three = three && strstr(bl, needle);
     }
     if (!three)
-        e2e_show(blog, 40);
+        tu_file_show(tu_broker_log(c), 40);
     assert_true(three); /* three stages, a warm backup (verifier) for each */
     int agree[3], disagree = count_of(bl, "DISAGREE"), mismatch = count_of(bl, "INPUT MISMATCH"),
                   skipped = count_of(bl, "sample skipped");
@@ -577,18 +577,18 @@ static void test_verify_every_stage_honest(void **state)
     printf("job %s: samples agreed per stage %d / %d / %d, %d disagreed, %d input mismatches, %d skipped (12 "
            "possible per stage)\n", id, agree[0], agree[1], agree[2], disagree, mismatch, skipped);
     if (disagree || mismatch || agree[1] < 4 || agree[2] < 4)
-        e2e_show(blog, 60);
+        tu_file_show(tu_broker_log(c), 60);
     free(bl);
     assert_int_equal(disagree, 0);
     assert_int_equal(mismatch, 0);
     for (int s = 0; s < 3; s++) {
         assert_true(agree[s] >= 4); /* most samples ran (a few find a backup still warming up) */
-        assert_int_equal(events_of(&c, id, "verified", s), agree[s]);
+        assert_int_equal(events_of(c, id, "verified", s), agree[s]);
     }
-    for (int i = 0; i < c.n_peers; i++)
-        assert_true(reputation_of(&c, i) >= 0.999);
-    assert_true(e2e_job_vs_reference(&c, id, "model", train) <= 1e-5);
-    e2e_cluster_stop(&c);
+    for (int i = 0; i < tu_cluster_n_peers(c); i++)
+        assert_true(reputation_of(c, i) >= 0.999);
+    tu_assert_same_adapter(c, id, "model", train);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* A dishonest middle stage (stage 1 of 3): caught, released, failed over, no more work; the job
@@ -597,16 +597,12 @@ static void test_verify_every_stage_honest(void **state)
 static void test_verify_middle_stage_cheater(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    three_stages(&c, "verify-middle", "scale");
+    tu_cluster *c = three_stages("verify-middle", "scale");
     char id[17];
-    e2e_submit(&c, id, "finetune --model '%s/model' --data '%s' " E2E_TRAIN_ARGS " --steps 60 --micro-batches 2 "
-               VERIFY_OPTS, c.dir, c.data);
-    int stage2 = e2e_planned_peer(&c, id, 2, 30000);
-    int cheat = catch_cheater(&c, id, 1, 3);
-    char blog[E2E_PATH];
-    e2e_broker_log(&c, blog);
-    char *bl = e2e_slurp(blog);
+    tu_submit_finetune(c, id, "model", TU_TRAIN_ARGS " --steps 60 --micro-batches 2 " VERIFY_OPTS);
+    int stage2 = tu_stage_peer(c, id, 2, 30000);
+    int cheat = catch_cheater(c, id, 1, 3);
+    char *bl = tu_broker_log_text(c);
     int dis[3], agree2 = lines_with(bl, id, 2, ": agree ("), mismatch = count_of(bl, "INPUT MISMATCH");
     for (int s = 0; s < 3; s++)
         dis[s] = lines_with(bl, id, s, "DISAGREE");
@@ -618,14 +614,14 @@ static void test_verify_middle_stage_cheater(void **state)
     assert_true(dis[1] >= 1);
     assert_true(agree2 >= 1);
     assert_int_equal(mismatch, 0);
-    for (int i = 0; i < c.n_peers; i++) {
-        double r = reputation_of(&c, i);
+    for (int i = 0; i < tu_cluster_n_peers(c); i++) {
+        double r = reputation_of(c, i);
         printf("p%d: reputation %.2f%s\n", i, r, i == cheat ? " (the dishonest one)" : i == stage2 ? " (stage 2)" : "");
         if (i != cheat)
             assert_true(r >= 0.7); /* at most stage 1's verifier paid 0.05 per disagreement */
     }
-    assert_true(reputation_of(&c, stage2) >= 0.999);
-    e2e_cluster_stop(&c);
+    assert_true(reputation_of(c, stage2) >= 0.999);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* A stage-0 peer that lies: it sends scaled activations to stage 1 but keeps (and sketches, and
@@ -638,27 +634,17 @@ static void test_verify_middle_stage_cheater(void **state)
 static void test_verify_input_mismatch(void **state)
 {
     (void)state;
-    e2e_cluster c;
-    three_stages(&c, "verify-lie", "lie");
-    char id[17];
-    e2e_submit(&c, id, "finetune --model '%s/model' --data '%s' " E2E_TRAIN_ARGS " --steps 80 --micro-batches 2 "
-               VERIFY_OPTS, c.dir, c.data);
-    int liar = e2e_planned_peer(&c, id, 0, 30000), next = e2e_planned_peer(&c, id, 1, 30000);
-    char blog[E2E_PATH], needle[160];
-    e2e_broker_log(&c, blog);
-    snprintf(needle, sizeof needle, "job %s: every stage is ready", id);
-    assert_true(e2e_wait_file(blog, needle, 30000));
-    char flag[E2E_PATH];
-    e2e_path(&c, flag, "corrupt.p%d", liar);
-    FILE *f = fopen(flag, "w");
-    assert_non_null(f);
-    fclose(f);
+    tu_cluster *c = three_stages("verify-lie", "lie");
+    char id[17], needle[160];
+    tu_submit_finetune(c, id, "model", TU_TRAIN_ARGS " --steps 80 --micro-batches 2 " VERIFY_OPTS);
+    int liar = tu_stage_peer(c, id, 0, 30000), next = tu_stage_peer(c, id, 1, 30000);
+    corrupt_once_ready(c, id, liar);
     printf("p%d (stage 0) now sends scaled activations to p%d (stage 1) but keeps the honest ones\n", liar, next);
-    e2e_wait_done(&c, id, 150);
-    char *bl = e2e_slurp(blog);
+    tu_wait_done(c, id, 150);
+    char *bl = tu_broker_log_text(c);
     int mism = lines_with(bl, id, 1, "INPUT MISMATCH"), dis1 = lines_with(bl, id, 1, "DISAGREE"),
         dis0 = lines_with(bl, id, 0, "DISAGREE");
-    int events = events_of(&c, id, "input-mismatch", 1);
+    int events = events_of(c, id, "input-mismatch", 1);
     printf("job %s: %d input mismatches at stage 1 (%d events), %d disagreements at stage 1, %d at stage 0\n", id, mism,
            events, dis1, dis0);
     snprintf(needle, sizeof needle, "(p%d) is below the reputation threshold", liar);
@@ -666,7 +652,7 @@ static void test_verify_input_mismatch(void **state)
     snprintf(needle, sizeof needle, "job %s: stage 0 moved from", id);
     bool moved0 = strstr(bl, needle) != NULL;
     if (!liar_out || !moved0 || mism < 1)
-        e2e_show(blog, 60);
+        tu_file_show(tu_broker_log(c), 60);
     free(bl);
     assert_true(mism >= 17); /* 1.0 - 17 x 0.05 < 0.2 */
     assert_int_equal(events, mism);
@@ -674,34 +660,29 @@ static void test_verify_input_mismatch(void **state)
     assert_int_equal(dis1, 0); /* inconclusive, never a disagreement */
     assert_true(liar_out);
     assert_true(moved0);
-    double rl = reputation_of(&c, liar), rn = reputation_of(&c, next);
+    double rl = reputation_of(c, liar), rn = reputation_of(c, next);
     printf("p%d (the liar): reputation %.2f; p%d (its honest downstream): %.2f\n", liar, rl, next, rn);
     assert_true(rl < 0.2);
     assert_true(rn < 0.2); /* the documented collateral: the broker cannot tell which of the two lied */
-    for (int i = 0; i < c.n_peers; i++)
+    for (int i = 0; i < tu_cluster_n_peers(c); i++)
         if (i != liar && i != next)
-            assert_true(reputation_of(&c, i) >= 0.999);
-    assert_int_equal(job_state(&c, id), DB_JOB_DONE);
-    e2e_cluster_stop(&c);
+            assert_true(reputation_of(c, i) >= 0.999);
+    assert_int_equal(job_state(c, id), DB_JOB_DONE);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 int main(int argc, char **argv)
 {
-    if (sodium_init() < 0)
-        return 1;
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]); /* one ctest entry per test (tests/peer.cmake) */
-    signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_verify_sketch_properties),
         cmocka_unit_test(test_verify_input_chunks),
-        cmocka_unit_test(test_verify_broker_refuses_bad_messages),
-        cmocka_unit_test_teardown(test_verify_honest_peers_agree, e2e_teardown),
-        cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, e2e_teardown),
-        cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, e2e_teardown),
-        cmocka_unit_test_teardown(test_verify_every_stage_honest, e2e_teardown),
-        cmocka_unit_test_teardown(test_verify_middle_stage_cheater, e2e_teardown),
-        cmocka_unit_test_teardown(test_verify_input_mismatch, e2e_teardown),
+        cmocka_unit_test_teardown(test_verify_broker_refuses_bad_messages, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_honest_peers_agree, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_every_stage_honest, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_middle_stage_cheater, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_input_mismatch, tu_teardown),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

@@ -113,8 +113,8 @@ static void write_allow_list(fixture *f, const wire_keypair_t *kp)
 static void test_wire_curve_available_here(void **state)
 {
     (void)state;
-    char why[256] = "";
-    assert_int_equal(wire_curve_available(why, sizeof why), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_curve_available(&em), FU_OK);
 }
 
 static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
@@ -123,11 +123,11 @@ static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
     wire_keypair_t *alice = new_kp(f);
     write_allow_list(f, alice);
     wire_zap_cfg cfg = {.allow_file = f->allow_path};
-    char why[256] = "";
+    fu_errmsg em = {{0}};
     fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, &em);
     if (!f->zap)
-        print_message("wire_zap_new: %s\n", why);
+        print_message("wire_zap_new: %s\n", em.msg);
     assert_non_null(f->zap);
     start_server(f);
     client_send(f, alice, wire_keypair_public(f->server_kp));
@@ -151,7 +151,7 @@ static void test_wire_curve_unknown_key_refused(void **state)
     write_allow_list(f, alice);
     wire_zap_cfg cfg = {.allow_file = f->allow_path};
     fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL);
     assert_non_null(f->zap);
     start_server(f);
     client_send(f, mallory, wire_keypair_public(f->server_kp));
@@ -201,10 +201,10 @@ static void test_wire_curve_enrolment_by_token(void **state)
     wire_token_generate(token);
     wire_zap_cfg cfg = {.allow_file = f->allow_path, .enrol_token = token}; /* file does not exist yet */
     fu_err rc;
-    char why[256] = "";
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why);
+    fu_errmsg em = {{0}};
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, &em);
     if (!f->zap)
-        print_message("wire_zap_new: %s\n", why);
+        print_message("wire_zap_new: %s\n", em.msg);
     assert_non_null(f->zap);
     start_server(f);
     wire_keypair_t *bob = new_kp(f), *eve = new_kp(f);
@@ -244,7 +244,7 @@ static void test_wire_curve_enrolment_by_token(void **state)
     /* bob's key was appended to the allow-list file and a fresh handler admits him as a member */
     uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
     size_t n = 0;
-    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, why, sizeof why), FU_OK);
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, &em), FU_OK);
     assert_int_equal(n, 1);
     assert_memory_equal(keys[0], wire_keypair_public(bob), WIRE_KEY_BYTES);
     free(keys);
@@ -264,14 +264,14 @@ static void test_wire_curve_enrolment_disabled_without_token(void **state)
     fixture *f = *state;
     wire_zap_cfg cfg = {0};
     fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL);
     assert_non_null(f->zap);
     char token[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(token);
     wire_keypair_t *bob = new_kp(f);
     assert_int_equal(wire_zap_enrol(f->zap, wire_keypair_public_z85(bob), token), FU_EAUTH);
     /* a second handler in the same context is refused */
-    wire_zap_t *again = wire_zap_new(f->ctx, &cfg, &rc, NULL, 0);
+    wire_zap_t *again = wire_zap_new(f->ctx, &cfg, &rc, NULL);
     assert_null(again);
     assert_int_equal(rc, FU_EEXIST);
 }
@@ -285,18 +285,18 @@ static void test_wire_curve_allow_list_parsing(void **state)
     fclose(fp);
     uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
     size_t n = 0;
-    char why[256] = "";
-    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, why, sizeof why), FU_EINVAL);
-    print_message("allow-list: %s\n", why);
-    assert_non_null(strstr(why, "line 3"));
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, &em), FU_EINVAL);
+    print_message("allow-list: %s\n", em.msg);
+    assert_non_null(strstr(em.msg, "line 3"));
     assert_null(keys);
     wire_zap_cfg cfg = {.allow_file = f->allow_path};
     fu_err rc;
-    assert_null(wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why));
+    assert_null(wire_zap_new(f->ctx, &cfg, &rc, &em));
     assert_int_equal(rc, FU_EINVAL);
     cfg.allow_file = NULL;
     cfg.enrol_token = "too-short";
-    assert_null(wire_zap_new(f->ctx, &cfg, &rc, why, sizeof why));
+    assert_null(wire_zap_new(f->ctx, &cfg, &rc, &em));
     assert_int_equal(rc, FU_EINVAL);
 }
 

@@ -59,8 +59,8 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
     assert_int_equal(mode_of(scratch, "k1"), 0700);
 
     wire_keypair_t *kp = NULL;
-    char why[512] = "";
-    assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
     assert_non_null(strstr(out, wire_keypair_public_z85(kp))); /* what it printed is what it wrote */
     char first[WIRE_KEY_Z85_LEN + 1];
     strcpy(first, wire_keypair_public_z85(kp));
@@ -73,7 +73,7 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
     assert_non_null(strstr(out, "refusing to overwrite"));
     assert_non_null(strstr(out, "--force"));
     free(out);
-    assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_OK);
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
     assert_string_equal(wire_keypair_public_z85(kp), first);
     wire_keypair_destroy(&kp);
 
@@ -81,7 +81,7 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
     assert_int_equal(tu_sh(&out, "%s keygen -o '%s' --force", tu_bin("fusion"), dir), 0);
     free(out);
     assert_int_equal(mode_of(dir, WIRE_SECRET_KEY_FILE), 0600);
-    assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_OK);
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
     assert_string_not_equal(wire_keypair_public_z85(kp), first);
     wire_keypair_destroy(&kp);
 
@@ -100,23 +100,23 @@ static void test_wire_keys_loose_permissions_refused(void **state)
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/k2", scratch);
     wire_keypair_t *kp = wire_keypair_generate();
-    char why[512] = "";
-    assert_int_equal(wire_keypair_save(kp, dir, false, why, sizeof why), FU_OK);
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_keypair_save(kp, dir, false, &em), FU_OK);
     wire_keypair_destroy(&kp);
     char sk[4300];
     snprintf(sk, sizeof sk, "%s/%s", dir, WIRE_SECRET_KEY_FILE);
     const mode_t loose[] = {0640, 0604, 0660, 0644, 0601, 0610};
     for (size_t i = 0; i < sizeof loose / sizeof loose[0]; i++) {
         assert_int_equal(chmod(sk, loose[i]), 0);
-        why[0] = '\0';
-        assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_EPERM);
+        em.msg[0] = '\0';
+        assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_EPERM);
         assert_null(kp);
-        assert_non_null(strstr(why, "group or others"));
-        assert_non_null(strstr(why, "chmod 600"));
-        assert_non_null(strstr(why, sk));
+        assert_non_null(strstr(em.msg, "group or others"));
+        assert_non_null(strstr(em.msg, "chmod 600"));
+        assert_non_null(strstr(em.msg, sk));
     }
     assert_int_equal(chmod(sk, 0400), 0); /* stricter is fine */
-    assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_OK);
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
     wire_keypair_destroy(&kp);
     assert_int_equal(chmod(sk, 0600), 0);
 
@@ -131,48 +131,48 @@ static void test_wire_keys_loose_permissions_refused(void **state)
     snprintf(pub2, sizeof pub2, "%s/%s", dir2, WIRE_PUBLIC_KEY_FILE);
     assert_int_equal(symlink(sk, link_path), 0);
     assert_int_equal(symlink(pub, pub2), 0);
-    assert_int_equal(wire_keypair_load(dir2, &kp, why, sizeof why), FU_EPERM);
-    assert_non_null(strstr(why, "symbolic link"));
+    assert_int_equal(wire_keypair_load(dir2, &kp, &em), FU_EPERM);
+    assert_non_null(strstr(em.msg, "symbolic link"));
 }
 
 static void test_wire_keys_bad_files_refused(void **state)
 {
     (void)state;
-    char why[512] = "";
+    fu_errmsg em = {{0}};
     wire_keypair_t *kp = NULL;
     /* missing */
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/none", scratch);
-    assert_int_equal(wire_keypair_load(dir, &kp, why, sizeof why), FU_ENOTFOUND);
-    assert_non_null(strstr(why, "fusion keygen"));
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_ENOTFOUND);
+    assert_non_null(strstr(em.msg, "fusion keygen"));
 
     /* a public key that is not the secret key's */
     char d1[4200], d2[4200];
     snprintf(d1, sizeof d1, "%s/a", scratch);
     snprintf(d2, sizeof d2, "%s/b", scratch);
     wire_keypair_t *a = wire_keypair_generate(), *b = wire_keypair_generate();
-    assert_int_equal(wire_keypair_save(a, d1, false, why, sizeof why), FU_OK);
-    assert_int_equal(wire_keypair_save(b, d2, false, why, sizeof why), FU_OK);
-    assert_int_equal(wire_keypair_save(b, d2, false, why, sizeof why), FU_EEXIST);
+    assert_int_equal(wire_keypair_save(a, d1, false, &em), FU_OK);
+    assert_int_equal(wire_keypair_save(b, d2, false, &em), FU_OK);
+    assert_int_equal(wire_keypair_save(b, d2, false, &em), FU_EEXIST);
     char *out = NULL;
     assert_int_equal(tu_sh(&out, "cp '%s/public.key' '%s/public.key'", d2, d1), 0);
     free(out);
-    assert_int_equal(wire_keypair_load(d1, &kp, why, sizeof why), FU_EINVAL);
-    assert_non_null(strstr(why, "does not belong"));
+    assert_int_equal(wire_keypair_load(d1, &kp, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "does not belong"));
 
     /* the public key alone loads */
     char p2[4300];
     uint8_t pk[WIRE_KEY_BYTES];
     snprintf(p2, sizeof p2, "%s/public.key", d2);
-    assert_int_equal(wire_key_load_public(p2, pk, why, sizeof why), FU_OK);
+    assert_int_equal(wire_key_load_public(p2, pk, &em), FU_OK);
     assert_memory_equal(pk, wire_keypair_public(b), WIRE_KEY_BYTES);
 
     /* garbage content */
     FILE *f = fopen(p2, "w");
     fprintf(f, "# comment only\nnot a key at all\n");
     fclose(f);
-    assert_int_equal(wire_key_load_public(p2, pk, why, sizeof why), FU_EINVAL);
-    assert_non_null(strstr(why, "40 Z85"));
+    assert_int_equal(wire_key_load_public(p2, pk, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "40 Z85"));
     assert_int_equal(wire_key_from_z85("short", pk), FU_EINVAL);
     char z[WIRE_KEY_Z85_LEN + 1];
     wire_key_to_z85(wire_keypair_public(a), z);

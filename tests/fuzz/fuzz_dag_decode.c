@@ -16,21 +16,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     dag_graph_t *g = NULL;
-    char msg[256];
-    fu_err rc = dag_graph_decode(data, size, &g, msg, sizeof msg);
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_graph_decode(data, size, &g, &em);
     if (rc != FU_OK) {
-        if (g || msg[0] == '\0')
+        if (g || em.msg[0] == '\0')
             __builtin_trap(); /* a refusal says why and returns nothing */
         return 0;
     }
-    if (dag_graph_validate(g, NULL, 0) != FU_OK)
+    if (dag_graph_validate(g, NULL) != FU_OK)
         __builtin_trap();
     uint8_t *buf = NULL;
     size_t len = 0;
     if (dag_graph_encode(g, &buf, &len) != FU_OK)
         __builtin_trap();
     dag_graph_t *h = NULL;
-    if (dag_graph_decode(buf, len, &h, NULL, 0) != FU_OK || dag_graph_size(h) != dag_graph_size(g))
+    if (dag_graph_decode(buf, len, &h, NULL) != FU_OK || dag_graph_size(h) != dag_graph_size(g))
         __builtin_trap();
     for (size_t i = 0; i < dag_graph_size(g); i++) {
         const dag_node *a = dag_graph_node(g, i), *b = dag_graph_node(h, i);

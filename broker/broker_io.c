@@ -1,0 +1,67 @@
+/* broker_io: what every broker module uses to speak: the clocks, sending to a peer, answering a
+ * message (or refusing it with an Error), and cleaning text for the wire. It calls no other broker
+ * module. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "broker_internal.h"
+#include "fu_clock.h"
+#include "fu_log.h"
+
+#define LOG "broker"
+
+uint64_t broker_now(void) { return fu_clock_ms(); }
+
+int64_t broker_wall(void) { return fu_wallclock_ms(); }
+
+void broker_utf8_clean(char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0)) {
+            i += len;
+        } else {
+            s[i++] = '?';
+        }
+    }
+}
+
+fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
+{
+    wire_hdr h = {.type = t, .job_id = job};
+    fu_err rc = wire_send(b->sock, p->rid, p->rid_len, &h, body);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "send %s to peer %.8s (%s) failed: %s", wire_type_name(t), p->key, p->name, fu_strerror(rc));
+    return rc;
+}
+
+fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
+{
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    const wire_hdr *in = wire_msg_hdr(msg);
+    wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
+    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
+    return rc;
+}
+
+void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    broker_utf8_trim(text);
+    FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(wire_msg_type(msg)), wire_msg_user_id(msg), text);
+    Fusion__Error e = FUSION__ERROR__INIT;
+    e.code = code;
+    e.message = text;
+    e.in_reply_to = wire_msg_type(msg);
+    e.sequence = wire_msg_hdr(msg)->sequence;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
+}

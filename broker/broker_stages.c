@@ -1,0 +1,313 @@
+/* broker_stages: the messages of a running job's stages, as handlers over the job state machine
+ * (broker_job.c): StageReady (every stage ready → StageStart), StepDone progress, checkpoints
+ * (committed before they are acknowledged), inference tokens, a stage's error (→ failover), and the
+ * finish (adapter assembled, job done in one commit). */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "broker_internal.h"
+#include "fu_alloc.h"
+#include "fu_encode.h"
+#include "fu_file.h"
+#include "fu_log.h"
+
+#define LOG "sched"
+
+/* The job j and stage the sender claims to run, or NULL after an Error reply. */
+static broker_job *stage_job(broker_t *b, broker_peer *p, const wire_msg_t *msg, uint64_t job_id, uint32_t stage,
+                             bool allow_backup)
+{
+    broker_job *j = broker_job_find64(b, job_id);
+    if (!j || strcmp(p->job, j->id) != 0 || p->stage != stage || (p->backup && !allow_backup)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "you do not hold stage %u of job %016" PRIx64 " (it was released or reassigned)", stage,
+                           job_id);
+        return NULL;
+    }
+    return j;
+}
+
+void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__StageReady *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_STAGE_READY);
+    broker_job *j = r ? stage_job(b, p, msg, r->job_id, r->stage_index, true) : NULL;
+    if (!j)
+        return;
+    if (p->backup) {
+        p->warm = true;
+        FU_INFO(LOG, "job %s: backup %.8s is warm for stage %u", j->id, p->key, p->stage);
+        return;
+    }
+    j->stages[r->stage_index].ready = true;
+    if (j->phase != BJ_STARTING)
+        return;
+    for (uint32_t s = 0; s < j->n_stages; s++)
+        if (!j->stages[s].ready)
+            return;
+    broker_job_running(b, j);
+    Fusion__StageStart st = FUSION__STAGE_START__INIT;
+    st.job_id = j->id64;
+    st.step = j->start_step;
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        broker_peer *sp = broker_peer_find(b, j->stages[s].peer);
+        if (sp && sp->live)
+            (void)broker_send_peer(b, sp, FUSION__MSG_TYPE__MSG_STAGE_START, j->id64, &st.base);
+    }
+}
+
+void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__StepDone *d = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_STEP_DONE);
+    broker_job *j = d ? broker_job_find64(b, d->job_id) : NULL;
+    if (!j || j->kind != DB_JOB_FINETUNE || j->n_stages == 0 || strcmp(p->job, j->id) != 0 || p->backup ||
+        p->stage != j->n_stages - 1) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "StepDone comes from the last stage of a running "
+                                                                    "fine-tune job only");
+        return;
+    }
+    if (d->step >= j->spec.steps) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "step %" PRIu64 " is past the job's %" PRIu64
+                           " steps", d->step, j->spec.steps);
+        return;
+    }
+    uint64_t now = broker_now();
+    double dt = (double)(now - j->last_step_ms) / 1000.0;
+    double tps = dt > 0 ? (double)d->tokens / dt : 0;
+    j->last_step_ms = j->progress_ms = now;
+    if (dt > j->slowest_s)
+        j->slowest_s = dt;
+    j->stepped = true;
+    if (d->step + 1 > j->steps_done) {
+        j->steps_done = d->step + 1;
+        j->retries = 0; /* progress */
+    }
+    j->loss = d->loss;
+    fu_err rc = db_job_progress(b->db, j->id, (int64_t)j->steps_done, (int64_t)j->spec.steps,
+                                isfinite(d->loss) ? d->loss : NAN, tps, broker_wall());
+    if (rc != FU_OK)
+        FU_WARN(LOG, "job %s: progress not stored: %s", j->id, fu_strerror(rc));
+    FU_DEBUG(LOG, "job %s step %" PRIu64 " loss %.4f", j->id, d->step, d->loss);
+    broker_verify_step(b, j, d->step); /* also after a rewind: the replayed step is checked again */
+}
+
+static void finish(broker_t *b, broker_job *j, const uint8_t *result, size_t len)
+{
+    char hash[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(hash, result, len);
+    /* An inference job's prompt logits go to a file beside the store, written (and synced) before
+     * the commit that names it, so a done job's result is whole. */
+    char *logits_path = NULL;
+    if (j->logits) {
+        char name[64];
+        snprintf(name, sizeof name, "results/%s.logits.f32", j->id);
+        logits_path = fu_path_join(b->data_dir, name);
+        char *dir = fu_path_join(b->data_dir, "results");
+        fu_errmsg em = {{0}};
+        fu_err wrc = fu_mkdir_p(dir, 0700, &em);
+        if (wrc == FU_OK)
+            wrc = fu_file_write_atomic(logits_path, j->logits, j->logits_len, 0600, &em);
+        free(dir);
+        if (wrc != FU_OK) {
+            FU_ERROR(LOG, "job %s: the prompt logits could not be kept: %s", j->id, fu_errmsg_text(&em, wrc));
+            free(logits_path);
+            broker_job_fail(b, j, "the broker could not store the prompt logits (disk full?)");
+            return;
+        }
+    }
+    fu_err rc = broker_job_done(b, j, result, len, logits_path, hash);
+    free(logits_path);
+    if (rc != FU_OK) {
+        FU_ERROR(LOG, "job %s: the result could not be stored: %s", j->id, fu_strerror(rc));
+        broker_job_fail(b, j, "the broker could not store the result");
+    }
+}
+
+static void maybe_finish_finetune(broker_t *b, broker_job *j)
+{
+    for (uint32_t s = 0; s < j->n_stages; s++)
+        if (j->stages[s].final_ckpt_step != (int64_t)j->spec.steps)
+            return;
+    uint8_t *blob = NULL;
+    size_t len = 0;
+    fu_errmsg em = {{0}};
+    if (broker_adapter_assemble(b, j, (int64_t)j->spec.steps, &blob, &len, &em) != FU_OK) {
+        char r[DB_REASON_MAX];
+        snprintf(r, sizeof r, "the adapter could not be assembled: %.900s", em.msg);
+        broker_job_fail(b, j, r);
+        return;
+    }
+    finish(b, j, blob, len);
+    free(blob);
+}
+
+void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__CheckpointPut *c = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);
+    broker_job *j = c ? stage_job(b, p, msg, c->job_id, c->stage_index, false) : NULL;
+    if (!j)
+        return;
+    broker_jstage *st = &j->stages[c->stage_index];
+    if (c->total == 0 || c->total > BROKER_MAX_CKPT_BYTES || c->content_hash.len != DB_HASH_LEN ||
+        c->step > j->spec.steps || c->offset > c->total || c->data.len > c->total - c->offset) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "CheckpointPut: bad sizes (total 1..%u bytes, a 32-byte hash, chunk inside the blob, step "
+                           "at most the job's steps)", BROKER_MAX_CKPT_BYTES);
+        return;
+    }
+    if (c->offset == 0) {
+        free(st->ck_buf);
+        st->ck_buf = malloc((size_t)c->total); /* a size from the network: no aborting allocator */
+        if (!st->ck_buf) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                               "the broker has no memory for a %" PRIu64 "-byte checkpoint now; send it again later",
+                               c->total);
+            return;
+        }
+        st->ck_total = c->total;
+        st->ck_got = 0;
+        st->ck_step = c->step;
+        memcpy(st->ck_hash, c->content_hash.data, DB_HASH_LEN);
+    } else if (!st->ck_buf || c->offset != st->ck_got || c->total != st->ck_total || c->step != st->ck_step ||
+               memcmp(st->ck_hash, c->content_hash.data, DB_HASH_LEN) != 0) {
+        free(st->ck_buf);
+        st->ck_buf = NULL;
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "CheckpointPut: chunk at %" PRIu64 " does not continue the checkpoint in progress; "
+                           "send it again from offset 0", c->offset);
+        return;
+    }
+    memcpy(st->ck_buf + c->offset, c->data.data, c->data.len);
+    st->ck_got += c->data.len;
+    if (st->ck_got < st->ck_total)
+        return;
+    char hex[DB_HASH_HEX_LEN + 1];
+    fu_hex_encode(hex, st->ck_hash, DB_HASH_LEN);
+    fu_err rc = db_ckpt_put(b->db, j->id, c->stage_index, (int64_t)st->ck_step, st->ck_buf, (size_t)st->ck_total, hex,
+                            broker_wall());
+    free(st->ck_buf);
+    st->ck_buf = NULL;
+    if (rc == FU_EAUTH) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "checkpoint of stage %u step %" PRIu64 ": the data does not match its hash; send it again",
+                           c->stage_index, c->step);
+        return;
+    }
+    if (rc != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL,
+                           "checkpoint of stage %u step %" PRIu64 " not stored (%s); send it again", c->stage_index,
+                           c->step, fu_strerror(rc));
+        return;
+    }
+    /* Committed: only now acknowledge. */
+    Fusion__CheckpointAck ack = FUSION__CHECKPOINT_ACK__INIT;
+    ack.job_id = c->job_id;
+    ack.stage_index = c->stage_index;
+    ack.step = st->ck_step;
+    ack.content_hash.data = st->ck_hash;
+    ack.content_hash.len = DB_HASH_LEN;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, &ack.base);
+    if ((int64_t)st->ck_step > st->final_ckpt_step)
+        st->final_ckpt_step = (int64_t)st->ck_step;
+    j->progress_ms = broker_now(); /* the last steps' checkpoints count as progress (step deadline) */
+    FU_INFO(LOG, "job %s: checkpoint of stage %u at step %" PRIu64 " committed (%" PRIu64 " bytes)", j->id,
+            c->stage_index, st->ck_step, st->ck_total);
+    if (st->ck_step == j->spec.steps)
+        maybe_finish_finetune(b, j);
+}
+
+void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__InferToken *t = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_INFER_TOKEN);
+    broker_job *j = t ? broker_job_find64(b, t->job_id) : NULL;
+    if (!j || j->kind != DB_JOB_INFER || j->n_stages == 0 || strcmp(p->job, j->id) != 0 || p->backup ||
+        p->stage != j->n_stages - 1) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "InferToken comes from the last stage of a running inference job only");
+        return;
+    }
+    size_t vocab = dag_graph_dims(j->graph)->vocab_size;
+    uint64_t expect = j->n_tokens + j->n_gen;
+    if (t->token < 0 || (size_t)t->token >= vocab || t->position > expect) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "InferToken: token %d outside the vocabulary or position %" PRIu64 " not the next (%" PRIu64
+                           ")", t->token, t->position, expect);
+        return;
+    }
+    uint64_t now = broker_now(); /* a token, even a replayed one, is progress (step deadline) */
+    double gap = (double)(now - j->progress_ms) / 1000.0;
+    if (j->phase == BJ_RUNNING && gap > j->slowest_s)
+        j->slowest_s = gap;
+    j->progress_ms = now;
+    j->stepped = true;
+    if (t->position < expect)
+        return; /* a replay after a recovery: we have it already */
+    /* The first token carries the prompt's logits when the job asked for them: positions × vocab
+     * float32, checked against both before they are kept. */
+    if (j->spec.dump_logits && j->n_gen == 0 && t->logits.len > 0 && !j->logits) {
+        if (t->logits.len != j->n_tokens * vocab * sizeof(float)) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "InferToken: %zu bytes of logits, expected %zu prompt positions x %zu vocabulary "
+                               "x 4", t->logits.len, j->n_tokens, vocab);
+            return;
+        }
+        j->logits = fu_malloc(t->logits.len);
+        memcpy(j->logits, t->logits.data, t->logits.len);
+        j->logits_len = t->logits.len;
+    }
+    if (j->n_gen == j->cap_gen) {
+        j->cap_gen = j->cap_gen ? 2 * j->cap_gen : 64;
+        j->gen = fu_realloc(j->gen, j->cap_gen * sizeof *j->gen);
+    }
+    j->gen[j->n_gen++] = t->token;
+    j->retries = 0;
+    char *text = NULL;
+    size_t tl = 0;
+    if (fu_tokenizer_decode(j->tok, j->gen, j->n_gen, &text, &tl, NULL) == FU_OK) {
+        broker_utf8_clean(text, tl); /* JobStatus.output is a string: bytes that are no text show as '?' */
+        free(j->output);
+        j->output = text;
+    }
+    BROKER_IGNORE(db_job_progress(b->db, j->id, (int64_t)j->n_gen, j->spec.max_tokens, NAN, 0, broker_wall()));
+    if (j->n_gen >= j->spec.max_tokens || (j->eos >= 0 && t->token == j->eos)) {
+        char *full = NULL;
+        size_t fl = 0;
+        if (fu_tokenizer_decode(j->tok, j->gen, j->n_gen, &full, &fl, NULL) != FU_OK) {
+            broker_job_fail(b, j, "the generated tokens cannot be decoded");
+            return;
+        }
+        finish(b, j, (const uint8_t *)full, fl);
+        free(full);
+        return;
+    }
+    broker_peer *first = broker_peer_find(b, j->stages[0].peer);
+    if (!first || !first->live)
+        return; /* failover is under way */
+    Fusion__InferToken next = FUSION__INFER_TOKEN__INIT;
+    next.job_id = j->id64;
+    next.position = t->position;
+    next.token = t->token;
+    (void)broker_send_peer(b, first, FUSION__MSG_TYPE__MSG_INFER_TOKEN, j->id64, &next.base);
+}
+
+void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    const Fusion__Error *e = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_ERROR);
+    uint64_t jid = wire_msg_hdr(msg)->job_id;
+    FU_WARN(LOG, "peer %.8s (%s) reports: %s (job %016" PRIx64 ")", p->key, p->name,
+            e && e->message ? e->message : "?", jid);
+    broker_job *j = jid ? broker_job_find64(b, jid) : NULL;
+    if (!j || strcmp(p->job, j->id) != 0)
+        return;
+    uint32_t s = p->stage;
+    bool backup = p->backup;
+    broker_peer_forget_work(p);
+    if (backup || s >= j->n_stages || strcmp(j->stages[s].peer, p->key) != 0)
+        return;
+    char why[300];
+    snprintf(why, sizeof why, "its peer reported an error: %s", e && e->message ? e->message : "?");
+    broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
+    broker_failover(b, j, s, why);
+}
