@@ -49,26 +49,31 @@ fu_err kern_backend_get(const char *name, const kern_backend_t **out)
 #endif
 }
 
-fu_err kern_tensor_copy_in(const kern_backend_t *be, kern_tensor_t *t, const void *host, size_t host_bytes)
+/* A copy between t and host memory: t contiguous on be, host_bytes == nbytes(t), host non-NULL
+ * unless that is 0. */
+static fu_err chk_host_copy(const kern_backend_t *be, const kern_tensor_t *t, const void *host, size_t host_bytes)
 {
     FU_TRY(kern_chk_contig(be, t));
     size_t n = kern_tensor_nbytes(t);
     if (host_bytes != n || (n && !host))
         return FU_EINVAL;
-    if (n == 0)
+    return FU_OK;
+}
+
+fu_err kern_tensor_copy_in(const kern_backend_t *be, kern_tensor_t *t, const void *host, size_t host_bytes)
+{
+    FU_TRY(chk_host_copy(be, t, host, host_bytes));
+    if (host_bytes == 0)
         return FU_OK;
-    return be->copy_in(be, t->data, host, n);
+    return be->copy_in(be, t->data, host, host_bytes);
 }
 
 fu_err kern_tensor_copy_out(const kern_backend_t *be, const kern_tensor_t *t, void *host, size_t host_bytes)
 {
-    FU_TRY(kern_chk_contig(be, t));
-    size_t n = kern_tensor_nbytes(t);
-    if (host_bytes != n || (n && !host))
-        return FU_EINVAL;
-    if (n == 0)
+    FU_TRY(chk_host_copy(be, t, host, host_bytes));
+    if (host_bytes == 0)
         return FU_OK;
-    return be->copy_out(be, host, t->data, n);
+    return be->copy_out(be, host, t->data, host_bytes);
 }
 
 fu_err kern_tensor_copy(const kern_backend_t *be, const kern_tensor_t *src, kern_tensor_t *dst)

@@ -431,44 +431,6 @@ fu_err kern_bitmap_parse_shape(const char *s, size_t *rows, size_t *cols)
 
 /* ---- decode ------------------------------------------------------------------------------------- */
 
-/* Scalar decode of one 64-bit word: writes width floats at dst, returns values consumed. */
-static size_t decode_word_scalar(uint64_t word, const void *vals, size_t k, kern_bitmap_dtype dtype,
-                                 float *dst, size_t width)
-{
-    memset(dst, 0, width * sizeof(float));
-    const float    *v32 = vals;
-    const uint16_t *v16 = vals;
-    size_t          n = 0;
-    while (word) {
-        unsigned b = (unsigned)__builtin_ctzll(word);
-        word &= word - 1;
-        dst[b] = dtype == KERN_BITMAP_F32 ? v32[k + n] : kern_bitmap_f16_to_f32(v16[k + n]);
-        n++;
-    }
-    return n;
-}
-
-static void decode_rows_scalar(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,
-                               size_t ld)
-{
-    size_t row_end = row0 + nrows;
-    for (size_t ti = row0 / KERN_BITMAP_TILE_ROWS; ti * KERN_BITMAP_TILE_ROWS < row_end; ti++) {
-        for (size_t tj = 0; tj < v->tiles_c; tj++) {
-            size_t t = ti * v->tiles_c + tj;
-            size_t k = (size_t)v->offsets[t];
-            size_t c0 = tj * KERN_BITMAP_TILE_COLS;
-            size_t width = v->cols - c0 < KERN_BITMAP_TILE_COLS ? v->cols - c0 : KERN_BITMAP_TILE_COLS;
-            for (size_t rr = 0; rr < KERN_BITMAP_TILE_ROWS; rr++) {
-                size_t   r = ti * KERN_BITMAP_TILE_ROWS + rr;
-                uint64_t word = v->bitmap[t * KERN_BITMAP_TILE_ROWS + rr];
-                if (r >= row0 && r < row_end)
-                    decode_word_scalar(word, v->values, k, v->dtype, dst + (r - row0) * ld + c0, width);
-                k += (size_t)__builtin_popcountll(word);
-            }
-        }
-    }
-}
-
 void kern_bitmap_decode_view(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst, size_t ld,
                              kern_simd_isa isa)
 {
@@ -477,7 +439,7 @@ void kern_bitmap_decode_view(const kern_bitmap_view *v, size_t row0, size_t nrow
     else if (isa == KERN_SIMD_AVX2)
         kern_bitmap_decode_rows_avx2(v, row0, nrows, dst, ld);
     else
-        decode_rows_scalar(v, row0, nrows, dst, ld);
+        kern_bitmap_decode_rows_scalar(v, row0, nrows, dst, ld);
 }
 
 fu_err kern_bitmap_decode_rows(const kern_bitmap_t *self, size_t row0, size_t nrows, float *dst, size_t ld)

@@ -67,6 +67,19 @@ static fu_err scratch(kern_workspace_t *ws, size_t floats, float **out, void **o
     return FU_OK;
 }
 
+/* In place: row[j] = exp(row[j] − mx) for j < n; returns their sum. Always inlined, so it is
+ * vectorised for the caller's clone. */
+static inline __attribute__((always_inline)) float exp_shifted_sum(float *row, int64_t n, float mx)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) {
+        row[j] = kern_expf(row[j] - mx);
+        sum += row[j];
+    }
+    return sum;
+}
+
 /* In place: row[0..lim) becomes softmax(row[0..lim)), row[lim..tk) becomes 0. */
 KERN_HOT static void softmax_row(float *row, int64_t lim, int64_t tk)
 {
@@ -74,13 +87,7 @@ KERN_HOT static void softmax_row(float *row, int64_t lim, int64_t tk)
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < lim; j++)
         mx = row[j] > mx ? row[j] : mx;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < lim; j++) {
-        row[j] = kern_expf(row[j] - mx);
-        sum += row[j];
-    }
-    float inv = 1.0f / sum;
+    float inv = 1.0f / exp_shifted_sum(row, lim, mx);
 #pragma omp simd
     for (int64_t j = 0; j < lim; j++)
         row[j] *= inv;
@@ -124,12 +131,7 @@ KERN_HOT static void attn_row(const float *q, const float *K, const float *V, in
         sc[j] = d * scale;
         mx = sc[j] > mx ? sc[j] : mx;
     }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < lim; j++) {
-        sc[j] = kern_expf(sc[j] - mx);
-        sum += sc[j];
-    }
+    float sum = exp_shifted_sum(sc, lim, mx);
     for (int64_t c = 0; c < D; c++)
         o[c] = 0.0f;
     for (int64_t j = 0; j < lim; j++) {

@@ -12,10 +12,12 @@
 
 /* ---- embedding ---- */
 
-static fu_err check_ids(const int32_t *ids, int64_t n, int64_t limit)
+/* Every id of an embedding op (one per row of rows: out or dout) inside table's vocabulary. */
+static fu_err check_ids(const kern_tensor_t *ids, const kern_tensor_t *rows, const kern_tensor_t *table)
 {
-    for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || (int64_t)ids[i] >= limit)
+    const int32_t *id = ids->data;
+    for (int64_t i = 0; i < rows->shape[0]; i++)
+        if (id[i] < 0 || (int64_t)id[i] >= table->shape[0])
             return FU_EINVAL;
     return FU_OK;
 }
@@ -24,9 +26,9 @@ fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids
                               kern_tensor_t *out)
 {
     (void)be;
+    FU_TRY(check_ids(ids, out, table));
     const int32_t *id = ids->data;
-    int64_t n = out->shape[0], d = out->shape[1], vocab = table->shape[0];
-    FU_TRY(check_ids(id, n, vocab));
+    int64_t n = out->shape[0], d = out->shape[1];
     const float *tab = table->data;
     float *o = out->data;
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
@@ -39,9 +41,9 @@ fu_err kern_cpu_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids
                               kern_tensor_t *dtable)
 {
     (void)be;
+    FU_TRY(check_ids(ids, dout, dtable));
     const int32_t *id = ids->data;
-    int64_t n = dout->shape[0], d = dout->shape[1], vocab = dtable->shape[0];
-    FU_TRY(check_ids(id, n, vocab));
+    int64_t n = dout->shape[0], d = dout->shape[1];
     const float *g = dout->data;
     float *dt = dtable->data;
     /* Threads own disjoint column ranges, so repeated ids never race. */
@@ -244,13 +246,17 @@ fu_err kern_cpu_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout
 
 /* ---- softmax cross-entropy ---- */
 
-static fu_err check_targets(const int32_t *t, int64_t n, int64_t vocab, int32_t ignore, int64_t *n_valid)
+/* Counts the rows whose target is not ignore_index into *n_valid; FU_EINVAL for a target outside
+ * logits' vocabulary. */
+static fu_err check_targets(const kern_tensor_t *logits, const kern_tensor_t *targets, int32_t ignore,
+                            int64_t *n_valid)
 {
+    const int32_t *t = targets->data;
     int64_t c = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < logits->shape[0]; i++) {
         if (t[i] == ignore)
             continue;
-        if (t[i] < 0 || (int64_t)t[i] >= vocab)
+        if (t[i] < 0 || (int64_t)t[i] >= logits->shape[1])
             return FU_EINVAL;
         c++;
     }
@@ -290,7 +296,7 @@ fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     const float *pl = logits->data;
     const int32_t *pt = targets->data;
     int64_t nv = 0;
-    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
+    FU_TRY(check_targets(logits, targets, ignore_index, &nv));
     double sum = 0.0;
 #pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -304,43 +310,15 @@ fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     return FU_OK;
 }
 
-fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
-                         int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits)
+/* The gradient rows scale·(softmax(row) − onehot(target)), zero for ignored rows (dlogits may be
+ * logits), and, when loss_sum is not NULL, the sum of the counted rows' losses. Targets checked. */
+static void xent_grad_rows(const kern_tensor_t *logits, const kern_tensor_t *targets, int32_t ignore_index,
+                           float scale, kern_tensor_t *dlogits, double *loss_sum)
 {
-    (void)be;
     int64_t n = logits->shape[0], V = logits->shape[1];
     const float *pl = logits->data;
     const int32_t *pt = targets->data;
     float *pd = dlogits->data;
-    int64_t nv = 0;
-    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
-    const float scale = nv ? grad_scale / (float)nv : 0.0f;
-#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * V > kern_cpu_par_min()) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *row = pl + i * V;
-        float *drow = pd + i * V;
-        if (pt[i] == ignore_index) {
-            memset(drow, 0, (size_t)V * sizeof(float));
-            continue;
-        }
-        row_softmax_scaled(row, drow, V, row_lse(row, V), scale);
-        drow[pt[i]] -= scale;
-    }
-    return FU_OK;
-}
-
-fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
-                           int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
-                           kern_tensor_t *dlogits)
-{
-    (void)be;
-    int64_t n = logits->shape[0], V = logits->shape[1];
-    const float *pl = logits->data;
-    const int32_t *pt = targets->data;
-    float *pd = dlogits->data;
-    int64_t nv = 0;
-    FU_TRY(check_targets(pt, n, V, ignore_index, &nv));
-    const float scale = nv ? grad_scale / (float)nv : 0.0f;
     double sum = 0.0;
 #pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) \
     schedule(static)
@@ -356,6 +334,29 @@ fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits
         row_softmax_scaled(row, drow, V, lse, scale);
         drow[pt[i]] -= scale;
     }
+    if (loss_sum)
+        *loss_sum = sum;
+}
+
+fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                         int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits)
+{
+    (void)be;
+    int64_t nv = 0;
+    FU_TRY(check_targets(logits, targets, ignore_index, &nv));
+    xent_grad_rows(logits, targets, ignore_index, nv ? grad_scale / (float)nv : 0.0f, dlogits, NULL);
+    return FU_OK;
+}
+
+fu_err kern_cpu_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                           int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                           kern_tensor_t *dlogits)
+{
+    (void)be;
+    int64_t nv = 0;
+    FU_TRY(check_targets(logits, targets, ignore_index, &nv));
+    double sum = 0.0;
+    xent_grad_rows(logits, targets, ignore_index, nv ? grad_scale / (float)nv : 0.0f, dlogits, &sum);
     *loss = nv ? (float)(sum / (double)nv) : 0.0f;
     *n_valid = nv;
     return FU_OK;

@@ -102,14 +102,22 @@ static fu_err chk_ids(const kern_backend_t *be, const kern_tensor_t *ids, int64_
     return FU_OK;
 }
 
+/* An embedding op's tensors: table [vocab, d] and rows [n, d] (out or dout) of one float dtype, ids
+ * i32 [n]. */
+static fu_err chk_embedding(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
+                            const kern_tensor_t *rows)
+{
+    FU_TRY(kern_chk_float(be, table, 2));
+    FU_TRY(kern_chk_float(be, rows, 2));
+    if (rows->shape[1] != table->shape[1] || !kern_same_dtype(table, rows))
+        return FU_EINVAL;
+    return chk_ids(be, ids, rows->shape[0]);
+}
+
 fu_err kern_embedding_forward(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
                               kern_tensor_t *out)
 {
-    FU_TRY(kern_chk_float(be, table, 2));
-    FU_TRY(kern_chk_float(be, out, 2));
-    if (out->shape[1] != table->shape[1] || !kern_same_dtype(table, out))
-        return FU_EINVAL;
-    FU_TRY(chk_ids(be, ids, out->shape[0]));
+    FU_TRY(chk_embedding(be, ids, table, out));
     if (!be->embedding_fwd)
         return FU_ENOSYS;
     return be->embedding_fwd(be, ids, table, out);
@@ -118,11 +126,7 @@ fu_err kern_embedding_forward(const kern_backend_t *be, const kern_tensor_t *ids
 fu_err kern_embedding_backward(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *dout,
                                kern_tensor_t *dtable)
 {
-    FU_TRY(kern_chk_float(be, dtable, 2));
-    FU_TRY(kern_chk_float(be, dout, 2));
-    if (dout->shape[1] != dtable->shape[1] || !kern_same_dtype(dtable, dout))
-        return FU_EINVAL;
-    FU_TRY(chk_ids(be, ids, dout->shape[0]));
+    FU_TRY(chk_embedding(be, ids, dtable, dout));
     if (!be->embedding_bwd)
         return FU_ENOSYS;
     return be->embedding_bwd(be, ids, dout, dtable);

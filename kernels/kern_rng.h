@@ -6,15 +6,18 @@
 
 #include <stdint.h>
 
+#include "fu_rng.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef struct {
-    uint64_t s[4]; /* xoshiro256** state; never all zero after kern_rng_seed */
-} kern_rng;
+/* The stream generator is common/'s fu_rng (xoshiro256**): the same seed gives the same 64-bit
+ * stream from kern_rng_next and fu_rng_next. */
+typedef fu_rng kern_rng;
 
-/* Seeds the generator from a 64-bit seed (expanded with splitmix64). Same seed, same stream. */
+/* Seeds the generator from a 64-bit seed (fu_rng_seed: expanded with splitmix64). Same seed, same
+ * stream. */
 void     kern_rng_seed(kern_rng *r, uint64_t seed);
 uint64_t kern_rng_next(kern_rng *r);     /* next 64 random bits */
 float    kern_rng_uniform(kern_rng *r);  /* uniform in [0, 1), 24-bit resolution */

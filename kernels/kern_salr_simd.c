@@ -26,7 +26,72 @@ static inline size_t tile_width(const kern_bitmap_view *v, size_t tj)
     return v->cols - c0 < TC ? v->cols - c0 : TC;
 }
 
+/* The body of kern_bitmap_decode_rows_<isa> (its parameters v, row0, nrows, dst, ld): the tile
+ * walk is the same for every ISA, only DECODE_WORD differs. Each stored word of the rows
+ * [row0, row0 + nrows) goes to DECODE_WORD(word, v, k, out, width): k is the index of the word's
+ * first value, out the destination row at the tile's first column, width the tile's column count. */
+#define DECODE_ROWS(DECODE_WORD)                                                                    \
+    size_t row_end = row0 + nrows;                                                                  \
+    for (size_t ti = row0 / TR; ti * TR < row_end; ti++) {                                          \
+        for (size_t tj = 0; tj < v->tiles_c; tj++) {                                                \
+            size_t t = ti * v->tiles_c + tj;                                                        \
+            size_t k = (size_t)v->offsets[t];                                                       \
+            size_t c0 = tj * TC, width = tile_width(v, tj);                                         \
+            for (size_t rr = 0; rr < TR; rr++) {                                                    \
+                size_t   r = ti * TR + rr;                                                          \
+                uint64_t word = v->bitmap[t * TR + rr];                                             \
+                if (r >= row0 && r < row_end)                                                       \
+                    DECODE_WORD(word, v, k, dst + (r - row0) * ld + c0, width);                     \
+                k += (size_t)__builtin_popcountll(word);                                            \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+/* The body of kern_salr_spmv_<isa> (its parameters v, tr0, tr1, x, ldx, n, y, ldy, accumulate):
+ * batches of 1 to 4 rows run TILEROW with the batch size and the value type as constants, so its
+ * loops unroll fully; larger batches run the scalar loop. */
+#define SPMV_CASE(TILEROW, NB)                                                                      \
+    case NB:                                                                                        \
+        for (size_t ti = tr0; ti < tr1; ti++) {                                                     \
+            if (f16)                                                                                \
+                TILEROW(v, ti, x, ldx, NB, 1, y, ldy, accumulate);                                  \
+            else                                                                                    \
+                TILEROW(v, ti, x, ldx, NB, 0, y, ldy, accumulate);                                  \
+        }                                                                                           \
+        break;
+#define SPMV_DISPATCH(TILEROW)                                                                      \
+    int f16 = v->dtype == KERN_BITMAP_F16;                                                          \
+    switch (n) {                                                                                    \
+        SPMV_CASE(TILEROW, 1)                                                                       \
+        SPMV_CASE(TILEROW, 2)                                                                       \
+        SPMV_CASE(TILEROW, 3)                                                                       \
+        SPMV_CASE(TILEROW, 4)                                                                       \
+    default:                                                                                        \
+        kern_salr_spmv_scalar(v, tr0, tr1, x, ldx, n, y, ldy, accumulate);                          \
+        break;                                                                                      \
+    }
+
 /* ---- scalar ------------------------------------------------------------------------------------- */
+
+/* Writes the width floats of one row word at dst (zeros where no value is stored). */
+static void decode_word_scalar(uint64_t word, const kern_bitmap_view *v, size_t k, float *dst, size_t width)
+{
+    memset(dst, 0, width * sizeof(float));
+    const float    *v32 = v->values;
+    const uint16_t *v16 = v->values;
+    size_t          n = 0;
+    while (word) {
+        unsigned b = (unsigned)__builtin_ctzll(word);
+        word &= word - 1;
+        dst[b] = v->dtype == KERN_BITMAP_F32 ? v32[k + n] : kern_bitmap_f16_to_f32(v16[k + n]);
+        n++;
+    }
+}
+
+void kern_bitmap_decode_rows_scalar(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst, size_t ld)
+{
+    DECODE_ROWS(decode_word_scalar)
+}
 
 void kern_salr_spmv_scalar(const kern_bitmap_view *v, size_t tr0, size_t tr1, const float *x, size_t ldx,
                            size_t n, float *y, size_t ldy, bool accumulate)
@@ -97,21 +162,7 @@ T512 INLINE void decode_word_512(uint64_t word, const kern_bitmap_view *v, size_
 T512 void kern_bitmap_decode_rows_avx512(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,
                                          size_t ld)
 {
-    size_t row_end = row0 + nrows;
-    for (size_t ti = row0 / TR; ti * TR < row_end; ti++) {
-        for (size_t tj = 0; tj < v->tiles_c; tj++) {
-            size_t t = ti * v->tiles_c + tj;
-            size_t k = (size_t)v->offsets[t];
-            size_t c0 = tj * TC, width = tile_width(v, tj);
-            for (size_t rr = 0; rr < TR; rr++) {
-                size_t   r = ti * TR + rr;
-                uint64_t word = v->bitmap[t * TR + rr];
-                if (r >= row0 && r < row_end)
-                    decode_word_512(word, v, k, dst + (r - row0) * ld + c0, width);
-                k += (size_t)__builtin_popcountll(word);
-            }
-        }
-    }
+    DECODE_ROWS(decode_word_512)
 }
 
 /* One tile row (8 output rows) times NB batch rows, values stored as f32 (F16 = 0) or f16. */
@@ -177,29 +228,10 @@ T512 INLINE void spmv512_tilerow(const kern_bitmap_view *v, size_t ti, const flo
         }
 }
 
-#define SPMV512_CASE(NB)                                                                           \
-    case NB:                                                                                       \
-        for (size_t ti = tr0; ti < tr1; ti++) {                                                    \
-            if (f16)                                                                               \
-                spmv512_tilerow(v, ti, x, ldx, NB, 1, y, ldy, accumulate);                         \
-            else                                                                                   \
-                spmv512_tilerow(v, ti, x, ldx, NB, 0, y, ldy, accumulate);                         \
-        }                                                                                          \
-        break;
-
 T512 void kern_salr_spmv_avx512(const kern_bitmap_view *v, size_t tr0, size_t tr1, const float *x,
                                 size_t ldx, size_t n, float *y, size_t ldy, bool accumulate)
 {
-    int f16 = v->dtype == KERN_BITMAP_F16;
-    switch (n) {
-        SPMV512_CASE(1)
-        SPMV512_CASE(2)
-        SPMV512_CASE(3)
-        SPMV512_CASE(4)
-    default:
-        kern_salr_spmv_scalar(v, tr0, tr1, x, ldx, n, y, ldy, accumulate);
-        break;
-    }
+    SPMV_DISPATCH(spmv512_tilerow)
 }
 
 /* ---- AVX2 --------------------------------------------------------------------------------------- */
@@ -228,39 +260,28 @@ T256 INLINE __m256 expand8_f16(unsigned m8, const uint16_t **pp)
     return expand8_perm(m8, f);
 }
 
+/* As decode_word_512, eight lanes at a time; a partial last group goes through a stack buffer. */
+T256 INLINE void decode_word_256(uint64_t word, const kern_bitmap_view *v, size_t k, float *dst, size_t width)
+{
+    const float    *p32 = (const float *)v->values + k;
+    const uint16_t *p16 = (const uint16_t *)v->values + k;
+    for (unsigned q = 0; q < 8 && 8u * q < width; q++) {
+        unsigned m8 = (unsigned)(word >> (8u * q)) & 0xffu;
+        __m256   val = v->dtype == KERN_BITMAP_F16 ? expand8_f16(m8, &p16) : expand8_f32(m8, &p32);
+        if (width - 8u * q >= 8) {
+            _mm256_storeu_ps(dst + 8u * q, val);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, val);
+            memcpy(dst + 8u * q, tmp, (width - 8u * q) * sizeof(float));
+        }
+    }
+}
+
 T256 void kern_bitmap_decode_rows_avx2(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,
                                        size_t ld)
 {
-    size_t row_end = row0 + nrows;
-    int    f16 = v->dtype == KERN_BITMAP_F16;
-    for (size_t ti = row0 / TR; ti * TR < row_end; ti++) {
-        for (size_t tj = 0; tj < v->tiles_c; tj++) {
-            size_t t = ti * v->tiles_c + tj;
-            size_t k = (size_t)v->offsets[t];
-            size_t c0 = tj * TC, width = tile_width(v, tj);
-            for (size_t rr = 0; rr < TR; rr++) {
-                size_t   r = ti * TR + rr;
-                uint64_t word = v->bitmap[t * TR + rr];
-                if (r >= row0 && r < row_end) {
-                    const float    *p32 = (const float *)v->values + k;
-                    const uint16_t *p16 = (const uint16_t *)v->values + k;
-                    float          *d = dst + (r - row0) * ld + c0;
-                    for (unsigned q = 0; q < 8 && 8u * q < width; q++) {
-                        unsigned m8 = (unsigned)(word >> (8u * q)) & 0xffu;
-                        __m256   val = f16 ? expand8_f16(m8, &p16) : expand8_f32(m8, &p32);
-                        if (width - 8u * q >= 8) {
-                            _mm256_storeu_ps(d + 8u * q, val);
-                        } else {
-                            float tmp[8];
-                            _mm256_storeu_ps(tmp, val);
-                            memcpy(d + 8u * q, tmp, (width - 8u * q) * sizeof(float));
-                        }
-                    }
-                }
-                k += (size_t)__builtin_popcountll(word);
-            }
-        }
-    }
+    DECODE_ROWS(decode_word_256)
 }
 
 T256 INLINE void spmv256_tilerow(const kern_bitmap_view *v, size_t ti, const float *x, size_t ldx,
@@ -311,27 +332,8 @@ T256 INLINE void spmv256_tilerow(const kern_bitmap_view *v, size_t ti, const flo
         }
 }
 
-#define SPMV256_CASE(NB)                                                                           \
-    case NB:                                                                                       \
-        for (size_t ti = tr0; ti < tr1; ti++) {                                                    \
-            if (f16)                                                                               \
-                spmv256_tilerow(v, ti, x, ldx, NB, 1, y, ldy, accumulate);                         \
-            else                                                                                   \
-                spmv256_tilerow(v, ti, x, ldx, NB, 0, y, ldy, accumulate);                         \
-        }                                                                                          \
-        break;
-
 T256 void kern_salr_spmv_avx2(const kern_bitmap_view *v, size_t tr0, size_t tr1, const float *x,
                               size_t ldx, size_t n, float *y, size_t ldy, bool accumulate)
 {
-    int f16 = v->dtype == KERN_BITMAP_F16;
-    switch (n) {
-        SPMV256_CASE(1)
-        SPMV256_CASE(2)
-        SPMV256_CASE(3)
-        SPMV256_CASE(4)
-    default:
-        kern_salr_spmv_scalar(v, tr0, tr1, x, ldx, n, y, ldy, accumulate);
-        break;
-    }
+    SPMV_DISPATCH(spmv256_tilerow)
 }

@@ -32,6 +32,8 @@ void kern_bitmap_view_of(const kern_bitmap_t *self, kern_bitmap_view *v);
  * checked against the CPU). Arguments are trusted (checked by the caller). */
 void kern_bitmap_decode_view(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst, size_t ld,
                              kern_simd_isa isa);
+void kern_bitmap_decode_rows_scalar(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,
+                                    size_t ld);
 void kern_bitmap_decode_rows_avx512(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,
                                     size_t ld);
 void kern_bitmap_decode_rows_avx2(const kern_bitmap_view *v, size_t row0, size_t nrows, float *dst,

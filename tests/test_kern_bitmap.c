@@ -11,21 +11,11 @@
 #include <cmocka.h>
 
 #include "kern_bitmap.h"
+#include "test_kern_util.h"
 
 static const kern_simd_isa all_isas[] = {KERN_SIMD_SCALAR, KERN_SIMD_AVX2, KERN_SIMD_AVX512};
 
-static uint64_t rng_state = 0x1234567ULL;
-static uint64_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float rndf(void)
-{
-    return (float)((double)(rnd() >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
+static uint64_t rng = 0x1234567ULL; /* tk_xorshift state */
 
 /* A rows x cols matrix (leading dimension ld) where each element is non-zero with probability
  * density; row 0 is all dense and the last row all zero when there are at least 3 rows. Padding
@@ -35,14 +25,14 @@ static float *make_matrix(size_t rows, size_t cols, size_t ld, double density)
     float *w = malloc(rows * ld * sizeof(float));
     for (size_t i = 0; i < rows; i++)
         for (size_t j = 0; j < ld; j++) {
-            float v = rndf();
+            float v = tk_xorshift_unit(&rng);
             if (j >= cols)
                 v = 1e30f;
             else if (rows >= 3 && i == rows - 1)
                 v = 0.0f;
             else if (rows >= 3 && i == 0)
                 v = v == 0.0f ? 0.5f : v;
-            else if ((double)(rnd() >> 11) * 0x1p-53 >= density)
+            else if ((double)(tk_xorshift(&rng) >> 11) * 0x1p-53 >= density)
                 v = 0.0f;
             w[i * ld + j] = v;
         }
@@ -165,9 +155,7 @@ static void test_kern_bitmap_f16_storage(void **state)
     }
     kern_simd_set(KERN_SIMD_AUTO);
     kern_bitmap_destroy(&bm);
-    free(w);
-    free(want);
-    free(d);
+    TK_FREE_ALL(w, want, d);
 }
 
 static void test_kern_bitmap_sizes(void **state)
@@ -253,9 +241,7 @@ static void bufs_make(bufs *b, size_t rows, size_t cols, double density)
 
 static void bufs_free(bufs *b)
 {
-    free(b->bitmap);
-    free(b->values);
-    free(b->offsets);
+    TK_FREE_ALL(b->bitmap, b->values, b->offsets);
 }
 
 static fu_err bufs_load(const bufs *b, kern_bitmap_t **out)
@@ -389,18 +375,18 @@ static void test_kern_bitmap_mutations_never_crash(void **state)
         memcpy(bm_copy, b.bitmap, b.bl);
         memcpy(of_copy, b.offsets, b.ol);
         size_t vl = b.vl;
-        switch (rnd() % 4) {
+        switch (tk_xorshift(&rng) % 4) {
         case 0:
-            bm_copy[rnd() % b.bl] ^= (uint8_t)(1u << (rnd() % 8));
+            bm_copy[tk_xorshift(&rng) % b.bl] ^= (uint8_t)(1u << (tk_xorshift(&rng) % 8));
             break;
         case 1:
-            of_copy[rnd() % (b.ol / 4)] += (int32_t)(rnd() % 5) - 2;
+            of_copy[tk_xorshift(&rng) % (b.ol / 4)] += (int32_t)(tk_xorshift(&rng) % 5) - 2;
             break;
         case 2:
-            of_copy[rnd() % (b.ol / 4)] = (int32_t)rnd();
+            of_copy[tk_xorshift(&rng) % (b.ol / 4)] = (int32_t)tk_xorshift(&rng);
             break;
         default:
-            vl = rnd() % (b.vl + 8);
+            vl = tk_xorshift(&rng) % (b.vl + 8);
             if (vl > b.vl)
                 vl = b.vl; /* never claim more bytes than exist */
             break;

@@ -96,7 +96,7 @@ static void test_kern_cuda_convert_copy_zero(void **state)
 {
     (void)state;
     const size_t n = 1000;
-    float *h = tc_rand(n, 1, -4, 4);
+    float *h = tk_rand(n, 1, -4, 4);
     for (int s = 0; s < 3; s++)
         for (int d = 0; d < 3; d++) {
             kern_dtype ds = tc_float_dtypes[s], dd = tc_float_dtypes[d];
@@ -116,9 +116,7 @@ static void test_kern_cuda_convert_copy_zero(void **state)
             for (size_t i = 0; i < n; i++)
                 assert_true(z[i] == 0.0f);
             free(z);
-            kern_tensor_destroy(&a);
-            kern_tensor_destroy(&b);
-            kern_tensor_destroy(&c);
+            TC_DESTROY_ALL(&a, &b, &c);
             free(ref);
         }
     free(h);
@@ -130,23 +128,16 @@ static void test_kern_cuda_convert_copy_zero(void **state)
 static void gemm_case(kern_dtype dt, bool ta, bool tb, int m, int n, int k, float alpha, float beta)
 {
     int ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
-    float *a = tc_rand((size_t)ar * ac, 11, -1, 1), *b = tc_rand((size_t)br * bc, 12, -1, 1);
-    float *c = tc_rand((size_t)m * n, 13, -1, 1);
-    tc_round(dt, a, (size_t)ar * ac);
-    tc_round(dt, b, (size_t)br * bc);
-    tc_round(dt, c, (size_t)m * n);
+    float *a = tc_rand_dt(dt, (size_t)ar * ac, 11, -1, 1), *b = tc_rand_dt(dt, (size_t)br * bc, 12, -1, 1);
+    float *c = tc_rand_dt(dt, (size_t)m * n, 13, -1, 1);
     kern_tensor_t *ga = tc_up(tc_gpu, dt, a, 2, ar, ac), *gb = tc_up(tc_gpu, dt, b, 2, br, bc);
     kern_tensor_t *gc = tc_up(tc_gpu, dt, c, 2, m, n);
     assert_int_equal(kern_gemm(tc_gpu, ta, tb, alpha, ga, gb, beta, gc), FU_OK);
     kern_tensor_t ca = tc_cpu_t(a, 2, ar, ac), cb = tc_cpu_t(b, 2, br, bc), cc = tc_cpu_t(c, 2, m, n);
     assert_int_equal(kern_gemm(tc_cpu, ta, tb, alpha, &ca, &cb, beta, &cc), FU_OK);
     tc_expect("gemm", gc, c, tc_tol_scaled(dt, dt == KERN_F32 ? 1.0 : 2.0));
-    kern_tensor_destroy(&ga);
-    kern_tensor_destroy(&gb);
-    kern_tensor_destroy(&gc);
-    free(a);
-    free(b);
-    free(c);
+    TC_DESTROY_ALL(&ga, &gb, &gc);
+    TK_FREE_ALL(a, b, c);
 }
 
 static void test_kern_cuda_gemm_matches_cpu(void **state)
@@ -165,8 +156,8 @@ static void test_kern_cuda_gemm_column_slice(void **state)
     (void)state;
     /* C[:, 8:24] = A · B[:, 8:24] with a strided view of B and C (row strides, as LoRA uses). */
     const int m = 9, k = 13, n = 32;
-    float *a = tc_rand((size_t)m * k, 21, -1, 1), *b = tc_rand((size_t)k * n, 22, -1, 1);
-    float *c = tc_rand((size_t)m * n, 23, -1, 1);
+    float *a = tk_rand((size_t)m * k, 21, -1, 1), *b = tk_rand((size_t)k * n, 22, -1, 1);
+    float *c = tk_rand((size_t)m * n, 23, -1, 1);
     kern_tensor_t *ga = tc_up(tc_gpu, KERN_F32, a, 2, m, k), *gb = tc_up(tc_gpu, KERN_F32, b, 2, k, n);
     kern_tensor_t *gc = tc_up(tc_gpu, KERN_F32, c, 2, m, n);
     kern_tensor_t bs, cs, cbs, ccs;
@@ -178,12 +169,8 @@ static void test_kern_cuda_gemm_column_slice(void **state)
     assert_int_equal(kern_tensor_slice(&cc, 1, 8, 16, &ccs), FU_OK);
     assert_int_equal(kern_gemm(tc_cpu, false, false, 1.0f, &ca, &cbs, 0.0f, &ccs), FU_OK);
     tc_expect("gemm slice", gc, c, tc_tol_of(KERN_F32));
-    kern_tensor_destroy(&ga);
-    kern_tensor_destroy(&gb);
-    kern_tensor_destroy(&gc);
-    free(a);
-    free(b);
-    free(c);
+    TC_DESTROY_ALL(&ga, &gb, &gc);
+    TK_FREE_ALL(a, b, c);
 }
 
 static void test_kern_cuda_bad_shapes(void **state)
@@ -203,10 +190,7 @@ static void test_kern_cuda_bad_shapes(void **state)
     assert_int_equal(kern_attn_forward(tc_gpu, &p, a, b, b, c, NULL), FU_EINVAL);
     /* direct table calls check what the backend relies on */
     assert_int_equal(tc_gpu->gemm(tc_gpu, false, false, 1.0f, a, b, 0.0f, c), FU_EINVAL);
-    kern_tensor_destroy(&a);
-    kern_tensor_destroy(&b);
-    kern_tensor_destroy(&c);
-    kern_tensor_destroy(&hf);
+    TC_DESTROY_ALL(&a, &b, &c, &hf);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -218,9 +202,8 @@ static void test_kern_cuda_add_axpy(void **state)
     const size_t n = 3000;
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *a = tc_rand(n, 31, -2, 2), *b = tc_rand(n, 32, -2, 2), *y = malloc(n * sizeof(float));
-        tc_round(dt, a, n);
-        tc_round(dt, b, n);
+        float *a = tc_rand_dt(dt, n, 31, -2, 2), *b = tc_rand_dt(dt, n, 32, -2, 2);
+        float *y = malloc(n * sizeof(float));
         kern_tensor_t *ga = tc_up(tc_gpu, dt, a, 1, (int64_t)n, 1), *gb = tc_up(tc_gpu, dt, b, 1, (int64_t)n, 1);
         kern_tensor_t *gy = tc_zeros(tc_gpu, dt, 1, (int64_t)n, 1);
         assert_int_equal(kern_add_forward(tc_gpu, ga, gb, gy), FU_OK);
@@ -233,12 +216,8 @@ static void test_kern_cuda_add_axpy(void **state)
         assert_int_equal(kern_axpy(tc_gpu, -0.5f, gb, gy), FU_OK);
         assert_int_equal(kern_axpy(tc_cpu, -0.5f, &cb, &cy), FU_OK);
         tc_expect("axpy", gy, y, tc_tol_scaled(dt, 2.0));
-        kern_tensor_destroy(&ga);
-        kern_tensor_destroy(&gb);
-        kern_tensor_destroy(&gy);
-        free(a);
-        free(b);
-        free(y);
+        TC_DESTROY_ALL(&ga, &gb, &gy);
+        TK_FREE_ALL(a, b, y);
     }
 }
 
@@ -252,9 +231,8 @@ static void test_kern_cuda_embedding(void **state)
     ids[5] = ids[3]; /* repeated id: scatter-add must sum */
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *table = tc_rand((size_t)(V * D), 41, -1, 1), *dout = tc_rand((size_t)(n * D), 42, -1, 1);
-        tc_round(dt, table, (size_t)(V * D));
-        tc_round(dt, dout, (size_t)(n * D));
+        float *table = tc_rand_dt(dt, (size_t)(V * D), 41, -1, 1);
+        float *dout = tc_rand_dt(dt, (size_t)(n * D), 42, -1, 1);
         float *out = malloc((size_t)(n * D) * sizeof(float)), *dtab = calloc((size_t)(V * D), sizeof(float));
         kern_tensor_t *gids = tc_up_i32(tc_gpu, ids, n), *gt = tc_up(tc_gpu, dt, table, 2, V, D);
         kern_tensor_t *go = tc_zeros(tc_gpu, dt, 2, n, D), *gd = tc_up(tc_gpu, dt, dout, 2, n, D);
@@ -275,16 +253,8 @@ static void test_kern_cuda_embedding(void **state)
         assert_int_equal(kern_embedding_forward(tc_gpu, gbad, gt, go), FU_EINVAL);
         assert_int_equal(kern_embedding_backward(tc_gpu, gbad, gd, gdt), FU_EINVAL);
         assert_int_equal(kern_embedding_forward(tc_gpu, gids, gt, go), FU_OK); /* flag was cleared */
-        kern_tensor_destroy(&gbad);
-        kern_tensor_destroy(&gids);
-        kern_tensor_destroy(&gt);
-        kern_tensor_destroy(&go);
-        kern_tensor_destroy(&gd);
-        kern_tensor_destroy(&gdt);
-        free(table);
-        free(dout);
-        free(out);
-        free(dtab);
+        TC_DESTROY_ALL(&gbad, &gids, &gt, &go, &gd, &gdt);
+        TK_FREE_ALL(table, dout, out, dtab);
     }
 }
 
@@ -294,12 +264,8 @@ static void test_kern_cuda_rmsnorm(void **state)
     const int64_t n = 150, D = 320; /* 150 rows: three dw row chunks */
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *x = tc_rand((size_t)(n * D), 51, -2, 2), *w = tc_rand((size_t)D, 52, 0.5f, 1.5f);
-        float *dy = tc_rand((size_t)(n * D), 53, -1, 1), *dw = tc_rand((size_t)D, 54, -1, 1);
-        tc_round(dt, x, (size_t)(n * D));
-        tc_round(dt, w, (size_t)D);
-        tc_round(dt, dy, (size_t)(n * D));
-        tc_round(dt, dw, (size_t)D);
+        float *x = tc_rand_dt(dt, (size_t)(n * D), 51, -2, 2), *w = tc_rand_dt(dt, (size_t)D, 52, 0.5f, 1.5f);
+        float *dy = tc_rand_dt(dt, (size_t)(n * D), 53, -1, 1), *dw = tc_rand_dt(dt, (size_t)D, 54, -1, 1);
         float *y = malloc((size_t)(n * D) * sizeof(float)), *dx = malloc((size_t)(n * D) * sizeof(float));
         kern_tensor_t *gx = tc_up(tc_gpu, dt, x, 2, n, D), *gw = tc_up(tc_gpu, dt, w, 1, D, 1);
         kern_tensor_t *gy = tc_zeros(tc_gpu, dt, 2, n, D), *gdy = tc_up(tc_gpu, dt, dy, 2, n, D);
@@ -313,18 +279,8 @@ static void test_kern_cuda_rmsnorm(void **state)
         assert_int_equal(kern_rmsnorm_backward(tc_cpu, &cdy, &cx, &cw, 1e-5f, &cdx, &cdw), FU_OK);
         tc_expect("rmsnorm dx", gdx, dx, tc_tol_scaled(dt, 2.0));
         tc_expect("rmsnorm dw", gdw, dw, tc_tol_scaled(dt, dt == KERN_F32 ? 10.0 : 4.0));
-        kern_tensor_destroy(&gx);
-        kern_tensor_destroy(&gw);
-        kern_tensor_destroy(&gy);
-        kern_tensor_destroy(&gdy);
-        kern_tensor_destroy(&gdx);
-        kern_tensor_destroy(&gdw);
-        free(x);
-        free(w);
-        free(dy);
-        free(dw);
-        free(y);
-        free(dx);
+        TC_DESTROY_ALL(&gx, &gw, &gy, &gdy, &gdx, &gdw);
+        TK_FREE_ALL(x, w, dy, dw, y, dx);
     }
 }
 
@@ -337,9 +293,8 @@ static void test_kern_cuda_rope(void **state)
         pos[i] = 100 + 3 * i; /* absolute positions, as with a KV-cache offset */
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *x = tc_rand((size_t)(n * f), 61, -1, 1), *y = malloc((size_t)(n * f) * sizeof(float));
+        float *x = tc_rand_dt(dt, (size_t)(n * f), 61, -1, 1), *y = malloc((size_t)(n * f) * sizeof(float));
         float *dx = malloc((size_t)(n * f) * sizeof(float));
-        tc_round(dt, x, (size_t)(n * f));
         kern_tensor_t *gx = tc_up(tc_gpu, dt, x, 2, n, f), *gy = tc_zeros(tc_gpu, dt, 2, n, f);
         kern_tensor_t *gp = tc_up_i32(tc_gpu, pos, n), *gdx = tc_zeros(tc_gpu, dt, 2, n, f);
         kern_tensor_t cx = tc_cpu_t(x, 2, n, f), cy = tc_cpu_t(y, 2, n, f), cp = tc_cpu_i32(pos, n),
@@ -352,13 +307,8 @@ static void test_kern_cuda_rope(void **state)
         tc_expect("rope bwd", gdx, dx, tc_tol_of(dt));
         assert_int_equal(kern_rope_forward(tc_gpu, gx, gp, (int)hd, 500000.0f, gx), FU_OK); /* in place */
         tc_expect("rope in place", gx, y, tc_tol_of(dt));
-        kern_tensor_destroy(&gx);
-        kern_tensor_destroy(&gy);
-        kern_tensor_destroy(&gp);
-        kern_tensor_destroy(&gdx);
-        free(x);
-        free(y);
-        free(dx);
+        TC_DESTROY_ALL(&gx, &gy, &gp, &gdx);
+        TK_FREE_ALL(x, y, dx);
     }
 }
 
@@ -369,10 +319,8 @@ static void test_kern_cuda_silu_mul(void **state)
     const size_t N = (size_t)(n * f);
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *g = tc_rand(N, 71, -6, 6), *u = tc_rand(N, 72, -2, 2), *dout = tc_rand(N, 73, -1, 1);
-        tc_round(dt, g, N);
-        tc_round(dt, u, N);
-        tc_round(dt, dout, N);
+        float *g = tc_rand_dt(dt, N, 71, -6, 6), *u = tc_rand_dt(dt, N, 72, -2, 2);
+        float *dout = tc_rand_dt(dt, N, 73, -1, 1);
         float *o = malloc(N * 4), *dg = malloc(N * 4), *du = malloc(N * 4);
         kern_tensor_t *gg = tc_up(tc_gpu, dt, g, 2, n, f), *gu = tc_up(tc_gpu, dt, u, 2, n, f);
         kern_tensor_t *gd = tc_up(tc_gpu, dt, dout, 2, n, f), *go = tc_zeros(tc_gpu, dt, 2, n, f);
@@ -386,18 +334,8 @@ static void test_kern_cuda_silu_mul(void **state)
         assert_int_equal(kern_silu_mul_backward(tc_cpu, &cd, &cg, &cu, &cdg, &cdu), FU_OK);
         tc_expect("silu_mul dgate", gdg, dg, tc_tol_of(dt));
         tc_expect("silu_mul dup", gdu, du, tc_tol_of(dt));
-        kern_tensor_destroy(&gg);
-        kern_tensor_destroy(&gu);
-        kern_tensor_destroy(&gd);
-        kern_tensor_destroy(&go);
-        kern_tensor_destroy(&gdg);
-        kern_tensor_destroy(&gdu);
-        free(g);
-        free(u);
-        free(dout);
-        free(o);
-        free(dg);
-        free(du);
+        TC_DESTROY_ALL(&gg, &gu, &gd, &go, &gdg, &gdu);
+        TK_FREE_ALL(g, u, dout, o, dg, du);
     }
 }
 
@@ -416,12 +354,9 @@ static void attn_run(kern_dtype dt, attn_case c)
     const int64_t qr = (int64_t)c.n_seq * c.tq, kr = (int64_t)c.n_seq * c.tk;
     const int64_t qf = (int64_t)c.hq * c.hd, kf = (int64_t)c.hkv * c.hd;
     const size_t nq = (size_t)(qr * qf), nk = (size_t)(kr * kf);
-    float *q = tc_rand(nq, 81, -1, 1), *k = tc_rand(nk, 82, -1, 1), *v = tc_rand(nk, 83, -1, 1);
-    float *dout = tc_rand(nq, 84, -1, 1);
-    tc_round(dt, q, nq);
-    tc_round(dt, k, nk);
-    tc_round(dt, v, nk);
-    tc_round(dt, dout, nq);
+    float *q = tc_rand_dt(dt, nq, 81, -1, 1), *k = tc_rand_dt(dt, nk, 82, -1, 1);
+    float *v = tc_rand_dt(dt, nk, 83, -1, 1);
+    float *dout = tc_rand_dt(dt, nq, 84, -1, 1);
     float *o = malloc(nq * 4), *dq = malloc(nq * 4), *dk = malloc(nk * 4), *dv = malloc(nk * 4);
     kern_tensor_t *gq = tc_up(tc_gpu, dt, q, 2, qr, qf), *gk = tc_up(tc_gpu, dt, k, 2, kr, kf);
     kern_tensor_t *gv = tc_up(tc_gpu, dt, v, 2, kr, kf), *go = tc_zeros(tc_gpu, dt, 2, qr, qf);
@@ -453,24 +388,11 @@ static void attn_run(kern_dtype dt, attn_case c)
         tc_expect("attn dq", gdq, dq, bt);
         tc_expect("attn dk", gdk, dk, bt);
         tc_expect("attn dv", gdv, dv, bt);
-        kern_tensor_destroy(&gd);
-        kern_tensor_destroy(&gdq);
-        kern_tensor_destroy(&gdk);
-        kern_tensor_destroy(&gdv);
+        TC_DESTROY_ALL(&gd, &gdq, &gdk, &gdv);
     }
     kern_workspace_destroy(&ws);
-    kern_tensor_destroy(&gq);
-    kern_tensor_destroy(&gk);
-    kern_tensor_destroy(&gv);
-    kern_tensor_destroy(&go);
-    free(q);
-    free(k);
-    free(v);
-    free(dout);
-    free(o);
-    free(dq);
-    free(dk);
-    free(dv);
+    TC_DESTROY_ALL(&gq, &gk, &gv, &go);
+    TK_FREE_ALL(q, k, v, dout, o, dq, dk, dv);
 }
 
 static void test_kern_cuda_attention(void **state)
@@ -503,8 +425,7 @@ static void test_kern_cuda_xent(void **state)
     tg[4] = KERN_XENT_IGNORE_DEFAULT;
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *lg = tc_rand((size_t)(n * V), 91, -8, 8), *dl = malloc((size_t)(n * V) * 4);
-        tc_round(dt, lg, (size_t)(n * V));
+        float *lg = tc_rand_dt(dt, (size_t)(n * V), 91, -8, 8), *dl = malloc((size_t)(n * V) * 4);
         kern_tensor_t *gl = tc_up(tc_gpu, dt, lg, 2, n, V), *gt = tc_up_i32(tc_gpu, tg, n);
         kern_tensor_t *gd = tc_zeros(tc_gpu, dt, 2, n, V);
         kern_tensor_t cl = tc_cpu_t(lg, 2, n, V), ct = tc_cpu_i32(tg, n), cd = tc_cpu_t(dl, 2, n, V);
@@ -547,10 +468,7 @@ static void test_kern_cuda_xent(void **state)
         assert_int_equal(kern_xent_backward(tc_gpu, gd, gb, KERN_XENT_IGNORE_DEFAULT, 1.0f, gd), FU_EINVAL);
         assert_int_equal(kern_xent_forward_backward(tc_gpu, gd, gb, KERN_XENT_IGNORE_DEFAULT, 1.0f, &lg_gpu, &nv_gpu, gd),
                          FU_EINVAL);
-        kern_tensor_destroy(&gb);
-        kern_tensor_destroy(&gl);
-        kern_tensor_destroy(&gt);
-        kern_tensor_destroy(&gd);
+        TC_DESTROY_ALL(&gb, &gl, &gt, &gd);
         free(lg);
         free(dl);
     }
@@ -563,12 +481,9 @@ static void test_kern_cuda_adamw(void **state)
     kern_adamw_params ap = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f};
     for (int d = 0; d < 3; d++) {
         kern_dtype dt = tc_float_dtypes[d];
-        float *p = tc_rand(n, 101, -1, 1), *g = tc_rand(n, 102, -1, 1), *m = tc_rand(n, 103, -0.1f, 0.1f);
-        float *v = tc_rand(n, 104, 0, 0.01f);
-        tc_round(dt, p, n);
-        tc_round(dt, g, n);
-        tc_round(dt, m, n);
-        tc_round(dt, v, n);
+        float *p = tc_rand_dt(dt, n, 101, -1, 1), *g = tc_rand_dt(dt, n, 102, -1, 1);
+        float *m = tc_rand_dt(dt, n, 103, -0.1f, 0.1f);
+        float *v = tc_rand_dt(dt, n, 104, 0, 0.01f);
         kern_tensor_t *gp = tc_up(tc_gpu, dt, p, 1, (int64_t)n, 1), *gg = tc_up(tc_gpu, dt, g, 1, (int64_t)n, 1);
         kern_tensor_t *gm = tc_up(tc_gpu, dt, m, 1, (int64_t)n, 1), *gv = tc_up(tc_gpu, dt, v, 1, (int64_t)n, 1);
         kern_tensor_t cp = tc_cpu_t(p, 1, (int64_t)n, 1), cg = tc_cpu_t(g, 1, (int64_t)n, 1),
@@ -585,14 +500,8 @@ static void test_kern_cuda_adamw(void **state)
         tc_expect("adamw param", gp, p, tc_tol_of(dt));
         tc_expect("adamw m", gm, m, tc_tol_of(dt));
         tc_expect("adamw v", gv, v, tc_tol_of(dt));
-        kern_tensor_destroy(&gp);
-        kern_tensor_destroy(&gg);
-        kern_tensor_destroy(&gm);
-        kern_tensor_destroy(&gv);
-        free(p);
-        free(g);
-        free(m);
-        free(v);
+        TC_DESTROY_ALL(&gp, &gg, &gm, &gv);
+        TK_FREE_ALL(p, g, m, v);
     }
 }
 
@@ -600,7 +509,7 @@ static void test_kern_cuda_sample(void **state)
 {
     (void)state;
     const int64_t n = 16, V = 3001;
-    float *lg = tc_rand((size_t)(n * V), 111, -5, 5);
+    float *lg = tk_rand((size_t)(n * V), 111, -5, 5);
     lg[3 * V + 17] = 9.0f; /* clear winners in some rows, and a tie (lowest id wins) */
     lg[3 * V + 5] = 9.0f;
     lg[6 * V + 9] = NAN; /* NaN counts as -inf */
@@ -644,9 +553,6 @@ static void test_kern_cuda_sample(void **state)
 
 int main(void)
 {
-    int rc = tc_probe("test_kern_cuda");
-    if (rc)
-        return rc;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kern_cuda_lookup),
         cmocka_unit_test(test_kern_cuda_oom_is_an_error),
@@ -666,5 +572,5 @@ int main(void)
         cmocka_unit_test(test_kern_cuda_adamw),
         cmocka_unit_test(test_kern_cuda_sample),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TC_RUN_GROUP("test_kern_cuda", tests);
 }

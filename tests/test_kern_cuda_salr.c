@@ -10,15 +10,12 @@
 static void lorafa_case(kern_dtype dt, int64_t n, int64_t in, int64_t out, int64_t r)
 {
     const float s = 2.0f;
-    float *x = tc_rand((size_t)(n * in), 201, -1, 1), *w = tc_rand((size_t)(out * in), 202, -0.2f, 0.2f);
-    float *a = tc_rand((size_t)(r * in), 203, -0.3f, 0.3f), *b = tc_rand((size_t)(out * r), 204, -0.3f, 0.3f);
-    float *dy = tc_rand((size_t)(n * out), 205, -1, 1), *db = tc_rand((size_t)(out * r), 206, -0.1f, 0.1f);
-    tc_round(dt, x, (size_t)(n * in));
-    tc_round(dt, w, (size_t)(out * in));
-    tc_round(dt, a, (size_t)(r * in));
-    tc_round(dt, b, (size_t)(out * r));
-    tc_round(dt, dy, (size_t)(n * out));
-    tc_round(dt, db, (size_t)(out * r));
+    float *x = tc_rand_dt(dt, (size_t)(n * in), 201, -1, 1);
+    float *w = tc_rand_dt(dt, (size_t)(out * in), 202, -0.2f, 0.2f);
+    float *a = tc_rand_dt(dt, (size_t)(r * in), 203, -0.3f, 0.3f);
+    float *b = tc_rand_dt(dt, (size_t)(out * r), 204, -0.3f, 0.3f);
+    float *dy = tc_rand_dt(dt, (size_t)(n * out), 205, -1, 1);
+    float *db = tc_rand_dt(dt, (size_t)(out * r), 206, -0.1f, 0.1f);
     float *y = malloc((size_t)(n * out) * 4), *h = malloc((size_t)(n * r) * 4), *dx = malloc((size_t)(n * in) * 4);
     kern_tensor_t cx = tc_cpu_t(x, 2, n, in), cw = tc_cpu_t(w, 2, out, in), ca = tc_cpu_t(a, 2, r, in),
                   cb = tc_cpu_t(b, 2, out, r), cy = tc_cpu_t(y, 2, n, out), ch = tc_cpu_t(h, 2, n, r),
@@ -50,18 +47,8 @@ static void lorafa_case(kern_dtype dt, int64_t n, int64_t in, int64_t out, int64
     assert_int_equal(kern_cuda_lorafa_forward(tc_gpu, gx, gw, gb, ga, s, gh, gy), FU_EINVAL);
     assert_int_equal(kern_cuda_lorafa_backward(tc_gpu, gdy, gh, gw, ga, gb, s, gdb, gdx), FU_EINVAL);
 
-    kern_tensor_t *all[] = {gx, gw, ga, gb, gy, gh, gdy, gdx, gdb, gdb2};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        kern_tensor_destroy(&all[i]);
-    free(x);
-    free(w);
-    free(a);
-    free(b);
-    free(dy);
-    free(db);
-    free(y);
-    free(h);
-    free(dx);
+    TC_DESTROY_ALL(&gx, &gw, &ga, &gb, &gy, &gh, &gdy, &gdx, &gdb, &gdb2);
+    TK_FREE_ALL(x, w, a, b, dy, db, y, h, dx);
 }
 
 static void test_kern_cuda_lorafa_matches_cpu(void **state)
@@ -79,7 +66,7 @@ static void test_kern_cuda_lorafa_matches_cpu(void **state)
 /* A [rows, cols] matrix with about half its elements zero (the pruned pattern). */
 static float *sparse_matrix(size_t rows, size_t cols, uint64_t seed)
 {
-    float *w = tc_rand(rows * cols, seed, -1, 1);
+    float *w = tk_rand(rows * cols, seed, -1, 1);
     kern_rng r;
     kern_rng_seed(&r, seed ^ 0x5a5a);
     for (size_t i = 0; i < rows * cols; i++)
@@ -98,9 +85,8 @@ static void spmm_case(kern_bitmap_dtype bdt, kern_dtype dt, size_t rows, size_t 
     assert_int_equal(kern_cuda_bitmap_rows(gw), rows);
     assert_int_equal(kern_cuda_bitmap_cols(gw), cols);
 
-    float *x = tc_rand((size_t)n * cols, 302, -1, 1), *y = tc_rand((size_t)n * rows, 303, -1, 1);
-    tc_round(dt, x, (size_t)n * cols);
-    tc_round(dt, y, (size_t)n * rows);
+    float *x = tc_rand_dt(dt, (size_t)n * cols, 302, -1, 1);
+    float *y = tc_rand_dt(dt, (size_t)n * rows, 303, -1, 1);
     kern_tensor_t *gx = tc_up(tc_gpu, dt, x, 2, n, (int64_t)cols), *gy = tc_up(tc_gpu, dt, y, 2, n, (int64_t)rows);
     kern_tensor_t cx = tc_cpu_t(x, 2, n, (int64_t)cols), cy = tc_cpu_t(y, 2, n, (int64_t)rows);
     kern_sparse_weight cs = {bm, (int64_t)rows, (int64_t)cols}, gs = {gw, (int64_t)rows, (int64_t)cols};
@@ -112,8 +98,7 @@ static void spmm_case(kern_bitmap_dtype bdt, kern_dtype dt, size_t rows, size_t 
     tc_expect(what, gy, y, tc_tol_scaled(dt, 3.0));
     /* the fused kernels alone (the tensor-core kernel where the automatic choice is the dense path) */
     if (dt != KERN_F32 && cols % 8 == 0) {
-        float *y0 = tc_rand((size_t)n * rows, 303, -1, 1), *yf = malloc((size_t)n * rows * 4);
-        tc_round(dt, y0, (size_t)n * rows);
+        float *y0 = tc_rand_dt(dt, (size_t)n * rows, 303, -1, 1), *yf = malloc((size_t)n * rows * 4);
         kern_tensor_t *gyf = tc_up(tc_gpu, dt, y0, 2, n, (int64_t)rows), cyf = tc_cpu_t(yf, 2, n, (int64_t)rows);
         memcpy(yf, y0, (size_t)n * rows * 4);
         assert_int_equal(kern_sparse_linear_forward(tc_cpu, &cx, &cs, beta, &cyf), FU_OK);
@@ -125,8 +110,7 @@ static void spmm_case(kern_bitmap_dtype bdt, kern_dtype dt, size_t rows, size_t 
     }
 
     /* dX = dY·W */
-    float *dy = tc_rand((size_t)n * rows, 304, -1, 1), *dx = malloc((size_t)n * cols * 4);
-    tc_round(dt, dy, (size_t)n * rows);
+    float *dy = tc_rand_dt(dt, (size_t)n * rows, 304, -1, 1), *dx = malloc((size_t)n * cols * 4);
     kern_tensor_t *gdy = tc_up(tc_gpu, dt, dy, 2, n, (int64_t)rows), *gdx = tc_zeros(tc_gpu, dt, 2, n, (int64_t)cols);
     kern_tensor_t cdy = tc_cpu_t(dy, 2, n, (int64_t)rows), cdx = tc_cpu_t(dx, 2, n, (int64_t)cols);
     assert_int_equal(kern_sparse_linear_backward(tc_cpu, &cdy, &cs, &cdx), FU_OK);
@@ -145,21 +129,11 @@ static void spmm_case(kern_bitmap_dtype bdt, kern_dtype dt, size_t rows, size_t 
     kern_tensor_t *gy2 = tc_zeros(tc_gpu, dt, 2, n, (int64_t)rows + 1);
     assert_int_equal(kern_sparse_linear_forward(tc_gpu, gx, &wrong, 0.0f, gy2), FU_EINVAL);
 
-    kern_tensor_destroy(&gy2);
-    kern_tensor_destroy(&gd);
-    kern_tensor_destroy(&gx);
-    kern_tensor_destroy(&gy);
-    kern_tensor_destroy(&gdy);
-    kern_tensor_destroy(&gdx);
+    TC_DESTROY_ALL(&gy2, &gd, &gx, &gy, &gdy, &gdx);
     kern_cuda_bitmap_destroy(&gw);
     assert_null(gw);
     kern_bitmap_destroy(&bm);
-    free(w);
-    free(x);
-    free(y);
-    free(dy);
-    free(dx);
-    free(dense);
+    TK_FREE_ALL(w, x, y, dy, dx, dense);
 }
 
 static void test_kern_cuda_spmm_matches_cpu(void **state)
@@ -191,12 +165,10 @@ static void test_kern_cuda_salr_layer(void **state)
         assert_int_equal(kern_bitmap_encode(w, rows, cols, cols, KERN_BITMAP_F16, &bm), FU_OK);
         kern_cuda_bitmap_t *gw = NULL;
         assert_int_equal(kern_cuda_bitmap_upload(tc_gpu, bm, &gw), FU_OK);
-        float *x = tc_rand((size_t)n * cols, 402, -1, 1), *ac = tc_rand((size_t)rt * cols, 403, -0.3f, 0.3f);
-        float *bc = tc_rand(rows * (size_t)rt, 404, -0.3f, 0.3f), *dy = tc_rand((size_t)n * rows, 405, -1, 1);
-        tc_round(dt, x, (size_t)n * cols);
-        tc_round(dt, ac, (size_t)rt * cols);
-        tc_round(dt, bc, rows * (size_t)rt);
-        tc_round(dt, dy, (size_t)n * rows);
+        float *x = tc_rand_dt(dt, (size_t)n * cols, 402, -1, 1);
+        float *ac = tc_rand_dt(dt, (size_t)rt * cols, 403, -0.3f, 0.3f);
+        float *bc = tc_rand_dt(dt, rows * (size_t)rt, 404, -0.3f, 0.3f);
+        float *dy = tc_rand_dt(dt, (size_t)n * rows, 405, -1, 1);
         float *y = calloc((size_t)n * rows, 4), *h = malloc((size_t)(n * rt) * 4), *dx = calloc((size_t)n * cols, 4);
         float *db1 = calloc(rows * (size_t)r1, 4);
         /* CPU reference: sparse product, then the concatenated adapters through kern_lora (w = NULL). */
@@ -229,32 +201,19 @@ static void test_kern_cuda_salr_layer(void **state)
         /* half an adapter spec is an error */
         assert_int_equal(kern_cuda_salr_forward(tc_gpu, gx, gw, gac, NULL, gh, gy), FU_EINVAL);
 
-        kern_tensor_t *all[] = {gx, gac, gbc, gy, gh, gdy, gdx, gdb1};
-        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-            kern_tensor_destroy(&all[i]);
+        TC_DESTROY_ALL(&gx, &gac, &gbc, &gy, &gh, &gdy, &gdx, &gdb1);
         kern_cuda_bitmap_destroy(&gw);
         kern_bitmap_destroy(&bm);
-        free(w);
-        free(x);
-        free(ac);
-        free(bc);
-        free(dy);
-        free(y);
-        free(h);
-        free(dx);
-        free(db1);
+        TK_FREE_ALL(w, x, ac, bc, dy, y, h, dx, db1);
     }
 }
 
 int main(void)
 {
-    int rc = tc_probe("test_kern_cuda_salr");
-    if (rc)
-        return rc;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kern_cuda_lorafa_matches_cpu),
         cmocka_unit_test(test_kern_cuda_spmm_matches_cpu),
         cmocka_unit_test(test_kern_cuda_salr_layer),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TC_RUN_GROUP("test_kern_cuda_salr", tests);
 }

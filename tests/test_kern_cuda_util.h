@@ -1,6 +1,7 @@
 /* Helpers for the CUDA backend tests: device probing (exit 77 without a GPU), moving f32 host data
  * to and from device tensors of any float dtype, rounding host data to a dtype so that the CPU
- * reference sees exactly the values the GPU sees, and per-dtype error bounds. Header-only. */
+ * reference sees exactly the values the GPU sees, and per-dtype error bounds. Header-only; builds
+ * on test_kern_util.h (tk_rand). */
 #ifndef FU_TEST_KERN_CUDA_UTIL_H
 #define FU_TEST_KERN_CUDA_UTIL_H
 
@@ -16,8 +17,8 @@
 #include <cmocka.h>
 
 #include "kern_backend.h"
-#include "kern_rng.h"
 #include "kern_tensor.h"
+#include "test_kern_util.h"
 #ifdef FUSION_KERN_HAVE_CUDA
 #include "kern_cuda.h"
 #endif
@@ -49,6 +50,9 @@ static inline int tc_probe(const char *prog)
 #endif
 }
 
+/* main()'s result: the group's when a CUDA device is usable, else TC_SKIP (after tc_probe says why). */
+#define TC_RUN_GROUP(prog, tests) (tc_probe(prog) ? TC_SKIP : cmocka_run_group_tests(tests, NULL, NULL))
+
 static const kern_dtype tc_float_dtypes[3] = {KERN_F32, KERN_F16, KERN_BF16};
 
 /* Error bounds: |gpu - ref| <= atol + rtol*|ref|. */
@@ -76,17 +80,6 @@ static inline tc_tol tc_tol_scaled(kern_dtype dt, double f)
     return t;
 }
 
-/* n floats uniform in [lo, hi); caller frees. */
-static inline float *tc_rand(size_t n, uint64_t seed, float lo, float hi)
-{
-    float *p = malloc((n ? n : 1) * sizeof(float));
-    kern_rng r;
-    kern_rng_seed(&r, seed);
-    for (size_t i = 0; i < n; i++)
-        p[i] = lo + (hi - lo) * kern_rng_uniform(&r);
-    return p;
-}
-
 /* Rounds h[0..n) to dt in place (f32: unchanged). */
 static inline void tc_round(kern_dtype dt, float *h, size_t n)
 {
@@ -96,6 +89,15 @@ static inline void tc_round(kern_dtype dt, float *h, size_t n)
     assert_int_equal(kern_convert_host(tmp, dt, h, KERN_F32, n), FU_OK);
     assert_int_equal(kern_convert_host(h, KERN_F32, tmp, dt, n), FU_OK);
     free(tmp);
+}
+
+/* n floats uniform in [lo, hi) (tk_rand) rounded to dt: the values a dt tensor of them holds, so the
+ * CPU reference sees what the GPU sees. Caller frees. */
+static inline float *tc_rand_dt(kern_dtype dt, size_t n, uint64_t seed, float lo, float hi)
+{
+    float *p = tk_rand(n, seed, lo, hi);
+    tc_round(dt, p, n);
+    return p;
 }
 
 /* New tensor on be of dtype dt holding h (f32 host data converted). Caller destroys. */
@@ -184,22 +186,31 @@ static inline void tc_expect(const char *what, const kern_tensor_t *t, const flo
         fail_msg("%s (%s): gpu and cpu differ beyond the bound (ratio %.3g)", what, kern_dtype_name(t->dtype), r);
 }
 
+/* Compares a device tensor with the same tensor of the CPU reference run (a tc_cpu tensor). */
+static inline void tc_expect_cpu(const char *what, const kern_tensor_t *t, const kern_tensor_t *ref_t, tc_tol tol)
+{
+    float *ref = tc_down(tc_cpu, ref_t);
+    tc_expect(what, t, ref, tol);
+    free(ref);
+}
+
+/* Destroys each tensor of the list (pointers to kern_tensor_t *, set to NULL). */
+#define TC_DESTROY_ALL(...)                                                             \
+    do {                                                                                \
+        kern_tensor_t **tc_all_[] = {__VA_ARGS__};                                      \
+        for (size_t tc_i_ = 0; tc_i_ < sizeof tc_all_ / sizeof tc_all_[0]; tc_i_++)      \
+            kern_tensor_destroy(tc_all_[tc_i_]);                                        \
+    } while (0)
+
 /* A CPU tensor wrapping host floats (borrowed). */
 static inline kern_tensor_t tc_cpu_t(float *h, int ndim, int64_t d0, int64_t d1)
 {
-    int64_t shape[2] = {d0, d1};
-    kern_tensor_t t;
-    kern_device cpu = {KERN_DEV_CPU, 0};
-    assert_int_equal(kern_tensor_wrap(&t, h, KERN_F32, ndim, shape, cpu), FU_OK);
-    return t;
+    return tk_t(h, KERN_F32, ndim, d0, d1, 1);
 }
 
 static inline kern_tensor_t tc_cpu_i32(int32_t *h, int64_t n)
 {
-    kern_tensor_t t;
-    kern_device cpu = {KERN_DEV_CPU, 0};
-    assert_int_equal(kern_tensor_wrap(&t, h, KERN_I32, 1, &n, cpu), FU_OK);
-    return t;
+    return tk_i1(h, n);
 }
 
 #endif

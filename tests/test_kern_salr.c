@@ -17,26 +17,16 @@
 
 #include "kern_bitmap.h"
 #include "kern_salr.h"
+#include "test_kern_util.h"
 
 static const kern_simd_isa all_isas[] = {KERN_SIMD_SCALAR, KERN_SIMD_AVX2, KERN_SIMD_AVX512};
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-static uint64_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float rndf(void)
-{
-    return (float)((double)(rnd() >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
+static uint64_t rng = 0x9e3779b97f4a7c15ULL; /* tk_xorshift state */
 static float *rand_mat(size_t n)
 {
     float *a = malloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++)
-        a[i] = rndf();
+        a[i] = tk_xorshift_unit(&rng);
     return a;
 }
 
@@ -92,11 +82,7 @@ static void check_prune(const float *w, size_t rows, size_t cols, double sparsit
     memcpy(inplace, w, total * sizeof(float));
     assert_int_equal(kern_salr_prune(inplace, rows, cols, sparsity, inplace, NULL, NULL), FU_OK);
     assert_memory_equal(inplace, ws, total * sizeof(float));
-    free(inplace);
-    free(ws);
-    free(res);
-    free(keep);
-    free(idx);
+    TK_FREE_ALL(inplace, ws, res, keep, idx);
 }
 
 static void test_kern_salr_prune_exact_sparsity_and_ties(void **state)
@@ -106,7 +92,7 @@ static void test_kern_salr_prune_exact_sparsity_and_ties(void **state)
     size_t rows = 37, cols = 53;
     float *w = malloc(rows * cols * sizeof(float));
     for (size_t i = 0; i < rows * cols; i++)
-        w[i] = (float)(int)(rnd() % 7) * ((rnd() & 1) ? 1.0f : -1.0f);
+        w[i] = (float)(int)(tk_xorshift(&rng) % 7) * ((tk_xorshift(&rng) & 1) ? 1.0f : -1.0f);
     static const double sp[] = {0.0, 0.5, 0.3, 0.77, 1.0, 0.999, 0.001};
     for (size_t k = 0; k < sizeof sp / sizeof sp[0]; k++)
         check_prune(w, rows, cols, sp[k]);
@@ -204,11 +190,7 @@ static void test_kern_salr_svd_bound(void **state)
     memset(res, 0, rows * cols * sizeof(float));
     assert_int_equal(kern_salr_svd(res, rows, cols, 4, KERN_SALR_SVD_AUTO, 1, a, b, &ratio), FU_OK);
     assert_true(ratio == 0.0);
-    free(a);
-    free(b);
-    free(w);
-    free(ws);
-    free(res);
+    TK_FREE_ALL(a, b, w, ws, res);
 }
 
 static void test_kern_salr_svd_randomized(void **state)
@@ -227,7 +209,7 @@ static void test_kern_salr_svd_randomized(void **state)
         free(v);
     }
     for (size_t i = 0; i < rows * cols; i++)
-        r[i] += 0.001f * rndf();
+        r[i] += 0.001f * tk_xorshift_unit(&rng);
     check_svd(r, rows, cols, rank, KERN_SALR_SVD_RANDOMIZED);
     /* close to the exact optimum on a decaying spectrum */
     float *a = malloc(rank * cols * sizeof(float)), *b = malloc(rows * rank * sizeof(float));
@@ -235,9 +217,7 @@ static void test_kern_salr_svd_randomized(void **state)
     assert_int_equal(kern_salr_svd(r, rows, cols, rank, KERN_SALR_SVD_RANDOMIZED, 7, a, b, &re), FU_OK);
     assert_int_equal(kern_salr_svd(r, rows, cols, rank, KERN_SALR_SVD_EXACT, 7, a, b, &ex), FU_OK);
     assert_true(re <= ex * 1.05 + 1e-7);
-    free(a);
-    free(b);
-    free(r);
+    TK_FREE_ALL(a, b, r);
 
     /* AUTO on a big flat spectrum (a scaled permutation: all singular values equal) must still meet
      * the bound: the sketch cannot, so AUTO falls back to the exact SVD. */
@@ -250,9 +230,7 @@ static void test_kern_salr_svd_randomized(void **state)
     double ratio;
     assert_int_equal(kern_salr_svd(p, n, n, 4, KERN_SALR_SVD_AUTO, 3, a, b, &ratio), FU_OK);
     assert_true(ratio <= (1.0 - 4.0 / (double)n) * (1.0 + 1e-5));
-    free(a);
-    free(b);
-    free(p);
+    TK_FREE_ALL(a, b, p);
 }
 
 static void test_kern_salr_svd_bad_args(void **state)
@@ -307,13 +285,7 @@ static void check_spmm(size_t out, size_t in, size_t n, kern_bitmap_dtype dt)
     kern_salr_set_strategy(KERN_SALR_STRATEGY_AUTO);
     kern_simd_set(KERN_SIMD_AUTO);
     kern_bitmap_destroy(&bm);
-    free(w);
-    free(ws);
-    free(x);
-    free(y);
-    free(y0);
-    free(ref);
-    free(refacc);
+    TK_FREE_ALL(w, ws, x, y, y0, ref, refacc);
 }
 
 static void test_kern_salr_spmm_matches_dense(void **state)
@@ -418,9 +390,7 @@ static void test_kern_salr_spmm_concurrent_callers(void **state)
         assert_true(args[i].ok);
     }
     kern_bitmap_destroy(&bm);
-    free(w);
-    free(x);
-    free(ref);
+    TK_FREE_ALL(w, x, ref);
 }
 
 static void test_kern_salr_spmm_bad_args(void **state)

@@ -4,6 +4,7 @@
 #define FU_TEST_KERN_UTIL_H
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +51,22 @@ static inline float *tk_rand(size_t n, uint64_t seed, float lo, float hi)
     return p;
 }
 
+/* xorshift64 step: a tiny seeded stream for tests that want raw random bits (mutations, sparsity
+ * patterns); *state must not be 0. */
+static inline uint64_t tk_xorshift(uint64_t *state)
+{
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
+}
+
+/* Uniform in [-1, 1) from the top 53 bits of tk_xorshift. */
+static inline float tk_xorshift_unit(uint64_t *state)
+{
+    return (float)((double)(tk_xorshift(state) >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
 static inline float *tk_zeros(size_t n)
 {
     return calloc(n ? n : 1, sizeof(float));
@@ -61,6 +78,14 @@ static inline float *tk_dup(const float *p, size_t n)
     memcpy(q, p, n * sizeof(float));
     return q;
 }
+
+/* Frees each pointer of the list: a test case's host buffers in one line. */
+#define TK_FREE_ALL(...)                                                                \
+    do {                                                                                \
+        void *tk_all_[] = {__VA_ARGS__};                                                \
+        for (size_t tk_i_ = 0; tk_i_ < sizeof tk_all_ / sizeof tk_all_[0]; tk_i_++)      \
+            free(tk_all_[tk_i_]);                                                       \
+    } while (0)
 
 /* Largest |a-b| / (atol + rtol*|b|) over n elements; <= 1 means close. */
 static inline double tk_close_ratio(const float *a, const double *b, size_t n, double atol, double rtol)

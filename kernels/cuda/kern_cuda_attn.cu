@@ -78,6 +78,43 @@ __device__ __forceinline__ float attn_dot(const float *__restrict__ xs, const T 
     return acc;
 }
 
+/* What block rowhead = qrow·Hq + h of the row kernels works on. */
+struct attn_row_at {
+    int64_t qrow, s, i; /* query row; its sequence and position in it */
+    int     h, g;       /* query head; the kv head it reads */
+};
+
+__device__ __forceinline__ attn_row_at attn_row_of(const attn_dims &a, int64_t rowhead)
+{
+    attn_row_at r;
+    r.h = (int)(rowhead % a.Hq);
+    r.qrow = rowhead / a.Hq;
+    r.s = r.qrow / a.tq;
+    r.i = r.qrow % a.tq;
+    r.g = r.h / a.group;
+    return r;
+}
+
+/* The second half of a warp's chunk of 32 keys c0.. (those below end): lane jj holds the weight of
+ * key c0 + jj, and acc[e] += weight · row[lane + 32e] for each key's row (base + key·ld), in key
+ * order; the lanes split the head dimension D. */
+template <typename T, int NPL>
+__device__ __forceinline__ void attn_warp_accumulate(float (&acc)[NPL], float w, const T *base, int64_t c0, int64_t end,
+                                                     int64_t ld, int lane, int D)
+{
+    const int nvalid = (int)(end - c0 < 32 ? end - c0 : 32);
+    for (int jj = 0; jj < nvalid; jj++) {
+        const float wj = __shfl_sync(0xffffffffu, w, jj);
+        const T *rp = base + (c0 + jj) * ld;
+#pragma unroll
+        for (int e = 0; e < NPL; e++) {
+            const int d = lane + 32 * e;
+            if (d < D)
+                acc[e] += wj * kc_ld(rp[d]);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Row kernel (forward). grid.x = rowhead = qrow*Hq + h, grid.y = split. With splits == 1 it writes
  * o (and lse when non-NULL); otherwise the partial triple part[(rowhead*splits + z)*(D+2) ...]. */
@@ -93,10 +130,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_rows(const T *__restrict_
     __shared__ float wacc[ATTN_WARPS][32 * NPL];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t rowhead = blockIdx.x;
-    const int h = (int)(rowhead % a.Hq);
-    const int64_t qrow = rowhead / a.Hq;
-    const int64_t s = qrow / a.tq, i = qrow % a.tq;
-    const int g = h / a.group;
+    const auto [qrow, s, i, h, g] = attn_row_of(a, rowhead);
     const int D = a.D;
     const int64_t ldq = (int64_t)a.Hq * D, ldk = (int64_t)a.Hkv * D;
     const T *qp = q + qrow * ldq + (int64_t)h * D;
@@ -130,17 +164,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_rows(const T *__restrict_
 #pragma unroll
         for (int e = 0; e < NPL; e++)
             acc[e] *= corr;
-        const int nvalid = (int)(k1 - c0 < 32 ? k1 - c0 : 32);
-        for (int jj = 0; jj < nvalid; jj++) {
-            const float pj = __shfl_sync(0xffffffffu, p, jj);
-            const T *vp = vbase + (c0 + jj) * ldk;
-#pragma unroll
-            for (int e = 0; e < NPL; e++) {
-                const int d = lane + 32 * e;
-                if (d < D)
-                    acc[e] += pj * kc_ld(vp[d]);
-            }
-        }
+        attn_warp_accumulate<T, NPL>(acc, p, vbase, c0, k1, ldk, lane, D);
         m = mnew;
     }
     if (lane == 0) {
@@ -430,10 +454,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_bwd_dq(const T *__restric
     __shared__ float wacc[ATTN_WARPS][32 * NPL];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t rowhead = blockIdx.x;
-    const int h = (int)(rowhead % a.Hq);
-    const int64_t qrow = rowhead / a.Hq;
-    const int64_t s = qrow / a.tq, i = qrow % a.tq;
-    const int g = h / a.group, D = a.D;
+    const auto [qrow, s, i, h, g] = attn_row_of(a, rowhead);
+    const int D = a.D;
     const int64_t ldq = (int64_t)a.Hq * D, ldk = (int64_t)a.Hkv * D;
     for (int d = threadIdx.x; d < 32 * NPL; d += blockDim.x) {
         qs[d] = d < D ? kc_ld(q[qrow * ldq + (int64_t)h * D + d]) : 0.0f;
@@ -459,17 +481,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_bwd_dq(const T *__restric
             const float p = expf(dot * a.scale - L);
             ds = p * (dp - Dr);
         }
-        const int nvalid = (int)(kend - c0 < 32 ? kend - c0 : 32);
-        for (int jj = 0; jj < nvalid; jj++) {
-            const float dsj = __shfl_sync(0xffffffffu, ds, jj);
-            const T *kp = kbase + (c0 + jj) * ldk;
-#pragma unroll
-            for (int e = 0; e < NPL; e++) {
-                const int d = lane + 32 * e;
-                if (d < D)
-                    acc[e] += dsj * kc_ld(kp[d]);
-            }
-        }
+        attn_warp_accumulate<T, NPL>(acc, ds, kbase, c0, kend, ldk, lane, D);
     }
 #pragma unroll
     for (int e = 0; e < NPL; e++)
@@ -573,6 +585,20 @@ __global__ void __launch_bounds__(ATTN_THREADS) k_attn_bwd_dkv(const T *__restri
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Host side */
+
+/* Runs the statement list (kernel launches) with NPL, the head-dim elements per lane of the row and
+ * backward kernels, the compile-time constant head dim D needs: 2 up to 64, 4 up to 128, else 8. */
+#define ATTN_DISPATCH_NPL(D, NPL, ...) \
+    if ((D) <= 64) {                   \
+        constexpr int NPL = 2;         \
+        __VA_ARGS__;                   \
+    } else if ((D) <= 128) {           \
+        constexpr int NPL = 4;         \
+        __VA_ARGS__;                   \
+    } else {                           \
+        constexpr int NPL = 8;         \
+        __VA_ARGS__;                   \
+    }
 
 static fu_err attn_dims_of(const kern_attn_params *p, const kern_tensor_t *q, const kern_tensor_t *k,
                            const kern_tensor_t *v, attn_dims *a)
@@ -685,12 +711,9 @@ static fu_err launch_rows(kc_ctx *ctx, const attn_dims *a, const T *q, const T *
 {
     const unsigned rowheads = (unsigned)((int64_t)a->n_seq * a->tq * a->Hq);
     dim3 grid(rowheads, (unsigned)splits);
-    if (a->D <= 64)
-        k_attn_rows<T, 2><<<grid, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, o, lse, part, *a, splits);
-    else if (a->D <= 128)
-        k_attn_rows<T, 4><<<grid, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, o, lse, part, *a, splits);
-    else
-        k_attn_rows<T, 8><<<grid, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, o, lse, part, *a, splits);
+    ATTN_DISPATCH_NPL(a->D, NPL, {
+        k_attn_rows<T, NPL><<<grid, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, o, lse, part, *a, splits);
+    });
     KC_LAUNCHED();
     if (splits > 1) {
         k_attn_combine<T><<<rowheads, a->D < 256 ? ((a->D + 31) / 32) * 32 : 256, 0, ctx->stream>>>(part, o, lse, *a,
@@ -743,21 +766,11 @@ extern "C" fu_err kc_attn_fwd(const kern_backend_t *be, const kern_attn_params *
     if (splits > 1)
         FU_TRY(attn_scratch(ctx, ws, attn_scratch_bytes(ctx, &a, false), &scr, &owned));
     fu_err rc = FU_OK;
-    switch (q->dtype) {
-    case KERN_F32:
-        rc = attn_forward_t<float>(ctx, &a, false, (const float *)q->data, (const float *)k->data,
-                                   (const float *)v->data, (float *)o->data, NULL, (float *)scr, splits);
-        break;
-    case KERN_F16:
-        rc = attn_forward_t<__half>(ctx, &a, fl, (const __half *)q->data, (const __half *)k->data,
-                                    (const __half *)v->data, (__half *)o->data, NULL, (float *)scr, splits);
-        break;
-    default:
-        rc = attn_forward_t<__nv_bfloat16>(ctx, &a, fl, (const __nv_bfloat16 *)q->data, (const __nv_bfloat16 *)k->data,
-                                           (const __nv_bfloat16 *)v->data, (__nv_bfloat16 *)o->data, NULL,
-                                           (float *)scr, splits);
-        break;
-    }
+    /* fl is false for f32 (flash_ok), and attn_forward_t uses the flash kernel for 16-bit types only */
+    KC_DISPATCH_KNOWN_FLOAT(q->dtype, T, {
+        rc = attn_forward_t<T>(ctx, &a, fl, (const T *)q->data, (const T *)k->data, (const T *)v->data, (T *)o->data,
+                               NULL, (float *)scr, splits);
+    });
     if (owned)
         kc_scratch_free(ctx, owned);
     if (ws)
@@ -778,16 +791,10 @@ static fu_err attn_backward_t(kc_ctx *ctx, const attn_dims *a, const T *q, const
         dout, o, dsum, (int64_t)rowheads, a->D);
     KC_LAUNCHED();
     const unsigned khs = (unsigned)((int64_t)a->n_seq * a->tk * a->Hkv);
-    if (a->D <= 64) {
-        k_attn_bwd_dq<T, 2><<<(unsigned)rowheads, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dq, *a);
-        k_attn_bwd_dkv<T, 2><<<khs, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dk, dv, *a);
-    } else if (a->D <= 128) {
-        k_attn_bwd_dq<T, 4><<<(unsigned)rowheads, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dq, *a);
-        k_attn_bwd_dkv<T, 4><<<khs, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dk, dv, *a);
-    } else {
-        k_attn_bwd_dq<T, 8><<<(unsigned)rowheads, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dq, *a);
-        k_attn_bwd_dkv<T, 8><<<khs, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dk, dv, *a);
-    }
+    ATTN_DISPATCH_NPL(a->D, NPL, {
+        k_attn_bwd_dq<T, NPL><<<(unsigned)rowheads, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dq, *a);
+        k_attn_bwd_dkv<T, NPL><<<khs, ATTN_THREADS, 0, ctx->stream>>>(q, k, v, dout, lse, dsum, dk, dv, *a);
+    });
     KC_LAUNCHED();
     return FU_OK;
 }
@@ -814,25 +821,11 @@ extern "C" fu_err kc_attn_bwd(const kern_backend_t *be, const kern_attn_params *
     void *scr = NULL, *owned = NULL;
     size_t mark = ws ? kern_workspace_mark(ws) : 0;
     FU_TRY(attn_scratch(ctx, ws, attn_scratch_bytes(ctx, &a, true), &scr, &owned));
-    fu_err rc;
-    switch (dt) {
-    case KERN_F32:
-        rc = attn_backward_t<float>(ctx, &a, (const float *)q->data, (const float *)k->data, (const float *)v->data,
-                                    (const float *)dout->data, (float *)dq->data, (float *)dk->data,
-                                    (float *)dv->data, (char *)scr);
-        break;
-    case KERN_F16:
-        rc = attn_backward_t<__half>(ctx, &a, (const __half *)q->data, (const __half *)k->data,
-                                     (const __half *)v->data, (const __half *)dout->data, (__half *)dq->data,
-                                     (__half *)dk->data, (__half *)dv->data, (char *)scr);
-        break;
-    default:
-        rc = attn_backward_t<__nv_bfloat16>(ctx, &a, (const __nv_bfloat16 *)q->data, (const __nv_bfloat16 *)k->data,
-                                            (const __nv_bfloat16 *)v->data, (const __nv_bfloat16 *)dout->data,
-                                            (__nv_bfloat16 *)dq->data, (__nv_bfloat16 *)dk->data,
-                                            (__nv_bfloat16 *)dv->data, (char *)scr);
-        break;
-    }
+    fu_err rc = FU_OK;
+    KC_DISPATCH_KNOWN_FLOAT(dt, T, {
+        rc = attn_backward_t<T>(ctx, &a, (const T *)q->data, (const T *)k->data, (const T *)v->data,
+                                (const T *)dout->data, (T *)dq->data, (T *)dk->data, (T *)dv->data, (char *)scr);
+    });
     if (owned)
         kc_scratch_free(ctx, owned);
     if (ws)

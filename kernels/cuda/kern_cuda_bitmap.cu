@@ -76,11 +76,12 @@ __device__ __forceinline__ float bm_val(const void *p, int i, int vsize)
     return vsize == 2 ? __half2float(reinterpret_cast<const __half *>(p)[i]) : reinterpret_cast<const float *>(p)[i];
 }
 
-/* Stages tile t (bitmap words + its values, aligned out to 16 bytes) into buf with the threads
- * [tid, tid+stride) of the caller. buf: 64 bytes of words, then the values; returns nothing, the
- * value base inside buf is recomputed by bm_tile_vals. */
-__device__ __forceinline__ void bm_stage_tile(unsigned char *buf, const uint64_t *bits, const int32_t *offs,
-                                              const unsigned char *vals, int64_t t, int vsize, int tid, int stride)
+/* Stages tile t with the threads [tid, tid+stride) of the caller: its 64 bytes of bitmap words into
+ * wdst, its values (aligned out to 16 bytes) into vdst; the first value's place inside vdst is
+ * offs[t] * vsize & 15. */
+__device__ __forceinline__ void bm_stage_tile_split(unsigned char *wdst, unsigned char *vdst, const uint64_t *bits,
+                                                    const int32_t *offs, const unsigned char *vals, int64_t t,
+                                                    int vsize, int tid, int stride)
 {
     const unsigned char *wsrc = reinterpret_cast<const unsigned char *>(bits + t * 8);
     const int64_t vb0 = (int64_t)offs[t] * vsize, vb1 = (int64_t)offs[t + 1] * vsize;
@@ -88,10 +89,19 @@ __device__ __forceinline__ void bm_stage_tile(unsigned char *buf, const uint64_t
     const int nchunks = 4 + (int)((a1 - a0) / 16);
     for (int c = tid; c < nchunks; c += stride) {
         if (c < 4)
-            bm_cp16(buf + c * 16, wsrc + c * 16, true);
+            bm_cp16(wdst + c * 16, wsrc + c * 16, true);
         else
-            bm_cp16(buf + 64 + (c - 4) * 16, vals + a0 + (int64_t)(c - 4) * 16, true);
+            bm_cp16(vdst + (c - 4) * 16, vals + a0 + (int64_t)(c - 4) * 16, true);
     }
+}
+
+/* Stages tile t (bitmap words + its values, aligned out to 16 bytes) into buf with the threads
+ * [tid, tid+stride) of the caller. buf: 64 bytes of words, then the values; returns nothing, the
+ * value base inside buf is recomputed by bm_tile_vals. */
+__device__ __forceinline__ void bm_stage_tile(unsigned char *buf, const uint64_t *bits, const int32_t *offs,
+                                              const unsigned char *vals, int64_t t, int vsize, int tid, int stride)
+{
+    bm_stage_tile_split(buf, buf + 64, bits, offs, vals, t, vsize, tid, stride);
 }
 
 /* Pointer to tile t's first value inside a staged buffer. */
@@ -114,6 +124,13 @@ __device__ __forceinline__ unsigned bm_lane_bits(const uint64_t *w, int rr, int 
     const uint64_t below = q == 0 ? 0ull : (word & ((1ull << (16 * q)) - 1ull));
     *first = before + __popcll(below);
     return (unsigned)((word >> (16 * q)) & 0xFFFFull);
+}
+
+/* Column c of a lane's 16 (0 where mbits has no bit c) from the tile values tv; *idx is the index of
+ * the lane's next stored value and advances when one is used. Call for c = 0, 1, ... 15 in order. */
+__device__ __forceinline__ float bm_lane_val(unsigned mbits, int c, const unsigned char *tv, int *idx, int vsize)
+{
+    return (mbits & (1u << c)) ? bm_val(tv, (*idx)++, vsize) : 0.0f;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -252,9 +269,7 @@ __global__ void k_bitmap_decode(const uint64_t *__restrict__ bits, const int32_t
     int idx = first;
 #pragma unroll
     for (int c = 0; c < 16; c++) {
-        float v = 0.0f;
-        if (mbits & (1u << c))
-            v = bm_val(tv, idx++, vsize);
+        const float v = bm_lane_val(mbits, c, tv, &idx, vsize);
         if (c0 + c < cols)
             out[c] = kc_st<TD>(v);
     }
@@ -317,18 +332,8 @@ __global__ void __launch_bounds__(128)
             const int64_t tr = tr0 + tl;
             if (tr >= tile_rows)
                 continue;
-            const int64_t t = tr * tiles_per_row + kt;
-            const unsigned char *wsrc = reinterpret_cast<const unsigned char *>(bits + t * 8);
-            const int64_t vb0 = (int64_t)offs[t] * vsize, vb1 = (int64_t)offs[t + 1] * vsize;
-            const int64_t a0 = vb0 & ~(int64_t)15, a1 = (vb1 + 15) & ~(int64_t)15;
-            const int nchunks = 4 + (int)((a1 - a0) / 16);
-            unsigned char *vdst = RAW(s) + 8 * 64 + (size_t)tl * slot;
-            for (int c = lane; c < nchunks; c += 32) {
-                if (c < 4)
-                    bm_cp16(RAW(s) + tl * 64 + c * 16, wsrc + c * 16, true);
-                else
-                    bm_cp16(vdst + (c - 4) * 16, vals + a0 + (int64_t)(c - 4) * 16, true);
-            }
+            bm_stage_tile_split(RAW(s) + tl * 64, RAW(s) + 8 * 64 + (size_t)tl * slot, bits, offs, vals,
+                                tr * tiles_per_row + kt, vsize, lane, 32);
         }
         /* X slab: rows m0 + 16w .. +16, columns kt*64 .. +64 (8 chunks of 8 elements per row). */
         for (int idx = lane; idx < 16 * 8; idx += 32) {
@@ -359,12 +364,8 @@ __global__ void __launch_bounds__(128)
             const unsigned char *tv = RAW(s) + 8 * 64 + (size_t)tl * slot + (vb0 & 15);
             int idx = first;
 #pragma unroll
-            for (int c = 0; c < 16; c++) {
-                float v = 0.0f;
-                if (mbits & (1u << c))
-                    v = bm_val(tv, idx++, vsize);
-                out[c] = kc_st<T>(v);
-            }
+            for (int c = 0; c < 16; c++)
+                out[c] = kc_st<T>(bm_lane_val(mbits, c, tv, &idx, vsize));
         }
     };
 

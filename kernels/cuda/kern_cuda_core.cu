@@ -256,31 +256,32 @@ extern "C" void kc_free(const kern_backend_t *be, void *p)
     pool_free(ctx, p);
 }
 
-extern "C" fu_err kc_copy_in(const kern_backend_t *be, void *dst, const void *host_src, size_t bytes)
+/* Queues a copy of `bytes` on the stream; with `wait`, returns once it is done. */
+static fu_err copy_on_stream(const kern_backend_t *be, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                             bool wait)
 {
     kc_ctx *ctx = kc_of(be);
     FU_TRY(kc_enter(ctx));
-    KC_CUDA(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, ctx->stream));
-    /* The caller may reuse host_src on return. */
-    KC_CUDA(cudaStreamSynchronize(ctx->stream));
+    KC_CUDA(cudaMemcpyAsync(dst, src, bytes, kind, ctx->stream));
+    if (wait)
+        KC_CUDA(cudaStreamSynchronize(ctx->stream));
     return FU_OK;
+}
+
+extern "C" fu_err kc_copy_in(const kern_backend_t *be, void *dst, const void *host_src, size_t bytes)
+{
+    /* The caller may reuse host_src on return. */
+    return copy_on_stream(be, dst, host_src, bytes, cudaMemcpyHostToDevice, true);
 }
 
 extern "C" fu_err kc_copy_out(const kern_backend_t *be, void *host_dst, const void *src, size_t bytes)
 {
-    kc_ctx *ctx = kc_of(be);
-    FU_TRY(kc_enter(ctx));
-    KC_CUDA(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, ctx->stream));
-    KC_CUDA(cudaStreamSynchronize(ctx->stream));
-    return FU_OK;
+    return copy_on_stream(be, host_dst, src, bytes, cudaMemcpyDeviceToHost, true);
 }
 
 extern "C" fu_err kc_copy(const kern_backend_t *be, void *dst, const void *src, size_t bytes)
 {
-    kc_ctx *ctx = kc_of(be);
-    FU_TRY(kc_enter(ctx));
-    KC_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx->stream));
-    return FU_OK;
+    return copy_on_stream(be, dst, src, bytes, cudaMemcpyDeviceToDevice, false);
 }
 
 extern "C" fu_err kc_fill_zero(const kern_backend_t *be, void *dst, size_t bytes)

@@ -172,9 +172,10 @@ template <> __device__ __forceinline__ float kc_st<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half kc_st<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 kc_st<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-/* Dispatches a float dtype to a type alias T inside the statement list; unknown dtypes return
- * FU_EINVAL from the enclosing function. */
-#define KC_DISPATCH_FLOAT(dt, T, ...)                   \
+/* Dispatches a float dtype already checked with kc_is_float (bf16 is the remaining case) to a type
+ * alias T inside the statement list. Never returns from the enclosing function, so it may run
+ * while scratch is held. */
+#define KC_DISPATCH_KNOWN_FLOAT(dt, T, ...)             \
     switch (dt) {                                       \
     case KERN_F32: {                                    \
         typedef float T;                                \
@@ -184,13 +185,18 @@ template <> __device__ __forceinline__ __nv_bfloat16 kc_st<__nv_bfloat16>(float 
         typedef __half T;                               \
         __VA_ARGS__;                                    \
     } break;                                            \
-    case KERN_BF16: {                                   \
+    default: {                                          \
         typedef __nv_bfloat16 T;                        \
         __VA_ARGS__;                                    \
     } break;                                            \
-    default:                                            \
-        return FU_EINVAL;                               \
     }
+
+/* Dispatches a float dtype to a type alias T inside the statement list; other dtypes return
+ * FU_EINVAL from the enclosing function. Expands to two statements: use it in a statement list. */
+#define KC_DISPATCH_FLOAT(dt, T, ...)                   \
+    if (!kc_is_float(dt))                               \
+        return FU_EINVAL;                               \
+    KC_DISPATCH_KNOWN_FLOAT(dt, T, __VA_ARGS__)
 
 static inline bool kc_is_float(kern_dtype dt)
 {
@@ -209,41 +215,43 @@ static inline unsigned kc_blocks(int64_t n, int threads)
 }
 
 /* ---- warp / block reductions (device) ---- */
-__device__ __forceinline__ float kc_warp_sum(float v)
+struct kc_sum_op {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct kc_max_op {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+/* op over the warp's 32 lanes (butterfly); every lane gets the result. */
+template <typename V, typename Op>
+__device__ __forceinline__ V kc_warp_reduce(V v, Op op)
 {
     for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
+        v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float kc_warp_max(float v)
-{
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
- * `red` is __shared__ float[32]. Contains __syncthreads: call from all threads. */
-__device__ __forceinline__ float kc_block_sum(float v, float *red)
+__device__ __forceinline__ float kc_warp_sum(float v) { return kc_warp_reduce(v, kc_sum_op()); }
+__device__ __forceinline__ float kc_warp_max(float v) { return kc_warp_reduce(v, kc_max_op()); }
+
+/* op over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+ * `red` is __shared__ V[32]; `none` is op's identity. Contains __syncthreads: call from all threads. */
+template <typename V, typename Op>
+__device__ __forceinline__ V kc_block_reduce(V v, V *red, V none, Op op)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = kc_warp_sum(v);
+    v = kc_warp_reduce(v, op);
     __syncthreads();
     if (lane == 0)
         red[warp] = v;
     __syncthreads();
-    float t = lane < nw ? red[lane] : 0.0f;
-    return kc_warp_sum(t);
+    V t = lane < nw ? red[lane] : none;
+    return kc_warp_reduce(t, op);
 }
+/* Sum / max over the block; `red` is __shared__ float[32]. */
+__device__ __forceinline__ float kc_block_sum(float v, float *red) { return kc_block_reduce(v, red, 0.0f, kc_sum_op()); }
 __device__ __forceinline__ float kc_block_max(float v, float *red)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = kc_warp_max(v);
-    __syncthreads();
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? red[lane] : -INFINITY;
-    return kc_warp_max(t);
+    return kc_block_reduce(v, red, -INFINITY, kc_max_op());
 }
 
 #endif

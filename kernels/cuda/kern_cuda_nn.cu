@@ -59,50 +59,47 @@ __global__ void k_embed_bwd(const int32_t *__restrict__ ids, const T *__restrict
         kc_atomic_add(&dst[j], kc_ld(g[j]));
 }
 
-extern "C" fu_err kc_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
-                                   kern_tensor_t *out)
+/* Both embedding ops: src [n, d] rows are read and dst rows written through the ids i32 [n], one
+ * block per id. Forward: src is the table [vocab, d], dst the output; backward: src is dout, dst the
+ * table gradient (scatter-add). */
+static fu_err embed_run(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *src, kern_tensor_t *dst,
+                        bool backward)
 {
     kc_ctx *ctx = kc_of(be);
-    if (ids->dtype != KERN_I32 || table->ndim != 2 || table->dtype != out->dtype)
+    const kern_tensor_t *table = backward ? dst : src, *rows = backward ? src : dst;
+    if (ids->dtype != KERN_I32 || table->ndim != 2 || src->dtype != dst->dtype)
         return FU_EINVAL;
     int64_t n = kern_tensor_numel(ids), vocab = table->shape[0], d = table->shape[1];
-    if (kern_tensor_numel(out) != n * d)
+    if (kern_tensor_numel(rows) != n * d)
         return FU_EINVAL;
     if (n == 0)
         return FU_OK;
     if (n > INT32_MAX)
         return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
-    KC_DISPATCH_FLOAT(out->dtype, T, {
-        k_embed_fwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>((const int32_t *)ids->data,
-                                                                    (const T *)table->data, (T *)out->data,
-                                                                    vocab, d, ctx->d_flag);
+    KC_DISPATCH_FLOAT(dst->dtype, T, {
+        const int32_t *id = (const int32_t *)ids->data;
+        if (backward)
+            k_embed_bwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>(id, (const T *)src->data, (T *)dst->data,
+                                                                        vocab, d, ctx->d_flag);
+        else
+            k_embed_fwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>(id, (const T *)src->data, (T *)dst->data,
+                                                                        vocab, d, ctx->d_flag);
     });
     KC_LAUNCHED();
-    return kc_flag_check(ctx, "embedding forward");
+    return kc_flag_check(ctx, backward ? "embedding backward" : "embedding forward");
+}
+
+extern "C" fu_err kc_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
+                                   kern_tensor_t *out)
+{
+    return embed_run(be, ids, table, out, false);
 }
 
 extern "C" fu_err kc_embedding_bwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *dout,
                                    kern_tensor_t *dtable)
 {
-    kc_ctx *ctx = kc_of(be);
-    if (ids->dtype != KERN_I32 || dtable->ndim != 2 || dtable->dtype != dout->dtype)
-        return FU_EINVAL;
-    int64_t n = kern_tensor_numel(ids), vocab = dtable->shape[0], d = dtable->shape[1];
-    if (kern_tensor_numel(dout) != n * d)
-        return FU_EINVAL;
-    if (n == 0)
-        return FU_OK;
-    if (n > INT32_MAX)
-        return FU_EINVAL;
-    FU_TRY(kc_enter(ctx));
-    KC_DISPATCH_FLOAT(dtable->dtype, T, {
-        k_embed_bwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>((const int32_t *)ids->data,
-                                                                    (const T *)dout->data, (T *)dtable->data,
-                                                                    vocab, d, ctx->d_flag);
-    });
-    KC_LAUNCHED();
-    return kc_flag_check(ctx, "embedding backward");
+    return embed_run(be, ids, dout, dtable, true);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -183,19 +180,27 @@ __global__ void k_rmsnorm_bwd_dw_final(const float *__restrict__ partial, T *__r
     dw[j] = kc_st<T>(kc_ld(dw[j]) + acc);
 }
 
+/* The rows of an RMSNorm: x [..., d] with w [d] (one block per row, so n must fit a grid) gives
+ * *n rows of *d. */
+static fu_err rmsnorm_rows(const kern_tensor_t *x, const kern_tensor_t *w, int64_t *n, int64_t *d)
+{
+    *d = kern_tensor_numel(w);
+    if (*d <= 0 || x->shape[x->ndim - 1] != *d)
+        return FU_EINVAL;
+    *n = kern_tensor_numel(x) / *d;
+    return *n > INT32_MAX ? FU_EINVAL : FU_OK;
+}
+
 extern "C" fu_err kc_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *w, float eps,
                                  kern_tensor_t *y)
 {
     kc_ctx *ctx = kc_of(be);
-    int64_t d = kern_tensor_numel(w);
-    if (x->dtype != y->dtype || w->dtype != x->dtype || d <= 0 || x->shape[x->ndim - 1] != d ||
-        kern_tensor_numel(y) != kern_tensor_numel(x))
+    int64_t n = 0, d = 0;
+    FU_TRY(rmsnorm_rows(x, w, &n, &d));
+    if (x->dtype != y->dtype || w->dtype != x->dtype || kern_tensor_numel(y) != kern_tensor_numel(x))
         return FU_EINVAL;
-    int64_t n = kern_tensor_numel(x) / d;
     if (n == 0)
         return FU_OK;
-    if (n > INT32_MAX)
-        return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
     KC_DISPATCH_FLOAT(x->dtype, T, {
         k_rmsnorm_fwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>((const T *)x->data, (const T *)w->data,
@@ -209,17 +214,15 @@ extern "C" fu_err kc_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *
                                  const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw)
 {
     kc_ctx *ctx = kc_of(be);
-    int64_t d = kern_tensor_numel(w);
+    int64_t n = 0, d = 0;
+    FU_TRY(rmsnorm_rows(x, w, &n, &d));
     kern_dtype dt = x->dtype;
-    if (dy->dtype != dt || w->dtype != dt || (dx && dx->dtype != dt) || (dw && dw->dtype != dt) || d <= 0 ||
-        x->shape[x->ndim - 1] != d || kern_tensor_numel(dy) != kern_tensor_numel(x) ||
-        (dx && kern_tensor_numel(dx) != kern_tensor_numel(x)) || (dw && kern_tensor_numel(dw) != d))
+    if (dy->dtype != dt || w->dtype != dt || (dx && dx->dtype != dt) || (dw && dw->dtype != dt) ||
+        kern_tensor_numel(dy) != kern_tensor_numel(x) || (dx && kern_tensor_numel(dx) != kern_tensor_numel(x)) ||
+        (dw && kern_tensor_numel(dw) != d))
         return FU_EINVAL;
-    int64_t n = kern_tensor_numel(x) / d;
     if (n == 0)
         return FU_OK;
-    if (n > INT32_MAX)
-        return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
     const int64_t chunk = 64;
     const int64_t chunks = (n + chunk - 1) / chunk;
@@ -388,6 +391,19 @@ __device__ __forceinline__ float xent_row_lse(const T *row, int64_t V, float *re
     return mx + logf(s);
 }
 
+/* Row i does not count (its target t is ignore or out of range): thread 0 records loss 0 and
+ * valid 0, and raises the flag for an out-of-range target. */
+__device__ __forceinline__ void xent_skip_row(int64_t i, int32_t t, int32_t ignore, float *loss_row, int *valid,
+                                              int *flag)
+{
+    if (threadIdx.x == 0) {
+        loss_row[i] = 0.0f;
+        valid[i] = 0;
+        if (t != ignore)
+            atomicOr(flag, KC_FLAG_BAD_INDEX);
+    }
+}
+
 /* loss_row[i] = lse - row[t] for counted rows, 0 otherwise; valid[i] = 1 for counted rows. */
 template <typename T>
 __global__ void __launch_bounds__(XENT_THREADS) k_xent_rows(const T *__restrict__ logits, const int32_t *__restrict__ tg, float *__restrict__ loss_row,
@@ -397,12 +413,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_xent_rows(const T *__restrict_
     const int64_t i = blockIdx.x;
     const int32_t t = tg[i];
     if (t == ignore || t < 0 || (int64_t)t >= V) {
-        if (threadIdx.x == 0) {
-            loss_row[i] = 0.0f;
-            valid[i] = 0;
-            if (t != ignore)
-                atomicOr(flag, KC_FLAG_BAD_INDEX);
-        }
+        xent_skip_row(i, t, ignore, loss_row, valid, flag);
         return;
     }
     const T *row = logits + i * V;
@@ -508,12 +519,7 @@ __global__ void __launch_bounds__(XENT_THREADS) k_xent_fused_rows(const T *logit
     if (t == ignore || t < 0 || (int64_t)t >= V) {
         for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
             drow[j] = kc_st<T>(0.0f);
-        if (threadIdx.x == 0) {
-            loss_row[i] = 0.0f;
-            valid[i] = 0;
-            if (t != ignore)
-                atomicOr(flag, KC_FLAG_BAD_INDEX);
-        }
+        xent_skip_row(i, t, ignore, loss_row, valid, flag);
         return;
     }
     const float xt = kc_ld(row[t]);
@@ -532,7 +538,10 @@ __global__ void __launch_bounds__(XENT_THREADS) k_xent_fused_rows(const T *logit
     }
 }
 
-static fu_err xent_shape(const kern_tensor_t *logits, const kern_tensor_t *targets, int64_t *n, int64_t *V)
+/* n and V of logits [n, V] (a float dtype) with targets i32 [n], and dlogits (when not NULL) of
+ * logits' dtype and size. */
+static fu_err xent_shape(const kern_tensor_t *logits, const kern_tensor_t *targets, const kern_tensor_t *dlogits,
+                         int64_t *n, int64_t *V)
 {
     if (logits->ndim != 2 || targets->dtype != KERN_I32 || !kc_is_float(logits->dtype))
         return FU_EINVAL;
@@ -540,61 +549,61 @@ static fu_err xent_shape(const kern_tensor_t *logits, const kern_tensor_t *targe
     *V = logits->shape[1];
     if (kern_tensor_numel(targets) != *n || *n > INT32_MAX || *V <= 0)
         return FU_EINVAL;
+    if (dlogits && (dlogits->dtype != logits->dtype || kern_tensor_numel(dlogits) != *n * *V))
+        return FU_EINVAL;
     return FU_OK;
 }
 
-extern "C" fu_err kc_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
-                              int32_t ignore_index, float *loss, int64_t *n_valid)
+/* The forward (dlogits NULL) or the fused forward+backward: per-row losses (and gradient rows),
+ * then their mean over the counted rows, summed in double in a fixed order. */
+static fu_err xent_loss(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                        int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits, float *loss, int64_t *n_valid)
 {
     kc_ctx *ctx = kc_of(be);
+    const char *what = dlogits ? "cross-entropy fused" : "cross-entropy forward";
     int64_t n = 0, V = 0;
-    FU_TRY(xent_shape(logits, targets, &n, &V));
+    FU_TRY(xent_shape(logits, targets, dlogits, &n, &V));
     *loss = 0.0f;
     *n_valid = 0;
     if (n == 0)
         return FU_OK;
     FU_TRY(kc_enter(ctx));
-    /* scratch: loss_row[n] f32 | valid[n] i32 | sum f64 | cnt i64 */
+    /* scratch: loss_row[n] f32 | valid[n] i32 | sum f64 | cnt i64 | count i32 (fused only) */
     size_t off_valid = (size_t)n * sizeof(float);
     size_t off_sum = (off_valid + (size_t)n * sizeof(int) + 15) & ~(size_t)15;
-    size_t bytes = off_sum + 16;
+    size_t bytes = off_sum + (dlogits ? 32 : 16);
     char *scr = NULL;
     FU_TRY(kc_scratch(ctx, bytes, (void **)&scr));
     float *loss_row = (float *)scr;
     int *valid = (int *)(scr + off_valid);
     double *d_sum = (double *)(scr + off_sum);
     long long *d_cnt = (long long *)(scr + off_sum + 8);
-    fu_err rc = FU_OK;
-    cudaError_t e;
+    int *d_count = (int *)(scr + off_sum + 16);
+    const int32_t *tg = (const int32_t *)targets->data;
     struct {
         double sum;
         long long cnt;
     } host = {0.0, 0};
-    switch (logits->dtype) {
-    case KERN_F32:
-        k_xent_rows<float><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>((const float *)logits->data,
-                                                                          (const int32_t *)targets->data, loss_row,
-                                                                          valid, V, ignore_index, ctx->d_flag);
-        break;
-    case KERN_F16:
-        k_xent_rows<__half><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>((const __half *)logits->data,
-                                                                           (const int32_t *)targets->data, loss_row,
-                                                                           valid, V, ignore_index, ctx->d_flag);
-        break;
-    default:
-        k_xent_rows<__nv_bfloat16><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const __nv_bfloat16 *)logits->data, (const int32_t *)targets->data, loss_row, valid, V, ignore_index,
-            ctx->d_flag);
-        break;
-    }
+    if (dlogits)
+        k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>(tg, n, V, ignore_index, d_count, ctx->d_flag);
+    KC_DISPATCH_KNOWN_FLOAT(logits->dtype, T, {
+        if (dlogits)
+            k_xent_fused_rows<T><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
+                (const T *)logits->data, tg, (T *)dlogits->data, loss_row, valid, V, ignore_index, grad_scale, d_count,
+                ctx->d_flag);
+        else
+            k_xent_rows<T><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>((const T *)logits->data, tg, loss_row, valid,
+                                                                          V, ignore_index, ctx->d_flag);
+    });
     k_xent_reduce<<<1, XENT_THREADS, 0, ctx->stream>>>(loss_row, valid, n, d_sum, d_cnt);
-    e = cudaGetLastError();
+    fu_err rc = FU_OK;
+    cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(&host, d_sum, 16, cudaMemcpyDeviceToHost, ctx->stream);
     if (e != cudaSuccess)
-        rc = kc_cuda_err(e, "cross-entropy forward", __FILE__, __LINE__);
+        rc = kc_cuda_err(e, what, __FILE__, __LINE__);
     if (rc == FU_OK)
-        rc = kc_flag_check(ctx, "cross-entropy forward"); /* also waits for the copy */
+        rc = kc_flag_check(ctx, what); /* also waits for the copy */
     kc_scratch_free(ctx, scr);
     if (rc != FU_OK)
         return rc;
@@ -603,14 +612,25 @@ extern "C" fu_err kc_xent_fwd(const kern_backend_t *be, const kern_tensor_t *log
     return FU_OK;
 }
 
+extern "C" fu_err kc_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                              int32_t ignore_index, float *loss, int64_t *n_valid)
+{
+    return xent_loss(be, logits, targets, ignore_index, 0.0f, NULL, loss, n_valid);
+}
+
+extern "C" fu_err kc_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
+                                int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
+                                kern_tensor_t *dlogits)
+{
+    return xent_loss(be, logits, targets, ignore_index, grad_scale, dlogits, loss, n_valid);
+}
+
 extern "C" fu_err kc_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
                               int32_t ignore_index, float grad_scale, kern_tensor_t *dlogits)
 {
     kc_ctx *ctx = kc_of(be);
     int64_t n = 0, V = 0;
-    FU_TRY(xent_shape(logits, targets, &n, &V));
-    if (dlogits->dtype != logits->dtype || kern_tensor_numel(dlogits) != n * V)
-        return FU_EINVAL;
+    FU_TRY(xent_shape(logits, targets, dlogits, &n, &V));
     if (n == 0)
         return FU_OK;
     FU_TRY(kc_enter(ctx));
@@ -619,23 +639,11 @@ extern "C" fu_err kc_xent_bwd(const kern_backend_t *be, const kern_tensor_t *log
     fu_err rc = FU_OK;
     k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>((const int32_t *)targets->data, n, V, ignore_index, d_cnt,
                                                       ctx->d_flag);
-    switch (logits->dtype) {
-    case KERN_F32:
-        k_xent_bwd_rows<float><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const float *)logits->data, (const int32_t *)targets->data, (float *)dlogits->data, V, ignore_index,
-            grad_scale, d_cnt);
-        break;
-    case KERN_F16:
-        k_xent_bwd_rows<__half><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const __half *)logits->data, (const int32_t *)targets->data, (__half *)dlogits->data, V, ignore_index,
-            grad_scale, d_cnt);
-        break;
-    default:
-        k_xent_bwd_rows<__nv_bfloat16><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const __nv_bfloat16 *)logits->data, (const int32_t *)targets->data, (__nv_bfloat16 *)dlogits->data, V,
-            ignore_index, grad_scale, d_cnt);
-        break;
-    }
+    KC_DISPATCH_KNOWN_FLOAT(logits->dtype, T, {
+        k_xent_bwd_rows<T><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
+            (const T *)logits->data, (const int32_t *)targets->data, (T *)dlogits->data, V, ignore_index, grad_scale,
+            d_cnt);
+    });
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         rc = kc_cuda_err(e, "cross-entropy backward", __FILE__, __LINE__);
@@ -688,70 +696,5 @@ extern "C" fu_err kc_adamw(const kern_backend_t *be, kern_tensor_t *param, const
             step_size, inv_sqrt_bc2);
     });
     KC_LAUNCHED();
-    return FU_OK;
-}
-
-extern "C" fu_err kc_xent_fused(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
-                                int32_t ignore_index, float grad_scale, float *loss, int64_t *n_valid,
-                                kern_tensor_t *dlogits)
-{
-    kc_ctx *ctx = kc_of(be);
-    int64_t n = 0, V = 0;
-    FU_TRY(xent_shape(logits, targets, &n, &V));
-    if (dlogits->dtype != logits->dtype || kern_tensor_numel(dlogits) != n * V)
-        return FU_EINVAL;
-    *loss = 0.0f;
-    *n_valid = 0;
-    if (n == 0)
-        return FU_OK;
-    FU_TRY(kc_enter(ctx));
-    /* scratch: loss_row[n] f32 | valid[n] i32 | sum f64 | cnt i64 | count i32 */
-    size_t off_valid = (size_t)n * sizeof(float);
-    size_t off_sum = (off_valid + (size_t)n * sizeof(int) + 15) & ~(size_t)15;
-    size_t bytes = off_sum + 32;
-    char *scr = NULL;
-    FU_TRY(kc_scratch(ctx, bytes, (void **)&scr));
-    float *loss_row = (float *)scr;
-    int *valid = (int *)(scr + off_valid);
-    double *d_sum = (double *)(scr + off_sum);
-    long long *d_cnt = (long long *)(scr + off_sum + 8);
-    int *d_count = (int *)(scr + off_sum + 16);
-    struct {
-        double sum;
-        long long cnt;
-    } host = {0.0, 0};
-    k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>((const int32_t *)targets->data, n, V, ignore_index, d_count,
-                                                      ctx->d_flag);
-    switch (logits->dtype) {
-    case KERN_F32:
-        k_xent_fused_rows<float><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const float *)logits->data, (const int32_t *)targets->data, (float *)dlogits->data, loss_row, valid, V,
-            ignore_index, grad_scale, d_count, ctx->d_flag);
-        break;
-    case KERN_F16:
-        k_xent_fused_rows<__half><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const __half *)logits->data, (const int32_t *)targets->data, (__half *)dlogits->data, loss_row, valid, V,
-            ignore_index, grad_scale, d_count, ctx->d_flag);
-        break;
-    default:
-        k_xent_fused_rows<__nv_bfloat16><<<(unsigned)n, XENT_THREADS, 0, ctx->stream>>>(
-            (const __nv_bfloat16 *)logits->data, (const int32_t *)targets->data, (__nv_bfloat16 *)dlogits->data,
-            loss_row, valid, V, ignore_index, grad_scale, d_count, ctx->d_flag);
-        break;
-    }
-    k_xent_reduce<<<1, XENT_THREADS, 0, ctx->stream>>>(loss_row, valid, n, d_sum, d_cnt);
-    fu_err rc = FU_OK;
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess)
-        e = cudaMemcpyAsync(&host, d_sum, 16, cudaMemcpyDeviceToHost, ctx->stream);
-    if (e != cudaSuccess)
-        rc = kc_cuda_err(e, "cross-entropy fused", __FILE__, __LINE__);
-    if (rc == FU_OK)
-        rc = kc_flag_check(ctx, "cross-entropy fused");
-    kc_scratch_free(ctx, scr);
-    if (rc != FU_OK)
-        return rc;
-    *n_valid = host.cnt;
-    *loss = host.cnt ? (float)(host.sum / (double)host.cnt) : 0.0f;
     return FU_OK;
 }

@@ -30,6 +30,19 @@ __device__ __forceinline__ bool smp_better(float v, int id, float bv, int bid)
     return v > bv || (v == bv && id < bid);
 }
 
+/* Warp-wide (value, id) maximum under smp_better; every lane ends with the warp's best pair. */
+__device__ __forceinline__ void smp_warp_best(float *bv, int *bid)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, *bv, o);
+        int oid = __shfl_xor_sync(0xffffffffu, *bid, o);
+        if (smp_better(ov, oid, *bv, *bid)) {
+            *bv = ov;
+            *bid = oid;
+        }
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(SMP_THREADS) k_argmax(const T *__restrict__ logits, int64_t V, int32_t *out)
 {
@@ -45,14 +58,7 @@ __global__ void __launch_bounds__(SMP_THREADS) k_argmax(const T *__restrict__ lo
             bid = (int)j;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oid = __shfl_xor_sync(0xffffffffu, bid, o);
-        if (smp_better(ov, oid, bv, bid)) {
-            bv = ov;
-            bid = oid;
-        }
-    }
+    smp_warp_best(&bv, &bid);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         sv[warp] = bv;
@@ -63,14 +69,7 @@ __global__ void __launch_bounds__(SMP_THREADS) k_argmax(const T *__restrict__ lo
         const int nw = blockDim.x >> 5;
         bv = lane < nw ? sv[lane] : -INFINITY;
         bid = lane < nw ? si[lane] : INT32_MAX;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oid = __shfl_xor_sync(0xffffffffu, bid, o);
-            if (smp_better(ov, oid, bv, bid)) {
-                bv = ov;
-                bid = oid;
-            }
-        }
+        smp_warp_best(&bv, &bid);
         if (lane == 0)
             out[blockIdx.x] = bid == INT32_MAX ? 0 : bid;
     }
@@ -79,17 +78,7 @@ __global__ void __launch_bounds__(SMP_THREADS) k_argmax(const T *__restrict__ lo
 /* Block sum of doubles (all threads get it). */
 __device__ double smp_block_sum(double v, double *red)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    double t = lane < nw ? red[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1)
-        t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
+    return kc_block_reduce(v, red, 0.0, kc_sum_op());
 }
 
 typedef cub::BlockScan<double, SMP_THREADS> smp_scan;
