@@ -424,9 +424,11 @@ void tu_cluster_start(tu_cluster *c)
         tu_peer_wait_joined(c, i, TU_JOIN_MS);
 }
 
-/* Whether one of the broker's logs holds a sanitizer report (printed from there). */
-static bool sanitizer_report(const tu_cluster *c)
+/* Whether one of the broker's logs holds a sanitizer report or a bug the broker noticed in itself
+ * (an unexpected job phase change, broker_job.c), printed from there. */
+static bool broker_log_alarm(const tu_cluster *c)
 {
+    static const char *const alarms[] = {"Sanitizer", "runtime error", "unexpected phase change"};
     for (int k = 1; k <= c->broker_starts; k++) {
         char log[TU_PATH];
         if (k == 1)
@@ -434,12 +436,14 @@ static bool sanitizer_report(const tu_cluster *c)
         else
             tu_path(c, log, "broker-%d.log", k);
         char *text = tu_file_text(log);
-        const char *at = strstr(text, "Sanitizer");
-        const char *ub = strstr(text, "runtime error");
-        if (!at || (ub && ub < at))
-            at = ub;
+        const char *at = NULL;
+        for (size_t a = 0; a < sizeof alarms / sizeof alarms[0]; a++) {
+            const char *hit = strstr(text, alarms[a]);
+            if (hit && (!at || hit < at))
+                at = hit;
+        }
         if (at)
-            printf("---- sanitizer report in %s ----\n%.6000s\n", log, at);
+            printf("---- alarm in %s ----\n%.6000s\n", log, at);
         free(text);
         if (at)
             return true;
@@ -482,7 +486,7 @@ fu_err tu_cluster_stop(tu_cluster **c_p)
             bad++;
         }
     }
-    bad += sanitizer_report(c);
+    bad += broker_log_alarm(c);
     if (bad == 0 && !getenv("FUSION_TEST_KEEP")) /* FUSION_TEST_KEEP=1 keeps the logs of a passing test */
         tu_dir_remove(c->dir);
     else
