@@ -12,26 +12,21 @@ static void test_cli_every_program_answers_help(void **state)
     (void)state;
     const char *progs[] = {"fusion", "fusion-broker", "fusion-peer"};
     for (size_t i = 0; i < 3; i++) {
-        char *out = NULL;
-        assert_int_equal(tu_sh(&out, "%s --help", tu_bin(progs[i])), 0);
-        assert_non_null(strstr(out, "Usage:"));
-        free(out);
-        assert_int_equal(tu_sh(&out, "%s --version", tu_bin(progs[i])), 0);
-        assert_non_null(strstr(out, FUSION_TEST_VERSION));
-        free(out);
+        tu_sh_expect(0, "Usage:", "%s --help", tu_bin(progs[i]));
+        tu_sh_expect(0, FUSION_TEST_VERSION, "%s --version", tu_bin(progs[i]));
     }
 }
 
 static void test_cli_help_lists_every_subcommand(void **state)
 {
     (void)state;
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "%s --help", tu_bin("fusion")), 0);
+    char *out = tu_fusion_expect_out(0, NULL, "--help");
     const char *subs[] = {"keygen", "model", "run", "submit", "status", "jobs", "wait", "result", "cancel", "peers"};
     for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
         char want[32];
         snprintf(want, sizeof want, "\n  %s ", subs[i]);
-        assert_non_null(strstr(out, want));
+        if (!strstr(out, want))
+            fail_msg("`fusion --help` does not list '%s':\n%s", subs[i], out);
     }
     free(out);
 }
@@ -39,27 +34,22 @@ static void test_cli_help_lists_every_subcommand(void **state)
 static void test_cli_unknown_command_and_option_exit_2(void **state)
 {
     (void)state;
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "%s frobnicate", tu_bin("fusion")), 2);
-    assert_non_null(strstr(out, "unknown command 'frobnicate'"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s --no-such-option", tu_bin("fusion-broker")), 2);
-    assert_non_null(strstr(out, "unknown option '--no-such-option'"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s --threads many", tu_bin("fusion-peer")), 2);
-    assert_non_null(strstr(out, "needs an integer"));
-    free(out);
-    /* values checked before anything starts (the key files need not exist) */
-    assert_int_equal(tu_sh(&out, "%s --broker tcp://127.0.0.1:9 --broker-key x --keys y --link-mbps -5",
-                           tu_bin("fusion-peer")), 2);
-    assert_non_null(strstr(out, "--link-mbps must be"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s --broker tcp://127.0.0.1:9 --broker-key x --keys y --cache-max-gb nan",
-                           tu_bin("fusion-peer")), 2);
-    assert_non_null(strstr(out, "--cache-max-gb must be"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s", tu_bin("fusion")), 2); /* no command: usage, exit 2 */
-    free(out);
+    static const struct {
+        const char *prog, *args;
+        const char *says; /* NULL: anything */
+    } cases[] = {
+        {"fusion", "frobnicate", "unknown command 'frobnicate'"},
+        {"fusion-broker", "--no-such-option", "unknown option '--no-such-option'"},
+        {"fusion-peer", "--threads many", "needs an integer"},
+        /* values checked before anything starts (the key files need not exist) */
+        {"fusion-peer", "--broker tcp://127.0.0.1:9 --broker-key x --keys y --link-mbps -5",
+         "--link-mbps must be"},
+        {"fusion-peer", "--broker tcp://127.0.0.1:9 --broker-key x --keys y --cache-max-gb nan",
+         "--cache-max-gb must be"},
+        {"fusion", "", NULL}, /* no command: usage, exit 2 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        tu_sh_expect(2, cases[i].says, "%s %s", tu_bin(cases[i].prog), cases[i].args);
 }
 
 int main(void)

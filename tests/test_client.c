@@ -53,38 +53,31 @@ static int teardown(void **state)
     return tu_cluster_stop(&g_c) == FU_OK ? 0 : -1;
 }
 
-/* Runs `fusion ARGS` as client `who` (0 alice, 1 bob, 2 mallory); returns the exit code. */
-static int as(int who, char **out, const char *fmt, ...)
-{
-    char args[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    return tu_sh(out, "%s %s %s", g_env[who], tu_bin("fusion"), args);
-}
+/* Runs `fusion ARGS` (fmt: a string literal) as client `who` (0 alice, 1 bob, 2 mallory): it must exit
+ * want_rc and print want_text (NULL: anything). run_as_out returns what it printed (caller frees). */
+#define run_as_out(who, want_rc, want_text, fmt, ...)                                                        \
+    tu_sh_expect_out(want_rc, want_text, "%s %s " fmt, g_env[who], tu_bin("fusion"), ##__VA_ARGS__)
+#define run_as(who, want_rc, want_text, fmt, ...)                                                            \
+    free(run_as_out(who, want_rc, want_text, fmt, ##__VA_ARGS__))
 
-/* Submits a small fine-tune as `who` with idempotency key idem; the job id printed, in id. */
-static int submit(int who, const char *idem, char id[17])
+/* Submits a small fine-tune as `who` with idempotency key idem (it must be accepted); the job id
+ * printed, in id. */
+static void submit(int who, const char *idem, char id[17])
 {
-    char *out = NULL;
-    int rc = as(who, &out, "submit finetune --model %s --data %s --steps 3 --batch 2 --seq-len 16 "
+    char *out = run_as_out(who, 0, NULL,
+                           "submit finetune --model %s --data %s --steps 3 --batch 2 --seq-len 16 "
                            "--idempotency-key %s",
-                g_model, tu_cluster_data(g_c), idem);
-    if (rc == 0 && out)
-        snprintf(id, 17, "%.16s", out);
+                           g_model, tu_cluster_data(g_c), idem);
+    snprintf(id, 17, "%.16s", out);
     free(out);
-    return rc;
 }
 
 static void test_client_connection_settings_come_from_options_env_or_config(void **state)
 {
     (void)state;
-    char *out = NULL;
     /* Nothing said: exit 2 and what to do. */
-    assert_int_equal(tu_sh(&out, "env -u FUSION_BROKER FUSION_CONFIG=/nonexistent %s jobs", tu_bin("fusion")), 2);
-    assert_non_null(strstr(out, "no broker given: use --broker"));
-    free(out);
+    tu_sh_expect(2, "no broker given: use --broker",
+                 "env -u FUSION_BROKER FUSION_CONFIG=/nonexistent %s jobs", tu_bin("fusion"));
     /* A config file alone is enough. */
     char conf[TU_PATH];
     tu_path(g_c, conf, "alice.conf");
@@ -93,75 +86,56 @@ static void test_client_connection_settings_come_from_options_env_or_config(void
     fprintf(f, "# test\nbroker = %s\nbroker-key=%s/broker/public.key\n  keys =  %s/alice  \n",
             tu_broker_endpoint(g_c), tu_cluster_dir(g_c), tu_cluster_dir(g_c));
     fclose(f);
-    assert_int_equal(tu_sh(&out, "FUSION_CONFIG=%s %s peers --json", conf, tu_bin("fusion")), 0);
+    char *out = tu_sh_expect_out(0, NULL, "FUSION_CONFIG=%s %s peers --json", conf, tu_bin("fusion"));
     assert_true(out[0] == '[');
     free(out);
     /* Options win over the environment: a wrong --broker-key is used, and refused. */
-    assert_int_equal(as(0, &out, "peers --broker-key /nonexistent/public.key"), 2);
-    assert_non_null(strstr(out, "/nonexistent/public.key"));
-    free(out);
+    run_as(0, 2, "/nonexistent/public.key", "peers --broker-key /nonexistent/public.key");
 }
 
 static void test_client_unknown_key_is_refused_with_exit_3(void **state)
 {
     (void)state;
-    char *out = NULL;
-    assert_int_equal(as(2, &out, "jobs --timeout-ms 5000"), 3);
-    assert_non_null(strstr(out, "refused this client's key"));
-    free(out);
+    run_as(2, 3, "refused this client's key", "jobs --timeout-ms 5000");
 }
 
 static void test_client_submit_is_idempotent_and_jobs_are_private(void **state)
 {
     (void)state;
     char a[17] = "", a2[17] = "", b[17] = "";
-    assert_int_equal(submit(0, "key-one", a), 0);
-    assert_int_equal(submit(0, "key-one", a2), 0);
+    submit(0, "key-one", a);
+    submit(0, "key-one", a2);
     assert_string_equal(a, a2); /* the retry is the same job */
-    assert_int_equal(submit(1, "key-one", b), 0);
+    submit(1, "key-one", b);
     assert_string_not_equal(a, b); /* same key, other owner: another job */
 
-    char *out = NULL;
-    assert_int_equal(as(0, &out, "status %s --json", a), 0);
-    assert_non_null(strstr(out, "\"state\":\"queued\""));
-    free(out);
+    run_as(0, 0, "\"state\":\"queued\"", "status %s --json", a);
     /* Bob can neither see nor cancel Alice's job: it does not exist for him. */
-    assert_int_equal(as(1, &out, "status %s", a), 4);
-    free(out);
-    assert_int_equal(as(1, &out, "cancel %s", a), 4);
-    free(out);
-    assert_int_equal(as(1, &out, "jobs --json"), 0);
+    run_as(1, 4, NULL, "status %s", a);
+    run_as(1, 4, NULL, "cancel %s", a);
+    char *out = run_as_out(1, 0, b, "jobs --json");
     assert_null(strstr(out, a));
-    assert_non_null(strstr(out, b));
     free(out);
     /* Alice cancels hers; it is listed as cancelled, and has no result. */
-    assert_int_equal(as(0, &out, "cancel %s", a), 0);
+    run_as(0, 0, "cancelled", "cancel %s", a);
+    out = run_as_out(0, 0, a, "jobs");
     assert_non_null(strstr(out, "cancelled"));
     free(out);
-    assert_int_equal(as(0, &out, "jobs"), 0);
-    assert_non_null(strstr(out, a));
-    assert_non_null(strstr(out, "cancelled"));
-    free(out);
-    assert_int_equal(as(0, &out, "status --json"), 0); /* no JOB: all of Alice's jobs */
-    assert_non_null(strstr(out, a));
+    out = run_as_out(0, 0, a, "status --json"); /* no JOB: all of Alice's jobs */
     assert_null(strstr(out, b));
     free(out);
-    assert_int_equal(as(0, &out, "jobs --active --json"), 0);
+    out = run_as_out(0, 0, NULL, "jobs --active --json");
     assert_null(strstr(out, a));
     free(out);
-    assert_int_equal(as(0, &out, "result %s -o %s/res", a, tu_cluster_dir(g_c)), 1);
-    assert_non_null(strstr(out, "a result exists only once it is done"));
-    free(out);
+    run_as(0, 1, "a result exists only once it is done", "result %s -o %s/res", a, tu_cluster_dir(g_c));
 }
 
 static void test_client_wait_reports_why_a_job_is_queued_and_times_out(void **state)
 {
     (void)state;
     char id[17] = "";
-    assert_int_equal(submit(1, "waiting", id), 0);
-    char *out = NULL;
-    assert_int_equal(as(1, &out, "wait %s --wait-timeout 1", id), 5);
-    assert_non_null(strstr(out, "queued: "));
+    submit(1, "waiting", id);
+    char *out = run_as_out(1, 5, "queued: ", "wait %s --wait-timeout 1", id);
     assert_non_null(strstr(out, "still queued after 1 s"));
     free(out);
 }
@@ -169,24 +143,18 @@ static void test_client_wait_reports_why_a_job_is_queued_and_times_out(void **st
 static void test_client_bad_arguments_exit_2(void **state)
 {
     (void)state;
-    char *out = NULL;
-    assert_int_equal(as(0, &out, "status not-a-job"), 2);
-    assert_non_null(strstr(out, "is not a job id"));
-    free(out);
-    assert_int_equal(as(0, &out, "submit finetune --model x"), 2);
-    assert_non_null(strstr(out, "needs --model DIR and --data FILE"));
-    free(out);
-    assert_int_equal(as(0, &out, "submit finetune --model x --data /nonexistent/data.txt"), 2);
-    free(out);
-    assert_int_equal(as(0, &out, "submit infer --model x --prompt hi --prompt-tokens 1,2"), 2);
-    free(out);
-    assert_int_equal(as(0, &out, "submit finetune --model x --data /dev/null --verify 1.5"), 2);
-    assert_non_null(strstr(out, "--verify must be a number between 0 and 1"));
-    free(out);
-    assert_int_equal(as(0, &out, "submit frobnicate"), 2);
-    free(out);
-    assert_int_equal(as(0, &out, "status 0123456789abcdef"), 4); /* well-formed, unknown */
-    free(out);
+    static const tu_cmd_case cases[] = {
+        {"status not-a-job", 2, "is not a job id"},
+        {"submit finetune --model x", 2, "needs --model DIR and --data FILE"},
+        {"submit finetune --model x --data /nonexistent/data.txt", 2, NULL},
+        {"submit infer --model x --prompt hi --prompt-tokens 1,2", 2, NULL},
+        {"submit finetune --model x --data /dev/null --verify 1.5", 2,
+         "--verify must be a number between 0 and 1"},
+        {"submit frobnicate", 2, NULL},
+        {"status 0123456789abcdef", 4, NULL}, /* well-formed, unknown */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_as(0, cases[i].rc, cases[i].says, "%s", cases[i].args);
 }
 
 int main(int argc, char **argv)

@@ -15,23 +15,20 @@
 #include "fu_modelcfg.h"
 #include "testutil.h"
 
-static char *dir;   /* scratch directory */
-static char *model; /* tiny model */
+static char *model; /* tiny model, in the scratch directory tu_dir */
 static char *data;  /* training text */
 
 static int setup(void **state)
 {
-    (void)state;
-    dir = tu_tmpdir("dagcli");
-    if (!dir)
+    if (tu_tmpdir_setup(state) != 0)
         return -1;
     fu_modelcfg cfg;
     fu_modelcfg_defaults(&cfg); /* 2 layers, hidden 64, vocab 256 */
-    size_t n = strlen(dir) + 32;
+    size_t n = strlen(tu_dir) + 32;
     model = malloc(n);
     data = malloc(n);
-    snprintf(model, n, "%s/model", dir);
-    snprintf(data, n, "%s/text.txt", dir);
+    snprintf(model, n, "%s/model", tu_dir);
+    snprintf(data, n, "%s/text.txt", tu_dir);
     if (dag_model_init_random(model, &cfg, 3, 0.08f, NULL) != FU_OK)
         return -1;
     FILE *f = fopen(data, "w");
@@ -45,80 +42,106 @@ static int setup(void **state)
 
 static int teardown(void **state)
 {
-    (void)state;
-    char *out = NULL;
-    (void)tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
     free(model);
     free(data);
-    return 0;
+    return tu_tmpdir_teardown(state);
 }
 
-static void read_losses(const char *path, double *first, double *last, int *n)
+/* Reads the loss log tu_dir/name that `run finetune --loss-log` wrote: it must have `steps` lines and
+ * its last loss must be below `ratio` times the first. */
+static void expect_losses(const char *name, int steps, double ratio)
 {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", tu_dir, name);
     FILE *f = fopen(path, "r");
     assert_non_null(f);
     char line[512];
-    *n = 0;
+    double first = 0, last = 0;
+    int n = 0;
     while (fgets(line, sizeof line, f)) {
         const char *p = strstr(line, "\"loss\":");
         assert_non_null(p);
-        double l = atof(p + 7);
-        if (*n == 0)
-            *first = l;
-        *last = l;
-        (*n)++;
+        last = atof(p + 7);
+        if (n++ == 0)
+            first = last;
     }
     fclose(f);
+    assert_int_equal(n, steps);
+    if (!(last < ratio * first))
+        fail_msg("%s: the loss went from %g to %g, not below %.2f of it", name, first, last, ratio);
+}
+
+/* `fusion run finetune --method salr` for 20 steps on the model in model_dir must exit 0 and lower
+ * the loss; it writes the loss log tu_dir/NAME.jsonl and the adapter tu_dir/NAME-adapter. */
+static void salr_finetune_learns(const char *model_dir, const char *name)
+{
+    tu_fusion_expect(
+        0, NULL,
+        "run finetune --model %s --data %s --method salr --rank 4 --lr 2e-2 --steps 20 --batch 2 "
+        "--seq-len 16 --loss-log %s/%s.jsonl -o %s/%s-adapter",
+        model_dir, data, tu_dir, name, tu_dir, name);
+    char log[256];
+    snprintf(log, sizeof log, "%s.jsonl", name);
+    expect_losses(log, 20, 1.0);
+}
+
+/* Runs the shell command line (printf format) twice: both runs must exit 0 and print the same.
+ * Returns what they printed (caller frees). */
+__attribute__((format(printf, 1, 2))) static char *same_twice(const char *fmt, ...)
+{
+    char cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    char *a = tu_sh_expect_out(0, NULL, "%s", cmd), *b = tu_sh_expect_out(0, NULL, "%s", cmd);
+    assert_string_equal(a, b);
+    free(b);
+    return a;
+}
+
+/* True when tu_dir/name exists. */
+static bool exists(const char *name)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", tu_dir, name);
+    struct stat sb;
+    return stat(path, &sb) == 0;
 }
 
 static void test_dag_cli_finetune_then_infer(void **state)
 {
     (void)state;
-    char *out = NULL;
-    int rc = tu_sh(&out,
-                   "%s run finetune --model %s --data %s --method lora-fa --rank 4 --alpha 8 --lr 2e-2 --steps 30 "
-                   "--batch 2 --seq-len 16 --shuffle --seed 5 --loss-log %s/loss.jsonl -o %s/adapter",
-                   tu_bin("fusion"), model, data, dir, dir);
-    if (rc != 0)
-        fail_msg("finetune exited %d: %s", rc, out);
-    assert_non_null(strstr(out, "step 30/30 loss"));
-    free(out);
-    char p[4096];
-    snprintf(p, sizeof p, "%s/loss.jsonl", dir);
-    double first = 0, last = 0;
-    int n = 0;
-    read_losses(p, &first, &last, &n);
-    assert_int_equal(n, 30);
-    assert_true(last < 0.8 * first);
-    struct stat sb;
-    snprintf(p, sizeof p, "%s/adapter/adapter_model.safetensors", dir);
-    assert_int_equal(stat(p, &sb), 0);
-    snprintf(p, sizeof p, "%s/adapter/adapter_config.json", dir);
-    assert_int_equal(stat(p, &sb), 0);
+    const char *dir = tu_dir;
+    tu_fusion_expect(
+        0, "step 30/30 loss",
+        "run finetune --model %s --data %s --method lora-fa --rank 4 --alpha 8 --lr 2e-2 --steps 30 "
+        "--batch 2 --seq-len 16 --shuffle --seed 5 --loss-log %s/loss.jsonl -o %s/adapter",
+        model, data, dir, dir);
+    expect_losses("loss.jsonl", 30, 0.8);
+    assert_true(exists("adapter/adapter_model.safetensors"));
+    assert_true(exists("adapter/adapter_config.json"));
 
     /* Greedy generation with and without the adapter differ; the same command twice is identical. */
-    char *with = NULL, *with2 = NULL, *without = NULL;
-    assert_int_equal(tu_sh(&with, "%s run infer -q --model %s --adapter %s/adapter --prompt-tokens 116,104,101 "
-                                  "--max-tokens 24 2>/dev/null", tu_bin("fusion"), model, dir), 0);
-    assert_int_equal(tu_sh(&with2, "%s run infer -q --model %s --adapter %s/adapter --prompt-tokens 116,104,101 "
-                                   "--max-tokens 24 2>/dev/null", tu_bin("fusion"), model, dir), 0);
-    assert_int_equal(tu_sh(&without, "%s run infer -q --threads 1 --model %s --prompt-tokens 116,104,101 --max-tokens 24 "
-                                     "2>/dev/null", tu_bin("fusion"), model), 0);
-    assert_string_equal(with, with2);
+    char *with = same_twice("%s run infer -q --model %s --adapter %s/adapter --prompt-tokens 116,104,101 "
+                            "--max-tokens 24 2>/dev/null",
+                            tu_bin("fusion"), model, dir);
+    char *without = tu_fusion_expect_out(
+        0, NULL,
+        "run infer -q --threads 1 --model %s --prompt-tokens 116,104,101 --max-tokens 24 2>/dev/null", model);
     assert_string_not_equal(with, without);
     free(with);
-    free(with2);
     free(without);
 
     /* Text prompt, sampling, and the logits dump: positions × vocab float32. */
-    assert_int_equal(tu_sh(&out, "%s run infer --model %s --adapter %s/adapter --prompt 'the q' --max-tokens 8 "
-                                 "--temperature 0.8 --top-k 20 --top-p 0.9 --seed 3 --dump-logits %s/logits.bin",
-                           tu_bin("fusion"), model, dir, dir), 0);
-    assert_non_null(strstr(out, "generated"));
-    free(out);
+    tu_fusion_expect(
+        0, "generated",
+        "run infer --model %s --adapter %s/adapter --prompt 'the q' --max-tokens 8 --temperature 0.8 "
+        "--top-k 20 --top-p 0.9 --seed 3 --dump-logits %s/logits.bin",
+        model, dir, dir);
+    char p[4096];
     snprintf(p, sizeof p, "%s/logits.bin", dir);
+    struct stat sb;
     assert_int_equal(stat(p, &sb), 0);
     assert_int_equal(sb.st_size, 5 * 256 * 4);
     FILE *f = fopen(p, "rb");
@@ -133,36 +156,19 @@ static void test_dag_cli_finetune_then_infer(void **state)
 static void test_dag_cli_salr_finetune(void **state)
 {
     (void)state;
+    const char *dir = tu_dir;
     char pruned[4096];
     snprintf(pruned, sizeof pruned, "%s/pruned", dir);
     fu_errmsg em = {{0}};
     assert_int_equal(dag_salr_prune_model(model, pruned, 0.5, 4, 1, &em), FU_OK);
-    char *out = NULL;
-    int rc = tu_sh(&out,
-                   "%s run finetune --model %s --data %s --method salr --rank 4 --lr 2e-2 --steps 20 --batch 2 "
-                   "--seq-len 16 --loss-log %s/salr.jsonl -o %s/salr-adapter",
-                   tu_bin("fusion"), pruned, data, dir, dir);
-    if (rc != 0)
-        fail_msg("salr finetune exited %d: %s", rc, out);
-    free(out);
-    char p[4096];
-    snprintf(p, sizeof p, "%s/salr.jsonl", dir);
-    double first = 0, last = 0;
-    int n = 0;
-    read_losses(p, &first, &last, &n);
-    assert_int_equal(n, 20);
-    assert_true(last < first);
-    assert_int_equal(tu_sh(&out, "%s run infer --model %s --adapter %s/salr-adapter --prompt-tokens 1,2,3 "
-                                 "--max-tokens 4", tu_bin("fusion"), pruned, dir), 0);
-    free(out);
+    salr_finetune_learns(pruned, "salr");
+    tu_fusion_expect(0, NULL,
+                     "run infer --model %s --adapter %s/salr-adapter --prompt-tokens 1,2,3 --max-tokens 4",
+                     pruned, dir);
     /* salr on a dense model, and a dense method on a pruned one, are refused. */
-    assert_int_equal(tu_sh(&out, "%s run finetune --model %s --data %s --method salr -o %s/x", tu_bin("fusion"), model,
-                           data, dir), 2);
-    assert_non_null(strstr(out, "fusion model prune"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run finetune --model %s --data %s --method lora -o %s/x", tu_bin("fusion"),
-                           pruned, data, dir), 2);
-    free(out);
+    tu_fusion_expect(2, "fusion model prune", "run finetune --model %s --data %s --method salr -o %s/x",
+                     model, data, dir);
+    tu_fusion_expect(2, NULL, "run finetune --model %s --data %s --method lora -o %s/x", pruned, data, dir);
 }
 
 /* `fusion model prune` as a user runs it: by default it prunes lm_head too and reports the head's
@@ -172,69 +178,39 @@ static void test_dag_cli_salr_finetune(void **state)
 static void test_dag_cli_salr_prune_lm_head(void **state)
 {
     (void)state;
-    char *out = NULL;
-    int rc = tu_sh(&out, "%s model prune --method salr --svd-rank 4 -i %s -o %s/pruned-head", tu_bin("fusion"),
-                   model, dir);
-    if (rc != 0)
-        fail_msg("prune exited %d: %s", rc, out);
-    assert_non_null(strstr(out, "residual rank 4, lm_head pruned"));
+    const char *dir = tu_dir;
+    char *out =
+        tu_fusion_expect_out(0, "residual rank 4, lm_head pruned",
+                             "model prune --method salr --svd-rank 4 -i %s -o %s/pruned-head", model, dir);
     assert_non_null(strstr(out, "block linears mean"));
     assert_non_null(strstr(out, "lm_head: relative error 0."));
     free(out);
-    char p[4096];
-    snprintf(p, sizeof p, "%s/pruned-head/salr_config.json", dir);
-    char *cfg = NULL;
-    assert_int_equal(tu_sh(&cfg, "cat %s", p), 0);
-    assert_non_null(strstr(cfg, "\"lm_head\": \"salr\""));
-    free(cfg);
-    rc = tu_sh(&out,
-               "%s run finetune --model %s/pruned-head --data %s --method salr --rank 4 --lr 2e-2 --steps 20 "
-               "--batch 2 --seq-len 16 --loss-log %s/head.jsonl -o %s/head-adapter",
-               tu_bin("fusion"), dir, data, dir, dir);
-    if (rc != 0)
-        fail_msg("finetune on the pruned head exited %d: %s", rc, out);
-    free(out);
-    snprintf(p, sizeof p, "%s/head.jsonl", dir);
-    double first = 0, last = 0;
-    int n = 0;
-    read_losses(p, &first, &last, &n);
-    assert_int_equal(n, 20);
-    assert_true(last < first);
-    char *a = NULL, *b = NULL;
-    assert_int_equal(tu_sh(&a, "%s run infer -q --model %s/pruned-head --adapter %s/head-adapter "
-                               "--prompt-tokens 116,104,101 --max-tokens 12 2>/dev/null", tu_bin("fusion"), dir, dir), 0);
-    assert_int_equal(tu_sh(&b, "%s run infer -q --model %s/pruned-head --adapter %s/head-adapter "
-                               "--prompt-tokens 116,104,101 --max-tokens 12 2>/dev/null", tu_bin("fusion"), dir, dir), 0);
-    assert_true(strlen(a) > 0);
-    assert_string_equal(a, b);
-    free(a);
-    free(b);
+    tu_sh_expect(0, "\"lm_head\": \"salr\"", "cat %s/pruned-head/salr_config.json", dir);
+    char pruned[4096];
+    snprintf(pruned, sizeof pruned, "%s/pruned-head", dir);
+    salr_finetune_learns(pruned, "head");
+    char *text = same_twice("%s run infer -q --model %s/pruned-head --adapter %s/head-adapter "
+                            "--prompt-tokens 116,104,101 --max-tokens 12 2>/dev/null",
+                            tu_bin("fusion"), dir, dir);
+    assert_true(strlen(text) > 0);
+    free(text);
 
     /* --prune-lm-head said explicitly: the same files as the default. */
-    assert_int_equal(tu_sh(&out, "%s model prune --method salr --svd-rank 4 --prune-lm-head -i %s -o %s/pruned-head2 && "
-                                 "cmp %s/pruned-head/model.safetensors %s/pruned-head2/model.safetensors",
-                           tu_bin("fusion"), model, dir, dir, dir), 0);
-    free(out);
+    tu_fusion_expect(0, NULL,
+                     "model prune --method salr --svd-rank 4 --prune-lm-head -i %s -o %s/pruned-head2 && "
+                     "cmp %s/pruned-head/model.safetensors %s/pruned-head2/model.safetensors",
+                     model, dir, dir, dir);
 
     /* --keep-lm-head: a dense head. */
-    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 --keep-lm-head -i %s -o %s/pruned-kept", tu_bin("fusion"),
-                           model, dir), 0);
-    assert_non_null(strstr(out, "lm_head dense"));
+    out = tu_fusion_expect_out(0, "lm_head dense",
+                               "model prune --svd-rank 4 --keep-lm-head -i %s -o %s/pruned-kept", model, dir);
     assert_null(strstr(out, "lm_head: relative error"));
     free(out);
-    snprintf(p, sizeof p, "%s/pruned-kept/salr_config.json", dir);
-    assert_int_equal(tu_sh(&cfg, "cat %s", p), 0);
-    assert_non_null(strstr(cfg, "\"lm_head\": \"dense\""));
-    free(cfg);
-    assert_int_equal(tu_sh(&out, "%s run infer -q --model %s/pruned-kept --prompt-tokens 1,2,3 --max-tokens 4",
-                           tu_bin("fusion"), dir), 0);
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s model prune --prune-lm-head --keep-lm-head -i %s -o %s/x", tu_bin("fusion"), model,
-                           dir), 2);
-    assert_non_null(strstr(out, "contradict"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s model prune --help", tu_bin("fusion")), 0);
-    assert_non_null(strstr(out, "--prune-lm-head"));
+    tu_sh_expect(0, "\"lm_head\": \"dense\"", "cat %s/pruned-kept/salr_config.json", dir);
+    tu_fusion_expect(0, NULL, "run infer -q --model %s/pruned-kept --prompt-tokens 1,2,3 --max-tokens 4",
+                     dir);
+    tu_fusion_expect(2, "contradict", "model prune --prune-lm-head --keep-lm-head -i %s -o %s/x", model, dir);
+    out = tu_fusion_expect_out(0, "--prune-lm-head", "model prune --help");
     assert_non_null(strstr(out, "--keep-lm-head"));
     free(out);
 
@@ -242,51 +218,32 @@ static void test_dag_cli_salr_prune_lm_head(void **state)
     fu_modelcfg tc;
     fu_modelcfg_defaults(&tc);
     tc.tie_word_embeddings = true;
+    char p[4096];
     snprintf(p, sizeof p, "%s/tied", dir);
     assert_int_equal(dag_model_init_random(p, &tc, 4, 0.08f, NULL), FU_OK);
-    assert_int_equal(tu_sh(&out, "%s model prune --svd-rank 4 -i %s -o %s/tied-pruned",
-                           tu_bin("fusion"), p, dir), 0);
-    assert_non_null(strstr(out, "tied"));
+    out = tu_fusion_expect_out(0, "tied", "model prune --svd-rank 4 -i %s -o %s/tied-pruned", p, dir);
     assert_non_null(strstr(out, "left dense"));
     assert_non_null(strstr(out, "lm_head dense"));
     free(out);
-    assert_int_equal(tu_sh(&out, "%s run infer -q --model %s/tied-pruned --prompt-tokens 1,2,3 --max-tokens 4",
-                           tu_bin("fusion"), dir), 0);
-    free(out);
+    tu_fusion_expect(0, NULL, "run infer -q --model %s/tied-pruned --prompt-tokens 1,2,3 --max-tokens 4",
+                     dir);
 }
 
 static void test_dag_cli_errors(void **state)
 {
     (void)state;
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "%s run finetune --data %s -o %s/x", tu_bin("fusion"), data, dir), 2);
-    assert_non_null(strstr(out, "required"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run finetune --model %s/nope --data %s -o %s/x", tu_bin("fusion"), dir, data, dir),
-                     4);
-    assert_non_null(strstr(out, "nope"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run finetune --model %s --data %s --method dora -o %s/x", tu_bin("fusion"), model,
-                           data, dir), 2);
-    free(out);
+    const char *dir = tu_dir;
+    tu_fusion_expect(2, "required", "run finetune --data %s -o %s/x", data, dir);
+    tu_fusion_expect(4, "nope", "run finetune --model %s/nope --data %s -o %s/x", dir, data, dir);
+    tu_fusion_expect(2, NULL, "run finetune --model %s --data %s --method dora -o %s/x", model, data, dir);
     /* Too little data for the batch. */
-    assert_int_equal(tu_sh(&out, "%s run finetune --model %s --data %s --seq-len 4096 --batch 8 -o %s/x",
-                           tu_bin("fusion"), model, data, dir), 2);
-    assert_non_null(strstr(out, "windows"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run infer --model %s --prompt-tokens 1,999 --max-tokens 2", tu_bin("fusion"),
-                           model), 2);
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run infer --model %s", tu_bin("fusion"), model), 2);
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run infer --model %s --adapter %s --prompt x", tu_bin("fusion"), model, dir), 4);
-    assert_non_null(strstr(out, "adapter_config.json"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run bogus", tu_bin("fusion")), 2);
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s run finetune --help", tu_bin("fusion")), 0);
-    assert_non_null(strstr(out, "--seq-len"));
-    free(out);
+    tu_fusion_expect(2, "windows", "run finetune --model %s --data %s --seq-len 4096 --batch 8 -o %s/x",
+                     model, data, dir);
+    tu_fusion_expect(2, NULL, "run infer --model %s --prompt-tokens 1,999 --max-tokens 2", model);
+    tu_fusion_expect(2, NULL, "run infer --model %s", model);
+    tu_fusion_expect(4, "adapter_config.json", "run infer --model %s --adapter %s --prompt x", model, dir);
+    tu_fusion_expect(2, NULL, "run bogus");
+    tu_fusion_expect(0, "--seq-len", "run finetune --help");
 }
 
 int main(void)

@@ -32,24 +32,53 @@ typedef struct {
     fu_safetensors *st; /* its weights */
 } tiny;
 
-static void tiny_open(tiny *t, const char *tag, uint64_t seed)
+/* The default model (tied: with tied embeddings, no lm_head) in a scratch directory. */
+static void tiny_open_with(tiny *t, const char *tag, uint64_t seed, bool tied)
 {
     t->dir = tu_tmpdir(tag);
     assert_non_null(t->dir);
     fu_modelcfg_defaults(&t->cfg); /* 2 layers, hidden 64, 4/2 heads, ffn 128, vocab 256 */
+    t->cfg.tie_word_embeddings = tied;
     fu_errmsg em = {{0}};
     assert_int_equal(dag_model_init_random(t->dir, &t->cfg, seed, 0.08f, &em), FU_OK);
     dag_dims_from_cfg(&t->cfg, &t->dims);
     assert_int_equal(fu_safetensors_open_dir(t->dir, &t->st, &em), FU_OK);
 }
 
+static void tiny_open(tiny *t, const char *tag, uint64_t seed)
+{
+    tiny_open_with(t, tag, seed, false);
+}
+
 static void tiny_close(tiny *t)
 {
     fu_safetensors_close(&t->st);
-    char *out = NULL;
-    (void)tu_sh(&out, "rm -rf '%s'", t->dir);
-    free(out);
-    free(t->dir);
+    tu_tmpdir_remove(&t->dir);
+}
+
+/* cmocka fixture of every test: *state is a tiny the test opens with tiny_start and that is closed
+ * after it, also when it failed. */
+static int tiny_setup(void **state)
+{
+    *state = calloc(1, sizeof(tiny));
+    return *state ? 0 : -1;
+}
+
+static int tiny_teardown(void **state)
+{
+    tiny *t = *state;
+    tiny_close(t);
+    free(t);
+    return 0;
+}
+
+/* Opens the test's tiny model (tag: its scratch directory's name, seed: its weights') in the
+ * fixture's state and returns it. */
+static tiny *tiny_start(void **state, const char *tag, uint64_t seed)
+{
+    tiny *t = *state;
+    tiny_open(t, tag, seed);
+    return t;
 }
 
 static dag_graph_t *graph(const tiny *t, dag_adapter_method m, uint32_t rank, dag_head head, uint32_t res_rank)
@@ -88,6 +117,18 @@ static float *rd(const fu_safetensors *st, const char *name, size_t n0, size_t n
     return f;
 }
 
+/* w [out, in] += s · b [out, r] · a [r, in]. */
+static void add_product(float *w, const float *b, const float *a, size_t out, size_t r, size_t in, double s)
+{
+    for (size_t o = 0; o < out; o++)
+        for (size_t i = 0; i < in; i++) {
+            double acc = 0;
+            for (size_t k = 0; k < r; k++)
+                acc += (double)b[o * r + k] * a[k * in + i];
+            w[o * in + i] += (float)(s * acc);
+        }
+}
+
 /* W_eff of a linear: the dense weight, or (SALR) decode(bitmap) + salr_B·salr_A; plus an optional
  * LoRA delta s·B·A from a PEFT adapter. */
 static float *weight_eff(const fu_safetensors *st, const fu_safetensors *peft, const char *mod, size_t out, size_t in,
@@ -114,13 +155,7 @@ static float *weight_eff(const fu_safetensors *st, const fu_safetensors *peft, c
         float *a2 = rd(st, name, r, in);
         snprintf(name, sizeof name, "%s.salr_B.weight", mod);
         float *b2 = rd(st, name, out, r);
-        for (size_t o = 0; o < out; o++)
-            for (size_t i = 0; i < in; i++) {
-                double acc = 0;
-                for (size_t k = 0; k < r; k++)
-                    acc += (double)b2[o * r + k] * a2[k * in + i];
-                w[o * in + i] += (float)acc;
-            }
+        add_product(w, b2, a2, out, r, in, 1.0);
         free(a2);
         free(b2);
     } else {
@@ -136,13 +171,7 @@ static float *weight_eff(const fu_safetensors *st, const fu_safetensors *peft, c
         float *a = rd(peft, name, r, in);
         snprintf(name, sizeof name, "base_model.model.%s.lora_B.weight", mod);
         float *b = rd(peft, name, out, r);
-        for (size_t o = 0; o < out; o++)
-            for (size_t i = 0; i < in; i++) {
-                double acc = 0;
-                for (size_t k = 0; k < r; k++)
-                    acc += (double)b[o * r + k] * a[k * in + i];
-                w[o * in + i] += (float)(s * acc);
-            }
+        add_product(w, b, a, out, r, in, s);
         free(a);
         free(b);
     }
@@ -188,6 +217,31 @@ static void ref_rope(double *x, size_t n, size_t heads, size_t hd, size_t T, dou
     }
 }
 
+/* y [n, out] = x [n, in] · W_effᵀ of layer l's linear `mod` ("mlp.up_proj"). */
+static void ref_proj(const fu_safetensors *st, const fu_safetensors *peft, double s, size_t l,
+                     const char *mod, const double *x, size_t n, size_t in, size_t out, double *y)
+{
+    char name[256];
+    snprintf(name, sizeof name, "model.layers.%zu.%s", l, mod);
+    float *w = weight_eff(st, peft, name, out, in, s);
+    ref_linear(x, n, in, out, w, y);
+    free(w);
+}
+
+/* y = RMSNorm(x) with the gain `norm` ("model.norm.weight", or of layer l: "input_layernorm"). */
+static void ref_norm(const fu_safetensors *st, const fu_modelcfg *c, long l, const char *norm,
+                     const double *x, size_t n, double *y)
+{
+    char name[256];
+    if (l < 0)
+        snprintf(name, sizeof name, "%s", norm);
+    else
+        snprintf(name, sizeof name, "model.layers.%ld.%s.weight", l, norm);
+    float *w = rd(st, name, c->hidden_size, 0);
+    ref_rmsnorm(x, n, c->hidden_size, w, c->rms_norm_eps, y);
+    free(w);
+}
+
 /* logits [n_seq*T, vocab] of the model (with a PEFT adapter's delta when peft is given). */
 static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safetensors *peft, double s,
                           const int32_t *tok, size_t n_seq, size_t T)
@@ -196,7 +250,6 @@ static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safe
     size_t H = c->hidden_size, F = c->intermediate_size, V = c->vocab_size, nh = c->num_attention_heads,
            nkv = c->num_key_value_heads, hd = c->head_dim, n = n_seq * T;
     size_t qw = nh * hd, kw = nkv * hd;
-    double eps = c->rms_norm_eps;
     float *emb = rd(st, "model.embed_tokens.weight", V, H);
     double *x = calloc(n * H, sizeof *x), *h = calloc(n * H, sizeof *h), *q = calloc(n * qw, sizeof *q),
            *k = calloc(n * kw, sizeof *k), *v = calloc(n * kw, sizeof *v), *o = calloc(n * qw, sizeof *o),
@@ -204,21 +257,11 @@ static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safe
     for (size_t i = 0; i < n; i++)
         for (size_t j = 0; j < H; j++)
             x[i * H + j] = emb[(size_t)tok[i] * H + j];
-    char name[256];
     for (size_t l = 0; l < c->num_hidden_layers; l++) {
-        snprintf(name, sizeof name, "model.layers.%zu.input_layernorm.weight", l);
-        float *wn = rd(st, name, H, 0);
-        ref_rmsnorm(x, n, H, wn, eps, h);
-        free(wn);
-        const char *mods[3] = {"q_proj", "k_proj", "v_proj"};
-        double *dst[3] = {q, k, v};
-        size_t ow[3] = {qw, kw, kw};
-        for (int m = 0; m < 3; m++) {
-            snprintf(name, sizeof name, "model.layers.%zu.self_attn.%s", l, mods[m]);
-            float *w = weight_eff(st, peft, name, ow[m], H, s);
-            ref_linear(h, n, H, ow[m], w, dst[m]);
-            free(w);
-        }
+        ref_norm(st, c, (long)l, "input_layernorm", x, n, h);
+        ref_proj(st, peft, s, l, "self_attn.q_proj", h, n, H, qw, q);
+        ref_proj(st, peft, s, l, "self_attn.k_proj", h, n, H, kw, k);
+        ref_proj(st, peft, s, l, "self_attn.v_proj", h, n, H, kw, v);
         ref_rope(q, n, nh, hd, T, c->rope_theta);
         ref_rope(k, n, nkv, hd, T, c->rope_theta);
         for (size_t sq = 0; sq < n_seq; sq++)
@@ -244,36 +287,19 @@ static double *ref_logits(const tiny *t, const fu_safetensors *st, const fu_safe
                     }
                 }
             }
-        snprintf(name, sizeof name, "model.layers.%zu.self_attn.o_proj", l);
-        float *wo = weight_eff(st, peft, name, H, qw, s);
-        ref_linear(o, n, qw, H, wo, y);
-        free(wo);
+        ref_proj(st, peft, s, l, "self_attn.o_proj", o, n, qw, H, y);
         for (size_t i = 0; i < n * H; i++)
             x[i] += y[i];
-        snprintf(name, sizeof name, "model.layers.%zu.post_attention_layernorm.weight", l);
-        wn = rd(st, name, H, 0);
-        ref_rmsnorm(x, n, H, wn, eps, h);
-        free(wn);
-        snprintf(name, sizeof name, "model.layers.%zu.mlp.gate_proj", l);
-        float *wg = weight_eff(st, peft, name, F, H, s);
-        ref_linear(h, n, H, F, wg, g);
-        free(wg);
-        snprintf(name, sizeof name, "model.layers.%zu.mlp.up_proj", l);
-        float *wu = weight_eff(st, peft, name, F, H, s);
-        ref_linear(h, n, H, F, wu, u);
-        free(wu);
+        ref_norm(st, c, (long)l, "post_attention_layernorm", x, n, h);
+        ref_proj(st, peft, s, l, "mlp.gate_proj", h, n, H, F, g);
+        ref_proj(st, peft, s, l, "mlp.up_proj", h, n, H, F, u);
         for (size_t i = 0; i < n * F; i++)
             g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
-        snprintf(name, sizeof name, "model.layers.%zu.mlp.down_proj", l);
-        float *wd = weight_eff(st, peft, name, H, F, s);
-        ref_linear(g, n, F, H, wd, y);
-        free(wd);
+        ref_proj(st, peft, s, l, "mlp.down_proj", g, n, F, H, y);
         for (size_t i = 0; i < n * H; i++)
             x[i] += y[i];
     }
-    float *wn = rd(st, "model.norm.weight", H, 0);
-    ref_rmsnorm(x, n, H, wn, eps, h);
-    free(wn);
+    ref_norm(st, c, -1, "model.norm.weight", x, n, h);
     /* The head: the embedding table when tied, else lm_head (decode(bitmap) + residual when pruned). */
     float *lm = c->tie_word_embeddings ? rd(st, "model.embed_tokens.weight", V, H) : weight_eff(st, NULL, "lm_head", V, H, 0);
     double *logits = calloc(n * V, sizeof *logits);
@@ -318,61 +344,145 @@ static double max_abs_diff(const float *a, const double *b, size_t n)
     return m;
 }
 
+/* Targets for tok: (tok·mul + add) mod 256. */
+static void targets_for(const int32_t *tok, int32_t *tgt, size_t n, int32_t mul, int32_t add)
+{
+    for (size_t i = 0; i < n; i++)
+        tgt[i] = (tok[i] * mul + add) % 256;
+}
+
+/* Runs x forward on n_seq sequences of T tokens and returns the logits of g's head (*nf of them). */
+static const float *forward_logits(dag_exec_t *x, const dag_graph_t *g, const int32_t *tok, uint32_t n_seq,
+                                   uint32_t T, size_t *nf)
+{
+    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, n_seq, T), FU_OK);
+    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
+    const float *lg = NULL;
+    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, nf), FU_OK);
+    return lg;
+}
+
+/* Fails unless the n logits are within 1e-5 of the reference's; `what` names them in the message. */
+static void expect_logits(const float *lg, const double *ref, size_t n, const char *what)
+{
+    double d = max_abs_diff(lg, ref, n);
+    if (d > 1e-5)
+        fail_msg("%s differ from the reference by %g", what, d);
+}
+
+/* Runs g on the weights st over n_seq sequences of 8 tokens (tokens_for(.., tseed)) and checks the
+ * logits against the reference computed from the same weights; `what` names them in the message. */
+static void expect_reference_logits(const tiny *t, const dag_graph_t *g, const fu_safetensors *st,
+                                    uint32_t n_seq, uint32_t tseed, const char *what)
+{
+    dag_exec_t *x = exec_for(g, st, false, 0, 0, 16, true);
+    int32_t tok[16];
+    tokens_for(tok, n_seq * 8, tseed);
+    size_t nf;
+    const float *lg = forward_logits(x, g, tok, n_seq, 8, &nf);
+    double *ref = ref_logits(t, st, NULL, 0, tok, n_seq, 8);
+    expect_logits(lg, ref, nf, what);
+    free(ref);
+    dag_exec_destroy(&x);
+}
+
+/* Decodes tok[0..T) in a new KV-cache session of x: a prefill of 5 tokens, then one at a time; the
+ * logits of each step are the reference's row of its last position (ref: [T, V]). Returns the session
+ * (caller destroys). */
+static dag_session_t *decode_matches(dag_exec_t *x, const dag_graph_t *g, const int32_t *tok, size_t T,
+                                     const double *ref, size_t V)
+{
+    dag_session_t *s = NULL;
+    assert_int_equal(dag_exec_session_new(x, &s), FU_OK);
+    dag_exec_session_use(x, s);
+    for (size_t at = 0; at < T;) {
+        uint32_t step = at == 0 ? 5 : 1;
+        size_t nf = 0;
+        const float *lg = forward_logits(x, g, tok + at, 1, step, &nf);
+        at += step;
+        assert_int_equal(nf, V);
+        double d = max_abs_diff(lg, ref + (at - 1) * V, V);
+        if (d > 1e-5)
+            fail_msg("decode logits at position %zu differ by %g", at - 1, d);
+    }
+    return s;
+}
+
+/* Hands tensors over the cut between stage `up` and the next stage `down` for micro-batch mb:
+ * forward, what up computed to down's inputs; backward, down's input gradients to up's output
+ * gradients. Returns how many tensors crossed. */
+static size_t pass_cut(dag_exec_t *up, dag_exec_t *down, uint32_t mb, bool backward)
+{
+    uint32_t ids[8];
+    size_t n = backward ? dag_exec_cut_outputs(up, ids, 8) : dag_exec_cut_inputs(down, ids, 8);
+    for (size_t k = 0; k < n; k++) {
+        const float *data;
+        size_t nf;
+        if (backward) {
+            assert_int_equal(dag_exec_get_input_grad(down, ids[k], &data, &nf), FU_OK);
+            assert_non_null(data);
+            assert_int_equal(dag_exec_set_output_grad(up, mb, ids[k], data, nf), FU_OK);
+        } else {
+            assert_int_equal(dag_exec_get_output(up, mb, ids[k], &data, &nf), FU_OK);
+            assert_int_equal(dag_exec_set_input(down, mb, ids[k], data, nf), FU_OK);
+        }
+    }
+    return n;
+}
+
+/* Node i's adapter B in x (grad: its gradient dB); NULL when node i has no adapter there. */
+static kern_tensor_t *adapter_b(dag_exec_t *x, size_t i, bool grad)
+{
+    kern_tensor_t *t = NULL;
+    if (dag_exec_adapter(x, (uint32_t)i, NULL, grad ? NULL : &t, NULL, grad ? &t : NULL) != FU_OK)
+        return NULL;
+    return t;
+}
+
+/* When node i has an adapter in a, b has it too with a bit-identical B (grad: dB). Returns whether
+ * node i has one. */
+static bool same_b(dag_exec_t *a, dag_exec_t *b, size_t i, bool grad)
+{
+    kern_tensor_t *ta = adapter_b(a, i, grad);
+    if (!ta)
+        return false;
+    kern_tensor_t *tb = adapter_b(b, i, grad);
+    if (!tb)
+        fail_msg("node %zu has an adapter in one executor only", i);
+    assert_memory_equal(ta->data, tb->data, kern_tensor_nbytes(ta));
+    return true;
+}
+
 /* ---- tests -------------------------------------------------------------------------------------- */
 
 static void test_dag_exec_logits_match_reference(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-ref", 1);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
-    const size_t n_seq = 2, T = 8, V = t.cfg.vocab_size;
+    tiny *t = tiny_start(state, "exec-ref", 1);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
+    const size_t n_seq = 2, T = 8, V = t->cfg.vocab_size;
     int32_t tok[16];
     tokens_for(tok, n_seq * T, 3);
-    double *ref = ref_logits(&t, t.st, NULL, 0, tok, n_seq, T);
+    double *ref = ref_logits(t, t->st, NULL, 0, tok, n_seq, T);
 
-    dag_exec_t *x = exec_for(g, t.st, false, 0, 0, 16, true);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, (uint32_t)n_seq, (uint32_t)T), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    const float *lg = NULL;
+    dag_exec_t *x = exec_for(g, t->st, false, 0, 0, 16, true);
     size_t nf = 0;
-    uint32_t lm = (uint32_t)find_op(g, DAG_OP_LM_HEAD);
-    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+    const float *lg = forward_logits(x, g, tok, (uint32_t)n_seq, (uint32_t)T, &nf);
     assert_int_equal(nf, n_seq * T * V);
-    double d = max_abs_diff(lg, ref, nf);
-    if (d > 1e-5)
-        fail_msg("whole-sequence logits differ from the reference by %g", d);
+    expect_logits(lg, ref, nf, "whole-sequence logits");
     dag_exec_destroy(&x);
 
     /* Incremental decoding with a KV cache: prefill 5 tokens, then one at a time. */
-    x = exec_for(g, t.st, false, 0, 0, 8, false);
-    dag_session_t *s = NULL;
-    assert_int_equal(dag_exec_session_new(x, &s), FU_OK);
-    dag_exec_session_use(x, s);
-    size_t at = 0;
-    while (at < T) {
-        uint32_t step = at == 0 ? 5 : 1;
-        assert_int_equal(dag_exec_set_tokens(x, 0, tok + at, NULL, 1, step), FU_OK);
-        assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-        at += step;
-        assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
-        assert_int_equal(nf, V);
-        d = max_abs_diff(lg, ref + (at - 1) * V, V);
-        if (d > 1e-5)
-            fail_msg("decode logits at position %zu differ by %g", at - 1, d);
-    }
+    x = exec_for(g, t->st, false, 0, 0, 8, false);
+    dag_session_t *s = decode_matches(x, g, tok, T, ref, V);
     assert_int_equal(dag_session_len(s), (int64_t)T);
     /* Replay: truncate and decode the last token again. */
     assert_int_equal(dag_session_truncate(s, (int64_t)T - 1), FU_OK);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok + T - 1, NULL, 1, 1), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
-    assert_true(max_abs_diff(lg, ref + (T - 1) * V, V) <= 1e-5);
+    lg = forward_logits(x, g, tok + T - 1, 1, 1, &nf);
+    expect_logits(lg, ref + (T - 1) * V, V, "replayed logits");
     dag_exec_session_destroy(&s);
     dag_exec_destroy(&x);
     free(ref);
     dag_graph_destroy(&g);
-    tiny_close(&t);
 }
 
 static float loss_of(dag_exec_t *x, const int32_t *tok, const int32_t *tgt, uint32_t n_seq, uint32_t T)
@@ -433,44 +543,37 @@ static void check_fd(dag_exec_t *x, const dag_graph_t *g, bool check_a, const in
 
 static void test_dag_exec_gradients_match_finite_differences(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-fd", 2);
+    tiny *t = tiny_start(state, "exec-fd", 2);
     int32_t tok[16], tgt[16];
     tokens_for(tok, 16, 5);
-    for (int i = 0; i < 16; i++)
-        tgt[i] = (tok[i] * 7 + 1) % 256;
+    targets_for(tok, tgt, 16, 7, 1);
     tgt[3] = -100; /* ignored position */
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
-    dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 16, false);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_exec_t *x = exec_for(g, t->st, true, 0, 0, 16, false);
     check_fd(x, g, false, tok, tgt);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
-    g = graph(&t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
-    x = exec_for(g, t.st, true, 0, 0, 16, false);
+    g = graph(t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
+    x = exec_for(g, t->st, true, 0, 0, 16, false);
     check_fd(x, g, true, tok, tgt);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
-    tiny_close(&t);
 }
 
 static void test_dag_exec_stages_equal_whole_dag(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-stages", 3);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    tiny *t = tiny_start(state, "exec-stages", 3);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
     int32_t tok[32], tgt[32];
     tokens_for(tok, 32, 9);
-    for (int i = 0; i < 32; i++)
-        tgt[i] = (tok[i] + 1) % 256;
+    targets_for(tok, tgt, 32, 1, 1);
     kern_adamw_params ap = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
-    dag_exec_t *whole = exec_for(g, t.st, true, 0, 0, 32, false);
+    dag_exec_t *whole = exec_for(g, t->st, true, 0, 0, 32, false);
     /* Three stages: embedding + layer 0 | layer 1's attention half | the rest (a mid-layer cut). */
     size_t cuts[4] = {0, 16, 25, dag_graph_size(g)};
     dag_exec_t *st[3];
     for (int s = 0; s < 3; s++)
-        st[s] = exec_for(g, t.st, true, cuts[s], cuts[s + 1], 32, false);
+        st[s] = exec_for(g, t->st, true, cuts[s], cuts[s + 1], 32, false);
     for (int step = 0; step < 3; step++) {
         float lw = loss_of(whole, tok, tgt, 2, 16);
         assert_int_equal(dag_exec_backward(whole, 0, 1.0f), FU_OK);
@@ -478,56 +581,32 @@ static void test_dag_exec_stages_equal_whole_dag(void **state)
 
         for (int s = 0; s < 3; s++) {
             assert_int_equal(dag_exec_set_tokens(st[s], 0, tok, tgt, 2, 16), FU_OK);
-            if (s > 0) {
-                uint32_t ids[4];
-                size_t nin = dag_exec_cut_inputs(st[s], ids, 4);
-                assert_int_equal(nin, 1);
-                const float *data;
-                size_t nf;
-                assert_int_equal(dag_exec_get_output(st[s - 1], 0, ids[0], &data, &nf), FU_OK);
-                assert_int_equal(dag_exec_set_input(st[s], 0, ids[0], data, nf), FU_OK);
-            }
+            if (s > 0)
+                assert_int_equal(pass_cut(st[s - 1], st[s], 0, false), 1);
             assert_int_equal(dag_exec_forward(st[s], 0), FU_OK);
         }
         float ls = 0;
         assert_int_equal(dag_exec_loss(st[2], 0, &ls, NULL), FU_OK);
         assert_true(ls == lw);
         for (int s = 2; s >= 0; s--) {
-            if (s < 2) {
-                uint32_t ids[4];
-                assert_int_equal(dag_exec_cut_outputs(st[s], ids, 4), 1);
-                const float *gd;
-                size_t nf;
-                assert_int_equal(dag_exec_get_input_grad(st[s + 1], ids[0], &gd, &nf), FU_OK);
-                assert_non_null(gd);
-                assert_int_equal(dag_exec_set_output_grad(st[s], 0, ids[0], gd, nf), FU_OK);
-            }
+            if (s < 2)
+                assert_int_equal(pass_cut(st[s], st[s + 1], 0, true), 1);
             assert_int_equal(dag_exec_backward(st[s], 0, 1.0f), FU_OK);
             assert_int_equal(dag_exec_step(st[s], &ap), FU_OK);
         }
         /* Every adapter is bit-identical to the whole DAG's. */
-        for (size_t i = 0; i < dag_graph_size(g); i++) {
-            kern_tensor_t *Bw;
-            if (dag_exec_adapter(whole, (uint32_t)i, NULL, &Bw, NULL, NULL) != FU_OK)
-                continue;
-            int s = i < cuts[1] ? 0 : i < cuts[2] ? 1 : 2;
-            kern_tensor_t *Bs;
-            assert_int_equal(dag_exec_adapter(st[s], (uint32_t)i, NULL, &Bs, NULL, NULL), FU_OK);
-            assert_memory_equal(Bw->data, Bs->data, kern_tensor_nbytes(Bw));
-        }
+        for (size_t i = 0; i < dag_graph_size(g); i++)
+            (void)same_b(whole, st[i < cuts[1] ? 0 : i < cuts[2] ? 1 : 2], i, false);
     }
     for (int s = 0; s < 3; s++)
         dag_exec_destroy(&st[s]);
     dag_exec_destroy(&whole);
     dag_graph_destroy(&g);
-    tiny_close(&t);
 }
 
 static void test_dag_exec_lorafa_saves_less_than_lora(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-mem", 4);
+    tiny *t = tiny_start(state, "exec-mem", 4);
     int32_t tok[64], tgt[64];
     tokens_for(tok, 64, 1);
     for (int i = 0; i < 64; i++)
@@ -535,8 +614,8 @@ static void test_dag_exec_lorafa_saves_less_than_lora(void **state)
     size_t saved[2];
     dag_adapter_method m[2] = {DAG_ADAPTER_LORA, DAG_ADAPTER_LORA_FA};
     for (int k = 0; k < 2; k++) {
-        dag_graph_t *g = graph(&t, m[k], 8, DAG_HEAD_LOSS, 0);
-        dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 64, false);
+        dag_graph_t *g = graph(t, m[k], 8, DAG_HEAD_LOSS, 0);
+        dag_exec_t *x = exec_for(g, t->st, true, 0, 0, 64, false);
         (void)loss_of(x, tok, tgt, 4, 16);
         saved[k] = dag_exec_saved_bytes(x);
         /* The cost model's estimate (what the partitioner plans with) is close to what is kept:
@@ -552,13 +631,12 @@ static void test_dag_exec_lorafa_saves_less_than_lora(void **state)
     }
     /* LoRA keeps each adapted linear's input X (n × in); LoRA-FA only X·Aᵀ (n × r). Per layer the
      * extra inputs are h (q/k/v share it), the attention output, h2 (gate/up) and the SwiGLU output. */
-    const fu_modelcfg *c = &t.cfg;
+    const fu_modelcfg *c = &t->cfg;
     size_t extra = 64ull * 4 * (c->hidden_size * 2 + c->num_attention_heads * c->head_dim + c->intermediate_size) *
                    c->num_hidden_layers;
     print_message("saved activations: lora %zu B, lora-fa %zu B (%.2fx)\n", saved[0], saved[1],
                   (double)saved[0] / (double)saved[1]);
     assert_int_equal(saved[0] - saved[1], extra);
-    tiny_close(&t);
 }
 
 static void train(dag_exec_t *x, const int32_t *text, size_t n_text, int steps, float lr, float *first, float *last)
@@ -594,72 +672,73 @@ static int32_t *pattern_text(size_t n)
     return t;
 }
 
+/* Fine-tunes x for `steps` steps on a repeated sentence at learning rate lr: the mean loss of the last
+ * five steps must end below `ratio` times the first five's; `what` names the run in the printout. */
+static void expect_learns(dag_exec_t *x, int steps, float lr, float ratio, const char *what)
+{
+    int32_t *text = pattern_text(17 * 40);
+    float first, last;
+    train(x, text, 17 * 40, steps, lr, &first, &last);
+    free(text);
+    print_message("%s: loss %.3f -> %.3f over %d steps\n", what, first, last, steps);
+    if (!(last < ratio * first))
+        fail_msg("%s: the loss went from %.3f to %.3f, not below %.2f of it", what, first, last, ratio);
+    assert_int_equal(dag_exec_steps_done(x), steps);
+}
+
+/* expect_learns for a training executor of g on the weights st (rate 2e-2, below 0.7 of the start). */
+static void expect_graph_learns(const dag_graph_t *g, const fu_safetensors *st, int steps, const char *what)
+{
+    dag_exec_t *x = exec_for(g, st, true, 0, 0, 32, false);
+    expect_learns(x, steps, 2e-2f, 0.7f, what);
+    dag_exec_destroy(&x);
+}
+
 static void test_dag_exec_finetune_lowers_loss(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-train", 5);
-    int32_t *text = pattern_text(17 * 40);
+    tiny *t = tiny_start(state, "exec-train", 5);
     dag_adapter_method m[2] = {DAG_ADAPTER_LORA_FA, DAG_ADAPTER_LORA};
     for (int k = 0; k < 2; k++) {
-        dag_graph_t *g = graph(&t, m[k], 8, DAG_HEAD_LOSS, 0);
-        dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 32, false);
-        float a, b;
-        train(x, text, 17 * 40, 50, 2e-2f, &a, &b);
-        print_message("%s: loss %.3f -> %.3f over 50 steps\n", dag_adapter_name(m[k]), a, b);
-        assert_true(b < 0.7f * a);
-        assert_int_equal(dag_exec_steps_done(x), 50);
-        dag_exec_destroy(&x);
+        dag_graph_t *g = graph(t, m[k], 8, DAG_HEAD_LOSS, 0);
+        expect_graph_learns(g, t->st, 50, dag_adapter_name(m[k]));
         dag_graph_destroy(&g);
     }
     /* LoRA-FA with PEFT's gradient correction also learns. */
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 8, DAG_HEAD_LOSS, 0);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 8, DAG_HEAD_LOSS, 0);
     dag_exec_opts o = {.max_tokens = 32, .training = true, .seed = 7, .lorafa_correction = true};
     dag_exec_t *x = NULL;
     assert_int_equal(dag_exec_new(g, &o, &x, NULL), FU_OK);
-    assert_int_equal(dag_exec_load_weights(x, t.st, NULL), FU_OK);
-    float a, b;
-    train(x, text, 17 * 40, 30, 1e-2f, &a, &b);
-    print_message("lora_fa with correction: loss %.3f -> %.3f over 30 steps\n", a, b);
-    assert_true(b < 0.8f * a);
+    assert_int_equal(dag_exec_load_weights(x, t->st, NULL), FU_OK);
+    expect_learns(x, 30, 1e-2f, 0.8f, "lora_fa with correction");
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
-    free(text);
-    tiny_close(&t);
 }
 
 static void test_dag_exec_checkpoint_round_trip_and_peft(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-ckpt", 6);
+    tiny *t = tiny_start(state, "exec-ckpt", 6);
     int32_t *text = pattern_text(17 * 10);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
-    dag_exec_t *x = exec_for(g, t.st, true, 0, 0, 32, false);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_exec_t *x = exec_for(g, t->st, true, 0, 0, 32, false);
     float a, b;
     train(x, text, 170, 6, 1e-2f, &a, &b);
-    char *ck = fu_path_join(t.dir, "ckpt.safetensors");
+    char *ck = fu_path_join(t->dir, "ckpt.safetensors");
     fu_errmsg em = {{0}};
     assert_int_equal(dag_exec_save_state(x, ck, &em), FU_OK);
-    dag_exec_t *y = exec_for(g, t.st, true, 0, 0, 32, false);
+    dag_exec_t *y = exec_for(g, t->st, true, 0, 0, 32, false);
     fu_safetensors *cs = NULL;
     assert_int_equal(fu_safetensors_open_file(ck, &cs, &em), FU_OK);
     assert_int_equal(dag_exec_load_state(y, cs, &em), FU_OK);
     assert_int_equal(dag_exec_steps_done(y), 6);
     train(x, text, 170, 2, 1e-2f, &a, &b);
     train(y, text, 170, 2, 1e-2f, &a, &b);
-    for (size_t i = 0; i < dag_graph_size(g); i++) {
-        kern_tensor_t *B1, *B2;
-        if (dag_exec_adapter(x, (uint32_t)i, NULL, &B1, NULL, NULL) != FU_OK)
-            continue;
-        assert_int_equal(dag_exec_adapter(y, (uint32_t)i, NULL, &B2, NULL, NULL), FU_OK);
-        assert_memory_equal(B1->data, B2->data, kern_tensor_nbytes(B1));
-    }
+    for (size_t i = 0; i < dag_graph_size(g); i++)
+        (void)same_b(x, y, i, false);
     fu_safetensors_close(&cs);
 
     /* PEFT export: names, shapes, config; the reference with merged weights gives the same logits as
      * the executor with the adapter loaded. */
-    char *ad = fu_path_join(t.dir, "adapter");
+    char *ad = fu_path_join(t->dir, "adapter");
     assert_int_equal(dag_exec_save_adapter(x, ad, "tiny", &em), FU_OK);
     fu_safetensors *ps = NULL;
     char *pp = fu_path_join(ad, "adapter_model.safetensors");
@@ -683,22 +762,17 @@ static void test_dag_exec_checkpoint_round_trip_and_peft(void **state)
     cJSON_Delete(cfg);
     free(cj);
 
-    dag_graph_t *gi = graph(&t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOGITS, 0);
-    dag_exec_t *inf = exec_for(gi, t.st, false, 0, 0, 16, true);
+    dag_graph_t *gi = graph(t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOGITS, 0);
+    dag_exec_t *inf = exec_for(gi, t->st, false, 0, 0, 16, true);
     assert_int_equal(dag_exec_load_adapter(inf, ps, &em), FU_OK);
     int32_t tok[16];
     tokens_for(tok, 16, 2);
-    assert_int_equal(dag_exec_set_tokens(inf, 0, tok, NULL, 2, 8), FU_OK);
-    assert_int_equal(dag_exec_forward(inf, 0), FU_OK);
-    const float *lg;
     size_t nf;
-    assert_int_equal(dag_exec_get_output(inf, 0, (uint32_t)find_op(gi, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
-    double *ref = ref_logits(&t, t.st, ps, 2.0 * 4 / 4.0, tok, 2, 8);
-    double *ref0 = ref_logits(&t, t.st, NULL, 0, tok, 2, 8);
-    double d = max_abs_diff(lg, ref, nf), d0 = max_abs_diff(lg, ref0, nf);
-    if (d > 1e-5)
-        fail_msg("logits with the adapter differ from merged weights by %g", d);
-    assert_true(d0 > 1e-3); /* the adapter changes the output */
+    const float *lg = forward_logits(inf, gi, tok, 2, 8, &nf);
+    double *ref = ref_logits(t, t->st, ps, 2.0 * 4 / 4.0, tok, 2, 8);
+    double *ref0 = ref_logits(t, t->st, NULL, 0, tok, 2, 8);
+    expect_logits(lg, ref, nf, "logits with the adapter (reference: merged weights)");
+    assert_true(max_abs_diff(lg, ref0, nf) > 1e-3); /* the adapter changes the output */
     free(ref);
     free(ref0);
     dag_exec_destroy(&inf);
@@ -712,61 +786,46 @@ static void test_dag_exec_checkpoint_round_trip_and_peft(void **state)
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
     free(text);
-    tiny_close(&t);
+}
+
+/* Opens the SALR model in pd after checking its salr_config.json: sparsity 0.5, residual rank 8,
+ * lm_head pruned or not. */
+static fu_safetensors *open_pruned(const char *pd, bool lm_head)
+{
+    fu_errmsg em = {{0}};
+    dag_salr_info info;
+    assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
+    assert_true(fabs(info.sparsity - 0.5) < 1e-9);
+    assert_int_equal(info.residual_rank, 8);
+    assert_int_equal(info.lm_head, lm_head);
+    fu_safetensors *ps = NULL;
+    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    return ps;
 }
 
 static void test_dag_exec_salr_pruned_model(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-salr", 8);
-    char *pd = fu_path_join(t.dir, "pruned");
+    tiny *t = tiny_start(state, "exec-salr", 8);
+    char *pd = fu_path_join(t->dir, "pruned");
     fu_errmsg em = {{0}};
-    fu_err rc = dag_salr_prune_model(t.dir, pd, 0.5, 8, 1, &em);
+    fu_err rc = dag_salr_prune_model(t->dir, pd, 0.5, 8, 1, &em);
     if (rc != FU_OK)
         fail_msg("prune: %s", fu_errmsg_text(&em, rc));
-    dag_salr_info info;
-    assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
-    assert_int_equal(info.residual_rank, 8);
-    assert_true(fabs(info.sparsity - 0.5) < 1e-9);
-    assert_false(info.lm_head);
-    fu_safetensors *ps = NULL;
-    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    fu_safetensors *ps = open_pruned(pd, false);
     assert_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight"));
     assert_non_null(fu_safetensors_get(ps, "model.layers.0.self_attn.q_proj.weight.bitmap"));
 
     /* Forward equals the reference on decode(bitmap) + residual, with the trained adapter at 0. */
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_SALR, 4, DAG_HEAD_LOGITS, info.residual_rank);
-    dag_exec_t *x = exec_for(g, ps, false, 0, 0, 16, true);
-    int32_t tok[16];
-    tokens_for(tok, 16, 4);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 2, 8), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    const float *lg;
-    size_t nf;
-    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
-    double *ref = ref_logits(&t, ps, NULL, 0, tok, 2, 8);
-    double d = max_abs_diff(lg, ref, nf);
-    if (d > 1e-5)
-        fail_msg("SALR logits differ from the reference by %g", d);
-    free(ref);
-    dag_exec_destroy(&x);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_SALR, 4, DAG_HEAD_LOGITS, 8);
+    expect_reference_logits(t, g, ps, 2, 4, "SALR logits");
     dag_graph_destroy(&g);
 
     /* Training the SALR adapter lowers the loss. */
-    g = graph(&t, DAG_ADAPTER_SALR, 8, DAG_HEAD_LOSS, info.residual_rank);
-    x = exec_for(g, ps, true, 0, 0, 32, false);
-    int32_t *text = pattern_text(17 * 40);
-    float a, b;
-    train(x, text, 17 * 40, 40, 2e-2f, &a, &b);
-    print_message("salr: loss %.3f -> %.3f over 40 steps\n", a, b);
-    assert_true(b < 0.7f * a);
-    free(text);
-    dag_exec_destroy(&x);
+    g = graph(t, DAG_ADAPTER_SALR, 8, DAG_HEAD_LOSS, 8);
+    expect_graph_learns(g, ps, 40, "salr");
     dag_graph_destroy(&g);
     fu_safetensors_close(&ps);
     free(pd);
-    tiny_close(&t);
 }
 
 /* ---- a SALR-pruned lm_head ------------------------------------------------------------------ */
@@ -807,11 +866,9 @@ static fu_err load_err(const dag_graph_t *g, const fu_safetensors *st, fu_errmsg
  * lm_head; a blocks-only graph on it fails with a message saying what to build. */
 static void test_dag_exec_salr_lm_head_matches_reference(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-salr-head", 21);
+    tiny *t = tiny_start(state, "exec-salr-head", 21);
     dag_salr_prune_report rep;
-    char *pd = prune_tiny(&t, "pruned", true, &rep);
+    char *pd = prune_tiny(t, "pruned", true, &rep);
     assert_true(rep.lm_head_pruned);
     assert_false(rep.lm_head_tied);
     assert_int_equal(rep.n_blocks, 2 * 7);
@@ -819,12 +876,7 @@ static void test_dag_exec_salr_lm_head_matches_reference(void **state)
     assert_true(rep.lm_head_svd_ratio > 0.0 && rep.lm_head_svd_ratio <= 1.0 - 8.0 / 64.0 + 1e-6);
     assert_true(rep.bytes_out < rep.bytes_in);
     fu_errmsg em = {{0}};
-    dag_salr_info info;
-    assert_int_equal(dag_salr_info_load(pd, &info, &em), FU_OK);
-    assert_true(info.lm_head);
-    assert_int_equal(info.residual_rank, 8);
-    fu_safetensors *ps = NULL;
-    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    fu_safetensors *ps = open_pruned(pd, true);
     assert_null(fu_safetensors_get(ps, "lm_head.weight"));
     assert_non_null(fu_safetensors_get(ps, "lm_head.weight.bitmap"));
     assert_non_null(fu_safetensors_get(ps, "lm_head.weight.values"));
@@ -836,49 +888,31 @@ static void test_dag_exec_salr_lm_head_matches_reference(void **state)
     assert_true(ta->shape[0] == 8 && ta->shape[1] == 64 && tb->shape[0] == 256 && tb->shape[1] == 8);
     assert_non_null(fu_safetensors_metadata(ps, "lm_head.weight.format"));
 
-    const size_t V = t.cfg.vocab_size;
+    const size_t V = t->cfg.vocab_size;
     int32_t tok[16];
     tokens_for(tok, 16, 4);
-    double *ref = ref_logits(&t, ps, NULL, 0, tok, 2, 8);
-    double *dense = ref_logits(&t, t.st, NULL, 0, tok, 2, 8);
-    dag_graph_t *g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
+    double *ref = ref_logits(t, ps, NULL, 0, tok, 2, 8);
+    double *dense = ref_logits(t, t->st, NULL, 0, tok, 2, 8);
+    dag_graph_t *g = salr_graph(t, 0, DAG_HEAD_LOGITS, true);
     uint32_t lm = (uint32_t)find_op(g, DAG_OP_LM_HEAD);
     assert_int_equal(dag_graph_node(g, lm)->adapter.method, DAG_ADAPTER_SALR);
     dag_exec_t *x = exec_for(g, ps, false, 0, 0, 16, true);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 2, 8), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    const float *lg;
     size_t nf;
-    assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
+    const float *lg = forward_logits(x, g, tok, 2, 8, &nf);
     assert_int_equal(nf, 16 * V);
-    double d = max_abs_diff(lg, ref, nf), dd = max_abs_diff(lg, dense, nf);
-    if (d > 1e-5)
-        fail_msg("pruned-head logits differ from W_sparse + B·A by %g", d);
-    assert_true(dd > 1e-3); /* and the head really is not the dense one */
+    expect_logits(lg, ref, nf, "pruned-head logits (reference: W_sparse + B·A)");
+    assert_true(max_abs_diff(lg, dense, nf) > 1e-3); /* and the head really is not the dense one */
     dag_exec_destroy(&x);
 
     /* Generation: only the last row goes through the sparse head. */
     x = exec_for(g, ps, false, 0, 0, 8, false);
-    dag_session_t *s = NULL;
-    assert_int_equal(dag_exec_session_new(x, &s), FU_OK);
-    dag_exec_session_use(x, s);
-    for (size_t at = 0; at < 8;) {
-        uint32_t step = at == 0 ? 5 : 1;
-        assert_int_equal(dag_exec_set_tokens(x, 0, tok + at, NULL, 1, step), FU_OK);
-        assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-        at += step;
-        assert_int_equal(dag_exec_get_output(x, 0, lm, &lg, &nf), FU_OK);
-        assert_int_equal(nf, V);
-        d = max_abs_diff(lg, ref + (at - 1) * V, V);
-        if (d > 1e-5)
-            fail_msg("decode logits at position %zu differ by %g", at - 1, d);
-    }
+    dag_session_t *s = decode_matches(x, g, tok, 8, ref, V);
     dag_exec_session_destroy(&s);
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
 
     /* A graph with a dense head on this model: refused, naming the fix. */
-    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, false);
+    g = salr_graph(t, 0, DAG_HEAD_LOGITS, false);
     assert_int_equal(load_err(g, ps, &em), FU_EINVAL);
     assert_non_null(strstr(em.msg, "lm_head.weight"));
     assert_non_null(strstr(em.msg, "salr_lm_head"));
@@ -887,7 +921,6 @@ static void test_dag_exec_salr_lm_head_matches_reference(void **state)
     free(dense);
     fu_safetensors_close(&ps);
     free(pd);
-    tiny_close(&t);
 }
 
 /* Fine-tuning through the pruned head: gradients reaching every adapter through its backward
@@ -895,18 +928,13 @@ static void test_dag_exec_salr_lm_head_matches_reference(void **state)
  * the whole DAG's loss and input gradient, and a few dozen steps lower the loss. */
 static void test_dag_exec_salr_lm_head_trains(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-salr-head-train", 22);
-    char *pd = prune_tiny(&t, "pruned", true, NULL);
-    fu_errmsg em = {{0}};
-    fu_safetensors *ps = NULL;
-    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
+    tiny *t = tiny_start(state, "exec-salr-head-train", 22);
+    char *pd = prune_tiny(t, "pruned", true, NULL);
+    fu_safetensors *ps = open_pruned(pd, true);
     int32_t tok[16], tgt[16];
     tokens_for(tok, 16, 5);
-    for (int i = 0; i < 16; i++)
-        tgt[i] = (tok[i] * 7 + 1) % 256;
-    dag_graph_t *g = salr_graph(&t, 4, DAG_HEAD_LOSS, true);
+    targets_for(tok, tgt, 16, 7, 1);
+    dag_graph_t *g = salr_graph(t, 4, DAG_HEAD_LOSS, true);
     dag_exec_t *x = exec_for(g, ps, true, 0, 0, 16, false);
     check_fd(x, g, false, tok, tgt);
 
@@ -921,31 +949,18 @@ static void test_dag_exec_salr_lm_head_trains(void **state)
     assert_int_equal(dag_exec_backward(w, 0, 1.0f), FU_OK);
     assert_int_equal(dag_exec_set_tokens(sa, 0, tok, tgt, 2, 8), FU_OK);
     assert_int_equal(dag_exec_forward(sa, 0), FU_OK);
-    uint32_t ids[4];
-    assert_int_equal(dag_exec_cut_outputs(sa, ids, 4), 1);
-    const float *data;
-    size_t n;
-    assert_int_equal(dag_exec_get_output(sa, 0, ids[0], &data, &n), FU_OK);
     assert_int_equal(dag_exec_set_tokens(sb, 0, tok, tgt, 2, 8), FU_OK);
-    assert_int_equal(dag_exec_set_input(sb, 0, ids[0], data, n), FU_OK);
+    assert_int_equal(pass_cut(sa, sb, 0, false), 1);
     assert_int_equal(dag_exec_forward(sb, 0), FU_OK);
     float lb = 0;
     assert_int_equal(dag_exec_loss(sb, 0, &lb, NULL), FU_OK);
     assert_true(lb == lw);
     assert_int_equal(dag_exec_backward(sb, 0, 1.0f), FU_OK);
-    assert_int_equal(dag_exec_get_input_grad(sb, ids[0], &data, &n), FU_OK);
-    assert_non_null(data);
-    assert_int_equal(dag_exec_set_output_grad(sa, 0, ids[0], data, n), FU_OK);
+    assert_int_equal(pass_cut(sa, sb, 0, true), 1);
     assert_int_equal(dag_exec_backward(sa, 0, 1.0f), FU_OK);
     int compared = 0;
-    for (size_t i = 0; i < cut; i++) {
-        kern_tensor_t *dBw, *dBs;
-        if (dag_exec_adapter(w, (uint32_t)i, NULL, NULL, NULL, &dBw) != FU_OK)
-            continue;
-        assert_int_equal(dag_exec_adapter(sa, (uint32_t)i, NULL, NULL, NULL, &dBs), FU_OK);
-        assert_memory_equal(dBw->data, dBs->data, kern_tensor_nbytes(dBw));
-        compared++;
-    }
+    for (size_t i = 0; i < cut; i++)
+        compared += same_b(w, sa, i, true);
     assert_int_equal(compared, 14);
     dag_exec_destroy(&sa);
     dag_exec_destroy(&sb);
@@ -953,19 +968,11 @@ static void test_dag_exec_salr_lm_head_trains(void **state)
     dag_graph_destroy(&g);
 
     /* Training lowers the loss. */
-    g = salr_graph(&t, 8, DAG_HEAD_LOSS, true);
-    x = exec_for(g, ps, true, 0, 0, 32, false);
-    int32_t *text = pattern_text(17 * 40);
-    float l0, l1;
-    train(x, text, 17 * 40, 40, 2e-2f, &l0, &l1);
-    print_message("salr with a pruned lm_head: loss %.3f -> %.3f over 40 steps\n", l0, l1);
-    assert_true(l1 < 0.7f * l0);
-    free(text);
-    dag_exec_destroy(&x);
+    g = salr_graph(t, 8, DAG_HEAD_LOSS, true);
+    expect_graph_learns(g, ps, 40, "salr with a pruned lm_head");
     dag_graph_destroy(&g);
     fu_safetensors_close(&ps);
     free(pd);
-    tiny_close(&t);
 }
 
 /* Writes a copy of st into path without the tensors whose names start with `drop` (NULL: none), with bit 0 of byte `flip_at` of
@@ -1002,32 +1009,25 @@ static fu_safetensors *copy_model(const fu_safetensors *st, const char *path, co
  * message naming the tensor. */
 static void test_dag_exec_salr_lm_head_files(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-salr-head-files", 23);
+    tiny *t = tiny_start(state, "exec-salr-head-files", 23);
     fu_errmsg em = {{0}};
 
     /* --keep-lm-head: lm_head.weight dense, salr_config.json says so. */
     dag_salr_prune_report rep;
-    char *kd = prune_tiny(&t, "kept", false, &rep);
+    char *kd = prune_tiny(t, "kept", false, &rep);
     assert_false(rep.lm_head_pruned);
     assert_false(rep.lm_head_tied);
     assert_true(rep.lm_head_err == 0.0);
     assert_true(rep.blocks_err_mean > 0.0 && rep.blocks_err_max >= rep.blocks_err_mean);
-    dag_salr_info info;
-    assert_int_equal(dag_salr_info_load(kd, &info, &em), FU_OK);
-    assert_false(info.lm_head);
-    assert_int_equal(info.residual_rank, 8);
-    fu_safetensors *ks = NULL;
-    assert_int_equal(fu_safetensors_open_dir(kd, &ks, &em), FU_OK);
+    fu_safetensors *ks = open_pruned(kd, false);
     assert_non_null(fu_safetensors_get(ks, "lm_head.weight"));
     assert_null(fu_safetensors_get(ks, "lm_head.weight.bitmap"));
-    dag_graph_t *g = salr_graph(&t, 0, DAG_HEAD_LOGITS, false);
+    dag_graph_t *g = salr_graph(t, 0, DAG_HEAD_LOGITS, false);
     assert_int_equal(load_err(g, ks, &em), FU_OK);
     dag_graph_destroy(&g);
     /* A pruned-head graph on it: the dense head would be accepted (encoded at load, as a linear's
      * is), but its residual adapter is missing. */
-    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
+    g = salr_graph(t, 0, DAG_HEAD_LOGITS, true);
     assert_int_equal(load_err(g, ks, &em), FU_ENOTFOUND);
     assert_non_null(strstr(em.msg, "lm_head.salr_A.weight"));
     dag_graph_destroy(&g);
@@ -1037,16 +1037,16 @@ static void test_dag_exec_salr_lm_head_files(void **state)
     char *cp = fu_path_join(kd, DAG_SALR_CONFIG_FILE);
     const char *bad = "{\"method\": \"salr\", \"sparsity\": 0.5, \"residual_rank\": 8, \"lm_head\": \"half\"}";
     assert_int_equal(fu_file_write_atomic(cp, bad, strlen(bad), 0644, &em), FU_OK);
+    dag_salr_info info;
     assert_int_equal(dag_salr_info_load(kd, &info, &em), FU_EPROTO);
     assert_non_null(strstr(em.msg, "lm_head"));
     free(cp);
 
     /* Pruned head: the bitmap missing, the values missing, a corrupt bitmap, both missing. */
-    char *pd = prune_tiny(&t, "pruned", true, NULL);
-    fu_safetensors *ps = NULL;
-    assert_int_equal(fu_safetensors_open_dir(pd, &ps, &em), FU_OK);
-    g = salr_graph(&t, 0, DAG_HEAD_LOGITS, true);
-    char *path = fu_path_join(t.dir, "broken.safetensors");
+    char *pd = prune_tiny(t, "pruned", true, NULL);
+    fu_safetensors *ps = open_pruned(pd, true);
+    g = salr_graph(t, 0, DAG_HEAD_LOGITS, true);
+    char *path = fu_path_join(t->dir, "broken.safetensors");
     fu_safetensors *bs = copy_model(ps, path, "lm_head.weight.bitmap", NULL, 0);
     assert_int_equal(load_err(g, bs, &em), FU_EPROTO);
     assert_non_null(strstr(em.msg, "'lm_head.weight.bitmap' is missing"));
@@ -1073,20 +1073,11 @@ static void test_dag_exec_salr_lm_head_files(void **state)
 
     /* Tied embeddings: asked to prune the head, the tool leaves it dense and says so. */
     tiny tt;
-    tt.dir = tu_tmpdir("exec-salr-tied");
-    assert_non_null(tt.dir);
-    fu_modelcfg_defaults(&tt.cfg);
-    tt.cfg.tie_word_embeddings = true;
-    assert_int_equal(dag_model_init_random(tt.dir, &tt.cfg, 24, 0.08f, &em), FU_OK);
-    dag_dims_from_cfg(&tt.cfg, &tt.dims);
-    assert_int_equal(fu_safetensors_open_dir(tt.dir, &tt.st, &em), FU_OK);
+    tiny_open_with(&tt, "exec-salr-tied", 24, true);
     char *td = prune_tiny(&tt, "pruned", true, &rep);
     assert_false(rep.lm_head_pruned);
     assert_true(rep.lm_head_tied);
-    assert_int_equal(dag_salr_info_load(td, &info, &em), FU_OK);
-    assert_false(info.lm_head);
-    fu_safetensors *ts = NULL;
-    assert_int_equal(fu_safetensors_open_dir(td, &ts, &em), FU_OK);
+    fu_safetensors *ts = open_pruned(td, false);
     assert_null(fu_safetensors_get(ts, "lm_head.weight.bitmap"));
     assert_non_null(fu_safetensors_get(ts, "model.embed_tokens.weight"));
     dag_build_opts o = {.method = DAG_ADAPTER_SALR, .res_rank = 8, .salr_lm_head = true, .head = DAG_HEAD_LOGITS};
@@ -1094,38 +1085,24 @@ static void test_dag_exec_salr_lm_head_files(void **state)
     /* The blocks-only graph runs, its head being the embedding table. */
     o.salr_lm_head = false;
     assert_int_equal(dag_build_llama(&tt.dims, &o, &g), FU_OK);
-    dag_exec_t *x = exec_for(g, ts, false, 0, 0, 16, true);
-    int32_t tok[8];
-    tokens_for(tok, 8, 2);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 8), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    const float *lg;
-    size_t nf;
-    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
-    double *ref = ref_logits(&tt, ts, NULL, 0, tok, 1, 8);
-    assert_true(max_abs_diff(lg, ref, nf) <= 1e-5);
-    free(ref);
-    dag_exec_destroy(&x);
+    expect_reference_logits(&tt, g, ts, 1, 2, "logits with tied embeddings");
     dag_graph_destroy(&g);
     fu_safetensors_close(&ts);
     free(td);
     tiny_close(&tt);
     free(pd);
     free(kd);
-    tiny_close(&t);
 }
 
 static void test_dag_exec_rejects_bad_input(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-bad", 9);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    tiny *t = tiny_start(state, "exec-bad", 9);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
     dag_exec_opts o = {.max_tokens = 16, .training = true};
     dag_exec_t *x = NULL;
     fu_errmsg em = {{0}};
     /* A model without the tensor the graph names. */
-    dag_model_dims d2 = t.dims;
+    dag_model_dims d2 = t->dims;
     d2.tie_word_embeddings = true;
     dag_build_opts bo = {.method = DAG_ADAPTER_NONE, .head = DAG_HEAD_LOGITS};
     dag_graph_t *g2 = NULL;
@@ -1134,7 +1111,7 @@ static void test_dag_exec_rejects_bad_input(void **state)
     dag_graph_t *g3 = NULL;
     assert_int_equal(dag_build_llama(&d2, &bo, &g3), FU_OK);
     assert_int_equal(dag_exec_new(g3, &o, &x, &em), FU_OK);
-    fu_err rc = dag_exec_load_weights(x, t.st, &em);
+    fu_err rc = dag_exec_load_weights(x, t->st, &em);
     assert_int_equal(rc, FU_EINVAL);
     assert_non_null(strstr(em.msg, "gate_proj"));
     dag_exec_destroy(&x);
@@ -1147,7 +1124,7 @@ static void test_dag_exec_rejects_bad_input(void **state)
     o.max_tokens = 0;
     assert_int_equal(dag_exec_new(g, &o, &x, &em), FU_EINVAL);
 
-    x = exec_for(g, t.st, true, 0, 0, 16, false);
+    x = exec_for(g, t->st, true, 0, 0, 16, false);
     int32_t tok[16] = {0}, tgt[16] = {0};
     tok[3] = 256; /* outside the vocabulary */
     assert_int_equal(dag_exec_set_tokens(x, 0, tok, tgt, 1, 16), FU_EINVAL);
@@ -1159,28 +1136,25 @@ static void test_dag_exec_rejects_bad_input(void **state)
     dag_exec_destroy(&x);
 
     /* A stage whose cut input was not given. */
-    x = exec_for(g, t.st, true, 16, 0, 16, false);
+    x = exec_for(g, t->st, true, 16, 0, 16, false);
     assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 16), FU_OK);
     assert_int_equal(dag_exec_forward(x, 0), FU_EINVAL);
     float junk[4] = {0};
     assert_int_equal(dag_exec_set_input(x, 0, 3, junk, 4), FU_EINVAL); /* not a cut input */
     dag_exec_destroy(&x);
     dag_graph_destroy(&g);
-    tiny_close(&t);
 }
 
 /* A bf16 copy of the model: weights are widened to f32 once at load and match the reference read
  * from the same file. */
 static void test_dag_exec_loads_bf16_weights(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-bf16", 10);
-    size_t n = fu_safetensors_count(t.st);
+    tiny *t = tiny_start(state, "exec-bf16", 10);
+    size_t n = fu_safetensors_count(t->st);
     fu_st_tensor *ts = calloc(n, sizeof *ts);
     void **bufs = calloc(n, sizeof *bufs);
     for (size_t i = 0; i < n; i++) {
-        const fu_st_tensor *src = fu_safetensors_at(t.st, i);
+        const fu_st_tensor *src = fu_safetensors_at(t->st, i);
         float *f = malloc(src->nelem * sizeof *f);
         assert_int_equal(fu_st_tensor_to_f32(src, f, src->nelem, NULL), FU_OK);
         bufs[i] = malloc(src->nelem * 2);
@@ -1191,7 +1165,7 @@ static void test_dag_exec_loads_bf16_weights(void **state)
         ts[i].data = bufs[i];
         ts[i].nbytes = src->nelem * 2;
     }
-    char *path = fu_path_join(t.dir, "bf16.safetensors");
+    char *path = fu_path_join(t->dir, "bf16.safetensors");
     assert_int_equal(fu_safetensors_write(path, ts, n, NULL, 0, NULL, NULL, NULL), FU_OK);
     for (size_t i = 0; i < n; i++)
         free(bufs[i]);
@@ -1199,25 +1173,11 @@ static void test_dag_exec_loads_bf16_weights(void **state)
     free(ts);
     fu_safetensors *bs = NULL;
     assert_int_equal(fu_safetensors_open_file(path, &bs, NULL), FU_OK);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
-    dag_exec_t *x = exec_for(g, bs, false, 0, 0, 8, true);
-    int32_t tok[8];
-    tokens_for(tok, 8, 6);
-    assert_int_equal(dag_exec_set_tokens(x, 0, tok, NULL, 1, 8), FU_OK);
-    assert_int_equal(dag_exec_forward(x, 0), FU_OK);
-    const float *lg;
-    size_t nf;
-    assert_int_equal(dag_exec_get_output(x, 0, (uint32_t)find_op(g, DAG_OP_LM_HEAD), &lg, &nf), FU_OK);
-    double *ref = ref_logits(&t, bs, NULL, 0, tok, 1, 8);
-    double d = max_abs_diff(lg, ref, nf);
-    if (d > 1e-5)
-        fail_msg("bf16 logits differ from the reference by %g", d);
-    free(ref);
-    dag_exec_destroy(&x);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
+    expect_reference_logits(t, g, bs, 1, 6, "bf16 logits");
     dag_graph_destroy(&g);
     fu_safetensors_close(&bs);
     free(path);
-    tiny_close(&t);
 }
 
 /* A pipeline as a peer runs it: stages from the partitioner, two micro-batches in flight (slots),
@@ -1225,10 +1185,8 @@ static void test_dag_exec_loads_bf16_weights(void **state)
  * one step match one executor that saw the two micro-batches as one batch. */
 static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
 {
-    (void)state;
-    tiny t;
-    tiny_open(&t, "exec-pipe", 11);
-    dag_graph_t *g = graph(&t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    tiny *t = tiny_start(state, "exec-pipe", 11);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
     dag_peer_profile peers[3] = {{"a", 1.0, 1ull << 30, 1e9, 1e-4}, {"b", 2.0, 1ull << 30, 1e9, 1e-4},
                                  {"c", 4.0, 1ull << 30, 1e9, 1e-4}};
     dag_partition_opts po = {.tokens_per_micro = 32, .micro_batches = 2, .training = true, .max_stages = 3};
@@ -1238,11 +1196,10 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
     assert_true(plan.n_stages >= 2);
     int32_t tok[64], tgt[64];
     tokens_for(tok, 64, 12);
-    for (int i = 0; i < 64; i++)
-        tgt[i] = (tok[i] * 3 + 1) % 256;
+    targets_for(tok, tgt, 64, 3, 1);
     kern_adamw_params ap = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
 
-    dag_exec_t *whole = exec_for(g, t.st, true, 0, 0, 64, false);
+    dag_exec_t *whole = exec_for(g, t->st, true, 0, 0, 64, false);
     float lw = loss_of(whole, tok, tgt, 4, 16);
     assert_int_equal(dag_exec_backward(whole, 0, 1.0f), FU_OK);
 
@@ -1253,22 +1210,14 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
                            .n_slots = 2, .training = true, .seed = 7};
         fu_errmsg em = {{0}};
         assert_int_equal(dag_exec_new(g, &o, &st[s], &em), FU_OK);
-        assert_int_equal(dag_exec_load_weights(st[s], t.st, &em), FU_OK);
+        assert_int_equal(dag_exec_load_weights(st[s], t->st, &em), FU_OK);
     }
     double lsum = 0;
     for (uint32_t mb = 0; mb < 2; mb++)
         for (size_t s = 0; s < S; s++) {
             assert_int_equal(dag_exec_set_tokens(st[s], mb, tok + 32 * mb, tgt + 32 * mb, 2, 16), FU_OK);
-            if (s > 0) {
-                uint32_t ids[8];
-                size_t nin = dag_exec_cut_inputs(st[s], ids, 8);
-                for (size_t k = 0; k < nin; k++) {
-                    const float *data;
-                    size_t nf;
-                    assert_int_equal(dag_exec_get_output(st[s - 1], mb, ids[k], &data, &nf), FU_OK);
-                    assert_int_equal(dag_exec_set_input(st[s], mb, ids[k], data, nf), FU_OK);
-                }
-            }
+            if (s > 0)
+                (void)pass_cut(st[s - 1], st[s], mb, false);
             assert_int_equal(dag_exec_forward(st[s], mb), FU_OK);
             if (s == S - 1) {
                 float l;
@@ -1279,28 +1228,20 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
     assert_true(fabs(lsum / 2 - lw) < 1e-5);
     for (uint32_t mb = 0; mb < 2; mb++)
         for (size_t s = S; s-- > 0;) {
-            if (s < S - 1) {
-                uint32_t ids[8];
-                size_t nout = dag_exec_cut_outputs(st[s], ids, 8);
-                for (size_t k = 0; k < nout; k++) {
-                    const float *gd;
-                    size_t nf;
-                    assert_int_equal(dag_exec_get_input_grad(st[s + 1], ids[k], &gd, &nf), FU_OK);
-                    assert_int_equal(dag_exec_set_output_grad(st[s], mb, ids[k], gd, nf), FU_OK);
-                }
-            }
+            if (s < S - 1)
+                (void)pass_cut(st[s], st[s + 1], mb, true);
             assert_int_equal(dag_exec_backward(st[s], mb, 0.5f), FU_OK);
         }
     double worst = 0, scale = 0;
     for (size_t i = 0; i < dag_graph_size(g); i++) {
-        kern_tensor_t *Bw;
-        if (dag_exec_adapter(whole, (uint32_t)i, NULL, NULL, NULL, &Bw) != FU_OK)
+        kern_tensor_t *Bw = adapter_b(whole, i, true);
+        if (!Bw)
             continue;
         size_t s = 0;
         while (i >= plan.stages[s].last)
             s++;
-        kern_tensor_t *Bs;
-        assert_int_equal(dag_exec_adapter(st[s], (uint32_t)i, NULL, NULL, NULL, &Bs), FU_OK);
+        kern_tensor_t *Bs = adapter_b(st[s], i, true);
+        assert_non_null(Bs);
         const float *a = Bw->data, *b = Bs->data;
         for (int64_t k = 0; k < kern_tensor_numel(Bw); k++) {
             if (fabs((double)a[k] - b[k]) > worst)
@@ -1321,7 +1262,6 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
     dag_plan_free(&plan);
     dag_exec_destroy(&whole);
     dag_graph_destroy(&g);
-    tiny_close(&t);
 }
 
 int main(void)
@@ -1341,5 +1281,5 @@ int main(void)
         cmocka_unit_test(test_dag_exec_loads_bf16_weights),
         cmocka_unit_test(test_dag_exec_planned_pipeline_with_micro_batches),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, NULL, tiny_setup, tiny_teardown);
 }

@@ -330,11 +330,31 @@ static dag_partition_opts train_opts(void)
     return o;
 }
 
+/* The base model's graph for LoRA-FA training, with a vocabulary of `vocab` (0: the base 32000). */
+static dag_graph_t *train_graph(uint32_t vocab)
+{
+    dag_model_dims d = base_dims();
+    if (vocab)
+        d.vocab_size = vocab;
+    return build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+}
+
+/* Partitions g over the n peers, which must succeed; the plan, for dag_plan_free. */
+static dag_plan plan_ok(const dag_graph_t *g, const dag_peer_profile *peers, size_t n,
+                        const dag_partition_opts *o)
+{
+    dag_plan plan;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_partition(g, peers, n, o, &plan, &em);
+    if (rc != FU_OK)
+        fail_msg("dag_partition: %s", fu_errmsg_text(&em, rc));
+    return plan;
+}
+
 static void test_dag_graph_partition_beats_even_split(void **state)
 {
     (void)state;
-    dag_model_dims d = base_dims();
-    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_graph_t *g = train_graph(0);
     dag_peer_profile peers[3] = {
         {"slow", 100.0, 8ull << 30, 1e9, 1e-4},
         {"mid", 200.0, 8ull << 30, 1e9, 1e-4},
@@ -342,9 +362,7 @@ static void test_dag_graph_partition_beats_even_split(void **state)
     };
     dag_partition_opts o = train_opts();
     o.max_stages = 3;
-    dag_plan plan, even;
-    fu_errmsg em = {{0}};
-    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, &em), FU_OK);
+    dag_plan plan = plan_ok(g, peers, 3, &o), even;
     assert_int_equal(dag_partition_even(g, peers, 3, &o, &even), FU_OK);
     assert_true(plan.bottleneck_s < 0.8 * even.bottleneck_s);
     /* Stages are contiguous and cover the graph. */
@@ -375,15 +393,11 @@ static void test_dag_graph_partition_beats_even_split(void **state)
 static void test_dag_graph_partition_cuts_layers_when_vocab_is_small(void **state)
 {
     (void)state;
-    dag_model_dims d = base_dims();
-    d.vocab_size = 256;
-    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_graph_t *g = train_graph(256);
     dag_peer_profile peers[2] = {{"a", 100.0, 8ull << 30, 1e9, 1e-4}, {"b", 100.0, 8ull << 30, 1e9, 1e-4}};
     dag_partition_opts o = train_opts();
     o.max_stages = 2;
-    dag_plan plan;
-    fu_errmsg em = {{0}};
-    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, &em), FU_OK);
+    dag_plan plan = plan_ok(g, peers, 2, &o);
     assert_int_equal(plan.n_stages, 2);
     /* Each stage holds some of the twelve layers: the cut is between layers, not before the loss. */
     int32_t last_layer_0 = -1, first_layer_1 = INT32_MAX;
@@ -402,8 +416,7 @@ static void test_dag_graph_partition_cuts_layers_when_vocab_is_small(void **stat
 static void test_dag_graph_partition_respects_memory(void **state)
 {
     (void)state;
-    dag_model_dims d = base_dims();
-    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_graph_t *g = train_graph(0);
     dag_partition_opts o = train_opts();
     uint64_t whole = dag_cost_stage_memory(g, 0, dag_graph_size(g), &o);
     /* The fast peer is small: it cannot take everything, so the plan must use the others too. */
@@ -412,15 +425,14 @@ static void test_dag_graph_partition_respects_memory(void **state)
         {"a", 100.0, whole, 1e9, 1e-4},
         {"b", 100.0, whole, 1e9, 1e-4},
     };
-    dag_plan plan;
-    fu_errmsg em = {{0}};
-    assert_int_equal(dag_partition(g, peers, 3, &o, &plan, &em), FU_OK);
+    dag_plan plan = plan_ok(g, peers, 3, &o);
     for (size_t s = 0; s < plan.n_stages; s++)
         assert_true(plan.stages[s].mem_bytes <= peers[plan.stages[s].peer].mem_bytes);
     dag_plan_free(&plan);
 
     /* Nothing fits: a clear error. */
     dag_peer_profile tiny[2] = {{"t1", 100.0, whole / 10, 1e9, 1e-4}, {"t2", 100.0, whole / 10, 1e9, 1e-4}};
+    fu_errmsg em = {{0}};
     assert_int_equal(dag_partition(g, tiny, 2, &o, &plan, &em), FU_ENOMEM);
     assert_non_null(strstr(em.msg, "does not fit"));
     assert_int_equal(plan.n_stages, 0);
@@ -433,14 +445,11 @@ static void test_dag_graph_partition_respects_memory(void **state)
 static void test_dag_graph_partition_link_bound(void **state)
 {
     (void)state;
-    dag_model_dims d = base_dims();
-    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    dag_graph_t *g = train_graph(0);
     dag_partition_opts o = train_opts();
     /* A very slow link makes splitting pointless: one fast-enough peer takes it all. */
     dag_peer_profile peers[2] = {{"p1", 100.0, 64ull << 30, 1e5, 0.01}, {"p2", 100.0, 64ull << 30, 1e5, 0.01}};
-    dag_plan plan;
-    fu_errmsg em = {{0}};
-    assert_int_equal(dag_partition(g, peers, 2, &o, &plan, &em), FU_OK);
+    dag_plan plan = plan_ok(g, peers, 2, &o);
     assert_int_equal(plan.n_stages, 1);
     dag_plan_free(&plan);
     dag_graph_destroy(&g);

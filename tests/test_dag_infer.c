@@ -59,10 +59,26 @@ static void env_close(ti_env *e)
     dag_spec_clear(&e->spec);
     dag_graph_destroy(&e->g);
     fu_safetensors_close(&e->st);
-    char *out = NULL;
-    (void)tu_sh(&out, "rm -rf '%s'", e->dir);
-    free(out);
-    free(e->dir);
+    tu_tmpdir_remove(&e->dir);
+}
+
+/* cmocka fixture of every test: *state is an open ti_env, closed after the test, also when it failed. */
+static int env_setup(void **state)
+{
+    ti_env *e = calloc(1, sizeof *e);
+    if (!e)
+        return -1;
+    env_open(e, "infer");
+    *state = e;
+    return 0;
+}
+
+static int env_teardown(void **state)
+{
+    ti_env *e = *state;
+    env_close(e);
+    free(e);
+    return 0;
 }
 
 /* One stage: nodes [first, last) with its executor, session and step. */
@@ -178,13 +194,11 @@ static void run_two(ti_stage *s0, ti_stage *s1, uint64_t p, const int32_t *token
 
 static void test_dag_infer_two_stages_equal_one_stage(void **state)
 {
-    (void)state;
-    ti_env e;
-    env_open(&e, "infer-split");
+    ti_env *e = *state;
     int32_t one[TI_GENERATE];
     float *lg1 = NULL;
     size_t n1 = 0;
-    run_one(&e, one, &lg1, &n1);
+    run_one(e, one, &lg1, &n1);
     assert_int_equal(n1, (size_t)TI_PROMPT * 256); /* logits_all: every prompt position */
     /* The sampler is not greedy here, and its counter is the generated token's index. */
     bool varied = false;
@@ -192,14 +206,14 @@ static void test_dag_infer_two_stages_equal_one_stage(void **state)
         varied = varied || one[k] != one[0];
     assert_true(varied);
     int32_t ref[TI_GENERATE];
-    run_ref(&e, ref);
+    run_ref(e, ref);
     assert_memory_equal(one, ref, sizeof one);
 
     /* A mid-graph cut (possibly several cut tensors). */
-    size_t cut = dag_graph_size(e.g) / 2;
+    size_t cut = dag_graph_size(e->g) / 2;
     ti_stage s0, s1;
-    stage_open(&s0, &e, 0, cut, TI_PROMPT, 0);
-    stage_open(&s1, &e, cut, 0, TI_PROMPT, 0);
+    stage_open(&s0, e, 0, cut, TI_PROMPT, 0);
+    stage_open(&s1, e, cut, 0, TI_PROMPT, 0);
     int32_t two[TI_GENERATE];
     run_two(&s0, &s1, 0, ti_prompt, TI_PROMPT);
     const float *lg2 = NULL;
@@ -219,21 +233,18 @@ static void test_dag_infer_two_stages_equal_one_stage(void **state)
     stage_close(&s1);
     stage_close(&s0);
     free(lg1);
-    env_close(&e);
 }
 
 static void test_dag_infer_replay_truncates(void **state)
 {
-    (void)state;
-    ti_env e;
-    env_open(&e, "infer-replay");
+    ti_env *e = *state;
     int32_t ref[TI_GENERATE];
-    run_one(&e, ref, NULL, NULL);
+    run_one(e, ref, NULL, NULL);
 
     /* Generate 6 tokens, then replay from the position after the prompt: the session is cut back and
      * the same tokens come again. */
     ti_stage s;
-    stage_open(&s, &e, 0, 0, TI_PROMPT, 0);
+    stage_open(&s, e, 0, 0, TI_PROMPT, 0);
     fu_errmsg em = {{0}};
     assert_int_equal(dag_infer_forward(&s.is, ti_prompt, NULL, 0, TI_PROMPT, &em), FU_OK);
     int32_t got[TI_GENERATE];
@@ -259,23 +270,20 @@ static void test_dag_infer_replay_truncates(void **state)
     int32_t all[TI_PROMPT + DONE];
     memcpy(all, ti_prompt, sizeof ti_prompt);
     memcpy(all + TI_PROMPT, ref, DONE * sizeof *ref);
-    stage_open(&s, &e, 0, 0, TI_PROMPT + DONE, DONE);
+    stage_open(&s, e, 0, 0, TI_PROMPT + DONE, DONE);
     assert_int_equal(dag_infer_forward(&s.is, all, NULL, 0, TI_PROMPT + DONE, &em), FU_OK);
     assert_int_equal(s.is.prompt_len, TI_PROMPT);
     int32_t next = 0;
     assert_int_equal(dag_infer_sampled(&s.is, &next), FU_OK);
     assert_int_equal(next, ref[DONE]);
     stage_close(&s);
-    env_close(&e);
 }
 
 static void test_dag_infer_refuses_gaps_and_bad_inputs(void **state)
 {
-    (void)state;
-    ti_env e;
-    env_open(&e, "infer-bad");
+    ti_env *e = *state;
     ti_stage s;
-    stage_open(&s, &e, 0, 0, TI_PROMPT, 0);
+    stage_open(&s, e, 0, 0, TI_PROMPT, 0);
     fu_errmsg em = {{0}};
     /* Nothing cached yet: position 1 is a gap. */
     assert_int_equal(dag_infer_seek(&s.is, 1, &em), FU_EPROTO);
@@ -304,9 +312,9 @@ static void test_dag_infer_refuses_gaps_and_bad_inputs(void **state)
     stage_close(&s);
 
     /* A later stage: the cut inputs must come, of the right size. */
-    size_t cut = dag_graph_size(e.g) / 2;
+    size_t cut = dag_graph_size(e->g) / 2;
     ti_stage s1;
-    stage_open(&s1, &e, cut, 0, TI_PROMPT, 0);
+    stage_open(&s1, e, cut, 0, TI_PROMPT, 0);
     size_t w = (size_t)s1.is.w_in;
     assert_true(w > 0);
     float *act = calloc(TI_PROMPT * w + 1, sizeof *act);
@@ -318,8 +326,7 @@ static void test_dag_infer_refuses_gaps_and_bad_inputs(void **state)
 
     /* No session. */
     dag_infer_stage is;
-    assert_int_equal(dag_infer_stage_init(&is, NULL, e.g, NULL, &e.spec, true, true, 0), FU_EINVAL);
-    env_close(&e);
+    assert_int_equal(dag_infer_stage_init(&is, NULL, e->g, NULL, &e->spec, true, true, 0), FU_EINVAL);
 }
 
 int main(void)
@@ -329,5 +336,5 @@ int main(void)
         cmocka_unit_test(test_dag_infer_replay_truncates),
         cmocka_unit_test(test_dag_infer_refuses_gaps_and_bad_inputs),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, NULL, env_setup, env_teardown);
 }

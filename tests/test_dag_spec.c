@@ -87,15 +87,16 @@ static void test_dag_spec_every_field_roundtrips(void **state)
     free(txt);
     dag_spec_init(&s, DAG_JOB_INFER);
     snprintf(s.adapter_job, sizeof s.adapter_job, "00112233aabbccdd");
-    s.max_tokens = 5;
-    s.temperature = 0.7;
-    s.top_k = 40;
-    s.top_p = 0.9;
-    s.seed = 3;
-    s.dump_logits = true;
     int32_t ids[] = {1, 2, 70000};
     s.prompt_tokens = ids;
     s.n_prompt_tokens = 3;
+    s.max_tokens = 5;
+    s.dump_logits = true;
+    /* sampling */
+    s.seed = 3;
+    s.temperature = 0.7;
+    s.top_k = 40;
+    s.top_p = 0.9;
     roundtrip(&s);
 }
 

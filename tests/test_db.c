@@ -26,10 +26,19 @@
 #include "fu_log.h"
 #include "testutil.h"
 
-/* ---- fixture: one scratch directory and store path per test ---- */
+/* A fresh random public key in Z85. */
+static void make_key(char out[DB_KEY_LEN + 1])
+{
+    uint8_t raw[32];
+    randombytes_buf(raw, sizeof raw);
+    assert_int_equal(fu_z85_encode(out, raw, sizeof raw), FU_OK);
+}
+
+/* ---- fixture: one scratch directory and store path per test, and fresh keys ---- */
 typedef struct {
     char *dir;
     char  path[4096];
+    char key[5][DB_KEY_LEN + 1]; /* public keys (owners, peers), different each test */
 } fx;
 
 static int fx_setup(void **state)
@@ -43,6 +52,8 @@ static int fx_setup(void **state)
         return -1;
     }
     snprintf(f->path, sizeof f->path, "%s/broker.db", f->dir);
+    for (size_t i = 0; i < sizeof f->key / sizeof f->key[0]; i++)
+        make_key(f->key[i]);
     *state = f;
     return 0;
 }
@@ -50,20 +61,9 @@ static int fx_setup(void **state)
 static int fx_teardown(void **state)
 {
     fx *f = *state;
-    char *out = NULL;
-    int rc = tu_sh(&out, "rm -rf '%s'", f->dir);
-    free(out);
-    free(f->dir);
+    int rc = tu_tmpdir_remove(&f->dir);
     free(f);
     return rc == 0 ? 0 : -1;
-}
-
-/* A fresh random public key in Z85. */
-static void make_key(char out[DB_KEY_LEN + 1])
-{
-    uint8_t raw[32];
-    randombytes_buf(raw, sizeof raw);
-    assert_int_equal(fu_z85_encode(out, raw, sizeof raw), FU_OK);
 }
 
 static db_t *open_ok(const char *path)
@@ -138,6 +138,21 @@ static char *capture_stop(void)
     return buf;
 }
 
+/* db_open(path) must fail with want, open nothing and log a line holding says. Returns the log
+ * (caller frees). */
+static char *open_refused(const fx *f, const char *path, fu_err want, const char *says)
+{
+    db_t *db = NULL;
+    capture_start(f);
+    fu_err err = db_open(path, &db);
+    char *log = capture_stop();
+    assert_int_equal(err, want);
+    assert_null(db);
+    if (!strstr(log, says))
+        fail_msg("opening %s: the log does not say '%s'", path, says);
+    return log;
+}
+
 static void submit_ok(db_t *db, const char *owner, const char *idem, const char *spec, char id[DB_JOB_ID_LEN + 1])
 {
     bool created = false;
@@ -190,9 +205,8 @@ static void test_db_schema_created(void **state)
 static void test_db_reopen_keeps_data(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
-    make_key(owner);
-    make_key(peer);
+    char id[DB_JOB_ID_LEN + 1];
+    const char *owner = f->key[0], *peer = f->key[1];
     db_t *db = open_ok(f->path);
     submit_ok(db, owner, "k1", "{\"steps\":10}", id);
     assert_int_equal(db_peer_upsert(db, peer, "gpu-box", PROFILE, DB_PEER_ACTIVE, 1000, NULL), FU_OK);
@@ -236,8 +250,8 @@ static void test_db_v1_stage_ranges_migrate(void **state)
 {
     fx *f = *state;
     db_t *db = open_ok(f->path);
-    char id[DB_JOB_ID_LEN + 1], owner[DB_KEY_LEN + 1];
-    make_key(owner);
+    char id[DB_JOB_ID_LEN + 1];
+    const char *owner = f->key[0];
     job_with_plan(db, owner, "idem-v1", 3, id);
     db_close(&db);
     /* What version 1 wrote for the same plan. */
@@ -263,12 +277,7 @@ static void test_db_newer_version_refused(void **state)
     db_t *db = open_ok(f->path);
     db_close(&db);
     raw_exec(f->path, "PRAGMA user_version = 99");
-    capture_start(f);
-    fu_err err = db_open(f->path, &db);
-    char *log = capture_stop();
-    assert_int_equal(err, FU_EVERSION);
-    assert_null(db);
-    assert_non_null(strstr(log, "newer"));
+    char *log = open_refused(f, f->path, FU_EVERSION, "newer");
     assert_non_null(strstr(log, "99"));
     free(log);
     assert_int_equal(raw_int(f->path, "PRAGMA user_version"), 99); /* left as it was */
@@ -284,14 +293,8 @@ static void test_db_garbage_refused(void **state)
     fclose(fp);
     struct stat before, after;
     assert_int_equal(stat(f->path, &before), 0);
+    free(open_refused(f, f->path, FU_EPROTO, "not a fusion job store"));
     db_t *db = NULL;
-    capture_start(f);
-    fu_err err = db_open(f->path, &db);
-    char *log = capture_stop();
-    assert_int_equal(err, FU_EPROTO);
-    assert_null(db);
-    assert_non_null(strstr(log, "not a fusion job store"));
-    free(log);
     assert_int_equal(stat(f->path, &after), 0);
     assert_int_equal(before.st_size, after.st_size);
 
@@ -309,14 +312,8 @@ static void test_db_missing_dir_refused(void **state)
     fx *f = *state;
     char path[4200];
     snprintf(path, sizeof path, "%s/no/such/dir/broker.db", f->dir);
+    free(open_refused(f, path, FU_ENOTFOUND, "does not exist"));
     db_t *db = NULL;
-    capture_start(f);
-    fu_err err = db_open(path, &db);
-    char *log = capture_stop();
-    assert_int_equal(err, FU_ENOTFOUND);
-    assert_null(db);
-    assert_non_null(strstr(log, "does not exist"));
-    free(log);
     assert_int_equal(db_open("", &db), FU_EINVAL);
     assert_int_equal(db_open(NULL, &db), FU_EINVAL);
     /* A path whose "directory" is a file. */
@@ -329,9 +326,7 @@ static void test_db_missing_dir_refused(void **state)
 static void test_db_submit_idempotent(void **state)
 {
     fx *f = *state;
-    char a[DB_KEY_LEN + 1], b[DB_KEY_LEN + 1];
-    make_key(a);
-    make_key(b);
+    const char *a = f->key[0], *b = f->key[1];
     db_t *db = open_ok(f->path);
     const char spec[] = "{\"model\":\"tiny\"}";
     char id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1], id3[DB_JOB_ID_LEN + 1], id4[DB_JOB_ID_LEN + 1];
@@ -392,9 +387,7 @@ static void test_db_submit_idempotent(void **state)
 static void test_db_ownership(void **state)
 {
     fx *f = *state;
-    char a[DB_KEY_LEN + 1], b[DB_KEY_LEN + 1];
-    make_key(a);
-    make_key(b);
+    const char *a = f->key[0], *b = f->key[1];
     db_t *db = open_ok(f->path);
     char ja[DB_JOB_ID_LEN + 1], jb[DB_JOB_ID_LEN + 1], ja2[DB_JOB_ID_LEN + 1];
     submit_ok(db, a, "x", "{\"a\":1}", ja);
@@ -438,8 +431,8 @@ static void test_db_ownership(void **state)
 static void test_db_state_transitions(void **state)
 {
     fx *f = *state;
-    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
-    make_key(a);
+    char id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    const char *a = f->key[0];
     db_t *db = open_ok(f->path);
     submit_ok(db, a, "t1", "{\"x\":1}", id);
     submit_ok(db, a, "t2", "{\"x\":2}", id2);
@@ -567,8 +560,8 @@ static bool has_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step)
 static void test_db_ckpt_hash_and_common_step(void **state)
 {
     fx *f = *state;
-    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
-    make_key(a);
+    char id[DB_JOB_ID_LEN + 1];
+    const char *a = f->key[0];
     db_t *db = open_ok(f->path);
     job_with_plan(db, a, "c", 3, id);
     int64_t step = -1;
@@ -635,8 +628,8 @@ static void test_db_ckpt_hash_and_common_step(void **state)
 static void test_db_ckpt_pruning_keeps_newest(void **state)
 {
     fx *f = *state;
-    char a[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
-    make_key(a);
+    char id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    const char *a = f->key[0];
     db_options o = {.ckpt_keep = 3};
     db_t *db = NULL;
     assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
@@ -671,10 +664,7 @@ static void test_db_ckpt_pruning_keeps_newest(void **state)
 static void test_db_peers(void **state)
 {
     fx *f = *state;
-    char k1[DB_KEY_LEN + 1], k2[DB_KEY_LEN + 1], k3[DB_KEY_LEN + 1];
-    make_key(k1);
-    make_key(k2);
-    make_key(k3);
+    const char *k1 = f->key[0], *k2 = f->key[1], *k3 = f->key[2];
     db_t *db = open_ok(f->path);
     bool created = false;
     assert_int_equal(db_peer_upsert(db, k1, "alpha", PROFILE, DB_PEER_ACTIVE, 1000, &created), FU_OK);
@@ -743,13 +733,8 @@ static void test_db_peers(void **state)
 static void test_db_stage_leases(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], pa[DB_KEY_LEN + 1], pb[DB_KEY_LEN + 1], pc[DB_KEY_LEN + 1], unknown[DB_KEY_LEN + 1];
+    const char *owner = f->key[0], *pa = f->key[1], *pb = f->key[2], *pc = f->key[3], *unknown = f->key[4];
     char id[DB_JOB_ID_LEN + 1];
-    make_key(owner);
-    make_key(pa);
-    make_key(pb);
-    make_key(pc);
-    make_key(unknown);
     db_t *db = open_ok(f->path);
     assert_int_equal(db_peer_upsert(db, pa, "a", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
     assert_int_equal(db_peer_upsert(db, pb, "b", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
@@ -856,8 +841,8 @@ static void test_db_stage_leases(void **state)
 static void test_db_events(void **state)
 {
     fx *f = *state;
-    char k[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1];
-    make_key(k);
+    char id[DB_JOB_ID_LEN + 1];
+    const char *k = f->key[0];
     db_t *db = open_ok(f->path);
     submit_ok(db, k, "e", "{}", id);
     assert_int_equal(db_event_add(db, 5000, id, k, "note", "hello"), FU_OK);
@@ -935,9 +920,8 @@ static void test_db_names_and_validators(void **state)
 static void test_db_corrupt_rows_are_errors(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1], id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
-    make_key(owner);
-    make_key(peer);
+    char id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    const char *owner = f->key[0], *peer = f->key[1];
     db_t *db = open_ok(f->path);
     submit_ok(db, owner, "c1", "{}", id);
     submit_ok(db, owner, "c2", "{}", id2);
@@ -970,8 +954,8 @@ static void test_db_corrupt_rows_are_errors(void **state)
 static void test_db_read_only_and_two_connections(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
-    make_key(owner);
+    char id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    const char *owner = f->key[0];
     /* Two connections to one file share the idempotency keys. */
     db_t *a = open_ok(f->path), *b = open_ok(f->path);
     bool created = false;
@@ -1001,20 +985,63 @@ static void test_db_read_only_and_two_connections(void **state)
 
 /* ---- durability: a writer killed with SIGKILL keeps every job it acknowledged ---- */
 
+/* What a writer child works on. */
+typedef struct {
+    const char *path;     /* the store */
+    const char *owner;    /* child_submit: the jobs' owner */
+    int round;            /* child_submit: part of the jobs' keys */
+    bool die_after_first; /* child_submit: SIGKILL itself after the first job */
+    const char *job;      /* child_ckpt: the job whose checkpoints it stores */
+    int64_t base;         /* child_ckpt: the first step */
+} writer;
+
+/* Forks a child that runs child(w, fd): it writes one line to fd for each write the store
+ * acknowledged, forever. Reads `want` lines (or until the child dies) into lines, then kills the
+ * child with SIGKILL (unless w->die_after_first: it kills itself) and reaps it: it must have died of
+ * that signal. Returns how many lines it read. */
+static unsigned run_killed_writer(void (*child)(const writer *w, int fd), const writer *w, unsigned want,
+                                  char (*lines)[160])
+{
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(p[0]);
+        child(w, p[1]);
+        _exit(0);
+    }
+    close(p[1]);
+    FILE *rd = fdopen(p[0], "r");
+    assert_non_null(rd);
+    unsigned got = 0;
+    while (got < want && fgets(lines[got], 160, rd))
+        got++;
+    if (!w->die_after_first)
+        kill(pid, SIGKILL);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    fclose(rd);
+    assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    return got;
+}
+
 /* Child: submits jobs with keys "r<round>-<i>" forever, writing "<id> <i>\n" to fd after each
  * submission returned; with die_after_first, raises SIGKILL right after the first one returned. */
-static void child_submit(const char *path, int fd, int round, const char *owner, bool die_after_first)
+static void child_submit(const writer *w, int fd)
 {
     db_t *db = NULL;
-    if (db_open(path, &db) != FU_OK)
+    if (db_open(w->path, &db) != FU_OK)
         _exit(3);
     for (int i = 0;; i++) {
         char key[64], id[DB_JOB_ID_LEN + 1], line[64];
-        snprintf(key, sizeof key, "r%d-%d", round, i);
+        snprintf(key, sizeof key, "r%d-%d", w->round, i);
         bool created;
-        if (db_job_submit(db, owner, key, DB_JOB_FINETUNE, key, strlen(key), fu_wallclock_ms(), id, &created) != FU_OK)
+        if (db_job_submit(db, w->owner, key, DB_JOB_FINETUNE, key, strlen(key), fu_wallclock_ms(), id,
+                          &created) != FU_OK)
             _exit(4);
-        if (die_after_first)
+        if (w->die_after_first)
             raise(SIGKILL); /* the acknowledgement below is sent by the parent reading the DB */
         int n = snprintf(line, sizeof line, "%s %d\n", id, i);
         if (write(fd, line, (size_t)n) != n)
@@ -1025,43 +1052,21 @@ static void child_submit(const char *path, int fd, int round, const char *owner,
 static void test_db_durability_sigkill(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1];
-    make_key(owner);
+    const char *owner = f->key[0];
     db_t *db = open_ok(f->path); /* create the schema before the children race on it */
     db_close(&db);
     size_t total_acked = 0;
     for (int round = 0; round < 6; round++) {
         bool die_first = round == 0;
-        int p[2];
-        assert_int_equal(pipe(p), 0);
-        fflush(NULL);
-        pid_t pid = fork();
-        assert_true(pid >= 0);
-        if (pid == 0) {
-            close(p[0]);
-            child_submit(f->path, p[1], round, owner, die_first);
-            _exit(0);
-        }
-        close(p[1]);
         /* Read a random number of acknowledgements, then kill the writer mid-stream. */
         unsigned want = die_first ? 0 : 1 + randombytes_uniform(40);
-        char acked[64][DB_JOB_ID_LEN + 1];
+        writer w = {.path = f->path, .owner = owner, .round = round, .die_after_first = die_first};
+        char lines[64][160], acked[64][DB_JOB_ID_LEN + 1];
         int acked_i[64];
-        unsigned got = 0;
-        FILE *rd = fdopen(p[0], "r");
-        assert_non_null(rd);
-        char line[128];
-        while (got < want && fgets(line, sizeof line, rd)) {
-            assert_int_equal(sscanf(line, "%16s %d", acked[got], &acked_i[got]), 2);
-            got++;
-        }
-        if (!die_first)
-            kill(pid, SIGKILL);
-        int status = 0;
-        assert_int_equal(waitpid(pid, &status, 0), pid);
-        fclose(rd);
-        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+        unsigned got = run_killed_writer(child_submit, &w, want, lines);
         assert_int_equal(got, want);
+        for (unsigned i = 0; i < got; i++)
+            assert_int_equal(sscanf(lines[i], "%16s %d", acked[i], &acked_i[i]), 2);
 
         db = open_ok(f->path);
         db_job *j = NULL;
@@ -1096,21 +1101,21 @@ static void test_db_durability_sigkill(void **state)
 
 /* Child: stores checkpoints of stage 0 of job at steps base, base+1, ... (ckpt_keep large, so
  * nothing is pruned), writing "<step> <hash>\n" to fd after each db_ckpt_put returned. */
-static void child_ckpt(const char *path, int fd, const char *job, int64_t base)
+static void child_ckpt(const writer *w, int fd)
 {
     db_options o = {.ckpt_keep = 100000};
     db_t *db = NULL;
-    if (db_open_opts(path, &o, &db) != FU_OK)
+    if (db_open_opts(w->path, &o, &db) != FU_OK)
         _exit(3);
     size_t len = 256 * 1024;
     uint8_t *data = malloc(len);
     if (!data)
         _exit(6);
-    for (int64_t step = base;; step++) {
+    for (int64_t step = w->base;; step++) {
         char hash[DB_HASH_HEX_LEN + 1], line[128];
         randombytes_buf(data, len);
         db_hash_hex(hash, data, len);
-        if (db_ckpt_put(db, job, 0, step, data, len, hash, step) != FU_OK)
+        if (db_ckpt_put(db, w->job, 0, step, data, len, hash, step) != FU_OK)
             _exit(4);
         int n = snprintf(line, sizeof line, "%lld %s\n", (long long)step, hash);
         if (write(fd, line, (size_t)n) != n)
@@ -1121,8 +1126,8 @@ static void child_ckpt(const char *path, int fd, const char *job, int64_t base)
 static void test_db_durability_ckpt_sigkill(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], job[DB_JOB_ID_LEN + 1];
-    make_key(owner);
+    char job[DB_JOB_ID_LEN + 1];
+    const char *owner = f->key[0];
     db_options o = {.ckpt_keep = 100000};
     db_t *db = NULL;
     assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
@@ -1130,33 +1135,14 @@ static void test_db_durability_ckpt_sigkill(void **state)
     db_close(&db);
     unsigned total = 0;
     for (int round = 0; round < 4; round++) {
-        int p[2];
-        assert_int_equal(pipe(p), 0);
-        fflush(NULL);
-        pid_t pid = fork();
-        assert_true(pid >= 0);
-        if (pid == 0) {
-            close(p[0]);
-            child_ckpt(f->path, p[1], job, (int64_t)round * 1000);
-            _exit(0);
-        }
-        close(p[1]);
-        unsigned want = 1 + randombytes_uniform(12), got = 0;
+        unsigned want = 1 + randombytes_uniform(12);
+        writer w = {.path = f->path, .job = job, .base = (int64_t)round * 1000};
+        char lines[16][160], hashes[16][DB_HASH_HEX_LEN + 1];
         long long steps[16];
-        char hashes[16][DB_HASH_HEX_LEN + 1];
-        FILE *rd = fdopen(p[0], "r");
-        assert_non_null(rd);
-        char line[160];
-        while (got < want && fgets(line, sizeof line, rd)) {
-            assert_int_equal(sscanf(line, "%lld %64s", &steps[got], hashes[got]), 2);
-            got++;
-        }
-        kill(pid, SIGKILL);
-        int status = 0;
-        assert_int_equal(waitpid(pid, &status, 0), pid);
-        fclose(rd);
-        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+        unsigned got = run_killed_writer(child_ckpt, &w, want, lines);
         assert_int_equal(got, want);
+        for (unsigned i = 0; i < got; i++)
+            assert_int_equal(sscanf(lines[i], "%lld %64s", &steps[i], hashes[i]), 2);
         assert_int_equal(db_open_opts(f->path, &o, &db), FU_OK);
         for (unsigned i = 0; i < got; i++) {
             db_ckpt *c = NULL;
@@ -1175,9 +1161,7 @@ static void test_db_durability_ckpt_sigkill(void **state)
 static void test_db_disk_full(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1], peer[DB_KEY_LEN + 1];
-    make_key(owner);
-    make_key(peer);
+    const char *owner = f->key[0], *peer = f->key[1];
     char ids[20][DB_JOB_ID_LEN + 1];
     db_t *db = open_ok(f->path);
     for (int i = 0; i < 20; i++) {
@@ -1263,8 +1247,7 @@ static void test_db_disk_full(void **state)
 static void test_db_commit_latency(void **state)
 {
     fx *f = *state;
-    char owner[DB_KEY_LEN + 1];
-    make_key(owner);
+    const char *owner = f->key[0];
     db_t *db = open_ok(f->path);
     const int N = 200;
     double t0 = fu_clock_sec();
@@ -1318,30 +1301,28 @@ static void test_db_commit_latency(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_db_schema_created, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_reopen_keeps_data, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_newer_version_refused, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_v1_stage_ranges_migrate, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_garbage_refused, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_missing_dir_refused, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_submit_idempotent, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_ownership, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_state_transitions, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_ckpt_hash_and_common_step, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_ckpt_pruning_keeps_newest, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_peers, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_stage_leases, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_events, fx_setup, fx_teardown),
+        cmocka_unit_test(test_db_schema_created),
+        cmocka_unit_test(test_db_reopen_keeps_data),
+        cmocka_unit_test(test_db_newer_version_refused),
+        cmocka_unit_test(test_db_v1_stage_ranges_migrate),
+        cmocka_unit_test(test_db_garbage_refused),
+        cmocka_unit_test(test_db_missing_dir_refused),
+        cmocka_unit_test(test_db_submit_idempotent),
+        cmocka_unit_test(test_db_ownership),
+        cmocka_unit_test(test_db_state_transitions),
+        cmocka_unit_test(test_db_ckpt_hash_and_common_step),
+        cmocka_unit_test(test_db_ckpt_pruning_keeps_newest),
+        cmocka_unit_test(test_db_peers),
+        cmocka_unit_test(test_db_stage_leases),
+        cmocka_unit_test(test_db_events),
         cmocka_unit_test(test_db_names_and_validators),
-        cmocka_unit_test_setup_teardown(test_db_corrupt_rows_are_errors, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_read_only_and_two_connections, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_durability_sigkill, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_durability_ckpt_sigkill, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_disk_full, fx_setup, fx_teardown),
-        cmocka_unit_test_setup_teardown(test_db_commit_latency, fx_setup, fx_teardown),
+        cmocka_unit_test(test_db_corrupt_rows_are_errors),
+        cmocka_unit_test(test_db_read_only_and_two_connections),
+        cmocka_unit_test(test_db_durability_sigkill),
+        cmocka_unit_test(test_db_durability_ckpt_sigkill),
+        cmocka_unit_test(test_db_disk_full),
+        cmocka_unit_test(test_db_commit_latency),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, fx_setup, fx_teardown);
 }

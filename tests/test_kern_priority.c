@@ -93,17 +93,22 @@ static void test_kern_priority_others(void **state)
 static void test_kern_priority_names(void **state)
 {
     (void)state;
-    kern_priority p;
-    assert_int_equal(kern_priority_parse("idle", &p), FU_OK);
-    assert_int_equal(p, KERN_PRIORITY_IDLE);
-    assert_int_equal(kern_priority_parse("low", &p), FU_OK);
-    assert_int_equal(p, KERN_PRIORITY_LOW);
-    assert_int_equal(kern_priority_parse("normal", &p), FU_OK);
-    assert_int_equal(p, KERN_PRIORITY_NORMAL);
-    assert_int_equal(kern_priority_parse("IDLE", &p), FU_EINVAL);
-    assert_int_equal(kern_priority_parse("", &p), FU_EINVAL);
-    assert_int_equal(kern_priority_parse(NULL, &p), FU_EINVAL);
-    assert_string_equal(kern_priority_name(KERN_PRIORITY_LOW), "low");
+    static const struct {
+        const char *name;
+        kern_priority p;
+    } names[] = {{"idle", KERN_PRIORITY_IDLE}, {"low", KERN_PRIORITY_LOW}, {"normal", KERN_PRIORITY_NORMAL}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        kern_priority p;
+        if (kern_priority_parse(names[i].name, &p) != FU_OK || p != names[i].p)
+            fail_msg("'%s' does not parse to %d", names[i].name, (int)names[i].p);
+        assert_string_equal(kern_priority_name(names[i].p), names[i].name);
+    }
+    const char *bad[] = {"IDLE", "", NULL};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kern_priority p;
+        if (kern_priority_parse(bad[i], &p) != FU_EINVAL)
+            fail_msg("'%s' is not refused", bad[i] ? bad[i] : "(null)");
+    }
     assert_string_equal(kern_priority_name((kern_priority)9), "?");
 }
 

@@ -17,31 +17,6 @@
 #include "fu_safetensors.h"
 #include "testutil.h"
 
-static char *g_dir;
-
-static int setup(void **state)
-{
-    (void)state;
-    g_dir = tu_tmpdir("modelcli");
-    return g_dir ? 0 : -1;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", g_dir);
-    free(out);
-    free(g_dir);
-    return 0;
-}
-
-/* Runs `fusion ARGS` and returns the exit code; *out gets what it printed (caller frees). */
-static int fusion(char **out, const char *args)
-{
-    return tu_sh(out, "%s %s", tu_bin("fusion"), args);
-}
-
 /* Checks every weight the config lists is in the directory with its shape and the given dtype;
  * norms are all 1 and the rest look like N(0, 0.02). */
 static void check_model_dir(const char *dir, fu_st_dtype want_dtype)
@@ -82,63 +57,42 @@ static void check_model_dir(const char *dir, fu_st_dtype want_dtype)
     fu_safetensors_close(&st);
 }
 
+/* Loads dir's config.json and checks it reads `want` (tu_modelcfg_text). */
+static void check_config(const char *dir, const char *want)
+{
+    fu_modelcfg c;
+    fu_errmsg em = {{0}};
+    if (fu_modelcfg_load(dir, &c, &em) != FU_OK)
+        fail_msg("config: %s", em.msg);
+    char text[TU_MODELCFG_TEXT_MAX];
+    assert_string_equal(tu_modelcfg_text(&c, text, sizeof text), want);
+}
+
 static void test_model_cli_init_defaults_load_with_right_shapes(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
-    char *dir = fu_path_join(g_dir, "default");
-    snprintf(args, sizeof args, "model init --seed 1 -o '%s'", dir);
-    int rc = fusion(&out, args);
-    if (rc != 0)
-        fail_msg("exit %d: %s", rc, out);
-    assert_non_null(strstr(out, "106816 parameters"));
-    free(out);
+    char *dir = fu_path_join(tu_dir, "default");
+    tu_fusion_expect(0, "106816 parameters", "model init --seed 1 -o '%s'", dir);
     check_model_dir(dir, FU_ST_F32);
-    fu_modelcfg c;
-    assert_int_equal(fu_modelcfg_load(dir, &c, NULL), FU_OK);
-    assert_int_equal(c.num_hidden_layers, 2);
-    assert_int_equal(c.hidden_size, 64);
-    assert_int_equal(c.num_attention_heads, 4);
-    assert_int_equal(c.num_key_value_heads, 2);
-    assert_int_equal(c.intermediate_size, 128);
-    assert_int_equal(c.vocab_size, 256);
-    assert_string_equal(c.torch_dtype, "float32");
+    check_config(dir,
+                 "llama LlamaForCausalLM float32 layers 2 hidden 64 heads 4/2 head_dim 16 ffn 128 vocab 256 "
+                 "max_pos 2048 eps 1e-06 theta 10000 tied 0 bos -1 eos -1 window 0");
     /* `model info` agrees. */
-    snprintf(args, sizeof args, "model info '%s'", dir);
-    assert_int_equal(fusion(&out, args), 0);
-    assert_non_null(strstr(out, "21 tensors"));
-    free(out);
+    tu_fusion_expect(0, "21 tensors", "model info '%s'", dir);
     free(dir);
 }
 
 static void test_model_cli_init_options_and_dtypes(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
-    char *dir = fu_path_join(g_dir, "custom");
-    snprintf(args, sizeof args,
-             "model init --layers 3 --hidden 48 --heads 6 --kv-heads 3 --ffn 96 --vocab 300 --seed 9 "
-             "--dtype bf16 --tie --max-pos 512 --rope-theta 500000 -o '%s'",
-             dir);
-    int rc = fusion(&out, args);
-    if (rc != 0)
-        fail_msg("exit %d: %s", rc, out);
-    free(out);
-    fu_modelcfg c;
-    assert_int_equal(fu_modelcfg_load(dir, &c, NULL), FU_OK);
-    assert_int_equal(c.num_hidden_layers, 3);
-    assert_int_equal(c.hidden_size, 48);
-    assert_int_equal(c.num_attention_heads, 6);
-    assert_int_equal(c.num_key_value_heads, 3);
-    assert_int_equal(c.head_dim, 8);
-    assert_int_equal(c.intermediate_size, 96);
-    assert_int_equal(c.vocab_size, 300);
-    assert_int_equal(c.max_position_embeddings, 512);
-    assert_true(c.rope_theta == 500000.0);
-    assert_true(c.tie_word_embeddings);
-    assert_string_equal(c.torch_dtype, "bfloat16");
+    char *dir = fu_path_join(tu_dir, "custom");
+    tu_fusion_expect(0, NULL,
+                     "model init --layers 3 --hidden 48 --heads 6 --kv-heads 3 --ffn 96 --vocab 300 --seed 9 "
+                     "--dtype bf16 --tie --max-pos 512 --rope-theta 500000 -o '%s'",
+                     dir);
+    check_config(dir,
+                 "llama LlamaForCausalLM bfloat16 layers 3 hidden 48 heads 6/3 head_dim 8 ffn 96 vocab 300 "
+                 "max_pos 512 eps 1e-06 theta 500000 tied 1 bos -1 eos -1 window 0");
     check_model_dir(dir, FU_ST_BF16);
     fu_safetensors *st = NULL;
     assert_int_equal(fu_safetensors_open_dir(dir, &st, NULL), FU_OK);
@@ -147,12 +101,10 @@ static void test_model_cli_init_options_and_dtypes(void **state)
     free(dir);
 
     /* An explicit head size that is not hidden/heads. */
-    dir = fu_path_join(g_dir, "headdim");
-    snprintf(args, sizeof args, "model init --layers 1 --hidden 40 --heads 4 --kv-heads 1 --head-dim 16 -o '%s'", dir);
-    rc = fusion(&out, args);
-    if (rc != 0)
-        fail_msg("exit %d: %s", rc, out);
-    free(out);
+    dir = fu_path_join(tu_dir, "headdim");
+    tu_fusion_expect(0, NULL,
+                     "model init --layers 1 --hidden 40 --heads 4 --kv-heads 1 --head-dim 16 -o '%s'", dir);
+    fu_modelcfg c;
     assert_int_equal(fu_modelcfg_load(dir, &c, NULL), FU_OK);
     assert_int_equal(c.head_dim, 16);
     check_model_dir(dir, FU_ST_F32);
@@ -161,10 +113,8 @@ static void test_model_cli_init_options_and_dtypes(void **state)
     assert_true(w.shape[0] == 64 && w.shape[1] == 40);
     free(dir);
 
-    dir = fu_path_join(g_dir, "half");
-    snprintf(args, sizeof args, "model init --layers 1 --dtype f16 -o '%s'", dir);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    dir = fu_path_join(tu_dir, "half");
+    tu_fusion_expect(0, NULL, "model init --layers 1 --dtype f16 -o '%s'", dir);
     check_model_dir(dir, FU_ST_F16);
     free(dir);
 }
@@ -184,16 +134,12 @@ static bool same_file(const char *a, const char *b)
 static void test_model_cli_same_seed_same_bytes(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
     const char *names[3] = {"s1a", "s1b", "s2"};
     const int seeds[3] = {1234, 1234, 1235};
     char *dirs[3];
     for (int i = 0; i < 3; i++) {
-        dirs[i] = fu_path_join(g_dir, names[i]);
-        snprintf(args, sizeof args, "model init --seed %d --dtype f16 -o '%s'", seeds[i], dirs[i]);
-        assert_int_equal(fusion(&out, args), 0);
-        free(out);
+        dirs[i] = fu_path_join(tu_dir, names[i]);
+        tu_fusion_expect(0, NULL, "model init --seed %d --dtype f16 -o '%s'", seeds[i], dirs[i]);
     }
     char *a = fu_path_join(dirs[0], "model.safetensors"), *b = fu_path_join(dirs[1], "model.safetensors"),
          *c = fu_path_join(dirs[2], "model.safetensors");
@@ -210,41 +156,28 @@ static void test_model_cli_same_seed_same_bytes(void **state)
 static void test_model_cli_refuses_to_overwrite(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
-    char *dir = fu_path_join(g_dir, "keep");
-    snprintf(args, sizeof args, "model init --seed 1 -o '%s'", dir);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    char *dir = fu_path_join(tu_dir, "keep");
+    tu_fusion_expect(0, NULL, "model init --seed 1 -o '%s'", dir);
     char *st = fu_path_join(dir, "model.safetensors");
-    char *saved = fu_path_join(g_dir, "keep.saved");
-    assert_int_equal(tu_sh(NULL, "cp '%s' '%s'", st, saved), 0);
-    snprintf(args, sizeof args, "model init --seed 2 -o '%s'", dir);
-    assert_int_equal(fusion(&out, args), 1);
-    assert_non_null(strstr(out, "is not empty"));
+    char *saved = fu_path_join(tu_dir, "keep.saved");
+    tu_sh_expect(0, NULL, "cp '%s' '%s'", st, saved);
+    char *out = tu_fusion_expect_out(1, "is not empty", "model init --seed 2 -o '%s'", dir);
     assert_non_null(strstr(out, "--force"));
     free(out);
     assert_true(same_file(st, saved)); /* untouched */
     /* A stray shard index would shadow the new file: --force removes it. */
     char *idx = fu_path_join(dir, FU_ST_INDEX_FILE);
     assert_int_equal(fu_file_write_atomic(idx, "{}", 2, 0644, NULL), FU_OK);
-    snprintf(args, sizeof args, "model init --seed 2 --force -o '%s'", dir);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    tu_fusion_expect(0, NULL, "model init --seed 2 --force -o '%s'", dir);
     assert_false(same_file(st, saved));
     assert_false(fu_path_exists(idx));
     check_model_dir(dir, FU_ST_F32);
     /* A file where the directory should be. */
-    snprintf(args, sizeof args, "model init -o '%s'", saved);
-    assert_int_equal(fusion(&out, args), 1);
-    assert_non_null(strstr(out, "not a directory"));
-    free(out);
+    tu_fusion_expect(1, "not a directory", "model init -o '%s'", saved);
     /* An empty directory is fine without --force. */
-    char *empty = fu_path_join(g_dir, "empty");
+    char *empty = fu_path_join(tu_dir, "empty");
     assert_int_equal(fu_mkdir_p(empty, 0755, NULL), FU_OK);
-    snprintf(args, sizeof args, "model init --layers 1 -o '%s'", empty);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    tu_fusion_expect(0, NULL, "model init --layers 1 -o '%s'", empty);
     free(empty);
     free(idx);
     free(saved);
@@ -255,10 +188,8 @@ static void test_model_cli_refuses_to_overwrite(void **state)
 static void test_model_cli_bad_arguments_exit_2(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
-    char *dir = fu_path_join(g_dir, "bad");
-    struct {
+    char *dir = fu_path_join(tu_dir, "bad");
+    static const struct {
         const char *opts;
         const char *says;
     } cases[] = {
@@ -271,28 +202,18 @@ static void test_model_cli_bad_arguments_exit_2(void **state)
         {"--rope-theta 0", "rope_theta"},
         {"--frobnicate", "unknown option"},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        snprintf(args, sizeof args, "model init %s -o '%s'", cases[i].opts, dir);
-        int rc = fusion(&out, args);
-        if (rc != 2 || !strstr(out, cases[i].says))
-            fail_msg("'%s': exit %d, output: %s", cases[i].opts, rc, out);
-        free(out);
-    }
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        tu_fusion_expect(2, cases[i].says, "model init %s -o '%s'", cases[i].opts, dir);
     assert_false(fu_path_exists(dir)); /* nothing written */
-    assert_int_equal(fusion(&out, "model init"), 2);
-    assert_non_null(strstr(out, "-o DIR is required"));
-    free(out);
-    assert_int_equal(fusion(&out, "model init --help"), 0);
-    assert_non_null(strstr(out, "--kv-heads"));
-    free(out);
-    assert_int_equal(fusion(&out, "model"), 2);
-    free(out);
-    assert_int_equal(fusion(&out, "model --help"), 0);
-    assert_non_null(strstr(out, "init"));
-    free(out);
-    assert_int_equal(fusion(&out, "model frob"), 2);
-    assert_non_null(strstr(out, "unknown command 'frob'"));
-    free(out);
+    static const tu_cmd_case usage[] = {
+        {"model init", 2, "-o DIR is required"},
+        {"model init --help", 0, "--kv-heads"},
+        {"model", 2, NULL},
+        {"model --help", 0, "init"},
+        {"model frob", 2, "unknown command 'frob'"},
+    };
+    for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++)
+        tu_fusion_expect(usage[i].rc, usage[i].says, "%s", usage[i].args);
     free(dir);
 }
 
@@ -301,16 +222,11 @@ static void test_model_cli_bad_arguments_exit_2(void **state)
 static void test_model_cli_prune_writes_salr_model(void **state)
 {
     (void)state;
-    char *src = fu_path_join(g_dir, "prune-src"), *dst = fu_path_join(g_dir, "prune-dst");
-    char args[4300], *out = NULL;
-    snprintf(args, sizeof args, "model init --layers 1 --hidden 32 --heads 2 --kv-heads 1 --ffn 64 --seed 3 -o '%s'",
-             src);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
-    snprintf(args, sizeof args, "model prune --method salr --sparsity 0.5 --svd-rank 4 -i '%s' -o '%s'", src, dst);
-    assert_int_equal(fusion(&out, args), 0);
-    assert_non_null(strstr(out, "sparsity 0.50, residual rank 4, lm_head pruned"));
-    free(out);
+    char *src = fu_path_join(tu_dir, "prune-src"), *dst = fu_path_join(tu_dir, "prune-dst");
+    tu_fusion_expect(
+        0, NULL, "model init --layers 1 --hidden 32 --heads 2 --kv-heads 1 --ffn 64 --seed 3 -o '%s'", src);
+    tu_fusion_expect(0, "sparsity 0.50, residual rank 4, lm_head pruned",
+                     "model prune --method salr --sparsity 0.5 --svd-rank 4 -i '%s' -o '%s'", src, dst);
     char *cfg = fu_path_join(dst, "salr_config.json");
     assert_true(fu_path_exists(cfg));
     free(cfg);
@@ -324,12 +240,9 @@ static void test_model_cli_prune_writes_salr_model(void **state)
     assert_non_null(fu_safetensors_get(st, "model.embed_tokens.weight"));     /* copied as is */
     fu_safetensors_close(&st);
     /* A second run into the same directory is refused, then allowed with --force. */
-    assert_int_equal(fusion(&out, args), 1);
-    assert_non_null(strstr(out, "exists and is not empty"));
-    free(out);
-    snprintf(args, sizeof args, "model prune --sparsity 0.5 --svd-rank 4 --force -i '%s' -o '%s'", src, dst);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    tu_fusion_expect(1, "exists and is not empty",
+                     "model prune --method salr --sparsity 0.5 --svd-rank 4 -i '%s' -o '%s'", src, dst);
+    tu_fusion_expect(0, NULL, "model prune --sparsity 0.5 --svd-rank 4 --force -i '%s' -o '%s'", src, dst);
     free(src);
     free(dst);
 }
@@ -337,40 +250,27 @@ static void test_model_cli_prune_writes_salr_model(void **state)
 static void test_model_cli_prune_and_info_errors(void **state)
 {
     (void)state;
-    char *out = NULL;
-    char args[4300];
-    assert_int_equal(fusion(&out, "model prune --method salr x"), 2);
-    assert_non_null(strstr(out, "expects 0 argument"));
-    free(out);
-    assert_int_equal(fusion(&out, "model prune --method magnitude -i a -o b"), 2);
-    assert_non_null(strstr(out, "unknown method 'magnitude'"));
-    free(out);
-    assert_int_equal(fusion(&out, "model prune -i a -o b --sparsity 1.5"), 2);
-    assert_non_null(strstr(out, "--sparsity must be in [0, 1)"));
-    free(out);
-    char *dir = fu_path_join(g_dir, "info-empty");
+    tu_fusion_expect(2, "expects 0 argument", "model prune --method salr x");
+    tu_fusion_expect(2, "unknown method 'magnitude'", "model prune --method magnitude -i a -o b");
+    tu_fusion_expect(2, "--sparsity must be in [0, 1)", "model prune -i a -o b --sparsity 1.5");
+    char *dir = fu_path_join(tu_dir, "info-empty");
     assert_int_equal(fu_mkdir_p(dir, 0755, NULL), FU_OK);
-    snprintf(args, sizeof args, "model info '%s'", dir);
-    assert_int_equal(fusion(&out, args), 4);
     char want[4300];
     snprintf(want, sizeof want, "fusion: model dir '%s' has no config.json (expected a Hugging Face model directory)",
              dir);
-    assert_non_null(strstr(out, want));
-    free(out);
+    tu_fusion_expect(4, want, "model info '%s'", dir);
     /* A config whose weights do not match: the message names the file and the tensor. */
-    char *src = fu_path_join(g_dir, "info-src");
-    snprintf(args, sizeof args, "model init --ffn 64 -o '%s' && cp '%s/model.safetensors' '%s/' && "
-                                "%s model init --ffn 128 --force -o '%s' >/dev/null",
-             src, src, dir, tu_bin("fusion"), src);
-    assert_int_equal(fusion(&out, args), 0);
-    free(out);
+    char *src = fu_path_join(tu_dir, "info-src");
+    tu_fusion_expect(0, NULL,
+                     "model init --ffn 64 -o '%s' && cp '%s/model.safetensors' '%s/' && "
+                     "%s model init --ffn 128 --force -o '%s' >/dev/null",
+                     src, src, dir, tu_bin("fusion"), src);
     char *cfg = fu_path_join(src, "config.json");
-    assert_int_equal(tu_sh(NULL, "cp '%s' '%s/'", cfg, dir), 0);
-    snprintf(args, sizeof args, "model info '%s'", dir);
-    assert_int_equal(fusion(&out, args), 1);
-    assert_non_null(strstr(out, "model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape [64, 64], "
-                                "expected [128, 64]"));
-    free(out);
+    tu_sh_expect(0, NULL, "cp '%s' '%s/'", cfg, dir);
+    tu_fusion_expect(1,
+                     "model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape [64, 64], "
+                     "expected [128, 64]",
+                     "model info '%s'", dir);
     free(cfg);
     free(src);
     free(dir);
@@ -387,5 +287,5 @@ int main(void)
         cmocka_unit_test(test_model_cli_prune_writes_salr_model),
         cmocka_unit_test(test_model_cli_prune_and_info_errors),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -48,30 +48,27 @@ static fu_err parse(const char *json, fu_modelcfg *c, fu_errmsg *em)
     return fu_modelcfg_parse(json, strlen(json), "config.json", c, em);
 }
 
+/* Parses json and checks the config reads `want` (tu_modelcfg_text). */
+static void expect_config(const char *json, const char *want)
+{
+    fu_modelcfg c;
+    fu_errmsg em;
+    if (parse(json, &c, &em) != FU_OK)
+        fail_msg("%s: %s", json, em.msg);
+    char text[TU_MODELCFG_TEXT_MAX];
+    assert_string_equal(tu_modelcfg_text(&c, text, sizeof text), want);
+}
+
 static void test_modelcfg_parses_a_real_config(void **state)
 {
     (void)state;
+    expect_config(tinyllama,
+                  "llama LlamaForCausalLM bfloat16 layers 22 hidden 2048 heads 32/4 head_dim 64 ffn 5632 "
+                  "vocab 32000 max_pos 2048 eps 1e-05 theta 10000 tied 0 bos 1 eos 2 window 0");
+    /* 1.1B parameters. */
     fu_modelcfg c;
     fu_errmsg em;
     assert_int_equal(parse(tinyllama, &c, &em), FU_OK);
-    assert_string_equal(c.model_type, "llama");
-    assert_string_equal(c.architecture, "LlamaForCausalLM");
-    assert_string_equal(c.torch_dtype, "bfloat16");
-    assert_int_equal(c.hidden_size, 2048);
-    assert_int_equal(c.intermediate_size, 5632);
-    assert_int_equal(c.num_hidden_layers, 22);
-    assert_int_equal(c.num_attention_heads, 32);
-    assert_int_equal(c.num_key_value_heads, 4);
-    assert_int_equal(c.head_dim, 64);
-    assert_int_equal(c.vocab_size, 32000);
-    assert_int_equal(c.max_position_embeddings, 2048);
-    assert_true(c.rms_norm_eps == 1e-5);
-    assert_true(c.rope_theta == 10000.0);
-    assert_false(c.tie_word_embeddings);
-    assert_int_equal(c.bos_token_id, 1);
-    assert_int_equal(c.eos_token_id, 2);
-    assert_int_equal(c.sliding_window, 0);
-    /* 1.1B parameters. */
     uint64_t p = fu_modelcfg_param_count(&c);
     assert_true(p > 1090000000ull && p < 1110000000ull);
 }
@@ -79,79 +76,91 @@ static void test_modelcfg_parses_a_real_config(void **state)
 static void test_modelcfg_defaults_for_missing_fields(void **state)
 {
     (void)state;
+    /* kv heads = heads, head_dim = hidden/heads, no dtype, the default eps, theta and max_pos, no bos,
+     * the first of the eos ids. */
+    char want[TU_MODELCFG_TEXT_MAX];
+    snprintf(want, sizeof want,
+             "mistral MistralForCausalLM  layers 1 hidden 32 heads 4/4 head_dim 8 ffn 64 vocab 100 max_pos "
+             "%d eps %g "
+             "theta 10000 tied 0 bos -1 eos 7 window 4096",
+             FU_MODELCFG_DEFAULT_MAX_POS, FU_MODELCFG_DEFAULT_RMS_EPS);
+    expect_config("{\"model_type\":\"mistral\",\"hidden_size\":32,\"intermediate_size\":64,"
+                  "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":100,"
+                  "\"eos_token_id\":[7,8],\"sliding_window\":4096}",
+                  want);
+    /* An explicit head_dim need not be hidden/heads. */
+    snprintf(
+        want, sizeof want,
+        "llama LlamaForCausalLM  layers 1 hidden 30 heads 4/2 head_dim 16 ffn 64 vocab 100 max_pos %d eps %g "
+        "theta 10000 tied 1 bos -1 eos -1 window 0",
+        FU_MODELCFG_DEFAULT_MAX_POS, FU_MODELCFG_DEFAULT_RMS_EPS);
+    expect_config("{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":30,\"intermediate_size\":64,"
+                  "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"num_key_value_heads\":2,"
+                  "\"head_dim\":16,\"vocab_size\":100,\"tie_word_embeddings\":true}",
+                  want);
+}
+
+/* A valid base config with the fields `extra` added must be refused with rc and a message that holds
+ * `says`. */
+static void expect_refused(const char *extra, fu_err rc, const char *says)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,\"vocab_size\":256%s}",
+             extra);
     fu_modelcfg c;
     fu_errmsg em;
-    assert_int_equal(parse("{\"model_type\":\"mistral\",\"hidden_size\":32,\"intermediate_size\":64,"
-                           "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"vocab_size\":100,"
-                           "\"eos_token_id\":[7,8],\"sliding_window\":4096}",
-                           &c, &em),
-                     FU_OK);
-    assert_string_equal(c.model_type, "mistral");
-    assert_string_equal(c.architecture, "MistralForCausalLM");
-    assert_int_equal(c.num_key_value_heads, 4); /* = heads */
-    assert_int_equal(c.head_dim, 8);
-    assert_true(c.rope_theta == 10000.0);
-    assert_true(c.rms_norm_eps == FU_MODELCFG_DEFAULT_RMS_EPS);
-    assert_false(c.tie_word_embeddings);
-    assert_int_equal(c.max_position_embeddings, FU_MODELCFG_DEFAULT_MAX_POS);
-    assert_int_equal(c.bos_token_id, -1);
-    assert_int_equal(c.eos_token_id, 7);
-    assert_int_equal(c.sliding_window, 4096);
-    /* An explicit head_dim need not be hidden/heads. */
-    assert_int_equal(parse("{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":30,\"intermediate_size\":64,"
-                           "\"num_hidden_layers\":1,\"num_attention_heads\":4,\"num_key_value_heads\":2,"
-                           "\"head_dim\":16,\"vocab_size\":100,\"tie_word_embeddings\":true}",
-                           &c, &em),
-                     FU_OK);
-    assert_string_equal(c.model_type, "llama");
-    assert_int_equal(c.head_dim, 16);
-    assert_true(c.tie_word_embeddings);
+    fu_err got = parse(json, &c, &em);
+    if (got != rc || !strstr(em.msg, says))
+        fail_msg("for %s: %s '%s', expected %s and '%s'", json, fu_errname(got), em.msg, fu_errname(rc),
+                 says);
 }
 
 static void test_modelcfg_rejects_invalid_configs(void **state)
 {
     (void)state;
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":5", FU_EINVAL,
+                   "hidden_size 64 is not divisible by num_attention_heads 5");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"num_key_value_heads\":3", FU_EINVAL,
+                   "num_attention_heads 4 is not divisible by num_key_value_heads 3");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":0", FU_EINVAL,
+                   "num_attention_heads must be positive");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":-4", FU_EPROTO,
+                   "\"num_attention_heads\" must be a non-negative integer");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4.5", FU_EPROTO,
+                   "non-negative integer");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":\"4\"", FU_EPROTO,
+                   "non-negative integer");
+    expect_refused(",\"model_type\":\"llama\"", FU_EPROTO, "\"num_attention_heads\" is missing");
+    expect_refused(",\"model_type\":\"gpt2\",\"num_attention_heads\":4", FU_EVERSION,
+                   "model_type 'gpt2' is not supported");
+    expect_refused(",\"architectures\":[\"Qwen2ForCausalLM\"],\"num_attention_heads\":4", FU_EVERSION,
+                   "architecture 'Qwen2ForCausalLM' is not supported");
+    expect_refused(",\"num_attention_heads\":4", FU_EVERSION, "neither \"model_type\" nor \"architectures\"");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"hidden_act\":\"gelu\"", FU_EVERSION,
+                   "hidden_act");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"attention_bias\":true", FU_EVERSION,
+                   "attention_bias");
+    expect_refused(
+        ",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_scaling\":{\"type\":\"linear\"}",
+        FU_EVERSION, "rope_scaling");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rms_norm_eps\":0", FU_EINVAL,
+                   "rms_norm_eps");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_theta\":-1", FU_EINVAL,
+                   "rope_theta");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"tie_word_embeddings\":1", FU_EPROTO,
+                   "\"tie_word_embeddings\" must be true or false");
+    expect_refused(
+        ",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":100000000",
+        FU_EINVAL, "max_position_embeddings 100000000 is over the limit");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":64,\"head_dim\":3", FU_EINVAL,
+                   "head_dim 3 must be even");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":1e30",
+                   FU_EPROTO, "\"max_position_embeddings\" must be a non-negative integer");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"bos_token_id\":300", FU_EINVAL,
+                   "bos_token_id");
     fu_modelcfg c;
     fu_errmsg em;
-    const char *base = "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2,"
-                       "\"vocab_size\":256";
-    char buf[1024];
-#define TRY(extra, want_rc, want_text)                                                              \
-    do {                                                                                            \
-        snprintf(buf, sizeof buf, "{%s%s}", base, extra);                                           \
-        assert_int_equal(parse(buf, &c, &em), want_rc);                                             \
-        if (!strstr(em.msg, want_text))                                                             \
-            fail_msg("for %s: message '%s' lacks '%s'", buf, em.msg, want_text);                    \
-    } while (0)
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":5", FU_EINVAL, "hidden_size 64 is not divisible by "
-                                                                          "num_attention_heads 5");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"num_key_value_heads\":3", FU_EINVAL,
-        "num_attention_heads 4 is not divisible by num_key_value_heads 3");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":0", FU_EINVAL, "num_attention_heads must be positive");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":-4", FU_EPROTO, "\"num_attention_heads\" must be a "
-                                                                           "non-negative integer");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4.5", FU_EPROTO, "non-negative integer");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":\"4\"", FU_EPROTO, "non-negative integer");
-    TRY(",\"model_type\":\"llama\"", FU_EPROTO, "\"num_attention_heads\" is missing");
-    TRY(",\"model_type\":\"gpt2\",\"num_attention_heads\":4", FU_EVERSION, "model_type 'gpt2' is not supported");
-    TRY(",\"architectures\":[\"Qwen2ForCausalLM\"],\"num_attention_heads\":4", FU_EVERSION,
-        "architecture 'Qwen2ForCausalLM' is not supported");
-    TRY(",\"num_attention_heads\":4", FU_EVERSION, "neither \"model_type\" nor \"architectures\"");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"hidden_act\":\"gelu\"", FU_EVERSION, "hidden_act");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"attention_bias\":true", FU_EVERSION, "attention_bias");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_scaling\":{\"type\":\"linear\"}", FU_EVERSION,
-        "rope_scaling");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rms_norm_eps\":0", FU_EINVAL, "rms_norm_eps");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_theta\":-1", FU_EINVAL, "rope_theta");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"tie_word_embeddings\":1", FU_EPROTO,
-        "\"tie_word_embeddings\" must be true or false");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":100000000", FU_EINVAL,
-        "max_position_embeddings 100000000 is over the limit");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":64,\"head_dim\":3", FU_EINVAL, "head_dim 3 must be even");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"max_position_embeddings\":1e30", FU_EPROTO,
-        "\"max_position_embeddings\" must be a non-negative integer");
-    TRY(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"bos_token_id\":300", FU_EINVAL, "bos_token_id");
-#undef TRY
     assert_int_equal(parse("{\"hidden_size\":", &c, &em), FU_EPROTO);
     assert_string_equal(em.msg, "config.json: not valid JSON");
     assert_int_equal(parse("[]", &c, &em), FU_EPROTO);
@@ -176,10 +185,7 @@ static void test_modelcfg_missing_file_says_what_to_do(void **state)
     assert_int_equal(fu_modelcfg_load(dir, &c, &em), FU_OK);
     assert_int_equal(c.num_hidden_layers, 22);
     free(p);
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
+    tu_tmpdir_remove(&dir);
 }
 
 static void test_modelcfg_save_and_load_round_trip(void **state)
@@ -198,18 +204,11 @@ static void test_modelcfg_save_and_load_round_trip(void **state)
     fu_errmsg em = {{0}};
     assert_int_equal(fu_modelcfg_save(dir, &c, &em), FU_OK);
     assert_int_equal(fu_modelcfg_load(dir, &back, &em), FU_OK);
-    assert_int_equal(back.num_hidden_layers, 3);
-    assert_int_equal(back.hidden_size, c.hidden_size);
-    assert_int_equal(back.num_key_value_heads, c.num_key_value_heads);
-    assert_int_equal(back.head_dim, c.head_dim);
-    assert_true(back.rope_theta == 500000.0);
-    assert_true(back.rms_norm_eps == 1e-5);
-    assert_true(back.tie_word_embeddings);
-    assert_int_equal(back.max_position_embeddings, 4096);
-    assert_int_equal(back.bos_token_id, 1);
-    assert_int_equal(back.eos_token_id, -1);
-    assert_string_equal(back.torch_dtype, "bfloat16");
-    assert_string_equal(back.architecture, "LlamaForCausalLM");
+    char text[TU_MODELCFG_TEXT_MAX];
+    assert_string_equal(
+        tu_modelcfg_text(&back, text, sizeof text),
+        "llama LlamaForCausalLM bfloat16 layers 3 hidden 64 heads 4/2 head_dim 16 ffn 128 vocab 256 "
+        "max_pos 4096 eps 1e-05 theta 500000 tied 1 bos 1 eos -1 window 0");
     char *json = fu_modelcfg_to_json(&c);
     assert_non_null(strstr(json, "\"model_type\":\t\"llama\""));
     assert_non_null(strstr(json, "\"LlamaForCausalLM\""));
@@ -218,10 +217,7 @@ static void test_modelcfg_save_and_load_round_trip(void **state)
     c.num_key_value_heads = 3;
     assert_int_equal(fu_modelcfg_save(dir, &c, &em), FU_EINVAL);
     assert_non_null(strstr(em.msg, "num_key_value_heads"));
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
+    tu_tmpdir_remove(&dir);
 }
 
 static void test_modelcfg_weight_list_has_hf_names_and_shapes(void **state)
@@ -335,10 +331,7 @@ static void test_modelcfg_check_weights(void **state)
     write_weights(dir, &c, NULL, FU_ST_I32, NULL);
     assert_int_equal(check_dir(dir, &c, &em), FU_EINVAL);
     assert_non_null(strstr(em.msg, "has dtype I32, expected F32, F16 or BF16"));
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
+    tu_tmpdir_remove(&dir);
 }
 
 int main(void)

@@ -29,6 +29,15 @@ static void hexname(char out[PEER_CACHE_NAME_LEN + 1], char c)
     out[PEER_CACHE_NAME_LEN] = '\0';
 }
 
+/* hexname(c) in static storage that lasts the whole run. */
+static const char *name_of(char c)
+{
+    static char names[256][PEER_CACHE_NAME_LEN + 1];
+    char *n = names[(unsigned char)c];
+    hexname(n, c);
+    return n;
+}
+
 /* Writes size bytes to dir/name with mtime t (seconds since the epoch). */
 static void put(const char *dir, const char *name, size_t size, time_t t)
 {
@@ -50,85 +59,70 @@ static bool has(const char *dir, const char *name)
     return e;
 }
 
-static void rm_rf(char *dir)
+/* Trims dir to max bytes (keeping `keep`, NULL: none), which must succeed, and returns how many bytes
+ * it freed. */
+static uint64_t trimmed(const char *dir, uint64_t max, const char *keep)
 {
-    (void)tu_sh(NULL, "rm -rf '%s'", dir);
-    free(dir);
+    uint64_t freed = 7;
+    fu_errmsg em = {{0}};
+    fu_err rc = peer_cache_trim(dir, max, keep, &freed, &em);
+    if (rc != FU_OK)
+        fail_msg("trimming %s to %llu: %s", dir, (unsigned long long)max, fu_errmsg_text(&em, rc));
+    return freed;
 }
 
 static void test_peer_cache_trim_evicts_oldest_first(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-trim");
-    assert_non_null(dir);
-    char a[65], b[65], c[65], d[65];
-    hexname(a, 'a');
-    hexname(b, 'b');
-    hexname(c, 'c');
-    hexname(d, 'd');
+    const char *dir = tu_dir;
+    const char *a = name_of('a'), *b = name_of('b'), *c = name_of('c'), *d = name_of('d');
     /* b is the oldest, then d, c, a. 400 bytes in all. */
     put(dir, a, 100, 4000);
     put(dir, b, 100, 1000);
     put(dir, c, 100, 3000);
     put(dir, d, 100, 2000);
-    uint64_t freed = 1;
-    fu_errmsg em = {{0}};
     /* Under the limit already: nothing goes. */
-    assert_int_equal(peer_cache_trim(dir, 400, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 0);
+    assert_int_equal(trimmed(dir, 400, NULL), 0);
     assert_true(has(dir, a) && has(dir, b) && has(dir, c) && has(dir, d));
     /* 250: the two oldest go (b then d), the two newest stay. */
-    assert_int_equal(peer_cache_trim(dir, 250, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 200);
+    assert_int_equal(trimmed(dir, 250, NULL), 200);
     assert_false(has(dir, b));
     assert_false(has(dir, d));
     assert_true(has(dir, a) && has(dir, c));
     /* 199: c (older) goes, a stays. */
-    assert_int_equal(peer_cache_trim(dir, 199, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 100);
+    assert_int_equal(trimmed(dir, 199, NULL), 100);
     assert_false(has(dir, c));
     assert_true(has(dir, a));
-    rm_rf(dir);
 }
 
 static void test_peer_cache_trim_never_deletes_the_kept_blob(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-keep");
-    char a[65], b[65], k[65];
-    hexname(a, 'a');
-    hexname(b, 'b');
-    hexname(k, '0');
+    const char *dir = tu_dir;
+    const char *a = name_of('a'), *b = name_of('b'), *k = name_of('0');
     put(dir, k, 500, 1000); /* the oldest and alone over the limit */
     put(dir, a, 10, 2000);
     put(dir, b, 10, 3000);
-    uint64_t freed = 0;
-    fu_errmsg em = {{0}};
-    assert_int_equal(peer_cache_trim(dir, 100, k, &freed, &em), FU_OK);
-    assert_int_equal(freed, 20);
+    assert_int_equal(trimmed(dir, 100, k), 20);
     assert_true(has(dir, k));
     assert_false(has(dir, a));
     assert_false(has(dir, b));
     /* Again: only the kept one is left, nothing to do, no error. */
-    assert_int_equal(peer_cache_trim(dir, 100, k, &freed, &em), FU_OK);
-    assert_int_equal(freed, 0);
+    assert_int_equal(trimmed(dir, 100, k), 0);
     assert_true(has(dir, k));
-    rm_rf(dir);
 }
 
 static void test_peer_cache_trim_ignores_files_it_does_not_own(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-own");
-    char a[65], upper[65], longer[66], shorter[64], sub[65], link[65];
-    hexname(a, 'a');
-    hexname(upper, 'A');     /* upper case: not a name peer_blob writes */
+    const char *dir = tu_dir;
+    const char *a = name_of('a'), *sub = name_of('1'), *link = name_of('2');
+    const char *upper = name_of('A'); /* upper case: not a name peer_blob writes */
+    char longer[66], shorter[64];
     memset(longer, 'e', 65); /* 65 chars */
     longer[65] = '\0';
     memset(shorter, 'e', 63); /* 63 chars */
     shorter[63] = '\0';
-    hexname(sub, '1');
-    hexname(link, '2');
     put(dir, a, 100, 5000);
     put(dir, upper, 1000, 1000);
     put(dir, longer, 1000, 1000);
@@ -141,14 +135,10 @@ static void test_peer_cache_trim_ignores_files_it_does_not_own(void **state)
     char *lp = fu_path_join(dir, link);
     char *target = fu_path_join(dir, "notes.txt");
     assert_int_equal(symlink(target, lp), 0);
-    uint64_t freed = 0;
-    fu_errmsg em = {{0}};
     /* Only a counts (100 bytes): under 150, nothing goes. */
-    assert_int_equal(peer_cache_trim(dir, 150, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 0);
+    assert_int_equal(trimmed(dir, 150, NULL), 0);
     /* Under 50: a goes, nothing else does. */
-    assert_int_equal(peer_cache_trim(dir, 50, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 100);
+    assert_int_equal(trimmed(dir, 50, NULL), 100);
     assert_false(has(dir, a));
     assert_true(has(dir, upper) && has(dir, longer) && has(dir, shorter));
     assert_true(has(dir, ".stage-1-00-0.safetensors") && has(dir, "notes.txt"));
@@ -160,25 +150,20 @@ static void test_peer_cache_trim_ignores_files_it_does_not_own(void **state)
     free(sp);
     free(lp);
     free(target);
-    rm_rf(dir);
 }
 
 static void test_peer_cache_trim_zero_is_unlimited_and_missing_dir_ok(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-zero");
-    char a[65];
-    hexname(a, 'a');
+    const char *dir = tu_dir;
+    const char *a = name_of('a');
     put(dir, a, 1000, 1000);
-    uint64_t freed = 7;
-    fu_errmsg em = {{0}};
-    assert_int_equal(peer_cache_trim(dir, 0, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 0);
+    assert_int_equal(trimmed(dir, 0, NULL), 0);
     assert_true(has(dir, a));
     char *missing = fu_path_join(dir, "no-such-dir");
-    freed = 7;
-    assert_int_equal(peer_cache_trim(missing, 1, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 0);
+    assert_int_equal(trimmed(missing, 1, NULL), 0);
+    uint64_t freed = 0;
+    fu_errmsg em = {{0}};
     assert_int_equal(peer_cache_trim(NULL, 1, NULL, &freed, &em), FU_EINVAL);
     /* A file where the directory should be: an error with a sentence, no abort. */
     char *file = fu_path_join(dir, a);
@@ -186,24 +171,19 @@ static void test_peer_cache_trim_zero_is_unlimited_and_missing_dir_ok(void **sta
     assert_non_null(strstr(em.msg, "cache directory"));
     free(file);
     free(missing);
-    rm_rf(dir);
 }
 
 static void test_peer_cache_touch_makes_a_file_newest(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-touch");
-    char a[65], b[65];
-    hexname(a, 'a');
-    hexname(b, 'b');
+    const char *dir = tu_dir;
+    const char *a = name_of('a'), *b = name_of('b');
     put(dir, a, 100, 1000); /* the oldest ... */
     put(dir, b, 100, 2000);
     char *pa = fu_path_join(dir, a);
     fu_errmsg em = {{0}};
     assert_int_equal(peer_cache_touch(pa, &em), FU_OK); /* ... until it is used */
-    uint64_t freed = 0;
-    assert_int_equal(peer_cache_trim(dir, 150, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 100);
+    assert_int_equal(trimmed(dir, 150, NULL), 100);
     assert_true(has(dir, a));
     assert_false(has(dir, b));
     char *pb = fu_path_join(dir, b);
@@ -211,7 +191,6 @@ static void test_peer_cache_touch_makes_a_file_newest(void **state)
     assert_true(em.msg[0] != '\0');
     free(pa);
     free(pb);
-    rm_rf(dir);
 }
 
 /* Answers b's requests as a broker would, one chunk per request, until it is done. */
@@ -244,10 +223,9 @@ static void serve(peer_blob_t *b, const uint8_t *blob, size_t len, const uint8_t
 static void test_peer_cache_blob_write_trims_and_hit_touches(void **state)
 {
     (void)state;
-    char *dir = tu_tmpdir("cache-blob");
-    char x[65], y[65], hex[65];
-    hexname(x, 'a');
-    hexname(y, 'b');
+    const char *dir = tu_dir;
+    const char *x = name_of('a'), *y = name_of('b');
+    char hex[65];
     put(dir, x, 1000, 1000);
     put(dir, y, 1000, 2000);
     uint8_t blob[1000], hash[32];
@@ -273,14 +251,10 @@ static void test_peer_cache_blob_write_trims_and_hit_touches(void **state)
     serve(b, blob, sizeof blob, hash, &hit);
     assert_true(hit);
     peer_blob_destroy(&b);
-    uint64_t freed = 0;
-    fu_errmsg em = {{0}};
-    assert_int_equal(peer_cache_trim(dir, 1500, NULL, &freed, &em), FU_OK);
-    assert_int_equal(freed, 1000);
+    assert_int_equal(trimmed(dir, 1500, NULL), 1000);
     assert_false(has(dir, y));
     assert_true(has(dir, hex));
     free(path);
-    rm_rf(dir);
 }
 
 static void test_peer_cache_is_name(void **state)
@@ -300,8 +274,6 @@ static void test_peer_cache_is_name(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_peer_cache_trim_evicts_oldest_first),
         cmocka_unit_test(test_peer_cache_trim_never_deletes_the_kept_blob),
@@ -311,5 +283,5 @@ int main(void)
         cmocka_unit_test(test_peer_cache_blob_write_trims_and_hit_touches),
         cmocka_unit_test(test_peer_cache_is_name),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

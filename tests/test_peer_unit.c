@@ -272,23 +272,18 @@ static void test_peer_blob_verifies_refuses_and_caches(void **state)
     assert_int_equal(rc, FU_ENOMEM);
     peer_blob_destroy(&b);
 
-    char *out = NULL;
-    (void)tu_sh(&out, "rm -rf '%s'", cache);
-    free(out);
+    tu_tmpdir_remove(&cache);
     free(path);
-    free(cache);
     free(blob);
 }
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_peer_profile_measures_this_machine),
         cmocka_unit_test(test_peer_spec_parses_the_contract_example),
         cmocka_unit_test(test_peer_data_order_follows_the_contract),
         cmocka_unit_test(test_peer_blob_verifies_refuses_and_caches),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, NULL, NULL);
 }

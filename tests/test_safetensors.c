@@ -18,28 +18,9 @@
 #include "fu_safetensors.h"
 #include "testutil.h"
 
-static char *g_dir;
-
-static int setup(void **state)
-{
-    (void)state;
-    g_dir = tu_tmpdir("st");
-    return g_dir ? 0 : -1;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", g_dir);
-    free(out);
-    free(g_dir);
-    return 0;
-}
-
 static char *path_in(const char *name)
 {
-    return fu_path_join(g_dir, name);
+    return fu_path_join(tu_dir, name);
 }
 
 /* A safetensors image built by hand: header text + data bytes. Caller frees. */
@@ -573,7 +554,7 @@ static void test_safetensors_writer_refuses_bad_lists(void **state)
     assert_int_equal(fu_safetensors_write(p, &nodata, 1, NULL, 0, fill_fail, NULL, &em), FU_EIO);
     assert_false(fu_path_exists(p));
     char *out = NULL;
-    assert_int_equal(tu_sh(&out, "ls '%s' | grep -c tmp-", g_dir), 1); /* grep found nothing */
+    assert_int_equal(tu_sh(&out, "ls '%s' | grep -c tmp-", tu_dir), 1); /* grep found nothing */
     free(out);
     /* The fill callback path. */
     assert_int_equal(fu_safetensors_write(p, &nodata, 1, NULL, 0, fill_iota, NULL, &em), FU_OK);
@@ -684,5 +665,5 @@ int main(void)
         cmocka_unit_test(test_safetensors_file_helpers),
         cmocka_unit_test(test_safetensors_rng_is_deterministic),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -440,10 +440,7 @@ static void test_tokenizer_open_dir(void **state)
     assert_int_equal(fu_tokenizer_load("/nonexistent/tokenizer.json", &t, &em), FU_ENOTFOUND);
     free(p);
     free(j);
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", dir);
-    free(out);
-    free(dir);
+    tu_tmpdir_remove(&dir);
 }
 
 int main(void)

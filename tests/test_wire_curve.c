@@ -57,10 +57,7 @@ static int teardown(void **state)
     for (size_t i = 0; i < f->n_kps; i++)
         wire_keypair_destroy(&f->kps[i]);
     wire_keypair_destroy(&f->server_kp);
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", f->dir);
-    free(out);
-    free(f->dir);
+    tu_tmpdir_remove(&f->dir);
     free(f);
     return 0;
 }
@@ -110,6 +107,43 @@ static void write_allow_list(fixture *f, const wire_keypair_t *kp)
     fclose(fp);
 }
 
+/* Starts f's ZAP handler with cfg; fails the test when it cannot. */
+static void zap_start(fixture *f, const wire_zap_cfg *cfg)
+{
+    fu_err rc = FU_OK;
+    fu_errmsg em = {{0}};
+    f->zap = wire_zap_new(f->ctx, cfg, &rc, &em);
+    if (!f->zap)
+        fail_msg("wire_zap_new: %s", fu_errmsg_text(&em, rc));
+}
+
+/* Starts f's server with a ZAP handler whose allow-list holds member's public key alone. */
+static void serve_allowing(fixture *f, const wire_keypair_t *member)
+{
+    write_allow_list(f, member);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    zap_start(f, &cfg);
+    start_server(f);
+}
+
+/* A new client with key pair kp, taking the server's public key to be f's, sends one message: returns
+ * what the server's wire_recv gives (*m: the message, NULL when none came). */
+static fu_err send_as(fixture *f, const wire_keypair_t *kp, wire_msg_t **m)
+{
+    client_send(f, kp, wire_keypair_public(f->server_kp));
+    wire_counters c = {0};
+    *m = NULL;
+    return wire_recv(f->server, 0, &c, m);
+}
+
+/* f's ZAP handler's counters. */
+static wire_zap_counters zap_counters(const fixture *f)
+{
+    wire_zap_counters zc;
+    wire_zap_get_counters(f->zap, &zc);
+    return zc;
+}
+
 static void test_wire_curve_available_here(void **state)
 {
     (void)state;
@@ -121,46 +155,27 @@ static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
 {
     fixture *f = *state;
     wire_keypair_t *alice = new_kp(f);
-    write_allow_list(f, alice);
-    wire_zap_cfg cfg = {.allow_file = f->allow_path};
-    fu_errmsg em = {{0}};
-    fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, &em);
-    if (!f->zap)
-        print_message("wire_zap_new: %s\n", em.msg);
-    assert_non_null(f->zap);
-    start_server(f);
-    client_send(f, alice, wire_keypair_public(f->server_kp));
-    wire_counters c = {0};
+    serve_allowing(f, alice);
     wire_msg_t *m = NULL;
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_int_equal(send_as(f, alice, &m), FU_OK);
     assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(alice));
     assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
     assert_true(wire_zap_msg_is_member(f->zap, m));
-    wire_msg_destroy(&m);
-    wire_zap_counters zc;
-    wire_zap_get_counters(f->zap, &zc);
+    wire_zap_counters zc = zap_counters(f);
     assert_int_equal(zc.admitted, 1);
     assert_int_equal(zc.refused, 0);
+    wire_msg_destroy(&m);
 }
 
 static void test_wire_curve_unknown_key_refused(void **state)
 {
     fixture *f = *state;
     wire_keypair_t *alice = new_kp(f), *mallory = new_kp(f);
-    write_allow_list(f, alice);
-    wire_zap_cfg cfg = {.allow_file = f->allow_path};
-    fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL);
-    assert_non_null(f->zap);
-    start_server(f);
-    client_send(f, mallory, wire_keypair_public(f->server_kp));
-    wire_counters c = {0};
+    serve_allowing(f, alice);
     wire_msg_t *m = NULL;
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+    assert_int_equal(send_as(f, mallory, &m), FU_ETIMEDOUT);
     assert_null(m);
-    wire_zap_counters zc;
-    wire_zap_get_counters(f->zap, &zc);
+    wire_zap_counters zc = zap_counters(f);
     assert_true(zc.refused >= 1);
     assert_int_equal(zc.admitted, 0);
 
@@ -168,19 +183,18 @@ static void test_wire_curve_unknown_key_refused(void **state)
     client_send(f, NULL, NULL);
     wire_keypair_t *other = new_kp(f);
     client_send(f, alice, wire_keypair_public(other));
+    wire_counters c = {0};
     assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
 
     /* and alice still gets in */
-    client_send(f, alice, wire_keypair_public(f->server_kp));
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_int_equal(send_as(f, alice, &m), FU_OK);
     assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(alice));
     wire_msg_destroy(&m);
 
     /* a denied key is refused on its next connection */
     wire_zap_deny(f->zap, wire_keypair_public(alice));
     assert_false(wire_zap_is_member(f->zap, wire_keypair_public_z85(alice)));
-    client_send(f, alice, wire_keypair_public(f->server_kp));
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+    assert_int_equal(send_as(f, alice, &m), FU_ETIMEDOUT);
 }
 
 static void test_wire_curve_no_zap_handler_fails_closed(void **state)
@@ -188,10 +202,8 @@ static void test_wire_curve_no_zap_handler_fails_closed(void **state)
     fixture *f = *state;
     wire_keypair_t *alice = new_kp(f);
     start_server(f); /* no wire_zap_new: ZMQ_ZAP_ENFORCE_DOMAIN must refuse everyone */
-    client_send(f, alice, wire_keypair_public(f->server_kp));
-    wire_counters c = {0};
     wire_msg_t *m = NULL;
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_ETIMEDOUT);
+    assert_int_equal(send_as(f, alice, &m), FU_ETIMEDOUT);
 }
 
 static void test_wire_curve_enrolment_by_token(void **state)
@@ -200,20 +212,13 @@ static void test_wire_curve_enrolment_by_token(void **state)
     char token[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(token);
     wire_zap_cfg cfg = {.allow_file = f->allow_path, .enrol_token = token}; /* file does not exist yet */
-    fu_err rc;
-    fu_errmsg em = {{0}};
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, &em);
-    if (!f->zap)
-        print_message("wire_zap_new: %s\n", em.msg);
-    assert_non_null(f->zap);
+    zap_start(f, &cfg);
     start_server(f);
     wire_keypair_t *bob = new_kp(f), *eve = new_kp(f);
 
     /* bob is admitted as enrolling: the broker accepts only an Enrol from him */
-    client_send(f, bob, wire_keypair_public(f->server_kp));
-    wire_counters c = {0};
     wire_msg_t *m = NULL;
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_int_equal(send_as(f, bob, &m), FU_OK);
     assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_ENROLLING);
     assert_false(wire_zap_msg_is_member(f->zap, m));
     wire_msg_destroy(&m);
@@ -223,6 +228,7 @@ static void test_wire_curve_enrolment_by_token(void **state)
     en.token = token;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_ENROL};
     assert_int_equal(wire_send(cb, NULL, 0, &h, &en.base), FU_OK);
+    wire_counters c = {0};
     assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
     const Fusion__Enrol *got = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ENROL);
     assert_non_null(got);
@@ -231,8 +237,7 @@ static void test_wire_curve_enrolment_by_token(void **state)
     wire_msg_destroy(&m);
 
     /* eve presents a wrong token */
-    client_send(f, eve, wire_keypair_public(f->server_kp));
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_int_equal(send_as(f, eve, &m), FU_OK);
     char wrong[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(wrong);
     assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), wrong), FU_EAUTH);
@@ -244,17 +249,16 @@ static void test_wire_curve_enrolment_by_token(void **state)
     /* bob's key was appended to the allow-list file and a fresh handler admits him as a member */
     uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
     size_t n = 0;
+    fu_errmsg em = {{0}};
     assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, &em), FU_OK);
     assert_int_equal(n, 1);
     assert_memory_equal(keys[0], wire_keypair_public(bob), WIRE_KEY_BYTES);
     free(keys);
-    client_send(f, bob, wire_keypair_public(f->server_kp));
-    assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
+    assert_int_equal(send_as(f, bob, &m), FU_OK);
     assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
     wire_msg_destroy(&m);
 
-    wire_zap_counters zc;
-    wire_zap_get_counters(f->zap, &zc);
+    wire_zap_counters zc = zap_counters(f);
     assert_int_equal(zc.enrolled, 1);
     assert_int_equal(zc.bad_tokens, 3);
 }
@@ -263,14 +267,13 @@ static void test_wire_curve_enrolment_disabled_without_token(void **state)
 {
     fixture *f = *state;
     wire_zap_cfg cfg = {0};
-    fu_err rc;
-    f->zap = wire_zap_new(f->ctx, &cfg, &rc, NULL);
-    assert_non_null(f->zap);
+    zap_start(f, &cfg);
     char token[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(token);
     wire_keypair_t *bob = new_kp(f);
     assert_int_equal(wire_zap_enrol(f->zap, wire_keypair_public_z85(bob), token), FU_EAUTH);
     /* a second handler in the same context is refused */
+    fu_err rc = FU_OK;
     wire_zap_t *again = wire_zap_new(f->ctx, &cfg, &rc, NULL);
     assert_null(again);
     assert_int_equal(rc, FU_EEXIST);
@@ -302,16 +305,14 @@ static void test_wire_curve_allow_list_parsing(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_wire_curve_available_here),
-        cmocka_unit_test_setup_teardown(test_wire_curve_allowed_key_admitted_with_user_id, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_curve_unknown_key_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_curve_no_zap_handler_fails_closed, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_curve_enrolment_by_token, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_curve_enrolment_disabled_without_token, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_curve_allow_list_parsing, setup, teardown),
+        cmocka_unit_test(test_wire_curve_allowed_key_admitted_with_user_id),
+        cmocka_unit_test(test_wire_curve_unknown_key_refused),
+        cmocka_unit_test(test_wire_curve_no_zap_handler_fails_closed),
+        cmocka_unit_test(test_wire_curve_enrolment_by_token),
+        cmocka_unit_test(test_wire_curve_enrolment_disabled_without_token),
+        cmocka_unit_test(test_wire_curve_allow_list_parsing),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, setup, teardown);
 }

@@ -18,25 +18,6 @@
 #include "testutil.h"
 #include "wire_keys.h"
 
-static char *scratch;
-
-static int setup(void **state)
-{
-    (void)state;
-    scratch = tu_tmpdir("keys");
-    return scratch ? 0 : -1;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    char *out = NULL;
-    tu_sh(&out, "rm -rf '%s'", scratch);
-    free(out);
-    free(scratch);
-    return 0;
-}
-
 static mode_t mode_of(const char *dir, const char *name)
 {
     char p[8400];
@@ -50,13 +31,11 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
 {
     (void)state;
     char dir[4200];
-    snprintf(dir, sizeof dir, "%s/k1", scratch);
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "%s keygen -o '%s'", tu_bin("fusion"), dir), 0);
-    assert_non_null(strstr(out, "public key: "));
+    snprintf(dir, sizeof dir, "%s/k1", tu_dir);
+    char *out = tu_fusion_expect_out(0, "public key: ", "keygen -o '%s'", dir);
     assert_int_equal(mode_of(dir, WIRE_SECRET_KEY_FILE), 0600);
     assert_int_equal(mode_of(dir, WIRE_PUBLIC_KEY_FILE), 0644);
-    assert_int_equal(mode_of(scratch, "k1"), 0700);
+    assert_int_equal(mode_of(tu_dir, "k1"), 0700);
 
     wire_keypair_t *kp = NULL;
     fu_errmsg em = {{0}};
@@ -69,8 +48,7 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
     free(out);
 
     /* again: refused, keys untouched */
-    assert_int_equal(tu_sh(&out, "%s keygen -o '%s'", tu_bin("fusion"), dir), 1);
-    assert_non_null(strstr(out, "refusing to overwrite"));
+    out = tu_fusion_expect_out(1, "refusing to overwrite", "keygen -o '%s'", dir);
     assert_non_null(strstr(out, "--force"));
     free(out);
     assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
@@ -78,18 +56,15 @@ static void test_wire_keys_keygen_process_writes_0600(void **state)
     wire_keypair_destroy(&kp);
 
     /* --force replaces them, still 0600 */
-    assert_int_equal(tu_sh(&out, "%s keygen -o '%s' --force", tu_bin("fusion"), dir), 0);
-    free(out);
+    tu_fusion_expect(0, NULL, "keygen -o '%s' --force", dir);
     assert_int_equal(mode_of(dir, WIRE_SECRET_KEY_FILE), 0600);
     assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
     assert_string_not_equal(wire_keypair_public_z85(kp), first);
     wire_keypair_destroy(&kp);
 
     /* usage errors and the token mode */
-    assert_int_equal(tu_sh(&out, "%s keygen", tu_bin("fusion")), 2);
-    assert_non_null(strstr(out, "-o DIR"));
-    free(out);
-    assert_int_equal(tu_sh(&out, "%s keygen --token", tu_bin("fusion")), 0);
+    tu_fusion_expect(2, "-o DIR", "keygen");
+    out = tu_fusion_expect_out(0, NULL, "keygen --token");
     assert_int_equal(strlen(out), WIRE_KEY_Z85_LEN + 1);
     free(out);
 }
@@ -98,7 +73,7 @@ static void test_wire_keys_loose_permissions_refused(void **state)
 {
     (void)state;
     char dir[4200];
-    snprintf(dir, sizeof dir, "%s/k2", scratch);
+    snprintf(dir, sizeof dir, "%s/k2", tu_dir);
     wire_keypair_t *kp = wire_keypair_generate();
     fu_errmsg em = {{0}};
     assert_int_equal(wire_keypair_save(kp, dir, false, &em), FU_OK);
@@ -123,7 +98,7 @@ static void test_wire_keys_loose_permissions_refused(void **state)
     /* a symlink to the secret key is refused */
     char dir2[4200], cmdout[16];
     (void)cmdout;
-    snprintf(dir2, sizeof dir2, "%s/k2link", scratch);
+    snprintf(dir2, sizeof dir2, "%s/k2link", tu_dir);
     assert_int_equal(mkdir(dir2, 0700), 0);
     char link_path[4300], pub2[4300], pub[4300];
     snprintf(link_path, sizeof link_path, "%s/%s", dir2, WIRE_SECRET_KEY_FILE);
@@ -142,21 +117,19 @@ static void test_wire_keys_bad_files_refused(void **state)
     wire_keypair_t *kp = NULL;
     /* missing */
     char dir[4200];
-    snprintf(dir, sizeof dir, "%s/none", scratch);
+    snprintf(dir, sizeof dir, "%s/none", tu_dir);
     assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_ENOTFOUND);
     assert_non_null(strstr(em.msg, "fusion keygen"));
 
     /* a public key that is not the secret key's */
     char d1[4200], d2[4200];
-    snprintf(d1, sizeof d1, "%s/a", scratch);
-    snprintf(d2, sizeof d2, "%s/b", scratch);
+    snprintf(d1, sizeof d1, "%s/a", tu_dir);
+    snprintf(d2, sizeof d2, "%s/b", tu_dir);
     wire_keypair_t *a = wire_keypair_generate(), *b = wire_keypair_generate();
     assert_int_equal(wire_keypair_save(a, d1, false, &em), FU_OK);
     assert_int_equal(wire_keypair_save(b, d2, false, &em), FU_OK);
     assert_int_equal(wire_keypair_save(b, d2, false, &em), FU_EEXIST);
-    char *out = NULL;
-    assert_int_equal(tu_sh(&out, "cp '%s/public.key' '%s/public.key'", d2, d1), 0);
-    free(out);
+    tu_sh_expect(0, NULL, "cp '%s/public.key' '%s/public.key'", d2, d1);
     assert_int_equal(wire_keypair_load(d1, &kp, &em), FU_EINVAL);
     assert_non_null(strstr(em.msg, "does not belong"));
 
@@ -184,12 +157,10 @@ static void test_wire_keys_bad_files_refused(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_wire_keys_keygen_process_writes_0600),
         cmocka_unit_test(test_wire_keys_loose_permissions_refused),
         cmocka_unit_test(test_wire_keys_bad_files_refused),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tu_unit_main(tests, sodium_init, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -20,6 +20,8 @@
 #include "wire_socket.h"
 #include "wire_tensor.h"
 
+#include "testutil.h" /* after wire_seal.h: tu_seal_pair */
+
 typedef struct {
     wire_keypair_t *a_kp, *b_kp, *r_kp; /* two stages and a relay */
     wire_seal_t *a, *b;                 /* the link, seen from each side */
@@ -29,18 +31,8 @@ typedef struct {
 static int setup(void **state)
 {
     link_fx *L = calloc(1, sizeof *L);
-    L->a_kp = wire_keypair_generate();
-    L->b_kp = wire_keypair_generate();
+    tu_seal_pair(&L->a_kp, &L->b_kp, &L->a, &L->b, L->a_eph_pk, L->b_eph_pk);
     L->r_kp = wire_keypair_generate();
-    wire_seal_eph_t *ea = wire_seal_eph_new(), *eb = wire_seal_eph_new();
-    memcpy(L->a_eph_pk, wire_seal_eph_public(ea), 32);
-    memcpy(L->b_eph_pk, wire_seal_eph_public(eb), 32);
-    fu_err rc;
-    L->a = wire_seal_new(L->a_kp, wire_keypair_public(L->b_kp), &ea, L->b_eph_pk, &rc);
-    assert_non_null(L->a);
-    assert_null(ea); /* consumed */
-    L->b = wire_seal_new(L->b_kp, wire_keypair_public(L->a_kp), &eb, L->a_eph_pk, &rc);
-    assert_non_null(L->b);
     *state = L;
     return 0;
 }
@@ -48,10 +40,7 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     link_fx *L = *state;
-    wire_seal_destroy(&L->a);
-    wire_seal_destroy(&L->b);
-    wire_keypair_destroy(&L->a_kp);
-    wire_keypair_destroy(&L->b_kp);
+    tu_seal_pair_free(&L->a_kp, &L->b_kp, &L->a, &L->b);
     wire_keypair_destroy(&L->r_kp);
     free(L);
     return 0;
@@ -59,13 +48,12 @@ static int teardown(void **state)
 
 static wire_seal_ad sample_ad(void)
 {
+    /* the first and only chunk (offset 0, index 0) of a 4 x 4 f32 activation */
     wire_seal_ad ad = {.job_id = 5,
                        .step = 100,
                        .micro_batch = 2,
                        .kind = FUSION__MSG_TYPE__MSG_ACTIVATION,
-                       .offset = 0,
                        .total = 64,
-                       .chunk_index = 0,
                        .chunk_count = 1,
                        .dtype = FUSION__DTYPE__DTYPE_F32,
                        .ndim = 2,
@@ -485,17 +473,15 @@ static void test_wire_seal_tensor_bad_geometry_refused(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_wire_seal_both_directions_round_trip, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_relay_cannot_read, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_every_bit_flip_detected, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_replay_and_stale_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_bad_keys_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_tensor_direct_and_relayed, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_seal_tensor_tampered_chunk_refused, setup, teardown),
+        cmocka_unit_test(test_wire_seal_both_directions_round_trip),
+        cmocka_unit_test(test_wire_seal_relay_cannot_read),
+        cmocka_unit_test(test_wire_seal_every_bit_flip_detected),
+        cmocka_unit_test(test_wire_seal_replay_and_stale_refused),
+        cmocka_unit_test(test_wire_seal_bad_keys_refused),
+        cmocka_unit_test(test_wire_seal_tensor_direct_and_relayed),
+        cmocka_unit_test(test_wire_seal_tensor_tampered_chunk_refused),
         cmocka_unit_test(test_wire_seal_tensor_bad_geometry_refused),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, setup, teardown);
 }

@@ -13,6 +13,7 @@
 #include <sodium.h>
 #include <zmq.h>
 
+#include "testutil.h"
 #include "wire.h"
 #include "wire_socket.h"
 
@@ -320,15 +321,13 @@ static void test_wire_socket_forward_relays_body_unchanged(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_wire_socket_options_set_on_purpose, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_socket_round_trip_router_dealer, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_socket_malformed_dropped_counted_answered, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_socket_oversized_message_never_delivered, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_socket_router_mandatory, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_socket_forward_relays_body_unchanged, setup, teardown),
+        cmocka_unit_test(test_wire_socket_options_set_on_purpose),
+        cmocka_unit_test(test_wire_socket_round_trip_router_dealer),
+        cmocka_unit_test(test_wire_socket_malformed_dropped_counted_answered),
+        cmocka_unit_test(test_wire_socket_oversized_message_never_delivered),
+        cmocka_unit_test(test_wire_socket_router_mandatory),
+        cmocka_unit_test(test_wire_socket_forward_relays_body_unchanged),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, setup, teardown);
 }

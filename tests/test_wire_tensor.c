@@ -21,6 +21,8 @@
 #include "wire_socket.h"
 #include "wire_tensor.h"
 
+#include "testutil.h" /* after wire_seal.h: tu_seal_pair */
+
 #define BIG (16u << 20) /* 16 MiB: 16 chunks of the default size */
 
 typedef struct {
@@ -33,17 +35,8 @@ typedef struct {
 static int setup(void **state)
 {
     fx *F = calloc(1, sizeof *F);
-    F->a_kp = wire_keypair_generate();
-    F->b_kp = wire_keypair_generate();
-    wire_seal_eph_t *ea = wire_seal_eph_new(), *eb = wire_seal_eph_new();
-    uint8_t pa[32], pb[32];
-    memcpy(pa, wire_seal_eph_public(ea), 32);
-    memcpy(pb, wire_seal_eph_public(eb), 32);
+    tu_seal_pair(&F->a_kp, &F->b_kp, &F->a, &F->b, NULL, NULL);
     fu_err rc;
-    F->a = wire_seal_new(F->a_kp, wire_keypair_public(F->b_kp), &ea, pb, &rc);
-    F->b = wire_seal_new(F->b_kp, wire_keypair_public(F->a_kp), &eb, pa, &rc);
-    assert_non_null(F->a);
-    assert_non_null(F->b);
     F->ctx = zmq_ctx_new();
     F->rx = wire_socket_new(F->ctx, ZMQ_PAIR, &rc);
     F->tx = wire_socket_new(F->ctx, ZMQ_PAIR, &rc);
@@ -66,10 +59,7 @@ static int teardown(void **state)
     wire_socket_close(&F->rx);
     wire_socket_close(&F->tx);
     zmq_ctx_term(F->ctx);
-    wire_seal_destroy(&F->a);
-    wire_seal_destroy(&F->b);
-    wire_keypair_destroy(&F->a_kp);
-    wire_keypair_destroy(&F->b_kp);
+    tu_seal_pair_free(&F->a_kp, &F->b_kp, &F->a, &F->b);
     free(F->data);
     free(F);
     return 0;
@@ -83,13 +73,14 @@ typedef struct {
 
 static wire_tensor_meta big_meta(uint64_t step)
 {
-    return (wire_tensor_meta){.type = FUSION__MSG_TYPE__MSG_ACTIVATION,
+    /* the tensor (BIG bytes of f32), then the message it travels as */
+    return (wire_tensor_meta){.dtype = FUSION__DTYPE__DTYPE_F32,
+                              .ndim = 2,
+                              .shape = {(int64_t)(BIG / 4 / 1024), 1024},
+                              .type = FUSION__MSG_TYPE__MSG_ACTIVATION,
                               .job_id = 7,
                               .step = step,
-                              .micro_batch = 1,
-                              .dtype = FUSION__DTYPE__DTYPE_F32,
-                              .ndim = 2,
-                              .shape = {(int64_t)(BIG / 4 / 1024), 1024}};
+                              .micro_batch = 1};
 }
 
 /* Sends the pattern sealed (or plain with seal NULL) in chunks of chunk_bytes and captures the n
@@ -407,15 +398,13 @@ static void test_wire_tensor_abandon_with_chunks_opening(void **state)
 
 int main(void)
 {
-    if (sodium_init() < 0)
-        return 1;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_wire_tensor_parallel_16mib_round_trips, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_tensor_send_waits_for_a_full_queue, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_tensor_tampered_middle_chunk_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_tensor_out_of_order_assembles, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_tensor_replayed_chunk_refused, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_wire_tensor_abandon_with_chunks_opening, setup, teardown),
+        cmocka_unit_test(test_wire_tensor_parallel_16mib_round_trips),
+        cmocka_unit_test(test_wire_tensor_send_waits_for_a_full_queue),
+        cmocka_unit_test(test_wire_tensor_tampered_middle_chunk_refused),
+        cmocka_unit_test(test_wire_tensor_out_of_order_assembles),
+        cmocka_unit_test(test_wire_tensor_replayed_chunk_refused),
+        cmocka_unit_test(test_wire_tensor_abandon_with_chunks_opening),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tu_unit_main(tests, sodium_init, setup, teardown);
 }
