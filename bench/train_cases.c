@@ -37,6 +37,17 @@ typedef struct {
     bool made, pruned_made, pruned_kept_made;
 } tb_env;
 
+/* The model and the run: the full size, and --quick's. */
+typedef struct {
+    size_t layers, hidden, heads, ffn, vocab; /* kv heads = heads, head_dim 64 */
+    uint32_t batch, seq, steps;
+} tb_size;
+
+static const tb_size TB_FULL = {.layers = 12, .hidden = 768, .heads = 12, .ffn = 2048, .vocab = 32000,
+                                .batch = 4, .seq = 128, .steps = 5};
+static const tb_size TB_QUICK = {.layers = 4, .hidden = 256, .heads = 4, .ffn = 688, .vocab = 8000,
+                                 .batch = 2, .seq = 64, .steps = 3};
+
 /* Which model a case runs. */
 typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD } tb_model;
 
@@ -130,31 +141,18 @@ static void make_pruned(int fd, void *arg)
 static bool ensure_models(tb_model which)
 {
     if (!env.made) {
-        if (bench_quick()) {
-            fu_modelcfg_defaults(&env.cfg);
-            env.cfg.num_hidden_layers = 4;
-            env.cfg.hidden_size = 256;
-            env.cfg.num_attention_heads = 4;
-            env.cfg.num_key_value_heads = 4;
-            env.cfg.head_dim = 64;
-            env.cfg.intermediate_size = 688;
-            env.cfg.vocab_size = 8000;
-            env.batch = 2;
-            env.seq = 64;
-            env.steps = 3;
-        } else {
-            fu_modelcfg_defaults(&env.cfg);
-            env.cfg.num_hidden_layers = 12;
-            env.cfg.hidden_size = 768;
-            env.cfg.num_attention_heads = 12;
-            env.cfg.num_key_value_heads = 12;
-            env.cfg.head_dim = 64;
-            env.cfg.intermediate_size = 2048;
-            env.cfg.vocab_size = 32000;
-            env.batch = 4;
-            env.seq = 128;
-            env.steps = 5;
-        }
+        const tb_size *z = bench_quick() ? &TB_QUICK : &TB_FULL;
+        fu_modelcfg_defaults(&env.cfg);
+        env.cfg.num_hidden_layers = z->layers;
+        env.cfg.hidden_size = z->hidden;
+        env.cfg.num_attention_heads = z->heads;
+        env.cfg.num_key_value_heads = z->heads;
+        env.cfg.head_dim = 64;
+        env.cfg.intermediate_size = z->ffn;
+        env.cfg.vocab_size = z->vocab;
+        env.batch = z->batch;
+        env.seq = z->seq;
+        env.steps = z->steps;
         env.cfg.max_position_embeddings = 2048;
         const char *t = getenv("TMPDIR");
         snprintf(env.dir, sizeof env.dir, "%s/fusion-bench-train-XXXXXX", t ? t : "/tmp");

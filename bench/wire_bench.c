@@ -300,13 +300,17 @@ out:
     return result;
 }
 
-/* Large buffers (chunks, frames, tensors) come and go at a high rate; glibc would mmap and unmap
- * each one and fault its pages in again every time. Keeping them on the heap is what a data-plane
- * daemon should do too; it applies to the plain and sealed runs alike. */
-static void heap_for_big_buffers(void)
+/* The start of a tensor case: libsodium (false when it fails: skip the case), and the heap kept for
+ * big buffers. Large buffers (chunks, frames, tensors) come and go at a high rate; glibc would mmap
+ * and unmap each one and fault its pages in again every time. Keeping them on the heap is what a
+ * data-plane daemon should do too; it applies to the plain and sealed runs alike. */
+static bool tensor_case_start(void)
 {
+    if (sodium_init() < 0)
+        return false;
     mallopt(M_MMAP_THRESHOLD, 256 << 20);
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    return true;
 }
 
 static const struct {
@@ -316,10 +320,9 @@ static const struct {
 
 BENCH_CASE(wire_tensor_throughput)
 {
-    if (sodium_init() < 0)
+    if (!tensor_case_start())
         return;
-    heap_for_big_buffers();
-    for (size_t i = 0; i < 3; i++) {
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t bytes = sizes[i].bytes;
         size_t volume = bench_quick() ? (64u << 20) : (512u << 20);
         int frames = (int)(volume / bytes);
@@ -353,10 +356,9 @@ BENCH_CASE(wire_tensor_throughput)
 
 BENCH_CASE(wire_tensor_roundtrip)
 {
-    if (sodium_init() < 0)
+    if (!tensor_case_start())
         return;
-    heap_for_big_buffers();
-    for (size_t i = 0; i < 3; i++) {
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t bytes = sizes[i].bytes;
         int reps = bytes >= (16u << 20) ? (bench_quick() ? 3 : 11) : (bench_quick() ? 5 : 51);
         for (int sealed = 0; sealed < 2; sealed++) {

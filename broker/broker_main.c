@@ -2,9 +2,6 @@
  * and logs to stderr; SIGTERM or SIGINT stop it cleanly (socket closed, store closed). */
 #include <signal.h>
 #include <stdio.h>
-#include <string.h>
-
-#include <sodium.h>
 
 #include "broker.h"
 #include "fu_log.h"
@@ -48,18 +45,13 @@ int main(int argc, char **argv)
         .summary = "Runs the fusion broker: keeps the registry of peers, schedules jobs onto them as\n"
                    "pipeline stages, keeps a backup pool, and stores jobs durably in SQLite.\n"
                    "Runs in the foreground; SIGTERM or SIGINT stop it.",
-        .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
+        FU_OPTS_TABLE(opts),
     };
-    size_t npos;
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
-    if (!keys || !db) {
-        fprintf(stderr, "fusion-broker: --keys and --db are required\nTry 'fusion-broker --help' for more "
-                        "information.\n");
-        return FU_EXIT_USAGE;
-    }
+    if (!keys || !db)
+        return fu_opts_usage_error(&cmd, "--keys and --db are required");
     if (backups < 0 || backups > 64 || heartbeat_ms < 50 || heartbeat_ms > 60000) {
         fprintf(stderr, "fusion-broker: --backups must be 0..64 and --heartbeat-ms 50..60000\n");
         return FU_EXIT_USAGE;
@@ -76,17 +68,11 @@ int main(int argc, char **argv)
     }
     if (!allow && !(token && token[0]))
         fprintf(stderr, "fusion-broker: neither --allow nor --enrol-token given: no key will be admitted\n");
-    if (sodium_init() < 0) { /* before any ZeroMQ context */
-        fprintf(stderr, "fusion-broker: libsodium failed to initialise\n");
-        return FU_EXIT_FAIL;
-    }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    static const int stop_signals[] = {SIGTERM, SIGINT};
+    code =
+        fu_opts_daemon_start(cmd.prog, on_signal, stop_signals, sizeof stop_signals / sizeof *stop_signals);
+    if (code != FU_EXIT_OK)
+        return code;
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
                       .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,

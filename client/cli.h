@@ -4,11 +4,29 @@
 #ifndef FU_CLI_H
 #define FU_CLI_H
 
+#include <stdbool.h>
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 typedef int (*cli_main_fn)(int argc, char **argv);
+
+/* One subcommand of a command (`init` of `fusion model`): its name as typed and its entry. */
+typedef struct {
+    const char *name;
+    cli_main_fn main;
+} cli_sub;
+
+/* Dispatch helpers, cli_main.c. true when argv names no subcommand (argc < 2) or asks for help
+ * (--help, -h, help). */
+bool cli_help_asked(int argc, char **argv);
+/* Runs main with argc - 1 and argv + 1, its argv[0] "<prog> <name>". Returns its exit code. */
+int cli_sub_run(const char *prog, const char *name, cli_main_fn main, int argc, char **argv);
+/* cli_sub_run of the entry of subs[0..n) named argv[1]; -1 (nothing run) when none has that name. */
+int cli_sub_dispatch(const char *prog, const cli_sub *subs, size_t n, int argc, char **argv);
+
 int cli_keygen_main(int argc, char **argv); /* `fusion keygen`, cli_keygen.c */
 
 /* `fusion model` (init, info; prune comes with SALR). cli_model.c */

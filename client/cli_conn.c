@@ -209,6 +209,18 @@ fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
     return cli_conn_recv(c, want, reply, exit_code);
 }
 
+fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, const wire_hdr *hdr,
+                        const ProtobufCMessage *body, Fusion__MsgType want, wire_msg_t **reply,
+                        int *exit_code)
+{
+    cli_conn_t *c = NULL;
+    fu_err rc = cli_conn_open(prog, o, &c, exit_code);
+    if (rc == FU_OK)
+        rc = cli_conn_call(c, hdr, body, want, reply, exit_code);
+    cli_conn_close(&c);
+    return rc;
+}
+
 fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, int *exit_code)
 {
     uint64_t deadline = fu_clock_ms() + (uint64_t)c->timeout_ms;
@@ -285,5 +297,17 @@ fu_err cli_job_arg(const char *prog, const char *s, uint64_t *id)
     fu_err rc = cli_job_id_parse(s, id);
     if (rc != FU_OK)
         fprintf(stderr, "%s: '%s' is not a job id (16 hex digits, as `fusion jobs` shows)\n", prog, s);
+    return rc;
+}
+
+fu_err cli_job_cmd_parse(const fu_cmd *cmd, int argc, char **argv, uint64_t *id, size_t *n_pos,
+                         int *exit_code)
+{
+    size_t npos = 0;
+    fu_err rc = fu_opts_parse(cmd, argc, argv, &npos, exit_code);
+    if (rc == FU_OK && npos && (rc = cli_job_arg(cmd->prog, argv[1], id)) != FU_OK)
+        *exit_code = FU_EXIT_USAGE;
+    if (n_pos)
+        *n_pos = npos;
     return rc;
 }

@@ -51,6 +51,12 @@ void cli_conn_close(cli_conn_t **self_p);
 FU_MUST_CHECK fu_err cli_conn_call(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body,
                                    Fusion__MsgType want, wire_msg_t **reply, int *exit_code);
 
+/* One request on a connection of its own, for the commands that ask the broker one thing:
+ * cli_conn_open, cli_conn_call, cli_conn_close, with their messages and exit codes. */
+FU_MUST_CHECK fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, const wire_hdr *hdr,
+                                      const ProtobufCMessage *body, Fusion__MsgType want, wire_msg_t **reply,
+                                      int *exit_code);
+
 /* Waits for one more message of type `want` (a request answered with several, like result chunks),
  * with the same deadline, Error and refusal handling as cli_conn_call. */
 FU_MUST_CHECK fu_err cli_conn_recv(cli_conn_t *self, Fusion__MsgType want, wire_msg_t **reply, int *exit_code);
@@ -61,6 +67,11 @@ void cli_job_id_format(uint64_t id, char buf[17]);
 FU_MUST_CHECK fu_err cli_job_id_parse(const char *s, uint64_t *id);
 /* cli_job_id_parse for a command-line argument: on failure tells the user (prefixed with prog). */
 FU_MUST_CHECK fu_err cli_job_arg(const char *prog, const char *s, uint64_t *id);
+/* fu_opts_parse for a command whose one positional argument is a JOB id (cmd->max_pos 1): when it is
+ * given (*n_pos, may be NULL, says so) it is parsed into *id with cli_job_arg. Returns FU_OK, or an
+ * error with *exit_code set (FU_EXIT_USAGE for a bad id). */
+FU_MUST_CHECK fu_err cli_job_cmd_parse(const fu_cmd *cmd, int argc, char **argv, uint64_t *id, size_t *n_pos,
+                                       int *exit_code);
 
 #ifdef __cplusplus
 }

@@ -103,93 +103,83 @@ typedef struct {
     bool json;
 } read_opts;
 
-static int open_conn(const char *prog, const read_opts *o, cli_conn_t **conn)
+/* The fu_opt entries of read_opts, bound to *o. */
+#define READ_OPTS(o) CLI_CONN_OPTS(&(o)->conn), {"json", 0, FU_OPT_FLAG, &(o)->json, NULL, "print JSON"}
+
+/* Prints one job (one; a JSON object) or a list of them (l when one is NULL; a JSON array), as a
+ * table or, with --json, as JSON. */
+static void print_jobs(const read_opts *o, const Fusion__JobStatus *one, const Fusion__JobList *l)
 {
-    int code = FU_EXIT_OK;
-    if (cli_conn_open(prog, &o->conn, conn, &code) != FU_OK)
-        return code;
-    return FU_EXIT_OK;
+    cJSON *arr = o->json && !one ? cJSON_CreateArray() : NULL;
+    if (!o->json)
+        printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
+    for (size_t i = 0; i < (one ? 1 : l->n_jobs); i++) {
+        const Fusion__JobStatus *s = one ? one : l->jobs[i];
+        if (arr)
+            cJSON_AddItemToArray(arr, status_json(s));
+        else if (o->json)
+            print_json(status_json(s));
+        else
+            print_status_row(s);
+    }
+    if (arr)
+        print_json(arr);
 }
 
 /* Lists the caller's jobs (unfinished only when active): the body of `fusion jobs` and of
  * `fusion status` without a JOB. */
 static int list_jobs(const char *prog, const read_opts *o, bool active)
 {
-    cli_conn_t *conn = NULL;
-    int code = open_conn(prog, o, &conn);
-    if (code != FU_EXIT_OK)
-        return code;
     Fusion__JobListRequest req = FUSION__JOB_LIST_REQUEST__INIT;
     req.include_done = !active;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
     wire_msg_t *m = NULL;
-    if (cli_conn_call(conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) == FU_OK) {
-        const Fusion__JobList *l = (const Fusion__JobList *)wire_msg_body(m);
-        if (o->json) {
-            cJSON *arr = cJSON_CreateArray();
-            for (size_t i = 0; i < l->n_jobs; i++)
-                cJSON_AddItemToArray(arr, status_json(l->jobs[i]));
-            print_json(arr);
-        } else {
-            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
-            for (size_t i = 0; i < l->n_jobs; i++)
-                print_status_row(l->jobs[i]);
-        }
-        wire_msg_destroy(&m);
-        code = FU_EXIT_OK;
-    }
-    cli_conn_close(&conn);
-    return code;
+    int code;
+    if (cli_conn_request(prog, &o->conn, &h, &req.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) != FU_OK)
+        return code;
+    print_jobs(o, NULL, (const Fusion__JobList *)wire_msg_body(m));
+    wire_msg_destroy(&m);
+    return FU_EXIT_OK;
 }
 
 int cli_status_main(int argc, char **argv)
 {
     read_opts o = {0};
-    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"}};
+    const fu_opt opts[] = {READ_OPTS(&o)};
     const fu_cmd cmd = {.prog = argv[0], .usage = "[JOB] [options]",
                         .summary = "Shows one job (or, without JOB, all of yours): state, step, loss, and why a "
                                    "queued job waits.",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 1};
+                        FU_OPTS_TABLE(opts), .min_pos = 0, .max_pos = 1};
+    uint64_t id;
     size_t npos;
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (cli_job_cmd_parse(&cmd, argc, argv, &id, &npos, &code) != FU_OK)
         return code;
     if (npos == 0) /* argv has been consumed by the parse: list from the parsed options */
         return list_jobs(argv[0], &o, false);
-    uint64_t id;
-    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
-        return FU_EXIT_USAGE;
-    cli_conn_t *conn = NULL;
-    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
-        return code;
+    Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+    ref.job_id = id;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, .job_id = id};
     wire_msg_t *m = NULL;
-    if (fetch_status(conn, id, &m, &code) == FU_OK) {
-        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
-        if (o.json) {
-            print_json(status_json(s));
-        } else {
-            printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", "JOB", "KIND", "STATE", "STEP", "LOSS", "MESSAGE");
-            print_status_row(s);
-        }
-        wire_msg_destroy(&m);
-        code = FU_EXIT_OK;
-    }
-    cli_conn_close(&conn);
-    return code;
+    if (cli_conn_request(argv[0], &o.conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code) !=
+        FU_OK)
+        return code;
+    print_jobs(&o, (const Fusion__JobStatus *)wire_msg_body(m), NULL);
+    wire_msg_destroy(&m);
+    return FU_EXIT_OK;
 }
 
 int cli_jobs_main(int argc, char **argv)
 {
     read_opts o = {0};
     bool active = false;
-    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"},
+    const fu_opt opts[] = {READ_OPTS(&o),
                            {"active", 0, FU_OPT_FLAG, &active, NULL, "only queued and running jobs"}};
     const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
                         .summary = "Lists your jobs on the broker (jobs of other keys are never shown).",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 0};
-    size_t npos;
+                        FU_OPTS_TABLE(opts), .min_pos = 0, .max_pos = 0};
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
     return list_jobs(argv[0], &o, active);
 }
@@ -306,14 +296,11 @@ int cli_wait_main(int argc, char **argv)
     const fu_cmd cmd = {.prog = argv[0], .usage = "JOB [options]",
                         .summary = "Follows a job until it ends, with a progress bar (step of steps, loss, "
                                    "tokens/s); an inference job's text is printed as it is generated.",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 1, .max_pos = 1};
-    size_t npos;
-    int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
-        return code;
+                        FU_OPTS_TABLE(opts), .min_pos = 1, .max_pos = 1};
     uint64_t id;
-    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
-        return FU_EXIT_USAGE;
+    int code;
+    if (cli_job_cmd_parse(&cmd, argc, argv, &id, NULL, &code) != FU_OK)
+        return code;
     cli_conn_t *conn = NULL;
     if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
         return code;
@@ -329,29 +316,21 @@ int cli_cancel_main(int argc, char **argv)
     const fu_cmd cmd = {.prog = argv[0], .usage = "JOB [options]",
                         .summary = "Cancels one of your jobs; its stages are released. A finished job cannot be "
                                    "cancelled, and another key's job is not found.",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 1, .max_pos = 1};
-    size_t npos;
-    int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
-        return code;
+                        FU_OPTS_TABLE(opts), .min_pos = 1, .max_pos = 1};
     uint64_t id;
-    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
-        return FU_EXIT_USAGE;
-    cli_conn_t *conn = NULL;
-    if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
+    int code;
+    if (cli_job_cmd_parse(&cmd, argc, argv, &id, NULL, &code) != FU_OK)
         return code;
     Fusion__JobRef ref = FUSION__JOB_REF__INIT;
     ref.job_id = id;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_CANCEL, .job_id = id};
     wire_msg_t *m = NULL;
-    if (cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code) == FU_OK) {
-        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
-        printf("job %s: %s\n", argv[1], cli_job_state_name(s->state));
-        wire_msg_destroy(&m);
-        code = FU_EXIT_OK;
-    }
-    cli_conn_close(&conn);
-    return code;
+    if (cli_conn_request(argv[0], &co, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code) != FU_OK)
+        return code;
+    const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+    printf("job %s: %s\n", argv[1], cli_job_state_name(s->state));
+    wire_msg_destroy(&m);
+    return FU_EXIT_OK;
 }
 
 static const char *peer_state_name(Fusion__PeerState s)
@@ -383,70 +362,71 @@ static double best_gflops(const Fusion__PeerProfile *p)
     return best;
 }
 
+/* One peer as `fusion peers --json` prints it; stage is the job/stage it runs, or "-". */
+static cJSON *peer_json(const Fusion__PeerInfo *p, const char *stage)
+{
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddStringToObject(e, "peer", p->peer_id ? p->peer_id : "");
+    cJSON_AddStringToObject(e, "name", p->name ? p->name : "");
+    cJSON_AddStringToObject(e, "device",
+                            p->profile && p->profile->device_name ? p->profile->device_name : "");
+    cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
+    cJSON_AddNumberToObject(e, "memory_bytes", p->profile ? (double)p->profile->free_memory_bytes : 0);
+    cJSON_AddNumberToObject(e, "link_bandwidth_bps", p->profile ? p->profile->link_bandwidth_bps : 0);
+    cJSON_AddNumberToObject(e, "link_latency_ms", p->profile ? p->profile->link_latency_ms : 0);
+    cJSON_AddStringToObject(e, "state", peer_state_name(p->state));
+    cJSON_AddStringToObject(e, "stage", stage);
+    cJSON_AddNumberToObject(e, "reputation", p->reputation);
+    cJSON_AddNumberToObject(e, "last_seen_ms", (double)p->last_seen_ms);
+    if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) {
+        cJSON_AddStringToObject(e, "pause_reason", p->pause_reason ? p->pause_reason : "");
+        cJSON_AddNumberToObject(e, "paused_ms", (double)p->paused_ms);
+    }
+    return e;
+}
+
 int cli_peers_main(int argc, char **argv)
 {
     read_opts o = {0};
-    const fu_opt opts[] = {CLI_CONN_OPTS(&o.conn), {"json", 0, FU_OPT_FLAG, &o.json, NULL, "print JSON"}};
+    const fu_opt opts[] = {READ_OPTS(&o)};
     const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
                         .summary = "Lists the broker's peers: name, device, GEMM GFLOP/s, memory, state, the job "
                                    "stage each runs, and reputation.",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 0, .max_pos = 0};
-    size_t npos;
+                        FU_OPTS_TABLE(opts), .min_pos = 0, .max_pos = 0};
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
-        return code;
-    cli_conn_t *conn = NULL;
-    if ((code = open_conn(argv[0], &o, &conn)) != FU_EXIT_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
     wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_PEER_LIST_REQ};
     wire_msg_t *m = NULL;
-    if (cli_conn_call(conn, &h, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, &m, &code) == FU_OK) {
-        const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
-        cJSON *arr = o.json ? cJSON_CreateArray() : NULL;
-        if (!o.json)
-            printf("%-14s  %-28s  %8s  %8s  %-7s  %-20s  %s\n", "NAME", "DEVICE", "GFLOP/s", "MEM GiB", "STATE",
-                   "STAGE", "REPUTATION");
-        for (size_t i = 0; i < l->n_peers; i++) {
-            const Fusion__PeerInfo *p = l->peers[i];
-            char stage[48] = "-";
-            if (p->job_id) {
-                char jid[17];
-                cli_job_id_format(p->job_id, jid);
-                snprintf(stage, sizeof stage, "%s/%u", jid, p->stage_index);
-            }
-            double mem = p->profile ? (double)p->profile->free_memory_bytes / (double)(1ull << 30) : 0;
-            const char *dev = p->profile && p->profile->device_name ? p->profile->device_name : "";
-            if (arr) {
-                cJSON *e = cJSON_CreateObject();
-                cJSON_AddStringToObject(e, "peer", p->peer_id ? p->peer_id : "");
-                cJSON_AddStringToObject(e, "name", p->name ? p->name : "");
-                cJSON_AddStringToObject(e, "device", dev);
-                cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
-                cJSON_AddNumberToObject(e, "memory_bytes", p->profile ? (double)p->profile->free_memory_bytes : 0);
-                cJSON_AddNumberToObject(e, "link_bandwidth_bps", p->profile ? p->profile->link_bandwidth_bps : 0);
-                cJSON_AddNumberToObject(e, "link_latency_ms", p->profile ? p->profile->link_latency_ms : 0);
-                cJSON_AddStringToObject(e, "state", peer_state_name(p->state));
-                cJSON_AddStringToObject(e, "stage", stage);
-                cJSON_AddNumberToObject(e, "reputation", p->reputation);
-                cJSON_AddNumberToObject(e, "last_seen_ms", (double)p->last_seen_ms);
-                if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) {
-                    cJSON_AddStringToObject(e, "pause_reason", p->pause_reason ? p->pause_reason : "");
-                    cJSON_AddNumberToObject(e, "paused_ms", (double)p->paused_ms);
-                }
-                cJSON_AddItemToArray(arr, e);
-            } else {
-                printf("%-14.14s  %-28.28s  %8.1f  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "", dev,
-                       best_gflops(p->profile), mem, peer_state_name(p->state), stage, p->reputation);
-                if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) /* the reason on a line of its own */
-                    printf("%-14s  paused %llds: %s\n", "", (long long)(p->paused_ms / 1000),
-                           p->pause_reason && *p->pause_reason ? p->pause_reason : "no reason given");
-            }
+    if (cli_conn_request(argv[0], &o.conn, &h, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, &m, &code) != FU_OK)
+        return code;
+    const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
+    cJSON *arr = o.json ? cJSON_CreateArray() : NULL;
+    if (!o.json)
+        printf("%-14s  %-28s  %8s  %8s  %-7s  %-20s  %s\n", "NAME", "DEVICE", "GFLOP/s", "MEM GiB", "STATE",
+               "STAGE", "REPUTATION");
+    for (size_t i = 0; i < l->n_peers; i++) {
+        const Fusion__PeerInfo *p = l->peers[i];
+        char stage[48] = "-";
+        if (p->job_id) {
+            char jid[17];
+            cli_job_id_format(p->job_id, jid);
+            snprintf(stage, sizeof stage, "%s/%u", jid, p->stage_index);
         }
-        if (arr)
-            print_json(arr);
-        wire_msg_destroy(&m);
-        code = FU_EXIT_OK;
+        if (arr) {
+            cJSON_AddItemToArray(arr, peer_json(p, stage));
+            continue;
+        }
+        double mem = p->profile ? (double)p->profile->free_memory_bytes / (double)(1ull << 30) : 0;
+        printf("%-14.14s  %-28.28s  %8.1f  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "",
+               p->profile && p->profile->device_name ? p->profile->device_name : "", best_gflops(p->profile),
+               mem, peer_state_name(p->state), stage, p->reputation);
+        if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) /* the reason on a line of its own */
+            printf("%-14s  paused %llds: %s\n", "", (long long)(p->paused_ms / 1000),
+                   p->pause_reason && *p->pause_reason ? p->pause_reason : "no reason given");
     }
-    cli_conn_close(&conn);
-    return code;
+    if (arr)
+        print_json(arr);
+    wire_msg_destroy(&m);
+    return FU_EXIT_OK;
 }

@@ -23,14 +23,10 @@ int cli_keygen_main(int argc, char **argv)
         .summary = "Makes an X25519 key pair: DIR/public.key (share it) and DIR/secret.key (mode 0600, keep it "
                    "private). Brokers, peers and clients each need one; a peer or client also needs the "
                    "broker's public.key. Existing keys are never overwritten without --force.",
-        .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
-        .min_pos = 0,
-        .max_pos = 0,
+        FU_OPTS_TABLE(opts),
     };
-    size_t n_pos = 0;
     int exit_code = FU_EXIT_OK;
-    if (fu_opts_parse(&cmd, argc, argv, &n_pos, &exit_code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &exit_code) != FU_OK)
         return exit_code;
     if (token) {
         char t[WIRE_KEY_Z85_LEN + 1];

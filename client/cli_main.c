@@ -44,10 +44,31 @@ static void print_help(void)
            "Exit codes: 0 ok, 1 failed, 2 usage or missing capability, 3 refused, 4 not found, 5 timed out.\n");
 }
 
+bool cli_help_asked(int argc, char **argv)
+{
+    return argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+           strcmp(argv[1], "help") == 0;
+}
+
+int cli_sub_run(const char *prog, const char *name, cli_main_fn main, int argc, char **argv)
+{
+    char full[64];
+    snprintf(full, sizeof full, "%s %s", prog, name);
+    argv[1] = full;
+    return main(argc - 1, argv + 1);
+}
+
+int cli_sub_dispatch(const char *prog, const cli_sub *subs, size_t n, int argc, char **argv)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(argv[1], subs[i].name) == 0)
+            return cli_sub_run(prog, subs[i].name, subs[i].main, argc, argv);
+    return -1;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
-        strcmp(argv[1], "help") == 0) {
+    if (cli_help_asked(argc, argv)) {
         print_help();
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
@@ -70,10 +91,7 @@ int main(int argc, char **argv)
                     s->name, s->capability);
             return FU_EXIT_USAGE;
         }
-        char prog[64];
-        snprintf(prog, sizeof prog, "fusion %s", s->name);
-        argv[1] = prog;
-        return s->main(argc - 1, argv + 1);
+        return cli_sub_run("fusion", s->name, s->main, argc, argv);
     }
     fprintf(stderr, "fusion: unknown command '%s'\nRun 'fusion --help' for the list of commands.\n", argv[1]);
     return FU_EXIT_USAGE;

@@ -5,12 +5,10 @@
 #include <string.h>
 
 #include "cli.h"
-#include "fu_alloc.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
 #include "dag_model.h"
 #include "fu_opts.h"
-#include "fu_rng.h"
 #include "fu_safetensors.h"
 
 /* Standard deviation of the normal initialisation of linear and embedding weights (the
@@ -27,35 +25,6 @@ static int exit_for(fu_err rc)
 }
 
 /* ---- model init ----------------------------------------------------------------------------- */
-
-typedef struct {
-    uint64_t      seed;   /* the --seed */
-    fu_st_dtype   dtype;  /* storage type of every tensor */
-    const fu_weight_info *w; /* the weights, index-aligned with the tensor list */
-} init_ctx;
-
-static fu_err init_fill(void *vctx, size_t index, const fu_st_tensor *t, void *buf, size_t nbytes)
-{
-    const init_ctx *ctx = vctx;
-    const fu_weight_info *w = &ctx->w[index];
-    size_t n = t->nelem;
-    float *f = ctx->dtype == FU_ST_F32 ? buf : fu_malloc(n * sizeof *f);
-    (void)nbytes;
-    if (w->is_norm) {
-        for (size_t i = 0; i < n; i++)
-            f[i] = 1.0f;
-    } else {
-        fu_rng r;
-        fu_rng_seed_stream(&r, ctx->seed, w->name);
-        fu_rng_fill_normal_f32(&r, f, n, 0.0f, CLI_MODEL_INIT_STD);
-    }
-    fu_err rc = FU_OK;
-    if (ctx->dtype != FU_ST_F32) {
-        rc = fu_st_from_f32(ctx->dtype, f, n, buf);
-        free(f);
-    }
-    return rc;
-}
 
 static int model_init(int argc, char **argv)
 {
@@ -87,19 +56,13 @@ static int model_init(int argc, char **argv)
         .summary = "Writes a LLaMA model with random weights in Hugging Face layout: DIR/config.json "
                    "(LlamaForCausalLM) and DIR/model.safetensors. Norms are 1, linear and embedding "
                    "weights are normal(0, 0.02) from --seed.",
-        .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
-        .min_pos = 0,
-        .max_pos = 0,
+        FU_OPTS_TABLE(opts),
     };
-    size_t npos = 0;
     int code = 0;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
-    if (!out) {
-        fprintf(stderr, "%s: -o DIR is required\nTry '%s --help' for more information.\n", cmd.prog, cmd.prog);
-        return FU_EXIT_USAGE;
-    }
+    if (!out)
+        return fu_opts_usage_error(&cmd, "-o DIR is required");
     fu_st_dtype dt;
     const char *torch_dtype;
     if (strcmp(dtype, "f32") == 0 || strcmp(dtype, "float32") == 0)
@@ -171,53 +134,27 @@ static int model_init(int argc, char **argv)
         return exit_for(rc);
     }
 
-    size_t n = fu_modelcfg_weight_count(&cfg);
-    fu_weight_info *w = fu_calloc(n, sizeof *w);
-    fu_st_tensor *t = fu_calloc(n, sizeof *t);
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (fu_modelcfg_weight(&cfg, i, &w[i]) != FU_OK)
-            abort(); /* i < count: cannot fail */
-        t[i].name = w[i].name;
-        t[i].dtype = dt;
-        t[i].ndim = w[i].ndim;
-        t[i].nelem = 1;
-        for (size_t k = 0; k < w[i].ndim; k++) {
-            t[i].shape[k] = w[i].shape[k];
-            t[i].nelem *= (size_t)w[i].shape[k];
-        }
-        bytes += (uint64_t)t[i].nelem * fu_st_dtype_size(dt);
-    }
-    init_ctx ctx = {.seed = (uint64_t)seed, .dtype = dt, .w = w};
-    char *st_path = fu_path_join(out, FU_ST_SINGLE_FILE);
-    char *index_path = fu_path_join(out, FU_ST_INDEX_FILE);
-    int exit_code = FU_EXIT_OK;
     /* A stale shard index would win over the new single file when the directory is read. */
+    char *index_path = fu_path_join(out, FU_ST_INDEX_FILE);
     if (fu_path_exists(index_path) && remove(index_path) != 0) {
         fprintf(stderr, "%s: cannot remove the old '%s'\n", cmd.prog, index_path);
-        exit_code = FU_EXIT_FAIL;
-        goto done;
+        free(index_path);
+        return FU_EXIT_FAIL;
     }
-    rc = fu_safetensors_write(st_path, t, n, NULL, 0, init_fill, &ctx, &em);
-    if (rc == FU_OK)
-        rc = fu_modelcfg_save(out, &cfg, &em);
+    free(index_path);
+    rc = dag_model_init_random_as(out, &cfg, (uint64_t)seed, CLI_MODEL_INIT_STD, dt, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
-        exit_code = exit_for(rc);
-        goto done;
+        return exit_for(rc);
     }
+    uint64_t params = fu_modelcfg_param_count(&cfg);
     printf("wrote %s: %s, %zu layers, hidden %zu, heads %zu/%zu, ffn %zu, vocab %zu, %llu parameters "
            "(%.1f MiB %s), seed %llu\n",
            out, cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
-           (unsigned long long)fu_modelcfg_param_count(&cfg), (double)bytes / (1024.0 * 1024.0), torch_dtype,
+           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size, (unsigned long long)params,
+           (double)(params * fu_st_dtype_size(dt)) / (1024.0 * 1024.0), torch_dtype,
            (unsigned long long)seed);
-done:
-    free(st_path);
-    free(index_path);
-    free(t);
-    free(w);
-    return exit_code;
+    return FU_EXIT_OK;
 }
 
 /* ---- model info ----------------------------------------------------------------------------- */
@@ -229,14 +166,11 @@ static int model_info(int argc, char **argv)
         .usage = "[options] DIR",
         .summary = "Reads a Hugging Face model directory (config.json and its safetensors), checks that "
                    "every weight a LLaMA model needs is there with the right shape, and prints a summary.",
-        .opts = NULL,
-        .n_opts = 0,
         .min_pos = 1,
         .max_pos = 1,
     };
-    size_t npos = 0;
     int code = 0;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
     const char *dir = argv[1];
     fu_errmsg em = {{0}};
@@ -298,12 +232,10 @@ static int model_prune(int argc, char **argv)
                    "lm_head, unless --keep-lm-head or the embeddings are tied) magnitude-pruned per matrix and\n"
                    "stored bitmap-encoded, with the pruned residual kept as a frozen truncated-SVD adapter.\n"
                    "`fusion run` and `fusion submit` (finetune --method salr, infer) read the result.",
-        .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
+        FU_OPTS_TABLE(opts),
     };
-    size_t npos;
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
     if (strcmp(method, "salr") != 0) {
         fprintf(stderr, "%s: unknown method '%s' (only salr)\n", cmd.prog, method);
@@ -363,24 +295,14 @@ static void model_help(void)
 
 int cli_model_main(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    if (cli_help_asked(argc, argv)) {
         model_help();
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
-    char prog[64];
-    snprintf(prog, sizeof prog, "fusion model %s", argv[1]);
-    if (strcmp(argv[1], "init") == 0) {
-        argv[1] = prog;
-        return model_init(argc - 1, argv + 1);
-    }
-    if (strcmp(argv[1], "info") == 0) {
-        argv[1] = prog;
-        return model_info(argc - 1, argv + 1);
-    }
-    if (strcmp(argv[1], "prune") == 0) {
-        argv[1] = prog;
-        return model_prune(argc - 1, argv + 1);
-    }
+    static const cli_sub subs[] = {{"init", model_init}, {"info", model_info}, {"prune", model_prune}};
+    int code = cli_sub_dispatch("fusion model", subs, sizeof subs / sizeof subs[0], argc, argv);
+    if (code >= 0)
+        return code;
     fprintf(stderr, "fusion model: unknown command '%s'\nRun 'fusion model --help' for the list.\n", argv[1]);
     return FU_EXIT_USAGE;
 }

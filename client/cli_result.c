@@ -80,14 +80,11 @@ int cli_result_main(int argc, char **argv)
                         .summary = "Downloads a finished job's result: a fine-tune's adapter in PEFT format "
                                    "(adapter_model.safetensors, adapter_config.json), or an inference job's "
                                    "output.txt. Every file is checked against its hash before it is written.",
-                        .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .min_pos = 1, .max_pos = 1};
-    size_t npos;
-    int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
-        return code;
+                        FU_OPTS_TABLE(opts), .min_pos = 1, .max_pos = 1};
     uint64_t id;
-    if (cli_job_arg(argv[0], argv[1], &id) != FU_OK)
-        return FU_EXIT_USAGE;
+    int code;
+    if (cli_job_cmd_parse(&cmd, argc, argv, &id, NULL, &code) != FU_OK)
+        return code;
     if (!out) {
         fprintf(stderr, "%s: say where to write the result: -o DIR\n", argv[0]);
         return FU_EXIT_USAGE;

@@ -47,21 +47,6 @@ static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
     return rc == FU_EINVAL ? FU_EXIT_FAIL : exit_for(rc);
 }
 
-/* A command's options: opts (its own rows, then empty ones: cap in all) with the job spec's options
- * of kind appended, parsed from argv (argv[0] is the program's name). FU_OK to go on; otherwise the
- * program exits with *code (0 after --help). */
-static fu_err parse_opts(int argc, char **argv, dag_job_kind kind, dag_spec_cli *sc, fu_opt *opts, size_t cap,
-                         const char *usage, const char *summary, int *code)
-{
-    size_t n_opts = 0;
-    while (opts[n_opts].name)
-        n_opts++;
-    dag_spec_cli_opts(sc, kind, 0, opts, cap, &n_opts);
-    const fu_cmd cmd = {.prog = argv[0], .usage = usage, .summary = summary, .opts = opts, .n_opts = n_opts};
-    size_t npos = 0;
-    return fu_opts_parse(&cmd, argc, argv, &npos, code);
-}
-
 /* --threads: BLAS and kernel threads (0 leaves the libraries' defaults). */
 static bool set_threads(const char *prog, long long n)
 {
@@ -160,27 +145,24 @@ static int run_finetune(int argc, char **argv)
         {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
          "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
     };
-    int code = 0;
-    if (parse_opts(argc, argv, DAG_JOB_FINETUNE, &sc, opts, sizeof opts / sizeof opts[0],
-                   "--model DIR --data FILE -o DIR [options]",
-                   "Fine-tunes an adapter in this process. Samples are non-overlapping windows of seq-len+1 "
+    fu_cmd cmd = {
+        .prog = argv[0],
+        .usage = "--model DIR --data FILE -o DIR [options]",
+        .summary = "Fine-tunes an adapter in this process. Samples are non-overlapping windows of seq-len+1 "
                    "tokens of the data (inputs the first seq-len, targets the last seq-len), in file order "
                    "unless --shuffle; the loss is the mean next-token cross-entropy over the batch; AdamW "
                    "with beta1 0.9, beta2 0.999, eps 1e-8. Writes adapter_model.safetensors and "
-                   "adapter_config.json (PEFT).",
-                   &code) != FU_OK)
+                   "adapter_config.json (PEFT)."};
+    int code = 0;
+    if (dag_spec_cli_parse(&sc, DAG_JOB_FINETUNE, 0, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
+                           &code) != FU_OK)
         return code;
     const char *prog = argv[0];
-    if (!model_dir || !data || !out) {
-        fprintf(stderr, "%s: --model, --data and -o are required\nTry '%s --help' for more information.\n", prog, prog);
-        return FU_EXIT_USAGE;
-    }
+    if (!model_dir || !data || !out)
+        return fu_opts_usage_error(&cmd, "--model, --data and -o are required");
     dag_spec spec;
-    fu_errmsg sem = {{0}};
-    if (dag_spec_from_cli(&sc, DAG_JOB_FINETUNE, model_dir, &spec, &sem) != FU_OK) {
-        fprintf(stderr, "%s: %s\n", prog, sem.msg);
-        return FU_EXIT_USAGE;
-    }
+    if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model_dir, &spec, &code) != FU_OK)
+        return code;
     const dag_adapter_method method = spec.method;
     const long long rank = spec.rank, steps = (long long)spec.steps, batch = spec.batch, seq_len = spec.seq_len,
                     micro = spec.micro_batches;
@@ -371,25 +353,21 @@ static int run_infer(int argc, char **argv)
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
     };
+    fu_cmd cmd = {
+        .prog = argv[0],
+        .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+        .summary = "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
+                   "through the model in one pass, then tokens are generated one at a time with a KV cache."};
     int code = 0;
-    if (parse_opts(argc, argv, DAG_JOB_INFER, &sc, opts, sizeof opts / sizeof opts[0],
-                   "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
-                   "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
-                   "through the model in one pass, then tokens are generated one at a time with a KV cache.",
-                   &code) != FU_OK)
+    if (dag_spec_cli_parse(&sc, DAG_JOB_INFER, 0, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
+                           &code) != FU_OK)
         return code;
     const char *prog = argv[0];
-    if (!model_dir || (!prompt == !sc.prompt_tokens)) {
-        fprintf(stderr, "%s: --model and one of --prompt or --prompt-tokens are required\n"
-                        "Try '%s --help' for more information.\n", prog, prog);
-        return FU_EXIT_USAGE;
-    }
+    if (!model_dir || (!prompt == !sc.prompt_tokens))
+        return fu_opts_usage_error(&cmd, "--model and one of --prompt or --prompt-tokens are required");
     dag_spec spec;
-    fu_errmsg sem = {{0}};
-    if (dag_spec_from_cli(&sc, DAG_JOB_INFER, model_dir, &spec, &sem) != FU_OK) {
-        fprintf(stderr, "%s: %s\n", prog, sem.msg);
-        return FU_EXIT_USAGE;
-    }
+    if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_INFER, model_dir, &spec, &code) != FU_OK)
+        return code;
     const long long max_new = spec.max_tokens;
     fu_errmsg em = {{0}};
     cli_model m;
@@ -519,7 +497,7 @@ done:
 
 int cli_run_main(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    if (cli_help_asked(argc, argv)) {
         printf("Usage: fusion run COMMAND [options]\n\n"
                "Runs a job in this process (no broker):\n"
                "  finetune  train a LoRA-FA, LoRA or SALR adapter on a text file (PEFT output)\n"
@@ -527,16 +505,10 @@ int cli_run_main(int argc, char **argv)
                "Run 'fusion run COMMAND --help' for a command's options.\n");
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
-    char prog[64];
-    snprintf(prog, sizeof prog, "fusion run %s", argv[1]);
-    if (strcmp(argv[1], "finetune") == 0) {
-        argv[1] = prog;
-        return run_finetune(argc - 1, argv + 1);
-    }
-    if (strcmp(argv[1], "infer") == 0) {
-        argv[1] = prog;
-        return run_infer(argc - 1, argv + 1);
-    }
+    static const cli_sub subs[] = {{"finetune", run_finetune}, {"infer", run_infer}};
+    int code = cli_sub_dispatch("fusion run", subs, sizeof subs / sizeof subs[0], argc, argv);
+    if (code >= 0)
+        return code;
     fprintf(stderr, "fusion run: unknown command '%s' (finetune or infer)\n", argv[1]);
     return FU_EXIT_USAGE;
 }

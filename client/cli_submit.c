@@ -98,28 +98,22 @@ static int submit_finetune(int argc, char **argv)
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the job id"},
         CLI_CONN_OPTS(&co),
     };
-    size_t n_opts = 0;
-    while (opts[n_opts].name)
-        n_opts++;
-    dag_spec_cli_opts(&sc, DAG_JOB_FINETUNE, DAG_SPEC_CLI_PIPELINE, opts, sizeof opts / sizeof opts[0], &n_opts);
-    const fu_cmd cmd = {.prog = "fusion submit finetune", .usage = "--model DIR --data FILE [options]",
-                        .summary = "Submits a fine-tuning job to the broker and prints its id. The options are "
-                                   "those of `fusion run finetune`; the result is the same adapter.",
-                        .opts = opts, .n_opts = n_opts, .min_pos = 0, .max_pos = 0};
-    size_t npos;
+    fu_cmd cmd = {.prog = "fusion submit finetune",
+                  .usage = "--model DIR --data FILE [options]",
+                  .summary = "Submits a fine-tuning job to the broker and prints its id. The options are "
+                             "those of `fusion run finetune`; the result is the same adapter."};
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (dag_spec_cli_parse(&sc, DAG_JOB_FINETUNE, DAG_SPEC_CLI_PIPELINE, &cmd, opts,
+                           sizeof opts / sizeof opts[0], argc, argv, &code) != FU_OK)
         return code;
     if (!model || !data) {
         fprintf(stderr, "%s: needs --model DIR and --data FILE\n", cmd.prog);
         return FU_EXIT_USAGE;
     }
     dag_spec spec;
+    if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model, &spec, &code) != FU_OK)
+        return code;
     fu_errmsg em = {0};
-    if (dag_spec_from_cli(&sc, DAG_JOB_FINETUNE, model, &spec, &em) != FU_OK) {
-        fprintf(stderr, "%s: %s\n", cmd.prog, em.msg);
-        return FU_EXIT_USAGE;
-    }
     char *text = NULL;
     size_t text_len = 0;
     fu_err rc = fu_file_read_all(data, CLI_MAX_INLINE_BYTES, &text, &text_len, &em);
@@ -149,17 +143,13 @@ static int submit_infer(int argc, char **argv)
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the job id and the text"},
         CLI_CONN_OPTS(&co),
     };
-    size_t n_opts = 0;
-    while (opts[n_opts].name)
-        n_opts++;
-    dag_spec_cli_opts(&sc, DAG_JOB_INFER, 0, opts, sizeof opts / sizeof opts[0], &n_opts);
-    const fu_cmd cmd = {.prog = "fusion submit infer", .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
-                        .summary = "Submits a generation job to the broker; with --wait the text streams back as "
-                                   "the pipeline generates it.",
-                        .opts = opts, .n_opts = n_opts, .min_pos = 0, .max_pos = 0};
-    size_t npos;
+    fu_cmd cmd = {.prog = "fusion submit infer",
+                  .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+                  .summary = "Submits a generation job to the broker; with --wait the text streams back as "
+                             "the pipeline generates it."};
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (dag_spec_cli_parse(&sc, DAG_JOB_INFER, 0, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
+                           &code) != FU_OK)
         return code;
     if (!model || (!prompt == !sc.prompt_tokens)) {
         fprintf(stderr, "%s: needs --model DIR and exactly one of --prompt and --prompt-tokens\n", cmd.prog);
@@ -169,11 +159,8 @@ static int submit_infer(int argc, char **argv)
     if (adapter_job && cli_job_arg(cmd.prog, adapter_job, &aid) != FU_OK)
         return FU_EXIT_USAGE;
     dag_spec spec;
-    fu_errmsg em = {0};
-    if (dag_spec_from_cli(&sc, DAG_JOB_INFER, model, &spec, &em) != FU_OK) {
-        fprintf(stderr, "%s: %s\n", cmd.prog, em.msg);
-        return FU_EXIT_USAGE;
-    }
+    if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_INFER, model, &spec, &code) != FU_OK)
+        return code;
     if (adapter_job)
         cli_job_id_format(aid, spec.adapter_job);
     spec.dump_logits = dump_logits;
@@ -185,10 +172,11 @@ static int submit_infer(int argc, char **argv)
 
 int cli_submit_main(int argc, char **argv)
 {
-    if (argc >= 2 && strcmp(argv[1], "finetune") == 0)
-        return submit_finetune(argc - 1, argv + 1);
-    if (argc >= 2 && strcmp(argv[1], "infer") == 0)
-        return submit_infer(argc - 1, argv + 1);
+    static const cli_sub subs[] = {{"finetune", submit_finetune}, {"infer", submit_infer}};
+    int code =
+        argc >= 2 ? cli_sub_dispatch("fusion submit", subs, sizeof subs / sizeof subs[0], argc, argv) : -1;
+    if (code >= 0)
+        return code;
     bool help = argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
     fprintf(help ? stdout : stderr,
             "Usage: fusion submit finetune|infer [options]\n\n"

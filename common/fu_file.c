@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "fu_alloc.h"
 
 static fu_err errno_to_fu(int e)
@@ -32,22 +34,31 @@ static fu_err errno_to_fu(int e)
     }
 }
 
+/* Opens path for reading and checks that it is a regular file: *fd (close it) and its *st. */
+static fu_err open_regular(const char *path, int *fd, struct stat *st, fu_errmsg *em)
+{
+    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (*fd < 0) {
+        int e = errno;
+        return fu_errmsg_set(em, errno_to_fu(e), "cannot open '%s': %s", path, strerror(e));
+    }
+    if (fstat(*fd, st) != 0 || !S_ISREG(st->st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return fu_errmsg_set(em, FU_EIO, "'%s' is not a regular file", path);
+    }
+    return FU_OK;
+}
+
 fu_err fu_file_read_all(const char *path, size_t max_bytes, char **data, size_t *len, fu_errmsg *em)
 {
     if (!path || !data || !len)
         return fu_errmsg_set(em, FU_EINVAL, "fu_file_read_all: NULL argument");
     *data = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        return fu_errmsg_set(em, errno_to_fu(e), "cannot open '%s': %s", path, strerror(e));
-    }
+    int fd;
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return fu_errmsg_set(em, FU_EIO, "'%s' is not a regular file", path);
-    }
+    FU_TRY(open_regular(path, &fd, &st, em));
     if (st.st_size < 0 || (unsigned long long)st.st_size > max_bytes) {
         close(fd);
         return fu_errmsg_set(em, FU_ENOMEM, "'%s' is %lld bytes, more than the %zu allowed", path,
@@ -327,16 +338,9 @@ fu_err fu_mmap_open(const char *path, fu_mmap *out, fu_errmsg *em)
         return fu_errmsg_set(em, FU_EINVAL, "fu_mmap_open: NULL argument");
     out->data = NULL;
     out->size = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        return fu_errmsg_set(em, errno_to_fu(e), "cannot open '%s': %s", path, strerror(e));
-    }
+    int fd;
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return fu_errmsg_set(em, FU_EIO, "'%s' is not a regular file", path);
-    }
+    FU_TRY(open_regular(path, &fd, &st, em));
     if (st.st_size == 0) {
         close(fd);
         return FU_OK;
@@ -364,4 +368,22 @@ void fu_mmap_close(fu_mmap *m)
         munmap((void *)(uintptr_t)m->data, m->size);
     m->data = NULL;
     m->size = 0;
+}
+
+char *fu_file_json_text(cJSON *o, const char *oom_msg)
+{
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    if (!txt) { /* cJSON fails only for lack of memory */
+        fprintf(stderr, "%s\n", oom_msg);
+        abort();
+    }
+    /* cJSON allocates with its own hooks; hand back a string the caller frees with free(). */
+    size_t n = strlen(txt);
+    char *out = fu_malloc(n + 2);
+    memcpy(out, txt, n);
+    out[n] = '\n';
+    out[n + 1] = '\0';
+    cJSON_free(txt);
+    return out;
 }

@@ -61,6 +61,12 @@ char *fu_path_join(const char *dir, const char *name);
 /* The part of path after its last '/' (borrowed from path). */
 const char *fu_path_base(const char *path);
 
+struct cJSON;
+/* The text of a JSON file: o printed indented, with a newline after it (caller frees with free()).
+ * Deletes o. Never NULL: when memory runs out, prints oom_msg and a newline to stderr and aborts
+ * (as fu_malloc does). */
+char *fu_file_json_text(struct cJSON *o, const char *oom_msg);
+
 /* A read-only memory map of a whole file. */
 typedef struct {
     const uint8_t *data; /* the file's bytes; NULL when size is 0 */

@@ -30,13 +30,20 @@ void fu_modelcfg_defaults(fu_modelcfg *cfg)
     cfg->eos_token_id = -1;
 }
 
+/* root's member key, or NULL when it is absent or null (the field keeps its default). */
+static const cJSON *member(const cJSON *root, const char *key)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    return it && !cJSON_IsNull(it) ? it : NULL;
+}
+
 /* Reads key as a non-negative integer. *present tells whether it was there (and not null). */
 static fu_err get_uint(const cJSON *root, const char *key, const char *lab, uint64_t *out, bool *present,
                        fu_errmsg *em)
 {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    const cJSON *it = member(root, key);
     *present = false;
-    if (!it || cJSON_IsNull(it))
+    if (!it)
         return FU_OK;
     double d = it->valuedouble;
     if (!cJSON_IsNumber(it) || !(d >= 0.0) || d > 9007199254740992.0 || d != floor(d))
@@ -65,8 +72,8 @@ static fu_err get_size(const cJSON *root, const char *key, const char *lab, bool
 
 static fu_err get_double(const cJSON *root, const char *key, const char *lab, double *out, fu_errmsg *em)
 {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
-    if (!it || cJSON_IsNull(it))
+    const cJSON *it = member(root, key);
+    if (!it)
         return FU_OK;
     if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
         return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be a number", lab, key);
@@ -76,8 +83,8 @@ static fu_err get_double(const cJSON *root, const char *key, const char *lab, do
 
 static fu_err get_bool(const cJSON *root, const char *key, const char *lab, bool *out, fu_errmsg *em)
 {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
-    if (!it || cJSON_IsNull(it))
+    const cJSON *it = member(root, key);
+    if (!it)
         return FU_OK;
     if (!cJSON_IsBool(it))
         return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be true or false", lab, key);
@@ -88,9 +95,9 @@ static fu_err get_bool(const cJSON *root, const char *key, const char *lab, bool
 /* A token id field: an integer, or a list of integers (the first is taken), or absent (-1). */
 static fu_err get_token_id(const cJSON *root, const char *key, const char *lab, int64_t *out, fu_errmsg *em)
 {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    const cJSON *it = member(root, key);
     *out = -1;
-    if (!it || cJSON_IsNull(it))
+    if (!it)
         return FU_OK;
     if (cJSON_IsArray(it))
         it = it->child;
@@ -119,10 +126,10 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
         return fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", lab);
 
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
-    const cJSON *ar = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    const cJSON *ar = member(root, "architectures");
     if (mt && !cJSON_IsString(mt))
         return fu_errmsg_set(em, FU_EPROTO, "%s: \"model_type\" must be a string", lab);
-    if (ar && !cJSON_IsNull(ar) && (!cJSON_IsArray(ar) || (ar->child && !cJSON_IsString(ar->child))))
+    if (ar && (!cJSON_IsArray(ar) || (ar->child && !cJSON_IsString(ar->child))))
         return fu_errmsg_set(em, FU_EPROTO, "%s: \"architectures\" must be a list of strings", lab);
     const char *arch = (ar && cJSON_IsArray(ar) && ar->child) ? ar->child->valuestring : NULL;
     if (!mt && !arch)
@@ -140,8 +147,8 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     snprintf(c->architecture, sizeof c->architecture, "%s",
              arch ? arch : (strcmp(c->model_type, "mistral") == 0 ? "MistralForCausalLM" : "LlamaForCausalLM"));
 
-    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
-    if (act && !cJSON_IsNull(act) && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
+    const cJSON *act = member(root, "hidden_act");
+    if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
         return fu_errmsg_set(em, FU_EVERSION, "%s: hidden_act must be \"silu\" (SwiGLU); other activations are not supported",
                              lab);
     bool flag = false;
@@ -153,8 +160,7 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     FU_TRY(get_bool(root, "mlp_bias", lab, &flag, em));
     if (flag)
         return fu_errmsg_set(em, FU_EVERSION, "%s: mlp_bias=true is not supported", lab);
-    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
-    if (rs && !cJSON_IsNull(rs))
+    if (member(root, "rope_scaling"))
         return fu_errmsg_set(em, FU_EVERSION, "%s: rope_scaling is not supported (plain RoPE only)", lab);
 
     FU_TRY(get_size(root, "hidden_size", lab, true, &c->hidden_size, em));
@@ -186,8 +192,8 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     FU_TRY(get_size(root, "sliding_window", lab, false, &c->sliding_window, em));
     FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
     FU_TRY(get_token_id(root, "eos_token_id", lab, &c->eos_token_id, em));
-    const cJSON *td = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
-    if (td && !cJSON_IsNull(td)) {
+    const cJSON *td = member(root, "torch_dtype");
+    if (td) {
         if (!cJSON_IsString(td))
             return fu_errmsg_set(em, FU_EPROTO, "%s: \"torch_dtype\" must be a string", lab);
         snprintf(c->torch_dtype, sizeof c->torch_dtype, "%.15s", td->valuestring);
@@ -312,20 +318,7 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
     if (c->sliding_window > 0)
         cJSON_AddNumberToObject(o, "sliding_window", (double)c->sliding_window);
     cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype[0] ? c->torch_dtype : "float32");
-    char *txt = cJSON_Print(o);
-    cJSON_Delete(o);
-    if (!txt) {
-        fprintf(stderr, "fu_modelcfg_to_json: out of memory\n");
-        abort();
-    }
-    /* cJSON allocates with malloc by default; hand back a string the caller frees with free(). */
-    size_t n = strlen(txt);
-    char *out = fu_malloc(n + 2);
-    memcpy(out, txt, n);
-    out[n] = '\n';
-    out[n + 1] = '\0';
-    cJSON_free(txt);
-    return out;
+    return fu_file_json_text(o, "fu_modelcfg_to_json: out of memory");
 }
 
 fu_err fu_modelcfg_save(const char *dir, const fu_modelcfg *cfg, fu_errmsg *em)

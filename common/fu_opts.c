@@ -2,10 +2,14 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+
+#include <sodium.h>
 
 #include "fu_log.h"
 
@@ -73,11 +77,14 @@ static const fu_opt *find_short(const fu_cmd *cmd, char c)
     return NULL;
 }
 
-static int usage_error(const fu_cmd *cmd, const char *fmt, const char *a)
+int fu_opts_usage_error(const fu_cmd *cmd, const char *fmt, ...)
 {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "%s: ", cmd->prog);
-    fprintf(stderr, fmt, a);
+    vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\nTry '%s --help' for more information.\n", cmd->prog);
+    va_end(ap);
     return FU_EXIT_USAGE;
 }
 
@@ -255,20 +262,20 @@ static int walk_argv(const fu_cmd *cmd, int argc, char **argv, const fu_opt *onl
             const char *name = a + 2, *eq = strchr(name, '=');
             o = find_long(cmd, name, eq ? (size_t)(eq - name) : strlen(name));
             if (!o)
-                return usage_error(cmd, "unknown option '%s'", a);
+                return fu_opts_usage_error(cmd, "unknown option '%s'", a);
             if (eq) {
                 if (o->kind == FU_OPT_FLAG)
-                    return usage_error(cmd, "option '%s' takes no value", a);
+                    return fu_opts_usage_error(cmd, "option '%s' takes no value", a);
                 val = eq + 1;
             }
         } else {
             o = a[2] == '\0' ? find_short(cmd, a[1]) : NULL;
             if (!o)
-                return usage_error(cmd, "unknown option '%s'", a);
+                return fu_opts_usage_error(cmd, "unknown option '%s'", a);
         }
         if (o->kind != FU_OPT_FLAG && !val) {
             if (i + 1 >= argc)
-                return usage_error(cmd, "option '%s' needs a value", a);
+                return fu_opts_usage_error(cmd, "option '%s' needs a value", a);
             val = argv[++i];
         }
         if (only) {
@@ -278,7 +285,7 @@ static int walk_argv(const fu_cmd *cmd, int argc, char **argv, const fu_opt *onl
         }
         fu_errmsg em = {{0}};
         if (opt_set(o, val, &em) != FU_OK)
-            rc = usage_error(cmd, "%s", em.msg);
+            rc = fu_opts_usage_error(cmd, "%s", em.msg);
     }
     return rc;
 }
@@ -296,7 +303,7 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
     if (config)
         rc = walk_argv(cmd, argc, argv, config, &config_path, &npos);
     if (rc == 0 && config_path && fu_opts_load_file(cmd, config_path, &em) != FU_OK)
-        rc = usage_error(cmd, "%s", em.msg);
+        rc = fu_opts_usage_error(cmd, "%s", em.msg);
     if (rc == 0)
         rc = walk_argv(cmd, argc, argv, NULL, NULL, &npos);
     if (rc) {
@@ -314,7 +321,7 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
         return FU_ECANCELED;
     }
     if (apply_log(&em) != FU_OK) {
-        *exit_code = usage_error(cmd, "%s", em.msg);
+        *exit_code = fu_opts_usage_error(cmd, "%s", em.msg);
         return FU_ECANCELED;
     }
     if (npos < cmd->min_pos || npos > cmd->max_pos) {
@@ -323,10 +330,27 @@ fu_err fu_opts_parse(const fu_cmd *cmd, int argc, char **argv, size_t *n_pos, in
             snprintf(want, sizeof want, "%zu", cmd->min_pos);
         else
             snprintf(want, sizeof want, "%zu to %zu", cmd->min_pos, cmd->max_pos);
-        *exit_code = usage_error(cmd, "expects %s argument(s)", want);
+        *exit_code = fu_opts_usage_error(cmd, "expects %s argument(s)", want);
         return FU_ECANCELED;
     }
     argv[1 + npos] = NULL;
-    *n_pos = npos;
+    if (n_pos)
+        *n_pos = npos;
     return FU_OK;
+}
+
+int fu_opts_daemon_start(const char *prog, void (*on_signal)(int), const int *signals, size_t n)
+{
+    if (sodium_init() < 0) {
+        fprintf(stderr, "%s: libsodium failed to initialise\n", prog);
+        return FU_EXIT_FAIL;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < n; i++)
+        sigaction(signals[i], &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    return FU_EXIT_OK;
 }

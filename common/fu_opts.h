@@ -51,11 +51,14 @@ typedef struct {
     size_t        max_pos;  /* most positional arguments accepted */
 } fu_cmd;
 
+/* The .opts and .n_opts of a fu_cmd for an array of fu_opt: `{.prog = ..., FU_OPTS_TABLE(opts)}`. */
+#define FU_OPTS_TABLE(table) .opts = (table), .n_opts = sizeof(table) / sizeof((table)[0])
+
 /* Parses argv[1..argc) against cmd plus the common options. Positional arguments are moved, in
- * order, to argv[1..1+*n_pos). On success returns FU_OK and *exit_code is untouched. When the
- * program should exit now (--help or --version printed to stdout: exit 0; a usage error printed to
- * stderr: exit FU_EXIT_USAGE) returns FU_ECANCELED and sets *exit_code. --log-level and --log-json
- * configure fu_log directly.
+ * order, to argv[1..1+*n_pos) (n_pos may be NULL when the count is not needed). On success returns
+ * FU_OK and *exit_code is untouched. When the program should exit now (--help or --version printed
+ * to stdout: exit 0; a usage error printed to stderr: exit FU_EXIT_USAGE) returns FU_ECANCELED and
+ * sets *exit_code. --log-level and --log-json configure fu_log directly.
  * If cmd->opts has a FU_OPT_STR option named "config" and argv gives it (--config FILE or
  * --config=FILE, before any "--"), FILE is loaded with fu_opts_load_file first, so the command line
  * overrides the file; a file that cannot be loaded is a usage error. Not thread-safe (the common
@@ -77,6 +80,17 @@ FU_MUST_CHECK fu_err fu_opts_load_file(const fu_cmd *cmd, const char *path, fu_e
 
 /* Prints cmd's --help text to stdout. */
 void fu_opts_print_help(const fu_cmd *cmd);
+
+/* Tells the user that the command line is wrong: "PROG: <fmt ...>" and "Try 'PROG --help' for more
+ * information." on stderr. Returns FU_EXIT_USAGE, the exit code to return. */
+__attribute__((format(printf, 2, 3))) int fu_opts_usage_error(const fu_cmd *cmd, const char *fmt, ...);
+
+/* The start of a daemon's main (fusion-broker, fusion-peer), after its options are parsed:
+ * initialises libsodium (before any ZeroMQ context), installs on_signal for the n signals in
+ * signals (with an empty mask and no flags) and ignores SIGPIPE. Returns FU_EXIT_OK, or prints
+ * "PROG: libsodium failed to initialise" and returns FU_EXIT_FAIL. Call once, before any thread. */
+FU_MUST_CHECK int fu_opts_daemon_start(const char *prog, void (*on_signal)(int), const int *signals,
+                                       size_t n);
 
 #ifdef __cplusplus
 }

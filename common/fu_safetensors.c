@@ -125,14 +125,9 @@ fu_err fu_st_from_f32(fu_st_dtype dt, const float *src, size_t n, void *dst)
             memcpy(d, src, n * 4);
         return FU_OK;
     case FU_ST_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h = fu_f32_to_f16(src[i]);
-            memcpy(d + 2 * i, &h, 2);
-        }
-        return FU_OK;
     case FU_ST_BF16:
         for (size_t i = 0; i < n; i++) {
-            uint16_t h = fu_f32_to_bf16(src[i]);
+            uint16_t h = dt == FU_ST_F16 ? fu_f32_to_f16(src[i]) : fu_f32_to_bf16(src[i]);
             memcpy(d + 2 * i, &h, 2);
         }
         return FU_OK;
@@ -457,6 +452,20 @@ static fu_err st_finish(fu_safetensors *st, fu_errmsg *em)
     return FU_OK;
 }
 
+/* Ends an opening: when rc (the reading's result) is FU_OK, st_finish; then st goes to *out, or is
+ * closed on failure. Returns the result. */
+static fu_err st_hand_out(fu_safetensors *st, fu_err rc, fu_safetensors **out, fu_errmsg *em)
+{
+    if (rc == FU_OK)
+        rc = st_finish(st, em);
+    if (rc != FU_OK) {
+        fu_safetensors_close(&st);
+        return rc;
+    }
+    *out = st;
+    return FU_OK;
+}
+
 fu_err fu_safetensors_parse_header(const uint8_t *buf, size_t len, const char *label, fu_safetensors **out,
                                    fu_errmsg *em)
 {
@@ -466,15 +475,7 @@ fu_err fu_safetensors_parse_header(const uint8_t *buf, size_t len, const char *l
     const char *lab = label ? label : "safetensors";
     fu_safetensors *st = st_new(lab);
     const st_file *f = st_add_file_slot(st, lab);
-    fu_err rc = st_parse_image(st, f, buf ? buf : (const uint8_t *)"", len, em);
-    if (rc == FU_OK)
-        rc = st_finish(st, em);
-    if (rc != FU_OK) {
-        fu_safetensors_close(&st);
-        return rc;
-    }
-    *out = st;
-    return FU_OK;
+    return st_hand_out(st, st_parse_image(st, f, buf ? buf : (const uint8_t *)"", len, em), out, em);
 }
 
 /* Maps path, appends its tensors; label is its base name. */
@@ -495,15 +496,7 @@ fu_err fu_safetensors_open_file(const char *path, fu_safetensors **out, fu_errms
         return fu_errmsg_set(em, FU_EINVAL, "fu_safetensors_open_file: NULL argument");
     *out = NULL;
     fu_safetensors *st = st_new(fu_path_base(path));
-    fu_err rc = st_add_path(st, path, em);
-    if (rc == FU_OK)
-        rc = st_finish(st, em);
-    if (rc != FU_OK) {
-        fu_safetensors_close(&st);
-        return rc;
-    }
-    *out = st;
-    return FU_OK;
+    return st_hand_out(st, st_add_path(st, path, em), out, em);
 }
 
 static int cmp_str(const void *a, const void *b)
@@ -606,10 +599,7 @@ fu_err fu_safetensors_open_dir(const char *dir, fu_safetensors **out, fu_errmsg 
         st = st_new(FU_ST_INDEX_FILE);
         rc = open_sharded(st, dir, index, em);
     } else if (fu_path_exists(single)) {
-        st = st_new(FU_ST_SINGLE_FILE);
-        rc = st_add_path(st, single, em);
-        if (rc == FU_OK)
-            rc = st_finish(st, em);
+        rc = fu_safetensors_open_file(single, &st, em); /* labelled FU_ST_SINGLE_FILE, its base name */
     } else {
         rc = fu_errmsg_set(em, FU_ENOTFOUND, "model dir '%s' has no %s or %s (expected a Hugging Face model directory)",
                            dir, FU_ST_SINGLE_FILE, FU_ST_INDEX_FILE);
@@ -704,19 +694,15 @@ fu_err fu_st_tensor_to_f32(const fu_st_tensor *t, float *dst, size_t dst_len, fu
             memcpy(dst, s, t->nelem * 4);
         break;
     case FU_ST_F16:
+    case FU_ST_BF16: {
+        const bool f16 = t->dtype == FU_ST_F16;
         for (size_t i = 0; i < t->nelem; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);
-            dst[i] = fu_f16_to_f32(h);
+            dst[i] = f16 ? fu_f16_to_f32(h) : fu_bf16_to_f32(h);
         }
         break;
-    case FU_ST_BF16:
-        for (size_t i = 0; i < t->nelem; i++) {
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            dst[i] = fu_bf16_to_f32(h);
-        }
-        break;
+    }
     case FU_ST_F64:
         for (size_t i = 0; i < t->nelem; i++) {
             double v;

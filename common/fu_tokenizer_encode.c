@@ -3,6 +3,7 @@
  * character classes), and byte-level BPE of each word (merges by rank with a heap). */
 #include "fu_tokenizer.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,19 @@ static int char_class(uint32_t cp)
     return CL_LETTER; /* approximation: see the header */
 }
 
+/* Where the run of at most max characters of class cl that starts at s[j] ends. */
+static size_t run_end(const uint8_t *s, size_t n, size_t j, int cl, size_t max)
+{
+    uint32_t cp;
+    for (size_t k = 0; j < n && k < max; k++) {
+        size_t l = fu_tok_utf8_next(s, n, j, &cp);
+        if (char_class(cp) != cl)
+            break;
+        j += l;
+    }
+    return j;
+}
+
 /* Length of the GPT-2 pre-token starting at s[i] (the regex
  * 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ ). */
 static size_t gpt2_piece(const uint8_t *s, size_t n, size_t i)
@@ -68,16 +82,8 @@ static size_t gpt2_piece(const uint8_t *s, size_t n, size_t i)
             len = 0;
         }
     }
-    if (cl != CL_SPACE) {
-        j += len;
-        while (j < n) {
-            size_t l2 = fu_tok_utf8_next(s, n, j, &cp);
-            if (char_class(cp) != cl)
-                break;
-            j += l2;
-        }
-        return j - i;
-    }
+    if (cl != CL_SPACE)
+        return run_end(s, n, j + len, cl, SIZE_MAX) - i;
     /* A run of spaces: all of it at the end of the text; otherwise all but its last character
      * (which then prefixes the next word), or the single character when the run has one. */
     size_t last = i;
@@ -117,37 +123,14 @@ static size_t llama3_piece(const uint8_t *s, size_t n, size_t i, size_t max_digi
     }
     /* [^\r\n\p{L}\p{N}]?\p{L}+ */
     if (cl == CL_LETTER || (cl1 == CL_LETTER && cl != CL_NUMBER && cp != '\r' && cp != '\n')) {
-        j = cl == CL_LETTER ? i : i + len;
-        while (j < n) {
-            size_t l2 = fu_tok_utf8_next(s, n, j, &cp);
-            if (char_class(cp) != CL_LETTER)
-                break;
-            j += l2;
-        }
-        return j - i;
+        return run_end(s, n, cl == CL_LETTER ? i : i + len, CL_LETTER, SIZE_MAX) - i;
     }
     /* \p{N}{1,D} */
-    if (cl == CL_NUMBER) {
-        size_t d = 0;
-        j = i;
-        while (j < n && d < max_digits) {
-            size_t l2 = fu_tok_utf8_next(s, n, j, &cp);
-            if (char_class(cp) != CL_NUMBER)
-                break;
-            j += l2;
-            d++;
-        }
-        return j - i;
-    }
+    if (cl == CL_NUMBER)
+        return run_end(s, n, i, CL_NUMBER, max_digits) - i;
     /*  ?[^\s\p{L}\p{N}]+[\r\n]* */
     if (cl == CL_OTHER || (s[i] == ' ' && cl1 == CL_OTHER)) {
-        j = cl == CL_OTHER ? i : i + 1;
-        while (j < n) {
-            size_t l2 = fu_tok_utf8_next(s, n, j, &cp);
-            if (char_class(cp) != CL_OTHER)
-                break;
-            j += l2;
-        }
+        j = run_end(s, n, cl == CL_OTHER ? i : i + 1, CL_OTHER, SIZE_MAX);
         while (j < n && (s[j] == '\r' || s[j] == '\n'))
             j++;
         return j - i;

@@ -100,34 +100,33 @@ struct dag_exec {
 
 /* ---- small helpers -------------------------------------------------------------------------- */
 
-static inline kern_tensor_t tv2(void *data, int64_t rows, int64_t cols, kern_device dev)
-{
-    kern_tensor_t t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.dtype = KERN_F32;
-    t.ndim = 2;
-    t.shape[0] = rows;
-    t.shape[1] = cols;
-    t.shape[2] = t.shape[3] = 1;
-    t.stride[0] = cols;
-    t.stride[1] = 1;
-    t.device = dev;
-    return t;
-}
-
-static inline kern_tensor_t tv1(void *data, kern_dtype dt, int64_t n, kern_device dev)
+/* A contiguous, borrowed view of data: rows x cols (ndim 2), or rows elements (ndim 1, cols 1).
+ * Unchecked, unlike kern_tensor_wrap: the executor's shapes are validated with the graph. */
+static inline kern_tensor_t tview(void *data, kern_dtype dt, int ndim, int64_t rows, int64_t cols,
+                                  kern_device dev)
 {
     kern_tensor_t t;
     memset(&t, 0, sizeof t);
     t.data = data;
     t.dtype = dt;
-    t.ndim = 1;
-    t.shape[0] = n;
-    t.shape[1] = t.shape[2] = t.shape[3] = 1;
-    t.stride[0] = 1;
+    t.ndim = ndim;
+    t.shape[0] = rows;
+    t.shape[1] = cols;
+    t.shape[2] = t.shape[3] = 1;
+    t.stride[0] = ndim == 2 ? cols : 1;
+    t.stride[1] = ndim == 2 ? 1 : 0;
     t.device = dev;
     return t;
+}
+
+static inline kern_tensor_t tv2(void *data, int64_t rows, int64_t cols, kern_device dev)
+{
+    return tview(data, KERN_F32, 2, rows, cols, dev);
+}
+
+static inline kern_tensor_t tv1(void *data, kern_dtype dt, int64_t n, kern_device dev)
+{
+    return tview(data, dt, 1, n, 1, dev);
 }
 
 static inline kern_tensor_t bview(const dag_exec_t *x, const ebuf *b, int64_t rows, int64_t cols)

@@ -334,12 +334,63 @@ static fu_err read_into(dag_exec_t *x, const fu_safetensors *st, const char *nam
     return rc;
 }
 
-static fu_err zero_opt_state(dag_exec_t *x, enode *e)
+#define ADAPTER_TENSORS_MAX 6 /* lora_A, lora_B and AdamW's two moments of each */
+
+/* One adapter tensor of a node, as adapter and checkpoint files name it. */
+typedef struct {
+    char name[DAG_NAME_MAX + 96]; /* DAG_PEFT_PREFIX "<module>.lora_A.weight", ... */
+    kern_tensor_t *t;
+} adapter_tensor;
+
+/* The adapter tensors of node nd (e->A set): lora_A and lora_B, then with_state AdamW's moments
+ * (those e has). Returns how many were put in out. */
+static size_t adapter_tensors(const dag_node *nd, const enode *e, bool with_state,
+                              adapter_tensor out[ADAPTER_TENSORS_MAX])
 {
-    kern_tensor_t *ts[] = {e->dA, e->dB, e->mA, e->vA, e->mB, e->vB};
-    for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++)
-        if (ts[k])
-            FU_TRY(kern_tensor_zero(x->be, ts[k]));
+    const struct {
+        const char *suffix;
+        kern_tensor_t *t;
+    } items[ADAPTER_TENSORS_MAX] = {
+        {"lora_A.weight", e->A},
+        {"lora_B.weight", e->B},
+        {"lora_A.weight.adam_m", with_state ? e->mA : NULL},
+        {"lora_A.weight.adam_v", with_state ? e->vA : NULL},
+        {"lora_B.weight.adam_m", with_state ? e->mB : NULL},
+        {"lora_B.weight.adam_v", with_state ? e->vB : NULL},
+    };
+    char mod[DAG_NAME_MAX];
+    module_of(nd->params[0], mod, sizeof mod);
+    size_t n = 0;
+    for (size_t k = 0; k < ADAPTER_TENSORS_MAX; k++) {
+        if (!items[k].t)
+            continue;
+        snprintf(out[n].name, sizeof out[n].name, DAG_PEFT_PREFIX "%s.%s", mod, items[k].suffix);
+        out[n++].t = items[k].t;
+    }
+    return n;
+}
+
+/* Reads the range's adapters from st, with_state also AdamW's moments, and zeroes the optimizer
+ * state not read (the gradients; the moments without with_state). */
+static fu_err read_adapters(dag_exec_t *x, const fu_safetensors *st, bool with_state, fu_errmsg *em)
+{
+    for (size_t i = x->first; i < x->last; i++) {
+        const dag_node *nd = N(x, i);
+        enode *e = &x->nodes[i];
+        if (!e->A)
+            continue;
+        adapter_tensor at[ADAPTER_TENSORS_MAX];
+        size_t n = adapter_tensors(nd, e, with_state, at);
+        for (size_t k = 0; k < n; k++)
+            FU_TRY(read_into(x, st, at[k].name, at[k].t, em));
+        kern_tensor_t *zero[] = {e->dA, e->dB, with_state ? NULL : e->mA, with_state ? NULL : e->vA,
+                                 with_state ? NULL : e->mB, with_state ? NULL : e->vB};
+        for (size_t k = 0; k < sizeof zero / sizeof zero[0]; k++)
+            if (zero[k])
+                FU_TRY(kern_tensor_zero(x->be, zero[k]));
+        if (nd->adapter.method == DAG_ADAPTER_SALR)
+            FU_TRY(dagx_salr_rebuild(x, nd, e));
+    }
     return FU_OK;
 }
 
@@ -347,21 +398,7 @@ fu_err dag_exec_load_adapter(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
 {
     if (!x || !st)
         return FU_EINVAL;
-    for (size_t i = x->first; i < x->last; i++) {
-        const dag_node *nd = N(x, i);
-        enode *e = &x->nodes[i];
-        if (!e->A)
-            continue;
-        char mod[DAG_NAME_MAX], name[DAG_NAME_MAX + 64];
-        module_of(nd->params[0], mod, sizeof mod);
-        snprintf(name, sizeof name, DAG_PEFT_PREFIX "%s.lora_A.weight", mod);
-        FU_TRY(read_into(x, st, name, e->A, em));
-        snprintf(name, sizeof name, DAG_PEFT_PREFIX "%s.lora_B.weight", mod);
-        FU_TRY(read_into(x, st, name, e->B, em));
-        FU_TRY(zero_opt_state(x, e));
-        if (nd->adapter.method == DAG_ADAPTER_SALR)
-            FU_TRY(dagx_salr_rebuild(x, nd, e));
-    }
+    FU_TRY(read_adapters(x, st, false, em));
     x->step = 0;
     return FU_OK;
 }
@@ -424,25 +461,10 @@ static fu_err collect(const dag_exec_t *x, tlist *l, bool with_state)
         const enode *e = &x->nodes[i];
         if (!e->A)
             continue;
-        char mod[DAG_NAME_MAX], name[DAG_NAME_MAX + 96];
-        module_of(nd->params[0], mod, sizeof mod);
-        struct {
-            const char *suffix;
-            const kern_tensor_t *t;
-        } items[] = {
-            {"lora_A.weight", e->A},
-            {"lora_B.weight", e->B},
-            {"lora_A.weight.adam_m", with_state ? e->mA : NULL},
-            {"lora_A.weight.adam_v", with_state ? e->vA : NULL},
-            {"lora_B.weight.adam_m", with_state ? e->mB : NULL},
-            {"lora_B.weight.adam_v", with_state ? e->vB : NULL},
-        };
-        for (size_t k = 0; k < sizeof items / sizeof items[0]; k++) {
-            if (!items[k].t)
-                continue;
-            snprintf(name, sizeof name, DAG_PEFT_PREFIX "%s.%s", mod, items[k].suffix);
-            FU_TRY(tlist_add(x, l, name, items[k].t));
-        }
+        adapter_tensor at[ADAPTER_TENSORS_MAX];
+        size_t n = adapter_tensors(nd, e, with_state, at);
+        for (size_t k = 0; k < n; k++)
+            FU_TRY(tlist_add(x, l, at[k].name, at[k].t));
     }
     return FU_OK;
 }
@@ -525,37 +547,7 @@ fu_err dag_exec_load_state(dag_exec_t *x, const fu_safetensors *st, fu_errmsg *e
     long long sv = step ? strtoll(step, &end, 10) : -1;
     if (!step || !end || *end || sv < 0)
         return fu_errmsg_set(em, FU_EPROTO, "checkpoint has no valid adam_t metadata");
-    for (size_t i = x->first; i < x->last; i++) {
-        const dag_node *nd = N(x, i);
-        enode *e = &x->nodes[i];
-        if (!e->A)
-            continue;
-        char mod[DAG_NAME_MAX], name[DAG_NAME_MAX + 96];
-        module_of(nd->params[0], mod, sizeof mod);
-        struct {
-            const char *suffix;
-            kern_tensor_t *t;
-        } items[] = {
-            {"lora_A.weight", e->A},
-            {"lora_B.weight", e->B},
-            {"lora_A.weight.adam_m", e->mA},
-            {"lora_A.weight.adam_v", e->vA},
-            {"lora_B.weight.adam_m", e->mB},
-            {"lora_B.weight.adam_v", e->vB},
-        };
-        for (size_t k = 0; k < sizeof items / sizeof items[0]; k++) {
-            if (!items[k].t)
-                continue;
-            snprintf(name, sizeof name, DAG_PEFT_PREFIX "%s.%s", mod, items[k].suffix);
-            FU_TRY(read_into(x, st, name, items[k].t, em));
-        }
-        if (e->dA)
-            FU_TRY(kern_tensor_zero(x->be, e->dA));
-        if (e->dB)
-            FU_TRY(kern_tensor_zero(x->be, e->dB));
-        if (nd->adapter.method == DAG_ADAPTER_SALR)
-            FU_TRY(dagx_salr_rebuild(x, nd, e));
-    }
+    FU_TRY(read_adapters(x, st, true, em));
     x->step = sv;
     return FU_OK;
 }

@@ -497,6 +497,37 @@ static fu_err grad_finish(dag_exec_t *x, uint32_t src, uint32_t rows, ebuf **tmp
     return rc;
 }
 
+/* The gradient of one input in a node's backward: written into the input's gradient (grad_target)
+ * when it needs one, else into a scratch buffer dropped afterwards (for kernels that write every
+ * input's gradient). */
+typedef struct {
+    kern_tensor_t d; /* where the kernel writes */
+    ebuf *tmp;       /* grad_target's temporary, added to the gradient by grad_finish */
+    ebuf *scratch;   /* for an input that needs no gradient */
+} input_grad;
+
+static fu_err input_grad_begin(dag_exec_t *x, uint32_t src, uint32_t rows, input_grad *g)
+{
+    if (x->need_grad[src])
+        return grad_target(x, src, rows, &g->d, &g->tmp);
+    FU_TRY(dagx_pool_get(x, (size_t)x->o.max_tokens * node_width(x, src), &g->scratch));
+    g->d = bview(x, g->scratch, rows, (int64_t)node_width(x, src));
+    return FU_OK;
+}
+
+/* After the kernel (rc its result): adds the gradient written when it needs adding, and releases
+ * the buffers. Returns rc, or grad_finish's error. */
+static fu_err input_grad_end(dag_exec_t *x, uint32_t src, uint32_t rows, fu_err rc, input_grad *g)
+{
+    if (rc == FU_OK && x->need_grad[src])
+        rc = grad_finish(x, src, rows, &g->tmp, &g->d);
+    if (g->tmp)
+        g->tmp->refs = 0;
+    if (g->scratch)
+        g->scratch->refs = 0;
+    return rc;
+}
+
 static fu_err bwd_linear(dag_exec_t *x, uint32_t slot, size_t j, const kern_tensor_t *dy)
 {
     const dag_node *nd = N(x, j);
@@ -596,17 +627,13 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         uint32_t src = nd->inputs[0];
         if (!x->need_grad[src])
             break;
-        kern_tensor_t dx;
-        ebuf *tmp = NULL;
-        FU_TRY(grad_target(x, src, s->rows, &dx, &tmp));
+        input_grad dx = {.tmp = NULL};
+        FU_TRY(input_grad_begin(x, src, s->rows, &dx));
         if (nd->adapter.method == DAG_ADAPTER_SALR)
-            rc = bwd_salr_dx(x, slot, j, &dy, &dx);
+            rc = bwd_salr_dx(x, slot, j, &dy, &dx.d);
         else
-            rc = kern_linear_backward(x->be, &dy, NULL, e->w, &dx, NULL);
-        if (rc == FU_OK)
-            rc = grad_finish(x, src, s->rows, &tmp, &dx);
-        if (tmp)
-            tmp->refs = 0;
+            rc = kern_linear_backward(x->be, &dy, NULL, e->w, &dx.d, NULL);
+        rc = input_grad_end(x, src, s->rows, rc, &dx);
         break;
     }
     case DAG_OP_LINEAR:
@@ -618,28 +645,22 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
             break;
         if (!in[0])
             return FU_EINVAL;
-        kern_tensor_t xv = bview(x, in[0], rows, nd->dim_in), dx;
-        ebuf *tmp = NULL;
-        FU_TRY(grad_target(x, src, rows, &dx, &tmp));
-        rc = kern_rmsnorm_backward(x->be, &dy, &xv, e->w, nd->eps, &dx, NULL);
-        if (rc == FU_OK)
-            rc = grad_finish(x, src, rows, &tmp, &dx);
-        if (tmp)
-            tmp->refs = 0;
+        kern_tensor_t xv = bview(x, in[0], rows, nd->dim_in);
+        input_grad dx = {.tmp = NULL};
+        FU_TRY(input_grad_begin(x, src, rows, &dx));
+        rc = kern_rmsnorm_backward(x->be, &dy, &xv, e->w, nd->eps, &dx.d, NULL);
+        rc = input_grad_end(x, src, rows, rc, &dx);
         break;
     }
     case DAG_OP_ROPE: {
         uint32_t src = nd->inputs[0];
         if (!x->need_grad[src])
             break;
-        kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev), dx;
-        ebuf *tmp = NULL;
-        FU_TRY(grad_target(x, src, rows, &dx, &tmp));
-        rc = kern_rope_backward(x->be, &dy, &pos, (int)nd->head_dim, nd->theta, &dx);
-        if (rc == FU_OK)
-            rc = grad_finish(x, src, rows, &tmp, &dx);
-        if (tmp)
-            tmp->refs = 0;
+        kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev);
+        input_grad dx = {.tmp = NULL};
+        FU_TRY(input_grad_begin(x, src, rows, &dx));
+        rc = kern_rope_backward(x->be, &dy, &pos, (int)nd->head_dim, nd->theta, &dx.d);
+        rc = input_grad_end(x, src, rows, rc, &dx);
         break;
     }
     case DAG_OP_ATTENTION: {
@@ -648,62 +669,30 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         int64_t kw = (int64_t)nd->n_kv_heads * nd->head_dim;
         kern_tensor_t q = bview(x, in[0], rows, (int64_t)w), k = bview(x, in[1], rows, kw),
                       v = bview(x, in[2], rows, kw);
-        kern_tensor_t d[3];
-        ebuf *tmp[3] = {NULL, NULL, NULL};
-        ebuf *scratch[3] = {NULL, NULL, NULL};
-        for (uint32_t a = 0; a < 3 && rc == FU_OK; a++) {
-            uint32_t src = nd->inputs[a];
-            if (x->need_grad[src]) {
-                rc = grad_target(x, src, rows, &d[a], &tmp[a]);
-            } else {
-                rc = dagx_pool_get(x, (size_t)x->o.max_tokens * node_width(x, src), &scratch[a]);
-                if (rc == FU_OK)
-                    d[a] = bview(x, scratch[a], rows, (int64_t)node_width(x, src));
-            }
-        }
+        input_grad d[3] = {{.tmp = NULL}, {.tmp = NULL}, {.tmp = NULL}};
+        for (uint32_t a = 0; a < 3 && rc == FU_OK; a++)
+            rc = input_grad_begin(x, nd->inputs[a], rows, &d[a]);
         kern_attn_params p = {.n_head = (int)nd->n_heads, .n_kv_head = (int)nd->n_kv_heads,
                               .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f};
         if (rc == FU_OK)
             rc = ensure_ws_attn(x, &p, s->seq_len, s->seq_len, true);
         if (rc == FU_OK)
-            rc = kern_attn_backward(x->be, &p, &q, &k, &v, &dy, &d[0], &d[1], &d[2], x->ws);
-        for (uint32_t a = 0; a < 3; a++) {
-            if (rc == FU_OK && x->need_grad[nd->inputs[a]])
-                rc = grad_finish(x, nd->inputs[a], rows, &tmp[a], &d[a]);
-            if (tmp[a])
-                tmp[a]->refs = 0;
-            if (scratch[a])
-                scratch[a]->refs = 0;
-        }
+            rc = kern_attn_backward(x->be, &p, &q, &k, &v, &dy, &d[0].d, &d[1].d, &d[2].d, x->ws);
+        for (uint32_t a = 0; a < 3; a++)
+            rc = input_grad_end(x, nd->inputs[a], rows, rc, &d[a]);
         break;
     }
     case DAG_OP_SILU_MUL: {
         if (!in[0] || !in[1])
             return FU_EINVAL;
         kern_tensor_t g = bview(x, in[0], rows, (int64_t)w), u = bview(x, in[1], rows, (int64_t)w);
-        kern_tensor_t d[2];
-        ebuf *tmp[2] = {NULL, NULL};
-        ebuf *scratch[2] = {NULL, NULL};
-        for (uint32_t a = 0; a < 2 && rc == FU_OK; a++) {
-            uint32_t src = nd->inputs[a];
-            if (x->need_grad[src]) {
-                rc = grad_target(x, src, rows, &d[a], &tmp[a]);
-            } else {
-                rc = dagx_pool_get(x, (size_t)x->o.max_tokens * w, &scratch[a]);
-                if (rc == FU_OK)
-                    d[a] = bview(x, scratch[a], rows, (int64_t)w);
-            }
-        }
+        input_grad d[2] = {{.tmp = NULL}, {.tmp = NULL}};
+        for (uint32_t a = 0; a < 2 && rc == FU_OK; a++)
+            rc = input_grad_begin(x, nd->inputs[a], rows, &d[a]);
         if (rc == FU_OK)
-            rc = kern_silu_mul_backward(x->be, &dy, &g, &u, &d[0], &d[1]);
-        for (uint32_t a = 0; a < 2; a++) {
-            if (rc == FU_OK && x->need_grad[nd->inputs[a]])
-                rc = grad_finish(x, nd->inputs[a], rows, &tmp[a], &d[a]);
-            if (tmp[a])
-                tmp[a]->refs = 0;
-            if (scratch[a])
-                scratch[a]->refs = 0;
-        }
+            rc = kern_silu_mul_backward(x->be, &dy, &g, &u, &d[0].d, &d[1].d);
+        for (uint32_t a = 0; a < 2; a++)
+            rc = input_grad_end(x, nd->inputs[a], rows, rc, &d[a]);
         break;
     }
     case DAG_OP_ADD:

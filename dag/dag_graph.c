@@ -292,6 +292,61 @@ static uint32_t add_linear(builder *b, int32_t layer, uint32_t in, dag_target tg
     return push(b, &n);
 }
 
+/* An RMSNorm of the hidden state in, weight model.layers.<layer>.<what>.weight (model.<what>.weight
+ * outside the layers). Backward recomputes the norm: only its input is kept. */
+static uint32_t add_rmsnorm(builder *b, int32_t layer, uint32_t in, const char *what)
+{
+    const uint32_t H = b->d->hidden_size;
+    const bool train = b->o->head == DAG_HEAD_LOSS;
+    dag_node n = blank(DAG_OP_RMSNORM, layer);
+    n.n_inputs = 1;
+    n.inputs[0] = in;
+    n.dim_in = n.dim_out = H;
+    n.out_width = H;
+    n.eps = b->d->rms_eps;
+    if (layer == DAG_NO_LAYER)
+        set_param(&n, 0, "model.%s.weight", what);
+    else
+        set_param(&n, 0, "model.layers.%d.%s.weight", layer, what);
+    n.flops_fwd = 4.0 * H;
+    n.flops_bwd = train ? 8.0 * H : 0;
+    n.param_bytes = 4ull * H;
+    n.act_bytes = train ? 4ull * H : 0;
+    return push(b, &n);
+}
+
+/* RoPE over the `heads` heads of in (width heads x head_dim). */
+static uint32_t add_rope(builder *b, int32_t layer, uint32_t in, uint32_t heads)
+{
+    const uint32_t w = heads * b->d->head_dim;
+    const bool train = b->o->head == DAG_HEAD_LOSS;
+    dag_node n = blank(DAG_OP_ROPE, layer);
+    n.n_inputs = 1;
+    n.inputs[0] = in;
+    n.n_heads = heads;
+    n.head_dim = b->d->head_dim;
+    n.theta = b->d->rope_theta;
+    n.dim_in = n.dim_out = w;
+    n.out_width = w;
+    n.flops_fwd = 3.0 * w;
+    n.flops_bwd = train ? 3.0 * w : 0;
+    return push(b, &n);
+}
+
+/* The residual sum x + y of two hidden states. */
+static uint32_t add_residual(builder *b, int32_t layer, uint32_t x, uint32_t y)
+{
+    const uint32_t H = b->d->hidden_size;
+    dag_node n = blank(DAG_OP_ADD, layer);
+    n.n_inputs = 2;
+    n.inputs[0] = x;
+    n.inputs[1] = y;
+    n.dim_in = n.dim_out = H;
+    n.out_width = H;
+    n.flops_fwd = H;
+    return push(b, &n);
+}
+
 fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_graph_t **out)
 {
     if (!d || !o || !out)
@@ -339,41 +394,14 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
 
     for (uint32_t l = 0; l < d->n_layers && b.err == FU_OK; l++) {
         int32_t L = (int32_t)l;
-        n = blank(DAG_OP_RMSNORM, L);
-        n.n_inputs = 1;
-        n.inputs[0] = x;
-        n.dim_in = n.dim_out = H;
-        n.out_width = H;
-        n.eps = d->rms_eps;
-        set_param(&n, 0, "model.layers.%u.input_layernorm.weight", l);
-        n.flops_fwd = 4.0 * H;
-        n.flops_bwd = train ? 8.0 * H : 0;
-        n.param_bytes = 4ull * H;
-        n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
-        uint32_t h = push(&b, &n);
+        uint32_t h = add_rmsnorm(&b, L, x, "input_layernorm");
 
         uint32_t q = add_linear(&b, L, h, DAG_TARGET_Q, "self_attn", H, qw);
         uint32_t k = add_linear(&b, L, h, DAG_TARGET_K, "self_attn", H, kw);
         uint32_t v = add_linear(&b, L, h, DAG_TARGET_V, "self_attn", H, kw);
 
-        n = blank(DAG_OP_ROPE, L);
-        n.n_inputs = 1;
-        n.inputs[0] = q;
-        n.n_heads = d->n_heads;
-        n.head_dim = d->head_dim;
-        n.theta = d->rope_theta;
-        n.dim_in = n.dim_out = qw;
-        n.out_width = qw;
-        n.flops_fwd = 3.0 * qw;
-        n.flops_bwd = train ? 3.0 * qw : 0;
-        uint32_t qr = push(&b, &n);
-        n.inputs[0] = k;
-        n.n_heads = d->n_kv_heads;
-        n.dim_in = n.dim_out = kw;
-        n.out_width = kw;
-        n.flops_fwd = 3.0 * kw;
-        n.flops_bwd = train ? 3.0 * kw : 0;
-        uint32_t kr = push(&b, &n);
+        uint32_t qr = add_rope(&b, L, q, d->n_heads);
+        uint32_t kr = add_rope(&b, L, k, d->n_kv_heads);
 
         n = blank(DAG_OP_ATTENTION, L);
         n.n_inputs = 3;
@@ -395,27 +423,8 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
 
         uint32_t ao = add_linear(&b, L, a, DAG_TARGET_O, "self_attn", qw, H);
 
-        n = blank(DAG_OP_ADD, L);
-        n.n_inputs = 2;
-        n.inputs[0] = x;
-        n.inputs[1] = ao;
-        n.dim_in = n.dim_out = H;
-        n.out_width = H;
-        n.flops_fwd = H;
-        uint32_t x1 = push(&b, &n);
-
-        n = blank(DAG_OP_RMSNORM, L);
-        n.n_inputs = 1;
-        n.inputs[0] = x1;
-        n.dim_in = n.dim_out = H;
-        n.out_width = H;
-        n.eps = d->rms_eps;
-        set_param(&n, 0, "model.layers.%u.post_attention_layernorm.weight", l);
-        n.flops_fwd = 4.0 * H;
-        n.flops_bwd = train ? 8.0 * H : 0;
-        n.param_bytes = 4ull * H;
-        n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
-        uint32_t h2 = push(&b, &n);
+        uint32_t x1 = add_residual(&b, L, x, ao);
+        uint32_t h2 = add_rmsnorm(&b, L, x1, "post_attention_layernorm");
 
         uint32_t gt = add_linear(&b, L, h2, DAG_TARGET_GATE, "mlp", H, F);
         uint32_t up = add_linear(&b, L, h2, DAG_TARGET_UP, "mlp", H, F);
@@ -433,28 +442,10 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
 
         uint32_t dn = add_linear(&b, L, m, DAG_TARGET_DOWN, "mlp", F, H);
 
-        n = blank(DAG_OP_ADD, L);
-        n.n_inputs = 2;
-        n.inputs[0] = x1;
-        n.inputs[1] = dn;
-        n.dim_in = n.dim_out = H;
-        n.out_width = H;
-        n.flops_fwd = H;
-        x = push(&b, &n);
+        x = add_residual(&b, L, x1, dn);
     }
 
-    n = blank(DAG_OP_RMSNORM, DAG_NO_LAYER);
-    n.n_inputs = 1;
-    n.inputs[0] = x;
-    n.dim_in = n.dim_out = H;
-    n.out_width = H;
-    n.eps = d->rms_eps;
-    set_param(&n, 0, "model.norm.weight");
-    n.flops_fwd = 4.0 * H;
-    n.flops_bwd = train ? 8.0 * H : 0;
-    n.param_bytes = 4ull * H;
-    n.act_bytes = train ? 4ull * H : 0; /* its input (the norm is recomputed) */
-    uint32_t hn = push(&b, &n);
+    uint32_t hn = add_rmsnorm(&b, DAG_NO_LAYER, x, "norm");
 
     n = blank(DAG_OP_LM_HEAD, DAG_NO_LAYER);
     n.n_inputs = 1;

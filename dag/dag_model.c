@@ -39,7 +39,7 @@ typedef struct {
 static fu_err rand_fill(void *vctx, size_t index, const fu_st_tensor *t, void *buf, size_t nbytes)
 {
     const rand_ctx *c = vctx;
-    float *f = buf;
+    float *f = t->dtype == FU_ST_F32 ? buf : fu_malloc(t->nelem * sizeof *f);
     (void)nbytes;
     if (c->w[index].is_norm) {
         for (size_t i = 0; i < t->nelem; i++)
@@ -49,12 +49,23 @@ static fu_err rand_fill(void *vctx, size_t index, const fu_st_tensor *t, void *b
         fu_rng_seed_stream(&r, c->seed, c->w[index].name);
         fu_rng_fill_normal_f32(&r, f, t->nelem, 0.0f, c->std);
     }
-    return FU_OK;
+    fu_err rc = FU_OK;
+    if (t->dtype != FU_ST_F32) {
+        rc = fu_st_from_f32(t->dtype, f, t->nelem, buf);
+        free(f);
+    }
+    return rc;
 }
 
 fu_err dag_model_init_random(const char *dir, const fu_modelcfg *cfg, uint64_t seed, float std, fu_errmsg *em)
 {
-    if (!dir || !cfg)
+    return dag_model_init_random_as(dir, cfg, seed, std, FU_ST_F32, em);
+}
+
+fu_err dag_model_init_random_as(const char *dir, const fu_modelcfg *cfg, uint64_t seed, float std,
+                                fu_st_dtype dtype, fu_errmsg *em)
+{
+    if (!dir || !cfg || (dtype != FU_ST_F32 && dtype != FU_ST_F16 && dtype != FU_ST_BF16))
         return FU_EINVAL;
     FU_TRY(fu_modelcfg_validate(cfg, em));
     FU_TRY(fu_mkdir_p(dir, 0755, em));
@@ -65,7 +76,7 @@ fu_err dag_model_init_random(const char *dir, const fu_modelcfg *cfg, uint64_t s
     for (size_t i = 0; i < n && rc == FU_OK; i++) {
         rc = fu_modelcfg_weight(cfg, i, &w[i]);
         t[i].name = w[i].name;
-        t[i].dtype = FU_ST_F32;
+        t[i].dtype = dtype;
         t[i].ndim = w[i].ndim;
         t[i].nelem = 1;
         for (size_t k = 0; k < w[i].ndim; k++) {

@@ -19,6 +19,7 @@
 #include "fu_err.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
+#include "fu_safetensors.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +36,10 @@ void dag_dims_from_cfg(const fu_modelcfg *cfg, dag_model_dims *out);
  * and benchmarks. */
 FU_MUST_CHECK fu_err dag_model_init_random(const char *dir, const fu_modelcfg *cfg, uint64_t seed, float std,
                                            fu_errmsg *em);
+/* dag_model_init_random with every tensor stored as dtype (F32, F16 or BF16; the same F32 draws,
+ * converted): `fusion model init`. */
+FU_MUST_CHECK fu_err dag_model_init_random_as(const char *dir, const fu_modelcfg *cfg, uint64_t seed,
+                                              float std, fu_st_dtype dtype, fu_errmsg *em);
 
 /* What `fusion model prune` does. */
 typedef struct {

@@ -1,13 +1,9 @@
 #include "dag_peft.h"
 
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include <cjson/cJSON.h>
 
 #include "dag_graph.h"
-#include "fu_alloc.h"
+#include "fu_file.h"
 
 char *dag_peft_config_json(const char *base_model, uint32_t r, double alpha, uint32_t targets)
 {
@@ -30,17 +26,5 @@ char *dag_peft_config_json(const char *base_model, uint32_t r, double alpha, uin
             cJSON_AddItemToArray(tm, cJSON_CreateString(dag_target_name((dag_target)t)));
     cJSON_AddNullToObject(o, "modules_to_save");
     cJSON_AddNullToObject(o, "revision");
-    char *txt = cJSON_Print(o);
-    cJSON_Delete(o);
-    if (!txt) { /* cJSON fails only for lack of memory: abort, as fu_malloc does */
-        fprintf(stderr, "fusion: out of memory writing adapter_config.json\n");
-        abort();
-    }
-    size_t n = strlen(txt);
-    char *out = fu_malloc(n + 2);
-    memcpy(out, txt, n);
-    out[n] = '\n';
-    out[n + 1] = '\0';
-    cJSON_free(txt);
-    return out;
+    return fu_file_json_text(o, "fusion: out of memory writing adapter_config.json");
 }

@@ -11,47 +11,17 @@
 
 #include "dag.pb-c.h"
 #include "fu_alloc.h"
+#include "wire.h"
 
-/* ---- byte-budgeted allocator for protobuf-c -------------------------------------------------- */
-
-typedef struct {
-    fu_budget budget; /* bytes outstanding */
-    bool over;        /* an allocation was refused */
-} dag_pb_budget;
-
-/* Each block carries its size in a header so that free can give the bytes back. */
-typedef union {
-    size_t n;
-    max_align_t align_;
-} dag_pb_hdr;
-
-static void *pb_alloc(void *ctx, size_t size)
-{
-    dag_pb_budget *b = ctx;
-    size_t total;
-    if (!fu_size_add(size, sizeof(dag_pb_hdr), &total) || fu_budget_take(&b->budget, total) != FU_OK) {
-        b->over = true;
-        return NULL;
-    }
-    dag_pb_hdr *h = malloc(total);
-    if (!h) {
-        fu_budget_give(&b->budget, total);
-        b->over = true;
-        return NULL;
-    }
-    h->n = total;
-    return h + 1;
-}
-
-static void pb_free(void *ctx, void *p)
-{
-    dag_pb_budget *b = ctx;
-    if (!p)
-        return;
-    dag_pb_hdr *h = (dag_pb_hdr *)p - 1;
-    fu_budget_give(&b->budget, h->n);
-    free(h);
-}
+/* The fields the IR and the protobuf messages share by name, copied as they are both ways (a field
+ * added to both is listed here once): dag_model_dims and fusion.dag.Graph, dag_node and
+ * fusion.dag.Node. */
+#define DAG_SERIAL_DIMS_FIELDS(X)                                                                           \
+    X(vocab_size) X(hidden_size) X(intermediate_size) X(n_layers) X(n_heads) X(n_kv_heads) X(head_dim)     \
+    X(rms_eps) X(rope_theta) X(tie_word_embeddings)
+#define DAG_SERIAL_PLAIN_FIELDS(X)                                                                          \
+    X(layer) X(dim_in) X(dim_out) X(n_heads) X(n_kv_heads) X(head_dim) X(eps) X(theta) X(out_width)        \
+    X(flops_fwd) X(flops_bwd) X(param_bytes) X(act_bytes)
 
 /* ---- encode --------------------------------------------------------------------------------- */
 
@@ -67,16 +37,9 @@ fu_err dag_graph_encode(const dag_graph_t *g, uint8_t **buf, size_t *len)
     const dag_model_dims *d = dag_graph_dims(g);
     Fusion__Dag__Graph pg = FUSION__DAG__GRAPH__INIT;
     pg.version = DAG_SCHEMA_VERSION;
-    pg.vocab_size = d->vocab_size;
-    pg.hidden_size = d->hidden_size;
-    pg.intermediate_size = d->intermediate_size;
-    pg.n_layers = d->n_layers;
-    pg.n_heads = d->n_heads;
-    pg.n_kv_heads = d->n_kv_heads;
-    pg.head_dim = d->head_dim;
-    pg.rms_eps = d->rms_eps;
-    pg.rope_theta = d->rope_theta;
-    pg.tie_word_embeddings = d->tie_word_embeddings;
+#define COPY(f) pg.f = d->f;
+    DAG_SERIAL_DIMS_FIELDS(COPY)
+#undef COPY
     Fusion__Dag__Node *pn = fu_calloc(n, sizeof *pn);
     Fusion__Dag__Node **pp = fu_calloc(n, sizeof *pp);
     /* params point into the graph's own node copies (cast away const: protobuf-c's char *). */
@@ -100,19 +63,9 @@ fu_err dag_graph_encode(const dag_graph_t *g, uint8_t **buf, size_t *len)
         t->adapter_rank = s->adapter.rank;
         t->adapter_alpha = s->adapter.alpha;
         t->adapter_res_rank = s->adapter.res_rank;
-        t->layer = s->layer;
-        t->dim_in = s->dim_in;
-        t->dim_out = s->dim_out;
-        t->n_heads = s->n_heads;
-        t->n_kv_heads = s->n_kv_heads;
-        t->head_dim = s->head_dim;
-        t->eps = s->eps;
-        t->theta = s->theta;
-        t->out_width = s->out_width;
-        t->flops_fwd = s->flops_fwd;
-        t->flops_bwd = s->flops_bwd;
-        t->param_bytes = s->param_bytes;
-        t->act_bytes = s->act_bytes;
+#define COPY(f) t->f = s->f;
+        DAG_SERIAL_PLAIN_FIELDS(COPY)
+#undef COPY
         pp[i] = t;
     }
     pg.n_nodes = n;
@@ -145,15 +98,15 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_er
     if (len > DAG_MAX_ENCODED)
         return fu_errmsg_set(em, FU_ENOMEM, "graph: %zu bytes encoded, at most %u accepted", len,
                              DAG_MAX_ENCODED);
-    dag_pb_budget bud = {.budget = {.limit = DAG_DECODE_BUDGET, .used = 0}, .over = false};
-    ProtobufCAllocator alloc = {.alloc = pb_alloc, .free = pb_free, .allocator_data = &bud};
-    Fusion__Dag__Graph *pg = fusion__dag__graph__unpack(&alloc, len, buf ? buf : (const uint8_t *)"");
-    if (!pg) {
-        if (bud.over)
-            return fu_errmsg_set(em, FU_ENOMEM, "graph: unpacking needs more than %u bytes of memory",
-                                 DAG_DECODE_BUDGET);
+    ProtobufCMessage *m = NULL;
+    fu_err urc = wire_unpack_unvalidated(&fusion__dag__graph__descriptor, buf ? buf : (const uint8_t *)"",
+                                         len, DAG_DECODE_BUDGET, &m);
+    if (urc == FU_ENOMEM)
+        return fu_errmsg_set(em, FU_ENOMEM, "graph: unpacking needs more than %u bytes of memory",
+                             DAG_DECODE_BUDGET);
+    if (urc != FU_OK)
         return fu_errmsg_set(em, FU_EPROTO, "graph: not a valid fusion.dag.Graph protobuf message");
-    }
+    Fusion__Dag__Graph *pg = (Fusion__Dag__Graph *)m;
     fu_err rc = FU_OK;
     dag_graph_t *g = NULL;
     if (pg->version != DAG_SCHEMA_VERSION) {
@@ -165,18 +118,11 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_er
         rc = fu_errmsg_set(em, FU_EPROTO, "graph: %zu nodes (1 to %d accepted)", pg->n_nodes, DAG_MAX_NODES);
         goto done;
     }
-    dag_model_dims d = {
-        .vocab_size = pg->vocab_size,
-        .hidden_size = pg->hidden_size,
-        .intermediate_size = pg->intermediate_size,
-        .n_layers = pg->n_layers,
-        .n_heads = pg->n_heads,
-        .n_kv_heads = pg->n_kv_heads,
-        .head_dim = pg->head_dim,
-        .rms_eps = pg->rms_eps,
-        .rope_theta = pg->rope_theta,
-        .tie_word_embeddings = pg->tie_word_embeddings,
-    };
+    dag_model_dims d;
+    memset(&d, 0, sizeof d);
+#define COPY(f) d.f = pg->f;
+    DAG_SERIAL_DIMS_FIELDS(COPY)
+#undef COPY
     if (d.vocab_size > DAG_MAX_DIM || d.hidden_size > DAG_MAX_DIM || d.intermediate_size > DAG_MAX_DIM ||
         d.n_layers > DAG_MAX_NODES || d.n_heads > DAG_MAX_DIM || d.n_kv_heads > DAG_MAX_DIM ||
         d.head_dim > DAG_MAX_DIM || !isfinite(d.rms_eps) || !isfinite(d.rope_theta)) {
@@ -226,19 +172,9 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_er
         n.adapter.rank = s->adapter_rank;
         n.adapter.alpha = s->adapter_alpha;
         n.adapter.res_rank = s->adapter_res_rank;
-        n.layer = s->layer;
-        n.dim_in = s->dim_in;
-        n.dim_out = s->dim_out;
-        n.n_heads = s->n_heads;
-        n.n_kv_heads = s->n_kv_heads;
-        n.head_dim = s->head_dim;
-        n.eps = s->eps;
-        n.theta = s->theta;
-        n.out_width = s->out_width;
-        n.flops_fwd = s->flops_fwd;
-        n.flops_bwd = s->flops_bwd;
-        n.param_bytes = s->param_bytes;
-        n.act_bytes = s->act_bytes;
+#define COPY(f) n.f = s->f;
+        DAG_SERIAL_PLAIN_FIELDS(COPY)
+#undef COPY
         uint32_t id;
         if (dag_graph_add_node(g, &n, &id) != FU_OK) {
             rc = fu_errmsg_set(em, FU_EPROTO, "node %zu: graph full", i);
@@ -249,7 +185,7 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_er
     }
     rc = dag_graph_validate(g, em);
 done:
-    fusion__dag__graph__free_unpacked(pg, &alloc);
+    wire_unpacked_free(m);
     if (rc != FU_OK) {
         dag_graph_destroy(&g);
         return rc;

@@ -416,6 +416,30 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
     }
 }
 
+fu_err dag_spec_cli_parse(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_cmd *cmd, fu_opt *opts,
+                          size_t cap, int argc, char **argv, int *exit_code)
+{
+    size_t n = 0;
+    while (n < cap && opts[n].name)
+        n++;
+    dag_spec_cli_opts(c, kind, flags, opts, cap, &n);
+    cmd->opts = opts;
+    cmd->n_opts = n;
+    return fu_opts_parse(cmd, argc, argv, NULL, exit_code);
+}
+
+fu_err dag_spec_from_cmd(const dag_spec_cli *c, const fu_cmd *cmd, dag_job_kind kind, const char *model,
+                         dag_spec *out, int *exit_code)
+{
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_spec_from_cli(c, kind, model, out, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: %s\n", cmd->prog, em.msg);
+        *exit_code = FU_EXIT_USAGE;
+    }
+    return rc;
+}
+
 fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *model, dag_spec *out, fu_errmsg *em)
 {
     dag_spec_init(out, kind);

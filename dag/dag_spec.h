@@ -123,6 +123,19 @@ typedef struct {
  * room for cap entries from *n on; *n grows by what was added. Their help text gives the defaults. */
 void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_opt *opts, size_t cap, size_t *n);
 
+/* The command line of a job command (`fusion run`, `fusion submit`): opts holds the command's own
+ * entries, ended by one with a NULL name, and has room for cap in all; dag_spec_cli_opts appends the
+ * spec's options of kind (and of flags), cmd->opts and cmd->n_opts are set to the whole table, and
+ * fu_opts_parse reads argv. FU_OK to go on; otherwise the program exits with *exit_code (0 after
+ * --help). */
+FU_MUST_CHECK fu_err dag_spec_cli_parse(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_cmd *cmd,
+                                        fu_opt *opts, size_t cap, int argc, char **argv, int *exit_code);
+
+/* dag_spec_from_cli for command cmd: on error tells the user ("PROG: --rank must be ...") and
+ * returns it with *exit_code FU_EXIT_USAGE. */
+FU_MUST_CHECK fu_err dag_spec_from_cmd(const dag_spec_cli *c, const fu_cmd *cmd, dag_job_kind kind,
+                                       const char *model, dag_spec *out, int *exit_code);
+
 /* The spec of kind that the parsed options c give, with model (may be NULL), checked as
  * dag_spec_parse checks JSON. FU_EINVAL with em naming the option ("--rank must be ..."). */
 FU_MUST_CHECK fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *model, dag_spec *out,

@@ -165,6 +165,8 @@ size_t peer_link_max_tensor(const peer_t *p);
 
 /* Sends StageReady once the compute thread is loaded and every active link is up. */
 void peer_link_check_ready(peer_t *p);
+/* Tells the broker that stage `stage` of job is ready (StageReady), and logs "...: <what>". */
+void peer_link_send_ready(peer_t *p, uint64_t job, uint32_t stage, const char *what);
 
 /* A data-plane message from src (SRC_*; takes m). */
 void peer_link_on_data(peer_t *p, int src, wire_msg_t *m);

@@ -86,6 +86,15 @@ static fu_err send_opening(peer_t *p, link_t *l)
     return rc;
 }
 
+void peer_link_send_ready(peer_t *p, uint64_t job, uint32_t stage, const char *what)
+{
+    Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+    r.job_id = job;
+    r.stage_index = stage;
+    if (peer_io_to_broker(p, FUSION__MSG_TYPE__MSG_STAGE_READY, job, 0, stage, &r.base) == FU_OK)
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: %s", job, stage, what);
+}
+
 void peer_link_check_ready(peer_t *p)
 {
     if (!p->ready_pending)
@@ -95,12 +104,7 @@ void peer_link_check_ready(peer_t *p)
             return;
     if (peer_fault_stall_ready()) /* test hook (PEER_STALL_ENV): retried at every heartbeat */
         return;
-    Fusion__StageReady r = FUSION__STAGE_READY__INIT;
-    r.job_id = p->job_id;
-    r.stage_index = p->stage_index;
-    if (peer_io_to_broker(p, FUSION__MSG_TYPE__MSG_STAGE_READY, p->job_id, 0, p->stage_index, &r.base) ==
-        FU_OK)
-        FU_INFO("peer", "job %016" PRIx64 " stage %u: StageReady", p->job_id, p->stage_index);
+    peer_link_send_ready(p, p->job_id, p->stage_index, "StageReady");
     p->ready_pending = false;
 }
 

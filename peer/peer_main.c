@@ -3,10 +3,7 @@
  * signal that cut the drain short), 2 bad command line, 3 the broker refused this peer's key. */
 #include <signal.h>
 #include <stdio.h>
-#include <string.h>
 #include <unistd.h>
-
-#include <sodium.h>
 
 #include "fu_log.h"
 #include "fu_opts.h"
@@ -71,22 +68,18 @@ int main(int argc, char **argv)
     const fu_cmd cmd = {
         .prog = "fusion-peer",
         .usage = "--broker ENDPOINT --broker-key FILE --keys DIR [options]",
-        .summary = "Joins a fusion broker as a compute peer: measures this machine, runs the pipeline\n"
-                   "stages it is given, and leaves cleanly on SIGINT or SIGTERM (a second signal exits at once).\n"
-                   "A guest on its owner's machine: compute runs at idle priority; SIGUSR1 pauses it, SIGUSR2\n"
-                   "resumes it (the stage is kept).",
-        .opts = opts,
-        .n_opts = sizeof opts / sizeof opts[0],
+        .summary =
+            "Joins a fusion broker as a compute peer: measures this machine, runs the pipeline\n"
+            "stages it is given, and leaves cleanly on SIGINT or SIGTERM (a second signal exits at once).\n"
+            "A guest on its owner's machine: compute runs at idle priority; SIGUSR1 pauses it, SIGUSR2\n"
+            "resumes it (the stage is kept).",
+        FU_OPTS_TABLE(opts),
     };
-    size_t npos;
     int code;
-    if (fu_opts_parse(&cmd, argc, argv, &npos, &code) != FU_OK)
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
         return code;
-    if (!broker || !broker_key || !keys) {
-        fprintf(stderr, "fusion-peer: --broker, --broker-key and --keys are required\n"
-                        "Try 'fusion-peer --help' for more information.\n");
-        return FU_EXIT_USAGE;
-    }
+    if (!broker || !broker_key || !keys)
+        return fu_opts_usage_error(&cmd, "--broker, --broker-key and --keys are required");
     if (threads < 0 || threads > 4096 || max_memory < 0 || drain_s < 0 || drain_s > 86400) {
         fprintf(stderr, "fusion-peer: --threads, --max-memory and --drain-timeout must not be negative\n");
         return FU_EXIT_USAGE;
@@ -117,19 +110,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
         return FU_EXIT_USAGE;
     }
-    if (sodium_init() < 0) {
-        fprintf(stderr, "fusion-peer: libsodium failed to initialise\n");
-        return FU_EXIT_FAIL;
-    }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGUSR1, &sa, NULL);
-    sigaction(SIGUSR2, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    static const int signals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    code = fu_opts_daemon_start(cmd.prog, on_signal, signals, sizeof signals / sizeof *signals);
+    if (code != FU_EXIT_OK)
+        return code;
 
     peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
                     .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,

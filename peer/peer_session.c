@@ -43,11 +43,7 @@ static void send_verify_input(peer_t *p, const peer_cmd *c)
             return;
         }
         Fusion__VerifyInput vi = FUSION__VERIFY_INPUT__INIT;
-        vi.job_id = c->job_id;
-        vi.stage_index = c->stage;
-        vi.step = c->step;
-        vi.micro_batch = c->micro_batch;
-        vi.seed = c->seed;
+        peer_vin_id_to_msg(&id, &vi);
         vi.verifier_key.data = (uint8_t *)c->key;
         vi.verifier_key.len = WIRE_KEY_BYTES;
         vi.total_bytes = c->len;
@@ -249,12 +245,7 @@ void peer_io_on_compute(peer_t *p, peer_cmd *c)
         break;
     case PEER_CMD_READY:
         if (c->backup) {
-            Fusion__StageReady r = FUSION__STAGE_READY__INIT;
-            r.job_id = c->job_id;
-            r.stage_index = c->stage;
-            if (peer_io_to_broker(p, FUSION__MSG_TYPE__MSG_STAGE_READY, c->job_id, 0, c->stage, &r.base) ==
-                FU_OK)
-                FU_INFO("peer", "job %016" PRIx64 " stage %u: warm backup ready", c->job_id, c->stage);
+            peer_link_send_ready(p, c->job_id, c->stage, "warm backup ready");
         } else if (c->gen == p->gen && c->job_id == p->job_id) {
             p->ready_pending = true;
             peer_link_check_ready(p);

@@ -325,12 +325,10 @@ void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
 /* Tells the broker that the output of (step, mb) asked for by d cannot be delivered. */
 static void deliver_unavailable(stage_t *s, const Fusion__VerifyDeliver *d, const char *why)
 {
+    const peer_vin_id id = {.job_id = d->job_id, .stage = d->stage_index, .step = d->step,
+                            .micro_batch = d->micro_batch, .seed = d->seed};
     Fusion__VerifyInput vi = FUSION__VERIFY_INPUT__INIT;
-    vi.job_id = d->job_id;
-    vi.stage_index = d->stage_index;
-    vi.step = d->step;
-    vi.micro_batch = d->micro_batch;
-    vi.seed = d->seed;
+    peer_vin_id_to_msg(&id, &vi);
     vi.verifier_key = d->verifier_key;
     vi.unavailable = (char *)why;
     FU_INFO("peer", "job %016" PRIx64 ": cannot deliver the input of stage %u step %" PRIu64 " mb %u to a verifier: %s",

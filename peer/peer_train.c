@@ -77,6 +77,29 @@ fu_err stage_collect_input_grads(stage_t *s, uint64_t rows, size_t total, float 
     return FU_OK;
 }
 
+/* Hands rows x width floats (data, which the command owns from here) of micro-batch mb to the I/O
+ * thread, for the neighbour in role as a message of type. */
+static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                        uint64_t rows, uint64_t width, uint8_t *data)
+{
+    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    c->gen = s->gen;
+    c->role = role;
+    c->job_id = s->job_id;
+    c->meta.type = type;
+    c->meta.job_id = s->job_id;
+    c->meta.step = step;
+    c->meta.micro_batch = mb;
+    c->meta.stage = s->stage_index;
+    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
+    c->meta.ndim = 2;
+    c->meta.shape[0] = (int64_t)rows;
+    c->meta.shape[1] = (int64_t)width;
+    c->data = data;
+    c->len = (size_t)(rows * width) * sizeof(float);
+    stage_to_io(s, c);
+}
+
 /* Sends the cut outputs of slot m (rows × w_out_total floats, one block per cut node in id order). */
 fu_err stage_send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb, uint64_t rows)
 {
@@ -89,22 +112,8 @@ fu_err stage_send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb,
     }
     if (!stage_is_infer(s))
         stage_output_produced(s, step, mb, (float *)data, total);
-    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
-    c->gen = s->gen;
-    c->role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
-    c->job_id = s->job_id;
-    c->meta.type = FUSION__MSG_TYPE__MSG_ACTIVATION;
-    c->meta.job_id = s->job_id;
-    c->meta.step = step;
-    c->meta.micro_batch = mb;
-    c->meta.stage = s->stage_index;
-    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
-    c->meta.ndim = 2;
-    c->meta.shape[0] = (int64_t)rows;
-    c->meta.shape[1] = (int64_t)s->w_out_total;
-    c->data = data;
-    c->len = total * sizeof(float);
-    stage_to_io(s, c);
+    send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, FUSION__MSG_TYPE__MSG_ACTIVATION, step, mb, rows,
+                s->w_out_total, data);
     return FU_OK;
 }
 
@@ -120,22 +129,8 @@ static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t 
     }
     if (stage_is_last(s)) /* the last stage's verified output (PROTOCOL.md "Verification sketch") */
         stage_output_produced(s, step, mb, (float *)data, total);
-    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
-    c->gen = s->gen;
-    c->role = FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM;
-    c->job_id = s->job_id;
-    c->meta.type = FUSION__MSG_TYPE__MSG_GRADIENT;
-    c->meta.job_id = s->job_id;
-    c->meta.step = step;
-    c->meta.micro_batch = mb;
-    c->meta.stage = s->stage_index;
-    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
-    c->meta.ndim = 2;
-    c->meta.shape[0] = (int64_t)rows;
-    c->meta.shape[1] = (int64_t)s->w_in_total;
-    c->data = data;
-    c->len = total * sizeof(float);
-    stage_to_io(s, c);
+    send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM, FUSION__MSG_TYPE__MSG_GRADIENT, step, mb, rows,
+                s->w_in_total, data);
     return FU_OK;
 }
 
@@ -257,6 +252,27 @@ static bool stall_at(stage_t *s, uint64_t step)
     return true;
 }
 
+/* After the forward of micro-batch m (rc its result): the last stage runs the backward, the others
+ * send their outputs on. Returns false when the stage failed. */
+static bool forward_done(stage_t *s, fu_err rc, uint64_t step, uint32_t m)
+{
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "forward");
+        return false;
+    }
+    s->fwd_done++;
+    stage_publish_progress(s);
+    if (stage_is_last(s)) {
+        last_backward(s, m);
+        return true;
+    }
+    if ((rc = stage_send_outputs(s, m, step, m, (uint64_t)s->rows_mb * s->spec.seq_len)) != FU_OK) {
+        stage_exec_failed(s, rc, "reading the stage output");
+        return false;
+    }
+    return true;
+}
+
 /* Stage 0: forward every micro-batch of the current step. */
 void stage_run_forwards(stage_t *s)
 {
@@ -265,20 +281,8 @@ void stage_run_forwards(stage_t *s)
         return;
     for (uint32_t m = 0; m < s->M && s->active && s->step == step; m++) {
         fu_err rc = dag_train_forward(&s->train, step, m, NULL, 0);
-        if (rc != FU_OK) {
-            stage_exec_failed(s, rc, "forward");
+        if (!forward_done(s, rc, step, m))
             return;
-        }
-        s->fwd_done++;
-        stage_publish_progress(s);
-        if (stage_is_last(s)) {
-            last_backward(s, m);
-            continue;
-        }
-        if ((rc = stage_send_outputs(s, m, step, m, (uint64_t)s->rows_mb * s->spec.seq_len)) != FU_OK) {
-            stage_exec_failed(s, rc, "reading the stage output");
-            return;
-        }
     }
 }
 
@@ -298,18 +302,7 @@ static void on_activation_train(stage_t *s, const wire_tensor *t)
         s->kept_in_ok[r][m] = true;
     }
     fu_err rc = dag_train_forward(&s->train, s->step, m, (const float *)t->data, t->len / sizeof(float));
-    if (rc != FU_OK) {
-        stage_exec_failed(s, rc, "forward");
-        return;
-    }
-    s->fwd_done++;
-    stage_publish_progress(s);
-    if (stage_is_last(s)) {
-        last_backward(s, m);
-        return;
-    }
-    if ((rc = stage_send_outputs(s, m, s->step, m, rows)) != FU_OK)
-        stage_exec_failed(s, rc, "reading the stage output");
+    (void)forward_done(s, rc, s->step, m);
 }
 
 static void on_gradient_train(stage_t *s, const wire_tensor *t)

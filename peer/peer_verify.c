@@ -79,6 +79,15 @@ static void vin_header(uint8_t h[WIRE_VERIFY_INPUT_HEADER], const peer_vin_id *i
     put32(h + 52, id->micro_batch);
 }
 
+void peer_vin_id_to_msg(const peer_vin_id *id, Fusion__VerifyInput *vi)
+{
+    vi->job_id = id->job_id;
+    vi->stage_index = id->stage;
+    vi->step = id->step;
+    vi->micro_batch = id->micro_batch;
+    vi->seed = id->seed;
+}
+
 uint64_t peer_vin_chunks(uint64_t total)
 {
     return total / WIRE_VERIFY_INPUT_CHUNK + (total % WIRE_VERIFY_INPUT_CHUNK != 0);

@@ -37,6 +37,9 @@ typedef struct {
     uint64_t seed;        /* the sample's VerifyRequest.seed */
 } peer_vin_id;
 
+/* Sets the sample fields of a VerifyInput message (job_id, stage_index, step, micro_batch, seed). */
+void peer_vin_id_to_msg(const peer_vin_id *id, Fusion__VerifyInput *vi);
+
 /* Chunks of a delivered input of `total` bytes: ceil(total / WIRE_VERIFY_INPUT_CHUNK). */
 uint64_t peer_vin_chunks(uint64_t total);
 

@@ -109,7 +109,7 @@ uint64_t wire_counters_dropped(const wire_counters *c)
 typedef struct budget_pool {
     fu_budget budget;
     ProtobufCAllocator alloc;
-    bool refused; /* an allocation was refused for the budget */
+    bool refused; /* an allocation was refused (over the budget, or by malloc) */
 } budget_pool;
 
 typedef union {
@@ -131,6 +131,7 @@ static void *pool_alloc(void *data, size_t size)
     block_hdr *b = malloc(total);
     if (!b) {
         fu_budget_give(&pool->budget, total);
+        pool->refused = true;
         return NULL;
     }
     b->h.size = total;
@@ -306,8 +307,8 @@ fu_err wire_validate(const ProtobufCMessage *m)
     return validate_at(m, 0);
 }
 
-fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len, size_t budget,
-                            ProtobufCMessage **out)
+fu_err wire_unpack_unvalidated(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
+                               size_t budget, ProtobufCMessage **out)
 {
     if (!d || !out || (len && !data))
         return FU_EINVAL;
@@ -322,13 +323,19 @@ fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *
         free(pool);
         return over ? FU_ENOMEM : FU_EPROTO;
     }
-    fu_err rc = wire_validate(m);
-    if (rc != FU_OK) {
-        protobuf_c_message_free_unpacked(m, &pool->alloc);
-        free(pool);
+    *out = m;
+    return FU_OK;
+}
+
+fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
+                            size_t budget, ProtobufCMessage **out)
+{
+    FU_TRY(wire_unpack_unvalidated(d, data, len, budget, out));
+    if (wire_validate(*out) != FU_OK) {
+        wire_unpacked_free(*out);
+        *out = NULL;
         return FU_EPROTO;
     }
-    *out = m;
     return FU_OK;
 }
 

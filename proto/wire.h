@@ -173,6 +173,10 @@ FU_MUST_CHECK fu_err wire_validate(const ProtobufCMessage *m);
  * budget, FU_EPROTO when malformed or invalid. For other modules' untrusted blobs (a job's DAG). */
 FU_MUST_CHECK fu_err wire_unpack_budgeted(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
                                           size_t budget, ProtobufCMessage **out);
+/* wire_unpack_budgeted without the validation, for a module that checks what it decodes itself
+ * (dag_graph_decode: a graph may hold more nodes than WIRE_MAX_REPEATED). Free as above. */
+FU_MUST_CHECK fu_err wire_unpack_unvalidated(const ProtobufCMessageDescriptor *d, const uint8_t *data,
+                                             size_t len, size_t budget, ProtobufCMessage **out);
 void wire_unpacked_free(ProtobufCMessage *m);
 
 #ifdef __cplusplus
