@@ -288,7 +288,8 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
     }
     if ((rc = wire_keypair_load(cfg->keys_dir, &b->kp, em)) != FU_OK)
         goto fail;
-    if ((rc = db_open(cfg->db_path, &b->db)) != FU_OK) {
+    db_options dbo = {.init_empty = cfg->init_store, .full_check = cfg->check_store};
+    if ((rc = db_open_opts(cfg->db_path, &dbo, &b->db)) != FU_OK) {
         fu_errmsg_set(em, rc, "cannot open the store '%s': %s (see the log line above)", cfg->db_path,
                       fu_strerror(rc));
         goto fail;

@@ -58,6 +58,8 @@ typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */
     const char *keys_dir;      /* the broker's key directory */
     const char *db_path;       /* SQLite store */
+    bool init_store;           /* an existing empty file at db_path may become a new store (--init) */
+    bool check_store;          /* full integrity check of the store at start (--check-store) */
     const char *allow_file;    /* allow-list file, or NULL */
     const char *enrol_token;   /* enrolment token (Z85), or NULL */
     const char *data_dir;      /* scratch files (adapter assembly); NULL: the store's directory */

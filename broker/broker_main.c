@@ -19,10 +19,14 @@ int main(int argc, char **argv)
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     double verify = 0, min_rep = BROKER_MIN_REPUTATION;
+    bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "the broker's key directory (from `fusion keygen`)"},
-        {"db", 0, FU_OPT_STR, &db, "FILE", "SQLite job store (created if missing)"},
+        {"db", 0, FU_OPT_STR, &db, "FILE", "SQLite job store (created if missing; checked at every start)"},
+        {"init", 0, FU_OPT_FLAG, &init_store, NULL, "let an existing empty --db file become a new store"},
+        {"check-store", 0, FU_OPT_FLAG, &check_store, NULL,
+         "full integrity check of the store at start (slower than the default quick check)"},
         {"allow", 0, FU_OPT_STR, &allow, "FILE", "admit only the public keys listed in FILE"},
         {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "admit any key that presents TOKEN"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
@@ -74,7 +78,8 @@ int main(int argc, char **argv)
     if (code != FU_EXIT_OK)
         return code;
 
-    broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .allow_file = allow, .enrol_token = token,
+    broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
+                      .check_store = check_store, .allow_file = allow, .enrol_token = token,
                       .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
                       .verify = verify, .min_reputation = min_rep,
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,

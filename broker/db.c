@@ -590,6 +590,46 @@ static fu_err migrate(db_t *db)
     }
 }
 
+/* Runs PRAGMA quick_check (integrity_check when full) on the whole file: FU_EPROTO with the file
+ * named, and how to try a recovery, when a page is damaged. */
+static fu_err check_integrity(db_t *db, bool full)
+{
+    const char *sql = full ? "PRAGMA integrity_check(1)" : "PRAGMA quick_check(1)";
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(db->conn, sql, -1, &st, NULL);
+    char first[300] = "";
+    if (rc == SQLITE_OK && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+        const unsigned char *v = sqlite3_column_text(st, 0);
+        snprintf(first, sizeof first, "%s", v ? (const char *)v : "(null)");
+        for (char *c = first; *c; c++) /* "*** in database main ***\nPage 3: ..." on one line */
+            if (*c == '\n')
+                *c = ' ';
+        rc = SQLITE_OK;
+    }
+    sqlite3_finalize(st);
+    if (rc == SQLITE_OK && strcmp(first, "ok") == 0)
+        return FU_OK;
+    if (rc != SQLITE_OK && (rc & 0xff) != SQLITE_CORRUPT && (rc & 0xff) != SQLITE_NOTADB)
+        return db_sqlerr(db, rc, sql);
+    FU_ERROR(DB_LOG, "job store '%s' is damaged (%s: %s): the broker will not use it. Stop anything that writes it, "
+             "keep a copy of the file (with its -wal), then try `sqlite3 '%s' .recover | sqlite3 recovered.db` "
+             "and start with --db recovered.db, or restore a backup",
+             db->path, full ? "integrity_check" : "quick_check", first[0] ? first : sqlite3_errstr(rc), db->path);
+    return FU_EPROTO;
+}
+
+/* True when path is an existing file of 0 bytes whose -wal is missing or empty too: a store with
+ * nothing in it, which is not made into one without asking (db_options.init_empty). */
+static bool empty_file(const char *path)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0 || sb.st_size != 0)
+        return false;
+    char wal[4096];
+    snprintf(wal, sizeof wal, "%s-wal", path);
+    return stat(wal, &sb) != 0 || sb.st_size == 0;
+}
+
 fu_err db_open(const char *path, db_t **out)
 {
     return db_open_opts(path, NULL, out);
@@ -631,6 +671,11 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
             FU_ERROR(DB_LOG, "cannot create job store '%s': %s (check the directory's permissions)", path,
                      strerror(errno));
             err = errno == EACCES || errno == EPERM || errno == EROFS ? FU_EPERM : FU_EIO;
+            goto fail;
+        } else if (!o.init_empty && empty_file(path)) {
+            FU_ERROR(DB_LOG, "job store '%s' is an empty file: it holds no jobs. If it is meant to be a new store, "
+                     "start once with --init; if it held jobs, restore it from a backup", path);
+            err = FU_EPROTO;
             goto fail;
         }
     }
@@ -680,7 +725,7 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         err = FU_EVERSION;
         goto fail;
     }
-    if ((err = check_ours(db, app, version)) != FU_OK)
+    if ((err = check_ours(db, app, version)) != FU_OK || (err = check_integrity(db, o.full_check)) != FU_OK)
         goto fail;
 
     if (!o.read_only) {

@@ -57,6 +57,10 @@ typedef struct {
                                 simulate a full disk in tests; SQLite never shrinks the cap below
                                 the current size. 0: no cap */
     bool    read_only;       /* open for reading only; no schema creation or migration */
+    bool    init_empty;      /* an existing 0-byte file may become a new store (else FU_EPROTO: a store
+                                that lost its content is not silently replaced by an empty one) */
+    bool    full_check;      /* PRAGMA integrity_check at open instead of quick_check (a damaged
+                                store is FU_EPROTO either way) */
 } db_options;
 
 typedef enum { DB_JOB_FINETUNE = 0, DB_JOB_INFER } db_job_kind;
@@ -171,7 +175,8 @@ void db_hash_hex(char out[DB_HASH_HEX_LEN + 1], const void *data, size_t len);
 /* Opens (creating if missing) the store at path with default options and brings its schema to
  * DB_SCHEMA_VERSION, migrating forward in one transaction per version. Errors, each logged with a
  * sentence that says what to do: FU_EINVAL path NULL/empty; FU_ENOTFOUND its directory does not
- * exist; FU_EPROTO the file is not an SQLite database; FU_EVERSION the file was written by a newer
+ * exist; FU_EPROTO the file is not an SQLite database, is damaged (quick_check at every open), or
+ * is an existing empty file (see db_options.init_empty); FU_EVERSION the file was written by a newer
  * fusion (user_version > DB_SCHEMA_VERSION); FU_EPERM it cannot be opened for writing; FU_EDB other
  * SQLite errors. *out is set only on success. */
 FU_MUST_CHECK fu_err db_open(const char *path, db_t **out);

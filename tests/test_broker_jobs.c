@@ -1,7 +1,8 @@
 /* The client API of the real fusion-broker process: a queued job waits and says why, then is
  * assigned when a peer joins; idempotent resubmission; a second client can neither see nor cancel
  * the first one's job; a bad spec is refused naming the key; kill -9 and restart lose no
- * acknowledged job and a running job is recovered onto its reconnected peer (time measured). */
+ * acknowledged job and a running job is recovered onto its reconnected peer (time measured); a
+ * damaged or emptied store is refused at start. */
 #include <inttypes.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -13,10 +14,14 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cluster.h"
 #include "fake_peer.h"
 #include "fu_clock.h"
+#include "testutil.h"
 
 #define GiB (1ull << 30)
 
@@ -279,6 +284,46 @@ static void test_broker_jobs_kill9_mid_burst_keeps_every_ack(void **state)
     wire_msg_destroy(&m);
 }
 
+/* The store is checked at every start: an existing empty file, or a store with a damaged page, makes
+ * fusion-broker exit 1 naming the file and what to do, and leaves the file alone; --init makes an
+ * empty file a store. */
+static void test_broker_jobs_damaged_store_refused(void **state)
+{
+    tu_broker_fx *f = *state;
+    char keys[TU_PATH], db[TU_PATH], run[3 * TU_PATH + 128];
+    tu_path(f->c, keys, "broker");
+    tu_path(f->c, db, "store.db");
+    snprintf(run, sizeof run, "%s --bind 'tcp://127.0.0.1:*' --keys '%s' --db '%s'", tu_bin("fusion-broker"), keys,
+             db);
+    int fd = open(db, O_CREAT | O_WRONLY, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    tu_sh_expect(1, "start once with --init", "%s 2>&1", run);
+    struct stat sb;
+    assert_int_equal(stat(db, &sb), 0);
+    assert_int_equal(sb.st_size, 0);
+    /* --init: it starts (and is stopped by SIGTERM after 3 s, closing the store cleanly) */
+    tu_sh_expect(124, "listening on", "timeout 3 %s --init 2>&1", run);
+    assert_int_equal(stat(db, &sb), 0);
+    long page = 4096, pages = (long)sb.st_size / page;
+    assert_true(pages >= 4);
+    /* garbage over a page of the schema's tables (page 1, the header, still reads) */
+    FILE *fp = fopen(db, "r+b");
+    assert_non_null(fp);
+    assert_int_equal(fseek(fp, 2 * page, SEEK_SET), 0);
+    for (long i = 0; i < page; i++)
+        fputc(0xA5, fp);
+    fclose(fp);
+    char *out = tu_sh_expect_out(1, "is damaged (quick_check", "%s 2>&1", run);
+    assert_non_null(strstr(out, db));
+    assert_non_null(strstr(out, ".recover"));
+    free(out);
+    tu_sh_expect(1, "is damaged (integrity_check", "%s --check-store 2>&1", run);
+    struct stat after;
+    assert_int_equal(stat(db, &after), 0);
+    assert_int_equal(after.st_size, sb.st_size);
+}
+
 int main(int argc, char **argv)
 {
     if (tu_fake_peer_requested(argc, argv))
@@ -289,6 +334,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_jobs_bad_spec_says_why),
         tu_broker_test(test_broker_jobs_kill9_restart_loses_nothing),
         tu_broker_test(test_broker_jobs_kill9_mid_burst_keeps_every_ack),
+        tu_broker_test(test_broker_jobs_damaged_store_refused),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

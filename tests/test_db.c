@@ -190,16 +190,56 @@ static void test_db_schema_created(void **state)
     assert_string_equal((const char *)sqlite3_column_text(st, 0), "wal");
     sqlite3_finalize(st);
     sqlite3_close(c);
-    /* An empty file (user_version 0) is migrated forward too. */
+    /* An existing empty file may be a store that lost its content: refused, and left as it is, unless
+     * asked (fusion-broker --init); then it is migrated forward like a new one. */
     char empty[4200];
     snprintf(empty, sizeof empty, "%s/empty.db", f->dir);
     int fd = open(empty, O_CREAT | O_WRONLY, 0600);
     assert_true(fd >= 0);
     close(fd);
-    db = open_ok(empty);
+    free(open_refused(f, empty, FU_EPROTO, "is an empty file"));
+    assert_int_equal(stat(empty, &sb), 0);
+    assert_int_equal(sb.st_size, 0);
+    db_options init = {.init_empty = true};
+    assert_int_equal(db_open_opts(empty, &init, &db), FU_OK);
     assert_int_equal(db_user_version(db, &v), FU_OK);
     assert_int_equal(v, DB_SCHEMA_VERSION);
     db_close(&db);
+}
+
+/* A store with a damaged page is refused at open (quick_check; integrity_check with full_check),
+ * naming the file and the recovery to try; the file is left as it is. */
+static void test_db_damaged_store_refused(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    for (int i = 0; i < 200; i++) { /* rows over several pages */
+        char idem[16], id[DB_JOB_ID_LEN + 1];
+        snprintf(idem, sizeof idem, "k%d", i);
+        submit_ok(db, f->key[0], idem, "{\"steps\":10,\"note\":\"some text to fill the pages of the jobs table\"}",
+                  id);
+    }
+    db_close(&db); /* checkpoints the WAL into the file */
+    int64_t page = raw_int(f->path, "PRAGMA page_size"), pages = raw_int(f->path, "PRAGMA page_count");
+    assert_true(pages >= 6);
+    /* Garbage over a page in the middle: page 1 (the header, the schema) still reads. */
+    FILE *fp = fopen(f->path, "r+b");
+    assert_non_null(fp);
+    assert_int_equal(fseek(fp, (long)(page * (pages / 2)), SEEK_SET), 0);
+    for (int64_t i = 0; i < page; i++)
+        fputc(0xA5, fp);
+    fclose(fp);
+    struct stat before, after;
+    assert_int_equal(stat(f->path, &before), 0);
+    char *log = open_refused(f, f->path, FU_EPROTO, "is damaged (quick_check");
+    assert_non_null(strstr(log, f->path));
+    assert_non_null(strstr(log, ".recover"));
+    free(log);
+    db_options full = {.full_check = true};
+    assert_int_equal(db_open_opts(f->path, &full, &db), FU_EPROTO);
+    assert_null(db);
+    assert_int_equal(stat(f->path, &after), 0);
+    assert_int_equal(before.st_size, after.st_size);
 }
 
 static void test_db_reopen_keeps_data(void **state)
@@ -926,7 +966,7 @@ static void test_db_corrupt_rows_are_errors(void **state)
     submit_ok(db, owner, "c1", "{}", id);
     submit_ok(db, owner, "c2", "{}", id2);
     assert_int_equal(db_peer_upsert(db, peer, "p", "{}", DB_PEER_ACTIVE, 1, NULL), FU_OK);
-    db_close(&db);
+    /* Rows damaged while the store is open (another writer): each read of them is an error. */
     char sql[512];
     snprintf(sql, sizeof sql,
              "PRAGMA ignore_check_constraints = 1;"
@@ -935,7 +975,6 @@ static void test_db_corrupt_rows_are_errors(void **state)
              "UPDATE peers SET reputation = 7.5, name = 'a' || char(10) || 'b';",
              id, id2);
     raw_exec(f->path, sql);
-    db = open_ok(f->path);
     db_job *j = NULL;
     assert_int_equal(db_job_get(db, id, NULL, &j), FU_EDB);
     assert_null(j);
@@ -949,6 +988,8 @@ static void test_db_corrupt_rows_are_errors(void **state)
     assert_int_equal(db_peer_get(db, peer, &p), FU_EDB);
     assert_null(p);
     db_close(&db);
+    /* At the next open the check finds them: the store is refused. */
+    free(open_refused(f, f->path, FU_EPROTO, "CHECK constraint failed"));
 }
 
 static void test_db_read_only_and_two_connections(void **state)
@@ -1307,6 +1348,7 @@ int main(void)
         cmocka_unit_test(test_db_newer_version_refused),
         cmocka_unit_test(test_db_v1_stage_ranges_migrate),
         cmocka_unit_test(test_db_garbage_refused),
+        cmocka_unit_test(test_db_damaged_store_refused),
         cmocka_unit_test(test_db_missing_dir_refused),
         cmocka_unit_test(test_db_submit_idempotent),
         cmocka_unit_test(test_db_ownership),
