@@ -163,6 +163,14 @@ fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em)
     if (!dir || !out)
         return FU_EINVAL;
     *out = NULL;
+    /* Whoever may write the directory may swap the keys in it (a public key that is theirs, so that
+     * this program's identity or the broker key it trusts is theirs). */
+    struct stat ds;
+    if (stat(dir, &ds) == 0 && S_ISDIR(ds.st_mode) && (ds.st_mode & (S_IWGRP | S_IWOTH)))
+        return fu_errmsg_set(em, FU_EPERM,
+                             "key directory '%s' has mode %04o: group or others may write it, so they could replace "
+                             "the keys in it; run: chmod 700 '%s'",
+                             dir, (unsigned)(ds.st_mode & 07777), dir);
     char path[4096];
     wire_keypair_t *kp = kp_alloc();
     if (!kp)

@@ -34,7 +34,8 @@ wire_keypair_t *wire_keypair_from_bytes(const uint8_t pk[WIRE_KEY_BYTES], const 
 
 /* Loads DIR/public.key and DIR/secret.key. On failure em (may be NULL) holds a sentence for the
  * user saying what is wrong and what to do. Errors: FU_ENOTFOUND a file is missing, FU_EPERM the
- * secret key file is group/other accessible, not a regular file or not owned by this user,
+ * directory is writable by group or others (they could replace the keys), or the secret key file
+ * is group/other accessible, not a regular file or not owned by this user,
  * FU_EINVAL bad contents or a public key that does not match the secret key, FU_EIO read error. */
 FU_MUST_CHECK fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em);
 

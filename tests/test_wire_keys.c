@@ -95,6 +95,21 @@ static void test_wire_keys_loose_permissions_refused(void **state)
     wire_keypair_destroy(&kp);
     assert_int_equal(chmod(sk, 0600), 0);
 
+    /* a directory others may write is refused (they could swap the keys); readable is fine */
+    const mode_t open_dirs[] = {0777, 0770, 0707, 0730};
+    for (size_t i = 0; i < sizeof open_dirs / sizeof open_dirs[0]; i++) {
+        assert_int_equal(chmod(dir, open_dirs[i]), 0);
+        em.msg[0] = '\0';
+        assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_EPERM);
+        assert_null(kp);
+        assert_non_null(strstr(em.msg, "chmod 700"));
+        assert_non_null(strstr(em.msg, dir));
+    }
+    assert_int_equal(chmod(dir, 0755), 0);
+    assert_int_equal(wire_keypair_load(dir, &kp, &em), FU_OK);
+    wire_keypair_destroy(&kp);
+    assert_int_equal(chmod(dir, 0700), 0);
+
     /* a symlink to the secret key is refused */
     char dir2[4200], cmdout[16];
     (void)cmdout;
