@@ -6,6 +6,7 @@
 #include "broker.h"
 #include "fu_log.h"
 #include "fu_opts.h"
+#include "wire_keys.h"
 
 static void on_signal(int sig)
 {
@@ -16,6 +17,7 @@ static void on_signal(int sig)
 int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
+    const char *token_file = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     double verify = 0, min_rep = BROKER_MIN_REPUTATION;
@@ -28,7 +30,9 @@ int main(int argc, char **argv)
         {"check-store", 0, FU_OPT_FLAG, &check_store, NULL,
          "full integrity check of the store at start (slower than the default quick check)"},
         {"allow", 0, FU_OPT_STR, &allow, "FILE", "admit only the public keys listed in FILE"},
-        {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "admit any key that presents TOKEN"},
+        {"enrol-token-file", 0, FU_OPT_STR, &token_file, "FILE",
+         "admit any key that presents the token in FILE (mode 0600; or set FUSION_ENROL_TOKEN)"},
+        {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "the same with the token itself (visible in ps)"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
         {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
@@ -68,6 +72,12 @@ int main(int argc, char **argv)
         step_timeout > BROKER_TIMEOUT_MAX_S || pause_grace < 1 || pause_grace > BROKER_TIMEOUT_MAX_S) {
         fprintf(stderr, "fusion-broker: --ready-timeout and --pause-grace must be 1..%d seconds and --step-timeout "
                         "0..%d (0: derived)\n", BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
+        return FU_EXIT_USAGE;
+    }
+    char token_buf[WIRE_TOKEN_Z85_LEN + 1];
+    fu_errmsg tem = {{0}};
+    if (wire_token_choose(token_file, token, token_buf, &token, &tem) != FU_OK) {
+        fprintf(stderr, "fusion-broker: %s\n", tem.msg);
         return FU_EXIT_USAGE;
     }
     if (!allow && !(token && token[0]))

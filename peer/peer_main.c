@@ -7,6 +7,7 @@
 
 #include "fu_log.h"
 #include "fu_opts.h"
+#include "wire_keys.h"
 #include "peer.h"
 #include "peer_cache.h"
 
@@ -31,7 +32,7 @@ static void on_signal(int sig)
 int main(int argc, char **argv)
 {
     const char *broker = NULL, *broker_key = NULL, *keys = NULL, *device = "cpu", *data_bind = NULL;
-    const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL;
+    const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL, *token_file = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
     double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0;
     bool no_listen = false, pause_busy = false;
@@ -54,7 +55,9 @@ int main(int argc, char **argv)
         {"link-mbps", 0, FU_OPT_DOUBLE, &link_mbps, "MB/S",
          "this link's speed in MB/s, told to the broker instead of measuring it (default 0: measure)"},
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
-        {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "enrol this peer's key with the broker's token first"},
+        {"enrol-token-file", 0, FU_OPT_STR, &token_file, "FILE",
+         "enrol this peer's key with the broker's token in FILE first (mode 0600; or set FUSION_ENROL_TOKEN)"},
+        {"enrol-token", 0, FU_OPT_STR, &enrol_token, "TOKEN", "the same with the token itself (visible in ps)"},
         {"drain-timeout", 0, FU_OPT_INT, &drain_s, "S", "after a signal, wait this long for StageRelease (default 30)"},
         {"priority", 0, FU_OPT_STR, &priority, "P",
          "compute threads' priority: idle (default: only time nothing else wants), low (nice 19) or normal"},
@@ -108,6 +111,11 @@ int main(int argc, char **argv)
     }
     if (no_listen && data_bind) {
         fprintf(stderr, "fusion-peer: --no-listen and --data-bind exclude each other\n");
+        return FU_EXIT_USAGE;
+    }
+    char token_buf[WIRE_TOKEN_Z85_LEN + 1];
+    if (wire_token_choose(token_file, enrol_token, token_buf, &enrol_token, &hem) != FU_OK) {
+        fprintf(stderr, "fusion-peer: %s\n", hem.msg);
         return FU_EXIT_USAGE;
     }
     static const int signals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};

@@ -11,6 +11,7 @@
 #include <sodium.h>
 
 #include "fu_encode.h"
+#include "fu_log.h"
 
 struct wire_keypair {
     uint8_t pk[WIRE_KEY_BYTES];           /* public key */
@@ -86,40 +87,46 @@ void wire_keypair_destroy(wire_keypair_t **kp_p)
 }
 
 /* Reads a key file into key. secret: enforce owner-only permissions. */
-static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_BYTES], fu_errmsg *em)
+/* Opens a key or token file for reading: no symlink, a regular file; a secret one (what says which
+ * kind, for messages) must be this user's and closed to group and others. */
+static fu_err open_key_file(const char *path, bool secret, const char *what, int *fd_out, fu_errmsg *em)
 {
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;
         if (e == ENOENT)
-            return fu_errmsg_set(em, FU_ENOTFOUND,
-                                 "key file '%s' does not exist (make keys with: fusion keygen -o DIR)", path);
+            return fu_errmsg_set(em, FU_ENOTFOUND, "%s '%s' does not exist (%s)", what, path,
+                                 secret && strstr(what, "token") ? "make one with: fusion keygen --token > FILE"
+                                                                 : "make keys with: fusion keygen -o DIR");
         if (e == ELOOP)
-            return fu_errmsg_set(em, FU_EPERM, "key file '%s' is a symbolic link; point to the real file",
-                                 path);
-        return fu_errmsg_set(em, e == EACCES ? FU_EPERM : FU_EIO, "cannot open key file '%s': %s", path,
+            return fu_errmsg_set(em, FU_EPERM, "%s '%s' is a symbolic link; point to the real file", what, path);
+        return fu_errmsg_set(em, e == EACCES ? FU_EPERM : FU_EIO, "cannot open %s '%s': %s", what, path,
                              strerror(e));
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    fu_err rc = FU_OK;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        rc = fu_errmsg_set(em, FU_EPERM, "%s '%s' is not a regular file", what, path);
+    else if (secret && (st.st_mode & (S_IRWXG | S_IRWXO)))
+        rc = fu_errmsg_set(em, FU_EPERM,
+                           "%s '%s' has mode %04o: it is accessible by group or others, so it is refused; fix it "
+                           "with: chmod 600 '%s' (and consider it compromised if others could read it)",
+                           what, path, (unsigned)(st.st_mode & 07777), path);
+    else if (secret && st.st_uid != geteuid())
+        rc = fu_errmsg_set(em, FU_EPERM, "%s '%s' is owned by uid %u, not by this user (uid %u); refused", what,
+                           path, (unsigned)st.st_uid, (unsigned)geteuid());
+    if (rc != FU_OK) {
         close(fd);
-        return fu_errmsg_set(em, FU_EPERM, "key file '%s' is not a regular file", path);
+        return rc;
     }
-    if (secret && (st.st_mode & (S_IRWXG | S_IRWXO))) {
-        close(fd);
-        return fu_errmsg_set(
-            em, FU_EPERM,
-            "secret key file '%s' has mode %04o: it is accessible by group or others, so it is "
-            "refused; fix it with: chmod 600 '%s' (and consider the key compromised if others could "
-            "read it)",
-            path, (unsigned)(st.st_mode & 07777), path);
-    }
-    if (secret && st.st_uid != geteuid()) {
-        close(fd);
-        return fu_errmsg_set(em, FU_EPERM,
-                             "secret key file '%s' is owned by uid %u, not by this user (uid %u); refused",
-                             path, (unsigned)st.st_uid, (unsigned)geteuid());
-    }
+    *fd_out = fd;
+    return FU_OK;
+}
+
+static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_BYTES], fu_errmsg *em)
+{
+    int fd;
+    FU_TRY(open_key_file(path, secret, secret ? "secret key file" : "key file", &fd, em));
     char buf[1024];
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -156,6 +163,53 @@ fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_er
     if (!path || !out)
         return FU_EINVAL;
     return read_key_file(path, false, out, em);
+}
+
+fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_errmsg *em)
+{
+    if (!path || !out)
+        return FU_EINVAL;
+    int fd;
+    FU_TRY(open_key_file(path, true, "enrolment token file", &fd, em));
+    char buf[256];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n < 0)
+        return fu_errmsg_set(em, FU_EIO, "cannot read '%s': %s", path, strerror(errno));
+    buf[n] = '\0';
+    size_t len = (size_t)n;
+    while (len && (buf[len - 1] == '\n' || buf[len - 1] == '\r' || buf[len - 1] == ' '))
+        buf[--len] = '\0';
+    uint8_t raw[WIRE_TOKEN_Z85_LEN];
+    size_t rl = 0;
+    fu_err rc = FU_OK;
+    if (len != WIRE_TOKEN_Z85_LEN || fu_z85_decode(raw, sizeof raw, buf, &rl) != FU_OK || rl != 32)
+        rc = fu_errmsg_set(em, FU_EINVAL,
+                           "'%s' does not hold an enrolment token (one line of %d Z85 characters, as `fusion keygen "
+                           "--token` prints)", path, WIRE_TOKEN_Z85_LEN);
+    else
+        memcpy(out, buf, WIRE_TOKEN_Z85_LEN + 1);
+    sodium_memzero(buf, sizeof buf);
+    sodium_memzero(raw, sizeof raw);
+    return rc;
+}
+
+fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token,
+                         fu_errmsg *em)
+{
+    *token = NULL;
+    if (file && file[0]) {
+        FU_TRY(wire_token_load(file, buf, em));
+        *token = buf;
+    } else if (given && given[0]) {
+        FU_WARN("keys", "the enrolment token was given on the command line, where `ps` shows it to every user of "
+                        "this machine: prefer --enrol-token-file FILE or FUSION_ENROL_TOKEN");
+        *token = given;
+    } else {
+        const char *env = getenv("FUSION_ENROL_TOKEN");
+        *token = env && env[0] ? env : NULL;
+    }
+    return FU_OK;
 }
 
 fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em)

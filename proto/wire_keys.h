@@ -49,6 +49,19 @@ const uint8_t *wire_keypair_secret(const wire_keypair_t *kp); /* WIRE_KEY_BYTES,
 const char    *wire_keypair_public_z85(const wire_keypair_t *kp); /* borrowed */
 void           wire_keypair_destroy(wire_keypair_t **kp_p);       /* wipes; idempotent */
 
+#define WIRE_TOKEN_Z85_LEN 40 /* an enrolment token as text: 32 bytes in Z85 */
+
+/* Reads an enrolment token from a file (one line, as `fusion keygen --token` prints), so that it is
+ * not on a command line where `ps` shows it to every user. The file is checked like a secret key
+ * (this user's, mode 0600 or stricter, no symlink). FU_EINVAL when it holds no token. */
+FU_MUST_CHECK fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_errmsg *em);
+
+/* The enrolment token a program was given, from (in this order) a token file, the command line
+ * (`given`: logged as a warning, since `ps` shows it) or the FUSION_ENROL_TOKEN environment variable:
+ * *token points at buf or the given text, NULL when none. Errors are wire_token_load's. */
+FU_MUST_CHECK fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKEN_Z85_LEN + 1],
+                                       const char **token, fu_errmsg *em);
+
 /* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
 FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em);
 

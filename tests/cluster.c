@@ -3,6 +3,7 @@
 #include "cluster.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <fnmatch.h>
 #include <math.h>
@@ -198,6 +199,18 @@ bool tu_file_wait(const char *path, const char *needle, int timeout_ms)
             return false;
         fu_sleep_ms(20);
     }
+}
+
+void tu_file_write_private(const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        tu_fail("cannot create %s: %s", path, strerror(errno));
+    size_t len = strlen(text);
+    bool ok = write(fd, text, len) == (ssize_t)len && write(fd, "\n", 1) == 1;
+    close(fd);
+    if (!ok)
+        tu_fail("cannot write %s", path);
 }
 
 void tu_file_show(const char *path, int lines)
@@ -549,7 +562,12 @@ void tu_broker_start(tu_cluster *c)
     add_option(argv, &n, "--ready-timeout", number_option(rt, c->o.ready_timeout_s));
     add_option(argv, &n, "--step-timeout", number_option(st, c->o.step_timeout_s));
     add_option(argv, &n, "--pause-grace", number_option(pg, c->o.pause_grace_s));
-    add_option(argv, &n, "--enrol-token", c->o.enrol_token);
+    char token_file[TU_PATH]; /* the token in a 0600 file, not on the command line (ps shows that) */
+    if (c->o.enrol_token) {
+        tu_path(c, token_file, "enrol.token");
+        tu_file_write_private(token_file, c->o.enrol_token);
+        add_option(argv, &n, "--enrol-token-file", token_file);
+    }
     add_option(argv, &n, "--log-level", c->o.log_level);
     argv[n] = NULL;
     c->broker = tu_spawn(c->broker_log, argv, NULL);

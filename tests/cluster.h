@@ -292,6 +292,9 @@ void tu_dir_remove(const char *dir);
 /* The contents of path (caller frees; "" when it cannot be read). */
 char *tu_file_text(const char *path);
 
+/* Writes text and a newline to path, mode 0600 (a token file); fails the test otherwise. */
+void tu_file_write_private(const char *path, const char *text);
+
 /* Polls until the file holds needle (true) or timeout_ms pass (false). */
 bool tu_file_wait(const char *path, const char *needle, int timeout_ms);
 

@@ -211,8 +211,9 @@ static void test_peer_broker_inference_equals_single_process(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
-/* --enrol-token: a key not on the allow-list enrols with the broker's token, reconnects as a member
- * and joins; a wrong token is refused and the peer exits 3 with a sentence. */
+/* Enrolment: a key not on the allow-list enrols with the broker's token (both read it from a 0600
+ * file, --enrol-token-file), reconnects as a member and joins; a wrong token (--enrol-token) is
+ * refused and the peer exits 3 with a sentence. */
 static void test_peer_broker_enrolment(void **state)
 {
     (void)state;
@@ -225,7 +226,10 @@ static void test_peer_broker_enrolment(void **state)
     o.model_args = NULL;
     tu_cluster *c = tu_cluster_new("peer-enrol", &o);
     tu_broker_start(c);
-    tu_peer_start(c, 0, "--enrol-token", token, NULL);
+    char token_file[TU_PATH];
+    tu_path(c, token_file, "p0.token");
+    tu_file_write_private(token_file, token);
+    tu_peer_start(c, 0, "--enrol-token-file", token_file, NULL);
     tu_peer_start(c, 1, "--enrol-token", "0000000000000000000000000000000000000000", NULL);
     bool joined = tu_broker_wait_log(c, 20000, "(p0) joined");
     int bad = tu_peer_stop(c, 1, 0, 20000); /* no signal: it exits by itself */

@@ -17,6 +17,7 @@
 
 #include "testutil.h"
 #include "wire_keys.h"
+#include "wire_zap.h"
 
 static mode_t mode_of(const char *dir, const char *name)
 {
@@ -170,12 +171,53 @@ static void test_wire_keys_bad_files_refused(void **state)
     wire_keypair_destroy(&b);
 }
 
+/* An enrolment token from a file: one line as `fusion keygen --token` prints it, in a file closed to
+ * group and others (it is a credential); anything else is refused with a sentence. */
+static void test_wire_keys_token_file(void **state)
+{
+    (void)state;
+    char path[4200], tok[WIRE_TOKEN_Z85_LEN + 1], got[WIRE_TOKEN_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/token", tu_dir);
+    wire_token_generate(tok);
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fprintf(fp, "%s\n", tok);
+    fclose(fp);
+    assert_int_equal(chmod(path, 0600), 0);
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_token_load(path, got, &em), FU_OK);
+    assert_string_equal(got, tok);
+    const char *chosen = NULL;
+    assert_int_equal(wire_token_choose(path, "ignored", got, &chosen, &em), FU_OK); /* the file wins */
+    assert_string_equal(chosen, tok);
+    assert_int_equal(chmod(path, 0644), 0);
+    assert_int_equal(wire_token_load(path, got, &em), FU_EPERM);
+    assert_non_null(strstr(em.msg, "chmod 600"));
+    fp = fopen(path, "w");
+    assert_non_null(fp);
+    fputs("not a token\n", fp);
+    fclose(fp);
+    assert_int_equal(chmod(path, 0600), 0);
+    assert_int_equal(wire_token_load(path, got, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "fusion keygen --token"));
+    snprintf(path, sizeof path, "%s/missing", tu_dir);
+    assert_int_equal(wire_token_load(path, got, &em), FU_ENOTFOUND);
+    /* no file, no argument: the environment */
+    setenv("FUSION_ENROL_TOKEN", tok, 1);
+    assert_int_equal(wire_token_choose(NULL, NULL, got, &chosen, &em), FU_OK);
+    assert_string_equal(chosen, tok);
+    unsetenv("FUSION_ENROL_TOKEN");
+    assert_int_equal(wire_token_choose(NULL, NULL, got, &chosen, &em), FU_OK);
+    assert_null(chosen);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_wire_keys_keygen_process_writes_0600),
         cmocka_unit_test(test_wire_keys_loose_permissions_refused),
         cmocka_unit_test(test_wire_keys_bad_files_refused),
+        cmocka_unit_test(test_wire_keys_token_file),
     };
     return tu_unit_main(tests, sodium_init, tu_tmpdir_setup, tu_tmpdir_teardown);
 }
