@@ -87,17 +87,18 @@ void wire_keypair_destroy(wire_keypair_t **kp_p)
 }
 
 /* Reads a key file into key. secret: enforce owner-only permissions. */
+#define KEYS_MAKE "make keys with: fusion keygen -o DIR" /* what a missing or bad key file needs */
+
 /* Opens a key or token file for reading: no symlink, a regular file; a secret one (what says which
  * kind, for messages) must be this user's and closed to group and others. */
-static fu_err open_key_file(const char *path, bool secret, const char *what, int *fd_out, fu_errmsg *em)
+static fu_err open_key_file(const char *path, bool secret, const char *what, const char *make, int *fd_out,
+                            fu_errmsg *em)
 {
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;
         if (e == ENOENT)
-            return fu_errmsg_set(em, FU_ENOTFOUND, "%s '%s' does not exist (%s)", what, path,
-                                 secret && strstr(what, "token") ? "make one with: fusion keygen --token > FILE"
-                                                                 : "make keys with: fusion keygen -o DIR");
+            return fu_errmsg_set(em, FU_ENOTFOUND, "%s '%s' does not exist (%s)", what, path, make);
         if (e == ELOOP)
             return fu_errmsg_set(em, FU_EPERM, "%s '%s' is a symbolic link; point to the real file", what, path);
         return fu_errmsg_set(em, e == EACCES ? FU_EPERM : FU_EIO, "cannot open %s '%s': %s", what, path,
@@ -123,10 +124,13 @@ static fu_err open_key_file(const char *path, bool secret, const char *what, int
     return FU_OK;
 }
 
-static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_BYTES], fu_errmsg *em)
+/* Reads the 32 bytes a key or token file holds: its first line that is 40 Z85 characters, after
+ * '#' comment lines. `what` names the file in messages, `make` says how to make one. */
+static fu_err read_key_file(const char *path, bool secret, const char *what, const char *make,
+                            uint8_t key[WIRE_KEY_BYTES], fu_errmsg *em)
 {
-    int fd;
-    FU_TRY(open_key_file(path, secret, secret ? "secret key file" : "key file", &fd, em));
+    int fd = -1;
+    FU_TRY(open_key_file(path, secret, what, make, &fd, em));
     char buf[1024];
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -153,8 +157,8 @@ static fu_err read_key_file(const char *path, bool secret, uint8_t key[WIRE_KEY_
     }
     sodium_memzero(buf, sizeof buf);
     if (rc != FU_OK)
-        return fu_errmsg_set(
-            em, rc, "key file '%s' holds no valid key (expected one line of 40 Z85 characters)", path);
+        return fu_errmsg_set(em, rc, "%s '%s' holds no valid key (expected one line of 40 Z85 characters; %s)", what,
+                             path, make);
     return FU_OK;
 }
 
@@ -162,36 +166,19 @@ fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_er
 {
     if (!path || !out)
         return FU_EINVAL;
-    return read_key_file(path, false, out, em);
+    return read_key_file(path, false, "key file", KEYS_MAKE, out, em);
 }
 
 fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_errmsg *em)
 {
     if (!path || !out)
         return FU_EINVAL;
-    int fd;
-    FU_TRY(open_key_file(path, true, "enrolment token file", &fd, em));
-    char buf[256];
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n < 0)
-        return fu_errmsg_set(em, FU_EIO, "cannot read '%s': %s", path, strerror(errno));
-    buf[n] = '\0';
-    size_t len = (size_t)n;
-    while (len && (buf[len - 1] == '\n' || buf[len - 1] == '\r' || buf[len - 1] == ' '))
-        buf[--len] = '\0';
-    uint8_t raw[WIRE_TOKEN_Z85_LEN];
-    size_t rl = 0;
-    fu_err rc = FU_OK;
-    if (len != WIRE_TOKEN_Z85_LEN || fu_z85_decode(raw, sizeof raw, buf, &rl) != FU_OK || rl != 32)
-        rc = fu_errmsg_set(em, FU_EINVAL,
-                           "'%s' does not hold an enrolment token (one line of %d Z85 characters, as `fusion keygen "
-                           "--token` prints)", path, WIRE_TOKEN_Z85_LEN);
-    else
-        memcpy(out, buf, WIRE_TOKEN_Z85_LEN + 1);
-    sodium_memzero(buf, sizeof buf);
+    uint8_t raw[WIRE_KEY_BYTES]; /* a token is 32 bytes in Z85, written like a key */
+    FU_TRY(read_key_file(path, true, "enrolment token file", "make one with: fusion keygen --token > FILE", raw,
+                         em));
+    wire_key_to_z85(raw, out);
     sodium_memzero(raw, sizeof raw);
-    return rc;
+    return FU_OK;
 }
 
 fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token,
@@ -230,11 +217,11 @@ fu_err wire_keypair_load(const char *dir, wire_keypair_t **out, fu_errmsg *em)
     if (!kp)
         return FU_ENOMEM;
     snprintf(path, sizeof path, "%s/%s", dir, WIRE_SECRET_KEY_FILE);
-    fu_err rc = read_key_file(path, true, kp->sk, em);
+    fu_err rc = read_key_file(path, true, "secret key file", KEYS_MAKE, kp->sk, em);
     if (rc != FU_OK)
         goto fail;
     snprintf(path, sizeof path, "%s/%s", dir, WIRE_PUBLIC_KEY_FILE);
-    if ((rc = read_key_file(path, false, kp->pk, em)) != FU_OK)
+    if ((rc = read_key_file(path, false, "key file", KEYS_MAKE, kp->pk, em)) != FU_OK)
         goto fail;
     uint8_t derived[WIRE_KEY_BYTES];
     if (crypto_scalarmult_base(derived, kp->sk) != 0 || sodium_memcmp(derived, kp->pk, WIRE_KEY_BYTES) != 0) {
