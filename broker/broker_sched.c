@@ -1,17 +1,12 @@
 /* broker_sched: planning queued jobs over the idle live peers (dag_partition), assigning and
  * starting their stages (StageAssign: the normal path, and the one failover and recovery take), and
  * the backup pool. Phases change only through the job state machine (broker_job.c). */
-#include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <sodium.h>
-
 #include "broker_internal.h"
 #include "fu_alloc.h"
-#include "fu_encode.h"
 #include "fu_log.h"
 
 #define LOG "sched"
