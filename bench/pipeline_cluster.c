@@ -161,6 +161,7 @@ static tu_cluster *pb_start(const char *tag, int n_peers, int backups, double ca
     snprintf(cap, sizeof cap, "%.5f", cap_gb);
     tu_opts o = tu_opts_default(n_peers);
     o.model_args = NULL;
+    o.model_root = env.dir; /* the benchmark's model lives there */
     o.backups = backups;
     o.peer_memory_gb = cap_gb > 0 ? cap : NULL;
     o.link_mbps = NULL;

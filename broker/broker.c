@@ -23,7 +23,6 @@
 #define LOG "broker"
 #define BROKER_SWEEP_MIN_MS 50  /* shortest timer period */
 #define BROKER_SWEEP_MAX_MS 250 /* longest sleep in zmq_poll */
-#define BROKER_PENDING_POLL_MS 10 /* poll period while weight requests wait for a hash */
 
 static volatile sig_atomic_t g_stop;
 static volatile int g_wake_fd = -1; /* write end of the self-pipe */
@@ -244,6 +243,28 @@ static void resume_jobs(broker_t *b)
     b->sched_dirty = true;
 }
 
+/* The model cache over the ':'-separated roots. */
+static fu_err models_new(broker_t *b, const char *roots, fu_errmsg *em)
+{
+    char *copy = fu_strdup(roots ? roots : "");
+    const char *list[BROKER_MODEL_ROOTS_MAX];
+    size_t n = 0;
+    fu_err rc = FU_OK;
+    for (char *save = NULL, *r = strtok_r(copy, ":", &save); r; r = strtok_r(NULL, ":", &save)) {
+        if (n == BROKER_MODEL_ROOTS_MAX) {
+            rc = fu_errmsg_set(em, FU_EINVAL, "--model-root names more than %d directories", BROKER_MODEL_ROOTS_MAX);
+            break;
+        }
+        list[n++] = r;
+    }
+    if (rc == FU_OK && !(b->models = broker_models_new(list, n, 0, em)))
+        rc = FU_ENOTFOUND;
+    if (rc == FU_OK && n == 0)
+        FU_WARN(LOG, "no --model-root: this broker serves no models, and every job will be refused");
+    free(copy);
+    return rc;
+}
+
 broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
@@ -296,6 +317,12 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
     }
     if ((rc = wire_curve_available(em)) != FU_OK)
         goto fail;
+    if ((rc = models_new(b, cfg->model_roots, em)) != FU_OK)
+        goto fail;
+    if (!(b->worker = broker_worker_new(BROKER_PREP_DEPTH, em))) {
+        rc = FU_EIO;
+        goto fail;
+    }
     b->ctx = zmq_ctx_new();
     if (!b->ctx) {
         rc = FU_EIO;
@@ -346,12 +373,13 @@ void broker_destroy(broker_t **b_p)
     if (!b_p || !*b_p)
         return;
     broker_t *b = *b_p;
+    broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     for (size_t i = 0; i < b->n_jobs; i++)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);
     free(b->peers);
     free(b->probe_zeros);
-    broker_models_close(b);
+    broker_models_free(&b->models);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);
     if (b->ctx)
@@ -397,7 +425,6 @@ static void timers(broker_t *b)
         b->sched_dirty = false;
         broker_schedule(b);
     }
-    b->blobs_waiting = b->n_pending ? broker_blobs_pending(b) : false;
     broker_jobs_reap(b);
 }
 
@@ -417,10 +444,10 @@ fu_err broker_run(broker_t *b)
         timers(b);
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
-        if (b->blobs_waiting && timeout > BROKER_PENDING_POLL_MS) /* a hash may be ready soon */
-            timeout = BROKER_PENDING_POLL_MS;
-        zmq_pollitem_t items[2] = {{.socket = b->sock, .events = ZMQ_POLLIN}, {.fd = pfd[0], .events = ZMQ_POLLIN}};
-        int n = zmq_poll(items, 2, timeout);
+        zmq_pollitem_t items[3] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+                                   {.fd = pfd[0], .events = ZMQ_POLLIN},
+                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN}};
+        int n = zmq_poll(items, 3, timeout);
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -433,6 +460,8 @@ fu_err broker_run(broker_t *b)
             while (read(pfd[0], buf, sizeof buf) > 0) {
             }
         }
+        if (items[2].revents & ZMQ_POLLIN)
+            broker_jobs_prepared(b);
         /* Drain what is queued, but give the timers a turn every so often. */
         for (int k = 0; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
             wire_msg_t *msg = NULL;

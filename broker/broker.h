@@ -39,6 +39,7 @@ extern "C" {
 #define BROKER_MAX_STAGES       64        /* stages of one job */
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
+#define BROKER_PREP_DEPTH       16        /* submissions being prepared (or waiting to be) at once */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
 #define BROKER_EVENT_KEEP_MS    (30ll * 24 * 3600 * 1000) /* events older than this are pruned */
@@ -63,6 +64,8 @@ typedef struct {
     const char *allow_file;    /* allow-list file, or NULL */
     const char *enrol_token;   /* enrolment token (Z85), or NULL */
     const char *data_dir;      /* scratch files (adapter assembly); NULL: the store's directory */
+    const char *model_roots;   /* directories models are served from, ':'-separated; NULL: none (every
+                                  model is refused) */
     uint32_t backups;          /* warm backups per job */
     uint32_t heartbeat_ms;     /* heartbeat interval (dead after BROKER_DEAD_FACTOR of them) */
     double verify;             /* fraction of micro-batches verified for jobs whose spec says nothing (0: off) */

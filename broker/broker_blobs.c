@@ -11,6 +11,7 @@
 #include <sodium.h>
 
 #include "broker_internal.h"
+#include "dag_peft.h"
 #include "fu_alloc.h"
 #include "fu_encode.h"
 #include "fu_file.h"
@@ -18,132 +19,6 @@
 #include "fu_modelcfg.h"
 
 #define LOG "blobs"
-
-static void hash_str(crypto_generichash_state *h, const char *s)
-{
-    crypto_generichash_update(h, (const uint8_t *)s, strlen(s) + 1);
-}
-
-/* Hashes tensor i of m (on whichever thread) and publishes it. */
-static void hash_tensor(broker_model *m, size_t i)
-{
-    if (atomic_load_explicit(&m->ready[i], memory_order_acquire))
-        return;
-    const fu_st_tensor *t = fu_safetensors_at(m->st, i);
-    crypto_generichash(m->hashes[i], DB_HASH_LEN, t->data, t->nbytes, NULL, 0);
-    atomic_store_explicit(&m->ready[i], 1, memory_order_release);
-}
-
-/* The hasher: wanted tensors first, then the rest in order, until every hash is ready. The loop
- * thread never writes hashes while this runs (it only reads ready ones), so each is written once. */
-static void *hasher(void *arg)
-{
-    broker_model *m = arg;
-    size_t next = 0;
-    while (!atomic_load(&m->stop)) {
-        size_t pick = m->n;
-        for (size_t i = 0; i < m->n && pick == m->n; i++)
-            if (atomic_load(&m->wanted[i]) && !atomic_load(&m->ready[i]))
-                pick = i;
-        while (pick == m->n && next < m->n)
-            if (!atomic_load(&m->ready[next++]))
-                pick = next - 1;
-        if (pick == m->n)
-            break; /* all done */
-        hash_tensor(m, pick);
-    }
-    return NULL;
-}
-
-fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, fu_errmsg *em)
-{
-    for (size_t i = 0; i < b->n_models; i++)
-        if (strcmp(b->models[i]->dir, dir) == 0) {
-            *model_id = b->models[i]->id;
-            return FU_OK;
-        }
-    fu_errmsg sub = {{0}};
-    char *cfg_text = NULL;
-    size_t cfg_len = 0;
-    char *cpath = fu_path_join(dir, FU_MODELCFG_FILE);
-    fu_err rc = fu_file_read_all(cpath, FU_MODELCFG_MAX_BYTES, &cfg_text, &cfg_len, &sub);
-    free(cpath);
-    if (rc != FU_OK) {
-        fu_errmsg_set(em, rc, "model '%s': %s", dir, fu_errmsg_text(&sub, rc));
-        return rc;
-    }
-    fu_safetensors *st = NULL;
-    if ((rc = fu_safetensors_open_dir(dir, &st, &sub)) != FU_OK) {
-        free(cfg_text);
-        fu_errmsg_set(em, rc, "model '%s': %s", dir, fu_errmsg_text(&sub, rc));
-        return rc;
-    }
-    /* The id covers config.json and everything the safetensors headers say (names, dtypes,
-     * shapes, files, offsets): the same model directory always gets the same id. */
-    crypto_generichash_state h;
-    crypto_generichash_init(&h, NULL, 0, DB_HASH_LEN);
-    crypto_generichash_update(&h, (const uint8_t *)cfg_text, cfg_len);
-    free(cfg_text);
-    size_t n = fu_safetensors_count(st);
-    for (size_t i = 0; i < n; i++) {
-        const fu_st_tensor *t = fu_safetensors_at(st, i);
-        char line[256];
-        snprintf(line, sizeof line, "%s %zu %" PRIu64 " %zu", fu_st_dtype_name(t->dtype), t->ndim, t->offset,
-                 t->nbytes);
-        hash_str(&h, t->name);
-        hash_str(&h, line);
-        hash_str(&h, t->file ? t->file : "");
-        for (size_t d = 0; d < t->ndim; d++) {
-            snprintf(line, sizeof line, "%" PRIu64, t->shape[d]);
-            hash_str(&h, line);
-        }
-    }
-    uint8_t digest[DB_HASH_LEN];
-    crypto_generichash_final(&h, digest, sizeof digest);
-    if (b->n_models == b->cap_models) {
-        b->cap_models = b->cap_models ? 2 * b->cap_models : 4;
-        b->models = fu_realloc(b->models, b->cap_models * sizeof *b->models);
-    }
-    broker_model *m = fu_calloc(1, sizeof *m);
-    b->models[b->n_models++] = m;
-    memcpy(m->id, "m:", 2);
-    fu_hex_encode(m->id + 2, digest, sizeof digest);
-    snprintf(m->dir, sizeof m->dir, "%s", dir);
-    m->st = st;
-    m->n = n;
-    m->hashes = fu_calloc(n ? n : 1, sizeof *m->hashes);
-    m->ready = fu_calloc(n ? n : 1, sizeof *m->ready);
-    m->wanted = fu_calloc(n ? n : 1, sizeof *m->wanted);
-    atomic_store(&m->stop, 0);
-    if (pthread_create(&m->thread, NULL, hasher, m) == 0)
-        m->thread_started = true;
-    else
-        FU_WARN(LOG, "no hasher thread for %s: tensors are hashed on the loop when first asked for", dir);
-    FU_INFO(LOG, "serving model %s as %.18s... (%zu tensors, mapped)", dir, m->id, n);
-    *model_id = m->id;
-    return FU_OK;
-}
-
-void broker_models_close(broker_t *b)
-{
-    for (size_t i = 0; i < b->n_models; i++) {
-        broker_model *m = b->models[i];
-        atomic_store(&m->stop, 1);
-        if (m->thread_started)
-            pthread_join(m->thread, NULL);
-        fu_safetensors_close(&m->st);
-        free(m->hashes);
-        free((void *)m->ready);
-        free((void *)m->wanted);
-        free(m);
-    }
-    free(b->models);
-    b->models = NULL;
-    b->n_models = b->cap_models = 0;
-    free(b->pending);
-    b->pending = NULL;
-    b->n_pending = b->cap_pending = 0;
-}
 
 static Fusion__Dtype wire_dtype(fu_st_dtype d)
 {
@@ -215,45 +90,17 @@ static void send_chunks(broker_t *b, const wire_msg_t *msg, const Fusion__Weight
     send_chunks_to(b, rid, rl, wire_msg_hdr(msg)->sequence, r, data, total, hash, dtype, shape, ndim);
 }
 
-static void send_tensor(broker_t *b, const uint8_t *rid, size_t rid_len, uint64_t sequence, broker_model *m, size_t idx,
+/* Sends (part of) tensor idx of m with its hash, then lets the kernel drop the pages it touched. */
+static void send_tensor(broker_t *b, const wire_msg_t *msg, const broker_model *m, size_t idx,
                         const Fusion__WeightRequest *r)
 {
     const fu_st_tensor *t = fu_safetensors_at(m->st, idx);
     int64_t shape[FU_ST_MAX_DIMS];
     for (size_t d = 0; d < t->ndim; d++)
         shape[d] = (int64_t)t->shape[d];
-    send_chunks_to(b, rid, rid_len, sequence, r, t->data, t->nbytes, m->hashes[idx], wire_dtype(t->dtype), shape,
-                   t->ndim);
-}
-
-bool broker_blobs_pending(broker_t *b)
-{
-    size_t w = 0;
-    for (size_t i = 0; i < b->n_pending; i++) {
-        broker_pending *q = &b->pending[i];
-        if (!atomic_load_explicit(&q->model->ready[q->tensor], memory_order_acquire)) {
-            b->pending[w++] = *q;
-            continue;
-        }
-        broker_peer *p = broker_peer_find(b, q->peer);
-        if (p && p->live) {
-            const fu_st_tensor *t = fu_safetensors_at(q->model->st, q->tensor);
-            Fusion__WeightRequest r = FUSION__WEIGHT_REQUEST__INIT;
-            r.model_id = q->model->id;
-            r.tensor_name = (char *)t->name;
-            r.offset = q->offset;
-            r.length = q->length;
-            send_tensor(b, p->rid, p->rid_len, q->sequence, q->model, q->tensor, &r);
-        }
-    }
-    b->n_pending = w;
-    return w > 0;
-}
-
-static bool peer_serves_model(broker_t *b, const broker_peer *p, const char *model_id)
-{
-    broker_job *j = p->job[0] ? broker_job_find(b, p->job) : NULL;
-    return j && strcmp(j->model_id, model_id) == 0;
+    send_chunks(b, msg, r, t->data, t->nbytes, m->hashes[idx], wire_dtype(t->dtype), shape, t->ndim);
+    if (r->offset < t->nbytes)
+        broker_model_drop_pages((const uint8_t *)t->data + r->offset, (size_t)(t->nbytes - r->offset));
 }
 
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg)
@@ -262,49 +109,22 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (!r)
         return;
     const char *mid = r->model_id, *name = r->tensor_name;
+    broker_job *mine = p->job[0] ? broker_job_find(b, p->job) : NULL;
     if (strncmp(mid, "m:", 2) == 0) {
-        broker_model *m = NULL;
-        for (size_t i = 0; i < b->n_models; i++)
-            if (strcmp(b->models[i]->id, mid) == 0)
-                m = b->models[i];
-        if (!m || !peer_serves_model(b, p, mid)) {
+        /* the model of the job this peer works on, and no other (the job holds it mapped) */
+        if (!mine || strcmp(mine->model->id, mid) != 0) {
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                                "model %.20s... is not served to you: ask only for the model_id of a stage you were "
                                "assigned", mid);
             return;
         }
-        const fu_st_tensor *t = fu_safetensors_get(m->st, name);
-        if (!t) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %s has no tensor '%s'", m->dir, name);
+        long idx = broker_model_tensor(mine->model, name);
+        if (idx < 0) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %.20s... has no tensor '%s'", mid,
+                               name);
             return;
         }
-        if (!range_ok(b, msg, r, t->nbytes))
-            return;
-        size_t idx = 0;
-        for (size_t i = 0; i < m->n; i++)
-            if (fu_safetensors_at(m->st, i) == t)
-                idx = i;
-        if (!m->thread_started)
-            hash_tensor(m, idx);
-        size_t rl = 0;
-        const uint8_t *rid = wire_msg_routing_id(msg, &rl);
-        if (atomic_load_explicit(&m->ready[idx], memory_order_acquire)) {
-            send_tensor(b, rid, rl, wire_msg_hdr(msg)->sequence, m, idx, r);
-            return;
-        }
-        /* its hash is being computed: answer when it is ready (the loop does not stall on it) */
-        atomic_store(&m->wanted[idx], 1);
-        if (b->n_pending == b->cap_pending) {
-            b->cap_pending = b->cap_pending ? 2 * b->cap_pending : 16;
-            b->pending = fu_realloc(b->pending, b->cap_pending * sizeof *b->pending);
-        }
-        broker_pending *q = &b->pending[b->n_pending++];
-        snprintf(q->peer, sizeof q->peer, "%s", p->key);
-        q->model = m;
-        q->tensor = idx;
-        q->offset = r->offset;
-        q->length = r->length;
-        q->sequence = wire_msg_hdr(msg)->sequence;
+        send_tensor(b, msg, mine->model, (size_t)idx, r);
         return;
     }
     if (strncmp(mid, "job:", 4) != 0 || !db_job_id_valid(mid + 4)) {
@@ -313,7 +133,6 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         return;
     }
     const char *jid = mid + 4;
-    broker_job *mine = p->job[0] ? broker_job_find(b, p->job) : NULL;
     if (strcmp(name, "adapter") == 0) {
         if (!mine || mine->kind != DB_JOB_INFER || strcmp(mine->spec.adapter_job, jid) != 0) {
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
@@ -381,18 +200,6 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
                        "unknown blob '%s' of job %s (tokens, ckpt:<stage>:<step> or adapter)", name, jid);
 }
 
-static bool is_adapter_weight(const char *name)
-{
-    size_t n = strlen(name);
-    static const char *const suffix[] = {".lora_A.weight", ".lora_B.weight"};
-    for (size_t i = 0; i < 2; i++) {
-        size_t k = strlen(suffix[i]);
-        if (n > k && strcmp(name + n - k, suffix[i]) == 0)
-            return true;
-    }
-    return false;
-}
-
 fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em)
 {
     db_ckpt *ck[BROKER_MAX_STAGES] = {0};
@@ -411,15 +218,21 @@ fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t
             fu_errmsg_set(em, rc, "checkpoint of stage %u: %s", s, fu_errmsg_text(&sub, rc));
             break;
         }
-        for (size_t i = 0; i < fu_safetensors_count(st[s]); i++) {
-            const fu_st_tensor *t = fu_safetensors_at(st[s], i);
-            if (!is_adapter_weight(t->name))
-                continue;
-            if (n == cap_list) {
-                cap_list = cap_list ? 2 * cap_list : 64;
-                list = fu_realloc(list, cap_list * sizeof *list);
+        /* exactly the adapter tensors of the stage's range (checked again: the store may be older) */
+        if ((rc = dag_peft_check(j->graph, j->stages[s].first, j->stages[s].last, true, st[s], &sub)) != FU_OK) {
+            fu_errmsg_set(em, rc, "checkpoint of stage %u: %s", s, sub.msg);
+            break;
+        }
+        for (uint32_t i = j->stages[s].first; i < j->stages[s].last; i++) {
+            dag_peft_tensor pt[DAG_PEFT_PER_NODE];
+            size_t c = dag_peft_node_tensors(dag_graph_node(j->graph, i), false, pt);
+            for (size_t k = 0; k < c; k++) {
+                if (n == cap_list) {
+                    cap_list = cap_list ? 2 * cap_list : 64;
+                    list = fu_realloc(list, cap_list * sizeof *list);
+                }
+                list[n++] = *fu_safetensors_get(st[s], pt[k].name);
             }
-            list[n++] = *t;
         }
     }
     if (rc == FU_OK && n == 0) {

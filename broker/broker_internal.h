@@ -11,6 +11,8 @@
 #include <string.h>
 
 #include "broker.h"
+#include "broker_models.h"
+#include "broker_worker.h"
 #include "dag_graph.h"
 #include "dag_partition.h"
 #include "dag_spec.h"
@@ -114,7 +116,7 @@ typedef struct {
     dag_graph_t *graph;                /* the job's DAG */
     uint8_t *dag_bytes;                /* encoded */
     size_t dag_len;                    /* its length */
-    char model_id[BROKER_MODEL_ID_MAX]; /* weights name */
+    broker_model *model;               /* its model, by content (a reference: broker_models.h) */
     broker_phase phase;                /* where it is */
     uint32_t n_stages;                 /* stages in the plan (0 while queued without a plan) */
     broker_jstage stages[BROKER_MAX_STAGES];
@@ -174,31 +176,6 @@ typedef struct {
     uint64_t deadline_ms;              /* monotonic time after which the sample is dropped */
 } broker_vsample;
 
-/* An mmapped model directory served by model_id. A hasher thread computes every tensor's
- * BLAKE2b-256 (requested tensors first) so that the loop never stalls hashing a large tensor;
- * requests for a tensor whose hash is not ready yet wait in the pending list. */
-typedef struct {
-    char id[BROKER_MODEL_ID_MAX];      /* "m:<hex>" */
-    char dir[BROKER_SPEC_MODEL_MAX];   /* its directory */
-    fu_safetensors *st;                /* mapped weights (read-only, shared with the hasher) */
-    size_t n;                          /* tensors */
-    uint8_t (*hashes)[DB_HASH_LEN];    /* per tensor (index order); valid once ready[i] */
-    _Atomic(unsigned char) *ready;     /* hash i is written (release/acquire) */
-    _Atomic(unsigned char) *wanted;    /* a peer waits for hash i: hash it next */
-    _Atomic(int) stop;                 /* ask the hasher to finish */
-    pthread_t thread;                  /* the hasher */
-    bool thread_started;
-} broker_model;
-
-/* A WeightRequest waiting for its tensor's hash. */
-typedef struct {
-    char peer[DB_KEY_LEN + 1];         /* who asked (answered on its current connection) */
-    broker_model *model;               /* which model */
-    size_t tensor;                     /* tensor index */
-    uint64_t offset, length;           /* as asked */
-    uint64_t sequence;                 /* Envelope.sequence of the request */
-} broker_pending;
-
 struct broker {
     broker_cfg cfg;                    /* options (strings borrowed from argv) */
     char data_dir[DB_PATH_MAX];        /* scratch directory */
@@ -214,11 +191,8 @@ struct broker {
     size_t n_peers, cap_peers;
     broker_job **jobs;                 /* queued and running jobs */
     size_t n_jobs, cap_jobs;
-    broker_model **models;             /* models opened for serving */
-    size_t n_models, cap_models;
-    broker_pending *pending;           /* weight requests waiting for a hash */
-    size_t n_pending, cap_pending;
-    bool blobs_waiting;                /* some pending requests remain */
+    broker_models *models;             /* the models served, by content id */
+    broker_worker *worker;             /* job preparation off the loop */
     bool sched_dirty;                  /* something changed: run the scheduler */
     size_t sched_cursor;               /* where an interrupted planning pass goes on */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
@@ -236,6 +210,20 @@ struct broker {
 /* ---- broker_io.c: clocks and sending ---- */
 /* Sends body of type t to a peer (by its current routing id); logs and returns the error. */
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body);
+/* Where an answer to a request goes (its connection, sequence, job and type), kept while the
+ * request is prepared off the loop. */
+typedef struct {
+    uint8_t rid[WIRE_MAX_ROUTING_ID];
+    size_t rid_len;
+    uint64_t sequence, job_id;
+    Fusion__MsgType type;
+    char uid[DB_KEY_LEN + 1];
+} broker_ret;
+void broker_ret_of(const wire_msg_t *msg, broker_ret *r);
+/* Answers the request r with a body of type t, or with Error{code, text}. */
+fu_err broker_answer(broker_t *b, const broker_ret *r, Fusion__MsgType t, const ProtobufCMessage *body);
+void broker_answer_error(broker_t *b, const broker_ret *r, Fusion__ErrorCode code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 /* Answers msg with a body of type t. */
 fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body);
 /* Answers msg with Error{code, text}. */
@@ -382,14 +370,43 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 void broker_verify_sweep(broker_t *b);
 
 /* ---- broker_blobs.c ---- */
-/* The model_id of a model directory (opening it for serving). FU_* with why. */
-fu_err broker_model_open(broker_t *b, const char *dir, const char **model_id, fu_errmsg *em);
-void broker_models_close(broker_t *b);
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-/* Serves the pending weight requests whose hashes are ready; true when some still wait. */
-bool broker_blobs_pending(broker_t *b);
 /* Builds the finished adapter (PEFT safetensors) from every stage's checkpoint at `step`. */
 fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em);
+
+/* ---- broker_prep.c: making a job (thread-safe: the worker runs it for submissions) ---- */
+/* Parses and checks a spec; FU_EINVAL with a sentence in why. */
+fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *out, fu_errmsg *em);
+/* The stored form of a job: spec text, a NUL, then its tokens (I32 little-endian). */
+uint8_t *broker_stored_spec(const char *spec, size_t spec_len, const int32_t *tok, size_t n, size_t *len);
+/* Opens j's model (j->spec.model) by content and builds its DAG, tokenizer and canonical spec.
+ * adapter_spec: an inference job's adapter_job spec text, or NULL. FU_ENOTFOUND: no such model. */
+fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adapter_spec, fu_errmsg *em);
+
+/* A JobSubmit being prepared on the worker: the request copied in, the job (or why not) out. */
+typedef struct {
+    broker_task base;                  /* first */
+    broker_models *models;             /* borrowed */
+    broker_ret ret;                    /* who to answer */
+    db_job_kind kind;
+    char owner[DB_KEY_LEN + 1];
+    char *idem;                        /* idempotency key or NULL */
+    char *spec_json;                   /* as submitted */
+    size_t spec_len;
+    uint8_t *data;                     /* JobSubmit.data (freed once tokenized) */
+    size_t data_len;
+    char *adapter_spec;                /* the adapter_job's spec text, or NULL */
+    /* out */
+    broker_job *job;                   /* the prepared job, or NULL with code and em */
+    Fusion__ErrorCode code;
+    fu_errmsg em;
+    uint8_t *blob;                     /* its stored form */
+    size_t blob_len;
+    size_t n_ids;                      /* tokens */
+} broker_submit_task;
+broker_submit_task *broker_submit_task_new(broker_models *models, const wire_msg_t *msg, db_job_kind kind,
+                                           const Fusion__JobSubmit *js, const char *adapter_spec);
+void broker_submit_task_free(broker_submit_task **t);
 
 /* ---- broker_jobs.c (client API) ---- */
 void broker_on_submit(broker_t *b, const wire_msg_t *msg);
@@ -397,8 +414,8 @@ void broker_on_status(broker_t *b, const wire_msg_t *msg);
 void broker_on_list(broker_t *b, const wire_msg_t *msg);
 void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
 void broker_on_result(broker_t *b, const wire_msg_t *msg);
-/* Parses and checks a spec; FU_EINVAL with a sentence in why. */
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *out, fu_errmsg *em);
+/* Stores and answers a submission the worker finished preparing (one per call). */
+void broker_jobs_prepared(broker_t *b);
 /* Loads an unfinished job from the store into the table (restart). */
 fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errmsg *em);
 /* adapter_config.json of a finished fine-tune (caller frees). */

@@ -3,6 +3,7 @@
  * module. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "broker_internal.h"
 #include "fu_clock.h"
@@ -37,31 +38,62 @@ fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, ui
     return rc;
 }
 
-fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
+void broker_ret_of(const wire_msg_t *msg, broker_ret *r)
 {
     size_t rl = 0;
     const uint8_t *rid = wire_msg_routing_id(msg, &rl);
-    const wire_hdr *in = wire_msg_hdr(msg);
-    wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
-    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
+    r->rid_len = rl <= sizeof r->rid ? rl : 0;
+    memcpy(r->rid, rid, r->rid_len);
+    r->sequence = wire_msg_hdr(msg)->sequence;
+    r->job_id = wire_msg_hdr(msg)->job_id;
+    r->type = wire_msg_type(msg);
+    snprintf(r->uid, sizeof r->uid, "%s", wire_msg_user_id(msg));
+}
+
+fu_err broker_answer(broker_t *b, const broker_ret *r, Fusion__MsgType t, const ProtobufCMessage *body)
+{
+    wire_hdr h = {.type = t, .job_id = r->job_id, .sequence = r->sequence};
+    fu_err rc = wire_send(b->sock, r->rid, r->rid_len, &h, body);
     if (rc != FU_OK)
-        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
+        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), r->uid, fu_strerror(rc));
     return rc;
+}
+
+static void answer_verror(broker_t *b, const broker_ret *r, Fusion__ErrorCode code, const char *fmt, va_list ap)
+{
+    char text[1024];
+    vsnprintf(text, sizeof text, fmt, ap);
+    broker_utf8_trim(text);
+    FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(r->type), r->uid, text);
+    Fusion__Error e = FUSION__ERROR__INIT;
+    e.code = code;
+    e.message = text;
+    e.in_reply_to = r->type;
+    e.sequence = r->sequence;
+    (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+void broker_answer_error(broker_t *b, const broker_ret *r, Fusion__ErrorCode code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    answer_verror(b, r, code, fmt, ap);
+    va_end(ap);
+}
+
+fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
+{
+    broker_ret r;
+    broker_ret_of(msg, &r);
+    return broker_answer(b, &r, t, body);
 }
 
 void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
 {
-    char text[1024];
+    broker_ret r;
+    broker_ret_of(msg, &r);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
+    answer_verror(b, &r, code, fmt, ap);
     va_end(ap);
-    broker_utf8_trim(text);
-    FU_INFO(LOG, "refused %s from %.8s: %s", wire_type_name(wire_msg_type(msg)), wire_msg_user_id(msg), text);
-    Fusion__Error e = FUSION__ERROR__INIT;
-    e.code = code;
-    e.message = text;
-    e.in_reply_to = wire_msg_type(msg);
-    e.sequence = wire_msg_hdr(msg)->sequence;
-    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
 }

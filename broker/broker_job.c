@@ -59,6 +59,7 @@ void broker_job_free(broker_job **j_p)
     broker_job *j = *j_p;
     for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++)
         free(j->stages[s].ck_buf);
+    broker_model_release(&j->model);
     free(j->spec_json);
     free(j->spec_canon);
     dag_spec_clear(&j->spec);

@@ -32,117 +32,25 @@ static void id_hex(uint64_t id, char out[DB_JOB_ID_LEN + 1])
     snprintf(out, DB_JOB_ID_LEN + 1, "%016" PRIx64, id);
 }
 
-/* ---------- the spec ---------- */
-
-/* Parses a stored or submitted spec of a db job kind (dag_spec owns the format); FU_EINVAL with why. */
-fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *s, fu_errmsg *em)
-{
-    fu_err rc = dag_spec_parse(json, len, kind == DB_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE, s, em);
-    if (rc == FU_OK && !s->model[0]) {
-        dag_spec_clear(s);
-        rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" (a model directory readable by the broker) is required");
-    }
-    return rc == FU_OK ? FU_OK : FU_EINVAL;
-}
-
-/* The stored form of a job: spec text, a NUL, then its tokens (I32 little-endian). */
-static uint8_t *stored_spec(const char *spec, size_t spec_len, const int32_t *tok, size_t n, size_t *len)
-{
-    *len = spec_len + 1 + n * sizeof *tok;
-    uint8_t *buf = fu_malloc(*len);
-    memcpy(buf, spec, spec_len);
-    buf[spec_len] = 0;
-    memcpy(buf + spec_len + 1, tok, n * sizeof *tok);
-    return buf;
-}
-
-/* Builds the job's DAG and the data it needs from the model (the same checks at submit and at load). */
-static fu_err job_prepare(broker_t *b, broker_job *j, const db_job *adapter_src, fu_errmsg *em)
-{
-    fu_errmsg sub = {{0}};
-    fu_modelcfg cfg;
-    fu_err rc = fu_modelcfg_load(j->spec.model, &cfg, &sub);
-    if (rc != FU_OK) {
-        return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
-    }
-    dag_salr_info si = {0};
-    char *sc = fu_path_join(j->spec.model, DAG_SALR_CONFIG_FILE);
-    bool salr = fu_path_exists(sc);
-    free(sc);
-    if (salr && (rc = dag_salr_info_load(j->spec.model, &si, &sub)) != FU_OK) {
-        return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
-    }
-    dag_spec as = j->spec; /* the adapter's fields only (prompt_tokens stays j's) */
-    if (j->kind == DB_JOB_INFER) {
-        as.method = DAG_ADAPTER_NONE;
-        if (adapter_src) {
-            dag_spec ft;
-            if (broker_spec_parse((const char *)adapter_src->spec, strnlen((const char *)adapter_src->spec,
-                                                                          adapter_src->spec_len),
-                                  DB_JOB_FINETUNE, &ft, &sub) != FU_OK) {
-                return fu_errmsg_set(em, FU_EINVAL, "adapter_job: its spec no longer parses: %s", sub.msg);
-            }
-            as.method = ft.method;
-            as.rank = ft.rank;
-            as.alpha = ft.alpha;
-            as.targets = ft.targets;
-            dag_spec_clear(&ft);
-        } else if (salr) {
-            as.method = DAG_ADAPTER_SALR;
-        }
-    }
-    if (as.method == DAG_ADAPTER_SALR && !salr) {
-        return fu_errmsg_set(em, FU_EINVAL, "spec: method salr needs a SALR-pruned model (make one with `fusion model prune`)");
-    }
-    if (salr && as.method != DAG_ADAPTER_SALR && as.method != DAG_ADAPTER_NONE) {
-        return fu_errmsg_set(em, FU_EINVAL, "spec: '%s' is a SALR-pruned model: use \"method\": \"salr\"", j->spec.model);
-    }
-    dag_model_dims dims;
-    dag_dims_from_cfg(&cfg, &dims);
-    dag_build_opts bo = {.method = as.method, .rank = as.rank, .alpha = (float)as.alpha, .targets = as.targets,
-                         .res_rank = si.residual_rank, .salr_lm_head = si.lm_head,
-                         .head = j->kind == DB_JOB_FINETUNE ? DAG_HEAD_LOSS : DAG_HEAD_SAMPLE,
-                         .seq_len = j->kind == DB_JOB_FINETUNE ? j->spec.seq_len : 256};
-    if ((rc = dag_build_llama(&dims, &bo, &j->graph)) != FU_OK) {
-        return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
-    }
-    if ((rc = dag_graph_encode(j->graph, &j->dag_bytes, &j->dag_len)) != FU_OK) {
-        return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
-    }
-    const char *mid = NULL;
-    if ((rc = broker_model_open(b, j->spec.model, &mid, em)) != FU_OK)
-        return FU_EINVAL;
-    snprintf(j->model_id, sizeof j->model_id, "%s", mid);
-    if ((rc = fu_tokenizer_open_dir(j->spec.model, cfg.vocab_size, &j->tok, &sub)) != FU_OK) {
-        return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
-    }
-    j->eos = cfg.eos_token_id >= 0 ? cfg.eos_token_id : fu_tokenizer_eos_id(j->tok);
-    /* Peers get the canonical spec (every field, the same defaults), without the broker's paths. */
-    dag_spec pub = j->spec;
-    pub.model[0] = '\0';
-    free(j->spec_canon);
-    j->spec_canon = dag_spec_to_json(&pub);
-    return FU_OK;
-}
-
 /* The stored row's part of j: its ids, owner, spec text and tokens (the spec is parsed by the
  * caller). FU_EPROTO when the stored form is malformed. */
-static fu_err job_row(broker_job *j, const db_job *dj, fu_errmsg *em)
+static fu_err job_row(broker_job *j, const char *id, const char *owner, const uint8_t *spec, size_t spec_len,
+                      fu_errmsg *em)
 {
-    snprintf(j->id, sizeof j->id, "%s", dj->id);
-    j->id64 = strtoull(dj->id, NULL, 16);
-    snprintf(j->owner, sizeof j->owner, "%s", dj->owner);
-    size_t sl = dj->spec ? strnlen((const char *)dj->spec, dj->spec_len) : 0;
-    if (!dj->spec || sl == dj->spec_len || (dj->spec_len - sl - 1) % sizeof(int32_t) != 0) {
+    snprintf(j->id, sizeof j->id, "%s", id);
+    j->id64 = strtoull(id, NULL, 16);
+    snprintf(j->owner, sizeof j->owner, "%s", owner);
+    size_t sl = spec ? strnlen((const char *)spec, spec_len) : 0;
+    if (!spec || sl == spec_len || (spec_len - sl - 1) % sizeof(int32_t) != 0) {
         return fu_errmsg_set(em, FU_EPROTO, "stored spec is malformed");
     }
     free(j->spec_json);
     j->spec_json = fu_malloc(sl + 1);
-    memcpy(j->spec_json, dj->spec, sl + 1);
+    memcpy(j->spec_json, spec, sl + 1);
     free(j->tokens);
-    j->n_tokens = (dj->spec_len - sl - 1) / sizeof(int32_t);
+    j->n_tokens = (spec_len - sl - 1) / sizeof(int32_t);
     j->tokens = fu_malloc((j->n_tokens ? j->n_tokens : 1) * sizeof *j->tokens);
-    memcpy(j->tokens, dj->spec + sl + 1, j->n_tokens * sizeof *j->tokens);
+    memcpy(j->tokens, spec + sl + 1, j->n_tokens * sizeof *j->tokens);
     crypto_generichash(j->tokens_hash, sizeof j->tokens_hash, (const uint8_t *)j->tokens,
                        j->n_tokens * sizeof *j->tokens, NULL, 0);
     return FU_OK;
@@ -151,7 +59,7 @@ static fu_err job_row(broker_job *j, const db_job *dj, fu_errmsg *em)
 fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errmsg *em)
 {
     broker_job *j = broker_job_new(dj->kind);
-    fu_err rc = job_row(j, dj, em);
+    fu_err rc = job_row(j, dj->id, dj->owner, dj->spec, dj->spec_len, em);
     if (rc != FU_OK)
         goto fail;
     if ((rc = broker_spec_parse(j->spec_json, strlen(j->spec_json), dj->kind, &j->spec, em)) != FU_OK)
@@ -162,10 +70,17 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errms
         fu_errmsg_set(em, rc, "adapter_job %s is not in the store", j->spec.adapter_job);
         goto fail;
     }
-    rc = job_prepare(b, j, aj, em);
+    rc = broker_job_prepare(b->models, j, aj ? (const char *)aj->spec : NULL, em);
     db_job_free(&aj);
     if (rc != FU_OK)
         goto fail;
+    if (dj->model_id[0] && strcmp(dj->model_id, j->model->id) != 0) { /* pinned at submit */
+        rc = fu_errmsg_set(em, FU_EPROTO,
+                           "its model '%s' changed since it was submitted (it was %.18s..., it is now %.18s...): "
+                           "submit it again to train on the model as it is now",
+                           j->spec.model, dj->model_id, j->model->id);
+        goto fail;
+    }
     broker_job_exclusions_load(b, j);
     j->steps_done = dj->step > 0 ? (uint64_t)dj->step : 0;
     j->loss = dj->loss;
@@ -247,7 +162,7 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     st->message = msg_buf;
 }
 
-static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
+static void answer_status(broker_t *b, const broker_ret *r, const db_job *dj)
 {
     char buf[DB_REASON_MAX + 128];
     Fusion__JobStatus st;
@@ -283,6 +198,10 @@ static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
     st.n_stage_info = ns;
     st.stage_info = stp;
     char *out = NULL;
+    db_job *full = NULL; /* a brief row has no result: a finished inference job's text is read now */
+    if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && !dj->result && dj->result_len &&
+        db_job_get(b->db, dj->id, NULL, &full) == FU_OK)
+        dj = full;
     if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && dj->result) {
         size_t n = dj->result_len < (WIRE_MAX_CONTROL_BYTES / 2) ? dj->result_len : WIRE_MAX_CONTROL_BYTES / 2;
         out = fu_malloc(n + 1);
@@ -291,17 +210,27 @@ static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
         broker_utf8_clean(out, n);
         st.output = out;
     }
-    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);
+    (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);
     free(out);
+    db_job_free(&full);
+}
+
+static void reply_status(broker_t *b, const wire_msg_t *msg, const db_job *dj)
+{
+    broker_ret r;
+    broker_ret_of(msg, &r);
+    answer_status(b, &r, dj);
 }
 
 /* Looks up the job named by a JobRef of the sender; answers Error when it cannot. */
-static db_job *own_job(broker_t *b, const wire_msg_t *msg, uint64_t id64)
+/* blobs: with the spec and result (a download); without, what a status needs. */
+static db_job *own_job(broker_t *b, const wire_msg_t *msg, uint64_t id64, bool blobs)
 {
     char id[DB_JOB_ID_LEN + 1];
     id_hex(id64, id);
     db_job *dj = NULL;
-    fu_err rc = db_job_get(b->db, id, wire_msg_user_id(msg), &dj);
+    fu_err rc = blobs ? db_job_get(b->db, id, wire_msg_user_id(msg), &dj)
+                      : db_job_get_brief(b->db, id, wire_msg_user_id(msg), &dj);
     if (rc == FU_ENOTFOUND)
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "no job %s among your jobs (list them with `fusion status`)", id);
@@ -313,135 +242,116 @@ static db_job *own_job(broker_t *b, const wire_msg_t *msg, uint64_t id64)
 
 /* ---------- handlers ---------- */
 
+/* Checks what can be checked at once, then hands the submission to the worker (broker_prep.c):
+ * the answer comes from broker_jobs_prepared. */
 void broker_on_submit(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobSubmit *js = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_SUBMIT);
     const char *owner = wire_msg_user_id(msg);
-    fu_errmsg em = {{0}};
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    broker_job *tmp = NULL;
-    uint8_t *blob = NULL;
-    db_job *dj = NULL;
-    db_job *aj = NULL;
     if (!js || (js->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE && js->kind != FUSION__JOB_KIND__JOB_KIND_INFER)) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "JobSubmit.kind must be finetune or infer");
-        goto done;
+        return;
     }
     db_job_kind kind = js->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? DB_JOB_FINETUNE : DB_JOB_INFER;
-    size_t ik = js->idempotency_key ? strlen(js->idempotency_key) : 0;
-    if (ik > DB_IDEM_KEY_MAX) {
+    if (js->idempotency_key && strlen(js->idempotency_key) > DB_IDEM_KEY_MAX) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "idempotency_key is longer than %d bytes",
                            DB_IDEM_KEY_MAX);
-        goto done;
+        return;
     }
     if (js->data.len > BROKER_MAX_DATA_BYTES) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_TOO_LARGE,
                            "JobSubmit.data is %zu bytes; at most %u are accepted", js->data.len, BROKER_MAX_DATA_BYTES);
-        goto done;
+        return;
     }
-    size_t sl = js->spec_json ? strlen(js->spec_json) : 0;
-    tmp = broker_job_new(kind);
-    if (broker_spec_parse(js->spec_json ? js->spec_json : "", sl, kind, &tmp->spec, &em) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
-        goto done;
-    }
-    if (kind == DB_JOB_INFER && tmp->spec.adapter_job[0]) {
-        if (db_job_get(b->db, tmp->spec.adapter_job, owner, &aj) != FU_OK || aj->kind != DB_JOB_FINETUNE ||
-            aj->state != DB_JOB_DONE) {
+    /* the adapter of an inference job must be a finished fine-tune of the same owner (the store says) */
+    dag_spec peek;
+    db_job *aj = NULL;
+    fu_errmsg em = {{0}};
+    const char *sj = js->spec_json ? js->spec_json : "";
+    if (kind == DB_JOB_INFER && broker_spec_parse(sj, strlen(sj), kind, &peek, &em) == FU_OK) {
+        bool bad = peek.adapter_job[0] && (db_job_get(b->db, peek.adapter_job, owner, &aj) != FU_OK ||
+                                           aj->kind != DB_JOB_FINETUNE || aj->state != DB_JOB_DONE);
+        if (bad)
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                               "adapter_job %s is not a finished fine-tune job of yours", tmp->spec.adapter_job);
-            goto done;
+                               "adapter_job %s is not a finished fine-tune job of yours", peek.adapter_job);
+        dag_spec_clear(&peek);
+        if (bad) {
+            db_job_free(&aj);
+            return;
         }
     }
-    if (job_prepare(b, tmp, aj, &em) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
-        goto done;
+    broker_submit_task *t = broker_submit_task_new(b->models, msg, kind, js, aj ? (const char *)aj->spec : NULL);
+    db_job_free(&aj);
+    if (!broker_worker_post(b->worker, &t->base)) {
+        broker_submit_task_free(&t);
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                           "the broker is preparing %d jobs already; submit again in a moment", BROKER_PREP_DEPTH);
     }
-    size_t vocab = dag_graph_dims(tmp->graph)->vocab_size;
-    if (kind == DB_JOB_INFER && tmp->spec.prompt_tokens) {
-        for (size_t i = 0; i < tmp->spec.n_prompt_tokens; i++)
-            if ((size_t)tmp->spec.prompt_tokens[i] >= vocab) {
-                broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                                   "spec: \"prompt_tokens\" must hold ids between 0 and %zu", vocab - 1);
-                goto done;
-            }
-        n_ids = tmp->spec.n_prompt_tokens;
-        ids = fu_malloc((n_ids ? n_ids : 1) * sizeof *ids);
-        memcpy(ids, tmp->spec.prompt_tokens, n_ids * sizeof *ids);
-    } else if (fu_tokenizer_encode(tmp->tok, (const char *)js->data.data, js->data.len, &ids, &n_ids, &em) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, FU_EINVAL));
-        goto done;
-    }
-    if (kind == DB_JOB_FINETUNE) {
-        size_t win = (size_t)tmp->spec.seq_len + 1, n_win = n_ids / win;
-        if (n_win < tmp->spec.batch) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                               "data has %zu tokens: that makes %zu windows of %zu tokens, fewer than batch %u (send "
-                               "more data, or use a shorter seq_len or a smaller batch)",
-                               n_ids, n_win, win, tmp->spec.batch);
-            goto done;
-        }
-    } else if (n_ids == 0) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "an inference job needs a prompt: JobSubmit.data or \"prompt_tokens\"");
-        goto done;
-    }
-    size_t blen = 0;
-    blob = stored_spec(js->spec_json, sl, ids, n_ids, &blen);
-    if (blen > DB_SPEC_MAX) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_TOO_LARGE, "the job's data makes %zu tokens; too many", n_ids);
-        goto done;
+}
+
+/* Stores a prepared submission and answers it. */
+static void submit_finish(broker_t *b, broker_submit_task *t)
+{
+    const broker_ret *r = &t->ret;
+    if (!t->job) {
+        broker_answer_error(b, r, t->code, "%s", t->em.msg);
+        return;
     }
     char id[DB_JOB_ID_LEN + 1];
     bool created = false;
-    fu_err rc = db_job_submit(b->db, owner, ik ? js->idempotency_key : NULL, kind, blob, blen, broker_wall(), id,
-                              &created);
+    fu_errmsg em = {{0}};
+    db_job *dj = NULL;
+    fu_err rc = db_job_submit(b->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id,
+                              broker_wall(), id, &created);
     if (rc == FU_EEXIST) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "idempotency_key '%s' was used before for a different job: use a new key",
-                           js->idempotency_key);
-        goto done;
+        broker_answer_error(b, r, FUSION__ERROR_CODE__ERR_INVALID,
+                            "idempotency_key '%s' was used before for a different job: use a new key", t->idem);
+        return;
     }
     if (rc != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL,
-                           "the broker could not store the job (%s); nothing was queued, try again", fu_strerror(rc));
-        goto done;
-    }
-    if ((rc = db_job_get(b->db, id, owner, &dj)) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the job was stored as %s but cannot be read back",
-                           id);
-        goto done;
+        broker_answer_error(b, r, FUSION__ERROR_CODE__ERR_INTERNAL,
+                            "the broker could not store the job (%s); nothing was queued, try again", fu_strerror(rc));
+        return;
     }
     if (created) {
-        /* The job checked above is the one that runs: its graph, tokenizer and model are not made twice. */
-        broker_job *j = tmp;
-        if (job_row(j, dj, &em) != FU_OK) {
+        /* The job checked above is the one that runs: its graph, tokenizer and model are not made twice,
+         * and its stored form is the one in hand (not read back). */
+        broker_job *j = t->job;
+        if (job_row(j, id, t->owner, t->blob, t->blob_len, &em) != FU_OK) {
             broker_job_refuse(b, id, em.msg);
         } else {
-            tmp = NULL;
+            t->job = NULL;
             broker_job_enqueue(b, j);
-            FU_INFO(LOG, "job %s (%s) submitted by %.8s: %zu tokens", id, db_job_kind_name(kind), owner, n_ids);
+            FU_INFO(LOG, "job %s (%s) submitted by %.8s: %zu tokens, model %.18s...", id, db_job_kind_name(t->kind),
+                    t->owner, t->n_ids, j->model->id);
         }
-        db_job_free(&dj);
-        if (db_job_get(b->db, id, owner, &dj) != FU_OK)
-            goto done;
     } else {
-        FU_INFO(LOG, "job %s resubmitted by %.8s (same idempotency key)", id, owner);
+        FU_INFO(LOG, "job %s resubmitted by %.8s (same idempotency key)", id, t->owner);
     }
-    reply_status(b, msg, dj);
-done:
+    if ((rc = db_job_get_brief(b->db, id, t->owner, &dj)) != FU_OK) {
+        broker_answer_error(b, r, FUSION__ERROR_CODE__ERR_INTERNAL, "the job was stored as %s but cannot be read back",
+                            id);
+        return;
+    }
+    answer_status(b, r, dj);
     db_job_free(&dj);
-    db_job_free(&aj);
-    free(blob);
-    free(ids);
-    broker_job_free(&tmp);
+}
+
+void broker_jobs_prepared(broker_t *b)
+{
+    /* One per turn of the loop: storing a job takes a commit, and the worker may finish the next
+     * one meanwhile; heartbeats are served between them (the eventfd stays readable). */
+    broker_submit_task *t = (broker_submit_task *)broker_worker_take(b->worker);
+    if (t) {
+        submit_finish(b, t);
+        broker_submit_task_free(&t);
+    }
 }
 
 void broker_on_status(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobRef *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ);
-    db_job *dj = r ? own_job(b, msg, r->job_id) : NULL;
+    db_job *dj = r ? own_job(b, msg, r->job_id, false) : NULL;
     if (dj)
         reply_status(b, msg, dj);
     db_job_free(&dj);
@@ -499,7 +409,7 @@ void broker_on_cancel(broker_t *b, const wire_msg_t *msg)
                            fu_strerror(rc));
         return;
     }
-    db_job *dj = own_job(b, msg, r->job_id);
+    db_job *dj = own_job(b, msg, r->job_id, false);
     if (dj)
         reply_status(b, msg, dj);
     db_job_free(&dj);
@@ -515,7 +425,7 @@ char *broker_adapter_config(const dag_spec *spec)
 void broker_on_result(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobResultRequest *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ);
-    db_job *dj = r ? own_job(b, msg, r->job_id) : NULL;
+    db_job *dj = r ? own_job(b, msg, r->job_id, true) : NULL;
     if (!dj)
         return;
     char *cfg = NULL, *logits = NULL;

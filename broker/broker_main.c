@@ -17,7 +17,7 @@ static void on_signal(int sig)
 int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
-    const char *token_file = NULL;
+    const char *token_file = NULL, *model_roots = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     double verify = 0, min_rep = BROKER_MIN_REPUTATION;
@@ -33,6 +33,8 @@ int main(int argc, char **argv)
         {"enrol-token-file", 0, FU_OPT_STR, &token_file, "FILE",
          "admit any key that presents the token in FILE (mode 0600; or set FUSION_ENROL_TOKEN)"},
         {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "the same with the token itself (visible in ps)"},
+        {"model-root", 0, FU_OPT_STR, &model_roots, "DIR[:DIR...]",
+         "serve the models under these directories (clients name a model by its path inside one)"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
         {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
@@ -90,7 +92,7 @@ int main(int argc, char **argv)
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
                       .check_store = check_store, .allow_file = allow, .enrol_token = token,
-                      .data_dir = data_dir, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
+                      .data_dir = data_dir, .model_roots = model_roots, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
                       .verify = verify, .min_reputation = min_rep,
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace};

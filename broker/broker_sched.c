@@ -260,7 +260,7 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
     a.relay = p->relay;
     a.dag.data = j->dag_bytes;
     a.dag.len = j->dag_len;
-    a.model_id = j->model_id;
+    a.model_id = j->model->id;
     a.resume_step = j->start_step;
     a.backup = backup;
     a.spec_json = j->spec_canon;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "broker_internal.h"
+#include "dag_peft.h"
 #include "fu_alloc.h"
 #include "fu_encode.h"
 #include "fu_file.h"
@@ -143,6 +144,38 @@ static void maybe_finish_finetune(broker_t *b, broker_job *j)
     free(blob);
 }
 
+/* Takes the stage that p runs off it for a fault of p's own (an error it reported, a checkpoint that
+ * does not fit): reputation lost, the stage fails over. */
+static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const char *why)
+{
+    uint32_t s = p->stage;
+    bool backup = p->backup;
+    broker_peer_forget_work(p);
+    if (backup || s >= j->n_stages || strcmp(j->stages[s].peer, p->key) != 0)
+        return;
+    broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
+    broker_failover(b, j, s, why);
+}
+
+/* A complete checkpoint blob of stage `stage` at `step`: exactly the adapter tensors and moments of
+ * the stage's graph range, its "step" the one announced. */
+static fu_err ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len, uint64_t step,
+                         fu_errmsg *em)
+{
+    fu_safetensors *st = NULL;
+    fu_errmsg sub = {{0}};
+    fu_err rc = fu_safetensors_parse_header(data, len, "checkpoint", &st, &sub);
+    if (rc == FU_OK)
+        rc = dag_peft_check(j->graph, j->stages[stage].first, j->stages[stage].last, true, st, &sub);
+    const char *s = rc == FU_OK ? fu_safetensors_metadata(st, "step") : NULL;
+    if (rc == FU_OK && (!s || strtoull(s, NULL, 10) != step))
+        rc = fu_errmsg_set(&sub, FU_EPROTO, "its metadata says step %s, not %" PRIu64, s ? s : "(none)", step);
+    fu_safetensors_close(&st);
+    if (rc != FU_OK)
+        fu_errmsg_set(em, FU_EPROTO, "%s", fu_errmsg_text(&sub, rc));
+    return rc;
+}
+
 void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__CheckpointPut *c = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);
@@ -183,6 +216,19 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     st->ck_got += c->data.len;
     if (st->ck_got < st->ck_total)
         return;
+    fu_errmsg em = {{0}};
+    if (ckpt_check(j, c->stage_index, st->ck_buf, (size_t)st->ck_total, st->ck_step, &em) != FU_OK) {
+        /* not the tensors this stage trains: a peer's fault, never stored, never assembled */
+        free(st->ck_buf);
+        st->ck_buf = NULL;
+        char why[DB_REASON_MAX];
+        snprintf(why, sizeof why, "its peer sent a checkpoint of step %" PRIu64 " that does not fit the job: %.300s",
+                 c->step, em.msg);
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "checkpoint refused: %s", em.msg);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "bad-checkpoint", em.msg));
+        stage_peer_fault(b, j, p, why);
+        return;
+    }
     char hex[DB_HASH_HEX_LEN + 1];
     fu_hex_encode(hex, st->ck_hash, DB_HASH_LEN);
     fu_err rc = db_ckpt_put(b->db, j->id, c->stage_index, (int64_t)st->ck_step, st->ck_buf, (size_t)st->ck_total, hex,
@@ -301,13 +347,7 @@ void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     broker_job *j = jid ? broker_job_find64(b, jid) : NULL;
     if (!j || strcmp(p->job, j->id) != 0)
         return;
-    uint32_t s = p->stage;
-    bool backup = p->backup;
-    broker_peer_forget_work(p);
-    if (backup || s >= j->n_stages || strcmp(j->stages[s].peer, p->key) != 0)
-        return;
     char why[300];
     snprintf(why, sizeof why, "its peer reported an error: %s", e && e->message ? e->message : "?");
-    broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
-    broker_failover(b, j, s, why);
+    stage_peer_fault(b, j, p, why);
 }

@@ -99,6 +99,8 @@ static const char *const migrations[] = {
     /* 1 → 2: stage node ranges are half-open, as in memory: node_end = node_last + 1. */
     "ALTER TABLE stages RENAME COLUMN node_last TO node_end;"
     "UPDATE stages SET node_end = node_end + 1;",
+    /* 2 → 3: a job is pinned to its model's content id (NULL: submitted before models had one). */
+    "ALTER TABLE jobs ADD COLUMN model_id TEXT CHECK (model_id IS NULL OR length(model_id) = 66);",
 };
 _Static_assert(sizeof migrations / sizeof migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

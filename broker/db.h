@@ -29,11 +29,12 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     2          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     3          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
 #define DB_HASH_HEX_LEN       (2 * DB_HASH_LEN)
+#define DB_MODEL_ID_LEN       (2 + DB_HASH_HEX_LEN) /* "m:" + hex content hash (broker_models.h) */
 #define DB_IDEM_KEY_MAX       128        /* longest idempotency key, bytes */
 #define DB_NAME_MAX           64         /* longest peer name, bytes */
 #define DB_PROFILE_MAX        65536      /* longest peer profile JSON, bytes */
@@ -99,6 +100,7 @@ typedef struct {
     size_t        result_len;              /* its length (set in list results too) */
     char         *result_path;             /* result stored as a file, or NULL */
     char          result_hash[DB_HASH_HEX_LEN + 1]; /* BLAKE2b hex of the result; "" when none */
+    char          model_id[DB_MODEL_ID_LEN + 1]; /* the model's content id the job is pinned to; "" none */
     int64_t       created_ms;              /* submission time */
     int64_t       updated_ms;              /* last change of state or progress */
     int           retries;                 /* times it went from running back to queued */
@@ -195,14 +197,17 @@ const char *db_path(const db_t *db);
  * returns that job's id with *created = false and stores nothing. idem_key may be NULL (every call
  * then makes a new job). Returns only after the commit is durable. FU_EINVAL bad owner/key/spec
  * (spec_len 0 or > DB_SPEC_MAX); FU_EEXIST the same (owner, idem_key) was used for a different
- * kind or spec (a client bug: a retry carries the same request). job_id receives
- * DB_JOB_ID_LEN + 1 bytes. */
+ * kind or spec (a client bug: a retry carries the same request). model_id: the content id of the
+ * job's model ("m:" + hex), or NULL. job_id receives DB_JOB_ID_LEN + 1 bytes. */
 FU_MUST_CHECK fu_err db_job_submit(db_t *db, const char *owner, const char *idem_key, db_job_kind kind,
-                                   const void *spec, size_t spec_len, int64_t now_ms,
+                                   const void *spec, size_t spec_len, const char *model_id, int64_t now_ms,
                                    char job_id[DB_JOB_ID_LEN + 1], bool *created);
 /* Loads job id. owner NULL: any owner (the broker itself); otherwise a job of another owner is
  * FU_ENOTFOUND, exactly like a job that does not exist. *out is the caller's (db_job_free). */
 FU_MUST_CHECK fu_err db_job_get(db_t *db, const char *id, const char *owner, db_job **out);
+/* The same without the spec and result blobs (spec and result NULL, their lengths set): what a
+ * status answer needs, without reading megabytes of tokens. */
+FU_MUST_CHECK fu_err db_job_get_brief(db_t *db, const char *id, const char *owner, db_job **out);
 /* Frees a job from db_job_get and sets *job_p = NULL. Idempotent. */
 void db_job_free(db_job **job_p);
 /* The jobs of owner (NULL: every job), oldest first, without spec and result blobs (their lengths

@@ -17,7 +17,7 @@
 /* The columns read_job expects, in order; the list variant leaves the blobs out. */
 #define JOB_COLS                                                                                   \
     "id, owner, idem_key, kind, state, step, total_steps, loss, tokens_per_s, reason, result_path, " \
-    "result_hash, created_ms, updated_ms, retries, length(spec), length(result)"
+    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id"
 #define JOB_COLS_BLOBS JOB_COLS ", spec, result"
 
 static void job_members_free(db_job *j)
@@ -43,7 +43,8 @@ static fu_err read_job(db_t *db, sqlite3_stmt *st, bool blobs, db_job *j)
         (err = db_col_enum(db, st, 4, db_job_state_names, DB_N_JOB_STATES, &state)) != FU_OK ||
         (err = db_col_dup(db, st, 9, DB_REASON_MAX, true, &j->reason)) != FU_OK ||
         (err = db_col_dup(db, st, 10, DB_PATH_MAX, true, &j->result_path)) != FU_OK ||
-        (err = db_col_text(db, st, 11, j->result_hash, sizeof j->result_hash, true)) != FU_OK)
+        (err = db_col_text(db, st, 11, j->result_hash, sizeof j->result_hash, true)) != FU_OK ||
+        (err = db_col_text(db, st, 17, j->model_id, sizeof j->model_id, true)) != FU_OK)
         goto fail;
     j->kind = (db_job_kind)kind;
     j->state = (db_job_state)state;
@@ -66,13 +67,13 @@ static fu_err read_job(db_t *db, sqlite3_stmt *st, bool blobs, db_job *j)
     j->result_len = (size_t)result_len;
     if (blobs) {
         size_t n = 0;
-        if ((err = db_col_blob(db, st, 17, &j->spec, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 18, &j->spec, &n)) != FU_OK)
             goto fail;
         if (n != j->spec_len) {
             err = FU_EDB;
             goto fail;
         }
-        if ((err = db_col_blob(db, st, 18, &j->result, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 19, &j->result, &n)) != FU_OK)
             goto fail;
         if (n != j->result_len) {
             err = FU_EDB;
@@ -129,14 +130,15 @@ static bool text_ok(const char *s, size_t max)
 }
 
 fu_err db_job_submit(db_t *db, const char *owner, const char *idem_key, db_job_kind kind, const void *spec,
-                     size_t spec_len, int64_t now_ms, char job_id[DB_JOB_ID_LEN + 1], bool *created)
+                     size_t spec_len, const char *model_id, int64_t now_ms, char job_id[DB_JOB_ID_LEN + 1], bool *created)
 {
     static const char SQL_FIND[] = "SELECT id, kind, spec = ?3 FROM jobs WHERE owner = ?1 AND idem_key = ?2";
     static const char SQL_TAKEN[] = "SELECT 1 FROM jobs WHERE id = ?";
     static const char SQL_INSERT[] = "INSERT INTO jobs (id, owner, idem_key, kind, spec, state, created_ms, "
-                                     "updated_ms) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)";
+                                     "updated_ms, model_id) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, ?)";
     if (!db || !db_key_valid(owner) || !idem_valid(idem_key) || (unsigned)kind >= DB_N_KINDS || !spec ||
-        spec_len == 0 || spec_len > DB_SPEC_MAX || !job_id || !created)
+        spec_len == 0 || spec_len > DB_SPEC_MAX || !job_id || !created ||
+        (model_id && strlen(model_id) != DB_MODEL_ID_LEN))
         return FU_EINVAL;
     FU_TRY(db_begin(db));
     sqlite3_stmt *st;
@@ -185,8 +187,8 @@ fu_err db_job_submit(db_t *db, const char *owner, const char *idem_key, db_job_k
         }
     }
     if ((err = db_prep(db, SQL_INSERT, &st)) != FU_OK ||
-        (err = db_bind(db, st, "ttttbii", id, owner, idem_key, db_job_kind_names[kind], spec, spec_len, now_ms,
-                       now_ms)) != FU_OK ||
+        (err = db_bind(db, st, "ttttbiit", id, owner, idem_key, db_job_kind_names[kind], spec, spec_len, now_ms,
+                       now_ms, model_id)) != FU_OK ||
         (err = db_run(db, st, "inserting a job")) != FU_OK)
         goto fail;
     if ((err = db_event_put(db, now_ms, id, NULL, "submitted", "%s, spec %zu bytes", db_job_kind_names[kind],
@@ -204,14 +206,15 @@ fail:
     return err;
 }
 
-fu_err db_job_get(db_t *db, const char *id, const char *owner, db_job **out)
+static fu_err job_get(db_t *db, const char *id, const char *owner, bool blobs, db_job **out)
 {
-    static const char SQL[] = "SELECT " JOB_COLS_BLOBS " FROM jobs WHERE id = ?1 AND (?2 IS NULL OR owner = ?2)";
+    static const char SQL_BLOBS[] = "SELECT " JOB_COLS_BLOBS " FROM jobs WHERE id = ?1 AND (?2 IS NULL OR owner = ?2)";
+    static const char SQL_BRIEF[] = "SELECT " JOB_COLS " FROM jobs WHERE id = ?1 AND (?2 IS NULL OR owner = ?2)";
     if (!db || !db_job_id_valid(id) || (owner && !db_key_valid(owner)) || !out)
         return FU_EINVAL;
     sqlite3_stmt *st;
     bool row;
-    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_prep(db, blobs ? SQL_BLOBS : SQL_BRIEF, &st));
     FU_TRY(db_bind(db, st, "tt", id, owner));
     FU_TRY(db_step(db, st, "loading a job", &row));
     if (!row) {
@@ -219,7 +222,7 @@ fu_err db_job_get(db_t *db, const char *id, const char *owner, db_job **out)
         return FU_ENOTFOUND;
     }
     db_job *j = fu_calloc(1, sizeof *j);
-    fu_err err = read_job(db, st, true, j);
+    fu_err err = read_job(db, st, blobs, j);
     db_done(st);
     if (err != FU_OK) {
         free(j);
@@ -227,6 +230,16 @@ fu_err db_job_get(db_t *db, const char *id, const char *owner, db_job **out)
     }
     *out = j;
     return FU_OK;
+}
+
+fu_err db_job_get(db_t *db, const char *id, const char *owner, db_job **out)
+{
+    return job_get(db, id, owner, true, out);
+}
+
+fu_err db_job_get_brief(db_t *db, const char *id, const char *owner, db_job **out)
+{
+    return job_get(db, id, owner, false, out);
 }
 
 fu_err db_job_list(db_t *db, const char *owner, db_job **out, size_t *n)

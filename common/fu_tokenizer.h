@@ -63,6 +63,9 @@ FU_MUST_CHECK fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_
  * model_vocab ids. When model_vocab > 0 every id of the tokenizer must be below it (FU_EINVAL:
  * "tokenizer.json has ids up to N but the model's vocab_size is M"). */
 FU_MUST_CHECK fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em);
+/* The same from the text of tokenizer.json (NULL: the model has none: byte-level). */
+FU_MUST_CHECK fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, fu_tokenizer **out,
+                                            fu_errmsg *em);
 
 /* Frees; idempotent; sets *tok_p = NULL. */
 void fu_tokenizer_destroy(fu_tokenizer **tok_p);

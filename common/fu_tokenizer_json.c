@@ -312,24 +312,38 @@ fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em)
     return rc;
 }
 
+fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em)
+{
+    if (!out)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_for_model: NULL argument");
+    *out = NULL;
+    if (!json) {
+        *out = fu_tokenizer_new_bytes(model_vocab);
+        return *out ? FU_OK : fu_errmsg_set(em, FU_EINVAL, "vocab_size %zu is over the limit", model_vocab);
+    }
+    fu_err rc = fu_tokenizer_parse_json(json, len, FU_TOKENIZER_FILE, out, em);
+    if (rc == FU_OK && model_vocab > 0 && (*out)->vocab_size > model_vocab) {
+        rc = fu_errmsg_set(em, FU_EINVAL, "%s has ids up to %zu but the model's vocab_size is %zu", FU_TOKENIZER_FILE,
+                           (*out)->vocab_size - 1, model_vocab);
+        fu_tokenizer_destroy(out);
+    }
+    return rc;
+}
+
 fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em)
 {
     if (!dir || !out)
         return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_open_dir: NULL argument");
     *out = NULL;
     char *p = fu_path_join(dir, FU_TOKENIZER_FILE);
-    fu_err rc;
-    if (fu_path_exists(p)) {
-        rc = fu_tokenizer_load(p, out, em);
-        if (rc == FU_OK && model_vocab > 0 && (*out)->vocab_size > model_vocab) {
-            rc = fu_errmsg_set(em, FU_EINVAL, "model dir '%s': %s has ids up to %zu but the model's vocab_size is %zu",
-                               dir, FU_TOKENIZER_FILE, (*out)->vocab_size - 1, model_vocab);
-            fu_tokenizer_destroy(out);
-        }
-    } else {
-        *out = fu_tokenizer_new_bytes(model_vocab);
-        rc = *out ? FU_OK : fu_errmsg_set(em, FU_EINVAL, "vocab_size %zu is over the limit", model_vocab);
-    }
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = FU_OK;
+    if (fu_path_exists(p))
+        rc = fu_file_read_all(p, FU_TOKENIZER_MAX_BYTES, &txt, &len, em);
     free(p);
+    if (rc == FU_OK)
+        rc = fu_tokenizer_for_model(txt, len, model_vocab, out, em);
+    free(txt);
     return rc;
 }

@@ -16,7 +16,6 @@
 #include "kern_bitmap.h"
 #include "kern_lora.h"
 #include "kern_salr.h"
-#define DAG_PEFT_PREFIX       "base_model.model."
 
 /* ---- weights -------------------------------------------------------------------------------- */
 
@@ -311,15 +310,6 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
     return FU_OK;
 }
 
-/* "model.layers.0.self_attn.q_proj.weight" -> "model.layers.0.self_attn.q_proj" */
-static void module_of(const char *param, char *out, size_t cap)
-{
-    snprintf(out, cap, "%s", param);
-    size_t l = strlen(out);
-    if (l > 7 && strcmp(out + l - 7, ".weight") == 0)
-        out[l - 7] = '\0';
-}
-
 static fu_err read_into(dag_exec_t *x, const fu_safetensors *st, const char *name, kern_tensor_t *t, fu_errmsg *em)
 {
     uint64_t shape[2] = {(uint64_t)t->shape[0], (uint64_t)t->shape[1]};
@@ -334,40 +324,34 @@ static fu_err read_into(dag_exec_t *x, const fu_safetensors *st, const char *nam
     return rc;
 }
 
-#define ADAPTER_TENSORS_MAX 6 /* lora_A, lora_B and AdamW's two moments of each */
-
 /* One adapter tensor of a node, as adapter and checkpoint files name it. */
 typedef struct {
-    char name[DAG_NAME_MAX + 96]; /* DAG_PEFT_PREFIX "<module>.lora_A.weight", ... */
+    char name[DAG_PEFT_NAME_MAX];
     kern_tensor_t *t;
 } adapter_tensor;
 
-/* The adapter tensors of node nd (e->A set): lora_A and lora_B, then with_state AdamW's moments
- * (those e has). Returns how many were put in out. */
+/* The adapter tensors of node nd (e->A set) with their names (dag_peft_node_tensors): lora_A and
+ * lora_B, then with_state AdamW's moments (those e has). Returns how many were put in out. */
 static size_t adapter_tensors(const dag_node *nd, const enode *e, bool with_state,
-                              adapter_tensor out[ADAPTER_TENSORS_MAX])
+                              adapter_tensor out[DAG_PEFT_PER_NODE])
 {
-    const struct {
-        const char *suffix;
-        kern_tensor_t *t;
-    } items[ADAPTER_TENSORS_MAX] = {
-        {"lora_A.weight", e->A},
-        {"lora_B.weight", e->B},
-        {"lora_A.weight.adam_m", with_state ? e->mA : NULL},
-        {"lora_A.weight.adam_v", with_state ? e->vA : NULL},
-        {"lora_B.weight.adam_m", with_state ? e->mB : NULL},
-        {"lora_B.weight.adam_v", with_state ? e->vB : NULL},
-    };
-    char mod[DAG_NAME_MAX];
-    module_of(nd->params[0], mod, sizeof mod);
-    size_t n = 0;
-    for (size_t k = 0; k < ADAPTER_TENSORS_MAX; k++) {
-        if (!items[k].t)
-            continue;
-        snprintf(out[n].name, sizeof out[n].name, DAG_PEFT_PREFIX "%s.%s", mod, items[k].suffix);
-        out[n++].t = items[k].t;
+    dag_peft_tensor pt[DAG_PEFT_PER_NODE];
+    size_t n = dag_peft_node_tensors(nd, with_state && e->mB, pt);
+    kern_tensor_t *ts[DAG_PEFT_PER_NODE] = {e->A, e->B};
+    size_t k = 2;
+    if (n > 2 && e->mA) {
+        ts[k++] = e->mA;
+        ts[k++] = e->vA;
     }
-    return n;
+    if (n > 2) {
+        ts[k++] = e->mB;
+        ts[k++] = e->vB;
+    }
+    for (size_t i = 0; i < n && i < k; i++) {
+        memcpy(out[i].name, pt[i].name, sizeof out[i].name);
+        out[i].t = ts[i];
+    }
+    return n < k ? n : k;
 }
 
 /* Reads the range's adapters from st, with_state also AdamW's moments, and zeroes the optimizer
@@ -379,7 +363,7 @@ static fu_err read_adapters(dag_exec_t *x, const fu_safetensors *st, bool with_s
         enode *e = &x->nodes[i];
         if (!e->A)
             continue;
-        adapter_tensor at[ADAPTER_TENSORS_MAX];
+        adapter_tensor at[DAG_PEFT_PER_NODE];
         size_t n = adapter_tensors(nd, e, with_state, at);
         for (size_t k = 0; k < n; k++)
             FU_TRY(read_into(x, st, at[k].name, at[k].t, em));
@@ -461,7 +445,7 @@ static fu_err collect(const dag_exec_t *x, tlist *l, bool with_state)
         const enode *e = &x->nodes[i];
         if (!e->A)
             continue;
-        adapter_tensor at[ADAPTER_TENSORS_MAX];
+        adapter_tensor at[DAG_PEFT_PER_NODE];
         size_t n = adapter_tensors(nd, e, with_state, at);
         for (size_t k = 0; k < n; k++)
             FU_TRY(tlist_add(x, l, at[k].name, at[k].t));

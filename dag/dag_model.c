@@ -329,8 +329,17 @@ fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em)
                              "model dir '%s' has no %s (not a SALR-pruned model: make one with `fusion model prune`)",
                              dir, DAG_SALR_CONFIG_FILE);
     FU_TRY(rc);
-    cJSON *j = cJSON_ParseWithLength(txt, len);
+    rc = dag_salr_info_parse(txt, len, out, em);
     free(txt);
+    return rc;
+}
+
+fu_err dag_salr_info_parse(const char *txt, size_t len, dag_salr_info *out, fu_errmsg *em)
+{
+    if (!txt || !out)
+        return FU_EINVAL;
+    fu_err rc;
+    cJSON *j = cJSON_ParseWithLength(txt, len);
     if (!j)
         return fu_errmsg_set(em, FU_EPROTO, "%s: not valid JSON", DAG_SALR_CONFIG_FILE);
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "residual_rank");

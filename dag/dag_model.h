@@ -87,6 +87,8 @@ typedef struct {
 /* Reads dir/salr_config.json. A file without "lm_head" (written before lm_head pruning existed)
  * means a dense lm_head. FU_ENOTFOUND when dir is not a pruned model; FU_EPROTO for a malformed file. */
 FU_MUST_CHECK fu_err dag_salr_info_load(const char *dir, dag_salr_info *out, fu_errmsg *em);
+/* The same from the file's text. */
+FU_MUST_CHECK fu_err dag_salr_info_parse(const char *txt, size_t len, dag_salr_info *out, fu_errmsg *em);
 
 #ifdef __cplusplus
 }

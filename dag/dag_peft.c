@@ -1,5 +1,10 @@
 #include "dag_peft.h"
 
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include <cjson/cJSON.h>
 
 #include "dag_graph.h"
@@ -27,4 +32,86 @@ char *dag_peft_config_json(const char *base_model, uint32_t r, double alpha, uin
     cJSON_AddNullToObject(o, "modules_to_save");
     cJSON_AddNullToObject(o, "revision");
     return fu_file_json_text(o, "fusion: out of memory writing adapter_config.json");
+}
+
+size_t dag_peft_node_tensors(const dag_node *nd, bool with_state, dag_peft_tensor out[DAG_PEFT_PER_NODE])
+{
+    if (nd->op != DAG_OP_LINEAR || nd->adapter.method == DAG_ADAPTER_NONE || nd->adapter.rank == 0)
+        return 0;
+    uint64_t r = nd->adapter.rank;
+    bool train_a = nd->adapter.method == DAG_ADAPTER_LORA;
+    const struct {
+        const char *suffix;
+        uint64_t d0, d1;
+        bool present;
+    } items[DAG_PEFT_PER_NODE] = {
+        {"lora_A.weight", r, nd->dim_in, true},
+        {"lora_B.weight", nd->dim_out, r, true},
+        {"lora_A.weight.adam_m", r, nd->dim_in, with_state && train_a},
+        {"lora_A.weight.adam_v", r, nd->dim_in, with_state && train_a},
+        {"lora_B.weight.adam_m", nd->dim_out, r, with_state},
+        {"lora_B.weight.adam_v", nd->dim_out, r, with_state},
+    };
+    /* "model.layers.0.self_attn.q_proj.weight" -> module "model.layers.0.self_attn.q_proj" */
+    char mod[DAG_NAME_MAX];
+    snprintf(mod, sizeof mod, "%s", nd->params[0]);
+    size_t l = strlen(mod);
+    if (l > 7 && strcmp(mod + l - 7, ".weight") == 0)
+        mod[l - 7] = '\0';
+    size_t n = 0;
+    for (size_t k = 0; k < DAG_PEFT_PER_NODE; k++) {
+        if (!items[k].present)
+            continue;
+        snprintf(out[n].name, sizeof out[n].name, DAG_PEFT_PREFIX "%s.%s", mod, items[k].suffix);
+        out[n].shape[0] = items[k].d0;
+        out[n].shape[1] = items[k].d1;
+        n++;
+    }
+    return n;
+}
+
+fu_err dag_peft_check(const dag_graph_t *g, size_t first, size_t last, bool with_state, const fu_safetensors *st,
+                      fu_errmsg *em)
+{
+    if (!g || !st || first > last || last > dag_graph_size(g))
+        return fu_errmsg_set(em, FU_EINVAL, "dag_peft_check: bad arguments");
+    size_t want = 0;
+    for (size_t i = first; i < last; i++) {
+        dag_peft_tensor pt[DAG_PEFT_PER_NODE];
+        size_t n = dag_peft_node_tensors(dag_graph_node(g, i), with_state, pt);
+        for (size_t k = 0; k < n; k++) {
+            const fu_st_tensor *t = fu_safetensors_get(st, pt[k].name);
+            if (!t)
+                return fu_errmsg_set(em, FU_EPROTO, "no tensor '%s'", pt[k].name);
+            if (t->dtype != FU_ST_F32 || t->ndim != 2 || t->shape[0] != pt[k].shape[0] ||
+                t->shape[1] != pt[k].shape[1])
+                return fu_errmsg_set(em, FU_EPROTO, "'%s' is not float32 [%" PRIu64 ", %" PRIu64 "]", pt[k].name,
+                                     pt[k].shape[0], pt[k].shape[1]);
+        }
+        want += n;
+    }
+    size_t have = fu_safetensors_count(st);
+    if (have != want) { /* every wanted one is there: the rest are strangers */
+        for (size_t i = 0; i < have; i++) {
+            const char *name = fu_safetensors_at(st, i)->name;
+            bool ours = false;
+            for (size_t n = first; n < last && !ours; n++) {
+                dag_peft_tensor pt[DAG_PEFT_PER_NODE];
+                size_t c = dag_peft_node_tensors(dag_graph_node(g, n), with_state, pt);
+                for (size_t k = 0; k < c && !ours; k++)
+                    ours = strcmp(pt[k].name, name) == 0;
+            }
+            if (!ours)
+                return fu_errmsg_set(em, FU_EPROTO, "tensor '%.200s' is not an adapter tensor of this range", name);
+        }
+        return fu_errmsg_set(em, FU_EPROTO, "%zu tensors where %zu were expected", have, want);
+    }
+    if (with_state) {
+        const char *t = fu_safetensors_metadata(st, "adam_t");
+        char *end = NULL;
+        long long v = t ? strtoll(t, &end, 10) : -1;
+        if (!t || !end || *end || v < 0)
+            return fu_errmsg_set(em, FU_EPROTO, "no valid adam_t metadata");
+    }
+    return FU_OK;
 }

@@ -8,7 +8,8 @@
 # Everything lives under $CLUSTER_DIR (default ./var/cluster): keys, the allow-list, the broker's
 # SQLite store, logs, pid files, and client.conf, which `fusion` reads through FUSION_CONFIG so no
 # broker address or key needs typing. Programs come from $FUSION_BIN (default build/release/bin).
-# The broker listens on 127.0.0.1:$FUSION_PORT (default 7700).
+# The broker listens on 127.0.0.1:$FUSION_PORT (default 7700) and serves the models under
+# $MODEL_ROOT (default: the directory it is started from; ':'-separated for several).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,7 +57,8 @@ CONF
 
   start_bg broker "$dir/broker.pid" "$dir/logs/broker.log" \
     "$FUSION_BIN/fusion-broker" --bind "tcp://127.0.0.1:$FUSION_PORT" --keys "$dir/keys/broker" \
-    --db "$dir/broker.db" --allow "$dir/allow.txt" --backups "${BACKUPS:-0}"
+    --db "$dir/broker.db" --allow "$dir/allow.txt" --backups "${BACKUPS:-0}" \
+    --model-root "${MODEL_ROOT:-$PWD}"
   sleep 0.3
   alive "$dir/broker.pid" || { cat "$dir/logs/broker.log" >&2; die "the broker did not start (log above)"; }
   for i in $(seq 1 "$n"); do

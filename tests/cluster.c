@@ -562,6 +562,9 @@ void tu_broker_start(tu_cluster *c)
     add_option(argv, &n, "--ready-timeout", number_option(rt, c->o.ready_timeout_s));
     add_option(argv, &n, "--step-timeout", number_option(st, c->o.step_timeout_s));
     add_option(argv, &n, "--pause-grace", number_option(pg, c->o.pause_grace_s));
+    char roots[2 * TU_PATH + 2];
+    snprintf(roots, sizeof roots, "%s%s%s", c->dir, c->o.model_root ? ":" : "", c->o.model_root ? c->o.model_root : "");
+    add_option(argv, &n, "--model-root", roots);
     char token_file[TU_PATH]; /* the token in a 0600 file, not on the command line (ps shows that) */
     if (c->o.enrol_token) {
         tu_path(c, token_file, "enrol.token");
@@ -583,6 +586,11 @@ void tu_broker_start(tu_cluster *c)
         free(bl);
         write_client_conf(c);
     }
+}
+
+pid_t tu_broker_pid(const tu_cluster *c)
+{
+    return c->broker > 0 ? c->broker : 0;
 }
 
 int tu_broker_stop(tu_cluster *c, int sig)

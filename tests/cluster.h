@@ -78,6 +78,8 @@ typedef struct {
     int pause_grace_s;          /* --pause-grace (0: the broker's default) */
     const char *enrol_token;    /* --enrol-token (NULL: none) */
     const char *log_level;      /* --log-level (NULL: the broker's default) */
+    const char *model_root;     /* --model-root besides DIR (the broker serves the models under DIR
+                                   and these; ':'-separated; NULL: DIR only) */
     /* every fusion-peer */
     const char *peer_memory_gb; /* --max-memory (NULL: none) */
     const char *link_mbps;      /* --link-mbps (NULL: the peer measures its link) */
@@ -128,6 +130,7 @@ FU_MUST_CHECK fu_err tu_cluster_stop(tu_cluster **c_p);
 tu_opts *tu_cluster_opts(tu_cluster *c);
 
 const char *tu_cluster_dir(const tu_cluster *c);  /* the scratch directory, borrowed */
+pid_t tu_broker_pid(const tu_cluster *c);         /* the broker process (0: not running) */
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */
 int tu_cluster_n_peers(const tu_cluster *c);
 

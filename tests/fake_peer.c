@@ -14,6 +14,8 @@
 #include <sodium.h>
 #include <zmq.h>
 
+#include "dag_peft.h"
+#include "dag_serial.h"
 #include "fu_clock.h"
 #include "fu_file.h"
 #include "fu_safetensors.h"
@@ -320,8 +322,10 @@ static void fake_on_term(int s)
 
 /* Fetches tensor `name` of model_id (WeightRequest, WeightChunks) and checks its hash; its size in
  * *bytes. */
-static bool fake_fetch(tu_client *cl, const char *model_id, const char *name, size_t *bytes)
+bool tu_client_fetch(tu_client *cl, const char *model_id, const char *name, uint8_t **data, size_t *len)
 {
+    *data = NULL;
+    *len = 0;
     Fusion__WeightRequest r = FUSION__WEIGHT_REQUEST__INIT;
     r.model_id = (char *)model_id;
     r.tensor_name = (char *)name;
@@ -334,10 +338,19 @@ static bool fake_fetch(tu_client *cl, const char *model_id, const char *name, si
         wire_msg_t *m = tu_client_recv(cl, 5000);
         if (!m)
             break;
+        if (wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR) {
+            const Fusion__Error *e = (const Fusion__Error *)wire_msg_body(m);
+            if (e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) {
+                fprintf(stderr, "fetch %s/%s refused: %s\n", model_id, name, e->message);
+                wire_msg_destroy(&m);
+                break;
+            }
+        }
         const Fusion__WeightChunk *c = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK);
-        if (!c) {
+        if (!c || c->content_hash.len != 32 || (buf && c->total != total) || c->offset > c->total ||
+            c->data.len > c->total - c->offset) {
             wire_msg_destroy(&m);
-            continue; /* heartbeats */
+            continue; /* heartbeats, or a chunk this fetch cannot use */
         }
         if (!buf) {
             total = c->total;
@@ -353,8 +366,20 @@ static bool fake_fetch(tu_client *cl, const char *model_id, const char *name, si
     uint8_t h2[32];
     crypto_generichash(h2, 32, buf, got, NULL, 0);
     bool ok = buf && got == total && memcmp(h2, hash, 32) == 0;
-    free(buf);
-    *bytes = got;
+    if (!ok) {
+        free(buf);
+        return false;
+    }
+    *data = buf;
+    *len = got;
+    return true;
+}
+
+static bool fake_fetch(tu_client *cl, const char *model_id, const char *name, size_t *bytes)
+{
+    uint8_t *data = NULL;
+    bool ok = tu_client_fetch(cl, model_id, name, &data, bytes);
+    free(data);
     return ok;
 }
 
@@ -364,35 +389,62 @@ typedef struct {
     uint32_t stage, count;
     uint64_t steps, every;
     char dir[TU_PATH]; /* where its checkpoint files go (its key directory) */
+    dag_graph_t *g;    /* the job's DAG (StageAssign) */
+    uint32_t first, last; /* the stage's node range */
+    bool forge;        /* mode "forge": checkpoints hold a made-up tensor */
 } fake_train;
 
 /* Sends a checkpoint of the stage at `step` in two chunks and waits for the CheckpointAck. */
 static bool fake_put_ckpt(tu_client *cl, const fake_train *t, uint64_t step)
 {
-    char mod[128], na[200], nb[200], nm[220];
-    snprintf(mod, sizeof mod, "base_model.model.model.layers.%u.self_attn.q_proj", t->stage);
-    snprintf(na, sizeof na, "%s.lora_A.weight", mod);
-    snprintf(nb, sizeof nb, "%s.lora_B.weight", mod);
-    snprintf(nm, sizeof nm, "%s.lora_B.weight.adam_m", mod);
-    float a[8], bb[8], mm[8];
-    for (int i = 0; i < 8; i++) {
-        a[i] = (float)(t->stage * 100 + i);
-        bb[i] = (float)step;
-        mm[i] = 0.5f;
+    /* Honest in form: every adapter tensor and moment of the stage's graph range, A = stage*100 + i,
+     * B = step, moments 0.5. "forge" sends one made-up tensor instead. */
+    size_t cap = 8, n = 0;
+    fu_st_tensor *ts = calloc(cap, sizeof *ts);
+    dag_peft_tensor *names = calloc(cap, sizeof *names);
+    static float forged[1] = {1337.0f};
+    if (t->forge) {
+        snprintf(names[0].name, sizeof names[0].name, "base_model.model.x.lora_A.weight");
+        ts[n++] = (fu_st_tensor){.name = names[0].name, .dtype = FU_ST_F32, .ndim = 1, .shape = {1},
+                                 .data = forged, .nbytes = sizeof forged};
     }
-    fu_st_tensor ts[3] = {
-        {.name = na, .dtype = FU_ST_F32, .ndim = 2, .shape = {2, 4}, .data = a, .nbytes = sizeof a},
-        {.name = nb, .dtype = FU_ST_F32, .ndim = 2, .shape = {4, 2}, .data = bb, .nbytes = sizeof bb},
-        {.name = nm, .dtype = FU_ST_F32, .ndim = 2, .shape = {4, 2}, .data = mm, .nbytes = sizeof mm},
-    };
+    for (uint32_t i = t->first; i < t->last && !t->forge; i++) {
+        dag_peft_tensor pt[DAG_PEFT_PER_NODE];
+        size_t c = dag_peft_node_tensors(dag_graph_node(t->g, i), true, pt);
+        for (size_t k = 0; k < c; k++) {
+            if (n == cap) {
+                cap *= 2;
+                ts = realloc(ts, cap * sizeof *ts);
+                names = realloc(names, cap * sizeof *names);
+            }
+            names[n] = pt[k];
+            size_t cnt = (size_t)(pt[k].shape[0] * pt[k].shape[1]);
+            float *v = malloc(cnt * sizeof *v);
+            bool is_a = strstr(pt[k].name, "lora_A.weight") && !strstr(pt[k].name, ".adam_");
+            bool is_b = strstr(pt[k].name, "lora_B.weight") && !strstr(pt[k].name, ".adam_");
+            for (size_t e = 0; e < cnt; e++)
+                v[e] = is_a ? (float)(t->stage * 100 + e) : is_b ? (float)step : 0.5f;
+            ts[n] = (fu_st_tensor){.dtype = FU_ST_F32, .ndim = 2, .shape = {pt[k].shape[0], pt[k].shape[1]},
+                                   .data = v, .nbytes = cnt * sizeof *v};
+            n++;
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        ts[i].name = names[i].name;
     char path[TU_PATH + 32], stepv[32];
     snprintf(path, sizeof path, "%s/ckpt-%u.safetensors", t->dir, t->stage);
     snprintf(stepv, sizeof stepv, "%llu", (unsigned long long)step);
     const char *meta[] = {"step", stepv, "adam_t", stepv};
     char *data = NULL;
     size_t len = 0;
-    if (fu_safetensors_write(path, ts, 3, meta, 2, NULL, NULL, NULL) != FU_OK ||
-        fu_file_read_all(path, 1 << 20, &data, &len, NULL) != FU_OK)
+    bool written = fu_safetensors_write(path, ts, n, meta, 2, NULL, NULL, NULL) == FU_OK &&
+                   fu_file_read_all(path, 64 << 20, &data, &len, NULL) == FU_OK;
+    for (size_t i = 0; i < n; i++)
+        if (ts[i].data != forged)
+            free((void *)ts[i].data);
+    free(ts);
+    free(names);
+    if (!written)
         return false;
     uint8_t hash[32];
     crypto_generichash(hash, 32, (uint8_t *)data, len, NULL, 0);
@@ -465,8 +517,14 @@ static void fake_on_assign(fake_peer *f, const Fusion__StageAssign *a)
            a->model_id, a->dag.len);
     if (a->backup) {
         /* a warm backup only says it is ready */
-    } else if (strcmp(f->mode, "train") == 0) {
+    } else if (strcmp(f->mode, "train") == 0 || strcmp(f->mode, "forge") == 0) {
         cJSON *sp = cJSON_Parse(a->spec_json);
+        dag_graph_destroy(&f->tr.g);
+        if (dag_graph_decode(a->dag.data, a->dag.len, &f->tr.g, NULL) != FU_OK)
+            printf("DAG undecodable\n");
+        f->tr.first = a->node_begin;
+        f->tr.last = a->node_end;
+        f->tr.forge = strcmp(f->mode, "forge") == 0;
         const cJSON *v;
         f->tr.job = a->job_id;
         f->tr.stage = a->stage_index;
@@ -523,7 +581,7 @@ static void fake_on_message(fake_peer *f, const wire_msg_t *m, uint32_t *hb_ms, 
     case FUSION__MSG_TYPE__MSG_STAGE_START: {
         const Fusion__StageStart *s = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_START);
         printf("START %016" PRIx64 " step %" PRIu64 "\n", s->job_id, s->step);
-        if (strcmp(f->mode, "train") == 0 && s->job_id == f->tr.job)
+        if ((strcmp(f->mode, "train") == 0 || strcmp(f->mode, "forge") == 0) && s->job_id == f->tr.job)
             fake_train_run(&f->cl, &f->tr, s->step);
         if (strcmp(f->mode, "infer") == 0 && s->job_id == f->infer_job && f->infer_stage == f->infer_stages - 1) {
             /* the "sampled" token at position p is 'A' + (p - prompt length) */

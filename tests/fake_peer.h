@@ -66,6 +66,11 @@ wire_msg_t *tu_client_submit(tu_client *cl, const char *spec_json, const char *i
 /* JobStatusReq for job id: the reply (caller destroys), NULL on timeout. */
 wire_msg_t *tu_client_job_status(tu_client *cl, uint64_t id);
 
+/* Fetches the whole blob (model_id, name) as a peer does (WeightRequest, then WeightChunks): true
+ * with the bytes in *data (caller frees) when they arrived whole and hash to the content_hash the
+ * chunks carry; false on an Error, a timeout or a wrong hash. */
+bool tu_client_fetch(tu_client *cl, const char *model_id, const char *name, uint8_t **data, size_t *len);
+
 /* Sends PeerHello as a peer named `name` with mem bytes free and gflops of float32 GEMM. */
 void tu_client_hello(tu_client *cl, const char *name, uint64_t mem, double gflops);
 
@@ -110,9 +115,10 @@ typedef struct {
 /* Starts a fake peer with the key pair DIR/key_name, named `name`, offering mem bytes and gflops,
  * connected to c's broker (which must run). mode: "ready" answers StageAssign with StageReady;
  * "train" also fetches a weight and the job's tokens (hash-checked), sends a chunked checkpoint of its
- * stage every checkpoint step and StepDone on the last stage; "infer" plays every stage of an
- * inference job, sampling 'A', 'B', ...; "error" fails every stage with an Error; "noready"
- * heartbeats but never says StageReady. */
+ * stage (every adapter tensor of its graph range: A = stage*100 + i, B = the step, moments 0.5) every
+ * checkpoint step, and StepDone on the last stage; "forge" is "train" whose checkpoints hold one
+ * made-up tensor; "infer" plays every stage of an inference job, sampling 'A', 'B', ...; "error"
+ * fails every stage with an Error; "noready" heartbeats but never says StageReady. */
 void tu_fake_peer_start(tu_fake_peer *p, const tu_cluster *c, const char *key_name, const char *name, uint64_t mem,
                         double gflops, const char *mode);
 

@@ -263,7 +263,10 @@ static void test_broker_failover_full_run_and_result(void **state)
     cJSON_Delete(cfg);
     fu_safetensors *sf = NULL;
     assert_int_equal(fu_safetensors_parse_header(st_buf, st_len, "adapter", &sf, NULL), FU_OK);
-    assert_int_equal(fu_safetensors_count(sf), 2u * (size_t)used); /* A and B of each stage, no optimizer state */
+    /* A and B of every adapted linear of every stage (at least one per stage), no optimizer state */
+    assert_true(fu_safetensors_count(sf) >= 2u * (size_t)used && fu_safetensors_count(sf) % 2 == 0);
+    for (size_t i = 0; i < fu_safetensors_count(sf); i++)
+        assert_null(strstr(fu_safetensors_at(sf, i)->name, "adam_"));
     const fu_st_tensor *tb = fu_safetensors_get(sf, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight");
     assert_non_null(tb);
     float v;

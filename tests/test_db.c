@@ -156,7 +156,7 @@ static char *open_refused(const fx *f, const char *path, fu_err want, const char
 static void submit_ok(db_t *db, const char *owner, const char *idem, const char *spec, char id[DB_JOB_ID_LEN + 1])
 {
     bool created = false;
-    assert_int_equal(db_job_submit(db, owner, idem, DB_JOB_FINETUNE, spec, strlen(spec), 1000, id, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, owner, idem, DB_JOB_FINETUNE, spec, strlen(spec), NULL, 1000, id, &created), FU_OK);
     assert_true(created);
     assert_true(db_job_id_valid(id));
 }
@@ -284,8 +284,9 @@ static void test_db_reopen_keeps_data(void **state)
 
 static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_t nstages, char id[DB_JOB_ID_LEN + 1]);
 
-/* A version-1 store (stage ranges inclusive, column node_last) opens as version 2 with the same
- * stages as half-open ranges: nothing lost, nothing shifted. */
+/* A version-1 store (stage ranges inclusive, column node_last; jobs without model_id) opens as the
+ * current version with the same stages as half-open ranges: nothing lost, nothing shifted; its
+ * jobs are not pinned to a model (model_id ""). */
 static void test_db_v1_stage_ranges_migrate(void **state)
 {
     fx *f = *state;
@@ -296,8 +297,13 @@ static void test_db_v1_stage_ranges_migrate(void **state)
     db_close(&db);
     /* What version 1 wrote for the same plan. */
     raw_exec(f->path, "ALTER TABLE stages RENAME COLUMN node_end TO node_last;"
-                      "UPDATE stages SET node_last = node_last - 1; PRAGMA user_version = 1");
+                      "UPDATE stages SET node_last = node_last - 1; ALTER TABLE jobs DROP COLUMN model_id;"
+                      "PRAGMA user_version = 1");
     db = open_ok(f->path);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_string_equal(j->model_id, "");
+    db_job_free(&j);
     db_stage *st = NULL;
     size_t n = 0;
     assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
@@ -363,6 +369,24 @@ static void test_db_missing_dir_refused(void **state)
     assert_int_equal(db_open(path, &db), FU_ENOTFOUND);
 }
 
+/* A job is stored with the content id of its model; an id of the wrong length is refused. */
+static void test_db_job_model_id(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char mid[DB_MODEL_ID_LEN + 2], id[DB_JOB_ID_LEN + 1];
+    snprintf(mid, sizeof mid, "m:%064d", 7);
+    bool created = false;
+    assert_int_equal(db_job_submit(db, f->key[0], NULL, DB_JOB_FINETUNE, "{}", 2, mid, 1, id, &created), FU_OK);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_string_equal(j->model_id, mid);
+    db_job_free(&j);
+    strcat(mid, "0");
+    assert_int_equal(db_job_submit(db, f->key[0], NULL, DB_JOB_FINETUNE, "{}", 2, mid, 1, id, &created), FU_EINVAL);
+    db_close(&db);
+}
+
 static void test_db_submit_idempotent(void **state)
 {
     fx *f = *state;
@@ -371,28 +395,28 @@ static void test_db_submit_idempotent(void **state)
     const char spec[] = "{\"model\":\"tiny\"}";
     char id1[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1], id3[DB_JOB_ID_LEN + 1], id4[DB_JOB_ID_LEN + 1];
     bool created = false;
-    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 1, id1, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 1, id1, &created), FU_OK);
     assert_true(created);
     /* Same owner, same key: the same job, nothing new. */
-    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 2, id2, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 2, id2, &created), FU_OK);
     assert_false(created);
     assert_string_equal(id1, id2);
     /* Same owner, another key: a new job. */
-    assert_int_equal(db_job_submit(db, a, "key-2", DB_JOB_FINETUNE, spec, sizeof spec, 3, id3, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, a, "key-2", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 3, id3, &created), FU_OK);
     assert_true(created);
     assert_string_not_equal(id1, id3);
     /* Same key, another owner: a separate job. */
-    assert_int_equal(db_job_submit(db, b, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, 4, id4, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, b, "key-1", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 4, id4, &created), FU_OK);
     assert_true(created);
     assert_string_not_equal(id1, id4);
     assert_string_not_equal(id3, id4);
     /* Same key, different request: refused, the key stays with the first job. */
-    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_INFER, spec, sizeof spec, 5, id2, &created), FU_EEXIST);
-    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, "{}", 2, 5, id2, &created), FU_EEXIST);
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_INFER, spec, sizeof spec, NULL, 5, id2, &created), FU_EEXIST);
+    assert_int_equal(db_job_submit(db, a, "key-1", DB_JOB_FINETUNE, "{}", 2, NULL, 5, id2, &created), FU_EEXIST);
     /* No key: every call is a new job. */
-    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, 6, id2, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, NULL, 6, id2, &created), FU_OK);
     assert_true(created);
-    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, 7, id3, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, a, NULL, DB_JOB_INFER, spec, sizeof spec, NULL, 7, id3, &created), FU_OK);
     assert_true(created);
     assert_string_not_equal(id2, id3);
     db_job *list = NULL;
@@ -415,12 +439,12 @@ static void test_db_submit_idempotent(void **state)
     char long_key[DB_IDEM_KEY_MAX + 2];
     memset(long_key, 'k', sizeof long_key - 1);
     long_key[sizeof long_key - 1] = '\0';
-    assert_int_equal(db_job_submit(db, bad_owner, "k", DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
-    assert_int_equal(db_job_submit(db, a, long_key, DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
-    assert_int_equal(db_job_submit(db, a, "", DB_JOB_FINETUNE, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
-    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, 0, 1, id2, &created), FU_EINVAL);
-    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, DB_SPEC_MAX + 1, 1, id2, &created), FU_EINVAL);
-    assert_int_equal(db_job_submit(db, a, "k", (db_job_kind)7, spec, sizeof spec, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, bad_owner, "k", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, long_key, DB_JOB_FINETUNE, spec, sizeof spec, NULL, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "", DB_JOB_FINETUNE, spec, sizeof spec, NULL, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, 0, NULL, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", DB_JOB_FINETUNE, spec, DB_SPEC_MAX + 1, NULL, 1, id2, &created), FU_EINVAL);
+    assert_int_equal(db_job_submit(db, a, "k", (db_job_kind)7, spec, sizeof spec, NULL, 1, id2, &created), FU_EINVAL);
     db_close(&db);
 }
 
@@ -1000,9 +1024,9 @@ static void test_db_read_only_and_two_connections(void **state)
     /* Two connections to one file share the idempotency keys. */
     db_t *a = open_ok(f->path), *b = open_ok(f->path);
     bool created = false;
-    assert_int_equal(db_job_submit(a, owner, "shared", DB_JOB_INFER, "{}", 2, 1, id1, &created), FU_OK);
+    assert_int_equal(db_job_submit(a, owner, "shared", DB_JOB_INFER, "{}", 2, NULL, 1, id1, &created), FU_OK);
     assert_true(created);
-    assert_int_equal(db_job_submit(b, owner, "shared", DB_JOB_INFER, "{}", 2, 2, id2, &created), FU_OK);
+    assert_int_equal(db_job_submit(b, owner, "shared", DB_JOB_INFER, "{}", 2, NULL, 2, id2, &created), FU_OK);
     assert_false(created);
     assert_string_equal(id1, id2);
     db_close(&b);
@@ -1014,7 +1038,7 @@ static void test_db_read_only_and_two_connections(void **state)
     db_job *j = NULL;
     assert_int_equal(db_job_get(ro, id1, owner, &j), FU_OK);
     db_job_free(&j);
-    assert_int_equal(db_job_submit(ro, owner, "other", DB_JOB_INFER, "{}", 2, 3, id2, &created), FU_EDB);
+    assert_int_equal(db_job_submit(ro, owner, "other", DB_JOB_INFER, "{}", 2, NULL, 3, id2, &created), FU_EDB);
     db_close(&ro);
     /* Read-only on a file that does not exist yet: nothing to read, nothing created. */
     char missing[4200];
@@ -1079,7 +1103,7 @@ static void child_submit(const writer *w, int fd)
         char key[64], id[DB_JOB_ID_LEN + 1], line[64];
         snprintf(key, sizeof key, "r%d-%d", w->round, i);
         bool created;
-        if (db_job_submit(db, w->owner, key, DB_JOB_FINETUNE, key, strlen(key), fu_wallclock_ms(), id,
+        if (db_job_submit(db, w->owner, key, DB_JOB_FINETUNE, key, strlen(key), NULL, fu_wallclock_ms(), id,
                           &created) != FU_OK)
             _exit(4);
         if (w->die_after_first)
@@ -1125,7 +1149,7 @@ static void test_db_durability_sigkill(void **state)
              * with the same key finds it instead of making a second one. */
             char id[DB_JOB_ID_LEN + 1];
             bool created = true;
-            assert_int_equal(db_job_submit(db, owner, "r0-0", DB_JOB_FINETUNE, "r0-0", 4, 1, id, &created), FU_OK);
+            assert_int_equal(db_job_submit(db, owner, "r0-0", DB_JOB_FINETUNE, "r0-0", 4, NULL, 1, id, &created), FU_OK);
             assert_false(created);
             got = 1;
         }
@@ -1231,7 +1255,7 @@ static void test_db_disk_full(void **state)
         char key[16], id[DB_JOB_ID_LEN + 1];
         bool created;
         snprintf(key, sizeof key, "big-%d", i);
-        err = db_job_submit(db, owner, key, DB_JOB_FINETUNE, spec, big, 2, id, &created);
+        err = db_job_submit(db, owner, key, DB_JOB_FINETUNE, spec, big, NULL, 2, id, &created);
         if (err != FU_OK)
             break;
         memcpy(extra[n_extra++], id, sizeof id);
@@ -1275,7 +1299,7 @@ static void test_db_disk_full(void **state)
     /* With room again, writes work. */
     char id[DB_JOB_ID_LEN + 1];
     bool created;
-    assert_int_equal(db_job_submit(db, owner, "after", DB_JOB_FINETUNE, spec, big, 5, id, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, owner, "after", DB_JOB_FINETUNE, spec, big, NULL, 5, id, &created), FU_OK);
     assert_true(created);
     db_close(&db);
     free(spec);
@@ -1296,7 +1320,7 @@ static void test_db_commit_latency(void **state)
         char key[32], id[DB_JOB_ID_LEN + 1];
         bool created;
         snprintf(key, sizeof key, "lat-%d", i);
-        assert_int_equal(db_job_submit(db, owner, key, DB_JOB_INFER, "{\"prompt\":\"hi\"}", 15, i, id, &created), FU_OK);
+        assert_int_equal(db_job_submit(db, owner, key, DB_JOB_INFER, "{\"prompt\":\"hi\"}", 15, NULL, i, id, &created), FU_OK);
     }
     double t1 = fu_clock_sec();
     char id[DB_JOB_ID_LEN + 1];
@@ -1351,6 +1375,7 @@ int main(void)
         cmocka_unit_test(test_db_damaged_store_refused),
         cmocka_unit_test(test_db_missing_dir_refused),
         cmocka_unit_test(test_db_submit_idempotent),
+        cmocka_unit_test(test_db_job_model_id),
         cmocka_unit_test(test_db_ownership),
         cmocka_unit_test(test_db_state_transitions),
         cmocka_unit_test(test_db_ckpt_hash_and_common_step),

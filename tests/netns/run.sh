@@ -90,7 +90,7 @@ run_in() { # host log command...
   PIDS+=($!)
 }
 run_in b broker.log "$BIN/fusion-broker" --bind "tcp://${ADDR[b]}:7700" --keys broker --db store.db --allow allow \
-  --backups 0 --heartbeat-ms 500
+  --model-root "$WORK" --backups 0 --heartbeat-ms 500
 for _ in $(seq 1 100); do grep -q "listening on" broker.log 2>/dev/null && break; sleep 0.1; done
 grep -q "listening on" broker.log || { echo "netns: the broker did not start" >&2; exit 1; }
 for i in 0 1 2; do
