@@ -235,8 +235,10 @@ static void resume_jobs(broker_t *b)
             broker_job_refuse(b, arr[i].id, fu_errmsg_text(&em, rc));
             continue;
         }
-        if (arr[i].state == DB_JOB_RUNNING) /* peers notice our silence and re-register: recover once they could */
+        if (arr[i].state == DB_JOB_RUNNING) { /* peers notice our silence and re-register: recover once they could */
+            j->after_restart = true;
             broker_job_recover_wait(b, j, broker_now() + 2u * b->dead_after_ms);
+        }
         FU_INFO(LOG, "resumed job %s (%s, %s)", j->id, db_job_kind_name(j->kind), db_job_state_name(arr[i].state));
     }
     db_job_array_free(&arr, n);

@@ -57,6 +57,7 @@ typedef struct {
     char endpoint[BROKER_ENDPOINT_MAX]; /* data endpoint, "" when relayed */
     bool relay;                        /* needs the broker to relay its data frames */
     bool live;                         /* registered and not dead or gone */
+    uint64_t session;                  /* PeerHello.session of its registration (0: none given) */
     bool draining;                     /* sent Leave: takes no new work */
     uint64_t last_heard_ms;            /* monotonic time of its last message */
     int64_t joined_ms;                 /* wall time of its registration */
@@ -144,6 +145,8 @@ typedef struct {
     uint64_t pause_last_ms;            /* last sweep that held j (0: the previous sweep did not) */
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
+    bool after_restart;                /* resumed by a restarted broker and no step since: what goes wrong
+                                          now is the outage's doing, not a peer's (no reputation lost) */
     char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a
                                           deadline: never picked for it again ("excluded" events
                                           keep them across restarts) */

@@ -41,6 +41,16 @@ void broker_peer_gone(broker_t *b, broker_peer *p, bool left, const char *why)
     broker_peer_set_gone(b, p, left, job, why);
 }
 
+static void welcome(broker_t *b, const wire_msg_t *msg, const broker_peer *p)
+{
+    Fusion__PeerWelcome w = FUSION__PEER_WELCOME__INIT;
+    w.peer_id = (char *)p->key;
+    w.heartbeat_ms = b->cfg.heartbeat_ms;
+    w.dead_after_ms = b->dead_after_ms;
+    w.broker_time_ms = broker_wall();
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_PEER_WELCOME, &w.base);
+}
+
 void broker_on_hello(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__PeerHello *h = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_PEER_HELLO);
@@ -51,22 +61,27 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
         return;
     }
     broker_peer *p = broker_peer_find(b, key);
-    if (p && p->live) /* a new session of a known peer: whatever it ran is gone */
-        drop_work(b, p, "the peer registered again (new session)");
     size_t rl = 0;
     const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    if (p && p->live && h->session && h->session == p->session) {
+        /* The same process again: a backlog of hellos queued while we were away, or a lost welcome.
+         * It keeps its work; it is answered where it listens now. */
+        p->rid_len = rl <= sizeof p->rid ? rl : sizeof p->rid;
+        memcpy(p->rid, rid, p->rid_len);
+        p->last_heard_ms = broker_now();
+        FU_DEBUG(LOG, "peer %.8s (%s) said hello again (same session): keeps its work", p->key, p->name);
+        welcome(b, msg, p);
+        return;
+    }
+    if (p && p->live) /* a new session of a known peer: whatever it ran is gone */
+        drop_work(b, p, "the peer registered again (new session)");
     fu_err rc = broker_peer_admit(b, key, h, rid, rl, &p, &em);
     if (rc != FU_OK) {
         broker_reply_error(b, msg, rc == FU_EAGAIN ? FUSION__ERROR_CODE__ERR_BUSY : FUSION__ERROR_CODE__ERR_INTERNAL,
                            "%s", em.msg);
         return;
     }
-    Fusion__PeerWelcome w = FUSION__PEER_WELCOME__INIT;
-    w.peer_id = p->key;
-    w.heartbeat_ms = b->cfg.heartbeat_ms;
-    w.dead_after_ms = b->dead_after_ms;
-    w.broker_time_ms = broker_wall();
-    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_PEER_WELCOME, &w.base);
+    welcome(b, msg, p);
     broker_recover_ready(b);
     b->sched_dirty = true;
 }

@@ -81,6 +81,7 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (dt > j->slowest_s)
         j->slowest_s = dt;
     j->stepped = true;
+    j->after_restart = false;
     if (d->step + 1 > j->steps_done) {
         j->steps_done = d->step + 1;
         j->retries = 0; /* progress */
@@ -153,7 +154,8 @@ static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const c
     broker_peer_forget_work(p);
     if (backup || s >= j->n_stages || strcmp(j->stages[s].peer, p->key) != 0)
         return;
-    broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
+    if (!j->after_restart) /* right after a broker restart, a stage's trouble is the outage's */
+        broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
     broker_failover(b, j, s, why);
 }
 
@@ -288,6 +290,7 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         j->slowest_s = gap;
     j->progress_ms = now;
     j->stepped = true;
+    j->after_restart = false;
     if (t->position < expect)
         return; /* a replay after a recovery: we have it already */
     /* The first token carries the prompt's logits when the job asked for them: positions × vocab

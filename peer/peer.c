@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sodium.h>
 #include <zmq.h>
 
 #include "fu_alloc.h"
@@ -123,6 +124,7 @@ void peer_io_send_hello(peer_t *p)
     h.profile = &pr;
     h.data_endpoint = p->data_endpoint;
     h.needs_relay = p->router == NULL;
+    h.session = p->session;
     if (peer_io_to_broker(p, FUSION__MSG_TYPE__MSG_PEER_HELLO, 0, 0, 0, &h.base) == FU_OK)
         FU_INFO("peer", "PeerHello sent (%s)", p->router ? p->data_endpoint : "relayed");
     p->welcomed = false;
@@ -283,6 +285,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
     fu_err err = FU_OK;
     fu_errmsg inner = {{0}}; /* a callee's message, quoted in em */
     peer_t *p = fu_calloc(1, sizeof *p);
+    randombytes_buf(&p->session, sizeof p->session);
     p->cfg = *cfg;
     p->hb_ms = PEER_HEARTBEAT_MS;
     p->dead_ms = PEER_DEAD_AFTER_MS;

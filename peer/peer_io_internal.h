@@ -73,6 +73,7 @@ struct peer {
     void *pipe;                    /* PAIR to the compute thread */
     void *mon;                     /* monitor of the broker socket while starting */
     char data_endpoint[256];       /* advertised in PeerHello; "" with --no-listen */
+    uint64_t session;              /* random, for this process's PeerHellos (fusion.proto) */
     pthread_t compute;
     bool compute_started;
     peer_shared shared;            /* compute -> io state */

@@ -54,6 +54,7 @@ void tu_client_open(tu_client *cl, const tu_cluster *c, const char *key_name)
         tu_fail("%s: %s", keys, fu_errmsg_text(&em, FU_EIO));
     if (!client_connect(cl, kp, tu_broker_endpoint(c), broker))
         tu_fail("cannot connect a client with keys %s to %s", keys, tu_broker_endpoint(c));
+    randombytes_buf(&cl->session, sizeof cl->session);
 }
 
 void tu_client_close(tu_client *cl)
@@ -189,6 +190,7 @@ void tu_client_hello(tu_client *cl, const char *name, uint64_t mem, double gflop
     pr.link_latency_ms = 0.1;
     pr.threads = 1;
     Fusion__PeerHello h = FUSION__PEER_HELLO__INIT;
+    h.session = cl->session;
     h.name = (char *)name;
     h.software = (char *)"fusion-test";
     h.profile = &pr;

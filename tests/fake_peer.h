@@ -31,6 +31,7 @@ typedef struct {
     wire_keypair_t *kp; /* the client's keys */
     wire_counters c;    /* what wire_recv dropped */
     uint64_t seq;       /* the last Envelope.sequence sent */
+    uint64_t session;   /* PeerHello.session (random at tu_client_open; change it for a "new process") */
 } tu_client;
 
 /* Connects to c's broker with the key pair DIR/key_name; fails the test otherwise. */

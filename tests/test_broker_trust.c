@@ -7,6 +7,7 @@
  * - a model changed on disk after its job was submitted fails the job at the next start instead of
  *   training on other bytes;
  * - a fabricated checkpoint (tensors the job's graph does not have) is refused and costs its sender;
+ * - a backlog of PeerHellos of one peer process (after a broker outage) keeps its stage;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -383,6 +384,52 @@ static void test_trust_submission_burst_keeps_heartbeats(void **state)
     tu_client_close(&mallory);
 }
 
+/* Waits up to timeout_ms for a message of type t on cl (others dropped); true when one came. */
+static bool got(tu_client *cl, Fusion__MsgType t, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (fu_clock_ms() < end) {
+        wire_msg_t *m = tu_client_recv(cl, 100);
+        bool hit = m && wire_msg_type(m) == t;
+        wire_msg_destroy(&m);
+        if (hit)
+            return true;
+    }
+    return false;
+}
+
+/* A backlog of PeerHellos from the same peer process (what ZeroMQ delivers after a broker outage)
+ * is answered and changes nothing: the peer keeps its stage and nobody loses reputation. A hello of
+ * a new session (the peer restarted) gives its stage up, as before. */
+static void test_trust_hello_backlog_keeps_the_stage(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
+    uint64_t id = status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    tu_client peer;
+    char mid[80];
+    peer_assigned(&peer, f, "p0", mid);
+    for (int i = 0; i < 5; i++) /* the backlog */
+        tu_client_hello(&peer, "p0", 4 * GiB, 50);
+    assert_true(got(&peer, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 3000));
+    assert_false(got(&peer, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, 1000));
+    m = tu_client_job_status(&f->cl, id);
+    const Fusion__JobStatus *st = status_of(m);
+    print_message("after 5 hellos of the same session: %s\n", st->message);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
+    assert_int_equal(st->n_stage_info, 1);
+    wire_msg_destroy(&m);
+    assert_true(reputation_of(&f->cl, "p0") == 1.0);
+    assert_false(tu_broker_wait_log(f->c, 1, "registered again (new session)"));
+    /* the peer restarted: its work is gone */
+    peer.session++;
+    tu_client_hello(&peer, "p0", 4 * GiB, 50);
+    assert_true(tu_broker_wait_log(f->c, 5000, "registered again (new session)"));
+    tu_client_close(&peer);
+}
+
 /* The resident memory of process pid, in KiB (VmRSS). */
 static long rss_kib(pid_t pid)
 {
@@ -450,6 +497,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_model_changed_after_submit),
         tu_broker_test(test_trust_forged_checkpoint_refused),
         tu_broker_test(test_trust_submission_burst_keeps_heartbeats),
+        tu_broker_test(test_trust_hello_backlog_keeps_the_stage),
         tu_broker_test(test_trust_rejected_submissions_memory_flat),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);

@@ -12,6 +12,9 @@
  *   - broker_kill9_restart: the broker is SIGKILLed mid-job and restarted on the same port and SQLite
  *     file: every job acknowledged before the kill is listed after it, the running job finishes with
  *     the uninterrupted run's adapter, and the queued ones finish too.
+ *   - broker_outage_storm: the broker is down 8 s while the peers queue PeerHellos; restarted, it
+ *     registers each peer once, the job resumes once and finishes with the uninterrupted run's
+ *     adapter, and no peer loses reputation.
  *   - ready_deadline: on the two-stage cluster, stage 1's peer is alive and heartbeating but never
  *     says StageReady (test hook FUSION_TEST_STALL=ready:FILE): after --ready-timeout the broker
  *     takes it off the job, the backup takes stage 1, `fusion status` says why, and the adapter
@@ -270,6 +273,49 @@ static void test_e2e_fault_broker_kill9_restart(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The broker is down for 8 s (heartbeat 300 ms): each peer says PeerHello every 0.9 s into the void,
+ * and ZeroMQ delivers that backlog when the broker is back. The first hello of a peer registers it,
+ * the rest of the same session are answered and change nothing: the job resumes once, finishes with
+ * the uninterrupted run's adapter, and no peer loses reputation for the broker's outage. */
+static void test_e2e_fault_broker_outage_storm(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    o.heartbeat_ms = 300;
+    tu_cluster *c = tu_cluster_new("e2e-storm", &o);
+    tu_cluster_start(c);
+    char run[17];
+    tu_submit_finetune(c, run, "model", "%s --checkpoint-every 10", train_args());
+    (void)tu_wait_step(c, run, KILL_AT, 60000);
+    tu_peer_seen before[3];
+    for (int i = 0; i < 3; i++)
+        assert_true(tu_peer_seen_get(c, i, &before[i]));
+    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
+    fu_sleep_ms(8000);
+    uint64_t t0 = fu_clock_ms();
+    tu_broker_start(c); /* same port, same SQLite file */
+    tu_wait_done(c, run, 90);
+    printf("the job finished %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
+    char *bl = tu_broker_log_text(c);
+    int recoveries = 0;
+    for (const char *at = bl; (at = strstr(at, "recovering after a broker restart")) != NULL; at++)
+        recoveries++;
+    int sessions = 0;
+    for (const char *at = bl; (at = strstr(at, "registered again (new session)")) != NULL; at++)
+        sessions++;
+    printf("after the restart: %d recoveries, %d stages dropped for a new session\n", recoveries, sessions);
+    free(bl);
+    assert_int_equal(sessions, 0);
+    tu_assert_same_adapter(c, run, "model", train_args());
+    for (int i = 0; i < 3; i++) {
+        tu_peer_seen now;
+        assert_true(tu_peer_seen_get(c, i, &now));
+        printf("p%d: reputation %.2f (before the outage %.2f)\n", i, now.reputation, before[i].reputation);
+        assert_true(now.reputation >= before[i].reputation);
+    }
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* ---- deadlines on the work (two-stage cluster, docs/PIPELINE.md "Failures") --------------------- */
 
 #define DL_STEPS 20
@@ -396,6 +442,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_peer_leave, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_sigstop, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_broker_outage_storm, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
