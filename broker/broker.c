@@ -286,6 +286,13 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         b->cfg.step_timeout_s = 0;
     if (!b->cfg.pause_grace_s || b->cfg.pause_grace_s > BROKER_TIMEOUT_MAX_S)
         b->cfg.pause_grace_s = BROKER_PAUSE_GRACE_S;
+    if (!b->cfg.client_jobs)
+        b->cfg.client_jobs = BROKER_CLIENT_JOBS;
+    if (!b->cfg.client_mib)
+        b->cfg.client_mib = BROKER_CLIENT_MIB;
+    if (!b->cfg.client_per_min)
+        b->cfg.client_per_min = BROKER_CLIENT_PER_MIN;
+    b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
@@ -376,6 +383,7 @@ void broker_destroy(broker_t **b_p)
         return;
     broker_t *b = *b_p;
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
+    broker_quota_free(&b->quota);
     for (size_t i = 0; i < b->n_jobs; i++)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);

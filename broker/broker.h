@@ -40,6 +40,10 @@ extern "C" {
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
 #define BROKER_PREP_DEPTH       16        /* submissions being prepared (or waiting to be) at once */
+#define BROKER_PREP_PER_CLIENT  8         /* ... of them from one client */
+#define BROKER_CLIENT_JOBS      64        /* default --max-jobs-per-client: unfinished jobs */
+#define BROKER_CLIENT_MIB       4096      /* default --max-mib-per-client: MiB of specs, tokens and results stored */
+#define BROKER_CLIENT_PER_MIN   60        /* default --max-submits-per-minute */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
 #define BROKER_EVENT_KEEP_MS    (30ll * 24 * 3600 * 1000) /* events older than this are pruned */
@@ -73,6 +77,9 @@ typedef struct {
     uint32_t ready_timeout_s;  /* a stage must send StageReady this long after StageAssign; 0: BROKER_READY_TIMEOUT_S */
     uint32_t step_timeout_s;   /* a running job must make progress this often; 0: derived (broker_step_timeout_ms) */
     uint32_t pause_grace_s;    /* a paused peer keeps its stage this long before it moves; 0: BROKER_PAUSE_GRACE_S */
+    uint32_t client_jobs;      /* unfinished jobs one client may have; 0: BROKER_CLIENT_JOBS */
+    uint32_t client_mib;       /* MiB one client's jobs may hold in the store; 0: BROKER_CLIENT_MIB */
+    uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
 } broker_cfg;
 
 typedef struct broker broker_t;

@@ -12,6 +12,7 @@
 
 #include "broker.h"
 #include "broker_models.h"
+#include "broker_quota.h"
 #include "broker_worker.h"
 #include "dag_graph.h"
 #include "dag_partition.h"
@@ -145,6 +146,7 @@ typedef struct {
     uint64_t pause_last_ms;            /* last sweep that held j (0: the previous sweep did not) */
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
+    uint64_t sched_tried;              /* the planning round it was last tried in */
     bool after_restart;                /* resumed by a restarted broker and no step since: what goes wrong
                                           now is the outage's doing, not a peer's (no reputation lost) */
     char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a
@@ -196,8 +198,10 @@ struct broker {
     size_t n_jobs, cap_jobs;
     broker_models *models;             /* the models served, by content id */
     broker_worker *worker;             /* job preparation off the loop */
+    broker_quota *quota;               /* per-client submission rate and preparations */
     bool sched_dirty;                  /* something changed: run the scheduler */
-    size_t sched_cursor;               /* where an interrupted planning pass goes on */
+    uint64_t sched_round;              /* planning round: a job is tried once per round (sched_tried) */
+    bool sched_resume;                 /* the last pass was cut short: go on with the same round */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
     uint64_t next_prune_ms;            /* next event-log pruning */
     uint64_t started_ms;               /* monotonic start time */

@@ -242,6 +242,47 @@ static db_job *own_job(broker_t *b, const wire_msg_t *msg, uint64_t id64, bool b
 
 /* ---------- handlers ---------- */
 
+/* A client's limits (docs/SECURITY.md "Isolation and quotas"): unfinished jobs and bytes in the
+ * store, then submissions per minute and preparations in flight (charged when it passes; the caller
+ * gives the preparation back with broker_quota_done). False: refused with the limit named. */
+static bool within_quota(broker_t *b, const wire_msg_t *msg, const Fusion__JobSubmit *js)
+{
+    const char *owner = wire_msg_user_id(msg);
+    int64_t unfinished = 0, bytes = 0;
+    if (db_owner_usage(b->db, owner, &unfinished, &bytes) != FU_OK) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker's store failed; try again");
+        return false;
+    }
+    if (unfinished >= (int64_t)b->cfg.client_jobs) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                           "you have %lld unfinished jobs, the most this broker takes from one client: wait for one "
+                           "to finish or cancel one (`fusion cancel ID`)", (long long)unfinished);
+        return false;
+    }
+    /* a token is at most 4 bytes per byte of text (byte-level), and the spec is stored too */
+    int64_t adds = 4 * (int64_t)js->data.len + (js->spec_json ? (int64_t)strlen(js->spec_json) : 0);
+    if (bytes + adds > (int64_t)b->cfg.client_mib << 20) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_TOO_LARGE,
+                           "your jobs hold %.1f MiB in the broker's store and this one may add %.1f MiB: at most %u "
+                           "MiB per client (download your results and ask the operator to prune, or send less data)",
+                           (double)bytes / (1 << 20), (double)adds / (1 << 20), b->cfg.client_mib);
+        return false;
+    }
+    uint32_t retry = 0;
+    if (!broker_quota_take(b->quota, owner, broker_now(), &retry)) {
+        if (retry)
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                               "you submitted %u jobs in the last minute, the most this broker takes: submit again in "
+                               "%u s", b->cfg.client_per_min, retry);
+        else
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                               "%d of your submissions are being prepared: submit again when one is answered",
+                               BROKER_PREP_PER_CLIENT);
+        return false;
+    }
+    return true;
+}
+
 /* Checks what can be checked at once, then hands the submission to the worker (broker_prep.c):
  * the answer comes from broker_jobs_prepared. */
 void broker_on_submit(broker_t *b, const wire_msg_t *msg)
@@ -263,6 +304,8 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
                            "JobSubmit.data is %zu bytes; at most %u are accepted", js->data.len, BROKER_MAX_DATA_BYTES);
         return;
     }
+    if (!within_quota(b, msg, js))
+        return;
     /* the adapter of an inference job must be a finished fine-tune of the same owner (the store says) */
     dag_spec peek;
     db_job *aj = NULL;
@@ -277,12 +320,14 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
         dag_spec_clear(&peek);
         if (bad) {
             db_job_free(&aj);
+            broker_quota_done(b->quota, owner);
             return;
         }
     }
     broker_submit_task *t = broker_submit_task_new(b->models, msg, kind, js, aj ? (const char *)aj->spec : NULL);
     db_job_free(&aj);
     if (!broker_worker_post(b->worker, &t->base)) {
+        broker_quota_done(b->quota, owner);
         broker_submit_task_free(&t);
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
                            "the broker is preparing %d jobs already; submit again in a moment", BROKER_PREP_DEPTH);
@@ -293,6 +338,7 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
 static void submit_finish(broker_t *b, broker_submit_task *t)
 {
     const broker_ret *r = &t->ret;
+    broker_quota_done(b->quota, t->owner);
     if (!t->job) {
         broker_answer_error(b, r, t->code, "%s", t->em.msg);
         return;

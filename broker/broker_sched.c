@@ -196,29 +196,69 @@ done:
     free(who);
 }
 
+/* Fair queueing across clients: the next queued job to plan is one of the client with the fewest
+ * jobs holding peers now (starting, running or recovering), the oldest of that client first; so a
+ * client with many queued jobs cannot keep another's first job waiting. Returns NULL when every
+ * queued job was tried in this round. owner_of[i] indexes distinct owners, busy[] counts theirs. */
+static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t *busy)
+{
+    broker_job *best = NULL;
+    uint32_t best_busy = UINT32_MAX;
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        broker_job *j = b->jobs[i];
+        if (j->dead || j->phase != BJ_QUEUED || j->sched_tried == b->sched_round)
+            continue;
+        if (busy[owner_of[i]] < best_busy) {
+            best = j;
+            best_busy = busy[owner_of[i]];
+        }
+    }
+    return best;
+}
+
 void broker_schedule(broker_t *b)
 {
     /* A plan costs up to ~0.1 s with 10+ peers: keep one pass short so heartbeats are answered,
-     * and go on with the rest of the queue at the next turn of the loop. */
+     * and go on with the rest of the round at the next turn of the loop. */
     uint64_t t0 = broker_now();
-    size_t start = b->sched_cursor < b->n_jobs ? b->sched_cursor : 0;
-    b->sched_cursor = 0;
-    for (size_t k = 0; k < b->n_jobs; k++) {
-        size_t i = (start + k) % b->n_jobs;
-        broker_job *j = b->jobs[i];
-        if (j->dead || j->phase != BJ_QUEUED)
-            continue;
+    if (!b->sched_resume)
+        b->sched_round++;
+    b->sched_resume = false;
+    size_t n = b->n_jobs, n_owners = 0;
+    size_t *owner_of = fu_calloc(n ? n : 1, sizeof *owner_of), *first = fu_calloc(n ? n : 1, sizeof *first);
+    uint32_t *busy = fu_calloc(n ? n : 1, sizeof *busy);
+    for (size_t i = 0; i < n; i++) { /* owners are few: a linear search per job */
+        size_t o = 0;
+        while (o < n_owners && strcmp(b->jobs[first[o]]->owner, b->jobs[i]->owner) != 0)
+            o++;
+        if (o == n_owners)
+            first[n_owners++] = i;
+        owner_of[i] = o;
+        broker_phase ph = b->jobs[i]->phase;
+        if (!b->jobs[i]->dead && ph != BJ_QUEUED)
+            busy[o]++;
+    }
+    broker_job *j;
+    while ((j = next_fair(b, owner_of, busy)) != NULL) {
         if (broker_now() - t0 > BROKER_SCHED_SLICE_MS) {
             b->sched_dirty = true;
-            b->sched_cursor = i; /* the next pass starts here */
+            b->sched_resume = true; /* the next pass goes on with this round */
             break;
         }
+        j->sched_tried = b->sched_round;
         plan_job(b, j);
+        if (j->phase != BJ_QUEUED)
+            for (size_t i = 0; i < n; i++)
+                if (b->jobs[i] == j)
+                    busy[owner_of[i]]++;
     }
+    free(owner_of);
+    free(first);
+    free(busy);
     for (size_t i = 0; i < b->n_jobs; i++) {
-        broker_job *j = b->jobs[i];
-        if (!j->dead && (j->phase == BJ_STARTING || j->phase == BJ_RUNNING))
-            give_backups(b, j);
+        broker_job *r = b->jobs[i];
+        if (!r->dead && (r->phase == BJ_STARTING || r->phase == BJ_RUNNING))
+            give_backups(b, r);
     }
 }
 

@@ -215,6 +215,9 @@ void db_job_free(db_job **job_p);
 FU_MUST_CHECK fu_err db_job_list(db_t *db, const char *owner, db_job **out, size_t *n);
 /* Every queued or running job with its spec, oldest first: what a restarted broker resumes. */
 FU_MUST_CHECK fu_err db_jobs_unfinished(db_t *db, db_job **out, size_t *n);
+/* What owner holds in the store: its unfinished (queued or running) jobs and the bytes of all its
+ * jobs' specs and results (per-client quotas, docs/SECURITY.md). */
+FU_MUST_CHECK fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes);
 /* Frees an array of n jobs from db_job_list / db_jobs_unfinished and sets *arr_p = NULL. */
 void db_job_array_free(db_job **arr_p, size_t n);
 /* Moves job id to state `to` (owner NULL: the broker acting), checking the transition. reason (may

@@ -254,6 +254,24 @@ fu_err db_job_list(db_t *db, const char *owner, db_job **out, size_t *n)
     return collect_jobs(db, st, false, out, n);
 }
 
+fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes)
+{
+    static const char SQL[] = "SELECT count(*) FILTER (WHERE state IN ('queued', 'running')), "
+                              "coalesce(sum(length(spec) + coalesce(length(result), 0)), 0) "
+                              "FROM jobs WHERE owner = ?1";
+    if (!db || !db_key_valid(owner) || !unfinished || !bytes)
+        return FU_EINVAL;
+    sqlite3_stmt *st;
+    bool row;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "t", owner));
+    FU_TRY(db_step(db, st, "summing a client's jobs", &row));
+    *unfinished = row ? sqlite3_column_int64(st, 0) : 0;
+    *bytes = row ? sqlite3_column_int64(st, 1) : 0;
+    db_done(st);
+    return FU_OK;
+}
+
 fu_err db_jobs_unfinished(db_t *db, db_job **out, size_t *n)
 {
     static const char SQL[] = "SELECT " JOB_COLS_BLOBS " FROM jobs WHERE state IN ('queued', 'running') "
