@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <sodium.h>
@@ -73,17 +74,69 @@ void broker_on_relay(broker_t *b, const wire_msg_t *msg)
 
 /* ---------- dispatch ---------- */
 
+/* Answers an Enrol with Error{ERR_AUTH} without the log line broker_reply_error writes: wrong tokens
+ * are logged by on_enrol, a few lines per address however many come. */
+static void enrol_refuse(broker_t *b, const wire_msg_t *msg)
+{
+    Fusion__Error e = FUSION__ERROR__INIT;
+    e.code = FUSION__ERROR_CODE__ERR_AUTH;
+    e.message = (char *)"enrolment refused: the token is wrong or enrolment is off (ask the operator for the "
+                        "broker's client or peer enrolment token)";
+    e.in_reply_to = wire_msg_type(msg);
+    e.sequence = wire_msg_hdr(msg)->sequence;
+    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+/* Logs a wrong token as the verdict says: nothing, the first of its address in a minute, or the
+ * summary that goes with a new ban. */
+static void enrol_log_failure(const char *addr, const char *uid, const broker_auth_verdict *v, uint64_t now)
+{
+    char dropped[64] = "";
+    if (v->dropped)
+        snprintf(dropped, sizeof dropped, ", %u dropped unread while banned", v->dropped);
+    if (v->log_first) {
+        char more[64] = "";
+        if (v->more)
+            snprintf(more, sizeof more, "; %u more before it not logged", v->more);
+        FU_WARN(LOG, "wrong enrolment token from %s (key %.12s...)%s%s", addr, uid, more, dropped);
+    } else if (v->log_summary) {
+        uint64_t left_ms = v->banned_until - now;
+        time_t end = (time_t)((broker_wall() + (int64_t)left_ms) / 1000);
+        struct tm tm;
+        char when[32] = "?";
+        if (gmtime_r(&end, &tm))
+            strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &tm);
+        FU_WARN(LOG, "%u more wrong enrolment tokens from %s%s, banned until %s (%llu s): its Enrols and new keys "
+                     "are refused unanswered until then",
+                v->more, addr, dropped, when, (unsigned long long)(left_ms / 1000));
+    }
+}
+
+/* Enrol: a key presents a token for the roles that token grants (wire_zap_enrol). Wrong tokens are
+ * rate-limited per address: BROKER_AUTH_MAX_FAILS in a window ban the address (broker_auth.h), and
+ * a banned address's Enrols are dropped unanswered: an answer is what a brute force needs. */
 static void on_enrol(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__Enrol *e = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_ENROL);
-    const char *uid = wire_msg_user_id(msg);
-    if (!e || wire_zap_enrol(b->zap, uid, e->token) != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH,
-                           "enrolment refused: the token is wrong or enrolment is off (ask the operator for the "
-                           "broker's --enrol-token)");
+    const char *uid = wire_msg_user_id(msg), *addr = wire_msg_peer_address(msg);
+    uint64_t now = broker_now();
+    if (broker_auth_banned(b->auth, addr, now))
+        return;
+    uint32_t roles = 0;
+    fu_err rc = e ? wire_zap_enrol(b->zap, uid, e->token, &roles) : FU_EAUTH;
+    if (rc == FU_EAUTH || rc == FU_EINVAL) {
+        broker_auth_verdict v;
+        broker_auth_failed(b->auth, addr, now, &v);
+        if (v.log_summary)
+            wire_zap_ban(b->zap, addr, v.banned_until);
+        enrol_log_failure(addr[0] ? addr : "an unknown address", uid, &v, now);
+        enrol_refuse(b, msg);
         return;
     }
-    FU_INFO(LOG, "enrolled key %s (%s)", uid, e->name);
+    if (rc != FU_OK) /* enrolled in memory; the next start will not know it */
+        FU_ERROR(LOG, "could not append key %s to the allow-list file: %s (add it by hand)", uid, fu_strerror(rc));
+    char text[WIRE_ROLES_TEXT_MAX];
+    FU_INFO(LOG, "enrolled key %s (%s) from %s as %s", uid, e->name, addr, wire_roles_text(roles, text));
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), NULL, uid, "enrolled", e->name));
     Fusion__EnrolAck ack = FUSION__ENROL_ACK__INIT;
     ack.peer_id = (char *)uid;
@@ -109,6 +162,36 @@ static broker_peer *peer_of(broker_t *b, const wire_msg_t *msg)
     return p;
 }
 
+/* The role a message type needs (docs/PROTOCOL.md "Admission"): what only a peer sends needs
+ * WIRE_ROLE_PEER, the client API WIRE_ROLE_CLIENT; 0 for any member (PeerList, Enrol, and types the
+ * broker refuses anyway). */
+static uint32_t role_needed(Fusion__MsgType t)
+{
+    switch (t) {
+    case FUSION__MSG_TYPE__MSG_PEER_HELLO:
+    case FUSION__MSG_TYPE__MSG_HEARTBEAT:
+    case FUSION__MSG_TYPE__MSG_LEAVE:
+    case FUSION__MSG_TYPE__MSG_STAGE_READY:
+    case FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST:
+    case FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT:
+    case FUSION__MSG_TYPE__MSG_STEP_DONE:
+    case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
+    case FUSION__MSG_TYPE__MSG_VERIFY_SKETCH:
+    case FUSION__MSG_TYPE__MSG_VERIFY_INPUT:
+    case FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ:
+    case FUSION__MSG_TYPE__MSG_ERROR:
+        return WIRE_ROLE_PEER;
+    case FUSION__MSG_TYPE__MSG_JOB_SUBMIT:
+    case FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ:
+    case FUSION__MSG_TYPE__MSG_JOB_LIST_REQ:
+    case FUSION__MSG_TYPE__MSG_JOB_CANCEL:
+    case FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ:
+        return WIRE_ROLE_CLIENT;
+    default:
+        return 0;
+    }
+}
+
 static void dispatch(broker_t *b, const wire_msg_t *msg)
 {
     Fusion__MsgType t = wire_msg_type(msg);
@@ -117,7 +200,8 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "no authenticated key on this connection");
         return;
     }
-    if (!wire_zap_msg_is_member(b->zap, msg)) {
+    uint32_t roles = wire_zap_msg_roles(b->zap, msg);
+    if (!roles) {
         if (t == FUSION__MSG_TYPE__MSG_ENROL)
             on_enrol(b, msg);
         else
@@ -126,7 +210,19 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         return;
     }
     const char *relay_to = wire_msg_hdr(msg)->relay_to;
-    if (relay_to && relay_to[0]) {
+    bool relayed = relay_to && relay_to[0];
+    uint32_t need = relayed ? WIRE_ROLE_PEER : role_needed(t);
+    if (need & ~roles) {
+        if (t == FUSION__MSG_TYPE__MSG_ERROR)
+            return; /* an Error is never answered */
+        const char *role = need == WIRE_ROLE_PEER ? "peer" : "client";
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH,
+                           "this key is not admitted as a %s: ask the operator for the %s role or the %s enrolment "
+                           "token",
+                           role, role, role);
+        return;
+    }
+    if (relayed) {
         broker_on_relay(b, msg);
         return;
     }
@@ -199,7 +295,14 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         broker_on_peer_list(b, msg);
         break;
     case FUSION__MSG_TYPE__MSG_ENROL: {
-        Fusion__EnrolAck ack = FUSION__ENROL_ACK__INIT; /* already a member: nothing to do */
+        /* A member's token may add roles (a client enrolling as a peer too); without one there is
+         * nothing to do. */
+        const Fusion__Enrol *e = wire_msg_body_as(msg, t);
+        if (e && e->token && e->token[0]) {
+            on_enrol(b, msg);
+            break;
+        }
+        Fusion__EnrolAck ack = FUSION__ENROL_ACK__INIT;
         ack.peer_id = (char *)uid;
         (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_ENROL_ACK, &ack.base);
         break;
@@ -267,6 +370,18 @@ static fu_err models_new(broker_t *b, const char *roots, fu_errmsg *em)
     return rc;
 }
 
+/* Who may join, for the start line: "allow-list" and the enrolments open. Static storage. */
+static const char *enrolments_open(const broker_cfg *cfg)
+{
+    static char text[128];
+    bool both = cfg->enrol_token && cfg->enrol_token[0], peer = cfg->peer_token && cfg->peer_token[0],
+         client = cfg->client_token && cfg->client_token[0];
+    snprintf(text, sizeof text, "allow-list%s%s%s%s", both || peer || client ? " + enrolment as " : "",
+             both ? "client+peer" : "", peer ? (both ? ", peer" : "peer") : "",
+             client ? (both || peer ? ", client" : "client") : "");
+    return text;
+}
+
 broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
@@ -293,6 +408,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
     if (!b->cfg.client_per_min)
         b->cfg.client_per_min = BROKER_CLIENT_PER_MIN;
     b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);
+    b->auth = broker_auth_new();
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
@@ -338,7 +454,9 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc, "cannot create a ZeroMQ context");
         goto fail;
     }
-    wire_zap_cfg zc = {.allow_file = cfg->allow_file, .enrol_token = cfg->enrol_token};
+    wire_zap_cfg zc = {.allow_file = cfg->allow_file,
+                       .enrol_token = cfg->enrol_token,
+                       .tokens = {{cfg->peer_token, WIRE_ROLE_PEER}, {cfg->client_token, WIRE_ROLE_CLIENT}}};
     b->zap = wire_zap_new(b->ctx, &zc, &rc, em);
     if (!b->zap)
         goto fail;
@@ -366,7 +484,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         snprintf(ep, sizeof ep, "%s", cfg->bind);
     FU_INFO(LOG, "listening on %s as %s (heartbeat %u ms, dead after %u ms, %u backups per job, %s)", ep,
             wire_keypair_public_z85(b->kp), b->cfg.heartbeat_ms, b->dead_after_ms, b->cfg.backups,
-            cfg->enrol_token && cfg->enrol_token[0] ? "allow-list + enrolment" : "allow-list");
+            enrolments_open(cfg));
     if (err)
         *err = FU_OK;
     return b;
@@ -384,6 +502,7 @@ void broker_destroy(broker_t **b_p)
     broker_t *b = *b_p;
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_quota_free(&b->quota);
+    broker_auth_free(&b->auth);
     for (size_t i = 0; i < b->n_jobs; i++)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);

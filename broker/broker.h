@@ -51,6 +51,9 @@ extern "C" {
 #define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 /* Verification of untrusted peers (docs/PIPELINE.md "Verification"). */
+#define BROKER_VERIFY_DEFAULT   0.25      /* default --verify: with 4 micro-batches, one sample per stage per
+                                             checkpoint step; a peer lying on every micro-batch is caught (3
+                                             disagreements) within 6 checkpoint steps with 96% (docs/SECURITY.md) */
 #define BROKER_VERIFY_RTOL      1e-3      /* sketches agree when every entry and the norm differ by <= this x norm */
 #define BROKER_VERIFY_PENALTY   0.3       /* reputation lost by the peer a verification found wrong */
 #define BROKER_VERIFY_SOLO_PENALTY 0.05   /* lost by the verifier when no third opinion could settle a disagreement */
@@ -66,7 +69,9 @@ typedef struct {
     bool init_store;           /* an existing empty file at db_path may become a new store (--init) */
     bool check_store;          /* full integrity check of the store at start (--check-store) */
     const char *allow_file;    /* allow-list file, or NULL */
-    const char *enrol_token;   /* enrolment token (Z85), or NULL */
+    const char *enrol_token;   /* enrolment token (Z85) granting the client and peer roles, or NULL */
+    const char *peer_token;    /* enrolment token granting the peer role only, or NULL */
+    const char *client_token;  /* enrolment token granting the client role only, or NULL */
     const char *data_dir;      /* scratch files (adapter assembly); NULL: the store's directory */
     const char *model_roots;   /* directories models are served from, ':'-separated; NULL: none (every
                                   model is refused) */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "broker.h"
+#include "broker_auth.h"
 #include "broker_models.h"
 #include "broker_quota.h"
 #include "broker_worker.h"
@@ -59,6 +60,7 @@ typedef struct {
     bool relay;                        /* needs the broker to relay its data frames */
     bool live;                         /* registered and not dead or gone */
     uint64_t session;                  /* PeerHello.session of its registration (0: none given) */
+    bool trusted;                      /* the allow-list marks it trusted (may run the stages that see tokens) */
     bool draining;                     /* sent Leave: takes no new work */
     uint64_t last_heard_ms;            /* monotonic time of its last message */
     int64_t joined_ms;                 /* wall time of its registration */
@@ -147,6 +149,8 @@ typedef struct {
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
     uint64_t sched_tried;              /* the planning round it was last tried in */
+    bool ends_trusted;                 /* its first and last stages are kept on trusted peers (decided when
+                                          it is planned: spec trusted_ends, or a trusted peer registered) */
     bool after_restart;                /* resumed by a restarted broker and no step since: what goes wrong
                                           now is the outage's doing, not a peer's (no reputation lost) */
     char excluded[BROKER_JOB_EXCLUDE_MAX][DB_KEY_LEN + 1]; /* peers taken off this job for missing a
@@ -199,6 +203,7 @@ struct broker {
     broker_models *models;             /* the models served, by content id */
     broker_worker *worker;             /* job preparation off the loop */
     broker_quota *quota;               /* per-client submission rate and preparations */
+    broker_auth *auth;                 /* failed enrolments by address, and bans */
     bool sched_dirty;                  /* something changed: run the scheduler */
     uint64_t sched_round;              /* planning round: a job is tried once per round (sched_tried) */
     bool sched_resume;                 /* the last pass was cut short: go on with the same round */
@@ -326,7 +331,8 @@ dag_partition_opts broker_job_popts(const broker_job *j);
 /* ---- broker_sched.c: plan, assign, start ---- */
 /* Plans queued jobs over idle peers; hands out backups. */
 void broker_schedule(broker_t *b);
-/* True when p has the memory stage s of j needs (the partitioner's estimate). */
+/* True when p may hold stage s of j: it has the memory the stage needs (the partitioner's estimate)
+ * and, for an end stage of a job that keeps its ends on trusted peers, it is trusted. */
 bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p);
 /* Sends StageAssign (backup or not) for stage s of j to peer p. */
 fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);

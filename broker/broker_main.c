@@ -2,6 +2,7 @@
  * and logs to stderr; SIGTERM or SIGINT stop it cleanly (socket closed, store closed). */
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "broker.h"
 #include "fu_log.h"
@@ -14,13 +15,32 @@ static void on_signal(int sig)
     broker_request_stop();
 }
 
+/* The token of one role's enrolment: from its file, read with the checks every token file gets
+ * (wire_token_load: this user's, mode 0600, no symlink), else from the environment variable env.
+ * *token points at buf or the environment, NULL when there is none. */
+static fu_err role_token(const char *file, const char *env, char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token,
+                         fu_errmsg *em)
+{
+    *token = NULL;
+    if (file && file[0]) {
+        FU_TRY(wire_token_load(file, buf, em));
+        *token = buf;
+        return FU_OK;
+    }
+    const char *v = getenv(env);
+    *token = v && v[0] ? v : NULL;
+    return FU_OK;
+}
+
 int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
     const char *token_file = NULL, *model_roots = NULL;
+    const char *peer_token_file = NULL, *client_token_file = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
-    double verify = 0, min_rep = BROKER_MIN_REPUTATION;
+    long long client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
+    double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION;
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -33,13 +53,18 @@ int main(int argc, char **argv)
         {"enrol-token-file", 0, FU_OPT_STR, &token_file, "FILE",
          "admit any key that presents the token in FILE (mode 0600; or set FUSION_ENROL_TOKEN)"},
         {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "the same with the token itself (visible in ps)"},
+        {"peer-token-file", 0, FU_OPT_STR, &peer_token_file, "FILE",
+         "admit any key that presents the token in FILE as a peer only (mode 0600; or set FUSION_PEER_TOKEN)"},
+        {"client-token-file", 0, FU_OPT_STR, &client_token_file, "FILE",
+         "admit any key that presents the token in FILE as a client only (mode 0600; or set FUSION_CLIENT_TOKEN)"},
         {"model-root", 0, FU_OPT_STR, &model_roots, "DIR[:DIR...]",
          "serve the models under these directories (clients name a model by its path inside one)"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
         {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
         {"verify", 0, FU_OPT_DOUBLE, &verify, "F",
-         "fraction 0..1 of micro-batches re-run on a second peer, for jobs whose spec has no \"verify\" (default 0)"},
+         "fraction 0..1 of micro-batches re-run on a second peer, for jobs whose spec has no \"verify\" (default "
+         "0.25; 0: off)"},
         {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
          "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
         {"ready-timeout", 0, FU_OPT_INT, &ready_timeout, "SEC",
@@ -48,6 +73,11 @@ int main(int argc, char **argv)
          "a job with no progress for SEC is recovered (default 0: max(120, 20 x slowest step))"},
         {"pause-grace", 0, FU_OPT_INT, &pause_grace, "SEC",
          "a stage whose peer is paused by its owner's machine keeps that peer SEC before it moves (default 300)"},
+        {"max-jobs-per-client", 0, FU_OPT_INT, &client_jobs, "N", "unfinished jobs one client may have (default 64)"},
+        {"max-mib-per-client", 0, FU_OPT_INT, &client_mib, "MIB",
+         "MiB of specs, tokens and results one client's jobs may hold in the store (default 4096)"},
+        {"max-submits-per-minute", 0, FU_OPT_INT, &client_per_min, "N",
+         "submissions one client may make per minute (default 60)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -76,14 +106,24 @@ int main(int argc, char **argv)
                         "0..%d (0: derived)\n", BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
         return FU_EXIT_USAGE;
     }
+    if (client_jobs < 1 || client_jobs > 1000000 || client_mib < 1 || client_mib > (1 << 24) || client_per_min < 1 ||
+        client_per_min > 1000000) {
+        fprintf(stderr, "fusion-broker: --max-jobs-per-client and --max-submits-per-minute must be 1..1000000, "
+                        "--max-mib-per-client 1..16777216\n");
+        return FU_EXIT_USAGE;
+    }
     char token_buf[WIRE_TOKEN_Z85_LEN + 1];
     fu_errmsg tem = {{0}};
-    if (wire_token_choose(token_file, token, token_buf, &token, &tem) != FU_OK) {
+    char peer_buf[WIRE_TOKEN_Z85_LEN + 1], client_buf[WIRE_TOKEN_Z85_LEN + 1];
+    const char *peer_token = NULL, *client_token = NULL;
+    if (wire_token_choose(token_file, token, token_buf, &token, &tem) != FU_OK ||
+        role_token(peer_token_file, "FUSION_PEER_TOKEN", peer_buf, &peer_token, &tem) != FU_OK ||
+        role_token(client_token_file, "FUSION_CLIENT_TOKEN", client_buf, &client_token, &tem) != FU_OK) {
         fprintf(stderr, "fusion-broker: %s\n", tem.msg);
         return FU_EXIT_USAGE;
     }
-    if (!allow && !(token && token[0]))
-        fprintf(stderr, "fusion-broker: neither --allow nor --enrol-token given: no key will be admitted\n");
+    if (!allow && !token && !peer_token && !client_token)
+        fprintf(stderr, "fusion-broker: neither --allow nor an enrolment token given: no key will be admitted\n");
     static const int stop_signals[] = {SIGTERM, SIGINT};
     code =
         fu_opts_daemon_start(cmd.prog, on_signal, stop_signals, sizeof stop_signals / sizeof *stop_signals);
@@ -92,10 +132,12 @@ int main(int argc, char **argv)
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
                       .check_store = check_store, .allow_file = allow, .enrol_token = token,
+                      .peer_token = peer_token, .client_token = client_token,
                       .data_dir = data_dir, .model_roots = model_roots, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
                       .verify = verify, .min_reputation = min_rep,
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
-                      .pause_grace_s = (uint32_t)pause_grace};
+                      .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
+                      .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

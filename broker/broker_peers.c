@@ -168,8 +168,20 @@ void broker_peers_sweep(broker_t *b)
     db_stage_array_free(&st, n);
 }
 
+/* Whether the PeerList requester may see which job p works for: its own jobs, or everything for
+ * an operator; another tenant's work shows as "busy" without a job or stage (docs/SECURITY.md). */
+static bool job_visible(broker_t *b, const broker_peer *p, const char *requester, uint32_t roles)
+{
+    if (!p->job[0] || (roles & WIRE_ROLE_OPERATOR))
+        return true;
+    const broker_job *j = broker_job_find(b, p->job);
+    return j && strcmp(j->owner, requester) == 0;
+}
+
 void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
 {
+    const char *requester = wire_msg_user_id(msg);
+    uint32_t roles = wire_zap_msg_roles(b->zap, msg);
     /* live peers first, then the gone ones, at most BROKER_PEER_LIST_MAX (the reply's size cap) */
     size_t n = 0;
     broker_peer **order = fu_calloc(b->n_peers ? b->n_peers : 1, sizeof *order);
@@ -217,8 +229,12 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
                          : p->draining ? FUSION__PEER_STATE__PEER_STATE_DRAINING
                          : p->paused   ? FUSION__PEER_STATE__PEER_STATE_PAUSED
                                        : broker_peer_wire_state(p);
-        infos[i].job_id = p->job[0] ? strtoull(p->job, NULL, 16) : 0;
-        infos[i].stage_index = p->stage;
+        if (job_visible(b, p, requester, roles)) {
+            infos[i].job_id = p->job[0] ? strtoull(p->job, NULL, 16) : 0;
+            infos[i].stage_index = p->stage;
+        } else if (infos[i].state == FUSION__PEER_STATE__PEER_STATE_WARM) {
+            infos[i].state = FUSION__PEER_STATE__PEER_STATE_BUSY; /* a backup is busy too, for all they know */
+        }
         infos[i].last_seen_ms = wall - (int64_t)(now - p->last_heard_ms);
         if (p->paused) {
             infos[i].pause_reason = p->pause_reason;

@@ -138,6 +138,7 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
     p->rid_len = rl <= sizeof p->rid ? rl : sizeof p->rid;
     memcpy(p->rid, rid, p->rid_len);
     p->session = h->session;
+    p->trusted = (wire_zap_roles(b->zap, key) & WIRE_ROLE_TRUSTED) != 0;
     p->job[0] = '\0';
     p->backup = p->warm = p->draining = false;
     p->last_heard_ms = broker_now();

@@ -31,6 +31,8 @@ bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p)
 {
     if (s >= j->n_stages)
         return false;
+    if (j->ends_trusted && (s == 0 || s + 1 == j->n_stages) && !p->trusted)
+        return false; /* an end stage (it sees tokens), or a backup of one, only on a trusted peer */
     dag_partition_opts o = broker_job_popts(j);
     return dag_cost_stage_memory(j->graph, j->stages[s].first, j->stages[s].last, &o) <= p->mem_bytes;
 }
@@ -155,6 +157,15 @@ static void plan_job(broker_t *b, broker_job *j)
         n_plan = BROKER_MAX_STAGES;
     dag_partition_opts o = broker_job_popts(j);
     o.max_stages = (uint32_t)n_plan;
+    /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
+    bool any_trusted = false;
+    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
+        any_trusted = b->peers[i].live && b->peers[i].trusted;
+    j->ends_trusted = j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
+    bool *ends_ok = j->ends_trusted ? fu_calloc(n_idle, sizeof *ends_ok) : NULL;
+    for (size_t i = 0; ends_ok && i < n_idle; i++)
+        ends_ok[i] = who[i]->trusted;
+    o.ends_ok = ends_ok;
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
     fu_err rc = dag_partition(j->graph, prof, n_idle, &o, &plan, &em);
@@ -192,6 +203,7 @@ static void plan_job(broker_t *b, broker_job *j)
     give_backups(b, j);
 done:
     dag_plan_free(&plan);
+    free(ends_ok);
     free(prof);
     free(who);
 }

@@ -117,7 +117,7 @@ static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
     double frac = broker_job_verify_fraction(b, j);
-    if (frac <= 0 || j->phase != BJ_RUNNING || j->n_stages < 2 || j->spec.checkpoint_every == 0 ||
+    if (frac <= 0 || j->phase != BJ_RUNNING || j->n_stages < 1 || j->spec.checkpoint_every == 0 ||
         step % j->spec.checkpoint_every != 0)
         return;
     for (uint32_t stage = 0; stage < j->n_stages; stage++) {

@@ -176,6 +176,26 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
                 order[j - 1] = t;
             }
         P = DAG_PARTITION_EXACT;
+        /* with the ends reserved for trusted peers, the two fastest trusted ones are searched too:
+         * each takes the place of the slowest untrusted peer among those searched */
+        for (size_t slot = P; o->ends_ok && slot > 0;) {
+            size_t in = 0, far = n_peers;
+            for (size_t i = 0; i < n_peers; i++) {
+                if (!o->ends_ok[order[i]])
+                    continue;
+                if (i < P)
+                    in++;
+                else if (far == n_peers)
+                    far = i;
+            }
+            while (slot > 0 && o->ends_ok[order[slot - 1]])
+                slot--;
+            if (in >= 2 || far == n_peers || slot == 0)
+                break;
+            size_t t = order[slot - 1];
+            order[slot - 1] = order[far];
+            order[far] = t;
+        }
     }
     size_t max_k = o->max_stages && o->max_stages < P ? o->max_stages : P;
 
@@ -220,6 +240,8 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
                 for (size_t q = 0; q < P; q++) {
                     if ((mask & ((size_t)1 << q)) || mem > peers[order[q]].mem_bytes)
                         continue;
+                    if (o->ends_ok && (a == 0 || b == m - 1) && !o->ends_ok[order[q]])
+                        continue; /* an end stage on a peer not trusted with tokens */
                     double t = tt[(a * m + b) * P + q];
                     double bt = c.best > t ? c.best : t;
                     double st = c.sum + t;
@@ -242,6 +264,16 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
         }
     }
     fu_err rc = FU_OK;
+    if (!bc && o->ends_ok) {
+        size_t n_ok = 0;
+        for (size_t q = 0; q < n_peers; q++)
+            n_ok += o->ends_ok[q];
+        rc = fu_errmsg_set(em, FU_ENOMEM,
+                           "no plan puts the first and last stages (they see the tokens) on trusted peers: %zu of "
+                           "the %zu free peers are trusted, and they do not have the memory for both ends",
+                           n_ok, n_peers);
+        goto done;
+    }
     if (!bc) {
         if (em) {
             uint64_t total = 0, largest = 0, smallest_stage = UINT64_MAX;

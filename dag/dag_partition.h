@@ -37,6 +37,8 @@ typedef struct {
     uint32_t micro_batches;    /* M micro-batches in flight per step (training) */
     bool training;             /* forward + backward (else forward only) */
     uint32_t max_stages;       /* most stages (0: as many as peers) */
+    const bool *ends_ok;       /* per peer (in the order given): the first and the last stage (they see
+                                  the tokens) go only to peers marked true; NULL: any peer */
 } dag_partition_opts;
 
 /* One stage of a plan. */
@@ -72,7 +74,8 @@ uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, 
  * orders are searched; beyond that peers are ordered fastest first. Cuts fall where only the narrowest
  * tensor crosses (between decoder layers, and between a layer's attention and MLP halves).
  * FU_EINVAL on bad arguments (no peers, zero speed/bandwidth, empty graph); FU_ENOMEM with a message
- * in em (may be NULL) when no assignment fits in the peers' memory. plan is filled on success
+ * in em (may be NULL) when no assignment fits in the peers' memory (with o->ends_ok: none that puts
+ * both ends on a peer marked true). plan is filled on success
  * (dag_plan_free). */
 FU_MUST_CHECK fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
                                    const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em);

@@ -60,8 +60,8 @@ static const field FIELDS[] = {
 #define N_FIELDS (sizeof FIELDS / sizeof FIELDS[0])
 
 /* The other keys, by kind. */
-static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shuffle"};
-static const char *const IN_KEYS[] = {"kind", "model", "adapter_job", "dump_logits", "prompt_tokens"};
+static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shuffle", "trusted_ends"};
+static const char *const IN_KEYS[] = {"kind", "model", "adapter_job", "dump_logits", "prompt_tokens", "trusted_ends"};
 
 static const char *const KIND_NAMES[] = {"finetune", "infer"};
 
@@ -98,6 +98,7 @@ void dag_spec_init(dag_spec *s, dag_job_kind kind)
     memset(s, 0, sizeof *s);
     s->kind = kind == DAG_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE;
     s->method = DAG_ADAPTER_LORA_FA;
+    s->trusted_ends = -1;
     for (size_t i = 0; i < N_FIELDS; i++)
         set(s, &FIELDS[i], FIELDS[i].def);
 }
@@ -217,6 +218,11 @@ static fu_err parse_string_keys(const cJSON *o, dag_spec *s, fu_errmsg *em)
                                  DAG_SPEC_MODEL_MAX - 1);
         snprintf(s->model, sizeof s->model, "%s", v->valuestring);
     }
+    if ((v = cJSON_GetObjectItemCaseSensitive(o, "trusted_ends"))) {
+        if (!cJSON_IsBool(v))
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"trusted_ends\" must be true or false");
+        s->trusted_ends = cJSON_IsTrue(v) ? 1 : 0;
+    }
     if (s->kind == DAG_JOB_FINETUNE) {
         if ((v = cJSON_GetObjectItemCaseSensitive(o, "method")) &&
             (!cJSON_IsString(v) || dag_adapter_parse(v->valuestring, &s->method) != FU_OK ||
@@ -304,7 +310,7 @@ fu_err dag_spec_parse(const char *json, size_t len, dag_job_kind kind, dag_spec 
     const char *const *keys = out->kind == DAG_JOB_FINETUNE ? FT_KEYS : IN_KEYS;
     for (const cJSON *it = o->child; it; it = it->next) {
         const field *f = it->string ? field_of(it->string, kb) : NULL;
-        if (!f && !(it->string && in(it->string, keys, 5))) {
+        if (!f && !(it->string && in(it->string, keys, 6))) {
             rc = fu_errmsg_set(em, FU_EINVAL, "spec: unknown key \"%s\" for a %s job", it->string ? it->string : "?",
                                KIND_NAMES[out->kind]);
             goto done;
@@ -355,9 +361,13 @@ char *dag_spec_to_json(const dag_spec *s)
                     cJSON_AddItemToArray(arr, cJSON_CreateString(dag_target_name((dag_target)t)));
         }
         cJSON_AddBoolToObject(o, "shuffle", s->shuffle);
+        if (s->trusted_ends >= 0)
+            cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
     } else {
         cJSON_AddStringToObject(o, "adapter_job", s->adapter_job);
         cJSON_AddBoolToObject(o, "dump_logits", s->dump_logits);
+        if (s->trusted_ends >= 0)
+            cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
         if (s->prompt_tokens) {
             cJSON *arr = cJSON_AddArrayToObject(o, "prompt_tokens");
             for (size_t i = 0; i < s->n_prompt_tokens; i++)
@@ -414,6 +424,10 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
         opts[(*n)++] = (fu_opt){f->opt, 0, dbl ? FU_OPT_DOUBLE : FU_OPT_INT, dbl ? (void *)&c->dval[i] : (void *)&c->ival[i],
                                 f->metavar, f->help};
     }
+    if ((flags & DAG_SPEC_CLI_PIPELINE) && *n < cap)
+        opts[(*n)++] = (fu_opt){"trusted-ends", 0, FU_OPT_STR, &c->trusted_ends, "on|off",
+                                "keep the first and last stages (they see the tokens) on peers the broker trusts "
+                                "(default: on when it has a trusted peer)"};
 }
 
 fu_err dag_spec_cli_parse(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_cmd *cmd, fu_opt *opts,
@@ -459,6 +473,11 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
         snprintf(name, sizeof name, "--%s", f->opt);
         FU_TRY(check_value(f, v, name, em));
         set(out, f, v);
+    }
+    if (c->trusted_ends) {
+        if (strcmp(c->trusted_ends, "on") != 0 && strcmp(c->trusted_ends, "off") != 0)
+            return fu_errmsg_set(em, FU_EINVAL, "--trusted-ends must be on or off, not '%s'", c->trusted_ends);
+        out->trusted_ends = strcmp(c->trusted_ends, "on") == 0;
     }
     if (out->kind == DAG_JOB_FINETUNE) {
         if (dag_adapter_parse(c->method ? c->method : "lora-fa", &out->method) != FU_OK ||

@@ -67,6 +67,9 @@ typedef struct {
     bool shuffle;                       /* seeded order of the windows (default false) */
     uint64_t checkpoint_every;          /* K: a checkpoint after step s when (s+1) % K == 0 (default 10) */
     double verify;                      /* fraction of micro-batches verified; -1: the broker's --verify */
+    int trusted_ends;                   /* the first and last stages (they see tokens) on peers the broker's
+                                           allow-list marks trusted: 1 yes, 0 no, -1 (default) yes when a
+                                           trusted peer is registered */
     /* inference */
     char adapter_job[DAG_SPEC_JOB_ID_LEN + 1]; /* fine-tune job whose adapter to use ("": none) */
     uint32_t max_tokens;                /* tokens to generate (default 64) */
@@ -117,6 +120,7 @@ typedef struct {
     const char *targets;                /* --targets */
     const char *prompt_tokens;          /* --prompt-tokens */
     bool shuffle;                       /* --shuffle */
+    const char *trusted_ends;           /* --trusted-ends on|off (NULL: not given) */
 } dag_spec_cli;
 
 /* Sets c to the defaults of kind and appends the options of kind (and of flags) to opts, which has

@@ -126,8 +126,8 @@ static fu_err verify_restore(stage_t *s, const uint8_t *d, size_t len, uint64_t 
 static void verify_compute(stage_t *s, const verify_req *q)
 {
     uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
-    bool last = stage_is_last(s);
-    size_t total = (size_t)(rows * (last ? s->w_in_total : s->w_out_total));
+    bool last = stage_is_last(s), solo = last && stage_is_first(s); /* solo: the output is the loss */
+    size_t total = solo ? 1 : (size_t)(rows * (last ? s->w_in_total : s->w_out_total));
     uint8_t ih[WIRE_VERIFY_HASH_BYTES];
     fu_err rc = FU_OK;
     if (stage_is_first(s)) {
@@ -160,14 +160,17 @@ static void verify_compute(stage_t *s, const verify_req *q)
         rc = dag_exec_forward(s->x, q->mb);
     /* The backward accumulates adapter gradients in the verifier's executor: harmless, a backup
      * never steps, and an assignment that promotes it makes a new executor. */
-    if (rc == FU_OK && last)
+    if (rc == FU_OK && last && !solo)
         rc = dag_exec_backward(s->x, q->mb, 1.0f / (float)s->M);
     if (rc == FU_ECUDA) {
         stage_fatal(s, rc, "verification forward");
         return;
     }
     float *out = rc == FU_OK ? fu_calloc(total + 1, sizeof(float)) : NULL;
-    if (rc == FU_OK)
+    int64_t n_valid = 0;
+    if (rc == FU_OK && solo)
+        rc = dag_exec_loss(s->x, q->mb, out, &n_valid);
+    else if (rc == FU_OK)
         rc = last ? stage_collect_input_grads(s, rows, total, out) : stage_collect_outputs(s, q->mb, total, out);
     if (rc == FU_OK)
         verify_answer(s, q->step, q->mb, q->seed, out, total, ih, NULL);
@@ -286,7 +289,7 @@ void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
 {
     uint64_t jid = s->job_id;
     if (!s->active || r->job_id != s->job_id || r->stage_index != s->stage_index || !s->loaded || stage_is_infer(s) ||
-        s->stage_count < 2 || r->step >= s->spec.steps || r->micro_batch >= s->M) {
+        r->step >= s->spec.steps || r->micro_batch >= s->M) {
         s->job_id = r->job_id; /* the answer names the request's job */
         uint32_t keep = s->stage_index;
         s->stage_index = r->stage_index;

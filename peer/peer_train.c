@@ -224,6 +224,8 @@ static void last_backward(stage_t *s, uint32_t m)
     fu_err rc = dag_train_backward(&s->train, m, NULL, 0, &loss, &nv);
     if (rc == FU_OK && !stage_is_first(s))
         rc = send_input_grads(s, s->step, m, (uint64_t)s->rows_mb * s->spec.seq_len);
+    if (rc == FU_OK && stage_is_first(s)) /* a single stage sends nothing: its verified output is the loss */
+        stage_output_produced(s, s->step, m, &loss, 1);
     if (rc != FU_OK) {
         stage_exec_failed(s, rc, "backward");
         return;

@@ -359,6 +359,7 @@ struct wire_msg {
     size_t rid_len;
     char user_id[WIRE_Z85_KEY_LEN + 24]; /* ZAP User-Id of the connection ("" without ZAP) */
     char admission[16];                /* "member", "enrolling", "" */
+    char peer_address[WIRE_ADDRESS_MAX]; /* libzmq's "Peer-Address" of the connection, "" when none */
     zmq_msg_t raw_body;                /* the body frame as received (for wire_forward) */
     bool has_raw;
 };
@@ -515,6 +516,11 @@ const char *wire_msg_user_id(const wire_msg_t *msg)
 const char *wire_msg_admission(const wire_msg_t *msg)
 {
     return msg->admission;
+}
+
+const char *wire_msg_peer_address(const wire_msg_t *msg)
+{
+    return msg->peer_address;
 }
 
 size_t wire_msg_heap_bytes(const wire_msg_t *msg)
@@ -836,6 +842,9 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
     const char *adm = zmq_msg_gets(&parts[base], "X-Fusion-Admission");
     if (adm && strlen(adm) < sizeof m->admission)
         strcpy(m->admission, adm);
+    const char *addr = zmq_msg_gets(&parts[base], "Peer-Address");
+    if (addr && strlen(addr) < sizeof m->peer_address)
+        strcpy(m->peer_address, addr);
     m->raw_body = parts[base + 1]; /* keep the body frame for wire_forward */
     m->has_raw = true;
     for (size_t i = 0; i < base + 1; i++)

@@ -46,6 +46,7 @@ extern "C" {
  * 1 MiB of empty sub-messages became 84 MiB of heap unbudgeted). */
 #define WIRE_BUDGET_SLACK       (1u << 20)
 #define WIRE_Z85_KEY_LEN        40u         /* a 32-byte key in Z85 */
+#define WIRE_ADDRESS_MAX        64u         /* longest peer address kept, NUL included (IPv6 text: 45) */
 
 /* Flags for wire_recv. */
 #define WIRE_DONTWAIT     1 /* return FU_EAGAIN at once when nothing is queued */
@@ -156,6 +157,10 @@ const uint8_t *wire_msg_routing_id(const wire_msg_t *msg, size_t *len);
 const char *wire_msg_user_id(const wire_msg_t *msg);
 /* ZAP admission of the connection: "member", "enrolling", or "" without ZAP (wire_zap.h). */
 const char *wire_msg_admission(const wire_msg_t *msg);
+/* The address the connection comes from, as libzmq reads it from the socket ("Peer-Address"
+ * metadata: the IP address of a TCP peer, without its port; the same text ZAP sees), or "" when
+ * libzmq gave none (or one of WIRE_ADDRESS_MAX characters or more). */
+const char *wire_msg_peer_address(const wire_msg_t *msg);
 /* Bytes the body's unpacking allocated (what the budget charged). */
 size_t wire_msg_heap_bytes(const wire_msg_t *msg);
 void   wire_msg_destroy(wire_msg_t **msg_p);

@@ -10,8 +10,21 @@
 #include <zmq.h>
 
 #include "fu_alloc.h"
+#include "fu_clock.h"
 #include "fu_log.h"
 #include "wire_socket.h"
+
+/* An address whose would-be enrollers are refused until a time. */
+typedef struct {
+    char addr[WIRE_ADDRESS_MAX]; /* "" = free slot */
+    uint64_t until_ms;           /* fu_clock_ms time the ban ends */
+} zap_ban;
+
+/* A configured enrolment token: only its hash is kept. */
+typedef struct {
+    uint8_t *hash;  /* BLAKE2b-256 of the token's bytes, sodium_malloc'd */
+    uint32_t roles; /* what it grants */
+} zap_token;
 
 struct wire_zap {
     void *ctx;                          /* borrowed ZeroMQ context */
@@ -22,11 +35,13 @@ struct wire_zap {
     bool started;
     char domain[256];
     char *allow_file;                   /* NULL = no file */
-    pthread_mutex_t mu;                 /* guards keys, n_keys, cap_keys, counters, the file */
+    pthread_mutex_t mu;                 /* guards keys, roles, bans, counters, the file */
     uint8_t (*keys)[WIRE_KEY_BYTES];
+    uint32_t *roles;                    /* roles[i]: WIRE_ROLE_* of keys[i] */
     size_t n_keys, cap_keys;
-    bool enrol_enabled;
-    uint8_t *token_hash;                /* BLAKE2b-256 of the token, sodium_malloc'd */
+    zap_token tokens[WIRE_ZAP_TOKENS_MAX];
+    size_t n_tokens;                    /* 0: enrolment is off */
+    zap_ban *bans;                      /* WIRE_ZAP_BANS_MAX slots, allocated at the first ban */
     wire_zap_counters counters;
 };
 
@@ -38,11 +53,71 @@ void wire_token_generate(char out[WIRE_KEY_Z85_LEN + 1])
     sodium_memzero(t, sizeof t);
 }
 
-fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], size_t *n, fu_errmsg *em)
+/* ---------- roles and the allow-list file ---------- */
+
+static const struct {
+    const char *name;
+    uint32_t bit;
+} role_names[] = {
+    {"client", WIRE_ROLE_CLIENT},
+    {"peer", WIRE_ROLE_PEER},
+    {"operator", WIRE_ROLE_OPERATOR},
+    {"trusted", WIRE_ROLE_TRUSTED},
+};
+
+#define ROLES_ALL (WIRE_ROLE_CLIENT | WIRE_ROLE_PEER | WIRE_ROLE_OPERATOR | WIRE_ROLE_TRUSTED)
+
+const char *wire_roles_text(uint32_t roles, char buf[WIRE_ROLES_TEXT_MAX])
+{
+    size_t o = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < sizeof role_names / sizeof *role_names; i++)
+        if (roles & role_names[i].bit) {
+            int w = snprintf(buf + o, WIRE_ROLES_TEXT_MAX - o, "%s%s", o ? "," : "", role_names[i].name);
+            if (w > 0)
+                o += (size_t)w;
+        }
+    return buf;
+}
+
+/* Parses a comma-separated role list s[0..len) into *out; false on an empty or unknown name, whose
+ * text goes to bad (cap bytes). */
+static bool roles_parse(const char *s, size_t len, uint32_t *out, char *bad, size_t cap)
+{
+    uint32_t roles = 0;
+    size_t i = 0;
+    for (;;) {
+        size_t n = 0;
+        while (i + n < len && s[i + n] != ',')
+            n++;
+        uint32_t bit = 0;
+        for (size_t k = 0; k < sizeof role_names / sizeof *role_names; k++)
+            if (n == strlen(role_names[k].name) && memcmp(s + i, role_names[k].name, n) == 0)
+                bit = role_names[k].bit;
+        if (!bit) {
+            snprintf(bad, cap, "%.*s", (int)(n < 32 ? n : 32), s + i);
+            return false;
+        }
+        roles |= bit;
+        i += n;
+        if (i == len)
+            break;
+        i++; /* the comma */
+    }
+    if (roles & WIRE_ROLE_TRUSTED) /* a trusted peer is a peer */
+        roles |= WIRE_ROLE_PEER;
+    *out = roles;
+    return true;
+}
+
+fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], uint32_t **roles, size_t *n,
+                            fu_errmsg *em)
 {
     if (!path || !keys || !n)
         return FU_EINVAL;
     *keys = NULL;
+    if (roles)
+        *roles = NULL;
     *n = 0;
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -52,6 +127,7 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
     }
     size_t cap = 0, count = 0, lineno = 0;
     uint8_t (*arr)[WIRE_KEY_BYTES] = NULL;
+    uint32_t *rarr = NULL;
     char line[512];
     fu_err rc = FU_OK;
     while (fgets(line, sizeof line, f)) {
@@ -62,7 +138,7 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
             break;
         }
         /* Z85 uses '#', so a comment is a line starting with '#' that is not itself a key; after a
-         * key, whitespace and then '#' start a trailing comment. */
+         * key (and its roles), whitespace and then '#' start a trailing comment. */
         char *s = line;
         while (*s == ' ' || *s == '\t')
             s++;
@@ -79,11 +155,33 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
         s[tok] = saved;
         if (!is_key && s[0] == '#')
             continue;
-        if (!is_key || (*rest && *rest != '#')) {
+        if (!is_key) {
             rc = fu_errmsg_set(em, FU_EINVAL,
                                "allow-list '%s' line %zu is not a Z85 public key (40 characters)", path,
                                lineno);
             break;
+        }
+        uint32_t r = WIRE_ROLES_DEFAULT;
+        if (*rest && *rest != '#') {
+            size_t rlen = strcspn(rest, " \t\r\n");
+            char *after = rest + rlen;
+            while (*after == ' ' || *after == '\t' || *after == '\r' || *after == '\n')
+                after++;
+            char bad[40];
+            if (!roles_parse(rest, rlen, &r, bad, sizeof bad)) {
+                rc = fu_errmsg_set(em, FU_EINVAL,
+                                   "allow-list '%s' line %zu names the unknown role '%s' (roles are client, peer, "
+                                   "operator and trusted, separated by commas: KEY client,peer)",
+                                   path, lineno, bad);
+                break;
+            }
+            if (*after && *after != '#') {
+                rc = fu_errmsg_set(em, FU_EINVAL,
+                                   "allow-list '%s' line %zu has more than a key and its roles (write KEY ROLES "
+                                   "# comment)",
+                                   path, lineno);
+                break;
+            }
         }
         if (count == WIRE_ALLOW_MAX_KEYS) {
             rc = fu_errmsg_set(em, FU_EINVAL, "allow-list '%s' has more than %u keys", path,
@@ -93,8 +191,10 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
         if (count == cap) {
             cap = cap ? cap * 2 : 16;
             arr = fu_realloc(arr, cap * sizeof *arr);
+            rarr = fu_realloc(rarr, cap * sizeof *rarr);
         }
         memcpy(arr[count], key, WIRE_KEY_BYTES);
+        rarr[count] = r;
         count++;
     }
     if (rc == FU_OK && ferror(f))
@@ -102,32 +202,50 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
     fclose(f);
     if (rc != FU_OK) {
         free(arr);
+        free(rarr);
         return rc;
     }
     *keys = arr;
+    if (roles)
+        *roles = rarr;
+    else
+        free(rarr);
     *n = count;
     return FU_OK;
 }
 
-/* Caller holds mu. */
-static bool find_key(const wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+/* The roles of key: those of every entry that holds it (a key enrolled again, or listed twice,
+ * has one entry per line). 0 when it is not a member. Caller holds mu. */
+static uint32_t roles_of(const wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
 {
+    uint32_t roles = 0;
     for (size_t i = 0; i < zap->n_keys; i++)
         if (sodium_memcmp(zap->keys[i], key, WIRE_KEY_BYTES) == 0)
-            return true;
-    return false;
+            roles |= zap->roles[i];
+    return roles;
 }
 
 /* Caller holds mu. */
-static void add_key(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+static void add_key(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles)
 {
-    if (find_key(zap, key))
-        return;
     if (zap->n_keys == zap->cap_keys) {
         zap->cap_keys = zap->cap_keys ? zap->cap_keys * 2 : 16;
         zap->keys = fu_realloc(zap->keys, zap->cap_keys * sizeof *zap->keys);
+        zap->roles = fu_realloc(zap->roles, zap->cap_keys * sizeof *zap->roles);
     }
-    memcpy(zap->keys[zap->n_keys++], key, WIRE_KEY_BYTES);
+    memcpy(zap->keys[zap->n_keys], key, WIRE_KEY_BYTES);
+    zap->roles[zap->n_keys++] = roles;
+}
+
+/* Whether addr is banned now. Caller holds mu. */
+static bool is_banned(const wire_zap_t *zap, const char *addr, uint64_t now)
+{
+    if (!zap->bans)
+        return false;
+    for (size_t i = 0; i < WIRE_ZAP_BANS_MAX; i++)
+        if (zap->bans[i].addr[0] && zap->bans[i].until_ms > now && strcmp(zap->bans[i].addr, addr) == 0)
+            return true;
+    return false;
 }
 
 /* ---------- the actor ---------- */
@@ -194,11 +312,18 @@ static void handle_request(wire_zap_t *zap)
         zmq_msg_size(&f[6]) == WIRE_KEY_BYTES) {
         const uint8_t *key = zmq_msg_data(&f[6]);
         wire_key_to_z85(key, user);
+        char addr[WIRE_ADDRESS_MAX] = ""; /* frame 3: the address, an IP address for TCP */
+        if (zmq_msg_size(&f[3]) < sizeof addr)
+            memcpy(addr, zmq_msg_data(&f[3]), zmq_msg_size(&f[3]));
         pthread_mutex_lock(&zap->mu);
-        if (find_key(zap, key)) {
+        if (roles_of(zap, key)) {
             code = "200", text = "OK", admission = WIRE_ADMIT_MEMBER;
             zap->counters.admitted++;
-        } else if (zap->enrol_enabled) {
+        } else if (zap->n_tokens && is_banned(zap, addr, fu_clock_ms())) {
+            text = "address banned for failed enrolments";
+            zap->counters.refused++;
+            zap->counters.banned++;
+        } else if (zap->n_tokens) {
             code = "200", text = "OK, enrol first", admission = WIRE_ADMIT_ENROLLING;
             zap->counters.enrolling++;
         } else {
@@ -238,6 +363,37 @@ static void *zap_actor(void *arg)
     return NULL;
 }
 
+/* Keeps the hash of one configured token (an unused slot is skipped). */
+static fu_err token_add(wire_zap_t *zap, const wire_zap_token *t, fu_errmsg *em)
+{
+    if (!t->token || !t->token[0])
+        return FU_OK;
+    if (zap->n_tokens == WIRE_ZAP_TOKENS_MAX)
+        return fu_errmsg_set(em, FU_EINVAL, "more than %u enrolment tokens configured", WIRE_ZAP_TOKENS_MAX);
+    if (!t->roles || (t->roles & ~(WIRE_ROLE_CLIENT | WIRE_ROLE_PEER)))
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "an enrolment token may grant the client and peer roles only (operators and trusted "
+                             "peers are put on the allow-list by hand)");
+    uint8_t tok[WIRE_KEY_BYTES];
+    char roles[WIRE_ROLES_TEXT_MAX];
+    if (wire_key_from_z85(t->token, tok) != FU_OK)
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "the %s enrolment token is not 40 Z85 characters (make one with fusion keygen "
+                             "--token)",
+                             wire_roles_text(t->roles, roles));
+    zap_token *z = &zap->tokens[zap->n_tokens];
+    z->hash = sodium_malloc(crypto_generichash_BYTES);
+    if (!z->hash) {
+        sodium_memzero(tok, sizeof tok);
+        return FU_ENOMEM;
+    }
+    crypto_generichash(z->hash, crypto_generichash_BYTES, tok, sizeof tok, NULL, 0);
+    sodium_memzero(tok, sizeof tok);
+    z->roles = t->roles;
+    zap->n_tokens++;
+    return FU_OK;
+}
+
 wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
@@ -254,7 +410,7 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
     if (cfg->allow_file) {
         zap->allow_file = fu_strdup(cfg->allow_file);
         size_t n = 0;
-        rc = wire_allow_list_load(cfg->allow_file, &zap->keys, &n, em);
+        rc = wire_allow_list_load(cfg->allow_file, &zap->keys, &zap->roles, &n, em);
         if (rc == FU_ENOTFOUND) {
             rc = FU_OK;
         } else if (rc != FU_OK) {
@@ -262,23 +418,11 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
         }
         zap->n_keys = zap->cap_keys = n;
     }
-    if (cfg->enrol_token && cfg->enrol_token[0]) {
-        uint8_t tok[WIRE_KEY_BYTES];
-        if (wire_key_from_z85(cfg->enrol_token, tok) != FU_OK) {
-            rc = fu_errmsg_set(
-                em, FU_EINVAL,
-                "the enrolment token is not 40 Z85 characters (make one with fusion keygen --token)");
+    wire_zap_token all[WIRE_ZAP_TOKENS_MAX + 1] = {{cfg->enrol_token, WIRE_ROLES_DEFAULT}};
+    memcpy(all + 1, cfg->tokens, sizeof cfg->tokens);
+    for (size_t i = 0; i < WIRE_ZAP_TOKENS_MAX + 1; i++)
+        if ((rc = token_add(zap, &all[i], em)) != FU_OK)
             goto fail;
-        }
-        zap->token_hash = sodium_malloc(crypto_generichash_BYTES);
-        if (!zap->token_hash) {
-            rc = FU_ENOMEM;
-            goto fail;
-        }
-        crypto_generichash(zap->token_hash, crypto_generichash_BYTES, tok, sizeof tok, NULL, 0);
-        sodium_memzero(tok, sizeof tok);
-        zap->enrol_enabled = true;
-    }
     zap->rep = zmq_socket(ctx, ZMQ_REP);
     zap->pipe_main = zmq_socket(ctx, ZMQ_PAIR);
     zap->pipe_actor = zmq_socket(ctx, ZMQ_PAIR);
@@ -333,9 +477,11 @@ void wire_zap_destroy(wire_zap_t **zap_p)
         zmq_close(zap->pipe_main);
     if (zap->pipe_actor)
         zmq_close(zap->pipe_actor);
-    if (zap->token_hash)
-        sodium_free(zap->token_hash);
+    for (size_t i = 0; i < zap->n_tokens; i++)
+        sodium_free(zap->tokens[i].hash);
     free(zap->keys);
+    free(zap->roles);
+    free(zap->bans);
     free(zap->allow_file);
     pthread_mutex_destroy(&zap->mu);
     free(zap);
@@ -343,30 +489,38 @@ void wire_zap_destroy(wire_zap_t **zap_p)
 }
 
 /* Caller holds mu. */
-static fu_err append_to_file(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+static fu_err append_to_file(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles)
 {
     if (!zap->allow_file)
         return FU_OK;
     FILE *f = fopen(zap->allow_file, "a");
     if (!f)
         return FU_EIO;
-    char z85[WIRE_KEY_Z85_LEN + 1];
+    char z85[WIRE_KEY_Z85_LEN + 1], text[WIRE_ROLES_TEXT_MAX];
     wire_key_to_z85(key, z85);
-    bool ok = fprintf(f, "%s\n", z85) > 0;
+    bool ok = fprintf(f, "%s %s\n", z85, wire_roles_text(roles, text)) > 0;
     ok = fclose(f) == 0 && ok;
     return ok ? FU_OK : FU_EIO;
 }
 
-fu_err wire_zap_allow(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+/* Gives key the roles, remembering a change in the file. Caller holds mu. */
+static fu_err grant(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles)
 {
-    if (!zap || !key)
+    uint32_t had = roles_of(zap, key);
+    if ((had | roles) == had)
+        return FU_OK;
+    add_key(zap, key, roles);
+    return append_to_file(zap, key, had | roles);
+}
+
+fu_err wire_zap_allow(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles)
+{
+    if (!zap || !key || !roles || (roles & ~ROLES_ALL))
         return FU_EINVAL;
+    if (roles & WIRE_ROLE_TRUSTED)
+        roles |= WIRE_ROLE_PEER;
     pthread_mutex_lock(&zap->mu);
-    fu_err rc = FU_OK;
-    if (!find_key(zap, key)) {
-        add_key(zap, key);
-        rc = append_to_file(zap, key);
-    }
+    fu_err rc = grant(zap, key, roles);
     pthread_mutex_unlock(&zap->mu);
     return rc;
 }
@@ -376,40 +530,51 @@ void wire_zap_deny(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
     if (!zap || !key)
         return;
     pthread_mutex_lock(&zap->mu);
+    size_t kept = 0;
     for (size_t i = 0; i < zap->n_keys; i++) {
-        if (sodium_memcmp(zap->keys[i], key, WIRE_KEY_BYTES) == 0) {
-            memmove(zap->keys[i], zap->keys[i + 1], (zap->n_keys - i - 1) * WIRE_KEY_BYTES);
-            zap->n_keys--;
-            break;
-        }
+        if (sodium_memcmp(zap->keys[i], key, WIRE_KEY_BYTES) == 0)
+            continue;
+        memmove(zap->keys[kept], zap->keys[i], WIRE_KEY_BYTES);
+        zap->roles[kept++] = zap->roles[i];
     }
+    zap->n_keys = kept;
     pthread_mutex_unlock(&zap->mu);
+}
+
+uint32_t wire_zap_roles(wire_zap_t *zap, const char *z85)
+{
+    uint8_t key[WIRE_KEY_BYTES];
+    if (!zap || !z85 || wire_key_from_z85(z85, key) != FU_OK)
+        return 0;
+    pthread_mutex_lock(&zap->mu);
+    uint32_t roles = roles_of(zap, key);
+    pthread_mutex_unlock(&zap->mu);
+    return roles;
+}
+
+uint32_t wire_zap_msg_roles(wire_zap_t *zap, const wire_msg_t *msg)
+{
+    /* The live list decides, not the connection's admission metadata: a key may have enrolled (or
+     * been denied) since its connection was admitted. */
+    return msg ? wire_zap_roles(zap, wire_msg_user_id(msg)) : 0;
 }
 
 bool wire_zap_is_member(wire_zap_t *zap, const char *z85)
 {
-    uint8_t key[WIRE_KEY_BYTES];
-    if (!zap || wire_key_from_z85(z85, key) != FU_OK)
-        return false;
-    pthread_mutex_lock(&zap->mu);
-    bool found = find_key(zap, key);
-    pthread_mutex_unlock(&zap->mu);
-    return found;
+    return wire_zap_roles(zap, z85) != 0;
 }
 
 bool wire_zap_msg_is_member(wire_zap_t *zap, const wire_msg_t *msg)
 {
-    if (!msg)
-        return false;
-    /* The live list decides, not the connection's admission metadata: a key may have enrolled (or
-     * been denied) since its connection was admitted. */
-    return wire_zap_is_member(zap, wire_msg_user_id(msg));
+    return wire_zap_msg_roles(zap, msg) != 0;
 }
 
-fu_err wire_zap_enrol(wire_zap_t *zap, const char *user_id, const char *token)
+fu_err wire_zap_enrol(wire_zap_t *zap, const char *user_id, const char *token, uint32_t *granted)
 {
     uint8_t key[WIRE_KEY_BYTES];
-    if (!zap || wire_key_from_z85(user_id, key) != FU_OK)
+    if (granted)
+        *granted = 0;
+    if (!zap || !user_id || wire_key_from_z85(user_id, key) != FU_OK)
         return FU_EINVAL;
     uint8_t h[crypto_generichash_BYTES];
     /* Hash whatever was presented, so the comparison takes the same time for any length. */
@@ -422,20 +587,47 @@ fu_err wire_zap_enrol(wire_zap_t *zap, const char *user_id, const char *token)
         crypto_generichash(h, sizeof h, (const uint8_t *)t, strlen(t), NULL, 0);
     sodium_memzero(tok, sizeof tok);
     pthread_mutex_lock(&zap->mu);
-    bool ok = zap->enrol_enabled && well_formed && sodium_memcmp(h, zap->token_hash, sizeof h) == 0;
+    /* Every token is compared, whichever matches: the time says nothing about which one did. */
+    uint32_t roles = 0;
+    for (size_t i = 0; i < zap->n_tokens; i++) {
+        uint32_t match = (uint32_t)(sodium_memcmp(h, zap->tokens[i].hash, sizeof h) == 0);
+        roles |= zap->tokens[i].roles & (0u - match);
+    }
     fu_err rc = FU_EAUTH;
-    if (ok) {
-        rc = FU_OK;
-        if (!find_key(zap, key)) {
-            add_key(zap, key);
-            rc = append_to_file(zap, key);
-        }
+    if (well_formed && roles) {
+        rc = grant(zap, key, roles);
+        if (granted)
+            *granted = roles_of(zap, key);
         zap->counters.enrolled++;
     } else {
         zap->counters.bad_tokens++;
     }
     pthread_mutex_unlock(&zap->mu);
     return rc;
+}
+
+void wire_zap_ban(wire_zap_t *zap, const char *addr, uint64_t until_ms)
+{
+    if (!zap || !addr)
+        return;
+    pthread_mutex_lock(&zap->mu);
+    if (!zap->bans)
+        zap->bans = fu_calloc(WIRE_ZAP_BANS_MAX, sizeof *zap->bans);
+    /* Its own slot, else the slot whose ban ends first (a free or lapsed one ends at once). */
+    zap_ban *slot = &zap->bans[0];
+    for (size_t i = 0; i < WIRE_ZAP_BANS_MAX; i++) {
+        zap_ban *z = &zap->bans[i];
+        if (z->addr[0] && strcmp(z->addr, addr) == 0) {
+            slot = z;
+            break;
+        }
+        uint64_t ends = z->addr[0] ? z->until_ms : 0, best = slot->addr[0] ? slot->until_ms : 0;
+        if (ends < best)
+            slot = z;
+    }
+    snprintf(slot->addr, sizeof slot->addr, "%s", addr);
+    slot->until_ms = until_ms;
+    pthread_mutex_unlock(&zap->mu);
 }
 
 void wire_zap_get_counters(wire_zap_t *zap, wire_zap_counters *out)

@@ -48,6 +48,7 @@ struct tu_cluster {
     char broker_log[TU_PATH];     /* the current broker's log */
     pid_t broker;                 /* 0 when not running */
     int broker_starts;            /* broker logs are broker.log, broker-2.log, ... */
+    char broker_args[512];        /* more fusion-broker arguments, space-separated (tu_broker_args) */
     pid_t peers[TU_MAX_PEERS];    /* 0 when not running */
     bool stopped[TU_MAX_PEERS];   /* SIGSTOPped (needs SIGCONT before it can die) */
 };
@@ -306,6 +307,27 @@ void tu_key_public(const tu_cluster *c, const char *name, char z85[41])
     if (wire_key_load_public(path, key, &em) != FU_OK)
         tu_fail("%s: %s", path, fu_errmsg_text(&em, FU_EIO));
     wire_key_to_z85(key, z85);
+}
+
+void tu_allow_roles(tu_cluster *c, const char *name, const char *roles)
+{
+    char allow[TU_PATH], key[41];
+    tu_path(c, allow, "allow");
+    tu_key_public(c, name, key);
+    char *text = tu_file_text(allow);
+    FILE *f = fopen(allow, "w");
+    if (!f)
+        tu_fail("cannot write %s", allow);
+    bool found = false;
+    for (char *save = NULL, *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        bool mine = strncmp(line, key, 40) == 0 && (line[40] == '\0' || line[40] == ' ');
+        fprintf(f, "%s%s%s\n", mine ? key : line, mine ? " " : "", mine ? roles : "");
+        found = found || mine;
+    }
+    fclose(f);
+    free(text);
+    if (!found)
+        tu_fail("key %s is not on the allow-list %s", name, allow);
 }
 
 /* ---- the cluster's options ------------------------------------------------------------------------- */
@@ -572,6 +594,10 @@ void tu_broker_start(tu_cluster *c)
         add_option(argv, &n, "--enrol-token-file", token_file);
     }
     add_option(argv, &n, "--log-level", c->o.log_level);
+    char extra[sizeof c->broker_args];
+    snprintf(extra, sizeof extra, "%s", c->broker_args);
+    for (char *save = NULL, *a = strtok_r(extra, " ", &save); a && n < 30; a = strtok_r(NULL, " ", &save))
+        argv[n++] = a;
     argv[n] = NULL;
     c->broker = tu_spawn(c->broker_log, argv, NULL);
     if (!tu_file_wait(c->broker_log, "listening on ", TU_LISTEN_MS)) {
@@ -586,6 +612,13 @@ void tu_broker_start(tu_cluster *c)
         free(bl);
         write_client_conf(c);
     }
+}
+
+void tu_broker_args(tu_cluster *c, const char *args)
+{
+    if (strlen(args) >= sizeof c->broker_args)
+        tu_fail("tu_broker_args: '%s' is too long", args);
+    snprintf(c->broker_args, sizeof c->broker_args, "%s", args);
 }
 
 pid_t tu_broker_pid(const tu_cluster *c)

@@ -131,6 +131,8 @@ tu_opts *tu_cluster_opts(tu_cluster *c);
 
 const char *tu_cluster_dir(const tu_cluster *c);  /* the scratch directory, borrowed */
 pid_t tu_broker_pid(const tu_cluster *c);         /* the broker process (0: not running) */
+/* More fusion-broker arguments (space-separated, no quoting) for its next starts. */
+void tu_broker_args(tu_cluster *c, const char *args);
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */
 int tu_cluster_n_peers(const tu_cluster *c);
 
@@ -148,6 +150,11 @@ void tu_keygen(tu_cluster *c, const char *name, bool allowed);
 
 /* The Z85 text of DIR/name/public.key into z85; fails the test when it cannot be read. */
 void tu_key_public(const tu_cluster *c, const char *name, char z85[41]);
+
+/* Gives key pair DIR/name the roles (allow-list syntax: "client", "peer,trusted", ...) on the
+ * allow-list, in place of the line tu_keygen wrote (a bare key: client and peer). Takes effect when
+ * the broker next starts. Fails the test when the key is not on the list. */
+void tu_allow_roles(tu_cluster *c, const char *name, const char *roles);
 
 /* ---- the broker ------------------------------------------------------------------------------ */
 

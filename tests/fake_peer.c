@@ -119,15 +119,43 @@ bool tu_client_wait_up(tu_client *cl, int timeout_ms)
     return false;
 }
 
+const Fusion__JobStatus *tu_status_of(const wire_msg_t *m)
+{
+    if (!m)
+        tu_fail("no answer from the broker");
+    if (wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR)
+        tu_fail("the broker refused: %s", ((const Fusion__Error *)wire_msg_body(m))->message);
+    const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+    if (!st)
+        tu_fail("the broker answered %s, not JobStatus", wire_type_name(wire_msg_type(m)));
+    return st;
+}
+
+/* The PeerInfo of the peer named `name` in a PeerList answer (NULL: not listed). */
+static const Fusion__PeerInfo *listed(const Fusion__PeerList *pl, const char *z85, const char *name)
+{
+    for (size_t i = 0; pl && i < pl->n_peers; i++)
+        if ((z85 && strcmp(pl->peers[i]->peer_id, z85) == 0) || (name && strcmp(pl->peers[i]->name, name) == 0))
+            return pl->peers[i];
+    return NULL;
+}
+
+double tu_client_reputation(tu_client *cl, const char *name)
+{
+    wire_msg_t *m =
+        tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 2000);
+    const Fusion__PeerInfo *pi = listed(m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL, NULL, name);
+    double r = pi ? pi->reputation : -1;
+    wire_msg_destroy(&m);
+    return r;
+}
+
 int tu_client_peer_state(tu_client *cl, const char *z85)
 {
     wire_msg_t *m =
         tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 2000);
-    const Fusion__PeerList *pl = m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL;
-    int st = -1;
-    for (size_t i = 0; pl && i < pl->n_peers; i++)
-        if (strcmp(pl->peers[i]->peer_id, z85) == 0)
-            st = (int)pl->peers[i]->state;
+    const Fusion__PeerInfo *pi = listed(m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL, z85, NULL);
+    int st = pi ? (int)pi->state : -1;
     wire_msg_destroy(&m);
     return st;
 }

@@ -54,6 +54,13 @@ wire_msg_t *tu_client_call(tu_client *cl, Fusion__MsgType t, uint64_t job, const
 /* Waits until the broker answers a PeerList request (it serves this client). */
 bool tu_client_wait_up(tu_client *cl, int timeout_ms);
 
+/* The JobStatus in m (a JobSubmit's or JobStatusReq's answer); fails the test on no answer or an
+ * Error (naming it). */
+const Fusion__JobStatus *tu_status_of(const wire_msg_t *m);
+
+/* The reputation the broker lists for the peer named `name`, or -1 when absent or no answer. */
+double tu_client_reputation(tu_client *cl, const char *name);
+
 /* State of the peer with key z85 in the broker's PeerList, or -1 when absent or no answer. */
 int tu_client_peer_state(tu_client *cl, const char *z85);
 

@@ -25,20 +25,11 @@
 
 #define GiB (1ull << 30)
 
-static const Fusion__JobStatus *status_of(const wire_msg_t *m)
-{
-    if (!m)
-        fail_msg("no answer");
-    if (wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR)
-        fail_msg("error: %s", ((const Fusion__Error *)wire_msg_body(m))->message);
-    return wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
-}
-
 /* Job id is queued, and its status says `says` (printed with `when`). */
 static void assert_queued(tu_broker_fx *f, uint64_t id, const char *when, const char *says)
 {
     wire_msg_t *m = tu_client_job_status(&f->cl, id);
-    const Fusion__JobStatus *st = status_of(m);
+    const Fusion__JobStatus *st = tu_status_of(m);
     print_message("%s the job says: %s\n", when, st->message);
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     assert_non_null(strstr(st->message, says));
@@ -50,7 +41,7 @@ static void test_broker_jobs_queued_then_assigned(void **state)
     tu_broker_fx *f = *state;
     tu_broker_fx_start(f);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "q1");
-    const Fusion__JobStatus *st = status_of(m);
+    const Fusion__JobStatus *st = tu_status_of(m);
     uint64_t id = st->job_id;
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     wire_msg_destroy(&m);
@@ -75,7 +66,7 @@ static void test_broker_jobs_queued_then_assigned(void **state)
     assert_memory_equal(line, want, strlen(want));
     assert_true(tu_fake_peer_expect(&p, "START", 5000, line, sizeof line));
     m = tu_client_job_status(&f->cl, id);
-    st = status_of(m);
+    st = tu_status_of(m);
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
     assert_int_equal(st->stages, 1);
     wire_msg_destroy(&m);
@@ -88,9 +79,9 @@ static void test_broker_jobs_idempotent_and_private(void **state)
     tu_broker_fx_start(f);
     wire_msg_t *m1 = tu_client_submit(&f->cl, f->spec, "same-key");
     wire_msg_t *m2 = tu_client_submit(&f->cl, f->spec, "same-key");
-    uint64_t id = status_of(m1)->job_id;
-    assert_int_equal(status_of(m2)->job_id, id);
-    assert_string_equal(status_of(m2)->idempotency_key, "same-key");
+    uint64_t id = tu_status_of(m1)->job_id;
+    assert_int_equal(tu_status_of(m2)->job_id, id);
+    assert_string_equal(tu_status_of(m2)->idempotency_key, "same-key");
     wire_msg_destroy(&m1);
     wire_msg_destroy(&m2);
     /* the same key for a different request is refused */
@@ -123,7 +114,7 @@ static void test_broker_jobs_idempotent_and_private(void **state)
     wire_msg_destroy(&m1);
     /* its owner cancels it */
     m1 = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id, &r.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
-    assert_int_equal(status_of(m1)->state, FUSION__JOB_STATE__JOB_STATE_CANCELED);
+    assert_int_equal(tu_status_of(m1)->state, FUSION__JOB_STATE__JOB_STATE_CANCELED);
     wire_msg_destroy(&m1);
     tu_client_close(&bob);
 }
@@ -156,7 +147,7 @@ static void test_broker_jobs_bad_spec_says_why(void **state)
     wire_msg_destroy(&m);
     /* a result of a job that is not done is refused with a reason */
     m = tu_client_submit(&f->cl, f->spec, NULL);
-    uint64_t id = status_of(m)->job_id;
+    uint64_t id = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     Fusion__JobResultRequest rr = FUSION__JOB_RESULT_REQUEST__INIT;
     rr.job_id = id;
@@ -181,7 +172,7 @@ static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
         char key[16];
         snprintf(key, sizeof key, "k%d", i);
         wire_msg_t *m = tu_client_submit(&f->cl, f->spec, key);
-        ids[i] = status_of(m)->job_id;
+        ids[i] = tu_status_of(m)->job_id;
         wire_msg_destroy(&m);
     }
     assert_true(tu_fake_peer_expect(&p, "START", 5000, line, sizeof line));
@@ -207,7 +198,7 @@ static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
     wire_msg_destroy(&m);
     /* idempotency survives the restart */
     m = tu_client_submit(&f->cl, f->spec, "k2");
-    assert_int_equal(status_of(m)->job_id, ids[2]);
+    assert_int_equal(tu_status_of(m)->job_id, ids[2]);
     wire_msg_destroy(&m);
     /* the peer notices the silence, registers again, and the running job is recovered on it */
     assert_true(tu_fake_peer_expect(&p, "REHELLO", 8000, NULL, 0));
@@ -224,7 +215,7 @@ static void test_broker_jobs_kill9_restart_loses_nothing(void **state)
     assert_true(got);
     assert_true(tu_fake_peer_expect(&p, "START", 5000, NULL, 0));
     m = tu_client_job_status(&f->cl, running);
-    assert_int_equal(status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
+    assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
     wire_msg_destroy(&m);
     tu_fake_peer_stop(&p, SIGKILL);
 }

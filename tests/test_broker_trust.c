@@ -10,6 +10,7 @@
  * - a backlog of PeerHellos of one peer process (after a broker outage) keeps its stage;
  * - a client with a job running waits behind one with none; a flood of submissions meets the
  *   per-minute limit while other clients still get in;
+ * - the stages that see tokens stay on peers the allow-list marks trusted;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -33,15 +34,6 @@
 #include "testutil.h"
 
 #define GiB (1ull << 30)
-
-static const Fusion__JobStatus *status_of(const wire_msg_t *m)
-{
-    if (!m)
-        fail_msg("no answer");
-    if (wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR)
-        fail_msg("error: %s", ((const Fusion__Error *)wire_msg_body(m))->message);
-    return wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
-}
 
 /* The Error a submission of spec by cl got (fails the test when it was accepted); its text in buf. */
 static Fusion__ErrorCode refused_by(tu_client *cl, const char *spec, char *buf, size_t cap)
@@ -114,7 +106,7 @@ static void test_trust_poisoned_copy_is_another_model(void **state)
     tu_broker_fx *f = *state;
     tu_broker_fx_start(f);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
-    uint64_t victim = status_of(m)->job_id;
+    uint64_t victim = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     char poisoned[TU_PATH], spec[9000];
     copy_model(f, "model-copy", true, poisoned);
@@ -122,7 +114,7 @@ static void test_trust_poisoned_copy_is_another_model(void **state)
     tu_client mallory;
     tu_client_open(&mallory, f->c, "other");
     m = tu_client_submit(&mallory, spec, NULL);
-    uint64_t attacker = status_of(m)->job_id;
+    uint64_t attacker = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     assert_true(attacker != victim);
     /* the victim's job (first in the queue) goes to the first peer, the copy's to the second */
@@ -188,7 +180,7 @@ static void test_trust_outside_roots_not_found(void **state)
     /* a name relative to the root works */
     tu_finetune_spec("model", spec, sizeof spec);
     wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
-    assert_int_equal(status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     wire_msg_destroy(&m);
 }
 
@@ -247,32 +239,18 @@ static void test_trust_model_changed_after_submit(void **state)
     copy_model(f, "model-mutable", false, copy);
     tu_finetune_spec(copy, spec, sizeof spec);
     wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
-    uint64_t id = status_of(m)->job_id;
+    uint64_t id = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     assert_int_equal(tu_broker_stop(f->c, SIGTERM), 0);
     copy_model(f, "model-mutable", true, copy); /* same names and shapes, other bytes */
     tu_client_close(&f->cl);
     tu_broker_fx_start(f);
     m = tu_client_job_status(&f->cl, id);
-    const Fusion__JobStatus *st = status_of(m);
+    const Fusion__JobStatus *st = tu_status_of(m);
     print_message("after the restart: %s\n", st->message);
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_FAILED);
     assert_non_null(strstr(st->message, "changed since it was submitted"));
     wire_msg_destroy(&m);
-}
-
-/* The reputation the broker lists for the peer named `name` (-1: not listed). */
-static double reputation_of(tu_client *cl, const char *name)
-{
-    wire_msg_t *m =
-        tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 2000);
-    const Fusion__PeerList *pl = m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL;
-    double r = -1;
-    for (size_t i = 0; pl && i < pl->n_peers; i++)
-        if (strcmp(pl->peers[i]->name, name) == 0)
-            r = pl->peers[i]->reputation;
-    wire_msg_destroy(&m);
-    return r;
 }
 
 /* A worker that fabricates its checkpoint (one made-up tensor, as the issue's fake peer did): the
@@ -283,7 +261,7 @@ static void test_trust_forged_checkpoint_refused(void **state)
     tu_broker_fx *f = *state;
     tu_broker_fx_start(f);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
-    uint64_t id = status_of(m)->job_id;
+    uint64_t id = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     tu_fake_peer p;
     tu_fake_peer_start(&p, f->c, "p0", "forger", 4 * GiB, 50, "forge");
@@ -292,11 +270,11 @@ static void test_trust_forged_checkpoint_refused(void **state)
     print_message("forger: %s\n", line);
     assert_non_null(strstr(line, "FAILED"));
     assert_true(tu_broker_wait_log(f->c, 5000, "bad-checkpoint") || tu_broker_wait_log(f->c, 1, "does not fit the job"));
-    double rep = reputation_of(&f->cl, "forger");
+    double rep = tu_client_reputation(&f->cl, "forger");
     print_message("the forger's reputation: %.2f\n", rep);
     assert_true(rep >= 0 && rep < 1.0);
     m = tu_client_job_status(&f->cl, id);
-    const Fusion__JobStatus *st = status_of(m);
+    const Fusion__JobStatus *st = tu_status_of(m);
     print_message("the job: %s\n", st->message);
     assert_int_not_equal(st->state, FUSION__JOB_STATE__JOB_STATE_DONE);
     wire_msg_destroy(&m);
@@ -413,7 +391,7 @@ static void test_trust_hello_backlog_keeps_the_stage(void **state)
     tu_broker_fx *f = *state;
     tu_broker_fx_start(f);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
-    uint64_t id = status_of(m)->job_id;
+    uint64_t id = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     tu_client peer;
     char mid[80];
@@ -423,12 +401,12 @@ static void test_trust_hello_backlog_keeps_the_stage(void **state)
     assert_true(got(&peer, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 3000));
     assert_false(got(&peer, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, 1000));
     m = tu_client_job_status(&f->cl, id);
-    const Fusion__JobStatus *st = status_of(m);
+    const Fusion__JobStatus *st = tu_status_of(m);
     print_message("after 5 hellos of the same session: %s\n", st->message);
     assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_RUNNING);
     assert_int_equal(st->n_stage_info, 1);
     wire_msg_destroy(&m);
-    assert_true(reputation_of(&f->cl, "p0") == 1.0);
+    assert_true(tu_client_reputation(&f->cl, "p0") == 1.0);
     assert_false(tu_broker_wait_log(f->c, 1, "registered again (new session)"));
     /* the peer restarted: its work is gone */
     peer.session++;
@@ -448,13 +426,13 @@ static void test_trust_fair_queue_and_rate_limit(void **state)
     uint64_t a[2], bid;
     for (int i = 0; i < 2; i++) {
         wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
-        a[i] = status_of(m)->job_id;
+        a[i] = tu_status_of(m)->job_id;
         wire_msg_destroy(&m);
     }
     tu_client other;
     tu_client_open(&other, f->c, "other");
     wire_msg_t *m = tu_client_submit(&other, f->spec, NULL);
-    bid = status_of(m)->job_id;
+    bid = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
     char line[512], want[64];
     tu_fake_peer p0, p1;
@@ -489,9 +467,86 @@ static void test_trust_fair_queue_and_rate_limit(void **state)
                   msg);
     assert_true(accepted <= 61 && refused_rate >= 11);
     m = tu_client_submit(&other, f->spec, NULL); /* another client is not held back */
-    assert_int_equal(status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     wire_msg_destroy(&m);
     tu_client_close(&other);
+}
+
+/* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
+ * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
+static void test_trust_quotas_name_the_limit(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_args(f->c, "--max-jobs-per-client 3 --max-mib-per-client 1");
+    tu_broker_fx_start(f);
+    for (int i = 0; i < 3; i++) {
+        wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
+        assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+        wire_msg_destroy(&m);
+    }
+    char msg[1024];
+    assert_int_equal(refused(f, f->spec, msg, sizeof msg), FUSION__ERROR_CODE__ERR_BUSY);
+    assert_non_null(strstr(msg, "3 unfinished jobs"));
+    tu_client other;
+    tu_client_open(&other, f->c, "other");
+    size_t big = 300u << 10; /* up to 4 bytes a token: 1.2 MiB */
+    char *text = malloc(big);
+    memset(text, 'a', big);
+    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+    js.kind = FUSION__JOB_KIND__JOB_KIND_FINETUNE;
+    js.spec_json = f->spec;
+    js.data.data = (uint8_t *)text;
+    js.data.len = big;
+    wire_msg_t *m =
+        tu_client_call(&other, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 5000);
+    free(text);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    const Fusion__Error *e = (const Fusion__Error *)wire_msg_body(m);
+    print_message("refused: %s\n", e->message);
+    assert_int_equal(e->code, FUSION__ERROR_CODE__ERR_TOO_LARGE);
+    assert_non_null(strstr(e->message, "at most 1 MiB per client"));
+    wire_msg_destroy(&m);
+    m = tu_client_submit(&other, f->spec, NULL); /* a small one is fine */
+    assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    wire_msg_destroy(&m);
+    tu_client_close(&other);
+}
+
+/* Trusted ends: with a peer the allow-list marks trusted registered, a job's first and last stages
+ * (here its only stage, which sees the tokens) go to it even though a faster stranger is idle, and
+ * the stranger is not even made its backup; a job that says "trusted_ends": false takes the
+ * stranger. */
+static void test_trust_ends_stay_on_trusted_peers(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_allow_roles(f->c, "p1", "peer,trusted");
+    tu_broker_fx_start(f);
+    tu_fake_peer fast, trusted;
+    tu_fake_peer_start(&fast, f->c, "p0", "stranger", 4 * GiB, 500, "ready");
+    tu_fake_peer_start(&trusted, f->c, "p1", "trusted", 4 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&fast, "WELCOME", 5000, NULL, 0));
+    assert_true(tu_fake_peer_expect(&trusted, "WELCOME", 5000, NULL, 0));
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    char line[512], want[64];
+    assert_true(tu_fake_peer_expect(&trusted, "ASSIGN", 5000, line, sizeof line));
+    print_message("the trusted peer got: %s\n", line);
+    snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id);
+    assert_memory_equal(line, want, strlen(want));
+    assert_false(tu_fake_peer_expect(&fast, "ASSIGN", 1500, NULL, 0)); /* not even its backup */
+    /* the owner may let the ends go anywhere */
+    char spec[9000];
+    snprintf(spec, sizeof spec, "%.*s, \"trusted_ends\": false}", (int)strlen(f->spec) - 1, f->spec);
+    m = tu_client_submit(&f->cl, spec, NULL);
+    uint64_t id2 = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    assert_true(tu_fake_peer_expect(&fast, "ASSIGN", 5000, line, sizeof line));
+    snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id2);
+    assert_memory_equal(line, want, strlen(want));
+    tu_fake_peer_stop(&fast, SIGKILL);
+    tu_fake_peer_stop(&trusted, SIGKILL);
 }
 
 /* The resident memory of process pid, in KiB (VmRSS). */
@@ -569,6 +624,8 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_submission_burst_keeps_heartbeats),
         tu_broker_test(test_trust_hello_backlog_keeps_the_stage),
         tu_broker_test(test_trust_fair_queue_and_rate_limit),
+        tu_broker_test(test_trust_ends_stay_on_trusted_peers),
+        tu_broker_test(test_trust_quotas_name_the_limit),
         tu_broker_test(test_trust_rejected_submissions_memory_flat),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);

@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <cmocka.h>
 
 #include <stdlib.h>
@@ -442,6 +443,49 @@ static void test_dag_graph_partition_respects_memory(void **state)
     dag_graph_destroy(&g);
 }
 
+/* Trusted ends: the first and last stages (they see the tokens) go only to peers marked ends_ok,
+ * even when the fastest peers are not, and beyond the exact search's 10 peers; with no such peer
+ * the plan is refused saying so. */
+static void test_dag_graph_partition_trusted_ends(void **state)
+{
+    (void)state;
+    dag_graph_t *g = train_graph(0);
+    dag_partition_opts o = train_opts();
+    dag_peer_profile peers[12];
+    bool ok[12];
+    for (size_t i = 0; i < 12; i++) {
+        snprintf(peers[i].name, sizeof peers[i].name, "p%zu", i);
+        peers[i].gflops = 1000.0 - 50.0 * (double)i; /* p0 fastest */
+        peers[i].mem_bytes = 8ull << 30;
+        peers[i].link_bw = 1e9;
+        peers[i].link_latency_s = 1e-4;
+        ok[i] = i >= 2; /* the two fastest are strangers */
+    }
+    for (size_t n = 4; n <= 12; n += 8) {
+        dag_plan plain = plan_ok(g, peers, n, &o);
+        bool stranger_end = !ok[plain.stages[0].peer] || !ok[plain.stages[plain.n_stages - 1].peer];
+        dag_plan_free(&plain);
+        o.ends_ok = ok;
+        for (size_t i = 0; i < n; i++) /* n = 12: only the two slowest are trusted */
+            ok[i] = n == 4 ? i >= 2 : i >= 10;
+        dag_plan plan = plan_ok(g, peers, n, &o);
+        print_message("%zu peers: %zu stages, the ends on %s and %s (a plan without the rule put a stranger at an "
+                      "end: %s)\n", n, plan.n_stages, peers[plan.stages[0].peer].name,
+                      peers[plan.stages[plan.n_stages - 1].peer].name, stranger_end ? "yes" : "no");
+        assert_true(ok[plan.stages[0].peer]);
+        assert_true(ok[plan.stages[plan.n_stages - 1].peer]);
+        dag_plan_free(&plan);
+        o.ends_ok = NULL;
+    }
+    bool none[4] = {false, false, false, false};
+    o.ends_ok = none;
+    dag_plan plan;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_partition(g, peers, 4, &o, &plan, &em), FU_ENOMEM);
+    assert_non_null(strstr(em.msg, "trusted"));
+    dag_graph_destroy(&g);
+}
+
 static void test_dag_graph_partition_link_bound(void **state)
 {
     (void)state;
@@ -463,6 +507,7 @@ int main(void)
         cmocka_unit_test(test_dag_graph_protobuf_round_trip),
         cmocka_unit_test(test_dag_graph_decode_rejects_wrong_ids),
         cmocka_unit_test(test_dag_graph_partition_beats_even_split),
+        cmocka_unit_test(test_dag_graph_partition_trusted_ends),
         cmocka_unit_test(test_dag_graph_partition_cuts_layers_when_vocab_is_small),
         cmocka_unit_test(test_dag_graph_partition_respects_memory),
         cmocka_unit_test(test_dag_graph_partition_link_bound),

@@ -168,6 +168,34 @@ static void test_dag_spec_refuses_bad_specs(void **state)
     expect_refused("{\"prompt_tokens\": [1, -2]}", DAG_JOB_INFER, FU_EINVAL, "\"prompt_tokens\"");
     expect_refused("{\"prompt_tokens\": 5}", DAG_JOB_INFER, FU_EINVAL, "\"prompt_tokens\"");
     expect_refused("{\"dump_logits\": \"yes\"}", DAG_JOB_INFER, FU_EINVAL, "\"dump_logits\"");
+    expect_refused("{\"trusted_ends\": 1}", DAG_JOB_FINETUNE, FU_EINVAL, "\"trusted_ends\" must be true or false");
+}
+
+/* trusted_ends: unset (-1) by default and left out of the canonical text; true or false for either
+ * kind, kept through a round trip. */
+static void test_dag_spec_trusted_ends(void **state)
+{
+    (void)state;
+    dag_spec s;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_spec_parse("{}", 2, DAG_JOB_FINETUNE, &s, &em), FU_OK);
+    assert_int_equal(s.trusted_ends, -1);
+    char *t = dag_spec_to_json(&s);
+    assert_null(strstr(t, "trusted_ends"));
+    free(t);
+    dag_spec_clear(&s);
+    static const char *const texts[] = {"{\"trusted_ends\": false}", "{\"kind\": \"infer\", \"trusted_ends\": true}"};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(dag_spec_parse(texts[i], strlen(texts[i]), DAG_JOB_ANY, &s, &em), FU_OK);
+        assert_int_equal(s.trusted_ends, i);
+        t = dag_spec_to_json(&s);
+        dag_spec back;
+        assert_int_equal(dag_spec_parse(t, strlen(t), DAG_JOB_ANY, &back, &em), FU_OK);
+        assert_int_equal(back.trusted_ends, i);
+        free(t);
+        dag_spec_clear(&back);
+        dag_spec_clear(&s);
+    }
 }
 
 static void test_dag_spec_kind_from_text(void **state)
@@ -245,6 +273,7 @@ int main(void)
         cmocka_unit_test(test_dag_spec_every_field_roundtrips),
         cmocka_unit_test(test_dag_spec_refuses_bad_values),
         cmocka_unit_test(test_dag_spec_refuses_bad_specs),
+        cmocka_unit_test(test_dag_spec_trusted_ends),
         cmocka_unit_test(test_dag_spec_kind_from_text),
         cmocka_unit_test(test_dag_spec_cli_matches_json),
     };

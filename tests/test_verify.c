@@ -12,6 +12,8 @@
  *     creating FILE once the plan is known) is caught: its reputation falls below the threshold,
  *     its stage fails over to the backup, it gets no more work, and the job still finishes; with two
  *     backups of stage 0 a third opinion settles each disagreement;
+ *   - a single-stage job: its verified output is the loss; a peer that reports scaled losses is
+ *     caught the same way;
  *   - three stages, every stage verified: stage 1 and stage 2 get their inputs from the upstream peer
  *     sealed to the verifier, and every sample agrees; the adapter is unchanged;
  *   - a dishonest middle stage (stage 1 of 3) is caught the same way while the stage after it, which
@@ -535,6 +537,27 @@ static void test_verify_dishonest_peer_third_opinion(void **state)
     dishonest(5);
 }
 
+/* A job on a single stage: the whole (small) model fits one peer, the other is its verifier. Its
+ * verified output is each micro-batch's loss (it sends nothing else); a peer that reports scaled
+ * losses is caught like any other, and the job finishes on the verifier. */
+static void test_verify_single_stage_cheater(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(2);
+    o.model_args = TU_SMALL_MODEL_ARGS;
+    o.peer_memory_gb = NULL; /* no cap: one stage */
+    o.backups = 1;
+    o.heartbeat_ms = 300;
+    o.corrupt_mode = "scale";
+    tu_cluster *c = tu_cluster_new("verify-solo", &o);
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
+                       VERIFY_OPTS);
+    (void)catch_cheater(c, id, 0, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* The three-stage cluster: the e2e model over 6 peers, 3 running the stages and 3 warm backups (one
  * per stage: every stage has a verifier). */
 static tu_cluster *three_stages(const char *tag, const char *corrupt_mode)
@@ -680,6 +703,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_verify_honest_peers_agree, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_single_stage_cheater, tu_teardown),
         cmocka_unit_test_teardown(test_verify_every_stage_honest, tu_teardown),
         cmocka_unit_test_teardown(test_verify_middle_stage_cheater, tu_teardown),
         cmocka_unit_test_teardown(test_verify_input_mismatch, tu_teardown),

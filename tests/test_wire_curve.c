@@ -1,6 +1,7 @@
 /* CURVE + ZAP on a real server over tcp://127.0.0.1: an allowed key is admitted and its User-Id
  * is its Z85 public key; unknown keys, NULL-mechanism clients and wrong server keys are refused;
- * without a ZAP handler the server fails closed; enrolment by token. */
+ * without a ZAP handler the server fails closed; enrolment by token; roles on the allow-list and
+ * one token per role; a banned address's strangers are refused. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,6 +16,8 @@
 #include <sodium.h>
 #include <zmq.h>
 
+#include "fu_clock.h"
+#include "fu_file.h"
 #include "testutil.h"
 #include "wire.h"
 #include "wire_keys.h"
@@ -161,6 +164,8 @@ static void test_wire_curve_allowed_key_admitted_with_user_id(void **state)
     assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(alice));
     assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
     assert_true(wire_zap_msg_is_member(f->zap, m));
+    assert_int_equal(wire_zap_msg_roles(f->zap, m), WIRE_ROLES_DEFAULT); /* a bare key */
+    assert_string_equal(wire_msg_peer_address(m), "127.0.0.1");
     wire_zap_counters zc = zap_counters(f);
     assert_int_equal(zc.admitted, 1);
     assert_int_equal(zc.refused, 0);
@@ -232,7 +237,9 @@ static void test_wire_curve_enrolment_by_token(void **state)
     assert_int_equal(wire_recv(f->server, 0, &c, &m), FU_OK);
     const Fusion__Enrol *got = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ENROL);
     assert_non_null(got);
-    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), got->token), FU_OK);
+    uint32_t granted = 0;
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), got->token, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLES_DEFAULT); /* enrol_token: client and peer */
     assert_true(wire_zap_msg_is_member(f->zap, m)); /* the live list decides */
     wire_msg_destroy(&m);
 
@@ -240,20 +247,23 @@ static void test_wire_curve_enrolment_by_token(void **state)
     assert_int_equal(send_as(f, eve, &m), FU_OK);
     char wrong[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(wrong);
-    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), wrong), FU_EAUTH);
-    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), "short"), FU_EAUTH);
-    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), NULL), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), wrong, NULL), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), "short", NULL), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_msg_user_id(m), NULL, NULL), FU_EAUTH);
     assert_false(wire_zap_msg_is_member(f->zap, m));
     wire_msg_destroy(&m);
 
     /* bob's key was appended to the allow-list file and a fresh handler admits him as a member */
     uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
+    uint32_t *roles = NULL;
     size_t n = 0;
     fu_errmsg em = {{0}};
-    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, &em), FU_OK);
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &roles, &n, &em), FU_OK);
     assert_int_equal(n, 1);
     assert_memory_equal(keys[0], wire_keypair_public(bob), WIRE_KEY_BYTES);
+    assert_int_equal(roles[0], WIRE_ROLES_DEFAULT);
     free(keys);
+    free(roles);
     assert_int_equal(send_as(f, bob, &m), FU_OK);
     assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
     wire_msg_destroy(&m);
@@ -271,7 +281,7 @@ static void test_wire_curve_enrolment_disabled_without_token(void **state)
     char token[WIRE_KEY_Z85_LEN + 1];
     wire_token_generate(token);
     wire_keypair_t *bob = new_kp(f);
-    assert_int_equal(wire_zap_enrol(f->zap, wire_keypair_public_z85(bob), token), FU_EAUTH);
+    assert_int_equal(wire_zap_enrol(f->zap, wire_keypair_public_z85(bob), token, NULL), FU_EAUTH);
     /* a second handler in the same context is refused */
     fu_err rc = FU_OK;
     wire_zap_t *again = wire_zap_new(f->ctx, &cfg, &rc, NULL);
@@ -289,7 +299,7 @@ static void test_wire_curve_allow_list_parsing(void **state)
     uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
     size_t n = 0;
     fu_errmsg em = {{0}};
-    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &n, &em), FU_EINVAL);
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, NULL, &n, &em), FU_EINVAL);
     print_message("allow-list: %s\n", em.msg);
     assert_non_null(strstr(em.msg, "line 3"));
     assert_null(keys);
@@ -303,6 +313,206 @@ static void test_wire_curve_allow_list_parsing(void **state)
     assert_int_equal(rc, FU_EINVAL);
 }
 
+/* Writes the allow-list text (a printf format) to f's allow-list file. */
+static void write_allow_text(fixture *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void write_allow_text(fixture *f, const char *fmt, ...)
+{
+    FILE *fp = fopen(f->allow_path, "w");
+    assert_non_null(fp);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(fp, fmt, ap);
+    va_end(ap);
+    fclose(fp);
+}
+
+/* wire_allow_list_load of f's file must fail with FU_EINVAL and a message holding both needles. */
+static void expect_bad_allow_list(fixture *f, const char *needle, const char *needle2)
+{
+    uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
+    uint32_t *roles = NULL;
+    size_t n = 0;
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &roles, &n, &em), FU_EINVAL);
+    print_message("allow-list: %s\n", em.msg);
+    assert_non_null(strstr(em.msg, needle));
+    assert_non_null(strstr(em.msg, needle2));
+    assert_null(keys);
+    assert_null(roles);
+}
+
+static void test_wire_curve_allow_list_roles(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *a = new_kp(f), *b = new_kp(f), *c = new_kp(f), *d = new_kp(f);
+    const char *za = wire_keypair_public_z85(a), *zb = wire_keypair_public_z85(b), *zc = wire_keypair_public_z85(c),
+               *zd = wire_keypair_public_z85(d);
+    write_allow_text(f, "# roles\n%s\n%s client # a tenant\n  %s\ttrusted\n%s operator,client\n%s peer\n", za, zb, zc,
+                     zd, zb);
+    uint8_t (*keys)[WIRE_KEY_BYTES] = NULL;
+    uint32_t *roles = NULL;
+    size_t n = 0;
+    fu_errmsg em = {{0}};
+    assert_int_equal(wire_allow_list_load(f->allow_path, &keys, &roles, &n, &em), FU_OK);
+    assert_int_equal(n, 5);
+    assert_memory_equal(keys[2], wire_keypair_public(c), WIRE_KEY_BYTES);
+    assert_int_equal(roles[0], WIRE_ROLE_CLIENT | WIRE_ROLE_PEER); /* a bare key, as before roles */
+    assert_int_equal(roles[1], WIRE_ROLE_CLIENT);
+    assert_int_equal(roles[2], WIRE_ROLE_TRUSTED | WIRE_ROLE_PEER); /* trusted implies peer */
+    assert_int_equal(roles[3], WIRE_ROLE_OPERATOR | WIRE_ROLE_CLIENT);
+    assert_int_equal(roles[4], WIRE_ROLE_PEER);
+    free(keys);
+    free(roles);
+
+    /* the handler answers with the union of a key's lines */
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    zap_start(f, &cfg);
+    assert_int_equal(wire_zap_roles(f->zap, za), WIRE_ROLES_DEFAULT);
+    assert_int_equal(wire_zap_roles(f->zap, zb), WIRE_ROLE_CLIENT | WIRE_ROLE_PEER);
+    assert_int_equal(wire_zap_roles(f->zap, zc), WIRE_ROLE_TRUSTED | WIRE_ROLE_PEER);
+    assert_int_equal(wire_zap_roles(f->zap, zd), WIRE_ROLE_OPERATOR | WIRE_ROLE_CLIENT);
+    assert_int_equal(wire_zap_roles(f->zap, "not a key"), 0);
+    assert_true(wire_zap_is_member(f->zap, zc));
+    wire_zap_deny(f->zap, wire_keypair_public(b)); /* every line of it */
+    assert_int_equal(wire_zap_roles(f->zap, zb), 0);
+    assert_false(wire_zap_is_member(f->zap, zb));
+    char text[WIRE_ROLES_TEXT_MAX];
+    assert_string_equal(wire_roles_text(WIRE_ROLE_TRUSTED | WIRE_ROLE_PEER, text), "peer,trusted");
+    assert_string_equal(wire_roles_text(0, text), "");
+
+    /* wrong role names, empty ones and trailing words are refused, naming the line */
+    write_allow_text(f, "%s\n%s clinet\n", za, zb);
+    expect_bad_allow_list(f, "line 2", "'clinet'");
+    write_allow_text(f, "%s client,,peer\n", za);
+    expect_bad_allow_list(f, "line 1", "unknown role ''");
+    write_allow_text(f, "\n\n%s Client\n", za);
+    expect_bad_allow_list(f, "line 3", "'Client'");
+    write_allow_text(f, "%s client peer\n", za);
+    expect_bad_allow_list(f, "line 1", "more than a key and its roles");
+    fu_err rc;
+    wire_zap_t *z2 = wire_zap_new(f->ctx, &cfg, &rc, &em); /* the file is read before anything is bound */
+    assert_null(z2);
+    assert_int_equal(rc, FU_EINVAL);
+}
+
+static void test_wire_curve_enrolment_per_role(void **state)
+{
+    fixture *f = *state;
+    char both[WIRE_KEY_Z85_LEN + 1], peer[WIRE_KEY_Z85_LEN + 1], client[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(both);
+    wire_token_generate(peer);
+    wire_token_generate(client);
+
+    /* tokens that would make operators or trusted peers, and a fourth token, are refused */
+    fu_err rc;
+    fu_errmsg em = {{0}};
+    wire_zap_cfg bad = {.tokens = {{peer, WIRE_ROLE_PEER | WIRE_ROLE_OPERATOR}}};
+    assert_null(wire_zap_new(f->ctx, &bad, &rc, &em));
+    assert_int_equal(rc, FU_EINVAL);
+    assert_non_null(strstr(em.msg, "client and peer roles only"));
+    bad.tokens[0].roles = WIRE_ROLE_TRUSTED;
+    assert_null(wire_zap_new(f->ctx, &bad, &rc, &em));
+    wire_zap_cfg four = {.enrol_token = both,
+                         .tokens = {{peer, WIRE_ROLE_PEER}, {client, WIRE_ROLE_CLIENT}, {both, WIRE_ROLE_CLIENT}}};
+    assert_null(wire_zap_new(f->ctx, &four, &rc, &em));
+    assert_int_equal(rc, FU_EINVAL);
+    assert_non_null(strstr(em.msg, "more than 3"));
+    four.tokens[0].token = "too-short";
+    four.tokens[2].token = NULL;
+    assert_null(wire_zap_new(f->ctx, &four, &rc, &em));
+    assert_non_null(strstr(em.msg, "the peer enrolment token is not 40 Z85"));
+
+    wire_zap_cfg cfg = {.allow_file = f->allow_path,
+                        .enrol_token = both,
+                        .tokens = {{peer, WIRE_ROLE_PEER}, {client, WIRE_ROLE_CLIENT}}};
+    zap_start(f, &cfg);
+    wire_keypair_t *kb = new_kp(f), *kp = new_kp(f), *kc = new_kp(f);
+    const char *zb = wire_keypair_public_z85(kb), *zp = wire_keypair_public_z85(kp), *zc = wire_keypair_public_z85(kc);
+    uint32_t granted = 0;
+    assert_int_equal(wire_zap_enrol(f->zap, zp, peer, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLE_PEER);
+    assert_int_equal(wire_zap_enrol(f->zap, zc, client, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLE_CLIENT);
+    assert_int_equal(wire_zap_enrol(f->zap, zb, both, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLES_DEFAULT);
+    assert_int_equal(wire_zap_roles(f->zap, zp), WIRE_ROLE_PEER);
+    assert_int_equal(wire_zap_roles(f->zap, zc), WIRE_ROLE_CLIENT);
+    /* the same key again with the same token changes nothing (and writes nothing) */
+    assert_int_equal(wire_zap_enrol(f->zap, zc, client, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLE_CLIENT);
+    /* a wrong token grants nothing, whatever the key had */
+    char wrong[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(wrong);
+    assert_int_equal(wire_zap_enrol(f->zap, zc, wrong, &granted), FU_EAUTH);
+    assert_int_equal(granted, 0);
+    assert_int_equal(wire_zap_roles(f->zap, zc), WIRE_ROLE_CLIENT);
+
+    /* every grant is appended to the file with its roles, and a fresh handler reads them back */
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(fu_file_read_all(f->allow_path, 1 << 20, &text, &len, &em), FU_OK);
+    print_message("allow-list after enrolment:\n%s", text);
+    char line[128];
+    snprintf(line, sizeof line, "%s peer\n", zp);
+    assert_non_null(strstr(text, line));
+    snprintf(line, sizeof line, "%s client\n", zc);
+    assert_non_null(strstr(text, line));
+    assert_null(strstr(strstr(text, line) + 1, line)); /* once */
+    snprintf(line, sizeof line, "%s client,peer\n", zb);
+    assert_non_null(strstr(text, line));
+    free(text);
+
+    /* the client enrols as a peer too: it has both roles, and the file says so */
+    assert_int_equal(wire_zap_enrol(f->zap, zc, peer, &granted), FU_OK);
+    assert_int_equal(granted, WIRE_ROLES_DEFAULT);
+    wire_zap_destroy(&f->zap);
+    wire_zap_cfg none = {.allow_file = f->allow_path};
+    zap_start(f, &none);
+    assert_int_equal(wire_zap_roles(f->zap, zp), WIRE_ROLE_PEER);
+    assert_int_equal(wire_zap_roles(f->zap, zc), WIRE_ROLES_DEFAULT);
+    assert_int_equal(wire_zap_roles(f->zap, zb), WIRE_ROLES_DEFAULT);
+    /* and without tokens nobody enrols */
+    assert_int_equal(wire_zap_enrol(f->zap, zp, peer, NULL), FU_EAUTH);
+}
+
+static void test_wire_curve_ban_refuses_strangers(void **state)
+{
+    fixture *f = *state;
+    char token[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(token);
+    wire_keypair_t *alice = new_kp(f), *stranger = new_kp(f), *later = new_kp(f);
+    write_allow_list(f, alice);
+    wire_zap_cfg cfg = {.allow_file = f->allow_path, .enrol_token = token};
+    zap_start(f, &cfg);
+    start_server(f);
+    wire_zap_ban(f->zap, "127.0.0.1", fu_clock_ms() + 120000);
+    /* a table full of shorter bans of other addresses, and more: the longest ban stays */
+    for (unsigned i = 0; i <= WIRE_ZAP_BANS_MAX; i++) {
+        char addr[32];
+        snprintf(addr, sizeof addr, "10.0.%u.%u", i / 256, i % 256);
+        wire_zap_ban(f->zap, addr, fu_clock_ms() + 60000);
+    }
+
+    /* a key that would be enrolling is refused at the handshake: nothing reaches the server */
+    wire_msg_t *m = NULL;
+    assert_int_equal(send_as(f, stranger, &m), FU_ETIMEDOUT);
+    assert_null(m);
+    wire_zap_counters zc = zap_counters(f);
+    assert_true(zc.banned >= 1);
+    assert_int_equal(zc.enrolling, 0);
+
+    /* a member from the same address is still admitted: its key is its credential */
+    assert_int_equal(send_as(f, alice, &m), FU_OK);
+    assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_MEMBER);
+    wire_msg_destroy(&m);
+
+    /* the ban lifted, strangers may enrol again */
+    wire_zap_ban(f->zap, "127.0.0.1", 0);
+    assert_int_equal(send_as(f, later, &m), FU_OK);
+    assert_string_equal(wire_msg_admission(m), WIRE_ADMIT_ENROLLING);
+    wire_msg_destroy(&m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -313,6 +523,9 @@ int main(void)
         cmocka_unit_test(test_wire_curve_enrolment_by_token),
         cmocka_unit_test(test_wire_curve_enrolment_disabled_without_token),
         cmocka_unit_test(test_wire_curve_allow_list_parsing),
+        cmocka_unit_test(test_wire_curve_allow_list_roles),
+        cmocka_unit_test(test_wire_curve_enrolment_per_role),
+        cmocka_unit_test(test_wire_curve_ban_refuses_strangers),
     };
     return tu_unit_main(tests, sodium_init, setup, teardown);
 }
