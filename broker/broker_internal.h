@@ -41,6 +41,10 @@
  * the threshold to within this, so that a peer exactly at the threshold stays trusted. */
 #define BROKER_REPUTATION_EPS   1e-9
 
+#define BROKER_MAX_PEER_GFLOPS  2e6   /* a profile claiming more f32 GEMM GFLOP/s than this is refused (the
+                                         fastest single accelerators are ~100x below it) */
+#define BROKER_MAX_PEER_MEMORY  (16ull << 40) /* ... or more bytes of memory than this */
+
 /* A peer the broker has heard from since it started. */
 typedef struct {
     char key[DB_KEY_LEN + 1];          /* z85 public key: the identity */

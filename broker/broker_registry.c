@@ -84,6 +84,11 @@ fu_err broker_peer_hello_check(const Fusion__PeerHello *h, fu_errmsg *em)
         return fu_errmsg_set(em, FU_EINVAL,
                              "PeerHello: the profile must report a GEMM speed above 0 GFLOP/s and free memory above 0 "
                              "(run the peer's benchmark)");
+    if (profile_gflops(pr) > BROKER_MAX_PEER_GFLOPS || pr->free_memory_bytes > BROKER_MAX_PEER_MEMORY)
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "PeerHello: %.3g GFLOP/s and %.3g GiB are not believable for one peer (at most %.0f GFLOP/s "
+                             "and %.0f GiB)", profile_gflops(pr), (double)pr->free_memory_bytes / (1ull << 30),
+                             BROKER_MAX_PEER_GFLOPS, (double)BROKER_MAX_PEER_MEMORY / (1ull << 30));
     if (!h->needs_relay && !(h->data_endpoint && h->data_endpoint[0]))
         return fu_errmsg_set(em, FU_EINVAL,
                              "PeerHello: give a data_endpoint other stages can connect to, or set needs_relay");

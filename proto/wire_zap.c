@@ -33,6 +33,7 @@ struct wire_zap {
     void *pipe_actor;                   /* PAIR: owned by the actor thread */
     pthread_t thread;
     bool started;
+    bool bound;                         /* rep holds WIRE_ZAP_ENDPOINT */
     char domain[256];
     char *allow_file;                   /* NULL = no file */
     pthread_mutex_t mu;                 /* guards keys, roles, bans, counters, the file */
@@ -434,7 +435,8 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
     zmq_setsockopt(zap->rep, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(zap->pipe_main, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(zap->pipe_actor, ZMQ_LINGER, &linger, sizeof linger);
-    if (zmq_bind(zap->rep, WIRE_ZAP_ENDPOINT) != 0) {
+    zap->bound = zmq_bind(zap->rep, WIRE_ZAP_ENDPOINT) == 0;
+    if (!zap->bound) {
         int e = zmq_errno();
         rc = fu_errmsg_set(em, e == EADDRINUSE ? FU_EEXIST : FU_EIO, "cannot bind the ZAP handler at %s: %s",
                            WIRE_ZAP_ENDPOINT, zmq_strerror(e));
@@ -471,8 +473,11 @@ void wire_zap_destroy(wire_zap_t **zap_p)
         zmq_send(zap->pipe_main, "$TERM", 5, 0);
         pthread_join(zap->thread, NULL);
     }
-    if (zap->rep)
+    if (zap->rep) { /* unbound first: a close frees the inproc name only when the reaper gets to it */
+        if (zap->bound)
+            (void)zmq_unbind(zap->rep, WIRE_ZAP_ENDPOINT);
         zmq_close(zap->rep);
+    }
     if (zap->pipe_main)
         zmq_close(zap->pipe_main);
     if (zap->pipe_actor)

@@ -472,6 +472,34 @@ static void test_trust_fair_queue_and_rate_limit(void **state)
     tu_client_close(&other);
 }
 
+/* A peer claiming 1e308 GFLOP/s (the issue's fake peer) is refused at its hello, naming the bound;
+ * a believable claim is welcomed. */
+static void test_trust_unbelievable_profile_refused(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_client liar;
+    tu_client_open(&liar, f->c, "p0");
+    tu_client_hello(&liar, "liar", 4 * GiB, 1e308);
+    uint64_t end = fu_clock_ms() + 5000;
+    bool refused_hello = false, welcomed = false;
+    while (fu_clock_ms() < end && !refused_hello && !welcomed) {
+        wire_msg_t *m = tu_client_recv(&liar, 100);
+        if (m && wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR) {
+            const Fusion__Error *e = (const Fusion__Error *)wire_msg_body(m);
+            print_message("refused: %s\n", e->message);
+            refused_hello = e->in_reply_to == FUSION__MSG_TYPE__MSG_PEER_HELLO && strstr(e->message, "not believable");
+        }
+        welcomed = m && wire_msg_type(m) == FUSION__MSG_TYPE__MSG_PEER_WELCOME;
+        wire_msg_destroy(&m);
+    }
+    assert_true(refused_hello);
+    assert_false(welcomed);
+    tu_client_hello(&liar, "honest", 4 * GiB, 50);
+    assert_true(got(&liar, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000));
+    tu_client_close(&liar);
+}
+
 /* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
  * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
 static void test_trust_quotas_name_the_limit(void **state)
@@ -626,6 +654,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_fair_queue_and_rate_limit),
         tu_broker_test(test_trust_ends_stay_on_trusted_peers),
         tu_broker_test(test_trust_quotas_name_the_limit),
+        tu_broker_test(test_trust_unbelievable_profile_refused),
         tu_broker_test(test_trust_rejected_submissions_memory_flat),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
