@@ -52,3 +52,12 @@ set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verif
 # A good guest (peer_guest): the daily window, the busy hysteresis, the owner's pause, a paused
 # compute thread that waits and resumes, the duty cycle's CPU share.
 fu_add_test(test_peer_guest SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_guest.c LIBS fu_peer TIMEOUT 60)
+# A build without the test hooks (every build type but Debug, unless asked) carries none of them:
+# no FUSION_TEST_* variable is even named in fusion-peer (docs/SECURITY.md, issue "A swarm of
+# strangers": the fault hooks were once in the release peer).
+if(NOT FUSION_TEST_HOOKS)
+  add_test(NAME test_peer_release_has_no_hooks
+           COMMAND sh -c "if grep -q FUSION_TEST_ \"$1\"; then echo \"$1 names a test hook\"; exit 1; fi"
+                   sh $<TARGET_FILE:fusion-peer>)
+  set_tests_properties(test_peer_release_has_no_hooks PROPERTIES LABELS peer)
+endif()
