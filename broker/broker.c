@@ -444,6 +444,12 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         goto fail;
     if ((rc = models_new(b, cfg->model_roots, em)) != FU_OK)
         goto fail;
+    db_model_hashes *mh = NULL; /* hashes of earlier runs: a restart does not hash those models again */
+    size_t n_mh = 0;
+    if (db_model_hashes_all(b->db, &mh, &n_mh) == FU_OK)
+        for (size_t i = 0; i < n_mh; i++)
+            broker_models_known(b->models, mh[i].dir, mh[i].sig, mh[i].model_id, mh[i].hashes, mh[i].n_tensors);
+    db_model_hashes_free(&mh, n_mh);
     if (!(b->worker = broker_worker_new(BROKER_PREP_DEPTH, em))) {
         rc = FU_EIO;
         goto fail;

@@ -45,6 +45,9 @@
                                          fastest single accelerators are ~100x below it) */
 #define BROKER_MAX_PEER_MEMORY  (16ull << 40) /* ... or more bytes of memory than this */
 
+_Static_assert(BROKER_MODEL_HASH_LEN == DB_HASH_LEN && BROKER_MODEL_ID_LEN == DB_MODEL_ID_LEN,
+               "model ids and hashes are stored as they are made");
+
 /* A peer the broker has heard from since it started. */
 typedef struct {
     char key[DB_KEY_LEN + 1];          /* z85 public key: the identity */

@@ -334,6 +334,18 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     }
 }
 
+/* Keeps m's hashes in the store, so that a restart need not hash it again (best effort). */
+static void remember_model(broker_t *b, const broker_model *m)
+{
+    db_model_hashes mh = {.dir = m->dir, .hashes = (uint8_t *)m->hashes, .n_tensors = fu_safetensors_count(m->st)};
+    memcpy(mh.sig, m->sig, sizeof mh.sig);
+    snprintf(mh.model_id, sizeof mh.model_id, "%s", m->id);
+    fu_err rc = db_model_hashes_put(b->db, &mh, broker_wall());
+    if (rc != FU_OK)
+        FU_WARN(LOG, "the hashes of model %s were not stored (%s): a restart will hash it again", m->dir,
+                fu_strerror(rc));
+}
+
 /* Stores a prepared submission and answers it. */
 static void submit_finish(broker_t *b, broker_submit_task *t)
 {
@@ -367,6 +379,7 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
             broker_job_refuse(b, id, em.msg);
         } else {
             t->job = NULL;
+            remember_model(b, j->model);
             broker_job_enqueue(b, j);
             FU_INFO(LOG, "job %s (%s) submitted by %.8s: %zu tokens, model %.18s...", id, db_job_kind_name(t->kind),
                     t->owner, t->n_ids, j->model->id);

@@ -34,6 +34,15 @@ typedef struct {
     uint64_t used;                     /* last use (cache tick) */
 } entry;
 
+/* Hashes remembered from an earlier run (broker_models_known). */
+typedef struct {
+    char *dir;
+    uint8_t sig[BROKER_MODEL_HASH_LEN];
+    char id[BROKER_MODEL_ID_LEN + 1];
+    uint8_t (*hashes)[BROKER_MODEL_HASH_LEN];
+    size_t n;
+} known;
+
 struct broker_models {
     pthread_mutex_t mu;                /* guards everything below and every model's 0 -> 1 reference */
     char *roots[BROKER_MODEL_ROOTS_MAX]; /* resolved */
@@ -42,6 +51,8 @@ struct broker_models {
     entry *e;
     size_t n, cap;
     uint64_t tick;
+    known *k;                          /* remembered hashes */
+    size_t n_k;
 };
 
 /* ---------- pages ---------- */
@@ -104,6 +115,11 @@ void broker_models_free(broker_models **cp)
         free(c->e[i].dir);
     }
     free(c->e);
+    for (size_t i = 0; i < c->n_k; i++) {
+        free(c->k[i].dir);
+        free(c->k[i].hashes);
+    }
+    free(c->k);
     for (size_t i = 0; i < c->n_roots; i++)
         free(c->roots[i]);
     pthread_mutex_destroy(&c->mu);
@@ -305,7 +321,9 @@ static fu_err read_small(const char *name, const char *dir, const char *file, si
     return FU_OK;
 }
 
-static fu_err load(const char *name, const char *dir, broker_model **out, fu_errmsg *em)
+/* Opens dir (as `name` to the caller) and computes its id; with k, takes the tensor hashes from k
+ * when the tensors are the ones k counted (the id then checks the small files and the names). */
+static fu_err load(const char *name, const char *dir, const known *k, broker_model **out, fu_errmsg *em)
 {
     broker_model *m = fu_calloc(1, sizeof *m);
     m->dir = fu_strdup(dir);
@@ -330,6 +348,8 @@ static fu_err load(const char *name, const char *dir, broker_model **out, fu_err
         return rc;
     }
     size_t n = fu_safetensors_count(m->st);
+    if (k && k->n != n)
+        k = NULL;
     m->hashes = fu_calloc(n ? n : 1, sizeof *m->hashes);
     crypto_generichash_state h;
     crypto_generichash_init(&h, NULL, 0, BROKER_MODEL_HASH_LEN);
@@ -345,8 +365,12 @@ static fu_err load(const char *name, const char *dir, broker_model **out, fu_err
     }
     for (size_t i = 0; i < n; i++) { /* name order */
         const fu_st_tensor *t = fu_safetensors_at(m->st, i);
-        crypto_generichash(m->hashes[i], BROKER_MODEL_HASH_LEN, t->data, t->nbytes, NULL, 0);
-        broker_model_drop_pages(t->data, t->nbytes);
+        if (k) {
+            memcpy(m->hashes[i], k->hashes[i], BROKER_MODEL_HASH_LEN);
+        } else {
+            crypto_generichash(m->hashes[i], BROKER_MODEL_HASH_LEN, t->data, t->nbytes, NULL, 0);
+            broker_model_drop_pages(t->data, t->nbytes);
+        }
         m->bytes += t->nbytes;
         int64_t meta[1 + FU_ST_MAX_DIMS] = {(int64_t)t->dtype};
         for (size_t d = 0; d < t->ndim; d++)
@@ -359,8 +383,30 @@ static fu_err load(const char *name, const char *dir, broker_model **out, fu_err
     crypto_generichash_final(&h, digest, sizeof digest);
     memcpy(m->id, "m:", 2);
     fu_hex_encode(m->id + 2, digest, sizeof digest);
+    if (k && strcmp(m->id, k->id) != 0) { /* the remembered hashes were not this content's: all of it */
+        FU_WARN(LOG, "model %s: its remembered hashes do not match its files; hashing it again", dir);
+        model_free(m);
+        return load(name, dir, NULL, out, em);
+    }
     *out = m;
     return FU_OK;
+}
+
+void broker_models_known(broker_models *c, const char *dir, const uint8_t sig[BROKER_MODEL_HASH_LEN],
+                         const char *id, const uint8_t *hashes, size_t n_tensors)
+{
+    if (strlen(id) != BROKER_MODEL_ID_LEN || !n_tensors)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->k = fu_realloc(c->k, (c->n_k + 1) * sizeof *c->k);
+    known *k = &c->k[c->n_k++];
+    k->dir = fu_strdup(dir);
+    memcpy(k->sig, sig, BROKER_MODEL_HASH_LEN);
+    snprintf(k->id, sizeof k->id, "%s", id);
+    k->hashes = fu_malloc(n_tensors * sizeof *k->hashes);
+    memcpy(k->hashes, hashes, n_tensors * sizeof *k->hashes);
+    k->n = n_tensors;
+    pthread_mutex_unlock(&c->mu);
 }
 
 fu_err broker_models_open(broker_models *c, const char *name, broker_model **out, fu_errmsg *em)
@@ -393,12 +439,20 @@ fu_err broker_models_open(broker_models *c, const char *name, broker_model **out
     }
     uint64_t t0 = fu_clock_ms();
     broker_model *m = NULL;
-    if ((rc = load(name, dir, &m, em)) != FU_OK) {
+    pthread_mutex_lock(&c->mu); /* remembered hashes are added before any open (broker_models.h) */
+    const known *k = NULL;
+    for (size_t i = 0; i < c->n_k && !k; i++)
+        if (strcmp(c->k[i].dir, dir) == 0 && memcmp(c->k[i].sig, sig, sizeof sig) == 0)
+            k = &c->k[i];
+    pthread_mutex_unlock(&c->mu);
+    if ((rc = load(name, dir, k, &m, em)) != FU_OK) {
         free(dir);
         return rc;
     }
-    FU_INFO(LOG, "model %s is %.18s... (%zu tensors, %.1f MB hashed in %llu ms)", dir, m->id,
-            fu_safetensors_count(m->st), (double)m->bytes / 1e6, (unsigned long long)(fu_clock_ms() - t0));
+    memcpy(m->sig, sig, sizeof sig);
+    FU_INFO(LOG, "model %s is %.18s... (%zu tensors, %.1f MB %s in %llu ms)", dir, m->id, fu_safetensors_count(m->st),
+            (double)m->bytes / 1e6, k && strcmp(m->id, k->id) == 0 ? "known from the store" : "hashed",
+            (unsigned long long)(fu_clock_ms() - t0));
     atomic_store(&m->refs, 1);
     pthread_mutex_lock(&c->mu);
     if (c->n == c->cap) {

@@ -51,6 +51,7 @@ typedef struct {
     fu_safetensors *st;                /* mapped weights (read-only) */
     uint8_t (*hashes)[BROKER_MODEL_HASH_LEN]; /* per tensor, in fu_safetensors_at order */
     uint64_t bytes;                    /* tensor bytes */
+    uint8_t sig[BROKER_MODEL_HASH_LEN]; /* its directory's files (names, inodes, sizes, times) when hashed */
     _Atomic(unsigned) refs;            /* references held (the cache's lock guards 0 -> 1) */
 } broker_model;
 
@@ -64,6 +65,13 @@ void broker_models_free(broker_models **c);
  * FU_ENOTFOUND: not found under the roots; FU_EPROTO: a malformed file (named); FU_EPERM: a link
  * leaving the roots; FU_EINVAL: no roots. */
 FU_MUST_CHECK fu_err broker_models_open(broker_models *c, const char *name, broker_model **out, fu_errmsg *em);
+
+/* Tells c the hashes a directory had when its files had signature sig (what a restarted broker
+ * read back from its store): opening it with that signature again skips hashing the tensors; the
+ * small files are read and the id recomputed, and a mismatch hashes everything. Copies its inputs.
+ * Call it before the first broker_models_open. */
+void broker_models_known(broker_models *c, const char *dir, const uint8_t sig[BROKER_MODEL_HASH_LEN],
+                         const char *id, const uint8_t *hashes, size_t n_tensors);
 
 /* A reference to the open model with this id, or NULL. */
 broker_model *broker_models_find(broker_models *c, const char *id);

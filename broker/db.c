@@ -101,6 +101,14 @@ static const char *const migrations[] = {
     "UPDATE stages SET node_end = node_end + 1;",
     /* 2 → 3: a job is pinned to its model's content id (NULL: submitted before models had one). */
     "ALTER TABLE jobs ADD COLUMN model_id TEXT CHECK (model_id IS NULL OR length(model_id) = 66);",
+    /* 3 → 4: the content hashes of the models served, so that a restart does not hash them again. */
+    "CREATE TABLE model_hashes ("
+    "  dir        TEXT PRIMARY KEY NOT NULL CHECK (length(dir) BETWEEN 1 AND 4096),"
+    "  sig        BLOB NOT NULL CHECK (length(sig) = 32),"
+    "  model_id   TEXT NOT NULL CHECK (length(model_id) = 66),"
+    "  hashes     BLOB NOT NULL CHECK (length(hashes) % 32 = 0),"
+    "  used_ms    INTEGER NOT NULL"
+    ") STRICT;",
 };
 _Static_assert(sizeof migrations / sizeof migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     3          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     4          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -215,6 +215,22 @@ void db_job_free(db_job **job_p);
 FU_MUST_CHECK fu_err db_job_list(db_t *db, const char *owner, db_job **out, size_t *n);
 /* Every queued or running job with its spec, oldest first: what a restarted broker resumes. */
 FU_MUST_CHECK fu_err db_jobs_unfinished(db_t *db, db_job **out, size_t *n);
+/* The content hashes of a model directory as they were when its files had signature sig (broker
+ * models: the BLAKE2b of every file's name, inode, size and times), kept so that a restarted broker
+ * does not hash every byte again. At most DB_MODEL_HASHES_MAX rows: the least recently used go. */
+#define DB_MODEL_HASHES_MAX 256
+typedef struct {
+    char *dir;
+    uint8_t sig[DB_HASH_LEN];
+    char model_id[DB_MODEL_ID_LEN + 1];
+    uint8_t *hashes;                   /* n_tensors x DB_HASH_LEN */
+    size_t n_tensors;
+} db_model_hashes;
+FU_MUST_CHECK fu_err db_model_hashes_put(db_t *db, const db_model_hashes *m, int64_t now_ms);
+/* Every row (caller frees with db_model_hashes_free). */
+FU_MUST_CHECK fu_err db_model_hashes_all(db_t *db, db_model_hashes **out, size_t *n);
+void db_model_hashes_free(db_model_hashes **arr, size_t n);
+
 /* What owner holds in the store: its unfinished (queued or running) jobs and the bytes of all its
  * jobs' specs and results (per-client quotas, docs/SECURITY.md). */
 FU_MUST_CHECK fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes);

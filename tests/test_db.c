@@ -298,6 +298,7 @@ static void test_db_v1_stage_ranges_migrate(void **state)
     /* What version 1 wrote for the same plan. */
     raw_exec(f->path, "ALTER TABLE stages RENAME COLUMN node_end TO node_last;"
                       "UPDATE stages SET node_last = node_last - 1; ALTER TABLE jobs DROP COLUMN model_id;"
+                      "DROP TABLE model_hashes;"
                       "PRAGMA user_version = 1");
     db = open_ok(f->path);
     db_job *j = NULL;
@@ -384,6 +385,40 @@ static void test_db_job_model_id(void **state)
     db_job_free(&j);
     strcat(mid, "0");
     assert_int_equal(db_job_submit(db, f->key[0], NULL, DB_JOB_FINETUNE, "{}", 2, mid, 1, id, &created), FU_EINVAL);
+    db_close(&db);
+}
+
+/* Model hashes kept across restarts: a row round-trips, a directory is replaced in place, and at
+ * most DB_MODEL_HASHES_MAX rows stay (the least recently used go). */
+static void test_db_model_hashes(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    uint8_t hashes[3 * DB_HASH_LEN];
+    for (size_t i = 0; i < sizeof hashes; i++)
+        hashes[i] = (uint8_t)i;
+    for (int i = 0; i < DB_MODEL_HASHES_MAX + 5; i++) {
+        char dir[64];
+        snprintf(dir, sizeof dir, "/models/m%d", i);
+        db_model_hashes m = {.dir = dir, .hashes = hashes, .n_tensors = 3};
+        memset(m.sig, i & 0xff, sizeof m.sig);
+        snprintf(m.model_id, sizeof m.model_id, "m:%064d", i);
+        assert_int_equal(db_model_hashes_put(db, &m, 1000 + i), FU_OK);
+    }
+    db_model_hashes m = {.dir = "/models/m0", .hashes = hashes, .n_tensors = 0};
+    assert_int_equal(db_model_hashes_put(db, &m, 1), FU_EINVAL); /* no tensors, no id */
+    db_model_hashes *all = NULL;
+    size_t n = 0;
+    assert_int_equal(db_model_hashes_all(db, &all, &n), FU_OK);
+    assert_int_equal(n, DB_MODEL_HASHES_MAX);
+    char want[64];
+    snprintf(want, sizeof want, "/models/m%d", DB_MODEL_HASHES_MAX + 4);
+    assert_string_equal(all[0].dir, want); /* newest first */
+    assert_int_equal(all[0].n_tensors, 3);
+    assert_memory_equal(all[0].hashes, hashes, sizeof hashes);
+    for (size_t i = 0; i < n; i++)
+        assert_string_not_equal(all[i].dir, "/models/m0"); /* the oldest went */
+    db_model_hashes_free(&all, n);
     db_close(&db);
 }
 
@@ -1376,6 +1411,7 @@ int main(void)
         cmocka_unit_test(test_db_missing_dir_refused),
         cmocka_unit_test(test_db_submit_idempotent),
         cmocka_unit_test(test_db_job_model_id),
+        cmocka_unit_test(test_db_model_hashes),
         cmocka_unit_test(test_db_ownership),
         cmocka_unit_test(test_db_state_transitions),
         cmocka_unit_test(test_db_ckpt_hash_and_common_step),
