@@ -155,28 +155,6 @@ static void trim(broker_models *c)
     }
 }
 
-broker_model *broker_models_find(broker_models *c, const char *id)
-{
-    broker_model *m = NULL;
-    pthread_mutex_lock(&c->mu);
-    for (size_t i = 0; i < c->n && !m; i++)
-        if (strcmp(c->e[i].m->id, id) == 0) {
-            m = c->e[i].m;
-            atomic_fetch_add(&m->refs, 1);
-            c->e[i].used = ++c->tick;
-        }
-    pthread_mutex_unlock(&c->mu);
-    return m;
-}
-
-size_t broker_models_count(broker_models *c)
-{
-    pthread_mutex_lock(&c->mu);
-    size_t n = c->n;
-    pthread_mutex_unlock(&c->mu);
-    return n;
-}
-
 long broker_model_tensor(const broker_model *m, const char *name)
 {
     const fu_st_tensor *t = fu_safetensors_get(m->st, name);

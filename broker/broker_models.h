@@ -73,9 +73,6 @@ FU_MUST_CHECK fu_err broker_models_open(broker_models *c, const char *name, brok
 void broker_models_known(broker_models *c, const char *dir, const uint8_t sig[BROKER_MODEL_HASH_LEN],
                          const char *id, const uint8_t *hashes, size_t n_tensors);
 
-/* A reference to the open model with this id, or NULL. */
-broker_model *broker_models_find(broker_models *c, const char *id);
-
 /* Gives a reference back (NULL-safe); the model stays cached until evicted. Sets *m = NULL. */
 void broker_model_release(broker_model **m);
 
@@ -85,8 +82,5 @@ long broker_model_tensor(const broker_model *m, const char *name);
 /* Tells the kernel the pages of [p, p + n) may be dropped from this process (they stay in the page
  * cache): hashing or serving a model does not grow the broker's resident memory. */
 void broker_model_drop_pages(const void *p, size_t n);
-
-/* Models mapped now (referenced or not), for logs and tests. */
-size_t broker_models_count(broker_models *c);
 
 #endif

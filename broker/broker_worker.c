@@ -153,10 +153,3 @@ int broker_worker_fd(const broker_worker *w)
     return w->efd;
 }
 
-size_t broker_worker_busy(broker_worker *w)
-{
-    pthread_mutex_lock(&w->mu);
-    size_t n = w->busy;
-    pthread_mutex_unlock(&w->mu);
-    return n;
-}

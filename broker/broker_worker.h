@@ -33,7 +33,5 @@ bool broker_worker_post(broker_worker *w, broker_task *t);
 broker_task *broker_worker_take(broker_worker *w);
 /* Readable while finished tasks wait to be taken (poll it; broker_worker_take drains it). */
 int broker_worker_fd(const broker_worker *w);
-/* Tasks posted and not yet taken back. */
-size_t broker_worker_busy(broker_worker *w);
 
 #endif
