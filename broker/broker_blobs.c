@@ -118,7 +118,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
                                "assigned", mid);
             return;
         }
-        long idx = broker_model_tensor(mine->model, name);
+        long idx = fu_safetensors_index(mine->model->st, name);
         if (idx < 0) {
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %.20s... has no tensor '%s'", mid,
                                name);

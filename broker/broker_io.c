@@ -83,9 +83,15 @@ void broker_answer_error(broker_t *b, const broker_ret *r, Fusion__ErrorCode cod
 
 fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const ProtobufCMessage *body)
 {
-    broker_ret r;
-    broker_ret_of(msg, &r);
-    return broker_answer(b, &r, t, body);
+    /* every heartbeat is answered here: no broker_ret copy on this path */
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    const wire_hdr *in = wire_msg_hdr(msg);
+    wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
+    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
+    return rc;
 }
 
 void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)

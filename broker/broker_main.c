@@ -2,7 +2,6 @@
  * and logs to stderr; SIGTERM or SIGINT stop it cleanly (socket closed, store closed). */
 #include <signal.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 #include "broker.h"
 #include "fu_log.h"
@@ -13,23 +12,6 @@ static void on_signal(int sig)
 {
     (void)sig;
     broker_request_stop();
-}
-
-/* The token of one role's enrolment: from its file, read with the checks every token file gets
- * (wire_token_load: this user's, mode 0600, no symlink), else from the environment variable env.
- * *token points at buf or the environment, NULL when there is none. */
-static fu_err role_token(const char *file, const char *env, char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token,
-                         fu_errmsg *em)
-{
-    *token = NULL;
-    if (file && file[0]) {
-        FU_TRY(wire_token_load(file, buf, em));
-        *token = buf;
-        return FU_OK;
-    }
-    const char *v = getenv(env);
-    *token = v && v[0] ? v : NULL;
-    return FU_OK;
 }
 
 int main(int argc, char **argv)
@@ -116,9 +98,9 @@ int main(int argc, char **argv)
     fu_errmsg tem = {{0}};
     char peer_buf[WIRE_TOKEN_Z85_LEN + 1], client_buf[WIRE_TOKEN_Z85_LEN + 1];
     const char *peer_token = NULL, *client_token = NULL;
-    if (wire_token_choose(token_file, token, token_buf, &token, &tem) != FU_OK ||
-        role_token(peer_token_file, "FUSION_PEER_TOKEN", peer_buf, &peer_token, &tem) != FU_OK ||
-        role_token(client_token_file, "FUSION_CLIENT_TOKEN", client_buf, &client_token, &tem) != FU_OK) {
+    if (wire_token_choose(token_file, token, "FUSION_ENROL_TOKEN", token_buf, &token, &tem) != FU_OK ||
+        wire_token_choose(peer_token_file, NULL, "FUSION_PEER_TOKEN", peer_buf, &peer_token, &tem) != FU_OK ||
+        wire_token_choose(client_token_file, NULL, "FUSION_CLIENT_TOKEN", client_buf, &client_token, &tem) != FU_OK) {
         fprintf(stderr, "fusion-broker: %s\n", tem.msg);
         return FU_EXIT_USAGE;
     }

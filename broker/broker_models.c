@@ -155,18 +155,6 @@ static void trim(broker_models *c)
     }
 }
 
-long broker_model_tensor(const broker_model *m, const char *name)
-{
-    const fu_st_tensor *t = fu_safetensors_get(m->st, name);
-    if (!t)
-        return -1;
-    size_t n = fu_safetensors_count(m->st);
-    for (size_t i = 0; i < n; i++)
-        if (fu_safetensors_at(m->st, i) == t)
-            return (long)i;
-    return -1;
-}
-
 /* ---------- names ---------- */
 
 static bool inside(const char *path, const char *root)

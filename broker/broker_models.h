@@ -76,9 +76,6 @@ void broker_models_known(broker_models *c, const char *dir, const uint8_t sig[BR
 /* Gives a reference back (NULL-safe); the model stays cached until evicted. Sets *m = NULL. */
 void broker_model_release(broker_model **m);
 
-/* Index of the tensor named `name` in m (fu_safetensors_at order), or -1. */
-long broker_model_tensor(const broker_model *m, const char *name);
-
 /* Tells the kernel the pages of [p, p + n) may be dropped from this process (they stay in the page
  * cache): hashing or serving a model does not grow the broker's resident memory. */
 void broker_model_drop_pages(const void *p, size_t n);

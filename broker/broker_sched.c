@@ -211,8 +211,9 @@ done:
 /* Fair queueing across clients: the next queued job to plan is one of the client with the fewest
  * jobs holding peers now (starting, running or recovering), the oldest of that client first; so a
  * client with many queued jobs cannot keep another's first job waiting. Returns NULL when every
- * queued job was tried in this round. owner_of[i] indexes distinct owners, busy[] counts theirs. */
-static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t *busy)
+ * queued job was tried in this round (its index in b->jobs otherwise). owner_of[i] indexes distinct
+ * owners, busy[] counts theirs. */
+static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t *busy, size_t *at)
 {
     broker_job *best = NULL;
     uint32_t best_busy = UINT32_MAX;
@@ -223,6 +224,7 @@ static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t
         if (busy[owner_of[i]] < best_busy) {
             best = j;
             best_busy = busy[owner_of[i]];
+            *at = i;
         }
     }
     return best;
@@ -251,7 +253,8 @@ void broker_schedule(broker_t *b)
             busy[o]++;
     }
     broker_job *j;
-    while ((j = next_fair(b, owner_of, busy)) != NULL) {
+    size_t at = 0;
+    while ((j = next_fair(b, owner_of, busy, &at)) != NULL) {
         if (broker_now() - t0 > BROKER_SCHED_SLICE_MS) {
             b->sched_dirty = true;
             b->sched_resume = true; /* the next pass goes on with this round */
@@ -260,9 +263,7 @@ void broker_schedule(broker_t *b)
         j->sched_tried = b->sched_round;
         plan_job(b, j);
         if (j->phase != BJ_QUEUED)
-            for (size_t i = 0; i < n; i++)
-                if (b->jobs[i] == j)
-                    busy[owner_of[i]]++;
+            busy[owner_of[at]]++;
     }
     free(owner_of);
     free(first);

@@ -19,7 +19,7 @@ typedef struct {
 struct broker_worker {
     pthread_mutex_t mu;
     pthread_cond_t cv;                 /* a task was queued, or stop */
-    fifo todo, done;
+    fifo queued, done;
     size_t busy, depth;                /* posted and not taken back; the most allowed */
     bool stop;
     int efd;                           /* eventfd: readable while `done` is not empty */
@@ -53,11 +53,11 @@ static void *worker_main(void *arg)
     broker_worker *w = arg;
     pthread_mutex_lock(&w->mu);
     for (;;) {
-        while (!w->stop && !w->todo.head)
+        while (!w->stop && !w->queued.head)
             pthread_cond_wait(&w->cv, &w->mu);
         if (w->stop)
             break;
-        broker_task *t = pop(&w->todo);
+        broker_task *t = pop(&w->queued);
         pthread_mutex_unlock(&w->mu);
         t->run(t);
         pthread_mutex_lock(&w->mu);
@@ -105,7 +105,7 @@ void broker_worker_free(broker_worker **wp)
     pthread_mutex_unlock(&w->mu);
     pthread_join(w->thread, NULL);
     broker_task *t;
-    while ((t = pop(&w->todo)) != NULL)
+    while ((t = pop(&w->queued)) != NULL)
         t->drop(t);
     while ((t = pop(&w->done)) != NULL)
         t->drop(t);
@@ -122,7 +122,7 @@ bool broker_worker_post(broker_worker *w, broker_task *t)
     bool ok = w->busy < w->depth;
     if (ok) {
         w->busy++;
-        push(&w->todo, t);
+        push(&w->queued, t);
         pthread_cond_signal(&w->cv);
     }
     pthread_mutex_unlock(&w->mu);

@@ -624,22 +624,28 @@ const fu_st_tensor *fu_safetensors_at(const fu_safetensors *st, size_t i)
     return st && i < st->n ? &st->t[i] : NULL;
 }
 
-const fu_st_tensor *fu_safetensors_get(const fu_safetensors *st, const char *name)
+long fu_safetensors_index(const fu_safetensors *st, const char *name)
 {
     if (!st || !name)
-        return NULL;
+        return -1;
     size_t lo = 0, hi = st->n;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
         int c = strcmp(name, st->t[mid].name);
         if (c == 0)
-            return &st->t[mid];
+            return (long)mid;
         if (c < 0)
             hi = mid;
         else
             lo = mid + 1;
     }
-    return NULL;
+    return -1;
+}
+
+const fu_st_tensor *fu_safetensors_get(const fu_safetensors *st, const char *name)
+{
+    long i = fu_safetensors_index(st, name);
+    return i < 0 ? NULL : &st->t[i];
 }
 
 fu_err fu_safetensors_find(const fu_safetensors *st, const char *name, const fu_st_tensor **out, fu_errmsg *em)

@@ -114,6 +114,8 @@ const fu_st_tensor *fu_safetensors_at(const fu_safetensors *st, size_t i);
 
 /* The tensor called name, or NULL. */
 const fu_st_tensor *fu_safetensors_get(const fu_safetensors *st, const char *name);
+/* Its index in name order (fu_safetensors_at), or -1 when there is none. */
+long fu_safetensors_index(const fu_safetensors *st, const char *name);
 
 /* Like fu_safetensors_get, but FU_ENOTFOUND with a message naming the file(s) and the tensor
  * ("model.safetensors: no tensor 'lm_head.weight'") when missing. */

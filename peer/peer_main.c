@@ -114,7 +114,7 @@ int main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     char token_buf[WIRE_TOKEN_Z85_LEN + 1];
-    if (wire_token_choose(token_file, enrol_token, token_buf, &enrol_token, &hem) != FU_OK) {
+    if (wire_token_choose(token_file, enrol_token, "FUSION_ENROL_TOKEN", token_buf, &enrol_token, &hem) != FU_OK) {
         fprintf(stderr, "fusion-peer: %s\n", hem.msg);
         return FU_EXIT_USAGE;
     }

@@ -181,8 +181,8 @@ fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_er
     return FU_OK;
 }
 
-fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token,
-                         fu_errmsg *em)
+fu_err wire_token_choose(const char *file, const char *given, const char *env, char buf[WIRE_TOKEN_Z85_LEN + 1],
+                         const char **token, fu_errmsg *em)
 {
     *token = NULL;
     if (file && file[0]) {
@@ -190,11 +190,11 @@ fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKE
         *token = buf;
     } else if (given && given[0]) {
         FU_WARN("keys", "the enrolment token was given on the command line, where `ps` shows it to every user of "
-                        "this machine: prefer --enrol-token-file FILE or FUSION_ENROL_TOKEN");
+                        "this machine: prefer a token file or %s", env);
         *token = given;
     } else {
-        const char *env = getenv("FUSION_ENROL_TOKEN");
-        *token = env && env[0] ? env : NULL;
+        const char *v = getenv(env);
+        *token = v && v[0] ? v : NULL;
     }
     return FU_OK;
 }

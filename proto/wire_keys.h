@@ -57,10 +57,11 @@ void           wire_keypair_destroy(wire_keypair_t **kp_p);       /* wipes; idem
 FU_MUST_CHECK fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_errmsg *em);
 
 /* The enrolment token a program was given, from (in this order) a token file, the command line
- * (`given`: logged as a warning, since `ps` shows it) or the FUSION_ENROL_TOKEN environment variable:
- * *token points at buf or the given text, NULL when none. Errors are wire_token_load's. */
-FU_MUST_CHECK fu_err wire_token_choose(const char *file, const char *given, char buf[WIRE_TOKEN_Z85_LEN + 1],
-                                       const char **token, fu_errmsg *em);
+ * (`given`, may be NULL: logged as a warning, since `ps` shows it) or the environment variable env
+ * (FUSION_ENROL_TOKEN, or a role's): *token points at buf, the given text or the environment, NULL
+ * when none. Errors are wire_token_load's. */
+FU_MUST_CHECK fu_err wire_token_choose(const char *file, const char *given, const char *env,
+                                       char buf[WIRE_TOKEN_Z85_LEN + 1], const char **token, fu_errmsg *em);
 
 /* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
 FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em);

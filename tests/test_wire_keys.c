@@ -188,7 +188,7 @@ static void test_wire_keys_token_file(void **state)
     assert_int_equal(wire_token_load(path, got, &em), FU_OK);
     assert_string_equal(got, tok);
     const char *chosen = NULL;
-    assert_int_equal(wire_token_choose(path, "ignored", got, &chosen, &em), FU_OK); /* the file wins */
+    assert_int_equal(wire_token_choose(path, "ignored", "FUSION_ENROL_TOKEN", got, &chosen, &em), FU_OK); /* the file wins */
     assert_string_equal(chosen, tok);
     assert_int_equal(chmod(path, 0644), 0);
     assert_int_equal(wire_token_load(path, got, &em), FU_EPERM);
@@ -204,10 +204,10 @@ static void test_wire_keys_token_file(void **state)
     assert_int_equal(wire_token_load(path, got, &em), FU_ENOTFOUND);
     /* no file, no argument: the environment */
     setenv("FUSION_ENROL_TOKEN", tok, 1);
-    assert_int_equal(wire_token_choose(NULL, NULL, got, &chosen, &em), FU_OK);
+    assert_int_equal(wire_token_choose(NULL, NULL, "FUSION_ENROL_TOKEN", got, &chosen, &em), FU_OK);
     assert_string_equal(chosen, tok);
     unsetenv("FUSION_ENROL_TOKEN");
-    assert_int_equal(wire_token_choose(NULL, NULL, got, &chosen, &em), FU_OK);
+    assert_int_equal(wire_token_choose(NULL, NULL, "FUSION_ENROL_TOKEN", got, &chosen, &em), FU_OK);
     assert_null(chosen);
 }
 
