@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -442,8 +443,11 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
                            WIRE_ZAP_ENDPOINT, zmq_strerror(e));
         goto fail;
     }
+    /* A counter, not the address: malloc hands a freed handler's address to the next one before
+     * the reaper has released the old name. */
+    static atomic_uint next_pipe;
     char pipe_ep[64];
-    snprintf(pipe_ep, sizeof pipe_ep, "inproc://fusion-zap-pipe-%p", (void *)zap);
+    snprintf(pipe_ep, sizeof pipe_ep, "inproc://fusion-zap-pipe-%u", atomic_fetch_add(&next_pipe, 1));
     if (zmq_bind(zap->pipe_actor, pipe_ep) != 0 || zmq_connect(zap->pipe_main, pipe_ep) != 0) {
         rc = fu_errmsg_set(em, FU_EIO, "cannot make the ZAP handler's pipe: %s", zmq_strerror(zmq_errno()));
         goto fail;
