@@ -179,6 +179,7 @@ static uint32_t role_needed(Fusion__MsgType t)
     case FUSION__MSG_TYPE__MSG_VERIFY_SKETCH:
     case FUSION__MSG_TYPE__MSG_VERIFY_INPUT:
     case FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ:
+    case FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY:
     case FUSION__MSG_TYPE__MSG_ERROR:
         return WIRE_ROLE_PEER;
     case FUSION__MSG_TYPE__MSG_JOB_SUBMIT:
@@ -270,6 +271,10 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     case FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ:
         if ((p = peer_of(b, msg)))
             broker_on_link_probe(b, p, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY:
+        if ((p = peer_of(b, msg)))
+            broker_on_challenge_reply(b, p, msg);
         break;
     case FUSION__MSG_TYPE__MSG_ERROR:
         p = broker_peer_find(b, uid);
@@ -541,6 +546,7 @@ static void timers(broker_t *b)
     if (now >= b->next_sweep_ms) {
         broker_peers_sweep(b);
         broker_verify_sweep(b);
+        broker_challenge_sweep(b);
         broker_deadlines_sweep(b);
         for (size_t i = 0; i < b->n_jobs; i++) {
             broker_job *j = b->jobs[i];

@@ -61,6 +61,12 @@ extern "C" {
 #define BROKER_VERIFY_MAX_INPUT (1ull << 30) /* largest stage input the broker forwards to a verifier (bytes) */
 #define BROKER_VERIFY_MAX       256       /* verification samples in flight (more are skipped and logged) */
 #define BROKER_VERIFY_TIMEOUT_MS 60000    /* a sample whose sketches did not all come back by then is dropped */
+/* The profile challenge (broker_challenge.c, docs/SECURITY.md "Verified profiles"). */
+#define BROKER_CHALLENGE_MS     300       /* default --challenge-ms: the product takes this long at the claimed speed */
+#define BROKER_CHALLENGE_SLACK  1.5       /* plans use min(claimed, this x measured) GFLOP/s */
+#define BROKER_CHALLENGE_STEP_MS 30000    /* each step of the challenge must be answered within this */
+#define BROKER_CHALLENGE_RETRY_MS 60000   /* a challenge not answered in time is tried again after this */
+#define BROKER_CHALLENGE_PENALTY 0.3      /* reputation lost by a peer whose answer is wrong */
 
 typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */
@@ -85,6 +91,8 @@ typedef struct {
     uint32_t client_jobs;      /* unfinished jobs one client may have; 0: BROKER_CLIENT_JOBS */
     uint32_t client_mib;       /* MiB one client's jobs may hold in the store; 0: BROKER_CLIENT_MIB */
     uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
+    uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
+                                  (profiles believed: only for a cluster of one's own machines) */
 } broker_cfg;
 
 typedef struct broker broker_t;

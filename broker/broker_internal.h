@@ -19,6 +19,7 @@
 #include "dag_partition.h"
 #include "dag_spec.h"
 #include "db.h"
+#include "fu_challenge.h"
 #include "fu_safetensors.h"
 #include "fu_tokenizer.h"
 #include "wire.h"
@@ -48,6 +49,16 @@
 _Static_assert(BROKER_MODEL_HASH_LEN == DB_HASH_LEN && BROKER_MODEL_ID_LEN == DB_MODEL_ID_LEN,
                "model ids and hashes are stored as they are made");
 
+/* Where a peer is in its profile challenge (broker_challenge.c). */
+typedef enum {
+    BCH_NONE = 0,   /* none under way (a new registration, or waiting to try again after a timeout) */
+    BCH_PREPARING,  /* PREPARE sent */
+    BCH_COMPUTING,  /* GO sent: the clock runs */
+    BCH_REVEALING,  /* REVEAL sent */
+    BCH_PASSED,     /* its speed is verified (or challenges are off): it may get work */
+    BCH_FAILED,     /* a wrong or refused answer: no work for this registration */
+} broker_ch_state;
+
 /* A peer the broker has heard from since it started. */
 typedef struct {
     char key[DB_KEY_LEN + 1];          /* z85 public key: the identity */
@@ -56,7 +67,18 @@ typedef struct {
     char name[DB_NAME_MAX + 1];        /* display name */
     char device[128];                  /* device name from its profile */
     Fusion__Backend backend;           /* cpu or cuda */
-    double gflops;                     /* f32 GEMM GFLOP/s (or the best it reported) */
+    double gflops;                     /* f32 GEMM GFLOP/s plans use: min(claimed, slack x verified) */
+    double claimed_gflops;             /* what its profile said (the best f32, else any dtype) */
+    double verified_gflops;            /* what its profile challenge measured (0: not yet) */
+    /* The profile challenge (broker_challenge.c). */
+    broker_ch_state ch;                /* where it is */
+    uint32_t ch_round, ch_n;           /* its round number and matrix size */
+    uint8_t ch_seed[FU_CHALLENGE_SEED_BYTES], ch_go[FU_CHALLENGE_SEED_BYTES];
+    uint8_t ch_commit[FU_CHALLENGE_COMMIT];
+    uint32_t ch_rows[FU_CHALLENGE_ROWS]; /* the rows asked for in REVEAL */
+    uint64_t ch_pick;                  /* seed of the entries checked in them */
+    uint64_t ch_sent_ns;               /* when the current step was sent (fu_clock_ns) */
+    uint64_t ch_retry_ms;              /* BCH_NONE: start (again) at this broker_now */
     uint64_t mem_bytes;                /* memory it offers */
     double link_bw;                    /* bytes/s */
     bool link_measured;                /* link_bw came from the peer's measurement */
@@ -219,6 +241,7 @@ struct broker {
     uint64_t started_ms;               /* monotonic start time */
     uint64_t relayed;                  /* frames relayed */
     uint8_t verify_key[32];            /* random key of the sample selection (peers cannot predict it) */
+    uint32_t ch_rounds;                /* profile challenges started (each gets the next number) */
     broker_vsample vs[BROKER_VERIFY_MAX]; /* verification samples in flight */
 };
 
@@ -257,6 +280,8 @@ int64_t broker_wall(void);  /* Unix ms */
 
 /* ---- broker_registry.c: the peers ---- */
 broker_peer *broker_peer_find(broker_t *b, const char *key);
+/* Stores p's profile (its verified speed and session included) in the store; failures are logged. */
+void broker_peer_store_profile(broker_t *b, const broker_peer *p);
 /* Checks what a PeerHello claims (texts, a believable profile, an endpoint); FU_EINVAL with why. */
 FU_MUST_CHECK fu_err broker_peer_hello_check(const Fusion__PeerHello *h, fu_errmsg *em);
 /* Registers (or renews) key from a checked PeerHello on connection rid: idle, live, stored.
@@ -388,6 +413,14 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Drops samples past their deadline (logged). */
 void broker_verify_sweep(broker_t *b);
+
+/* ---- broker_challenge.c: the profile challenge (docs/SECURITY.md "Verified profiles") ---- */
+/* A new registration of p: starts its challenge, or passes it at once when challenges are off or the
+ * store remembers this very session's result (verified_gflops already set by broker_peer_admit). */
+void broker_challenge_start(broker_t *b, broker_peer *p);
+void broker_on_challenge_reply(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* Steps past their deadline are dropped and tried again later; retries due are started. */
+void broker_challenge_sweep(broker_t *b);
 
 /* ---- broker_blobs.c ---- */
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);

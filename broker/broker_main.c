@@ -21,6 +21,7 @@ int main(int argc, char **argv)
     const char *peer_token_file = NULL, *client_token_file = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
+    long long challenge_ms = BROKER_CHALLENGE_MS;
     long long client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
     double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION;
     bool init_store = false, check_store = false;
@@ -47,6 +48,9 @@ int main(int argc, char **argv)
         {"verify", 0, FU_OPT_DOUBLE, &verify, "F",
          "fraction 0..1 of micro-batches re-run on a second peer, for jobs whose spec has no \"verify\" (default "
          "0.25; 0: off)"},
+        {"challenge-ms", 0, FU_OPT_INT, &challenge_ms, "MS",
+         "a joining peer's claimed speed is capped by a checked computation this long at that speed (default 300; "
+         "0: believe every profile, for a cluster of your own machines)"},
         {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
          "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
         {"ready-timeout", 0, FU_OPT_INT, &ready_timeout, "SEC",
@@ -80,6 +84,10 @@ int main(int argc, char **argv)
     }
     if (!(verify >= 0 && verify <= 1) || !(min_rep > 0 && min_rep <= 1)) {
         fprintf(stderr, "fusion-broker: --verify must be 0..1 and --reputation-threshold in (0, 1]\n");
+        return FU_EXIT_USAGE;
+    }
+    if (challenge_ms < 0 || challenge_ms > 10000) {
+        fprintf(stderr, "fusion-broker: --challenge-ms must be 0..10000\n");
         return FU_EXIT_USAGE;
     }
     if (ready_timeout < 1 || ready_timeout > BROKER_TIMEOUT_MAX_S || step_timeout < 0 ||
@@ -119,7 +127,8 @@ int main(int argc, char **argv)
                       .verify = verify, .min_reputation = min_rep,
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
-                      .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min};
+                      .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min,
+                      .challenge_ms = (uint32_t)challenge_ms};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

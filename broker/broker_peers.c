@@ -82,6 +82,7 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
         return;
     }
     welcome(b, msg, p);
+    broker_challenge_start(b, p); /* no work before its speed is verified */
     broker_recover_ready(b);
     b->sched_dirty = true;
 }
@@ -236,6 +237,12 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
             infos[i].state = FUSION__PEER_STATE__PEER_STATE_BUSY; /* a backup is busy too, for all they know */
         }
         infos[i].last_seen_ms = wall - (int64_t)(now - p->last_heard_ms);
+        infos[i].gflops_claimed = p->claimed_gflops;
+        infos[i].gflops_verified = p->verified_gflops;
+        infos[i].profile_check = (char *)(!b->cfg.challenge_ms   ? "off"
+                                          : p->ch == BCH_PASSED ? "verified"
+                                          : p->ch == BCH_FAILED ? "failed"
+                                                                : "pending");
         if (p->paused) {
             infos[i].pause_reason = p->pause_reason;
             infos[i].paused_ms = (int64_t)(now - p->paused_since_ms);

@@ -46,6 +46,11 @@ static char *profile_json(const broker_peer *p)
 {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "gflops_f32", p->gflops);
+    cJSON_AddNumberToObject(o, "gflops_claimed", p->claimed_gflops);
+    cJSON_AddNumberToObject(o, "gflops_verified", p->verified_gflops);
+    char session[17];
+    snprintf(session, sizeof session, "%016" PRIx64, p->session);
+    cJSON_AddStringToObject(o, "session", session);
     cJSON_AddNumberToObject(o, "free_memory_bytes", (double)p->mem_bytes);
     cJSON_AddStringToObject(o, "backend", p->backend == FUSION__BACKEND__BACKEND_CUDA ? "cuda" : "cpu");
     cJSON_AddStringToObject(o, "device", p->device);
@@ -120,6 +125,36 @@ static broker_peer *slot_for(broker_t *b, const char *key)
     return p;
 }
 
+/* The verified speed the store keeps for key's registration of `session` (a broker restart meets the
+ * same peer process again), 0 when none. */
+static double remembered_gflops(broker_t *b, const char *key, uint64_t session)
+{
+    db_peer *dp = NULL;
+    double v = 0;
+    if (!session || db_peer_get(b->db, key, &dp) != FU_OK)
+        return 0;
+    cJSON *o = dp->profile ? cJSON_Parse(dp->profile) : NULL;
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "session");
+    const cJSON *g = cJSON_GetObjectItemCaseSensitive(o, "gflops_verified");
+    char want[17];
+    snprintf(want, sizeof want, "%016" PRIx64, session);
+    if (cJSON_IsString(s) && strcmp(s->valuestring, want) == 0 && cJSON_IsNumber(g) && isfinite(g->valuedouble) &&
+        g->valuedouble > 0 && g->valuedouble <= BROKER_MAX_PEER_GFLOPS)
+        v = g->valuedouble;
+    cJSON_Delete(o);
+    db_peer_free(&dp);
+    return v;
+}
+
+void broker_peer_store_profile(broker_t *b, const broker_peer *p)
+{
+    char *pj = profile_json(p);
+    fu_err rc = db_peer_set_profile(b->db, p->key, pj);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "could not store the profile of peer %.8s: %s", p->key, fu_strerror(rc));
+    free(pj);
+}
+
 fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *h, const uint8_t *rid, size_t rl,
                          broker_peer **out, fu_errmsg *em)
 {
@@ -133,7 +168,10 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
     snprintf(p->endpoint, sizeof p->endpoint, "%s", h->needs_relay ? "" : h->data_endpoint);
     p->relay = h->needs_relay;
     p->backend = pr->backend;
-    p->gflops = profile_gflops(pr);
+    p->claimed_gflops = p->gflops = profile_gflops(pr);
+    p->verified_gflops = remembered_gflops(b, key, h->session);
+    p->ch = BCH_NONE;
+    p->ch_retry_ms = 0;
     p->mem_bytes = pr->free_memory_bytes;
     p->link_measured = isfinite(pr->link_bandwidth_bps) && pr->link_bandwidth_bps > 0 &&
                        pr->link_bandwidth_bps <= BROKER_MAX_LINK_BW;
@@ -265,7 +303,8 @@ void broker_peer_set_gone(broker_t *b, broker_peer *p, bool left, const char *jo
 
 bool broker_peer_trusted(const broker_t *b, const broker_peer *p)
 {
-    return p->live && !p->draining && p->reputation >= b->cfg.min_reputation - BROKER_REPUTATION_EPS;
+    return p->live && !p->draining && p->ch == BCH_PASSED &&
+           p->reputation >= b->cfg.min_reputation - BROKER_REPUTATION_EPS;
 }
 
 void broker_peer_take(broker_t *b, broker_peer *p, const broker_job *j, uint32_t stage, bool backup)

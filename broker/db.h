@@ -264,6 +264,8 @@ FU_MUST_CHECK fu_err db_job_complete(db_t *db, const char *id, const void *resul
  * DB_PROFILE_MAX bytes (FU_EINVAL otherwise). *created (may be NULL) tells whether it is new. */
 FU_MUST_CHECK fu_err db_peer_upsert(db_t *db, const char *key, const char *name, const char *profile_json,
                                     db_peer_state state, int64_t now_ms, bool *created);
+/* Replaces a peer's profile (a JSON object of at most DB_PROFILE_MAX bytes). FU_ENOTFOUND unknown peer. */
+FU_MUST_CHECK fu_err db_peer_set_profile(db_t *db, const char *key, const char *profile_json);
 /* Sets a peer's state. FU_ENOTFOUND unknown peer. A peer that becomes left or dead loses its
  * stages: each stage it held in a running/queued job becomes lost (lease cleared). */
 FU_MUST_CHECK fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms);

@@ -122,6 +122,18 @@ fail:
     return err;
 }
 
+fu_err db_peer_set_profile(db_t *db, const char *key, const char *profile_json)
+{
+    static const char SQL[] = "UPDATE peers SET profile = ? WHERE pubkey = ?";
+    if (!db || !db_key_valid(key) || !profile_valid(profile_json))
+        return FU_EINVAL;
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "tt", profile_json, key));
+    FU_TRY(db_run(db, st, "storing a peer's profile"));
+    return sqlite3_changes(db->conn) ? FU_OK : FU_ENOTFOUND;
+}
+
 fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms)
 {
     static const char SQL[] = "UPDATE peers SET state = ? WHERE pubkey = ?";

@@ -210,7 +210,8 @@ void peer_io_on_broker(peer_t *p, wire_msg_t *m)
     case FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK:
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
     case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST:
-    case FUSION__MSG_TYPE__MSG_VERIFY_DELIVER: {
+    case FUSION__MSG_TYPE__MSG_VERIFY_DELIVER:
+    case FUSION__MSG_TYPE__MSG_CHALLENGE: {
         peer_cmd *c = peer_cmd_new(PEER_CMD_MSG);
         c->msg = m;
         peer_io_deliver(p, c);

@@ -587,6 +587,14 @@ static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
     case FUSION__MSG_TYPE__MSG_VERIFY_DELIVER:
         stage_on_verify_deliver(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER));
         break;
+    case FUSION__MSG_TYPE__MSG_CHALLENGE: {
+        if (!s->challenge)
+            s->challenge = peer_challenge_new(s->cfg.be);
+        Fusion__ChallengeReply r;
+        peer_challenge_answer(s->challenge, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_CHALLENGE), &r);
+        stage_to_io(s, peer_cmd_send_new(FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY, 0, 0, 0, &r.base));
+        break;
+    }
     case FUSION__MSG_TYPE__MSG_ERROR: {
         /* The broker refused a WeightRequest: the blob being fetched cannot be had. */
         const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
@@ -670,6 +678,7 @@ void *peer_compute_main(void *arg)
         }
     }
     stage_clear(s);
+    peer_challenge_destroy(&s->challenge);
     zmq_close(s->pipe);
     atomic_store(&s->cfg.shared->exited, 1);
     free(s);

@@ -18,6 +18,7 @@
 #include "fu_safetensors.h"
 #include "fusion.pb-c.h"
 #include "peer_blob.h"
+#include "peer_challenge.h"
 #include "peer_internal.h"
 #include "wire_tensor.h"
 
@@ -52,6 +53,7 @@ typedef struct {
     peer_compute_cfg cfg;     /* from the I/O thread */
     void *pipe;               /* our end of the PAIR */
     bool stop;                /* STOP received */
+    peer_challenge_t *challenge; /* the profile challenge under way, NULL before the first */
 
     /* the assignment */
     bool active;              /* a stage is held */

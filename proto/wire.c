@@ -56,6 +56,8 @@ static const wire_type_info type_table[] = {
     T(MSG_VERIFY_INPUT, &fusion__verify_input__descriptor, true), /* a sealed chunk of an activation */
     T(MSG_LINK_PROBE_REQ, &fusion__link_probe_request__descriptor, false),
     T(MSG_LINK_PROBE, &fusion__link_probe__descriptor, true), /* up to 4 MiB of zeros */
+    T(MSG_CHALLENGE, &fusion__challenge__descriptor, false),
+    T(MSG_CHALLENGE_REPLY, &fusion__challenge_reply__descriptor, false), /* <= 8192 x 16 + 8 x 8192 x 4 bytes */
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

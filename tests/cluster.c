@@ -584,6 +584,9 @@ void tu_broker_start(tu_cluster *c)
     add_option(argv, &n, "--ready-timeout", number_option(rt, c->o.ready_timeout_s));
     add_option(argv, &n, "--step-timeout", number_option(st, c->o.step_timeout_s));
     add_option(argv, &n, "--pause-grace", number_option(pg, c->o.pause_grace_s));
+    char chm[24]; /* a short challenge: the tests' peers claim tens of GFLOP/s */
+    snprintf(chm, sizeof chm, "%d", c->o.challenge_ms > 0 ? c->o.challenge_ms : c->o.challenge_ms < 0 ? 0 : 20);
+    add_option(argv, &n, "--challenge-ms", chm);
     char roots[2 * TU_PATH + 2];
     snprintf(roots, sizeof roots, "%s%s%s", c->dir, c->o.model_root ? ":" : "", c->o.model_root ? c->o.model_root : "");
     add_option(argv, &n, "--model-root", roots);

@@ -76,6 +76,7 @@ typedef struct {
     int ready_timeout_s;        /* --ready-timeout (0: the broker's default) */
     int step_timeout_s;         /* --step-timeout (0: the broker's default) */
     int pause_grace_s;          /* --pause-grace (0: the broker's default) */
+    int challenge_ms;           /* --challenge-ms (0: 20 ms, short for the tests' peers; < 0: challenges off) */
     const char *enrol_token;    /* --enrol-token (NULL: none) */
     const char *log_level;      /* --log-level (NULL: the broker's default) */
     const char *model_root;     /* --model-root besides DIR (the broker serves the models under DIR

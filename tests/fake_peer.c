@@ -17,8 +17,10 @@
 #include "dag_peft.h"
 #include "dag_serial.h"
 #include "fu_clock.h"
+#include "fu_challenge.h"
 #include "fu_file.h"
 #include "fu_safetensors.h"
+#include "peer_challenge.h"
 #include "wire_socket.h"
 
 #define TU_FAKE_PEER_ARG "--fake-peer"
@@ -59,6 +61,9 @@ void tu_client_open(tu_client *cl, const tu_cluster *c, const char *key_name)
 
 void tu_client_close(tu_client *cl)
 {
+    peer_challenge_destroy(&cl->solver);
+    free(cl->forged);
+    cl->forged = NULL;
     wire_socket_close(&cl->sock);
     if (cl->ctx)
         zmq_ctx_term(cl->ctx);
@@ -72,6 +77,53 @@ fu_err tu_client_send(tu_client *cl, Fusion__MsgType t, uint64_t job, const Prot
     return wire_send(cl->sock, NULL, 0, &h, body);
 }
 
+/* A forged answer: ready at once, a commitment to n rows of zeros, and those rows. */
+static void forge_answer(tu_client *cl, const Fusion__Challenge *ch, Fusion__ChallengeReply *r)
+{
+    fusion__challenge_reply__init(r);
+    r->step = ch->step;
+    r->round = ch->round;
+    if (ch->step == FUSION__CHALLENGE_STEP__CHALLENGE_PREPARE) {
+        uint32_t n = cl->forged_n = ch->n;
+        free(cl->forged);
+        size_t hb = (size_t)n * FU_CHALLENGE_ROW_HASH;
+        cl->forged = calloc(1, hb + (size_t)FU_CHALLENGE_ROWS * n * sizeof(float));
+        float *zero = calloc(n, sizeof *zero);
+        for (uint32_t i = 0; i < n; i++)
+            fu_challenge_row_hash(zero, n, cl->forged + (size_t)i * FU_CHALLENGE_ROW_HASH);
+        free(zero);
+        fu_challenge_commit(cl->forged, n, cl->forged_commit);
+    } else if (ch->step == FUSION__CHALLENGE_STEP__CHALLENGE_GO) {
+        r->commit.data = cl->forged_commit;
+        r->commit.len = sizeof cl->forged_commit;
+    } else if (cl->forged) {
+        r->row_hashes.data = cl->forged;
+        r->row_hashes.len = (size_t)cl->forged_n * FU_CHALLENGE_ROW_HASH;
+        r->rows.data = cl->forged + r->row_hashes.len;
+        r->rows.len = (size_t)ch->n_rows * cl->forged_n * sizeof(float);
+    }
+}
+
+/* Answers a profile challenge as cl->challenge says; false when m is to be passed on. */
+static bool answer_challenge(tu_client *cl, const wire_msg_t *m)
+{
+    if (wire_msg_type(m) != FUSION__MSG_TYPE__MSG_CHALLENGE || cl->challenge == TU_CHALLENGE_PASS_ON)
+        return false;
+    const Fusion__Challenge *ch = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_CHALLENGE);
+    Fusion__ChallengeReply r;
+    if (cl->challenge == TU_CHALLENGE_FORGE) {
+        forge_answer(cl, ch, &r);
+    } else {
+        if (!cl->solver)
+            cl->solver = peer_challenge_new(kern_backend_cpu());
+        peer_challenge_answer(cl->solver, ch, &r);
+    }
+    (void)tu_client_send(cl, FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY, 0, &r.base);
+    if (ch->step == FUSION__CHALLENGE_STEP__CHALLENGE_REVEAL)
+        cl->challenges_answered++;
+    return true;
+}
+
 wire_msg_t *tu_client_recv(tu_client *cl, int timeout_ms)
 {
     zmq_pollitem_t it = {.socket = cl->sock, .events = ZMQ_POLLIN};
@@ -83,8 +135,11 @@ wire_msg_t *tu_client_recv(tu_client *cl, int timeout_ms)
         if (zmq_poll(&it, 1, (long)(end - now)) <= 0)
             continue;
         wire_msg_t *m = NULL;
-        if (wire_recv(cl->sock, WIRE_DONTWAIT, &cl->c, &m) == FU_OK)
+        if (wire_recv(cl->sock, WIRE_DONTWAIT, &cl->c, &m) != FU_OK)
+            continue;
+        if (!answer_challenge(cl, m))
             return m;
+        wire_msg_destroy(&m);
     }
 }
 
@@ -132,6 +187,20 @@ const Fusion__JobStatus *tu_status_of(const wire_msg_t *m)
 }
 
 /* The PeerInfo of the peer named `name` in a PeerList answer (NULL: not listed). */
+const Fusion__PeerInfo *tu_peer_listed(const wire_msg_t *m, const char *name)
+{
+    const Fusion__PeerList *pl = m ? wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_PEER_LIST) : NULL;
+    for (size_t i = 0; pl && i < pl->n_peers; i++)
+        if (strcmp(pl->peers[i]->name, name) == 0)
+            return pl->peers[i];
+    return NULL;
+}
+
+wire_msg_t *tu_client_peer_list(tu_client *cl)
+{
+    return tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 2000);
+}
+
 static const Fusion__PeerInfo *listed(const Fusion__PeerList *pl, const char *z85, const char *name)
 {
     for (size_t i = 0; pl && i < pl->n_peers; i++)

@@ -25,6 +25,14 @@ extern "C" {
 
 /* ---- a client of the broker ---------------------------------------------------------------------- */
 
+/* How a test's wire client answers the broker's profile challenge (MSG_CHALLENGE; tu_client_recv
+ * answers it before returning anything else). */
+typedef enum {
+    TU_CHALLENGE_HONEST = 0, /* computes it on the CPU backend (peer/peer_challenge.c), as fusion-peer does */
+    TU_CHALLENGE_FORGE,      /* answers at once with a self-consistent commitment to rows of zeros */
+    TU_CHALLENGE_PASS_ON,    /* does not answer: tu_client_recv returns the Challenge to the caller */
+} tu_challenge_mode;
+
 typedef struct {
     void *ctx;          /* its own ZeroMQ context */
     void *sock;         /* DEALER, CURVE client of the broker */
@@ -32,6 +40,12 @@ typedef struct {
     wire_counters c;    /* what wire_recv dropped */
     uint64_t seq;       /* the last Envelope.sequence sent */
     uint64_t session;   /* PeerHello.session (random at tu_client_open; change it for a "new process") */
+    tu_challenge_mode challenge; /* how it answers profile challenges */
+    struct peer_challenge *solver; /* TU_CHALLENGE_HONEST: made on the first challenge */
+    uint8_t *forged;    /* TU_CHALLENGE_FORGE: the zero rows' hashes and rows */
+    uint32_t forged_n;  /* ... of this size */
+    uint8_t forged_commit[32]; /* ... and their commitment */
+    uint32_t challenges_answered; /* REVEALs answered (the challenge ran to its end) */
 } tu_client;
 
 /* Connects to c's broker with the key pair DIR/key_name; fails the test otherwise. */
@@ -60,6 +74,11 @@ const Fusion__JobStatus *tu_status_of(const wire_msg_t *m);
 
 /* The reputation the broker lists for the peer named `name`, or -1 when absent or no answer. */
 double tu_client_reputation(tu_client *cl, const char *name);
+
+/* The broker's PeerList (caller destroys), NULL when no answer. */
+wire_msg_t *tu_client_peer_list(tu_client *cl);
+/* The entry of the peer named `name` in the PeerList m, NULL when absent (or m is not one). */
+const Fusion__PeerInfo *tu_peer_listed(const wire_msg_t *m, const char *name);
 
 /* State of the peer with key z85 in the broker's PeerList, or -1 when absent or no answer. */
 int tu_client_peer_state(tu_client *cl, const char *z85);

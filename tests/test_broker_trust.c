@@ -11,6 +11,7 @@
  * - a client with a job running waits behind one with none; a flood of submissions meets the
  *   per-minute limit while other clients still get in;
  * - the stages that see tokens stay on peers the allow-list marks trusted;
+ * - a peer's claimed speed is capped by its profile challenge; a forged answer or none gets no work;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -509,6 +510,92 @@ static void test_trust_unbelievable_profile_refused(void **state)
     tu_client_close(&liar);
 }
 
+/* Waits until the broker lists `name` with profile_check `want`; the list (caller destroys). */
+static wire_msg_t *listed_as(tu_client *cl, const char *name, const char *want, int timeout_ms)
+{
+    uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        wire_msg_t *m = tu_client_peer_list(cl);
+        const Fusion__PeerInfo *pi = tu_peer_listed(m, name);
+        if (pi && strcmp(pi->profile_check, want) == 0)
+            return m;
+        if (fu_clock_ms() >= end)
+            fail_msg("%s is listed as '%s', not '%s'", name, pi ? pi->profile_check : "(absent)", want);
+        wire_msg_destroy(&m);
+        fu_sleep_ms(100);
+    }
+}
+
+/* Whether cl gets a StageAssign within timeout_ms (answering challenges meanwhile). */
+static bool assigned_within(tu_client *cl, int timeout_ms)
+{
+    return got(cl, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, timeout_ms);
+}
+
+/* A peer claiming 40x the speed of this machine answers its profile challenge honestly: the broker
+ * measures it, and plans with at most BROKER_CHALLENGE_SLACK (1.5) x the measured speed, far below
+ * the claim. It then gets work. */
+static void test_trust_profile_capped_by_challenge(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_client boaster;
+    tu_client_open(&boaster, f->c, "p0");
+    tu_client_hello(&boaster, "boaster", 4 * GiB, 2000);
+    assert_true(got(&boaster, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000));
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
+    wire_msg_destroy(&m);
+    assert_true(assigned_within(&boaster, 60000)); /* the challenge runs first (n = 2688 here) */
+    m = listed_as(&f->cl, "boaster", "verified", 1000);
+    const Fusion__PeerInfo *pi = tu_peer_listed(m, "boaster");
+    double plan = pi->profile->speeds[0]->gemm_gflops;
+    print_message("claimed %.0f GFLOP/s, measured %.1f, plans use %.1f\n", pi->gflops_claimed, pi->gflops_verified,
+                  plan);
+    assert_true(pi->gflops_claimed == 2000);
+    assert_true(pi->gflops_verified > 0 && pi->gflops_verified < 1000); /* two cores do not do a TFLOP/s */
+    assert_true(plan <= 1.5 * pi->gflops_verified + 1e-9);
+    wire_msg_destroy(&m);
+    assert_int_equal(boaster.challenges_answered, 1);
+    tu_client_close(&boaster);
+}
+
+/* A peer that forges its answer (a commitment to rows of zeros, made without computing) is caught:
+ * it gets no work, its registration is marked failed, and it loses reputation; an honest peer
+ * takes the job. A peer that never answers gets no work either (listed "pending"). */
+static void test_trust_forged_or_missing_challenge_gets_no_work(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_client forger, mute, honest;
+    tu_client_open(&forger, f->c, "p0");
+    tu_client_open(&mute, f->c, "p1");
+    forger.challenge = TU_CHALLENGE_FORGE;
+    mute.challenge = TU_CHALLENGE_PASS_ON;
+    tu_client_hello(&forger, "forger", 4 * GiB, 2000);
+    tu_client_hello(&mute, "mute", 4 * GiB, 2000);
+    assert_true(got(&forger, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000));
+    assert_true(got(&mute, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000));
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
+    wire_msg_destroy(&m);
+    assert_false(assigned_within(&forger, 3000));
+    assert_false(assigned_within(&mute, 500));
+    assert_int_equal(forger.challenges_answered, 1);
+    m = listed_as(&f->cl, "forger", "failed", 1000);
+    const Fusion__PeerInfo *pi = tu_peer_listed(m, "forger");
+    print_message("forger: %s, reputation %.2f, measured %.1f GFLOP/s\n", pi->profile_check, pi->reputation,
+                  pi->gflops_verified);
+    assert_true(pi->reputation < 0.75);
+    assert_true(pi->gflops_verified == 0);
+    assert_string_equal(tu_peer_listed(m, "mute")->profile_check, "pending");
+    wire_msg_destroy(&m);
+    tu_client_open(&honest, f->c, "p2");
+    tu_client_hello(&honest, "honest", 4 * GiB, 50);
+    assert_true(assigned_within(&honest, 10000));
+    tu_client_close(&honest);
+    tu_client_close(&mute);
+    tu_client_close(&forger);
+}
+
 /* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
  * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
 static void test_trust_quotas_name_the_limit(void **state)
@@ -665,6 +752,8 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_quotas_name_the_limit),
         tu_broker_test(test_trust_unbelievable_profile_refused),
         tu_broker_test(test_trust_rejected_submissions_memory_flat),
+        tu_broker_test(test_trust_profile_capped_by_challenge),
+        tu_broker_test(test_trust_forged_or_missing_challenge_gets_no_work),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

@@ -4,9 +4,12 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fu_alloc.h"
+#include "fu_challenge.h"
 #include "fu_clock.h"
 #include "fu_encode.h"
 #include "fu_err.h"
@@ -405,6 +408,69 @@ static void test_common_opts_file_string_storage_is_bounded(void **state)
     free(text);
 }
 
+/* The profile challenge's check: every row of the plain-loop reference passes; a row computed
+ * without the scale d, one with half the sum, one off by one unit in one entry's neighbourhood of
+ * its magnitude, and a NaN all fail; elements are exact f32 in their ranges; sizes follow the claim. */
+static void test_common_challenge_check_and_size(void **state)
+{
+    (void)state;
+    uint8_t seed[FU_CHALLENGE_SEED_BYTES], go[FU_CHALLENGE_SEED_BYTES];
+    for (unsigned i = 0; i < sizeof seed; i++) {
+        seed[i] = (uint8_t)(i * 7 + 1);
+        go[i] = (uint8_t)(i * 13 + 5);
+    }
+    const uint32_t n = 128;
+    float *c = malloc((size_t)n * n * sizeof *c), *bad = malloc(n * sizeof *bad);
+    fu_challenge_reference(seed, go, n, c);
+    for (uint32_t i = 0; i < n; i++)
+        assert_true(fu_challenge_check_row(seed, go, n, i, c + (size_t)i * n, 42 + i));
+    /* the row of another d (the product made before GO) */
+    uint8_t go2[FU_CHALLENGE_SEED_BYTES];
+    memcpy(go2, go, sizeof go2);
+    go2[0] ^= 1;
+    float *c2 = malloc((size_t)n * n * sizeof *c2);
+    fu_challenge_reference(seed, go2, n, c2);
+    assert_false(fu_challenge_check_row(seed, go, n, 3, c2 + 3 * n, 7));
+    /* half the sum: every entry halved */
+    for (uint32_t j = 0; j < n; j++)
+        bad[j] = c[5 * n + j] * 0.5f;
+    assert_false(fu_challenge_check_row(seed, go, n, 5, bad, 7));
+    /* every entry shifted by 1% of the row's largest entry */
+    float big = 0;
+    for (uint32_t j = 0; j < n; j++)
+        big = fmaxf(big, fabsf(c[6 * n + j]));
+    for (uint32_t j = 0; j < n; j++)
+        bad[j] = c[6 * n + j] + 0.01f * big;
+    assert_false(fu_challenge_check_row(seed, go, n, 6, bad, 7));
+    memcpy(bad, c + 7 * n, n * sizeof *bad);
+    for (uint32_t j = 0; j < n; j++)
+        bad[j] = NAN;
+    assert_false(fu_challenge_check_row(seed, go, n, 7, bad, 7));
+    assert_false(fu_challenge_check_row(seed, go, n, n, c, 7)); /* no row n */
+    /* elements: A and B in [-1, 1), d in [0.5, 1.5), k * 2^-23 */
+    for (uint64_t k = 0; k < 1000; k++) {
+        float a = fu_challenge_elem(seed, FU_CHALLENGE_A, k), d = fu_challenge_elem(go, FU_CHALLENGE_D, k);
+        assert_true(a >= -1.0f && a < 1.0f && d >= 0.5f && d < 1.5f);
+        assert_true(ldexpf(a, 23) == truncf(ldexpf(a, 23)));
+    }
+    /* commitment: changes with any row hash */
+    uint8_t h[2 * FU_CHALLENGE_ROW_HASH] = {0}, c1[FU_CHALLENGE_COMMIT], cc[FU_CHALLENGE_COMMIT];
+    fu_challenge_row_hash(c, n, h);
+    fu_challenge_commit(h, 2, c1);
+    h[FU_CHALLENGE_ROW_HASH] = 1;
+    fu_challenge_commit(h, 2, cc);
+    assert_memory_not_equal(c1, cc, sizeof cc);
+    /* sizes: 0.3 s at 50 GFLOP/s is n = 1920 (a multiple of 64); clamped; memory bounds it */
+    assert_int_equal(fu_challenge_size(50, 0.3, 0), 1920);
+    assert_int_equal(fu_challenge_size(1e9, 0.3, 0), FU_CHALLENGE_N_MAX);
+    assert_int_equal(fu_challenge_size(0.001, 0.3, 0), FU_CHALLENGE_N_MIN);
+    assert_int_equal(fu_challenge_size(1e9, 0.3, 12ull * 1024 * 1024), 1024);
+    assert_true(fu_challenge_flops(1000) == 2e9);
+    free(c);
+    free(c2);
+    free(bad);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -423,6 +489,7 @@ int main(void)
         cmocka_unit_test(test_common_opts_config_equals_form_and_short_alias),
         cmocka_unit_test(test_common_opts_file_unknown_key_names_line),
         cmocka_unit_test(test_common_opts_file_bad_values_refused),
+        cmocka_unit_test(test_common_challenge_check_and_size),
         cmocka_unit_test(test_common_opts_file_missing_refused),
         cmocka_unit_test(test_common_opts_file_cannot_set_config_help_version),
         cmocka_unit_test(test_common_opts_file_string_storage_is_bounded), /* last: fills the storage */
