@@ -67,6 +67,8 @@ extern "C" {
 #define BROKER_CHALLENGE_STEP_MS 30000    /* each step of the challenge must be answered within this */
 #define BROKER_CHALLENGE_RETRY_MS 60000   /* a challenge not answered in time is tried again after this */
 #define BROKER_CHALLENGE_PENALTY 0.3      /* reputation lost by a peer whose answer is wrong */
+#define BROKER_PACE_FACTOR      8.0       /* a step shorter than a stage's FLOPs / (this x its peer's verified
+                                             speed) flags the stage: every micro-batch of it is verified */
 
 typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */

@@ -125,6 +125,9 @@ typedef struct {
     uint8_t *ck_buf;                   /* assembly buffer, NULL when none */
     uint64_t ck_total, ck_got, ck_step; /* size, bytes so far, step */
     uint8_t ck_hash[DB_HASH_LEN];      /* announced BLAKE2b-256 */
+    /* A peer that reported this stage's step faster than its verified speed allows (broker_stages.c):
+     * while it holds the stage, every micro-batch of it is verified. */
+    char too_fast[DB_KEY_LEN + 1];
 } broker_jstage;
 
 typedef enum {

@@ -59,6 +59,32 @@ void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     }
 }
 
+/* A step of j took dt seconds: a stage whose work needs longer than that at BROKER_PACE_FACTOR x its
+ * peer's verified speed cannot have done it (the step waits for every stage). Such a stage is flagged
+ * (logged, an event) and verified at every micro-batch while that peer holds it. Verification, not
+ * the clock, then decides: an honest peer loses nothing. */
+static void check_pace(broker_t *b, broker_job *j, double dt)
+{
+    double tokens = (double)j->spec.batch * j->spec.seq_len;
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        broker_jstage *st = &j->stages[s];
+        broker_peer *sp = broker_peer_find(b, st->peer);
+        if (!sp || sp->verified_gflops <= 0 || strcmp(st->too_fast, sp->key) == 0)
+            continue;
+        dag_cost c = dag_graph_cost(j->graph, st->first, st->last);
+        double need = tokens * (c.flops_fwd + c.flops_bwd) / (BROKER_PACE_FACTOR * sp->verified_gflops * 1e9);
+        if (dt >= need)
+            continue;
+        snprintf(st->too_fast, sizeof st->too_fast, "%s", sp->key);
+        char text[200];
+        snprintf(text, sizeof text, "stage %u reported a step in %.3f s; at %.1f GFLOP/s (verified) its work takes "
+                 "%.3f s: every micro-batch of it is verified from now on", s, dt, sp->verified_gflops,
+                 need * BROKER_PACE_FACTOR);
+        FU_WARN(LOG, "job %s: peer %s (%.8s): %s", j->id, sp->name, sp->key, text);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, sp->key, "stage-too-fast", text));
+    }
+}
+
 void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__StepDone *d = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_STEP_DONE);
@@ -80,6 +106,8 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     j->last_step_ms = j->progress_ms = now;
     if (dt > j->slowest_s)
         j->slowest_s = dt;
+    if (j->stepped) /* the first step of a run is timed from StageStart, not from a step */
+        check_pace(b, j, dt);
     j->stepped = true;
     j->after_restart = false;
     if (d->step + 1 > j->steps_done) {

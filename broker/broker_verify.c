@@ -117,7 +117,7 @@ static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
     double frac = broker_job_verify_fraction(b, j);
-    if (frac <= 0 || j->phase != BJ_RUNNING || j->n_stages < 1 || j->spec.checkpoint_every == 0 ||
+    if (j->phase != BJ_RUNNING || j->n_stages < 1 || j->spec.checkpoint_every == 0 ||
         step % j->spec.checkpoint_every != 0)
         return;
     for (uint32_t stage = 0; stage < j->n_stages; stage++) {
@@ -125,8 +125,10 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
         broker_peer *up = stage > 0 ? broker_peer_find(b, j->stages[stage - 1].peer) : NULL;
         if (!primary || !primary->live || (stage > 0 && (!up || !up->live)))
             continue;
+        /* a stage flagged too fast (broker_stages.c) is verified whole while its peer holds it */
+        double f = strcmp(j->stages[stage].too_fast, primary->key) == 0 ? 1.0 : frac;
         for (uint32_t m = 0; m < j->spec.micro_batches; m++) {
-            if (!sampled(b, j, step, m, stage, frac))
+            if (!sampled(b, j, step, m, stage, f))
                 continue;
             char skip[1][DB_KEY_LEN + 1];
             snprintf(skip[0], sizeof skip[0], "%s", primary->key);

@@ -12,6 +12,7 @@
  *   per-minute limit while other clients still get in;
  * - the stages that see tokens stay on peers the allow-list marks trusted;
  * - a peer's claimed speed is capped by its profile challenge; a forged answer or none gets no work;
+ * - a stage that reports steps faster than its verified speed allows is flagged;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -596,6 +597,54 @@ static void test_trust_forged_or_missing_challenge_gets_no_work(void **state)
     tu_client_close(&forger);
 }
 
+/* A peer that reports steps of a 65,536-token job 5 ms apart (the issue's fake worker) is faster
+ * than its verified speed allows by far: the broker flags the stage (log and event) so that every
+ * micro-batch of it is verified from then on. */
+static void test_trust_too_fast_stage_flagged(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    char spec[9000];
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 20, "
+             "\"batch\": 256, \"seq_len\": 256, \"micro_batches\": 2, \"checkpoint_every\": 20}",
+             f->model);
+    size_t len = 70000;
+    char *text = malloc(len);
+    for (size_t i = 0; i < len; i++)
+        text[i] = (char)('a' + i % 26);
+    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+    js.kind = FUSION__JOB_KIND__JOB_KIND_FINETUNE;
+    js.spec_json = spec;
+    js.data.data = (uint8_t *)text;
+    js.data.len = len;
+    wire_msg_t *m =
+        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 10000);
+    free(text);
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    tu_client w;
+    tu_client_open(&w, f->c, "p0");
+    tu_client_hello(&w, "speedy", 4 * GiB, 50);
+    assert_true(assigned_within(&w, 20000));
+    Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+    r.job_id = id;
+    assert_int_equal(tu_client_send(&w, FUSION__MSG_TYPE__MSG_STAGE_READY, id, &r.base), FU_OK);
+    assert_true(got(&w, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    for (uint64_t s = 0; s < 4; s++) {
+        Fusion__StepDone d = FUSION__STEP_DONE__INIT;
+        d.job_id = id;
+        d.step = s;
+        d.loss = 1.0;
+        d.tokens = 65536;
+        assert_int_equal(tu_client_send(&w, FUSION__MSG_TYPE__MSG_STEP_DONE, id, &d.base), FU_OK);
+        fu_sleep_ms(5);
+    }
+    assert_true(tu_broker_wait_log(f->c, 5000, "stage 0 reported a step in"));
+    assert_true(tu_broker_logged(f->c, "every micro-batch of it is verified from now on"));
+    tu_client_close(&w);
+}
+
 /* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
  * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
 static void test_trust_quotas_name_the_limit(void **state)
@@ -754,6 +803,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_rejected_submissions_memory_flat),
         tu_broker_test(test_trust_profile_capped_by_challenge),
         tu_broker_test(test_trust_forged_or_missing_challenge_gets_no_work),
+        tu_broker_test(test_trust_too_fast_stage_flagged),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
