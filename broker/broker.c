@@ -519,6 +519,8 @@ void broker_destroy(broker_t **b_p)
     free(b->jobs);
     free(b->peers);
     free(b->probe_zeros);
+    for (int i = 0; i < BROKER_VERIFY_SNAPS; i++)
+        free(b->snaps[i].buf);
     broker_models_free(&b->models);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);

@@ -196,8 +196,20 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         db_ckpt_free(&ck);
         return;
     }
+    if (sscanf(name, "vsnap:%u:%lld%c", &stage, &step, &tail) == 2 && step >= 0) {
+        const broker_snap *sn = broker_verify_snapshot(b, mine->id64, stage, (uint64_t)step);
+        if (!sn) {
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                               "job %s has no verification snapshot of stage %u at step %lld", jid, stage, step);
+            return;
+        }
+        int64_t shape[1] = {(int64_t)sn->total};
+        send_chunks(b, msg, r, sn->buf, (size_t)sn->total, sn->hash, FUSION__DTYPE__DTYPE_U8, shape, 1);
+        return;
+    }
     broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
-                       "unknown blob '%s' of job %s (tokens, ckpt:<stage>:<step> or adapter)", name, jid);
+                       "unknown blob '%s' of job %s (tokens, ckpt:<stage>:<step>, vsnap:<stage>:<step> or adapter)",
+                       name, jid);
 }
 
 fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em)

@@ -215,7 +215,24 @@ typedef struct {
     char up[DB_KEY_LEN + 1];           /* stage > 0: the upstream peer asked to deliver the input; "" for stage 0 */
     bool fed[3];                       /* slots 1, 2: the last chunk of their input was forwarded */
     uint64_t deadline_ms;              /* monotonic time after which the sample is dropped */
+    int snap;                          /* 1 + the index of the snapshot (b->snaps) the verifiers restore; 0: a
+                                          checkpoint. The verifier is asked once the snapshot is in. */
 } broker_vsample;
+
+/* A verification snapshot: the state of a stage at the start of a step without a checkpoint,
+ * uploaded by the stage's peer (CheckpointPut.snapshot) for the verifiers of that step's samples,
+ * served as job blob vsnap:<stage>:<step>, dropped when no sample in flight needs it. */
+typedef struct {
+    bool used;
+    uint64_t job64;                    /* the job */
+    uint32_t stage;
+    uint64_t step;
+    char peer[DB_KEY_LEN + 1];         /* the stage's peer: the only one that may upload it */
+    uint8_t *buf;                      /* assembly buffer, then the snapshot */
+    uint64_t total, got;               /* size, bytes so far */
+    uint8_t hash[DB_HASH_LEN];         /* announced BLAKE2b-256 */
+    bool complete;                     /* in whole, hash and tensors checked */
+} broker_snap;
 
 struct broker {
     broker_cfg cfg;                    /* options (strings borrowed from argv) */
@@ -246,6 +263,7 @@ struct broker {
     uint8_t verify_key[32];            /* random key of the sample selection (peers cannot predict it) */
     uint32_t ch_rounds;                /* profile challenges started (each gets the next number) */
     broker_vsample vs[BROKER_VERIFY_MAX]; /* verification samples in flight */
+    broker_snap snaps[BROKER_VERIFY_SNAPS]; /* verification snapshots */
 };
 
 /* The modules, from the bottom up; each calls only those above it in this list (docs/BROKER.md
@@ -414,8 +432,18 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 /* A chunk of a stage input the upstream peer delivers for a verifier: checked against the samples in
  * flight and forwarded unread to the verifier (docs/PROTOCOL.md "Verification inputs"). */
 void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-/* Drops samples past their deadline (logged). */
+/* Drops samples past their deadline (logged), and snapshots no sample needs. */
 void broker_verify_sweep(broker_t *b);
+/* A chunk of a verification snapshot (CheckpointPut.snapshot) from p, the peer of stage c->stage_index
+ * of j: assembled; once whole and checked, the verifiers waiting for it are asked. */
+void broker_verify_on_snapshot(broker_t *b, broker_peer *p, broker_job *j, const wire_msg_t *msg,
+                               const Fusion__CheckpointPut *c);
+/* The complete snapshot of (job, stage, step), NULL when none. */
+const broker_snap *broker_verify_snapshot(const broker_t *b, uint64_t job64, uint32_t stage, uint64_t step);
+/* Checks a checkpoint (or snapshot) blob of stage `stage` of j: the stage's adapter tensors and
+ * moments exactly, metadata step `step`. FU_EPROTO with why. */
+FU_MUST_CHECK fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len,
+                                       uint64_t step, fu_errmsg *em);
 
 /* ---- broker_challenge.c: the profile challenge (docs/SECURITY.md "Verified profiles") ---- */
 /* A new registration of p: starts its challenge, or passes it at once when challenges are off or the

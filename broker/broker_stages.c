@@ -189,7 +189,7 @@ static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const c
 
 /* A complete checkpoint blob of stage `stage` at `step`: exactly the adapter tensors and moments of
  * the stage's graph range, its "step" the one announced. */
-static fu_err ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len, uint64_t step,
+fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len, uint64_t step,
                          fu_errmsg *em)
 {
     fu_safetensors *st = NULL;
@@ -212,6 +212,10 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     broker_job *j = c ? stage_job(b, p, msg, c->job_id, c->stage_index, false) : NULL;
     if (!j)
         return;
+    if (c->snapshot) {
+        broker_verify_on_snapshot(b, p, j, msg, c);
+        return;
+    }
     broker_jstage *st = &j->stages[c->stage_index];
     if (c->total == 0 || c->total > BROKER_MAX_CKPT_BYTES || c->content_hash.len != DB_HASH_LEN ||
         c->step > j->spec.steps || c->offset > c->total || c->data.len > c->total - c->offset) {
@@ -247,7 +251,7 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (st->ck_got < st->ck_total)
         return;
     fu_errmsg em = {{0}};
-    if (ckpt_check(j, c->stage_index, st->ck_buf, (size_t)st->ck_total, st->ck_step, &em) != FU_OK) {
+    if (broker_ckpt_check(j, c->stage_index, st->ck_buf, (size_t)st->ck_total, st->ck_step, &em) != FU_OK) {
         /* not the tensors this stage trains: a peer's fault, never stored, never assembled */
         free(st->ck_buf);
         st->ck_buf = NULL;

@@ -6,8 +6,13 @@
  * the L2 norm, plus the BLAKE2b-256 of the input the output was computed from. The output is the
  * activation frame a stage sends down; for the last stage, the gradient frame it sends up.
  *
- * Steps that are multiples of checkpoint_every are eligible: there a verifier can restore the
- * stage's state (checkpoint ckpt:k:s, or the seeded initial adapter at s = 0). Stage 0's input is
+ * Every step is eligible. At a step with a checkpoint the verifier restores the stage's state from it
+ * (ckpt:k:s, or the seeded initial adapter at s = 0); at any other step the stage's peer, asked with
+ * VerifyRequest.snapshot, uploads its state at the start of that step (it keeps the last 3: a
+ * snapshot, CheckpointPut.snapshot), the broker checks it is the stage's tensors and nothing else,
+ * and only then asks the verifier, which restores it (job blob vsnap:k:s). The snapshot comes from
+ * the peer being checked, as a checkpoint does: what is verified is that the output follows from the
+ * state and the input, which no made-up output does. Stage 0's input is
  * the job's tokens, which the verifier reads itself. A stage k > 0's input is the activation stage
  * k-1 sent it: the broker asks the peer of stage k-1 (VerifyDeliver) to seal its copy of that
  * output to the verifier's public key (crypto_box_seal) and send it back in chunks (VerifyInput),
@@ -79,9 +84,10 @@ static broker_peer *pick_verifier(broker_t *b, const broker_job *j, uint32_t sta
     return NULL;
 }
 
-static fu_err ask(broker_t *b, const broker_vsample *v, broker_peer *p)
+static fu_err ask(broker_t *b, const broker_vsample *v, broker_peer *p, bool snapshot)
 {
     Fusion__VerifyRequest r = FUSION__VERIFY_REQUEST__INIT;
+    r.snapshot = snapshot;
     r.job_id = v->job64;
     r.stage_index = v->stage;
     r.step = v->step;
@@ -94,7 +100,7 @@ static fu_err ask(broker_t *b, const broker_vsample *v, broker_peer *p)
  * deliver it the stage's input. */
 static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
 {
-    fu_err rc = ask(b, v, p);
+    fu_err rc = ask(b, v, p, false);
     if (rc != FU_OK || v->stage == 0)
         return rc;
     broker_peer *up = broker_peer_find(b, v->up);
@@ -114,12 +120,65 @@ static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
     return broker_send_peer(b, up, FUSION__MSG_TYPE__MSG_VERIFY_DELIVER, v->job64, &d.base);
 }
 
+/* Whether the state of j's stages at the start of `step` is a checkpoint (the peer's rule:
+ * stage_step_has_ckpt). */
+static bool has_ckpt(const broker_job *j, uint64_t step)
+{
+    uint64_t K = j->spec.checkpoint_every;
+    return step == 0 || (K && step % K == 0) || step == j->spec.steps;
+}
+
+/* The snapshot slot of (j, stage, step) from `peer`, taken now when there is none; -1 when every slot
+ * is held by samples in flight. */
+static int snap_slot(broker_t *b, const broker_job *j, uint32_t stage, uint64_t step, const char *peer)
+{
+    int free_slot = -1;
+    for (int i = 0; i < BROKER_VERIFY_SNAPS; i++) {
+        broker_snap *sn = &b->snaps[i];
+        if (sn->used && sn->job64 == j->id64 && sn->stage == stage && sn->step == step && strcmp(sn->peer, peer) == 0)
+            return i;
+        if (!sn->used && free_slot < 0)
+            free_slot = i;
+    }
+    if (free_slot >= 0) {
+        broker_snap *sn = &b->snaps[free_slot];
+        memset(sn, 0, sizeof *sn);
+        sn->used = true;
+        sn->job64 = j->id64;
+        sn->stage = stage;
+        sn->step = step;
+        snprintf(sn->peer, sizeof sn->peer, "%s", peer);
+    }
+    return free_slot;
+}
+
+static void snap_drop(broker_snap *sn)
+{
+    free(sn->buf);
+    memset(sn, 0, sizeof *sn);
+}
+
+/* Drops the snapshots no sample in flight refers to. */
+static void snaps_collect(broker_t *b)
+{
+    for (int i = 0; i < BROKER_VERIFY_SNAPS; i++) {
+        if (!b->snaps[i].used)
+            continue;
+        bool needed = false;
+        for (size_t k = 0; k < BROKER_VERIFY_MAX && !needed; k++)
+            needed = b->vs[k].used && b->vs[k].snap == i + 1;
+        if (!needed)
+            snap_drop(&b->snaps[i]);
+    }
+}
+
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
     double frac = broker_job_verify_fraction(b, j);
-    if (j->phase != BJ_RUNNING || j->n_stages < 1 || j->spec.checkpoint_every == 0 ||
-        step % j->spec.checkpoint_every != 0)
+    if (j->phase != BJ_RUNNING || j->n_stages < 1)
         return;
+    bool need_snap = !has_ckpt(j, step);
+    snaps_collect(b);
     for (uint32_t stage = 0; stage < j->n_stages; stage++) {
         broker_peer *primary = broker_peer_find(b, j->stages[stage].peer);
         broker_peer *up = stage > 0 ? broker_peer_find(b, j->stages[stage - 1].peer) : NULL;
@@ -149,6 +208,13 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
                         j->id, stage, step, m, BROKER_VERIFY_MAX);
                 continue;
             }
+            int slot = need_snap ? snap_slot(b, j, stage, step, primary->key) : -1;
+            if (need_snap && slot < 0) {
+                j->v_skipped++;
+                FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: %d verification snapshots "
+                        "already held", j->id, stage, step, m, BROKER_VERIFY_SNAPS);
+                continue;
+            }
             memset(v, 0, sizeof *v);
             v->used = true;
             snprintf(v->job, sizeof v->job, "%s", j->id);
@@ -162,7 +228,10 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
             if (up)
                 snprintf(v->up, sizeof v->up, "%s", up->key);
             v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
-            if (ask(b, v, primary) != FU_OK || ask_verifier(b, v, ver) != FU_OK) {
+            v->snap = slot + 1;
+            /* with a snapshot to wait for, the verifier is asked once it is in (broker_verify_on_snapshot) */
+            bool ask_now = !need_snap || b->snaps[slot].complete;
+            if (ask(b, v, primary, need_snap) != FU_OK || (ask_now && ask_verifier(b, v, ver) != FU_OK)) {
                 v->used = false;
                 j->v_skipped++;
                 continue;
@@ -535,6 +604,7 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 void broker_verify_sweep(broker_t *b)
 {
     uint64_t now = broker_now();
+    snaps_collect(b);
     for (size_t i = 0; i < BROKER_VERIFY_MAX; i++) {
         broker_vsample *v = &b->vs[i];
         if (!v->used || now < v->deadline_ms)
@@ -562,5 +632,96 @@ void broker_verify_sweep(broker_t *b)
         if (j)
             j->v_skipped++;
         v->used = false;
+    }
+}
+
+const broker_snap *broker_verify_snapshot(const broker_t *b, uint64_t job64, uint32_t stage, uint64_t step)
+{
+    for (int i = 0; i < BROKER_VERIFY_SNAPS; i++) {
+        const broker_snap *sn = &b->snaps[i];
+        if (sn->used && sn->complete && sn->job64 == job64 && sn->stage == stage && sn->step == step)
+            return sn;
+    }
+    return NULL;
+}
+
+/* The samples that wait for snapshot slot i: skipped (the snapshot cannot be had). */
+static void snap_failed(broker_t *b, broker_job *j, int i)
+{
+    for (size_t k = 0; k < BROKER_VERIFY_MAX; k++)
+        if (b->vs[k].used && b->vs[k].snap == i + 1) {
+            b->vs[k].used = false;
+            j->v_skipped++;
+        }
+    snap_drop(&b->snaps[i]);
+}
+
+void broker_verify_on_snapshot(broker_t *b, broker_peer *p, broker_job *j, const wire_msg_t *msg,
+                               const Fusion__CheckpointPut *c)
+{
+    int i = 0;
+    broker_snap *sn = NULL;
+    for (; i < BROKER_VERIFY_SNAPS && !sn; i++)
+        if (b->snaps[i].used && !b->snaps[i].complete && b->snaps[i].job64 == j->id64 &&
+            b->snaps[i].stage == c->stage_index && b->snaps[i].step == c->step && strcmp(b->snaps[i].peer, p->key) == 0)
+            sn = &b->snaps[i];
+    i--;
+    if (!sn) {
+        FU_DEBUG(LOG, "job %s: a snapshot of stage %u step %" PRIu64 " from %.8s that no sample waits for: dropped",
+                 j->id, c->stage_index, c->step, p->key);
+        return;
+    }
+    if (c->total == 0 || c->total > BROKER_MAX_CKPT_BYTES || c->content_hash.len != DB_HASH_LEN ||
+        c->offset != sn->got || c->data.len > c->total - c->offset || (sn->buf && c->total != sn->total) ||
+        (!sn->buf && c->offset != 0)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "CheckpointPut (snapshot): chunks must come in order, 1..%u bytes in all, with a 32-byte "
+                           "hash", BROKER_MAX_CKPT_BYTES);
+        snap_failed(b, j, i);
+        return;
+    }
+    if (!sn->buf) {
+        sn->buf = malloc((size_t)c->total); /* a size from the network: no aborting allocator */
+        if (!sn->buf) {
+            FU_WARN(LOG, "job %s: no memory for a %" PRIu64 "-byte verification snapshot: samples skipped", j->id,
+                    c->total);
+            snap_failed(b, j, i);
+            return;
+        }
+        sn->total = c->total;
+        memcpy(sn->hash, c->content_hash.data, DB_HASH_LEN);
+    }
+    memcpy(sn->buf + c->offset, c->data.data, c->data.len);
+    sn->got += c->data.len;
+    if (sn->got < sn->total)
+        return;
+    uint8_t h[DB_HASH_LEN];
+    crypto_generichash(h, sizeof h, sn->buf, (size_t)sn->total, NULL, 0);
+    fu_errmsg em = {{0}};
+    fu_err rc = sodium_memcmp(h, sn->hash, sizeof h) == 0
+                    ? broker_ckpt_check(j, sn->stage, sn->buf, (size_t)sn->total, sn->step, &em)
+                    : fu_errmsg_set(&em, FU_EPROTO, "its bytes do not hash to the hash it announced");
+    if (rc != FU_OK) {
+        /* the peer under verification sent something that is not its stage's state: its own fault */
+        char why[400];
+        snprintf(why, sizeof why, "stage %u step %" PRIu64 ": its verification snapshot is refused: %.300s",
+                 sn->stage, sn->step, em.msg);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "bad-snapshot", why));
+        snap_failed(b, j, i);
+        penalise(b, j, p->key, BROKER_VERIFY_PENALTY, why);
+        return;
+    }
+    sn->complete = true;
+    FU_DEBUG(LOG, "job %s stage %u step %" PRIu64 ": verification snapshot in (%" PRIu64 " bytes)", j->id, sn->stage,
+             sn->step, sn->total);
+    for (size_t k = 0; k < BROKER_VERIFY_MAX; k++) {
+        broker_vsample *v = &b->vs[k];
+        if (!v->used || v->snap != i + 1 || v->have[1])
+            continue;
+        broker_peer *ver = broker_peer_find(b, v->who[1]);
+        if (!ver || !ver->live || ask_verifier(b, v, ver) != FU_OK) {
+            v->used = false;
+            j->v_skipped++;
+        }
     }
 }

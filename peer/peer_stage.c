@@ -78,14 +78,18 @@ static void stage_clear(stage_t *s)
             free(s->kept[r][m]);
     for (size_t i = 0; i < s->n_vq; i++)
         free(s->vq[i].input);
+    for (size_t r = 0; r < ST_VERIFY_KEEP; r++)
+        free(s->snap[r]);
     dag_spec_clear(&s->spec);
     peer_compute_cfg cfg = s->cfg;
     void *pipe = s->pipe;
     bool stop = s->stop;
+    peer_challenge_t *challenge = s->challenge; /* not the stage's: the peer's, for its whole life */
     memset(s, 0, sizeof *s);
     s->cfg = cfg;
     s->pipe = pipe;
     s->stop = stop;
+    s->challenge = challenge;
     atomic_store(&s->cfg.shared->state, FUSION__PEER_STATE__PEER_STATE_IDLE);
     atomic_store(&s->cfg.shared->stage_active, 0);
     atomic_store(&s->cfg.shared->progress, 0);

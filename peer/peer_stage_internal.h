@@ -106,6 +106,12 @@ typedef struct {
                                                         each input received */
     bool kept_in_ok[ST_VERIFY_KEEP][DAG_EXEC_MAX_SLOTS]; /* that hash is set */
     uint64_t kept_step[ST_VERIFY_KEEP]; /* the step each row of kept / kept_in holds */
+    /* Snapshots of the stage's state at the start of each recent step that has no checkpoint (a
+     * verifier restores one: VerifyRequest.snapshot), the serialized executor state. */
+    uint8_t *snap[ST_VERIFY_KEEP];
+    size_t snap_len[ST_VERIFY_KEEP];
+    uint64_t snap_step[ST_VERIFY_KEEP]; /* the step each holds (valid when snap[r] != NULL) */
+    bool snap_sent[ST_VERIFY_KEEP];     /* uploaded already (one upload serves every micro-batch) */
     size_t kept_n;            /* floats of one output */
     verify_req vq[ST_VERIFY_QUEUE]; /* verifier: requests to answer, in arrival order */
     size_t n_vq;
@@ -154,6 +160,16 @@ static inline bool stage_is_last(const stage_t *s)
 /* The rows of micro-batch mb of step `step` in the pipeline's data order (docs/PIPELINE.md). */
 FU_MUST_CHECK fu_err stage_spec_rows(const stage_t *s, const int32_t *ids, size_t n_ids, uint64_t step, uint32_t mb,
                                      int32_t *tokens, int32_t *targets);
+/* Whether step `step` of the job has a checkpoint (its state is ckpt:<stage>:<step>; step 0: the
+ * seeded initial adapter), else a verifier needs the stage's snapshot of it. */
+bool stage_step_has_ckpt(const stage_t *s, uint64_t step);
+/* Sends blob (the serialized state at the start of step `at`) to the broker in CheckpointPut chunks,
+ * as a checkpoint or as a verification snapshot. */
+void stage_send_state(stage_t *s, uint64_t at, const uint8_t *blob, size_t len, bool snapshot);
+/* With verification on, keeps the state at the start of step `at` (no checkpoint there) for the
+ * verifier: the ring snap. */
+void stage_keep_snapshot(stage_t *s, uint64_t at);
+
 /* Restores the executor from a checkpoint blob (contract names) whose step must be s->resume_step. */
 FU_MUST_CHECK fu_err stage_restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errmsg *em);
 /* The cut outputs of slot m after a forward (total floats) into out. */

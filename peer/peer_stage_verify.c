@@ -216,7 +216,8 @@ static void verify_pump(stage_t *s)
         }
         char jid[64], name[96];
         snprintf(jid, sizeof jid, "job:%016" PRIx64, s->job_id);
-        snprintf(name, sizeof name, "ckpt:%u:%" PRIu64, s->stage_index, q.step);
+        snprintf(name, sizeof name, "%s:%u:%" PRIu64, stage_step_has_ckpt(s, q.step) ? "ckpt" : "vsnap",
+                 s->stage_index, q.step);
         stage_add_fetch(s, jid, name, FETCH_VERIFY_CKPT, false);
         s->vfetching = true;
         s->vfetch_step = q.step;
@@ -301,8 +302,19 @@ void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
     }
     if (!s->backup) {
         /* The stage's own peer: the sketch of the output it already sent, and the hash of the input
-         * it received (stage 0: of its tokens). */
+         * it received (stage 0: of its tokens); for a step without a checkpoint also the snapshot of
+         * the state it computed that step from, for the verifier (once per step). */
         size_t k = (size_t)(r->step % ST_VERIFY_KEEP);
+        if (r->snapshot) {
+            if (!s->snap[k] || s->snap_step[k] != r->step) {
+                verify_answer(s, r->step, r->micro_batch, r->seed, NULL, 0, NULL,
+                              "the state of that step is no longer held (this peer keeps the last 3 steps)");
+                return;
+            }
+            if (!s->snap_sent[k])
+                stage_send_state(s, r->step, s->snap[k], s->snap_len[k], true);
+            s->snap_sent[k] = true;
+        }
         bool held = s->kept_step[k] == r->step;
         const float *x = held ? s->kept[k][r->micro_batch] : NULL;
         uint8_t ih[WIRE_VERIFY_HASH_BYTES];

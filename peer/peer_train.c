@@ -134,18 +134,14 @@ static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t 
     return FU_OK;
 }
 
-static void send_checkpoint(stage_t *s, uint64_t at)
+bool stage_step_has_ckpt(const stage_t *s, uint64_t step)
 {
-    fu_errmsg em = {{0}};
-    uint8_t *blob = NULL;
-    size_t len = 0;
-    fu_err rc = dag_exec_state_serialize(s->x, at, &blob, &len, &em); /* in memory: no temp file */
-    if (rc != FU_OK) {
-        stage_send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT,
-                         "cannot write the checkpoint of step %" PRIu64 ": %s", at, fu_errmsg_text(&em, rc));
-        free(blob);
-        return;
-    }
+    uint64_t K = s->spec.checkpoint_every;
+    return step == 0 || (K && step % K == 0) || step == s->spec.steps;
+}
+
+void stage_send_state(stage_t *s, uint64_t at, const uint8_t *blob, size_t len, bool snapshot)
+{
     uint8_t hash[PEER_BLOB_HASH_BYTES];
     peer_blob_hash(hash, blob, len);
     size_t off = 0;
@@ -161,12 +157,45 @@ static void send_checkpoint(stage_t *s, uint64_t at)
         cp.content_hash.len = sizeof hash;
         cp.data.data = (uint8_t *)blob + off;
         cp.data.len = n;
+        cp.snapshot = snapshot;
         stage_send_msg(s, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT, at, &cp.base);
         off += n;
     } while (off < len);
-    FU_INFO("peer", "job %016" PRIx64 " stage %u: checkpoint of step %" PRIu64 " sent (%zu bytes)", s->job_id,
-            s->stage_index, at, len);
+    FU_INFO("peer", "job %016" PRIx64 " stage %u: %s of step %" PRIu64 " sent (%zu bytes)", s->job_id,
+            s->stage_index, snapshot ? "verification snapshot" : "checkpoint", at, len);
+}
+
+static void send_checkpoint(stage_t *s, uint64_t at)
+{
+    fu_errmsg em = {{0}};
+    uint8_t *blob = NULL;
+    size_t len = 0;
+    fu_err rc = dag_exec_state_serialize(s->x, at, &blob, &len, &em); /* in memory: no temp file */
+    if (rc != FU_OK) {
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_INTERNAL, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT,
+                         "cannot write the checkpoint of step %" PRIu64 ": %s", at, fu_errmsg_text(&em, rc));
+        free(blob);
+        return;
+    }
+    stage_send_state(s, at, blob, len, false);
     free(blob);
+}
+
+void stage_keep_snapshot(stage_t *s, uint64_t at)
+{
+    size_t r = (size_t)(at % ST_VERIFY_KEEP);
+    free(s->snap[r]);
+    s->snap[r] = NULL;
+    fu_errmsg em = {{0}};
+    if (dag_exec_state_serialize(s->x, at, &s->snap[r], &s->snap_len[r], &em) != FU_OK) {
+        FU_WARN("peer", "job %016" PRIx64 " stage %u: no verification snapshot of step %" PRIu64 ": %s", s->job_id,
+                s->stage_index, at, em.msg);
+        free(s->snap[r]);
+        s->snap[r] = NULL;
+        return;
+    }
+    s->snap_step[r] = at;
+    s->snap_sent[r] = false;
 }
 
 /* Publishes where a fine-tuning stage is (peer_shared.prog_*, carried by heartbeats). */
@@ -197,9 +226,10 @@ static void finish_step(stage_t *s)
         FU_INFO("peer", "job %016" PRIx64 ": step %" PRIu64 " loss %.6f", s->job_id, done, sd.loss);
         stage_send_msg(s, FUSION__MSG_TYPE__MSG_STEP_DONE, done, &sd.base);
     }
-    uint64_t K = s->spec.checkpoint_every;
-    if ((K && (done + 1) % K == 0) || done + 1 == s->spec.steps)
+    if (stage_step_has_ckpt(s, done + 1))
         send_checkpoint(s, done + 1);
+    else if (stage_keeps_for_verify(s, 0))
+        stage_keep_snapshot(s, done + 1); /* a verifier may need the state of a step without a checkpoint */
     s->step++;
     s->fwd_done = s->bwd_done = 0;
     stage_publish_progress(s);

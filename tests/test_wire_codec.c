@@ -132,6 +132,8 @@ static const Fusion__MsgType all_types[] = {
     FUSION__MSG_TYPE__MSG_VERIFY_INPUT,
     FUSION__MSG_TYPE__MSG_LINK_PROBE_REQ,
     FUSION__MSG_TYPE__MSG_LINK_PROBE,
+    FUSION__MSG_TYPE__MSG_CHALLENGE,
+    FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY,
 };
 #define N_ALL (sizeof all_types / sizeof all_types[0])
 
