@@ -474,6 +474,22 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         return;
     }
     broker_job *j = broker_job_find(b, v->job);
+    if (s->unavailable && s->unavailable[0] && who == 0 && j && !j->dead && v->step >= j->start_step &&
+        strcmp(j->stages[v->stage].peer, p->key) == 0 && broker_job_verify_fraction(b, j) > 0) {
+        /* The stage's peer ran this step in this run and keeps its last 3 steps (outputs, input
+         * hashes, snapshots) while verification is on: an honest one always has them when asked
+         * right after the step. Withholding counts as a wrong answer, or not answering would pay. */
+        char ev[400];
+        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: WITHHELD: the stage's peer would not show its "
+                 "own output of this run (%.200s)", v->stage, v->step, v->mb, s->unavailable);
+        FU_WARN(LOG, "job %s %s", j->id, ev);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "withheld", ev));
+        j->v_disagree++;
+        count(b, p->key, true);
+        v->used = false;
+        penalise(b, j, p->key, BROKER_VERIFY_PENALTY, "it would not show its own output of a step it ran");
+        return;
+    }
     if (s->unavailable && s->unavailable[0]) {
         FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: %s: peer %.8s cannot sketch it: %.200s", v->job, v->stage,
                 v->step, v->mb, who == 2 ? "no third opinion" : "sample skipped", p->key, s->unavailable);

@@ -371,6 +371,9 @@ static cJSON *peer_json(const Fusion__PeerInfo *p, const char *stage)
     cJSON_AddStringToObject(e, "device",
                             p->profile && p->profile->device_name ? p->profile->device_name : "");
     cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
+    cJSON_AddNumberToObject(e, "gflops_claimed", p->gflops_claimed);
+    cJSON_AddNumberToObject(e, "gflops_verified", p->gflops_verified);
+    cJSON_AddStringToObject(e, "profile_check", p->profile_check ? p->profile_check : "");
     cJSON_AddNumberToObject(e, "memory_bytes", p->profile ? (double)p->profile->free_memory_bytes : 0);
     cJSON_AddNumberToObject(e, "link_bandwidth_bps", p->profile ? p->profile->link_bandwidth_bps : 0);
     cJSON_AddNumberToObject(e, "link_latency_ms", p->profile ? p->profile->link_latency_ms : 0);
@@ -390,8 +393,9 @@ int cli_peers_main(int argc, char **argv)
     read_opts o = {0};
     const fu_opt opts[] = {READ_OPTS(&o)};
     const fu_cmd cmd = {.prog = argv[0], .usage = "[options]",
-                        .summary = "Lists the broker's peers: name, device, GEMM GFLOP/s, memory, state, the job "
-                                   "stage each runs, and reputation.",
+                        .summary = "Lists the broker's peers: name, device, the GEMM GFLOP/s plans use and whether its "
+                                   "profile challenge verified it, memory, state, the job stage each runs, and "
+                                   "reputation.",
                         FU_OPTS_TABLE(opts), .min_pos = 0, .max_pos = 0};
     int code;
     if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
@@ -403,8 +407,8 @@ int cli_peers_main(int argc, char **argv)
     const Fusion__PeerList *l = (const Fusion__PeerList *)wire_msg_body(m);
     cJSON *arr = o.json ? cJSON_CreateArray() : NULL;
     if (!o.json)
-        printf("%-14s  %-28s  %8s  %8s  %-7s  %-20s  %s\n", "NAME", "DEVICE", "GFLOP/s", "MEM GiB", "STATE",
-               "STAGE", "REPUTATION");
+        printf("%-14s  %-28s  %8s  %-8s  %8s  %-7s  %-20s  %s\n", "NAME", "DEVICE", "GFLOP/s", "CHECKED", "MEM GiB",
+               "STATE", "STAGE", "REPUTATION");
     for (size_t i = 0; i < l->n_peers; i++) {
         const Fusion__PeerInfo *p = l->peers[i];
         char stage[48] = "-";
@@ -418,9 +422,10 @@ int cli_peers_main(int argc, char **argv)
             continue;
         }
         double mem = p->profile ? (double)p->profile->free_memory_bytes / (double)(1ull << 30) : 0;
-        printf("%-14.14s  %-28.28s  %8.1f  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "",
+        printf("%-14.14s  %-28.28s  %8.1f  %-8.8s  %8.2f  %-7s  %-20s  %.2f\n", p->name ? p->name : "",
                p->profile && p->profile->device_name ? p->profile->device_name : "", best_gflops(p->profile),
-               mem, peer_state_name(p->state), stage, p->reputation);
+               p->profile_check && *p->profile_check ? p->profile_check : "-", mem, peer_state_name(p->state), stage,
+               p->reputation);
         if (p->state == FUSION__PEER_STATE__PEER_STATE_PAUSED) /* the reason on a line of its own */
             printf("%-14s  paused %llds: %s\n", "", (long long)(p->paused_ms / 1000),
                    p->pause_reason && *p->pause_reason ? p->pause_reason : "no reason given");

@@ -13,6 +13,7 @@
  * - the stages that see tokens stay on peers the allow-list marks trusted;
  * - a peer's claimed speed is capped by its profile challenge; a forged answer or none gets no work;
  * - a stage that reports steps faster than its verified speed allows is flagged;
+ * - a stage's peer that withholds its output from verification pays as if it had lied;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -645,6 +646,81 @@ static void test_trust_too_fast_stage_flagged(void **state)
     tu_client_close(&w);
 }
 
+/* A stage's peer asked for the sketch of a step it just ran answers "unavailable" (to dodge the
+ * check): that counts as a wrong answer (event "withheld", 0.3 reputation), not a skipped sample. */
+static void test_trust_withheld_output_costs_like_a_lie(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    char spec[9000];
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 4, "
+             "\"batch\": 2, \"seq_len\": 8, \"micro_batches\": 1, \"checkpoint_every\": 4, \"verify\": 1.0}",
+             f->model);
+    wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    tu_client pc[2];
+    const char *names[2] = {"dodger", "checker"};
+    tu_client *primary = NULL;
+    for (int i = 0; i < 2; i++) {
+        tu_client_open(&pc[i], f->c, i ? "p1" : "p0");
+        tu_client_hello(&pc[i], names[i], 4 * GiB, 50);
+    }
+    for (int i = 0; i < 2; i++) { /* one gets the stage, the other its backup: both say ready */
+        uint64_t end = fu_clock_ms() + 20000;
+        bool assigned = false;
+        while (!assigned && fu_clock_ms() < end) {
+            wire_msg_t *a = tu_client_recv(&pc[i], 200);
+            const Fusion__StageAssign *sa = a ? wire_msg_body_as(a, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN) : NULL;
+            if (sa) {
+                assigned = true;
+                if (!sa->backup)
+                    primary = &pc[i];
+                Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+                r.job_id = id;
+                assert_int_equal(tu_client_send(&pc[i], FUSION__MSG_TYPE__MSG_STAGE_READY, id, &r.base), FU_OK);
+            }
+            wire_msg_destroy(&a);
+        }
+        assert_true(assigned);
+    }
+    assert_non_null(primary);
+    assert_true(got(primary, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    Fusion__StepDone d = FUSION__STEP_DONE__INIT;
+    d.job_id = id;
+    d.step = 0;
+    d.loss = 1.0;
+    d.tokens = 16;
+    assert_int_equal(tu_client_send(primary, FUSION__MSG_TYPE__MSG_STEP_DONE, id, &d.base), FU_OK);
+    uint64_t end = fu_clock_ms() + 5000;
+    bool asked = false;
+    while (!asked && fu_clock_ms() < end) {
+        wire_msg_t *q = tu_client_recv(primary, 200);
+        const Fusion__VerifyRequest *vr = q ? wire_msg_body_as(q, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST) : NULL;
+        if (vr) {
+            asked = true;
+            Fusion__VerifySketch vs = FUSION__VERIFY_SKETCH__INIT;
+            vs.job_id = vr->job_id;
+            vs.stage_index = vr->stage_index;
+            vs.step = vr->step;
+            vs.micro_batch = vr->micro_batch;
+            vs.seed = vr->seed;
+            vs.unavailable = (char *)"that output is no longer held";
+            assert_int_equal(tu_client_send(primary, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, id, &vs.base), FU_OK);
+        }
+        wire_msg_destroy(&q);
+    }
+    assert_true(asked);
+    assert_true(tu_broker_wait_log(f->c, 5000, "WITHHELD"));
+    const char *dodger = primary == &pc[0] ? names[0] : names[1];
+    double rep = tu_client_reputation(&f->cl, dodger);
+    print_message("%s withheld its output: reputation %.2f\n", dodger, rep);
+    assert_true(rep > 0.65 && rep < 0.75);
+    tu_client_close(&pc[0]);
+    tu_client_close(&pc[1]);
+}
+
 /* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
  * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
 static void test_trust_quotas_name_the_limit(void **state)
@@ -804,6 +880,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_profile_capped_by_challenge),
         tu_broker_test(test_trust_forged_or_missing_challenge_gets_no_work),
         tu_broker_test(test_trust_too_fast_stage_flagged),
+        tu_broker_test(test_trust_withheld_output_costs_like_a_lie),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

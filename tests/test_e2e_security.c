@@ -123,9 +123,13 @@ static void test_e2e_security_garbage_spares_the_job(void **state)
     tu_wait_done(c, id, 60);
     for (size_t i = 0; i < nk; i++)
         close(keep[i]);
-    /* the broker still serves */
+    /* the broker still serves; the real peers passed their profile challenge */
     char *out = NULL;
     assert_int_equal(tu_fusion(c, &out, "peers"), 0);
+    printf("%s", out);
+    assert_non_null(strstr(out, "CHECKED"));
+    assert_null(strstr(out, "pending"));
+    assert_non_null(strstr(out, "verified"));
     free(out);
     tu_assert_same_adapter(c, id, "model", train);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
