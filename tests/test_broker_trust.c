@@ -687,6 +687,11 @@ static void test_trust_withheld_output_costs_like_a_lie(void **state)
     }
     assert_non_null(primary);
     assert_true(got(primary, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    /* the checker's StageReady came on another connection: the step waits until it is a warm verifier */
+    tu_client *checker = primary == &pc[0] ? &pc[1] : &pc[0];
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, wire_keypair_public_z85(checker->kp),
+                                               FUSION__PEER_STATE__PEER_STATE_WARM, 5000),
+                     FUSION__PEER_STATE__PEER_STATE_WARM);
     Fusion__StepDone d = FUSION__STEP_DONE__INIT;
     d.job_id = id;
     d.step = 0;
