@@ -1,8 +1,7 @@
-/* Dense kernel benchmarks on the CPU backend: GEMM through the backend table against plain
- * cblas_sgemm on the same shapes, a LoRA-FA layer against a LoRA layer (forward + backward, time
+/* Dense kernel benchmarks on the CPU backend: GEMM through the backend table (thread-independent
+ * tiles) against OpenBLAS's own threads on the same shapes, a LoRA-FA layer against a LoRA layer (forward + backward, time
  * and saved-activation bytes), and RMSNorm / attention / softmax cross-entropy throughput.
  * Each row: op, shape, dtype, backend, time_s (median) and gflops or gbps. --quick shrinks shapes. */
-#include <cblas.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,18 +61,25 @@ static void run_backend_linear(void *p)
     must(kern_linear_forward(CPU, &g->x, &g->w, &g->y), "linear");
 }
 
-static void run_cblas(void *p)
+/* The backend's linear with OpenBLAS splitting each call between its own threads (today's
+ * OpenBLAS, what the backend did before its products were made thread-independent). */
+static void run_blas_threads(void *p)
 {
-    gemm_arg *g = p;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->m, g->n, g->k, 1.0f, g->x.data, g->k, g->w.data, g->k,
-                0.0f, g->y.data, g->n);
+    kern_cpu_gemm_set_mode(KERN_CPU_GEMM_BLAS_THREADS);
+    run_backend_linear(p);
+    kern_cpu_gemm_set_mode(KERN_CPU_GEMM_DETERMINISTIC);
 }
 
+/* The backend's linear (fixed tiles, the same bits for any thread count) against the same call with
+ * OpenBLAS's own threads (bits that depend on the thread count): "cost" is the time ratio, both
+ * with kern_cpu_threads() threads. Shapes: a 768-wide layer, its FFN, a 32000-word lm_head, one
+ * decode row, and LoRA's two thin products (X·Aᵀ at rank 8, H·Bᵀ). */
 BENCH_CASE(kernels_gemm)
 {
-    static const int full[][3] = {{512, 768, 768}, {512, 2048, 768}, {512, 32000, 768}, {1, 4096, 4096}};
-    static const int quick[][3] = {{128, 768, 768}, {1, 4096, 4096}};
-    int ncase = bench_quick() ? 2 : 4;
+    static const int full[][3] = {{512, 768, 768}, {512, 2048, 768}, {512, 32000, 768}, {1, 4096, 4096},
+                                  {512, 8, 768},   {512, 768, 8}};
+    static const int quick[][3] = {{128, 768, 768}, {1, 4096, 4096}, {512, 8, 768}};
+    int ncase = bench_quick() ? 3 : 6;
     for (int c = 0; c < ncase; c++) {
         const int *s = bench_quick() ? quick[c] : full[c];
         int m = s[0], n = s[1], k = s[2];
@@ -81,13 +87,14 @@ BENCH_CASE(kernels_gemm)
         float *y = fu_malloc_aligned((size_t)m * n * sizeof(float));
         gemm_arg g = {mat(x, m, k), mat(w, n, k), mat(y, m, n), m, n, k};
         double flop = 2.0 * m * n * k;
-        int r = reps(m * (double)n * k > 1e10 ? 3 : 7);
+        int r = reps(m * (double)n * k > 1e10 ? 3 : m * (double)n * k < 1e7 ? 41 : 7);
         double tb = bench_median(run_backend_linear, &g, r);
-        double tc = bench_median(run_cblas, &g, r);
+        double tc = bench_median(run_blas_threads, &g, r);
         bench_emit("kernels", "gemm",
-                   "\"op\":\"linear\",\"shape\":\"%dx%dx%d\",\"dtype\":\"f32\",\"backend\":\"cpu\",\"time_s\":%.6g,"
-                   "\"gflops\":%.2f,\"cblas_time_s\":%.6g,\"cblas_gflops\":%.2f,\"overhead\":%.3f",
-                   m, n, k, tb, flop / tb * 1e-9, tc, flop / tc * 1e-9, tb / tc);
+                   "\"op\":\"linear\",\"shape\":\"%dx%dx%d\",\"dtype\":\"f32\",\"backend\":\"cpu\",\"threads\":%d,"
+                   "\"time_s\":%.6g,\"gflops\":%.2f,\"blas_threads_time_s\":%.6g,\"blas_threads_gflops\":%.2f,"
+                   "\"determinism_cost\":%.3f",
+                   m, n, k, kern_cpu_threads(), tb, flop / tb * 1e-9, tc, flop / tc * 1e-9, tb / tc);
         fu_free_aligned(x);
         fu_free_aligned(w);
         fu_free_aligned(y);

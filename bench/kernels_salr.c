@@ -2,7 +2,6 @@
  * (sgemv at batch 1, sgemm otherwise), and the one-off preparation costs (pruning, SVD residual).
  * Each row: op, shape, batch, time_s (median), gflops (dense-equivalent 2*n*out*in / time),
  * speedup (dense time / this time) and bytes_ratio (encoded bytes / dense f32 bytes). */
-#include <cblas.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +10,7 @@
 #include "bench.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
+#include "kern_backend.h"
 #include "kern_bitmap.h"
 #include "kern_salr.h"
 
@@ -46,15 +46,24 @@ static void run_sparse(void *p)
         abort();
 }
 
+static kern_tensor_t mat2(float *p, size_t r, size_t c)
+{
+    kern_tensor_t t;
+    int64_t shape[2] = {(int64_t)r, (int64_t)c};
+    if (kern_tensor_wrap(&t, p, KERN_F32, 2, shape, (kern_device){KERN_DEV_CPU, 0}) != FU_OK)
+        abort();
+    return t;
+}
+
+/* The dense product fusion would run instead: the CPU backend's GEMM (its tiles split between
+ * kern_cpu_threads() threads; sgemv blocks for one row). */
 static void run_dense(void *p)
 {
     mm_arg *a = p;
-    if (a->n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)a->out, (int)a->in, 1.0f, a->dense, (int)a->in, a->x, 1,
-                    0.0f, a->y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)a->n, (int)a->out, (int)a->in, 1.0f, a->x,
-                    (int)a->in, a->dense, (int)a->in, 0.0f, a->y, (int)a->out);
+    kern_tensor_t x = mat2((float *)a->x, a->n, a->in), w = mat2((float *)a->dense, a->out, a->in);
+    kern_tensor_t y = mat2(a->y, a->n, a->out);
+    if (kern_gemm(kern_backend_cpu(), false, true, 1.0f, &x, &w, 0.0f, &y) != FU_OK)
+        abort();
 }
 
 static int cmp_dbl(const void *a, const void *b)
@@ -130,8 +139,8 @@ static void spmm_shape(size_t out, size_t in, const size_t *batches, size_t nb)
             kern_salr_set_strategy(KERN_SALR_STRATEGY_AUTO);
             bench_emit("kernels", "salr_spmm_strategies",
                        "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"blocked_time_s\":%.6g,"
-                       "\"pipelined_time_s\":%.6g,\"pipeline_gain\":%.3f,\"blas_threads\":%d",
-                       out, in, a.n, tb, tp, tb / tp, openblas_get_num_threads());
+                       "\"pipelined_time_s\":%.6g,\"pipeline_gain\":%.3f,\"threads\":%d",
+                       out, in, a.n, tb, tp, tb / tp, kern_cpu_threads());
         }
         bench_emit("kernels", "salr_spmm",
                    "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":%zu,\"sparsity\":0.5,\"dtype\":\"f32\","
@@ -139,7 +148,7 @@ static void spmm_shape(size_t out, size_t in, const size_t *batches, size_t nb)
                    "\"dense_gflops\":%.2f,\"speedup\":%.3f,\"bytes_ratio\":%.4f,\"time_min_s\":%.6g,"
                    "\"dense_time_min_s\":%.6g,\"speedup_min\":%.3f",
                    out, in, a.n, isa_name[kern_simd_active()], ts, flops / ts * 1e-9,
-                   a.n == 1 ? "cblas_sgemv" : "cblas_sgemm", td, flops / td * 1e-9, td / ts, bytes_ratio,
+                   a.n == 1 ? "cpu_gemv" : "cpu_gemm", td, flops / td * 1e-9, td / ts, bytes_ratio,
                    last_min_b, last_min_a, last_min_a / last_min_b);
     }
     /* f16 storage at batch 1: half the value bytes */
@@ -151,7 +160,7 @@ static void spmm_shape(size_t out, size_t in, const size_t *batches, size_t nb)
     median_pair(run_dense, run_sparse, &a16, repeats_for(1), &td, &ts);
     bench_emit("kernels", "salr_spmm",
                "\"op\":\"salr_spmm\",\"shape\":\"%zux%zu\",\"batch\":1,\"sparsity\":0.5,\"dtype\":\"f16\","
-               "\"isa\":\"%s\",\"time_s\":%.6g,\"gflops\":%.2f,\"dense_op\":\"cblas_sgemv\",\"dense_time_s\":%.6g,"
+               "\"isa\":\"%s\",\"time_s\":%.6g,\"gflops\":%.2f,\"dense_op\":\"cpu_gemv\",\"dense_time_s\":%.6g,"
                "\"speedup\":%.3f,\"bytes_ratio\":%.4f,\"speedup_min\":%.3f",
                out, in, isa_name[kern_simd_active()], ts, 2.0 * (double)out * (double)in / ts * 1e-9, td,
                td / ts, (double)kern_bitmap_encoded_bytes(bm16) / ((double)out * (double)in * 4.0),

@@ -4,7 +4,6 @@
  * own. Prints tokens/s, peak memory and saved-activation bytes as JSON lines. SALR cases use the
  * `fusion model prune` default (every linear pruned, lm_head included); infer_salr_keep_head the
  * --keep-lm-head variant (lm_head dense). */
-#include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -188,14 +188,22 @@ typedef struct {
 /* Fills *out for be's device. FU_ECUDA when the driver cannot say, FU_EINVAL without be. */
 FU_MUST_CHECK fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out);
 
-/* Number of threads the CPU backend uses for its own loops (OpenMP; GEMMs use OpenBLAS's own
- * threads). Small ops always run on the calling thread. */
+/* Number of threads the CPU backend uses (OpenMP loops and the tiles of its GEMMs; OpenBLAS itself
+ * runs one thread per call). Small ops always run on the calling thread. Every CPU op gives the
+ * same bits whatever this number is (docs/DAG.md "Determinism"). */
 int kern_cpu_threads(void);
-/* Sets that number process-wide for the OpenMP loops and OpenBLAS's GEMMs (0: automatic = OpenMP's
- * default, OpenBLAS left as it is). FU_EINVAL when n < 0 or absurd.
+/* Sets that number process-wide (0: automatic = OpenMP's default). FU_EINVAL when n < 0 or absurd.
  * Thread-safe, but workspace sizes queried before a change may no longer fit attention's
  * few-query path (it then returns FU_ENOMEM rather than overrun). */
 FU_MUST_CHECK fu_err kern_cpu_set_threads(int n);
+
+/* How the CPU backend's GEMMs use threads. DETERMINISTIC (the default): fixed tiles, the same bits
+ * for any thread count. BLAS_THREADS: one OpenBLAS call split by OpenBLAS's own threads (set to
+ * kern_cpu_threads() when the mode is chosen), whose bits depend on the thread count; it exists so
+ * that benchmarks can measure what determinism costs, and nothing else should choose it. Not
+ * thread-safe against GEMMs running at the time. */
+typedef enum { KERN_CPU_GEMM_DETERMINISTIC = 0, KERN_CPU_GEMM_BLAS_THREADS } kern_cpu_gemm_mode;
+void kern_cpu_gemm_set_mode(kern_cpu_gemm_mode mode);
 
 /* ---------------------------------------------------------------------------------------------
  * Memory. All take the backend the tensors live on; FU_EINVAL when a tensor is on another device,

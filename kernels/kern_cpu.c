@@ -1,6 +1,5 @@
-/* The CPU backend: memory, GEMM (OpenBLAS), element-wise ops, AdamW, and the table that collects
+/* The CPU backend: memory, GEMM (kern_cpu_gemm.c), element-wise ops, AdamW, and the table that collects
  * the ops defined in kern_cpu_ops.c, kern_cpu_attn.c and kern_sample.c. Loops use OpenMP. */
-#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -9,8 +8,6 @@
 
 #include "fu_alloc.h"
 #include "kern_internal.h"
-
-/* Below this many elements an element-wise loop runs on one thread (thread start-up costs more). */
 
 static fu_err cpu_alloc(const kern_backend_t *be, size_t bytes, void **out)
 {
@@ -69,47 +66,8 @@ static fu_err cpu_gemm(const kern_backend_t *be, bool ta, bool tb, float alpha, 
                        const kern_tensor_t *b, float beta, kern_tensor_t *c)
 {
     (void)be;
-    int m = (int)c->shape[0], n = (int)c->shape[1];
-    int k = (int)(ta ? a->shape[0] : a->shape[1]);
-    if (m == 0 || n == 0)
-        return FU_OK;
-    if (k == 0) { /* BLAS may skip beta scaling for k == 0: do it here */
-        int64_t ldc = ld_of(c);
-        for (int i = 0; i < m; i++) {
-            float *row = (float *)c->data + (int64_t)i * ldc;
-            for (int j = 0; j < n; j++)
-                row[j] = beta == 0.0f ? 0.0f : beta * row[j];
-        }
-        return FU_OK;
-    }
-    const float *A = a->data, *B = b->data;
-    float *C = c->data;
-    const int lda = ld_of(a), ldb = ld_of(b), ldc = ld_of(c);
-    if (m == 1 || n == 1) {
-        /* A vector on one side: OpenBLAS's sgemv is several times faster than sgemm with m = 1
-         * (decode). BLAS gemv may keep a NaN of y when beta = 0 (y·0), so clear y first. */
-        if (beta == 0.0f)
-            for (int i = 0; i < m; i++)
-                for (int j = 0; j < n; j++)
-                    C[(int64_t)i * ldc + j] = 0.0f;
-        if (m == 1) {
-            int inca = ta ? lda : 1; /* op(A)[0,p] */
-            if (tb) /* B [n,k]: c = B·a */
-                cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, alpha, B, ldb, A, inca, beta, C, 1);
-            else    /* B [k,n]: c = Bᵀ·a */
-                cblas_sgemv(CblasRowMajor, CblasTrans, k, n, alpha, B, ldb, A, inca, beta, C, 1);
-        } else {
-            int incb = tb ? 1 : ldb; /* op(B)[p,0] */
-            if (ta) /* A [k,m]: c = Aᵀ·b */
-                cblas_sgemv(CblasRowMajor, CblasTrans, k, m, alpha, A, lda, B, incb, beta, C, ldc);
-            else    /* A [m,k]: c = A·b */
-                cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, alpha, A, lda, B, incb, beta, C, ldc);
-        }
-        return FU_OK;
-    }
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
-                alpha, (const float *)a->data, ld_of(a), (const float *)b->data, ld_of(b), beta,
-                (float *)c->data, ld_of(c));
+    kern_cpu_sgemm(ta, tb, (int)c->shape[0], (int)c->shape[1], (int)(ta ? a->shape[0] : a->shape[1]), alpha, a->data,
+                   ld_of(a), b->data, ld_of(b), beta, c->data, ld_of(c));
     return FU_OK;
 }
 
@@ -226,9 +184,6 @@ void kern_cpu_set_par_min(int64_t elements)
 /* 0: automatic (OpenMP's default, normally one per core, or OMP_NUM_THREADS). */
 static _Atomic int cpu_threads_override;
 
-/* OpenBLAS's own thread count (GEMMs); weak so that a BLAS without it still links. */
-extern void openblas_set_num_threads(int n) __attribute__((weak));
-
 int kern_cpu_threads(void)
 {
     int n = atomic_load_explicit(&cpu_threads_override, memory_order_relaxed);
@@ -240,7 +195,5 @@ fu_err kern_cpu_set_threads(int n)
     if (n < 0 || n > 4096)
         return FU_EINVAL;
     atomic_store_explicit(&cpu_threads_override, n, memory_order_relaxed);
-    if (n > 0 && openblas_set_num_threads)
-        openblas_set_num_threads(n);
     return FU_OK;
 }

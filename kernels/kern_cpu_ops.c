@@ -288,6 +288,16 @@ KERN_HOT static void row_softmax_scaled(const float *row, float *drow, int64_t V
         drow[j] = kern_expf(row[j] - lse) * scale;
 }
 
+/* The sum of the rows' losses in row order: the same bits for any thread count (an OpenMP
+ * reduction would add per-thread partial sums). */
+static double rows_sum(const double *rl, int64_t n)
+{
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        sum += rl[i];
+    return sum;
+}
+
 fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,
                          int32_t ignore_index, float *loss, int64_t *n_valid)
 {
@@ -297,14 +307,14 @@ fu_err kern_cpu_xent_fwd(const kern_backend_t *be, const kern_tensor_t *logits, 
     const int32_t *pt = targets->data;
     int64_t nv = 0;
     FU_TRY(check_targets(logits, targets, ignore_index, &nv));
-    double sum = 0.0;
-#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) schedule(static)
+    double *rl = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(double)); /* each row's loss, summed in order */
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * V > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        if (pt[i] == ignore_index)
-            continue;
         const float *row = pl + i * V;
-        sum += (double)(row_lse(row, V) - row[pt[i]]);
+        rl[i] = pt[i] == ignore_index ? 0.0 : (double)(row_lse(row, V) - row[pt[i]]);
     }
+    double sum = rows_sum(rl, n);
+    free(rl);
     *loss = nv ? (float)(sum / (double)nv) : 0.0f;
     *n_valid = nv;
     return FU_OK;
@@ -319,23 +329,24 @@ static void xent_grad_rows(const kern_tensor_t *logits, const kern_tensor_t *tar
     const float *pl = logits->data;
     const int32_t *pt = targets->data;
     float *pd = dlogits->data;
-    double sum = 0.0;
-#pragma omp parallel for num_threads(kern_cpu_threads()) reduction(+ : sum) if (n * V > kern_cpu_par_min()) \
-    schedule(static)
+    double *rl = fu_malloc((size_t)(n > 0 ? n : 1) * sizeof(double)); /* each row's loss, summed in order */
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * V > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *row = pl + i * V;
         float *drow = pd + i * V;
+        rl[i] = 0.0;
         if (pt[i] == ignore_index) {
             memset(drow, 0, (size_t)V * sizeof(float));
             continue;
         }
         float lse = row_lse(row, V);
-        sum += (double)(lse - row[pt[i]]); /* read before an in-place gradient overwrites it */
+        rl[i] = (double)(lse - row[pt[i]]); /* read before an in-place gradient overwrites it */
         row_softmax_scaled(row, drow, V, lse, scale);
         drow[pt[i]] -= scale;
     }
     if (loss_sum)
-        *loss_sum = sum;
+        *loss_sum = rows_sum(rl, n);
+    free(rl);
 }
 
 fu_err kern_cpu_xent_bwd(const kern_backend_t *be, const kern_tensor_t *logits, const kern_tensor_t *targets,

@@ -1,7 +1,6 @@
 /* CPU backend: products with a frozen bitmap-sparse weight (kern_bitmap.h), delegating the
  * forward to SALR's fused/pipelined kernel (kern_salr_spmm) and computing the input gradient by
  * decoding blocks of rows into a dense scratch and multiplying them with OpenBLAS. */
-#include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,7 +48,7 @@ fu_err kern_cpu_sparse_matmul_dx(const kern_backend_t *be, const kern_tensor_t *
         if (rc != FU_OK)
             break;
         /* dX += dY[:, r0:r0+nr] · W[r0:r0+nr, :] (the first block overwrites) */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)cols, (int)nr, 1.0f,
+        kern_cpu_sgemm(false, false, (int)n, (int)cols, (int)nr, 1.0f,
                     (const float *)dy->data + r0, (int)rows, dense, (int)cols, r0 == 0 ? 0.0f : 1.0f,
                     (float *)dx->data, (int)cols);
     }

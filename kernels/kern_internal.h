@@ -23,6 +23,22 @@ extern "C" {
 int64_t kern_cpu_par_min(void);
 void    kern_cpu_set_par_min(int64_t elements);
 
+/* The CPU GEMM's fixed cuts (kern_cpu_gemm.c): C's tiles are KERN_GEMM_TILE_M x KERN_GEMM_TILE_N
+ * (about 0.5% of a tile's work goes to packing its panels), matrix-vector products go in blocks of
+ * KERN_GEMV_BLOCK rows, and products of fewer than KERN_GEMM_PAR_MIN multiply-adds stay on the
+ * calling thread. Changing any of them changes results' last bits (never their thread-independence). */
+#define KERN_GEMM_TILE_M  128
+#define KERN_GEMM_TILE_N  256
+#define KERN_GEMV_BLOCK   512
+#define KERN_GEMM_PAR_MIN (1 << 21)
+
+/* C = alpha·op(A)·op(B) + beta·C on row-major f32 with BLAS's conventions (op(A) m x k, op(B)
+ * k x n, leading dimensions in elements), on up to kern_cpu_threads() threads, with the same bits
+ * for any thread count (fixed tiles, each one single-threaded OpenBLAS call). m, n or k may be 0.
+ * Every CPU product in kernels/ goes through it. Thread-safe. */
+void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
+                    int ldb, float beta, float *C, int ldc);
+
 /* t is non-NULL, well formed, on be's device, with data when it has elements. */
 fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t);
 /* kern_chk_dev and contiguous. */

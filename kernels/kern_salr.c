@@ -4,7 +4,6 @@
 #include "kern_salr.h"
 #include "kern_salr_simd.h"
 
-#include <cblas.h>
 #include <lapacke.h>
 #include <limits.h>
 #include <math.h>
@@ -13,6 +12,7 @@
 #include <string.h>
 
 #include "fu_alloc.h"
+#include "kern_internal.h"
 
 #define TR KERN_BITMAP_TILE_ROWS
 
@@ -234,24 +234,24 @@ static fu_err svd_randomized(const float *r_mat, size_t rows, size_t cols, size_
     fu_err rc = FU_EINVAL;
 
     gaussian_fill(omega, cols * l, seed);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y, li);
+    kern_cpu_sgemm(false, false, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y, li);
     if (!orthonormalize(y, rows, l, tau))
         goto out;
     for (int it = 0; it < KERN_SALR_SVD_POWER_ITERS; it++) {
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, li, m, 1.0f, r_mat, k, y, li, 0.0f, omega,
+        kern_cpu_sgemm(true, false, k, li, m, 1.0f, r_mat, k, y, li, 0.0f, omega,
                     li);
         if (!orthonormalize(omega, cols, l, tau))
             goto out;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y,
+        kern_cpu_sgemm(false, false, m, li, k, 1.0f, r_mat, k, omega, li, 0.0f, y,
                     li);
         if (!orthonormalize(y, rows, l, tau))
             goto out;
     }
     /* bs [l, cols] = Q^T R; its SVD gives R's leading triplets within span(Q). */
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, li, k, m, 1.0f, y, li, r_mat, k, 0.0f, bs, k);
+    kern_cpu_sgemm(true, false, li, k, m, 1.0f, y, li, r_mat, k, 0.0f, bs, k);
     if (LAPACKE_sgesdd(LAPACK_ROW_MAJOR, 'S', li, k, bs, k, s, ub, li, vt, k) != 0)
         goto out;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, (int)rank, li, 1.0f, y, li, ub, li, 0.0f, uu,
+    kern_cpu_sgemm(false, false, m, (int)rank, li, 1.0f, y, li, ub, li, 0.0f, uu,
                 (int)rank);
     write_factors(uu, rank, s, vt, cols, rows, cols, rank, lora_a, lora_b);
     if (err_ratio) {
@@ -581,7 +581,8 @@ void kern_salr_scratch_release(void)
 }
 
 /* Large batches: W is decoded to dense row blocks of rb rows (a multiple of the tile height), each
- * multiplied with one cblas_sgemm. */
+ * multiplied with one kern_cpu_sgemm. Both strategies use the same blocks, fixed by W's shape (at
+ * least 4, at most KERN_SALR_BLOCK_BYTES / 2 each), so their results have the same bits. */
 typedef struct {
     const kern_bitmap_view *v;
     kern_simd_isa           isa;
@@ -589,14 +590,14 @@ typedef struct {
     size_t                  nblocks; /* ceil(rows / rb) */
 } row_blocks;
 
-static row_blocks blocks_of(const kern_bitmap_view *v, kern_simd_isa isa, size_t cap_bytes, size_t min_blocks)
+static row_blocks blocks_of(const kern_bitmap_view *v, kern_simd_isa isa)
 {
-    size_t cap = cap_bytes / (v->cols * sizeof(float)) / TR * TR;
+    size_t cap = KERN_SALR_BLOCK_BYTES / 2 / (v->cols * sizeof(float)) / TR * TR;
     if (cap < TR)
         cap = TR;
     size_t nb = (v->rows + cap - 1) / cap;
-    if (nb < min_blocks)
-        nb = min_blocks;
+    if (nb < 4)
+        nb = 4;
     size_t rb = ((v->rows + nb - 1) / nb + TR - 1) / TR * TR; /* balanced: no small last block */
     return (row_blocks){v, isa, rb, (v->rows + rb - 1) / rb};
 }
@@ -611,7 +612,7 @@ static void block_gemm(const row_blocks *b, size_t blk, const float *dense, cons
                        bool accumulate)
 {
     size_t r0 = blk * b->rb, nr = block_rows(b, blk);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)nr, (int)b->v->cols, 1.0f, x,
+    kern_cpu_sgemm(false, true, (int)n, (int)nr, (int)b->v->cols, 1.0f, x,
                 (int)b->v->cols, dense, (int)b->v->cols, accumulate ? 1.0f : 0.0f, y + r0, (int)b->v->rows);
 }
 
@@ -639,7 +640,7 @@ static void block_decode(const row_blocks *b, size_t blk, float *dst, size_t nt)
 static fu_err spmm_blocked(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
                            bool accumulate, size_t nt)
 {
-    row_blocks b = blocks_of(v, isa, KERN_SALR_BLOCK_BYTES, 1);
+    row_blocks b = blocks_of(v, isa);
     size_t     bytes = b.rb * v->cols * sizeof(float);
     float     *dense = scratch_take(bytes);
     for (size_t blk = 0; blk < b.nblocks; blk++) {
@@ -682,7 +683,7 @@ static void *pipe_decoder(void *arg)
 static fu_err spmm_pipelined(const kern_bitmap_view *v, kern_simd_isa isa, const float *x, size_t n, float *y,
                              bool accumulate)
 {
-    spmm_pipe p = {.b = blocks_of(v, isa, KERN_SALR_BLOCK_BYTES / 2, 4)};
+    spmm_pipe p = {.b = blocks_of(v, isa)};
     size_t    slot_floats = p.b.rb * v->cols, bytes = 2 * slot_floats * sizeof(float);
     float    *scratch = scratch_take(bytes);
     p.slot[0] = scratch;
@@ -740,7 +741,7 @@ fu_err kern_salr_spmm(const kern_bitmap_t *w, const float *x, size_t n, float *y
         return spmm_fused(&v, isa, x, n, y, accumulate, nt);
     kern_salr_strategy s = __atomic_load_n(&strategy, __ATOMIC_RELAXED);
     if (s == KERN_SALR_STRATEGY_AUTO) /* a spare core for the decoder: overlap; else take turns */
-        s = nt > (size_t)openblas_get_num_threads() ? KERN_SALR_STRATEGY_PIPELINED : KERN_SALR_STRATEGY_BLOCKED;
+        s = nt > (size_t)kern_cpu_threads() ? KERN_SALR_STRATEGY_PIPELINED : KERN_SALR_STRATEGY_BLOCKED;
     if (s == KERN_SALR_STRATEGY_PIPELINED)
         return spmm_pipelined(&v, isa, x, n, y, accumulate);
     return spmm_blocked(&v, isa, x, n, y, accumulate, nt);
@@ -790,8 +791,8 @@ fu_err kern_salr_concat_forward(const kern_salr_dims *d, const float *a_cat, con
     if (!dims_ok(d) || !a_cat || !b_cat || !x || !h || !y || n == 0 || !fits_int(n))
         return FU_EINVAL;
     int rt = (int)(d->r1 + d->r2), in = (int)d->in, out = (int)d->out, ni = (int)n;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, rt, in, 1.0f, x, in, a_cat, in, 0.0f, h, rt);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ni, out, rt, 1.0f, h, rt, b_cat, rt, 1.0f, y, out);
+    kern_cpu_sgemm(false, true, ni, rt, in, 1.0f, x, in, a_cat, in, 0.0f, h, rt);
+    kern_cpu_sgemm(false, true, ni, out, rt, 1.0f, h, rt, b_cat, rt, 1.0f, y, out);
     return FU_OK;
 }
 
@@ -804,16 +805,16 @@ fu_err kern_salr_concat_backward(const kern_salr_dims *d, const float *a_cat, co
         return FU_EINVAL;
     int rt = (int)(d->r1 + d->r2), in = (int)d->in, out = (int)d->out, ni = (int)n, r1 = (int)d->r1;
     if (db1) /* dB1 = s1 * dY^T * H1, H1 = the first r1 columns of h (leading dimension rt) */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, r1, ni, s1, dy, out, h, rt, 0.0f, db1, r1);
+        kern_cpu_sgemm(true, false, out, r1, ni, s1, dy, out, h, rt, 0.0f, db1, r1);
     if (!da1 && !dx)
         return FU_OK;
     /* G [n, rt] = dY * b_cat = [s1 dY B1 | s2 dY B2] */
     float *g = fu_malloc_aligned(n * (size_t)rt * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, rt, out, 1.0f, dy, out, b_cat, rt, 0.0f, g, rt);
+    kern_cpu_sgemm(false, false, ni, rt, out, 1.0f, dy, out, b_cat, rt, 0.0f, g, rt);
     if (da1)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, in, ni, 1.0f, g, rt, x, in, 0.0f, da1, in);
+        kern_cpu_sgemm(true, false, r1, in, ni, 1.0f, g, rt, x, in, 0.0f, da1, in);
     if (dx)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, in, rt, 1.0f, g, rt, a_cat, in, 1.0f, dx, in);
+        kern_cpu_sgemm(false, false, ni, in, rt, 1.0f, g, rt, a_cat, in, 1.0f, dx, in);
     fu_free_aligned(g);
     return FU_OK;
 }

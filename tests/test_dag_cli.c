@@ -153,6 +153,49 @@ static void test_dag_cli_finetune_then_infer(void **state)
         assert_true(isfinite(lg[i]));
 }
 
+/* Whether two files hold the same bytes. */
+static bool same_bytes(const char *a, const char *b)
+{
+    char pa[4096], pb[4096];
+    snprintf(pa, sizeof pa, "%s/%s", tu_dir, a);
+    snprintf(pb, sizeof pb, "%s/%s", tu_dir, b);
+    FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
+    bool same = fa && fb;
+    while (same) {
+        int ca = fgetc(fa), cb = fgetc(fb);
+        same = ca == cb;
+        if (ca == EOF)
+            break;
+    }
+    if (fa)
+        fclose(fa);
+    if (fb)
+        fclose(fb);
+    return same;
+}
+
+/* `fusion run finetune` and `run infer` give the same bits for every --threads (docs/DAG.md
+ * "Determinism"): a model wide enough that its products are cut into several tiles and split
+ * between threads, a learning rate high enough that a last-bit difference would grow. */
+static void test_dag_cli_threads_same_bits(void **state)
+{
+    (void)state;
+    const char *dir = tu_dir;
+    tu_fusion_expect(0, NULL, "model init -o %s/wide --layers 3 --hidden 256 --heads 4 --kv-heads 2 --ffn 688 "
+                     "--vocab 1000 --seed 3", dir);
+    static const char *const threads[] = {"1", "2", "3"};
+    for (int i = 0; i < 3; i++)
+        tu_fusion_expect(0, "step 12/12", "run finetune --threads %s --model %s/wide --data %s --rank 4 --alpha 8 "
+                         "--lr 1e-2 --steps 12 --batch 4 --seq-len 32 --seed 7 -o %s/t%s",
+                         threads[i], dir, data, dir, threads[i]);
+    assert_true(same_bytes("t1/adapter_model.safetensors", "t2/adapter_model.safetensors"));
+    assert_true(same_bytes("t1/adapter_model.safetensors", "t3/adapter_model.safetensors"));
+    for (int i = 0; i < 2; i++)
+        tu_fusion_expect(0, "generated", "run infer --threads %s --model %s/wide --adapter %s/t1 --prompt 'the q' "
+                         "--max-tokens 4 --dump-logits %s/logits%s.bin", threads[i], dir, dir, dir, threads[i]);
+    assert_true(same_bytes("logits1.bin", "logits2.bin"));
+}
+
 static void test_dag_cli_salr_finetune(void **state)
 {
     (void)state;
@@ -250,6 +293,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dag_cli_finetune_then_infer),
+        cmocka_unit_test(test_dag_cli_threads_same_bits),
         cmocka_unit_test(test_dag_cli_salr_finetune),
         cmocka_unit_test(test_dag_cli_salr_prune_lm_head),
         cmocka_unit_test(test_dag_cli_errors),

@@ -634,11 +634,55 @@ static void test_kern_ops_threads_match_serial(void **state)
         free(pa[i]);
         free(pb[i]);
     }
-    /* only the loss sums may be added in another order */
-    assert_float_equal(a.loss, b.loss, 1e-5 * fabsf(a.loss));
-    assert_float_equal(a.loss2, b.loss2, 1e-5 * fabsf(a.loss2));
+    /* the loss sums too: rows are added in order, not per thread */
+    assert_memory_equal(&a.loss, &b.loss, sizeof a.loss);
+    assert_memory_equal(&a.loss2, &b.loss2, sizeof a.loss2);
     assert_float_equal(a.loss, a.loss2, 1e-6 * fabsf(a.loss));
     free(x), free(w), free(g), free(u), free(logits), free(tab);
+}
+
+/* GEMMs give the same bits for 1, 2, 3 and 5 threads (OpenBLAS alone does not: PITFALLS), on
+ * shapes with partial tiles on both sides, every transpose, beta 0 and 1, and both vector cases
+ * (each past the size where the work is split). */
+static void test_kern_ops_gemm_same_bits_any_threads(void **state)
+{
+    (void)state;
+    static const struct {
+        int m, n, k;
+    } shapes[] = {{300, 520, 700}, {8, 1030, 512}, {777, 9, 4096}, {1, 4100, 1024}, {3000, 1, 1024}, {129, 257, 64}};
+    static const int threads[] = {2, 3, 5};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+        float *a = tk_rand((size_t)m * k, 80 + si, -1, 1), *b = tk_rand((size_t)k * n, 90 + si, -1, 1);
+        float *c0 = tk_rand((size_t)m * n, 100 + si, -1, 1);
+        float *ref = malloc(sizeof(float) * (size_t)m * n), *got = malloc(sizeof(float) * (size_t)m * n);
+        for (int v = 0; v < 8; v++) {
+            bool ta = v & 1, tb = v & 2;
+            float beta = (v & 4) ? 1.0f : 0.0f;
+            kern_tensor_t A = ta ? tk_f2(a, k, m) : tk_f2(a, m, k), B = tb ? tk_f2(b, n, k) : tk_f2(b, k, n);
+            kern_tensor_t R = tk_f2(ref, m, n), G = tk_f2(got, m, n);
+            memcpy(ref, c0, sizeof(float) * (size_t)m * n);
+            assert_int_equal(kern_cpu_set_threads(1), FU_OK);
+            assert_int_equal(kern_gemm(CPU, ta, tb, 0.75f, &A, &B, beta, &R), FU_OK);
+            for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++) {
+                memcpy(got, c0, sizeof(float) * (size_t)m * n);
+                assert_int_equal(kern_cpu_set_threads(threads[ti]), FU_OK);
+                assert_int_equal(kern_gemm(CPU, ta, tb, 0.75f, &A, &B, beta, &G), FU_OK);
+                if (memcmp(ref, got, sizeof(float) * (size_t)m * n) != 0)
+                    fail_msg("gemm %dx%dx%d ta=%d tb=%d beta=%g: %d threads differ from 1", m, n, k, ta, tb,
+                             (double)beta, threads[ti]);
+            }
+            /* and the product is right: one entry against a double-precision dot product */
+            int i = m / 2, j = n - 1;
+            double d = beta * c0[(size_t)i * n + j];
+            for (int p = 0; p < k; p++)
+                d += 0.75 * (ta ? a[(size_t)p * m + i] : a[(size_t)i * k + p]) *
+                     (tb ? b[(size_t)j * k + p] : b[(size_t)p * n + j]);
+            assert_true(fabs((double)ref[(size_t)i * n + j] - d) <= 1e-4 * (1 + fabs(d)));
+        }
+        free(a), free(b), free(c0), free(ref), free(got);
+    }
+    assert_int_equal(kern_cpu_set_threads(0), FU_OK);
 }
 
 /* ---- bad arguments never crash ---- */
@@ -713,6 +757,7 @@ int main(void)
         cmocka_unit_test(test_kern_ops_adamw_matches_hand_computation),
         cmocka_unit_test(test_kern_ops_sampling_rules),
         cmocka_unit_test(test_kern_ops_threads_match_serial),
+        cmocka_unit_test(test_kern_ops_gemm_same_bits_any_threads),
         cmocka_unit_test(test_kern_ops_bad_arguments_return_einval),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
