@@ -629,6 +629,11 @@ pid_t tu_broker_pid(const tu_cluster *c)
     return c->broker > 0 ? c->broker : 0;
 }
 
+pid_t tu_peer_pid(const tu_cluster *c, int i)
+{
+    return i >= 0 && i < TU_MAX_PEERS && c->peers[i] > 0 ? c->peers[i] : 0;
+}
+
 int tu_broker_stop(tu_cluster *c, int sig)
 {
     if (c->broker <= 0)
@@ -707,7 +712,9 @@ void tu_peer_start(tu_cluster *c, int i, ...)
     snprintf(name, sizeof name, "p%d", i);
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
     char *argv[48] = {prog, "--broker", c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
-                      "tcp://127.0.0.1:*", "--cache", cache, "--threads", "1", "--name", name, "--drain-timeout", "15"};
+                      "tcp://127.0.0.1:*", "--cache", cache, "--threads",
+                      (char *)(i < 8 && c->o.peer_threads[i] ? c->o.peer_threads[i] : "1"), "--name", name,
+                      "--drain-timeout", "15"};
     int n = 17;
     add_option(argv, &n, "--priority", c->o.priority);
     for (int k = 0; k < 8 && c->o.peer_extra[k]; k++)
@@ -985,12 +992,13 @@ double tu_adapter_diff(const char *path_a, const char *path_b, size_t *n_tensors
     return worst;
 }
 
-double tu_job_vs_reference(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args)
+static double vs_reference(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args,
+                           int threads)
 {
     tu_result(c, id);
     char *out = NULL;
-    int rc = tu_fusion(c, &out, "run finetune --model '%s' --data '%s' --threads 1 %s -o 'ref-%s'", model_dir, c->data,
-                       train_args, id);
+    int rc = tu_fusion(c, &out, "run finetune --model '%s' --data '%s' --threads %d %s -o 'ref-%s'", model_dir,
+                       c->data, threads, train_args, id);
     if (rc != 0)
         tu_fail("fusion run finetune: exit %d: %s", rc, out ? out : "");
     free(out);
@@ -999,9 +1007,32 @@ double tu_job_vs_reference(const tu_cluster *c, const char *id, const char *mode
     tu_path(c, b, "ref-%s/adapter_model.safetensors", id);
     size_t nt = 0;
     double d = tu_adapter_diff(a, b, &nt);
-    printf("job %s: %zu adapter tensors, max |pipeline - fusion run| = %.3g\n", id, nt, d);
+    printf("job %s: %zu adapter tensors, max |pipeline - fusion run --threads %d| = %.3g\n", id, nt, threads, d);
     fflush(stdout);
     return d;
+}
+
+double tu_job_vs_reference(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args)
+{
+    return vs_reference(c, id, model_dir, train_args, 1);
+}
+
+void tu_assert_identical_adapter(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args,
+                                 int threads)
+{
+    (void)vs_reference(c, id, model_dir, train_args, threads);
+    char a[TU_PATH], b[TU_PATH];
+    tu_path(c, a, "res-%s/adapter_model.safetensors", id);
+    tu_path(c, b, "ref-%s/adapter_model.safetensors", id);
+    char *ta = NULL, *tb = NULL;
+    size_t na = 0, nb = 0;
+    if (fu_file_read_all(a, 64u << 20, &ta, &na, NULL) != FU_OK || fu_file_read_all(b, 64u << 20, &tb, &nb, NULL) != FU_OK)
+        tu_fail("job %s: cannot read the two adapters", id);
+    bool same = na == nb && memcmp(ta, tb, na) == 0;
+    free(ta);
+    free(tb);
+    if (!same)
+        tu_fail("job %s: its adapter file is not bit-identical to fusion run finetune --threads %d's", id, threads);
 }
 
 void tu_assert_same_adapter(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args)

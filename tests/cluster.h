@@ -86,6 +86,7 @@ typedef struct {
     const char *link_mbps;      /* --link-mbps (NULL: the peer measures its link) */
     const char *priority;       /* --priority (NULL: the peer's default, idle) */
     const char *peer_extra[8];  /* more arguments (NULL-terminated) */
+    const char *peer_threads[8];/* --threads of peer pI (NULL: 1) */
     const char *corrupt_mode;   /* "scale" or "lie": peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=
                                    MODE:DIR/corrupt.pI and cheats while that file exists
                                    (peer/peer_verify.h; test hooks only); NULL: honest peers */
@@ -132,6 +133,7 @@ tu_opts *tu_cluster_opts(tu_cluster *c);
 
 const char *tu_cluster_dir(const tu_cluster *c);  /* the scratch directory, borrowed */
 pid_t tu_broker_pid(const tu_cluster *c);         /* the broker process (0: not running) */
+pid_t tu_peer_pid(const tu_cluster *c, int i);    /* peer pI's process (0: not running) */
 /* More fusion-broker arguments (space-separated, no quoting) for its next starts. */
 void tu_broker_args(tu_cluster *c, const char *args);
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */
@@ -278,6 +280,11 @@ double tu_job_vs_reference(const tu_cluster *c, const char *id, const char *mode
 
 /* tu_job_vs_reference, and fails the test when the difference is over TU_ADAPTER_TOL. */
 void tu_assert_same_adapter(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args);
+
+/* Job id's adapter against `fusion run finetune --threads THREADS`'s: fails the test unless every
+ * tensor has the same bits (docs/DAG.md "Determinism"). */
+void tu_assert_identical_adapter(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args,
+                                 int threads);
 
 /* ---- processes, files, directories ---------------------------------------------------------------- */
 

@@ -120,6 +120,26 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Peers with 1, 2 and 3 compute threads run a three-stage fine-tune whose adapter has the bits of
+ * `fusion run finetune --threads 2` (docs/DAG.md "Determinism"): neither the partition nor any
+ * process's thread count changes a bit. */
+static void test_e2e_pipeline_mixed_threads(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    o.peer_threads[1] = "2";
+    o.peer_threads[2] = "3";
+    tu_cluster *c = tu_cluster_new("e2e-threads", &o);
+    tu_cluster_start(c);
+    const char *train = TU_TRAIN_ARGS " --steps 12";
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 4", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 3);
+    tu_assert_identical_adapter(c, id, "model", train, 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -276,6 +296,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
