@@ -35,6 +35,7 @@
 
 #define BROKER_SPEC_MODEL_MAX 1024  /* longest model path in a spec */
 #define BROKER_ENDPOINT_MAX   256   /* longest data endpoint */
+#define BROKER_NUMERIC_CLASS_MAX 159 /* longest PeerProfile.numeric_class */
 #define BROKER_MODEL_ID_MAX   80    /* "m:" + 64 hex */
 #define BROKER_PAUSE_REASON_MAX 200 /* longest pause reason kept from a heartbeat */
 #define BROKER_PAUSE_EVENT_MS   60000 /* a peer's pause events are stored at most this often */
@@ -66,6 +67,8 @@ typedef struct {
     size_t rid_len;                    /* its length */
     char name[DB_NAME_MAX + 1];        /* display name */
     char device[128];                  /* device name from its profile */
+    char numeric_class[BROKER_NUMERIC_CLASS_MAX + 1]; /* its profile's: peers of one non-empty class give the same
+                                                         bits, and verification compares exact hashes */
     Fusion__Backend backend;           /* cpu or cuda */
     double gflops;                     /* f32 GEMM GFLOP/s plans use: min(claimed, slack x verified) */
     double claimed_gflops;             /* what its profile said (the best f32, else any dtype) */
@@ -211,6 +214,10 @@ typedef struct {
     double sk[3][WIRE_VERIFY_SKETCH_K]; /* the sketches */
     double norm[3];                    /* the output norms */
     uint8_t ih[3][WIRE_VERIFY_HASH_BYTES]; /* the input hashes they reported */
+    uint8_t oh[3][WIRE_VERIFY_HASH_BYTES]; /* the output hashes they reported (when has_oh) */
+    bool has_oh[3];                    /* an output hash came back */
+    uint8_t cls[3][16];                /* BLAKE2b-128 of the answering peer's numeric class (when has_cls) */
+    bool has_cls[3];                   /* the peer promised a numeric class */
     bool bad[3];                       /* a malformed answer (counts as a wrong one) */
     char up[DB_KEY_LEN + 1];           /* stage > 0: the upstream peer asked to deliver the input; "" for stage 0 */
     bool fed[3];                       /* slots 1, 2: the last chunk of their input was forwarded */

@@ -217,6 +217,7 @@ void broker_on_peer_list(broker_t *b, const wire_msg_t *msg)
         profs[i].free_memory_bytes = p->mem_bytes;
         profs[i].backend = p->backend ? p->backend : FUSION__BACKEND__BACKEND_CPU;
         profs[i].device_name = p->device;
+        profs[i].numeric_class = p->numeric_class;
         profs[i].link_bandwidth_bps = p->link_bw;
         profs[i].link_latency_ms = p->link_latency_ms;
         profs[i].threads = p->threads;

@@ -81,10 +81,11 @@ fu_err broker_peer_hello_check(const Fusion__PeerHello *h, fu_errmsg *em)
     if (!h || !pr)
         return fu_errmsg_set(em, FU_EINVAL, "PeerHello needs a profile (measured speed and memory)");
     if (!text_ok(h->name, DB_NAME_MAX, false) || !text_ok(h->data_endpoint, BROKER_ENDPOINT_MAX - 1, false) ||
-        !text_ok(pr->device_name, 127, false))
+        !text_ok(pr->device_name, 127, false) || !text_ok(pr->numeric_class, BROKER_NUMERIC_CLASS_MAX, false))
         return fu_errmsg_set(em, FU_EINVAL,
-                             "PeerHello: name (at most %d bytes), device name (127) or data endpoint (%d) too long or "
-                             "holds control characters", DB_NAME_MAX, BROKER_ENDPOINT_MAX - 1);
+                             "PeerHello: name (at most %d bytes), device name (127), numeric class (%d) or data endpoint "
+                             "(%d) too long or holds control characters", DB_NAME_MAX, BROKER_NUMERIC_CLASS_MAX,
+                             BROKER_ENDPOINT_MAX - 1);
     if (!(profile_gflops(pr) > 0) || pr->free_memory_bytes == 0)
         return fu_errmsg_set(em, FU_EINVAL,
                              "PeerHello: the profile must report a GEMM speed above 0 GFLOP/s and free memory above 0 "
@@ -165,6 +166,7 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
                              BROKER_MAX_PEERS);
     snprintf(p->name, sizeof p->name, "%s", h->name && h->name[0] ? h->name : "peer");
     snprintf(p->device, sizeof p->device, "%s", pr->device_name ? pr->device_name : "");
+    snprintf(p->numeric_class, sizeof p->numeric_class, "%s", pr->numeric_class ? pr->numeric_class : "");
     snprintf(p->endpoint, sizeof p->endpoint, "%s", h->needs_relay ? "" : h->data_endpoint);
     p->relay = h->needs_relay;
     p->backend = pr->backend;

@@ -243,6 +243,16 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 }
 
 /* Largest |a - b| over the sketch entries and the norm, and the scale the tolerance applies to. */
+/* Whether answers x and y come from peers of one numeric class: the same bits are promised, and
+ * they are compared by their output hashes (docs/DAG.md "Determinism"). */
+static bool exact(const broker_vsample *v, int x, int y)
+{
+    return v->has_cls[x] && v->has_cls[y] && sodium_memcmp(v->cls[x], v->cls[y], sizeof v->cls[x]) == 0;
+}
+
+/* Whether answers x and y agree: the same output hash where bits are promised (exact), else sketches
+ * and norms within BROKER_VERIFY_RTOL of the norm. *diff: the sketches' relative difference (logged
+ * in both cases). */
 static bool agree(const broker_vsample *v, int x, int y, double *diff)
 {
     double scale = fmax(v->norm[x], v->norm[y]);
@@ -250,7 +260,11 @@ static bool agree(const broker_vsample *v, int x, int y, double *diff)
     for (int i = 0; i < WIRE_VERIFY_SKETCH_K; i++)
         d = fmax(d, fabs(v->sk[x][i] - v->sk[y][i]));
     *diff = scale > 0 ? d / scale : d;
-    return !v->bad[x] && !v->bad[y] && d <= BROKER_VERIFY_RTOL * scale;
+    if (v->bad[x] || v->bad[y])
+        return false;
+    if (exact(v, x, y))
+        return v->has_oh[x] && v->has_oh[y] && sodium_memcmp(v->oh[x], v->oh[y], WIRE_VERIFY_HASH_BYTES) == 0;
+    return d <= BROKER_VERIFY_RTOL * scale;
 }
 
 /* Both answers are well-formed and computed from the same input. */
@@ -347,8 +361,9 @@ static void judge_two(broker_t *b, broker_job *j, broker_vsample *v, const char 
     count(b, v->who[0], true);
     count(b, v->who[1], false);
     char ev[300];
-    snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: DISAGREE (norms %.6g / %.6g, rel diff %.3g, verifier "
-             "%.8s, %s)", v->stage, v->step, v->mb, v->norm[0], v->norm[1], d01, v->who[1], why);
+    snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: DISAGREE (%s, norms %.6g / %.6g, rel diff %.3g, "
+             "verifier %.8s, %s)", v->stage, v->step, v->mb, exact(v, 0, 1) ? "other bits" : "beyond tolerance",
+             v->norm[0], v->norm[1], d01, v->who[1], why);
     FU_WARN(LOG, "job %s %s", j->id, ev);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
     char primary[DB_KEY_LEN + 1], ver[DB_KEY_LEN + 1];
@@ -426,8 +441,9 @@ static void judge(broker_t *b, broker_vsample *v)
         j->v_agree++;
         count(b, v->who[0], false);
         count(b, v->who[1], false);
-        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: agree (norm %.6g, rel diff %.3g, verifier %.8s, "
-                 "input %s)", v->stage, v->step, v->mb, v->norm[0], d01, v->who[1], ih_hex(v->ih[0], h));
+        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: agree (%s, norm %.6g, rel diff %.3g, verifier "
+                 "%.8s, input %s)", v->stage, v->step, v->mb, exact(v, 0, 1) ? "same bits" : "within tolerance",
+                 v->norm[0], d01, v->who[1], ih_hex(v->ih[0], h));
         FU_INFO(LOG, "job %s %s", j->id, ev);
         BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "verified", ev));
         v->used = false;
@@ -503,13 +519,15 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         return;
     }
     bool ok = s->n_sketch == WIRE_VERIFY_SKETCH_K && isfinite(s->norm) && s->norm >= 0 &&
-              s->input_hash.len == WIRE_VERIFY_HASH_BYTES;
+              s->input_hash.len == WIRE_VERIFY_HASH_BYTES &&
+              (s->output_hash.len == 0 || s->output_hash.len == WIRE_VERIFY_HASH_BYTES);
     for (size_t i = 0; ok && i < s->n_sketch; i++)
         ok = isfinite(s->sketch[i]);
     if (!ok) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "VerifySketch needs %d finite sketch entries, a finite norm >= 0 and a %u-byte input hash "
-                           "(or `unavailable`)", WIRE_VERIFY_SKETCH_K, WIRE_VERIFY_HASH_BYTES);
+                           "VerifySketch needs %d finite sketch entries, a finite norm >= 0, a %u-byte input hash and "
+                           "no or a %u-byte output hash (or `unavailable`)", WIRE_VERIFY_SKETCH_K,
+                           WIRE_VERIFY_HASH_BYTES, WIRE_VERIFY_HASH_BYTES);
         /* A malformed answer counts as a wrong one. */
         for (int i = 0; i < WIRE_VERIFY_SKETCH_K; i++)
             v->sk[who][i] = 0;
@@ -519,7 +537,14 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         memcpy(v->sk[who], s->sketch, sizeof v->sk[who]);
         v->norm[who] = s->norm;
         memcpy(v->ih[who], s->input_hash.data, WIRE_VERIFY_HASH_BYTES);
+        v->has_oh[who] = s->output_hash.len == WIRE_VERIFY_HASH_BYTES;
+        if (v->has_oh[who])
+            memcpy(v->oh[who], s->output_hash.data, WIRE_VERIFY_HASH_BYTES);
     }
+    v->has_cls[who] = p->numeric_class[0] != '\0';
+    if (v->has_cls[who])
+        crypto_generichash(v->cls[who], sizeof v->cls[who], (const uint8_t *)p->numeric_class,
+                           strlen(p->numeric_class), NULL, 0);
     v->have[who] = true;
     for (int k = 0; k < 3; k++)
         if (v->who[k][0] && !v->have[k])

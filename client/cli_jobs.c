@@ -370,6 +370,8 @@ static cJSON *peer_json(const Fusion__PeerInfo *p, const char *stage)
     cJSON_AddStringToObject(e, "name", p->name ? p->name : "");
     cJSON_AddStringToObject(e, "device",
                             p->profile && p->profile->device_name ? p->profile->device_name : "");
+    cJSON_AddStringToObject(e, "numeric_class",
+                            p->profile && p->profile->numeric_class ? p->profile->numeric_class : "");
     cJSON_AddNumberToObject(e, "gflops", best_gflops(p->profile));
     cJSON_AddNumberToObject(e, "gflops_claimed", p->gflops_claimed);
     cJSON_AddNumberToObject(e, "gflops_verified", p->gflops_verified);

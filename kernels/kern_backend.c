@@ -187,6 +187,28 @@ static bool proc_field(const char *path, const char *key, char *out, size_t cap)
     return found;
 }
 
+/* OpenBLAS's build and the kernels it chose for this CPU; weak so that another BLAS still links. */
+extern char *openblas_get_config(void) __attribute__((weak));
+extern char *openblas_get_corename(void) __attribute__((weak));
+
+/* What decides the CPU backend's bits besides the job: this code (its version), OpenBLAS's build and
+ * kernels, the SALR decoders' instruction set and whether the element-wise loops take their AVX2
+ * clones (KERN_HOT). The thread count does not (kern_cpu_gemm.c). */
+static void cpu_numeric_class(char *out, size_t cap)
+{
+    static const char *const isa[] = {"auto", "scalar", "avx2", "avx512"};
+    kern_simd_isa s = kern_simd_active();
+    snprintf(out, cap, "cpu fusion-%s %s core=%s simd=%s hot=%s", FUSION_VERSION,
+             openblas_get_config ? openblas_get_config() : "blas", openblas_get_corename ? openblas_get_corename() : "?",
+             (unsigned)s < sizeof isa / sizeof isa[0] ? isa[s] : "?",
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+             __builtin_cpu_supports("avx2") ? "avx2" : "base"
+#else
+             "base"
+#endif
+    );
+}
+
 fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out)
 {
     if (!be || !out)
@@ -204,6 +226,7 @@ fu_err kern_backend_device_info(const kern_backend_t *be, kern_device_info *out)
         return FU_ENOSYS;
 #endif
     }
+    cpu_numeric_class(out->numeric_class, sizeof out->numeric_class);
     char v[256];
     snprintf(out->name, sizeof out->name, "cpu");
     if (proc_field("/proc/cpuinfo", "model name", v, sizeof v))

@@ -183,6 +183,8 @@ typedef struct {
     char name[256];        /* "cpu: AMD EPYC 9R14" (/proc/cpuinfo) or the GPU's name */
     uint64_t free_bytes;   /* memory free now: MemAvailable, or the GPU's free memory */
     uint64_t total_bytes;  /* all of it (0 when unknown) */
+    char numeric_class[160]; /* two devices of the same non-empty class compute the same bits for the same
+                                job (docs/DAG.md "Determinism"); "" where that is not promised (CUDA) */
 } kern_device_info;
 
 /* Fills *out for be's device. FU_ECUDA when the driver cannot say, FU_EINVAL without be. */

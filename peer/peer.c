@@ -115,6 +115,7 @@ void peer_io_send_hello(peer_t *p)
     pr.free_memory_bytes = p->prof.free_memory_bytes;
     pr.backend = p->prof.cuda ? FUSION__BACKEND__BACKEND_CUDA : FUSION__BACKEND__BACKEND_CPU;
     pr.device_name = p->prof.device_name;
+    pr.numeric_class = p->prof.numeric_class;
     pr.link_bandwidth_bps = p->prof.link_bandwidth_bps;
     pr.link_latency_ms = p->prof.link_latency_ms;
     pr.threads = p->prof.threads;

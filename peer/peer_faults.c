@@ -18,6 +18,9 @@ peer_corrupt_mode peer_fault_corrupt_now(void)
     } else if (v && strncmp(v, "lie", 3) == 0) {
         m = PEER_CORRUPT_LIE;
         n = 3;
+    } else if (v && strncmp(v, "nudge", 5) == 0) {
+        m = PEER_CORRUPT_NUDGE;
+        n = 5;
     } else {
         return PEER_CORRUPT_NONE;
     }

@@ -17,8 +17,10 @@ extern "C" {
  * at the last stage, the gradients it sends up; the peer keeps (and sketches, and delivers to
  * verifiers) what it sent. "lie" sends the scaled output too but keeps the honest one: its own
  * sketches agree, and what it delivers to the next stage's verifier differs from what the next
- * stage received. "MODE:PATH" does so only while the file PATH exists. A peer run this way is a
- * dishonest peer; verification must catch it. */
+ * stage received. "nudge" sends and keeps its output with the first value moved by one unit in the
+ * last place: far inside any tolerance, caught only where verification compares exact bits.
+ * "MODE:PATH" does so only while the file PATH exists. A peer run this way is a dishonest peer;
+ * verification must catch it. */
 #define PEER_CORRUPT_ENV   "FUSION_TEST_CORRUPT_OUTPUT"
 #define PEER_CORRUPT_SCALE 1.5f
 
@@ -26,6 +28,7 @@ typedef enum {
     PEER_CORRUPT_NONE = 0, /* honest */
     PEER_CORRUPT_SEND,     /* "scale": sends and keeps the scaled output */
     PEER_CORRUPT_LIE,      /* "lie": sends the scaled output, keeps the honest one */
+    PEER_CORRUPT_NUDGE,    /* "nudge": sends and keeps the output with its first value one ulp off */
 } peer_corrupt_mode;
 
 /* Env var of the stall hook, FOR TESTS ONLY (the deadline tests of tests/test_e2e_fault.c): the

@@ -102,6 +102,7 @@ fu_err peer_profile_measure(const kern_backend_t *be, uint64_t max_memory_bytes,
         return fu_errmsg_set(em, rc, "profile: cannot query the device of %s: %s", be->name, fu_strerror(rc));
     out->device_free_bytes = di.free_bytes;
     snprintf(out->device_name, sizeof out->device_name, "%.127s", di.name);
+    snprintf(out->numeric_class, sizeof out->numeric_class, "%s", di.numeric_class);
     out->free_memory_bytes = out->device_free_bytes;
     if (max_memory_bytes && max_memory_bytes < out->free_memory_bytes)
         out->free_memory_bytes = max_memory_bytes;

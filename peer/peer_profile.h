@@ -29,6 +29,7 @@ typedef struct {
     uint64_t device_free_bytes;                   /* what the device (or /proc/meminfo) said was free */
     bool cuda;                                    /* the backend is a CUDA device */
     char device_name[128];                        /* "cpu: <model name>" or the GPU's name */
+    char numeric_class[160];                      /* kern_device_info's: same class, same bits */
     uint32_t threads;                             /* CPU threads used */
     double link_latency_ms;                       /* round trip to the broker (0: not measured) */
     double link_bandwidth_bps;                    /* bytes/s from the broker (0: not measured yet) */

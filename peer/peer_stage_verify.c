@@ -4,6 +4,7 @@
  * queues requests, fetches the checkpoint of their step, re-runs the sample and answers with its own
  * sketch. The sketch, the hash and the sealed delivery are peer_verify.c's. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,7 +61,7 @@ static void keep_output(stage_t *s, uint64_t step, uint32_t mb, const float *f, 
 /* The output a stage produces for the pipeline (activations down; the last stage: gradients up) is
  * about to be sent: with verification on a copy of what is sent is kept, so that a VerifyRequest or
  * VerifyDeliver is answered from the output actually produced. The fault hook (tests only) may
- * corrupt it first ("scale"), or keep the honest copy and corrupt what is sent ("lie"). */
+ * corrupt it first ("scale", "nudge"), or keep the honest copy and corrupt what is sent ("lie"). */
 void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total)
 {
     /* FAULT INJECTION FOR TESTS ONLY (peer_verify.h): a dishonest peer */
@@ -68,6 +69,8 @@ void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, siz
     if (cheat == PEER_CORRUPT_SEND)
         for (size_t i = 0; i < total; i++)
             f[i] *= PEER_CORRUPT_SCALE;
+    if (cheat == PEER_CORRUPT_NUDGE && total > 0)
+        f[0] = nextafterf(f[0], INFINITY);
     if (stage_keeps_for_verify(s, mb))
         keep_output(s, step, mb, f, total);
     if (cheat == PEER_CORRUPT_LIE) /* keeps the honest output, sends a scaled one */
@@ -75,13 +78,14 @@ void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, siz
             f[i] *= PEER_CORRUPT_SCALE;
 }
 
-/* Answers the broker with the sketch of x (n floats) and the hash of the input it came from, or
- * with `unavailable` when x is NULL. */
+/* Answers the broker with the sketch of x (n floats), the hash of its bytes and the hash of the
+ * input it came from, or with `unavailable` when x is NULL. */
 static void verify_answer(stage_t *s, uint64_t step, uint32_t mb, uint64_t seed, const float *x, size_t n,
                           const uint8_t *input_hash, const char *unavailable)
 {
     Fusion__VerifySketch v = FUSION__VERIFY_SKETCH__INIT;
     double sk[WIRE_VERIFY_SKETCH_K], norm = 0;
+    uint8_t oh[WIRE_VERIFY_HASH_BYTES];
     v.job_id = s->job_id;
     v.stage_index = s->stage_index;
     v.step = step;
@@ -94,6 +98,9 @@ static void verify_answer(stage_t *s, uint64_t step, uint32_t mb, uint64_t seed,
         v.norm = norm;
         v.input_hash.data = (uint8_t *)input_hash;
         v.input_hash.len = WIRE_VERIFY_HASH_BYTES;
+        peer_verify_hash(x, n * sizeof(float), oh);
+        v.output_hash.data = oh;
+        v.output_hash.len = sizeof oh;
     } else {
         v.unavailable = (char *)unavailable;
         FU_INFO("peer", "job %016" PRIx64 " stage %u: cannot sketch step %" PRIu64 " mb %u: %s", s->job_id,

@@ -41,10 +41,11 @@ add_test(NAME test_verify_every_stage COMMAND test_verify "*every_stage_honest*"
 add_test(NAME test_verify_middle_stage COMMAND test_verify "*middle_stage_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_input_mismatch COMMAND test_verify "*input_mismatch*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_single_stage COMMAND test_verify "*single_stage_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_last_bit COMMAND test_verify "*last_bit_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
 set_tests_properties(test_verify_input_chunks test_verify_bad_messages test_verify_honest test_verify_dishonest test_verify_third_opinion
                      test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch test_verify_single_stage
-                     PROPERTIES TIMEOUT 240
+                     test_verify_last_bit PROPERTIES TIMEOUT 240
                      SKIP_RETURN_CODE 77
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
 set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 300

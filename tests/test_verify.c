@@ -447,7 +447,7 @@ static int catch_cheater(tu_cluster *c, const char *id, int stage, int n_stages)
     assert_true(tu_broker_logged(c, "job %s stage %d/%d on ", id, stage, n_stages));
     /* Once the job runs, the stage's peer starts to cheat (its outputs x 1.5). */
     corrupt_once_ready(c, id, cheat);
-    printf("p%d (stage %d of %d) now scales its outputs by %.1f\n", cheat, stage, n_stages, (double)PEER_CORRUPT_SCALE);
+    printf("p%d (stage %d of %d) now cheats (%s)\n", cheat, stage, n_stages, tu_cluster_opts(c)->corrupt_mode);
     /* `fusion status` tells the tally while the job runs (once there is one). */
     bool tallied = false, ran = false;
     tu_status st;
@@ -540,6 +540,29 @@ static void test_verify_dishonest_peer_third_opinion(void **state)
 {
     (void)state;
     dishonest(5);
+}
+
+/* A stage-0 peer whose output is one unit in the last place off (the first value of each output):
+ * within any tolerance a sketch could use, so only the exact comparison catches it. The peers share
+ * one numeric class (this machine, this build), so the broker compares output hashes. */
+static void test_verify_last_bit_cheater(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(3, 1);
+    o.corrupt_mode = "nudge";
+    tu_cluster *c = tu_cluster_new("verify-nudge", &o);
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
+                       VERIFY_OPTS);
+    (void)catch_cheater(c, id, 0, 2);
+    char *bl = tu_broker_log_text(c);
+    printf("%d samples agreed with the same bits, %d disagreed with other bits\n", count_of(bl, "agree (same bits"),
+           count_of(bl, "DISAGREE (other bits"));
+    assert_true(count_of(bl, "DISAGREE (other bits") >= 1);
+    assert_true(count_of(bl, "within tolerance") == 0 && count_of(bl, "beyond tolerance") == 0);
+    free(bl);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
 /* A job on a single stage: the whole (small) model fits one peer, the other is its verifier. Its
@@ -709,6 +732,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, tu_teardown),
         cmocka_unit_test_teardown(test_verify_single_stage_cheater, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_last_bit_cheater, tu_teardown),
         cmocka_unit_test_teardown(test_verify_every_stage_honest, tu_teardown),
         cmocka_unit_test_teardown(test_verify_middle_stage_cheater, tu_teardown),
         cmocka_unit_test_teardown(test_verify_input_mismatch, tu_teardown),
