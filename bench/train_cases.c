@@ -196,9 +196,16 @@ static double peak_gib(void)
 
 /* ---- training ------------------------------------------------------------------------------- */
 
+typedef struct {
+    dag_adapter_method method;
+    kern_cpu_gemm_mode gemm; /* BLAS_THREADS: today's OpenBLAS split, to price determinism */
+} train_arg;
+
 static void train_child(int fd, void *arg)
 {
-    dag_adapter_method m = *(const dag_adapter_method *)arg;
+    const train_arg *ta = arg;
+    dag_adapter_method m = ta->method;
+    kern_cpu_gemm_set_mode(ta->gemm);
     bool salr = m == DAG_ADAPTER_SALR;
     fu_errmsg em = {{0}};
     fu_safetensors *st = NULL;
@@ -241,11 +248,12 @@ static void train_child(int fd, void *arg)
     snprintf(line, sizeof line,
              "\"method\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"batch\":%u,\"seq\":%u,\"threads\":%d,"
              "\"steps\":%u,\"tokens_per_s\":%.1f,\"tokens_per_cpu_s_x_threads\":%.1f,\"peak_rss_gib\":%.3f,"
-             "\"saved_activation_mib\":%.1f,\"trainable_params\":%zu,\"loss\":%.4f",
+             "\"saved_activation_mib\":%.1f,\"trainable_params\":%zu,\"loss\":%.9g,\"gemm\":\"%s\"",
              dag_adapter_name(m), env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, env.batch,
              env.seq, TB_THREADS, env.steps, (double)(env.steps * n) / el,
              (double)(env.steps * n) / (cs / TB_THREADS), peak_gib(),
-             (double)dag_exec_saved_bytes_peak(x) / 1048576.0, dag_exec_trainable_params(x), (double)loss);
+             (double)dag_exec_saved_bytes_peak(x) / 1048576.0, dag_exec_trainable_params(x), (double)loss,
+             ta->gemm == KERN_CPU_GEMM_BLAS_THREADS ? "blas_threads" : "deterministic");
     send_line(fd, line);
     free(tok);
     free(tgt);
@@ -254,14 +262,15 @@ static void train_child(int fd, void *arg)
     fu_safetensors_close(&st);
 }
 
-static void train_case(const char *name, dag_adapter_method m)
+static void train_case(const char *name, dag_adapter_method m, kern_cpu_gemm_mode gemm)
 {
+    train_arg ta = {m, gemm};
     if (!ensure_models(m == DAG_ADAPTER_SALR ? TB_SALR : TB_DENSE)) {
         bench_emit("train", name, "\"error\":\"setup failed\"");
         return;
     }
     char line[1024];
-    if (!in_child(train_child, &m, line, sizeof line))
+    if (!in_child(train_child, &ta, line, sizeof line))
         bench_emit("train", name, "\"error\":\"run failed\"");
     else
         bench_emit("train", name, "%s", line);
@@ -269,17 +278,24 @@ static void train_case(const char *name, dag_adapter_method m)
 
 BENCH_CASE(train_lorafa)
 {
-    train_case("train_lorafa", DAG_ADAPTER_LORA_FA);
+    train_case("train_lorafa", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_DETERMINISTIC);
+}
+
+/* The same run with OpenBLAS splitting each product between its threads (bits that depend on the
+ * thread count): what the thread-independent tiles cost, in one run of the benchmark. */
+BENCH_CASE(train_lorafa_blas_threads)
+{
+    train_case("train_lorafa_blas_threads", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_BLAS_THREADS);
 }
 
 BENCH_CASE(train_lora)
 {
-    train_case("train_lora", DAG_ADAPTER_LORA);
+    train_case("train_lora", DAG_ADAPTER_LORA, KERN_CPU_GEMM_DETERMINISTIC);
 }
 
 BENCH_CASE(train_salr)
 {
-    train_case("train_salr", DAG_ADAPTER_SALR);
+    train_case("train_salr", DAG_ADAPTER_SALR, KERN_CPU_GEMM_DETERMINISTIC);
 }
 
 /* ---- inference ------------------------------------------------------------------------------ */

@@ -127,6 +127,9 @@ static void test_e2e_pipeline_mixed_threads(void **state)
 {
     (void)state;
     tu_opts o = tu_opts_default(3);
+    /* FFN and vocabulary wider than one GEMM tile (KERN_GEMM_TILE_N): their products are split */
+    o.model_args = "--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 768 --vocab 1000 --seed 3";
+    o.peer_memory_gb = "0.042"; /* 43 MiB: two stages of this model do not fit, three do */
     o.peer_threads[1] = "2";
     o.peer_threads[2] = "3";
     tu_cluster *c = tu_cluster_new("e2e-threads", &o);
