@@ -1,5 +1,6 @@
 # bench-pipeline: the distributed fine-tune (broker + 1..3 local peers) against `fusion run finetune`,
-# the share of step time spent sealing and sending, and the recovery time after a peer is killed.
+# the share of step time spent sealing and sending, the recovery time after a peer is killed, and the
+# compute that verification at the default fraction adds.
 # It runs the programs found next to itself (build/bin).
 # It starts them with the tests' cluster harness (fu_test_cluster, tests/cluster.h: a bench may link the
 # test harness library), which exists only where the tests are built (BUILD_TESTING).

@@ -421,3 +421,112 @@ BENCH_CASE(pipeline_recovery)
     (void)tu_fusion(c, NULL, "cancel %s >/dev/null 2>&1", id);
     pb_stop(&c);
 }
+
+/* ---- the cost of verification ------------------------------------------------------------------ */
+
+/* CPU seconds (user + system) process pid has used so far; -1 when /proc does not say. */
+static double pb_cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces: fields count from its end */
+    unsigned long long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* Counts the lines of the broker's log that hold needle. */
+static int pb_log_count(const char *log, const char *needle)
+{
+    int n = 0;
+    for (const char *at = log; (at = strstr(at, needle)) != NULL; at++)
+        n++;
+    return n;
+}
+
+typedef struct {
+    double tps, step_ms, stage_cpu, backup_cpu; /* backup_cpu: the two backups (the verifiers) */
+    int samples, disagree, skipped;
+} pb_verify_run;
+
+/* The two-stage job with M = 4 micro-batches on four peers (two stages, --backups 2: a verifier for
+ * each), --verify frac; false when it did not finish. */
+static bool pb_verify_once(double frac, pb_verify_run *r)
+{
+    char tag[32], extra[96];
+    snprintf(tag, sizeof tag, "bench-verify%.0f", frac * 100);
+    tu_cluster *c = pb_start(tag, 4, 2, pb_cap_gb(2));
+    double cpu0[4];
+    for (int i = 0; i < 4; i++)
+        cpu0[i] = pb_cpu_s(tu_peer_pid(c, i));
+    char id[17];
+    snprintf(extra, sizeof extra, "--micro-batches 4 --verify %.2f --checkpoint-every 1000", frac);
+    pb_submit(c, id, env.train, extra);
+    int rc = tu_fusion(c, NULL, "wait %s -q --wait-timeout 900 >/dev/null 2>&1", id);
+    double cpu1[4];
+    for (int i = 0; i < 4; i++)
+        cpu1[i] = pb_cpu_s(tu_peer_pid(c, i));
+    char *bl = tu_broker_log_text(c);
+    size_t after = 0;
+    int64_t t_start = pb_log_ms(bl, 0, id, ": every stage is ready; started at step 0", &after);
+    int64_t t_done = pb_log_ms(bl, after, id, " done", NULL);
+    bool two = strstr(bl, "/2 on") != NULL && strstr(bl, "/3 on") == NULL;
+    r->samples = pb_log_count(bl, ": agree (");
+    r->disagree = pb_log_count(bl, " disagree (");
+    r->skipped = pb_log_count(bl, "sample skipped");
+    free(bl);
+    if (rc != 0 || t_start < 0 || t_done < t_start || !two) {
+        fprintf(stderr, "bench-pipeline: verify %.2f: the two-stage job did not finish (logs in %s)\n", frac,
+                tu_cluster_dir(c));
+        pb_stop(&c);
+        return false;
+    }
+    int s0 = tu_stage_peer(c, id, 0, 1000), s1 = tu_stage_peer(c, id, 1, 1000);
+    r->stage_cpu = r->backup_cpu = 0;
+    for (int i = 0; i < 4; i++) {
+        double used = cpu1[i] - cpu0[i];
+        if (i == s0 || i == s1)
+            r->stage_cpu += used;
+        else
+            r->backup_cpu += used;
+    }
+    double train_s = (double)(t_done - t_start) / 1e3;
+    r->tps = (double)env.steps * env.batch * env.seq / train_s;
+    r->step_ms = train_s * 1e3 / env.steps;
+    bench_emit("pipeline", "verify_run",
+               "\"verify\":%.2f,\"stages\":2,\"micro_batches\":4,\"steps\":%d,\"tokens_per_s\":%.1f,\"step_ms\":%.1f,"
+               "\"stage_peers_cpu_s\":%.2f,\"verifiers_cpu_s\":%.2f,\"samples_agreed\":%d,\"disagreed\":%d,"
+               "\"skipped\":%d",
+               frac, env.steps, r->tps, r->step_ms, r->stage_cpu, r->backup_cpu, r->samples, r->disagree, r->skipped);
+    pb_stop(&c);
+    return true;
+}
+
+/* What verification at the broker's default fraction costs: the same job at --verify 0 and 0.25.
+ * The figures are CPU seconds of the peer processes over the job (not wall time: on a small machine
+ * the verifiers share its cores with the stages): the verifiers' extra CPU against the stages' own
+ * (the extra compute per step), and the stages' own extra (their snapshots of state for steps
+ * without a checkpoint). Expected share: 0.25 x (a micro-batch forward / a micro-batch forward and
+ * backward), about 8%. */
+BENCH_CASE(pipeline_verify)
+{
+    if (!pb_setup() || !pb_probe_need())
+        return;
+    pb_verify_run off, on;
+    if (!pb_verify_once(0.0, &off) || !pb_verify_once(0.25, &on))
+        return;
+    double base = off.stage_cpu > 0 ? off.stage_cpu : 1;
+    bench_emit("pipeline", "verify_cost",
+               "\"verify\":0.25,\"samples_per_step\":%.2f,\"sampled_share\":%.3f,\"extra_compute\":%.3f,"
+               "\"stage_overhead\":%.3f,\"step_time_ratio\":%.3f",
+               (double)on.samples / env.steps, (double)on.samples / (env.steps * 4.0 * 2.0),
+               (on.backup_cpu - off.backup_cpu) / base, (on.stage_cpu - off.stage_cpu) / base,
+               off.step_ms > 0 ? on.step_ms / off.step_ms : 0);
+}
