@@ -1,7 +1,6 @@
 /* broker_blobs: named blobs served in chunks with the BLAKE2b-256 of the whole blob in every chunk
  * (docs/PIPELINE.md "Weights, data and checkpoints as blobs"): model tensors straight from the
- * mmapped safetensors (never copied whole), a job's tokens, stored checkpoints, finished adapters;
- * and the assembly of a finished job's adapter from its stages' checkpoints. */
+ * mmapped safetensors (never copied whole), a job's tokens, stored checkpoints, finished adapters. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -210,67 +209,4 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                        "unknown blob '%s' of job %s (tokens, ckpt:<stage>:<step>, vsnap:<stage>:<step> or adapter)",
                        name, jid);
-}
-
-fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em)
-{
-    db_ckpt *ck[BROKER_MAX_STAGES] = {0};
-    fu_safetensors *st[BROKER_MAX_STAGES] = {0};
-    fu_st_tensor *list = NULL;
-    size_t n = 0, cap_list = 0;
-    fu_err rc = FU_OK;
-    char *path = NULL;
-    fu_errmsg sub = {{0}};
-    for (uint32_t s = 0; s < j->n_stages && rc == FU_OK; s++) {
-        if ((rc = db_ckpt_get(b->db, j->id, s, step, &ck[s])) != FU_OK) {
-            fu_errmsg_set(em, rc, "stage %u has no checkpoint at step %" PRId64, s, step);
-            break;
-        }
-        if ((rc = fu_safetensors_parse_header(ck[s]->data, ck[s]->len, "checkpoint", &st[s], &sub)) != FU_OK) {
-            fu_errmsg_set(em, rc, "checkpoint of stage %u: %s", s, fu_errmsg_text(&sub, rc));
-            break;
-        }
-        /* exactly the adapter tensors of the stage's range (checked again: the store may be older) */
-        if ((rc = dag_peft_check(j->graph, j->stages[s].first, j->stages[s].last, true, st[s], &sub)) != FU_OK) {
-            fu_errmsg_set(em, rc, "checkpoint of stage %u: %s", s, sub.msg);
-            break;
-        }
-        for (uint32_t i = j->stages[s].first; i < j->stages[s].last; i++) {
-            dag_peft_tensor pt[DAG_PEFT_PER_NODE];
-            size_t c = dag_peft_node_tensors(dag_graph_node(j->graph, i), false, pt);
-            for (size_t k = 0; k < c; k++) {
-                if (n == cap_list) {
-                    cap_list = cap_list ? 2 * cap_list : 64;
-                    list = fu_realloc(list, cap_list * sizeof *list);
-                }
-                list[n++] = *fu_safetensors_get(st[s], pt[k].name);
-            }
-        }
-    }
-    if (rc == FU_OK && n == 0) {
-        rc = fu_errmsg_set(em, FU_EPROTO,
-                           "the stages' checkpoints hold no adapter tensors (*.lora_A.weight / *.lora_B.weight)");
-    }
-    if (rc == FU_OK) {
-        char name[64];
-        snprintf(name, sizeof name, "adapter-%s-%d.safetensors", j->id, (int)getpid());
-        path = fu_path_join(b->data_dir, name);
-        if ((rc = fu_safetensors_write(path, list, n, NULL, 0, NULL, NULL, &sub)) != FU_OK)
-            fu_errmsg_set(em, rc, "%s", fu_errmsg_text(&sub, rc));
-    }
-    if (rc == FU_OK) {
-        char *data = NULL;
-        if ((rc = fu_file_read_all(path, DB_BLOB_MAX, &data, len, &sub)) != FU_OK)
-            fu_errmsg_set(em, rc, "%s", fu_errmsg_text(&sub, rc));
-        *out = (uint8_t *)data;
-    }
-    if (path)
-        unlink(path);
-    free(path);
-    free(list);
-    for (uint32_t s = 0; s < BROKER_MAX_STAGES; s++) {
-        fu_safetensors_close(&st[s]);
-        db_ckpt_free(&ck[s]);
-    }
-    return rc;
 }

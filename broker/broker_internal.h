@@ -447,10 +447,6 @@ void broker_verify_on_snapshot(broker_t *b, broker_peer *p, broker_job *j, const
                                const Fusion__CheckpointPut *c);
 /* The complete snapshot of (job, stage, step), NULL when none. */
 const broker_snap *broker_verify_snapshot(const broker_t *b, uint64_t job64, uint32_t stage, uint64_t step);
-/* Checks a checkpoint (or snapshot) blob of stage `stage` of j: the stage's adapter tensors and
- * moments exactly, metadata step `step`. FU_EPROTO with why. */
-FU_MUST_CHECK fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len,
-                                       uint64_t step, fu_errmsg *em);
 
 /* ---- broker_challenge.c: the profile challenge (docs/SECURITY.md "Verified profiles") ---- */
 /* A new registration of p: starts its challenge, or passes it at once when challenges are off or the
@@ -462,8 +458,23 @@ void broker_challenge_sweep(broker_t *b);
 
 /* ---- broker_blobs.c ---- */
 void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg);
-/* Builds the finished adapter (PEFT safetensors) from every stage's checkpoint at `step`. */
-fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len, fu_errmsg *em);
+
+/* ---- broker_ckpt.c: checkpoints by tensor name against the job's graph ---- */
+/* Checks a checkpoint (or snapshot) blob of stage `stage` of j: the stage's adapter tensors and
+ * moments exactly, metadata step `step`. FU_EPROTO with why. */
+FU_MUST_CHECK fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len,
+                                       uint64_t step, fu_errmsg *em);
+/* Builds the finished adapter (PEFT safetensors, *out of *len bytes, caller frees) from every
+ * stage's checkpoint at `step`. */
+FU_MUST_CHECK fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len,
+                                             fu_errmsg *em);
+/* Cuts j's checkpoints at `step` under the stored plan old[0..n_old) again for the stages of
+ * plan[0..n): each plan[s] gets the checkpoint of its own node range (its tensors found by name in
+ * whichever old stage held them, the optimizer's step kept) in ckpt / ckpt_len / ckpt_step, freed
+ * by broker_ckpt_recut_free. On an error none is set. */
+FU_MUST_CHECK fu_err broker_ckpt_recut(broker_t *b, const broker_job *j, const db_stage *old, size_t n_old,
+                                       int64_t step, db_stage_plan *plan, size_t n, fu_errmsg *em);
+void broker_ckpt_recut_free(db_stage_plan *plan, size_t n);
 
 /* ---- broker_prep.c: making a job (thread-safe: the worker runs it for submissions) ---- */
 /* Parses and checks a spec; FU_EINVAL with a sentence in why. */

@@ -1,6 +1,7 @@
 /* broker_sched: planning queued jobs over the idle live peers (dag_partition), assigning and
  * starting their stages (StageAssign: the normal path, and the one failover and recovery take), and
  * the backup pool. Phases change only through the job state machine (broker_job.c). */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,6 +113,35 @@ static void give_backups(broker_t *b, broker_job *j)
     }
 }
 
+/* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
+ * elsewhere, each of its stages gets that state cut for its own range (broker_ckpt_recut), stored
+ * with the plan. Fails (the job stays queued, saying why) when the checkpoints cannot be cut. */
+static fu_err recut(broker_t *b, broker_job *j, int64_t c, db_stage_plan *sp, size_t n)
+{
+    db_stage *old = NULL;
+    size_t n_old = 0;
+    fu_err rc = db_stage_list(b->db, j->id, &old, &n_old);
+    if (rc != FU_OK)
+        return rc;
+    bool same = n_old == n;
+    for (size_t s = 0; same && s < n; s++)
+        same = old[s].first == sp[s].first && old[s].end == sp[s].end;
+    if (!same) {
+        fu_errmsg em = {{0}};
+        if ((rc = broker_ckpt_recut(b, j, old, n_old, c, sp, n, &em)) != FU_OK) {
+            char reason[DB_REASON_MAX];
+            snprintf(reason, sizeof reason, "waiting: the checkpoint at step %" PRId64 " cannot be cut for a plan of "
+                     "%zu stages: %.600s", c, n, fu_errmsg_text(&em, rc));
+            broker_job_note(b, j, reason);
+        } else {
+            FU_INFO(LOG, "job %s: its checkpoint at step %" PRId64 " (%zu stages) is cut again for %zu stages", j->id,
+                    c, n_old, n);
+        }
+    }
+    db_stage_array_free(&old, n_old);
+    return rc;
+}
+
 static void plan_job(broker_t *b, broker_job *j)
 {
     size_t n_idle = 0, n_live = 0, n_barred = 0;
@@ -182,8 +212,19 @@ static void plan_job(broker_t *b, broker_job *j)
         sp[s].peer = who[plan.stages[s].peer]->key;
         sp[s].lease_deadline_ms = lease;
     }
-    /* The plan and the job's move to running are one commit, made before any assignment is sent. */
+    /* A fine-tune resumes from its newest common checkpoint, cut again for this plan when its stages
+     * are not the ones that took it (docs/PIPELINE.md "Re-planning"). */
+    int64_t c = 0;
+    if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
+        c = 0;
+    if (c > 0 && (rc = recut(b, j, c, sp, plan.n_stages)) != FU_OK) {
+        free(sp);
+        goto done;
+    }
+    /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
+     * assignment is sent. */
     rc = broker_job_planned(b, j, sp, plan.n_stages);
+    broker_ckpt_recut_free(sp, plan.n_stages);
     free(sp);
     if (rc != FU_OK) {
         FU_ERROR(LOG, "job %s: the plan could not be stored (%s); it stays queued", j->id, fu_strerror(rc));
@@ -196,9 +237,6 @@ static void plan_job(broker_t *b, broker_job *j)
                 plan.stages[s].why);
     }
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan.stages[0].why));
-    int64_t c = 0;
-    if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
-        c = 0;
     broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, NULL);
     give_backups(b, j);
 done:

@@ -187,25 +187,6 @@ static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const c
     broker_failover(b, j, s, why);
 }
 
-/* A complete checkpoint blob of stage `stage` at `step`: exactly the adapter tensors and moments of
- * the stage's graph range, its "step" the one announced. */
-fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, const uint8_t *data, size_t len, uint64_t step,
-                         fu_errmsg *em)
-{
-    fu_safetensors *st = NULL;
-    fu_errmsg sub = {{0}};
-    fu_err rc = fu_safetensors_parse_header(data, len, "checkpoint", &st, &sub);
-    if (rc == FU_OK)
-        rc = dag_peft_check(j->graph, j->stages[stage].first, j->stages[stage].last, true, st, &sub);
-    const char *s = rc == FU_OK ? fu_safetensors_metadata(st, "step") : NULL;
-    if (rc == FU_OK && (!s || strtoull(s, NULL, 10) != step))
-        rc = fu_errmsg_set(&sub, FU_EPROTO, "its metadata says step %s, not %" PRIu64, s ? s : "(none)", step);
-    fu_safetensors_close(&st);
-    if (rc != FU_OK)
-        fu_errmsg_set(em, FU_EPROTO, "%s", fu_errmsg_text(&sub, rc));
-    return rc;
-}
-
 void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__CheckpointPut *c = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);

@@ -123,6 +123,10 @@ typedef struct {
     uint32_t    end;                /* one past its last node (> first): [first, end) as everywhere */
     const char *peer;               /* key of the peer that runs it, or NULL for pending */
     int64_t     lease_deadline_ms;  /* lease end when peer is set */
+    const uint8_t *ckpt;            /* NULL, or the stage's checkpoint at ckpt_step cut for this plan (every
+                                       stage has one or none does): the job's other checkpoints are dropped */
+    size_t      ckpt_len;           /* bytes at ckpt */
+    int64_t     ckpt_step;          /* the step it was taken after */
 } db_stage_plan;
 
 /* A stage as stored. Plain data: free an array of them with db_stage_array_free. */
@@ -287,7 +291,9 @@ void db_peer_array_free(db_peer **arr_p, size_t n);
  * running_reason (may be NULL) the same transaction moves the job to running with that reason. A
  * stage with a peer is assigned with that lease, one without is pending. Ranges must be in order and not
  * overlap (FU_EINVAL); the job must be queued or running (FU_EPERM) and every peer known
- * (FU_ENOTFOUND). Checkpoints are kept: a re-plan with the same cut resumes from them. */
+ * (FU_ENOTFOUND). Checkpoints are kept: a re-plan with the same cut resumes from them; a plan whose
+ * stages carry checkpoints (cut again for its ranges) replaces every checkpoint of the job with
+ * them, in the same transaction. */
 FU_MUST_CHECK fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, size_t n,
                                      const char *running_reason, int64_t now_ms);
 /* Hands stage `index` of job to peer (a backup taking over) with a new lease. FU_ENOTFOUND no such

@@ -352,11 +352,17 @@ fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, siz
     static const char SQL_CLEAR[] = "DELETE FROM stages WHERE job_id = ?";
     static const char SQL_INSERT[] = "INSERT INTO stages (job_id, idx, node_first, node_end, peer_key, "
                                      "lease_deadline_ms, state, updated_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
+    static const char SQL_CK_CLEAR[] = "DELETE FROM checkpoints WHERE job_id = ?";
+    static const char SQL_CK_PUT[] = "INSERT INTO checkpoints (job_id, stage_idx, step, hash, data, created_ms) "
+                                     "VALUES (?, ?, ?, ?, ?, ?)";
     if (!db || !db_job_id_valid(job) || !plan || n == 0 || n > DB_STAGES_MAX)
         return FU_EINVAL;
+    const bool recut = plan[0].ckpt != NULL;
     for (size_t i = 0; i < n; i++)
         if (plan[i].end <= plan[i].first || (i > 0 && plan[i].first < plan[i - 1].end) ||
-            (plan[i].peer && !db_key_valid(plan[i].peer)))
+            (plan[i].peer && !db_key_valid(plan[i].peer)) || (plan[i].ckpt != NULL) != recut ||
+            (recut && (plan[i].ckpt_len == 0 || plan[i].ckpt_len > DB_BLOB_MAX || plan[i].ckpt_step < 0 ||
+                       plan[i].ckpt_step != plan[0].ckpt_step)))
             return FU_EINVAL;
     FU_TRY(db_begin(db));
     sqlite3_stmt *st;
@@ -377,12 +383,26 @@ fu_err db_stage_assign(db_t *db, const char *job, const db_stage_plan *plan, siz
             (err = db_run(db, st, "inserting a stage")) != FU_OK)
             goto fail;
     }
+    if (recut) { /* the old plan's checkpoints give way to the same state cut for this plan */
+        if ((err = db_prep(db, SQL_CK_CLEAR, &st)) != FU_OK || (err = db_bind(db, st, "t", job)) != FU_OK ||
+            (err = db_run(db, st, "dropping the old plan's checkpoints")) != FU_OK)
+            goto fail;
+        for (size_t i = 0; i < n; i++) {
+            char hash[DB_HASH_HEX_LEN + 1];
+            db_hash_hex(hash, plan[i].ckpt, plan[i].ckpt_len);
+            if ((err = db_prep(db, SQL_CK_PUT, &st)) != FU_OK ||
+                (err = db_bind(db, st, "tiitbi", job, (int64_t)i, plan[i].ckpt_step, hash, plan[i].ckpt,
+                               plan[i].ckpt_len, now_ms)) != FU_OK ||
+                (err = db_run(db, st, "storing a re-cut checkpoint")) != FU_OK)
+                goto fail;
+        }
+    }
     db_job_state from;
     if (running_reason && ((err = db_job_state_read(db, job, NULL, &from)) != FU_OK ||
                            (err = db_job_move(db, job, from, DB_JOB_RUNNING, running_reason, now_ms)) != FU_OK))
         goto fail;
-    if ((err = db_event_put(db, now_ms, job, NULL, "plan", "%zu stages over nodes [%u, %u)", n, plan[0].first,
-                            plan[n - 1].end)) != FU_OK ||
+    if ((err = db_event_put(db, now_ms, job, NULL, "plan", "%zu stages over nodes [%u, %u)%s", n, plan[0].first,
+                            plan[n - 1].end, recut ? ", checkpoints cut again for it" : "")) != FU_OK ||
         (err = db_commit(db)) != FU_OK)
         goto fail;
     return FU_OK;

@@ -27,6 +27,9 @@
 #include "testutil.h"
 
 /* A fresh random public key in Z85. */
+/* One stage of a plan for db_stage_assign (no checkpoint of its own). */
+#define SP(f, e, p, l) {.first = (f), .end = (e), .peer = (p), .lease_deadline_ms = (l)}
+
 static void make_key(char out[DB_KEY_LEN + 1])
 {
     uint8_t raw[32];
@@ -724,6 +727,41 @@ static void test_db_ckpt_hash_and_common_step(void **state)
     db_close(&db);
 }
 
+/* A re-plan that carries checkpoints cut for its stages replaces every checkpoint of the job with
+ * them in the same commit; they must come for every stage or none, all of one step. */
+static void test_db_ckpt_recut_replaces_the_old_plan(void **state)
+{
+    fx *f = *state;
+    char id[DB_JOB_ID_LEN + 1], peer[DB_KEY_LEN + 1];
+    db_t *db = open_ok(f->path);
+    job_with_plan(db, f->key[0], "r", 3, id);
+    for (uint32_t s = 0; s < 3; s++) {
+        put_ckpt(db, id, s, 10);
+        put_ckpt(db, id, s, 20);
+    }
+    make_key(peer);
+    assert_int_equal(db_peer_upsert(db, peer, "q", PROFILE, DB_PEER_ACTIVE, 1000, NULL), FU_OK);
+    static const uint8_t a[] = "stage 0 of the new plan", b[] = "stage 1 of the new plan";
+    db_stage_plan two[2] = {SP(0, 15, peer, 9000), SP(15, 30, peer, 9000)};
+    two[0].ckpt = a, two[0].ckpt_len = sizeof a, two[0].ckpt_step = 20;
+    assert_int_equal(db_stage_assign(db, id, two, 2, NULL, 2000), FU_EINVAL); /* stage 1 has none */
+    two[1].ckpt = b, two[1].ckpt_len = sizeof b, two[1].ckpt_step = 10;
+    assert_int_equal(db_stage_assign(db, id, two, 2, NULL, 2000), FU_EINVAL); /* two steps */
+    two[1].ckpt_step = 20;
+    assert_int_equal(db_stage_assign(db, id, two, 2, NULL, 2000), FU_OK);
+    int64_t step = -1;
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 20);
+    db_ckpt *c = NULL;
+    assert_int_equal(db_ckpt_get(db, id, 1, 20, &c), FU_OK); /* hash checked on the way out */
+    assert_int_equal(c->len, sizeof b);
+    assert_memory_equal(c->data, b, sizeof b);
+    db_ckpt_free(&c);
+    assert_false(has_ckpt(db, id, 2, 20)); /* the old plan's are gone, older steps too */
+    assert_false(has_ckpt(db, id, 0, 10));
+    db_close(&db);
+}
+
 static void test_db_ckpt_pruning_keeps_newest(void **state)
 {
     fx *f = *state;
@@ -841,9 +879,9 @@ static void test_db_stage_leases(void **state)
     submit_ok(db, owner, "s", "{\"layers\":4}", id);
 
     /* Bad plans change nothing. */
-    db_stage_plan overlap[2] = {{0, 11, pa, 1000}, {10, 20, pb, 2000}}; /* [first, end): 10 in both */
-    db_stage_plan reversed[1] = {{5, 5, pa, 1000}};                      /* empty */
-    db_stage_plan stranger[2] = {{0, 10, pa, 1000}, {10, 20, unknown, 2000}};
+    db_stage_plan overlap[2] = {SP(0, 11, pa, 1000), SP(10, 20, pb, 2000)}; /* [first, end): 10 in both */
+    db_stage_plan reversed[1] = {SP(5, 5, pa, 1000)};                      /* empty */
+    db_stage_plan stranger[2] = {SP(0, 10, pa, 1000), SP(10, 20, unknown, 2000)};
     assert_int_equal(db_stage_assign(db, id, overlap, 2, "planned", 0), FU_EINVAL);
     assert_int_equal(db_stage_assign(db, id, reversed, 1, "planned", 0), FU_EINVAL);
     assert_int_equal(db_stage_assign(db, id, stranger, 2, "planned", 0), FU_ENOTFOUND);
@@ -858,7 +896,7 @@ static void test_db_stage_leases(void **state)
     db_job_free(&j);
 
     /* The plan and the job's move to running are one transaction. */
-    db_stage_plan plan[3] = {{0, 10, pa, 1000}, {10, 20, pb, 2000}, {20, 30, NULL, 0}};
+    db_stage_plan plan[3] = {SP(0, 10, pa, 1000), SP(10, 20, pb, 2000), SP(20, 30, NULL, 0)};
     assert_int_equal(db_stage_assign(db, id, plan, 3, "starting: stages assigned", 0), FU_OK);
     assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
     assert_int_equal(j->state, DB_JOB_RUNNING);
@@ -1270,7 +1308,7 @@ static void test_db_disk_full(void **state)
         submit_ok(db, owner, key, "{\"small\":true}", ids[i]);
     }
     assert_int_equal(db_peer_upsert(db, peer, "p", PROFILE, DB_PEER_ACTIVE, 1, NULL), FU_OK);
-    db_stage_plan plan[1] = {{0, 10, peer, 100000}};
+    db_stage_plan plan[1] = {SP(0, 10, peer, 100000)};
     assert_int_equal(db_stage_assign(db, ids[0], plan, 1, NULL, 1), FU_OK);
     assert_int_equal(db_job_set_state(db, ids[0], DB_JOB_RUNNING, NULL, 1), FU_OK);
     db_close(&db);
@@ -1416,6 +1454,7 @@ int main(void)
         cmocka_unit_test(test_db_state_transitions),
         cmocka_unit_test(test_db_ckpt_hash_and_common_step),
         cmocka_unit_test(test_db_ckpt_pruning_keeps_newest),
+        cmocka_unit_test(test_db_ckpt_recut_replaces_the_old_plan),
         cmocka_unit_test(test_db_peers),
         cmocka_unit_test(test_db_stage_leases),
         cmocka_unit_test(test_db_events),

@@ -435,6 +435,50 @@ static void test_e2e_fault_step_deadline_no_spare(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Re-planning onto the peers that are left (docs/PIPELINE.md "Re-planning"): three peers, no backup,
+ * a three-stage job; one stage's peer is SIGKILLed after a checkpoint (every 10 steps). The two
+ * survivors can hold the job in two stages (each offers 48 MiB: three layers, not six), so the broker
+ * plans it again over them, cuts the three stages' newest checkpoint into two by tensor name,
+ * and the job finishes with fusion run's adapter, bit for bit. The survivors keep their reputation. */
+static void test_e2e_fault_replan_without_spare(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    o.peer_memory_gb = "0.047";
+    o.heartbeat_ms = 300;
+    tu_cluster *c = tu_cluster_new("e2e-replan", &o);
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
+    (void)tu_wait_step(c, id, KILL_AT, 60000);
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    if (st.n_stages != 3)
+        tu_cluster_show_logs(c);
+    assert_int_equal(st.n_stages, 3);
+    int victim = tu_peer_index(st.stage_peer[1]);
+    printf("job %s: stages on %s, %s, %s at step %ld; SIGKILL to p%d (stage 1)\n", id, st.stage_peer[0],
+           st.stage_peer[1], st.stage_peer[2], st.step, victim);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    tu_wait_done(c, id, 120);
+    char needle[160];
+    snprintf(needle, sizeof needle, "job %s: its checkpoint at step ", id);
+    assert_logged(c, needle);
+    assert_logged(c, " (3 stages) is cut again for 2 stages");
+    assert_true(tu_broker_logged(c, "job %s stage 1/2 on ", id)); /* the second plan has two stages */
+    tu_assert_identical_adapter(c, id, "model", train_args(), 2);
+    /* the survivors did nothing wrong */
+    tu_peer_seen seen[TU_MAX_PEERS];
+    int n = tu_peers_list(c, seen, TU_MAX_PEERS);
+    for (int i = 0; i < n; i++) {
+        if (tu_peer_index(seen[i].name) == victim)
+            continue;
+        printf("%s: reputation %.2f\n", seen[i].name, seen[i].reputation);
+        assert_true(seen[i].reputation >= 0.999);
+    }
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -446,6 +490,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
