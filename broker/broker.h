@@ -51,6 +51,7 @@ extern "C" {
 #define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 /* Verification of untrusted peers (docs/PIPELINE.md "Verification"). */
+#define BROKER_GROW_MARGIN      0.2       /* default --grow-margin */
 #define BROKER_VERIFY_DEFAULT   0.25      /* default --verify: with 4 micro-batches, one sample per stage per
                                              checkpoint step; a peer lying on every micro-batch is caught (3
                                              disagreements) within 6 checkpoint steps with 96% (docs/SECURITY.md) */
@@ -96,6 +97,8 @@ typedef struct {
     uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
     uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
                                   (profiles believed: only for a cluster of one's own machines) */
+    double grow_margin;        /* a running fine-tune takes in idle peers at a checkpoint when that makes its
+                                  predicted step time at least this much shorter (0.2: 20%); 0: never */
 } broker_cfg;
 
 typedef struct broker broker_t;

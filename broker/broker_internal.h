@@ -391,6 +391,10 @@ dag_partition_opts broker_job_popts(const broker_job *j);
 /* ---- broker_sched.c: plan, assign, start ---- */
 /* Plans queued jobs over idle peers; hands out backups. */
 void broker_schedule(broker_t *b);
+/* Every stage of running fine-tune j has committed its checkpoint of `step`: when idle peers would
+ * make a plan whose predicted step time is at least cfg.grow_margin shorter, j goes back to the
+ * queue to be planned again at once from that checkpoint (cut for the new plan). */
+void broker_grow(broker_t *b, broker_job *j, int64_t step);
 /* True when p may hold stage s of j: it has the memory the stage needs (the partitioner's estimate)
  * and, for an end stage of a job that keeps its ends on trusted peers, it is trusted. */
 bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p);

@@ -165,6 +165,7 @@ fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan,
         j->stages[s].last = plan[s].end;
         j->stages[s].ready = false;
         j->stages[s].assigned_ms = now;
+        j->stages[s].final_ckpt_step = -1; /* this plan's stage has committed nothing yet */
         snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", plan[s].peer);
     }
     return FU_OK;

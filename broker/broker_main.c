@@ -23,7 +23,7 @@ int main(int argc, char **argv)
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     long long challenge_ms = BROKER_CHALLENGE_MS;
     long long client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
-    double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION;
+    double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION, grow = BROKER_GROW_MARGIN;
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -51,6 +51,9 @@ int main(int argc, char **argv)
         {"challenge-ms", 0, FU_OPT_INT, &challenge_ms, "MS",
          "a joining peer's claimed speed is capped by a checked computation this long at that speed (default 300; "
          "0: believe every profile, for a cluster of your own machines)"},
+        {"grow-margin", 0, FU_OPT_DOUBLE, &grow, "F",
+         "a running fine-tune takes in peers that join when that shortens its predicted step by at least F "
+         "(0..0.9; default 0.2; 0: never)"},
         {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
          "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
         {"ready-timeout", 0, FU_OPT_INT, &ready_timeout, "SEC",
@@ -84,6 +87,10 @@ int main(int argc, char **argv)
     }
     if (!(verify >= 0 && verify <= 1) || !(min_rep > 0 && min_rep <= 1)) {
         fprintf(stderr, "fusion-broker: --verify must be 0..1 and --reputation-threshold in (0, 1]\n");
+        return FU_EXIT_USAGE;
+    }
+    if (!(grow >= 0 && grow <= 0.9)) {
+        fprintf(stderr, "fusion-broker: --grow-margin must be 0..0.9\n");
         return FU_EXIT_USAGE;
     }
     if (challenge_ms < 0 || challenge_ms > 10000) {
@@ -128,7 +135,7 @@ int main(int argc, char **argv)
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
                       .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min,
-                      .challenge_ms = (uint32_t)challenge_ms};
+                      .challenge_ms = (uint32_t)challenge_ms, .grow_margin = grow};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

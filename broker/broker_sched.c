@@ -113,6 +113,44 @@ static void give_backups(broker_t *b, broker_job *j)
     }
 }
 
+/* What the partitioner knows of p. */
+static void profile_of(const broker_peer *p, dag_peer_profile *out)
+{
+    snprintf(out->name, sizeof out->name, "%.40s(%.8s)", p->name, p->key);
+    out->gflops = p->gflops;
+    out->mem_bytes = p->mem_bytes;
+    out->link_bw = p->link_bw;
+    out->link_latency_s = p->link_latency_ms / 2000.0;
+}
+
+/* The best plan of j over the peers who[0..n) (dag_partition): at most n minus the backups the
+ * broker keeps as stages, the ends on trusted peers when the job keeps them there. */
+static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, dag_plan *plan,
+                             fu_errmsg *em)
+{
+    dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
+    for (size_t k = 0; k < n; k++)
+        profile_of(who[k], &prof[k]);
+    size_t n_plan = n > b->cfg.backups ? n - b->cfg.backups : n;
+    if (n_plan > BROKER_MAX_STAGES)
+        n_plan = BROKER_MAX_STAGES;
+    dag_partition_opts o = broker_job_popts(j);
+    o.max_stages = (uint32_t)n_plan;
+    /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
+    bool any_trusted = false;
+    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
+        any_trusted = b->peers[i].live && b->peers[i].trusted;
+    j->ends_trusted = j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
+    bool *ends_ok = j->ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
+    for (size_t k = 0; ends_ok && k < n; k++)
+        ends_ok[k] = who[k]->trusted;
+    o.ends_ok = ends_ok;
+    fu_err rc = dag_partition(j->graph, prof, n, &o, plan, em);
+    free(ends_ok);
+    free(prof);
+    return rc;
+}
+
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
  * elsewhere, each of its stages gets that state cut for its own range (broker_ckpt_recut), stored
  * with the plan. Fails (the job stays queued, saying why) when the checkpoints cannot be cut. */
@@ -168,37 +206,16 @@ static void plan_job(broker_t *b, broker_job *j)
         broker_job_note(b, j, reason);
         return;
     }
-    dag_peer_profile *prof = fu_calloc(n_idle, sizeof *prof);
     broker_peer **who = fu_calloc(n_idle, sizeof *who);
     size_t k = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (!peer_idle(p) || broker_job_excludes(j, p->key))
-            continue;
-        snprintf(prof[k].name, sizeof prof[k].name, "%.40s(%.8s)", p->name, p->key);
-        prof[k].gflops = p->gflops;
-        prof[k].mem_bytes = p->mem_bytes;
-        prof[k].link_bw = p->link_bw;
-        prof[k].link_latency_s = p->link_latency_ms / 2000.0;
-        who[k++] = p;
+        if (peer_idle(p) && !broker_job_excludes(j, p->key))
+            who[k++] = p;
     }
-    size_t n_plan = n_idle > b->cfg.backups ? n_idle - b->cfg.backups : n_idle;
-    if (n_plan > BROKER_MAX_STAGES)
-        n_plan = BROKER_MAX_STAGES;
-    dag_partition_opts o = broker_job_popts(j);
-    o.max_stages = (uint32_t)n_plan;
-    /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
-    bool any_trusted = false;
-    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
-        any_trusted = b->peers[i].live && b->peers[i].trusted;
-    j->ends_trusted = j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
-    bool *ends_ok = j->ends_trusted ? fu_calloc(n_idle, sizeof *ends_ok) : NULL;
-    for (size_t i = 0; ends_ok && i < n_idle; i++)
-        ends_ok[i] = who[i]->trusted;
-    o.ends_ok = ends_ok;
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    fu_err rc = dag_partition(j->graph, prof, n_idle, &o, &plan, &em);
+    fu_err rc = partition_over(b, j, who, n_idle, &plan, &em);
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
         broker_job_note(b, j, reason);
@@ -241,8 +258,6 @@ static void plan_job(broker_t *b, broker_job *j)
     give_backups(b, j);
 done:
     dag_plan_free(&plan);
-    free(ends_ok);
-    free(prof);
     free(who);
 }
 
@@ -368,3 +383,67 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step, const
             (void)broker_send_assign(b, j, s, p, false);
     }
 }
+
+/* ---- growth (docs/PIPELINE.md "Growth") --------------------------------------------------------- */
+
+/* The predicted step time of j's current plan on its current peers (the cost model's (M + S - 1) x
+ * the slowest stage), 0 when a stage has no live peer. */
+static double current_step_s(broker_t *b, const broker_job *j)
+{
+    dag_partition_opts o = broker_job_popts(j);
+    double worst = 0;
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (!p || !p->live)
+            return 0;
+        dag_peer_profile prof;
+        profile_of(p, &prof);
+        double t = dag_cost_stage_time(j->graph, j->stages[s].first, j->stages[s].last, &prof, &o, NULL, NULL);
+        if (t > worst)
+            worst = t;
+    }
+    return (double)(o.micro_batches + j->n_stages - 1) * worst;
+}
+
+void broker_grow(broker_t *b, broker_job *j, int64_t step)
+{
+    if (b->cfg.grow_margin <= 0 || j->dead || j->phase != BJ_RUNNING || j->kind != DB_JOB_FINETUNE ||
+        j->n_stages == 0 || step <= 0 || (uint64_t)step >= j->spec.steps)
+        return;
+    for (uint32_t s = 0; s < j->n_stages; s++)
+        if (j->stages[s].final_ckpt_step < step)
+            return; /* not every stage has this checkpoint yet */
+    /* the peers a new plan could use: this job's (stages and backups, released by the re-plan) and
+     * the idle ones */
+    broker_peer **who = fu_calloc(b->n_peers ? b->n_peers : 1, sizeof *who);
+    size_t n = 0, n_new = 0;
+    for (size_t i = 0; i < b->n_peers; i++) {
+        broker_peer *p = &b->peers[i];
+        bool mine = p->live && strcmp(p->job, j->id) == 0;
+        bool idle = peer_idle(p) && !broker_job_excludes(j, p->key);
+        if (mine || idle)
+            who[n++] = p;
+        n_new += idle;
+    }
+    double now_s = n_new ? current_step_s(b, j) : 0;
+    dag_plan plan = {0};
+    fu_errmsg em = {{0}};
+    bool better = now_s > 0 && partition_over(b, j, who, n, &plan, &em) == FU_OK &&
+                  plan.step_s <= (1.0 - b->cfg.grow_margin) * now_s;
+    if (now_s > 0 && !better)
+        FU_DEBUG(LOG, "job %s: with %zu idle peer%s a plan would have %zu stages and %.3g s a step against %.3g s now: "
+                 "it stays as it is", j->id, n_new, n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s);
+    if (better) {
+        char reason[DB_REASON_MAX];
+        snprintf(reason, sizeof reason, "growing: %zu idle peer%s joined; a plan of %zu stages predicts %.3g s a step "
+                 "against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64, n_new,
+                 n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s, 100 * b->cfg.grow_margin, step);
+        FU_INFO(LOG, "job %s: %s", j->id, reason);
+        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "grow", reason));
+        broker_job_requeue(b, j, reason); /* planned again at once, its checkpoint cut for the new plan */
+        b->sched_dirty = true;
+    }
+    dag_plan_free(&plan);
+    free(who);
+}
+

@@ -277,6 +277,8 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
             c->stage_index, st->ck_step, st->ck_total);
     if (st->ck_step == j->spec.steps)
         maybe_finish_finetune(b, j);
+    else
+        broker_grow(b, j, (int64_t)st->ck_step);
 }
 
 void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)

@@ -479,6 +479,47 @@ static void test_e2e_fault_replan_without_spare(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Growth (docs/PIPELINE.md "Growth"): a job on a 12-layer model runs on two peers (no memory cap:
+ * the partitioner gives each its own stage, six layers); a third peer joins. With 8 micro-batches
+ * three stages of four layers predict a step about a quarter shorter ((8 + 2) x 4 against
+ * (8 + 1) x 6 layer-times), so at the job's next checkpoint it is planned again over the three and
+ * goes on from that checkpoint, cut for three stages; its adapter is fusion run's, bit for bit. The
+ * broker runs with --grow-margin 0.05: the peers measure their speeds on a loaded machine, and a
+ * slow newcomer must not turn this test into a coin toss (the default is 0.2). */
+static void test_e2e_fault_grow_when_a_peer_joins(void **state)
+{
+    (void)state;
+    static const char train[] = "--rank 4 --alpha 8 --batch 8 --micro-batches 8 --seq-len 16 --lr 0.01 --seed 7 "
+                                "--steps 120";
+    tu_opts o = tu_opts_default(3);
+    o.model_args = "--layers 12 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3";
+    o.peer_memory_gb = NULL;
+    o.heartbeat_ms = 300;
+    o.log_level = "debug";
+    tu_cluster *c = tu_cluster_new("e2e-grow", &o);
+    tu_broker_args(c, "--grow-margin 0.05");
+    tu_broker_start(c);
+    for (int i = 0; i < 2; i++)
+        tu_peer_start(c, i, NULL);
+    for (int i = 0; i < 2; i++)
+        tu_peer_wait_joined(c, i, 30000);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train);
+    long at = tu_wait_step(c, id, 5, 60000);
+    assert_true(tu_broker_logged(c, "job %s stage 1/2 on ", id));
+    printf("job %s runs on two stages at step %ld; p2 joins\n", id, at);
+    tu_peer_start(c, 2, NULL);
+    tu_peer_wait_joined(c, 2, 30000);
+    tu_wait_done(c, id, 120);
+    char needle[160];
+    snprintf(needle, sizeof needle, "job %s: growing: 1 idle peer joined", id);
+    assert_logged(c, needle);
+    assert_logged(c, " (2 stages) is cut again for 3 stages");
+    assert_true(tu_broker_logged(c, "job %s stage 2/3 on ", id));
+    tu_assert_identical_adapter(c, id, "model", train, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -491,6 +532,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
