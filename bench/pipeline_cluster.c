@@ -11,7 +11,9 @@
  *     the activations and gradients (see below);
  *   - recovery: a peer holding the middle stage of a three-stage job is SIGKILLed (broker --backups 1,
  *     default 1 s heartbeat): the time until the broker moved the stage, until every stage was
- *     running again, and until the job was past the step it had reached.
+ *     running again, and until the job was past the step it had reached;
+ *   - replan: the same with no backup: the job is planned again over the two survivors;
+ *   - verify_run, verify_cost: what verification at the default fraction costs (below).
  * --quick: the e2e tests' model (6 layers, hidden 256), batch 4 x 16 tokens; default: 8 layers,
  * hidden 512, ffn 1376, vocab 512 (23 M parameters), batch 4 x 64 tokens. (The vocabulary is not the
  * byte-level 256: with hidden > vocab the partitioner cannot cut between layers — docs/TESTING.md.)
@@ -364,13 +366,16 @@ BENCH_CASE(pipeline_finetune)
         pb_finetune_peers(n);
 }
 
-/* A three-stage job (a longer one, to kill mid-way) on four peers, one backup, the default
- * heartbeat; the job is cancelled once the measurement is taken. */
-BENCH_CASE(pipeline_recovery)
+/* A three-stage job (a longer one, to kill mid-way); once a checkpoint is behind it, stage 1's peer
+ * is SIGKILLed (default heartbeat) and the time until the broker replaced the stage, until every
+ * stage ran again and until the job was past the step it had reached is measured; the job is then
+ * cancelled. recovery: four peers, one warm backup takes the stage. replan: three peers, no
+ * backup (each offers room for half of the job): the job is planned again over the two survivors and
+ * its checkpoint cut for two stages (docs/PIPELINE.md "Re-planning"). */
+static void pb_kill_stage1(bool replan)
 {
-    if (!pb_setup() || !pb_probe_need())
-        return;
-    tu_cluster *c = pb_start("bench-rec", 4, 1, pb_cap_gb(3));
+    const char *name = replan ? "replan" : "recovery";
+    tu_cluster *c = replan ? pb_start("bench-replan", 3, 0, pb_cap_gb(2)) : pb_start("bench-rec", 4, 1, pb_cap_gb(3));
     char id[17], train[256];
     long kill_at = bench_quick() ? 12 : 7; /* past the checkpoint at 10 (5) */
     snprintf(train, sizeof train, "--rank 8 --alpha 16 --lr 0.01 --seed 7 --batch %d --seq-len %d --steps %d", env.batch,
@@ -385,7 +390,7 @@ BENCH_CASE(pipeline_recovery)
         fu_sleep_ms(20);
     }
     if (strcmp(st.state, "running") != 0 || !tu_broker_logged(c, "job %s stage 1/3 on ", id)) {
-        fprintf(stderr, "bench-pipeline: recovery: no three-stage running job to interrupt (%s, step %ld)\n", st.state,
+        fprintf(stderr, "bench-pipeline: %s: no three-stage running job to interrupt (%s, step %ld)\n", name, st.state,
                 st.step);
         pb_stop(&c);
         return;
@@ -406,20 +411,34 @@ BENCH_CASE(pipeline_recovery)
     }
     char *bl = tu_broker_log_text(c);
     size_t after = 0;
-    int64_t t_moved = pb_log_ms(bl, 0, id, ": stage 1 moved from", &after);
+    const char *moved = replan ? ": its checkpoint at step " : ": stage 1 moved from";
+    int64_t t_moved = pb_log_ms(bl, 0, id, moved, &after);
     int64_t t_ready = t_moved > 0 ? pb_log_ms(bl, after, id, ": every stage is ready; started at step", NULL) : -1;
     long resumed_from = -1;
-    const char *r = t_moved > 0 ? strstr(bl + after, "resuming from step ") : NULL;
+    const char *r = t_moved <= 0 ? NULL : replan ? bl + after : strstr(bl + after, "resuming from step ");
     if (r)
-        resumed_from = strtol(r + 19, NULL, 10);
+        resumed_from = strtol(replan ? r : r + 19, NULL, 10);
     free(bl);
-    bench_emit("pipeline", "recovery",
-               "\"signal\":\"SIGKILL\",\"stage\":1,\"stages\":3,\"heartbeat_ms\":1000,\"step_at_kill\":%ld,"
-               "\"resumed_from\":%ld,\"moved_ms\":%lld,\"all_ready_ms\":%lld,\"past_kill_step_ms\":%.0f",
-               at_kill, resumed_from, t_moved > 0 ? (long long)(t_moved - t_kill) : -1LL,
+    bench_emit("pipeline", name,
+               "\"signal\":\"SIGKILL\",\"stage\":1,\"stages\":3,\"stages_after\":%d,\"heartbeat_ms\":1000,"
+               "\"step_at_kill\":%ld,\"resumed_from\":%ld,\"moved_ms\":%lld,\"all_ready_ms\":%lld,"
+               "\"past_kill_step_ms\":%.0f",
+               replan ? 2 : 3, at_kill, resumed_from, t_moved > 0 ? (long long)(t_moved - t_kill) : -1LL,
                t_ready > 0 ? (long long)(t_ready - t_kill) : -1LL, t_past);
     (void)tu_fusion(c, NULL, "cancel %s >/dev/null 2>&1", id);
     pb_stop(&c);
+}
+
+BENCH_CASE(pipeline_recovery)
+{
+    if (pb_setup() && pb_probe_need())
+        pb_kill_stage1(false);
+}
+
+BENCH_CASE(pipeline_replan)
+{
+    if (pb_setup() && pb_probe_need())
+        pb_kill_stage1(true);
 }
 
 /* ---- the cost of verification ------------------------------------------------------------------ */

@@ -52,12 +52,9 @@ static const char *train_args(void)
 
 /* Starts a 4-peer cluster with one backup and a long job; waits until it runs three stages and
  * has done KILL_AT steps. Returns the index of the peer that holds `stage`. */
-static int start_job(tu_cluster **c_p, const char *tag, int heartbeat_ms, int stage, char id[17])
+static int start_job_on(tu_cluster **c_p, const char *tag, const tu_opts *o, int stage, char id[17])
 {
-    tu_opts o = tu_opts_default(4);
-    o.backups = 1;
-    o.heartbeat_ms = heartbeat_ms;
-    tu_cluster *c = *c_p = tu_cluster_new(tag, &o);
+    tu_cluster *c = *c_p = tu_cluster_new(tag, o);
     tu_cluster_start(c);
     tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
     (void)tu_wait_step(c, id, KILL_AT, 60000);
@@ -71,6 +68,14 @@ static int start_job(tu_cluster **c_p, const char *tag, int heartbeat_ms, int st
     printf("job %s: stages on %s, %s, %s; step %ld\n", id, st.stage_peer[0], st.stage_peer[1], st.stage_peer[2],
            st.step);
     return victim;
+}
+
+static int start_job(tu_cluster **c_p, const char *tag, int heartbeat_ms, int stage, char id[17])
+{
+    tu_opts o = tu_opts_default(4);
+    o.backups = 1;
+    o.heartbeat_ms = heartbeat_ms;
+    return start_job_on(c_p, tag, &o, stage, id);
 }
 
 /* The first line of the broker's log holding needle (printed), or a test failure. */
@@ -446,19 +451,10 @@ static void test_e2e_fault_replan_without_spare(void **state)
     tu_opts o = tu_opts_default(3);
     o.peer_memory_gb = "0.047";
     o.heartbeat_ms = 300;
-    tu_cluster *c = tu_cluster_new("e2e-replan", &o);
-    tu_cluster_start(c);
+    tu_cluster *c;
     char id[17];
-    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
-    (void)tu_wait_step(c, id, KILL_AT, 60000);
-    tu_status st;
-    assert_true(tu_status_get(c, id, &st));
-    if (st.n_stages != 3)
-        tu_cluster_show_logs(c);
-    assert_int_equal(st.n_stages, 3);
-    int victim = tu_peer_index(st.stage_peer[1]);
-    printf("job %s: stages on %s, %s, %s at step %ld; SIGKILL to p%d (stage 1)\n", id, st.stage_peer[0],
-           st.stage_peer[1], st.stage_peer[2], st.step, victim);
+    int victim = start_job_on(&c, "e2e-replan", &o, 1, id);
+    printf("SIGKILL to p%d (stage 1 of 3)\n", victim);
     (void)tu_peer_stop(c, victim, SIGKILL, 5000);
     tu_wait_done(c, id, 120);
     char needle[160];

@@ -493,6 +493,19 @@ static int catch_cheater(tu_cluster *c, const char *id, int stage, int n_stages)
     return cheat;
 }
 
+/* Starts the cluster of o (its corrupt_mode set), runs the verification tests' 60-step job on it and
+ * catches its stage-0 peer cheating (catch_cheater) in a job of n_stages; *cheat: that peer. */
+static tu_cluster *cheating_job(const char *tag, const tu_opts *o, int n_stages, int *cheat)
+{
+    tu_cluster *c = tu_cluster_new(tag, o);
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
+                       VERIFY_OPTS);
+    *cheat = catch_cheater(c, id, 0, n_stages);
+    return c;
+}
+
 /* Two stages with a dishonest stage-0 peer. n_peers = 3: one backup (stage 0's verifier), no third
  * opinion (the verifier loses a little too); 5: three backups, two of them for stage 0 (the broker
  * gives every stage one before any gets a second; ties go to the lower stage), so the second settles
@@ -501,12 +514,8 @@ static void dishonest(int n_peers)
 {
     tu_opts o = tu_opts_two_stage(n_peers, n_peers > 3 ? 3 : 1);
     o.corrupt_mode = "scale";
-    tu_cluster *c = tu_cluster_new(n_peers > 3 ? "verify-cheat3" : "verify-cheat", &o);
-    tu_cluster_start(c);
-    char id[17];
-    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
-                       VERIFY_OPTS);
-    int cheat = catch_cheater(c, id, 0, 2);
+    int cheat = -1;
+    tu_cluster *c = cheating_job(n_peers > 3 ? "verify-cheat3" : "verify-cheat", &o, 2, &cheat);
     char *bl = tu_broker_log_text(c);
     int thirds = count_of(bl, "for a third opinion"), sided = count_of(bl, "sides with the verifier");
     free(bl);
@@ -550,12 +559,8 @@ static void test_verify_last_bit_cheater(void **state)
     (void)state;
     tu_opts o = tu_opts_two_stage(3, 1);
     o.corrupt_mode = "nudge";
-    tu_cluster *c = tu_cluster_new("verify-nudge", &o);
-    tu_cluster_start(c);
-    char id[17];
-    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
-                       VERIFY_OPTS);
-    (void)catch_cheater(c, id, 0, 2);
+    int cheat = -1;
+    tu_cluster *c = cheating_job("verify-nudge", &o, 2, &cheat);
     char *bl = tu_broker_log_text(c);
     printf("%d samples agreed with the same bits, %d disagreed with other bits\n", count_of(bl, "agree (same bits"),
            count_of(bl, "DISAGREE (other bits"));
@@ -577,12 +582,8 @@ static void test_verify_single_stage_cheater(void **state)
     o.backups = 1;
     o.heartbeat_ms = 300;
     o.corrupt_mode = "scale";
-    tu_cluster *c = tu_cluster_new("verify-solo", &o);
-    tu_cluster_start(c);
-    char id[17];
-    tu_submit_finetune(c, id, "model", "--rank 4 --steps 60 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
-                       VERIFY_OPTS);
-    (void)catch_cheater(c, id, 0, 1);
+    int cheat = -1;
+    tu_cluster *c = cheating_job("verify-solo", &o, 1, &cheat);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
