@@ -157,7 +157,7 @@ static double pb_cap_gb(int stages)
 
 /* Starts a cluster of n_peers (one compute thread each, the peers' own priority and link probe) with
  * `backups` and every peer offering cap_gb GiB (0: no cap), on the benchmark's model. */
-static tu_cluster *pb_start(const char *tag, int n_peers, int backups, double cap_gb)
+static tu_cluster *pb_start_args(const char *tag, int n_peers, int backups, double cap_gb, const char *broker_args)
 {
     static char cap[32]; /* read by each start of the cluster: one cluster at a time */
     snprintf(cap, sizeof cap, "%.5f", cap_gb);
@@ -169,8 +169,15 @@ static tu_cluster *pb_start(const char *tag, int n_peers, int backups, double ca
     o.link_mbps = NULL;
     o.priority = NULL;
     tu_cluster *c = tu_cluster_new(tag, &o);
+    if (broker_args)
+        tu_broker_args(c, broker_args);
     tu_cluster_start(c);
     return c;
+}
+
+static tu_cluster *pb_start(const char *tag, int n_peers, int backups, double cap_gb)
+{
+    return pb_start_args(tag, n_peers, backups, cap_gb, NULL);
 }
 
 static void pb_stop(tu_cluster **c_p)
@@ -375,7 +382,9 @@ BENCH_CASE(pipeline_finetune)
 static void pb_kill_stage1(bool replan)
 {
     const char *name = replan ? "replan" : "recovery";
-    tu_cluster *c = replan ? pb_start("bench-replan", 3, 0, pb_cap_gb(2)) : pb_start("bench-rec", 4, 1, pb_cap_gb(3));
+    /* replan: --grow-margin 0, the job takes all three peers (with one micro-batch two stages would do) */
+    tu_cluster *c = replan ? pb_start_args("bench-replan", 3, 0, pb_cap_gb(2), "--grow-margin 0")
+                           : pb_start("bench-rec", 4, 1, pb_cap_gb(3));
     char id[17], train[256];
     long kill_at = bench_quick() ? 12 : 7; /* past the checkpoint at 10 (5) */
     snprintf(train, sizeof train, "--rank 8 --alpha 16 --lr 0.01 --seed 7 --batch %d --seq-len %d --steps %d", env.batch,

@@ -97,8 +97,9 @@ typedef struct {
     uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
     uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
                                   (profiles believed: only for a cluster of one's own machines) */
-    double grow_margin;        /* a running fine-tune takes in idle peers at a checkpoint when that makes its
-                                  predicted step time at least this much shorter (0.2: 20%); 0: never */
+    double grow_margin;        /* a job takes more stages (when planned, or from idle peers at a checkpoint)
+                                  only when they make its predicted step time at least this much shorter
+                                  (0.2: 20%); 0: every peer that lowers its slowest stage, and no growth */
 } broker_cfg;
 
 typedef struct broker broker_t;

@@ -52,8 +52,9 @@ int main(int argc, char **argv)
          "a joining peer's claimed speed is capped by a checked computation this long at that speed (default 300; "
          "0: believe every profile, for a cluster of your own machines)"},
         {"grow-margin", 0, FU_OPT_DOUBLE, &grow, "F",
-         "a running fine-tune takes in peers that join when that shortens its predicted step by at least F "
-         "(0..0.9; default 0.2; 0: never)"},
+         "a job takes another stage (when planned, or later from peers that join) only when that shortens its "
+         "predicted step by at least F (0..0.9; default 0.2; 0: every peer that lowers its slowest stage, and no "
+         "growth)"},
         {"reputation-threshold", 0, FU_OPT_DOUBLE, &min_rep, "T",
          "peers whose reputation falls below T (0 < T <= 1) get no work (default 0.2)"},
         {"ready-timeout", 0, FU_OPT_INT, &ready_timeout, "SEC",

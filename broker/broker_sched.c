@@ -123,10 +123,10 @@ static void profile_of(const broker_peer *p, dag_peer_profile *out)
     out->link_latency_s = p->link_latency_ms / 2000.0;
 }
 
-/* The best plan of j over the peers who[0..n) (dag_partition): at most n minus the backups the
- * broker keeps as stages, the ends on trusted peers when the job keeps them there. */
-static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, dag_plan *plan,
-                             fu_errmsg *em)
+/* The best plan of j over the peers who[0..n) (dag_partition): at most max_stages stages (0: n minus
+ * the backups the broker keeps), the ends on trusted peers when the job keeps them there. */
+static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, uint32_t max_stages,
+                             dag_plan *plan, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
     for (size_t k = 0; k < n; k++)
@@ -134,6 +134,8 @@ static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who
     size_t n_plan = n > b->cfg.backups ? n - b->cfg.backups : n;
     if (n_plan > BROKER_MAX_STAGES)
         n_plan = BROKER_MAX_STAGES;
+    if (max_stages && n_plan > max_stages)
+        n_plan = max_stages;
     dag_partition_opts o = broker_job_popts(j);
     o.max_stages = (uint32_t)n_plan;
     /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
@@ -149,6 +151,30 @@ static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who
     free(ends_ok);
     free(prof);
     return rc;
+}
+
+/* A job takes no more stages than pay for themselves, so that the rest of the pool is left to other
+ * jobs: *best (the plan over every peer it may use) gives way to the plan with the fewest stages
+ * that best does not beat by cfg.grow_margin of its predicted step time. Growth applies the same
+ * margin later (broker_grow), so a job does not shrink at planning what it would grow back. */
+static void fewest_stages(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, dag_plan *best)
+{
+    if (b->cfg.grow_margin <= 0)
+        return;
+    for (uint32_t s = 1; s < best->n_stages; s++) {
+        dag_plan p = {0};
+        fu_errmsg em = {{0}};
+        if (partition_over(b, j, who, n, s, &p, &em) == FU_OK &&
+            best->step_s > (1.0 - b->cfg.grow_margin) * p.step_s) {
+            FU_INFO(LOG, "job %s: %zu stages predict %.3g s a step, %zu stages %.3g s: it takes %zu (more pay only "
+                    "from %.0f%% shorter)", j->id, p.n_stages, p.step_s, best->n_stages, best->step_s, p.n_stages,
+                    100 * b->cfg.grow_margin);
+            dag_plan_free(best);
+            *best = p;
+            return;
+        }
+        dag_plan_free(&p);
+    }
 }
 
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
@@ -215,12 +241,13 @@ static void plan_job(broker_t *b, broker_job *j)
     }
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    fu_err rc = partition_over(b, j, who, n_idle, &plan, &em);
+    fu_err rc = partition_over(b, j, who, n_idle, 0, &plan, &em);
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
         broker_job_note(b, j, reason);
         goto done;
     }
+    fewest_stages(b, j, who, n_idle, &plan);
     db_stage_plan *sp = fu_calloc(plan.n_stages, sizeof *sp);
     int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
     for (size_t s = 0; s < plan.n_stages; s++) {
@@ -428,7 +455,7 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step)
     double now_s = n_new ? current_step_s(b, j) : 0;
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    bool better = now_s > 0 && partition_over(b, j, who, n, &plan, &em) == FU_OK &&
+    bool better = now_s > 0 && partition_over(b, j, who, n, 0, &plan, &em) == FU_OK &&
                   plan.step_s <= (1.0 - b->cfg.grow_margin) * now_s;
     if (now_s > 0 && !better)
         FU_DEBUG(LOG, "job %s: with %zu idle peer%s a plan would have %zu stages and %.3g s a step against %.3g s now: "

@@ -143,6 +143,66 @@ static void test_e2e_pipeline_mixed_threads(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Where job id's line "job ID<what>" is in the broker's log text (SIZE_MAX when it is not). */
+static size_t log_at(const char *log, const char *id, const char *what)
+{
+    char needle[160];
+    snprintf(needle, sizeof needle, "job %s%s", id, what);
+    const char *at = strstr(log, needle);
+    return at ? (size_t)(at - log) : SIZE_MAX;
+}
+
+/* Several jobs at once (docs/PIPELINE.md "Growth"): six peers with the e2e memory cap (a job needs
+ * three stages), three jobs of two owners submitted together. A job takes only the stages it needs,
+ * so two run at the same time and the third follows; each finishes with fusion run's adapter, bit
+ * for bit (the same options: every job's adapter is the same file). */
+static void test_e2e_pipeline_concurrent_jobs(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(6);
+    tu_cluster *c = tu_cluster_new("e2e-jobs", &o);
+    tu_keygen(c, "bob", true); /* a second owner */
+    tu_cluster_start(c);
+    const char *train = TU_TRAIN_ARGS " --steps 20";
+    char ids[3][17];
+    tu_submit_finetune(c, ids[0], "model", "%s", train);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "submit finetune --keys bob --model model --data '%s' %s -q", tu_cluster_data(c),
+                               train), 0);
+    assert_int_equal(sscanf(out, "%16s", ids[1]), 1);
+    free(out);
+    tu_submit_finetune(c, ids[2], "model", "%s", train);
+    tu_wait_done(c, ids[0], 120);
+    tu_wait_done(c, ids[2], 120);
+    out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "wait %s --keys bob --wait-timeout 120", ids[1]), 0);
+    free(out);
+    /* two of them ran at the same time: one started before another was done */
+    char *bl = tu_broker_log_text(c);
+    bool overlap = false;
+    for (int x = 0; x < 3; x++)
+        for (int y = 0; y < 3; y++)
+            overlap = overlap || (x != y && log_at(bl, ids[x], ": every stage is ready; started at step 0") <
+                                                 log_at(bl, ids[y], " done") &&
+                                  log_at(bl, ids[y], ": every stage is ready; started at step 0") <
+                                      log_at(bl, ids[x], " done"));
+    free(bl);
+    for (int x = 0; x < 3; x++)
+        assert_stages(c, ids[x], 3);
+    assert_true(overlap);
+    tu_assert_identical_adapter(c, ids[0], "model", train, 1);
+    tu_assert_identical_adapter(c, ids[2], "model", train, 1);
+    out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "result %s --keys bob -o res-%s", ids[1], ids[1]), 0);
+    free(out);
+    char a[TU_PATH], b[TU_PATH];
+    tu_path(c, a, "res-%s/adapter_model.safetensors", ids[0]);
+    tu_path(c, b, "res-%s/adapter_model.safetensors", ids[1]);
+    size_t nt = 0;
+    assert_true(tu_adapter_diff(a, b, &nt) == 0 && nt > 0);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -300,6 +360,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_concurrent_jobs, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
