@@ -48,6 +48,7 @@ fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_step_deadline_no_spare 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_replan_without_spare 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_grow_when_a_peer_joins 240 fault broker)
+fu_e2e_case(test_e2e_fault test_e2e_fault_chaotic_same_bits 240 fault broker)
 
 # A guest on its owner's machine: a paused stage keeps its peer (same adapter), or moves after the grace.
 fu_e2e_exe(test_e2e_guest)

@@ -521,6 +521,49 @@ static void test_e2e_fault_grow_when_a_peer_joins(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The chaotic configuration (issue "Elastic and heterogeneous"): four unlike peers (1, 2, 3 and 1
+ * compute threads; room for two layers, no cap, no cap, room for three; links of 300, 1000, 100 and
+ * 1000 MB/s), no backup, the broker taking every peer that lowers the slowest stage. The plan sizes
+ * each stage to its peer (the broker's log explains it); mid-job the last stage's peer is SIGKILLed
+ * and the job is planned again over the three left, its checkpoint cut for the new stages. The
+ * adapter has the bits of `fusion run finetune` with --threads 1 and with --threads 2. */
+static void test_e2e_fault_chaotic_same_bits(void **state)
+{
+    (void)state;
+    static const char *const threads[] = {"1", "2", "3", "1"}, *const memory[] = {"0.039", "", "", "0.047"},
+                             *const link[] = {"300", "1000", "100", "1000"};
+    tu_opts o = tu_opts_default(4);
+    o.heartbeat_ms = 300;
+    for (int i = 0; i < 4; i++) {
+        o.peer_threads[i] = threads[i];
+        o.peer_memory[i] = memory[i];
+        o.peer_link[i] = link[i];
+    }
+    tu_cluster *c = tu_cluster_new("e2e-chaos", &o);
+    tu_broker_args(c, "--grow-margin 0");
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
+    (void)tu_wait_step(c, id, KILL_AT, 60000);
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    assert_true(st.n_stages >= 2);
+    char *bl = tu_broker_log_text(c), needle[40];
+    snprintf(needle, sizeof needle, "job %s stage ", id);
+    for (const char *at = bl; (at = strstr(at, needle)) != NULL; at++) { /* the plans and why */
+        const char *nl = strchr(at, '\n');
+        printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
+    }
+    free(bl);
+    int victim = tu_peer_index(st.stage_peer[st.n_stages - 1]);
+    printf("SIGKILL to p%d (the last of %d stages) at step %ld\n", victim, st.n_stages, st.step);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    tu_wait_done(c, id, 150);
+    tu_assert_identical_adapter(c, id, "model", train_args(), 1);
+    tu_assert_identical_adapter(c, id, "model", train_args(), 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -534,6 +577,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_chaotic_same_bits, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
