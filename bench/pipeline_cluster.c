@@ -13,7 +13,8 @@
  *     default 1 s heartbeat): the time until the broker moved the stage, until every stage was
  *     running again, and until the job was past the step it had reached;
  *   - replan: the same with no backup: the job is planned again over the two survivors;
- *   - verify_run, verify_cost: what verification at the default fraction costs (below).
+ *   - verify_run, verify_cost: what verification at the default fraction costs (below);
+ *   - jobs: three jobs at once on six peers against one alone (below).
  * --quick: the e2e tests' model (6 layers, hidden 256), batch 4 x 16 tokens; default: 8 layers,
  * hidden 512, ffn 1376, vocab 512 (23 M parameters), batch 4 x 64 tokens. (The vocabulary is not the
  * byte-level 256: with hidden > vocab the partitioner cannot cut between layers — docs/TESTING.md.)
@@ -541,8 +542,9 @@ static bool pb_verify_once(double frac, pb_verify_run *r)
  * The figures are CPU seconds of the peer processes over the job (not wall time: on a small machine
  * the verifiers share its cores with the stages): the verifiers' extra CPU against the stages' own
  * (the extra compute per step), and the stages' own extra (their snapshots of state for steps
- * without a checkpoint). Expected share: 0.25 x (a micro-batch forward / a micro-batch forward and
- * backward), about 8%. */
+ * without a checkpoint). Expected share: 0.25 x a forward (about a third of a forward and backward)
+ * at the first stage, 0.25 x a forward and backward at the last (its verified output is the
+ * gradient it sends up). */
 BENCH_CASE(pipeline_verify)
 {
     if (!pb_setup() || !pb_probe_need())
@@ -558,3 +560,56 @@ BENCH_CASE(pipeline_verify)
                (on.backup_cpu - off.backup_cpu) / base, (on.stage_cpu - off.stage_cpu) / base,
                off.step_ms > 0 ? on.step_ms / off.step_ms : 0);
 }
+
+/* ---- several jobs at once ---------------------------------------------------------------------- */
+
+/* Three jobs on six peers, each peer offering room for a third of a job (every job needs three
+ * stages), against one job alone on the same cluster: the one job's tokens/s (its start to its
+ * end) and the three jobs' together (all their tokens over the first start to the last end). A job
+ * takes only the stages it needs (docs/PIPELINE.md "Growth"), so two run at once and the third
+ * follows. Where the machine has fewer cores than busy peers, the jobs share the cores: the gain is
+ * what the cores allow (on 2 cores, none). */
+BENCH_CASE(pipeline_jobs)
+{
+    if (!pb_setup() || !pb_probe_need())
+        return;
+    tu_cluster *c = pb_start("bench-jobs", 6, 0, pb_cap_gb(3));
+    char ids[4][17];
+    for (int k = 0; k < 4; k++) {
+        pb_submit(c, ids[k], env.train, "--checkpoint-every 1000");
+        if (k > 0 && k < 3)
+            continue; /* the three after the first go together */
+        for (int w = k == 0 ? 0 : 1; w <= k; w++)
+            if (tu_fusion(c, NULL, "wait %s -q --wait-timeout 900 >/dev/null 2>&1", ids[w]) != 0) {
+                fprintf(stderr, "bench-pipeline: jobs: job %s did not finish (logs in %s)\n", ids[w],
+                        tu_cluster_dir(c));
+                pb_stop(&c);
+                return;
+            }
+    }
+    char *bl = tu_broker_log_text(c);
+    int64_t start[4], end[4];
+    for (int k = 0; k < 4; k++) {
+        size_t after = 0;
+        start[k] = pb_log_ms(bl, 0, ids[k], ": every stage is ready; started at step 0", &after);
+        end[k] = pb_log_ms(bl, after, ids[k], " done", NULL);
+    }
+    free(bl);
+    int64_t first = start[1], last = end[1];
+    bool overlap = false;
+    for (int k = 1; k < 4; k++) {
+        first = start[k] < first ? start[k] : first;
+        last = end[k] > last ? end[k] : last;
+        for (int m = 1; m < 4; m++)
+            overlap = overlap || (m != k && start[m] < end[k] && start[k] < end[m]);
+    }
+    double tokens = (double)env.steps * env.batch * env.seq;
+    double one = start[0] > 0 && end[0] > start[0] ? tokens / ((double)(end[0] - start[0]) / 1e3) : 0;
+    double three = first > 0 && last > first ? 3 * tokens / ((double)(last - first) / 1e3) : 0;
+    bench_emit("pipeline", "jobs",
+               "\"peers\":6,\"stages_per_job\":3,\"one_job_tokens_per_s\":%.1f,\"three_jobs_tokens_per_s\":%.1f,"
+               "\"ratio\":%.2f,\"ran_at_once\":%s",
+               one, three, one > 0 ? three / one : 0, overlap ? "true" : "false");
+    pb_stop(&c);
+}
+

@@ -194,6 +194,7 @@ typedef struct {
     uint32_t n_excluded;               /* how many */
     bool dead;                         /* finished or removed: free at the next sweep */
     uint32_t v_agree, v_disagree, v_skipped; /* verification samples: agreed, disagreed, not run */
+    uint64_t v_no_verifier;            /* bit s: "no warm backup to verify stage s with" was logged */
     uint32_t v_mismatch;               /* samples left inconclusive: the two peers used different inputs */
 } broker_job;
 

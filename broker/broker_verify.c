@@ -192,10 +192,17 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
             char skip[1][DB_KEY_LEN + 1];
             snprintf(skip[0], sizeof skip[0], "%s", primary->key);
             broker_peer *ver = pick_verifier(b, j, stage, skip, 1);
-            if (!ver) {
+            if (!ver) { /* said once per stage (a job run with fewer backups than stages meets it every step) */
                 j->v_skipped++;
-                FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: no warm backup of stage %u to "
-                        "verify with", j->id, stage, step, m, stage);
+                uint64_t bit = 1ull << (stage % 64);
+                if (j->v_no_verifier & bit)
+                    FU_DEBUG(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: no warm backup", j->id,
+                             stage, step, m);
+                else
+                    FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: no warm backup of stage %u "
+                            "to verify with (said once; the job's status counts the samples skipped)", j->id, stage,
+                            step, m, stage);
+                j->v_no_verifier |= bit;
                 continue;
             }
             broker_vsample *v = NULL;
