@@ -79,6 +79,7 @@ typedef struct {
     int challenge_ms;           /* --challenge-ms (0: 20 ms, short for the tests' peers; < 0: challenges off) */
     const char *enrol_token;    /* --enrol-token (NULL: none) */
     const char *log_level;      /* --log-level (NULL: the broker's default) */
+    const char *grow_margin;    /* --grow-margin (NULL: the broker's default, 0.2) */
     const char *model_root;     /* --model-root besides DIR (the broker serves the models under DIR
                                    and these; ':'-separated; NULL: DIR only) */
     /* every fusion-peer */
@@ -107,7 +108,7 @@ tu_opts tu_opts_default(int n_peers);
 tu_opts tu_opts_two_stage(int n_peers, int backups);
 
 /* A broker alone, for tests that play its peers and clients themselves (fake_peer.h): no fusion-peer,
- * one backup, --log-level debug, TU_SMALL_MODEL_ARGS. */
+ * one backup, --log-level debug, TU_SMALL_MODEL_ARGS, --grow-margin 0. */
 tu_opts tu_opts_broker_alone(void);
 
 typedef struct tu_cluster tu_cluster;
