@@ -454,6 +454,28 @@ tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts)
     return c;
 }
 
+/* Whether the broker's log says peer pI's profile challenge ended ("peer pI (KEY): claimed ...
+ * plans use ...", or "... failed its profile challenge") within timeout_ms. */
+static bool profile_checked(const tu_cluster *c, int i, int timeout_ms)
+{
+    char needle[32];
+    snprintf(needle, sizeof needle, "peer p%d (", i);
+    for (uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;; fu_sleep_ms(20)) {
+        char *log = tu_broker_log_text(c);
+        bool done = false;
+        for (const char *at = log; !done && (at = strstr(at, needle)) != NULL; at++) {
+            const char *nl = strchr(at, '\n');
+            const char *a = strstr(at, "plans use"), *b = strstr(at, "failed its profile challenge");
+            done = (a && (!nl || a < nl)) || (b && (!nl || b < nl));
+        }
+        free(log);
+        if (done)
+            return true;
+        if (fu_clock_ms() >= end)
+            return false;
+    }
+}
+
 void tu_cluster_start(tu_cluster *c)
 {
     tu_broker_start(c);
@@ -461,6 +483,13 @@ void tu_cluster_start(tu_cluster *c)
         tu_peer_start(c, i, NULL);
     for (int i = 0; i < c->o.n_peers; i++)
         tu_peer_wait_joined(c, i, TU_JOIN_MS);
+    /* and until each has its profile checked ("peer pI (KEY): claimed ... plans use ..."): a job
+     * submitted before is planned over the peers checked so far (seen under CI load: two of three) */
+    for (int i = 0; i < c->o.n_peers; i++)
+        if (!profile_checked(c, i, TU_JOIN_MS)) {
+            tu_cluster_show_logs(c);
+            tu_fail("peer p%d's profile was not checked within %d ms", i, TU_JOIN_MS);
+        }
 }
 
 /* Whether one of the broker's logs holds a sanitizer report or a bug the broker noticed in itself

@@ -119,8 +119,8 @@ typedef struct tu_cluster tu_cluster;
  * after a failed assertion. */
 tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts);
 
-/* Starts the broker and every peer, and waits (30 s each) until every peer has joined; fails the
- * test otherwise. */
+/* Starts the broker and every peer, and waits (30 s each) until every peer has joined and had its
+ * profile checked (the challenge); fails the test otherwise. */
 void tu_cluster_start(tu_cluster *c);
 
 /* Graceful stop: SIGCONT to stopped peers, SIGTERM to every peer and then to the broker. Each must
