@@ -341,6 +341,8 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
     }
     if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
         p->prof.link_bandwidth_bps = p->cfg.link_mbps * 1e6;
+    for (uint32_t i = 0; p->cfg.gflops > 0 && i < p->prof.n_speeds; i++) /* stated: a claim like any other */
+        p->prof.gflops[i] = p->cfg.gflops;
     peer_profile_format(&p->prof, p->prof_line, sizeof p->prof_line);
 
     /* A guest on its owner's machine (peer_guest.h). The threads that exist now are compute

@@ -52,6 +52,8 @@ typedef struct {
     double max_memory_gb;        /* cap on the memory offered (0: no cap) */
     double cache_max_gb;         /* blob cache size limit in GiB, least recently used evicted (0: no limit) */
     double link_mbps;            /* the link's speed as stated by the operator, MB/s (0: measure it) */
+    double gflops;               /* the GEMM speed stated by the operator, GFLOP/s (0: the measured one); the
+                                    broker's profile challenge still caps what plans use */
     const char *name;            /* shown by `fusion peers` (NULL: the host name) */
     const char *enrol_token;     /* enrol with this token first (NULL: already allowed) */
     uint32_t drain_ms;           /* PEER_DRAIN_MS when 0 */

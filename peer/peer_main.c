@@ -34,7 +34,7 @@ int main(int argc, char **argv)
     const char *broker = NULL, *broker_key = NULL, *keys = NULL, *device = "cpu", *data_bind = NULL;
     const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL, *token_file = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
-    double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0;
+    double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0, gflops = 0;
     bool no_listen = false, pause_busy = false;
     const char *priority = "idle", *hours = NULL, *config = NULL;
     long long max_cpu = 100, busy_pct = PEER_GUEST_BUSY_DEFAULT;
@@ -52,6 +52,9 @@ int main(int argc, char **argv)
         {"cache-max-gb", 0, FU_OPT_DOUBLE, &cache_max, "GB",
          "most GiB the cache may hold, least recently used blobs evicted first (default 20; 0: no limit)"},
         {"max-memory", 0, FU_OPT_DOUBLE, &max_memory, "GB", "most memory to offer"},
+        {"gflops", 0, FU_OPT_DOUBLE, &gflops, "G",
+         "the GEMM speed to claim instead of the measured one, e.g. a share of a machine others use too (the "
+         "broker's profile challenge still caps what plans use)"},
         {"link-mbps", 0, FU_OPT_DOUBLE, &link_mbps, "MB/S",
          "this link's speed in MB/s, told to the broker instead of measuring it (default 0: measure)"},
         {"name", 0, FU_OPT_STR, &name, "NAME", "a name shown by `fusion peers`"},
@@ -91,6 +94,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --cache-max-gb must be a number of GiB, 0 or more (0: no limit)\n");
         return FU_EXIT_USAGE;
     }
+    if (!(gflops >= 0) || gflops > 1e6) {
+        fprintf(stderr, "fusion-peer: --gflops must be a number of GFLOP/s, 0 to 1000000 (0: measure)\n");
+        return FU_EXIT_USAGE;
+    }
     if (!(link_mbps >= 0) || link_mbps > 1e6) {
         fprintf(stderr, "fusion-peer: --link-mbps must be a number of MB/s, 0 to 1000000 (0: measure)\n");
         return FU_EXIT_USAGE;
@@ -126,7 +133,7 @@ int main(int argc, char **argv)
     peer_cfg cfg = {.broker = broker, .broker_key_file = broker_key, .keys_dir = keys, .device = device,
                     .threads = (int)threads, .data_bind = data_bind, .data_advertise = advertise,
                     .no_listen = no_listen, .cache_dir = cache, .max_memory_gb = max_memory,
-                    .cache_max_gb = cache_max, .link_mbps = link_mbps, .name = name,
+                    .cache_max_gb = cache_max, .link_mbps = link_mbps, .gflops = gflops, .name = name,
                     .enrol_token = enrol_token, .drain_ms = (uint32_t)(drain_s * 1000), .guest = guest};
     fu_errmsg em = {{0}};
     fu_err err;
