@@ -69,6 +69,7 @@ typedef struct {
     char device[128];                  /* device name from its profile */
     char numeric_class[BROKER_NUMERIC_CLASS_MAX + 1]; /* its profile's: peers of one non-empty class give the same
                                                          bits, and verification compares exact hashes */
+    uint8_t class_id[16];              /* BLAKE2b-128 of numeric_class (all zero when it is empty) */
     Fusion__Backend backend;           /* cpu or cuda */
     double gflops;                     /* f32 GEMM GFLOP/s plans use: min(claimed, slack x verified) */
     double claimed_gflops;             /* what its profile said (the best f32, else any dtype) */

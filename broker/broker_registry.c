@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include <cjson/cJSON.h>
+#include <sodium.h>
 
 #include "broker_internal.h"
 #include "fu_alloc.h"
@@ -167,6 +168,10 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
     snprintf(p->name, sizeof p->name, "%s", h->name && h->name[0] ? h->name : "peer");
     snprintf(p->device, sizeof p->device, "%s", pr->device_name ? pr->device_name : "");
     snprintf(p->numeric_class, sizeof p->numeric_class, "%s", pr->numeric_class ? pr->numeric_class : "");
+    memset(p->class_id, 0, sizeof p->class_id);
+    if (p->numeric_class[0])
+        crypto_generichash(p->class_id, sizeof p->class_id, (const uint8_t *)p->numeric_class,
+                           strlen(p->numeric_class), NULL, 0);
     snprintf(p->endpoint, sizeof p->endpoint, "%s", h->needs_relay ? "" : h->data_endpoint);
     p->relay = h->needs_relay;
     p->backend = pr->backend;

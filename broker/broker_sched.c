@@ -123,10 +123,20 @@ static void profile_of(const broker_peer *p, dag_peer_profile *out)
     out->link_latency_s = p->link_latency_ms / 2000.0;
 }
 
+/* Whether a plan of j made now keeps its ends on trusted peers: the spec says so, or it leaves it to
+ * the broker and a trusted peer is registered. */
+static bool ends_trusted_now(const broker_t *b, const broker_job *j)
+{
+    bool any_trusted = false;
+    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
+        any_trusted = b->peers[i].live && b->peers[i].trusted;
+    return j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
+}
+
 /* The best plan of j over the peers who[0..n) (dag_partition): at most max_stages stages (0: n minus
- * the backups the broker keeps), the ends on trusted peers when the job keeps them there. */
-static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, uint32_t max_stages,
-                             dag_plan *plan, fu_errmsg *em)
+ * the backups the broker keeps), the ends on trusted peers when ends_trusted. */
+static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
     for (size_t k = 0; k < n; k++)
@@ -139,11 +149,7 @@ static fu_err partition_over(broker_t *b, broker_job *j, broker_peer *const *who
     dag_partition_opts o = broker_job_popts(j);
     o.max_stages = (uint32_t)n_plan;
     /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
-    bool any_trusted = false;
-    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
-        any_trusted = b->peers[i].live && b->peers[i].trusted;
-    j->ends_trusted = j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
-    bool *ends_ok = j->ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
+    bool *ends_ok = ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
     for (size_t k = 0; ends_ok && k < n; k++)
         ends_ok[k] = who[k]->trusted;
     o.ends_ok = ends_ok;
@@ -164,7 +170,7 @@ static void fewest_stages(broker_t *b, broker_job *j, broker_peer *const *who, s
     for (uint32_t s = 1; s < best->n_stages; s++) {
         dag_plan p = {0};
         fu_errmsg em = {{0}};
-        if (partition_over(b, j, who, n, s, &p, &em) == FU_OK &&
+        if (partition_over(b, j, who, n, s, j->ends_trusted, &p, &em) == FU_OK &&
             best->step_s > (1.0 - b->cfg.grow_margin) * p.step_s) {
             FU_INFO(LOG, "job %s: %zu stages predict %.3g s a step, %zu stages %.3g s: it takes %zu (more pay only "
                     "from %.0f%% shorter)", j->id, p.n_stages, p.step_s, best->n_stages, best->step_s, p.n_stages,
@@ -241,7 +247,8 @@ static void plan_job(broker_t *b, broker_job *j)
     }
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    fu_err rc = partition_over(b, j, who, n_idle, 0, &plan, &em);
+    j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
+    fu_err rc = partition_over(b, j, who, n_idle, 0, j->ends_trusted, &plan, &em);
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
         broker_job_note(b, j, reason);
@@ -440,24 +447,26 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step)
     for (uint32_t s = 0; s < j->n_stages; s++)
         if (j->stages[s].final_ckpt_step < step)
             return; /* not every stage has this checkpoint yet */
+    size_t n_new = 0;
+    for (size_t i = 0; i < b->n_peers; i++)
+        n_new += peer_idle(&b->peers[i]) && !broker_job_excludes(j, b->peers[i].key);
+    double now_s = n_new ? current_step_s(b, j) : 0;
+    if (now_s <= 0)
+        return; /* no idle peer to take in (the common case), or a stage without its peer */
     /* the peers a new plan could use: this job's (stages and backups, released by the re-plan) and
      * the idle ones */
-    broker_peer **who = fu_calloc(b->n_peers ? b->n_peers : 1, sizeof *who);
-    size_t n = 0, n_new = 0;
+    broker_peer **who = fu_calloc(b->n_peers, sizeof *who);
+    size_t n = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        bool mine = p->live && strcmp(p->job, j->id) == 0;
-        bool idle = peer_idle(p) && !broker_job_excludes(j, p->key);
-        if (mine || idle)
+        if ((p->live && strcmp(p->job, j->id) == 0) || (peer_idle(p) && !broker_job_excludes(j, p->key)))
             who[n++] = p;
-        n_new += idle;
     }
-    double now_s = n_new ? current_step_s(b, j) : 0;
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    bool better = now_s > 0 && partition_over(b, j, who, n, 0, &plan, &em) == FU_OK &&
+    bool better = partition_over(b, j, who, n, 0, ends_trusted_now(b, j), &plan, &em) == FU_OK &&
                   plan.step_s <= (1.0 - b->cfg.grow_margin) * now_s;
-    if (now_s > 0 && !better)
+    if (!better)
         FU_DEBUG(LOG, "job %s: with %zu idle peer%s a plan would have %zu stages and %.3g s a step against %.3g s now: "
                  "it stays as it is", j->id, n_new, n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s);
     if (better) {

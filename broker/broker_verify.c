@@ -549,9 +549,7 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
             memcpy(v->oh[who], s->output_hash.data, WIRE_VERIFY_HASH_BYTES);
     }
     v->has_cls[who] = p->numeric_class[0] != '\0';
-    if (v->has_cls[who])
-        crypto_generichash(v->cls[who], sizeof v->cls[who], (const uint8_t *)p->numeric_class,
-                           strlen(p->numeric_class), NULL, 0);
+    memcpy(v->cls[who], p->class_id, sizeof v->cls[who]);
     v->have[who] = true;
     for (int k = 0; k < 3; k++)
         if (v->who[k][0] && !v->have[k])
