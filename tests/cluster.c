@@ -756,6 +756,7 @@ void tu_peer_start(tu_cluster *c, int i, ...)
     const char *mem = i < 8 && c->o.peer_memory[i] ? c->o.peer_memory[i] : c->o.peer_memory_gb;
     add_option(argv, &n, "--max-memory", mem && mem[0] ? mem : NULL);
     add_option(argv, &n, "--link-mbps", i < 8 && c->o.peer_link[i] ? c->o.peer_link[i] : c->o.link_mbps);
+    add_option(argv, &n, "--gflops", i < 8 ? c->o.peer_gflops[i] : NULL);
     va_list ap;
     va_start(ap, i);
     for (const char *a; (a = va_arg(ap, const char *)) != NULL;) {

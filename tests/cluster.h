@@ -90,6 +90,7 @@ typedef struct {
     const char *peer_threads[8];/* --threads of peer pI (NULL: 1) */
     const char *peer_memory[8]; /* --max-memory of peer pI (NULL: peer_memory_gb; "" none) */
     const char *peer_link[8];   /* --link-mbps of peer pI (NULL: link_mbps) */
+    const char *peer_gflops[8]; /* --gflops of peer pI (NULL: it measures its speed) */
     const char *corrupt_mode;   /* "scale" or "lie": peer pI runs with FUSION_TEST_CORRUPT_OUTPUT=
                                    MODE:DIR/corrupt.pI and cheats while that file exists
                                    (peer/peer_verify.h; test hooks only); NULL: honest peers */

@@ -35,6 +35,7 @@ fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_wide_model_splits 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_targets 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_mixed_threads 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_concurrent_jobs 240)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_faster_peers_more_layers 240)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 240 fault)

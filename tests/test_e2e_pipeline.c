@@ -14,7 +14,9 @@
  *   - SALR: `fusion model prune --method salr` (every linear pruned, lm_head included), then
  *     `fusion submit finetune --method salr` on the pruned model equals `fusion run finetune --method
  *     salr` on it, and greedy generation through the pipeline with that adapter equals `fusion run
- *     infer`'s. */
+ *     infer`'s;
+ *   - peers of unlike speeds (--gflops 40, 10, 10): the fast one holds more layers than either slow
+ *     one, as the broker's explanation of the plan says, and the adapter is fusion run's. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -140,6 +142,57 @@ static void test_e2e_pipeline_mixed_threads(void **state)
     tu_wait_done(c, id, 80);
     assert_stages(c, id, 3);
     tu_assert_identical_adapter(c, id, "model", train, 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* Layers of the plan's stage on peer pI, from the broker's explanation of job id ("job ID stage S/N
+ * on KEY (pI): stage S: nodes A-B (layers X-Y..."); 0 when pI holds no stage. */
+static int layers_on(const tu_cluster *c, const char *id, int i)
+{
+    char *log = tu_broker_log_text(c), needle[64];
+    snprintf(needle, sizeof needle, "job %s stage ", id);
+    int n = 0;
+    for (const char *at = log; (at = strstr(at, needle)) != NULL; at++) {
+        const char *nl = strchr(at, '\n'), *who = strstr(at, " (p"), *l = strstr(at, "(layers ");
+        int x, y;
+        if (!who || (nl && who > nl) || atoi(who + 3) != i || !l || (nl && l > nl) ||
+            sscanf(l, "(layers %d-%d", &x, &y) != 2)
+            continue;
+        printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
+        n = y - x + 1;
+    }
+    free(log);
+    return n;
+}
+
+/* Unlike speeds (issue "Elastic and heterogeneous"): three peers state 40, 10 and 10 GFLOP/s
+ * (--gflops, challenges off: a loaded machine's measurements would make the split a coin toss). The
+ * partitioner sizes each stage to its peer, so the fast one holds more layers than either slow one,
+ * and the broker's log says why; the adapter is still fusion run's, bit for bit. */
+static void test_e2e_pipeline_faster_peers_more_layers(void **state)
+{
+    (void)state;
+    static const char *const gflops[] = {"40", "10", "10"};
+    tu_opts o = tu_opts_default(3);
+    o.model_args = "--layers 12 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3";
+    o.peer_memory_gb = NULL;
+    o.challenge_ms = -1;
+    o.grow_margin = "0"; /* every peer that lowers the slowest stage */
+    for (int i = 0; i < 3; i++)
+        o.peer_gflops[i] = gflops[i];
+    tu_cluster *c = tu_cluster_new("e2e-speeds", &o);
+    tu_cluster_start(c);
+    const char *train = TU_TRAIN_ARGS " --steps 8";
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 4", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 3);
+    int fast = layers_on(c, id, 0), slow1 = layers_on(c, id, 1), slow2 = layers_on(c, id, 2);
+    printf("layers: p0 (40 GFLOP/s) %d, p1 (10) %d, p2 (10) %d\n", fast, slow1, slow2);
+    assert_true(fast > slow1 && fast > slow2);
+    assert_true(slow1 > 0 && slow2 > 0);
+    assert_true(tu_broker_logged(c, "at 40.0 GFLOP/s = "));
+    tu_assert_identical_adapter(c, id, "model", train, 1);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
@@ -361,6 +414,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_concurrent_jobs, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_faster_peers_more_layers, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
