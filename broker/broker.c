@@ -44,8 +44,8 @@ void broker_request_stop(void)
 void broker_on_relay(broker_t *b, const wire_msg_t *msg)
 {
     const char *to = wire_msg_hdr(msg)->relay_to;
-    const char *from = wire_msg_user_id(msg);
-    broker_peer *src = broker_peer_find(b, from);
+    char from[DB_KEY_LEN + 1];
+    broker_peer *src = broker_msg_peer_id(msg, from) ? broker_peer_find(b, from) : NULL;
     if (!src || !src->live) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "only registered peers may relay: send PeerHello first");
         return;
@@ -146,7 +146,8 @@ static void on_enrol(broker_t *b, const wire_msg_t *msg)
 /* Messages only a registered, live peer may send. */
 static broker_peer *peer_of(broker_t *b, const wire_msg_t *msg)
 {
-    broker_peer *p = broker_peer_find(b, wire_msg_user_id(msg));
+    char id[DB_KEY_LEN + 1];
+    broker_peer *p = broker_msg_peer_id(msg, id) ? broker_peer_find(b, id) : NULL;
     if (!p || !p->live) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "this key is not a registered peer (or was declared dead): send PeerHello to register");

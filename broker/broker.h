@@ -35,6 +35,7 @@ extern "C" {
 #define BROKER_LOGITS_FILE      "logits.f32" /* inference result file: prompt logits, positions x vocab float32 */
 #define BROKER_MAX_LOGITS_BYTES (1ull << 31) /* largest logits file served */
 #define BROKER_MAX_PEERS        4096      /* peers held in the registry */
+#define BROKER_MAX_SLOTS        8         /* slots of one peer process (fusion-peer --slots) */
 #define BROKER_MAX_ACTIVE_JOBS  1024      /* queued + running jobs held in memory */
 #define BROKER_MAX_STAGES       64        /* stages of one job */
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */

@@ -62,7 +62,10 @@ typedef enum {
 
 /* A peer the broker has heard from since it started. */
 typedef struct {
-    char key[DB_KEY_LEN + 1];          /* z85 public key: the identity */
+    char key[DB_KEY_LEN + 1];          /* the identity: pk itself for slot 0, else broker_peer_id's name */
+    char pk[DB_KEY_LEN + 1];           /* z85 public key of its connection: roles, sealing, the same machine */
+    uint32_t slot;                     /* which slot of its peer process (fusion-peer --slots), 0 for the first */
+    uint32_t n_slots;                  /* how many its process runs (PeerHello.slots; 1 when it said none) */
     uint8_t rid[WIRE_MAX_ROUTING_ID];  /* routing id of its current connection */
     size_t rid_len;                    /* its length */
     char name[DB_NAME_MAX + 1];        /* display name */
@@ -309,15 +312,25 @@ uint64_t broker_now(void);  /* monotonic ms */
 int64_t broker_wall(void);  /* Unix ms */
 
 /* ---- broker_registry.c: the peers ---- */
+/* The peer named key (its identity: broker_peer.key), NULL when none. */
 broker_peer *broker_peer_find(broker_t *b, const char *key);
+/* The identity of slot `slot` of the peer process with public key pk (z85): pk itself for slot 0,
+ * else the z85 of BLAKE2b-256("fusion slot" || key || slot as 4 little-endian bytes), which names
+ * it alike in the store and on the wire (PeerWelcome.peer_id, Neighbour.peer_id). */
+void broker_peer_id(const char *pk, uint32_t slot, char out[DB_KEY_LEN + 1]);
+/* The identity of msg's sender: its authenticated key and Envelope.slot; false when the slot is out
+ * of range (BROKER_MAX_SLOTS) or the key is not z85. */
+bool broker_msg_peer_id(const wire_msg_t *msg, char out[DB_KEY_LEN + 1]);
+/* Whether a and b are slots of one peer process (one key: one machine, one owner). */
+bool broker_peer_same_key(const broker_peer *a, const broker_peer *b);
 /* Stores p's profile (its verified speed and session included) in the store; failures are logged. */
 void broker_peer_store_profile(broker_t *b, const broker_peer *p);
 /* Checks what a PeerHello claims (texts, a believable profile, an endpoint); FU_EINVAL with why. */
 FU_MUST_CHECK fu_err broker_peer_hello_check(const Fusion__PeerHello *h, fu_errmsg *em);
-/* Registers (or renews) key from a checked PeerHello on connection rid: idle, live, stored.
+/* Registers (or renews) slot `slot` of key pk from a checked PeerHello on connection rid: idle, live, stored.
  * FU_EAGAIN when the table is full of live peers; the store's error when it failed. */
-FU_MUST_CHECK fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *h, const uint8_t *rid,
-                                       size_t rl, broker_peer **out, fu_errmsg *em);
+FU_MUST_CHECK fu_err broker_peer_admit(broker_t *b, const char *pk, uint32_t slot, const Fusion__PeerHello *h,
+                                       const uint8_t *rid, size_t rl, broker_peer **out, fu_errmsg *em);
 /* What a heartbeat tells: free memory, its stage's progress, a pause, its link; extends its lease. */
 void broker_peer_heartbeat(broker_t *b, broker_peer *p, const Fusion__Heartbeat *hb);
 /* Idle, warm (a backup that is ready) or busy, as the wire says it. */

@@ -54,8 +54,13 @@ static void welcome(broker_t *b, const wire_msg_t *msg, const broker_peer *p)
 void broker_on_hello(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__PeerHello *h = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_PEER_HELLO);
-    const char *key = wire_msg_user_id(msg);
+    char key[DB_KEY_LEN + 1];
     fu_errmsg em = {{0}};
+    if (!broker_msg_peer_id(msg, key)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "PeerHello: slot %u is out of range (a peer process "
+                           "runs at most %d slots)", wire_msg_hdr(msg)->slot, BROKER_MAX_SLOTS);
+        return;
+    }
     if (broker_peer_hello_check(h, &em) != FU_OK) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
         return;
@@ -75,7 +80,7 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
     }
     if (p && p->live) /* a new session of a known peer: whatever it ran is gone */
         drop_work(b, p, "the peer registered again (new session)");
-    fu_err rc = broker_peer_admit(b, key, h, rid, rl, &p, &em);
+    fu_err rc = broker_peer_admit(b, wire_msg_user_id(msg), wire_msg_hdr(msg)->slot, h, rid, rl, &p, &em);
     if (rc != FU_OK) {
         broker_reply_error(b, msg, rc == FU_EAGAIN ? FUSION__ERROR_CODE__ERR_BUSY : FUSION__ERROR_CODE__ERR_INTERNAL,
                            "%s", em.msg);

@@ -28,6 +28,48 @@ broker_peer *broker_peer_find(broker_t *b, const char *key)
     return NULL;
 }
 
+void broker_peer_id(const char *pk, uint32_t slot, char out[DB_KEY_LEN + 1])
+{
+    uint8_t raw[WIRE_KEY_BYTES], h[WIRE_KEY_BYTES], le[4] = {(uint8_t)slot, (uint8_t)(slot >> 8),
+                                                            (uint8_t)(slot >> 16), (uint8_t)(slot >> 24)};
+    if (slot == 0 || wire_key_from_z85(pk, raw) != FU_OK) {
+        snprintf(out, DB_KEY_LEN + 1, "%s", pk);
+        return;
+    }
+    static const char tag[] = "fusion slot";
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, NULL, 0, sizeof h);
+    crypto_generichash_update(&st, (const uint8_t *)tag, sizeof tag - 1);
+    crypto_generichash_update(&st, raw, sizeof raw);
+    crypto_generichash_update(&st, le, sizeof le);
+    crypto_generichash_final(&st, h, sizeof h);
+    wire_key_to_z85(h, out);
+}
+
+bool broker_msg_peer_id(const wire_msg_t *msg, char out[DB_KEY_LEN + 1])
+{
+    const char *uid = wire_msg_user_id(msg);
+    uint32_t slot = wire_msg_hdr(msg)->slot;
+    if (!db_key_valid(uid) || slot >= BROKER_MAX_SLOTS)
+        return false;
+    broker_peer_id(uid, slot, out);
+    return true;
+}
+
+bool broker_peer_same_key(const broker_peer *a, const broker_peer *b)
+{
+    return a && b && strcmp(a->pk, b->pk) == 0;
+}
+
+static void reputation_adjust_one(broker_t *b, broker_peer *p, double delta)
+{
+    double rep = p->reputation;
+    if (db_peer_reputation_adjust(b->db, p->key, delta, broker_wall(), &rep) == FU_OK)
+        p->reputation = rep;
+    else /* the store failed (logged): the loop still acts on the change */
+        p->reputation = fmin(1, fmax(0, p->reputation + delta));
+}
+
 /* s (NULL counts as "") is at most max bytes and holds no control characters; with ascii_only, only
  * printable ASCII (a pause reason is shown to other users' terminals). */
 static bool text_ok(const char *s, size_t max, bool ascii_only)
@@ -157,14 +199,21 @@ void broker_peer_store_profile(broker_t *b, const broker_peer *p)
     free(pj);
 }
 
-fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *h, const uint8_t *rid, size_t rl,
-                         broker_peer **out, fu_errmsg *em)
+fu_err broker_peer_admit(broker_t *b, const char *pk, uint32_t slot, const Fusion__PeerHello *h, const uint8_t *rid,
+                         size_t rl, broker_peer **out, fu_errmsg *em)
 {
     const Fusion__PeerProfile *pr = h->profile;
+    char key[DB_KEY_LEN + 1];
+    broker_peer_id(pk, slot, key);
     broker_peer *p = slot_for(b, key);
     if (!p)
         return fu_errmsg_set(em, FU_EAGAIN, "the broker's registry is full (%d live peers); try again later",
                              BROKER_MAX_PEERS);
+    snprintf(p->pk, sizeof p->pk, "%s", pk);
+    p->slot = slot;
+    p->n_slots = h->slots > 1 && h->slots <= BROKER_MAX_SLOTS ? h->slots : 1;
+    if (p->n_slots <= slot)
+        p->n_slots = slot + 1;
     snprintf(p->name, sizeof p->name, "%s", h->name && h->name[0] ? h->name : "peer");
     snprintf(p->device, sizeof p->device, "%s", pr->device_name ? pr->device_name : "");
     snprintf(p->numeric_class, sizeof p->numeric_class, "%s", pr->numeric_class ? pr->numeric_class : "");
@@ -188,7 +237,7 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
     p->rid_len = rl <= sizeof p->rid ? rl : sizeof p->rid;
     memcpy(p->rid, rid, p->rid_len);
     p->session = h->session;
-    p->trusted = (wire_zap_roles(b->zap, key) & WIRE_ROLE_TRUSTED) != 0;
+    p->trusted = (wire_zap_roles(b->zap, pk) & WIRE_ROLE_TRUSTED) != 0;
     p->job[0] = '\0';
     p->backup = p->warm = p->draining = false;
     p->last_heard_ms = broker_now();
@@ -206,6 +255,9 @@ fu_err broker_peer_admit(broker_t *b, const char *key, const Fusion__PeerHello *
     db_peer *dp = NULL;
     p->reputation = db_peer_get(b->db, p->key, &dp) == FU_OK ? dp->reputation : DB_REPUTATION_INIT;
     db_peer_free(&dp);
+    for (size_t i = 0; i < b->n_peers; i++) /* a new slot starts no better than its key's others */
+        if (&b->peers[i] != p && broker_peer_same_key(&b->peers[i], p) && b->peers[i].reputation < p->reputation)
+            reputation_adjust_one(b, p, b->peers[i].reputation - p->reputation);
     BROKER_IGNORE(db_event_add(b->db, p->joined_ms, NULL, p->key, "peer-join", p->name));
     FU_INFO(LOG, "peer %.8s (%s) %s: %.1f GFLOP/s, %.2f GiB, %s%s", p->key, p->name,
             created ? "joined" : "re-registered", p->gflops, (double)p->mem_bytes / (1u << 30),
@@ -343,13 +395,14 @@ void broker_peer_release(broker_t *b, broker_job *j, broker_peer *p, const char 
     b->sched_dirty = true;
 }
 
+/* A loss of reputation is the key's: every slot of the peer process loses it (one owner, one
+ * machine); a gain is the slot's own. */
 void broker_peer_reputation_adjust(broker_t *b, broker_peer *p, double delta)
 {
-    double rep = p->reputation;
-    if (db_peer_reputation_adjust(b->db, p->key, delta, broker_wall(), &rep) == FU_OK)
-        p->reputation = rep;
-    else /* the store failed (logged): the loop still acts on the change */
-        p->reputation = fmin(1, fmax(0, p->reputation + delta));
+    reputation_adjust_one(b, p, delta);
+    for (size_t i = 0; delta < 0 && i < b->n_peers; i++)
+        if (&b->peers[i] != p && broker_peer_same_key(&b->peers[i], p))
+            reputation_adjust_one(b, &b->peers[i], delta);
 }
 
 bool broker_peer_free(const broker_t *b, const broker_peer *p)

@@ -73,6 +73,13 @@ static uint32_t backups_for(broker_t *b, const broker_job *j, uint32_t s)
     return n;
 }
 
+/* Whether p may back up stage k of j: it fits, and it is not a slot of the peer process that runs
+ * the stage (the same machine fails with it, and cannot verify it). */
+static bool may_back_up(broker_t *b, const broker_job *j, uint32_t k, const broker_peer *p)
+{
+    return broker_peer_fits(j, k, p) && !broker_peer_same_key(broker_peer_find(b, j->stages[k].peer), p);
+}
+
 /* Tops up j's warm backups from the idle peers. */
 static void give_backups(broker_t *b, broker_job *j)
 {
@@ -89,15 +96,15 @@ static void give_backups(broker_t *b, broker_job *j)
             uint32_t fewest = UINT32_MAX;
             for (uint32_t k = 0; k < j->n_stages; k++) {
                 uint32_t n = backups_for(b, j, k);
-                if (n < fewest && broker_peer_fits(j, k, p)) {
+                if (n < fewest && may_back_up(b, j, k, p)) {
                     fewest = n;
                     s = k;
                 }
             }
         }
-        if (!broker_peer_fits(j, s, p)) { /* a backup for a stage it can hold, or none */
+        if (!may_back_up(b, j, s, p)) { /* a backup for a stage it can hold, or none */
             uint32_t k = 0;
-            while (k < j->n_stages && !broker_peer_fits(j, k, p))
+            while (k < j->n_stages && !may_back_up(b, j, k, p))
                 k++;
             if (k == j->n_stages)
                 continue;
@@ -134,18 +141,19 @@ static bool ends_trusted_now(const broker_t *b, const broker_job *j)
 }
 
 /* The best plan of j over the peers who[0..n) (dag_partition): at most max_stages stages (0: n minus
- * the backups the broker keeps), the ends on trusted peers when ends_trusted. */
+ * the backups the broker keeps, so that the job has them), the ends on trusted peers when
+ * ends_trusted. */
 static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
                              uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
     for (size_t k = 0; k < n; k++)
         profile_of(who[k], &prof[k]);
-    size_t n_plan = n > b->cfg.backups ? n - b->cfg.backups : n;
+    size_t n_plan = max_stages ? max_stages : n > b->cfg.backups ? n - b->cfg.backups : n;
+    if (n_plan > n)
+        n_plan = n;
     if (n_plan > BROKER_MAX_STAGES)
         n_plan = BROKER_MAX_STAGES;
-    if (max_stages && n_plan > max_stages)
-        n_plan = max_stages;
     dag_partition_opts o = broker_job_popts(j);
     o.max_stages = (uint32_t)n_plan;
     /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
@@ -212,11 +220,85 @@ static fu_err recut(broker_t *b, broker_job *j, int64_t c, db_stage_plan *sp, si
     return rc;
 }
 
+/* Whether who[0..n) holds p, or with same_key, any slot of p's peer process. */
+static bool listed(broker_peer *const *who, size_t n, const broker_peer *p, bool same_key)
+{
+    for (size_t m = 0; m < n; m++)
+        if (who[m] == p || (same_key && broker_peer_same_key(who[m], p)))
+            return true;
+    return false;
+}
+
+/* The idle peers j may use into who (room for all of them): one slot of each peer process first
+ * (the first idle one), then their other idle slots. Returns how many come first. Only peers of
+ * several slots are looked up in the list. */
+static size_t candidates(broker_t *b, const broker_job *j, broker_peer **who)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < b->n_peers; i++) {
+        broker_peer *p = &b->peers[i];
+        if (peer_idle(p) && !broker_job_excludes(j, p->key) && (p->n_slots <= 1 || !listed(who, k, p, true)))
+            who[k++] = p;
+    }
+    size_t n_first = k;
+    for (size_t i = 0; i < b->n_peers; i++) {
+        broker_peer *p = &b->peers[i];
+        if (p->n_slots > 1 && peer_idle(p) && !broker_job_excludes(j, p->key) && !listed(who, n_first, p, false))
+            who[k++] = p;
+    }
+    return n_first;
+}
+
+/* A backup of another job that j may take: spares give way to a queued job (the other job gets
+ * backups again from the peers that come free, give_backups), except those a job that verifies
+ * keeps as its verifiers, one per stage. */
+static bool lendable(broker_t *b, const broker_job *j, const broker_peer *p)
+{
+    if (!p->live || !p->backup || !p->job[0] || strcmp(p->job, j->id) == 0 || !broker_peer_trusted(b, p) ||
+        p->paused || p->draining || reserved(b, p) || broker_job_excludes(j, p->key))
+        return false;
+    const broker_job *d = broker_job_find(b, p->job);
+    if (!d)
+        return true;
+    uint32_t keep = broker_job_verify_fraction(b, d) > 0 ? d->n_stages : 0, total = backups_of(b, d), before = 0;
+    for (const broker_peer *q = b->peers; q < p; q++) /* the first total - keep of its backups may go */
+        before += q->live && q->backup && strcmp(q->job, d->id) == 0;
+    return total > keep && before < total - keep;
+}
+
+/* The plan of j over who[0..n_idle) (idle peers, the first n_first of distinct processes) and then
+ * the n_spare spares after them, the first of these that works: distinct processes first (two slots
+ * of one machine serve two jobs rather than one), then every idle peer, each leaving room for the
+ * job's backups; then every idle peer with no room left for backups; then the spares too.
+ * *n_used: the candidates it used. */
+static fu_err plan_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
+                        size_t n_spare, dag_plan *plan, size_t *n_used, fu_errmsg *em)
+{
+    const struct {
+        size_t n;
+        bool all; /* no room kept for backups */
+    } tries[4] = {{n_first < n_idle ? n_first : 0, false}, {n_idle, false}, {n_idle, true}, {n_spare ? n_idle + n_spare : 0, true}};
+    fu_err rc = FU_EINVAL;
+    for (int t = 0; t < 4; t++) {
+        size_t n = tries[t].n;
+        if (n == 0 || (t == 2 && b->cfg.backups == 0)) /* the same as the try before */
+            continue;
+        dag_plan_free(plan);
+        uint32_t max = tries[t].all ? (uint32_t)(n < BROKER_MAX_STAGES ? n : BROKER_MAX_STAGES) : 0;
+        if ((rc = partition_over(b, j, who, n, max, j->ends_trusted, plan, em)) == FU_OK) {
+            *n_used = n;
+            return FU_OK;
+        }
+    }
+    return rc;
+}
+
 static void plan_job(broker_t *b, broker_job *j)
 {
-    size_t n_idle = 0, n_live = 0, n_barred = 0;
+    size_t n_idle = 0, n_live = 0, n_barred = 0, n_spare = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         n_live += b->peers[i].live;
+        n_spare += lendable(b, j, &b->peers[i]);
         if (peer_idle(&b->peers[i])) {
             bool barred = broker_job_excludes(j, b->peers[i].key); /* it missed a deadline of this job */
             n_barred += barred;
@@ -224,7 +306,7 @@ static void plan_job(broker_t *b, broker_job *j)
         }
     }
     char reason[DB_REASON_MAX];
-    if (n_idle == 0) {
+    if (n_idle + n_spare == 0) {
         const char *why_now = n_barred ? "every idle peer was taken off this job for missing a deadline"
                               : n_live ? "every live peer is busy with other jobs"
                                        : "no peer is registered";
@@ -238,23 +320,21 @@ static void plan_job(broker_t *b, broker_job *j)
         broker_job_note(b, j, reason);
         return;
     }
-    broker_peer **who = fu_calloc(n_idle, sizeof *who);
-    size_t k = 0;
-    for (size_t i = 0; i < b->n_peers; i++) {
-        broker_peer *p = &b->peers[i];
-        if (peer_idle(p) && !broker_job_excludes(j, p->key))
-            who[k++] = p;
-    }
+    broker_peer **who = fu_calloc(n_idle + n_spare, sizeof *who);
+    size_t n_first = candidates(b, j, who), n_used = 0;
+    for (size_t i = 0, k = n_idle; i < b->n_peers; i++)
+        if (lendable(b, j, &b->peers[i]))
+            who[k++] = &b->peers[i];
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
     j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
-    fu_err rc = partition_over(b, j, who, n_idle, 0, j->ends_trusted, &plan, &em);
+    fu_err rc = plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
         broker_job_note(b, j, reason);
         goto done;
     }
-    fewest_stages(b, j, who, n_idle, &plan);
+    fewest_stages(b, j, who, n_used, &plan);
     db_stage_plan *sp = fu_calloc(plan.n_stages, sizeof *sp);
     int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
     for (size_t s = 0; s < plan.n_stages; s++) {
@@ -283,6 +363,12 @@ static void plan_job(broker_t *b, broker_job *j)
     }
     for (size_t s = 0; s < plan.n_stages; s++) {
         broker_peer *p = who[plan.stages[s].peer];
+        broker_job *donor = p->backup && p->job[0] ? broker_job_find(b, p->job) : NULL;
+        if (donor) { /* a spare of another job gives way */
+            FU_INFO(LOG, "job %s: takes peer %.8s (%s), a backup of job %s (spares give way to queued jobs)", j->id,
+                    p->key, p->name, donor->id);
+            broker_peer_release(b, donor, p, "a queued job needs this peer: backups give way");
+        }
         broker_peer_take(b, p, j, (uint32_t)s, false);
         FU_INFO(LOG, "job %s stage %zu/%zu on %.8s (%s): %s", j->id, s, plan.n_stages, p->key, p->name,
                 plan.stages[s].why);
@@ -379,9 +465,10 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
         fusion__neighbour__init(&nb[nn]);
         nb[nn].role = d < 0 ? FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM : FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
         nb[nn].stage_index = (uint32_t)o;
-        if (q && wire_key_from_z85(q->key, keys[nn]) == FU_OK) {
+        if (q && wire_key_from_z85(q->pk, keys[nn]) == FU_OK) {
             nb[nn].public_key.data = keys[nn];
             nb[nn].public_key.len = WIRE_KEY_BYTES;
+            nb[nn].peer_id = q->key;
             nb[nn].data_endpoint = q->endpoint;
             nb[nn].relay = q->relay || p->relay;
         } else {

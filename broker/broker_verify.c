@@ -67,17 +67,22 @@ static bool sampled(const broker_t *b, const broker_job *j, uint64_t step, uint3
     return (double)(u >> 11) * 0x1.0p-53 < frac;
 }
 
-/* A warm backup of stage `stage` of j that is trusted and none of the keys in `skip` (n of them). */
+/* A warm backup of stage `stage` of j that is trusted and neither one of the peers in `skip` (n
+ * of them, "" ignored) nor another slot of one of their peer processes: an opinion from the same
+ * key is the same owner's. */
 static broker_peer *pick_verifier(broker_t *b, const broker_job *j, uint32_t stage, char skip[][DB_KEY_LEN + 1],
                                   size_t n)
 {
+    const broker_peer *sk[4] = {0};
+    for (size_t k = 0; k < n && k < 4; k++)
+        sk[k] = skip[k][0] ? broker_peer_find(b, skip[k]) : NULL;
     for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
         if (!broker_peer_trusted(b, p) || !p->backup || !p->warm || p->stage != stage || strcmp(p->job, j->id) != 0)
             continue;
         bool excluded = false;
         for (size_t k = 0; k < n && !excluded; k++)
-            excluded = strcmp(skip[k], p->key) == 0;
+            excluded = strcmp(skip[k], p->key) == 0 || (k < 4 && broker_peer_same_key(sk[k], p));
         if (!excluded)
             return p;
     }
@@ -107,7 +112,7 @@ static fu_err ask_verifier(broker_t *b, const broker_vsample *v, broker_peer *p)
     uint8_t key[WIRE_KEY_BYTES];
     if (!up || !up->live)
         return FU_ENOTFOUND;
-    if ((rc = wire_key_from_z85(p->key, key)) != FU_OK)
+    if ((rc = wire_key_from_z85(p->pk, key)) != FU_OK)
         return rc;
     Fusion__VerifyDeliver d = FUSION__VERIFY_DELIVER__INIT;
     d.job_id = v->job64;
@@ -189,9 +194,10 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
         for (uint32_t m = 0; m < j->spec.micro_batches; m++) {
             if (!sampled(b, j, step, m, stage, f))
                 continue;
-            char skip[1][DB_KEY_LEN + 1];
+            char skip[2][DB_KEY_LEN + 1];
             snprintf(skip[0], sizeof skip[0], "%s", primary->key);
-            broker_peer *ver = pick_verifier(b, j, stage, skip, 1);
+            snprintf(skip[1], sizeof skip[1], "%s", up ? up->key : "");
+            broker_peer *ver = pick_verifier(b, j, stage, skip, 2);
             if (!ver) { /* said once per stage (a job run with fewer backups than stages meets it every step) */
                 j->v_skipped++;
                 uint64_t bit = 1ull << (stage % 64);
@@ -459,7 +465,11 @@ static void judge(broker_t *b, broker_vsample *v)
     FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: peer %.8s and verifier %.8s disagree (norms %.6g / %.6g, "
             "rel diff %.3g)", j->id, v->stage, v->step, v->mb, v->who[0], v->who[1], v->norm[0], v->norm[1], d01);
     /* A third opinion when another warm backup of the stage is there. */
-    broker_peer *third = pick_verifier(b, j, v->stage, v->who, 2);
+    char skip[3][DB_KEY_LEN + 1];
+    snprintf(skip[0], sizeof skip[0], "%s", v->who[0]);
+    snprintf(skip[1], sizeof skip[1], "%s", v->who[1]);
+    snprintf(skip[2], sizeof skip[2], "%s", v->up);
+    broker_peer *third = pick_verifier(b, j, v->stage, skip, 3);
     if (third) {
         snprintf(v->who[2], sizeof v->who[2], "%s", third->key);
         v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
@@ -590,11 +600,13 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         if (!c->used || c->job64 != vi->job_id || c->stage != vi->stage_index || c->step != vi->step ||
             c->mb != vi->micro_batch || c->seed != vi->seed || strcmp(c->up, p->key) != 0)
             continue;
-        for (int s = 1; s < 3; s++)
-            if (c->who[s][0] && strcmp(c->who[s], to) == 0) {
+        for (int s = 1; s < 3; s++) { /* a sample's verifiers are of unlike keys (pick_verifier) */
+            broker_peer *w = c->who[s][0] ? broker_peer_find(b, c->who[s]) : NULL;
+            if (w && strcmp(w->pk, to) == 0) {
                 v = c;
                 k = s;
             }
+        }
     }
     if (!v) {
         /* A delivery that comes after its sample ended (skipped, judged, timed out): dropped. */
@@ -603,7 +615,7 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
                  to);
         return;
     }
-    broker_peer *dst = broker_peer_find(b, to);
+    broker_peer *dst = broker_peer_find(b, v->who[k]);
     if (vi->unavailable && vi->unavailable[0]) {
         FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: %s: upstream %.8s cannot deliver the input: %.200s",
                 v->job, v->stage, v->step, v->mb, k == 2 ? "no third opinion" : "sample skipped", p->key,

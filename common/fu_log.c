@@ -12,6 +12,7 @@
 
 static fu_log_level  g_level = FU_LOG_INFO;
 static fu_log_format g_format = FU_LOG_TEXT;
+static char          g_tag[32];
 
 static const char *const level_names[] = {"debug", "info", "warn", "error", "off"};
 
@@ -28,6 +29,11 @@ fu_log_level fu_log_get_level(void)
 void fu_log_set_format(fu_log_format format)
 {
     g_format = format;
+}
+
+void fu_log_set_tag(const char *tag)
+{
+    snprintf(g_tag, sizeof g_tag, "%s", tag ? tag : "");
 }
 
 fu_err fu_log_parse_level(const char *s, fu_log_level *out)
@@ -77,6 +83,9 @@ void fu_log(fu_log_level level, const char *component, const char *fmt, ...)
     size_t tl = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(ts + tl, sizeof ts - tl, ".%03dZ", (int)(now % 1000));
 
+    char comp[96];
+    snprintf(comp, sizeof comp, "%s%s%s", component ? component : "-", g_tag[0] ? "/" : "", g_tag);
+    component = comp;
     char line[FU_LOG_LINE_MAX + 256];
     size_t n;
     if (g_format == FU_LOG_JSON) {

@@ -17,6 +17,9 @@ typedef enum { FU_LOG_TEXT = 0, FU_LOG_JSON } fu_log_format;
 void         fu_log_set_level(fu_log_level level);
 fu_log_level fu_log_get_level(void);
 void         fu_log_set_format(fu_log_format format);
+/* A tag this process adds to every component ("peer" becomes "peer/slot1"; NULL or "": none), so
+ * that the lines of several processes sharing one stderr tell apart. Set it before other threads log. */
+void         fu_log_set_tag(const char *tag);
 /* Parses "debug", "info", "warn", "error" or "off". FU_EINVAL on anything else. */
 FU_MUST_CHECK fu_err fu_log_parse_level(const char *s, fu_log_level *out);
 

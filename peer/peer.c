@@ -58,7 +58,8 @@ bool peer_io_stop_requested(void)
 fu_err peer_io_to_broker(peer_t *p, Fusion__MsgType type, uint64_t job, uint64_t step, uint32_t stage,
                          const ProtobufCMessage *body)
 {
-    wire_hdr h = {.type = type, .job_id = job, .step = step, .stage = stage, .sequence = ++p->seq};
+    wire_hdr h = {.type = type, .job_id = job, .step = step, .stage = stage, .sequence = ++p->seq,
+                  .slot = p->cfg.slot};
     fu_err rc = wire_send(p->broker, NULL, 0, &h, body);
     if (rc != FU_OK)
         FU_WARN("peer", "cannot send %s to the broker: %s", wire_type_name(type), fu_strerror(rc));
@@ -126,6 +127,7 @@ void peer_io_send_hello(peer_t *p)
     h.data_endpoint = p->data_endpoint;
     h.needs_relay = p->router == NULL;
     h.session = p->session;
+    h.slots = p->cfg.n_slots > 1 ? p->cfg.n_slots : 1;
     if (peer_io_to_broker(p, FUSION__MSG_TYPE__MSG_PEER_HELLO, 0, 0, 0, &h.base) == FU_OK)
         FU_INFO("peer", "PeerHello sent (%s)", p->router ? p->data_endpoint : "relayed");
     p->welcomed = false;
@@ -341,8 +343,10 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
     }
     if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
         p->prof.link_bandwidth_bps = p->cfg.link_mbps * 1e6;
+    uint32_t n_slots = cfg->n_slots > 1 ? cfg->n_slots : 1;
     for (uint32_t i = 0; p->cfg.gflops > 0 && i < p->prof.n_speeds; i++) /* stated: a claim like any other */
-        p->prof.gflops[i] = p->cfg.gflops;
+        p->prof.gflops[i] = p->cfg.gflops / n_slots;
+    p->prof.free_memory_bytes /= n_slots; /* the machine's memory (or its cap) is shared by the slots */
     peer_profile_format(&p->prof, p->prof_line, sizeof p->prof_line);
 
     /* A guest on its owner's machine (peer_guest.h). The threads that exist now are compute

@@ -58,6 +58,11 @@ typedef struct {
     const char *enrol_token;     /* enrol with this token first (NULL: already allowed) */
     uint32_t drain_ms;           /* PEER_DRAIN_MS when 0 */
     peer_guest_cfg guest;        /* priority, duty cycle, pauses (peer_guest.h) */
+    /* One of several slots of a peer process (fusion-peer --slots; each slot is a child process
+     * running its own peer_t): the broker plans each slot as a peer of its own, named by (key, slot).
+     * A slot offers 1/n_slots of max_memory_gb (or of the free memory) and of a stated gflops;
+     * threads, data_bind and name are the slot's own already. n_slots 0 means 1. */
+    uint32_t slot, n_slots;
 } peer_cfg;
 
 typedef struct peer peer_t;

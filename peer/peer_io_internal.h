@@ -45,6 +45,7 @@ typedef struct {
     bool relay;                    /* frames go through the broker */
     uint8_t pk[WIRE_KEY_BYTES];    /* the neighbour's long-term key, as the broker introduced it */
     char pk_z85[WIRE_KEY_Z85_LEN + 1];
+    char id_z85[WIRE_KEY_Z85_LEN + 1]; /* the broker's name for it (Neighbour.peer_id): relay_to, sender */
     char endpoint[256];            /* where to connect (downstream, direct) */
     uint32_t stage_index;          /* the neighbour's stage */
     wire_seal_eph_t *eph;          /* our pending ephemeral pair (an opening of ours awaits its reply) */

@@ -61,7 +61,8 @@ static fu_err send_seal_hello(peer_t *p, link_t *l, bool reply, uint64_t seq, co
     h.job_id = p->job_id;
     h.stage_index = p->stage_index;
     wire_hdr hdr = {.type = FUSION__MSG_TYPE__MSG_SEAL_HELLO, .job_id = p->job_id, .stage = p->stage_index,
-                    .step = reply ? 1 : 0, .sequence = seq, .relay_to = l->relay ? l->pk_z85 : NULL};
+                    .step = reply ? 1 : 0, .sequence = seq, .relay_to = l->relay ? l->id_z85 : NULL,
+                    .slot = l->relay ? p->cfg.slot : 0};
     fu_err rc;
     if (l->relay)
         rc = wire_send(p->broker, NULL, 0, &hdr, &h.base);
@@ -121,7 +122,8 @@ void peer_link_open_all(peer_t *p, const Fusion__StageAssign *a)
     for (size_t i = 0; i < a->n_neighbours && ou->active && ou->up && !ou->relay && ou->rid_len; i++) {
         const Fusion__Neighbour *nb = a->neighbours[i];
         if (nb->role == FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM && !nb->relay && !a->relay && a->job_id == p->job_id &&
-            nb->public_key.len == WIRE_KEY_BYTES && sodium_memcmp(nb->public_key.data, ou->pk, WIRE_KEY_BYTES) == 0) {
+            nb->public_key.len == WIRE_KEY_BYTES && sodium_memcmp(nb->public_key.data, ou->pk, WIRE_KEY_BYTES) == 0 &&
+            strcmp(nb->peer_id && nb->peer_id[0] ? nb->peer_id : ou->pk_z85, ou->id_z85) == 0) { /* the same slot */
             kept = *ou;
             memset(ou, 0, sizeof *ou); /* ownership moves to kept */
             keep = true;
@@ -152,6 +154,7 @@ void peer_link_open_all(peer_t *p, const Fusion__StageAssign *a)
         l->active = true;
         memcpy(l->pk, nb->public_key.data, WIRE_KEY_BYTES);
         wire_key_to_z85(l->pk, l->pk_z85);
+        snprintf(l->id_z85, sizeof l->id_z85, "%s", nb->peer_id && nb->peer_id[0] ? nb->peer_id : l->pk_z85);
         l->stage_index = nb->stage_index;
         snprintf(l->endpoint, sizeof l->endpoint, "%s", nb->data_endpoint ? nb->data_endpoint : "");
         l->relay = nb->relay || a->relay || (idx == LINK_UP_IDX && !p->router) ||
@@ -197,7 +200,7 @@ static link_t *link_for(peer_t *p, int src, const wire_msg_t *m)
         return p->links[LINK_DOWN_IDX].active && !p->links[LINK_DOWN_IDX].relay ? &p->links[LINK_DOWN_IDX] : NULL;
     const char *sender = wire_msg_hdr(m)->sender;
     for (int i = 0; i < 2; i++)
-        if (p->links[i].active && p->links[i].relay && sender && strcmp(sender, p->links[i].pk_z85) == 0)
+        if (p->links[i].active && p->links[i].relay && sender && strcmp(sender, p->links[i].id_z85) == 0)
             return &p->links[i];
     return NULL;
 }
@@ -370,7 +373,8 @@ void peer_link_send_tensor(peer_t *p, peer_cmd *c)
         return;
     }
     void *sock = l->relay ? p->broker : l == &p->links[LINK_DOWN_IDX] ? p->down : p->router;
-    c->meta.relay_to = l->relay ? fu_strdup(l->pk_z85) : NULL;
+    c->meta.relay_to = l->relay ? fu_strdup(l->id_z85) : NULL;
+    c->meta.slot = p->cfg.slot;
     uint64_t seq = 0;
     wire_send_wait w = {.wait = send_wait, .arg = p, .timeout_ms = PEER_SEND_WAIT_MS};
     p->send_waited = false;

@@ -229,7 +229,7 @@ void peer_io_on_compute(peer_t *p, peer_cmd *c)
     switch (c->kind) {
     case PEER_CMD_SEND: {
         wire_hdr h = {.type = c->type, .job_id = c->job_id, .step = c->step, .stage = c->stage,
-                      .sequence = ++p->seq};
+                      .sequence = ++p->seq, .slot = p->cfg.slot};
         void *body = c->body;
         c->body = NULL;
         fu_err rc = wire_send_packed(p->broker, NULL, 0, &h, body, body ? c->body_len : 0, body ? free_cb : NULL,

@@ -440,7 +440,8 @@ static fu_err decode_into(wire_msg_t *m, const uint8_t *env, size_t env_len, con
                         .sequence = e->sequence,
                         .stage = e->stage,
                         .sender = e->sender,
-                        .relay_to = e->relay_to};
+                        .relay_to = e->relay_to,
+                        .slot = e->slot};
     return FU_OK;
 }
 
@@ -544,6 +545,7 @@ static fu_err pack_envelope(const wire_hdr *h, uint8_t *buf, size_t cap, size_t 
     e.stage = h->stage;
     e.sender = (char *)(h->sender ? h->sender : "");
     e.relay_to = (char *)(h->relay_to ? h->relay_to : "");
+    e.slot = h->slot;
     size_t n = protobuf_c_message_get_packed_size(&e.base);
     if (n > cap)
         return FU_EINVAL;
@@ -874,6 +876,7 @@ fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len, const wire_m
     wire_hdr h = msg->hdr;
     h.sender = origin;
     h.relay_to = NULL;
+    h.slot = 0;
     uint8_t env[WIRE_MAX_ENVELOPE_BYTES];
     size_t env_len;
     FU_TRY(pack_envelope(&h, env, sizeof env, &env_len));

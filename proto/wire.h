@@ -61,7 +61,8 @@ typedef struct {
     uint64_t sequence;     /* per sender and link */
     uint32_t stage;        /* sending stage index, when relevant */
     const char *sender;    /* NULL or "" when unset; borrowed */
-    const char *relay_to;  /* z85 key of the final receiver when relayed by the broker; NULL = direct */
+    const char *relay_to;  /* broker's id of the final receiver when relayed by the broker; NULL = direct */
+    uint32_t slot;         /* peer -> broker: the sending slot of a peer process (fusion-peer --slots) */
 } wire_hdr;
 
 /* What a receiving thread has seen on its socket(s). Owned by the caller; zero-initialise. */

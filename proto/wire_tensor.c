@@ -167,7 +167,8 @@ static fu_err chunk_send(void *sock, const uint8_t *rid, size_t rid_len, const s
                   .micro_batch = meta->micro_batch,
                   .sequence = c->seq,
                   .stage = meta->stage,
-                  .relay_to = meta->relay_to};
+                  .relay_to = meta->relay_to,
+                  .slot = meta->relay_to ? meta->slot : 0};
     const wire_send_wait *w = P->wait;
     if (!w) {
         uint8_t *buf = c->buf;

@@ -42,7 +42,8 @@ typedef struct {
     Fusion__Dtype dtype;
     uint32_t ndim;          /* <= WIRE_TENSOR_MAX_DIMS */
     int64_t shape[WIRE_TENSOR_MAX_DIMS];
-    const char *relay_to;   /* z85 key of the receiver when the broker relays; NULL = direct */
+    const char *relay_to;   /* the broker's id of the receiver when the broker relays; NULL = direct */
+    uint32_t slot;          /* relayed: the sender's slot (Envelope.slot; the broker names senders by it) */
 } wire_tensor_meta;
 
 /* Bytes of one element of dtype; 0 for unknown dtypes. */

@@ -36,6 +36,8 @@ fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_targets 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_mixed_threads 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_concurrent_jobs 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_faster_peers_more_layers 240)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_slots_two_jobs 240)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_spares_give_way 240)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 240 fault)
@@ -70,4 +72,10 @@ fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_infer_logits 240)
 
 if(FUSION_E2E_KNOWN_BUGS)
   # Tests of known, not yet fixed bugs go here (none today).
+endif()
+
+# On a GPU (label gpu, exit 77 = skipped without a device): docs/CUDA.md "What is promised".
+if(FUSION_HAVE_CUDA)
+  fu_e2e_exe(test_e2e_gpu)
+  fu_e2e_case(test_e2e_gpu test_e2e_gpu_same_bits 300 gpu)
 endif()

@@ -73,7 +73,7 @@ void tu_client_close(tu_client *cl)
 
 fu_err tu_client_send(tu_client *cl, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
 {
-    wire_hdr h = {.type = t, .job_id = job, .sequence = ++cl->seq};
+    wire_hdr h = {.type = t, .job_id = job, .sequence = ++cl->seq, .slot = cl->slot};
     return wire_send(cl->sock, NULL, 0, &h, body);
 }
 

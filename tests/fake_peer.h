@@ -46,6 +46,7 @@ typedef struct {
     uint32_t forged_n;  /* ... of this size */
     uint8_t forged_commit[32]; /* ... and their commitment */
     uint32_t challenges_answered; /* REVEALs answered (the challenge ran to its end) */
+    uint32_t slot;      /* Envelope.slot of what it sends (0: the key itself; fusion-peer --slots) */
 } tu_client;
 
 /* Connects to c's broker with the key pair DIR/key_name; fails the test otherwise. */

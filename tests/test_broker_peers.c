@@ -245,6 +245,87 @@ static void test_broker_peers_garbage_on_the_port(void **state)
     wire_msg_destroy(&m);
 }
 
+/* The next message of type want on cl (challenges answered on the way), NULL on timeout. */
+static wire_msg_t *expect_type(tu_client *cl, Fusion__MsgType want, int timeout_ms)
+{
+    for (uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms; fu_clock_ms() < end;) {
+        wire_msg_t *m = tu_client_recv(cl, 200);
+        if (m && wire_msg_type(m) == want)
+            return m;
+        wire_msg_destroy(&m);
+    }
+    return NULL;
+}
+
+/* Slots (fusion-peer --slots): one key speaks as several peers, each on its own connection with
+ * Envelope.slot. Slot 0 is the key itself; slot 1 is another peer of another name (a hash of the key
+ * and the slot), listed apart and leaving apart. A slot out of range is refused, and neither a slot
+ * the key never registered nor another key's slot of the same number is a registered peer. */
+static void test_broker_peers_slots(void **state)
+{
+    tu_broker_fx *f = *state;
+    char key[41];
+    tu_key_public(f->c, "p0", key);
+    tu_broker_fx_start(f);
+    tu_client s0, s1, bad, other;
+    tu_client_open(&s0, f->c, "p0");
+    tu_client_open(&s1, f->c, "p0");
+    s1.slot = 1;
+    tu_client_hello(&s0, "slotted#0", 2 * GiB, 50);
+    tu_client_hello(&s1, "slotted#1", 2 * GiB, 50);
+    wire_msg_t *w0 = expect_type(&s0, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000);
+    wire_msg_t *w1 = expect_type(&s1, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000);
+    assert_non_null(w0);
+    assert_non_null(w1);
+    const char *id0 = ((const Fusion__PeerWelcome *)wire_msg_body(w0))->peer_id;
+    char id1[41];
+    snprintf(id1, sizeof id1, "%s", ((const Fusion__PeerWelcome *)wire_msg_body(w1))->peer_id);
+    printf("slot 0: %s, slot 1: %s\n", id0, id1);
+    assert_string_equal(id0, key);
+    assert_int_equal(strlen(id1), 40);
+    assert_string_not_equal(id1, key);
+    wire_msg_destroy(&w0);
+    wire_msg_destroy(&w1);
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, id1, FUSION__PEER_STATE__PEER_STATE_IDLE, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    /* out of range */
+    tu_client_open(&bad, f->c, "p0");
+    bad.slot = 8;
+    tu_client_hello(&bad, "slotted#8", 2 * GiB, 50);
+    wire_msg_t *m = expect_type(&bad, FUSION__MSG_TYPE__MSG_ERROR, 3000);
+    assert_non_null(m);
+    printf("slot 8: %s\n", ((const Fusion__Error *)wire_msg_body(m))->message);
+    assert_non_null(strstr(((const Fusion__Error *)wire_msg_body(m))->message, "slot 8 is out of range"));
+    wire_msg_destroy(&m);
+    /* a slot never registered, and another key's slot 1: not registered peers */
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    hb.state = FUSION__PEER_STATE__PEER_STATE_IDLE;
+    bad.slot = 2;
+    m = tu_client_call(&bad, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_ERROR, 3000);
+    assert_non_null(m);
+    assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);
+    wire_msg_destroy(&m);
+    tu_client_open(&other, f->c, "p1");
+    other.slot = 1;
+    m = tu_client_call(&other, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_ERROR, 3000);
+    assert_non_null(m);
+    assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);
+    wire_msg_destroy(&m);
+    /* slot 1 leaves; slot 0 stays */
+    Fusion__Leave lv = FUSION__LEAVE__INIT;
+    lv.reason = (char *)"test";
+    assert_int_equal(tu_client_send(&s1, FUSION__MSG_TYPE__MSG_LEAVE, 0, &lv.base), FU_OK);
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, id1, FUSION__PEER_STATE__PEER_STATE_DEAD, 3000),
+                     FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_int_equal(tu_client_peer_state(&f->cl, key), FUSION__PEER_STATE__PEER_STATE_IDLE);
+    tu_client_close(&other);
+    tu_client_close(&bad);
+    tu_client_close(&s1);
+    tu_client_close(&s0);
+}
+
 int main(int argc, char **argv)
 {
     if (tu_fake_peer_requested(argc, argv))
@@ -256,6 +337,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_peers_unknown_key_refused),
         tu_broker_test(test_broker_peers_enrolment_token),
         tu_broker_test(test_broker_peers_garbage_on_the_port),
+        tu_broker_test(test_broker_peers_slots),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

@@ -256,6 +256,121 @@ static void test_e2e_pipeline_concurrent_jobs(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Waits until the broker has checked the profile of the peer named `name` ("peer NAME (KEY): claimed
+ * ... plans use ..."). */
+static void wait_checked(const tu_cluster *c, const char *name)
+{
+    if (!tu_broker_wait_log(c, 30000, "(%s) joined", name)) {
+        tu_cluster_show_logs(c);
+        fail_msg("peer %s did not join", name);
+    }
+    for (uint64_t end = fu_clock_ms() + 30000;; fu_sleep_ms(20)) {
+        char *log = tu_broker_log_text(c), needle[64];
+        snprintf(needle, sizeof needle, "peer %s (", name);
+        bool done = false;
+        for (const char *at = log; !done && (at = strstr(at, needle)) != NULL; at++) {
+            const char *nl = strchr(at, '\n'), *a = strstr(at, "plans use");
+            done = a && (!nl || a < nl);
+        }
+        free(log);
+        if (done)
+            return;
+        if (fu_clock_ms() >= end)
+            fail_msg("the profile of %s was not checked", name);
+    }
+}
+
+/* Slots (docs/PEER.md "Slots"): two peer processes, each `fusion-peer --slots 2` with room for two
+ * stages' worth (each slot gets half: a job of this model needs two stages), so the broker sees four
+ * peers of two keys. Two jobs submitted together each take one slot of each process (distinct
+ * processes first): every process holds stages of both jobs at once, the jobs overlap, and each
+ * adapter is fusion run's, bit for bit. */
+static void test_e2e_pipeline_slots_two_jobs(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(2, 0);
+    o.peer_memory_gb = "0.1172"; /* two slots of TU_TWO_STAGE_MEMORY_GB */
+    tu_cluster *c = tu_cluster_new("e2e-slots", &o);
+    tu_broker_start(c);
+    for (int i = 0; i < 2; i++)
+        tu_peer_start(c, i, "--slots", "2", NULL);
+    static const char *const names[] = {"p0#0", "p0#1", "p1#0", "p1#1"};
+    for (int i = 0; i < 4; i++)
+        wait_checked(c, names[i]);
+    const char *train = TU_TRAIN_ARGS " --steps 10";
+    char ids[2][17];
+    for (int x = 0; x < 2; x++)
+        tu_submit_finetune(c, ids[x], "model", "%s --checkpoint-every 5", train);
+    for (int x = 0; x < 2; x++)
+        tu_wait_done(c, ids[x], 120);
+    char *bl = tu_broker_log_text(c);
+    bool overlap = log_at(bl, ids[0], ": every stage is ready; started at step 0") < log_at(bl, ids[1], " done") &&
+                   log_at(bl, ids[1], ": every stage is ready; started at step 0") < log_at(bl, ids[0], " done");
+    free(bl);
+    assert_true(overlap);
+    for (int x = 0; x < 2; x++)
+        assert_stages(c, ids[x], 2);
+    for (int pr = 0; pr < 2; pr++) { /* each process held a stage of each job, on one of its slots */
+        int jobs_on = 0;
+        for (int x = 0; x < 2; x++) {
+            char *log = tu_broker_log_text(c), needle[64], who[16];
+            snprintf(needle, sizeof needle, "job %s stage ", ids[x]);
+            snprintf(who, sizeof who, " (p%d#", pr);
+            bool on = false;
+            for (const char *at = log; !on && (at = strstr(at, needle)) != NULL; at++) {
+                const char *nl = strchr(at, '\n'), *w = strstr(at, who);
+                on = w && (!nl || w < nl) && strstr(at, "/2 on ") && strstr(at, "/2 on ") < w;
+                if (on)
+                    printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
+            }
+            free(log);
+            jobs_on += on;
+        }
+        printf("p%d held stages of %d jobs\n", pr, jobs_on);
+        assert_int_equal(jobs_on, 2);
+    }
+    tu_peer_seen seen[TU_MAX_PEERS];
+    int n = tu_peers_list(c, seen, TU_MAX_PEERS), slots = 0;
+    for (int i = 0; i < n; i++)
+        slots += strchr(seen[i].name, '#') != NULL;
+    assert_int_equal(slots, 4);
+    for (int x = 0; x < 2; x++)
+        tu_assert_identical_adapter(c, ids[x], "model", train, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* Spares give way (issue "Elastic and heterogeneous": each job gets the stages its plan needs plus
+ * its share of spares): four peers, one backup per job, jobs of two stages that do not verify (a
+ * job that verifies keeps a backup per stage as its verifiers). The first job takes two stages and
+ * a backup; the second finds one idle peer and takes the first job's backup as its other stage
+ * instead of waiting. Both run at once and both adapters are fusion run's, bit for bit. */
+static void test_e2e_pipeline_spares_give_way(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(4, 1);
+    tu_cluster *c = tu_cluster_new("e2e-spares", &o);
+    tu_cluster_start(c);
+    const char *train = TU_TRAIN_ARGS " --steps 60";
+    char ids[2][17];
+    tu_submit_finetune(c, ids[0], "model", "%s --checkpoint-every 10 --verify 0", train);
+    (void)tu_wait_step(c, ids[0], 1, 60000);
+    assert_true(tu_broker_logged(c, "job %s: peer ", ids[0]) && tu_broker_logged(c, "is a warm backup for stage"));
+    tu_submit_finetune(c, ids[1], "model", "%s --checkpoint-every 10 --verify 0", train);
+    for (int x = 0; x < 2; x++)
+        tu_wait_done(c, ids[x], 120);
+    assert_true(tu_broker_logged(c, "job %s: takes peer ", ids[1]));
+    assert_true(tu_broker_logged(c, "a backup of job %s (spares give way to queued jobs)", ids[0]));
+    char *bl = tu_broker_log_text(c);
+    bool overlap = log_at(bl, ids[1], ": every stage is ready; started at step 0") < log_at(bl, ids[0], " done");
+    free(bl);
+    assert_true(overlap);
+    for (int x = 0; x < 2; x++) {
+        assert_stages(c, ids[x], 2);
+        tu_assert_identical_adapter(c, ids[x], "model", train, 1);
+    }
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -415,6 +530,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_concurrent_jobs, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_faster_peers_more_layers, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_slots_two_jobs, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_spares_give_way, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
