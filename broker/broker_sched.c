@@ -558,9 +558,16 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step)
                  "it stays as it is", j->id, n_new, n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s);
     if (better) {
         char reason[DB_REASON_MAX];
-        snprintf(reason, sizeof reason, "growing: %zu idle peer%s joined; a plan of %zu stages predicts %.3g s a step "
-                 "against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64, n_new,
-                 n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s, 100 * b->cfg.grow_margin, step);
+        if (plan.n_stages > j->n_stages)
+            snprintf(reason, sizeof reason, "growing: %zu idle peer%s can join; a plan of %zu stages (now %u) predicts "
+                     "%.3g s a step against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64, n_new,
+                     n_new == 1 ? "" : "s", plan.n_stages, j->n_stages, plan.step_s, now_s, 100 * b->cfg.grow_margin,
+                     step);
+        else /* as many stages or fewer, on faster peers */
+            snprintf(reason, sizeof reason, "moving to faster peers: with %zu idle peer%s a plan of %zu stages (now %u) "
+                     "predicts %.3g s a step against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64,
+                     n_new, n_new == 1 ? "" : "s", plan.n_stages, j->n_stages, plan.step_s, now_s,
+                     100 * b->cfg.grow_margin, step);
         FU_INFO(LOG, "job %s: %s", j->id, reason);
         BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "grow", reason));
         broker_job_requeue(b, j, reason); /* planned again at once, its checkpoint cut for the new plan */
