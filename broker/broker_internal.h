@@ -20,6 +20,7 @@
 #include "dag_spec.h"
 #include "db.h"
 #include "fu_challenge.h"
+#include "fu_modelcfg.h"
 #include "fu_safetensors.h"
 #include "fu_tokenizer.h"
 #include "wire.h"
@@ -177,7 +178,8 @@ typedef struct {
                                           position (positions × vocab, little-endian), or NULL */
     size_t logits_len;                 /* bytes */
     fu_tokenizer *tok;                 /* the model's tokenizer (infer: decode output) */
-    int64_t eos;                       /* end token id (config.json, else the tokenizer's), -1: none */
+    int64_t eos[FU_MODELCFG_MAX_EOS];  /* the ids that end a generation (config.json's, else the tokenizer's) */
+    size_t n_eos;                      /* how many */
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
     uint64_t progress_ms;              /* monotonic time of the last sign of progress: StageStart, StepDone,
                                           InferToken, a committed checkpoint (step deadline) */

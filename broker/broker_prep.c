@@ -86,7 +86,12 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
         return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
     if ((rc = fu_tokenizer_for_model(m->tokenizer, m->tokenizer_len, cfg.vocab_size, &j->tok, &sub)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
-    j->eos = cfg.eos_token_id >= 0 ? cfg.eos_token_id : fu_tokenizer_eos_id(j->tok);
+    /* the ids that end a generation: config.json's (Llama 3 lists several), else the tokenizer's */
+    j->n_eos = 0;
+    for (size_t i = 0; i < cfg.n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        j->eos[j->n_eos++] = cfg.eos_token_ids[i];
+    if (j->n_eos == 0 && fu_tokenizer_eos_id(j->tok) >= 0)
+        j->eos[j->n_eos++] = fu_tokenizer_eos_id(j->tok);
     /* Peers get the canonical spec (every field, the same defaults), without the broker's paths. */
     dag_spec pub = j->spec;
     pub.model[0] = '\0';

@@ -335,7 +335,10 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         j->output = text;
     }
     BROKER_IGNORE(db_job_progress(b->db, j->id, (int64_t)j->n_gen, j->spec.max_tokens, NAN, 0, broker_wall()));
-    if (j->n_gen >= j->spec.max_tokens || (j->eos >= 0 && t->token == j->eos)) {
+    bool eos = false;
+    for (size_t i = 0; i < j->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        eos = eos || t->token == j->eos[i];
+    if (j->n_gen >= j->spec.max_tokens || eos) {
         char *full = NULL;
         size_t fl = 0;
         if (fu_tokenizer_decode(j->tok, j->gen, j->n_gen, &full, &fl, NULL) != FU_OK) {

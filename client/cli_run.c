@@ -452,7 +452,7 @@ static int run_infer(int argc, char **argv)
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
-    int64_t eos = m.cfg.eos_token_id >= 0 ? m.cfg.eos_token_id : fu_tokenizer_eos_id(m.tok);
+    int64_t eos_fallback = fu_tokenizer_eos_id(m.tok);
     long long generated = 0;
     double t1 = fu_clock_sec();
     int32_t next = 0;
@@ -461,7 +461,7 @@ static int run_infer(int argc, char **argv)
             (rc = dag_infer_sampled(&is, &next)) != FU_OK)
             break;
         generated++;
-        if (next == eos)
+        if (fu_modelcfg_is_eos(&m.cfg, eos_fallback, next))
             break;
         char *piece = NULL;
         size_t plen = 0;

@@ -1,5 +1,6 @@
 #include "fu_modelcfg.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,6 +111,77 @@ static fu_err get_token_id(const cJSON *root, const char *key, const char *lab, 
     return FU_OK;
 }
 
+/* eos_token_id: one id or a list of them (Llama 3: [128001, 128008, 128009]). */
+static fu_err get_token_ids(const cJSON *root, const char *key, const char *lab, fu_modelcfg *c, fu_errmsg *em)
+{
+    const cJSON *it = member(root, key);
+    c->n_eos = 0;
+    c->eos_token_id = -1;
+    if (!it || cJSON_IsNull(it))
+        return FU_OK;
+    const cJSON *e = cJSON_IsArray(it) ? it->child : it;
+    for (; e; e = cJSON_IsArray(it) ? e->next : NULL) {
+        double d = e->valuedouble;
+        if (!cJSON_IsNumber(e) || !(d >= 0.0) || d > (double)FU_MODELCFG_MAX_VOCAB || d != floor(d))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: \"%s\" must be a token id or a list of them", lab, key);
+        if (c->n_eos == FU_MODELCFG_MAX_EOS)
+            return fu_errmsg_set(em, FU_EINVAL, "%s: \"%s\" lists more than %d ids", lab, key, FU_MODELCFG_MAX_EOS);
+        c->eos_token_ids[c->n_eos++] = (int64_t)d;
+    }
+    if (c->n_eos)
+        c->eos_token_id = c->eos_token_ids[0];
+    return FU_OK;
+}
+
+bool fu_modelcfg_is_eos(const fu_modelcfg *c, int64_t fallback, int64_t id)
+{
+    if (!c || c->n_eos == 0) { /* a configuration made in memory: its one id, else the fallback */
+        int64_t e = c && c->eos_token_id >= 0 ? c->eos_token_id : fallback;
+        return e >= 0 && id == e;
+    }
+    for (size_t i = 0; i < c->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        if (c->eos_token_ids[i] == id)
+            return true;
+    return false;
+}
+
+/* rope_scaling: absent, null or type "default" is plain RoPE; "llama3" (Llama 3.1/3.2) is taken
+ * with its four numbers; any other type is refused, naming it. */
+static fu_err parse_rope_scaling(const cJSON *root, const char *lab, fu_modelcfg *c, fu_errmsg *em)
+{
+    const cJSON *rs = member(root, "rope_scaling");
+    c->rope_factor = c->rope_low_freq_factor = c->rope_high_freq_factor = 0.0;
+    c->rope_original_max_pos = 0;
+    if (!rs || cJSON_IsNull(rs))
+        return FU_OK;
+    if (!cJSON_IsObject(rs))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: \"rope_scaling\" must be an object", lab);
+    const cJSON *t = member(rs, "rope_type");
+    if (!t)
+        t = member(rs, "type"); /* the older name */
+    if (!cJSON_IsString(t))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: rope_scaling needs a \"rope_type\"", lab);
+    if (strcmp(t->valuestring, "default") == 0)
+        return FU_OK;
+    if (strcmp(t->valuestring, "llama3") != 0)
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: rope_scaling.rope_type '%.40s' is not supported (fusion takes \"llama3\" and \"default\")",
+                             lab, t->valuestring);
+    FU_TRY(get_double(rs, "factor", lab, &c->rope_factor, em));
+    FU_TRY(get_double(rs, "low_freq_factor", lab, &c->rope_low_freq_factor, em));
+    FU_TRY(get_double(rs, "high_freq_factor", lab, &c->rope_high_freq_factor, em));
+    FU_TRY(get_size(rs, "original_max_position_embeddings", lab, true, &c->rope_original_max_pos, em));
+    if (!(c->rope_factor >= 1.0 && c->rope_factor <= 1e6) || !(c->rope_low_freq_factor > 0.0) ||
+        !(c->rope_high_freq_factor > c->rope_low_freq_factor) || !(c->rope_high_freq_factor <= 1e6) ||
+        c->rope_original_max_pos > (size_t)FU_MODELCFG_MAX_POS)
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "%s: rope_scaling llama3 needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                             "original_max_position_embeddings (got %g, %g, %g, %zu)",
+                             lab, c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor,
+                             c->rope_original_max_pos);
+    return FU_OK;
+}
+
 static bool known_model_type(const char *t)
 {
     return strcmp(t, "llama") == 0 || strcmp(t, "mistral") == 0;
@@ -160,8 +232,7 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     FU_TRY(get_bool(root, "mlp_bias", lab, &flag, em));
     if (flag)
         return fu_errmsg_set(em, FU_EVERSION, "%s: mlp_bias=true is not supported", lab);
-    if (member(root, "rope_scaling"))
-        return fu_errmsg_set(em, FU_EVERSION, "%s: rope_scaling is not supported (plain RoPE only)", lab);
+    FU_TRY(parse_rope_scaling(root, lab, c, em));
 
     FU_TRY(get_size(root, "hidden_size", lab, true, &c->hidden_size, em));
     FU_TRY(get_size(root, "intermediate_size", lab, true, &c->intermediate_size, em));
@@ -189,9 +260,10 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     c->tie_word_embeddings = false;
     FU_TRY(get_bool(root, "tie_word_embeddings", lab, &c->tie_word_embeddings, em));
     c->sliding_window = 0;
-    FU_TRY(get_size(root, "sliding_window", lab, false, &c->sliding_window, em));
+    if (!cJSON_IsNull(member(root, "sliding_window"))) /* null: none (Mistral v0.2 on) */
+        FU_TRY(get_size(root, "sliding_window", lab, false, &c->sliding_window, em));
     FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
-    FU_TRY(get_token_id(root, "eos_token_id", lab, &c->eos_token_id, em));
+    FU_TRY(get_token_ids(root, "eos_token_id", lab, c, em));
     const cJSON *td = member(root, "torch_dtype");
     if (td) {
         if (!cJSON_IsString(td))
@@ -282,6 +354,12 @@ fu_err fu_modelcfg_validate(const fu_modelcfg *c, fu_errmsg *em)
         return fu_errmsg_set(em, FU_EINVAL, "rope_theta %g must be positive", c->rope_theta);
     if (c->bos_token_id >= (int64_t)c->vocab_size || c->eos_token_id >= (int64_t)c->vocab_size)
         return fu_errmsg_set(em, FU_EINVAL, "bos_token_id/eos_token_id must be below vocab_size %zu", c->vocab_size);
+    for (size_t i = 0; i < c->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        if (c->eos_token_ids[i] < 0 || c->eos_token_ids[i] >= (int64_t)c->vocab_size)
+            return fu_errmsg_set(em, FU_EINVAL, "eos_token_id %" PRId64 " must be below vocab_size %zu",
+                                 c->eos_token_ids[i], c->vocab_size);
+    if (c->n_eos > FU_MODELCFG_MAX_EOS)
+        return fu_errmsg_set(em, FU_EINVAL, "more than %d eos_token_id", FU_MODELCFG_MAX_EOS);
     if (!known_model_type(c->model_type))
         return fu_errmsg_set(em, FU_EVERSION, "model_type '%s' is not supported", c->model_type);
     if (c->architecture[0] && !known_architecture(c->architecture))
@@ -313,8 +391,21 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
     cJSON_AddBoolToObject(o, "use_cache", 1);
     if (c->bos_token_id >= 0)
         cJSON_AddNumberToObject(o, "bos_token_id", (double)c->bos_token_id);
-    if (c->eos_token_id >= 0)
+    if (c->n_eos > 1) {
+        cJSON *el = cJSON_AddArrayToObject(o, "eos_token_id");
+        for (size_t i = 0; i < c->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+            cJSON_AddItemToArray(el, cJSON_CreateNumber((double)c->eos_token_ids[i]));
+    } else if (c->eos_token_id >= 0) {
         cJSON_AddNumberToObject(o, "eos_token_id", (double)c->eos_token_id);
+    }
+    if (c->rope_factor > 0.0) {
+        cJSON *rs = cJSON_AddObjectToObject(o, "rope_scaling");
+        cJSON_AddStringToObject(rs, "rope_type", "llama3");
+        cJSON_AddNumberToObject(rs, "factor", c->rope_factor);
+        cJSON_AddNumberToObject(rs, "low_freq_factor", c->rope_low_freq_factor);
+        cJSON_AddNumberToObject(rs, "high_freq_factor", c->rope_high_freq_factor);
+        cJSON_AddNumberToObject(rs, "original_max_position_embeddings", (double)c->rope_original_max_pos);
+    }
     if (c->sliding_window > 0)
         cJSON_AddNumberToObject(o, "sliding_window", (double)c->sliding_window);
     cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype[0] ? c->torch_dtype : "float32");

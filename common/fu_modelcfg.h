@@ -34,6 +34,8 @@ extern "C" {
 #define FU_MODELCFG_DEFAULT_RMS_EPS    1e-6
 #define FU_MODELCFG_DEFAULT_MAX_POS    2048
 
+#define FU_MODELCFG_MAX_EOS 8 /* end-of-sequence ids kept from an eos_token_id list */
+
 typedef struct {
     char   model_type[32];           /* "llama" or "mistral" */
     char   architecture[64];         /* architectures[0]: "LlamaForCausalLM" */
@@ -51,10 +53,17 @@ typedef struct {
     bool   tie_word_embeddings;      /* lm_head shares model.embed_tokens.weight; default false */
     int64_t bos_token_id;            /* -1 when absent */
     int64_t eos_token_id;            /* -1 when absent (the first one when a list) */
-    size_t sliding_window;           /* Mistral's attention window; 0 = none (full causal attention).
-                                        Executors that do not implement it must keep sequences
-                                        within it. */
+    int64_t eos_token_ids[FU_MODELCFG_MAX_EOS]; /* every end-of-sequence id (Llama 3 lists several) */
+    size_t n_eos;                    /* how many; 0 when absent */
+    /* rope_scaling {"rope_type": "llama3", ...} (Llama 3.1/3.2); rope_factor 0: plain RoPE */
+    double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+    size_t rope_original_max_pos;    /* original_max_position_embeddings */
+    size_t sliding_window;           /* Mistral's attention window (a query sees itself and the window - 1
+                                        keys before it); 0 = none (full causal attention) */
 } fu_modelcfg;
+
+/* Whether id ends a sequence: one of eos_token_ids, else fallback (the tokenizer's; -1: none). */
+bool fu_modelcfg_is_eos(const fu_modelcfg *cfg, int64_t fallback, int64_t id);
 
 /* A small valid configuration (2 layers, hidden 64, 4 heads, 2 kv heads, ffn 128, vocab 256),
  * architecture LlamaForCausalLM, float32. */

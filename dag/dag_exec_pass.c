@@ -241,7 +241,8 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
     case DAG_OP_ROPE: {
         kern_tensor_t a = bview(x, in[0], rows, (int64_t)w);
         kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev);
-        rc = kern_rope_forward(x->be, &a, &pos, (int)nd->head_dim, nd->theta, &out);
+        kern_rope_params rp = dagx_rope_params(nd);
+        rc = kern_rope_forward(x->be, &a, &pos, (int)nd->head_dim, &rp, &out);
         break;
     }
     case DAG_OP_ATTENTION: {
@@ -250,7 +251,8 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
         kern_tensor_t k = bview(x, in[1], rows, kw);
         kern_tensor_t v = bview(x, in[2], rows, kw);
         kern_attn_params p = {.n_head = (int)nd->n_heads, .n_kv_head = (int)nd->n_kv_heads,
-                              .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f};
+                              .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f,
+                              .window = (int64_t)nd->window};
         if (x->session) {
             kern_kvcache_t *c = x->session->caches[i];
             FU_TRY(ensure_ws_attn(x, &p, rows, kern_kvcache_len(c) + rows, false));
@@ -659,7 +661,8 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev);
         input_grad dx = {.tmp = NULL};
         FU_TRY(input_grad_begin(x, src, rows, &dx));
-        rc = kern_rope_backward(x->be, &dy, &pos, (int)nd->head_dim, nd->theta, &dx.d);
+        kern_rope_params rp = dagx_rope_params(nd);
+        rc = kern_rope_backward(x->be, &dy, &pos, (int)nd->head_dim, &rp, &dx.d);
         rc = input_grad_end(x, src, rows, rc, &dx);
         break;
     }
@@ -673,7 +676,8 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         for (uint32_t a = 0; a < 3 && rc == FU_OK; a++)
             rc = input_grad_begin(x, nd->inputs[a], rows, &d[a]);
         kern_attn_params p = {.n_head = (int)nd->n_heads, .n_kv_head = (int)nd->n_kv_heads,
-                              .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f};
+                              .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f,
+                              .window = (int64_t)nd->window};
         if (rc == FU_OK)
             rc = ensure_ws_attn(x, &p, s->seq_len, s->seq_len, true);
         if (rc == FU_OK)

@@ -326,6 +326,10 @@ static uint32_t add_rope(builder *b, int32_t layer, uint32_t in, uint32_t heads)
     n.n_heads = heads;
     n.head_dim = b->d->head_dim;
     n.theta = b->d->rope_theta;
+    n.rope_factor = b->d->rope_factor;
+    n.rope_low_freq = b->d->rope_low_freq;
+    n.rope_high_freq = b->d->rope_high_freq;
+    n.rope_orig_max = b->d->rope_orig_max;
     n.dim_in = n.dim_out = w;
     n.out_width = w;
     n.flops_fwd = 3.0 * w;
@@ -411,11 +415,14 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         n.n_heads = d->n_heads;
         n.n_kv_heads = d->n_kv_heads;
         n.head_dim = d->head_dim;
+        n.window = d->sliding_window;
         n.dim_in = qw;
         n.dim_out = qw;
         n.out_width = qw;
-        /* Causal: on average T/2 keys per query; QKᵀ and P·V, 2 FLOPs per multiply-add. */
-        n.flops_fwd = 2.0 * 2.0 * (b.T / 2.0) * qw + 5.0 * d->n_heads * (b.T / 2.0);
+        /* Causal: on average T/2 keys per query (at most the window); QKᵀ and P·V, 2 FLOPs per
+         * multiply-add. */
+        double keys = d->sliding_window && d->sliding_window < b.T / 2.0 ? (double)d->sliding_window : b.T / 2.0;
+        n.flops_fwd = 2.0 * 2.0 * keys * qw + 5.0 * d->n_heads * keys;
         n.flops_bwd = train ? 2.0 * n.flops_fwd : 0;
         /* q, k, v are kept for backward (the kernel recomputes the probabilities). */
         n.act_bytes = train ? 4ull * (qw + 2ull * kw) : 0;
@@ -655,6 +662,15 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
                            w[0]);
             if (!(n->theta > 0.0f) || !isfinite(n->theta))
                 return bad(em, n, "rope theta %g is not a positive number", (double)n->theta);
+            if (n->head_dim > DAG_MAX_ROPE_HEAD_DIM)
+                return bad(em, n, "rope head dim %u above %d", n->head_dim, DAG_MAX_ROPE_HEAD_DIM);
+            if (n->rope_factor != 0.0f &&
+                !(n->rope_factor >= 1.0f && n->rope_factor <= 1e6f && n->rope_low_freq > 0.0f &&
+                  n->rope_high_freq > n->rope_low_freq && n->rope_high_freq <= 1e6f && n->rope_orig_max >= 1.0f &&
+                  n->rope_orig_max <= 1e9f))
+                return bad(em, n, "llama3 rope scaling (factor %g, low %g, high %g, original %g) out of range",
+                           (double)n->rope_factor, (double)n->rope_low_freq, (double)n->rope_high_freq,
+                           (double)n->rope_orig_max);
             break;
         case DAG_OP_ATTENTION:
             if (!n->n_heads || !n->n_kv_heads || !n->head_dim || n->n_heads % n->n_kv_heads)

@@ -21,6 +21,7 @@ extern "C" {
 
 #define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
 #define DAG_MAX_PARAMS   3       /* most parameter names (salr linear/lm_head: weight, residual A, B) */
+#define DAG_MAX_ROPE_HEAD_DIM 512 /* KERN_ROPE_MAX_HEAD_DIM */
 #define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
 #define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
 #define DAG_MAX_DIM      (1u << 20) /* largest width, vocabulary or feature count accepted */
@@ -97,6 +98,10 @@ typedef struct {
     uint32_t head_dim;                 /* rope/attention */
     float eps;                         /* rmsnorm epsilon */
     float theta;                       /* rope base */
+    float rope_factor;                 /* rope: Llama 3 rescaling factor (0: plain RoPE; kern_rope_params) */
+    float rope_low_freq, rope_high_freq; /* rope: its low_freq_factor and high_freq_factor */
+    float rope_orig_max;               /* rope: its original_max_position_embeddings */
+    uint32_t window;                   /* attention: sliding window (Mistral), 0 = none */
     uint64_t out_width;                /* floats per token of the output (1 for loss/sample) */
     double flops_fwd;                  /* estimated forward FLOPs per token */
     double flops_bwd;                  /* estimated backward FLOPs per token (0 for inference) */
@@ -116,6 +121,11 @@ typedef struct {
     float rms_eps;
     float rope_theta;
     bool tie_word_embeddings;   /* lm_head reuses model.embed_tokens.weight */
+    float rope_factor;          /* rope_scaling "llama3": factor (0: plain RoPE) */
+    float rope_low_freq;        /* ... low_freq_factor */
+    float rope_high_freq;       /* ... high_freq_factor */
+    float rope_orig_max;        /* ... original_max_position_embeddings */
+    uint32_t sliding_window;    /* attention window (Mistral), 0 = none */
 } dag_model_dims;
 
 /* What the graph ends in. */

@@ -26,6 +26,11 @@ void dag_dims_from_cfg(const fu_modelcfg *c, dag_model_dims *d)
     d->rms_eps = (float)c->rms_norm_eps;
     d->rope_theta = (float)c->rope_theta;
     d->tie_word_embeddings = c->tie_word_embeddings;
+    d->rope_factor = (float)c->rope_factor;
+    d->rope_low_freq = (float)c->rope_low_freq_factor;
+    d->rope_high_freq = (float)c->rope_high_freq_factor;
+    d->rope_orig_max = (float)c->rope_original_max_pos;
+    d->sliding_window = c->sliding_window < UINT32_MAX ? (uint32_t)c->sliding_window : 0;
 }
 
 /* ---- random model ----------------------------------------------------------------------------- */

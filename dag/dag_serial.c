@@ -18,10 +18,12 @@
  * fusion.dag.Node. */
 #define DAG_SERIAL_DIMS_FIELDS(X)                                                                           \
     X(vocab_size) X(hidden_size) X(intermediate_size) X(n_layers) X(n_heads) X(n_kv_heads) X(head_dim)     \
-    X(rms_eps) X(rope_theta) X(tie_word_embeddings)
+    X(rms_eps) X(rope_theta) X(tie_word_embeddings) X(rope_factor) X(rope_low_freq) X(rope_high_freq)         \
+    X(rope_orig_max) X(sliding_window)
 #define DAG_SERIAL_PLAIN_FIELDS(X)                                                                          \
     X(layer) X(dim_in) X(dim_out) X(n_heads) X(n_kv_heads) X(head_dim) X(eps) X(theta) X(out_width)        \
-    X(flops_fwd) X(flops_bwd) X(param_bytes) X(act_bytes)
+    X(flops_fwd) X(flops_bwd) X(param_bytes) X(act_bytes) X(rope_factor) X(rope_low_freq) X(rope_high_freq)   \
+    X(rope_orig_max) X(window)
 
 /* ---- encode --------------------------------------------------------------------------------- */
 
@@ -125,7 +127,8 @@ fu_err dag_graph_decode(const uint8_t *buf, size_t len, dag_graph_t **out, fu_er
 #undef COPY
     if (d.vocab_size > DAG_MAX_DIM || d.hidden_size > DAG_MAX_DIM || d.intermediate_size > DAG_MAX_DIM ||
         d.n_layers > DAG_MAX_NODES || d.n_heads > DAG_MAX_DIM || d.n_kv_heads > DAG_MAX_DIM ||
-        d.head_dim > DAG_MAX_DIM || !isfinite(d.rms_eps) || !isfinite(d.rope_theta)) {
+        d.head_dim > DAG_MAX_DIM || !isfinite(d.rms_eps) || !isfinite(d.rope_theta) || !isfinite(d.rope_factor) ||
+        !isfinite(d.rope_low_freq) || !isfinite(d.rope_high_freq) || !isfinite(d.rope_orig_max)) {
         rc = fu_errmsg_set(em, FU_EPROTO, "graph: model dimensions out of range");
         goto done;
     }

@@ -34,6 +34,7 @@ extern "C" {
 
 #define KERN_XENT_IGNORE_DEFAULT (-100) /* Hugging Face's ignore_index for labels */
 #define KERN_ROPE_THETA_DEFAULT  10000.0f /* LLaMA's rope_theta */
+#define KERN_ROPE_MAX_HEAD_DIM   512      /* largest head_dim RoPE takes */
 
 /* Causal multi-head attention with grouped-query heads.
  * q is [n_seq*tq, n_head*head_dim]; k, v are [n_seq*tk, n_kv_head*head_dim]; rows of sequence s
@@ -48,7 +49,24 @@ typedef struct {
     int     n_seq;     /* independent sequences stacked along rows (>= 1) */
     int64_t q_offset;  /* absolute position of each sequence's first query among its keys */
     float   scale;     /* score scale; 0 means 1/sqrt(head_dim) */
+    int64_t window;    /* sliding window (Mistral): a query at position p sees keys p-window+1..p; 0 = none */
 } kern_attn_params;
+
+/* Rotary embedding frequencies (Hugging Face): inv_freq[i] = 1 / theta^(2i/head_dim) in float32,
+ * then with factor > 0 Llama 3's rescaling (rope_type "llama3"): wavelengths longer than
+ * original_max_pos / low_freq_factor are divided by factor, those shorter than original_max_pos /
+ * high_freq_factor kept, and those between blended. */
+typedef struct {
+    float theta;            /* base, > 0 */
+    float factor;           /* llama3 scale factor; 0 = plain RoPE */
+    float low_freq_factor;  /* llama3 */
+    float high_freq_factor; /* llama3, > low_freq_factor */
+    float original_max_pos; /* llama3: original_max_position_embeddings */
+} kern_rope_params;
+
+/* The head_dim/2 frequencies of rp into inv_freq (float32, as Hugging Face computes them). FU_EINVAL
+ * on a head_dim that is not even and positive or on parameters out of range. */
+FU_MUST_CHECK fu_err kern_rope_inv_freq(const kern_rope_params *rp, int head_dim, float *inv_freq);
 
 /* AdamW (PyTorch semantics): p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g²;
  * p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps). */
@@ -115,7 +133,7 @@ struct kern_backend {
                           const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw);
     /* inverse=false rotates by +angle (forward), inverse=true by -angle (backward). */
     fu_err (*rope)(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos,
-                   int head_dim, float theta, bool inverse, kern_tensor_t *y);
+                   int head_dim, const kern_rope_params *rp, bool inverse, kern_tensor_t *y);
     fu_err (*silu_mul_fwd)(const kern_backend_t *be, const kern_tensor_t *gate,
                            const kern_tensor_t *up, kern_tensor_t *out);
     fu_err (*silu_mul_bwd)(const kern_backend_t *be, const kern_tensor_t *dout,
@@ -270,16 +288,17 @@ FU_MUST_CHECK fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_
                                            kern_tensor_t *dx, kern_tensor_t *dw);
 
 /* Rotary embedding, Hugging Face LLaMA rotate-half: for each head of head_dim features and
- * i < head_dim/2, with a = pos·theta^(−2i/head_dim):
+ * i < head_dim/2, with a = pos·inv_freq[i] (kern_rope_inv_freq: theta^(−2i/head_dim), rescaled for
+ * Llama 3):
  *   y[i] = x[i]·cos a − x[i+h/2]·sin a,  y[i+h/2] = x[i+h/2]·cos a + x[i]·sin a.
  * x,y [n, heads*head_dim]; pos i32 [n] (absolute positions, so a KV-cache offset works); head_dim
  * even; theta > 0. y may be x (in place). */
 FU_MUST_CHECK fu_err kern_rope_forward(const kern_backend_t *be, const kern_tensor_t *x,
-                                       const kern_tensor_t *pos, int head_dim, float theta,
+                                       const kern_tensor_t *pos, int head_dim, const kern_rope_params *rp,
                                        kern_tensor_t *y);
 /* dx = rotation by −a of dy (the transpose); same shapes; dx may be dy. */
 FU_MUST_CHECK fu_err kern_rope_backward(const kern_backend_t *be, const kern_tensor_t *dy,
-                                        const kern_tensor_t *pos, int head_dim, float theta,
+                                        const kern_tensor_t *pos, int head_dim, const kern_rope_params *rp,
                                         kern_tensor_t *dx);
 
 /* SwiGLU: out = silu(gate) ⊙ up; all [n,f]. */

@@ -95,13 +95,25 @@ KERN_HOT static void softmax_row(float *row, int64_t lim, int64_t tk)
         row[j] = 0.0f;
 }
 
-/* In-place causal softmax of S rows: row i keeps columns 0..q_offset+i, the rest become 0. */
-static void masked_softmax(float *S, int64_t tq, int64_t tk, int64_t q_offset)
+/* The first key a query at position `pos` sees: 0, or with a sliding window the window's first. */
+static inline int64_t window_lo(const kern_attn_params *p, int64_t pos)
+{
+    return p->window > 0 && pos + 1 > p->window ? pos + 1 - p->window : 0;
+}
+
+/* In-place causal softmax of S rows: row i keeps columns lo..q_offset+i (lo: window_lo), the rest
+ * become 0. */
+static void masked_softmax(const kern_attn_params *p, float *S, int64_t tq, int64_t tk, int64_t q_offset)
 {
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (tq * tk > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < tq; i++) {
-        int64_t lim = q_offset + i + 1; /* allowed: j < lim */
-        softmax_row(S + i * tk, lim < tk ? lim : tk, tk);
+        int64_t lim = q_offset + i + 1, lo = window_lo(p, q_offset + i); /* allowed: lo <= j < lim */
+        lim = lim < tk ? lim : tk;
+        lo = lo < lim ? lo : lim;
+        float *row = S + i * tk;
+        for (int64_t j = 0; j < lo; j++)
+            row[j] = 0.0f;
+        softmax_row(row + lo, lim - lo, tk - lo);
     }
 }
 
@@ -161,9 +173,11 @@ static void attn_fwd_small(const kern_attn_params *p, int64_t tq, int64_t tk, co
         for (int64_t ph = 0; ph < pairs; ph++) {
             int64_t s = ph / Hq, h = ph % Hq, g = h / group;
             for (int64_t i = 0; i < tq; i++) {
-                int64_t lim = p->q_offset + i + 1;
-                attn_row(Q + (s * tq + i) * ldq + h * D, K + s * tk * ldk + g * D, V + s * tk * ldk + g * D, ldk,
-                         lim < tk ? lim : tk, D, scale, sc, O + (s * tq + i) * ldq + h * D);
+                int64_t lim = p->q_offset + i + 1, lo = window_lo(p, p->q_offset + i);
+                lim = lim < tk ? lim : tk;
+                lo = lo < lim ? lo : lim;
+                attn_row(Q + (s * tq + i) * ldq + h * D, K + (s * tk + lo) * ldk + g * D,
+                         V + (s * tk + lo) * ldk + g * D, ldk, lim - lo, D, scale, sc, O + (s * tq + i) * ldq + h * D);
             }
         }
     }
@@ -193,12 +207,13 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
     if (tq == 1) {
         /* Decode: the query heads sharing a KV head are the rows of one [group, D] matrix (adjacent
          * in q's row), so each (sequence, KV head) is one GEMM pair that reads K and V once. */
-        const int64_t lim = p->q_offset + 1 < tk ? p->q_offset + 1 : tk;
+        const int64_t end = p->q_offset + 1 < tk ? p->q_offset + 1 : tk, lo = window_lo(p, p->q_offset);
+        const int64_t lim = end - (lo < end ? lo : end); /* keys seen: lo..end-1 */
         for (int64_t s = 0; s < S; s++) {
             for (int64_t g = 0; g < Hkv; g++) {
                 const float *Qg = Q + s * ldq + g * group * D;
-                const float *Kg = K + s * tk * ldk + g * D;
-                const float *Vg = Vp + s * tk * ldk + g * D;
+                const float *Kg = K + (s * tk + end - lim) * ldk + g * D;
+                const float *Vg = Vp + (s * tk + end - lim) * ldk + g * D;
                 float *Og = O + s * ldq + g * group * D;
                 if (group == 1) { /* BLAS gemv beats a one-row gemm */
                     cblas_sgemv(CblasRowMajor, CblasNoTrans, (int)lim, (int)D, scale, Kg, ldk, Qg, 1, 0.0f, scr, 1);
@@ -230,7 +245,7 @@ fu_err kern_cpu_attn_fwd(const kern_backend_t *be, const kern_attn_params *p, co
                     float *Ob = O + (s * tq + i0) * ldq + h * D;
                     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, scale, Qb, ldq, Kg,
                                 ldk, 0.0f, scr, (int)kl);
-                    masked_softmax(scr, bq, kl, p->q_offset + i0);
+                    masked_softmax(p, scr, bq, kl, p->q_offset + i0);
                     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)bq, (int)D, (int)kl, 1.0f, scr,
                                 (int)kl, Vg, ldk, 0.0f, Ob, ldq);
                 }
@@ -283,7 +298,7 @@ fu_err kern_cpu_attn_bwd(const kern_backend_t *be, const kern_attn_params *p, co
                 const int ldp = (int)kl;
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, scale, Qb, ldq, Kg, ldk,
                             0.0f, P, ldp);
-                masked_softmax(P, bq, kl, p->q_offset + i0);
+                masked_softmax(p, P, bq, kl, p->q_offset + i0);
                 /* dP = dO·Vᵀ; dV += Pᵀ·dO */
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)kl, (int)D, 1.0f, dOb, ldq, Vg, ldk,
                             0.0f, dP, ldp);

@@ -154,7 +154,7 @@ fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, c
 /* ---- RoPE (Hugging Face rotate-half) ---- */
 
 fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
-                     float theta, bool inverse, kern_tensor_t *y)
+                     const kern_rope_params *rp, bool inverse, kern_tensor_t *y)
 {
     (void)be;
     int64_t n = x->shape[0], f = x->shape[1];
@@ -162,10 +162,13 @@ fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const ker
     const float *px = x->data;
     const int32_t *pp = pos->data;
     float *py = y->data;
-    /* inv_freq as Hugging Face computes it: 1 / theta^(2i/d) in float32. */
+    /* inv_freq as Hugging Face computes it (float32; Llama 3's rescaling when asked) */
     float *inv_freq = fu_malloc((size_t)half * sizeof(float));
-    for (int64_t i = 0; i < half; i++)
-        inv_freq[i] = (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)head_dim));
+    fu_err rc = kern_rope_inv_freq(rp, head_dim, inv_freq);
+    if (rc != FU_OK) {
+        free(inv_freq);
+        return rc;
+    }
     const float sgn = inverse ? -1.0f : 1.0f;
 #pragma omp parallel num_threads(kern_cpu_threads()) if (n * f > kern_cpu_par_min())
     {

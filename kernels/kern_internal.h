@@ -113,7 +113,7 @@ fu_err kern_cpu_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, co
 fu_err kern_cpu_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *x,
                             const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw);
 fu_err kern_cpu_rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos,
-                     int head_dim, float theta, bool inverse, kern_tensor_t *y);
+                     int head_dim, const kern_rope_params *rp, bool inverse, kern_tensor_t *y);
 fu_err kern_cpu_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate,
                              const kern_tensor_t *up, kern_tensor_t *out);
 fu_err kern_cpu_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout,

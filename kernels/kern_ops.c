@@ -172,31 +172,58 @@ fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_tensor_t *dy, 
     return be->rmsnorm_bwd(be, dy, x, w, eps, dx, dw);
 }
 
+fu_err kern_rope_inv_freq(const kern_rope_params *rp, int head_dim, float *inv_freq)
+{
+    if (!rp || !inv_freq || head_dim <= 0 || head_dim % 2 != 0 || head_dim > KERN_ROPE_MAX_HEAD_DIM ||
+        !(rp->theta > 0.0f) || !isfinite(rp->theta) || !isfinite(rp->factor) || rp->factor < 0.0f)
+        return FU_EINVAL;
+    const int half = head_dim / 2;
+    for (int i = 0; i < half; i++) /* Hugging Face: 1 / theta^(arange(0, d, 2) / d) in float32 */
+        inv_freq[i] = (float)(1.0 / pow((double)rp->theta, (double)(2 * i) / (double)head_dim));
+    if (rp->factor == 0.0f)
+        return FU_OK;
+    const float lo = rp->low_freq_factor, hi = rp->high_freq_factor, old = rp->original_max_pos;
+    if (!(rp->factor >= 1.0f) || !(lo > 0.0f) || !(hi > lo) || !(old > 0.0f) || !isfinite(hi) || !isfinite(old))
+        return FU_EINVAL;
+    /* transformers' _compute_llama3_parameters, in float32 as torch does it */
+    const float low_wavelen = old / lo, high_wavelen = old / hi;
+    for (int i = 0; i < half; i++) {
+        float f = inv_freq[i], wavelen = (float)6.283185307179586 / f; /* 2π in float32, as torch */
+        float scaled = wavelen > low_wavelen ? f / rp->factor : f;
+        if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) { /* medium: blended */
+            float smooth = (old / wavelen - lo) / (hi - lo);
+            scaled = (1.0f - smooth) * scaled / rp->factor + smooth * scaled;
+        }
+        inv_freq[i] = scaled;
+    }
+    return FU_OK;
+}
+
 static fu_err rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
-                   float theta, bool inverse, kern_tensor_t *y)
+                   const kern_rope_params *rp, bool inverse, kern_tensor_t *y)
 {
     FU_TRY(kern_chk_float(be, x, 2));
     FU_TRY(kern_chk_float(be, y, 2));
     if (!kern_tensor_same_shape(x, y) || !kern_same_dtype(x, y) || head_dim <= 0 || head_dim % 2 != 0 || x->shape[1] % head_dim != 0)
         return FU_EINVAL;
-    if (!(theta > 0.0f) || !isfinite(theta))
-        return FU_EINVAL;
+    float probe[KERN_ROPE_MAX_HEAD_DIM / 2];
+    FU_TRY(kern_rope_inv_freq(rp, head_dim, probe)); /* the parameters are sane */
     FU_TRY(chk_ids(be, pos, x->shape[0]));
     if (!be->rope)
         return FU_ENOSYS;
-    return be->rope(be, x, pos, head_dim, theta, inverse, y);
+    return be->rope(be, x, pos, head_dim, rp, inverse, y);
 }
 
 fu_err kern_rope_forward(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
-                         float theta, kern_tensor_t *y)
+                         const kern_rope_params *rp, kern_tensor_t *y)
 {
-    return rope(be, x, pos, head_dim, theta, false, y);
+    return rope(be, x, pos, head_dim, rp, false, y);
 }
 
 fu_err kern_rope_backward(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *pos, int head_dim,
-                          float theta, kern_tensor_t *dx)
+                          const kern_rope_params *rp, kern_tensor_t *dx)
 {
-    return rope(be, dy, pos, head_dim, theta, true, dx);
+    return rope(be, dy, pos, head_dim, rp, true, dx);
 }
 
 fu_err kern_silu_mul_forward(const kern_backend_t *be, const kern_tensor_t *gate, const kern_tensor_t *up,
@@ -245,7 +272,7 @@ static fu_err chk_attn(const kern_backend_t *be, const kern_attn_params *p, cons
     FU_TRY(kern_chk_float(be, v, 2));
     if (p->n_head <= 0 || p->n_kv_head <= 0 || p->head_dim <= 0 || p->n_seq <= 0)
         return FU_EINVAL;
-    if (p->n_head % p->n_kv_head != 0 || !isfinite(p->scale) || p->scale < 0.0f)
+    if (p->n_head % p->n_kv_head != 0 || !isfinite(p->scale) || p->scale < 0.0f || p->window < 0)
         return FU_EINVAL;
     int64_t fq = (int64_t)p->n_head * p->head_dim, fk = (int64_t)p->n_kv_head * p->head_dim;
     if (q->shape[1] != fq || k->shape[1] != fk || !kern_tensor_same_shape(k, v))

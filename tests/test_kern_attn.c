@@ -16,7 +16,8 @@
 
 #define CPU kern_backend_cpu()
 
-/* Plain loop: per sequence, head, query; causal over keys 0..q_offset+i; GQA head mapping. */
+/* Plain loop: per sequence, head, query; causal over keys 0..q_offset+i (with a sliding window, the
+ * last `window` of them); GQA head mapping. */
 static void ref_attn(const kern_attn_params *p, int64_t tq, int64_t tk, const float *q, const float *k, const float *v,
                      double *o)
 {
@@ -28,9 +29,11 @@ static void ref_attn(const kern_attn_params *p, int64_t tq, int64_t tk, const fl
             int64_t g = h / group;
             for (int64_t i = 0; i < tq; i++) {
                 const float *qi = q + (s * tq + i) * Hq * D + h * D;
-                int64_t lim = p->q_offset + i + 1;
+                int64_t lim = p->q_offset + i + 1, lo = p->window && lim > p->window ? lim - p->window : 0;
                 double mx = -INFINITY, sum = 0;
-                for (int64_t j = 0; j < lim; j++) {
+                for (int64_t j = 0; j < lo; j++)
+                    sc[j] = 0;
+                for (int64_t j = lo; j < lim; j++) {
                     const float *kj = k + (s * tk + j) * Hkv * D + g * D;
                     double d = 0;
                     for (int64_t c = 0; c < D; c++)
@@ -38,7 +41,7 @@ static void ref_attn(const kern_attn_params *p, int64_t tq, int64_t tk, const fl
                     sc[j] = d * scale;
                     mx = fmax(mx, sc[j]);
                 }
-                for (int64_t j = 0; j < lim; j++)
+                for (int64_t j = lo; j < lim; j++)
                     sum += (sc[j] = exp(sc[j] - mx));
                 double *oi = o + (s * tq + i) * Hq * D + h * D;
                 for (int64_t c = 0; c < D; c++) {
@@ -54,9 +57,11 @@ static void ref_attn(const kern_attn_params *p, int64_t tq, int64_t tk, const fl
 
 static void test_kern_attn_backward_blocked_matches_fd(void **state);
 
-static void check_forward(int n_seq, int64_t tq, int64_t tk, int64_t q_offset, int hq, int hkv, int d, uint64_t seed)
+static void check_forward_w(int n_seq, int64_t tq, int64_t tk, int64_t q_offset, int hq, int hkv, int d, uint64_t seed,
+                            int64_t window)
 {
-    kern_attn_params p = {.n_head = hq, .n_kv_head = hkv, .head_dim = d, .n_seq = n_seq, .q_offset = q_offset};
+    kern_attn_params p = {.n_head = hq, .n_kv_head = hkv, .head_dim = d, .n_seq = n_seq, .q_offset = q_offset,
+                          .window = window};
     size_t nq = (size_t)(n_seq * tq * hq * d), nk = (size_t)(n_seq * tk * hkv * d);
     float *q = tk_rand(nq, seed, -1, 1), *k = tk_rand(nk, seed + 1, -1, 1), *v = tk_rand(nk, seed + 2, -1, 1);
     float *o = tk_zeros(nq);
@@ -81,6 +86,11 @@ static void check_forward(int n_seq, int64_t tq, int64_t tk, int64_t q_offset, i
     kern_workspace_destroy(&tiny);
     kern_workspace_destroy(&ws);
     free(q), free(k), free(v), free(o), free(ref);
+}
+
+static void check_forward(int n_seq, int64_t tq, int64_t tk, int64_t q_offset, int hq, int hkv, int d, uint64_t seed)
+{
+    check_forward_w(n_seq, tq, tk, q_offset, hq, hkv, d, seed, 0);
 }
 
 static void test_kern_attn_gqa_matches_plain_loop(void **state)
@@ -125,6 +135,38 @@ static void attn_fwd(void *c)
 {
     attn_ctx *a = c;
     assert_int_equal(kern_attn_forward(CPU, &a->p, &a->q, &a->k, &a->v, &a->o, NULL), FU_OK);
+}
+
+/* Mistral's sliding window: a query sees itself and the window - 1 keys before it, on every path
+ * (GEMM blocks, the hand-written rows, decode with a KV cache offset), and backward agrees with
+ * finite differences. */
+static void test_kern_attn_sliding_window(void **state)
+{
+    (void)state;
+    check_forward_w(1, 12, 12, 0, 4, 2, 8, 500, 4);   /* GEMM path */
+    check_forward_w(2, 3, 3, 0, 4, 2, 8, 510, 2);     /* hand-written rows */
+    check_forward_w(1, 4, 10, 6, 4, 1, 8, 520, 3);    /* few queries at an offset */
+    check_forward_w(1, 1, 30, 20, 4, 1, 8, 530, 5);   /* decode, MQA (gemv) */
+    check_forward_w(3, 1, 9, 8, 6, 2, 8, 540, 4);     /* decode, GQA */
+    check_forward_w(1, 300, 300, 0, 2, 1, 8, 550, 37); /* several query blocks */
+    check_forward_w(1, 12, 12, 0, 4, 2, 8, 560, 100); /* a window longer than the sequence: causal */
+    const int hq = 4, hkv = 2, d = 4;
+    const int64_t t = 9;
+    size_t nq = (size_t)(t * hq * d), nk = (size_t)(t * hkv * d);
+    float *q = tk_rand(nq, 570, -1, 1), *k = tk_rand(nk, 571, -1, 1), *v = tk_rand(nk, 572, -1, 1);
+    float *o = tk_zeros(nq), *R = tk_rand(nq, 573, -1, 1);
+    float *dq = tk_zeros(nq), *dk = tk_zeros(nk), *dv = tk_zeros(nk);
+    attn_ctx c = {{.n_head = hq, .n_kv_head = hkv, .head_dim = d, .n_seq = 1, .q_offset = 0, .window = 3},
+                  tk_f2(q, t, hq * d), tk_f2(k, t, hkv * d), tk_f2(v, t, hkv * d), tk_f2(o, t, hq * d)};
+    kern_tensor_t dO = tk_f2(R, t, hq * d), dQ = tk_f2(dq, t, hq * d);
+    kern_tensor_t dK = tk_f2(dk, t, hkv * d), dV = tk_f2(dv, t, hkv * d);
+    assert_int_equal(kern_attn_backward(CPU, &c.p, &c.q, &c.k, &c.v, &dO, &dQ, &dK, &dV, NULL), FU_OK);
+    assert_true(tk_grad_check(attn_fwd, &c, q, nq, dq, o, R, nq, 1e-2f, 2e-3, 2e-2, 80) <= 1.0);
+    assert_true(tk_grad_check(attn_fwd, &c, k, nk, dk, o, R, nq, 1e-2f, 2e-3, 2e-2, 80) <= 1.0);
+    assert_true(tk_grad_check(attn_fwd, &c, v, nk, dv, o, R, nq, 1e-2f, 2e-3, 2e-2, 80) <= 1.0);
+    c.p.window = -1; /* refused */
+    assert_int_equal(kern_attn_forward(CPU, &c.p, &c.q, &c.k, &c.v, &c.o, NULL), FU_EINVAL);
+    free(q), free(k), free(v), free(o), free(R), free(dq), free(dk), free(dv);
 }
 
 static void test_kern_attn_backward_matches_fd(void **state)
@@ -291,6 +333,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kern_attn_gqa_matches_plain_loop),
+        cmocka_unit_test(test_kern_attn_sliding_window),
         cmocka_unit_test(test_kern_attn_backward_matches_fd),
         cmocka_unit_test(test_kern_attn_backward_blocked_matches_fd),
         cmocka_unit_test(test_kern_attn_kvcache_decode_equals_full),

@@ -299,13 +299,16 @@ static void test_kern_cuda_rope(void **state)
         kern_tensor_t *gp = tc_up_i32(tc_gpu, pos, n), *gdx = tc_zeros(tc_gpu, dt, 2, n, f);
         kern_tensor_t cx = tc_cpu_t(x, 2, n, f), cy = tc_cpu_t(y, 2, n, f), cp = tc_cpu_i32(pos, n),
                       cdx = tc_cpu_t(dx, 2, n, f);
-        assert_int_equal(kern_rope_forward(tc_gpu, gx, gp, (int)hd, 500000.0f, gy), FU_OK);
-        assert_int_equal(kern_rope_forward(tc_cpu, &cx, &cp, (int)hd, 500000.0f, &cy), FU_OK);
+        /* Llama 3's rescaled frequencies (rope_scaling "llama3"): the CPU and the GPU share the table */
+        const kern_rope_params rp = {.theta = 500000.0f, .factor = 8.0f, .low_freq_factor = 1.0f,
+                                     .high_freq_factor = 4.0f, .original_max_pos = 8192.0f};
+        assert_int_equal(kern_rope_forward(tc_gpu, gx, gp, (int)hd, &rp, gy), FU_OK);
+        assert_int_equal(kern_rope_forward(tc_cpu, &cx, &cp, (int)hd, &rp, &cy), FU_OK);
         tc_expect("rope fwd", gy, y, tc_tol_of(dt));
-        assert_int_equal(kern_rope_backward(tc_gpu, gx, gp, (int)hd, 500000.0f, gdx), FU_OK);
-        assert_int_equal(kern_rope_backward(tc_cpu, &cx, &cp, (int)hd, 500000.0f, &cdx), FU_OK);
+        assert_int_equal(kern_rope_backward(tc_gpu, gx, gp, (int)hd, &rp, gdx), FU_OK);
+        assert_int_equal(kern_rope_backward(tc_cpu, &cx, &cp, (int)hd, &rp, &cdx), FU_OK);
         tc_expect("rope bwd", gdx, dx, tc_tol_of(dt));
-        assert_int_equal(kern_rope_forward(tc_gpu, gx, gp, (int)hd, 500000.0f, gx), FU_OK); /* in place */
+        assert_int_equal(kern_rope_forward(tc_gpu, gx, gp, (int)hd, &rp, gx), FU_OK); /* in place */
         tc_expect("rope in place", gx, y, tc_tol_of(dt));
         TC_DESTROY_ALL(&gx, &gy, &gp, &gdx);
         TK_FREE_ALL(x, y, dx);

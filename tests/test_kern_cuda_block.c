@@ -76,15 +76,16 @@ static void block_free(block *b)
 static void block_run(block *b)
 {
     const kern_backend_t *be = b->be;
-    const float eps = 1e-5f, theta = 10000.0f;
+    const float eps = 1e-5f;
+    const kern_rope_params theta = {.theta = 10000.0f};
     kern_attn_params ap = {.n_head = H, .n_kv_head = HKV, .head_dim = HD, .n_seq = N_SEQ, .q_offset = 0};
     /* forward */
     assert_int_equal(kern_rmsnorm_forward(be, b->x, b->p[P_WN1], eps, b->h1), FU_OK);
     assert_int_equal(kern_linear_forward(be, b->h1, b->p[P_WQ], b->q), FU_OK);
     assert_int_equal(kern_linear_forward(be, b->h1, b->p[P_WK], b->k), FU_OK);
     assert_int_equal(kern_linear_forward(be, b->h1, b->p[P_WV], b->v), FU_OK);
-    assert_int_equal(kern_rope_forward(be, b->q, b->pos, HD, theta, b->qr), FU_OK);
-    assert_int_equal(kern_rope_forward(be, b->k, b->pos, HD, theta, b->kr), FU_OK);
+    assert_int_equal(kern_rope_forward(be, b->q, b->pos, HD, &theta, b->qr), FU_OK);
+    assert_int_equal(kern_rope_forward(be, b->k, b->pos, HD, &theta, b->kr), FU_OK);
     assert_int_equal(kern_attn_forward(be, &ap, b->qr, b->kr, b->v, b->a, NULL), FU_OK);
     assert_int_equal(kern_linear_forward(be, b->a, b->p[P_WO], b->o), FU_OK);
     assert_int_equal(kern_add_forward(be, b->x, b->o, b->x2), FU_OK);
@@ -104,8 +105,8 @@ static void block_run(block *b)
     assert_int_equal(kern_add_forward(be, b->dx2, b->dy, b->dx2), FU_OK);
     assert_int_equal(kern_linear_backward(be, b->dx2, b->a, b->p[P_WO], b->da, b->dp[P_WO]), FU_OK);
     assert_int_equal(kern_attn_backward(be, &ap, b->qr, b->kr, b->v, b->da, b->dqr, b->dkr, b->dv, NULL), FU_OK);
-    assert_int_equal(kern_rope_backward(be, b->dqr, b->pos, HD, theta, b->dq), FU_OK);
-    assert_int_equal(kern_rope_backward(be, b->dkr, b->pos, HD, theta, b->dk), FU_OK);
+    assert_int_equal(kern_rope_backward(be, b->dqr, b->pos, HD, &theta, b->dq), FU_OK);
+    assert_int_equal(kern_rope_backward(be, b->dkr, b->pos, HD, &theta, b->dk), FU_OK);
     assert_int_equal(kern_linear_backward(be, b->dq, b->h1, b->p[P_WQ], b->dh1, b->dp[P_WQ]), FU_OK);
     assert_int_equal(kern_linear_backward(be, b->dk, b->h1, b->p[P_WK], b->dh1b, b->dp[P_WK]), FU_OK);
     assert_int_equal(kern_add_forward(be, b->dh1, b->dh1b, b->dh1), FU_OK);

@@ -260,6 +260,8 @@ static void ref_rope(const float *x, const int32_t *pos, int64_t n, int64_t head
         }
 }
 
+static const kern_rope_params RP10K = {.theta = 10000.0f}; /* plain RoPE, LLaMA's base */
+
 typedef struct {
     kern_tensor_t x, pos, y;
     int hd;
@@ -268,7 +270,45 @@ typedef struct {
 static void rope_fwd(void *c)
 {
     rope_ctx *r = c;
-    assert_int_equal(kern_rope_forward(CPU, &r->x, &r->pos, r->hd, 10000.0f, &r->y), FU_OK);
+    assert_int_equal(kern_rope_forward(CPU, &r->x, &r->pos, r->hd, &RP10K, &r->y), FU_OK);
+}
+
+/* Llama 3's rescaling (rope_scaling "llama3"): wavelengths shorter than original / high_freq_factor
+ * keep their frequency, those longer than original / low_freq_factor are divided by factor, and
+ * those between lie between the two; parameters out of range are refused. */
+static void test_kern_ops_rope_llama3_frequencies(void **state)
+{
+    (void)state;
+    const int hd = 128;
+    const kern_rope_params plain = {.theta = 500000.0f},
+                           l3 = {.theta = 500000.0f, .factor = 8.0f, .low_freq_factor = 1.0f, .high_freq_factor = 4.0f,
+                                 .original_max_pos = 8192.0f};
+    float f0[64], f3[64];
+    assert_int_equal(kern_rope_inv_freq(&plain, hd, f0), FU_OK);
+    assert_int_equal(kern_rope_inv_freq(&l3, hd, f3), FU_OK);
+    int kept = 0, divided = 0, blended = 0;
+    for (int i = 0; i < hd / 2; i++) {
+        double wavelen = 2 * 3.141592653589793 / f0[i];
+        if (wavelen < 8192.0 / 4.0) {
+            assert_true(f3[i] == f0[i]);
+            kept++;
+        } else if (wavelen > 8192.0 / 1.0) {
+            assert_float_equal(f3[i], f0[i] / 8.0f, 1e-12);
+            divided++;
+        } else {
+            assert_true(f3[i] < f0[i] && f3[i] > f0[i] / 8.0f);
+            blended++;
+        }
+    }
+    printf("llama3 frequencies: %d kept, %d blended, %d divided by 8\n", kept, blended, divided);
+    assert_true(kept > 0 && blended > 0 && divided > 0);
+    kern_rope_params bad = l3;
+    bad.high_freq_factor = 0.5f; /* not above low_freq_factor */
+    assert_int_equal(kern_rope_inv_freq(&bad, hd, f3), FU_EINVAL);
+    bad = l3;
+    bad.factor = 0.5f;
+    assert_int_equal(kern_rope_inv_freq(&bad, hd, f3), FU_EINVAL);
+    assert_int_equal(kern_rope_inv_freq(&l3, 7, f3), FU_EINVAL);
 }
 
 static void test_kern_ops_rope_matches_hf_formula(void **state)
@@ -288,19 +328,20 @@ static void test_kern_ops_rope_matches_hf_formula(void **state)
     /* in place gives the same */
     float *xi = tk_dup(x, (size_t)(n * heads * hd));
     kern_tensor_t Xi = tk_f2(xi, n, heads * hd);
-    assert_int_equal(kern_rope_forward(CPU, &Xi, &c.pos, (int)hd, 10000.0f, &Xi), FU_OK);
+    assert_int_equal(kern_rope_forward(CPU, &Xi, &c.pos, (int)hd, &RP10K, &Xi), FU_OK);
     assert_memory_equal(xi, y, (size_t)(n * heads * hd) * sizeof(float));
     /* backward is the inverse rotation; check against finite differences */
     float *R = tk_rand((size_t)(n * heads * hd), 41, -1, 1), *dx = tk_zeros((size_t)(n * heads * hd));
     kern_tensor_t dY = tk_f2(R, n, heads * hd), dX = tk_f2(dx, n, heads * hd);
-    assert_int_equal(kern_rope_backward(CPU, &dY, &c.pos, (int)hd, 10000.0f, &dX), FU_OK);
+    assert_int_equal(kern_rope_backward(CPU, &dY, &c.pos, (int)hd, &RP10K, &dX), FU_OK);
     assert_true(tk_grad_check(rope_fwd, &c, x, (size_t)(n * heads * hd), dx, y, R, (size_t)(n * heads * hd), FD_EPS,
                               FD_ATOL, FD_RTOL, 120) <= 1.0);
-    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 7, 10000.0f, &c.y), FU_EINVAL);  /* odd */
-    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 16, 10000.0f, &c.y), FU_EINVAL); /* 24 % 16 */
-    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 8, -1.0f, &c.y), FU_EINVAL);
+    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 7, &RP10K, &c.y), FU_EINVAL);  /* odd */
+    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 16, &RP10K, &c.y), FU_EINVAL); /* 24 % 16 */
+    const kern_rope_params negative = {.theta = -1.0f};
+    assert_int_equal(kern_rope_forward(CPU, &c.x, &c.pos, 8, &negative, &c.y), FU_EINVAL);
     kern_tensor_t p4 = tk_i1(pos, 4);
-    assert_int_equal(kern_rope_forward(CPU, &c.x, &p4, 8, 10000.0f, &c.y), FU_EINVAL);
+    assert_int_equal(kern_rope_forward(CPU, &c.x, &p4, 8, &RP10K, &c.y), FU_EINVAL);
     free(x), free(y), free(xi), free(R), free(dx);
 }
 
@@ -590,7 +631,7 @@ static void th_ops(th_run *r, const float *x, const float *w, const float *g, co
     assert_int_equal(kern_silu_mul_forward(CPU, &G, &U, &SM), FU_OK);
     assert_int_equal(kern_silu_mul_backward(CPU, &X, &G, &U, &SG, &SU), FU_OK);
     kern_tensor_t RO = tk_f2(r->rope, TH_NR, TH_D);
-    assert_int_equal(kern_rope_forward(CPU, &X, &I, TH_HD, 10000.0f, &RO), FU_OK);
+    assert_int_equal(kern_rope_forward(CPU, &X, &I, TH_HD, &RP10K, &RO), FU_OK);
     kern_tensor_t AD = tk_f2(r->add, TH_NR, TH_D);
     assert_int_equal(kern_add_forward(CPU, &X, &G, &AD), FU_OK);
     assert_int_equal(kern_axpy(CPU, 0.5f, &U, &AD), FU_OK);
@@ -752,6 +793,7 @@ int main(void)
         cmocka_unit_test(test_kern_ops_embedding_gather_and_scatter_add),
         cmocka_unit_test(test_kern_ops_rmsnorm_forward_and_backward),
         cmocka_unit_test(test_kern_ops_rope_matches_hf_formula),
+        cmocka_unit_test(test_kern_ops_rope_llama3_frequencies),
         cmocka_unit_test(test_kern_ops_silu_mul_and_add),
         cmocka_unit_test(test_kern_ops_xent_value_grad_and_ignore),
         cmocka_unit_test(test_kern_ops_adamw_matches_hand_computation),

@@ -167,6 +167,62 @@ static void test_modelcfg_rejects_invalid_configs(void **state)
     assert_int_equal(parse("", &c, &em), FU_EPROTO);
 }
 
+/* Llama 3.2's config.json (1B, as published, trimmed of nothing that matters here): rope_scaling
+ * "llama3" and a list of end-of-sequence ids are taken, survive a save and a load, and any of the
+ * ids ends a generation; broken variants are refused, naming the field. */
+static const char *llama32 =
+    "{\"architectures\":[\"LlamaForCausalLM\"],\"attention_bias\":false,\"bos_token_id\":128000,"
+    "\"eos_token_id\":[128001,128008,128009],\"head_dim\":64,\"hidden_act\":\"silu\",\"hidden_size\":2048,"
+    "\"intermediate_size\":8192,\"max_position_embeddings\":131072,\"model_type\":\"llama\","
+    "\"num_attention_heads\":32,\"num_hidden_layers\":16,\"num_key_value_heads\":8,\"rms_norm_eps\":1e-05,"
+    "\"rope_scaling\":{\"factor\":32.0,\"high_freq_factor\":4.0,\"low_freq_factor\":1.0,"
+    "\"original_max_position_embeddings\":8192,\"rope_type\":\"llama3\"},\"rope_theta\":500000.0,"
+    "\"tie_word_embeddings\":true,\"torch_dtype\":\"bfloat16\",\"vocab_size\":128256}";
+
+static void test_modelcfg_llama3_rope_scaling_and_eos_list(void **state)
+{
+    (void)state;
+    fu_modelcfg c, back;
+    fu_errmsg em;
+    if (parse(llama32, &c, &em) != FU_OK)
+        fail_msg("%s", em.msg);
+    assert_true(c.rope_factor == 32.0 && c.rope_low_freq_factor == 1.0 && c.rope_high_freq_factor == 4.0);
+    assert_int_equal(c.rope_original_max_pos, 8192);
+    assert_int_equal(c.n_eos, 3);
+    assert_int_equal(c.eos_token_id, 128001);
+    assert_true(fu_modelcfg_is_eos(&c, -1, 128009) && fu_modelcfg_is_eos(&c, -1, 128008));
+    assert_false(fu_modelcfg_is_eos(&c, 5, 5)); /* the list wins over the tokenizer's */
+    char *json = fu_modelcfg_to_json(&c);
+    if (parse(json, &back, &em) != FU_OK)
+        fail_msg("%s: %s", json, em.msg);
+    free(json);
+    assert_true(back.rope_factor == 32.0 && back.rope_original_max_pos == 8192 && back.n_eos == 3 &&
+                back.eos_token_ids[2] == 128009);
+    /* a Mistral v0.2 config says "sliding_window": null: no window */
+    assert_int_equal(parse("{\"model_type\":\"mistral\",\"hidden_size\":64,\"intermediate_size\":128,"
+                           "\"num_hidden_layers\":2,\"num_attention_heads\":4,\"vocab_size\":256,"
+                           "\"sliding_window\":null}", &c, &em), FU_OK);
+    assert_int_equal(c.sliding_window, 0);
+    const char *rs = ",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_scaling\":";
+    char bad[512];
+    snprintf(bad, sizeof bad, "%s{\"rope_type\":\"yarn\",\"factor\":4}", rs);
+    expect_refused(bad, FU_EVERSION, "rope_scaling.rope_type 'yarn' is not supported");
+    snprintf(bad, sizeof bad, "%s{\"rope_type\":\"llama3\",\"low_freq_factor\":1,\"high_freq_factor\":4,"
+             "\"original_max_position_embeddings\":8192}", rs);
+    expect_refused(bad, FU_EINVAL, "rope_scaling llama3 needs factor >= 1"); /* factor missing */
+    snprintf(bad, sizeof bad, "%s{\"rope_type\":\"llama3\",\"factor\":8,\"low_freq_factor\":4,"
+             "\"high_freq_factor\":1,\"original_max_position_embeddings\":8192}", rs);
+    expect_refused(bad, FU_EINVAL, "low_freq_factor < high_freq_factor");
+    snprintf(bad, sizeof bad, "%s[1,2]", rs);
+    expect_refused(bad, FU_EPROTO, "\"rope_scaling\" must be an object");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"eos_token_id\":[2,300]", FU_EINVAL,
+                   "eos_token_id 300 must be below vocab_size 256");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"eos_token_id\":[1,2,3,4,5,6,7,8,9]",
+                   FU_EINVAL, "more than 8 ids");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"eos_token_id\":[2,\"x\"]", FU_EPROTO,
+                   "a token id or a list of them");
+}
+
 static void test_modelcfg_missing_file_says_what_to_do(void **state)
 {
     (void)state;
@@ -340,6 +396,7 @@ int main(void)
         cmocka_unit_test(test_modelcfg_parses_a_real_config),
         cmocka_unit_test(test_modelcfg_defaults_for_missing_fields),
         cmocka_unit_test(test_modelcfg_rejects_invalid_configs),
+        cmocka_unit_test(test_modelcfg_llama3_rope_scaling_and_eos_list),
         cmocka_unit_test(test_modelcfg_missing_file_says_what_to_do),
         cmocka_unit_test(test_modelcfg_save_and_load_round_trip),
         cmocka_unit_test(test_modelcfg_weight_list_has_hf_names_and_shapes),

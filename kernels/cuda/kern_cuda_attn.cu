@@ -606,6 +606,10 @@ static fu_err attn_dims_of(const kern_attn_params *p, const kern_tensor_t *q, co
     if (!p || p->n_head < 1 || p->n_kv_head < 1 || p->n_head % p->n_kv_head || p->head_dim < 1 ||
         p->head_dim > ATTN_MAX_HEAD_DIM || p->n_seq < 1 || p->q_offset < 0)
         return FU_EINVAL;
+    if (p->window > 0) { /* sliding windows (Mistral) run on the CPU backend only so far (docs/CUDA.md) */
+        FU_ERROR("cuda", "attention with a sliding window is not implemented on CUDA yet");
+        return FU_ENOSYS;
+    }
     if (q->ndim != 2 || k->ndim != 2 || v->ndim != 2 || !kc_is_float(q->dtype) || k->dtype != q->dtype ||
         v->dtype != q->dtype)
         return FU_EINVAL;

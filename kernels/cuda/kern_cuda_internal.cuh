@@ -111,7 +111,7 @@ fu_err kc_rmsnorm_fwd(const kern_backend_t *be, const kern_tensor_t *x, const ke
 fu_err kc_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *dy, const kern_tensor_t *x,
                       const kern_tensor_t *w, float eps, kern_tensor_t *dx, kern_tensor_t *dw);
 fu_err kc_rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
-               float theta, bool inverse, kern_tensor_t *y);
+               const kern_rope_params *rp, bool inverse, kern_tensor_t *y);
 fu_err kc_silu_mul_fwd(const kern_backend_t *be, const kern_tensor_t *gate, const kern_tensor_t *up,
                        kern_tensor_t *out);
 fu_err kc_silu_mul_bwd(const kern_backend_t *be, const kern_tensor_t *dout, const kern_tensor_t *gate,

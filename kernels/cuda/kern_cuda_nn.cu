@@ -255,15 +255,19 @@ extern "C" fu_err kc_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *
  * is computed exactly as the CPU does: inv_freq = float(1/theta^(2i/hd)) in double, a = float(pos) *
  * inv_freq in float, cos/sin in double of that float. y may be x. */
 
+struct kc_rope_freq {
+    float inv[KERN_ROPE_MAX_HEAD_DIM / 2]; /* kern_rope_inv_freq's table, passed by value (1 KiB) */
+};
+
 template <typename T>
 __global__ void k_rope(const T *x, const int32_t *__restrict__ pos, T *y, int64_t n, int64_t f, int half, int heads,
-                       double theta_d, float sgn)
+                       kc_rope_freq fr, float sgn)
 {
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n * half;
          idx += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = idx / half;
         const int i = (int)(idx % half);
-        const float inv_freq = (float)(1.0 / pow(theta_d, (double)(2 * i) / (double)(2 * half)));
+        const float inv_freq = fr.inv[i];
         const float a = (float)pos[t] * inv_freq;
         const float cs = (float)cos((double)a), sn = sgn * (float)sin((double)a);
         for (int h = 0; h < heads; h++) {
@@ -276,10 +280,11 @@ __global__ void k_rope(const T *x, const int32_t *__restrict__ pos, T *y, int64_
 }
 
 extern "C" fu_err kc_rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_tensor_t *pos, int head_dim,
-                          float theta, bool inverse, kern_tensor_t *y)
+                          const kern_rope_params *rp, bool inverse, kern_tensor_t *y)
 {
     kc_ctx *ctx = kc_of(be);
-    if (pos->dtype != KERN_I32 || x->dtype != y->dtype || head_dim <= 0 || head_dim % 2 || !(theta > 0.0f))
+    kc_rope_freq fr;
+    if (pos->dtype != KERN_I32 || x->dtype != y->dtype || kern_rope_inv_freq(rp, head_dim, fr.inv) != FU_OK)
         return FU_EINVAL;
     int64_t n = kern_tensor_numel(pos);
     if (n == 0)
@@ -296,7 +301,7 @@ extern "C" fu_err kc_rope(const kern_backend_t *be, const kern_tensor_t *x, cons
     const int64_t items = n * half;
     KC_DISPATCH_FLOAT(x->dtype, T, {
         k_rope<T><<<kc_blocks(items, NN_THREADS), NN_THREADS, 0, ctx->stream>>>(
-            (const T *)x->data, (const int32_t *)pos->data, (T *)y->data, n, f, half, heads, (double)theta,
+            (const T *)x->data, (const int32_t *)pos->data, (T *)y->data, n, f, half, heads, fr,
             inverse ? -1.0f : 1.0f);
     });
     KC_LAUNCHED();
