@@ -182,14 +182,31 @@ static fu_err parse_rope_scaling(const cJSON *root, const char *lab, fu_modelcfg
     return FU_OK;
 }
 
+/* The families fusion runs: model_type and its architecture. */
+static const struct {
+    const char *type, *arch;
+} families[] = {
+    {"llama", "LlamaForCausalLM"},
+    {"mistral", "MistralForCausalLM"},
+    {"qwen2", "Qwen2ForCausalLM"},
+    {"qwen3", "Qwen3ForCausalLM"},
+};
+#define N_FAMILIES (sizeof families / sizeof *families)
+
 static bool known_model_type(const char *t)
 {
-    return strcmp(t, "llama") == 0 || strcmp(t, "mistral") == 0;
+    for (size_t i = 0; i < N_FAMILIES; i++)
+        if (strcmp(t, families[i].type) == 0)
+            return true;
+    return false;
 }
 
 static bool known_architecture(const char *a)
 {
-    return strcmp(a, "LlamaForCausalLM") == 0 || strcmp(a, "MistralForCausalLM") == 0;
+    for (size_t i = 0; i < N_FAMILIES; i++)
+        if (strcmp(a, families[i].arch) == 0)
+            return true;
+    return false;
 }
 
 static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_errmsg *em)
@@ -208,26 +225,38 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
         return fu_errmsg_set(em, FU_EVERSION,
                              "%s: has neither \"model_type\" nor \"architectures\" (expected a LLaMA-family model)", lab);
     if (mt && !known_model_type(mt->valuestring))
-        return fu_errmsg_set(em, FU_EVERSION, "%s: model_type '%.40s' is not supported (fusion runs llama and mistral)",
-                             lab, mt->valuestring);
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: model_type '%.40s' is not supported (fusion runs llama, mistral, qwen2 and qwen3)", lab,
+                             mt->valuestring);
     if (arch && !known_architecture(arch))
         return fu_errmsg_set(em, FU_EVERSION,
-                             "%s: architecture '%.60s' is not supported (fusion runs LlamaForCausalLM and MistralForCausalLM)",
+                             "%s: architecture '%.60s' is not supported (fusion runs LlamaForCausalLM, "
+                             "MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM)",
                              lab, arch);
-    snprintf(c->model_type, sizeof c->model_type, "%s",
-             mt ? mt->valuestring : (strncmp(arch, "Mistral", 7) == 0 ? "mistral" : "llama"));
-    snprintf(c->architecture, sizeof c->architecture, "%s",
-             arch ? arch : (strcmp(c->model_type, "mistral") == 0 ? "MistralForCausalLM" : "LlamaForCausalLM"));
+    size_t fam = 0; /* the family: from model_type, else from the architecture */
+    while (fam + 1 < N_FAMILIES && strcmp(mt ? mt->valuestring : arch, mt ? families[fam].type : families[fam].arch))
+        fam++;
+    snprintf(c->model_type, sizeof c->model_type, "%s", families[fam].type);
+    snprintf(c->architecture, sizeof c->architecture, "%s", arch ? arch : families[fam].arch);
+    bool qwen2 = strcmp(c->model_type, "qwen2") == 0, qwen3 = strcmp(c->model_type, "qwen3") == 0;
 
     const cJSON *act = member(root, "hidden_act");
     if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
         return fu_errmsg_set(em, FU_EVERSION, "%s: hidden_act must be \"silu\" (SwiGLU); other activations are not supported",
                              lab);
+    /* Biases: Qwen2's q/k/v always have them (and its o_proj none); elsewhere attention_bias: true
+     * gives all four projections one. Qwen3 normalises each head of q and k. */
     bool flag = false;
     FU_TRY(get_bool(root, "attention_bias", lab, &flag, em));
-    if (flag)
-        return fu_errmsg_set(em, FU_EVERSION, "%s: attention_bias=true is not supported (LLaMA projections have no bias)",
-                             lab);
+    c->attn_qkv_bias = qwen2 || flag;
+    c->attn_o_bias = !qwen2 && flag;
+    c->qk_norm = qwen3;
+    flag = false;
+    FU_TRY(get_bool(root, "use_sliding_window", lab, &flag, em));
+    if (flag && (qwen2 || qwen3))
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: use_sliding_window=true is not supported for %s (windows that depend on the layer, "
+                             "max_window_layers)", lab, c->model_type);
     flag = false;
     FU_TRY(get_bool(root, "mlp_bias", lab, &flag, em));
     if (flag)
@@ -262,6 +291,8 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     c->sliding_window = 0;
     if (!cJSON_IsNull(member(root, "sliding_window"))) /* null: none (Mistral v0.2 on) */
         FU_TRY(get_size(root, "sliding_window", lab, false, &c->sliding_window, em));
+    if (qwen2 || qwen3) /* Qwen's sliding_window applies only with use_sliding_window, refused above */
+        c->sliding_window = 0;
     FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
     FU_TRY(get_token_ids(root, "eos_token_id", lab, c, em));
     const cJSON *td = member(root, "torch_dtype");
@@ -385,7 +416,8 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
     cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
     cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
-    cJSON_AddBoolToObject(o, "attention_bias", 0);
+    if (strcmp(c->model_type, "qwen2") != 0) /* Qwen2's q/k/v biases come with the family */
+        cJSON_AddBoolToObject(o, "attention_bias", c->attn_o_bias);
     cJSON_AddBoolToObject(o, "mlp_bias", 0);
     cJSON_AddNumberToObject(o, "initializer_range", 0.02);
     cJSON_AddBoolToObject(o, "use_cache", 1);
@@ -428,19 +460,55 @@ fu_err fu_modelcfg_save(const char *dir, const fu_modelcfg *cfg, fu_errmsg *em)
     return rc;
 }
 
-size_t fu_modelcfg_weight_count(const fu_modelcfg *c)
+size_t fu_modelcfg_layer_kinds(const fu_modelcfg *c, fu_weight_kind kinds[FU_W_PER_LAYER_MAX])
 {
-    return 2 + FU_W_PER_LAYER * c->num_hidden_layers + (c->tie_word_embeddings ? 0 : 1);
+    static const fu_weight_kind base[] = {FU_W_ATTN_NORM, FU_W_Q,    FU_W_K,  FU_W_V,   FU_W_O,
+                                          FU_W_FFN_NORM,  FU_W_GATE, FU_W_UP, FU_W_DOWN};
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof base / sizeof *base; i++)
+        kinds[n++] = base[i];
+    if (c->attn_qkv_bias) {
+        kinds[n++] = FU_W_Q_BIAS;
+        kinds[n++] = FU_W_K_BIAS;
+        kinds[n++] = FU_W_V_BIAS;
+    }
+    if (c->attn_o_bias)
+        kinds[n++] = FU_W_O_BIAS;
+    if (c->qk_norm) {
+        kinds[n++] = FU_W_Q_NORM;
+        kinds[n++] = FU_W_K_NORM;
+    }
+    return n;
 }
 
-static const char *const layer_suffix[FU_W_PER_LAYER] = {
-    "input_layernorm.weight",  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight",
-};
-static const fu_weight_kind layer_kind[FU_W_PER_LAYER] = {
-    FU_W_ATTN_NORM, FU_W_Q, FU_W_K, FU_W_V, FU_W_O, FU_W_FFN_NORM, FU_W_GATE, FU_W_UP, FU_W_DOWN,
-};
+size_t fu_modelcfg_weight_count(const fu_modelcfg *c)
+{
+    fu_weight_kind k[FU_W_PER_LAYER_MAX];
+    return 2 + fu_modelcfg_layer_kinds(c, k) * c->num_hidden_layers + (c->tie_word_embeddings ? 0 : 1);
+}
+
+/* The name of a layer weight after "model.layers.N.". */
+static const char *layer_suffix(fu_weight_kind k)
+{
+    switch (k) {
+    case FU_W_ATTN_NORM: return "input_layernorm.weight";
+    case FU_W_Q: return "self_attn.q_proj.weight";
+    case FU_W_K: return "self_attn.k_proj.weight";
+    case FU_W_V: return "self_attn.v_proj.weight";
+    case FU_W_O: return "self_attn.o_proj.weight";
+    case FU_W_FFN_NORM: return "post_attention_layernorm.weight";
+    case FU_W_GATE: return "mlp.gate_proj.weight";
+    case FU_W_UP: return "mlp.up_proj.weight";
+    case FU_W_DOWN: return "mlp.down_proj.weight";
+    case FU_W_Q_BIAS: return "self_attn.q_proj.bias";
+    case FU_W_K_BIAS: return "self_attn.k_proj.bias";
+    case FU_W_V_BIAS: return "self_attn.v_proj.bias";
+    case FU_W_O_BIAS: return "self_attn.o_proj.bias";
+    case FU_W_Q_NORM: return "self_attn.q_norm.weight";
+    case FU_W_K_NORM: return "self_attn.k_norm.weight";
+    default: return NULL;
+    }
+}
 
 fu_err fu_modelcfg_weight_of(const fu_modelcfg *c, fu_weight_kind kind, int layer, fu_weight_info *w)
 {
@@ -472,10 +540,10 @@ fu_err fu_modelcfg_weight_of(const fu_modelcfg *c, fu_weight_kind kind, int laye
     if (layer < 0 || (size_t)layer >= c->num_hidden_layers)
         return FU_EINVAL;
     w->layer = layer;
-    size_t k = 0;
-    while (layer_kind[k] != kind)
-        k++;
-    snprintf(w->name, sizeof w->name, "model.layers.%d.%s", layer, layer_suffix[k]);
+    const char *suffix = layer_suffix(kind);
+    if (!suffix)
+        return FU_EINVAL;
+    snprintf(w->name, sizeof w->name, "model.layers.%d.%s", layer, suffix);
     w->ndim = 2;
     switch (kind) {
     case FU_W_ATTN_NORM:
@@ -489,6 +557,12 @@ fu_err fu_modelcfg_weight_of(const fu_modelcfg *c, fu_weight_kind kind, int laye
     case FU_W_GATE:
     case FU_W_UP: w->shape[0] = f, w->shape[1] = d; break;
     case FU_W_DOWN: w->shape[0] = d, w->shape[1] = f; break;
+    case FU_W_Q_BIAS: w->ndim = 1, w->shape[0] = q; break;
+    case FU_W_K_BIAS:
+    case FU_W_V_BIAS: w->ndim = 1, w->shape[0] = kv; break;
+    case FU_W_O_BIAS: w->ndim = 1, w->shape[0] = d; break;
+    case FU_W_Q_NORM:
+    case FU_W_K_NORM: w->ndim = 1, w->shape[0] = c->head_dim, w->is_norm = true; break;
     default: break;
     }
     return FU_OK;
@@ -501,9 +575,11 @@ fu_err fu_modelcfg_weight(const fu_modelcfg *c, size_t i, fu_weight_info *w)
     if (i == 0)
         return fu_modelcfg_weight_of(c, FU_W_EMBED, -1, w);
     i--;
-    if (i < FU_W_PER_LAYER * c->num_hidden_layers)
-        return fu_modelcfg_weight_of(c, layer_kind[i % FU_W_PER_LAYER], (int)(i / FU_W_PER_LAYER), w);
-    i -= FU_W_PER_LAYER * c->num_hidden_layers;
+    fu_weight_kind kinds[FU_W_PER_LAYER_MAX];
+    size_t per = fu_modelcfg_layer_kinds(c, kinds);
+    if (i < per * c->num_hidden_layers)
+        return fu_modelcfg_weight_of(c, kinds[i % per], (int)(i / per), w);
+    i -= per * c->num_hidden_layers;
     return fu_modelcfg_weight_of(c, i == 0 ? FU_W_FINAL_NORM : FU_W_LM_HEAD, -1, w);
 }
 

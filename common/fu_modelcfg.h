@@ -37,7 +37,7 @@ extern "C" {
 #define FU_MODELCFG_MAX_EOS 8 /* end-of-sequence ids kept from an eos_token_id list */
 
 typedef struct {
-    char   model_type[32];           /* "llama" or "mistral" */
+    char   model_type[32];           /* "llama", "mistral", "qwen2" or "qwen3" */
     char   architecture[64];         /* architectures[0]: "LlamaForCausalLM" */
     char   torch_dtype[16];          /* "float32", "float16", "bfloat16" ("" when absent) */
     size_t hidden_size;              /* d_model */
@@ -58,6 +58,9 @@ typedef struct {
     /* rope_scaling {"rope_type": "llama3", ...} (Llama 3.1/3.2); rope_factor 0: plain RoPE */
     double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
     size_t rope_original_max_pos;    /* original_max_position_embeddings */
+    bool   attn_qkv_bias;            /* q/k/v projections have biases (Qwen2; attention_bias: true) */
+    bool   attn_o_bias;              /* o_proj has a bias (attention_bias: true; not Qwen2) */
+    bool   qk_norm;                  /* per-head RMSNorm of queries and keys before RoPE (Qwen3) */
     size_t sliding_window;           /* Mistral's attention window (a query sees itself and the window - 1
                                         keys before it); 0 = none (full causal attention) */
 } fu_modelcfg;
@@ -105,11 +108,22 @@ typedef enum {
     FU_W_DOWN,        /* model.layers.N.mlp.down_proj.weight    [hidden, ffn] */
     FU_W_FINAL_NORM,  /* model.norm.weight                               [hidden] */
     FU_W_LM_HEAD,     /* lm_head.weight                   [vocab, hidden] (absent when tied) */
+    FU_W_Q_BIAS,      /* model.layers.N.self_attn.q_proj.bias   [heads*head_dim] (attn_qkv_bias) */
+    FU_W_K_BIAS,      /* model.layers.N.self_attn.k_proj.bias   [kv*head_dim] */
+    FU_W_V_BIAS,      /* model.layers.N.self_attn.v_proj.bias   [kv*head_dim] */
+    FU_W_O_BIAS,      /* model.layers.N.self_attn.o_proj.bias   [hidden] (attn_o_bias) */
+    FU_W_Q_NORM,      /* model.layers.N.self_attn.q_norm.weight [head_dim] (qk_norm) */
+    FU_W_K_NORM,      /* model.layers.N.self_attn.k_norm.weight [head_dim] */
     FU_W_KIND_COUNT_
 } fu_weight_kind;
 
-/* Per-layer weight kinds, in the order fu_modelcfg_weight lists them. */
-#define FU_W_PER_LAYER 9
+/* Most per-layer weight kinds (fu_modelcfg_layer_kinds lists a configuration's). */
+#define FU_W_PER_LAYER_MAX 15
+
+/* The weight kinds of one decoder layer of cfg, in the order fu_modelcfg_weight lists them: the
+ * nine of every LLaMA layer, then the biases and the q/k norms the configuration has. Returns
+ * how many (at most FU_W_PER_LAYER_MAX). */
+size_t fu_modelcfg_layer_kinds(const fu_modelcfg *cfg, fu_weight_kind kinds[FU_W_PER_LAYER_MAX]);
 
 /* One expected weight. Shapes are PyTorch's: a linear layer's weight is [out_features, in_features]. */
 typedef struct {

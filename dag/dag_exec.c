@@ -127,6 +127,7 @@ fu_err dag_exec_new(const dag_graph_t *g, const dag_exec_opts *o, dag_exec_t **o
             continue;
         switch (nd->op) {
         case DAG_OP_RMSNORM:
+        case DAG_OP_HEAD_NORM:
             e->save_mask = 1;
             break;
         case DAG_OP_LINEAR:
@@ -170,8 +171,8 @@ void dagx_free_node(enode *e)
     kern_bitmap_destroy(&e->bm);
     kern_sparse_weight_release(NULL, &e->dev_bm);
     memset(&e->sw, 0, sizeof e->sw);
-    kern_tensor_t **ts[] = {&e->A,  &e->B,  &e->dA,    &e->dB,    &e->mA, &e->vA,
-                            &e->mB, &e->vB, &e->A2, &e->B2, &e->a_cat, &e->b_cat, &e->eye};
+    kern_tensor_t **ts[] = {&e->A,  &e->B,  &e->dA,    &e->dB,    &e->mA, &e->vA,  &e->mB,
+                            &e->vB, &e->A2, &e->B2, &e->a_cat, &e->b_cat, &e->eye, &e->bias};
     for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++)
         kern_tensor_destroy(ts[k]);
 }
@@ -184,6 +185,7 @@ void dag_exec_destroy(dag_exec_t **self_p)
     if (x->nodes)
         for (size_t i = 0; i < x->n; i++)
             dagx_free_node(&x->nodes[i]);
+    kern_tensor_destroy(&x->ones);
     free(x->nodes);
     free(x->need_grad);
     for (size_t i = 0; i < x->n_bufs; i++) {

@@ -29,6 +29,7 @@ typedef struct {
 /* Per-node state of the range. */
 typedef struct {
     kern_tensor_t *w;    /* weight (embedding table, norm gain, linear/lm_head weight) */
+    kern_tensor_t *bias; /* linear with DAG_NODE_BIAS: its bias [dim_out] (frozen) */
     bool w_shared;       /* w belongs to another node (tied embeddings) */
     kern_bitmap_t *bm;   /* salr: bitmap-encoded sparse weight (host) */
     void *dev_bm;        /* salr on CUDA: the device copy (kern_cuda_bitmap_t) */
@@ -96,6 +97,7 @@ struct dag_exec {
     float *staging;          /* host copies for non-CPU backends */
     size_t staging_cap;      /* floats staging holds */
     uint32_t bwd_rows;       /* rows of the last backward (cut-input gradients) */
+    kern_tensor_t *ones;     /* [max_tokens, 1] of 1: a bias is added as ones·biasᵀ (NULL: no bias) */
 };
 
 /* ---- small helpers -------------------------------------------------------------------------- */

@@ -243,6 +243,22 @@ static fu_err load_salr_weight(dag_exec_t *x, const fu_safetensors *st, const da
     return FU_OK;
 }
 
+/* x->ones: max_tokens rows of 1, the left factor of the rank-1 product that adds a bias to every row. */
+static fu_err make_ones(dag_exec_t *x)
+{
+    if (x->ones)
+        return FU_OK;
+    const int64_t n = x->o.max_tokens;
+    FU_TRY(new_tensor(x, 2, n, 1, false, &x->ones));
+    float *host = x->cpu ? x->ones->data : fu_malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        host[i] = 1.0f;
+    fu_err rc = x->cpu ? FU_OK : kern_tensor_copy_in(x->be, x->ones, host, (size_t)n * sizeof(float));
+    if (!x->cpu)
+        free(host);
+    return rc;
+}
+
 fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg *em)
 {
     if (!x || !st)
@@ -259,6 +275,9 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
             break;
         case DAG_OP_RMSNORM:
             FU_TRY(load_f32(x, st, nd->params[0], 1, nd->dim_in, 1, &e->w, em));
+            break;
+        case DAG_OP_HEAD_NORM:
+            FU_TRY(load_f32(x, st, nd->params[0], 1, nd->head_dim, 1, &e->w, em));
             break;
         case DAG_OP_LM_HEAD: {
             if (nd->adapter.method == DAG_ADAPTER_SALR) {
@@ -302,6 +321,10 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
             }
             if (nd->adapter.method == DAG_ADAPTER_SALR)
                 FU_TRY(dagx_salr_rebuild(x, nd, e));
+            if (nd->flags & DAG_NODE_BIAS) {
+                FU_TRY(load_f32(x, st, nd->params[nd->n_params - 1], 1, nd->dim_out, 1, &e->bias, em));
+                FU_TRY(make_ones(x));
+            }
             break;
         default:
             break;

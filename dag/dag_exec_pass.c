@@ -236,6 +236,16 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
     case DAG_OP_LINEAR: {
         kern_tensor_t a = bview(x, in[0], rows, nd->dim_in);
         rc = fwd_linear(x, slot, i, &a, &out);
+        if (rc == FU_OK && e->bias) { /* out += 1·biasᵀ, row by row: one rank-1 product */
+            kern_tensor_t ones = tv2(x->ones->data, rows, 1, dev), b = tv2(e->bias->data, 1, nd->dim_out, dev);
+            rc = kern_gemm(x->be, false, false, 1.0f, &ones, &b, 1.0f, &out);
+        }
+        break;
+    }
+    case DAG_OP_HEAD_NORM: { /* every head a row of head_dim */
+        kern_tensor_t a = tv2(in[0]->t->data, (int64_t)rows * nd->n_heads, nd->head_dim, dev);
+        kern_tensor_t o = tv2(out.data, (int64_t)rows * nd->n_heads, nd->head_dim, dev);
+        rc = kern_rmsnorm_forward(x->be, &a, e->w, nd->eps, &o);
         break;
     }
     case DAG_OP_ROPE: {
@@ -651,6 +661,21 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         input_grad dx = {.tmp = NULL};
         FU_TRY(input_grad_begin(x, src, rows, &dx));
         rc = kern_rmsnorm_backward(x->be, &dy, &xv, e->w, nd->eps, &dx.d, NULL);
+        rc = input_grad_end(x, src, rows, rc, &dx);
+        break;
+    }
+    case DAG_OP_HEAD_NORM: {
+        uint32_t src = nd->inputs[0];
+        if (!x->need_grad[src])
+            break;
+        if (!in[0])
+            return FU_EINVAL;
+        const int64_t hr = (int64_t)rows * nd->n_heads;
+        kern_tensor_t xv = tv2(in[0]->t->data, hr, nd->head_dim, dev), dyv = tv2(dy.data, hr, nd->head_dim, dev);
+        input_grad dx = {.tmp = NULL};
+        FU_TRY(input_grad_begin(x, src, rows, &dx));
+        kern_tensor_t dxv = tv2(dx.d.data, hr, nd->head_dim, dev);
+        rc = kern_rmsnorm_backward(x->be, &dyv, &xv, e->w, nd->eps, &dxv, NULL);
         rc = input_grad_end(x, src, rows, rc, &dx);
         break;
     }

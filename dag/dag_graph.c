@@ -88,6 +88,7 @@ static const char *const op_names[DAG_OP_COUNT_] = {
     [DAG_OP_ATTENTION] = "attention", [DAG_OP_SILU_MUL] = "silu_mul",
     [DAG_OP_ADD] = "add",             [DAG_OP_LM_HEAD] = "lm_head",
     [DAG_OP_CROSS_ENTROPY] = "cross_entropy", [DAG_OP_SAMPLE] = "sample",
+    [DAG_OP_HEAD_NORM] = "head_norm",
 };
 static const char *const adapter_names[DAG_ADAPTER_COUNT_] = {"none", "lora", "lora_fa", "salr"};
 static const char *const target_names[DAG_TARGET_COUNT_] = {
@@ -288,7 +289,36 @@ static uint32_t add_linear(builder *b, int32_t layer, uint32_t in, dag_target tg
         n.adapter.rank = b->o->rank;
         n.adapter.alpha = b->o->alpha;
     }
+    bool qkv = tgt == DAG_TARGET_Q || tgt == DAG_TARGET_K || tgt == DAG_TARGET_V;
+    if ((qkv && b->d->qkv_bias) || (tgt == DAG_TARGET_O && b->d->o_bias)) {
+        n.flags |= DAG_NODE_BIAS;
+        set_param(&n, n.n_params, "model.layers.%d.%s.%s.bias", layer, path, tname);
+    }
     linear_costs(&n, b->o->head == DAG_HEAD_LOSS);
+    if (n.flags & DAG_NODE_BIAS)
+        n.param_bytes += 4ull * dout;
+    return push(b, &n);
+}
+
+/* Qwen3's RMSNorm of each head of in (heads x head_dim wide), weight
+ * model.layers.<layer>.self_attn.<what>.weight [head_dim]. Backward recomputes it from its input. */
+static uint32_t add_head_norm(builder *b, int32_t layer, uint32_t in, uint32_t heads, const char *what)
+{
+    const uint32_t w = heads * b->d->head_dim;
+    const bool train = b->o->head == DAG_HEAD_LOSS;
+    dag_node n = blank(DAG_OP_HEAD_NORM, layer);
+    n.n_inputs = 1;
+    n.inputs[0] = in;
+    n.n_heads = heads;
+    n.head_dim = b->d->head_dim;
+    n.dim_in = n.dim_out = w;
+    n.out_width = w;
+    n.eps = b->d->rms_eps;
+    set_param(&n, 0, "model.layers.%d.self_attn.%s.weight", layer, what);
+    n.flops_fwd = 4.0 * w;
+    n.flops_bwd = train ? 8.0 * w : 0;
+    n.param_bytes = 4ull * b->d->head_dim;
+    n.act_bytes = train ? 4ull * w : 0;
     return push(b, &n);
 }
 
@@ -404,6 +434,10 @@ fu_err dag_build_llama(const dag_model_dims *d, const dag_build_opts *o, dag_gra
         uint32_t k = add_linear(&b, L, h, DAG_TARGET_K, "self_attn", H, kw);
         uint32_t v = add_linear(&b, L, h, DAG_TARGET_V, "self_attn", H, kw);
 
+        if (d->qk_norm) {
+            q = add_head_norm(&b, L, q, d->n_heads, "q_norm");
+            k = add_head_norm(&b, L, k, d->n_kv_heads, "k_norm");
+        }
         uint32_t qr = add_rope(&b, L, q, d->n_heads);
         uint32_t kr = add_rope(&b, L, k, d->n_kv_heads);
 
@@ -545,7 +579,7 @@ static bool name_ok(const char *s)
 static const uint32_t arity[DAG_OP_COUNT_] = {
     [DAG_OP_EMBEDDING] = 0, [DAG_OP_RMSNORM] = 1,  [DAG_OP_LINEAR] = 1,        [DAG_OP_ROPE] = 1,
     [DAG_OP_ATTENTION] = 3, [DAG_OP_SILU_MUL] = 2, [DAG_OP_ADD] = 2,           [DAG_OP_LM_HEAD] = 1,
-    [DAG_OP_CROSS_ENTROPY] = 1, [DAG_OP_SAMPLE] = 1,
+    [DAG_OP_CROSS_ENTROPY] = 1, [DAG_OP_SAMPLE] = 1, [DAG_OP_HEAD_NORM] = 1,
 };
 
 fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
@@ -592,6 +626,8 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
             return bad(em, n, "only linear nodes have an adapter target");
         if (n->op != DAG_OP_LINEAR && n->op != DAG_OP_LM_HEAD && n->adapter.method != DAG_ADAPTER_NONE)
             return bad(em, n, "only linear and lm_head nodes carry adapters");
+        if (n->flags & ~DAG_NODE_BIAS || ((n->flags & DAG_NODE_BIAS) && n->op != DAG_OP_LINEAR))
+            return bad(em, n, "flags %#x: only linear nodes may have a bias", n->flags);
 
         uint64_t w[DAG_MAX_INPUTS] = {0};
         for (uint32_t k = 0; k < n->n_inputs; k++)
@@ -623,6 +659,8 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
                 uint32_t mn = n->dim_in < n->dim_out ? n->dim_in : n->dim_out;
                 if (a->method == DAG_ADAPTER_SALR)
                     want_params = 3;
+                if (n->flags & DAG_NODE_BIAS)
+                    want_params++;
                 if ((a->method == DAG_ADAPTER_LORA || a->method == DAG_ADAPTER_LORA_FA) &&
                     (a->rank == 0 || a->rank > mn || a->rank > DAG_MAX_RANK))
                     return bad(em, n, "adapter rank %u out of [1, %u]", a->rank, mn);
@@ -671,6 +709,14 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
                 return bad(em, n, "llama3 rope scaling (factor %g, low %g, high %g, original %g) out of range",
                            (double)n->rope_factor, (double)n->rope_low_freq, (double)n->rope_high_freq,
                            (double)n->rope_orig_max);
+            break;
+        case DAG_OP_HEAD_NORM:
+            want_params = 1;
+            if (!n->n_heads || !n->head_dim || (uint64_t)n->n_heads * n->head_dim != w[0] || n->out_width != w[0] ||
+                n->dim_in != w[0] || n->dim_out != w[0])
+                return bad(em, n, "%u heads × %u does not match width %" PRIu64, n->n_heads, n->head_dim, w[0]);
+            if (!(n->eps > 0.0f) || !isfinite(n->eps) || n->eps > 1.0f)
+                return bad(em, n, "epsilon %g out of (0, 1]", (double)n->eps);
             break;
         case DAG_OP_ATTENTION:
             if (!n->n_heads || !n->n_kv_heads || !n->head_dim || n->n_heads % n->n_kv_heads)

@@ -20,7 +20,8 @@ extern "C" {
 #endif
 
 #define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
-#define DAG_MAX_PARAMS   3       /* most parameter names (salr linear/lm_head: weight, residual A, B) */
+#define DAG_MAX_PARAMS   4       /* most parameter names (salr linear: weight, residual A, B, bias) */
+#define DAG_NODE_BIAS    1u      /* dag_node.flags: a linear adds a bias [dim_out], its last parameter */
 #define DAG_MAX_ROPE_HEAD_DIM 512 /* KERN_ROPE_MAX_HEAD_DIM */
 #define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
 #define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
@@ -40,6 +41,7 @@ typedef enum {
     DAG_OP_LM_HEAD = 8,       /* 1 input; logits = x·Wᵀ (SALR-pruned: x·W_sparseᵀ + (x·A₂ᵀ)·B₂ᵀ) */
     DAG_OP_CROSS_ENTROPY = 9, /* 1 input (logits); mean next-token loss against the step's targets */
     DAG_OP_SAMPLE = 10,       /* 1 input (logits); picks the next token of the last position */
+    DAG_OP_HEAD_NORM = 11,    /* 1 input; RMSNorm of each head_dim-wide head (Qwen3's q_norm, k_norm) */
     DAG_OP_COUNT_
 } dag_op;
 
@@ -102,6 +104,7 @@ typedef struct {
     float rope_low_freq, rope_high_freq; /* rope: its low_freq_factor and high_freq_factor */
     float rope_orig_max;               /* rope: its original_max_position_embeddings */
     uint32_t window;                   /* attention: sliding window (Mistral), 0 = none */
+    uint32_t flags;                    /* DAG_NODE_BIAS */
     uint64_t out_width;                /* floats per token of the output (1 for loss/sample) */
     double flops_fwd;                  /* estimated forward FLOPs per token */
     double flops_bwd;                  /* estimated backward FLOPs per token (0 for inference) */
@@ -126,6 +129,9 @@ typedef struct {
     float rope_high_freq;       /* ... high_freq_factor */
     float rope_orig_max;        /* ... original_max_position_embeddings */
     uint32_t sliding_window;    /* attention window (Mistral), 0 = none */
+    bool qkv_bias;              /* q/k/v projections have biases (Qwen2, attention_bias) */
+    bool o_bias;                /* o_proj has a bias (attention_bias) */
+    bool qk_norm;               /* per-head RMSNorm of q and k before RoPE (Qwen3) */
 } dag_model_dims;
 
 /* What the graph ends in. */
@@ -170,7 +176,8 @@ dag_node *dag_graph_node_mut(dag_graph_t *self, size_t i);
 const dag_model_dims *dag_graph_dims(const dag_graph_t *self);
 void dag_graph_set_dims(dag_graph_t *self, const dag_model_dims *dims);
 
-/* Builds a LLaMA decoder graph: embedding, n_layers × (rmsnorm, q/k/v linears, rope q/k, attention,
+/* Builds a LLaMA decoder graph: embedding, n_layers × (rmsnorm, q/k/v linears (with biases when the
+ * dims say so), head_norm q/k (Qwen3), rope q/k, attention,
  * o linear, add, rmsnorm, gate/up linears, silu_mul, down linear, add), final rmsnorm, lm_head and
  * the head chosen in opts. Parameter names are Hugging Face's. With opts->salr_lm_head the lm_head
  * node is SALR too (params lm_head.weight, lm_head.salr_A.weight, lm_head.salr_B.weight). FU_EINVAL

@@ -31,6 +31,9 @@ void dag_dims_from_cfg(const fu_modelcfg *c, dag_model_dims *d)
     d->rope_high_freq = (float)c->rope_high_freq_factor;
     d->rope_orig_max = (float)c->rope_original_max_pos;
     d->sliding_window = c->sliding_window < UINT32_MAX ? (uint32_t)c->sliding_window : 0;
+    d->qkv_bias = c->attn_qkv_bias;
+    d->o_bias = c->attn_o_bias;
+    d->qk_norm = c->qk_norm;
 }
 
 /* ---- random model ----------------------------------------------------------------------------- */

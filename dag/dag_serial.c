@@ -19,11 +19,11 @@
 #define DAG_SERIAL_DIMS_FIELDS(X)                                                                           \
     X(vocab_size) X(hidden_size) X(intermediate_size) X(n_layers) X(n_heads) X(n_kv_heads) X(head_dim)     \
     X(rms_eps) X(rope_theta) X(tie_word_embeddings) X(rope_factor) X(rope_low_freq) X(rope_high_freq)         \
-    X(rope_orig_max) X(sliding_window)
+    X(rope_orig_max) X(sliding_window) X(qkv_bias) X(o_bias) X(qk_norm)
 #define DAG_SERIAL_PLAIN_FIELDS(X)                                                                          \
     X(layer) X(dim_in) X(dim_out) X(n_heads) X(n_kv_heads) X(head_dim) X(eps) X(theta) X(out_width)        \
     X(flops_fwd) X(flops_bwd) X(param_bytes) X(act_bytes) X(rope_factor) X(rope_low_freq) X(rope_high_freq)   \
-    X(rope_orig_max) X(window)
+    X(rope_orig_max) X(window) X(flags)
 
 /* ---- encode --------------------------------------------------------------------------------- */
 

@@ -560,6 +560,41 @@ static void test_dag_exec_gradients_match_finite_differences(void **state)
     dag_graph_destroy(&g);
 }
 
+/* The same on a Qwen3-shaped model with every new piece at once: per-head q/k RMSNorm, biases on
+ * q/k/v/o (attention_bias) and a sliding window of 5 over sequences of 8. */
+static void test_dag_exec_qwen_gradients_match_finite_differences(void **state)
+{
+    tiny *t = *state;
+    t->dir = tu_tmpdir("exec-qwen");
+    assert_non_null(t->dir);
+    fu_modelcfg_defaults(&t->cfg);
+    snprintf(t->cfg.model_type, sizeof t->cfg.model_type, "qwen3");
+    snprintf(t->cfg.architecture, sizeof t->cfg.architecture, "Qwen3ForCausalLM");
+    t->cfg.qk_norm = t->cfg.attn_qkv_bias = t->cfg.attn_o_bias = true;
+    t->cfg.sliding_window = 5;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_model_init_random(t->dir, &t->cfg, 11, 0.08f, &em), FU_OK);
+    dag_dims_from_cfg(&t->cfg, &t->dims);
+    assert_int_equal(fu_safetensors_open_dir(t->dir, &t->st, &em), FU_OK);
+    int32_t tok[16], tgt[16];
+    tokens_for(tok, 16, 5);
+    targets_for(tok, tgt, 16, 7, 1);
+    for (int m = 0; m < 2; m++) {
+        dag_graph_t *g = graph(t, m ? DAG_ADAPTER_LORA : DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+        size_t norms = 0, biased = 0;
+        for (size_t i = 0; i < dag_graph_size(g); i++) {
+            norms += dag_graph_node(g, i)->op == DAG_OP_HEAD_NORM;
+            biased += (dag_graph_node(g, i)->flags & DAG_NODE_BIAS) != 0;
+        }
+        assert_int_equal(norms, 2 * t->cfg.num_hidden_layers);
+        assert_int_equal(biased, 4 * t->cfg.num_hidden_layers);
+        dag_exec_t *x = exec_for(g, t->st, true, 0, 0, 16, false);
+        check_fd(x, g, m == 1, tok, tgt);
+        dag_exec_destroy(&x);
+        dag_graph_destroy(&g);
+    }
+}
+
 static void test_dag_exec_stages_equal_whole_dag(void **state)
 {
     tiny *t = tiny_start(state, "exec-stages", 3);
@@ -1269,6 +1304,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dag_exec_logits_match_reference),
         cmocka_unit_test(test_dag_exec_gradients_match_finite_differences),
+        cmocka_unit_test(test_dag_exec_qwen_gradients_match_finite_differences),
         cmocka_unit_test(test_dag_exec_stages_equal_whole_dag),
         cmocka_unit_test(test_dag_exec_lorafa_saves_less_than_lora),
         cmocka_unit_test(test_dag_exec_finetune_lowers_loss),

@@ -9,7 +9,9 @@
  *   - llama3: rope_scaling "llama3" (factor 8) over 300 tokens (the rescaled frequencies are the
  *     low ones: over a dozen tokens plain RoPE would pass too);
  *   - mistral: sliding_window 4 over 12 tokens (two layers reach 6 positions back);
- *   - qwen2 and qwen3 are refused with a message naming model_type (not supported yet);
+ *   - qwen2: q/k/v biases, tied embeddings, a sliding_window that use_sliding_window false disables;
+ *   - qwen3: head_dim 32 with hidden 64 (q_proj wider than the model), per-head q/k RMSNorm;
+ *   - Qwen with use_sliding_window true and an unknown model_type are refused, naming the field;
  *   - and the reference's own --self-test passes.
  * Exits 77 (skipped) only when /usr/bin/python3 cannot import torch, which deploy/install-deps.sh
  * installs: CI has it. */
@@ -134,21 +136,43 @@ static void test_model_reference_mistral(void **state)
     assert_true(family_diff("mistral", 12) <= REF_TOL);
 }
 
-/* Not supported yet: refused at once, naming the field. */
-static void test_model_reference_qwen_refused(void **state)
+static void test_model_reference_qwen2(void **state)
 {
     (void)state;
-    static const char *const fams[] = {"qwen2", "qwen3"};
-    for (int f = 0; f < 2; f++) {
-        char dir[4200], *out = NULL;
-        snprintf(dir, sizeof dir, "%s/%s", tu_dir, fams[f]);
-        assert_int_equal(tu_sh(&out, PY " '%s' --family %s --out '%s' --tokens 1,2,3", script(), fams[f], dir), 0);
+    assert_true(family_diff("qwen2", 12) <= REF_TOL);
+}
+
+static void test_model_reference_qwen3(void **state)
+{
+    (void)state;
+    assert_true(family_diff("qwen3", 12) <= REF_TOL);
+}
+
+/* What fusion does not run is refused at once by `fusion model info`, naming the field: Qwen's
+ * layer-dependent windows and a family it does not know. */
+static void test_model_reference_refusals(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *from, *to, *says;
+    } edits[] = {
+        {"\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"},
+        {"\"model_type\": \"qwen2\"", "\"model_type\": \"gemma\"", "model_type 'gemma'"},
+    };
+    char dir[4200], *out = NULL;
+    snprintf(dir, sizeof dir, "%s/refused", tu_dir);
+    assert_int_equal(tu_sh(&out, PY " '%s' --family qwen2 --out '%s' --tokens 1,2,3", script(), dir), 0);
+    free(out);
+    for (size_t k = 0; k < sizeof edits / sizeof *edits; k++) {
+        assert_int_equal(tu_sh(&out, "cd '%s' && cp config.json orig.json && sed -i 's/%s/%s/' config.json && "
+                               "grep -c '%s' config.json", dir, edits[k].from, edits[k].to, edits[k].to), 0);
         free(out);
         int rc = tu_sh(&out, "'%s' model info '%s'", tu_bin("fusion"), dir);
-        printf("%s: exit %d: %s", fams[f], rc, out);
+        printf("refused: exit %d: %s", rc, out);
         assert_int_not_equal(rc, 0);
-        assert_non_null(strstr(out, "model_type"));
-        assert_non_null(strstr(out, fams[f]));
+        assert_non_null(strstr(out, edits[k].says));
+        free(out);
+        assert_int_equal(tu_sh(&out, "cd '%s' && mv orig.json config.json", dir), 0);
         free(out);
     }
 }
@@ -168,7 +192,9 @@ int main(void)
         cmocka_unit_test(test_model_reference_llama_tied),
         cmocka_unit_test(test_model_reference_llama3),
         cmocka_unit_test(test_model_reference_mistral),
-        cmocka_unit_test(test_model_reference_qwen_refused),
+        cmocka_unit_test(test_model_reference_qwen2),
+        cmocka_unit_test(test_model_reference_qwen3),
+        cmocka_unit_test(test_model_reference_refusals),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

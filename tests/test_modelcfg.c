@@ -134,13 +134,15 @@ static void test_modelcfg_rejects_invalid_configs(void **state)
     expect_refused(",\"model_type\":\"llama\"", FU_EPROTO, "\"num_attention_heads\" is missing");
     expect_refused(",\"model_type\":\"gpt2\",\"num_attention_heads\":4", FU_EVERSION,
                    "model_type 'gpt2' is not supported");
-    expect_refused(",\"architectures\":[\"Qwen2ForCausalLM\"],\"num_attention_heads\":4", FU_EVERSION,
-                   "architecture 'Qwen2ForCausalLM' is not supported");
+    expect_refused(",\"architectures\":[\"GPT2LMHeadModel\"],\"num_attention_heads\":4", FU_EVERSION,
+                   "architecture 'GPT2LMHeadModel' is not supported");
     expect_refused(",\"num_attention_heads\":4", FU_EVERSION, "neither \"model_type\" nor \"architectures\"");
     expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"hidden_act\":\"gelu\"", FU_EVERSION,
                    "hidden_act");
-    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"attention_bias\":true", FU_EVERSION,
-                   "attention_bias");
+    expect_refused(",\"model_type\":\"llama\",\"num_attention_heads\":4,\"mlp_bias\":true", FU_EVERSION,
+                   "mlp_bias");
+    expect_refused(",\"model_type\":\"qwen2\",\"num_attention_heads\":4,\"use_sliding_window\":true", FU_EVERSION,
+                   "use_sliding_window=true is not supported for qwen2");
     expect_refused(
         ",\"model_type\":\"llama\",\"num_attention_heads\":4,\"rope_scaling\":{\"type\":\"linear\"}",
         FU_EVERSION, "rope_scaling");
