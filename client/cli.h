@@ -43,6 +43,7 @@ int cli_wait_main(int argc, char **argv);
 int cli_cancel_main(int argc, char **argv);
 int cli_peers_main(int argc, char **argv);
 int cli_result_main(int argc, char **argv); /* `fusion result`, cli_result.c */
+int cli_tokenize_main(int argc, char **argv); /* `fusion tokenize`, cli_tokenize.c */
 
 #ifdef __cplusplus
 }

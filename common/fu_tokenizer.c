@@ -210,6 +210,12 @@ void fu_tokenizer_destroy(fu_tokenizer **tok_p)
     for (size_t i = 0; i < t->n_added; i++)
         free(t->added[i].content);
     free(t->added);
+    for (size_t i = 0; i < t->n_norm; i++) {
+        free(t->norm[i].a);
+        free(t->norm[i].b);
+    }
+    free(t->dec_from);
+    free(t->dec_to);
     free(t);
 }
 
@@ -225,6 +231,87 @@ size_t fu_tokenizer_vocab_size(const fu_tokenizer *t)
 
 /* ---- decode ---------------------------------------------------------------------------------- */
 
+/* Appends s[0..n) to the growing buffer *buf (capacity *cap, *at used). */
+static void append(char **buf, size_t *cap, size_t *at, const char *s, size_t n)
+{
+    if (*at + n + 1 > *cap) {
+        while (*at + n + 1 > *cap)
+            *cap *= 2;
+        *buf = fu_realloc(*buf, *cap);
+    }
+    memcpy(*buf + *at, s, n);
+    *at += n;
+}
+
+/* The byte of a byte-fallback token "<0xXX>", or -1. */
+static int fallback_byte(const char *s, size_t n)
+{
+    if (n != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>')
+        return -1;
+    int v = 0;
+    for (int k = 3; k < 5; k++) {
+        char c = s[k];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0)
+            return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* A character-level (SentencePiece) decode: each token's text with the decoder's Replace applied
+ * (byte-fallback tokens become their bytes), fused, then Strip's leading characters removed. */
+static void decode_chars(const fu_tokenizer *t, const int32_t *ids, size_t n, char **buf, size_t *cap, size_t *at)
+{
+    for (size_t i = 0; i < n; i++) {
+        const char *s = t->id_str[ids[i]];
+        if (!s)
+            continue;
+        size_t sl = strlen(s);
+        int b = t->byte_fallback && !t->id_raw[ids[i]] ? fallback_byte(s, sl) : -1;
+        if (b >= 0) {
+            char c = (char)b;
+            append(buf, cap, at, &c, 1);
+            continue;
+        }
+        for (size_t k = 0; k < sl;) {
+            if (t->dec_from && k + t->dec_from_len <= sl && memcmp(s + k, t->dec_from, t->dec_from_len) == 0) {
+                append(buf, cap, at, t->dec_to, t->dec_to_len);
+                k += t->dec_from_len;
+            } else {
+                append(buf, cap, at, s + k, 1);
+                k++;
+            }
+        }
+    }
+    size_t cut = 0;
+    while ((int)cut < t->strip_start && cut < *at && (*buf)[cut] == t->strip_char)
+        cut++;
+    memmove(*buf, *buf + cut, *at - cut);
+    *at -= cut;
+}
+
+/* transformers' clean_up_tokenization: " ." -> ".", " ?", " !", " ,", " ' " -> "'", " n't", " 'm",
+ * " 's", " 've", " 're", in that order, in place. */
+static void clean_up(char *s, size_t *len)
+{
+    static const char *const from[] = {" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"};
+    static const char *const to[] = {".", "?", "!", ",", "'", "n't", "'m", "'s", "'ve", "'re"};
+    for (size_t r = 0; r < sizeof from / sizeof *from; r++) {
+        size_t fl = strlen(from[r]), tl = strlen(to[r]), w = 0;
+        for (size_t i = 0; i < *len;) {
+            if (i + fl <= *len && memcmp(s + i, from[r], fl) == 0) {
+                memmove(s + w, to[r], tl);
+                w += tl;
+                i += fl;
+            } else {
+                s[w++] = s[i++];
+            }
+        }
+        *len = w;
+    }
+}
+
 fu_err fu_tokenizer_decode(const fu_tokenizer *t, const int32_t *ids, size_t n, char **text, size_t *len,
                            fu_errmsg *em)
 {
@@ -234,12 +321,18 @@ fu_err fu_tokenizer_decode(const fu_tokenizer *t, const int32_t *ids, size_t n, 
     *len = 0;
     size_t cap = 64, at = 0;
     char *buf = fu_malloc(cap);
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (size_t)ids[i] >= t->vocab_size) {
+            free(buf);
+            return fu_errmsg_set(em, FU_EINVAL, "token id %d is outside the vocabulary (size %zu)", ids[i],
+                                 t->vocab_size);
+        }
+    if (t->kind == FU_TOK_BPE && t->char_level) {
+        decode_chars(t, ids, n, &buf, &cap, &at);
+        n = 0; /* done */
+    }
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];
-        if (id < 0 || (size_t)id >= t->vocab_size) {
-            free(buf);
-            return fu_errmsg_set(em, FU_EINVAL, "token id %d is outside the vocabulary (size %zu)", id, t->vocab_size);
-        }
         const char *s = NULL;
         size_t sl = 0;
         char one;
@@ -279,6 +372,8 @@ fu_err fu_tokenizer_decode(const fu_tokenizer *t, const int32_t *ids, size_t n, 
             k += cl;
         }
     }
+    if (t->cleanup)
+        clean_up(buf, &at);
     buf[at] = '\0';
     *text = buf;
     *len = at;

@@ -4,18 +4,23 @@
  *  - byte-level (the default, and what `fusion model init` models use): token id = byte value,
  *    vocab >= 256, decode is the identity on bytes; ids 256.. (a larger model vocab) decode to
  *    nothing.
- *  - BPE read from a Hugging Face tokenizer.json (GPT-2 style byte-level BPE): "model" of type BPE
- *    with "vocab" and "merges" (either "a b" strings or ["a", "b"] pairs), a ByteLevel
- *    pre-tokenizer (GPT-2's byte<->unicode mapping and its split of words, numbers, punctuation and
- *    spaces), optionally after a Split with the Llama-3 or Qwen2 pattern (Llama-3 tokenizers),
- *    "added_tokens" (special tokens such as <s>, matched in the raw text first).
+ *  - BPE read from a Hugging Face tokenizer.json, of either family:
+ *    - byte-level BPE (GPT-2, Llama 3, Qwen2/3): a ByteLevel pre-tokenizer (GPT-2's byte<->unicode
+ *      mapping and its split of words, numbers, punctuation and spaces), optionally after a Split
+ *      with the Llama-3 or Qwen2 pattern; ignore_merges; an NFC normalizer (Qwen);
+ *    - SentencePiece-style BPE (Llama 2, Mistral, TinyLlama): no pre-tokenizer, a normalizer
+ *      Sequence of Prepend("▁") and Replace(" " -> "▁"), BPE over characters with byte_fallback
+ *      (<0xXX> tokens) and fuse_unk, and the decoder Sequence Replace, ByteFallback, Fuse, Strip;
+ *    "added_tokens" (special tokens such as <s>) are matched in the raw text first, and each
+ *    stretch between them is normalized and encoded alone. tokenizer_config.json beside it gives
+ *    clean_up_tokenization_spaces for decoding.
+ * Categories (\p{L}, \p{N}) come from Unicode tables (fu_unicode.h) and \s is JavaScript's: ids
+ * equal @lenml/tokenizers' (transformers.js) on the conformance corpus (test_tokenizer_conformance).
  *
- * Limits (said by FU_EVERSION at load time, never silently ignored): normalizers, other
- * pre-tokenizers (Metaspace/SentencePiece style), Split patterns other than the GPT-2, Llama-3 and
- * Qwen2 ones, BPE dropout, byte_fallback, continuing_subword_prefix and end_of_word_suffix. The
- * split rules class every non-ASCII character as a letter (the patterns use Unicode categories):
- * for non-ASCII punctuation or digits the pieces, and so the ids, can differ from Hugging Face's;
- * on ASCII they cut identically, and decode(encode(text)) == text always holds.
+ * Limits (said by FU_EVERSION at load time, never silently ignored): other normalizers (NFKC,
+ * Lowercase, Replace with a Regex), other pre-tokenizers (Metaspace, Whitespace, Digits), Split
+ * patterns other than the GPT-2, Llama-3 and Qwen2 ones, BPE dropout, continuing_subword_prefix,
+ * end_of_word_suffix, and models other than BPE (WordPiece, Unigram).
  *
  * A tokenizer is read-only after construction and may be shared by threads. */
 #ifndef FU_TOKENIZER_H
@@ -33,6 +38,7 @@ extern "C" {
 #endif
 
 #define FU_TOKENIZER_FILE "tokenizer.json"
+#define FU_TOKENIZER_CONFIG_FILE "tokenizer_config.json" /* beside it: clean_up_tokenization_spaces */
 /* Largest tokenizer.json read. */
 #define FU_TOKENIZER_MAX_BYTES ((size_t)64 << 20)
 /* Largest token id + 1 accepted. */

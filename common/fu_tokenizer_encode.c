@@ -9,6 +9,7 @@
 
 #include "fu_alloc.h"
 #include "fu_tokenizer_internal.h"
+#include "fu_unicode.h"
 
 typedef struct {
     int32_t *v;
@@ -26,23 +27,18 @@ static void idvec_push(idvec *v, int32_t id)
 
 enum { CL_LETTER, CL_NUMBER, CL_SPACE, CL_OTHER };
 
+/* \p{L}, \p{N}, \s (JavaScript's, as transformers.js: the conformance reference) or anything else. */
 static int char_class(uint32_t cp)
 {
     if (cp == CP_INVALID)
         return CL_OTHER;
-    if (cp < 0x80) {
-        if ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z')
-            return CL_LETTER;
-        if (cp >= '0' && cp <= '9')
-            return CL_NUMBER;
-        if (cp == ' ' || (cp >= 0x09 && cp <= 0x0D))
-            return CL_SPACE;
-        return CL_OTHER;
-    }
-    if (cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
-        cp == 0x202F || cp == 0x205F || cp == 0x3000)
+    if (fu_uni_is_letter(cp))
+        return CL_LETTER;
+    if (fu_uni_is_number(cp))
+        return CL_NUMBER;
+    if (fu_uni_is_space(cp))
         return CL_SPACE;
-    return CL_LETTER; /* approximation: see the header */
+    return CL_OTHER;
 }
 
 /* Where the run of at most max characters of class cl that starts at s[j] ends. */
@@ -219,11 +215,45 @@ static void push_pair(const fu_tokenizer *t, bpe_work *w, int32_t a)
 
 /* BPE of one pre-token: bytes -> ids appended to out. Merges are applied lowest rank first,
  * leftmost first among equal ranks (as Hugging Face tokenizers do), in O(n log n). */
+/* The first symbols of a character-level word: each character's token, else its bytes' <0xXX>
+ * tokens (byte_fallback), else <unk> (consecutive ones fused with fuse_unk). Returns how many. */
+static fu_err char_symbols(const fu_tokenizer *t, const uint8_t *s, size_t n, bpe_work *w, size_t *m_out,
+                           fu_errmsg *em)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        size_t l = fu_tok_utf8_next(s, n, i, &cp);
+        int32_t id = cp == CP_INVALID ? -1 : fu_tok_smap_get(&t->vocab, (const char *)s + i, l);
+        if (id >= 0) {
+            w->id[m++] = id;
+        } else if (t->byte_fallback && t->fallback_id[s[i]] >= 0) {
+            for (size_t k = 0; k < l; k++)
+                w->id[m++] = t->fallback_id[s[i + k]] >= 0 ? t->fallback_id[s[i + k]] : t->unk_id;
+        } else if (t->unk_id >= 0) {
+            if (!(t->fuse_unk && m && w->id[m - 1] == t->unk_id))
+                w->id[m++] = t->unk_id;
+        } else {
+            return fu_errmsg_set(em, FU_EPROTO, "tokenizer: a character has no token and there is no unk_token");
+        }
+        i += l;
+    }
+    *m_out = m;
+    return FU_OK;
+}
+
 static fu_err bpe_word(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec *out, bpe_work *w, fu_errmsg *em)
 {
     if (n == 0)
         return FU_OK;
-    if (t->ignore_merges && n <= FU_TOKENIZER_MAX_TOKEN) {
+    if (t->ignore_merges && t->char_level && n <= FU_TOKENIZER_MAX_TOKEN) {
+        int32_t id = fu_tok_smap_get(&t->vocab, (const char *)s, n);
+        if (id >= 0) {
+            idvec_push(out, id);
+            return FU_OK;
+        }
+    }
+    if (t->ignore_merges && !t->char_level && n <= FU_TOKENIZER_MAX_TOKEN) {
         char buf[4 * FU_TOKENIZER_MAX_TOKEN];
         size_t m = 0;
         buf[0] = '\0';
@@ -244,19 +274,29 @@ static fu_err bpe_word(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec 
         w->next = fu_realloc(w->next, n * sizeof *w->next);
         w->heap = fu_realloc(w->heap, 2 * n * sizeof *w->heap);
     }
-    for (size_t i = 0; i < n; i++) {
-        int32_t id = t->byte_tok[s[i]];
-        if (id < 0) {
-            if (t->unk_id < 0)
-                return fu_errmsg_set(em, FU_EPROTO, "tokenizer: byte 0x%02x has no token and there is no unk_token", s[i]);
-            id = t->unk_id;
+    size_t m = n; /* symbols: one per byte (byte-level), or per character (char_symbols) */
+    if (t->char_level) {
+        FU_TRY(char_symbols(t, s, n, w, &m, em));
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            int32_t id = t->byte_tok[s[i]];
+            if (id < 0) {
+                if (t->unk_id < 0)
+                    return fu_errmsg_set(em, FU_EPROTO, "tokenizer: byte 0x%02x has no token and there is no unk_token",
+                                         s[i]);
+                id = t->unk_id;
+            }
+            w->id[i] = id;
         }
-        w->id[i] = id;
+    }
+    if (m == 0)
+        return FU_OK;
+    for (size_t i = 0; i < m; i++) {
         w->prev[i] = (int32_t)i - 1;
-        w->next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
+        w->next[i] = i + 1 < m ? (int32_t)i + 1 : -1;
     }
     w->hn = 0;
-    for (size_t i = 0; i + 1 < n; i++)
+    for (size_t i = 0; i + 1 < m; i++)
         push_pair(t, w, (int32_t)i);
     /* Each merge removes a symbol and pushes at most two pairs: the heap stays within 2n. */
     while (w->hn) {
@@ -264,9 +304,9 @@ static fu_err bpe_word(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec 
         int32_t a = e.pos, b = w->next[a];
         if (w->id[a] != e.left || b < 0 || w->id[b] != e.right || w->prev[a] == -2)
             continue; /* stale: one side was merged since */
-        const pmap_ent *m =
+        const pmap_ent *pm =
             fu_tok_pmap_slot(&t->merges, ((uint64_t)(uint32_t)e.left << 32) | (uint32_t)e.right);
-        w->id[a] = m->id;
+        w->id[a] = pm->id;
         w->next[a] = w->next[b];
         if (w->next[b] >= 0)
             w->prev[w->next[b]] = a;
@@ -280,10 +320,59 @@ static fu_err bpe_word(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec 
     return FU_OK;
 }
 
+/* The normalizers of t applied to s[0..n): a new buffer in *out (NULL when there are none). */
+static void normalize(const fu_tokenizer *t, const uint8_t *s, size_t n, uint8_t **out, size_t *out_n)
+{
+    *out = NULL;
+    *out_n = n;
+    if (t->n_norm == 0 || n == 0)
+        return;
+    char *cur = fu_malloc(n + 1);
+    memcpy(cur, s, n);
+    size_t len = n;
+    for (size_t k = 0; k < t->n_norm; k++) {
+        const norm_step *st = &t->norm[k];
+        char *next = NULL;
+        size_t nl = 0;
+        if (st->kind == NORM_NFC) {
+            if (fu_uni_nfc(cur, len, &next, &nl) != FU_OK)
+                continue;
+        } else if (st->kind == NORM_PREPEND) {
+            next = fu_malloc(st->al + len + 1);
+            memcpy(next, st->a, st->al);
+            memcpy(next + st->al, cur, len);
+            nl = st->al + len;
+        } else { /* NORM_REPLACE: every occurrence, left to right */
+            size_t hits = 0;
+            for (size_t i = 0; i + st->al <= len;)
+                i += memcmp(cur + i, st->a, st->al) == 0 ? (hits++, st->al) : 1;
+            next = fu_malloc(len + hits * st->bl + 1);
+            for (size_t i = 0; i < len;) {
+                if (i + st->al <= len && memcmp(cur + i, st->a, st->al) == 0) {
+                    memcpy(next + nl, st->b, st->bl);
+                    nl += st->bl;
+                    i += st->al;
+                } else {
+                    next[nl++] = cur[i++];
+                }
+            }
+        }
+        free(cur);
+        cur = next;
+        len = nl;
+    }
+    *out = (uint8_t *)cur;
+    *out_n = len;
+}
+
 /* Encodes a stretch of text with no added tokens in it. */
 static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec *out, bpe_work *w,
                              fu_errmsg *em)
 {
+    uint8_t *normed = NULL;
+    normalize(t, s, n, &normed, &n);
+    if (normed)
+        s = normed;
     uint8_t *tmp = NULL;
     if (t->add_prefix_space && n && s[0] != ' ') {
         tmp = fu_malloc(n + 1);
@@ -302,6 +391,7 @@ static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, 
         i += len;
     }
     free(tmp);
+    free(normed);
     return rc;
 }
 

@@ -73,6 +73,17 @@ size_t fu_tok_utf8_next(const uint8_t *s, size_t n, size_t i, uint32_t *cp);
 /* Word splitting rules fusion knows (their regular expressions: fu_tokenizer_json.c). */
 enum { SPLIT_NONE = 0, SPLIT_GPT2, SPLIT_LLAMA3, SPLIT_QWEN2 };
 
+/* One step of a normalizer Sequence (tokenizer.json "normalizer"), applied to each stretch of text
+ * between added tokens. */
+enum { NORM_NFC = 1, NORM_PREPEND, NORM_REPLACE };
+#define FU_TOK_MAX_NORM 4
+
+typedef struct {
+    int   kind;     /* NORM_* */
+    char *a, *b;    /* PREPEND: a = the prefix; REPLACE: a -> b (String patterns) */
+    size_t al, bl;
+} norm_step;
+
 typedef struct {
     char   *content; /* the text that stands for the token */
     size_t  len;
@@ -98,6 +109,21 @@ struct fu_tokenizer {
     int         split;         /* SPLIT_*: how text is cut into words before BPE */
     bool        ignore_merges;
     int32_t     bos_id, eos_id;
+    /* SentencePiece-style BPE (Llama 2, Mistral, TinyLlama): no ByteLevel pre-tokenizer, so the
+     * symbols are characters, and characters missing from the vocabulary become <0xXX> tokens. */
+    bool        char_level;    /* symbols are UTF-8 characters (no GPT-2 byte mapping) */
+    bool        byte_fallback; /* model.byte_fallback */
+    bool        fuse_unk;      /* model.fuse_unk: consecutive unknown characters are one <unk> */
+    int32_t     fallback_id[256]; /* id of <0xXX>, or -1 */
+    norm_step   norm[FU_TOK_MAX_NORM];
+    size_t      n_norm;
+    /* decoder Sequence of a SentencePiece tokenizer: Replace(dec_from -> dec_to), ByteFallback,
+     * Fuse, Strip(strip_char, strip_start leading) */
+    char       *dec_from, *dec_to;
+    size_t      dec_from_len, dec_to_len;
+    int         strip_start;
+    char        strip_char;
+    bool        cleanup;       /* tokenizer_config.json clean_up_tokenization_spaces: " ." -> "." ... */
 };
 
 #ifdef __cplusplus

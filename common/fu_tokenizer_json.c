@@ -71,9 +71,11 @@ static fu_err parse_split(const cJSON *sp, const char *lab, int *split, fu_errms
  * known pattern (Llama-3 style: Split then ByteLevel with use_regex false). */
 static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *lab, fu_errmsg *em)
 {
-    if (!pt || cJSON_IsNull(pt))
-        return fu_errmsg_set(em, FU_EVERSION,
-                             "%s: has no pre_tokenizer; fusion reads byte-level BPE tokenizers (pre_tokenizer ByteLevel)", lab);
+    if (!pt || cJSON_IsNull(pt)) { /* SentencePiece style: the normalizer marks the spaces, BPE over characters */
+        t->char_level = true;
+        t->split = SPLIT_NONE;
+        return FU_OK;
+    }
     if (!cJSON_IsObject(pt))
         return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer is not an object", lab);
     int split = SPLIT_NONE;
@@ -121,13 +123,108 @@ static void set_id_str(fu_tokenizer *t, int32_t id, const char *s, size_t len, b
     t->id_raw[id] = raw;
 }
 
+/* A string-valued field of o, copied into *out (its length in *len); false when it is not a string. */
+static bool dup_string(const cJSON *o, const char *key, char **out, size_t *len)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsString(it) || strlen(it->valuestring) > FU_TOKENIZER_MAX_TOKEN)
+        return false;
+    *len = strlen(it->valuestring);
+    *out = fu_malloc(*len + 1);
+    memcpy(*out, it->valuestring, *len + 1);
+    return true;
+}
+
+/* One normalizer: NFC, Prepend, or Replace with a String pattern. */
+static fu_err parse_norm_step(fu_tokenizer *t, const cJSON *n, const char *lab, fu_errmsg *em)
+{
+    if (t->n_norm == FU_TOK_MAX_NORM)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: more than %d normalizers", lab, FU_TOK_MAX_NORM);
+    norm_step *s = &t->norm[t->n_norm];
+    const char *ty = type_of(n);
+    if (strcmp(ty, "NFC") == 0) {
+        s->kind = NORM_NFC;
+    } else if (strcmp(ty, "Prepend") == 0) {
+        if (!dup_string(n, "prepend", &s->a, &s->al))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: a Prepend normalizer needs a \"prepend\" string", lab);
+        s->kind = NORM_PREPEND;
+    } else if (strcmp(ty, "Replace") == 0) {
+        const cJSON *pat = cJSON_GetObjectItemCaseSensitive(n, "pattern");
+        if (!dup_string(pat, "String", &s->a, &s->al) || s->al == 0 || !dup_string(n, "content", &s->b, &s->bl)) {
+            free(s->a);
+            s->a = NULL;
+            return fu_errmsg_set(em, FU_EVERSION, "%s: a Replace normalizer is supported with a String pattern only",
+                                 lab);
+        }
+        s->kind = NORM_REPLACE;
+    } else {
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: normalizer '%.40s' is not supported (fusion applies NFC, Prepend and Replace)", lab, ty);
+    }
+    t->n_norm++;
+    return FU_OK;
+}
+
+static fu_err parse_normalizer(fu_tokenizer *t, const cJSON *norm, const char *lab, fu_errmsg *em)
+{
+    if (!norm || cJSON_IsNull(norm))
+        return FU_OK;
+    if (!cJSON_IsObject(norm))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: normalizer is not an object", lab);
+    if (strcmp(type_of(norm), "Sequence") != 0)
+        return parse_norm_step(t, norm, lab, em);
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(norm, "normalizers");
+    if (!cJSON_IsArray(list))
+        return fu_errmsg_set(em, FU_EPROTO, "%s: a Sequence normalizer needs \"normalizers\"", lab);
+    for (const cJSON *n = list->child; n; n = n->next) {
+        if (!cJSON_IsObject(n))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: a normalizer is not an object", lab);
+        FU_TRY(parse_norm_step(t, n, lab, em));
+    }
+    return FU_OK;
+}
+
+/* The decoder of a character-level (SentencePiece) tokenizer: a Sequence of Replace (String),
+ * ByteFallback, Fuse and Strip, applied in that order. */
+static fu_err parse_sp_decoder(fu_tokenizer *t, const cJSON *dec, const char *lab, fu_errmsg *em)
+{
+    const cJSON *list = cJSON_IsObject(dec) && strcmp(type_of(dec), "Sequence") == 0
+                            ? cJSON_GetObjectItemCaseSensitive(dec, "decoders")
+                            : NULL;
+    if (!cJSON_IsArray(list))
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "%s: a tokenizer without a ByteLevel pre-tokenizer needs a decoder Sequence of Replace, "
+                             "ByteFallback, Fuse and Strip (SentencePiece style)", lab);
+    for (const cJSON *d = list->child; d; d = d->next) {
+        const char *ty = type_of(d);
+        if (strcmp(ty, "Replace") == 0) {
+            const cJSON *pat = cJSON_GetObjectItemCaseSensitive(d, "pattern");
+            if (t->dec_from || !dup_string(pat, "String", &t->dec_from, &t->dec_from_len) || t->dec_from_len == 0 ||
+                !dup_string(d, "content", &t->dec_to, &t->dec_to_len))
+                return fu_errmsg_set(em, FU_EVERSION, "%s: one Replace decoder with a String pattern is supported", lab);
+        } else if (strcmp(ty, "Strip") == 0) {
+            const cJSON *c = cJSON_GetObjectItemCaseSensitive(d, "content"), *st = cJSON_GetObjectItemCaseSensitive(d, "start"),
+                        *sp = cJSON_GetObjectItemCaseSensitive(d, "stop");
+            if (!cJSON_IsString(c) || strlen(c->valuestring) != 1 || !cJSON_IsNumber(st) || st->valuedouble < 0 ||
+                st->valuedouble > 16 || (sp && !(cJSON_IsNumber(sp) && sp->valuedouble == 0)))
+                return fu_errmsg_set(em, FU_EVERSION, "%s: a Strip decoder is supported for one character at the start",
+                                     lab);
+            t->strip_char = c->valuestring[0];
+            t->strip_start = (int)st->valuedouble;
+        } else if (strcmp(ty, "ByteFallback") != 0 && strcmp(ty, "Fuse") != 0) {
+            return fu_errmsg_set(em, FU_EVERSION, "%s: decoder '%.40s' is not supported in a SentencePiece-style Sequence",
+                                 lab, ty);
+        }
+    }
+    return FU_OK;
+}
+
 static fu_err parse_bpe(fu_tokenizer *t, const cJSON *root, const char *lab, fu_errmsg *em)
 {
-    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
-    if (norm && !cJSON_IsNull(norm))
-        return fu_errmsg_set(em, FU_EVERSION, "%s: normalizer '%.40s' is not supported (byte-level BPE has none)", lab,
-                             type_of(norm));
+    FU_TRY(parse_normalizer(t, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), lab, em));
     FU_TRY(parse_pre_tokenizer(t, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), lab, em));
+    if (t->char_level)
+        FU_TRY(parse_sp_decoder(t, cJSON_GetObjectItemCaseSensitive(root, "decoder"), lab, em));
 
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (!cJSON_IsObject(model))
@@ -144,8 +241,10 @@ static fu_err parse_bpe(fu_tokenizer *t, const cJSON *root, const char *lab, fu_
         if (a && !cJSON_IsNull(a) && !(cJSON_IsString(a) && a->valuestring[0] == '\0'))
             return fu_errmsg_set(em, FU_EVERSION, "%s: BPE %s is not supported", lab, affixes[i]);
     }
-    if (json_flag(model, "byte_fallback", false))
-        return fu_errmsg_set(em, FU_EVERSION, "%s: BPE byte_fallback (SentencePiece style) is not supported", lab);
+    t->byte_fallback = json_flag(model, "byte_fallback", false);
+    if (t->byte_fallback && !t->char_level)
+        return fu_errmsg_set(em, FU_EVERSION, "%s: BPE byte_fallback with a ByteLevel pre-tokenizer is not supported", lab);
+    t->fuse_unk = json_flag(model, "fuse_unk", false);
     t->ignore_merges = json_flag(model, "ignore_merges", false);
 
     const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
@@ -259,9 +358,11 @@ static fu_err parse_bpe(fu_tokenizer *t, const cJSON *root, const char *lab, fu_
         cJSON_IsString(unk) ? fu_tok_smap_get(&t->vocab, unk->valuestring, strlen(unk->valuestring)) : -1;
     fu_tok_byte_unicode_maps(t->byte_cp, t->cp_byte);
     for (int b = 0; b < 256; b++) {
-        char u[4];
+        char u[8];
         size_t n = fu_tok_utf8_put(u, t->byte_cp[b]);
-        t->byte_tok[b] = fu_tok_smap_get(&t->vocab, u, n);
+        t->byte_tok[b] = t->char_level ? -1 : fu_tok_smap_get(&t->vocab, u, n);
+        snprintf(u, sizeof u, "<0x%02X>", b);
+        t->fallback_id[b] = t->byte_fallback ? fu_tok_smap_get(&t->vocab, u, 6) : -1;
     }
     static const char *const bos_names[] = {"<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"};
     static const char *const eos_names[] = {"</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"};
@@ -297,6 +398,28 @@ fu_err fu_tokenizer_parse_json(const char *json, size_t len, const char *label, 
     return FU_OK;
 }
 
+/* tokenizer_config.json beside a tokenizer.json (dir/FU_TOKENIZER_CONFIG_FILE): what it says about
+ * decoding. clean_up_tokenization_spaces defaults to true when the file is there (transformers'
+ * default), false without it. A file that is not valid JSON is refused. */
+static fu_err read_config(fu_tokenizer *t, const char *dir, fu_errmsg *em)
+{
+    char *p = fu_path_join(dir, FU_TOKENIZER_CONFIG_FILE);
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = FU_OK;
+    if (fu_path_exists(p) && (rc = fu_file_read_all(p, FU_TOKENIZER_MAX_BYTES, &txt, &len, em)) == FU_OK) {
+        cJSON *c = cJSON_ParseWithLength(txt, len);
+        if (!cJSON_IsObject(c))
+            rc = fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", p);
+        else
+            t->cleanup = json_flag(c, "clean_up_tokenization_spaces", true);
+        cJSON_Delete(c);
+    }
+    free(txt);
+    free(p);
+    return rc;
+}
+
 fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em)
 {
     if (!path || !out)
@@ -309,6 +432,16 @@ fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em)
         return rc;
     rc = fu_tokenizer_parse_json(txt, len, fu_path_base(path), out, em);
     free(txt);
+    if (rc == FU_OK && (*out)->kind == FU_TOK_BPE) {
+        const char *base = fu_path_base(path); /* the folder of path: its text before the base name */
+        char *dir = fu_malloc((size_t)(base - path) + 1);
+        memcpy(dir, path, (size_t)(base - path));
+        dir[base - path] = '\0';
+        rc = read_config(*out, dir[0] ? dir : ".", em);
+        free(dir);
+        if (rc != FU_OK)
+            fu_tokenizer_destroy(out);
+    }
     return rc;
 }
 
@@ -345,5 +478,7 @@ fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer *
     if (rc == FU_OK)
         rc = fu_tokenizer_for_model(txt, len, model_vocab, out, em);
     free(txt);
+    if (rc == FU_OK && (*out)->kind == FU_TOK_BPE && (rc = read_config(*out, dir, em)) != FU_OK)
+        fu_tokenizer_destroy(out);
     return rc;
 }

