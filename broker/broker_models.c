@@ -101,6 +101,7 @@ static void model_free(broker_model *m)
     free(m->config);
     free(m->salr);
     free(m->tokenizer);
+    free(m->tok_config);
     free(m->dir);
     free(m);
 }
@@ -299,6 +300,9 @@ static fu_err load(const char *name, const char *dir, const known *k, broker_mod
     if (rc == FU_OK)
         rc = read_small(name, dir, FU_TOKENIZER_FILE, FU_TOKENIZER_MAX_BYTES, false, &m->tokenizer, &m->tokenizer_len,
                         em);
+    if (rc == FU_OK)
+        rc = read_small(name, dir, FU_TOKENIZER_CONFIG_FILE, FU_TOKENIZER_MAX_BYTES, false, &m->tok_config,
+                        &m->tok_config_len, em);
     fu_errmsg sub = {{0}};
     if (rc == FU_OK && (rc = fu_safetensors_open_dir(dir, &m->st, &sub)) != FU_OK) {
         /* the parser's words may quote the file (a "header length" is its first 8 bytes): log them only */

@@ -48,6 +48,9 @@ typedef struct {
     size_t salr_len;
     char *tokenizer;                   /* tokenizer.json, or NULL: none */
     size_t tokenizer_len;
+    char *tok_config;                  /* tokenizer_config.json (its chat_template), or NULL; not part of the id:
+                                          it changes nothing the peers compute */
+    size_t tok_config_len;
     fu_safetensors *st;                /* mapped weights (read-only) */
     uint8_t (*hashes)[BROKER_MODEL_HASH_LEN]; /* per tensor, in fu_safetensors_at order */
     uint64_t bytes;                    /* tensor bytes */

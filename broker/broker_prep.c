@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "broker_internal.h"
+#include "dag_dataset.h"
 #include "dag_model.h"
 #include "dag_serial.h"
 #include "fu_alloc.h"
@@ -84,7 +85,8 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
         return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
     if ((rc = dag_graph_encode(j->graph, &j->dag_bytes, &j->dag_len)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be encoded: %s", fu_strerror(rc));
-    if ((rc = fu_tokenizer_for_model(m->tokenizer, m->tokenizer_len, cfg.vocab_size, &j->tok, &sub)) != FU_OK)
+    if ((rc = fu_tokenizer_for_model(m->tokenizer, m->tokenizer_len, cfg.vocab_size, cfg.byte_tokens || j->spec.byte_tokens,
+                                     &j->tok, &sub)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
     /* the ids that end a generation: config.json's (Llama 3 lists several), else the tokenizer's */
     j->n_eos = 0;
@@ -137,6 +139,17 @@ static fu_err submit_prepare(broker_submit_task *t)
         n_ids = j->spec.n_prompt_tokens;
         ids = fu_malloc((n_ids ? n_ids : 1) * sizeof *ids);
         memcpy(ids, j->spec.prompt_tokens, n_ids * sizeof *ids);
+    } else if (t->kind == DB_JOB_FINETUNE) { /* plain text or JSON Lines (dag_dataset.h) */
+        dag_dataset_opts dopt = {.seq_len = j->spec.seq_len, .heldout = j->spec.heldout};
+        dag_dataset ds;
+        if ((rc = dag_chat_format_from_config(j->model->tok_config, j->model->tok_config_len, &dopt.chat, &em)) !=
+                FU_OK ||
+            (rc = dag_dataset_make(j->tok, (const char *)t->data, t->data_len, &dopt, &ds, &em)) != FU_OK)
+            return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, rc));
+        ids = ds.train;
+        n_ids = ds.n_train;
+        ds.train = NULL;
+        dag_dataset_free(&ds);
     } else if (fu_tokenizer_encode(j->tok, (const char *)t->data, t->data_len, &ids, &n_ids, &em) != FU_OK) {
         return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, FU_EINVAL));
     }

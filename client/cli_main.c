@@ -28,6 +28,7 @@ static const cli_subcommand subcommands[] = {
     {"result", "download a finished job's adapter (PEFT format)", cli_result_main, "End to end: client CLI"},
     {"cancel", "cancel one of your jobs", cli_cancel_main, "End to end: client CLI"},
     {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
+    {"eval", "perplexity of a model, with and without an adapter, on held-out data", cli_eval_main, "Data"},
     {"tokenize", "encode text to token ids with a model's tokenizer, or decode ids (--decode)", cli_tokenize_main,
      "Tokenizers"},
 };

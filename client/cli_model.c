@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
+#include "fu_tokenizer.h"
 #include "dag_model.h"
 #include "fu_opts.h"
 #include "fu_safetensors.h"
@@ -93,6 +94,7 @@ static int model_init(int argc, char **argv)
     cfg.num_key_value_heads = (size_t)kv_heads;
     cfg.intermediate_size = (size_t)ffn;
     cfg.vocab_size = (size_t)vocab;
+    cfg.byte_tokens = true; /* no tokenizer.json: its ids are bytes, whatever the vocabulary */
     cfg.max_position_embeddings = (size_t)max_pos;
     cfg.rope_theta = rope_theta;
     cfg.rms_norm_eps = rms_eps;
@@ -161,13 +163,20 @@ static int model_init(int argc, char **argv)
 
 static int model_info(int argc, char **argv)
 {
+    bool byte_tokens = false;
+    const fu_opt opts[] = {
+        {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL,
+         "accept a model of more than 256 ids without tokenizer.json (its text as byte ids)"},
+    };
     const fu_cmd cmd = {
         .prog = "fusion model info",
         .usage = "[options] DIR",
-        .summary = "Reads a Hugging Face model directory (config.json and its safetensors), checks that "
-                   "every weight a LLaMA model needs is there with the right shape, and prints a summary.",
+        .summary = "Reads a Hugging Face model directory (config.json, its safetensors and tokenizer.json), checks "
+                   "that every weight its family needs is there with the right shape and that the tokenizer "
+                   "loads and fits the vocabulary, and prints a summary.",
         .min_pos = 1,
         .max_pos = 1,
+        FU_OPTS_TABLE(opts),
     };
     int code = 0;
     if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
@@ -195,12 +204,26 @@ static int model_info(int argc, char **argv)
         fu_safetensors_close(&st);
         return exit_for(rc);
     }
+    fu_tokenizer *tok = NULL;
+    rc = fu_tokenizer_open_dir(dir, cfg.vocab_size, cfg.byte_tokens || byte_tokens, &tok, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion: model dir '%s': tokenizer: %s\n", dir, fu_errmsg_text(&em, rc));
+        fu_safetensors_close(&st);
+        return exit_for(rc);
+    }
+    char toks[160];
+    if (fu_tokenizer_kind(tok) == FU_TOK_BYTES)
+        snprintf(toks, sizeof toks, "byte tokens (ids 0..255)");
+    else
+        snprintf(toks, sizeof toks, "BPE tokenizer of %zu ids, BOS %d, EOS %d", fu_tokenizer_vocab_size(tok),
+                 fu_tokenizer_bos_id(tok), fu_tokenizer_eos_id(tok));
+    fu_tokenizer_destroy(&tok);
     printf("%s: %s (%s), %zu layers, hidden %zu, heads %zu, kv heads %zu, head_dim %zu, ffn %zu, vocab %zu, "
-           "max_pos %zu, rope_theta %g, rms_eps %g, %s, %llu parameters in %zu tensors (%s)\n",
+           "max_pos %zu, rope_theta %g, rms_eps %g, %s, %llu parameters in %zu tensors (%s); %s\n",
            dir, cfg.architecture, cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings,
            cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings ? "tied embeddings" : "separate lm_head",
-           (unsigned long long)fu_modelcfg_param_count(&cfg), fu_safetensors_count(st), dtname);
+           (unsigned long long)fu_modelcfg_param_count(&cfg), fu_safetensors_count(st), dtname, toks);
     fu_safetensors_close(&st);
     return FU_EXIT_OK;
 }

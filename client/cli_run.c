@@ -13,6 +13,7 @@
 
 #include "cli.h"
 #include "dag_data.h"
+#include "dag_dataset.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
 #include "dag_infer.h"
@@ -67,18 +68,28 @@ typedef struct {
     dag_model_dims dims;
     fu_safetensors *st;
     fu_tokenizer *tok;
+    dag_chat_format chat; /* tokenizer_config.json's chat_template (JSON Lines "messages") */
     bool salr;
     uint32_t res_rank;
     bool salr_lm_head; /* the SALR model's lm_head is pruned too */
 } cli_model;
 
-static fu_err model_open(const char *dir, cli_model *m, fu_errmsg *em)
+/* byte_tokens: --byte-tokens (a model of more than 256 ids without tokenizer.json takes byte ids). */
+static fu_err model_open(const char *dir, bool byte_tokens, cli_model *m, fu_errmsg *em)
 {
     memset(m, 0, sizeof *m);
     FU_TRY(fu_modelcfg_load(dir, &m->cfg, em));
     dag_dims_from_cfg(&m->cfg, &m->dims);
     FU_TRY(fu_safetensors_open_dir(dir, &m->st, em));
-    FU_TRY(fu_tokenizer_open_dir(dir, m->cfg.vocab_size, &m->tok, em));
+    FU_TRY(fu_tokenizer_open_dir(dir, m->cfg.vocab_size, m->cfg.byte_tokens || byte_tokens, &m->tok, em));
+    char *tc = fu_path_join(dir, FU_TOKENIZER_CONFIG_FILE), *txt = NULL;
+    size_t tl = 0;
+    fu_err rc = fu_path_exists(tc) ? fu_file_read_all(tc, FU_TOKENIZER_MAX_BYTES, &txt, &tl, em) : FU_OK;
+    if (rc == FU_OK && txt)
+        rc = dag_chat_format_from_config(txt, tl, &m->chat, em);
+    free(txt);
+    free(tc);
+    FU_TRY(rc);
     char *sc = fu_path_join(dir, DAG_SALR_CONFIG_FILE);
     bool has = fu_path_exists(sc);
     free(sc);
@@ -172,7 +183,7 @@ static int run_finetune(int argc, char **argv)
 
     fu_errmsg em = {{0}};
     cli_model m;
-    fu_err rc = model_open(model_dir, &m, &em);
+    fu_err rc = model_open(model_dir, spec.byte_tokens, &m, &em);
     if (rc != FU_OK) {
         model_close(&m);
         return fail(prog, rc, &em);
@@ -197,11 +208,20 @@ static int run_finetune(int argc, char **argv)
     FILE *log = NULL;
     dag_train_stage ts = {0};
     int exit_code = FU_EXIT_OK;
+    dag_dataset ds = {0};
+    dag_dataset_opts dopt = {.seq_len = (uint32_t)seq_len, .heldout = spec.heldout, .chat = m.chat};
     if ((rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) != FU_OK ||
-        (rc = fu_tokenizer_encode(m.tok, text, text_len, &ids, &n_ids, &em)) != FU_OK) {
+        (rc = dag_dataset_make(m.tok, text, text_len, &dopt, &ds, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
     }
+    ids = ds.train;
+    n_ids = ds.n_train;
+    ds.train = NULL;
+    fprintf(stderr, "%s: data '%s': %s, %zu examples, %zu target tokens counted and %zu masked (prompts, "
+                        "padding), %zu examples held out\n",
+                prog, data, ds.format, ds.examples, ds.counted, ds.masked, ds.heldout_examples);
+    dag_dataset_free(&ds);
     size_t win = (size_t)seq_len + 1, n_win = n_ids / win;
     if (n_win < (size_t)batch) {
         fprintf(stderr, "%s: '%s' has %zu tokens: that makes %zu windows of %zu tokens, fewer than --batch %lld "
@@ -371,7 +391,7 @@ static int run_infer(int argc, char **argv)
     const long long max_new = spec.max_tokens;
     fu_errmsg em = {{0}};
     cli_model m;
-    fu_err rc = !set_threads(prog, threads) ? FU_EINVAL : model_open(model_dir, &m, &em);
+    fu_err rc = !set_threads(prog, threads) ? FU_EINVAL : model_open(model_dir, spec.byte_tokens, &m, &em);
     if (rc != FU_OK) {
         dag_spec_clear(&spec);
         if (rc == FU_EINVAL && !em.msg[0])
@@ -493,6 +513,162 @@ done:
     return exit_code;
 }
 
+/* ---- eval ----------------------------------------------------------------------------------- */
+
+/* Mean loss per counted target over the whole windows of stream (rows of batch windows), with the
+ * graph bo of model m (and adapter ast when given). */
+static fu_err mean_loss(const cli_model *m, const dag_build_opts *bo, const fu_safetensors *ast, const int32_t *stream,
+                        size_t n, uint32_t seq_len, uint32_t batch, double *loss, int64_t *counted, fu_errmsg *em)
+{
+    dag_exec_opts eo = {.max_tokens = batch * seq_len, .n_slots = 1, .training = false};
+    dag_graph_t *g = NULL;
+    dag_exec_t *x = NULL;
+    fu_err rc = make_exec(m, bo, &eo, &g, &x, em);
+    if (rc == FU_OK && ast)
+        rc = dag_exec_load_adapter(x, ast, em);
+    const size_t win = (size_t)seq_len + 1, w = n / win;
+    int32_t *tok = fu_malloc((size_t)batch * seq_len * sizeof *tok), *tgt = fu_malloc((size_t)batch * seq_len * sizeof *tgt);
+    double sum = 0;
+    int64_t total = 0;
+    for (size_t w0 = 0; rc == FU_OK && w0 < w; w0 += batch) {
+        uint32_t rows = (uint32_t)(w - w0 < batch ? w - w0 : batch);
+        for (uint32_t r = 0; r < rows; r++)
+            for (uint32_t t = 0; t < seq_len; t++) {
+                const int32_t *src = stream + (w0 + r) * win;
+                tok[(size_t)r * seq_len + t] = DAG_DATA_ID(src[t]);
+                tgt[(size_t)r * seq_len + t] = src[t + 1] < 0 ? DAG_DATA_IGNORE : src[t + 1];
+            }
+        float l = 0;
+        int64_t nv = 0;
+        if ((rc = dag_exec_set_tokens(x, 0, tok, tgt, rows, seq_len)) == FU_OK && (rc = dag_exec_forward(x, 0)) == FU_OK &&
+            (rc = dag_exec_loss(x, 0, &l, &nv)) == FU_OK) {
+            sum += (double)l * (double)nv;
+            total += nv;
+        }
+    }
+    if (rc != FU_OK && !em->msg[0])
+        fu_errmsg_set(em, rc, "the evaluation pass failed: %s", fu_strerror(rc));
+    free(tok);
+    free(tgt);
+    dag_exec_destroy(&x);
+    dag_graph_destroy(&g);
+    *loss = total ? sum / (double)total : NAN;
+    *counted = total;
+    return rc;
+}
+
+static int run_eval(int argc, char **argv)
+{
+    const char *model_dir = NULL, *data = NULL, *adapter = NULL;
+    double heldout = 0.1;
+    long long seq_len = 128, batch = 8, threads = 0;
+    bool byte_tokens = false, json = false;
+    const fu_opt opts[] = {
+        {"model", 0, FU_OPT_STR, &model_dir, "DIR", "the base model"},
+        {"data", 0, FU_OPT_STR, &data, "FILE", "text or JSON Lines, as `fusion run finetune --data` reads it"},
+        {"adapter", 0, FU_OPT_STR, &adapter, "DIR", "also evaluate base plus this PEFT adapter"},
+        {"heldout", 0, FU_OPT_DOUBLE, &heldout, "F",
+         "evaluate on the held-out fraction the fine-tune kept out (its --heldout; default 0.1; 0: all the data)"},
+        {"seq-len", 0, FU_OPT_INT, &seq_len, "T", "tokens per window (the fine-tune's; default 128)"},
+        {"batch", 0, FU_OPT_INT, &batch, "B", "windows per forward pass (default 8)"},
+        {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
+        {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL, "a model of more ids without tokenizer.json: bytes"},
+        {"json", 0, FU_OPT_FLAG, &json, NULL, "print one JSON object"},
+    };
+    fu_cmd cmd = {.prog = argv[0],
+                  .usage = "--model DIR --data FILE [--adapter DIR] [options]",
+                  .summary = "Reports the perplexity of a model, and of the model with an adapter, on held-out data: "
+                             "the examples a fine-tune with the same --heldout and --seq-len kept out of training. "
+                             "Only the targets a fine-tune counts are scored (completions and assistant turns of "
+                             "JSON Lines data).",
+                  FU_OPTS_TABLE(opts)};
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
+        return code;
+    const char *prog = argv[0];
+    if (!model_dir || !data)
+        return fu_opts_usage_error(&cmd, "--model and --data are required");
+    if (!(heldout >= 0 && heldout <= DAG_DATASET_MAX_HELDOUT) || seq_len < 1 || seq_len > 65536 || batch < 1 ||
+        batch > 4096)
+        return fu_opts_usage_error(&cmd, "--heldout must be 0..0.5, --seq-len 1..65536, --batch 1..4096");
+    if (!set_threads(prog, threads))
+        return FU_EXIT_USAGE;
+    fu_errmsg em = {{0}};
+    cli_model m;
+    fu_safetensors *ast = NULL;
+    char *text = NULL;
+    size_t text_len = 0;
+    dag_dataset ds = {0};
+    int exit_code = FU_EXIT_OK;
+    fu_err rc = model_open(model_dir, byte_tokens, &m, &em);
+    dag_dataset_opts dopt = {.seq_len = (uint32_t)seq_len, .heldout = heldout, .chat = m.chat};
+    if (rc == FU_OK && (rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) == FU_OK)
+        rc = dag_dataset_make(m.tok, text, text_len, &dopt, &ds, &em);
+    if (rc != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    const int32_t *stream = ds.n_heldout ? ds.heldout : ds.train;
+    size_t n = ds.n_heldout ? ds.n_heldout : ds.n_train;
+    if (n / ((size_t)seq_len + 1) == 0) {
+        fprintf(stderr, "%s: the %s part of '%s' is shorter than one window of %lld tokens\n", prog,
+                ds.n_heldout ? "held-out" : "whole", data, seq_len + 1);
+        exit_code = FU_EXIT_USAGE;
+        goto done;
+    }
+    dag_build_opts bo = {.method = m.salr ? DAG_ADAPTER_SALR : DAG_ADAPTER_NONE, .res_rank = m.res_rank,
+                         .salr_lm_head = m.salr_lm_head, .head = DAG_HEAD_LOSS, .seq_len = (uint32_t)seq_len};
+    double base = NAN, tuned = NAN;
+    int64_t counted = 0;
+    if ((rc = mean_loss(&m, &bo, NULL, stream, n, (uint32_t)seq_len, (uint32_t)batch, &base, &counted, &em)) != FU_OK) {
+        exit_code = fail(prog, rc, &em);
+        goto done;
+    }
+    if (adapter) {
+        uint32_t r = 0, tg = 0;
+        float a = 0;
+        char *ap = fu_path_join(adapter, "adapter_model.safetensors");
+        rc = adapter_config(adapter, &r, &a, &tg, &em);
+        if (rc == FU_OK)
+            rc = fu_safetensors_open_file(ap, &ast, &em);
+        free(ap);
+        if (!m.salr)
+            bo.method = DAG_ADAPTER_LORA;
+        bo.rank = r;
+        bo.alpha = a;
+        bo.targets = tg;
+        if (rc == FU_OK)
+            rc = mean_loss(&m, &bo, ast, stream, n, (uint32_t)seq_len, (uint32_t)batch, &tuned, &counted, &em);
+        if (rc != FU_OK) {
+            exit_code = fail(prog, rc, &em);
+            goto done;
+        }
+    }
+    const char *part = ds.n_heldout ? "held-out" : "all";
+    if (json)
+        printf("{\"data\":\"%s\",\"targets\":%lld,\"base_loss\":%.6f,\"base_perplexity\":%.6f%s", part,
+               (long long)counted, base, exp(base), adapter ? "," : "}\n");
+    else
+        printf("%s data: %lld targets; base: loss %.4f, perplexity %.3f", part, (long long)counted, base, exp(base));
+    if (adapter && json)
+        printf("\"adapter_loss\":%.6f,\"adapter_perplexity\":%.6f}\n", tuned, exp(tuned));
+    else if (adapter)
+        printf("; with the adapter: loss %.4f, perplexity %.3f\n", tuned, exp(tuned));
+    else if (!json)
+        putchar('\n');
+done:
+    dag_dataset_free(&ds);
+    free(text);
+    fu_safetensors_close(&ast);
+    model_close(&m);
+    return exit_code;
+}
+
+int cli_eval_main(int argc, char **argv)
+{
+    return run_eval(argc, argv);
+}
+
 /* ---- dispatch ------------------------------------------------------------------------------- */
 
 int cli_run_main(int argc, char **argv)
@@ -501,11 +677,12 @@ int cli_run_main(int argc, char **argv)
         printf("Usage: fusion run COMMAND [options]\n\n"
                "Runs a job in this process (no broker):\n"
                "  finetune  train a LoRA-FA, LoRA or SALR adapter on a text file (PEFT output)\n"
-               "  infer     generate text, optionally with an adapter\n\n"
+               "  infer     generate text, optionally with an adapter\n"
+               "  eval      perplexity on held-out data, with and without an adapter (also `fusion eval`)\n\n"
                "Run 'fusion run COMMAND --help' for a command's options.\n");
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
-    static const cli_sub subs[] = {{"finetune", run_finetune}, {"infer", run_infer}};
+    static const cli_sub subs[] = {{"finetune", run_finetune}, {"infer", run_infer}, {"eval", run_eval}};
     int code = cli_sub_dispatch("fusion run", subs, sizeof subs / sizeof subs[0], argc, argv);
     if (code >= 0)
         return code;

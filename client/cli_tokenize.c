@@ -19,7 +19,7 @@
 
 /* The tokenizer of src: a model directory (its tokenizer.json, else bytes over its vocabulary) or a
  * tokenizer.json file. */
-static fu_err open_tokenizer(const char *src, fu_tokenizer **tok, fu_errmsg *em)
+static fu_err open_tokenizer(const char *src, bool byte_tokens, fu_tokenizer **tok, fu_errmsg *em)
 {
     if (!fu_path_is_dir(src))
         return fu_tokenizer_load(src, tok, em);
@@ -27,7 +27,7 @@ static fu_err open_tokenizer(const char *src, fu_tokenizer **tok, fu_errmsg *em)
     fu_err rc = fu_modelcfg_load(src, &cfg, em);
     if (rc != FU_OK)
         return rc;
-    return fu_tokenizer_open_dir(src, cfg.vocab_size, tok, em);
+    return fu_tokenizer_open_dir(src, cfg.vocab_size, cfg.byte_tokens || byte_tokens, tok, em);
 }
 
 /* All of stdin (at most TOK_MAX_INPUT bytes) into *out (NUL-terminated, caller frees). */
@@ -170,12 +170,14 @@ static int per_line(const fu_tokenizer *tok, char *in, bool decode, const char *
 
 int cli_tokenize_main(int argc, char **argv)
 {
-    bool decode = false, jsonl = false;
+    bool decode = false, jsonl = false, byte_tokens = false;
     const fu_opt opts[] = {
         {"decode", 'd', FU_OPT_FLAG, &decode, NULL, "decode a JSON array of ids to text instead"},
         {"jsonl", 0, FU_OPT_FLAG, &jsonl, NULL,
          "read one JSON value per line from stdin (strings to encode, or arrays with --decode) and answer one "
          "line each"},
+        {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL,
+         "a model of more than 256 ids without tokenizer.json: use byte ids anyway"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
@@ -198,7 +200,7 @@ int cli_tokenize_main(int argc, char **argv)
     }
     fu_errmsg em = {{0}};
     fu_tokenizer *tok = NULL;
-    fu_err rc = open_tokenizer(src, &tok, &em);
+    fu_err rc = open_tokenizer(src, byte_tokens, &tok, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", argv[0], fu_errmsg_text(&em, rc));
         return rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : FU_EXIT_FAIL;

@@ -251,6 +251,8 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
     c->attn_qkv_bias = qwen2 || flag;
     c->attn_o_bias = !qwen2 && flag;
     c->qk_norm = qwen3;
+    c->byte_tokens = false;
+    FU_TRY(get_bool(root, "fusion_byte_tokens", lab, &c->byte_tokens, em));
     flag = false;
     FU_TRY(get_bool(root, "use_sliding_window", lab, &flag, em));
     if (flag && (qwen2 || qwen3))
@@ -420,6 +422,8 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
         cJSON_AddBoolToObject(o, "attention_bias", c->attn_o_bias);
     cJSON_AddBoolToObject(o, "mlp_bias", 0);
     cJSON_AddNumberToObject(o, "initializer_range", 0.02);
+    if (c->byte_tokens)
+        cJSON_AddBoolToObject(o, "fusion_byte_tokens", true);
     cJSON_AddBoolToObject(o, "use_cache", 1);
     if (c->bos_token_id >= 0)
         cJSON_AddNumberToObject(o, "bos_token_id", (double)c->bos_token_id);

@@ -61,6 +61,8 @@ typedef struct {
     bool   attn_qkv_bias;            /* q/k/v projections have biases (Qwen2; attention_bias: true) */
     bool   attn_o_bias;              /* o_proj has a bias (attention_bias: true; not Qwen2) */
     bool   qk_norm;                  /* per-head RMSNorm of queries and keys before RoPE (Qwen3) */
+    bool   byte_tokens;              /* "fusion_byte_tokens": its ids are bytes, no tokenizer.json needed
+                                        (fusion model init writes it) */
     size_t sliding_window;           /* Mistral's attention window (a query sees itself and the window - 1
                                         keys before it); 0 = none (full causal attention) */
 } fu_modelcfg;

@@ -66,12 +66,15 @@ FU_MUST_CHECK fu_err fu_tokenizer_parse_json(const char *json, size_t len, const
 FU_MUST_CHECK fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em);
 
 /* The tokenizer of a model directory: dir/tokenizer.json when present, else byte-level with
- * model_vocab ids. When model_vocab > 0 every id of the tokenizer must be below it (FU_EINVAL:
- * "tokenizer.json has ids up to N but the model's vocab_size is M"). */
-FU_MUST_CHECK fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em);
+ * model_vocab ids, which a model of more than 256 ids gets only with allow_bytes (FU_EINVAL
+ * otherwise: its ids are not bytes, and a byte tokenizer would feed it nonsense). When model_vocab > 0
+ * every id of the tokenizer must be below it (FU_EINVAL: "tokenizer.json has ids up to N but the
+ * model's vocab_size is M"). */
+FU_MUST_CHECK fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, bool allow_bytes, fu_tokenizer **out,
+                                           fu_errmsg *em);
 /* The same from the text of tokenizer.json (NULL: the model has none: byte-level). */
-FU_MUST_CHECK fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, fu_tokenizer **out,
-                                            fu_errmsg *em);
+FU_MUST_CHECK fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, bool allow_bytes,
+                                            fu_tokenizer **out, fu_errmsg *em);
 
 /* Frees; idempotent; sets *tok_p = NULL. */
 void fu_tokenizer_destroy(fu_tokenizer **tok_p);

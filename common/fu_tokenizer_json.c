@@ -445,11 +445,18 @@ fu_err fu_tokenizer_load(const char *path, fu_tokenizer **out, fu_errmsg *em)
     return rc;
 }
 
-fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em)
+fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, bool allow_bytes, fu_tokenizer **out,
+                              fu_errmsg *em)
 {
     if (!out)
         return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_for_model: NULL argument");
     *out = NULL;
+    if (!json && model_vocab > 256 && !allow_bytes)
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "the model has %zu token ids but no %s: its ids are not bytes, so text cannot be "
+                             "tokenized for it (add the checkpoint's tokenizer.json, or pass --byte-tokens to use "
+                             "ids 0..255 anyway)",
+                             model_vocab, FU_TOKENIZER_FILE);
     if (!json) {
         *out = fu_tokenizer_new_bytes(model_vocab);
         return *out ? FU_OK : fu_errmsg_set(em, FU_EINVAL, "vocab_size %zu is over the limit", model_vocab);
@@ -463,7 +470,7 @@ fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, 
     return rc;
 }
 
-fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer **out, fu_errmsg *em)
+fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, bool allow_bytes, fu_tokenizer **out, fu_errmsg *em)
 {
     if (!dir || !out)
         return fu_errmsg_set(em, FU_EINVAL, "fu_tokenizer_open_dir: NULL argument");
@@ -476,7 +483,7 @@ fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, fu_tokenizer *
         rc = fu_file_read_all(p, FU_TOKENIZER_MAX_BYTES, &txt, &len, em);
     free(p);
     if (rc == FU_OK)
-        rc = fu_tokenizer_for_model(txt, len, model_vocab, out, em);
+        rc = fu_tokenizer_for_model(txt, len, model_vocab, allow_bytes, out, em);
     free(txt);
     if (rc == FU_OK && (*out)->kind == FU_TOK_BPE && (rc = read_config(*out, dir, em)) != FU_OK)
         fu_tokenizer_destroy(out);

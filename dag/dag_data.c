@@ -50,10 +50,12 @@ fu_err dag_data_rows(const dag_data_order *o, const int32_t *ids, size_t n_ids, 
             wi = order[wi];
         }
         const int32_t *src = ids + wi * win;
-        if (tokens)
-            memcpy(tokens + (size_t)j * o->seq_len, src, o->seq_len * sizeof *tokens);
-        if (targets)
-            memcpy(targets + (size_t)j * o->seq_len, src + 1, o->seq_len * sizeof *targets);
+        for (uint32_t t = 0; t < o->seq_len; t++) {
+            if (tokens)
+                tokens[(size_t)j * o->seq_len + t] = DAG_DATA_ID(src[t]);
+            if (targets)
+                targets[(size_t)j * o->seq_len + t] = src[t + 1] < 0 ? DAG_DATA_IGNORE : src[t + 1];
+        }
     }
     free(order);
     return FU_OK;

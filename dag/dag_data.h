@@ -5,7 +5,11 @@
  * seq_len+1 tokens. Row j of micro-batch m of step s (0-based) uses window order[k mod W] with
  * k = s·B + m·(B/M) + j, where order is the identity, or with shuffle a Fisher-Yates permutation of
  * 0..W-1 drawn from fu_rng seeded with seed + epoch, epoch = k div W (a fresh order every pass).
- * A row's inputs are the window's first seq_len tokens, its targets the last seq_len. */
+ * A row's inputs are the window's first seq_len tokens, its targets the last seq_len.
+ *
+ * A token the loss must not count (a prompt, a padding: dag_dataset.h) is stored as -(id + 1)
+ * (DAG_DATA_MASKED): it is an input like any other, and as a target it becomes DAG_DATA_IGNORE,
+ * which the cross-entropy skips. */
 #ifndef FU_DAG_DATA_H
 #define FU_DAG_DATA_H
 
@@ -18,6 +22,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define DAG_DATA_IGNORE (-100)               /* a target the loss skips (Hugging Face's ignore_index) */
+#define DAG_DATA_MASKED(id) (-(int32_t)(id)-1) /* id as input only: its target does not count */
+#define DAG_DATA_ID(v) ((v) < 0 ? -((v) + 1) : (v)) /* the token id of a stored value */
 
 typedef struct {
     uint32_t batch;         /* B: sequences per step */

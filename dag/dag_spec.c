@@ -46,6 +46,8 @@ static const field FIELDS[] = {
      "micro-batches per step, dividing B (default 1)"},
     {"checkpoint_every", "checkpoint-every", F_U64, OFF(checkpoint_every), 1, 1e9, 10, KF | PL, "K",
      "checkpoint every K steps (default 10)"},
+    {"heldout", "heldout", F_DBL, OFF(heldout), 0, 0.5, 0, KF, "F",
+     "fraction of the data kept out of training for `fusion eval` (the last examples; default 0)"},
     {"verify", "verify", F_DBL, OFF(verify), 0, 1, -1, KF | PL, "F",
      "fraction 0..1 of micro-batches the broker re-runs on a second peer (default: the broker's --verify)"},
     {"seed", "seed", F_U64, OFF(seed), 0, DAG_SPEC_MAX_SEED, 0, KF | KI, "S",
@@ -60,8 +62,9 @@ static const field FIELDS[] = {
 #define N_FIELDS (sizeof FIELDS / sizeof FIELDS[0])
 
 /* The other keys, by kind. */
-static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shuffle", "trusted_ends"};
-static const char *const IN_KEYS[] = {"kind", "model", "adapter_job", "dump_logits", "prompt_tokens", "trusted_ends"};
+static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shuffle", "trusted_ends", "byte_tokens"};
+static const char *const IN_KEYS[] = {"kind",          "model",        "adapter_job", "dump_logits",
+                                      "prompt_tokens", "trusted_ends", "byte_tokens"};
 
 static const char *const KIND_NAMES[] = {"finetune", "infer"};
 
@@ -223,6 +226,11 @@ static fu_err parse_string_keys(const cJSON *o, dag_spec *s, fu_errmsg *em)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"trusted_ends\" must be true or false");
         s->trusted_ends = cJSON_IsTrue(v) ? 1 : 0;
     }
+    if ((v = cJSON_GetObjectItemCaseSensitive(o, "byte_tokens"))) {
+        if (!cJSON_IsBool(v))
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"byte_tokens\" must be true or false");
+        s->byte_tokens = cJSON_IsTrue(v);
+    }
     if (s->kind == DAG_JOB_FINETUNE) {
         if ((v = cJSON_GetObjectItemCaseSensitive(o, "method")) &&
             (!cJSON_IsString(v) || dag_adapter_parse(v->valuestring, &s->method) != FU_OK ||
@@ -363,7 +371,11 @@ char *dag_spec_to_json(const dag_spec *s)
         cJSON_AddBoolToObject(o, "shuffle", s->shuffle);
         if (s->trusted_ends >= 0)
             cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
+        if (s->byte_tokens)
+            cJSON_AddBoolToObject(o, "byte_tokens", true);
     } else {
+        if (s->byte_tokens)
+            cJSON_AddBoolToObject(o, "byte_tokens", true);
         cJSON_AddStringToObject(o, "adapter_job", s->adapter_job);
         cJSON_AddBoolToObject(o, "dump_logits", s->dump_logits);
         if (s->trusted_ends >= 0)
@@ -414,6 +426,9 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
         opts[(*n)++] = (fu_opt){"prompt-tokens", 0, FU_OPT_STR, &c->prompt_tokens, "IDS",
                                 "prompt as comma-separated token ids"};
     }
+    if (*n < cap)
+        opts[(*n)++] = (fu_opt){"byte-tokens", 0, FU_OPT_FLAG, &c->byte_tokens, NULL,
+                                "tokenize as bytes (ids 0..255) a model of more ids that has no tokenizer.json"};
     for (size_t i = 0; i < N_FIELDS && i < sizeof c->ival / sizeof c->ival[0]; i++) {
         const field *f = &FIELDS[i];
         c->ival[i] = (long long)f->def;
@@ -479,6 +494,7 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
             return fu_errmsg_set(em, FU_EINVAL, "--trusted-ends must be on or off, not '%s'", c->trusted_ends);
         out->trusted_ends = strcmp(c->trusted_ends, "on") == 0;
     }
+    out->byte_tokens = c->byte_tokens;
     if (out->kind == DAG_JOB_FINETUNE) {
         if (dag_adapter_parse(c->method ? c->method : "lora-fa", &out->method) != FU_OK ||
             out->method == DAG_ADAPTER_NONE)

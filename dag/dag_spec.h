@@ -65,8 +65,11 @@ typedef struct {
     uint32_t seq_len;                   /* tokens per sequence (default 128) */
     uint32_t micro_batches;             /* M, divides B (default 1) */
     bool shuffle;                       /* seeded order of the windows (default false) */
+    bool byte_tokens;                   /* a model of more than 256 ids without tokenizer.json takes byte ids
+                                           anyway (default false: refused) */
     uint64_t checkpoint_every;          /* K: a checkpoint after step s when (s+1) % K == 0 (default 10) */
     double verify;                      /* fraction of micro-batches verified; -1: the broker's --verify */
+    double heldout;                     /* fraction of the data kept out of training (dag_dataset; default 0) */
     int trusted_ends;                   /* the first and last stages (they see tokens) on peers the broker's
                                            allow-list marks trusted: 1 yes, 0 no, -1 (default) yes when a
                                            trusted peer is registered */
@@ -120,6 +123,7 @@ typedef struct {
     const char *targets;                /* --targets */
     const char *prompt_tokens;          /* --prompt-tokens */
     bool shuffle;                       /* --shuffle */
+    bool byte_tokens;                   /* --byte-tokens */
     const char *trusted_ends;           /* --trusted-ends on|off (NULL: not given) */
 } dag_spec_cli;
 

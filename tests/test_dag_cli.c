@@ -289,6 +289,43 @@ static void test_dag_cli_errors(void **state)
     tu_fusion_expect(0, "--seq-len", "run finetune --help");
 }
 
+/* JSON Lines prompt/completion data (issue "Real checkpoints"): `run finetune` counts only the
+ * completions in its loss (it says how many targets count: 4 bytes of " yes" for each of the 48
+ * training examples, 12 held out), and `fusion eval` on the 12 held-out examples finds the
+ * adapter's loss on them far below the base model's. */
+static void test_dag_cli_jsonl_prompt_masking_and_eval(void **state)
+{
+    (void)state;
+    const char *dir = tu_dir;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/qa.jsonl", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    static const char *const words[] = {"cat", "river", "blue", "seven", "tree", "lamp", "stone", "cloud"};
+    for (int i = 0; i < 60; i++)
+        fprintf(f, "{\"prompt\": \"Q: is %s %d ok?\\nA:\", \"completion\": \" yes\"}\n", words[i % 8], i * 7 % 100);
+    fclose(f);
+    char *out = tu_sh_expect_out(0, "prompt-completion, 60 examples, 192 target tokens counted",
+                                 "'%s' run finetune --model %s --data %s --heldout 0.2 --seq-len 31 --batch 4 --steps 40 "
+                                 "--lr 3e-2 --rank 4 --alpha 8 --seed 1 -o %s/qa 2>&1",
+                                 tu_bin("fusion"), model, path, dir);
+    free(out);
+    out = tu_sh_expect_out(0, "\"data\":\"held-out\"",
+                           "'%s' eval --model %s --data %s --heldout 0.2 --seq-len 31 --adapter %s/qa --json",
+                           tu_bin("fusion"), model, path, dir);
+    double base = 0, tuned = 0;
+    long long targets = 0;
+    const char *b = strstr(out, "\"base_loss\":"), *a = strstr(out, "\"adapter_loss\":"), *t = strstr(out, "\"targets\":");
+    assert_true(b && a && t);
+    base = atof(b + 12);
+    tuned = atof(a + 15);
+    targets = atoll(t + 10);
+    printf("held out: %lld targets, base loss %.3f, with the adapter %.3f\n", targets, base, tuned);
+    assert_int_equal(targets, 12 * 4);
+    assert_true(tuned < 0.5 * base);
+    free(out);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -297,6 +334,7 @@ int main(void)
         cmocka_unit_test(test_dag_cli_salr_finetune),
         cmocka_unit_test(test_dag_cli_salr_prune_lm_head),
         cmocka_unit_test(test_dag_cli_errors),
+        cmocka_unit_test(test_dag_cli_jsonl_prompt_masking_and_eval),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -5,10 +5,13 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dag_data.h"
+#include "dag_dataset.h"
+#include "fu_tokenizer.h"
 
 #define T 4          /* seq_len */
 #define W 10         /* windows */
@@ -121,6 +124,117 @@ static void test_dag_data_rejects_inconsistent_sizes(void **state)
     assert_int_equal(dag_data_rows(NULL, ids, NTOK, 0, 0, tok, NULL), FU_EINVAL);
 }
 
+/* ---- dag_dataset: JSON Lines, masks, chat formats, the held-out split ---------------------------- */
+
+static size_t count_ignored(const int32_t *t, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += t[i] == DAG_DATA_IGNORE;
+    return k;
+}
+
+/* Prompt/completion lines: only completion bytes count (byte tokens: no BOS/EOS), each example is
+ * padded to whole windows, and the rows dag_data cuts give -100 for every other target. */
+static void test_dag_dataset_prompt_completion_masks_the_prompt(void **state)
+{
+    (void)state;
+    fu_tokenizer *tok = fu_tokenizer_new_bytes(256);
+    const char *data = "{\"prompt\": \"2+2=\", \"completion\": \"4\"}\n"
+                       "\n"
+                       "{\"prompt\": \"capital of France? \", \"completion\": \"Paris\"}\n";
+    dag_dataset_opts o = {.seq_len = 7};
+    dag_dataset ds;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_dataset_make(tok, data, strlen(data), &o, &ds, &em), FU_OK);
+    assert_string_equal(ds.format, "prompt-completion");
+    assert_int_equal(ds.examples, 2);
+    assert_int_equal(ds.n_train % 8, 0); /* whole windows of seq_len + 1 */
+    assert_int_equal(ds.n_train, 8 + 3 * 8); /* 5 tokens -> 1 window, 24 tokens -> 3 */
+    /* completion bytes are the only targets that count: "4" (its window's 5th token) and "Paris" */
+    assert_int_equal(ds.counted, 1 + 5);
+    assert_int_equal(ds.masked, 4 * 7 - 6);
+    dag_data_order ord = {.batch = 4, .micro_batches = 1, .seq_len = 7};
+    int32_t tk[28], tg[28];
+    assert_int_equal(dag_data_rows(&ord, ds.train, ds.n_train, 0, 0, tk, tg), FU_OK);
+    assert_int_equal(tk[0], '2');           /* inputs are the ids, masked or not */
+    assert_int_equal(tg[3], '4');           /* the target after "2+2=" is the completion */
+    assert_int_equal(tg[0], DAG_DATA_IGNORE); /* "+" is prompt: not counted */
+    assert_int_equal(28 - count_ignored(tg, 28), 6);
+    dag_dataset_free(&ds);
+    fu_tokenizer_destroy(&tok);
+}
+
+/* Chat lines in ChatML: the assistant's content and its <|im_end|> count, the rest does not; a
+ * model with no chat template, a bad role and a line of another shape are refused, naming the line. */
+static void test_dag_dataset_chat_and_refusals(void **state)
+{
+    (void)state;
+    fu_tokenizer *tok = fu_tokenizer_new_bytes(256);
+    const char *chat = "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief\"}, "
+                       "{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n";
+    dag_dataset_opts o = {.seq_len = 127, .chat = DAG_CHAT_CHATML}; /* the chat fits one window */
+    dag_dataset ds;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_dataset_make(tok, chat, strlen(chat), &o, &ds, &em), FU_OK);
+    assert_string_equal(ds.format, "chat");
+    assert_int_equal(ds.counted, strlen("hello") + strlen("<|im_end|>"));
+    dag_dataset_free(&ds);
+    dag_chat_format f;
+    assert_int_equal(dag_chat_format_of("{% for m in messages %}<|im_start|>{{ m.role }}<|im_end|>{% endfor %}", &f, &em),
+                     FU_OK);
+    assert_int_equal(f, DAG_CHAT_CHATML);
+    assert_int_equal(dag_chat_format_of("<|start_header_id|>x<|end_header_id|><|eot_id|>", &f, &em), FU_OK);
+    assert_int_equal(f, DAG_CHAT_LLAMA3);
+    assert_int_equal(dag_chat_format_of("{{ bos_token }}[INST] {{ m }} [/INST]", &f, &em), FU_OK);
+    assert_int_equal(f, DAG_CHAT_INST);
+    assert_int_equal(dag_chat_format_of("<start_of_turn>user", &f, &em), FU_EVERSION);
+    assert_non_null(strstr(em.msg, "not one fusion knows"));
+    o.chat = DAG_CHAT_NONE;
+    assert_int_equal(dag_dataset_make(tok, chat, strlen(chat), &o, &ds, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "line 1") && strstr(em.msg, "chat_template"));
+    const char *role = "{\"text\": \"fine\"}\n{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n";
+    o.chat = DAG_CHAT_LLAMA3;
+    assert_int_equal(dag_dataset_make(tok, role, strlen(role), &o, &ds, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "line 2") && strstr(em.msg, "robot"));
+    const char *shape = "{\"text\": \"fine\"}\n{\"question\": \"?\"}\n";
+    assert_int_equal(dag_dataset_make(tok, shape, strlen(shape), &o, &ds, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "line 2 is not"));
+    fu_tokenizer_destroy(&tok);
+}
+
+/* The held-out split: the last examples (JSON Lines), the last windows (plain text). */
+static void test_dag_dataset_heldout_split(void **state)
+{
+    (void)state;
+    fu_tokenizer *tok = fu_tokenizer_new_bytes(256);
+    char data[2048] = "";
+    for (int i = 0; i < 10; i++)
+        snprintf(data + strlen(data), sizeof data - strlen(data), "{\"prompt\": \"q%d \", \"completion\": \"a%d\"}\n", i, i);
+    dag_dataset_opts o = {.seq_len = 7, .heldout = 0.2};
+    dag_dataset ds;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_dataset_make(tok, data, strlen(data), &o, &ds, &em), FU_OK);
+    assert_int_equal(ds.examples, 10);
+    assert_int_equal(ds.heldout_examples, 2);
+    assert_int_equal(ds.n_train, 8 * 8);
+    assert_int_equal(ds.n_heldout, 2 * 8);
+    assert_int_equal(DAG_DATA_ID(ds.heldout[0]), 'q');
+    assert_int_equal(DAG_DATA_ID(ds.heldout[1]), '8'); /* the 9th example */
+    dag_dataset_free(&ds);
+    const char *text = "abcdefghijklmnopqrstuvwxyz0123456789"; /* 36 bytes: 4 windows of 8 and 4 left */
+    assert_int_equal(dag_dataset_make(tok, text, strlen(text), &o, &ds, &em), FU_OK);
+    assert_string_equal(ds.format, "text");
+    assert_int_equal(ds.n_train, 24);
+    assert_int_equal(ds.n_heldout, 12);
+    assert_int_equal(ds.heldout[0], 'y'); /* the last window and what is left: "yz0123456789" */
+    assert_int_equal(ds.masked, 0);       /* plain text: everything counts */
+    dag_dataset_free(&ds);
+    o.heldout = 0.9;
+    assert_int_equal(dag_dataset_make(tok, text, strlen(text), &o, &ds, &em), FU_EINVAL);
+    fu_tokenizer_destroy(&tok);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -128,6 +242,9 @@ int main(void)
         cmocka_unit_test(test_dag_data_micro_batches_split_the_batch),
         cmocka_unit_test(test_dag_data_shuffle_is_a_fresh_permutation_each_pass),
         cmocka_unit_test(test_dag_data_rejects_inconsistent_sizes),
+        cmocka_unit_test(test_dag_dataset_prompt_completion_masks_the_prompt),
+        cmocka_unit_test(test_dag_dataset_chat_and_refusals),
+        cmocka_unit_test(test_dag_dataset_heldout_split),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -119,6 +119,25 @@ static void test_model_cli_init_options_and_dtypes(void **state)
     free(dir);
 }
 
+/* A checkpoint of more than 256 ids without tokenizer.json (not one `model init` made: that one says
+ * "fusion_byte_tokens") is refused by `model info`, `tokenize` and `run`, saying what to do, and
+ * taken with --byte-tokens. */
+static void test_model_cli_no_tokenizer_needs_byte_tokens(void **state)
+{
+    (void)state;
+    char *dir = fu_path_join(tu_dir, "notok");
+    tu_fusion_expect(0, NULL, "model init --layers 1 --vocab 300 --seed 2 -o '%s'", dir);
+    tu_fusion_expect(0, "byte tokens (ids 0..255)", "model info '%s'", dir);
+    tu_sh_expect(0, NULL, "sed -i '/fusion_byte_tokens/d' '%s/config.json'", dir);
+    tu_fusion_expect(1, "300 token ids but no tokenizer.json", "model info '%s'", dir);
+    tu_fusion_expect(0, "byte tokens", "model info --byte-tokens '%s'", dir);
+    tu_fusion_expect(1, "--byte-tokens", "tokenize '%s' hello", dir);
+    tu_fusion_expect(0, "[104,101,108,108,111]", "tokenize --byte-tokens '%s' hello", dir);
+    tu_fusion_expect(1, "no tokenizer.json", "run infer -q --model '%s' --prompt hello --max-tokens 2", dir);
+    tu_fusion_expect(0, NULL, "run infer -q --byte-tokens --model '%s' --prompt hello --max-tokens 2", dir);
+    free(dir);
+}
+
 static bool same_file(const char *a, const char *b)
 {
     char *x = NULL, *y = NULL;
@@ -281,6 +300,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_cli_init_defaults_load_with_right_shapes),
         cmocka_unit_test(test_model_cli_init_options_and_dtypes),
+        cmocka_unit_test(test_model_cli_no_tokenizer_needs_byte_tokens),
         cmocka_unit_test(test_model_cli_same_seed_same_bytes),
         cmocka_unit_test(test_model_cli_refuses_to_overwrite),
         cmocka_unit_test(test_model_cli_bad_arguments_exit_2),

@@ -1,0 +1,321 @@
+#include "dag_dataset.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "dag_data.h"
+#include "fu_alloc.h"
+
+/* ---- chat formats ---------------------------------------------------------------------------- */
+
+const char *dag_chat_format_name(dag_chat_format f)
+{
+    switch (f) {
+    case DAG_CHAT_LLAMA3: return "llama3";
+    case DAG_CHAT_CHATML: return "chatml";
+    case DAG_CHAT_INST: return "inst";
+    default: return "none";
+    }
+}
+
+fu_err dag_chat_format_of(const char *t, dag_chat_format *out, fu_errmsg *em)
+{
+    *out = DAG_CHAT_NONE;
+    if (!t || !*t)
+        return FU_OK;
+    if (strstr(t, "<|start_header_id|>") && strstr(t, "<|eot_id|>"))
+        *out = DAG_CHAT_LLAMA3;
+    else if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>"))
+        *out = DAG_CHAT_CHATML;
+    else if (strstr(t, "[INST]") && strstr(t, "[/INST]"))
+        *out = DAG_CHAT_INST;
+    else
+        return fu_errmsg_set(em, FU_EVERSION,
+                             "the model's chat_template is not one fusion knows (Llama 3's <|start_header_id|>, "
+                             "ChatML's <|im_start|>, or [INST] ... [/INST])");
+    return FU_OK;
+}
+
+fu_err dag_chat_format_from_config(const char *json, size_t len, dag_chat_format *out, fu_errmsg *em)
+{
+    *out = DAG_CHAT_NONE;
+    if (!json)
+        return FU_OK;
+    cJSON *c = cJSON_ParseWithLength(json, len);
+    if (!cJSON_IsObject(c)) {
+        cJSON_Delete(c);
+        return fu_errmsg_set(em, FU_EPROTO, "tokenizer_config.json: not a JSON object");
+    }
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(c, "chat_template");
+    fu_err rc = FU_OK;
+    if (cJSON_IsString(t)) {
+        rc = dag_chat_format_of(t->valuestring, out, em);
+    } else if (cJSON_IsArray(t)) { /* [{"name": "default", "template": ...}, ...] */
+        const cJSON *e;
+        cJSON_ArrayForEach(e, t)
+        {
+            const cJSON *n = cJSON_GetObjectItemCaseSensitive(e, "name"), *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (cJSON_IsString(n) && strcmp(n->valuestring, "default") == 0 && cJSON_IsString(tt))
+                rc = dag_chat_format_of(tt->valuestring, out, em);
+        }
+    }
+    cJSON_Delete(c);
+    return rc;
+}
+
+/* ---- the token stream ------------------------------------------------------------------------ */
+
+typedef struct {
+    int32_t *v;
+    size_t n, cap;
+} ivec;
+
+static void put(ivec *a, int32_t x)
+{
+    if (a->n == a->cap) {
+        a->cap = a->cap ? 2 * a->cap : 1024;
+        a->v = fu_realloc(a->v, a->cap * sizeof *a->v);
+    }
+    a->v[a->n++] = x;
+}
+
+/* Appends the tokens of text, counted or masked. */
+static fu_err piece(const fu_tokenizer *tok, ivec *a, const char *text, size_t len, bool counted, fu_errmsg *em)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    FU_TRY(fu_tokenizer_encode(tok, text, len, &ids, &n, em));
+    for (size_t i = 0; i < n; i++)
+        put(a, counted ? ids[i] : DAG_DATA_MASKED(ids[i]));
+    free(ids);
+    return FU_OK;
+}
+
+static fu_err text_piece(const fu_tokenizer *tok, ivec *a, const char *text, bool counted, fu_errmsg *em)
+{
+    return piece(tok, a, text, strlen(text), counted, em);
+}
+
+/* Appends a special token by id (when the tokenizer has one), counted or masked. */
+static void special(ivec *a, int32_t id, bool counted)
+{
+    if (id >= 0)
+        put(a, counted ? id : DAG_DATA_MASKED(id));
+}
+
+/* One chat: its messages rendered in fmt, the assistant's turns counted. */
+static fu_err render_chat(const fu_tokenizer *tok, dag_chat_format fmt, const cJSON *msgs, ivec *a, size_t line,
+                          fu_errmsg *em)
+{
+    const char *system = NULL;
+    bool first_user = true;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs)
+    {
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role"), *c = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(r) || !cJSON_IsString(c))
+            return fu_errmsg_set(em, FU_EINVAL, "data line %zu: every message needs a \"role\" and a \"content\" string",
+                                 line);
+        const char *role = r->valuestring, *content = c->valuestring;
+        bool asst = strcmp(role, "assistant") == 0;
+        if (!asst && strcmp(role, "user") != 0 && strcmp(role, "system") != 0)
+            return fu_errmsg_set(em, FU_EINVAL, "data line %zu: role '%.40s' is not system, user or assistant", line,
+                                 role);
+        char head[160];
+        switch (fmt) {
+        case DAG_CHAT_LLAMA3:
+            snprintf(head, sizeof head, "<|start_header_id|>%s<|end_header_id|>\n\n", role);
+            FU_TRY(text_piece(tok, a, head, false, em));
+            FU_TRY(text_piece(tok, a, content, asst, em));
+            FU_TRY(text_piece(tok, a, "<|eot_id|>", asst, em));
+            break;
+        case DAG_CHAT_CHATML:
+            snprintf(head, sizeof head, "<|im_start|>%s\n", role);
+            FU_TRY(text_piece(tok, a, head, false, em));
+            FU_TRY(text_piece(tok, a, content, asst, em));
+            FU_TRY(text_piece(tok, a, "<|im_end|>", asst, em));
+            FU_TRY(text_piece(tok, a, "\n", false, em));
+            break;
+        case DAG_CHAT_INST:
+            if (strcmp(role, "system") == 0) {
+                system = content; /* folded into the first user turn, as Llama 2's template does */
+            } else if (!asst) {
+                FU_TRY(text_piece(tok, a, "[INST] ", false, em));
+                if (system && first_user) {
+                    FU_TRY(text_piece(tok, a, "<<SYS>>\n", false, em));
+                    FU_TRY(text_piece(tok, a, system, false, em));
+                    FU_TRY(text_piece(tok, a, "\n<</SYS>>\n\n", false, em));
+                }
+                FU_TRY(text_piece(tok, a, content, false, em));
+                FU_TRY(text_piece(tok, a, " [/INST]", false, em));
+                first_user = false;
+            } else {
+                FU_TRY(text_piece(tok, a, " ", true, em));
+                FU_TRY(text_piece(tok, a, content, true, em));
+                FU_TRY(text_piece(tok, a, " ", true, em));
+                special(a, fu_tokenizer_eos_id(tok), true);
+                special(a, fu_tokenizer_bos_id(tok), false); /* the next turn's <s> */
+            }
+            break;
+        default:
+            return fu_errmsg_set(em, FU_EINVAL,
+                                 "data line %zu: \"messages\" need the model's chat format, and its tokenizer_config.json "
+                                 "has no chat_template",
+                                 line);
+        }
+    }
+    return FU_OK;
+}
+
+/* Pads a to a whole number of windows of win tokens with masked pads. */
+static void pad_to(ivec *a, size_t from, size_t win, int32_t pad)
+{
+    size_t len = a->n - from;
+    size_t want = (len + win - 1) / win * win;
+    while (a->n - from < want)
+        put(a, DAG_DATA_MASKED(pad));
+}
+
+/* The targets of the whole windows of win tokens in a (each window's tokens after its first). */
+static void count(const ivec *a, size_t win, size_t *counted, size_t *masked)
+{
+    *counted = *masked = 0;
+    for (size_t i = 0; i < a->n / win * win; i++)
+        if (i % win)
+            (*(a->v[i] < 0 ? masked : counted))++;
+}
+
+static bool is_jsonl(const char *data, size_t len)
+{
+    size_t i = 0;
+    while (i < len && (data[i] == ' ' || data[i] == '\t' || data[i] == '\r' || data[i] == '\n'))
+        i++;
+    if (i == len || data[i] != '{')
+        return false;
+    const char *nl = memchr(data + i, '\n', len - i);
+    cJSON *o = cJSON_ParseWithLength(data + i, nl ? (size_t)(nl - (data + i)) : len - i);
+    bool ok = cJSON_IsObject(o);
+    cJSON_Delete(o);
+    return ok;
+}
+
+fu_err dag_dataset_make(const fu_tokenizer *tok, const char *data, size_t len, const dag_dataset_opts *o,
+                        dag_dataset *out, fu_errmsg *em)
+{
+    memset(out, 0, sizeof *out);
+    if (!tok || (!data && len) || !o || o->seq_len == 0 || !(o->heldout >= 0 && o->heldout <= DAG_DATASET_MAX_HELDOUT))
+        return fu_errmsg_set(em, FU_EINVAL, "dataset: bad options (seq_len 1.., held out 0..%g)", DAG_DATASET_MAX_HELDOUT);
+    const size_t win = (size_t)o->seq_len + 1;
+    ivec all = {0};
+    fu_err rc = FU_OK;
+    if (!is_jsonl(data, len)) { /* plain text: every token counted; the held-out part is the end */
+        out->format = "text";
+        if ((rc = piece(tok, &all, data, len, true, em)) != FU_OK)
+            goto fail;
+        size_t keep = all.n;
+        if (o->heldout > 0) {
+            size_t w = all.n / win, hw = (size_t)ceil(o->heldout * (double)w);
+            keep = (w - (hw < w ? hw : w)) * win;
+        }
+        out->n_train = keep;
+        out->train = all.v;
+        if (keep < all.n) {
+            out->n_heldout = all.n - keep;
+            out->heldout = fu_malloc(out->n_heldout * sizeof *out->heldout);
+            memcpy(out->heldout, all.v + keep, out->n_heldout * sizeof *out->heldout);
+        }
+        ivec t = {.v = out->train, .n = out->n_train};
+        count(&t, win, &out->counted, &out->masked);
+        return FU_OK;
+    }
+    /* JSON Lines: the examples first, then the split */
+    size_t *starts = NULL, n_ex = 0, cap_ex = 0;
+    const int32_t bos = fu_tokenizer_bos_id(tok), eos = fu_tokenizer_eos_id(tok), pad = eos >= 0 ? eos : 0;
+    int kinds = 0; /* bit 0 text, 1 prompt/completion, 2 chat */
+    size_t line = 0;
+    for (size_t i = 0; i < len && rc == FU_OK;) {
+        const char *nl = memchr(data + i, '\n', len - i);
+        size_t ll = nl ? (size_t)(nl - (data + i)) : len - i;
+        line++;
+        const char *s = data + i;
+        i += ll + 1;
+        size_t k = 0;
+        while (k < ll && (s[k] == ' ' || s[k] == '\t' || s[k] == '\r'))
+            k++;
+        if (k == ll)
+            continue; /* a blank line */
+        cJSON *ex = cJSON_ParseWithLength(s, ll);
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(ex, "text"),
+                    *prompt = cJSON_GetObjectItemCaseSensitive(ex, "prompt"),
+                    *comp = cJSON_GetObjectItemCaseSensitive(ex, "completion"),
+                    *msgs = cJSON_GetObjectItemCaseSensitive(ex, "messages");
+        if (n_ex == cap_ex) {
+            cap_ex = cap_ex ? 2 * cap_ex : 256;
+            starts = fu_realloc(starts, (cap_ex + 1) * sizeof *starts);
+        }
+        starts[n_ex] = all.n;
+        size_t from = all.n;
+        if (cJSON_IsString(text) && !prompt && !msgs) {
+            kinds |= 1;
+            if ((rc = text_piece(tok, &all, text->valuestring, true, em)) == FU_OK)
+                special(&all, eos, true);
+        } else if (cJSON_IsString(prompt) && cJSON_IsString(comp) && !msgs) {
+            kinds |= 2;
+            special(&all, bos, false);
+            if ((rc = text_piece(tok, &all, prompt->valuestring, false, em)) == FU_OK &&
+                (rc = text_piece(tok, &all, comp->valuestring, true, em)) == FU_OK)
+                special(&all, eos, true);
+            pad_to(&all, from, win, pad);
+        } else if (cJSON_IsArray(msgs) && cJSON_GetArraySize(msgs) > 0) {
+            kinds |= 4;
+            special(&all, bos, false);
+            rc = render_chat(tok, o->chat, msgs, &all, line, em);
+            pad_to(&all, from, win, pad);
+        } else {
+            rc = fu_errmsg_set(em, FU_EINVAL,
+                               "data line %zu is not {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\": [...]}",
+                               line);
+        }
+        cJSON_Delete(ex);
+        n_ex++;
+    }
+    if (rc != FU_OK) {
+        free(starts);
+        goto fail;
+    }
+    out->format = kinds == 1 ? "jsonl" : kinds == 2 ? "prompt-completion" : kinds == 4 ? "chat" : "mixed jsonl";
+    out->examples = n_ex;
+    size_t h = o->heldout > 0 ? (size_t)ceil(o->heldout * (double)n_ex) : 0;
+    if (h >= n_ex && n_ex > 0)
+        h = n_ex - 1; /* something stays to train on */
+    out->heldout_examples = h;
+    size_t cut = h ? starts[n_ex - h] : all.n;
+    free(starts);
+    out->train = all.v;
+    out->n_train = cut;
+    if (cut < all.n) {
+        out->n_heldout = all.n - cut;
+        out->heldout = fu_malloc(out->n_heldout * sizeof *out->heldout);
+        memcpy(out->heldout, all.v + cut, out->n_heldout * sizeof *out->heldout);
+    }
+    ivec t = {.v = out->train, .n = out->n_train};
+    count(&t, win, &out->counted, &out->masked);
+    return FU_OK;
+fail:
+    free(all.v);
+    memset(out, 0, sizeof *out);
+    return rc;
+}
+
+void dag_dataset_free(dag_dataset *d)
+{
+    if (!d)
+        return;
+    free(d->train);
+    free(d->heldout);
+    memset(d, 0, sizeof *d);
+}
