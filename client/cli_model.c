@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "fu_file.h"
+#include "dag_merge.h"
 #include "fu_modelcfg.h"
 #include "fu_tokenizer.h"
 #include "dag_model.h"
@@ -228,6 +229,43 @@ static int model_info(int argc, char **argv)
     return FU_EXIT_OK;
 }
 
+/* ---- merge ---------------------------------------------------------------------------------- */
+
+static int model_merge(int argc, char **argv)
+{
+    const char *model = NULL, *adapter = NULL, *out = NULL;
+    bool force = false;
+    const fu_opt opts[] = {
+        {"model", 0, FU_OPT_STR, &model, "DIR", "the base model (dense, or SALR-pruned)"},
+        {"adapter", 0, FU_OPT_STR, &adapter, "DIR", "the PEFT adapter to write into it (none: only densify a SALR model)"},
+        {"out", 'o', FU_OPT_STR, &out, "DIR", "where to write the merged model"},
+        {"force", 0, FU_OPT_FLAG, &force, NULL, "replace a model already in DIR"},
+    };
+    const fu_cmd cmd = {
+        .prog = "fusion model merge",
+        .usage = "--model DIR --adapter DIR -o OUT [--force]",
+        .summary = "Writes the adapter into the base model's weights (W + alpha/r * B·A for every adapted linear; a "
+                   "SALR-pruned model is made dense: sparse weight + frozen residual + adapter) as a Hugging Face "
+                   "model directory in float32, with its config and tokenizer files.",
+        FU_OPTS_TABLE(opts),
+    };
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
+        return code;
+    if (!model || !out)
+        return fu_opts_usage_error(&cmd, "--model and -o are required");
+    fu_errmsg em = {{0}};
+    dag_merge_report rep;
+    fu_err rc = dag_model_merge(model, adapter, out, force, &rep, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion model merge: %s\n", fu_errmsg_text(&em, rc));
+        return rc == FU_EEXIST ? FU_EXIT_USAGE : exit_for(rc);
+    }
+    printf("wrote %s: %zu tensors (%.1f MB, float32); %zu linears took the adapter, %zu SALR linears made dense\n",
+           out, rep.tensors, (double)rep.bytes / 1e6, rep.merged, rep.densified);
+    return FU_EXIT_OK;
+}
+
 /* ---- prune ---------------------------------------------------------------------------------- */
 
 static int model_prune(int argc, char **argv)
@@ -312,7 +350,8 @@ static void model_help(void)
            "Commands:\n"
            "  init     write a random-weight LLaMA model directory (Hugging Face layout)\n"
            "  info     check and summarise a Hugging Face model directory\n"
-           "  prune    SALR-prune a model (bitmap-encoded sparse weights + frozen SVD residual adapters)\n\n"
+           "  prune    SALR-prune a model (bitmap-encoded sparse weights + frozen SVD residual adapters)\n"
+           "  merge    write an adapter into its base model's weights (a dense Hugging Face model)\n\n"
            "Run 'fusion model COMMAND --help' for a command's options.\n");
 }
 
@@ -322,7 +361,8 @@ int cli_model_main(int argc, char **argv)
         model_help();
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
-    static const cli_sub subs[] = {{"init", model_init}, {"info", model_info}, {"prune", model_prune}};
+    static const cli_sub subs[] = {
+        {"init", model_init}, {"info", model_info}, {"prune", model_prune}, {"merge", model_merge}};
     int code = cli_sub_dispatch("fusion model", subs, sizeof subs / sizeof subs[0], argc, argv);
     if (code >= 0)
         return code;

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 
 #include "dag_model.h"
+#include "fu_file.h"
 #include "fu_modelcfg.h"
 #include "testutil.h"
 
@@ -326,6 +327,68 @@ static void test_dag_cli_jsonl_prompt_masking_and_eval(void **state)
     free(out);
 }
 
+/* Max abs difference of two float32 files in tu_dir of the same size (fails when they are not). */
+static double logits_diff(const char *a, const char *b)
+{
+    char pa[4096], pb[4096];
+    snprintf(pa, sizeof pa, "%s/%s", tu_dir, a);
+    snprintf(pb, sizeof pb, "%s/%s", tu_dir, b);
+    char *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    assert_int_equal(fu_file_read_all(pa, 1u << 28, &x, &nx, NULL), FU_OK);
+    assert_int_equal(fu_file_read_all(pb, 1u << 28, &y, &ny, NULL), FU_OK);
+    assert_int_equal(nx, ny);
+    assert_true(nx > 0 && nx % 4 == 0);
+    double worst = 0;
+    for (size_t i = 0; i < nx / 4; i++) {
+        double d = fabs((double)((const float *)x)[i] - ((const float *)y)[i]);
+        worst = d > worst ? d : worst;
+    }
+    free(x);
+    free(y);
+    return worst;
+}
+
+/* Generation from `model merge`'s output equals generation from base plus adapter: the same text,
+ * logits within 1e-4 (only the order of the sums differs), for a LoRA-FA adapter on the dense model
+ * and for a SALR adapter on a pruned model (made dense: sparse + residual + adapter). */
+static void check_merged(const char *base, const char *adapter, const char *merged)
+{
+    tu_fusion_expect(0, "took the adapter", "model merge --model %s --adapter %s/%s -o %s/%s", base, tu_dir, adapter,
+                     tu_dir, merged);
+    char *a = tu_sh_expect_out(0, NULL, "'%s' run infer -q --threads 1 --model %s --adapter %s/%s --prompt 'the q' "
+                               "--max-tokens 12 --dump-logits %s/%s-a.bin", tu_bin("fusion"), base, tu_dir, adapter,
+                               tu_dir, merged);
+    char *m = tu_sh_expect_out(0, NULL, "'%s' run infer -q --threads 1 --model %s/%s --prompt 'the q' --max-tokens 12 "
+                               "--dump-logits %s/%s-m.bin", tu_bin("fusion"), tu_dir, merged, tu_dir, merged);
+    assert_string_equal(a, m);
+    char fa[64], fm[64];
+    snprintf(fa, sizeof fa, "%s-a.bin", merged);
+    snprintf(fm, sizeof fm, "%s-m.bin", merged);
+    double d = logits_diff(fa, fm);
+    printf("%s: generated '%s', logits max abs diff %.3g\n", merged, a, d);
+    assert_true(d <= 1e-4);
+    free(a);
+    free(m);
+}
+
+static void test_dag_cli_merge(void **state)
+{
+    (void)state;
+    tu_fusion_expect(0, NULL, "run finetune --model %s --data %s --rank 4 --lr 3e-2 --steps 20 --batch 2 --seq-len 16 "
+                     "-o %s/merge-adapter", model, data, tu_dir);
+    check_merged(model, "merge-adapter", "merged");
+    tu_fusion_expect(2, "--force", "model merge --model %s --adapter %s/merge-adapter -o %s/merged", model, tu_dir,
+                     tu_dir);
+    tu_fusion_expect(1, "nothing to merge", "model merge --model %s -o %s/nothing", model, tu_dir);
+    char pruned[4096];
+    snprintf(pruned, sizeof pruned, "%s/merge-pruned", tu_dir);
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_salr_prune_model(model, pruned, 0.5, 4, 1, &em), FU_OK);
+    salr_finetune_learns(pruned, "merge-salr");
+    check_merged(pruned, "merge-salr-adapter", "merged-salr");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -335,6 +398,7 @@ int main(void)
         cmocka_unit_test(test_dag_cli_salr_prune_lm_head),
         cmocka_unit_test(test_dag_cli_errors),
         cmocka_unit_test(test_dag_cli_jsonl_prompt_masking_and_eval),
+        cmocka_unit_test(test_dag_cli_merge),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
