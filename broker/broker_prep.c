@@ -88,6 +88,8 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
     if ((rc = fu_tokenizer_for_model(m->tokenizer, m->tokenizer_len, cfg.vocab_size, cfg.byte_tokens || j->spec.byte_tokens,
                                      &j->tok, &sub)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
+    if ((rc = fu_tokenizer_apply_config(j->tok, m->tok_config, m->tok_config_len, &sub)) != FU_OK)
+        return fu_errmsg_set(em, FU_EINVAL, "spec: model tokenizer: %s", fu_errmsg_text(&sub, rc));
     /* the ids that end a generation: config.json's (Llama 3 lists several), else the tokenizer's */
     j->n_eos = 0;
     for (size_t i = 0; i < cfg.n_eos && i < FU_MODELCFG_MAX_EOS; i++)

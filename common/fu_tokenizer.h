@@ -76,6 +76,13 @@ FU_MUST_CHECK fu_err fu_tokenizer_open_dir(const char *dir, size_t model_vocab, 
 FU_MUST_CHECK fu_err fu_tokenizer_for_model(const char *json, size_t len, size_t model_vocab, bool allow_bytes,
                                             fu_tokenizer **out, fu_errmsg *em);
 
+/* What tokenizer_config.json's text says about decoding: clean_up_tokenization_spaces (true when
+ * the file does not say, transformers' default). The loaders that read a directory apply the file
+ * beside tokenizer.json themselves; call this while the tokenizer is being set up (it is read-only
+ * afterwards). A no-op for byte-level tokenizers and NULL json; FU_EPROTO for text that is not a
+ * JSON object. */
+FU_MUST_CHECK fu_err fu_tokenizer_apply_config(fu_tokenizer *tok, const char *json, size_t len, fu_errmsg *em);
+
 /* Frees; idempotent; sets *tok_p = NULL. */
 void fu_tokenizer_destroy(fu_tokenizer **tok_p);
 

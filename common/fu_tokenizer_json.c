@@ -398,23 +398,29 @@ fu_err fu_tokenizer_parse_json(const char *json, size_t len, const char *label, 
     return FU_OK;
 }
 
-/* tokenizer_config.json beside a tokenizer.json (dir/FU_TOKENIZER_CONFIG_FILE): what it says about
- * decoding. clean_up_tokenization_spaces defaults to true when the file is there (transformers'
- * default), false without it. A file that is not valid JSON is refused. */
+fu_err fu_tokenizer_apply_config(fu_tokenizer *t, const char *json, size_t len, fu_errmsg *em)
+{
+    if (!t || !json || t->kind != FU_TOK_BPE)
+        return FU_OK;
+    cJSON *c = cJSON_ParseWithLength(json, len);
+    fu_err rc = FU_OK;
+    if (!cJSON_IsObject(c))
+        rc = fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", FU_TOKENIZER_CONFIG_FILE);
+    else
+        t->cleanup = json_flag(c, "clean_up_tokenization_spaces", true);
+    cJSON_Delete(c);
+    return rc;
+}
+
+/* tokenizer_config.json beside a tokenizer.json (dir/FU_TOKENIZER_CONFIG_FILE), when there. */
 static fu_err read_config(fu_tokenizer *t, const char *dir, fu_errmsg *em)
 {
     char *p = fu_path_join(dir, FU_TOKENIZER_CONFIG_FILE);
     char *txt = NULL;
     size_t len = 0;
     fu_err rc = FU_OK;
-    if (fu_path_exists(p) && (rc = fu_file_read_all(p, FU_TOKENIZER_MAX_BYTES, &txt, &len, em)) == FU_OK) {
-        cJSON *c = cJSON_ParseWithLength(txt, len);
-        if (!cJSON_IsObject(c))
-            rc = fu_errmsg_set(em, FU_EPROTO, "%s: not a JSON object", p);
-        else
-            t->cleanup = json_flag(c, "clean_up_tokenization_spaces", true);
-        cJSON_Delete(c);
-    }
+    if (fu_path_exists(p) && (rc = fu_file_read_all(p, FU_TOKENIZER_MAX_BYTES, &txt, &len, em)) == FU_OK)
+        rc = fu_tokenizer_apply_config(t, txt, len, em);
     free(txt);
     free(p);
     return rc;

@@ -421,6 +421,29 @@ static void test_e2e_pipeline_qwen3_shape(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* JSON Lines through the broker (issue "Real checkpoints"): prompt/completion examples, a tenth
+ * held out; the broker makes the same masked token stream as `fusion run` (dag_dataset), so the
+ * pipeline's adapter has fusion run's bits. */
+static void test_e2e_pipeline_jsonl_prompt_completion(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-jsonl", TU_PEER_MEMORY_GB);
+    FILE *f = fopen(tu_cluster_data(c), "w");
+    assert_non_null(f);
+    static const char *const q[] = {"what colour is the sky", "name a fruit", "two plus two", "say hello"};
+    static const char *const a[] = {" blue", " apple", " four", " hello"};
+    for (int i = 0; i < 240; i++)
+        fprintf(f, "{\"prompt\": \"Q%d: %s?\\nA:\", \"completion\": \"%s\"}\n", i, q[i % 4], a[i % 4]);
+    fclose(f);
+    const char *train = TU_TRAIN_ARGS " --steps 12 --heldout 0.1";
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 4", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 2);
+    tu_assert_identical_adapter(c, id, "model", train, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -583,6 +606,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_slots_two_jobs, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_spares_give_way, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_qwen3_shape, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_jsonl_prompt_completion, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
