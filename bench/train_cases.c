@@ -33,7 +33,8 @@ typedef struct {
     char dir[512];         /* dense model */
     char pruned[600];      /* SALR model, the prune default: every linear pruned, lm_head included */
     char pruned_kept[600]; /* SALR model with lm_head dense (--keep-lm-head) */
-    bool made, pruned_made, pruned_kept_made;
+    char bf16[600];        /* the dense model's weights rounded to bf16 and stored so */
+    bool made, pruned_made, pruned_kept_made, bf16_made;
 } tb_env;
 
 /* The model and the run: the full size, and --quick's. */
@@ -48,7 +49,7 @@ static const tb_size TB_QUICK = {.layers = 4, .hidden = 256, .heads = 4, .ffn = 
                                  .batch = 2, .seq = 64, .steps = 3};
 
 /* Which model a case runs. */
-typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD } tb_model;
+typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD, TB_BF16 } tb_model;
 
 static tb_env env;
 
@@ -137,6 +138,38 @@ static void make_pruned(int fd, void *arg)
     send_line(fd, l);
 }
 
+/* env.bf16: the dense model with every tensor stored as bfloat16 (what a Hugging Face bf16 checkpoint
+ * is). */
+static void make_bf16(int fd, void *arg)
+{
+    (void)arg;
+    fu_errmsg em = {{0}};
+    fu_safetensors *st = NULL;
+    if (fu_safetensors_open_dir(env.dir, &st, &em) != FU_OK || fu_mkdir_p(env.bf16, 0700, &em) != FU_OK ||
+        fu_modelcfg_save(env.bf16, &env.cfg, &em) != FU_OK)
+        _exit(2);
+    size_t n = fu_safetensors_count(st);
+    fu_st_tensor *ts = calloc(n, sizeof *ts);
+    void **bufs = calloc(n, sizeof *bufs);
+    for (size_t i = 0; i < n; i++) {
+        const fu_st_tensor *src = fu_safetensors_at(st, i);
+        float *f = malloc(src->nelem * sizeof *f);
+        bufs[i] = malloc(src->nelem * 2);
+        if (fu_st_tensor_to_f32(src, f, src->nelem, &em) != FU_OK ||
+            fu_st_from_f32(FU_ST_BF16, f, src->nelem, bufs[i]) != FU_OK)
+            _exit(2);
+        free(f);
+        ts[i] = *src;
+        ts[i].dtype = FU_ST_BF16;
+        ts[i].data = bufs[i];
+        ts[i].nbytes = src->nelem * 2;
+    }
+    char *path = fu_path_join(env.bf16, FU_ST_SINGLE_FILE);
+    if (fu_safetensors_write(path, ts, n, NULL, 0, NULL, NULL, &em) != FU_OK)
+        _exit(2);
+    send_line(fd, "ok");
+}
+
 static bool ensure_models(tb_model which)
 {
     if (!env.made) {
@@ -159,12 +192,21 @@ static bool ensure_models(tb_model which)
             return false;
         snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);
         snprintf(env.pruned_kept, sizeof env.pruned_kept, "%s/pruned-keep-head", env.dir);
+        snprintf(env.bf16, sizeof env.bf16, "%s/bf16", env.dir);
         env.made = true;
         atexit(tb_cleanup);
         char line[64];
         if (!in_child(make_model, NULL, line, sizeof line))
             return false;
     }
+    if (which == TB_BF16 && !env.bf16_made) {
+        char line[64];
+        if (!in_child(make_bf16, NULL, line, sizeof line))
+            return false;
+        env.bf16_made = true;
+    }
+    if (which == TB_BF16)
+        return true;
     bool head = which == TB_SALR;
     bool *made = head ? &env.pruned_made : &env.pruned_kept_made;
     if (which != TB_DENSE && !*made) {
@@ -199,6 +241,7 @@ static double peak_gib(void)
 typedef struct {
     dag_adapter_method method;
     kern_cpu_gemm_mode gemm; /* BLAS_THREADS: today's OpenBLAS split, to price determinism */
+    int weights;             /* 0: the f32 model; 1: the bf16 model, kept bf16; 2: the bf16 model widened at load */
 } train_arg;
 
 static void train_child(int fd, void *arg)
@@ -209,7 +252,7 @@ static void train_child(int fd, void *arg)
     bool salr = m == DAG_ADAPTER_SALR;
     fu_errmsg em = {{0}};
     fu_safetensors *st = NULL;
-    if (fu_safetensors_open_dir(salr ? env.pruned : env.dir, &st, &em) != FU_OK)
+    if (fu_safetensors_open_dir(salr ? env.pruned : ta->weights ? env.bf16 : env.dir, &st, &em) != FU_OK)
         _exit(2);
     dag_model_dims d;
     dag_dims_from_cfg(&env.cfg, &d);
@@ -219,7 +262,7 @@ static void train_child(int fd, void *arg)
     dag_exec_t *x = NULL;
     if (dag_build_llama(&d, &bo, &g) != FU_OK)
         _exit(2);
-    dag_exec_opts eo = {.max_tokens = env.batch * env.seq, .training = true, .seed = 1};
+    dag_exec_opts eo = {.max_tokens = env.batch * env.seq, .training = true, .seed = 1, .widen_weights = ta->weights == 2};
     if (dag_exec_new(g, &eo, &x, &em) != FU_OK || dag_exec_load_weights(x, st, &em) != FU_OK) {
         fprintf(stderr, "bench: %s\n", em.msg);
         _exit(2);
@@ -248,12 +291,13 @@ static void train_child(int fd, void *arg)
     snprintf(line, sizeof line,
              "\"method\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"batch\":%u,\"seq\":%u,\"threads\":%d,"
              "\"steps\":%u,\"tokens_per_s\":%.1f,\"tokens_per_cpu_s_x_threads\":%.1f,\"peak_rss_gib\":%.3f,"
-             "\"saved_activation_mib\":%.1f,\"trainable_params\":%zu,\"loss\":%.9g,\"gemm\":\"%s\"",
+             "\"saved_activation_mib\":%.1f,\"trainable_params\":%zu,\"loss\":%.9g,\"gemm\":\"%s\",\"weights\":\"%s\"",
              dag_adapter_name(m), env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, env.batch,
              env.seq, TB_THREADS, env.steps, (double)(env.steps * n) / el,
              (double)(env.steps * n) / (cs / TB_THREADS), peak_gib(),
              (double)dag_exec_saved_bytes_peak(x) / 1048576.0, dag_exec_trainable_params(x), (double)loss,
-             ta->gemm == KERN_CPU_GEMM_BLAS_THREADS ? "blas_threads" : "deterministic");
+             ta->gemm == KERN_CPU_GEMM_BLAS_THREADS ? "blas_threads" : "deterministic",
+             ta->weights == 1 ? "bf16 kept" : ta->weights == 2 ? "bf16 widened to f32" : "f32");
     send_line(fd, line);
     free(tok);
     free(tgt);
@@ -262,10 +306,10 @@ static void train_child(int fd, void *arg)
     fu_safetensors_close(&st);
 }
 
-static void train_case(const char *name, dag_adapter_method m, kern_cpu_gemm_mode gemm)
+static void train_case_w(const char *name, dag_adapter_method m, kern_cpu_gemm_mode gemm, int weights)
 {
-    train_arg ta = {m, gemm};
-    if (!ensure_models(m == DAG_ADAPTER_SALR ? TB_SALR : TB_DENSE)) {
+    train_arg ta = {m, gemm, weights};
+    if (!ensure_models(DAG_ADAPTER_SALR == m ? TB_SALR : TB_DENSE) || (weights && !ensure_models(TB_BF16))) {
         bench_emit("train", name, "\"error\":\"setup failed\"");
         return;
     }
@@ -274,6 +318,24 @@ static void train_case(const char *name, dag_adapter_method m, kern_cpu_gemm_mod
         bench_emit("train", name, "\"error\":\"run failed\"");
     else
         bench_emit("train", name, "%s", line);
+}
+
+static void train_case(const char *name, dag_adapter_method m, kern_cpu_gemm_mode gemm)
+{
+    train_case_w(name, m, gemm, 0);
+}
+
+/* A bf16 checkpoint: its weights kept bf16 in memory (the CPU's default: mapped, widened per GEMM
+ * tile), and the same file widened to f32 at load (what fusion did before). Against train_lorafa
+ * (the f32 file): peak memory and tokens/s. */
+BENCH_CASE(train_lorafa_bf16)
+{
+    train_case_w("train_lorafa_bf16", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_DETERMINISTIC, 1);
+}
+
+BENCH_CASE(train_lorafa_bf16_widened)
+{
+    train_case_w("train_lorafa_bf16_widened", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_DETERMINISTIC, 2);
 }
 
 BENCH_CASE(train_lorafa)

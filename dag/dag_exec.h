@@ -44,6 +44,9 @@ typedef struct {
     uint32_t n_slots;         /* micro-batches whose saved activations may be held at once (0: 1) */
     bool training;            /* keep activations for backward; adapters trainable */
     bool logits_all;          /* inference: logits for every row (else only the last row) */
+    bool widen_weights;       /* widen bf16/f16 weights to f32 at load; by default a backend that multiplies
+                                 16-bit weights (kern_backend_t.weight_dtypes: the CPU) keeps the embedding,
+                                 dense linears and lm_head in their precision, mapped from the file */
     uint32_t max_context;     /* inference: KV cache positions per session (0: max_tokens) */
     uint64_t seed;            /* adapter initialisation (Kaiming-uniform A, zero B) */
     bool lorafa_correction;   /* LoRA-FA: precondition B's gradient with (A·Aᵀ)⁻¹/s² before each

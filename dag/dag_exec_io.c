@@ -34,6 +34,30 @@ static void drop_pages(const void *p, size_t len)
 
 /* Loads tensor `name` of the given shape as f32 on the backend. Zero-copy for aligned F32 on CPU. */
 static fu_err load_f32(dag_exec_t *x, const fu_safetensors *st, const char *name, size_t ndim, uint64_t d0,
+                       uint64_t d1, kern_tensor_t **out, fu_errmsg *em);
+
+/* A 2-D frozen weight: kept bf16/f16 as the file has it (zero-copy over the mapping) when the backend
+ * multiplies 16-bit weights and the executor was not asked to widen them; else as load_f32. */
+static fu_err load_weight(dag_exec_t *x, const fu_safetensors *st, const char *name, uint64_t d0, uint64_t d1,
+                          kern_tensor_t **out, fu_errmsg *em)
+{
+    const fu_st_tensor *t = fu_safetensors_get(st, name);
+    kern_dtype kd = t && t->dtype == FU_ST_BF16 ? KERN_BF16 : t && t->dtype == FU_ST_F16 ? KERN_F16 : KERN_F32;
+    if (kd == KERN_F32 || x->o.widen_weights || !x->cpu || !((x->be->weight_dtypes >> kd) & 1u) ||
+        (uintptr_t)t->data % 2 != 0 || t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1)
+        return load_f32(x, st, name, 2, d0, d1, out, em);
+    int64_t s[2] = {(int64_t)d0, (int64_t)d1};
+    kern_tensor_t *k = fu_calloc(1, sizeof *k);
+    fu_err rc = kern_tensor_wrap(k, (void *)t->data, kd, 2, s, x->be->device);
+    if (rc != FU_OK) {
+        free(k);
+        return fu_errmsg_set(em, rc, "cannot use the %s weight '%s'", fu_st_dtype_name(t->dtype), name);
+    }
+    *out = k;
+    return FU_OK;
+}
+
+static fu_err load_f32(dag_exec_t *x, const fu_safetensors *st, const char *name, size_t ndim, uint64_t d0,
                        uint64_t d1, kern_tensor_t **out, fu_errmsg *em)
 {
     uint64_t shape[2] = {d0, d1};
@@ -271,7 +295,7 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
         e->w_shared = false;
         switch (nd->op) {
         case DAG_OP_EMBEDDING:
-            FU_TRY(load_f32(x, st, nd->params[0], 2, nd->dim_in, nd->dim_out, &e->w, em));
+            FU_TRY(load_weight(x, st, nd->params[0], nd->dim_in, nd->dim_out, &e->w, em));
             break;
         case DAG_OP_RMSNORM:
             FU_TRY(load_f32(x, st, nd->params[0], 1, nd->dim_in, 1, &e->w, em));
@@ -306,14 +330,14 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
                     e->w_shared = true;
                 }
             if (!e->w)
-                FU_TRY(load_f32(x, st, nd->params[0], 2, nd->dim_out, nd->dim_in, &e->w, em));
+                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, &e->w, em));
             break;
         }
         case DAG_OP_LINEAR:
             if (nd->adapter.method == DAG_ADAPTER_SALR)
                 FU_TRY(load_salr_weight(x, st, nd, e, em));
             else
-                FU_TRY(load_f32(x, st, nd->params[0], 2, nd->dim_out, nd->dim_in, &e->w, em));
+                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, &e->w, em));
             if (nd->adapter.method != DAG_ADAPTER_NONE) {
                 fu_err rc = make_adapter(x, nd, e);
                 if (rc != FU_OK)

@@ -131,7 +131,7 @@ static int input_refs_for(const dag_exec_t *x, uint32_t src)
 static fu_err base_linear(const dag_exec_t *x, const kern_tensor_t *in, const kern_tensor_t *w, kern_tensor_t *out)
 {
     int64_t rows = in->shape[0];
-    if (!x->cpu || rows > DAG_GEMV_MAX_ROWS || w->ndim != 2 || in->shape[1] != w->shape[1] ||
+    if (!x->cpu || w->dtype != KERN_F32 || rows > DAG_GEMV_MAX_ROWS || w->ndim != 2 || in->shape[1] != w->shape[1] ||
         out->shape[1] != w->shape[0] || out->shape[0] != rows || !kern_tensor_is_contiguous(w))
         return kern_linear_forward(x->be, in, w, out);
     for (int64_t r = 0; r < rows; r++)

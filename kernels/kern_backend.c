@@ -150,6 +150,16 @@ fu_err kern_chk_float(const kern_backend_t *be, const kern_tensor_t *t, int ndim
     return FU_OK;
 }
 
+fu_err kern_chk_weight(const kern_backend_t *be, const kern_tensor_t *t)
+{
+    FU_TRY(kern_chk_dev(be, t));
+    unsigned mask = kern_float_mask(be) | be->weight_dtypes;
+    if (!((mask >> t->dtype) & 1u) || !kern_tensor_is_rowmajor_2d(t) || t->shape[0] > KERN_INT_LIMIT ||
+        t->shape[1] > KERN_INT_LIMIT || t->stride[0] > KERN_INT_LIMIT)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
 fu_err kern_chk_mat(const kern_backend_t *be, const kern_tensor_t *t)
 {
     FU_TRY(kern_chk_dev(be, t));

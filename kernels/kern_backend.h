@@ -108,6 +108,9 @@ struct kern_backend {
     kern_device device; /* where this backend's tensors live */
     void       *impl;   /* backend-private state */
     unsigned    float_dtypes; /* bitmask (1u << kern_dtype) of float dtypes the ops accept; 0 = f32 */
+    unsigned    weight_dtypes; /* dtypes a frozen weight may keep while the other operands are f32: a gemm's B
+                                  operand, an embedding table (the CPU: f16 and bf16, converted per tile);
+                                  0 = none beyond float_dtypes */
 
     fu_err (*alloc)(const kern_backend_t *be, size_t bytes, void **out); /* KERN_ALIGN-aligned */
     void (*free)(const kern_backend_t *be, void *p);

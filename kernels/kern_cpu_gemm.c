@@ -11,7 +11,10 @@
 #include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "fu_alloc.h"
 #include "kern_internal.h"
 
 /* OpenBLAS's own thread count; weak so that a BLAS without it still links. */
@@ -104,5 +107,85 @@ void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const fl
         const float *b = tb ? B + (int64_t)j0 * ldb : B + j0; /* op(B)'s columns j0.. */
         cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, mi, nj, k, alpha, a,
                     lda, b, ldb, beta, C + (int64_t)i0 * ldc + j0, ldc);
+    }
+}
+
+/* ---- a 16-bit B (frozen weights kept in their precision) ------------------------------------ */
+
+void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst)
+{
+    if (bf16) {
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)src[i] << 16;
+            float f;
+            memcpy(&f, &u, sizeof f);
+            dst[i] = f;
+        }
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        dst[i] = kern_f16_to_f32(src[i]);
+}
+
+/* The rows x cols block of the 16-bit matrix M (row stride ld) at (r0, c0), widened into a new
+ * contiguous buffer (caller frees). */
+static float *widen_block(const uint16_t *M, bool bf16, int64_t ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols)
+{
+    float *w = fu_malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *w);
+    for (int64_t r = 0; r < rows; r++)
+        kern_widen16(M + (r0 + r) * ld + c0, bf16, (size_t)cols, w + r * cols);
+    return w;
+}
+
+void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const uint16_t *B,
+                        bool bf16, int ldb, float beta, float *C, int ldc)
+{
+    pthread_once(&blas_once, blas_one_thread);
+    if (m <= 0 || n <= 0)
+        return;
+    const int64_t brows = tb ? n : k, bcols = tb ? k : n; /* B as stored */
+    if (k <= 0 || gemm_mode == KERN_CPU_GEMM_BLAS_THREADS || n == 1) { /* B widened whole, then the f32 path */
+        float *w = widen_block(B, bf16, ldb, 0, 0, brows, bcols);
+        kern_cpu_sgemm(ta, tb, m, n, k, alpha, A, lda, w, (int)(bcols > 0 ? bcols : 1), beta, C, ldc);
+        free(w);
+        return;
+    }
+    if (m == 1) { /* decode: the gemv blocks of kern_cpu_sgemm, each widened first */
+        if (beta == 0.0f)
+            for (int j = 0; j < n; j++)
+                C[j] = 0.0f;
+        const float *x = A;
+        const int incx = ta ? lda : 1;
+        int64_t blocks = (n + KERN_GEMV_BLOCK - 1) / KERN_GEMV_BLOCK;
+        int nt = gemm_threads((double)n * k, blocks);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int r0 = (int)(b * KERN_GEMV_BLOCK), nr = n - r0 < KERN_GEMV_BLOCK ? n - r0 : KERN_GEMV_BLOCK;
+            if (tb) { /* B [n x k]: c = B·x over B's rows r0.. */
+                float *w = widen_block(B, bf16, ldb, r0, 0, nr, k);
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, k, alpha, w, k, x, incx, beta, C + r0, 1);
+                free(w);
+            } else {  /* B [k x n]: c = Bᵀ·x over B's columns r0.. */
+                float *w = widen_block(B, bf16, ldb, 0, r0, k, nr);
+                cblas_sgemv(CblasRowMajor, CblasTrans, k, nr, alpha, w, nr, x, incx, beta, C + r0, 1);
+                free(w);
+            }
+        }
+        return;
+    }
+    const int64_t tm = (m + KERN_GEMM_TILE_M - 1) / KERN_GEMM_TILE_M, tn = (n + KERN_GEMM_TILE_N - 1) / KERN_GEMM_TILE_N;
+    const int nt = gemm_threads((double)m * n * k, tm * tn);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t t = 0; t < tm * tn; t++) {
+        int i0 = (int)(t / tn) * KERN_GEMM_TILE_M, j0 = (int)(t % tn) * KERN_GEMM_TILE_N;
+        int mi = m - i0 < KERN_GEMM_TILE_M ? m - i0 : KERN_GEMM_TILE_M;
+        int nj = n - j0 < KERN_GEMM_TILE_N ? n - j0 : KERN_GEMM_TILE_N;
+        const float *a = ta ? A + i0 : A + (int64_t)i0 * lda;
+        /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.., widened */
+        float *w = tb ? widen_block(B, bf16, ldb, j0, 0, nj, k) : widen_block(B, bf16, ldb, 0, j0, k, nj);
+        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, mi, nj, k, alpha, a,
+                    lda, w, tb ? k : nj, beta, C + (int64_t)i0 * ldc + j0, ldc);
+        free(w);
     }
 }

@@ -29,8 +29,16 @@ fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids
     FU_TRY(check_ids(ids, out, table));
     const int32_t *id = ids->data;
     int64_t n = out->shape[0], d = out->shape[1];
-    const float *tab = table->data;
     float *o = out->data;
+    if (table->dtype != KERN_F32) { /* a 16-bit table kept in its precision: rows widened as read */
+        const uint16_t *tab = table->data;
+        const bool bf16 = table->dtype == KERN_BF16;
+#pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
+        for (int64_t i = 0; i < n; i++)
+            kern_widen16(tab + (int64_t)id[i] * d, bf16, (size_t)d, o + i * d);
+        return FU_OK;
+    }
+    const float *tab = table->data;
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
     for (int64_t i = 0; i < n; i++)
         memcpy(o + i * d, tab + (int64_t)id[i] * d, (size_t)d * sizeof(float));

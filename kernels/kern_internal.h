@@ -41,6 +41,15 @@ void    kern_cpu_set_par_min(int64_t elements);
 void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
                     int ldb, float beta, float *C, int ldc);
 
+/* dst[0..n) = the 16-bit values src[0..n) widened to f32 (bfloat16 when bf16, else IEEE binary16). */
+void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst);
+
+/* kern_cpu_sgemm with a 16-bit B (a frozen weight kept in its precision: bf16 when bf16, else
+ * IEEE f16): each tile (and each gemv block) of B is widened to f32 and given to the same BLAS call
+ * kern_cpu_sgemm makes, so the result has the bits of kern_cpu_sgemm on B widened whole. */
+void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const uint16_t *B,
+                        bool bf16, int ldb, float beta, float *C, int ldc);
+
 /* t is non-NULL, well formed, on be's device, with data when it has elements. */
 fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t);
 /* kern_chk_dev and contiguous. */
@@ -92,6 +101,13 @@ static inline unsigned kern_float_mask(const kern_backend_t *be)
 fu_err kern_chk_float(const kern_backend_t *be, const kern_tensor_t *t, int ndim);
 /* A 2-D float matrix (dtype be accepts) with contiguous rows whose sizes fit BLAS ints. */
 fu_err kern_chk_mat(const kern_backend_t *be, const kern_tensor_t *t);
+/* A 2-D frozen weight: a matrix of a dtype be keeps weights in (float_dtypes or weight_dtypes). */
+fu_err kern_chk_weight(const kern_backend_t *be, const kern_tensor_t *t);
+/* Whether w is a 16-bit weight be multiplies with f32 a (a mixed product). */
+static inline bool kern_weight_mixed(const kern_backend_t *be, const kern_tensor_t *a, const kern_tensor_t *w)
+{
+    return a && w && w->dtype != a->dtype && a->dtype == KERN_F32 && ((be->weight_dtypes >> w->dtype) & 1u);
+}
 /* True when b is NULL or has a's dtype. */
 static inline bool kern_same_dtype(const kern_tensor_t *a, const kern_tensor_t *b)
 {

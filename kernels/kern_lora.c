@@ -73,10 +73,11 @@ static fu_err chk_adapter(const kern_backend_t *be, const kern_tensor_t *w, cons
     *r = a->shape[0];
     *in = a->shape[1];
     *out = b->shape[0];
-    if (b->shape[1] != *r || !isfinite(scale) || !kern_same_dtype(a, b) || !kern_same_dtype(a, w))
+    if (b->shape[1] != *r || !isfinite(scale) || !kern_same_dtype(a, b) ||
+        (!kern_same_dtype(a, w) && !kern_weight_mixed(be, a, w)))
         return FU_EINVAL;
     if (w) {
-        FU_TRY(kern_chk_mat(be, w));
+        FU_TRY(kern_chk_weight(be, w)); /* the frozen base may keep 16 bits */
         if (w->shape[0] != *out || w->shape[1] != *in)
             return FU_EINVAL;
     }

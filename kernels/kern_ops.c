@@ -26,7 +26,8 @@ fu_err kern_gemm(const kern_backend_t *be, bool trans_a, bool trans_b, float alp
                  const kern_tensor_t *b, float beta, kern_tensor_t *c)
 {
     FU_TRY(kern_chk_mat(be, a));
-    FU_TRY(kern_chk_mat(be, b));
+    const bool mixed = kern_weight_mixed(be, a, b); /* a 16-bit frozen weight as B */
+    FU_TRY(mixed ? kern_chk_weight(be, b) : kern_chk_mat(be, b));
     FU_TRY(kern_chk_mat(be, c));
     int64_t m = trans_a ? a->shape[1] : a->shape[0];
     int64_t ka = trans_a ? a->shape[0] : a->shape[1];
@@ -34,7 +35,7 @@ fu_err kern_gemm(const kern_backend_t *be, bool trans_a, bool trans_b, float alp
     int64_t n = trans_b ? b->shape[0] : b->shape[1];
     if (ka != kb || c->shape[0] != m || c->shape[1] != n)
         return FU_EINVAL;
-    if (!kern_same_dtype(a, b) || !kern_same_dtype(a, c))
+    if ((!mixed && !kern_same_dtype(a, b)) || !kern_same_dtype(a, c))
         return FU_EINVAL;
     if (!isfinite(alpha) || !isfinite(beta))
         return FU_EINVAL;
@@ -52,9 +53,9 @@ fu_err kern_linear_backward(const kern_backend_t *be, const kern_tensor_t *dy, c
                             const kern_tensor_t *w, kern_tensor_t *dx, kern_tensor_t *dw)
 {
     FU_TRY(kern_chk_mat(be, dy));
-    FU_TRY(kern_chk_mat(be, w));
-    if (dy->shape[1] != w->shape[0])
-        return FU_EINVAL;
+    FU_TRY(kern_chk_weight(be, w));
+    if (dy->shape[1] != w->shape[0] || (dw && kern_weight_mixed(be, dy, w)))
+        return FU_EINVAL; /* a 16-bit weight is frozen: no gradient */
     if (dw) {
         FU_TRY(kern_chk_mat(be, x));
         if (x->shape[0] != dy->shape[0] || x->shape[1] != w->shape[1] || !kern_tensor_same_shape(dw, w))
@@ -107,9 +108,9 @@ static fu_err chk_ids(const kern_backend_t *be, const kern_tensor_t *ids, int64_
 static fu_err chk_embedding(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
                             const kern_tensor_t *rows)
 {
-    FU_TRY(kern_chk_float(be, table, 2));
+    FU_TRY(kern_weight_mixed(be, rows, table) ? kern_chk_weight(be, table) : kern_chk_float(be, table, 2));
     FU_TRY(kern_chk_float(be, rows, 2));
-    if (rows->shape[1] != table->shape[1] || !kern_same_dtype(table, rows))
+    if (rows->shape[1] != table->shape[1] || (!kern_same_dtype(table, rows) && !kern_weight_mixed(be, rows, table)))
         return FU_EINVAL;
     return chk_ids(be, ids, rows->shape[0]);
 }

@@ -1211,6 +1211,37 @@ static void test_dag_exec_loads_bf16_weights(void **state)
     dag_graph_t *g = graph(t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
     expect_reference_logits(t, g, bs, 1, 6, "bf16 logits");
     dag_graph_destroy(&g);
+    /* The CPU keeps those weights bf16 in memory (mapped, widened per GEMM tile): a training step
+     * gives exactly what the same weights widened to f32 at load give. */
+    g = graph(t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
+    int32_t tok[16], tgt[16];
+    tokens_for(tok, 16, 5);
+    targets_for(tok, tgt, 16, 7, 1);
+    float loss[2];
+    kern_tensor_t *db[2] = {0};
+    float *dbv[2] = {0};
+    dag_exec_t *xs[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        dag_exec_opts o = {.max_tokens = 16, .n_slots = 1, .training = true, .seed = 7, .widen_weights = k == 1};
+        fu_errmsg em = {{0}};
+        assert_int_equal(dag_exec_new(g, &o, &xs[k], &em), FU_OK);
+        assert_int_equal(dag_exec_load_weights(xs[k], bs, &em), FU_OK);
+        loss[k] = loss_of(xs[k], tok, tgt, 2, 8);
+        assert_int_equal(dag_exec_backward(xs[k], 0, 1.0f), FU_OK);
+        for (size_t i = 0; i < dag_graph_size(g) && !db[k]; i++) {
+            kern_tensor_t *A, *B, *dA, *dB;
+            if (dag_exec_adapter(xs[k], (uint32_t)i, &A, &B, &dA, &dB) == FU_OK)
+                db[k] = dA; /* A's gradient flows back through every frozen weight after it */
+        }
+        assert_non_null(db[k]);
+        dbv[k] = db[k]->data;
+    }
+    printf("bf16 kept: loss %.9g, widened: %.9g\n", loss[0], loss[1]);
+    assert_memory_equal(&loss[0], &loss[1], sizeof loss[0]);
+    assert_memory_equal(dbv[0], dbv[1], (size_t)kern_tensor_numel(db[0]) * sizeof(float));
+    for (int k = 0; k < 2; k++)
+        dag_exec_destroy(&xs[k]);
+    dag_graph_destroy(&g);
     fu_safetensors_close(&bs);
     free(path);
 }
