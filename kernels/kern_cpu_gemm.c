@@ -112,15 +112,16 @@ void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const fl
 
 /* ---- a 16-bit B (frozen weights kept in their precision) ------------------------------------ */
 
+
 void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst)
 {
-    if (bf16) {
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) {
-            uint32_t u = (uint32_t)src[i] << 16;
-            float f;
-            memcpy(&f, &u, sizeof f);
-            dst[i] = f;
+    if (bf16) { /* a bfloat16 is the upper half of a binary32: shift, in chunks the compiler vectorizes */
+        for (size_t i0 = 0; i0 < n; i0 += 256) {
+            size_t m = n - i0 < 256 ? n - i0 : 256;
+            uint32_t t[256];
+            for (size_t i = 0; i < m; i++)
+                t[i] = (uint32_t)src[i0 + i] << 16;
+            memcpy(dst + i0, t, m * sizeof *t);
         }
         return;
     }
@@ -128,13 +129,19 @@ void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst)
         dst[i] = kern_f16_to_f32(src[i]);
 }
 
-/* The rows x cols block of the 16-bit matrix M (row stride ld) at (r0, c0), widened into a new
- * contiguous buffer (caller frees). */
-static float *widen_block(const uint16_t *M, bool bf16, int64_t ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols)
+/* The rows x cols block of the 16-bit matrix M (row stride ld) at (r0, c0), widened into w
+ * (contiguous, room for rows * cols). */
+static void widen_block(const uint16_t *M, bool bf16, int64_t ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
+                        float *w)
 {
-    float *w = fu_malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *w);
     for (int64_t r = 0; r < rows; r++)
         kern_widen16(M + (r0 + r) * ld + c0, bf16, (size_t)cols, w + r * cols);
+}
+
+static float *widen_whole(const uint16_t *M, bool bf16, int64_t ld, int64_t rows, int64_t cols)
+{
+    float *w = fu_malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *w);
+    widen_block(M, bf16, ld, 0, 0, rows, cols, w);
     return w;
 }
 
@@ -146,7 +153,7 @@ void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, cons
         return;
     const int64_t brows = tb ? n : k, bcols = tb ? k : n; /* B as stored */
     if (k <= 0 || gemm_mode == KERN_CPU_GEMM_BLAS_THREADS || n == 1) { /* B widened whole, then the f32 path */
-        float *w = widen_block(B, bf16, ldb, 0, 0, brows, bcols);
+        float *w = widen_whole(B, bf16, ldb, brows, bcols);
         kern_cpu_sgemm(ta, tb, m, n, k, alpha, A, lda, w, (int)(bcols > 0 ? bcols : 1), beta, C, ldc);
         free(w);
         return;
@@ -159,33 +166,47 @@ void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, cons
         const int incx = ta ? lda : 1;
         int64_t blocks = (n + KERN_GEMV_BLOCK - 1) / KERN_GEMV_BLOCK;
         int nt = gemm_threads((double)n * k, blocks);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            int r0 = (int)(b * KERN_GEMV_BLOCK), nr = n - r0 < KERN_GEMV_BLOCK ? n - r0 : KERN_GEMV_BLOCK;
-            if (tb) { /* B [n x k]: c = B·x over B's rows r0.. */
-                float *w = widen_block(B, bf16, ldb, r0, 0, nr, k);
-                cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, k, alpha, w, k, x, incx, beta, C + r0, 1);
-                free(w);
-            } else {  /* B [k x n]: c = Bᵀ·x over B's columns r0.. */
-                float *w = widen_block(B, bf16, ldb, 0, r0, k, nr);
-                cblas_sgemv(CblasRowMajor, CblasTrans, k, nr, alpha, w, nr, x, incx, beta, C + r0, 1);
-                free(w);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+            float *w = fu_malloc((size_t)KERN_GEMV_BLOCK * (size_t)k * sizeof *w); /* this thread's widened block */
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                int r0 = (int)(b * KERN_GEMV_BLOCK), nr = n - r0 < KERN_GEMV_BLOCK ? n - r0 : KERN_GEMV_BLOCK;
+                if (tb) { /* B [n x k]: c = B·x over B's rows r0.. */
+                    widen_block(B, bf16, ldb, r0, 0, nr, k, w);
+                    cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, k, alpha, w, k, x, incx, beta, C + r0, 1);
+                } else { /* B [k x n]: c = Bᵀ·x over B's columns r0.. */
+                    widen_block(B, bf16, ldb, 0, r0, k, nr, w);
+                    cblas_sgemv(CblasRowMajor, CblasTrans, k, nr, alpha, w, nr, x, incx, beta, C + r0, 1);
+                }
             }
+            free(w);
         }
         return;
     }
+    /* The tiles of kern_cpu_sgemm, the same BLAS call each; a thread takes a column of tiles, so each
+     * tile of B is widened once whatever m is. */
     const int64_t tm = (m + KERN_GEMM_TILE_M - 1) / KERN_GEMM_TILE_M, tn = (n + KERN_GEMM_TILE_N - 1) / KERN_GEMM_TILE_N;
-    const int nt = gemm_threads((double)m * n * k, tm * tn);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
-    for (int64_t t = 0; t < tm * tn; t++) {
-        int i0 = (int)(t / tn) * KERN_GEMM_TILE_M, j0 = (int)(t % tn) * KERN_GEMM_TILE_N;
-        int mi = m - i0 < KERN_GEMM_TILE_M ? m - i0 : KERN_GEMM_TILE_M;
-        int nj = n - j0 < KERN_GEMM_TILE_N ? n - j0 : KERN_GEMM_TILE_N;
-        const float *a = ta ? A + i0 : A + (int64_t)i0 * lda;
-        /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.., widened */
-        float *w = tb ? widen_block(B, bf16, ldb, j0, 0, nj, k) : widen_block(B, bf16, ldb, 0, j0, k, nj);
-        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, mi, nj, k, alpha, a,
-                    lda, w, tb ? k : nj, beta, C + (int64_t)i0 * ldc + j0, ldc);
+    const int nt = gemm_threads((double)m * n * k, tn);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *w = fu_malloc((size_t)KERN_GEMM_TILE_N * (size_t)k * sizeof *w); /* this thread's widened tile */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t jt = 0; jt < tn; jt++) {
+            int j0 = (int)jt * KERN_GEMM_TILE_N, nj = n - j0 < KERN_GEMM_TILE_N ? n - j0 : KERN_GEMM_TILE_N;
+            /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.., widened (narrower slices
+             * would change OpenBLAS's bits, and with them the equality with the f32 path) */
+            if (tb)
+                widen_block(B, bf16, ldb, j0, 0, nj, k, w);
+            else
+                widen_block(B, bf16, ldb, 0, j0, k, nj, w);
+            for (int64_t it = 0; it < tm; it++) {
+                int i0 = (int)it * KERN_GEMM_TILE_M, mi = m - i0 < KERN_GEMM_TILE_M ? m - i0 : KERN_GEMM_TILE_M;
+                const float *a = ta ? A + i0 : A + (int64_t)i0 * lda;
+                cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, mi, nj, k,
+                            alpha, a, lda, w, tb ? k : nj, beta, C + (int64_t)i0 * ldc + j0, ldc);
+            }
+        }
         free(w);
     }
 }
