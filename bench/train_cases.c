@@ -371,12 +371,13 @@ typedef struct {
 
 static const char *model_dir(tb_model which)
 {
-    return which == TB_SALR_KEEP_HEAD ? env.pruned_kept : which == TB_SALR ? env.pruned : env.dir;
+    return which == TB_SALR_KEEP_HEAD ? env.pruned_kept : which == TB_SALR ? env.pruned : which == TB_BF16 ? env.bf16
+                                                                                                         : env.dir;
 }
 
 static void infer_open(tb_model which, tb_infer *m)
 {
-    bool salr = which != TB_DENSE;
+    bool salr = which == TB_SALR || which == TB_SALR_KEEP_HEAD;
     const char *dir = model_dir(which);
     fu_errmsg em = {{0}};
     dag_salr_info info = {.lm_head = false};
@@ -539,6 +540,13 @@ static void infer_case(const char *name, tb_model which)
         return;
     }
     double g = field(line, "\"generated_tokens_per_s\":");
+    if (which == TB_BF16) { /* the dense model stored bf16, kept bf16: against infer_dense */
+        if (dense_gen_tps > 0)
+            bench_emit("train", name, "%s,\"generation_speed_vs_f32\":%.2f", line, g / dense_gen_tps);
+        else
+            bench_emit("train", name, "%s", line);
+        return;
+    }
     if (which == TB_DENSE) {
         dense_gen_tps = g;
         bench_emit("train", name, "%s", line);
@@ -561,6 +569,12 @@ static void infer_case(const char *name, tb_model which)
 BENCH_CASE(infer_dense)
 {
     infer_case("infer_dense", TB_DENSE);
+}
+
+/* The same model from a bf16 file, its weights kept bf16 (after infer_dense: the ratio). */
+BENCH_CASE(infer_dense_bf16)
+{
+    infer_case("infer_dense_bf16", TB_BF16);
 }
 
 /* The `fusion model prune` default: every linear pruned, the 32000 x 768 lm_head too. */
