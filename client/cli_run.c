@@ -9,10 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <cjson/cJSON.h>
 
 #include "cli.h"
 #include "dag_data.h"
+#include "dag_peft.h"
 #include "dag_dataset.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
@@ -297,52 +297,6 @@ done:
 
 /* ---- infer ---------------------------------------------------------------------------------- */
 
-/* r, lora_alpha and target_modules of a PEFT adapter_config.json. */
-static fu_err adapter_config(const char *dir, uint32_t *r, float *alpha, uint32_t *targets, fu_errmsg *em)
-{
-    char *path = fu_path_join(dir, "adapter_config.json");
-    char *txt = NULL;
-    size_t len = 0;
-    fu_err rc = fu_file_read_all(path, 1 << 20, &txt, &len, em);
-    free(path);
-    if (rc == FU_ENOTFOUND)
-        return fu_errmsg_set(em, rc, "adapter dir '%s' has no adapter_config.json (expected a PEFT adapter)", dir);
-    FU_TRY(rc);
-    cJSON *j = cJSON_ParseWithLength(txt, len);
-    free(txt);
-    if (!j)
-        return fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: not valid JSON");
-    const cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "r");
-    const cJSON *ja = cJSON_GetObjectItemCaseSensitive(j, "lora_alpha");
-    const cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "target_modules");
-    const cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peft_type");
-    rc = FU_OK;
-    if (!cJSON_IsNumber(jr) || jr->valuedouble < 1 || jr->valuedouble > DAG_MAX_RANK || !cJSON_IsNumber(ja) ||
-        !(ja->valuedouble > 0) || !cJSON_IsArray(jt) || (jp && (!cJSON_IsString(jp) || strcmp(jp->valuestring, "LORA")))) {
-        rc = fu_errmsg_set(em, FU_EPROTO,
-                           "adapter_config.json: needs peft_type LORA, r (1..%d), lora_alpha > 0 and target_modules",
-                           DAG_MAX_RANK);
-    } else {
-        *r = (uint32_t)jr->valuedouble;
-        *alpha = (float)ja->valuedouble;
-        *targets = 0;
-        const cJSON *it;
-        cJSON_ArrayForEach(it, jt)
-        {
-            uint32_t one = 0;
-            if (!cJSON_IsString(it) || dag_targets_parse(it->valuestring, &one) != FU_OK) {
-                rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: unknown target module '%s'",
-                                   cJSON_IsString(it) ? it->valuestring : "?");
-                break;
-            }
-            *targets |= one;
-        }
-        if (rc == FU_OK && !*targets)
-            rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: empty target_modules");
-    }
-    cJSON_Delete(j);
-    return rc;
-}
 
 /* --dump-logits: the prompt pass's logits, f32 little-endian (positions x vocab). */
 static bool write_logits(const dag_infer_stage *is, const char *path)
@@ -432,7 +386,7 @@ static int run_infer(int argc, char **argv)
     if (adapter) {
         uint32_t r = 0, tg = 0;
         float a = 0;
-        if ((rc = adapter_config(adapter, &r, &a, &tg, &em)) != FU_OK) {
+        if ((rc = dag_peft_config_load(adapter, &r, &a, &tg, &em)) != FU_OK) {
             exit_code = fail(prog, rc, &em);
             goto done;
         }
@@ -628,7 +582,7 @@ static int run_eval(int argc, char **argv)
         uint32_t r = 0, tg = 0;
         float a = 0;
         char *ap = fu_path_join(adapter, "adapter_model.safetensors");
-        rc = adapter_config(adapter, &r, &a, &tg, &em);
+        rc = dag_peft_config_load(adapter, &r, &a, &tg, &em);
         if (rc == FU_OK)
             rc = fu_safetensors_open_file(ap, &ast, &em);
         free(ap);

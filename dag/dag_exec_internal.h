@@ -166,12 +166,7 @@ static inline size_t node_width(const dag_exec_t *x, size_t i)
 FU_MUST_CHECK fu_err dagx_pool_get(dag_exec_t *x, size_t nfloats, ebuf **out);
 /* dag_exec.c: frees a node's weight (unless shared), sparse weight, adapter and optimizer state. */
 void dagx_free_node(enode *e);
-/* The rotary parameters of a rope node (theta and Llama 3's rescaling). */
-static inline kern_rope_params dagx_rope_params(const dag_node *nd)
-{
-    return (kern_rope_params){.theta = nd->theta, .factor = nd->rope_factor, .low_freq_factor = nd->rope_low_freq,
-                              .high_freq_factor = nd->rope_high_freq, .original_max_pos = nd->rope_orig_max};
-}
+
 /* dag_exec_io.c: (re)builds a salr node's concatenated adapters from A, B, A2, B2. */
 FU_MUST_CHECK fu_err dagx_salr_rebuild(dag_exec_t *x, const dag_node *nd, enode *e);
 

@@ -251,7 +251,7 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
     case DAG_OP_ROPE: {
         kern_tensor_t a = bview(x, in[0], rows, (int64_t)w);
         kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev);
-        kern_rope_params rp = dagx_rope_params(nd);
+        kern_rope_params rp = dag_rope_params(nd);
         rc = kern_rope_forward(x->be, &a, &pos, (int)nd->head_dim, &rp, &out);
         break;
     }
@@ -686,7 +686,7 @@ static fu_err bwd_node(dag_exec_t *x, uint32_t slot, size_t j, float loss_scale)
         kern_tensor_t pos = tv1(s->pos->data, KERN_I32, rows, dev);
         input_grad dx = {.tmp = NULL};
         FU_TRY(input_grad_begin(x, src, rows, &dx));
-        kern_rope_params rp = dagx_rope_params(nd);
+        kern_rope_params rp = dag_rope_params(nd);
         rc = kern_rope_backward(x->be, &dy, &pos, (int)nd->head_dim, &rp, &dx.d);
         rc = input_grad_end(x, src, rows, rc, &dx);
         break;

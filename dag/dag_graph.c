@@ -80,6 +80,12 @@ uint64_t dag_graph_width(const dag_graph_t *self, uint32_t i)
     return self && i < self->n ? self->nodes[i].out_width : 0;
 }
 
+kern_rope_params dag_rope_params(const dag_node *n)
+{
+    return (kern_rope_params){.theta = n->theta, .factor = n->rope_factor, .low_freq_factor = n->rope_low_freq,
+                              .high_freq_factor = n->rope_high_freq, .original_max_pos = n->rope_orig_max};
+}
+
 /* ---- names ---------------------------------------------------------------------------------- */
 
 static const char *const op_names[DAG_OP_COUNT_] = {
@@ -698,17 +704,11 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
                 n->out_width != w[0])
                 return bad(em, n, "%u heads × %u does not match width %" PRIu64, n->n_heads, n->head_dim,
                            w[0]);
-            if (!(n->theta > 0.0f) || !isfinite(n->theta))
-                return bad(em, n, "rope theta %g is not a positive number", (double)n->theta);
-            if (n->head_dim > DAG_MAX_ROPE_HEAD_DIM)
-                return bad(em, n, "rope head dim %u above %d", n->head_dim, DAG_MAX_ROPE_HEAD_DIM);
-            if (n->rope_factor != 0.0f &&
-                !(n->rope_factor >= 1.0f && n->rope_factor <= 1e6f && n->rope_low_freq > 0.0f &&
-                  n->rope_high_freq > n->rope_low_freq && n->rope_high_freq <= 1e6f && n->rope_orig_max >= 1.0f &&
-                  n->rope_orig_max <= 1e9f))
-                return bad(em, n, "llama3 rope scaling (factor %g, low %g, high %g, original %g) out of range",
-                           (double)n->rope_factor, (double)n->rope_low_freq, (double)n->rope_high_freq,
-                           (double)n->rope_orig_max);
+            kern_rope_params rp = dag_rope_params(n);
+            if (!kern_rope_params_ok(&rp, (int)n->head_dim))
+                return bad(em, n, "rope theta %g, head dim %u or llama3 scaling (factor %g, low %g, high %g, original "
+                           "%g) out of range", (double)n->theta, n->head_dim, (double)n->rope_factor,
+                           (double)n->rope_low_freq, (double)n->rope_high_freq, (double)n->rope_orig_max);
             break;
         case DAG_OP_HEAD_NORM:
             want_params = 1;

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "fu_err.h"
+#include "kern_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -22,7 +23,6 @@ extern "C" {
 #define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
 #define DAG_MAX_PARAMS   4       /* most parameter names (salr linear: weight, residual A, B, bias) */
 #define DAG_NODE_BIAS    1u      /* dag_node.flags: a linear adds a bias [dim_out], its last parameter */
-#define DAG_MAX_ROPE_HEAD_DIM 512 /* KERN_ROPE_MAX_HEAD_DIM */
 #define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
 #define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
 #define DAG_MAX_DIM      (1u << 20) /* largest width, vocabulary or feature count accepted */
@@ -191,6 +191,9 @@ FU_MUST_CHECK fu_err dag_build_llama(const dag_model_dims *dims, const dag_build
  * linears with sane rank/alpha. Returns FU_OK or FU_EPROTO and writes a message naming the node to
  * em (may be NULL). Pure; thread-safe. */
 FU_MUST_CHECK fu_err dag_graph_validate(const dag_graph_t *self, fu_errmsg *em);
+
+/* The rotary parameters of a rope node (its theta and Llama 3's rescaling) as the kernels take them. */
+kern_rope_params dag_rope_params(const dag_node *n);
 
 /* Stable lower-case names ("linear", "lora_fa", "q_proj"); "?" when out of range. */
 const char *dag_op_name(dag_op op);

@@ -29,30 +29,6 @@ typedef struct {
     fu_errmsg *em;
 } merge_ctx;
 
-/* The adapter's rank and alpha (adapter_config.json). */
-static fu_err adapter_config(const char *dir, uint32_t *r, double *alpha, fu_errmsg *em)
-{
-    char *p = fu_path_join(dir, DAG_PEFT_CONFIG_FILE), *txt = NULL;
-    size_t len = 0;
-    fu_err rc = fu_file_read_all(p, 1 << 20, &txt, &len, em);
-    free(p);
-    if (rc != FU_OK)
-        return rc;
-    cJSON *c = cJSON_ParseWithLength(txt, len);
-    free(txt);
-    const cJSON *jr = cJSON_GetObjectItemCaseSensitive(c, "r"), *ja = cJSON_GetObjectItemCaseSensitive(c, "lora_alpha");
-    rc = cJSON_IsNumber(jr) && jr->valuedouble >= 1 && jr->valuedouble <= 65536 && cJSON_IsNumber(ja) &&
-                 ja->valuedouble > 0
-             ? FU_OK
-             : fu_errmsg_set(em, FU_EINVAL, "%s/%s: needs r (1..65536) and lora_alpha > 0", dir, DAG_PEFT_CONFIG_FILE);
-    if (rc == FU_OK) {
-        *r = (uint32_t)jr->valuedouble;
-        *alpha = ja->valuedouble;
-    }
-    cJSON_Delete(c);
-    return rc;
-}
-
 /* w += B·A (scaled) for A [r, in], B [out, r] named <module>.<a> and <module>.<b> in st, when there;
  * *found says whether they were. */
 static fu_err add_product(const fu_safetensors *st, const char *prefix, const char *module, const char *an,
@@ -176,13 +152,14 @@ fu_err dag_model_merge(const char *model_dir, const char *adapter_dir, const cha
     fu_safetensors *st = NULL, *ast = NULL;
     fu_err rc = fu_safetensors_open_dir(model_dir, &st, em);
     if (rc == FU_OK && adapter_dir) {
-        double alpha = 0;
+        float alpha = 0;
+        uint32_t targets = 0;
         char *ap = fu_path_join(adapter_dir, DAG_PEFT_WEIGHTS_FILE);
-        rc = adapter_config(adapter_dir, &c.r, &alpha, em);
+        rc = dag_peft_config_load(adapter_dir, &c.r, &alpha, &targets, em);
         if (rc == FU_OK)
             rc = fu_safetensors_open_file(ap, &ast, em);
         free(ap);
-        c.scale = (float)(alpha / c.r);
+        c.scale = c.r ? alpha / (float)c.r : 0.0f;
     }
     if (rc == FU_OK)
         rc = fu_mkdir_p(out_dir, 0755, em);

@@ -115,3 +115,49 @@ fu_err dag_peft_check(const dag_graph_t *g, size_t first, size_t last, bool with
     }
     return FU_OK;
 }
+
+fu_err dag_peft_config_load(const char *dir, uint32_t *r, float *alpha, uint32_t *targets, fu_errmsg *em)
+{
+    char *path = fu_path_join(dir, DAG_PEFT_CONFIG_FILE);
+    char *txt = NULL;
+    size_t len = 0;
+    fu_err rc = fu_file_read_all(path, 1 << 20, &txt, &len, em);
+    free(path);
+    if (rc == FU_ENOTFOUND)
+        return fu_errmsg_set(em, rc, "adapter dir '%s' has no adapter_config.json (expected a PEFT adapter)", dir);
+    FU_TRY(rc);
+    cJSON *j = cJSON_ParseWithLength(txt, len);
+    free(txt);
+    if (!j)
+        return fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: not valid JSON");
+    const cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "r");
+    const cJSON *ja = cJSON_GetObjectItemCaseSensitive(j, "lora_alpha");
+    const cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "target_modules");
+    const cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peft_type");
+    rc = FU_OK;
+    if (!cJSON_IsNumber(jr) || jr->valuedouble < 1 || jr->valuedouble > DAG_MAX_RANK || !cJSON_IsNumber(ja) ||
+        !(ja->valuedouble > 0) || !cJSON_IsArray(jt) || (jp && (!cJSON_IsString(jp) || strcmp(jp->valuestring, "LORA")))) {
+        rc = fu_errmsg_set(em, FU_EPROTO,
+                           "adapter_config.json: needs peft_type LORA, r (1..%d), lora_alpha > 0 and target_modules",
+                           DAG_MAX_RANK);
+    } else {
+        *r = (uint32_t)jr->valuedouble;
+        *alpha = (float)ja->valuedouble;
+        *targets = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, jt)
+        {
+            uint32_t one = 0;
+            if (!cJSON_IsString(it) || dag_targets_parse(it->valuestring, &one) != FU_OK) {
+                rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: unknown target module '%s'",
+                                   cJSON_IsString(it) ? it->valuestring : "?");
+                break;
+            }
+            *targets |= one;
+        }
+        if (rc == FU_OK && !*targets)
+            rc = fu_errmsg_set(em, FU_EPROTO, "adapter_config.json: empty target_modules");
+    }
+    cJSON_Delete(j);
+    return rc;
+}

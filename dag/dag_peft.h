@@ -29,6 +29,12 @@ typedef struct {
     uint64_t shape[2];
 } dag_peft_tensor;
 
+/* r, lora_alpha and target_modules (DAG_TARGET_BIT mask) of dir's adapter_config.json. FU_ENOTFOUND
+ * when dir has none (saying it expected a PEFT adapter), FU_EPROTO for one that is not peft_type LORA
+ * with r (1..DAG_MAX_RANK), lora_alpha > 0 and known target modules. */
+FU_MUST_CHECK fu_err dag_peft_config_load(const char *dir, uint32_t *r, float *alpha, uint32_t *targets,
+                                          fu_errmsg *em);
+
 /* The adapter tensors of node nd: none unless it is a linear with an adapter of rank r > 0; then
  * lora_A [r, in] and lora_B [out, r] and, with_state, AdamW's moments of the trained ones
  * (<name>.adam_m, <name>.adam_v: lora_B's, and lora_A's for LoRA; LoRA-FA and SALR freeze A), in

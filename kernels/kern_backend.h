@@ -64,6 +64,10 @@ typedef struct {
     float original_max_pos; /* llama3: original_max_position_embeddings */
 } kern_rope_params;
 
+/* Whether rp and head_dim are usable: head_dim even and at most KERN_ROPE_MAX_HEAD_DIM, theta > 0,
+ * and factor 0 or Llama 3's numbers in range (factor >= 1, 0 < low < high, original > 0). */
+bool kern_rope_params_ok(const kern_rope_params *rp, int head_dim);
+
 /* The head_dim/2 frequencies of rp into inv_freq (float32, as Hugging Face computes them). FU_EINVAL
  * on a head_dim that is not even and positive or on parameters out of range. */
 FU_MUST_CHECK fu_err kern_rope_inv_freq(const kern_rope_params *rp, int head_dim, float *inv_freq);

@@ -113,29 +113,16 @@ void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const fl
 /* ---- a 16-bit B (frozen weights kept in their precision) ------------------------------------ */
 
 
-void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst)
-{
-    if (bf16) { /* a bfloat16 is the upper half of a binary32: shift, in chunks the compiler vectorizes */
-        for (size_t i0 = 0; i0 < n; i0 += 256) {
-            size_t m = n - i0 < 256 ? n - i0 : 256;
-            uint32_t t[256];
-            for (size_t i = 0; i < m; i++)
-                t[i] = (uint32_t)src[i0 + i] << 16;
-            memcpy(dst + i0, t, m * sizeof *t);
-        }
-        return;
-    }
-    for (size_t i = 0; i < n; i++)
-        dst[i] = kern_f16_to_f32(src[i]);
-}
-
 /* The rows x cols block of the 16-bit matrix M (row stride ld) at (r0, c0), widened into w
  * (contiguous, room for rows * cols). */
 static void widen_block(const uint16_t *M, bool bf16, int64_t ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
                         float *w)
 {
-    for (int64_t r = 0; r < rows; r++)
-        kern_widen16(M + (r0 + r) * ld + c0, bf16, (size_t)cols, w + r * cols);
+    for (int64_t r = 0; r < rows; r++) {
+        fu_err rc = kern_convert_host(w + r * cols, KERN_F32, M + (r0 + r) * ld + c0, bf16 ? KERN_BF16 : KERN_F16,
+                                      (size_t)cols);
+        (void)rc; /* valid dtypes and pointers: it cannot fail */
+    }
 }
 
 static float *widen_whole(const uint16_t *M, bool bf16, int64_t ld, int64_t rows, int64_t cols)

@@ -32,10 +32,11 @@ fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids
     float *o = out->data;
     if (table->dtype != KERN_F32) { /* a 16-bit table kept in its precision: rows widened as read */
         const uint16_t *tab = table->data;
-        const bool bf16 = table->dtype == KERN_BF16;
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
-        for (int64_t i = 0; i < n; i++)
-            kern_widen16(tab + (int64_t)id[i] * d, bf16, (size_t)d, o + i * d);
+        for (int64_t i = 0; i < n; i++) {
+            fu_err rc = kern_convert_host(o + i * d, KERN_F32, tab + (int64_t)id[i] * d, table->dtype, (size_t)d);
+            (void)rc; /* a float dtype kern_embedding_forward checked: it cannot fail */
+        }
         return FU_OK;
     }
     const float *tab = table->data;

@@ -41,9 +41,6 @@ void    kern_cpu_set_par_min(int64_t elements);
 void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
                     int ldb, float beta, float *C, int ldc);
 
-/* dst[0..n) = the 16-bit values src[0..n) widened to f32 (bfloat16 when bf16, else IEEE binary16). */
-void kern_widen16(const uint16_t *src, bool bf16, size_t n, float *dst);
-
 /* kern_cpu_sgemm with a 16-bit B (a frozen weight kept in its precision: bf16 when bf16, else
  * IEEE f16): each tile (and each gemv block) of B is widened to f32 and given to the same BLAS call
  * kern_cpu_sgemm makes, so the result has the bits of kern_cpu_sgemm on B widened whole. */

@@ -173,10 +173,21 @@ fu_err kern_rmsnorm_backward(const kern_backend_t *be, const kern_tensor_t *dy, 
     return be->rmsnorm_bwd(be, dy, x, w, eps, dx, dw);
 }
 
+bool kern_rope_params_ok(const kern_rope_params *rp, int head_dim)
+{
+    if (!rp || head_dim <= 0 || head_dim % 2 != 0 || head_dim > KERN_ROPE_MAX_HEAD_DIM || !(rp->theta > 0.0f) ||
+        !isfinite(rp->theta))
+        return false;
+    if (rp->factor == 0.0f)
+        return true;
+    return rp->factor >= 1.0f && isfinite(rp->factor) && rp->low_freq_factor > 0.0f &&
+           rp->high_freq_factor > rp->low_freq_factor && isfinite(rp->high_freq_factor) &&
+           rp->original_max_pos > 0.0f && isfinite(rp->original_max_pos);
+}
+
 fu_err kern_rope_inv_freq(const kern_rope_params *rp, int head_dim, float *inv_freq)
 {
-    if (!rp || !inv_freq || head_dim <= 0 || head_dim % 2 != 0 || head_dim > KERN_ROPE_MAX_HEAD_DIM ||
-        !(rp->theta > 0.0f) || !isfinite(rp->theta) || !isfinite(rp->factor) || rp->factor < 0.0f)
+    if (!inv_freq || !kern_rope_params_ok(rp, head_dim))
         return FU_EINVAL;
     const int half = head_dim / 2;
     for (int i = 0; i < half; i++) /* Hugging Face: 1 / theta^(arange(0, d, 2) / d) in float32 */
@@ -184,8 +195,6 @@ fu_err kern_rope_inv_freq(const kern_rope_params *rp, int head_dim, float *inv_f
     if (rp->factor == 0.0f)
         return FU_OK;
     const float lo = rp->low_freq_factor, hi = rp->high_freq_factor, old = rp->original_max_pos;
-    if (!(rp->factor >= 1.0f) || !(lo > 0.0f) || !(hi > lo) || !(old > 0.0f) || !isfinite(hi) || !isfinite(old))
-        return FU_EINVAL;
     /* transformers' _compute_llama3_parameters, in float32 as torch does it */
     const float low_wavelen = old / lo, high_wavelen = old / hi;
     for (int i = 0; i < half; i++) {
@@ -207,8 +216,8 @@ static fu_err rope(const kern_backend_t *be, const kern_tensor_t *x, const kern_
     FU_TRY(kern_chk_float(be, y, 2));
     if (!kern_tensor_same_shape(x, y) || !kern_same_dtype(x, y) || head_dim <= 0 || head_dim % 2 != 0 || x->shape[1] % head_dim != 0)
         return FU_EINVAL;
-    float probe[KERN_ROPE_MAX_HEAD_DIM / 2];
-    FU_TRY(kern_rope_inv_freq(rp, head_dim, probe)); /* the parameters are sane */
+    if (!kern_rope_params_ok(rp, head_dim))
+        return FU_EINVAL;
     FU_TRY(chk_ids(be, pos, x->shape[0]));
     if (!be->rope)
         return FU_ENOSYS;

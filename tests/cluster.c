@@ -456,10 +456,10 @@ tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts)
 
 /* Whether the broker's log says peer pI's profile challenge ended ("peer pI (KEY): claimed ...
  * plans use ...", or "... failed its profile challenge") within timeout_ms. */
-static bool profile_checked(const tu_cluster *c, int i, int timeout_ms)
+bool tu_peer_profile_checked(const tu_cluster *c, const char *name, int timeout_ms)
 {
-    char needle[32];
-    snprintf(needle, sizeof needle, "peer p%d (", i);
+    char needle[96];
+    snprintf(needle, sizeof needle, "peer %s (", name);
     for (uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms;; fu_sleep_ms(20)) {
         char *log = tu_broker_log_text(c);
         bool done = false;
@@ -485,11 +485,14 @@ void tu_cluster_start(tu_cluster *c)
         tu_peer_wait_joined(c, i, TU_JOIN_MS);
     /* and until each has its profile checked ("peer pI (KEY): claimed ... plans use ..."): a job
      * submitted before is planned over the peers checked so far (seen under CI load: two of three) */
-    for (int i = 0; i < c->o.n_peers; i++)
-        if (!profile_checked(c, i, TU_JOIN_MS)) {
+    for (int i = 0; i < c->o.n_peers; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", i);
+        if (!tu_peer_profile_checked(c, name, TU_JOIN_MS)) {
             tu_cluster_show_logs(c);
             tu_fail("peer p%d's profile was not checked within %d ms", i, TU_JOIN_MS);
         }
+    }
 }
 
 /* Whether one of the broker's logs holds a sanitizer report or a bug the broker noticed in itself

@@ -263,6 +263,10 @@ typedef struct {
 /* `fusion status ID --json` into st; false when the command failed or said nothing readable. */
 bool tu_status_get(const tu_cluster *c, const char *id, tu_status *st);
 
+/* Whether, within timeout_ms, the broker's log says the profile of the peer named `name` was checked
+ * ("peer NAME (KEY): claimed ... plans use ...", or its challenge failed). */
+bool tu_peer_profile_checked(const tu_cluster *c, const char *name, int timeout_ms);
+
 /* Polls the job until it has done at least `step` steps while running; fails the test when it ends
  * first or timeout_ms pass. Returns the step seen. */
 long tu_wait_step(const tu_cluster *c, const char *id, long step, int timeout_ms);
