@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "fu_file.h"
 #include "dag_merge.h"
+#include "dag_quant.h"
 #include "fu_modelcfg.h"
 #include "fu_tokenizer.h"
 #include "dag_model.h"
@@ -199,7 +200,8 @@ static int model_info(int argc, char **argv)
     rc = fu_modelcfg_check_weights(&cfg, st, &em);
     const char *dtname = "?";
     if (rc == FU_OK && fu_safetensors_count(st) > 0)
-        dtname = fu_st_dtype_name(fu_safetensors_get(st, "model.embed_tokens.weight")->dtype);
+        dtname = cfg.int8_weights ? "int8 linears, per-channel scales"
+                                  : fu_st_dtype_name(fu_safetensors_get(st, "model.embed_tokens.weight")->dtype);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: model dir '%s': %s\n", dir, fu_errmsg_text(&em, rc));
         fu_safetensors_close(&st);
@@ -263,6 +265,44 @@ static int model_merge(int argc, char **argv)
     }
     printf("wrote %s: %zu tensors (%.1f MB, float32); %zu linears took the adapter, %zu SALR linears made dense\n",
            out, rep.tensors, (double)rep.bytes / 1e6, rep.merged, rep.densified);
+    return FU_EXIT_OK;
+}
+
+/* ---- quantize ------------------------------------------------------------------------------- */
+
+static int model_quantize(int argc, char **argv)
+{
+    const char *model = NULL, *out = NULL;
+    bool force = false;
+    const fu_opt opts[] = {
+        {"model", 0, FU_OPT_STR, &model, "DIR", "the model to quantize (dense: f32, f16 or bf16)"},
+        {"out", 'o', FU_OPT_STR, &out, "DIR", "where to write the int8 model"},
+        {"force", 0, FU_OPT_FLAG, &force, NULL, "replace a model already in DIR"},
+    };
+    const fu_cmd cmd = {
+        .prog = "fusion model quantize",
+        .usage = "--model DIR -o OUT [--force]",
+        .summary = "Writes the model with every decoder linear (q, k, v, o, gate, up, down) in int8, symmetric per "
+                   "output channel (NAME int8 and NAME_scale f32); embeddings, lm_head, norms and biases keep their "
+                   "dtype. The result is a frozen base for LoRA-FA: fine-tuning and generation read the int8 "
+                   "weights in place.",
+        FU_OPTS_TABLE(opts),
+    };
+    int code = 0;
+    if (fu_opts_parse(&cmd, argc, argv, NULL, &code) != FU_OK)
+        return code;
+    if (!model || !out)
+        return fu_opts_usage_error(&cmd, "--model and -o are required");
+    fu_errmsg em = {{0}};
+    dag_quant_report rep;
+    fu_err rc = dag_model_quantize(model, out, force, &rep, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "fusion model quantize: %s\n", fu_errmsg_text(&em, rc));
+        return rc == FU_EEXIST ? FU_EXIT_USAGE : exit_for(rc);
+    }
+    printf("wrote %s: %zu of %zu weights int8 per channel; %.1f MB -> %.1f MB; largest rounding error %.5f of a "
+           "row's largest weight\n",
+           out, rep.quantized, rep.tensors, (double)rep.bytes_in / 1e6, (double)rep.bytes_out / 1e6, rep.max_rel_err);
     return FU_EXIT_OK;
 }
 
@@ -351,7 +391,8 @@ static void model_help(void)
            "  init     write a random-weight LLaMA model directory (Hugging Face layout)\n"
            "  info     check and summarise a Hugging Face model directory\n"
            "  prune    SALR-prune a model (bitmap-encoded sparse weights + frozen SVD residual adapters)\n"
-           "  merge    write an adapter into its base model's weights (a dense Hugging Face model)\n\n"
+           "  merge    write an adapter into its base model's weights (a dense Hugging Face model)\n"
+           "  quantize make a model's decoder linears int8 (a frozen base for LoRA-FA)\n\n"
            "Run 'fusion model COMMAND --help' for a command's options.\n");
 }
 
@@ -362,7 +403,8 @@ int cli_model_main(int argc, char **argv)
         return argc < 2 ? FU_EXIT_USAGE : FU_EXIT_OK;
     }
     static const cli_sub subs[] = {
-        {"init", model_init}, {"info", model_info}, {"prune", model_prune}, {"merge", model_merge}};
+        {"init", model_init}, {"info", model_info}, {"prune", model_prune}, {"merge", model_merge},
+        {"quantize", model_quantize}};
     int code = cli_sub_dispatch("fusion model", subs, sizeof subs / sizeof subs[0], argc, argv);
     if (code >= 0)
         return code;

@@ -297,6 +297,19 @@ static fu_err parse_root(const cJSON *root, const char *lab, fu_modelcfg *c, fu_
         c->sliding_window = 0;
     FU_TRY(get_token_id(root, "bos_token_id", lab, &c->bos_token_id, em));
     FU_TRY(get_token_ids(root, "eos_token_id", lab, c, em));
+    const cJSON *qc = member(root, "quantization_config");
+    if (qc && !cJSON_IsNull(qc)) {
+        const cJSON *qm = cJSON_IsObject(qc) ? member(qc, "quant_method") : NULL;
+        if (!cJSON_IsString(qm))
+            return fu_errmsg_set(em, FU_EPROTO, "%s: \"quantization_config\" must be an object with a \"quant_method\"",
+                                 lab);
+        if (strcmp(qm->valuestring, FU_MODELCFG_INT8_METHOD) != 0)
+            return fu_errmsg_set(em, FU_EVERSION,
+                                 "%s: quantization_config.quant_method '%.40s' is not supported (fusion reads its own "
+                                 "\"" FU_MODELCFG_INT8_METHOD "\" from fusion model quantize; give the unquantized model)",
+                                 lab, qm->valuestring);
+        c->int8_weights = true;
+    }
     const cJSON *td = member(root, "torch_dtype");
     if (td) {
         if (!cJSON_IsString(td))
@@ -445,6 +458,13 @@ char *fu_modelcfg_to_json(const fu_modelcfg *c)
     if (c->sliding_window > 0)
         cJSON_AddNumberToObject(o, "sliding_window", (double)c->sliding_window);
     cJSON_AddStringToObject(o, "torch_dtype", c->torch_dtype[0] ? c->torch_dtype : "float32");
+    if (c->int8_weights) {
+        cJSON *qc = cJSON_AddObjectToObject(o, "quantization_config");
+        cJSON_AddStringToObject(qc, "quant_method", FU_MODELCFG_INT8_METHOD);
+        cJSON_AddNumberToObject(qc, "bits", 8);
+        cJSON_AddStringToObject(qc, "granularity", "per output channel, symmetric");
+        cJSON_AddStringToObject(qc, "scale_suffix", FU_ST_QSCALE_SUFFIX);
+    }
     return fu_file_json_text(o, "fu_modelcfg_to_json: out of memory");
 }
 
@@ -613,6 +633,17 @@ fu_err fu_modelcfg_check_weights(const fu_modelcfg *c, const fu_safetensors *st,
         const fu_st_tensor *t = NULL;
         FU_TRY(fu_modelcfg_weight(c, i, &w));
         FU_TRY(fu_safetensors_expect(st, w.name, w.ndim, w.shape, &t, em));
+        if (t->dtype == FU_ST_I8 && c->int8_weights && w.ndim == 2) {
+            float *scale = fu_malloc((size_t)w.shape[0] * sizeof *scale);
+            fu_err rc = fu_safetensors_qscale(st, t, scale, em);
+            free(scale);
+            FU_TRY(rc);
+            continue;
+        }
+        if (t->dtype == FU_ST_I8)
+            return fu_errmsg_set(em, FU_EINVAL,
+                                 "%s: tensor '%s' is int8, but config.json has no quantization_config \"%s\" for it",
+                                 t->file, t->name, FU_MODELCFG_INT8_METHOD);
         if (!fu_st_dtype_is_float(t->dtype) || t->dtype == FU_ST_F64)
             return fu_errmsg_set(em, FU_EINVAL, "%s: tensor '%s' has dtype %s, expected F32, F16 or BF16", t->file,
                                  t->name, fu_st_dtype_name(t->dtype));

@@ -17,6 +17,7 @@ extern "C" {
 #endif
 
 #define FU_MODELCFG_FILE "config.json"
+#define FU_MODELCFG_INT8_METHOD "fusion-int8" /* quantization_config.quant_method of fusion model quantize */
 /* Largest config.json read. */
 #define FU_MODELCFG_MAX_BYTES ((size_t)1 << 20)
 
@@ -63,6 +64,8 @@ typedef struct {
     bool   qk_norm;                  /* per-head RMSNorm of queries and keys before RoPE (Qwen3) */
     bool   byte_tokens;              /* "fusion_byte_tokens": its ids are bytes, no tokenizer.json needed
                                         (fusion model init writes it) */
+    bool   int8_weights;             /* quantization_config {"quant_method": "fusion-int8"} (fusion model
+                                        quantize): 2-D weights may be I8 with per-row scales */
     size_t sliding_window;           /* Mistral's attention window (a query sees itself and the window - 1
                                         keys before it); 0 = none (full causal attention) */
 } fu_modelcfg;
@@ -151,7 +154,8 @@ FU_MUST_CHECK fu_err fu_modelcfg_weight_of(const fu_modelcfg *cfg, fu_weight_kin
                                            fu_weight_info *out);
 
 /* Checks that st holds every weight cfg needs (fu_modelcfg_weight) with exactly its shape and a
- * float dtype (F32, F16, BF16). FU_ENOTFOUND for a missing tensor, FU_EINVAL for a wrong shape or
+ * float dtype (F32, F16, BF16; I8 with valid row scales in an int8_weights model, 2-D only).
+ * FU_ENOTFOUND for a missing tensor, FU_EINVAL for a wrong shape or
  * dtype, with a message naming the file and the tensor. An lm_head.weight beside tied embeddings
  * is allowed. */
 FU_MUST_CHECK fu_err fu_modelcfg_check_weights(const fu_modelcfg *cfg, const fu_safetensors *st, fu_errmsg *em);

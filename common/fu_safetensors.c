@@ -1,5 +1,6 @@
 #include "fu_safetensors.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -729,7 +730,45 @@ fu_err fu_safetensors_read_f32(const fu_safetensors *st, const char *name, size_
     fu_err rc = fu_safetensors_expect(st, name, ndim, shape, &t, em);
     if (rc != FU_OK)
         return rc;
-    return fu_st_tensor_to_f32(t, dst, dst_len, em);
+    if (t->dtype != FU_ST_I8 || t->ndim != 2)
+        return fu_st_tensor_to_f32(t, dst, dst_len, em);
+    if (dst_len != t->nelem)
+        return fu_errmsg_set(em, FU_EINVAL, "%s: tensor '%s' has %zu elements, the buffer %zu", t->file, t->name,
+                             (size_t)t->nelem, dst_len);
+    const uint64_t rows = t->shape[0], cols = t->shape[1];
+    float *scale = malloc((rows ? rows : 1) * sizeof *scale);
+    if (!scale)
+        return fu_errmsg_set(em, FU_ENOMEM, "out of memory for the scales of '%s'", t->name);
+    rc = fu_safetensors_qscale(st, t, scale, em);
+    const int8_t *q = t->data;
+    for (uint64_t r = 0; rc == FU_OK && r < rows; r++)
+        for (uint64_t c = 0; c < cols; c++)
+            dst[r * cols + c] = (float)q[r * cols + c] * scale[r];
+    free(scale);
+    return rc;
+}
+
+fu_err fu_safetensors_qscale(const fu_safetensors *st, const fu_st_tensor *t, float *scale, fu_errmsg *em)
+{
+    if (!st || !t || !scale || t->dtype != FU_ST_I8 || t->ndim != 2)
+        return fu_errmsg_set(em, FU_EINVAL, "fu_safetensors_qscale: not a 2-D int8 tensor");
+    size_t len = strlen(t->name) + sizeof FU_ST_QSCALE_SUFFIX;
+    char *name = fu_malloc(len);
+    snprintf(name, len, "%s%s", t->name, FU_ST_QSCALE_SUFFIX);
+    const fu_st_tensor *s = NULL;
+    fu_err rc = fu_safetensors_find(st, name, &s, em);
+    if (rc == FU_OK && (s->dtype != FU_ST_F32 || s->nelem != t->shape[0] || s->ndim < 1 || s->ndim > 2 ||
+                        (s->ndim == 2 && s->shape[1] != 1)))
+        rc = fu_errmsg_set(em, FU_EINVAL, "%s: the scales '%s' must be F32 [%" PRIu64 "] or [%" PRIu64 ", 1]", s->file,
+                           name, t->shape[0], t->shape[0]);
+    if (rc == FU_OK)
+        rc = fu_st_tensor_to_f32(s, scale, s->nelem, em);
+    for (uint64_t r = 0; rc == FU_OK && r < t->shape[0]; r++)
+        if (!isfinite(scale[r]))
+            rc = fu_errmsg_set(em, FU_EINVAL, "%s: the scales '%s' hold a value that is not finite (row %" PRIu64 ")",
+                               s->file, name, r);
+    free(name);
+    return rc;
 }
 
 const char *fu_safetensors_metadata(const fu_safetensors *st, const char *key)

@@ -133,8 +133,18 @@ FU_MUST_CHECK fu_err fu_safetensors_expect(const fu_safetensors *st, const char 
  * names the file and tensor). */
 FU_MUST_CHECK fu_err fu_st_tensor_to_f32(const fu_st_tensor *t, float *dst, size_t dst_len, fu_errmsg *em);
 
-/* fu_safetensors_expect then fu_st_tensor_to_f32: the usual way to load a weight. dst must hold
- * the product of shape elements. */
+/* Int8 weights (fusion model quantize): a 2-D I8 tensor NAME holds round(w / scale) per row, and
+ * NAME_scale (F32, [rows] or [rows, 1]) the rows' scales; w = (float)q · scale. */
+#define FU_ST_QSCALE_SUFFIX "_scale"
+
+/* The row scales of the 2-D I8 tensor t of st into scale[0..t->shape[0]). FU_ENOTFOUND when st has
+ * no NAME_scale, FU_EINVAL when it is not F32 of that shape or holds a value that is not finite,
+ * each with a message naming the tensor. */
+FU_MUST_CHECK fu_err fu_safetensors_qscale(const fu_safetensors *st, const fu_st_tensor *t, float *scale,
+                                           fu_errmsg *em);
+
+/* fu_safetensors_expect then fu_st_tensor_to_f32 (an I8 weight dequantized with its row scales):
+ * the usual way to load a weight. dst must hold the product of shape elements. */
 FU_MUST_CHECK fu_err fu_safetensors_read_f32(const fu_safetensors *st, const char *name, size_t ndim,
                                              const uint64_t *shape, float *dst, size_t dst_len, fu_errmsg *em);
 

@@ -168,6 +168,8 @@ void dagx_free_node(enode *e)
     if (!e->w_shared)
         kern_tensor_destroy(&e->w);
     e->w = NULL;
+    free(e->qscale);
+    e->qscale = NULL;
     kern_bitmap_destroy(&e->bm);
     kern_sparse_weight_release(NULL, &e->dev_bm);
     memset(&e->sw, 0, sizeof e->sw);

@@ -31,6 +31,7 @@ typedef struct {
     kern_tensor_t *w;    /* weight (embedding table, norm gain, linear/lm_head weight) */
     kern_tensor_t *bias; /* linear with DAG_NODE_BIAS: its bias [dim_out] (frozen) */
     bool w_shared;       /* w belongs to another node (tied embeddings) */
+    float *qscale;       /* an int8 w's row scales (owned; w->qscale borrows them) */
     kern_bitmap_t *bm;   /* salr: bitmap-encoded sparse weight (host) */
     void *dev_bm;        /* salr on CUDA: the device copy (kern_cuda_bitmap_t) */
     kern_sparse_weight sw; /* salr: the sparse weight as the backend sees it */

@@ -36,16 +36,25 @@ static void drop_pages(const void *p, size_t len)
 static fu_err load_f32(dag_exec_t *x, const fu_safetensors *st, const char *name, size_t ndim, uint64_t d0,
                        uint64_t d1, kern_tensor_t **out, fu_errmsg *em);
 
-/* A 2-D frozen weight: kept bf16/f16 as the file has it (zero-copy over the mapping) when the backend
- * multiplies 16-bit weights and the executor was not asked to widen them; else as load_f32. */
+/* A 2-D frozen weight into e->w: kept bf16/f16, or int8 with its row scales (e->qscale), as the file
+ * has it (zero-copy over the mapping) when the backend multiplies such weights and the executor was
+ * not asked to widen them; else as load_f32 (an int8 weight dequantized). */
 static fu_err load_weight(dag_exec_t *x, const fu_safetensors *st, const char *name, uint64_t d0, uint64_t d1,
-                          kern_tensor_t **out, fu_errmsg *em)
+                          enode *e, fu_errmsg *em)
 {
     const fu_st_tensor *t = fu_safetensors_get(st, name);
-    kern_dtype kd = t && t->dtype == FU_ST_BF16 ? KERN_BF16 : t && t->dtype == FU_ST_F16 ? KERN_F16 : KERN_F32;
+    kern_dtype kd = !t                       ? KERN_F32
+                    : t->dtype == FU_ST_BF16 ? KERN_BF16
+                    : t->dtype == FU_ST_F16  ? KERN_F16
+                    : t->dtype == FU_ST_I8   ? KERN_I8
+                                             : KERN_F32;
     if (kd == KERN_F32 || x->o.widen_weights || !x->cpu || !((x->be->weight_dtypes >> kd) & 1u) ||
-        (uintptr_t)t->data % 2 != 0 || t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1)
-        return load_f32(x, st, name, 2, d0, d1, out, em);
+        (uintptr_t)t->data % kern_dtype_size(kd) != 0 || t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1)
+        return load_f32(x, st, name, 2, d0, d1, &e->w, em);
+    if (kd == KERN_I8) {
+        e->qscale = fu_malloc((size_t)(d0 ? d0 : 1) * sizeof *e->qscale);
+        FU_TRY(fu_safetensors_qscale(st, t, e->qscale, em));
+    }
     int64_t s[2] = {(int64_t)d0, (int64_t)d1};
     kern_tensor_t *k = fu_calloc(1, sizeof *k);
     fu_err rc = kern_tensor_wrap(k, (void *)t->data, kd, 2, s, x->be->device);
@@ -53,7 +62,8 @@ static fu_err load_weight(dag_exec_t *x, const fu_safetensors *st, const char *n
         free(k);
         return fu_errmsg_set(em, rc, "cannot use the %s weight '%s'", fu_st_dtype_name(t->dtype), name);
     }
-    *out = k;
+    k->qscale = e->qscale;
+    e->w = k;
     return FU_OK;
 }
 
@@ -63,7 +73,7 @@ static fu_err load_f32(dag_exec_t *x, const fu_safetensors *st, const char *name
     uint64_t shape[2] = {d0, d1};
     const fu_st_tensor *t = NULL;
     FU_TRY(fu_safetensors_expect(st, name, ndim, shape, &t, em));
-    if (!fu_st_dtype_is_float(t->dtype))
+    if (!fu_st_dtype_is_float(t->dtype) && !(t->dtype == FU_ST_I8 && ndim == 2))
         return fu_errmsg_set(em, FU_EINVAL, "%s: tensor '%s' is %s, expected a float type", t->file, name,
                              fu_st_dtype_name(t->dtype));
     if (x->cpu && t->dtype == FU_ST_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
@@ -81,10 +91,10 @@ static fu_err load_f32(dag_exec_t *x, const fu_safetensors *st, const char *name
     FU_TRY(new_tensor(x, (int)ndim, (int64_t)d0, (int64_t)d1, false, &k));
     fu_err rc;
     if (x->cpu) {
-        rc = fu_st_tensor_to_f32(t, k->data, t->nelem, em);
+        rc = fu_safetensors_read_f32(st, name, ndim, shape, k->data, t->nelem, em);
     } else {
         float *host = fu_malloc(t->nelem * sizeof(float));
-        rc = fu_st_tensor_to_f32(t, host, t->nelem, em);
+        rc = fu_safetensors_read_f32(st, name, ndim, shape, host, t->nelem, em);
         if (rc == FU_OK)
             rc = kern_tensor_copy_in(x->be, k, host, t->nelem * sizeof(float));
         free(host);
@@ -295,7 +305,7 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
         e->w_shared = false;
         switch (nd->op) {
         case DAG_OP_EMBEDDING:
-            FU_TRY(load_weight(x, st, nd->params[0], nd->dim_in, nd->dim_out, &e->w, em));
+            FU_TRY(load_weight(x, st, nd->params[0], nd->dim_in, nd->dim_out, e, em));
             break;
         case DAG_OP_RMSNORM:
             FU_TRY(load_f32(x, st, nd->params[0], 1, nd->dim_in, 1, &e->w, em));
@@ -330,14 +340,14 @@ fu_err dag_exec_load_weights(dag_exec_t *x, const fu_safetensors *st, fu_errmsg 
                     e->w_shared = true;
                 }
             if (!e->w)
-                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, &e->w, em));
+                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, e, em));
             break;
         }
         case DAG_OP_LINEAR:
             if (nd->adapter.method == DAG_ADAPTER_SALR)
                 FU_TRY(load_salr_weight(x, st, nd, e, em));
             else
-                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, &e->w, em));
+                FU_TRY(load_weight(x, st, nd->params[0], nd->dim_out, nd->dim_in, e, em));
             if (nd->adapter.method != DAG_ADAPTER_NONE) {
                 fu_err rc = make_adapter(x, nd, e);
                 if (rc != FU_OK)

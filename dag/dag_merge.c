@@ -113,20 +113,6 @@ static fu_err fill(void *vctx, size_t i, const fu_st_tensor *t, void *buf, size_
     return FU_OK;
 }
 
-/* Copies dir/name to out_dir when it is there. */
-static fu_err copy_file(const char *dir, const char *out_dir, const char *name, fu_errmsg *em)
-{
-    char *src = fu_path_join(dir, name), *dst = fu_path_join(out_dir, name), *txt = NULL;
-    size_t len = 0;
-    fu_err rc = FU_OK;
-    if (fu_path_exists(src) && (rc = fu_file_read_all(src, FU_TOKENIZER_MAX_BYTES, &txt, &len, em)) == FU_OK)
-        rc = fu_file_write_atomic(dst, txt, len, 0644, em);
-    free(txt);
-    free(src);
-    free(dst);
-    return rc;
-}
-
 fu_err dag_model_merge(const char *model_dir, const char *adapter_dir, const char *out_dir, bool force,
                        dag_merge_report *rep, fu_errmsg *em)
 {
@@ -196,12 +182,11 @@ fu_err dag_model_merge(const char *model_dir, const char *adapter_dir, const cha
     rep->tensors = n;
     if (rc == FU_OK) {
         snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
+        cfg.int8_weights = false; /* an int8 base is written dequantized */
         rc = fu_modelcfg_save(out_dir, &cfg, em);
     }
     if (rc == FU_OK)
-        rc = copy_file(model_dir, out_dir, FU_TOKENIZER_FILE, em);
-    if (rc == FU_OK)
-        rc = copy_file(model_dir, out_dir, FU_TOKENIZER_CONFIG_FILE, em);
+        rc = dag_model_copy_tokenizer(model_dir, out_dir, em);
     free(ts);
     free(c.w);
     free(c.linear);

@@ -10,8 +10,29 @@
 #include "fu_alloc.h"
 #include "fu_rng.h"
 #include "fu_safetensors.h"
+#include "fu_tokenizer.h"
 #include "kern_bitmap.h"
 #include "kern_salr.h"
+
+/* Copies dir/name to out_dir when it is there. */
+static fu_err copy_file(const char *dir, const char *out_dir, const char *name, fu_errmsg *em)
+{
+    char *src = fu_path_join(dir, name), *dst = fu_path_join(out_dir, name), *txt = NULL;
+    size_t len = 0;
+    fu_err rc = FU_OK;
+    if (fu_path_exists(src) && (rc = fu_file_read_all(src, FU_TOKENIZER_MAX_BYTES, &txt, &len, em)) == FU_OK)
+        rc = fu_file_write_atomic(dst, txt, len, 0644, em);
+    free(txt);
+    free(src);
+    free(dst);
+    return rc;
+}
+
+fu_err dag_model_copy_tokenizer(const char *dir, const char *out_dir, fu_errmsg *em)
+{
+    FU_TRY(copy_file(dir, out_dir, FU_TOKENIZER_FILE, em));
+    return copy_file(dir, out_dir, FU_TOKENIZER_CONFIG_FILE, em);
+}
 
 void dag_dims_from_cfg(const fu_modelcfg *c, dag_model_dims *d)
 {
@@ -239,6 +260,8 @@ fu_err dag_salr_prune(const char *in_dir, const char *out_dir, const dag_salr_pr
         return fu_errmsg_set(em, FU_EINVAL, "the residual rank must be at least 1");
     fu_modelcfg cfg;
     FU_TRY(fu_modelcfg_load(in_dir, &cfg, em));
+    if (cfg.int8_weights)
+        return fu_errmsg_set(em, FU_EINVAL, "'%s' is quantized (int8): prune the model it was quantized from", in_dir);
     fu_safetensors *st = NULL;
     FU_TRY(fu_safetensors_open_dir(in_dir, &st, em));
     dag_salr_prune_report rep;

@@ -28,6 +28,10 @@ extern "C" {
 #define DAG_SALR_CONFIG_FILE "salr_config.json"
 #define DAG_SALR_DEFAULT_RANK 16 /* residual rank when none is given */
 
+/* Copies tokenizer.json and tokenizer_config.json from dir to out_dir, each when it is there (a
+ * model written from another: merged, quantized). */
+FU_MUST_CHECK fu_err dag_model_copy_tokenizer(const char *dir, const char *out_dir, fu_errmsg *em);
+
 /* The builder's dimensions from a validated config. */
 void dag_dims_from_cfg(const fu_modelcfg *cfg, dag_model_dims *out);
 

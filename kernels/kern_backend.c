@@ -157,6 +157,8 @@ fu_err kern_chk_weight(const kern_backend_t *be, const kern_tensor_t *t)
     if (!((mask >> t->dtype) & 1u) || !kern_tensor_is_rowmajor_2d(t) || t->shape[0] > KERN_INT_LIMIT ||
         t->shape[1] > KERN_INT_LIMIT || t->stride[0] > KERN_INT_LIMIT)
         return FU_EINVAL;
+    if ((t->dtype == KERN_I8) != (t->qscale != NULL))
+        return FU_EINVAL; /* int8 rows need their scales; nothing else has any */
     return FU_OK;
 }
 

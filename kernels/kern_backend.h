@@ -7,7 +7,8 @@
  * it reads (token ids, targets) and return FU_EINVAL for out-of-range values.
  *
  * Conventions shared by all ops:
- *   - float tensors use a dtype in be->float_dtypes (the CPU: f32 only, so f16/bf16 weights are
+ *   - float tensors use a dtype in be->float_dtypes (the CPU: f32 only; frozen weights may stay
+ *     narrow, see weight_dtypes; other f16/bf16 tensors are
  *     converted once with kern_tensor_convert; a GPU backend may also take f16/bf16), and all float
  *     tensors of one call share one dtype; ids, positions and targets are i32;
  *   - activations are row-major [tokens, features]; weights use the Hugging Face layout
@@ -113,7 +114,7 @@ struct kern_backend {
     void       *impl;   /* backend-private state */
     unsigned    float_dtypes; /* bitmask (1u << kern_dtype) of float dtypes the ops accept; 0 = f32 */
     unsigned    weight_dtypes; /* dtypes a frozen weight may keep while the other operands are f32: a gemm's B
-                                  operand, an embedding table (the CPU: f16 and bf16, converted per tile);
+                                  operand, an embedding table (the CPU: f16, bf16 and per-row int8, widened per tile);
                                   0 = none beyond float_dtypes */
 
     fu_err (*alloc)(const kern_backend_t *be, size_t bytes, void **out); /* KERN_ALIGN-aligned */

@@ -66,9 +66,10 @@ static fu_err cpu_gemm(const kern_backend_t *be, bool ta, bool tb, float alpha, 
                        const kern_tensor_t *b, float beta, kern_tensor_t *c)
 {
     (void)be;
-    if (b->dtype != KERN_F32) { /* a 16-bit frozen weight (kern_gemm checked it) */
-        kern_cpu_sgemm_w16(ta, tb, (int)c->shape[0], (int)c->shape[1], (int)(ta ? a->shape[0] : a->shape[1]), alpha,
-                           a->data, ld_of(a), b->data, b->dtype == KERN_BF16, ld_of(b), beta, c->data, ld_of(c));
+    if (b->dtype != KERN_F32) { /* a narrow frozen weight (kern_gemm checked it) */
+        kern_cpu_wmat w = {.data = b->data, .dtype = b->dtype, .scale = b->qscale, .ld = ld_of(b)};
+        kern_cpu_sgemm_wn(ta, tb, (int)c->shape[0], (int)c->shape[1], (int)(ta ? a->shape[0] : a->shape[1]), alpha,
+                          a->data, ld_of(a), w, beta, c->data, ld_of(c));
         return FU_OK;
     }
     kern_cpu_sgemm(ta, tb, (int)c->shape[0], (int)c->shape[1], (int)(ta ? a->shape[0] : a->shape[1]), alpha, a->data,
@@ -139,7 +140,7 @@ static const kern_backend_t cpu_backend = {
     .device = {KERN_DEV_CPU, 0},
     .impl = NULL,
     .float_dtypes = 1u << KERN_F32,
-    .weight_dtypes = 1u << KERN_F16 | 1u << KERN_BF16,
+    .weight_dtypes = 1u << KERN_F16 | 1u << KERN_BF16 | 1u << KERN_I8,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .copy_in = cpu_copy,

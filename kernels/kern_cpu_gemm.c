@@ -110,37 +110,42 @@ void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const fl
     }
 }
 
-/* ---- a 16-bit B (frozen weights kept in their precision) ------------------------------------ */
+/* ---- a narrow B (frozen weights kept in their precision) ------------------------------------ */
 
-
-/* The rows x cols block of the 16-bit matrix M (row stride ld) at (r0, c0), widened into w
- * (contiguous, room for rows * cols). */
-static void widen_block(const uint16_t *M, bool bf16, int64_t ld, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
-                        float *w)
+KERN_HOT static void widen_i8(float *dst, const int8_t *src, float scale, int64_t n)
 {
-    for (int64_t r = 0; r < rows; r++) {
-        fu_err rc = kern_convert_host(w + r * cols, KERN_F32, M + (r0 + r) * ld + c0, bf16 ? KERN_BF16 : KERN_F16,
-                                      (size_t)cols);
-        (void)rc; /* valid dtypes and pointers: it cannot fail */
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)src[i] * scale;
+}
+
+void kern_cpu_widen_row(kern_cpu_wmat w, int64_t r, int64_t c0, int64_t n, float *dst)
+{
+    if (w.dtype == KERN_I8) {
+        widen_i8(dst, (const int8_t *)w.data + r * w.ld + c0, w.scale[r], n);
+        return;
     }
+    fu_err rc = kern_convert_host(dst, KERN_F32, (const uint16_t *)w.data + r * w.ld + c0, w.dtype, (size_t)n);
+    (void)rc; /* valid dtypes and pointers: it cannot fail */
 }
 
-static float *widen_whole(const uint16_t *M, bool bf16, int64_t ld, int64_t rows, int64_t cols)
+/* The rows x cols block of M at (r0, c0), widened into w (contiguous, room for rows * cols). */
+static void widen_block(kern_cpu_wmat M, int64_t r0, int64_t c0, int64_t rows, int64_t cols, float *w)
 {
-    float *w = fu_malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *w);
-    widen_block(M, bf16, ld, 0, 0, rows, cols, w);
-    return w;
+    for (int64_t r = 0; r < rows; r++)
+        kern_cpu_widen_row(M, r0 + r, c0, cols, w + r * cols);
 }
 
-void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const uint16_t *B,
-                        bool bf16, int ldb, float beta, float *C, int ldc)
+void kern_cpu_sgemm_wn(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, kern_cpu_wmat B,
+                       float beta, float *C, int ldc)
 {
     pthread_once(&blas_once, blas_one_thread);
     if (m <= 0 || n <= 0)
         return;
     const int64_t brows = tb ? n : k, bcols = tb ? k : n; /* B as stored */
     if (k <= 0 || gemm_mode == KERN_CPU_GEMM_BLAS_THREADS || n == 1) { /* B widened whole, then the f32 path */
-        float *w = widen_whole(B, bf16, ldb, brows, bcols);
+        float *w = fu_malloc((size_t)(brows * bcols > 0 ? brows * bcols : 1) * sizeof *w);
+        widen_block(B, 0, 0, brows, bcols, w);
         kern_cpu_sgemm(ta, tb, m, n, k, alpha, A, lda, w, (int)(bcols > 0 ? bcols : 1), beta, C, ldc);
         free(w);
         return;
@@ -160,10 +165,10 @@ void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, cons
             for (int64_t b = 0; b < blocks; b++) {
                 int r0 = (int)(b * KERN_GEMV_BLOCK), nr = n - r0 < KERN_GEMV_BLOCK ? n - r0 : KERN_GEMV_BLOCK;
                 if (tb) { /* B [n x k]: c = B·x over B's rows r0.. */
-                    widen_block(B, bf16, ldb, r0, 0, nr, k, w);
+                    widen_block(B, r0, 0, nr, k, w);
                     cblas_sgemv(CblasRowMajor, CblasNoTrans, nr, k, alpha, w, k, x, incx, beta, C + r0, 1);
                 } else { /* B [k x n]: c = Bᵀ·x over B's columns r0.. */
-                    widen_block(B, bf16, ldb, 0, r0, k, nr, w);
+                    widen_block(B, 0, r0, k, nr, w);
                     cblas_sgemv(CblasRowMajor, CblasTrans, k, nr, alpha, w, nr, x, incx, beta, C + r0, 1);
                 }
             }
@@ -184,9 +189,9 @@ void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, cons
             /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.., widened (narrower slices
              * would change OpenBLAS's bits, and with them the equality with the f32 path) */
             if (tb)
-                widen_block(B, bf16, ldb, j0, 0, nj, k, w);
+                widen_block(B, j0, 0, nj, k, w);
             else
-                widen_block(B, bf16, ldb, 0, j0, k, nj, w);
+                widen_block(B, 0, j0, k, nj, w);
             for (int64_t it = 0; it < tm; it++) {
                 int i0 = (int)it * KERN_GEMM_TILE_M, mi = m - i0 < KERN_GEMM_TILE_M ? m - i0 : KERN_GEMM_TILE_M;
                 const float *a = ta ? A + i0 : A + (int64_t)i0 * lda;

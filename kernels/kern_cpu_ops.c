@@ -30,13 +30,11 @@ fu_err kern_cpu_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids
     const int32_t *id = ids->data;
     int64_t n = out->shape[0], d = out->shape[1];
     float *o = out->data;
-    if (table->dtype != KERN_F32) { /* a 16-bit table kept in its precision: rows widened as read */
-        const uint16_t *tab = table->data;
+    if (table->dtype != KERN_F32) { /* a narrow table kept in its precision: rows widened as read */
+        kern_cpu_wmat w = {.data = table->data, .dtype = table->dtype, .scale = table->qscale, .ld = (int)d};
 #pragma omp parallel for num_threads(kern_cpu_threads()) if (n * d > kern_cpu_par_min()) schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            fu_err rc = kern_convert_host(o + i * d, KERN_F32, tab + (int64_t)id[i] * d, table->dtype, (size_t)d);
-            (void)rc; /* a float dtype kern_embedding_forward checked: it cannot fail */
-        }
+        for (int64_t i = 0; i < n; i++)
+            kern_cpu_widen_row(w, id[i], 0, d, o + i * d);
         return FU_OK;
     }
     const float *tab = table->data;

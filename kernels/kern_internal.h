@@ -41,11 +41,22 @@ void    kern_cpu_set_par_min(int64_t elements);
 void kern_cpu_sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
                     int ldb, float beta, float *C, int ldc);
 
-/* kern_cpu_sgemm with a 16-bit B (a frozen weight kept in its precision: bf16 when bf16, else
- * IEEE f16): each tile (and each gemv block) of B is widened to f32 and given to the same BLAS call
- * kern_cpu_sgemm makes, so the result has the bits of kern_cpu_sgemm on B widened whole. */
-void kern_cpu_sgemm_w16(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, const uint16_t *B,
-                        bool bf16, int ldb, float beta, float *C, int ldc);
+/* A frozen weight kept narrow on the CPU: bf16, f16, or int8 with one f32 scale per stored row. */
+typedef struct {
+    const void  *data;  /* rows x cols as stored, row stride ld */
+    kern_dtype   dtype; /* KERN_BF16, KERN_F16 or KERN_I8 */
+    const float *scale; /* KERN_I8: one per stored row */
+    int          ld;
+} kern_cpu_wmat;
+
+/* kern_cpu_sgemm with a narrow B: each tile (and each gemv block) of B is widened to f32 (an int8
+ * element times its row's scale, rounded once) and given to the same BLAS call kern_cpu_sgemm
+ * makes, so the result has the bits of kern_cpu_sgemm on B widened whole. */
+void kern_cpu_sgemm_wn(bool ta, bool tb, int m, int n, int k, float alpha, const float *A, int lda, kern_cpu_wmat B,
+                       float beta, float *C, int ldc);
+
+/* n elements of stored row r of w, from column c0, widened into dst. */
+void kern_cpu_widen_row(kern_cpu_wmat w, int64_t r, int64_t c0, int64_t n, float *dst);
 
 /* t is non-NULL, well formed, on be's device, with data when it has elements. */
 fu_err kern_chk_dev(const kern_backend_t *be, const kern_tensor_t *t);

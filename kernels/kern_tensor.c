@@ -16,6 +16,7 @@ size_t kern_dtype_size(kern_dtype dt)
     case KERN_BF16:
         return 2;
     case KERN_U8:
+    case KERN_I8:
         return 1;
     default:
         return 0;
@@ -24,7 +25,7 @@ size_t kern_dtype_size(kern_dtype dt)
 
 const char *kern_dtype_name(kern_dtype dt)
 {
-    static const char *const names[] = {"f32", "f16", "bf16", "i32", "u8"};
+    static const char *const names[] = {"f32", "f16", "bf16", "i32", "u8", "i8"};
     if ((unsigned)dt >= (unsigned)KERN_DTYPE_COUNT_)
         return "?";
     return names[dt];
@@ -185,6 +186,8 @@ fu_err kern_tensor_slice(const kern_tensor_t *src, int dim, int64_t start, int64
         return FU_EINVAL;
     if (t.data)
         t.data = (char *)t.data + (size_t)(start * src->stride[dim]) * es;
+    if (t.qscale && dim == 0) /* row scales follow their rows */
+        t.qscale += start;
     t.shape[dim] = len;
     t.owner = NULL;
     *out = t;
@@ -222,6 +225,8 @@ fu_err kern_tensor_reshape(const kern_tensor_t *src, int ndim, const int64_t *sh
     } else if (known != n) {
         return FU_EINVAL;
     }
+    if (src->qscale && want[0] != src->shape[0])
+        return FU_EINVAL; /* row scales belong to the rows */
     kern_tensor_t t = *src;
     FU_TRY(set_shape(&t, src->dtype, ndim, want));
     t.owner = NULL;

@@ -31,6 +31,7 @@ typedef enum {
     KERN_BF16,    /* bfloat16 (upper half of a binary32) */
     KERN_I32,     /* int32: token ids, positions, targets */
     KERN_U8,      /* bytes: bitmaps, packed data */
+    KERN_I8,      /* int8: a frozen weight quantized per row (kern_tensor_t.qscale) */
     KERN_DTYPE_COUNT_
 } kern_dtype;
 
@@ -54,11 +55,13 @@ typedef struct kern_tensor {
     int64_t     stride[KERN_MAX_DIMS]; /* step per dimension, in elements; unused dims are 0 */
     kern_device device;                /* where data lives */
     const struct kern_backend *owner;  /* backend that allocated data, NULL when data is borrowed */
+    const float *qscale;               /* KERN_I8 only: shape[0] f32 scales, row r = data[r]·qscale[r]
+                                          (borrowed, on data's device); NULL otherwise */
 } kern_tensor_t;
 
 /* Size in bytes of one element of dt; 0 for an invalid dtype. */
 size_t      kern_dtype_size(kern_dtype dt);
-/* "f32", "f16", "bf16", "i32", "u8"; "?" for an invalid dtype. Static storage. */
+/* "f32", "f16", "bf16", "i32", "u8", "i8"; "?" for an invalid dtype. Static storage. */
 const char *kern_dtype_name(kern_dtype dt);
 
 /* Describes existing memory (borrowed, not freed by the tensor) as a contiguous row-major tensor.

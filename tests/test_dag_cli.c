@@ -389,6 +389,25 @@ static void test_dag_cli_merge(void **state)
     check_merged(pruned, "merge-salr-adapter", "merged-salr");
 }
 
+/* fusion model quantize: the int8 model checks out in `model info`, LoRA-FA learns over it, and its
+ * merged adapter (written over the dequantized weights) generates what base plus adapter does.
+ * Pruning it, or quantizing it again, is refused. */
+static void test_dag_cli_quantize(void **state)
+{
+    (void)state;
+    tu_fusion_expect(0, "int8 per channel", "model quantize --model %s -o %s/q8", model, tu_dir);
+    tu_fusion_expect(0, "int8 linears", "model info %s/q8", tu_dir);
+    tu_fusion_expect(2, "--force", "model quantize --model %s -o %s/q8", model, tu_dir);
+    tu_fusion_expect(1, "already quantized", "model quantize --model %s/q8 -o %s/q8b", tu_dir, tu_dir);
+    tu_fusion_expect(2, "quantized (int8)", "model prune --method salr -i %s/q8 -o %s/q8p", tu_dir, tu_dir);
+    tu_fusion_expect(0, NULL, "run finetune --model %s/q8 --data %s --rank 4 --lr 3e-2 --steps 20 --batch 2 "
+                     "--seq-len 16 --loss-log %s/q8.jsonl -o %s/q8-adapter", tu_dir, data, tu_dir, tu_dir);
+    expect_losses("q8.jsonl", 20, 1.0);
+    char base[4096];
+    snprintf(base, sizeof base, "%s/q8", tu_dir);
+    check_merged(base, "q8-adapter", "merged-q8");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -397,6 +416,7 @@ int main(void)
         cmocka_unit_test(test_dag_cli_salr_finetune),
         cmocka_unit_test(test_dag_cli_salr_prune_lm_head),
         cmocka_unit_test(test_dag_cli_errors),
+        cmocka_unit_test(test_dag_cli_quantize),
         cmocka_unit_test(test_dag_cli_jsonl_prompt_masking_and_eval),
         cmocka_unit_test(test_dag_cli_merge),
     };

@@ -18,6 +18,7 @@
 #include "dag_graph.h"
 #include "dag_model.h"
 #include "dag_partition.h"
+#include "dag_quant.h"
 #include "fu_modelcfg.h"
 #include "fu_safetensors.h"
 #include "kern_bitmap.h"
@@ -1180,6 +1181,42 @@ static void test_dag_exec_rejects_bad_input(void **state)
     dag_graph_destroy(&g);
 }
 
+/* A training step (LoRA, rank 4) over the weights bs kept in their precision (bf16, int8: mapped,
+ * widened per GEMM tile) gives exactly the loss and gradient of the same weights widened to f32 at
+ * load. */
+static void step_kept_equals_widened(const tiny *t, const fu_safetensors *bs, const char *what)
+{
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
+    int32_t tok[16], tgt[16];
+    tokens_for(tok, 16, 5);
+    targets_for(tok, tgt, 16, 7, 1);
+    float loss[2];
+    kern_tensor_t *db[2] = {0};
+    float *dbv[2] = {0};
+    dag_exec_t *xs[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        dag_exec_opts o = {.max_tokens = 16, .n_slots = 1, .training = true, .seed = 7, .widen_weights = k == 1};
+        fu_errmsg em = {{0}};
+        assert_int_equal(dag_exec_new(g, &o, &xs[k], &em), FU_OK);
+        assert_int_equal(dag_exec_load_weights(xs[k], bs, &em), FU_OK);
+        loss[k] = loss_of(xs[k], tok, tgt, 2, 8);
+        assert_int_equal(dag_exec_backward(xs[k], 0, 1.0f), FU_OK);
+        for (size_t i = 0; i < dag_graph_size(g) && !db[k]; i++) {
+            kern_tensor_t *A, *B, *dA, *dB;
+            if (dag_exec_adapter(xs[k], (uint32_t)i, &A, &B, &dA, &dB) == FU_OK)
+                db[k] = dA; /* A's gradient flows back through every frozen weight after it */
+        }
+        assert_non_null(db[k]);
+        dbv[k] = db[k]->data;
+    }
+    printf("%s kept: loss %.9g, widened: %.9g\n", what, loss[0], loss[1]);
+    assert_memory_equal(&loss[0], &loss[1], sizeof loss[0]);
+    assert_memory_equal(dbv[0], dbv[1], (size_t)kern_tensor_numel(db[0]) * sizeof(float));
+    for (int k = 0; k < 2; k++)
+        dag_exec_destroy(&xs[k]);
+    dag_graph_destroy(&g);
+}
+
 /* A bf16 copy of the model: weights are widened to f32 once at load and match the reference read
  * from the same file. */
 static void test_dag_exec_loads_bf16_weights(void **state)
@@ -1211,39 +1248,88 @@ static void test_dag_exec_loads_bf16_weights(void **state)
     dag_graph_t *g = graph(t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
     expect_reference_logits(t, g, bs, 1, 6, "bf16 logits");
     dag_graph_destroy(&g);
-    /* The CPU keeps those weights bf16 in memory (mapped, widened per GEMM tile): a training step
-     * gives exactly what the same weights widened to f32 at load give. */
-    g = graph(t, DAG_ADAPTER_LORA, 4, DAG_HEAD_LOSS, 0);
-    int32_t tok[16], tgt[16];
-    tokens_for(tok, 16, 5);
-    targets_for(tok, tgt, 16, 7, 1);
-    float loss[2];
-    kern_tensor_t *db[2] = {0};
-    float *dbv[2] = {0};
-    dag_exec_t *xs[2] = {0};
-    for (int k = 0; k < 2; k++) {
-        dag_exec_opts o = {.max_tokens = 16, .n_slots = 1, .training = true, .seed = 7, .widen_weights = k == 1};
-        fu_errmsg em = {{0}};
-        assert_int_equal(dag_exec_new(g, &o, &xs[k], &em), FU_OK);
-        assert_int_equal(dag_exec_load_weights(xs[k], bs, &em), FU_OK);
-        loss[k] = loss_of(xs[k], tok, tgt, 2, 8);
-        assert_int_equal(dag_exec_backward(xs[k], 0, 1.0f), FU_OK);
-        for (size_t i = 0; i < dag_graph_size(g) && !db[k]; i++) {
-            kern_tensor_t *A, *B, *dA, *dB;
-            if (dag_exec_adapter(xs[k], (uint32_t)i, &A, &B, &dA, &dB) == FU_OK)
-                db[k] = dA; /* A's gradient flows back through every frozen weight after it */
-        }
-        assert_non_null(db[k]);
-        dbv[k] = db[k]->data;
-    }
-    printf("bf16 kept: loss %.9g, widened: %.9g\n", loss[0], loss[1]);
-    assert_memory_equal(&loss[0], &loss[1], sizeof loss[0]);
-    assert_memory_equal(dbv[0], dbv[1], (size_t)kern_tensor_numel(db[0]) * sizeof(float));
-    for (int k = 0; k < 2; k++)
-        dag_exec_destroy(&xs[k]);
-    dag_graph_destroy(&g);
+    /* The CPU keeps those weights bf16 in memory (mapped, widened per GEMM tile). */
+    step_kept_equals_widened(t, bs, "bf16");
     fu_safetensors_close(&bs);
     free(path);
+}
+
+/* fusion model quantize's int8 model: its logits are those of its dequantized weights (the
+ * reference reads them so), a LoRA-FA training step over the int8 weights kept in memory has the
+ * bits of the same weights dequantized at load, and the logits stay within the stated bound of the
+ * f32 model's (docs/DAG.md "Int8 weights": the RMS difference ≤ 2% of the f32 logits' RMS). */
+static void test_dag_exec_int8_weights(void **state)
+{
+    tiny *t = tiny_start(state, "exec-int8", 12);
+    char *qdir = fu_path_join(t->dir, "q8");
+    dag_quant_report rep;
+    fu_errmsg em = {{0}};
+    fu_err rc = dag_model_quantize(t->dir, qdir, false, &rep, &em);
+    if (rc != FU_OK)
+        fail_msg("quantize: %s", fu_errmsg_text(&em, rc));
+    assert_int_equal(rep.quantized, 7 * t->cfg.num_hidden_layers);
+    assert_true(rep.max_rel_err > 0.0 && rep.max_rel_err <= 0.5 / 127.0 + 1e-7);
+    assert_int_equal(dag_model_quantize(t->dir, qdir, false, NULL, &em), FU_EEXIST);
+    assert_int_equal(dag_model_quantize(qdir, qdir, true, NULL, &em), FU_EINVAL); /* already int8 */
+    fu_safetensors *qs = NULL;
+    assert_int_equal(fu_safetensors_open_dir(qdir, &qs, &em), FU_OK);
+    const fu_st_tensor *q0 = fu_safetensors_get(qs, "model.layers.0.self_attn.q_proj.weight");
+    assert_non_null(q0);
+    assert_int_equal(q0->dtype, FU_ST_I8);
+    assert_int_equal(fu_safetensors_get(qs, "model.embed_tokens.weight")->dtype, FU_ST_F32);
+    fu_modelcfg qc;
+    assert_int_equal(fu_modelcfg_load(qdir, &qc, &em), FU_OK);
+    assert_true(qc.int8_weights);
+    assert_int_equal(fu_modelcfg_check_weights(&qc, qs, &em), FU_OK);
+
+    dag_graph_t *g = graph(t, DAG_ADAPTER_NONE, 0, DAG_HEAD_LOGITS, 0);
+    expect_reference_logits(t, g, qs, 2, 6, "int8 logits");
+    dag_exec_t *x8 = exec_for(g, qs, false, 0, 0, 16, true), *x32 = exec_for(g, t->st, false, 0, 0, 16, true);
+    int32_t tok[16];
+    tokens_for(tok, 16, 9);
+    size_t nf = 0;
+    const float *l8 = forward_logits(x8, g, tok, 2, 8, &nf), *l32 = forward_logits(x32, g, tok, 2, 8, &nf);
+    double rms = 0.0, err = 0.0, worst = 0.0;
+    for (size_t i = 0; i < nf; i++) {
+        rms += (double)l32[i] * l32[i];
+        err += ((double)l8[i] - l32[i]) * ((double)l8[i] - l32[i]);
+        worst = fmax(worst, fabs((double)l8[i] - l32[i]));
+    }
+    rms = sqrt(rms / (double)nf), err = sqrt(err / (double)nf);
+    printf("int8 against f32: RMS difference %.3g (%.2f%% of the logits' RMS %.3g), max %.3g\n", err,
+           100.0 * err / rms, rms, worst);
+    assert_true(err > 0.0);          /* the weights did change */
+    assert_true(err <= 0.02 * rms);  /* ... within the bound */
+    dag_exec_destroy(&x8);
+    dag_exec_destroy(&x32);
+    dag_graph_destroy(&g);
+    step_kept_equals_widened(t, qs, "int8");
+
+    /* An int8 weight without quantization_config, or with scales that are missing, of the wrong
+     * shape or not finite, is refused by name. */
+    qc.int8_weights = false;
+    assert_int_equal(fu_modelcfg_check_weights(&qc, qs, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "is int8"));
+    int8_t qv[6] = {1, -2, 3, 127, -127, 0};
+    float sv[5] = {0.5f, NAN, 1.0f, 2.0f, 0.25f};
+    for (int c = 0; c < 3; c++) {
+        fu_st_tensor ts[2] = {{.name = "w", .dtype = FU_ST_I8, .ndim = 2, .shape = {2, 3}, .data = qv, .nbytes = 6},
+                              {.name = "w_scale", .dtype = FU_ST_F32, .ndim = 1, .shape = {c == 1 ? 3 : 2},
+                               .data = sv + (c == 2 ? 0 : 2), .nbytes = (c == 1 ? 3 : 2) * sizeof(float)}};
+        uint8_t *img = NULL;
+        size_t len = 0;
+        assert_int_equal(fu_safetensors_serialize(ts, c == 0 ? 1 : 2, NULL, 0, NULL, NULL, &img, &len, &em), FU_OK);
+        fu_safetensors *bad = NULL;
+        assert_int_equal(fu_safetensors_parse_header(img, len, "bad.safetensors", &bad, &em), FU_OK);
+        float w[6];
+        uint64_t shape[2] = {2, 3};
+        assert_int_equal(fu_safetensors_read_f32(bad, "w", 2, shape, w, 6, &em), c == 0 ? FU_ENOTFOUND : FU_EINVAL);
+        assert_non_null(strstr(em.msg, c == 0 ? "w_scale" : c == 1 ? "must be F32 [2]" : "not finite"));
+        fu_safetensors_close(&bad);
+        free(img);
+    }
+    fu_safetensors_close(&qs);
+    free(qdir);
 }
 
 /* A pipeline as a peer runs it: stages from the partitioner, two micro-batches in flight (slots),
@@ -1346,6 +1432,7 @@ int main(void)
         cmocka_unit_test(test_dag_exec_salr_lm_head_files),
         cmocka_unit_test(test_dag_exec_rejects_bad_input),
         cmocka_unit_test(test_dag_exec_loads_bf16_weights),
+        cmocka_unit_test(test_dag_exec_int8_weights),
         cmocka_unit_test(test_dag_exec_planned_pipeline_with_micro_batches),
     };
     return tu_unit_main(tests, NULL, tiny_setup, tiny_teardown);

@@ -682,48 +682,77 @@ static void test_kern_ops_threads_match_serial(void **state)
     free(x), free(w), free(g), free(u), free(logits), free(tab);
 }
 
-/* A frozen 16-bit weight as B (bf16 and f16, the CPU's weight_dtypes): the product has exactly the
- * bits of the same product on B widened to f32 first, on every path kern_cpu_sgemm takes (decode
- * gemv over several blocks, tiles, B transposed or not), on 1 and 3 threads. An f32 A with a 16-bit
- * C, and a gradient for a 16-bit weight, are refused. */
-static void test_kern_ops_gemm_16bit_weight_equals_widened(void **state)
+/* A frozen narrow weight as B (bf16, f16 and per-row int8, the CPU's weight_dtypes): the product
+ * has exactly the bits of the same product on B widened to f32 first, on every path kern_cpu_sgemm
+ * takes (decode gemv over several blocks, tiles, B transposed or not), on 1 and 3 threads. An int8
+ * weight without row scales, and a gradient for a narrow weight, are refused. */
+static void test_kern_ops_gemm_narrow_weight_equals_widened(void **state)
 {
     (void)state;
     static const struct {
         int m, n, k;
         bool tb;
     } shapes[] = {{1, 1100, 300, true}, {300, 600, 70, true}, {5, 3, 40, false}, {1, 700, 130, false}, {260, 520, 33, false}};
-    for (int bf = 0; bf < 2; bf++)
+    static const kern_dtype dts[] = {KERN_BF16, KERN_F16, KERN_I8};
+    for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const kern_dtype dt = dts[di];
             int m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
             bool tb = shapes[si].tb;
-            float *a = tk_rand((size_t)m * k, 300 + si, -1, 1), *bw = tk_rand((size_t)k * n, 310 + si, -1, 1);
-            uint16_t *b16 = malloc((size_t)k * n * sizeof *b16);
-            for (size_t q = 0; q < (size_t)k * n; q++) /* the 16-bit values, and bw their exact widening */
-                b16[q] = bf ? (uint16_t)(kern_f32_to_bf16(bw[q])) : kern_f32_to_f16(bw[q]);
-            for (size_t q = 0; q < (size_t)k * n; q++)
-                bw[q] = bf ? kern_bf16_to_f32(b16[q]) : kern_f16_to_f32(b16[q]);
             int64_t br = tb ? n : k, bc = tb ? k : n;
-            kern_tensor_t A = tk_f2(a, m, k), B32 = tk_f2(bw, br, bc), B16 = tk_t(b16, bf ? KERN_BF16 : KERN_F16, 2, br, bc, 1);
+            float *a = tk_rand((size_t)m * k, 300 + si, -1, 1), *bw = tk_rand((size_t)k * n, 310 + si, -1, 1);
+            float *scale = tk_rand((size_t)br, 330 + si, 0.001f, 0.02f);
+            uint16_t *b16 = malloc((size_t)k * n * sizeof *b16);
+            int8_t *b8 = malloc((size_t)k * n);
+            for (size_t q = 0; q < (size_t)k * n; q++) { /* the narrow values, and bw their exact widening */
+                if (dt == KERN_I8) {
+                    b8[q] = (int8_t)lrintf(bw[q] * 127.0f);
+                    bw[q] = (float)b8[q] * scale[q / (size_t)bc];
+                } else {
+                    b16[q] = dt == KERN_BF16 ? kern_f32_to_bf16(bw[q]) : kern_f32_to_f16(bw[q]);
+                    bw[q] = dt == KERN_BF16 ? kern_bf16_to_f32(b16[q]) : kern_f16_to_f32(b16[q]);
+                }
+            }
+            kern_tensor_t A = tk_f2(a, m, k), B32 = tk_f2(bw, br, bc);
+            kern_tensor_t BN = tk_t(dt == KERN_I8 ? (void *)b8 : (void *)b16, dt, 2, br, bc, 1);
+            if (dt == KERN_I8) {
+                float *c = tk_zeros((size_t)m * n);
+                kern_tensor_t C = tk_f2(c, m, n);
+                assert_int_equal(kern_gemm(CPU, false, tb, 1.0f, &A, &BN, 0.0f, &C), FU_EINVAL); /* no scales */
+                BN.qscale = scale;
+                free(c);
+            }
             for (int th = 1; th <= 3; th += 2) {
                 assert_int_equal(kern_cpu_set_threads(th), FU_OK);
-                float *c32 = tk_zeros((size_t)m * n), *c16 = tk_zeros((size_t)m * n);
-                kern_tensor_t C32 = tk_f2(c32, m, n), C16 = tk_f2(c16, m, n);
+                float *c32 = tk_zeros((size_t)m * n), *cn = tk_zeros((size_t)m * n);
+                kern_tensor_t C32 = tk_f2(c32, m, n), CN = tk_f2(cn, m, n);
                 assert_int_equal(kern_gemm(CPU, false, tb, 1.0f, &A, &B32, 0.0f, &C32), FU_OK);
-                assert_int_equal(kern_gemm(CPU, false, tb, 1.0f, &A, &B16, 0.0f, &C16), FU_OK);
-                if (memcmp(c32, c16, (size_t)m * n * sizeof(float)) != 0)
-                    fail_msg("%s, %dx%dx%d tb %d, %d threads: bits differ", bf ? "bf16" : "f16", m, n, k, tb, th);
-                free(c32), free(c16);
+                assert_int_equal(kern_gemm(CPU, false, tb, 1.0f, &A, &BN, 0.0f, &CN), FU_OK);
+                if (memcmp(c32, cn, (size_t)m * n * sizeof(float)) != 0)
+                    fail_msg("%s, %dx%dx%d tb %d, %d threads: bits differ", kern_dtype_name(dt), m, n, k, tb, th);
+                free(c32), free(cn);
             }
             kern_tensor_t dW = tk_f2(bw, br, bc);
-            if (tb) { /* y = x·Wᵀ: a 16-bit W takes no gradient */
+            if (tb) { /* y = x·Wᵀ: a narrow W takes no gradient */
                 float *dy = tk_rand((size_t)m * n, 320, -1, 1), *dx = tk_zeros((size_t)m * k);
                 kern_tensor_t DY = tk_f2(dy, m, n), DX = tk_f2(dx, m, k);
-                assert_int_equal(kern_linear_backward(CPU, &DY, &A, &B16, &DX, NULL), FU_OK);
-                assert_int_equal(kern_linear_backward(CPU, &DY, &A, &B16, &DX, &dW), FU_EINVAL);
+                assert_int_equal(kern_linear_backward(CPU, &DY, &A, &BN, &DX, NULL), FU_OK);
+                assert_int_equal(kern_linear_backward(CPU, &DY, &A, &BN, &DX, &dW), FU_EINVAL);
                 free(dy), free(dx);
             }
-            free(a), free(bw), free(b16);
+            if (dt == KERN_I8) { /* an int8 embedding table: each row widened with its scale */
+                int32_t ids[3] = {0, (int32_t)br - 1, (int32_t)(br / 2)};
+                float *rows = tk_zeros((size_t)3 * bc);
+                kern_tensor_t IDS = tk_t(ids, KERN_I32, 1, 3, 1, 1), R = tk_f2(rows, 3, bc);
+                assert_int_equal(kern_embedding_forward(CPU, &IDS, &BN, &R), FU_OK);
+                for (int i = 0; i < 3; i++)
+                    assert_memory_equal(rows + (size_t)i * bc, bw + (size_t)ids[i] * bc, (size_t)bc * sizeof(float));
+                kern_tensor_t half;
+                assert_int_equal(kern_tensor_slice(&BN, 0, 1, br - 1, &half), FU_OK); /* scales follow rows */
+                assert_ptr_equal(half.qscale, scale + 1);
+                free(rows);
+            }
+            free(a), free(bw), free(b16), free(b8), free(scale);
         }
     assert_int_equal(kern_cpu_set_threads(0), FU_OK);
 }
@@ -846,7 +875,7 @@ int main(void)
         cmocka_unit_test(test_kern_ops_sampling_rules),
         cmocka_unit_test(test_kern_ops_threads_match_serial),
         cmocka_unit_test(test_kern_ops_gemm_same_bits_any_threads),
-        cmocka_unit_test(test_kern_ops_gemm_16bit_weight_equals_widened),
+        cmocka_unit_test(test_kern_ops_gemm_narrow_weight_equals_widened),
         cmocka_unit_test(test_kern_ops_bad_arguments_return_einval),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
