@@ -14,7 +14,9 @@
 #include "bench.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
+#include "dag_quant.h"
 #include "dag_model.h"
+#include "dag_quant.h"
 #include "fu_clock.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
@@ -34,7 +36,8 @@ typedef struct {
     char pruned[600];      /* SALR model, the prune default: every linear pruned, lm_head included */
     char pruned_kept[600]; /* SALR model with lm_head dense (--keep-lm-head) */
     char bf16[600];        /* the dense model's weights rounded to bf16 and stored so */
-    bool made, pruned_made, pruned_kept_made, bf16_made;
+    char int8[600];        /* the bf16 model quantized (fusion model quantize: linears int8, the rest bf16) */
+    bool made, pruned_made, pruned_kept_made, bf16_made, int8_made;
 } tb_env;
 
 /* The model and the run: the full size, and --quick's. */
@@ -49,7 +52,7 @@ static const tb_size TB_QUICK = {.layers = 4, .hidden = 256, .heads = 4, .ffn = 
                                  .batch = 2, .seq = 64, .steps = 3};
 
 /* Which model a case runs. */
-typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD, TB_BF16 } tb_model;
+typedef enum { TB_DENSE, TB_SALR, TB_SALR_KEEP_HEAD, TB_BF16, TB_INT8 } tb_model;
 
 static tb_env env;
 
@@ -170,6 +173,24 @@ static void make_bf16(int fd, void *arg)
     send_line(fd, "ok");
 }
 
+/* env.int8: the bf16 model quantized as `fusion model quantize` does it. */
+static void make_int8(int fd, void *arg)
+{
+    (void)arg;
+    fu_errmsg em = {{0}};
+    dag_quant_report rep;
+    double t0 = fu_clock_sec();
+    if (dag_model_quantize(env.bf16, env.int8, true, &rep, &em) != FU_OK) {
+        fprintf(stderr, "bench: %s\n", em.msg);
+        _exit(2);
+    }
+    char l[256];
+    snprintf(l, sizeof l, "\"seconds\":%.2f,\"linears\":%zu,\"in_mib\":%.1f,\"out_mib\":%.1f,\"max_rel_err\":%.5f",
+             fu_clock_sec() - t0, rep.quantized, (double)rep.bytes_in / 1048576.0, (double)rep.bytes_out / 1048576.0,
+             rep.max_rel_err);
+    send_line(fd, l);
+}
+
 static bool ensure_models(tb_model which)
 {
     if (!env.made) {
@@ -193,19 +214,27 @@ static bool ensure_models(tb_model which)
         snprintf(env.pruned, sizeof env.pruned, "%s/pruned", env.dir);
         snprintf(env.pruned_kept, sizeof env.pruned_kept, "%s/pruned-keep-head", env.dir);
         snprintf(env.bf16, sizeof env.bf16, "%s/bf16", env.dir);
+        snprintf(env.int8, sizeof env.int8, "%s/int8", env.dir);
         env.made = true;
         atexit(tb_cleanup);
         char line[64];
         if (!in_child(make_model, NULL, line, sizeof line))
             return false;
     }
-    if (which == TB_BF16 && !env.bf16_made) {
+    if ((which == TB_BF16 || which == TB_INT8) && !env.bf16_made) {
         char line[64];
         if (!in_child(make_bf16, NULL, line, sizeof line))
             return false;
         env.bf16_made = true;
     }
-    if (which == TB_BF16)
+    if (which == TB_INT8 && !env.int8_made) {
+        char line[512];
+        if (!in_child(make_int8, NULL, line, sizeof line))
+            return false;
+        env.int8_made = true;
+        bench_emit("train", "quantize_int8", "%s", line);
+    }
+    if (which == TB_BF16 || which == TB_INT8)
         return true;
     bool head = which == TB_SALR;
     bool *made = head ? &env.pruned_made : &env.pruned_kept_made;
@@ -241,7 +270,8 @@ static double peak_gib(void)
 typedef struct {
     dag_adapter_method method;
     kern_cpu_gemm_mode gemm; /* BLAS_THREADS: today's OpenBLAS split, to price determinism */
-    int weights;             /* 0: the f32 model; 1: the bf16 model, kept bf16; 2: the bf16 model widened at load */
+    int weights;             /* 0: the f32 model; 1: the bf16 model, kept bf16; 2: the bf16 model widened at load;
+                                3: the int8 model, kept int8 */
 } train_arg;
 
 static void train_child(int fd, void *arg)
@@ -252,7 +282,8 @@ static void train_child(int fd, void *arg)
     bool salr = m == DAG_ADAPTER_SALR;
     fu_errmsg em = {{0}};
     fu_safetensors *st = NULL;
-    if (fu_safetensors_open_dir(salr ? env.pruned : ta->weights ? env.bf16 : env.dir, &st, &em) != FU_OK)
+    const char *dir = salr ? env.pruned : ta->weights == 3 ? env.int8 : ta->weights ? env.bf16 : env.dir;
+    if (fu_safetensors_open_dir(dir, &st, &em) != FU_OK)
         _exit(2);
     dag_model_dims d;
     dag_dims_from_cfg(&env.cfg, &d);
@@ -297,7 +328,10 @@ static void train_child(int fd, void *arg)
              (double)(env.steps * n) / (cs / TB_THREADS), peak_gib(),
              (double)dag_exec_saved_bytes_peak(x) / 1048576.0, dag_exec_trainable_params(x), (double)loss,
              ta->gemm == KERN_CPU_GEMM_BLAS_THREADS ? "blas_threads" : "deterministic",
-             ta->weights == 1 ? "bf16 kept" : ta->weights == 2 ? "bf16 widened to f32" : "f32");
+             ta->weights == 1   ? "bf16 kept"
+             : ta->weights == 2 ? "bf16 widened to f32"
+             : ta->weights == 3 ? "int8 linears kept, the rest bf16"
+                                : "f32");
     send_line(fd, line);
     free(tok);
     free(tgt);
@@ -309,7 +343,8 @@ static void train_child(int fd, void *arg)
 static void train_case_w(const char *name, dag_adapter_method m, kern_cpu_gemm_mode gemm, int weights)
 {
     train_arg ta = {m, gemm, weights};
-    if (!ensure_models(DAG_ADAPTER_SALR == m ? TB_SALR : TB_DENSE) || (weights && !ensure_models(TB_BF16))) {
+    if (!ensure_models(DAG_ADAPTER_SALR == m ? TB_SALR : TB_DENSE) ||
+        (weights && !ensure_models(weights == 3 ? TB_INT8 : TB_BF16))) {
         bench_emit("train", name, "\"error\":\"setup failed\"");
         return;
     }
@@ -336,6 +371,12 @@ BENCH_CASE(train_lorafa_bf16)
 BENCH_CASE(train_lorafa_bf16_widened)
 {
     train_case_w("train_lorafa_bf16_widened", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_DETERMINISTIC, 2);
+}
+
+/* The bf16 model quantized (fusion model quantize): LoRA-FA over int8 linears kept int8. */
+BENCH_CASE(train_lorafa_int8)
+{
+    train_case_w("train_lorafa_int8", DAG_ADAPTER_LORA_FA, KERN_CPU_GEMM_DETERMINISTIC, 3);
 }
 
 BENCH_CASE(train_lorafa)
@@ -371,8 +412,13 @@ typedef struct {
 
 static const char *model_dir(tb_model which)
 {
-    return which == TB_SALR_KEEP_HEAD ? env.pruned_kept : which == TB_SALR ? env.pruned : which == TB_BF16 ? env.bf16
-                                                                                                         : env.dir;
+    switch (which) {
+    case TB_SALR_KEEP_HEAD: return env.pruned_kept;
+    case TB_SALR: return env.pruned;
+    case TB_BF16: return env.bf16;
+    case TB_INT8: return env.int8;
+    default: return env.dir;
+    }
 }
 
 static void infer_open(tb_model which, tb_infer *m)
@@ -464,7 +510,11 @@ static void infer_child(int fd, void *arg)
              "\"model\":\"%s\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"threads\":%d,\"prompt_tokens\":%d,"
              "\"prompt_tokens_per_s\":%.1f,\"prompt_tokens_per_cpu_s_x_threads\":%.1f,\"generated_tokens\":%d,"
              "\"generated_tokens_per_s\":%.1f,\"generated_tokens_per_cpu_s_x_threads\":%.1f,\"peak_rss_gib\":%.3f",
-             which == TB_SALR_KEEP_HEAD ? "salr-50%,dense-lm_head" : which == TB_SALR ? "salr-50%" : "dense",
+             which == TB_SALR_KEEP_HEAD ? "salr-50%,dense-lm_head"
+             : which == TB_SALR         ? "salr-50%"
+             : which == TB_INT8         ? "dense,int8-linears,bf16-rest"
+             : which == TB_BF16         ? "dense,bf16"
+                                        : "dense",
              env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, TB_THREADS, TB_PROMPT, best_prompt,
              best_prompt_cpu, TB_GENERATE, gen_tps, gen_cpu, peak_gib());
     send_line(fd, line);
@@ -540,7 +590,7 @@ static void infer_case(const char *name, tb_model which)
         return;
     }
     double g = field(line, "\"generated_tokens_per_s\":");
-    if (which == TB_BF16) { /* the dense model stored bf16, kept bf16: against infer_dense */
+    if (which == TB_BF16 || which == TB_INT8) { /* the dense model stored narrow, kept so: against infer_dense */
         if (dense_gen_tps > 0)
             bench_emit("train", name, "%s,\"generation_speed_vs_f32\":%.2f", line, g / dense_gen_tps);
         else
@@ -575,6 +625,12 @@ BENCH_CASE(infer_dense)
 BENCH_CASE(infer_dense_bf16)
 {
     infer_case("infer_dense_bf16", TB_BF16);
+}
+
+/* The bf16 model quantized: int8 linears, bf16 embeddings and lm_head. */
+BENCH_CASE(infer_dense_int8)
+{
+    infer_case("infer_dense_int8", TB_INT8);
 }
 
 /* The `fusion model prune` default: every linear pruned, the 32000 x 768 lm_head too. */

@@ -28,6 +28,7 @@ static Fusion__Dtype wire_dtype(fu_st_dtype d)
     case FU_ST_I32: return FUSION__DTYPE__DTYPE_I32;
     case FU_ST_I64: return FUSION__DTYPE__DTYPE_I64;
     case FU_ST_U8: return FUSION__DTYPE__DTYPE_U8;
+    case FU_ST_I8: return FUSION__DTYPE__DTYPE_I8;
     default: return FUSION__DTYPE__DTYPE_UNSPECIFIED;
     }
 }

@@ -303,6 +303,11 @@ static uint32_t add_linear(builder *b, int32_t layer, uint32_t in, dag_target tg
     linear_costs(&n, b->o->head == DAG_HEAD_LOSS);
     if (n.flags & DAG_NODE_BIAS)
         n.param_bytes += 4ull * dout;
+    if (b->d->int8_weights && n.adapter.method != DAG_ADAPTER_SALR) { /* a byte a weight, and the row scales */
+        n.flags |= DAG_NODE_INT8;
+        n.param_bytes -= 3ull * din * dout;
+        n.param_bytes += 4ull * dout;
+    }
     return push(b, &n);
 }
 
@@ -632,8 +637,10 @@ fu_err dag_graph_validate(const dag_graph_t *g, fu_errmsg *em)
             return bad(em, n, "only linear nodes have an adapter target");
         if (n->op != DAG_OP_LINEAR && n->op != DAG_OP_LM_HEAD && n->adapter.method != DAG_ADAPTER_NONE)
             return bad(em, n, "only linear and lm_head nodes carry adapters");
-        if (n->flags & ~DAG_NODE_BIAS || ((n->flags & DAG_NODE_BIAS) && n->op != DAG_OP_LINEAR))
-            return bad(em, n, "flags %#x: only linear nodes may have a bias", n->flags);
+        if (n->flags & ~(DAG_NODE_BIAS | DAG_NODE_INT8) || (n->flags && n->op != DAG_OP_LINEAR))
+            return bad(em, n, "flags %#x: only linear nodes may have a bias or int8 weights", n->flags);
+        if ((n->flags & DAG_NODE_INT8) && n->adapter.method == DAG_ADAPTER_SALR)
+            return bad(em, n, "a SALR linear's weight is bitmap-encoded, not int8");
 
         uint64_t w[DAG_MAX_INPUTS] = {0};
         for (uint32_t k = 0; k < n->n_inputs; k++)

@@ -23,6 +23,7 @@ extern "C" {
 #define DAG_MAX_INPUTS   3       /* most node inputs of any op (attention: q, k, v) */
 #define DAG_MAX_PARAMS   4       /* most parameter names (salr linear: weight, residual A, B, bias) */
 #define DAG_NODE_BIAS    1u      /* dag_node.flags: a linear adds a bias [dim_out], its last parameter */
+#define DAG_NODE_INT8    2u      /* ... a linear's weight is int8 with row scales <params[0]>_scale */
 #define DAG_NAME_MAX     160     /* longest parameter name, including the NUL */
 #define DAG_MAX_NODES    65536   /* most nodes a graph may hold (checked on decode) */
 #define DAG_MAX_DIM      (1u << 20) /* largest width, vocabulary or feature count accepted */
@@ -104,7 +105,7 @@ typedef struct {
     float rope_low_freq, rope_high_freq; /* rope: its low_freq_factor and high_freq_factor */
     float rope_orig_max;               /* rope: its original_max_position_embeddings */
     uint32_t window;                   /* attention: sliding window (Mistral), 0 = none */
-    uint32_t flags;                    /* DAG_NODE_BIAS */
+    uint32_t flags;                    /* DAG_NODE_BIAS, DAG_NODE_INT8 */
     uint64_t out_width;                /* floats per token of the output (1 for loss/sample) */
     double flops_fwd;                  /* estimated forward FLOPs per token */
     double flops_bwd;                  /* estimated backward FLOPs per token (0 for inference) */
@@ -132,6 +133,7 @@ typedef struct {
     bool qkv_bias;              /* q/k/v projections have biases (Qwen2, attention_bias) */
     bool o_bias;                /* o_proj has a bias (attention_bias) */
     bool qk_norm;               /* per-head RMSNorm of q and k before RoPE (Qwen3) */
+    bool int8_weights;          /* decoder linears are int8 with row scales (fusion model quantize) */
 } dag_model_dims;
 
 /* What the graph ends in. */

@@ -55,6 +55,7 @@ void dag_dims_from_cfg(const fu_modelcfg *c, dag_model_dims *d)
     d->qkv_bias = c->attn_qkv_bias;
     d->o_bias = c->attn_o_bias;
     d->qk_norm = c->qk_norm;
+    d->int8_weights = c->int8_weights;
 }
 
 /* ---- random model ----------------------------------------------------------------------------- */

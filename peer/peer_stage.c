@@ -249,10 +249,11 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
              * model (dag_model.h). */
             bool salr = (nd->op == DAG_OP_LINEAR || nd->op == DAG_OP_LM_HEAD) &&
                         nd->adapter.method == DAG_ADAPTER_SALR && k == 0;
+            bool int8 = (nd->flags & DAG_NODE_INT8) && k == 0; /* and its row scales */
             static const char *const sfx[3] = {".bitmap", ".values", ".offsets"};
-            for (int v = 0; v < (salr ? 3 : 1); v++) {
+            for (int v = 0; v < (salr ? 3 : int8 ? 2 : 1); v++) {
                 char pn[DAG_NAME_MAX + 16];
-                snprintf(pn, sizeof pn, "%s%s", nd->params[k], salr ? sfx[v] : "");
+                snprintf(pn, sizeof pn, "%s%s", nd->params[k], salr ? sfx[v] : v ? FU_ST_QSCALE_SUFFIX : "");
                 bool dup = false;
                 for (size_t f = 0; f < s->n_fetch && !dup; f++)
                     dup = strcmp(peer_blob_name(s->fetch[f].blob), pn) == 0;
@@ -298,6 +299,7 @@ static fu_st_dtype st_dtype(Fusion__Dtype d, bool *ok)
     case FUSION__DTYPE__DTYPE_I32: return FU_ST_I32;
     case FUSION__DTYPE__DTYPE_I64: return FU_ST_I64;
     case FUSION__DTYPE__DTYPE_U8: return FU_ST_U8;
+    case FUSION__DTYPE__DTYPE_I8: return FU_ST_I8;
     default: *ok = false; return FU_ST_F32;
     }
 }

@@ -24,6 +24,7 @@ size_t wire_dtype_size(Fusion__Dtype dtype)
     case FUSION__DTYPE__DTYPE_I64:
         return 8;
     case FUSION__DTYPE__DTYPE_U8:
+    case FUSION__DTYPE__DTYPE_I8:
         return 1;
     default:
         return 0;

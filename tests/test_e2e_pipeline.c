@@ -431,6 +431,24 @@ static void test_e2e_pipeline_jsonl_prompt_completion(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* An int8 model (fusion model quantize) through the broker: the peers fetch each int8 weight with
+ * its row scales, and the pipeline's adapter equals `fusion run finetune`'s on the same model. */
+static void test_e2e_pipeline_int8_finetune(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-int8", TU_PEER_MEMORY_GB);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "model quantize --model model -o q8"), 0);
+    free(out);
+    const char *train = TU_TRAIN_ARGS " --steps 8";
+    char id[17];
+    tu_submit_finetune(c, id, "q8", "%s", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 2);
+    tu_assert_identical_adapter(c, id, "q8", train, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -594,6 +612,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_spares_give_way, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_qwen3_shape, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_jsonl_prompt_completion, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_int8_finetune, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
