@@ -188,6 +188,8 @@ static uint32_t role_needed(Fusion__MsgType t)
     case FUSION__MSG_TYPE__MSG_JOB_LIST_REQ:
     case FUSION__MSG_TYPE__MSG_JOB_CANCEL:
     case FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ:
+    case FUSION__MSG_TYPE__MSG_MODEL_UPLOAD:
+    case FUSION__MSG_TYPE__MSG_MODEL_CHUNK:
         return WIRE_ROLE_CLIENT;
     default:
         return 0;
@@ -297,6 +299,12 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     case FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ:
         broker_on_result(b, msg);
         break;
+    case FUSION__MSG_TYPE__MSG_MODEL_UPLOAD:
+        broker_on_model_upload(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_MODEL_CHUNK:
+        broker_on_model_chunk(b, msg);
+        break;
     case FUSION__MSG_TYPE__MSG_PEER_LIST_REQ:
         broker_on_peer_list(b, msg);
         break;
@@ -355,23 +363,34 @@ static void resume_jobs(broker_t *b)
 }
 
 /* The model cache over the ':'-separated roots. */
+/* The model roots: --model-root's, then the uploads directory (when uploads are on). */
 static fu_err models_new(broker_t *b, const char *roots, fu_errmsg *em)
 {
     char *copy = fu_strdup(roots ? roots : "");
     const char *list[BROKER_MODEL_ROOTS_MAX];
     size_t n = 0;
     fu_err rc = FU_OK;
+    char *up = b->cfg.upload_gib ? fu_path_join(b->data_dir, BROKER_UPLOAD_DIR) : NULL;
+    if (up && !(b->uploads = broker_uploads_new(up, (uint64_t)b->cfg.upload_gib << 30, em))) {
+        free(up);
+        free(copy);
+        return FU_EIO;
+    }
     for (char *save = NULL, *r = strtok_r(copy, ":", &save); r; r = strtok_r(NULL, ":", &save)) {
-        if (n == BROKER_MODEL_ROOTS_MAX) {
+        if (n == BROKER_MODEL_ROOTS_MAX - 1) {
             rc = fu_errmsg_set(em, FU_EINVAL, "--model-root names more than %d directories", BROKER_MODEL_ROOTS_MAX);
             break;
         }
         list[n++] = r;
     }
+    if (rc == FU_OK && n == 0)
+        FU_WARN(LOG, "no --model-root: this broker serves only models clients upload%s",
+                up ? "" : " (and takes no uploads: every job will be refused)");
+    if (up)
+        list[n++] = up;
     if (rc == FU_OK && !(b->models = broker_models_new(list, n, 0, em)))
         rc = FU_ENOTFOUND;
-    if (rc == FU_OK && n == 0)
-        FU_WARN(LOG, "no --model-root: this broker serves no models, and every job will be refused");
+    free(up);
     free(copy);
     return rc;
 }
@@ -523,6 +542,7 @@ void broker_destroy(broker_t **b_p)
     for (int i = 0; i < BROKER_VERIFY_SNAPS; i++)
         free(b->snaps[i].buf);
     broker_models_free(&b->models);
+    broker_uploads_free(&b->uploads);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);
     if (b->ctx)

@@ -44,6 +44,7 @@ extern "C" {
 #define BROKER_PREP_PER_CLIENT  8         /* ... of them from one client */
 #define BROKER_CLIENT_JOBS      64        /* default --max-jobs-per-client: unfinished jobs */
 #define BROKER_CLIENT_MIB       4096      /* default --max-mib-per-client: MiB of specs, tokens and results stored */
+#define BROKER_UPLOAD_GIB       64        /* default --upload-gib: GiB of models clients may upload */
 #define BROKER_CLIENT_PER_MIN   60        /* default --max-submits-per-minute */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
@@ -98,6 +99,7 @@ typedef struct {
     uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
     uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
                                   (profiles believed: only for a cluster of one's own machines) */
+    uint32_t upload_gib;       /* GiB of models clients may upload (fusion submit --upload) in all; 0: none */
     double grow_margin;        /* a job takes more stages (when planned, or from idle peers at a checkpoint)
                                   only when they make its predicted step time at least this much shorter
                                   (0.2: 20%); 0: every peer that lowers its slowest stage, and no growth */

@@ -14,6 +14,7 @@
 #include "broker_auth.h"
 #include "broker_models.h"
 #include "broker_quota.h"
+#include "broker_upload.h"
 #include "broker_worker.h"
 #include "dag_graph.h"
 #include "dag_partition.h"
@@ -264,6 +265,7 @@ struct broker {
     broker_job **jobs;                 /* queued and running jobs */
     size_t n_jobs, cap_jobs;
     broker_models *models;             /* the models served, by content id */
+    broker_uploads *uploads;           /* models clients upload; NULL: uploads off */
     broker_worker *worker;             /* job preparation off the loop */
     broker_quota *quota;               /* per-client submission rate and preparations */
     broker_auth *auth;                 /* failed enrolments by address, and bans */

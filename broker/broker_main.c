@@ -22,7 +22,7 @@ int main(int argc, char **argv)
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     long long challenge_ms = BROKER_CHALLENGE_MS;
-    long long client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
+    long long upload_gib = BROKER_UPLOAD_GIB, client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
     double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION, grow = BROKER_GROW_MARGIN;
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
@@ -42,6 +42,9 @@ int main(int argc, char **argv)
          "admit any key that presents the token in FILE as a client only (mode 0600; or set FUSION_CLIENT_TOKEN)"},
         {"model-root", 0, FU_OPT_STR, &model_roots, "DIR[:DIR...]",
          "serve the models under these directories (clients name a model by its path inside one)"},
+        {"upload-gib", 0, FU_OPT_INT, &upload_gib, "GIB",
+         "room for models clients upload (fusion submit --upload), kept under the data directory (default 64; 0: "
+         "no uploads)"},
         {"backups", 0, FU_OPT_INT, &backups, "N", "spare peers to keep warm per job (default 1)"},
         {"heartbeat-ms", 0, FU_OPT_INT, &heartbeat_ms, "MS", "heartbeat interval (default 1000)"},
         {"data-dir", 0, FU_OPT_STR, &data_dir, "DIR", "scratch files (default: the store's directory)"},
@@ -104,6 +107,10 @@ int main(int argc, char **argv)
                         "0..%d (0: derived)\n", BROKER_TIMEOUT_MAX_S, BROKER_TIMEOUT_MAX_S);
         return FU_EXIT_USAGE;
     }
+    if (upload_gib < 0 || upload_gib > (1 << 20)) {
+        fprintf(stderr, "fusion-broker: --upload-gib must be 0..1048576\n");
+        return FU_EXIT_USAGE;
+    }
     if (client_jobs < 1 || client_jobs > 1000000 || client_mib < 1 || client_mib > (1 << 24) || client_per_min < 1 ||
         client_per_min > 1000000) {
         fprintf(stderr, "fusion-broker: --max-jobs-per-client and --max-submits-per-minute must be 1..1000000, "
@@ -136,7 +143,8 @@ int main(int argc, char **argv)
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
                       .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min,
-                      .challenge_ms = (uint32_t)challenge_ms, .grow_margin = grow};
+                      .challenge_ms = (uint32_t)challenge_ms, .grow_margin = grow,
+                      .upload_gib = (uint32_t)upload_gib};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

@@ -6,6 +6,7 @@
 #include <sodium.h>
 
 #include "cli.h"
+#include "cli_upload.h"
 #include "fu_opts.h"
 
 typedef struct {
@@ -22,6 +23,8 @@ static const cli_subcommand subcommands[] = {
     {"run", "fine-tune (run finetune) or generate (run infer) in this process, no broker", cli_run_main,
      "Models and the DAG"},
     {"submit", "submit a finetune or infer job to a broker", cli_submit_main, "End to end: client CLI"},
+    {"upload", "send a model directory to the broker by content (only what it lacks)", cli_upload_main,
+     "End to end: client CLI"},
     {"status", "show one job, or all of yours", cli_status_main, "End to end: client CLI"},
     {"jobs", "list your jobs", cli_jobs_main, "End to end: client CLI"},
     {"wait", "follow a job until it ends, with a progress bar", cli_wait_main, "End to end: client CLI"},

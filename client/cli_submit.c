@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "cli_jobs.h"
+#include "cli_upload.h"
 #include "dag_spec.h"
 #include "fu_alloc.h"
 #include "fu_encode.h"
@@ -26,9 +27,21 @@ static const char *model_path(const char *dir)
     return realpath(dir, abs) ? abs : dir;
 }
 
-/* Sends the submission (retrying with the same key), prints the job id, optionally waits. */
-static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__JobKind kind, char *spec_txt,
-                             const uint8_t *data, size_t data_len, const char *idem, bool wait, bool quiet)
+/* The spec (dag_spec) as the broker will read it: the model path made absolute when it exists here. */
+static char *spec_json(dag_spec *spec)
+{
+    const char *model = model_path(spec->model);
+    size_t n = strlen(model);
+    if (model != spec->model && n < sizeof spec->model) /* else the path as given */
+        memcpy(spec->model, model, n + 1);
+    return dag_spec_to_json(spec);
+}
+
+/* Uploads the spec's model first when asked (the spec then names the broker's copy), sends the
+ * submission (retrying with the same key), prints the job id, optionally waits. */
+static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__JobKind kind, dag_spec *spec,
+                             bool upload, const uint8_t *data, size_t data_len, const char *idem, bool wait,
+                             bool quiet)
 {
     char key[33];
     if (!idem) {
@@ -39,10 +52,23 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
     }
     cli_conn_t *conn = NULL;
     int code = FU_EXIT_OK;
-    if (cli_conn_open(prog, co, &conn, &code) != FU_OK) {
-        free(spec_txt);
+    if (cli_conn_open(prog, co, &conn, &code) != FU_OK)
         return code;
+    char local[sizeof spec->model];
+    snprintf(local, sizeof local, "%s", spec->model);
+    if (upload) {
+        char name[CLI_UPLOAD_NAME_MAX] = "";
+        cli_upload_report rep;
+        if (cli_upload_model(conn, prog, spec->model, quiet, name, &rep, &code) != FU_OK) {
+            cli_conn_close(&conn);
+            return code;
+        }
+        if (!quiet)
+            fprintf(stderr, "model %s is %s on the broker (%u of %u chunks sent, %.1f MiB)\n", local, name, rep.sent,
+                    rep.chunks, (double)rep.bytes_sent / 1048576.0);
+        snprintf(spec->model, sizeof spec->model, "%s", name);
     }
+    char *spec_txt = upload ? dag_spec_to_json(spec) : spec_json(spec);
     Fusion__JobSubmit sub = FUSION__JOB_SUBMIT__INIT;
     sub.idempotency_key = (char *)idem;
     sub.kind = kind;
@@ -56,6 +82,9 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
         rc = cli_conn_call(conn, &h, &sub.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code);
     free(spec_txt);
     if (rc != FU_OK) {
+        if (code == FU_EXIT_NOTFOUND && !upload && fu_path_is_dir(local))
+            fprintf(stderr, "%s: '%s' is a model directory here: add --upload to send it to the broker\n", prog,
+                    local);
         cli_conn_close(&conn);
         return code;
     }
@@ -74,24 +103,15 @@ static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__
     return code;
 }
 
-/* The spec (dag_spec) as the broker will read it: the model path made absolute when it exists here. */
-static char *spec_json(dag_spec *spec)
-{
-    const char *model = model_path(spec->model);
-    size_t n = strlen(model);
-    if (model != spec->model && n < sizeof spec->model) /* else the path as given */
-        memcpy(spec->model, model, n + 1);
-    return dag_spec_to_json(spec);
-}
-
 static int submit_finetune(int argc, char **argv)
 {
     cli_conn_opts co = {0};
     const char *model = NULL, *data = NULL, *idem = NULL;
-    bool wait = false, quiet = false;
+    bool wait = false, quiet = false, upload = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 12] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "Hugging Face model directory, as the broker sees it"},
+        {"upload", 0, FU_OPT_FLAG, &upload, NULL, "send the model directory (here) to the broker first, by content"},
         {"data", 0, FU_OPT_STR, &data, "FILE", "training text (sent with the job)"},
         {"idempotency-key", 0, FU_OPT_STR, &idem, "KEY", "resubmitting with the same KEY returns the same job"},
         {"wait", 'w', FU_OPT_FLAG, &wait, NULL, "follow the job until it ends"},
@@ -121,8 +141,9 @@ static int submit_finetune(int argc, char **argv)
         fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
         return FU_EXIT_USAGE;
     }
-    code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, spec_json(&spec), (const uint8_t *)text,
+    code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, &spec, upload, (const uint8_t *)text,
                              text_len, idem, wait, quiet);
+    dag_spec_clear(&spec);
     free(text);
     return code;
 }
@@ -131,10 +152,11 @@ static int submit_infer(int argc, char **argv)
 {
     cli_conn_opts co = {0};
     const char *model = NULL, *adapter_job = NULL, *prompt = NULL, *idem = NULL;
-    bool wait = false, quiet = false, dump_logits = false;
+    bool wait = false, quiet = false, dump_logits = false, upload = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 12] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "Hugging Face model directory, as the broker sees it"},
+        {"upload", 0, FU_OPT_FLAG, &upload, NULL, "send the model directory (here) to the broker first, by content"},
         {"adapter-job", 0, FU_OPT_STR, &adapter_job, "JOB", "use the adapter a finished fine-tune job made"},
         {"prompt", 0, FU_OPT_STR, &prompt, "TEXT", "prompt text"},
         {"dump-logits", 0, FU_OPT_FLAG, &dump_logits, NULL, "keep the prompt's logits in the job's result"},
@@ -164,10 +186,10 @@ static int submit_infer(int argc, char **argv)
     if (adapter_job)
         cli_job_id_format(aid, spec.adapter_job);
     spec.dump_logits = dump_logits;
-    char *j = spec_json(&spec);
-    dag_spec_clear(&spec);
-    return submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_INFER, j, (const uint8_t *)prompt,
+    code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_INFER, &spec, upload, (const uint8_t *)prompt,
                              prompt ? strlen(prompt) : 0, idem, wait, quiet);
+    dag_spec_clear(&spec);
+    return code;
 }
 
 int cli_submit_main(int argc, char **argv)

@@ -58,6 +58,9 @@ static const wire_type_info type_table[] = {
     T(MSG_LINK_PROBE, &fusion__link_probe__descriptor, true), /* up to 4 MiB of zeros */
     T(MSG_CHALLENGE, &fusion__challenge__descriptor, false),
     T(MSG_CHALLENGE_REPLY, &fusion__challenge_reply__descriptor, false), /* <= 8192 x 16 + 8 x 8192 x 4 bytes */
+    T(MSG_MODEL_UPLOAD, &fusion__model_upload__descriptor, true), /* a manifest: 34 bytes a chunk */
+    T(MSG_MODEL_CHUNK, &fusion__model_chunk__descriptor, true),   /* up to WIRE_UPLOAD_CHUNK bytes */
+    T(MSG_UPLOAD_STATUS, &fusion__upload_status__descriptor, false),
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

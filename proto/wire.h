@@ -41,6 +41,7 @@ extern "C" {
 #define WIRE_MAX_CONTROL_BYTES  (1u << 20)  /* body cap for types that carry no bulk bytes */
 #define WIRE_MAX_ROUTING_ID     255u        /* ZeroMQ's own limit on routing ids */
 #define WIRE_MAX_REPEATED       10000u      /* elements in any one repeated field */
+#define WIRE_UPLOAD_CHUNK       (4u << 20)  /* bytes of one chunk of an uploaded model (ModelChunk) */
 #define WIRE_MAX_DEPTH          4u          /* sub-message nesting the validator accepts */
 /* Unpacking a frame may allocate its size plus this much (protobuf-c expands repeated fields:
  * 1 MiB of empty sub-messages became 84 MiB of heap unbudgeted). */

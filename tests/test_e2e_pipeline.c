@@ -33,6 +33,7 @@
 #include "dag_model.h"
 #include "fu_clock.h"
 #include "fu_file.h"
+#include "fu_opts.h"
 #include "fu_safetensors.h"
 #include "testutil.h"
 
@@ -449,6 +450,41 @@ static void test_e2e_pipeline_int8_finetune(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* A model the broker does not have: `fusion submit` names it at once and says --upload; with
+ * --upload the directory goes over by content and the pipeline's adapter equals `fusion run`'s on
+ * the local copy; `fusion upload` of the same directory again sends nothing. */
+static void test_e2e_pipeline_upload_model(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-upload", TU_PEER_MEMORY_GB);
+    char *away = tu_dir_new("e2e-upload-client"); /* outside the broker's model roots */
+    char *out = NULL;
+    assert_int_equal(tu_sh(&out, "cp -r '%s/model' '%s/mine'", tu_cluster_dir(c), away), 0);
+    free(out);
+    const char *train = TU_TRAIN_ARGS " --steps 6";
+    int rc = tu_fusion(c, &out, "submit finetune --model '%s/mine' --data '%s' %s 2>&1", away, tu_cluster_data(c),
+                       train);
+    print_message("without --upload: exit %d: %s", rc, out);
+    assert_int_equal(rc, FU_EXIT_NOTFOUND);
+    assert_non_null(strstr(out, "not found under the broker's model roots"));
+    assert_non_null(strstr(out, "add --upload"));
+    free(out);
+    char id[17], mine[TU_PATH];
+    snprintf(mine, sizeof mine, "%s/mine", away);
+    tu_submit_finetune(c, id, mine, "--upload %s", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 2);
+    tu_assert_identical_adapter(c, id, mine, train, 1);
+    assert_int_equal(tu_fusion(c, &out, "upload '%s' 2>&1", mine), 0);
+    print_message("again: %s", out);
+    assert_non_null(strstr(out, "u-"));
+    assert_non_null(strstr(out, "sent 0 of"));
+    free(out);
+    tu_dir_remove(away);
+    free(away);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -613,6 +649,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_qwen3_shape, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_jsonl_prompt_completion, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_int8_finetune, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_upload_model, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
