@@ -134,6 +134,9 @@ static const Fusion__MsgType all_types[] = {
     FUSION__MSG_TYPE__MSG_LINK_PROBE,
     FUSION__MSG_TYPE__MSG_CHALLENGE,
     FUSION__MSG_TYPE__MSG_CHALLENGE_REPLY,
+    FUSION__MSG_TYPE__MSG_MODEL_UPLOAD,
+    FUSION__MSG_TYPE__MSG_MODEL_CHUNK,
+    FUSION__MSG_TYPE__MSG_UPLOAD_STATUS,
 };
 #define N_ALL (sizeof all_types / sizeof all_types[0])
 
