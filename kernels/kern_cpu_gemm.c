@@ -176,9 +176,33 @@ void kern_cpu_sgemm_wn(bool ta, bool tb, int m, int n, int k, float alpha, const
         }
         return;
     }
-    /* The tiles of kern_cpu_sgemm, the same BLAS call each; a thread takes a column of tiles, so each
-     * tile of B is widened once whatever m is. */
+    /* The tiles of kern_cpu_sgemm, the same BLAS call each; each tile of B is widened once whatever m
+     * is (narrower slices of B would change OpenBLAS's bits, and with them the equality with the f32
+     * path). With at least a row of tiles per thread, the threads widen each column of tiles together
+     * into one shared buffer and then share its row tiles (balanced when n has few tiles: 768 columns
+     * are a 512 and a 256 tile); with fewer, each thread takes whole columns of tiles. */
     const int64_t tm = (m + KERN_GEMM_TILE_M - 1) / KERN_GEMM_TILE_M, tn = (n + KERN_GEMM_TILE_N - 1) / KERN_GEMM_TILE_N;
+    const int nt_rows = gemm_threads((double)m * n * k, tm);
+    if (nt_rows > 1 && tm >= nt_rows) {
+        float *w = fu_malloc((size_t)KERN_GEMM_TILE_N * (size_t)k * sizeof *w); /* the shared widened tile */
+#pragma omp parallel num_threads(nt_rows)
+        for (int64_t jt = 0; jt < tn; jt++) {
+            const int j0 = (int)jt * KERN_GEMM_TILE_N, nj = n - j0 < KERN_GEMM_TILE_N ? n - j0 : KERN_GEMM_TILE_N;
+            const int64_t rows = tb ? nj : k, cols = tb ? k : nj; /* the block of B as stored */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                kern_cpu_widen_row(B, tb ? j0 + r : r, tb ? 0 : j0, cols, w + r * cols);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < tm; it++) {
+                int i0 = (int)it * KERN_GEMM_TILE_M, mi = m - i0 < KERN_GEMM_TILE_M ? m - i0 : KERN_GEMM_TILE_M;
+                const float *a = ta ? A + i0 : A + (int64_t)i0 * lda;
+                cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, mi, nj, k,
+                            alpha, a, lda, w, tb ? k : nj, beta, C + (int64_t)i0 * ldc + j0, ldc);
+            } /* the implied barrier: w is free for the next column */
+        }
+        free(w);
+        return;
+    }
     const int nt = gemm_threads((double)m * n * k, tn);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -186,9 +210,7 @@ void kern_cpu_sgemm_wn(bool ta, bool tb, int m, int n, int k, float alpha, const
 #pragma omp for schedule(dynamic, 1)
         for (int64_t jt = 0; jt < tn; jt++) {
             int j0 = (int)jt * KERN_GEMM_TILE_N, nj = n - j0 < KERN_GEMM_TILE_N ? n - j0 : KERN_GEMM_TILE_N;
-            /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.., widened (narrower slices
-             * would change OpenBLAS's bits, and with them the equality with the f32 path) */
-            if (tb)
+            if (tb) /* op(B)'s columns j0..: B's rows j0.. (tb) or its columns j0.. */
                 widen_block(B, j0, 0, nj, k, w);
             else
                 widen_block(B, 0, j0, k, nj, w);

@@ -131,8 +131,8 @@ static void send_chunk(tu_client *cl, const mem_model *m, uint32_t index, bool s
     Fusion__ModelChunk mc = FUSION__MODEL_CHUNK__INIT;
     mc.index = index;
     if (!stub) {
-        const uint8_t *d;
-        size_t len;
+        const uint8_t *d = NULL;
+        size_t len = 0;
         chunk_of(m, index, &d, &len);
         mc.data.data = (uint8_t *)d;
         mc.data.len = len;
@@ -234,8 +234,8 @@ static void test_upload_attacks_refused(void **state)
     uint32_t first = s->missing[0], n = s->chunks;
     wire_msg_destroy(&r);
     /* bytes that are not the chunk's */
-    const uint8_t *d;
-    size_t len;
+    const uint8_t *d = NULL;
+    size_t len = 0;
     chunk_of(&m, first, &d, &len);
     uint8_t *bad = malloc(len);
     memcpy(bad, d, len);

@@ -684,15 +684,17 @@ static void test_kern_ops_threads_match_serial(void **state)
 
 /* A frozen narrow weight as B (bf16, f16 and per-row int8, the CPU's weight_dtypes): the product
  * has exactly the bits of the same product on B widened to f32 first, on every path kern_cpu_sgemm
- * takes (decode gemv over several blocks, tiles, B transposed or not), on 1 and 3 threads. An int8
- * weight without row scales, and a gradient for a narrow weight, are refused. */
+ * takes (decode gemv over several blocks, tiles shared by rows or by columns, B transposed or not), on
+ * 1 and 3 threads. An int8 weight without row scales, and a gradient for a narrow weight, are
+ * refused. */
 static void test_kern_ops_gemm_narrow_weight_equals_widened(void **state)
 {
     (void)state;
     static const struct {
         int m, n, k;
         bool tb;
-    } shapes[] = {{1, 1100, 300, true}, {300, 600, 70, true}, {5, 3, 40, false}, {1, 700, 130, false}, {260, 520, 33, false}};
+    } shapes[] = {{1, 1100, 300, true},  {300, 600, 70, true},   {5, 3, 40, false},     {1, 700, 130, false},
+                  {260, 520, 33, false}, {200, 1100, 300, true}, {600, 768, 200, false}};
     static const kern_dtype dts[] = {KERN_BF16, KERN_F16, KERN_I8};
     for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
