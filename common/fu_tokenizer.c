@@ -215,6 +215,7 @@ void fu_tokenizer_destroy(fu_tokenizer **tok_p)
         free(t->norm[i].b);
     }
     free(t->dec_from);
+    free(t->ms_rep);
     free(t->dec_to);
     free(t);
 }

@@ -365,14 +365,40 @@ static void normalize(const fu_tokenizer *t, const uint8_t *s, size_t n, uint8_t
     *out_n = len;
 }
 
-/* Encodes a stretch of text with no added tokens in it. */
-static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, idvec *out, bpe_work *w,
+/* A Metaspace pre-tokenizer over s[0..n): spaces replaced by ms_rep, which is prepended (unless s
+ * starts with it) always, or only to the stretch at the start of the input (first). A new buffer. */
+static uint8_t *metaspace(const fu_tokenizer *t, const uint8_t *s, size_t *n, bool first)
+{
+    size_t spaces = 0;
+    for (size_t i = 0; i < *n; i++)
+        spaces += s[i] == ' ';
+    uint8_t *o = fu_malloc(*n + (spaces + 1) * t->ms_rep_len + 1);
+    size_t k = 0;
+    for (size_t i = 0; i < *n; i++)
+        if (s[i] == ' ')
+            memcpy(o + k, t->ms_rep, t->ms_rep_len), k += t->ms_rep_len;
+        else
+            o[k++] = s[i];
+    bool starts = k >= t->ms_rep_len && memcmp(o, t->ms_rep, t->ms_rep_len) == 0;
+    if (!starts && (t->ms_prepend == MS_ALWAYS || (t->ms_prepend == MS_FIRST && first))) {
+        memmove(o + t->ms_rep_len, o, k);
+        memcpy(o, t->ms_rep, t->ms_rep_len);
+        k += t->ms_rep_len;
+    }
+    *n = k;
+    return o;
+}
+
+/* Encodes a stretch of text with no added tokens in it; first: it starts the input. */
+static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, bool first, idvec *out, bpe_work *w,
                              fu_errmsg *em)
 {
-    uint8_t *normed = NULL;
+    uint8_t *normed = NULL, *ms = NULL;
     normalize(t, s, n, &normed, &n);
     if (normed)
         s = normed;
+    if (t->metaspace && n > 0)
+        s = ms = metaspace(t, s, &n, first);
     uint8_t *tmp = NULL;
     if (t->add_prefix_space && n && s[0] != ' ') {
         tmp = fu_malloc(n + 1);
@@ -391,6 +417,7 @@ static fu_err encode_segment(const fu_tokenizer *t, const uint8_t *s, size_t n, 
         i += len;
     }
     free(tmp);
+    free(ms);
     free(normed);
     return rc;
 }
@@ -434,13 +461,13 @@ fu_err fu_tokenizer_encode(const fu_tokenizer *t, const char *text, size_t len, 
             i++;
             continue;
         }
-        rc = encode_segment(t, s + seg, i - seg, &out, &w, em);
+        rc = encode_segment(t, s + seg, i - seg, seg == 0, &out, &w, em);
         idvec_push(&out, hit->id);
         i += hit->len;
         seg = i;
     }
     if (rc == FU_OK)
-        rc = encode_segment(t, s + seg, len - seg, &out, &w, em);
+        rc = encode_segment(t, s + seg, len - seg, seg == 0, &out, &w, em);
     free(w.id);
     free(w.prev);
     free(w.next);

@@ -76,6 +76,7 @@ enum { SPLIT_NONE = 0, SPLIT_GPT2, SPLIT_LLAMA3, SPLIT_QWEN2 };
 /* One step of a normalizer Sequence (tokenizer.json "normalizer"), applied to each stretch of text
  * between added tokens. */
 enum { NORM_NFC = 1, NORM_PREPEND, NORM_REPLACE };
+enum { MS_NEVER = 0, MS_FIRST, MS_ALWAYS };
 #define FU_TOK_MAX_NORM 4
 
 typedef struct {
@@ -119,6 +120,12 @@ struct fu_tokenizer {
     size_t      n_norm;
     /* decoder Sequence of a SentencePiece tokenizer: Replace(dec_from -> dec_to), ByteFallback,
      * Fuse, Strip(strip_char, strip_start leading) */
+    /* a Metaspace pre-tokenizer (split false): spaces become ms_rep, which is prepended to the text
+     * between added tokens unless it starts with it: always, or only at the start of the input */
+    bool        metaspace;
+    int         ms_prepend;    /* MS_NEVER, MS_FIRST, MS_ALWAYS */
+    char       *ms_rep;
+    size_t      ms_rep_len;
     char       *dec_from, *dec_to;
     size_t      dec_from_len, dec_to_len;
     int         strip_start;

