@@ -624,8 +624,13 @@ fu_err broker_run(broker_t *b)
             while (read(pfd[0], buf, sizeof buf) > 0) {
             }
         }
-        if (items[2].revents & ZMQ_POLLIN)
-            broker_jobs_prepared(b);
+        if (items[2].revents & ZMQ_POLLIN) {
+            /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
+             * next one meanwhile; heartbeats are served between them (the eventfd stays readable). */
+            broker_task *t = broker_worker_take(b->worker);
+            if (t)
+                t->done(t, b);
+        }
         /* Drain what is queued, but give the timers a turn every so often. */
         for (int k = 0; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
             wire_msg_t *msg = NULL;

@@ -539,8 +539,6 @@ void broker_on_status(broker_t *b, const wire_msg_t *msg);
 void broker_on_list(broker_t *b, const wire_msg_t *msg);
 void broker_on_cancel(broker_t *b, const wire_msg_t *msg);
 void broker_on_result(broker_t *b, const wire_msg_t *msg);
-/* Stores and answers a submission the worker finished preparing (one per call). */
-void broker_jobs_prepared(broker_t *b);
 /* Loads an unfinished job from the store into the table (restart). */
 fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errmsg *em);
 /* adapter_config.json of a finished fine-tune (caller frees). */

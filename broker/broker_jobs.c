@@ -284,7 +284,9 @@ static bool within_quota(broker_t *b, const wire_msg_t *msg, const Fusion__JobSu
 }
 
 /* Checks what can be checked at once, then hands the submission to the worker (broker_prep.c):
- * the answer comes from broker_jobs_prepared. */
+ * the answer comes when the loop takes the task back (submit_done). */
+static void submit_done(broker_task *bt, void *loop);
+
 void broker_on_submit(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobSubmit *js = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_SUBMIT);
@@ -325,6 +327,7 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
         }
     }
     broker_submit_task *t = broker_submit_task_new(b->models, msg, kind, js, aj ? (const char *)aj->spec : NULL);
+    t->base.done = submit_done;
     db_job_free(&aj);
     if (!broker_worker_post(b->worker, &t->base)) {
         broker_quota_done(b->quota, owner);
@@ -396,15 +399,11 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
     db_job_free(&dj);
 }
 
-void broker_jobs_prepared(broker_t *b)
+static void submit_done(broker_task *bt, void *loop)
 {
-    /* One per turn of the loop: storing a job takes a commit, and the worker may finish the next
-     * one meanwhile; heartbeats are served between them (the eventfd stays readable). */
-    broker_submit_task *t = (broker_submit_task *)broker_worker_take(b->worker);
-    if (t) {
-        submit_finish(b, t);
-        broker_submit_task_free(&t);
-    }
+    broker_submit_task *t = (broker_submit_task *)bt;
+    submit_finish(loop, t);
+    broker_submit_task_free(&t);
 }
 
 void broker_on_status(broker_t *b, const wire_msg_t *msg)

@@ -49,6 +49,8 @@ typedef struct {
     uint8_t *got;                /* per chunk: written */
     uint64_t bytes;
     char *staging;               /* its directory */
+    bool committing;             /* its commit runs on the worker: nothing may change it */
+    char *failed;                /* why its commit failed (told at the client's next ModelUpload) */
 } pending;
 
 struct broker_uploads {
@@ -240,6 +242,7 @@ static void pending_clear(pending *p)
         fusion__model_upload__free_unpacked(p->man, NULL);
     free(p->chunks);
     free(p->got);
+    free(p->failed);
     memset(p, 0, sizeof *p);
 }
 
@@ -370,49 +373,130 @@ static void models_dir_name(const char *id, char out[2 * HASH_LEN + 3])
     snprintf(out, 2 * HASH_LEN + 3, "u-%s", id);
 }
 
-/* Makes the model of p: fsync, manifest, rename, index. */
-static fu_err commit(broker_uploads *u, pending *p, char model[2 * HASH_LEN + 3], fu_errmsg *em)
-{
-    for (size_t i = 0; i < p->man->n_files; i++) {
-        char *fp = fu_path_join(p->staging, p->man->files[i]->name);
-        int fd = open(fp, O_RDONLY | O_CLOEXEC);
-        int rc = fd < 0 ? -1 : fsync(fd);
-        if (fd >= 0)
-            close(fd);
-        free(fp);
-        if (rc != 0)
-            return fu_errmsg_set(em, FU_EIO, "cannot flush the upload's '%s': %s", p->man->files[i]->name,
-                                 strerror(errno));
-    }
-    size_t len = fusion__model_upload__get_packed_size(p->man);
-    uint8_t *buf = fu_malloc(len + 1);
-    fusion__model_upload__pack(p->man, buf);
-    char *mp = fu_path_join(p->staging, MANIFEST_FILE);
-    fu_err rc = fu_file_write_atomic(mp, buf, len, 0600, em);
-    free(mp);
-    free(buf);
-    FU_TRY(rc);
-    models_dir_name(p->id, model);
-    char *dst = fu_path_join(u->dir, model);
-    if (rename(p->staging, dst) != 0) {
-        rc = fu_errmsg_set(em, FU_EIO, "cannot make the model '%s': %s", dst, strerror(errno));
-        free(dst);
-        return rc;
-    }
-    index_add(u, dst, p->man);
-    FU_INFO(LOG, "client %.12s uploaded model %s (%.1f MiB)", p->owner, model, (double)p->bytes / 1048576.0);
-    free(dst);
-    free(p->staging);
-    p->staging = NULL; /* renamed: nothing to remove */
-    pending_clear(p);
-    return FU_OK;
-}
-
 static Fusion__ErrorCode code_of(fu_err rc)
 {
     return rc == FU_EAGAIN ? FUSION__ERROR_CODE__ERR_BUSY
            : rc == FU_EIO ? FUSION__ERROR_CODE__ERR_INTERNAL
                           : FUSION__ERROR_CODE__ERR_INVALID;
+}
+
+/* A commit, on the broker's worker thread (fsyncing gigabytes must not hold the loop): the files
+ * flushed, the manifest written beside them, the directory renamed. The loop then indexes the
+ * model, clears the upload and answers (commit_done). Holds copies of all it needs. */
+typedef struct {
+    broker_task base;
+    char id[2 * HASH_LEN + 1];
+    char owner[DB_KEY_LEN + 1];
+    char *staging, *dst;
+    char **files;               /* the files' paths in staging */
+    size_t n_files;
+    uint8_t *manifest;          /* packed */
+    size_t manifest_len;
+    uint32_t chunks;
+    fu_err rc;
+    fu_errmsg em;
+} commit_task;
+
+static void commit_free(commit_task *t)
+{
+    for (size_t i = 0; i < t->n_files; i++)
+        free(t->files[i]);
+    free(t->files);
+    free(t->staging);
+    free(t->dst);
+    free(t->manifest);
+    free(t);
+}
+
+static void commit_run(broker_task *bt)
+{
+    commit_task *t = (commit_task *)bt;
+    for (size_t i = 0; i < t->n_files; i++) {
+        int fd = open(t->files[i], O_RDONLY | O_CLOEXEC);
+        int rc = fd < 0 ? -1 : fsync(fd);
+        int err = errno;
+        if (fd >= 0)
+            close(fd);
+        if (rc != 0) {
+            t->rc = fu_errmsg_set(&t->em, FU_EIO, "cannot flush the upload's '%s': %s", fu_path_base(t->files[i]),
+                                  strerror(err));
+            return;
+        }
+    }
+    char *mp = fu_path_join(t->staging, MANIFEST_FILE);
+    t->rc = fu_file_write_atomic(mp, t->manifest, t->manifest_len, 0600, &t->em);
+    free(mp);
+    if (t->rc == FU_OK && rename(t->staging, t->dst) != 0)
+        t->rc = fu_errmsg_set(&t->em, FU_EIO, "cannot make the model '%s': %s", t->dst, strerror(errno));
+}
+
+static void commit_drop(broker_task *bt)
+{
+    commit_free((commit_task *)bt); /* shutting down: a staging directory left is removed at the next start */
+}
+
+static void commit_done(broker_task *bt, void *loop)
+{
+    commit_task *t = (commit_task *)bt;
+    broker_t *b = loop;
+    broker_uploads *u = b->uploads;
+    pending *p = NULL;
+    for (size_t i = 0; i < BROKER_UPLOAD_PENDING && !p; i++)
+        if (u->pend[i].committing && strcmp(u->pend[i].id, t->id) == 0 && strcmp(u->pend[i].owner, t->owner) == 0)
+            p = &u->pend[i];
+    if (t->rc != FU_OK) {
+        FU_WARN(LOG, "upload %s: %s", t->id, t->em.msg);
+        if (p) { /* the client hears it when it asks next */
+            p->committing = false;
+            free(p->failed);
+            p->failed = fu_strdup(t->em.msg);
+        }
+        commit_free(t);
+        return;
+    }
+    Fusion__ModelUpload *m = fusion__model_upload__unpack(NULL, t->manifest_len, t->manifest);
+    if (m) {
+        index_add(u, t->dst, m);
+        fusion__model_upload__free_unpacked(m, NULL);
+    }
+    FU_INFO(LOG, "client %.12s uploaded model %s (%.1f MiB)", t->owner, fu_path_base(t->dst),
+            p ? (double)p->bytes / 1048576.0 : 0.0);
+    if (p) {
+        free(p->staging);
+        p->staging = NULL; /* renamed: nothing to remove */
+        pending_clear(p);
+    }
+    commit_free(t);
+}
+
+/* Posts the commit of p to the worker (p stays, marked committing, until commit_done). */
+static fu_err commit_post(broker_t *b, pending *p, fu_errmsg *em)
+{
+    broker_uploads *u = b->uploads;
+    commit_task *t = fu_calloc(1, sizeof *t);
+    t->base.run = commit_run;
+    t->base.done = commit_done;
+    t->base.drop = commit_drop;
+    snprintf(t->id, sizeof t->id, "%s", p->id);
+    snprintf(t->owner, sizeof t->owner, "%s", p->owner);
+    t->staging = fu_strdup(p->staging);
+    char model[2 * HASH_LEN + 3];
+    models_dir_name(p->id, model);
+    t->dst = fu_path_join(u->dir, model);
+    t->n_files = p->man->n_files;
+    t->files = fu_calloc(t->n_files + 1, sizeof *t->files);
+    for (size_t i = 0; i < t->n_files; i++)
+        t->files[i] = fu_path_join(p->staging, p->man->files[i]->name);
+    t->manifest_len = fusion__model_upload__get_packed_size(p->man);
+    t->manifest = fu_malloc(t->manifest_len + 1);
+    fusion__model_upload__pack(p->man, t->manifest);
+    t->chunks = p->n_chunks;
+    if (!broker_worker_post(b->worker, &t->base)) {
+        commit_free(t);
+        return fu_errmsg_set(em, FU_EAGAIN, "the broker is busy; commit again in a moment");
+    }
+    p->committing = true;
+    return FU_OK;
 }
 
 void broker_on_model_upload(broker_t *b, const wire_msg_t *msg)
@@ -444,6 +528,16 @@ void broker_on_model_upload(broker_t *b, const wire_msg_t *msg)
     free(done);
     const char *owner = wire_msg_user_id(msg);
     pending *p = pending_of(u, owner);
+    if (p && p->committing) { /* nothing to send, no name yet: the client asks again */
+        answer(b, msg, NULL, NULL, chunks);
+        return;
+    }
+    if (p && p->failed && strcmp(p->id, id) == 0) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker could not make the model: %s",
+                           p->failed);
+        pending_clear(p);
+        return;
+    }
     if (there) { /* the same model, uploaded before */
         if (p && strcmp(p->id, id) == 0)
             pending_clear(p);
@@ -480,14 +574,11 @@ void broker_on_model_upload(broker_t *b, const wire_msg_t *msg)
             return;
         }
         fu_errmsg em = {{0}};
-        fu_err rc = commit(u, p, model, &em);
-        if (rc != FU_OK) {
-            FU_WARN(LOG, "upload %s: %s", id, em.msg);
+        fu_err rc = commit_post(b, p, &em); /* the client asks until the model is named */
+        if (rc != FU_OK)
             broker_reply_error(b, msg, code_of(rc), "%s", em.msg);
-            pending_clear(p);
-            return;
-        }
-        answer(b, msg, NULL, model, chunks);
+        else
+            answer(b, msg, NULL, NULL, chunks);
         return;
     }
     answer(b, msg, p, NULL, chunks);
@@ -521,6 +612,10 @@ void broker_on_model_chunk(broker_t *b, const wire_msg_t *msg)
     if (!p) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "no upload of yours is in progress: announce the model first (ModelUpload)");
+        return;
+    }
+    if (p->committing) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY, "your upload is being committed");
         return;
     }
     if (mc->index >= p->n_chunks) {

@@ -3,8 +3,9 @@
  * posts a task, goes on answering heartbeats, and takes the task back when its wake fd is readable.
  *
  * A task is the caller's struct with a broker_task first: run() is called on the worker thread and
- * must touch nothing the loop owns; drop() frees a task that will never come back (the worker is
- * freed first). Tasks run one at a time, in the order posted. */
+ * must touch nothing the loop owns; done() is called on the loop when it takes the task back (it
+ * finishes the work there and frees the task); drop() frees a task that will never come back (the
+ * worker is freed first). Tasks run one at a time, in the order posted. */
 #ifndef FU_BROKER_WORKER_H
 #define FU_BROKER_WORKER_H
 
@@ -16,6 +17,7 @@
 typedef struct broker_task broker_task;
 struct broker_task {
     void (*run)(broker_task *t);       /* on the worker thread */
+    void (*done)(broker_task *t, void *loop); /* on the loop, with its state (the broker): finishes, frees */
     void (*drop)(broker_task *t);      /* frees a task never taken back */
     broker_task *next;                 /* the worker's */
 };

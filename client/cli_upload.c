@@ -17,6 +17,7 @@
 #include "fu_file.h"
 
 #define HASH_LEN 32
+#define CLI_UPLOAD_WAITS 6000 /* 100 ms apart: how long the broker's commit may take */
 
 /* The regular files of dir with plain names, sorted (the manifest's order). */
 static fu_err list_files(const char *prog, const char *dir, char ***names, size_t *n, int *exit_code)
@@ -134,8 +135,10 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
     uint64_t to_send = 0;
     uint32_t already = 0;
     bool tty = !quiet && isatty(STDERR_FILENO);
-    /* announce; send what is asked for; commit; until the broker names the model */
-    for (int round = 0; rc == FU_OK && round < 8; round++) {
+    /* announce; send what is asked for; commit; until the broker names the model (it flushes the
+     * files on its worker meanwhile: nothing to send, no name yet, ask again) */
+    int idle = 0, sends = 0;
+    for (int round = 0; rc == FU_OK && idle < CLI_UPLOAD_WAITS && sends < 16; round++) {
         mu.commit = round > 0;
         if ((rc = cli_conn_call(conn, &h, &mu.base, FUSION__MSG_TYPE__MSG_UPLOAD_STATUS, &m, exit_code)) != FU_OK)
             break;
@@ -151,6 +154,13 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
             already = nc > s->n_missing ? nc - (uint32_t)s->n_missing : 0;
         }
         size_t nm = s->n_missing, ncp = s->n_copy;
+        if (nm + ncp == 0 && round > 0) {
+            wire_msg_destroy(&m);
+            idle++;
+            usleep(100 * 1000);
+            continue;
+        }
+        sends++;
         uint32_t *todo = fu_malloc((nm + ncp + 1) * sizeof *todo);
         bool *stub = fu_malloc((nm + ncp + 1) * sizeof *stub);
         for (size_t i = 0; i < nm; i++)
@@ -195,7 +205,9 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
         free(stub);
     }
     if (rc == FU_OK && !name[0]) {
-        fprintf(stderr, "%s: the broker did not take the model after 8 rounds\n", prog);
+        fprintf(stderr, "%s: the broker did not name the uploaded model (it kept asking for chunks, or its commit "
+                        "took over %d s)\n",
+                prog, CLI_UPLOAD_WAITS / 10);
         *exit_code = FU_EXIT_FAIL;
         rc = FU_EPROTO;
     }

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <sodium.h>
@@ -162,12 +163,19 @@ static const char *upload(tu_client *cl, mem_model *m, uint32_t *sent, uint32_t 
     for (size_t i = 0; i < s->n_copy; i++, (*copied)++)
         send_chunk(cl, m, s->copy[i], true);
     wire_msg_destroy(&r);
-    r = announce(cl, &m->mu, true);
-    s = (const Fusion__UploadStatus *)wire_msg_body(r);
-    assert_true(s->model[0] != '\0');
-    snprintf(name, sizeof name, "%s", s->model);
-    wire_msg_destroy(&r);
-    return name;
+    for (int wait = 0; wait < 200; wait++) { /* the broker flushes the files on its worker: ask until named */
+        r = announce(cl, &m->mu, true);
+        s = (const Fusion__UploadStatus *)wire_msg_body(r);
+        assert_int_equal(s->n_missing + s->n_copy, 0);
+        bool named = s->model[0] != '\0';
+        snprintf(name, sizeof name, "%s", s->model);
+        wire_msg_destroy(&r);
+        if (named)
+            return name;
+        usleep(50 * 1000);
+    }
+    fail_msg("the upload was never named");
+    return NULL;
 }
 
 static void test_upload_then_submit_and_dedup(void **state)
