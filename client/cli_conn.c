@@ -195,8 +195,7 @@ static int error_exit_code(Fusion__ErrorCode code)
     }
 }
 
-fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, Fusion__MsgType want,
-                     wire_msg_t **reply, int *exit_code)
+fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code)
 {
     wire_hdr h = *hdr;
     h.sequence = ++c->sequence;
@@ -204,8 +203,14 @@ fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
     if (rc != FU_OK) {
         fprintf(stderr, "%s: cannot send to the broker at %s: %s\n", c->prog, c->endpoint, fu_strerror(rc));
         *exit_code = FU_EXIT_FAIL;
-        return rc;
     }
+    return rc;
+}
+
+fu_err cli_conn_call(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, Fusion__MsgType want,
+                     wire_msg_t **reply, int *exit_code)
+{
+    FU_TRY(cli_conn_send(c, hdr, body, exit_code));
     return cli_conn_recv(c, want, reply, exit_code);
 }
 

@@ -57,6 +57,9 @@ FU_MUST_CHECK fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, 
                                       const ProtobufCMessage *body, Fusion__MsgType want, wire_msg_t **reply,
                                       int *exit_code);
 
+/* Sends (hdr, body) without waiting: requests in flight are answered in order (cli_conn_recv each). */
+FU_MUST_CHECK fu_err cli_conn_send(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code);
+
 /* Waits for one more message of type `want` (a request answered with several, like result chunks),
  * with the same deadline, Error and refusal handling as cli_conn_call. */
 FU_MUST_CHECK fu_err cli_conn_recv(cli_conn_t *self, Fusion__MsgType want, wire_msg_t **reply, int *exit_code);

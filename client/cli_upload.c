@@ -18,6 +18,7 @@
 
 #define HASH_LEN 32
 #define CLI_UPLOAD_WAITS 6000 /* 100 ms apart: how long the broker's commit may take */
+#define CLI_UPLOAD_WINDOW 4   /* chunks in flight: a round trip per window, not per chunk */
 
 /* The regular files of dir with plain names, sorted (the manifest's order). */
 static fu_err list_files(const char *prog, const char *dir, char ***names, size_t *n, int *exit_code)
@@ -86,7 +87,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
     Fusion__UploadFile **fp = fu_calloc(n + 1, sizeof *fp);
     int *fds = fu_calloc(n + 1, sizeof *fds);
     chunk_at *at = NULL;
-    uint8_t *buf = fu_malloc(WIRE_UPLOAD_CHUNK);
+    uint8_t *buf = fu_malloc(WIRE_UPLOAD_CHUNK); /* wire_send copies it: reused at once */
     fu_err rc = FU_OK;
     uint32_t nc = 0;
     for (size_t i = 0; i < n; i++)
@@ -168,6 +169,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
         for (size_t i = 0; i < ncp; i++)
             todo[nm + i] = s->copy[i], stub[nm + i] = true;
         wire_msg_destroy(&m);
+        size_t in_flight = 0;
         for (size_t i = 0; i < nm + ncp && rc == FU_OK; i++) {
             uint32_t c = todo[i];
             if (c >= nc) {
@@ -189,9 +191,14 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
                 mc.data.len = at[c].len;
             }
             wire_hdr ch = {.type = FUSION__MSG_TYPE__MSG_MODEL_CHUNK};
-            if ((rc = cli_conn_call(conn, &ch, &mc.base, FUSION__MSG_TYPE__MSG_UPLOAD_STATUS, &m, exit_code)) != FU_OK)
+            if ((rc = cli_conn_send(conn, &ch, &mc.base, exit_code)) != FU_OK)
                 break;
-            wire_msg_destroy(&m);
+            if (++in_flight == CLI_UPLOAD_WINDOW) { /* one answer before the next chunk goes */
+                if ((rc = cli_conn_recv(conn, FUSION__MSG_TYPE__MSG_UPLOAD_STATUS, &m, exit_code)) != FU_OK)
+                    break;
+                wire_msg_destroy(&m);
+                in_flight--;
+            }
             if (stub[i]) {
                 rep->copied++;
             } else {
@@ -200,6 +207,10 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
             }
             if (tty)
                 progress(prog, rep, to_send, already, t0, false);
+        }
+        for (; rc == FU_OK && in_flight > 0; in_flight--) {
+            if ((rc = cli_conn_recv(conn, FUSION__MSG_TYPE__MSG_UPLOAD_STATUS, &m, exit_code)) == FU_OK)
+                wire_msg_destroy(&m);
         }
         free(todo);
         free(stub);
