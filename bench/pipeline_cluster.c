@@ -613,3 +613,54 @@ BENCH_CASE(pipeline_jobs)
     pb_stop(&c);
 }
 
+
+/* ---- uploading a model ------------------------------------------------------------------------- */
+
+/* `fusion upload` of the benchmark's model to a broker on loopback: the first upload (every chunk
+ * sent, four in flight), the same directory again (nothing sent), and a copy whose config.json
+ * changed (one chunk sent, the broker copies the rest from the first). */
+typedef struct {
+    double seconds, mib, mib_sent;
+    unsigned sent, chunks, copied;
+} pb_upload;
+
+static bool pb_upload_once(const tu_cluster *c, const char *dir, pb_upload *u)
+{
+    char *out = NULL;
+    double t0 = fu_clock_sec();
+    int rc = tu_fusion(c, &out, "upload '%s' 2>&1", dir);
+    u->seconds = fu_clock_sec() - t0;
+    const char *p = out ? strstr(out, ": sent ") : NULL;
+    bool ok = rc == 0 && p &&
+              sscanf(p, ": sent %u of %u chunks (%lf of %lf MiB), %u copied", &u->sent, &u->chunks, &u->mib_sent,
+                     &u->mib, &u->copied) == 5;
+    if (!ok)
+        fprintf(stderr, "bench-pipeline: fusion upload %s: exit %d: %s\n", dir, rc, out ? out : "");
+    free(out);
+    return ok;
+}
+
+BENCH_CASE(pipeline_upload)
+{
+    if (!pb_setup())
+        return;
+    tu_cluster *c = pb_start("bench-upload", 1, 0, 0);
+    char copy[TU_PATH + 16];
+    snprintf(copy, sizeof copy, "%s/model-copy", env.dir);
+    char *out = NULL;
+    pb_upload first, again, changed;
+    bool ok = pb_upload_once(c, env.model, &first) && pb_upload_once(c, env.model, &again) &&
+              tu_sh(&out, "rm -rf '%s' && cp -r '%s' '%s' && sed -i 's/\"rms_norm_eps\"/\"rms_norm_eps\" /' '%s/config.json'",
+                    copy, env.model, copy, copy) == 0 &&
+              pb_upload_once(c, copy, &changed);
+    free(out);
+    pb_stop(&c);
+    if (!ok)
+        return;
+    bench_emit("pipeline", "pipeline_upload",
+               "\"model_mib\":%.1f,\"chunks\":%u,\"first_s\":%.2f,\"first_mib_per_s\":%.1f,\"again_s\":%.2f,"
+               "\"again_chunks_sent\":%u,\"changed_config_s\":%.2f,\"changed_config_chunks_sent\":%u,"
+               "\"changed_config_chunks_copied\":%u",
+               first.mib, first.chunks, first.seconds, first.seconds > 0 ? first.mib_sent / first.seconds : 0,
+               again.seconds, again.sent, changed.seconds, changed.sent, changed.copied);
+}
