@@ -1,0 +1,11 @@
+# The link emulator (tests/linkemu/): home internet links between network namespaces for tests and
+# benchmarks (issue "Home links"). fusion-linkemu is the router between the namespaces (bandwidth,
+# one-way delay and jitter per access link, stalls); netprobe measures a link from its two ends.
+add_executable(fusion-linkemu ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/linkemu.c)
+target_link_libraries(fusion-linkemu PRIVATE m)
+add_executable(netprobe ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/netprobe.c)
+# Each condition's round trip and goodput within 10% of what was asked (needs root and /dev/net/tun).
+add_test(NAME test_linkemu_conditions COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/run.sh $<TARGET_FILE:fusion-linkemu>
+         $<TARGET_FILE:netprobe>)
+set_tests_properties(test_linkemu_conditions PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
+                     LABELS "netns;linkemu")
