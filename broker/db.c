@@ -23,7 +23,7 @@
 /* PRAGMA application_id of a fusion store ("FUS1"): tells our file from another SQLite database. */
 #define DB_APPLICATION_ID 0x46555331
 
-const char *const db_job_kind_names[] = {"finetune", "infer"};
+const char *const db_job_kind_names[] = {"finetune", "infer", "eval"};
 const char *const db_job_state_names[] = {"queued", "running", "done", "failed", "cancelled"};
 const char *const db_peer_state_names[] = {"active", "backup", "left", "dead"};
 const char *const db_stage_state_names[] = {"pending", "assigned", "lost", "released"};
@@ -109,6 +109,38 @@ static const char *const migrations[] = {
     "  hashes     BLOB NOT NULL CHECK (length(hashes) % 32 = 0),"
     "  used_ms    INTEGER NOT NULL"
     ") STRICT;",
+    /* 4 → 5: eval jobs. SQLite cannot change a CHECK in place: the table is made again (SQLite's
+     * "12 steps"; migrate() turns foreign keys off around it, so the stages and checkpoints that
+     * reference jobs stay, and checks them before the commit). */
+    "CREATE TABLE jobs_v5 ("
+    "  id           TEXT PRIMARY KEY NOT NULL CHECK (length(id) = 16),"
+    "  owner        TEXT NOT NULL CHECK (length(owner) = 40),"
+    "  idem_key     TEXT CHECK (idem_key IS NULL OR length(idem_key) BETWEEN 1 AND 128),"
+    "  kind         TEXT NOT NULL CHECK (kind IN ('finetune','infer','eval')),"
+    "  spec         BLOB NOT NULL,"
+    "  state        TEXT NOT NULL CHECK (state IN ('queued','running','done','failed','cancelled')),"
+    "  step         INTEGER NOT NULL DEFAULT 0 CHECK (step >= 0),"
+    "  total_steps  INTEGER NOT NULL DEFAULT 0 CHECK (total_steps >= 0),"
+    "  loss         REAL,"
+    "  tokens_per_s REAL NOT NULL DEFAULT 0,"
+    "  reason       TEXT,"
+    "  result       BLOB,"
+    "  result_path  TEXT,"
+    "  result_hash  TEXT CHECK (result_hash IS NULL OR length(result_hash) = 64),"
+    "  created_ms   INTEGER NOT NULL,"
+    "  updated_ms   INTEGER NOT NULL,"
+    "  retries      INTEGER NOT NULL DEFAULT 0 CHECK (retries >= 0),"
+    "  model_id     TEXT CHECK (model_id IS NULL OR length(model_id) = 66),"
+    "  UNIQUE (owner, idem_key)"
+    ") STRICT;"
+    "INSERT INTO jobs_v5 (id, owner, idem_key, kind, spec, state, step, total_steps, loss, tokens_per_s, reason,"
+    "  result, result_path, result_hash, created_ms, updated_ms, retries, model_id)"
+    "  SELECT id, owner, idem_key, kind, spec, state, step, total_steps, loss, tokens_per_s, reason, result,"
+    "  result_path, result_hash, created_ms, updated_ms, retries, model_id FROM jobs;"
+    "DROP TABLE jobs;"
+    "ALTER TABLE jobs_v5 RENAME TO jobs;"
+    "CREATE INDEX jobs_by_owner ON jobs(owner, created_ms);"
+    "CREATE INDEX jobs_by_state ON jobs(state, created_ms);",
 };
 _Static_assert(sizeof migrations / sizeof migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");
@@ -558,7 +590,35 @@ static fu_err check_ours(db_t *db, int64_t app_id, int64_t version)
     return FU_OK;
 }
 
+static fu_err migrate_steps(db_t *db);
+
+/* Migrates with foreign keys off (a migration may make a referenced table again; PRAGMA
+ * foreign_keys is a no-op inside a transaction), on again after. */
 static fu_err migrate(db_t *db)
+{
+    FU_TRY(exec_sql(db, "PRAGMA foreign_keys = OFF", "migrating the schema"));
+    fu_err rc = migrate_steps(db);
+    fu_err on = exec_sql(db, "PRAGMA foreign_keys = ON", "migrating the schema");
+    return rc != FU_OK ? rc : on;
+}
+
+/* Whether the references hold after a migration: no row of PRAGMA foreign_key_check. */
+static fu_err foreign_keys_hold(db_t *db)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(db->conn, "PRAGMA foreign_key_check", -1, &st, NULL);
+    if (rc != SQLITE_OK)
+        return db_sqlerr(db, rc, "checking foreign keys");
+    rc = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (rc == SQLITE_ROW) {
+        FU_ERROR(DB_LOG, "%s: a migration broke a reference between tables (PRAGMA foreign_key_check)", db->path);
+        return FU_EPROTO;
+    }
+    return rc == SQLITE_DONE ? FU_OK : db_sqlerr(db, rc, "checking foreign keys");
+}
+
+static fu_err migrate_steps(db_t *db)
 {
     for (;;) {
         FU_TRY(db_begin(db));
@@ -583,7 +643,7 @@ static fu_err migrate(db_t *db)
             err = check_ours(db, app, v);
         if (err != FU_OK)
             goto fail;
-        if ((err = exec_sql(db, migrations[v], "migrating the schema")) != FU_OK)
+        if ((err = exec_sql(db, migrations[v], "migrating the schema")) != FU_OK || (err = foreign_keys_hold(db)) != FU_OK)
             goto fail;
         char sql[96];
         snprintf(sql, sizeof sql, "PRAGMA user_version = %lld; PRAGMA application_id = %d", (long long)v + 1,

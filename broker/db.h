@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     4          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     5          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -64,7 +64,7 @@ typedef struct {
                                 store is FU_EPROTO either way) */
 } db_options;
 
-typedef enum { DB_JOB_FINETUNE = 0, DB_JOB_INFER } db_job_kind;
+typedef enum { DB_JOB_FINETUNE = 0, DB_JOB_INFER, DB_JOB_EVAL } db_job_kind;
 
 /* Allowed transitions: queued → running | failed | cancelled; running → queued (a retry: the
  * retry count goes up) | done | failed | cancelled. done, failed and cancelled are final. */
@@ -87,7 +87,7 @@ typedef struct {
     char          id[DB_JOB_ID_LEN + 1];   /* 16 hex chars */
     char          owner[DB_KEY_LEN + 1];   /* the submitter's public key (Z85) */
     char         *idem_key;                /* idempotency key, or NULL when none was given */
-    db_job_kind   kind;                    /* finetune or infer */
+    db_job_kind   kind;                    /* finetune, infer or eval */
     db_job_state  state;                   /* where it is in its life */
     uint8_t      *spec;                    /* the job spec as submitted (NULL in list results) */
     size_t        spec_len;                /* its length (set in list results too) */
@@ -162,7 +162,7 @@ typedef struct {
 } db_event;
 
 /* ---- names ---- */
-const char *db_job_kind_name(db_job_kind k);     /* "finetune", "infer"; "?" when out of range */
+const char *db_job_kind_name(db_job_kind k);     /* "finetune", "infer", "eval"; "?" when out of range */
 const char *db_job_state_name(db_job_state s);   /* "queued", ... */
 const char *db_peer_state_name(db_peer_state s); /* "active", "backup", "left", "dead" */
 const char *db_stage_state_name(db_stage_state s);

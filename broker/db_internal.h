@@ -95,7 +95,7 @@ extern const char *const db_job_state_names[];  /* indexed by db_job_state */
 extern const char *const db_peer_state_names[]; /* indexed by db_peer_state */
 extern const char *const db_stage_state_names[];
 
-#define DB_N_KINDS        2
+#define DB_N_KINDS        3
 #define DB_N_JOB_STATES   5
 #define DB_N_PEER_STATES  4
 #define DB_N_STAGE_STATES 4

@@ -17,6 +17,7 @@ typedef enum { F_U32, F_U64, F_DBL } ftype;
 
 #define KF (1u << DAG_JOB_FINETUNE) /* a field of fine-tuning specs */
 #define KI (1u << DAG_JOB_INFER)    /* a field of inference specs */
+#define KE (1u << DAG_JOB_EVAL)     /* a field of eval specs */
 #define PL (1u << 8)                /* its option only with DAG_SPEC_CLI_PIPELINE */
 
 /* Every numeric field: key, option, type, place, limits, default, kinds, --help. */
@@ -39,14 +40,15 @@ static const field FIELDS[] = {
     {"lr", "lr", F_DBL, OFF(lr), 1e-12, 10, 1e-3, KF, "LR", "AdamW learning rate (default 1e-3)"},
     {"weight_decay", "weight-decay", F_DBL, OFF(weight_decay), 0, 10, 0, KF, "W",
      "AdamW decoupled weight decay (default 0)"},
-    {"steps", "steps", F_U64, OFF(steps), 1, 1e9, 100, KF, "N", "optimizer steps (default 100)"},
-    {"batch", "batch", F_U32, OFF(batch), 1, 65536, 4, KF, "B", "sequences per step (default 4)"},
-    {"seq_len", "seq-len", F_U32, OFF(seq_len), 1, DAG_SPEC_MAX_ROWS, 128, KF, "T", "tokens per sequence (default 128)"},
-    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 1, DAG_EXEC_MAX_SLOTS, 1, KF, "M",
+    {"steps", "steps", F_U64, OFF(steps), 1, 1e9, 100, KF | KE, "N", "optimizer steps (default 100)"},
+    {"batch", "batch", F_U32, OFF(batch), 1, 65536, 4, KF | KE, "B", "sequences per step (default 4)"},
+    {"seq_len", "seq-len", F_U32, OFF(seq_len), 1, DAG_SPEC_MAX_ROWS, 128, KF | KE, "T",
+     "tokens per sequence (default 128)"},
+    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 1, DAG_EXEC_MAX_SLOTS, 1, KF | KE, "M",
      "micro-batches per step, dividing B (default 1)"},
     {"checkpoint_every", "checkpoint-every", F_U64, OFF(checkpoint_every), 1, 1e9, 10, KF | PL, "K",
      "checkpoint every K steps (default 10)"},
-    {"heldout", "heldout", F_DBL, OFF(heldout), 0, 0.5, 0, KF, "F",
+    {"heldout", "heldout", F_DBL, OFF(heldout), 0, 0.5, 0, KF | KE, "F",
      "fraction of the data kept out of training for `fusion eval` (the last examples; default 0)"},
     {"verify", "verify", F_DBL, OFF(verify), 0, 1, -1, KF | PL, "F",
      "fraction 0..1 of micro-batches the broker re-runs on a second peer (default: the broker's --verify)"},
@@ -66,7 +68,9 @@ static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shu
 static const char *const IN_KEYS[] = {"kind",          "model",        "adapter_job", "dump_logits",
                                       "prompt_tokens", "trusted_ends", "byte_tokens"};
 
-static const char *const KIND_NAMES[] = {"finetune", "infer"};
+static const char *const EV_KEYS[] = {"kind", "model", "adapter_job", "trusted_ends", "byte_tokens"};
+
+static const char *const KIND_NAMES[] = {"finetune", "infer", "eval"};
 
 static double get(const dag_spec *s, const field *f)
 {
@@ -99,7 +103,7 @@ static void set(dag_spec *s, const field *f, double v)
 void dag_spec_init(dag_spec *s, dag_job_kind kind)
 {
     memset(s, 0, sizeof *s);
-    s->kind = kind == DAG_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE;
+    s->kind = kind == DAG_JOB_INFER || kind == DAG_JOB_EVAL ? kind : DAG_JOB_FINETUNE;
     s->method = DAG_ADAPTER_LORA_FA;
     s->trusted_ends = -1;
     for (size_t i = 0; i < N_FIELDS; i++)
@@ -148,8 +152,8 @@ static bool job_id_ok(const char *id)
 
 fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
 {
-    if (!s || (s->kind != DAG_JOB_FINETUNE && s->kind != DAG_JOB_INFER))
-        return fu_errmsg_set(em, FU_EINVAL, "spec: \"kind\" must be \"finetune\" or \"infer\"");
+    if (!s || (s->kind != DAG_JOB_FINETUNE && s->kind != DAG_JOB_INFER && s->kind != DAG_JOB_EVAL))
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"kind\" must be \"finetune\", \"infer\" or \"eval\"");
     unsigned k = 1u << s->kind;
     for (size_t i = 0; i < N_FIELDS; i++) {
         const field *f = &FIELDS[i];
@@ -159,7 +163,16 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
         if ((f->kinds & k) && !(f->def < 0 && v == f->def)) /* a negative default means "unset" */
             FU_TRY(check_value(f, v, name, em));
     }
-    if (s->kind == DAG_JOB_FINETUNE) {
+    if (s->kind == DAG_JOB_EVAL) {
+        if (!job_id_ok(s->adapter_job))
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
+        if (s->batch % s->micro_batches != 0)
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)",
+                                 s->micro_batches, s->batch);
+        if ((uint64_t)s->batch * s->seq_len > DAG_SPEC_MAX_ROWS)
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"batch\" x \"seq_len\" must be at most %u tokens",
+                                 DAG_SPEC_MAX_ROWS);
+    } else if (s->kind == DAG_JOB_FINETUNE) {
         if (s->method == DAG_ADAPTER_NONE || (unsigned)s->method > DAG_ADAPTER_SALR)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"method\" must be \"lora-fa\", \"lora\" or \"salr\"");
         if (s->targets & ~(uint32_t)DAG_TARGETS_ALL)
@@ -263,6 +276,13 @@ static fu_err parse_string_keys(const cJSON *o, dag_spec *s, fu_errmsg *em)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
         snprintf(s->adapter_job, sizeof s->adapter_job, "%s", v->valuestring);
     }
+    if (s->kind == DAG_JOB_EVAL)
+        return FU_OK;
+    if ((v = cJSON_GetObjectItemCaseSensitive(o, "adapter_job"))) {
+        if (!cJSON_IsString(v) || !job_id_ok(v->valuestring))
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
+        snprintf(s->adapter_job, sizeof s->adapter_job, "%s", v->valuestring);
+    }
     if ((v = cJSON_GetObjectItemCaseSensitive(o, "dump_logits"))) {
         if (!cJSON_IsBool(v))
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"dump_logits\" must be true or false");
@@ -303,11 +323,13 @@ fu_err dag_spec_parse(const char *json, size_t len, dag_job_kind kind, dag_spec 
     const cJSON *k = cJSON_GetObjectItemCaseSensitive(o, "kind");
     dag_job_kind said = DAG_JOB_ANY;
     if (k) {
-        if (!cJSON_IsString(k) || !in(k->valuestring, KIND_NAMES, 2)) {
-            rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"kind\" must be \"finetune\" or \"infer\"");
+        if (!cJSON_IsString(k) || !in(k->valuestring, KIND_NAMES, 3)) {
+            rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"kind\" must be \"finetune\", \"infer\" or \"eval\"");
             goto done;
         }
-        said = strcmp(k->valuestring, "infer") == 0 ? DAG_JOB_INFER : DAG_JOB_FINETUNE;
+        said = strcmp(k->valuestring, "infer") == 0  ? DAG_JOB_INFER
+               : strcmp(k->valuestring, "eval") == 0 ? DAG_JOB_EVAL
+                                                     : DAG_JOB_FINETUNE;
         if (kind != DAG_JOB_ANY && said != kind) {
             rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"kind\" is \"%s\" in a %s job", k->valuestring, KIND_NAMES[kind]);
             goto done;
@@ -315,10 +337,13 @@ fu_err dag_spec_parse(const char *json, size_t len, dag_job_kind kind, dag_spec 
     }
     dag_spec_init(out, kind != DAG_JOB_ANY ? kind : said != DAG_JOB_ANY ? said : kind_of_keys(o));
     unsigned kb = 1u << out->kind;
-    const char *const *keys = out->kind == DAG_JOB_FINETUNE ? FT_KEYS : IN_KEYS;
+    const char *const *keys = out->kind == DAG_JOB_FINETUNE ? FT_KEYS : out->kind == DAG_JOB_EVAL ? EV_KEYS : IN_KEYS;
+    const size_t n_keys = out->kind == DAG_JOB_FINETUNE ? sizeof FT_KEYS / sizeof *FT_KEYS
+                          : out->kind == DAG_JOB_EVAL   ? sizeof EV_KEYS / sizeof *EV_KEYS
+                                                        : sizeof IN_KEYS / sizeof *IN_KEYS;
     for (const cJSON *it = o->child; it; it = it->next) {
         const field *f = it->string ? field_of(it->string, kb) : NULL;
-        if (!f && !(it->string && in(it->string, keys, 6))) {
+        if (!f && !(it->string && in(it->string, keys, n_keys))) {
             rc = fu_errmsg_set(em, FU_EINVAL, "spec: unknown key \"%s\" for a %s job", it->string ? it->string : "?",
                                KIND_NAMES[out->kind]);
             goto done;
@@ -351,7 +376,7 @@ char *dag_spec_to_json(const dag_spec *s)
 {
     cJSON *o = cJSON_CreateObject();
     unsigned kb = 1u << s->kind;
-    cJSON_AddStringToObject(o, "kind", KIND_NAMES[s->kind == DAG_JOB_INFER]);
+    cJSON_AddStringToObject(o, "kind", KIND_NAMES[s->kind <= DAG_JOB_EVAL ? s->kind : 0]);
     if (s->model[0])
         cJSON_AddStringToObject(o, "model", s->model);
     for (size_t i = 0; i < N_FIELDS; i++) {
@@ -369,6 +394,12 @@ char *dag_spec_to_json(const dag_spec *s)
                     cJSON_AddItemToArray(arr, cJSON_CreateString(dag_target_name((dag_target)t)));
         }
         cJSON_AddBoolToObject(o, "shuffle", s->shuffle);
+        if (s->trusted_ends >= 0)
+            cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
+        if (s->byte_tokens)
+            cJSON_AddBoolToObject(o, "byte_tokens", true);
+    } else if (s->kind == DAG_JOB_EVAL) {
+        cJSON_AddStringToObject(o, "adapter_job", s->adapter_job);
         if (s->trusted_ends >= 0)
             cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
         if (s->byte_tokens)

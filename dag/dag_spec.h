@@ -46,11 +46,12 @@ extern "C" {
 typedef enum {
     DAG_JOB_FINETUNE = 0, /* train an adapter */
     DAG_JOB_INFER = 1,    /* generate */
-    DAG_JOB_ANY = 2,      /* dag_spec_parse: take the kind from the text ("kind", else its keys) */
+    DAG_JOB_EVAL = 2,     /* the loss on held-out data, forward only (base, or with a finished job's adapter) */
+    DAG_JOB_ANY = 3,      /* dag_spec_parse: take the kind from the text ("kind", else its keys) */
 } dag_job_kind;
 
 typedef struct {
-    dag_job_kind kind;                  /* FINETUNE or INFER */
+    dag_job_kind kind;                  /* FINETUNE, INFER or EVAL */
     char model[DAG_SPEC_MODEL_MAX];     /* model directory as the broker sees it ("" when not given) */
     uint64_t seed;                      /* shuffle and adapter initialisation; the sampler (default 0) */
     /* fine-tuning */
@@ -60,7 +61,8 @@ typedef struct {
     uint32_t targets;                   /* DAG_TARGET_BIT mask (0: all linears) */
     double lr;                          /* AdamW learning rate (default 1e-3) */
     double weight_decay;                /* AdamW decoupled weight decay (default 0) */
-    uint64_t steps;                     /* optimizer steps (default 100) */
+    uint64_t steps;                     /* optimizer steps (default 100); eval: batches of held-out windows (the
+                                           broker sets it from the data) */
     uint32_t batch;                     /* B sequences per step (default 4) */
     uint32_t seq_len;                   /* tokens per sequence (default 128) */
     uint32_t micro_batches;             /* M, divides B (default 1) */
@@ -73,7 +75,7 @@ typedef struct {
     int trusted_ends;                   /* the first and last stages (they see tokens) on peers the broker's
                                            allow-list marks trusted: 1 yes, 0 no, -1 (default) yes when a
                                            trusted peer is registered */
-    /* inference */
+    /* inference and eval */
     char adapter_job[DAG_SPEC_JOB_ID_LEN + 1]; /* fine-tune job whose adapter to use ("": none) */
     uint32_t max_tokens;                /* tokens to generate (default 64) */
     double temperature;                 /* 0: greedy (default) */
@@ -84,7 +86,7 @@ typedef struct {
     size_t n_prompt_tokens;
 } dag_spec;
 
-/* The defaults of kind (FINETUNE or INFER). */
+/* The defaults of kind (FINETUNE, INFER or EVAL). */
 void dag_spec_init(dag_spec *s, dag_job_kind kind);
 /* Frees prompt_tokens; the spec is left as dag_spec_init(kind) left it. NULL-safe. */
 void dag_spec_clear(dag_spec *s);

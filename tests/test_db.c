@@ -286,6 +286,7 @@ static void test_db_reopen_keeps_data(void **state)
 }
 
 static void job_with_plan(db_t *db, const char *owner, const char *idem, uint32_t nstages, char id[DB_JOB_ID_LEN + 1]);
+static void put_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step);
 
 /* A version-1 store (stage ranges inclusive, column node_last; jobs without model_id) opens as the
  * current version with the same stages as half-open ranges: nothing lost, nothing shifted; its
@@ -319,6 +320,37 @@ static void test_db_v1_stage_ranges_migrate(void **state)
     db_stage_array_free(&st, n);
     db_close(&db);
     assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+}
+
+/* A version-4 store (jobs without the eval kind) becomes version 5 by making the jobs table again:
+ * its stages and checkpoints, which reference the job with ON DELETE CASCADE, are all still there
+ * (foreign keys are off around the rebuild), and an eval job can be stored after it. */
+static void test_db_v4_jobs_rebuilt_keeps_references(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char id[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, f->key[0], "idem-v4", 3, id);
+    put_ckpt(db, id, 1, 5);
+    db_close(&db);
+    raw_exec(f->path, "PRAGMA user_version = 4");
+    db = open_ok(f->path);
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 3);
+    db_stage_array_free(&st, n);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM checkpoints"), 1);
+    char eid[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    assert_int_equal(db_job_submit(db, f->key[0], NULL, DB_JOB_EVAL, "{}", 2, NULL, 1000, eid, &created), FU_OK);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, eid, NULL, &j), FU_OK);
+    assert_int_equal(j->kind, DB_JOB_EVAL);
+    db_job_free(&j);
+    db_close(&db);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
 }
 
 static void test_db_newer_version_refused(void **state)
@@ -1444,6 +1476,7 @@ int main(void)
         cmocka_unit_test(test_db_reopen_keeps_data),
         cmocka_unit_test(test_db_newer_version_refused),
         cmocka_unit_test(test_db_v1_stage_ranges_migrate),
+        cmocka_unit_test(test_db_v4_jobs_rebuilt_keeps_references),
         cmocka_unit_test(test_db_garbage_refused),
         cmocka_unit_test(test_db_damaged_store_refused),
         cmocka_unit_test(test_db_missing_dir_refused),
