@@ -134,9 +134,11 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     }
     const char *jid = mid + 4;
     if (strcmp(name, "adapter") == 0) {
-        if (!mine || mine->kind != DB_JOB_INFER || strcmp(mine->spec.adapter_job, jid) != 0) {
+        if (!mine || (mine->kind != DB_JOB_INFER && mine->kind != DB_JOB_EVAL) ||
+            strcmp(mine->spec.adapter_job, jid) != 0) {
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
-                               "adapter of job %s is served only to the stages of an inference job that uses it", jid);
+                               "adapter of job %s is served only to the stages of an inference or eval job that uses it",
+                               jid);
             return;
         }
         db_job *dj = NULL;

@@ -102,7 +102,7 @@ void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why
     FU_INFO(LOG, "job %s: %s", j->id, text);
     char reason[DB_REASON_MAX];
     snprintf(reason, sizeof reason, "recovering: %.900s", text);
-    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, reason);
+    broker_start_stages(b, j, broker_job_resume_step(j, c), reason);
     b->sched_dirty = true; /* top up the backups */
 }
 
@@ -147,7 +147,7 @@ void broker_recover(broker_t *b, broker_job *j)
         c = 0;
     snprintf(text, sizeof text, "recovering after a broker restart: resuming from step %" PRId64, c);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "recovered", text));
-    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, text);
+    broker_start_stages(b, j, broker_job_resume_step(j, c), text);
     b->sched_dirty = true;
 }
 

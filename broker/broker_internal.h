@@ -151,7 +151,7 @@ typedef struct {
     char id[DB_JOB_ID_LEN + 1];        /* hex id */
     uint64_t id64;                     /* the same as a number (Envelope.job_id) */
     char owner[DB_KEY_LEN + 1];        /* submitter */
-    db_job_kind kind;                  /* finetune or infer */
+    db_job_kind kind;                  /* finetune, infer or eval */
     dag_spec spec;                     /* parsed spec (dag_spec owns the format) */
     char *spec_json;                   /* spec text as submitted (and stored) */
     char *spec_canon;                  /* what peers get: dag_spec_to_json of spec without the model path */
@@ -171,6 +171,9 @@ typedef struct {
     uint32_t retries;                  /* recoveries since the last progress */
     char reason[DB_REASON_MAX];        /* why it waits */
     uint64_t recover_at_ms;            /* BJ_RECOVER_WAIT: monotonic time to recover */
+    /* eval: the sums of the steps reported in order since the run started (from step 0 each time) */
+    double eval_sum;                   /* of the counted targets' losses */
+    uint64_t eval_targets;             /* targets counted */
     /* inference */
     int32_t *gen;                      /* generated tokens */
     size_t n_gen, cap_gen;
@@ -404,8 +407,13 @@ void broker_job_exclude(broker_t *b, broker_job *j, const char *key, const char 
 void broker_job_exclusions_load(broker_t *b, broker_job *j);
 /* The fraction of j's micro-batches to verify (the spec's "verify", else --verify; 0 for inference). */
 double broker_job_verify_fraction(const broker_t *b, const broker_job *j);
+/* j->spec_canon from j->spec (what peers get: the spec without the broker's paths). */
+void broker_job_canon(broker_job *j);
 /* The partitioner's options for j (tokens per micro-batch, micro-batches, training). */
 dag_partition_opts broker_job_popts(const broker_job *j);
+/* Where a (re)started run of j begins: a fine-tune at its stages' common checkpoint `ckpt`, an
+ * inference after the tokens generated so far, an eval at step 0 (its sums start again). */
+uint64_t broker_job_resume_step(const broker_job *j, int64_t ckpt);
 
 /* ---- broker_sched.c: plan, assign, start ---- */
 /* Plans queued jobs over idle peers; hands out backups. */

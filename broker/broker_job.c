@@ -176,6 +176,11 @@ void broker_job_starting(broker_t *b, broker_job *j, uint64_t resume_step, const
     enter(j, BJ_STARTING);
     j->start_step = resume_step;
     j->stepped = false;
+    if (j->kind == DB_JOB_EVAL) { /* a run counts every step again */
+        j->eval_sum = 0;
+        j->eval_targets = 0;
+        j->steps_done = 0;
+    }
     uint64_t now = broker_now();
     for (uint32_t s = 0; s < j->n_stages; s++) {
         j->stages[s].ready = false;
@@ -322,10 +327,15 @@ double broker_job_verify_fraction(const broker_t *b, const broker_job *j)
     return j->spec.verify >= 0 ? j->spec.verify : b->cfg.verify;
 }
 
+uint64_t broker_job_resume_step(const broker_job *j, int64_t ckpt)
+{
+    return j->kind == DB_JOB_FINETUNE ? (uint64_t)(ckpt > 0 ? ckpt : 0) : j->kind == DB_JOB_EVAL ? 0 : j->n_gen;
+}
+
 dag_partition_opts broker_job_popts(const broker_job *j)
 {
     dag_partition_opts o = {.micro_batches = 1, .training = j->kind == DB_JOB_FINETUNE};
-    if (j->kind == DB_JOB_FINETUNE) {
+    if (j->kind == DB_JOB_FINETUNE || j->kind == DB_JOB_EVAL) { /* eval: forward only, nothing kept */
         o.micro_batches = j->spec.micro_batches;
         o.tokens_per_micro = j->spec.batch / j->spec.micro_batches * j->spec.seq_len;
     } else {

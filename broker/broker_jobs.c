@@ -65,7 +65,7 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errms
     if ((rc = broker_spec_parse(j->spec_json, strlen(j->spec_json), dj->kind, &j->spec, em)) != FU_OK)
         goto fail;
     db_job *aj = NULL;
-    if (dj->kind == DB_JOB_INFER && j->spec.adapter_job[0] &&
+    if ((dj->kind == DB_JOB_INFER || dj->kind == DB_JOB_EVAL) && j->spec.adapter_job[0] &&
         (rc = db_job_get(b->db, j->spec.adapter_job, NULL, &aj)) != FU_OK) {
         fu_errmsg_set(em, rc, "adapter_job %s is not in the store", j->spec.adapter_job);
         goto fail;
@@ -128,7 +128,9 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     fusion__job_status__init(st);
     broker_job *j = broker_job_find(b, dj->id);
     st->job_id = strtoull(dj->id, NULL, 16);
-    st->kind = dj->kind == DB_JOB_FINETUNE ? FUSION__JOB_KIND__JOB_KIND_FINETUNE : FUSION__JOB_KIND__JOB_KIND_INFER;
+    st->kind = dj->kind == DB_JOB_FINETUNE ? FUSION__JOB_KIND__JOB_KIND_FINETUNE
+               : dj->kind == DB_JOB_EVAL   ? FUSION__JOB_KIND__JOB_KIND_EVAL
+                                           : FUSION__JOB_KIND__JOB_KIND_INFER;
     st->state = wire_state(dj->state);
     st->step = dj->step > 0 ? (uint64_t)dj->step : 0;
     st->total_steps = dj->total_steps > 0 ? (uint64_t)dj->total_steps : 0;
@@ -143,12 +145,12 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
         if (j->kind == DB_JOB_INFER && j->output)
             st->output = j->output;
         if (!st->total_steps)
-            st->total_steps = j->kind == DB_JOB_FINETUNE ? j->spec.steps : j->spec.max_tokens;
+            st->total_steps = j->kind == DB_JOB_INFER ? j->spec.max_tokens : j->spec.steps;
     }
     const char *reason = j && j->reason[0] ? j->reason : dj->reason;
     if (reason && strcmp(reason, "running") == 0)
         reason = NULL;
-    if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind == DB_JOB_FINETUNE) {
+    if (dj->state == DB_JOB_RUNNING && j && j->phase == BJ_RUNNING && j->kind != DB_JOB_INFER) {
         char ver[160] = "";
         if (broker_job_verify_fraction(b, j) > 0)
             snprintf(ver, sizeof ver, "; verified samples: %u agreed, %u disagreed, %u input mismatches, %u skipped",
@@ -199,10 +201,11 @@ static void answer_status(broker_t *b, const broker_ret *r, const db_job *dj)
     st.stage_info = stp;
     char *out = NULL;
     db_job *full = NULL; /* a brief row has no result: a finished inference job's text is read now */
-    if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && !dj->result && dj->result_len &&
+    const bool text = dj->kind == DB_JOB_INFER || dj->kind == DB_JOB_EVAL; /* the result is text */
+    if (text && dj->state == DB_JOB_DONE && !dj->result && dj->result_len &&
         db_job_get(b->db, dj->id, NULL, &full) == FU_OK)
         dj = full;
-    if (dj->kind == DB_JOB_INFER && dj->state == DB_JOB_DONE && dj->result) {
+    if (text && dj->state == DB_JOB_DONE && dj->result) {
         size_t n = dj->result_len < (WIRE_MAX_CONTROL_BYTES / 2) ? dj->result_len : WIRE_MAX_CONTROL_BYTES / 2;
         out = fu_malloc(n + 1);
         memcpy(out, dj->result, n);
@@ -291,11 +294,14 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobSubmit *js = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_SUBMIT);
     const char *owner = wire_msg_user_id(msg);
-    if (!js || (js->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE && js->kind != FUSION__JOB_KIND__JOB_KIND_INFER)) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "JobSubmit.kind must be finetune or infer");
+    if (!js || (js->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE && js->kind != FUSION__JOB_KIND__JOB_KIND_INFER &&
+                js->kind != FUSION__JOB_KIND__JOB_KIND_EVAL)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "JobSubmit.kind must be finetune, infer or eval");
         return;
     }
-    db_job_kind kind = js->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? DB_JOB_FINETUNE : DB_JOB_INFER;
+    db_job_kind kind = js->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? DB_JOB_FINETUNE
+                       : js->kind == FUSION__JOB_KIND__JOB_KIND_EVAL   ? DB_JOB_EVAL
+                                                                       : DB_JOB_INFER;
     if (js->idempotency_key && strlen(js->idempotency_key) > DB_IDEM_KEY_MAX) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "idempotency_key is longer than %d bytes",
                            DB_IDEM_KEY_MAX);
@@ -313,7 +319,7 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     db_job *aj = NULL;
     fu_errmsg em = {{0}};
     const char *sj = js->spec_json ? js->spec_json : "";
-    if (kind == DB_JOB_INFER && broker_spec_parse(sj, strlen(sj), kind, &peek, &em) == FU_OK) {
+    if ((kind == DB_JOB_INFER || kind == DB_JOB_EVAL) && broker_spec_parse(sj, strlen(sj), kind, &peek, &em) == FU_OK) {
         bool bad = peek.adapter_job[0] && (db_job_get(b->db, peek.adapter_job, owner, &aj) != FU_OK ||
                                            aj->kind != DB_JOB_FINETUNE || aj->state != DB_JOB_DONE);
         if (bad)
@@ -512,6 +518,8 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         dag_spec_clear(&spec);
         files[nf++] = (typeof(files[0])){"adapter_model.safetensors", dj->result, dj->result_len};
         files[nf++] = (typeof(files[0])){"adapter_config.json", (const uint8_t *)cfg, strlen(cfg)};
+    } else if (dj->kind == DB_JOB_EVAL) {
+        files[nf++] = (typeof(files[0])){"eval.json", dj->result, dj->result_len};
     } else {
         files[nf++] = (typeof(files[0])){"output.txt", dj->result, dj->result_len};
         /* The prompt's logits (dump_logits), kept beside the store by the job's completion. */

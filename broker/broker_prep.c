@@ -21,7 +21,8 @@
 
 fu_err broker_spec_parse(const char *json, size_t len, db_job_kind kind, dag_spec *s, fu_errmsg *em)
 {
-    fu_err rc = dag_spec_parse(json, len, kind == DB_JOB_INFER ? DAG_JOB_INFER : DAG_JOB_FINETUNE, s, em);
+    dag_job_kind dk = kind == DB_JOB_INFER ? DAG_JOB_INFER : kind == DB_JOB_EVAL ? DAG_JOB_EVAL : DAG_JOB_FINETUNE;
+    fu_err rc = dag_spec_parse(json, len, dk, s, em);
     if (rc == FU_OK && !s->model[0]) {
         dag_spec_clear(s);
         rc = fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" (a model under the broker's --model-root) is required");
@@ -54,7 +55,7 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
     if (salr && (rc = dag_salr_info_parse(m->salr, m->salr_len, &si, &sub)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
     dag_spec as = j->spec; /* the adapter's fields only (prompt_tokens stays j's) */
-    if (j->kind == DB_JOB_INFER) {
+    if (j->kind == DB_JOB_INFER || j->kind == DB_JOB_EVAL) {
         as.method = DAG_ADAPTER_NONE;
         if (adapter_spec) {
             dag_spec ft;
@@ -79,8 +80,8 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
     dag_dims_from_cfg(&cfg, &dims);
     dag_build_opts bo = {.method = as.method, .rank = as.rank, .alpha = (float)as.alpha, .targets = as.targets,
                          .res_rank = si.residual_rank, .salr_lm_head = si.lm_head,
-                         .head = j->kind == DB_JOB_FINETUNE ? DAG_HEAD_LOSS : DAG_HEAD_SAMPLE,
-                         .seq_len = j->kind == DB_JOB_FINETUNE ? j->spec.seq_len : 256};
+                         .head = j->kind == DB_JOB_INFER ? DAG_HEAD_SAMPLE : DAG_HEAD_LOSS,
+                         .seq_len = j->kind == DB_JOB_INFER ? 256 : j->spec.seq_len};
     if ((rc = dag_build_llama(&dims, &bo, &j->graph)) != FU_OK)
         return fu_errmsg_set(em, FU_EINVAL, "the job's DAG cannot be built for this model: %s", fu_strerror(rc));
     if ((rc = dag_graph_encode(j->graph, &j->dag_bytes, &j->dag_len)) != FU_OK)
@@ -96,11 +97,38 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
         j->eos[j->n_eos++] = cfg.eos_token_ids[i];
     if (j->n_eos == 0 && fu_tokenizer_eos_id(j->tok) >= 0)
         j->eos[j->n_eos++] = fu_tokenizer_eos_id(j->tok);
+    broker_job_canon(j);
+    return FU_OK;
+}
+
+void broker_job_canon(broker_job *j)
+{
     /* Peers get the canonical spec (every field, the same defaults), without the broker's paths. */
     dag_spec pub = j->spec;
     pub.model[0] = '\0';
     free(j->spec_canon);
     j->spec_canon = dag_spec_to_json(&pub);
+}
+
+/* An eval's data: the held-out part of the dataset (all of it when heldout is 0), cut to whole
+ * windows and padded with masked windows to whole batches (they count no target), so that step s
+ * micro-batch m reads windows (s·B + m·B/M ..) once each in the pipeline's data order. Sets
+ * j->spec.steps. *ids is the caller's. */
+static fu_err eval_stream(broker_job *j, dag_dataset *ds, int32_t **ids, size_t *n_ids, fu_errmsg *em)
+{
+    const int32_t *src = ds->n_heldout ? ds->heldout : ds->train;
+    size_t n = ds->n_heldout ? ds->n_heldout : ds->n_train, win = (size_t)j->spec.seq_len + 1, w = n / win;
+    if (w == 0)
+        return fu_errmsg_set(em, FU_EINVAL, "the %s data has %zu tokens: no whole window of seq_len + 1 = %zu",
+                             ds->n_heldout ? "held-out" : "", n, win);
+    uint64_t steps = (w + j->spec.batch - 1) / j->spec.batch;
+    size_t total = (size_t)steps * j->spec.batch * win;
+    *ids = fu_malloc(total * sizeof **ids);
+    memcpy(*ids, src, w * win * sizeof **ids);
+    for (size_t i = w * win; i < total; i++)
+        (*ids)[i] = -1; /* token 0, masked */
+    *n_ids = total;
+    j->spec.steps = steps;
     return FU_OK;
 }
 
@@ -141,6 +169,22 @@ static fu_err submit_prepare(broker_submit_task *t)
         n_ids = j->spec.n_prompt_tokens;
         ids = fu_malloc((n_ids ? n_ids : 1) * sizeof *ids);
         memcpy(ids, j->spec.prompt_tokens, n_ids * sizeof *ids);
+    } else if (t->kind == DB_JOB_EVAL) { /* the held-out part, whole batches */
+        dag_dataset_opts dopt = {.seq_len = j->spec.seq_len, .heldout = j->spec.heldout};
+        dag_dataset ds;
+        if ((rc = dag_chat_format_from_config(j->model->tok_config, j->model->tok_config_len, &dopt.chat, &em)) !=
+                FU_OK ||
+            (rc = dag_dataset_make(j->tok, (const char *)t->data, t->data_len, &dopt, &ds, &em)) != FU_OK)
+            return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, rc));
+        rc = eval_stream(j, &ds, &ids, &n_ids, &em);
+        dag_dataset_free(&ds);
+        if (rc != FU_OK)
+            return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", em.msg);
+        /* the stored spec holds the steps the data makes (a restart reads them back) */
+        free(t->spec_json);
+        t->spec_json = dag_spec_to_json(&j->spec);
+        t->spec_len = strlen(t->spec_json);
+        broker_job_canon(j);
     } else if (t->kind == DB_JOB_FINETUNE) { /* plain text or JSON Lines (dag_dataset.h) */
         dag_dataset_opts dopt = {.seq_len = j->spec.seq_len, .heldout = j->spec.heldout};
         dag_dataset ds;

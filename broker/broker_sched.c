@@ -374,7 +374,7 @@ static void plan_job(broker_t *b, broker_job *j)
                 plan.stages[s].why);
     }
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan.stages[0].why));
-    broker_start_stages(b, j, j->kind == DB_JOB_FINETUNE ? (uint64_t)c : j->n_gen, NULL);
+    broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
     give_backups(b, j);
 done:
     dag_plan_free(&plan);

@@ -85,19 +85,64 @@ static void check_pace(broker_t *b, broker_job *j, double dt)
     }
 }
 
+static void finish(broker_t *b, broker_job *j, const uint8_t *result, size_t len);
+
+/* An eval's step, reported in order since its run began: its sums added; the result after the last. */
+static void eval_step(broker_t *b, broker_job *j, const wire_msg_t *msg, const Fusion__StepDone *d)
+{
+    uint64_t most = (uint64_t)j->spec.batch * j->spec.seq_len;
+    if (d->step != j->steps_done || !isfinite(d->loss_sum) || d->loss_sum < 0 || d->targets > most) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                           "eval StepDone: step %" PRIu64 " (expected %" PRIu64 "), loss_sum a finite sum of losses, "
+                           "at most %" PRIu64 " targets", d->step, j->steps_done, most);
+        return;
+    }
+    j->eval_sum += d->loss_sum;
+    j->eval_targets += d->targets;
+    j->steps_done = d->step + 1;
+    j->retries = 0;
+    j->loss = j->eval_targets ? j->eval_sum / (double)j->eval_targets : NAN;
+    uint64_t now = broker_now();
+    double dt = (double)(now - j->last_step_ms) / 1000.0;
+    j->last_step_ms = j->progress_ms = now;
+    j->stepped = true;
+    j->after_restart = false;
+    if (db_job_progress(b->db, j->id, (int64_t)j->steps_done, (int64_t)j->spec.steps, j->loss,
+                        dt > 0 ? (double)d->tokens / dt : 0, broker_wall()) != FU_OK)
+        FU_WARN(LOG, "job %s: progress not stored", j->id);
+    if (j->steps_done < j->spec.steps)
+        return;
+    if (j->eval_targets == 0) {
+        broker_job_fail(b, j, "the data counted no target (every one masked)");
+        return;
+    }
+    char res[512];
+    int n = snprintf(res, sizeof res,
+                     "{\"data\":\"%s\",\"targets\":%" PRIu64 ",\"loss\":%.9g,\"perplexity\":%.9g,\"adapter_job\":\"%s\"}\n",
+                     j->spec.heldout > 0 ? "held-out" : "all", j->eval_targets, j->loss, exp(j->loss),
+                     j->spec.adapter_job);
+    FU_INFO(LOG, "job %s: eval over %" PRIu64 " targets: loss %.6f, perplexity %.4f", j->id, j->eval_targets, j->loss,
+            exp(j->loss));
+    finish(b, j, (const uint8_t *)res, (size_t)n);
+}
+
 void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__StepDone *d = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_STEP_DONE);
     broker_job *j = d ? broker_job_find64(b, d->job_id) : NULL;
-    if (!j || j->kind != DB_JOB_FINETUNE || j->n_stages == 0 || strcmp(p->job, j->id) != 0 || p->backup ||
-        p->stage != j->n_stages - 1) {
+    if (!j || (j->kind != DB_JOB_FINETUNE && j->kind != DB_JOB_EVAL) || j->n_stages == 0 ||
+        strcmp(p->job, j->id) != 0 || p->backup || p->stage != j->n_stages - 1) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "StepDone comes from the last stage of a running "
-                                                                    "fine-tune job only");
+                                                                    "fine-tune or eval job only");
         return;
     }
     if (d->step >= j->spec.steps) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "step %" PRIu64 " is past the job's %" PRIu64
                            " steps", d->step, j->spec.steps);
+        return;
+    }
+    if (j->kind == DB_JOB_EVAL) {
+        eval_step(b, j, msg, d);
         return;
     }
     uint64_t now = broker_now();

@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "fu_alloc.h"
 #include "fu_clock.h"
 
 const char *cli_job_state_name(Fusion__JobState s)
@@ -32,7 +33,10 @@ const char *cli_job_state_name(Fusion__JobState s)
 
 static const char *kind_name(Fusion__JobKind k)
 {
-    return k == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? "finetune" : k == FUSION__JOB_KIND__JOB_KIND_INFER ? "infer" : "?";
+    return k == FUSION__JOB_KIND__JOB_KIND_FINETUNE ? "finetune"
+           : k == FUSION__JOB_KIND__JOB_KIND_INFER  ? "infer"
+           : k == FUSION__JOB_KIND__JOB_KIND_EVAL   ? "eval"
+                                                    : "?";
 }
 
 static cJSON *status_json(const Fusion__JobStatus *s)
@@ -82,7 +86,7 @@ static void print_status_row(const Fusion__JobStatus *s)
     if (s->total_steps)
         snprintf(step, sizeof step, "%" PRIu64 "/%" PRIu64, s->step, s->total_steps);
     char loss[32] = "-";
-    if (s->step && s->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE)
+    if (s->step && s->kind != FUSION__JOB_KIND__JOB_KIND_INFER)
         snprintf(loss, sizeof loss, "%.4f", s->loss);
     printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", id, kind_name(s->kind), cli_job_state_name(s->state), step, loss,
            s->message ? s->message : "");
@@ -249,7 +253,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
         }
         if (!quiet)
             show_stages(s, tty, stages_seen, sizeof stages_seen);
-        if (!quiet && s->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE && s->step != last_step) {
+        if (!quiet && s->kind != FUSION__JOB_KIND__JOB_KIND_INFER && s->step != last_step) {
             show_progress(s, tty);
             last_step = s->step;
         }
@@ -281,6 +285,33 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
                     prog, cli_job_state_name(st), timeout_s, step);
             return FU_EXIT_TIMEOUT;
         }
+        fu_sleep_ms(CLI_WAIT_POLL_MS);
+    }
+}
+
+fu_err cli_job_output(cli_conn_t *conn, const char *prog, uint64_t id, char **output, int *code)
+{
+    for (;;) {
+        wire_msg_t *m = NULL;
+        if (fetch_status(conn, id, &m, code) != FU_OK)
+            return FU_EIO;
+        const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+        Fusion__JobState st = s->state;
+        if (st == FUSION__JOB_STATE__JOB_STATE_DONE) {
+            *output = fu_strdup(s->output ? s->output : "");
+            wire_msg_destroy(&m);
+            return FU_OK;
+        }
+        if (st == FUSION__JOB_STATE__JOB_STATE_FAILED || st == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
+            char idt[17];
+            cli_job_id_format(id, idt);
+            fprintf(stderr, "%s: job %s %s%s%s\n", prog, idt, cli_job_state_name(st), s->message && s->message[0] ? ": " : "",
+                    s->message ? s->message : "");
+            wire_msg_destroy(&m);
+            *code = FU_EXIT_FAIL;
+            return FU_EINVAL;
+        }
+        wire_msg_destroy(&m);
         fu_sleep_ms(CLI_WAIT_POLL_MS);
     }
 }

@@ -18,6 +18,10 @@ extern "C" {
  * Returns the exit code: 0 done, 1 failed or cancelled, 5 when timeout_s (> 0) passed first. */
 int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet);
 
+/* Waits (quietly) until job id ends: done, its JobStatus.output in *output (caller frees; "" when
+ * none); failed or cancelled, the reason printed and FU_EXIT_FAIL in *code. */
+FU_MUST_CHECK fu_err cli_job_output(cli_conn_t *conn, const char *prog, uint64_t id, char **output, int *code);
+
 /* State names users see ("queued", "running", ...). */
 const char *cli_job_state_name(Fusion__JobState s);
 

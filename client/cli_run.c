@@ -530,7 +530,8 @@ static int run_eval(int argc, char **argv)
         {"json", 0, FU_OPT_FLAG, &json, NULL, "print one JSON object"},
     };
     fu_cmd cmd = {.prog = argv[0],
-                  .usage = "--model DIR --data FILE [--adapter DIR] [options]",
+                  .usage = "--model DIR --data FILE [--adapter DIR] [options]   (--pipeline: through the broker, "
+                           "see `fusion eval --pipeline --help`)",
                   .summary = "Reports the perplexity of a model, and of the model with an adapter, on held-out data: "
                              "the examples a fine-tune with the same --heldout and --seq-len kept out of training. "
                              "Only the targets a fine-tune counts are scored (completions and assistant turns of "
@@ -620,6 +621,9 @@ done:
 
 int cli_eval_main(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++) /* through the broker */
+        if (strcmp(argv[i], "--pipeline") == 0)
+            return cli_eval_pipeline_main(argc, argv);
     return run_eval(argc, argv);
 }
 

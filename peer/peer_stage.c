@@ -272,7 +272,7 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
         snprintf(name, sizeof name, "ckpt:%u:%" PRIu64, a->stage_index, a->resume_step);
         stage_add_fetch(s, jid, name, FETCH_CKPT, false);
     }
-    if (stage_is_infer(s)) {
+    if (stage_is_infer(s) || stage_is_eval(s)) {
         if (s->spec.adapter_job[0]) { /* checked by dag_spec: 16 hex characters */
             snprintf(jid, sizeof jid, "job:%s", s->spec.adapter_job);
             stage_add_fetch(s, jid, "adapter", FETCH_ADAPTER, false);
@@ -382,7 +382,7 @@ static fu_err make_exec(stage_t *s, fu_errmsg *em)
     } else {
         o.max_tokens = s->rows_mb * s->spec.seq_len;
         o.n_slots = s->M;
-        o.training = true;
+        o.training = !stage_is_eval(s); /* an eval keeps nothing for a backward */
     }
     FU_TRY(dag_exec_new(s->g, &o, &s->x, em));
     FU_TRY(dag_exec_load_weights(s->x, s->st, em));

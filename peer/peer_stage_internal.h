@@ -86,6 +86,7 @@ typedef struct {
     dag_train_stage train;    /* the fine-tuning step (dag_train): shared with `fusion run finetune` */
     uint32_t fwd_done, bwd_done;
     double loss_sum;          /* sum over micro-batches of their mean loss */
+    double eval_sum;          /* eval: sum of the counted targets' losses of the step */
     int64_t tokens_sum;
     peer_cmd *defer[ST_MAX_DEFER]; /* frames of a later step, in arrival order */
     size_t n_defer;
@@ -143,6 +144,13 @@ char *stage_scratch_path(const stage_t *s, const char *what);
 static inline bool stage_is_infer(const stage_t *s)
 {
     return s->spec.kind == DAG_JOB_INFER;
+}
+
+/* An eval runs the fine-tune's data order and flow forward only: the last stage adds up the loss,
+ * and a one-float acknowledgement goes up the pipeline instead of the gradient (the same pacing). */
+static inline bool stage_is_eval(const stage_t *s)
+{
+    return s->spec.kind == DAG_JOB_EVAL;
 }
 
 static inline bool stage_is_first(const stage_t *s)

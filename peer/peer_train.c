@@ -208,16 +208,28 @@ void stage_publish_progress(const stage_t *s)
     atomic_store(&s->cfg.shared->progress, step << 32 | f << 16 | b);
 }
 
-/* AdamW after the M-th backward, StepDone, checkpoint, next step. */
+/* AdamW after the M-th backward, StepDone, checkpoint, next step (an eval: StepDone with its sums,
+ * next step). */
 static void finish_step(stage_t *s)
 {
-    fu_err rc = dag_train_step(&s->train);
+    fu_err rc = stage_is_eval(s) ? FU_OK : dag_train_step(&s->train);
     if (rc != FU_OK) {
         stage_exec_failed(s, rc, "AdamW");
         return;
     }
     uint64_t done = s->step;
-    if (stage_is_last(s)) {
+    if (stage_is_last(s) && stage_is_eval(s)) {
+        Fusion__StepDone sd = FUSION__STEP_DONE__INIT;
+        sd.job_id = s->job_id;
+        sd.step = done;
+        sd.loss_sum = s->eval_sum;
+        sd.targets = s->tokens_sum > 0 ? (uint64_t)s->tokens_sum : 0;
+        sd.loss = sd.targets ? s->eval_sum / (double)sd.targets : 0;
+        sd.tokens = (uint64_t)s->spec.batch * s->spec.seq_len;
+        FU_DEBUG("peer", "job %016" PRIx64 ": eval step %" PRIu64 " loss %.6f over %" PRIu64 " targets", s->job_id, done,
+                 sd.loss, sd.targets);
+        stage_send_msg(s, FUSION__MSG_TYPE__MSG_STEP_DONE, done, &sd.base);
+    } else if (stage_is_last(s)) {
         Fusion__StepDone sd = FUSION__STEP_DONE__INIT;
         sd.job_id = s->job_id;
         sd.step = done;
@@ -226,7 +238,9 @@ static void finish_step(stage_t *s)
         FU_INFO("peer", "job %016" PRIx64 ": step %" PRIu64 " loss %.6f", s->job_id, done, sd.loss);
         stage_send_msg(s, FUSION__MSG_TYPE__MSG_STEP_DONE, done, &sd.base);
     }
-    if (stage_step_has_ckpt(s, done + 1))
+    if (stage_is_eval(s))
+        ; /* nothing trained: no checkpoint */
+    else if (stage_step_has_ckpt(s, done + 1))
         send_checkpoint(s, done + 1);
     else if (stage_keeps_for_verify(s, 0))
         stage_keep_snapshot(s, done + 1); /* a verifier may need the state of a step without a checkpoint */
@@ -234,6 +248,7 @@ static void finish_step(stage_t *s)
     s->fwd_done = s->bwd_done = 0;
     stage_publish_progress(s);
     s->loss_sum = 0;
+    s->eval_sum = 0;
     s->tokens_sum = 0;
     if (s->step >= s->spec.steps) {
         s->finished = true;
@@ -244,6 +259,40 @@ static void finish_step(stage_t *s)
     if (stage_is_first(s))
         s->pending_fwd = true; /* run from the loop, after the commands already queued */
     stage_replay_deferred(s);
+}
+
+/* An eval's acknowledgement of micro-batch m up the pipeline: one float where a gradient would go. */
+static void send_ack(stage_t *s, uint32_t m)
+{
+    send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM, FUSION__MSG_TYPE__MSG_GRADIENT, s->step, m, 1, 1,
+                fu_calloc(1, sizeof(float)));
+}
+
+/* One micro-batch of an eval done here (the last stage counted its loss, or an acknowledgement came
+ * from below): the acknowledgement up, the step finished after the M-th. */
+static void eval_done(stage_t *s, uint32_t m)
+{
+    if (!stage_is_first(s))
+        send_ack(s, m);
+    ++s->bwd_done;
+    stage_publish_progress(s);
+    if (s->bwd_done == s->M)
+        finish_step(s);
+}
+
+/* The loss of slot m at the last stage of an eval: its counted targets' sum. */
+static void last_eval(stage_t *s, uint32_t m)
+{
+    float loss = 0;
+    int64_t nv = 0;
+    fu_err rc = dag_exec_loss(s->x, m % s->M, &loss, &nv);
+    if (rc != FU_OK) {
+        stage_exec_failed(s, rc, "loss");
+        return;
+    }
+    s->eval_sum += (double)loss * (double)nv;
+    s->tokens_sum += nv;
+    eval_done(s, m);
 }
 
 /* Loss and backward of slot m at the last stage, then the gradient up. */
@@ -295,7 +344,10 @@ static bool forward_done(stage_t *s, fu_err rc, uint64_t step, uint32_t m)
     s->fwd_done++;
     stage_publish_progress(s);
     if (stage_is_last(s)) {
-        last_backward(s, m);
+        if (stage_is_eval(s))
+            last_eval(s, m);
+        else
+            last_backward(s, m);
         return true;
     }
     if ((rc = stage_send_outputs(s, m, step, m, (uint64_t)s->rows_mb * s->spec.seq_len)) != FU_OK) {
@@ -341,6 +393,16 @@ static void on_gradient_train(stage_t *s, const wire_tensor *t)
 {
     uint32_t m = t->meta.micro_batch;
     uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
+    if (stage_is_eval(s)) { /* an acknowledgement: [1, 1] */
+        if (stage_is_last(s) || m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
+            t->meta.shape[0] != 1 || t->meta.shape[1] != 1) {
+            stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_GRADIENT,
+                             "eval acknowledgement (%" PRIu64 ", %u) is not one float of a micro-batch", t->meta.step, m);
+            return;
+        }
+        eval_done(s, m);
+        return;
+    }
     if (stage_is_last(s) || m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
         (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_out_total) {
         stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_GRADIENT,

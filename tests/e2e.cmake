@@ -42,6 +42,7 @@ fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_qwen3_shape 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_jsonl_prompt_completion 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_int8_finetune 240)
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_upload_model 240)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_eval 240)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 240 fault)

@@ -485,6 +485,65 @@ static void test_e2e_pipeline_upload_model(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* A number field of the JSON object text (fails the test when missing). */
+static double json_number(const char *text, const char *key)
+{
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char *p = text ? strstr(text, k) : NULL;
+    if (!p)
+        fail_msg("no %s in %s", key, text ? text : "(nothing)");
+    return strtod(p + strlen(k), NULL);
+}
+
+/* `fusion eval --pipeline`: the base model's and the fine-tuned adapter's perplexity on the held-out
+ * tenth, each an eval job forward only through the peers (two micro-batches a step), equal to
+ * `fusion eval` in one process on the same data and the downloaded adapter (the same windows and
+ * targets; losses within 1e-5 relative), and the adapter lowers the loss. */
+static void test_e2e_pipeline_eval(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-eval", TU_PEER_MEMORY_GB);
+    const char *train = TU_TRAIN_ARGS " --steps 30 --heldout 0.1";
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s", train);
+    tu_wait_done(c, id, 80);
+    tu_result(c, id);
+    const char *ev = "--heldout 0.1 --seq-len 16 --batch 4";
+    char *pipe = NULL, *local = NULL;
+    int rc = tu_fusion(c, &pipe, "eval --pipeline --model model --data '%s' --adapter-job %s %s --micro-batches 2 --json",
+                       tu_cluster_data(c), id, ev);
+    print_message("through the broker: %s", pipe);
+    assert_int_equal(rc, 0);
+    assert_int_equal(tu_fusion(c, &local, "eval --model model --data '%s' --adapter res-%s %s --json",
+                               tu_cluster_data(c), id, ev),
+                     0);
+    print_message("in one process:     %s", local);
+    assert_true(json_number(pipe, "targets") > 0);
+    assert_true(json_number(pipe, "targets") == json_number(local, "targets"));
+    static const char *const keys[] = {"base_loss", "adapter_loss"};
+    for (int k = 0; k < 2; k++) {
+        double a = json_number(pipe, keys[k]), b = json_number(local, keys[k]);
+        if (!(fabs(a - b) <= 1e-5 * fabs(b)))
+            fail_msg("%s: %.9g through the broker, %.9g in one process", keys[k], a, b);
+    }
+    assert_true(json_number(pipe, "adapter_loss") < json_number(pipe, "base_loss"));
+    char *bl = tu_broker_log_text(c);
+    int evals = 0;
+    for (const char *q = bl; (q = strstr(q, ": eval over ")); q++, evals++) {
+        char eid[17], want[64];
+        snprintf(eid, sizeof eid, "%.16s", q - 16); /* "job <id>: eval over" */
+        snprintf(want, sizeof want, "job %s stage 1/2 on", eid);
+        if (!strstr(bl, want))
+            fail_msg("eval job %s did not run as two stages", eid);
+    }
+    assert_int_equal(evals, 2);
+    free(bl);
+    free(pipe);
+    free(local);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* `fusion submit infer --dump-logits`: the result holds the prompt's logits (logits.f32), equal to
  * `fusion run infer --dump-logits`. */
 static void test_e2e_pipeline_infer_logits(void **state)
@@ -650,6 +709,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_jsonl_prompt_completion, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_int8_finetune, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_upload_model, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_eval, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
