@@ -227,8 +227,9 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
     if (sp)
         snprintf(stage_says, sizeof stage_says, "; stage %d (peer %.8s, %s) is behind: %u/%u forward, %u/%u backward",
                  stalled, sp->key, sp->name, sp->prog_fwd, j->spec.micro_batches, sp->prog_bwd, j->spec.micro_batches);
+    const bool steps = j->kind != DB_JOB_INFER; /* a fine-tune or an eval counts steps, an inference tokens */
     snprintf(why, sizeof why, "no progress past %s %" PRIu64 " for %" PRIu64 " s (step deadline %" PRIu64 " s)%s",
-             ft ? "step" : "token", ft ? j->steps_done : (uint64_t)j->n_gen, idle_ms / 1000, limit_ms / 1000,
+             steps ? "step" : "token", steps ? j->steps_done : (uint64_t)j->n_gen, idle_ms / 1000, limit_ms / 1000,
              stage_says);
     FU_WARN(LOG, "job %s: %s", j->id, why);
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, sp ? sp->key : NULL, "step-timeout", why));
@@ -253,13 +254,13 @@ static void step_missed(broker_t *b, broker_job *j, uint64_t idle_ms, uint64_t l
     int64_t c = 0;
     if (ft && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
         c = 0;
-    snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, ft ? "step" : "token",
-             ft ? (uint64_t)c : (uint64_t)j->n_gen);
+    snprintf(text, sizeof text, "%s: restarting every stage from %s %" PRIu64, why, steps ? "step" : "token",
+             broker_job_resume_step(j, c));
     stop_stages(b, j, text, true);
     FU_INFO(LOG, "job %s: %s", j->id, text);
     char reason[DB_REASON_MAX];
     snprintf(reason, sizeof reason, "recovering: %.900s", text);
-    broker_start_stages(b, j, ft ? (uint64_t)c : j->n_gen, reason);
+    broker_start_stages(b, j, broker_job_resume_step(j, c), reason);
 }
 
 /* A stage of running job j whose peer is paused (its owner's machine is busy, or outside its hours):

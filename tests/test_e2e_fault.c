@@ -24,6 +24,7 @@
  *     it to the free peer and takes the staller off the job; with no free peer (_no_spare) every
  *     stage restarts from the newest common checkpoint. Either way the job finishes with the
  *     uninterrupted run's adapter. */
+#include <math.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -443,6 +444,59 @@ static void test_e2e_fault_step_deadline_no_spare(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* An eval (forward only, no checkpoint) whose stage 1 stalls at step 8: after the step deadline it
+ * starts again from step 0 (its sums with it) on the peers it gets, and its result equals `fusion
+ * eval` in one process: no step counted twice or lost. */
+static void test_e2e_fault_eval_starts_again(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(3, 1);
+    o.stall = "step:8";
+    o.step_timeout_s = 3;
+    tu_cluster *c = tu_cluster_new("e2e-eval-stall", &o);
+    tu_cluster_start(c);
+    const char *ev = "--heldout 0.5 --seq-len 16 --batch 4";
+    char id[17];
+    tu_submit(c, id, "eval --model model --data '%s' %s", tu_cluster_data(c), ev);
+    int victim = tu_stage_peer(c, id, 1, 30000);
+    stall_file(c, victim, true);
+    tu_wait_done(c, id, 70);
+    char plog[TU_PATH];
+    tu_path(c, plog, "p%d.log", victim);
+    char *pl = tu_file_text(plog);
+    bool stalled = strstr(pl, "stalling at step 8") != NULL;
+    free(pl);
+    if (!stalled)
+        fail_msg("p%d never stalled (the eval passed step 8 before the hook was armed?)", victim);
+    char needle[160];
+    snprintf(needle, sizeof needle, "job %s: no progress past step 8 for", id);
+    assert_logged(c, needle);
+    snprintf(needle, sizeof needle, "job %s: every stage is ready; started at step 0", id);
+    char *bl = tu_broker_log_text(c);
+    int starts = 0;
+    for (const char *q = bl; (q = strstr(q, needle)); q++)
+        starts++;
+    free(bl);
+    assert_true(starts >= 2); /* started again from step 0 */
+    char *st = NULL, *local = NULL;
+    assert_int_equal(tu_fusion(c, &st, "status %s --json", id), 0);
+    assert_int_equal(tu_fusion(c, &local, "eval --model model --data '%s' %s --json", tu_cluster_data(c), ev), 0);
+    printf("through the broker: %.300s\nin one process: %s", st, local);
+    const char *l = strstr(st, "\\\"loss\\\":"), *t = strstr(st, "\\\"targets\\\":");
+    const char *bl2 = strstr(local, "\"base_loss\":"), *tl = strstr(local, "\"targets\":");
+    assert_non_null(l);
+    assert_non_null(t);
+    assert_non_null(bl2);
+    assert_non_null(tl);
+    double a = strtod(l + 9, NULL), b = strtod(bl2 + 12, NULL);
+    assert_int_equal(strtol(t + 12, NULL, 10), strtol(tl + 10, NULL, 10));
+    if (!(fabs(a - b) <= 1e-5 * fabs(b)))
+        fail_msg("loss %.9g through the broker after the stall, %.9g in one process", a, b);
+    free(st);
+    free(local);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Re-planning onto the peers that are left (docs/PIPELINE.md "Re-planning"): three peers, no backup,
  * a three-stage job; one stage's peer is SIGKILLed after a checkpoint (every 10 steps). The two
  * survivors can hold the job in two stages (each offers 48 MiB: three layers, not six), so the broker
@@ -579,6 +633,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_eval_starts_again, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_chaotic_same_bits, tu_teardown),
