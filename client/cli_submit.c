@@ -39,6 +39,16 @@ static char *spec_json(dag_spec *spec)
     return dag_spec_to_json(spec);
 }
 
+/* The job's data file into *text (at most CLI_MAX_INLINE_BYTES); false with a message. */
+static bool read_data(const char *prog, const char *path, char **text, size_t *len)
+{
+    fu_errmsg em = {0};
+    fu_err rc = fu_file_read_all(path, CLI_MAX_INLINE_BYTES, text, len, &em);
+    if (rc != FU_OK)
+        fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(&em, rc));
+    return rc == FU_OK;
+}
+
 /* Uploads the spec's model first when asked (the spec then names the broker's copy) and sends the
  * submission over conn (retrying with the same key): the job's id in *id, printed on stdout when
  * print_id. On failure the message is printed and the exit code returned in *code. */
@@ -145,12 +155,10 @@ static int submit_finetune(int argc, char **argv)
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model, &spec, &code) != FU_OK)
         return code;
-    fu_errmsg em = {0};
     char *text = NULL;
     size_t text_len = 0;
-    fu_err rc = fu_file_read_all(data, CLI_MAX_INLINE_BYTES, &text, &text_len, &em);
-    if (rc != FU_OK) {
-        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+    if (!read_data(cmd.prog, data, &text, &text_len)) {
+        dag_spec_clear(&spec);
         return FU_EXIT_USAGE;
     }
     code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, &spec, upload, (const uint8_t *)text,
@@ -300,14 +308,10 @@ static int submit_eval(int argc, char **argv)
     dag_spec spec;
     if ((code = eval_spec(cmd.prog, &a, a.adapter_job, &spec)) != FU_EXIT_OK)
         return code;
-    fu_errmsg em = {0};
     char *text = NULL;
     size_t text_len = 0;
-    fu_err rc = fu_file_read_all(a.data, CLI_MAX_INLINE_BYTES, &text, &text_len, &em);
-    if (rc != FU_OK) {
-        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+    if (!read_data(cmd.prog, a.data, &text, &text_len))
         return FU_EXIT_USAGE;
-    }
     code = submit_and_follow(cmd.prog, &a.co, FUSION__JOB_KIND__JOB_KIND_EVAL, &spec, a.upload, (const uint8_t *)text,
                              text_len, a.idem, a.wait, a.quiet);
     dag_spec_clear(&spec);
@@ -356,14 +360,10 @@ int cli_eval_pipeline_main(int argc, char **argv)
     for (int k = 0; k < n; k++)
         if ((code = eval_spec(cmd.prog, &a, k ? a.adapter_job : NULL, &spec[k])) != FU_EXIT_OK)
             return code;
-    fu_errmsg em = {0};
     char *text = NULL;
     size_t text_len = 0;
-    fu_err rc = fu_file_read_all(a.data, CLI_MAX_INLINE_BYTES, &text, &text_len, &em);
-    if (rc != FU_OK) {
-        fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
+    if (!read_data(cmd.prog, a.data, &text, &text_len))
         return FU_EXIT_USAGE;
-    }
     cli_conn_t *conn = NULL;
     if (cli_conn_open(cmd.prog, &a.co, &conn, &code) != FU_OK) {
         free(text);

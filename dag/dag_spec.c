@@ -163,20 +163,15 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
         if ((f->kinds & k) && !(f->def < 0 && v == f->def)) /* a negative default means "unset" */
             FU_TRY(check_value(f, v, name, em));
     }
-    if (s->kind == DAG_JOB_EVAL) {
-        if (!job_id_ok(s->adapter_job))
-            return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
-        if (s->batch % s->micro_batches != 0)
-            return fu_errmsg_set(em, FU_EINVAL, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)",
-                                 s->micro_batches, s->batch);
-        if ((uint64_t)s->batch * s->seq_len > DAG_SPEC_MAX_ROWS)
-            return fu_errmsg_set(em, FU_EINVAL, "spec: \"batch\" x \"seq_len\" must be at most %u tokens",
-                                 DAG_SPEC_MAX_ROWS);
-    } else if (s->kind == DAG_JOB_FINETUNE) {
+    if (s->kind != DAG_JOB_FINETUNE && !job_id_ok(s->adapter_job))
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
+    if (s->kind == DAG_JOB_FINETUNE) {
         if (s->method == DAG_ADAPTER_NONE || (unsigned)s->method > DAG_ADAPTER_SALR)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"method\" must be \"lora-fa\", \"lora\" or \"salr\"");
         if (s->targets & ~(uint32_t)DAG_TARGETS_ALL)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"targets\" names an unknown linear");
+    }
+    if (s->kind != DAG_JOB_INFER) { /* batches of windows: a fine-tune's or an eval's */
         if (s->batch % s->micro_batches != 0)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)",
                                  s->micro_batches, s->batch);
@@ -184,8 +179,6 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"batch\" x \"seq_len\" must be at most %u tokens",
                                  DAG_SPEC_MAX_ROWS);
     } else {
-        if (!job_id_ok(s->adapter_job))
-            return fu_errmsg_set(em, FU_EINVAL, "spec: \"adapter_job\" must be a job id (16 hex characters) or \"\"");
         if (s->n_prompt_tokens > DAG_SPEC_MAX_PROMPT || (s->n_prompt_tokens && !s->prompt_tokens))
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"prompt_tokens\" holds at most %u ids", DAG_SPEC_MAX_PROMPT);
         for (size_t i = 0; i < s->n_prompt_tokens; i++)

@@ -366,8 +366,14 @@ static void test_tokenizer_refuses_what_it_cannot_do(void **state)
         {"{\"normalizer\":{\"type\":\"Replace\",\"pattern\":{\"Regex\":\" +\"},\"content\":\" \"},"
          "\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{}}",
          FU_EVERSION, "Replace normalizer is supported with a String pattern only"},
-        {"{\"pre_tokenizer\":{\"type\":\"Metaspace\"},\"model\":{}}", FU_EVERSION, "pre_tokenizer 'Metaspace'"},
-        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0}}}", FU_EVERSION, "needs a decoder Sequence"},
+        {"{\"pre_tokenizer\":{\"type\":\"Whitespace\"},\"model\":{}}", FU_EVERSION, "pre_tokenizer 'Whitespace'"},
+        {"{\"pre_tokenizer\":{\"type\":\"Metaspace\"},\"model\":{}}", FU_EPROTO, "needs a \"replacement\""},
+        {"{\"pre_tokenizer\":{\"type\":\"Metaspace\",\"replacement\":\"_\",\"split\":true},\"model\":{}}", FU_EVERSION,
+         "split=true"},
+        {"{\"pre_tokenizer\":{\"type\":\"Metaspace\",\"replacement\":\"_\",\"prepend_scheme\":\"sometimes\"},"
+         "\"model\":{}}",
+         FU_EPROTO, "prepend_scheme"},
+        {"{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0}}}", FU_EVERSION, "needs a Metaspace decoder or a decoder Sequence"},
         {"{\"decoder\":{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"CTC\"}]},\"model\":{\"type\":\"BPE\","
          "\"vocab\":{\"a\":0}}}",
          FU_EVERSION, "decoder 'CTC' is not supported"},

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# bench/wan: the pipeline over home internet links (issue "Home links"). For each link condition a
+# broker, three peers and a client each live in their own network namespace behind fusion-linkemu
+# (tests/linkemu/linkemu.c: every host's access link has the condition's bandwidth and one-way delay),
+# and a three-stage fine-tune and a three-stage generation run over them. One JSON line per condition:
+#   finetune_tokens_per_s     trained tokens over the job's run (StageStart to done, from the broker log)
+#   finetune_vs_lan           that against the LAN condition's
+#   infer_tokens_per_s        generated tokens over the generation's run
+#   infer_floor_tokens_per_s  one token per round of the pipeline's hops (stage 0 -> 1 -> 2 -> broker
+#                             -> stage 0, each one way across two access links): 1 / (sum of the hops'
+#                             latencies), what no schedule can beat
+#   loss                      the fine-tune's last loss; adapter_same_as_lan: its adapter file has the
+#                             LAN run's bits (the wire carries f32: no codec yet)
+#
+#   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]
+#
+# BUILD_DIR holds bin/fusion, bin/fusion-broker, bin/fusion-peer and tests/fusion-linkemu (a Release
+# build for figures). Needs root (namespaces, TUN); exits 77 otherwise. Bounded: every run has a
+# timeout, the emulator a duration and a traffic cap, and every namespace is removed on exit.
+set -euo pipefail
+BUILD=${1:?usage: bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]}
+shift
+QUICK=0
+ONLY=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) QUICK=1 ;;
+    --only) ONLY=$2; shift ;;
+    *) echo "bench-wan: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+BIN=$BUILD/bin
+EMU=$BUILD/tests/fusion-linkemu
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+DATA=$SRC/deploy/data/shakespeare.txt
+for p in "$BIN/fusion" "$BIN/fusion-broker" "$BIN/fusion-peer" "$EMU"; do
+  [ -x "$p" ] || { echo "bench-wan: $p not built" >&2; exit 1; }
+done
+[ "$(id -u)" = 0 ] || { echo "bench-wan: skipped: needs root (network namespaces, TUN)"; exit 77; }
+[ -c /dev/net/tun ] || { echo "bench-wan: skipped: no /dev/net/tun"; exit 77; }
+
+MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"
+STEPS=20
+[ $QUICK = 1 ] && STEPS=8
+TRAIN="--rank 4 --alpha 8 --batch 4 --seq-len 64 --micro-batches 2 --lr 0.01 --seed 7 --steps $STEPS"
+GEN=32
+TAG=wan$$
+NET=10.90.0
+declare -A ADDR=([b]=$NET.1 [p0]=$NET.11 [p1]=$NET.12 [p2]=$NET.13 [c]=$NET.100)
+HOSTS="b p0 p1 p2 c"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/fusion-wan-XXXXXX")
+PIDS=()
+EMU_PID=
+PDEATH=()
+setpriv --pdeathsig KILL true 2>/dev/null && PDEATH=(setpriv --pdeathsig KILL)
+
+stop_all() {
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do
+    for _ in $(seq 1 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  PIDS=()
+  if [ -n "$EMU_PID" ]; then kill -TERM "$EMU_PID" 2>/dev/null || true; wait "$EMU_PID" 2>/dev/null || true; fi
+  EMU_PID=
+  for h in $HOSTS; do ip netns del "$TAG-$h" 2>/dev/null || true; done
+}
+cleanup() {
+  local rc=$?
+  stop_all
+  if [ $rc = 0 ]; then rm -rf "$WORK"; else echo "bench-wan: failed (exit $rc); logs in $WORK" >&2; fi
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+cd "$WORK"
+for k in broker client p0 p1 p2; do "$BIN/fusion" keygen -o "$k" >/dev/null; done
+for k in client p0 p1 p2; do grep -v '^#' "$k/public.key"; done >allow
+"$BIN/fusion" model init -o model $MODEL_ARGS >/dev/null
+
+run_in() { # host log command...
+  local h=$1 log=$2; shift 2
+  "${PDEATH[@]}" ip netns exec "$TAG-$h" "$@" >"$log" 2>&1 &
+  PIDS+=($!)
+}
+client() { FUSION_CONFIG=$WORK/client.conf ip netns exec "$TAG-c" "$BIN/fusion" "$@"; }
+log_ms() { # the log line's time (ms) of the first line matching the pattern after the other
+  grep -F "$1" "$2" | head -n 1 | awk '{ split($1, t, /[T:Z.]/); printf "%d\n", ((t[2] * 60 + t[3]) * 60 + t[4]) * 1000 + t[5] }'
+}
+
+# condition NAME UP_MBIT DOWN_MBIT DELAY_MS [STALL]: every host's access link so
+condition() {
+  local name=$1 up=$2 down=$3 delay=$4 stall=${5:-}
+  [ -n "$ONLY" ] && [ "$ONLY" != "$name" ] && [ "$name" != lan ] && return 0
+  local hosts=()
+  for h in $HOSTS; do hosts+=(--host "$h:${ADDR[$h]}:$up:$down:$delay"); done
+  rm -f ready
+  "$EMU" --tag "$TAG" "${hosts[@]}" --duration 900 --max-mib 4096 --queue-kib 512 --seed 11 --ready ready \
+    ${stall:+--stall "$stall"} 2>"emu-$name.log" &
+  EMU_PID=$!
+  for _ in $(seq 1 100); do [ -f ready ] && break; sleep 0.05; done
+  [ -f ready ] || { cat "emu-$name.log" >&2; echo "bench-wan: the emulator could not start" >&2; exit 1; }
+  rm -rf "store-$name.db"* "cache-$name"*
+  run_in b "broker-$name.log" "$BIN/fusion-broker" --bind "tcp://${ADDR[b]}:7700" --keys broker \
+    --db "store-$name.db" --allow allow --model-root "$WORK" --backups 0 --heartbeat-ms 1000 --verify 0 \
+    --challenge-ms 0 --step-timeout 600
+  for _ in $(seq 1 100); do grep -q "listening on" "broker-$name.log" 2>/dev/null && break; sleep 0.1; done
+  for i in 0 1 2; do
+    run_in "p$i" "p$i-$name.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
+      --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
+      --max-memory 0.039 --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
+  done
+  for i in 0 1 2; do
+    for _ in $(seq 1 600); do grep -q "(p$i) joined" "broker-$name.log" && break; sleep 0.1; done
+    grep -q "(p$i) joined" "broker-$name.log" || { echo "bench-wan: $name: peer p$i did not join" >&2; exit 1; }
+  done
+  cat >client.conf <<CONF
+broker = tcp://${ADDR[b]}:7700
+broker-key = $WORK/broker/public.key
+keys = $WORK/client
+CONF
+  local job gen
+  job=$(client submit finetune --model model --data "$DATA" $TRAIN --checkpoint-every 1000 -q)
+  timeout 900 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$job" -q --wait-timeout 880 \
+    >/dev/null
+  client result "$job" -o "result-$name" >/dev/null
+  local stages
+  stages=$(grep -c "job $job stage [0-9]/" "broker-$name.log" || true)
+  local t0 t1 loss
+  t0=$(log_ms "job $job: every stage is ready; started" "broker-$name.log")
+  t1=$(log_ms "job $job done" "broker-$name.log")
+  loss=$(client status "$job" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
+  gen=$(client submit infer --model model --prompt "To be, or not to be" --max-tokens $GEN -q)
+  timeout 600 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$gen" -q --wait-timeout 580 \
+    >/dev/null
+  local g0 g1
+  g0=$(log_ms "job $gen: every stage is ready; started" "broker-$name.log")
+  g1=$(log_ms "job $gen done" "broker-$name.log")
+  local same=false
+  [ "$name" = lan ] && cp "result-$name/adapter_model.safetensors" lan.adapter
+  cmp -s "result-$name/adapter_model.safetensors" lan.adapter && same=true
+  awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" -v t0="$t0" -v t1="$t1" \
+      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * 4 * 64)) -v gen=$GEN -v loss="$loss" -v same=$same \
+      -v lan="$(cat lan.tps 2>/dev/null || echo 0)" 'BEGIN {
+    tps = toks / ((t1 - t0) / 1000); itps = gen / ((g1 - g0) / 1000);
+    hop = 2 * d / 1000; floor = hop > 0 ? 1 / (4 * hop) : 0; # s0->s1->s2->broker->s0, each 2 access delays
+    printf "{\"bench\":\"wan\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,", n, up, down, 4 * d, st, s;
+    printf "\"finetune_tokens_per_s\":%.1f,\"finetune_vs_lan\":%.2f,\"infer_tokens_per_s\":%.2f,", tps, lan > 0 ? tps / lan : 1, itps;
+    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f,\"loss\":%s,\"adapter_same_as_lan\":%s}\n", floor, floor > 0 ? itps / floor : 0, loss, same;
+    if (n == "lan") printf "%.3f\n", tps > "lan.tps" }'
+  stop_all
+}
+
+condition lan 1000 1000 0.05
+condition 100mbit_20ms 100 100 5
+condition 20mbit_60ms 20 20 15
+condition 50_10mbit_40ms 10 50 10
+condition stalls_1pct_2s 100 100 5 0.01:2
