@@ -6,9 +6,10 @@
 #   finetune_tokens_per_s     trained tokens over the job's run (StageStart to done, from the broker log)
 #   finetune_vs_lan           that against the LAN condition's
 #   infer_tokens_per_s        generated tokens over the generation's run
-#   infer_floor_tokens_per_s  one token per round of the pipeline's hops (stage 0 -> 1 -> 2 -> broker
-#                             -> stage 0, each one way across two access links): 1 / (sum of the hops'
-#                             latencies), what no schedule can beat
+#   infer_floor_tokens_per_s  one token per round of the generation's hops (stage 0 -> .. -> last stage
+#                             -> broker -> stage 0, each one way across two access links): 1 / (sum of
+#                             the hops' latencies), what no schedule can beat (the generation needs less
+#                             memory and may take fewer stages: infer_stages)
 #   loss                      the fine-tune's last loss; adapter_same_as_lan: its adapter file has the
 #                             LAN run's bits (the wire carries f32: no codec yet)
 #
@@ -18,7 +19,7 @@
 # build for figures). Needs root (namespaces, TUN); exits 77 otherwise. Bounded: every run has a
 # timeout, the emulator a duration and a traffic cap, and every namespace is removed on exit.
 set -euo pipefail
-BUILD=${1:?usage: bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]}
+BUILD=$(cd "${1:?usage: bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]}" && pwd)
 shift
 QUICK=0
 ONLY=
@@ -43,7 +44,7 @@ done
 MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"
 STEPS=20
 [ $QUICK = 1 ] && STEPS=8
-TRAIN="--rank 4 --alpha 8 --batch 4 --seq-len 64 --micro-batches 2 --lr 0.01 --seed 7 --steps $STEPS"
+TRAIN="--rank 4 --alpha 8 --batch 4 --seq-len 16 --micro-batches 2 --lr 0.01 --seed 7 --steps $STEPS"
 GEN=32
 TAG=wan$$
 NET=10.90.0
@@ -136,20 +137,22 @@ CONF
   gen=$(client submit infer --model model --prompt "To be, or not to be" --max-tokens $GEN -q)
   timeout 600 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$gen" -q --wait-timeout 580 \
     >/dev/null
-  local g0 g1
+  local g0 g1 ngen istages
+  istages=$(grep -c "job $gen stage [0-9]/" "broker-$name.log" || true)
+  ngen=$(client status "$gen" --json | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
   g0=$(log_ms "job $gen: every stage is ready; started" "broker-$name.log")
   g1=$(log_ms "job $gen done" "broker-$name.log")
   local same=false
   [ "$name" = lan ] && cp "result-$name/adapter_model.safetensors" lan.adapter
   cmp -s "result-$name/adapter_model.safetensors" lan.adapter && same=true
   awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" -v t0="$t0" -v t1="$t1" \
-      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * 4 * 64)) -v gen=$GEN -v loss="$loss" -v same=$same \
+      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * 4 * 16)) -v gen="$ngen" -v is="$istages" -v loss="$loss" -v same=$same \
       -v lan="$(cat lan.tps 2>/dev/null || echo 0)" 'BEGIN {
     tps = toks / ((t1 - t0) / 1000); itps = gen / ((g1 - g0) / 1000);
-    hop = 2 * d / 1000; floor = hop > 0 ? 1 / (4 * hop) : 0; # s0->s1->s2->broker->s0, each 2 access delays
-    printf "{\"bench\":\"wan\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,", n, up, down, 4 * d, st, s;
-    printf "\"finetune_tokens_per_s\":%.1f,\"finetune_vs_lan\":%.2f,\"infer_tokens_per_s\":%.2f,", tps, lan > 0 ? tps / lan : 1, itps;
-    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f,\"loss\":%s,\"adapter_same_as_lan\":%s}\n", floor, floor > 0 ? itps / floor : 0, loss, same;
+    hop = 2 * d / 1000; floor = hop > 0 ? 1 / ((is + 1) * hop) : 0; # s0->..->last->broker->s0, 2 access delays each
+    printf "{\"bench\":\"wan\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"infer_stages\":%d,\"generated\":%d,", n, up, down, 4 * d, st, s, is, gen;
+    printf "\"finetune_tokens_per_s\":%.1f,\"finetune_vs_lan\":%.2f,\"infer_tokens_per_s\":%.2f,", tps, (lan > 0 ? tps / lan : 1), itps;
+    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f,\"loss\":%s,\"adapter_same_as_lan\":%s}\n", floor, (floor > 0 ? itps / floor : 0), loss, same;
     if (n == "lan") printf "%.3f\n", tps > "lan.tps" }'
   stop_all
 }
