@@ -15,6 +15,9 @@
 #
 #   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]
 #
+# WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step; WAN_PEER_GB (default 0.039) is each
+# peer's memory, which makes the plan three stages (raise it with the step).
+#
 # BUILD_DIR holds bin/fusion, bin/fusion-broker, bin/fusion-peer and tests/fusion-linkemu (a Release
 # build for figures). Needs root (namespaces, TUN); exits 77 otherwise. Bounded: every run has a
 # timeout, the emulator a duration and a traffic cap, and every namespace is removed on exit.
@@ -44,7 +47,8 @@ done
 MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"
 STEPS=20
 [ $QUICK = 1 ] && STEPS=8
-TRAIN="--rank 4 --alpha 8 --batch 4 --seq-len 16 --micro-batches 2 --lr 0.01 --seed 7 --steps $STEPS"
+BATCH=${WAN_BATCH:-4} SEQ=${WAN_SEQ:-16} MICRO=${WAN_MICRO:-2} PEER_GB=${WAN_PEER_GB:-0.039} # the step's size, each peer's memory
+TRAIN="--rank 4 --alpha 8 --batch $BATCH --seq-len $SEQ --micro-batches $MICRO --lr 0.01 --seed 7 --steps $STEPS"
 GEN=32
 TAG=wan$$
 NET=10.90.0
@@ -112,7 +116,7 @@ condition() {
   for i in 0 1 2; do
     run_in "p$i" "p$i-$name.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
       --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
-      --max-memory 0.039 --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
+      --max-memory "$PEER_GB" --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
   done
   for i in 0 1 2; do
     for _ in $(seq 1 600); do grep -q "(p$i) joined" "broker-$name.log" && break; sleep 0.1; done
@@ -146,7 +150,7 @@ CONF
   [ "$name" = lan ] && cp "result-$name/adapter_model.safetensors" lan.adapter
   cmp -s "result-$name/adapter_model.safetensors" lan.adapter && same=true
   awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" -v t0="$t0" -v t1="$t1" \
-      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * 4 * 16)) -v gen="$ngen" -v is="$istages" -v loss="$loss" -v same=$same \
+      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * BATCH * SEQ)) -v gen="$ngen" -v is="$istages" -v loss="$loss" -v same=$same \
       -v lan="$(cat lan.tps 2>/dev/null || echo 0)" 'BEGIN {
     tps = toks / ((t1 - t0) / 1000); itps = gen / ((g1 - g0) / 1000);
     hop = 2 * d / 1000; floor = hop > 0 ? 1 / ((is + 1) * hop) : 0; # s0->..->last->broker->s0, 2 access delays each
