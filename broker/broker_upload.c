@@ -121,6 +121,11 @@ static bool manifest_ok(const Fusion__ModelUpload *m, uint32_t *chunks, uint64_t
                 snprintf(why, wn, "'%s' is named twice", f->name);
                 return false;
             }
+        if (f->size > (uint64_t)WIRE_MAX_REPEATED * WIRE_UPLOAD_CHUNK) {
+            snprintf(why, wn, "'%s': a file holds at most %u chunks of %u bytes", f->name, WIRE_MAX_REPEATED,
+                     WIRE_UPLOAD_CHUNK);
+            return false;
+        }
         uint64_t want = (f->size + WIRE_UPLOAD_CHUNK - 1) / WIRE_UPLOAD_CHUNK;
         if (f->n_chunks != want) {
             snprintf(why, wn, "'%s': %" PRIu64 " bytes take %" PRIu64 " chunks, not %zu", f->name, f->size, want,

@@ -277,6 +277,10 @@ static void test_upload_attacks_refused(void **state)
     m.files[1].size += CHUNK;
     refused_with(&f->cl, FUSION__MSG_TYPE__MSG_MODEL_UPLOAD, &m.mu.base, "chunks");
     m.files[1].size -= CHUNK;
+    uint64_t size1 = m.files[1].size; /* a size that wraps the chunk count around */
+    m.files[1].size = UINT64_MAX;
+    refused_with(&f->cl, FUSION__MSG_TYPE__MSG_MODEL_UPLOAD, &m.mu.base, "at most");
+    m.files[1].size = size1;
     /* a model over --upload-gib (1): refused before a byte is sent */
     static ProtobufCBinaryData many[512];
     for (size_t i = 0; i < 512; i++)
