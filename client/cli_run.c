@@ -11,6 +11,7 @@
 
 
 #include "cli.h"
+#include "dag_chain.h"
 #include "dag_data.h"
 #include "dag_peft.h"
 #include "dag_dataset.h"
@@ -109,14 +110,18 @@ static void model_close(cli_model *m)
     fu_tokenizer_destroy(&m->tok);
 }
 
-static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_exec_opts *eo, dag_graph_t **g,
-                        dag_exec_t **x, fu_errmsg *em)
+static fu_err make_graph(const cli_model *m, const dag_build_opts *bo, dag_graph_t **g, fu_errmsg *em)
 {
     fu_err rc = dag_build_llama(&m->dims, bo, g);
     if (rc != FU_OK)
         return fu_errmsg_set(em, rc, "cannot build the model's graph (rank larger than a layer?)");
-    if (dag_graph_validate(*g, em) != FU_OK)
-        return FU_EINVAL;
+    return dag_graph_validate(*g, em) != FU_OK ? FU_EINVAL : FU_OK;
+}
+
+static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_exec_opts *eo, dag_graph_t **g,
+                        dag_exec_t **x, fu_errmsg *em)
+{
+    FU_TRY(make_graph(m, bo, g, em));
     FU_TRY(dag_exec_new(*g, eo, x, em));
     return dag_exec_load_weights(*x, m->st, em);
 }
@@ -143,7 +148,7 @@ static void progress(bool tty, long long step, long long steps, double loss, dou
 
 static int run_finetune(int argc, char **argv)
 {
-    const char *model_dir = NULL, *data = NULL, *out = NULL, *loss_log = NULL;
+    const char *model_dir = NULL, *data = NULL, *out = NULL, *loss_log = NULL, *cuts_arg = NULL;
     long long threads = 0;
     bool correction = false;
     dag_spec_cli sc;
@@ -155,6 +160,9 @@ static int run_finetune(int argc, char **argv)
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
         {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
          "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
+        {"cuts", 0, FU_OPT_STR, &cuts_arg, "N,...",
+         "run as a pipeline whose stages begin at these node ids (the broker's \"nodes A-B\"), each cut "
+         "tensor through --wire-codec: the adapter equals such a pipeline's bit for bit"},
     };
     fu_cmd cmd = {
         .prog = argv[0],
@@ -174,6 +182,22 @@ static int run_finetune(int argc, char **argv)
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model_dir, &spec, &code) != FU_OK)
         return code;
+    size_t cuts[DAG_CHAIN_MAX_STAGES], n_cuts = 0;
+    for (const char *p = cuts_arg; p && *p;) {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || v <= 0 || (*end && *end != ',') || n_cuts + 1 >= DAG_CHAIN_MAX_STAGES) {
+            fprintf(stderr, "%s: --cuts wants at most %d increasing node ids separated by commas, got '%.80s'\n",
+                    argv[0], DAG_CHAIN_MAX_STAGES - 1, cuts_arg);
+            return FU_EXIT_USAGE;
+        }
+        cuts[n_cuts++] = (size_t)v;
+        p = *end ? end + 1 : end;
+    }
+    if (!n_cuts && (spec.act_codec != KERN_CODEC_F32 || spec.grad_codec != KERN_CODEC_F32)) {
+        fprintf(stderr, "%s: --wire-codec acts at the cuts between stages: give them with --cuts\n", argv[0]);
+        return FU_EXIT_USAGE;
+    }
     const dag_adapter_method method = spec.method;
     const long long rank = spec.rank, steps = (long long)spec.steps, batch = spec.batch, seq_len = spec.seq_len,
                     micro = spec.micro_batches;
@@ -204,9 +228,8 @@ static int run_finetune(int argc, char **argv)
     int32_t *ids = NULL;
     size_t n_ids = 0;
     dag_graph_t *g = NULL;
-    dag_exec_t *x = NULL;
     FILE *log = NULL;
-    dag_train_stage ts = {0};
+    dag_chain chain = {0};
     int exit_code = FU_EXIT_OK;
     dag_dataset ds = {0};
     dag_dataset_opts dopt = {.seq_len = (uint32_t)seq_len, .heldout = spec.heldout, .chat = m.chat};
@@ -235,7 +258,8 @@ static int run_finetune(int argc, char **argv)
     uint32_t rows = (uint32_t)(batch / micro); /* sequences per micro-batch */
     dag_exec_opts eo = {.max_tokens = rows * (uint32_t)seq_len, .n_slots = 1, .training = true,
                         .seed = spec.seed, .lorafa_correction = correction};
-    if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK) {
+    if ((rc = make_graph(&m, &bo, &g, &em)) != FU_OK ||
+        (rc = dag_chain_new(&chain, g, &eo, m.st, cuts, n_cuts, &spec, ids, n_ids, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
     }
@@ -244,23 +268,21 @@ static int run_finetune(int argc, char **argv)
         exit_code = FU_EXIT_FAIL;
         goto done;
     }
-    /* The one-stage pipeline: the peers' step (dag_train) with this process as first and last stage. */
-    if ((rc = dag_train_stage_init(&ts, x, g, &spec, ids, n_ids, true, true, 1)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
-        goto done;
-    }
+    if (n_cuts)
+        fprintf(stderr, "%s: %zu stages, activations as %s and gradients as %s between them\n", prog, chain.n,
+                kern_codec_name(spec.act_codec), kern_codec_name(spec.grad_codec));
     bool tty = isatty(STDERR_FILENO) != 0;
     if (!tty)
         printf("fine-tuning %s rank %lld alpha %g on %zu tokens (%zu windows of %lld), %lld steps of %lld x %lld, "
                "%zu trainable parameters\n",
                dag_adapter_name(method), rank, alpha, n_ids, n_win, seq_len, steps, batch, seq_len,
-               dag_exec_trainable_params(x));
+               dag_chain_trainable_params(&chain));
     double t0 = fu_clock_sec();
     for (long long s = 1; s <= steps; s++) {
         double loss = 0;
-        rc = dag_train_run_step(&ts, (uint64_t)(s - 1), &loss);
+        rc = dag_chain_step(&chain, (uint64_t)(s - 1), &loss, &em);
         if (rc != FU_OK) {
-            fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_strerror(rc));
+            fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_errmsg_text(&em, rc));
             exit_code = FU_EXIT_FAIL;
             goto done;
         }
@@ -278,7 +300,7 @@ static int run_finetune(int argc, char **argv)
             fflush(log);
         }
     }
-    if ((rc = dag_exec_save_adapter(x, out, model_dir, &em)) != FU_OK) {
+    if ((rc = dag_chain_save_adapter(&chain, out, model_dir, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
     }
@@ -286,8 +308,7 @@ static int run_finetune(int argc, char **argv)
 done:
     if (log)
         fclose(log);
-    dag_train_stage_clear(&ts);
-    dag_exec_destroy(&x);
+    dag_chain_clear(&chain);
     dag_graph_destroy(&g);
     free(ids);
     free(text);

@@ -84,6 +84,10 @@ FU_MUST_CHECK fu_err dag_exec_load_adapter(dag_exec_t *self, const fu_safetensor
  * target_modules, task_type CAUSAL_LM, base_model_name_or_path = base_model). */
 FU_MUST_CHECK fu_err dag_exec_save_adapter(const dag_exec_t *self, const char *dir, const char *base_model,
                                            fu_errmsg *em);
+/* The same for the ranges of n executors of one graph (a pipeline's stages in one process), written
+ * as one adapter. */
+FU_MUST_CHECK fu_err dag_exec_save_adapters(const dag_exec_t *const *xs, size_t n, const char *dir,
+                                            const char *base_model, fu_errmsg *em);
 
 /* Checkpoint, in the pipeline's one format (docs/FORMATS.md): the adapters under their PEFT names,
  * each AdamW moment beside its tensor (<name>.adam_m, <name>.adam_v) and the optimizer's step
@@ -116,6 +120,10 @@ FU_MUST_CHECK fu_err dag_exec_forward(dag_exec_t *self, uint32_t slot);
  * logits) after forward: host pointer valid until the next call on the executor, and its size. */
 FU_MUST_CHECK fu_err dag_exec_get_output(dag_exec_t *self, uint32_t slot, uint32_t node, const float **data,
                                          size_t *n_floats);
+/* The outputs of cut nodes ids[0..n) of a slot after its forward, one after the other, into out:
+ * exactly cap floats, else FU_EINVAL. */
+FU_MUST_CHECK fu_err dag_exec_gather_outputs(dag_exec_t *self, uint32_t slot, const uint32_t *ids, size_t n,
+                                             float *out, size_t cap);
 /* Mean cross-entropy of the slot's last forward and the number of target tokens it covered. */
 FU_MUST_CHECK fu_err dag_exec_loss(const dag_exec_t *self, uint32_t slot, float *loss, int64_t *n_valid);
 /* The token the sample node drew in the slot's last forward. */
@@ -134,6 +142,10 @@ FU_MUST_CHECK fu_err dag_exec_backward(dag_exec_t *self, uint32_t slot, float lo
  * with n 0 when no gradient reaches it (nothing trainable before it). */
 FU_MUST_CHECK fu_err dag_exec_get_input_grad(dag_exec_t *self, uint32_t node, const float **data,
                                              size_t *n_floats);
+/* The gradients of cut inputs ids[0..n) after a backward, rows x width each, one after the other,
+ * zeros where none reaches, into out: exactly cap floats, else FU_EINVAL. */
+FU_MUST_CHECK fu_err dag_exec_gather_input_grads(dag_exec_t *self, const uint32_t *ids, size_t n, uint64_t rows,
+                                                 float *out, size_t cap);
 /* AdamW step on every trained adapter tensor of the range with the accumulated gradients, which are
  * then zeroed. The step count starts at 1. */
 FU_MUST_CHECK fu_err dag_exec_step(dag_exec_t *self, const kern_adamw_params *p);

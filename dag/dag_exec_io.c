@@ -512,11 +512,22 @@ static fu_err collect(const dag_exec_t *x, tlist *l, bool with_state)
 
 fu_err dag_exec_save_adapter(const dag_exec_t *x, const char *dir, const char *base_model, fu_errmsg *em)
 {
-    if (!x || !dir)
+    return dag_exec_save_adapters(&x, 1, dir, base_model, em);
+}
+
+fu_err dag_exec_save_adapters(const dag_exec_t *const *xs, size_t n, const char *dir, const char *base_model,
+                              fu_errmsg *em)
+{
+    if (!xs || !n || !dir)
         return FU_EINVAL;
+    for (size_t k = 0; k < n; k++)
+        if (!xs[k] || xs[k]->g != xs[0]->g)
+            return FU_EINVAL;
     FU_TRY(fu_mkdir_p(dir, 0755, em));
     tlist l = {0};
-    fu_err rc = collect(x, &l, false);
+    fu_err rc = FU_OK;
+    for (size_t k = 0; k < n && rc == FU_OK; k++)
+        rc = collect(xs[k], &l, false);
     if (rc == FU_OK && l.n == 0)
         rc = fu_errmsg_set(em, FU_EINVAL, "the graph has no adapters to save");
     char *path = fu_path_join(dir, "adapter_model.safetensors");
@@ -530,14 +541,15 @@ fu_err dag_exec_save_adapter(const dag_exec_t *x, const char *dir, const char *b
     uint32_t targets = 0;
     uint32_t r = 0;
     float alpha = 0;
-    for (size_t i = x->first; i < x->last; i++) {
-        const dag_node *nd = N(x, i);
-        if (x->nodes[i].A) {
-            targets |= DAG_TARGET_BIT(nd->target);
-            r = nd->adapter.rank;
-            alpha = nd->adapter.alpha;
+    for (size_t k = 0; k < n; k++)
+        for (size_t i = xs[k]->first; i < xs[k]->last; i++) {
+            const dag_node *nd = N(xs[k], i);
+            if (xs[k]->nodes[i].A) {
+                targets |= DAG_TARGET_BIT(nd->target);
+                r = nd->adapter.rank;
+                alpha = nd->adapter.alpha;
+            }
         }
-    }
     char *js = dag_peft_config_json(base_model, r, (double)alpha, targets);
     char *cpath = fu_path_join(dir, DAG_PEFT_CONFIG_FILE);
     rc = fu_file_write_atomic(cpath, js, strlen(js), 0644, em);

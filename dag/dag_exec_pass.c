@@ -800,3 +800,36 @@ fu_err dag_exec_get_input_grad(dag_exec_t *x, uint32_t node, const float **data,
     *n_floats = n;
     return FU_OK;
 }
+
+fu_err dag_exec_gather_outputs(dag_exec_t *x, uint32_t slot, const uint32_t *ids, size_t n, float *out, size_t cap)
+{
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        const float *p;
+        size_t k;
+        FU_TRY(dag_exec_get_output(x, slot, ids[i], &p, &k));
+        if (off + k > cap)
+            return FU_EINVAL;
+        memcpy(out + off, p, k * sizeof(float));
+        off += k;
+    }
+    return off == cap ? FU_OK : FU_EINVAL;
+}
+
+fu_err dag_exec_gather_input_grads(dag_exec_t *x, const uint32_t *ids, size_t n, uint64_t rows, float *out, size_t cap)
+{
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        const float *p = NULL;
+        size_t k = 0, want = (size_t)(rows * dag_graph_width(x->g, ids[i]));
+        FU_TRY(dag_exec_get_input_grad(x, ids[i], &p, &k));
+        if ((p && k != want) || off + want > cap)
+            return FU_EINVAL;
+        if (p)
+            memcpy(out + off, p, want * sizeof(float));
+        else
+            memset(out + off, 0, want * sizeof(float));
+        off += want;
+    }
+    return off == cap ? FU_OK : FU_EINVAL;
+}

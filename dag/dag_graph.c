@@ -792,3 +792,18 @@ uint64_t dag_graph_cut_width(const dag_graph_t *g, size_t at)
     free(seen);
     return w;
 }
+
+fu_err dag_graph_check_range(const dag_graph_t *g, size_t first, size_t last, fu_errmsg *em)
+{
+    size_t n = dag_graph_size(g);
+    for (size_t j = last; j < n; j++) {
+        const dag_node *nd = dag_graph_node(g, j);
+        for (uint32_t k = 0; k < nd->n_inputs; k++)
+            if (nd->inputs[k] < first)
+                return fu_errmsg_set(em, FU_EINVAL,
+                                     "node %zu reads node %u across the stage %zu..%zu: skip connections over a "
+                                     "whole stage are not supported",
+                                     j, nd->inputs[k], first, last);
+    }
+    return FU_OK;
+}

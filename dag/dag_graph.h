@@ -193,6 +193,9 @@ FU_MUST_CHECK fu_err dag_build_llama(const dag_model_dims *dims, const dag_build
  * linears with sane rank/alpha. Returns FU_OK or FU_EPROTO and writes a message naming the node to
  * em (may be NULL). Pure; thread-safe. */
 FU_MUST_CHECK fu_err dag_graph_validate(const dag_graph_t *self, fu_errmsg *em);
+/* Whether nodes [first, last) can be a pipeline stage: no node at or after `last` reads a node before
+ * `first` (a tensor that skips a whole stage cannot be forwarded). FU_EINVAL naming the node. */
+FU_MUST_CHECK fu_err dag_graph_check_range(const dag_graph_t *self, size_t first, size_t last, fu_errmsg *em);
 
 /* The rotary parameters of a rope node (its theta and Llama 3's rescaling) as the kernels take them. */
 kern_rope_params dag_rope_params(const dag_node *n);

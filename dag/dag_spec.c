@@ -64,13 +64,16 @@ static const field FIELDS[] = {
 #define N_FIELDS (sizeof FIELDS / sizeof FIELDS[0])
 
 /* The other keys, by kind. */
-static const char *const FT_KEYS[] = {"kind", "model", "method", "targets", "shuffle", "trusted_ends", "byte_tokens"};
+static const char *const FT_KEYS[] = {"kind",         "model",       "method",    "targets",   "shuffle",
+                                      "trusted_ends", "byte_tokens", "act_codec", "grad_codec"};
 static const char *const IN_KEYS[] = {"kind",          "model",        "adapter_job", "dump_logits",
                                       "prompt_tokens", "trusted_ends", "byte_tokens"};
 
-static const char *const EV_KEYS[] = {"kind", "model", "adapter_job", "trusted_ends", "byte_tokens"};
+static const char *const EV_KEYS[] = {"kind", "model", "adapter_job", "trusted_ends", "byte_tokens", "act_codec"};
 
 static const char *const KIND_NAMES[] = {"finetune", "infer", "eval"};
+
+#define CODECS "f32, f16, bf16 or int8"
 
 static double get(const dag_spec *s, const field *f)
 {
@@ -187,10 +190,24 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
     }
     if (memchr(s->model, '\0', sizeof s->model) == NULL)
         return fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" is too long");
+    if ((unsigned)s->act_codec >= KERN_CODEC_COUNT_ || (unsigned)s->grad_codec >= KERN_CODEC_COUNT_)
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"act_codec\" and \"grad_codec\" must be " CODECS);
+    if ((s->kind == DAG_JOB_INFER && (s->act_codec || s->grad_codec)) || (s->kind == DAG_JOB_EVAL && s->grad_codec))
+        return fu_errmsg_set(em, FU_EINVAL, "spec: wire codecs are for fine-tunes (\"act_codec\", \"grad_codec\") "
+                                            "and evals (\"act_codec\")");
     return FU_OK;
 }
 
 /* ---- JSON ---------------------------------------------------------------------------------------- */
+
+/* A codec key's value (absent: left as it is). */
+static fu_err parse_codec(const cJSON *o, const char *key, kern_codec *out, fu_errmsg *em)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (v && (!cJSON_IsString(v) || kern_codec_parse(v->valuestring, out) != FU_OK))
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"%s\" must be " CODECS, key);
+    return FU_OK;
+}
 
 static bool in(const char *k, const char *const *keys, size_t n)
 {
@@ -237,6 +254,10 @@ static fu_err parse_string_keys(const cJSON *o, dag_spec *s, fu_errmsg *em)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"byte_tokens\" must be true or false");
         s->byte_tokens = cJSON_IsTrue(v);
     }
+    if (s->kind != DAG_JOB_INFER)
+        FU_TRY(parse_codec(o, "act_codec", &s->act_codec, em));
+    if (s->kind == DAG_JOB_FINETUNE)
+        FU_TRY(parse_codec(o, "grad_codec", &s->grad_codec, em));
     if (s->kind == DAG_JOB_FINETUNE) {
         if ((v = cJSON_GetObjectItemCaseSensitive(o, "method")) &&
             (!cJSON_IsString(v) || dag_adapter_parse(v->valuestring, &s->method) != FU_OK ||
@@ -387,12 +408,15 @@ char *dag_spec_to_json(const dag_spec *s)
                     cJSON_AddItemToArray(arr, cJSON_CreateString(dag_target_name((dag_target)t)));
         }
         cJSON_AddBoolToObject(o, "shuffle", s->shuffle);
+        cJSON_AddStringToObject(o, "act_codec", kern_codec_name(s->act_codec));
+        cJSON_AddStringToObject(o, "grad_codec", kern_codec_name(s->grad_codec));
         if (s->trusted_ends >= 0)
             cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
         if (s->byte_tokens)
             cJSON_AddBoolToObject(o, "byte_tokens", true);
     } else if (s->kind == DAG_JOB_EVAL) {
         cJSON_AddStringToObject(o, "adapter_job", s->adapter_job);
+        cJSON_AddStringToObject(o, "act_codec", kern_codec_name(s->act_codec));
         if (s->trusted_ends >= 0)
             cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
         if (s->byte_tokens)
@@ -463,6 +487,11 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
         opts[(*n)++] = (fu_opt){f->opt, 0, dbl ? FU_OPT_DOUBLE : FU_OPT_INT, dbl ? (void *)&c->dval[i] : (void *)&c->ival[i],
                                 f->metavar, f->help};
     }
+    if (kind != DAG_JOB_INFER && *n < cap)
+        opts[(*n)++] = (fu_opt){"wire-codec", 0, FU_OPT_STR, &c->wire_codec, "ACT[,GRAD]",
+                                kind == DAG_JOB_EVAL ? "activations between stages as f32 (default), f16, bf16 or int8"
+                                                     : "activations (and gradients, if not given apart) between "
+                                                       "stages as f32 (default), f16, bf16 or int8 (per-row scales)"};
     if ((flags & DAG_SPEC_CLI_PIPELINE) && *n < cap)
         opts[(*n)++] = (fu_opt){"trusted-ends", 0, FU_OPT_STR, &c->trusted_ends, "on|off",
                                 "keep the first and last stages (they see the tokens) on peers the broker trusts "
@@ -519,6 +548,21 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
         out->trusted_ends = strcmp(c->trusted_ends, "on") == 0;
     }
     out->byte_tokens = c->byte_tokens;
+    if (c->wire_codec && out->kind != DAG_JOB_INFER) {
+        char act[16] = "", grad[16] = "";
+        const char *comma = strchr(c->wire_codec, ',');
+        size_t la = comma ? (size_t)(comma - c->wire_codec) : strlen(c->wire_codec);
+        if (la < sizeof act)
+            memcpy(act, c->wire_codec, la);
+        snprintf(grad, sizeof grad, "%s", comma ? comma + 1 : act);
+        if (la >= sizeof act || kern_codec_parse(act, &out->act_codec) != FU_OK ||
+            kern_codec_parse(grad, &out->grad_codec) != FU_OK || (comma && out->kind == DAG_JOB_EVAL))
+            return fu_errmsg_set(em, FU_EINVAL, "--wire-codec must be %s, not '%.40s'",
+                                 out->kind == DAG_JOB_EVAL ? CODECS : CODECS " (or ACT,GRAD: int8,bf16)",
+                                 c->wire_codec);
+        if (out->kind == DAG_JOB_EVAL)
+            out->grad_codec = KERN_CODEC_F32;
+    }
     if (out->kind == DAG_JOB_FINETUNE) {
         if (dag_adapter_parse(c->method ? c->method : "lora-fa", &out->method) != FU_OK ||
             out->method == DAG_ADAPTER_NONE)

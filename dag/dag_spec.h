@@ -24,6 +24,7 @@
 #include "fu_file.h"
 #include "fu_opts.h"
 #include "kern_backend.h"
+#include "kern_codec.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -75,6 +76,8 @@ typedef struct {
     int trusted_ends;                   /* the first and last stages (they see tokens) on peers the broker's
                                            allow-list marks trusted: 1 yes, 0 no, -1 (default) yes when a
                                            trusted peer is registered */
+    kern_codec act_codec;               /* fine-tune and eval: activations on the wire (default f32) */
+    kern_codec grad_codec;              /* fine-tune: gradients on the wire (default f32) */
     /* inference and eval */
     char adapter_job[DAG_SPEC_JOB_ID_LEN + 1]; /* fine-tune job whose adapter to use ("": none) */
     uint32_t max_tokens;                /* tokens to generate (default 64) */
@@ -115,7 +118,7 @@ kern_adamw_params dag_spec_adamw(const dag_spec *s);
 /* ---- command-line options ------------------------------------------------------------------- */
 
 #define DAG_SPEC_CLI_PIPELINE (1u << 0) /* also --checkpoint-every and --verify (fusion submit) */
-#define DAG_SPEC_CLI_MAX_OPTS 24        /* most entries dag_spec_cli_opts adds */
+#define DAG_SPEC_CLI_MAX_OPTS 28        /* most entries dag_spec_cli_opts adds */
 
 /* Where fu_opts_parse puts the spec's options; read by dag_spec_from_cli. */
 typedef struct {
@@ -127,6 +130,7 @@ typedef struct {
     bool shuffle;                       /* --shuffle */
     bool byte_tokens;                   /* --byte-tokens */
     const char *trusted_ends;           /* --trusted-ends on|off (NULL: not given) */
+    const char *wire_codec;             /* --wire-codec ACT[,GRAD] (NULL: not given) */
 } dag_spec_cli;
 
 /* Sets c to the defaults of kind and appends the options of kind (and of flags) to opts, which has

@@ -84,6 +84,67 @@ fu_err dag_train_backward(dag_train_stage *t, uint32_t m, const float *grad, siz
     return dag_exec_backward(t->x, slot, 1.0f / (float)t->spec->micro_batches);
 }
 
+/* The side's cut node ids and their count. */
+static const uint32_t *side(const dag_train_stage *t, bool out, uint32_t *n)
+{
+    *n = out ? t->n_cut_out : t->n_cut_in;
+    return out ? t->cut_out : t->cut_in;
+}
+
+size_t dag_train_cut_floats(const dag_train_stage *t, bool out)
+{
+    uint32_t n;
+    const uint32_t *ids = side(t, out, &n);
+    size_t total = 0;
+    for (uint32_t i = 0; i < n; i++)
+        total += (size_t)(dag_train_rows(t) * dag_graph_width(t->g, ids[i]));
+    return total;
+}
+
+size_t dag_train_wire_bytes(const dag_train_stage *t, kern_codec c, bool out)
+{
+    uint32_t n;
+    const uint32_t *ids = side(t, out, &n);
+    size_t total = 0, rows = (size_t)dag_train_rows(t);
+    for (uint32_t i = 0; i < n; i++) {
+        size_t b = kern_codec_bytes(c, rows, (size_t)dag_graph_width(t->g, ids[i]));
+        if (!b && rows)
+            return 0;
+        total += b;
+    }
+    return total;
+}
+
+void dag_train_wire_encode(const dag_train_stage *t, kern_codec c, bool out, const float *x, uint8_t *bytes)
+{
+    uint32_t n;
+    const uint32_t *ids = side(t, out, &n);
+    size_t rows = (size_t)dag_train_rows(t);
+    for (uint32_t i = 0; i < n; i++) {
+        size_t w = (size_t)dag_graph_width(t->g, ids[i]);
+        kern_codec_encode(c, x, rows, w, bytes);
+        x += rows * w;
+        bytes += kern_codec_bytes(c, rows, w);
+    }
+}
+
+fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, const uint8_t *bytes, size_t len,
+                             float *x)
+{
+    if (len != dag_train_wire_bytes(t, c, out))
+        return FU_EPROTO;
+    uint32_t n;
+    const uint32_t *ids = side(t, out, &n);
+    size_t rows = (size_t)dag_train_rows(t);
+    for (uint32_t i = 0; i < n; i++) {
+        size_t w = (size_t)dag_graph_width(t->g, ids[i]), b = kern_codec_bytes(c, rows, w);
+        FU_TRY(kern_codec_decode(c, bytes, b, rows, w, x));
+        x += rows * w;
+        bytes += b;
+    }
+    return FU_OK;
+}
+
 fu_err dag_train_step(dag_train_stage *t)
 {
     kern_adamw_params ap = dag_spec_adamw(t->spec);

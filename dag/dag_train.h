@@ -17,6 +17,7 @@
 #include "dag_exec.h"
 #include "dag_spec.h"
 #include "fu_err.h"
+#include "kern_codec.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -60,6 +61,21 @@ FU_MUST_CHECK fu_err dag_train_forward(dag_train_stage *t, uint64_t step, uint32
  * elsewhere grad holds the gradients of the cut outputs one after the other, n floats. */
 FU_MUST_CHECK fu_err dag_train_backward(dag_train_stage *t, uint32_t m, const float *grad, size_t n, float *loss,
                                         int64_t *n_valid);
+
+/* ---- the wire: one micro-batch's cut tensors of one side (out: the cut outputs, which go down as
+ * activations and come back as their gradients; else the cut inputs), one after the other, rows x
+ * width each, each block in codec c (kern_codec.h: an int8 row is a row of its block). ---- */
+
+/* Floats of one micro-batch's cut tensors of the side. */
+size_t dag_train_cut_floats(const dag_train_stage *t, bool out);
+/* Bytes of the same in codec c (0 for an unknown codec). */
+size_t dag_train_wire_bytes(const dag_train_stage *t, kern_codec c, bool out);
+/* Writes x (dag_train_cut_floats(t, out) floats) in codec c to bytes (dag_train_wire_bytes). */
+void dag_train_wire_encode(const dag_train_stage *t, kern_codec c, bool out, const float *x, uint8_t *bytes);
+/* Reads len bytes in codec c into x. FU_EPROTO when len is not dag_train_wire_bytes or a value is
+ * malformed (kern_codec_decode). */
+FU_MUST_CHECK fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, const uint8_t *bytes,
+                                           size_t len, float *x);
 
 /* The optimizer step after the M-th backward. */
 FU_MUST_CHECK fu_err dag_train_step(dag_train_stage *t);

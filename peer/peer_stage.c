@@ -60,6 +60,7 @@ static void stage_clear(stage_t *s)
 {
     dag_exec_session_destroy(&s->sess);
     dag_train_stage_clear(&s->train);
+    free(s->rx);
     dag_exec_destroy(&s->x);
     dag_graph_destroy(&s->g);
     fu_safetensors_close(&s->st);
@@ -160,19 +161,7 @@ static fu_err setup_cuts(stage_t *s, fu_errmsg *em)
         return fu_errmsg_set(em, FU_EINVAL, "the stage boundary carries more than %d tensors", ST_MAX_CUTS);
     s->n_cut_in = (uint32_t)ni;
     s->n_cut_out = (uint32_t)no;
-    /* Every node before `first` read at or after `first` must be read inside this range (a cut
-     * tensor that skips a stage cannot be forwarded by dag_exec). */
-    size_t n = dag_graph_size(s->g);
-    for (size_t j = s->last; j < n; j++) {
-        const dag_node *nd = dag_graph_node(s->g, j);
-        for (uint32_t k = 0; k < nd->n_inputs; k++)
-            if (nd->inputs[k] < s->first)
-                return fu_errmsg_set(
-                    em, FU_EINVAL,
-                    "node %zu reads node %u across this stage (%u..%u): skip connections over a "
-                    "whole stage are not supported",
-                    j, nd->inputs[k], s->first, s->last);
-    }
+    FU_TRY(dag_graph_check_range(s->g, s->first, s->last, em));
     s->w_in_total = s->w_out_total = 0;
     for (uint32_t i = 0; i < s->n_cut_in; i++)
         s->w_in_total += dag_graph_width(s->g, s->cut_in[i]);

@@ -84,6 +84,8 @@ typedef struct {
     /* training progress */
     uint64_t step;            /* the step being run */
     dag_train_stage train;    /* the fine-tuning step (dag_train): shared with `fusion run finetune` */
+    float *rx;                /* a received cut tensor decoded from its wire codec (rx_cap floats) */
+    size_t rx_cap;
     uint32_t fwd_done, bwd_done;
     double loss_sum;          /* sum over micro-batches of their mean loss */
     double eval_sum;          /* eval: sum of the counted targets' losses of the step */
@@ -210,7 +212,11 @@ size_t stage_kept_row(stage_t *s, uint64_t step);
 bool stage_keeps_for_verify(const stage_t *s, uint32_t mb);
 /* The output of (step, mb) (total floats) is about to be sent: keeps a copy when verifying (and
  * applies the test-only fault hook, peer_verify.h). */
-void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total);
+bool stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total);
+/* A fine-tune's or eval's cut floats x of one side (out: the cut outputs, else the cut inputs) as the
+ * neighbour decodes them in codec c: x is replaced by that, and *wire (NULL for f32: x goes as it is,
+ * caller frees) receives the bytes to send, *len their size. */
+FU_MUST_CHECK fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t **wire, size_t *len);
 /* Gives up on queued requests whose input has not come in time. */
 void stage_verify_expire(stage_t *s);
 /* The verifier's checkpoint fetch ended: ok, or not (why); answers or goes on with the queue. */

@@ -58,11 +58,12 @@ static void keep_output(stage_t *s, uint64_t step, uint32_t mb, const float *f, 
     memcpy(s->kept[r][mb], f, total * sizeof(float));
 }
 
-/* The output a stage produces for the pipeline (activations down; the last stage: gradients up) is
- * about to be sent: with verification on a copy of what is sent is kept, so that a VerifyRequest or
- * VerifyDeliver is answered from the output actually produced. The fault hook (tests only) may
- * corrupt it first ("scale", "nudge"), or keep the honest copy and corrupt what is sent ("lie"). */
-void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total)
+/* The output a stage produces for the pipeline (activations down; the last stage: gradients up, both
+ * as the neighbour decodes them) is about to be sent: with verification on a copy of what is sent is
+ * kept, so that a VerifyRequest or VerifyDeliver is answered from the output actually produced. The
+ * fault hook (tests only) may corrupt it first ("scale", "nudge"), or keep the honest copy and corrupt
+ * what is sent ("lie"). Returns whether f was changed (then it must be encoded again). */
+bool stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total)
 {
     /* FAULT INJECTION FOR TESTS ONLY (peer_verify.h): a dishonest peer */
     peer_corrupt_mode cheat = peer_fault_corrupt_now();
@@ -76,6 +77,7 @@ void stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, siz
     if (cheat == PEER_CORRUPT_LIE) /* keeps the honest output, sends a scaled one */
         for (size_t i = 0; i < total; i++)
             f[i] *= PEER_CORRUPT_SCALE;
+    return cheat != PEER_CORRUPT_NONE;
 }
 
 /* Answers the broker with the sketch of x (n floats), the hash of its bytes and the hash of the
@@ -179,6 +181,11 @@ static void verify_compute(stage_t *s, const verify_req *q)
         rc = dag_exec_loss(s->x, q->mb, out, &n_valid);
     else if (rc == FU_OK)
         rc = last ? stage_collect_input_grads(s, rows, total, out) : stage_collect_outputs(s, q->mb, total, out);
+    uint8_t *wire = NULL; /* the output as the stage's neighbour decodes it */
+    size_t wire_len = 0;
+    if (rc == FU_OK && !solo)
+        rc = stage_wire_encode(s, last ? s->spec.grad_codec : s->spec.act_codec, !last, out, &wire, &wire_len);
+    free(wire);
     if (rc == FU_OK)
         verify_answer(s, q->step, q->mb, q->seed, out, total, ih, NULL);
     else

@@ -46,92 +46,145 @@ fu_err stage_restore_ckpt(stage_t *s, const uint8_t *data, size_t len, fu_errmsg
  * order), total floats in all, into out. */
 fu_err stage_collect_outputs(stage_t *s, uint32_t slot, size_t total, float *out)
 {
-    size_t off = 0;
-    for (uint32_t i = 0; i < s->n_cut_out; i++) {
-        const float *p;
-        size_t n;
-        fu_err rc = dag_exec_get_output(s->x, slot, s->cut_out[i], &p, &n);
-        if (rc != FU_OK || off + n > total)
-            return rc != FU_OK ? rc : FU_EINVAL;
-        memcpy(out + off, p, n * sizeof(float));
-        off += n;
-    }
-    return FU_OK;
+    return dag_exec_gather_outputs(s->x, slot, s->cut_out, s->n_cut_out, out, total);
 }
 
 /* The gradient w.r.t. the cut inputs after a backward: rows × w_in_total floats, zeros where no
- * gradient reaches, into out (total floats, zeroed by the caller). */
+ * gradient reaches, into out (total floats). */
 fu_err stage_collect_input_grads(stage_t *s, uint64_t rows, size_t total, float *out)
 {
-    size_t off = 0;
-    for (uint32_t i = 0; i < s->n_cut_in; i++) {
-        const float *p = NULL;
-        size_t n = 0, want = (size_t)(rows * dag_graph_width(s->g, s->cut_in[i]));
-        fu_err rc = dag_exec_get_input_grad(s->x, s->cut_in[i], &p, &n);
-        if (rc != FU_OK || (p && n != want) || off + want > total)
-            return rc != FU_OK ? rc : FU_EINVAL;
-        if (p)
-            memcpy(out + off, p, n * sizeof(float));
-        off += want;
+    return dag_exec_gather_input_grads(s->x, s->cut_in, s->n_cut_in, rows, out, total);
+}
+
+/* How a cut tensor of `rows` rows and `bytes` bytes travels in codec c: its dtype and its second
+ * dimension (width floats for f32, f16 and bf16; int8 rows are bytes, scales included). */
+static Fusion__Dtype wire_dtype(kern_codec c, uint64_t rows, uint64_t width, size_t bytes, uint64_t *dim1)
+{
+    *dim1 = c == KERN_CODEC_INT8 ? (rows ? bytes / rows : 0) : width;
+    return c == KERN_CODEC_F16    ? FUSION__DTYPE__DTYPE_F16
+           : c == KERN_CODEC_BF16 ? FUSION__DTYPE__DTYPE_BF16
+           : c == KERN_CODEC_INT8 ? FUSION__DTYPE__DTYPE_U8
+                                  : FUSION__DTYPE__DTYPE_F32;
+}
+
+/* Hands a cut tensor of rows x width values in codec c (data, len bytes, which the command owns from
+ * here) of micro-batch mb to the I/O thread, for the neighbour in role as a message of type. */
+static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                        uint64_t rows, uint64_t width, kern_codec c, uint8_t *data, size_t len)
+{
+    peer_cmd *cmd = peer_cmd_new(PEER_CMD_SEND_TENSOR);
+    cmd->gen = s->gen;
+    cmd->role = role;
+    cmd->job_id = s->job_id;
+    cmd->meta.type = type;
+    cmd->meta.job_id = s->job_id;
+    cmd->meta.step = step;
+    cmd->meta.micro_batch = mb;
+    cmd->meta.stage = s->stage_index;
+    uint64_t dim1;
+    cmd->meta.dtype = wire_dtype(c, rows, width, len, &dim1);
+    cmd->meta.ndim = 2;
+    cmd->meta.shape[0] = (int64_t)rows;
+    cmd->meta.shape[1] = (int64_t)dim1;
+    cmd->data = data;
+    cmd->len = len;
+    stage_to_io(s, cmd);
+}
+
+fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t **wire, size_t *len)
+{
+    *wire = NULL;
+    *len = dag_train_cut_floats(&s->train, out) * sizeof(float);
+    if (c == KERN_CODEC_F32)
+        return FU_OK;
+    *len = dag_train_wire_bytes(&s->train, c, out);
+    *wire = fu_malloc(*len + 1);
+    dag_train_wire_encode(&s->train, c, out, x, *wire);
+    fu_err rc = dag_train_wire_decode(&s->train, c, out, *wire, *len, x);
+    if (rc != FU_OK) { /* a value the codec cannot carry (a NaN, an infinity): the step has diverged */
+        free(*wire);
+        *wire = NULL;
     }
+    return rc;
+}
+
+/* A fine-tune's output (total floats in f, which this takes) of (step, mb) on its way out in codec c:
+ * kept for verification as the neighbour decodes it, then sent. */
+static fu_err send_produced(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                            uint64_t rows, uint64_t width, kern_codec c, bool verified, float *f, size_t total)
+{
+    uint8_t *wire = NULL;
+    size_t len = 0;
+    fu_err rc = stage_wire_encode(s, c, role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, f, &wire, &len);
+    if (rc != FU_OK) {
+        free(f);
+        return rc;
+    }
+    if (verified && stage_output_produced(s, step, mb, f, total) && wire)
+        dag_train_wire_encode(&s->train, c, role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, f, wire); /* a test's
+                                                                                                          cheat */
+    if (wire)
+        free(f);
+    send_tensor(s, role, type, step, mb, rows, width, c, wire ? wire : (uint8_t *)f, len);
     return FU_OK;
 }
 
-/* Hands rows x width floats (data, which the command owns from here) of micro-batch mb to the I/O
- * thread, for the neighbour in role as a message of type. */
-static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
-                        uint64_t rows, uint64_t width, uint8_t *data)
-{
-    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
-    c->gen = s->gen;
-    c->role = role;
-    c->job_id = s->job_id;
-    c->meta.type = type;
-    c->meta.job_id = s->job_id;
-    c->meta.step = step;
-    c->meta.micro_batch = mb;
-    c->meta.stage = s->stage_index;
-    c->meta.dtype = FUSION__DTYPE__DTYPE_F32;
-    c->meta.ndim = 2;
-    c->meta.shape[0] = (int64_t)rows;
-    c->meta.shape[1] = (int64_t)width;
-    c->data = data;
-    c->len = (size_t)(rows * width) * sizeof(float);
-    stage_to_io(s, c);
-}
-
-/* Sends the cut outputs of slot m (rows × w_out_total floats, one block per cut node in id order). */
+/* Sends the cut outputs of slot m (rows × w_out_total floats, one block per cut node in id order);
+ * a fine-tune's and an eval's in the job's activation codec. */
 fu_err stage_send_outputs(stage_t *s, uint32_t slot, uint64_t step, uint32_t mb, uint64_t rows)
 {
     size_t total = (size_t)(rows * s->w_out_total);
-    uint8_t *data = fu_malloc(total * sizeof(float) + 1);
-    fu_err rc = stage_collect_outputs(s, slot, total, (float *)data);
+    float *data = fu_malloc(total * sizeof(float) + 1);
+    fu_err rc = stage_collect_outputs(s, slot, total, data);
     if (rc != FU_OK) {
         free(data);
         return rc;
     }
-    if (!stage_is_infer(s))
-        stage_output_produced(s, step, mb, (float *)data, total);
-    send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, FUSION__MSG_TYPE__MSG_ACTIVATION, step, mb, rows,
-                s->w_out_total, data);
-    return FU_OK;
+    if (stage_is_infer(s)) {
+        send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, FUSION__MSG_TYPE__MSG_ACTIVATION, step, mb, rows,
+                    s->w_out_total, KERN_CODEC_F32, (uint8_t *)data, total * sizeof(float));
+        return FU_OK;
+    }
+    return send_produced(s, FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, FUSION__MSG_TYPE__MSG_ACTIVATION, step, mb, rows,
+                         s->w_out_total, s->spec.act_codec, true, data, total);
 }
 
-/* Sends the gradient w.r.t. the cut inputs after a backward (zeros where none reaches). */
+/* Sends the gradient w.r.t. the cut inputs after a backward (zeros where none reaches), in the job's
+ * gradient codec. */
 static fu_err send_input_grads(stage_t *s, uint64_t step, uint32_t mb, uint64_t rows)
 {
     size_t total = (size_t)(rows * s->w_in_total);
-    uint8_t *data = fu_calloc(total * sizeof(float) + 1, 1);
-    fu_err rc = stage_collect_input_grads(s, rows, total, (float *)data);
+    float *data = fu_calloc(total + 1, sizeof(float));
+    fu_err rc = stage_collect_input_grads(s, rows, total, data);
     if (rc != FU_OK) {
         free(data);
         return rc;
     }
-    if (stage_is_last(s)) /* the last stage's verified output (PROTOCOL.md "Verification sketch") */
-        stage_output_produced(s, step, mb, (float *)data, total);
-    send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM, FUSION__MSG_TYPE__MSG_GRADIENT, step, mb, rows,
-                s->w_in_total, data);
-    return FU_OK;
+    /* the last stage's verified output (PROTOCOL.md "Verification sketch") */
+    return send_produced(s, FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM, FUSION__MSG_TYPE__MSG_GRADIENT, step, mb, rows,
+                         s->w_in_total, s->spec.grad_codec, stage_is_last(s), data, total);
+}
+
+/* The floats of a received cut tensor t of micro-batch rows (out: gradients of the cut outputs; else
+ * activations for the cut inputs) in codec c: t's own data for f32, else decoded into s->rx. NULL
+ * when its dtype, shape or contents are not what the job's codec makes. */
+static const float *wire_floats(stage_t *s, const wire_tensor *t, kern_codec c, bool out, size_t *n)
+{
+    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len, width = out ? s->w_out_total : s->w_in_total, dim1;
+    size_t bytes = c == KERN_CODEC_F32 ? (size_t)(rows * width) * sizeof(float) : dag_train_wire_bytes(&s->train, c, out);
+    Fusion__Dtype dt = wire_dtype(c, rows, width, bytes, &dim1);
+    if (t->meta.dtype != dt || t->meta.ndim != 2 || (uint64_t)t->meta.shape[0] != rows ||
+        (uint64_t)t->meta.shape[1] != dim1 || t->len != bytes)
+        return NULL;
+    *n = (size_t)(rows * width);
+    if (c == KERN_CODEC_F32)
+        return (const float *)t->data;
+    if (s->rx_cap < *n) {
+        free(s->rx);
+        s->rx = fu_malloc(*n * sizeof(float) + 1);
+        s->rx_cap = *n;
+    }
+    return dag_train_wire_decode(&s->train, c, out, t->data, t->len, s->rx) == FU_OK ? s->rx : NULL;
 }
 
 bool stage_step_has_ckpt(const stage_t *s, uint64_t step)
@@ -265,7 +318,7 @@ static void finish_step(stage_t *s)
 static void send_ack(stage_t *s, uint32_t m)
 {
     send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM, FUSION__MSG_TYPE__MSG_GRADIENT, s->step, m, 1, 1,
-                fu_calloc(1, sizeof(float)));
+                KERN_CODEC_F32, fu_calloc(1, sizeof(float)), sizeof(float));
 }
 
 /* One micro-batch of an eval done here (the last stage counted its loss, or an acknowledgement came
@@ -373,19 +426,20 @@ void stage_run_forwards(stage_t *s)
 static void on_activation_train(stage_t *s, const wire_tensor *t)
 {
     uint32_t m = t->meta.micro_batch;
-    uint64_t rows = (uint64_t)s->rows_mb * s->spec.seq_len;
-    if (m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
-        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_in_total) {
+    size_t n = 0;
+    const float *in = m < s->M ? wire_floats(s, t, s->spec.act_codec, false, &n) : NULL;
+    if (!in) {
         stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_ACTIVATION,
-                         "activation (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+                         "activation (%" PRIu64 ", %u) has the wrong shape, micro-batch or encoding (%s expected)",
+                         t->meta.step, m, kern_codec_name(s->spec.act_codec));
         return;
     }
     if (stage_keeps_for_verify(s, m)) { /* the input hash a VerifySketch of this (step, m) reports */
         size_t r = stage_kept_row(s, s->step);
-        peer_verify_hash(t->data, t->len, s->kept_in[r][m]);
+        peer_verify_hash(in, n * sizeof(float), s->kept_in[r][m]);
         s->kept_in_ok[r][m] = true;
     }
-    fu_err rc = dag_train_forward(&s->train, s->step, m, (const float *)t->data, t->len / sizeof(float));
+    fu_err rc = dag_train_forward(&s->train, s->step, m, in, n);
     (void)forward_done(s, rc, s->step, m);
 }
 
@@ -403,13 +457,15 @@ static void on_gradient_train(stage_t *s, const wire_tensor *t)
         eval_done(s, m);
         return;
     }
-    if (stage_is_last(s) || m >= s->M || t->meta.dtype != FUSION__DTYPE__DTYPE_F32 || t->meta.ndim != 2 ||
-        (uint64_t)t->meta.shape[0] != rows || (uint64_t)t->meta.shape[1] != s->w_out_total) {
+    size_t n = 0;
+    const float *g = stage_is_last(s) || m >= s->M ? NULL : wire_floats(s, t, s->spec.grad_codec, true, &n);
+    if (!g) {
         stage_send_error(s, FUSION__ERROR_CODE__ERR_PROTO, FUSION__MSG_TYPE__MSG_GRADIENT,
-                         "gradient (%" PRIu64 ", %u) has the wrong shape or micro-batch", t->meta.step, m);
+                         "gradient (%" PRIu64 ", %u) has the wrong shape, micro-batch or encoding (%s expected)",
+                         t->meta.step, m, kern_codec_name(s->spec.grad_codec));
         return;
     }
-    fu_err rc = dag_train_backward(&s->train, m, (const float *)t->data, t->len / sizeof(float), NULL, NULL);
+    fu_err rc = dag_train_backward(&s->train, m, g, n, NULL, NULL);
     if (rc == FU_OK && !stage_is_first(s))
         rc = send_input_grads(s, s->step, m, rows);
     if (rc != FU_OK) {

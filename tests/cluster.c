@@ -1053,6 +1053,32 @@ static double vs_reference(const tu_cluster *c, const char *id, const char *mode
     return d;
 }
 
+void tu_job_cuts(const tu_cluster *c, const char *id, char *out, size_t cap)
+{
+    char *log = tu_broker_log_text(c), needle[64];
+    snprintf(needle, sizeof needle, "job %s stage ", id);
+    long first[64] = {0};
+    int n = 0;
+    for (const char *at = log; (at = strstr(at, needle)) != NULL; at++) {
+        const char *nl = strchr(at, '\n'), *nodes = strstr(at, ": nodes ");
+        int s, of;
+        long a;
+        if (sscanf(at + strlen(needle), "%d/%d", &s, &of) != 2 || !nodes || (nl && nodes > nl) ||
+            sscanf(nodes, ": nodes %ld-", &a) != 1 || s < 0 || s >= 64 || of < 1 || of > 64)
+            continue;
+        first[s] = a;
+        n = of;
+    }
+    free(log);
+    if (n < 2)
+        tu_fail("job %s: the broker's log names no plan of more than one stage", id);
+    size_t off = 0;
+    out[0] = '\0';
+    for (int s = 1; s < n && off < cap; s++)
+        off += (size_t)snprintf(out + off, cap - off, "%s%ld", s > 1 ? "," : "", first[s]);
+    printf("job %s: the plan's cuts are %s\n", id, out);
+}
+
 double tu_job_vs_reference(const tu_cluster *c, const char *id, const char *model_dir, const char *train_args)
 {
     return vs_reference(c, id, model_dir, train_args, 1);

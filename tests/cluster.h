@@ -271,6 +271,11 @@ bool tu_peer_profile_checked(const tu_cluster *c, const char *name, int timeout_
  * first or timeout_ms pass. Returns the step seen. */
 long tu_wait_step(const tu_cluster *c, const char *id, long step, int timeout_ms);
 
+/* The cuts of job id's last plan as `fusion run finetune --cuts` takes them (the first node of every
+ * stage but the first, from the broker's explanation "stage S: nodes A-B"), into out; fails the
+ * test when the log names no plan of more than one stage. */
+void tu_job_cuts(const tu_cluster *c, const char *id, char *out, size_t cap);
+
 /* ---- adapters -------------------------------------------------------------------------------- */
 
 /* Max |a - b| over every tensor of two adapter_model.safetensors files, the number of tensors in

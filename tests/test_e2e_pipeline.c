@@ -125,6 +125,27 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Wire codecs (issue "Home links"): a three-stage fine-tune with int8 activations and bf16 gradients
+ * on the wire has the adapter of `fusion run finetune` cut where the plan cut it, with the same codecs,
+ * bit for bit; and not f32's (the codecs were applied). */
+static void test_e2e_pipeline_wire_codec(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-codec", TU_PEER_MEMORY_GB);
+    const char *plain = TU_TRAIN_ARGS " --steps 8 --micro-batches 2";
+    char train[256], ref[384], cuts[64], id[17];
+    snprintf(train, sizeof train, "%s --wire-codec int8,bf16", plain);
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 4", train);
+    tu_wait_done(c, id, 80);
+    assert_stages(c, id, 3);
+    tu_job_cuts(c, id, cuts, sizeof cuts);
+    snprintf(ref, sizeof ref, "%s --cuts %s", train, cuts);
+    tu_assert_identical_adapter(c, id, "model", ref, 1);
+    double d = tu_job_vs_reference(c, id, "model", plain);
+    assert_true(d > 1e-7);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Peers with 1, 2 and 3 compute threads run a three-stage fine-tune whose adapter has the bits of
  * `fusion run finetune --threads 2` (docs/DAG.md "Determinism"): neither the partition nor any
  * process's thread count changes a bit. */
@@ -700,6 +721,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_wire_codec, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_concurrent_jobs, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_faster_peers_more_layers, tu_teardown),
