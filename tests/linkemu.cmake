@@ -9,7 +9,8 @@ add_test(NAME test_linkemu_conditions COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/linkem
          $<TARGET_FILE:netprobe>)
 set_tests_properties(test_linkemu_conditions PROPERTIES TIMEOUT 120 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
                      LABELS "netns;linkemu")
-# A three-stage fine-tune over the 20 Mbit/s, 60 ms condition equals the LAN run bit for bit
+# A three-stage fine-tune over the 20 Mbit/s, 60 ms condition equals the LAN run bit for bit (f32 on
+# the wire) and fusion run --cuts with the same codec (int8)
 # (bench/wan/run.sh --quick --only 20mbit_60ms on this build's programs).
 add_test(NAME test_wan_3stage_same_bits COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/wan_same_bits.sh ${PROJECT_BINARY_DIR})
 set_tests_properties(test_wan_3stage_same_bits PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE

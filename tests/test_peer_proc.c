@@ -39,6 +39,7 @@
 #include "fu_modelcfg.h"
 #include "fu_rng.h"
 #include "fu_safetensors.h"
+#include "kern_codec.h"
 #include "peer_blob.h"
 #include "dag_spec.h"
 #include "testutil.h"
@@ -933,6 +934,127 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
     env_stop(&e);
 }
 
+/* Sends stage 0's activation of micro-batch 0 (rows x width bytes of len in dtype dt) to the relayed
+ * last stage. */
+static void send_activation(env *e, Fusion__Dtype dt, int64_t dim1, const void *data, size_t len)
+{
+    wire_tensor_meta am = {.type = FUSION__MSG_TYPE__MSG_ACTIVATION, .job_id = JOB_ID, .step = 0, .micro_batch = 0,
+                           .stage = 0, .dtype = dt, .ndim = 2, .shape = {16, dim1},
+                           .relay_to = wire_keypair_public_z85(e->pkp)};
+    assert_int_equal(wire_tensor_send(e->relay_out, NULL, 0, e->seal, &am, data, len, 0, NULL), FU_OK);
+}
+
+/* Waits for the peer's Error number `n`, which must name the encoding; no gradient may come first. */
+static void expect_codec_error(env *e, int n)
+{
+    uint64_t end = fu_clock_ms() + 20000;
+    while (e->errors < n && fu_clock_ms() < end) {
+        wire_tensor t = {0};
+        if (pump(e, FUSION__MSG_TYPE__MSG_GRADIENT, 200, &t)) {
+            dump_log(e);
+            fail_msg("a gradient for an activation in the wrong encoding");
+        }
+    }
+    if (e->errors < n)
+        dump_log(e);
+    assert_int_equal(e->errors, n);
+    assert_non_null(strstr(e->last_error, "int8 expected"));
+}
+
+/* The attacker upstream (docs/SECURITY.md): a job whose activations travel as int8 refuses an f32
+ * activation and an int8 one with a NaN scale (an Error each, nothing computed), and computes from a
+ * well-formed one exactly what the executor computes from its decoded values. */
+static void test_peer_refuses_tensor_in_wrong_codec(void **state)
+{
+    (void)state;
+    static const char *SPEC8 = "{\"model\": \"tiny\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, "
+                               "\"lr\": 0.01, \"steps\": 1, \"batch\": 4, \"seq_len\": 8, \"micro_batches\": 2, "
+                               "\"seed\": 3, \"checkpoint_every\": 1, \"act_codec\": \"int8\"}";
+    env e;
+    env_start(&e, "peer-codec");
+    e.no_listen = true;
+    spawn_peer(&e);
+    handshake(&e);
+    fu_err err;
+    e.relay_in = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
+    e.relay_out = wire_socket_new(e.ctx, ZMQ_DEALER, &err);
+    assert_int_equal(zmq_bind(e.relay_in, "inproc://test-relay"), 0);
+    assert_int_equal(zmq_connect(e.relay_out, "inproc://test-relay"), 0);
+    dag_graph_t *g = make_graph(&e);
+    size_t cut = layer_start(g, 1), n = dag_graph_size(g);
+    assign_stage(&e, g, 1, cut, n, SPEC8, (size_t)1 << 28);
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m)
+        dump_log(&e);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
+    ss.job_id = JOB_ID;
+    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+
+    dag_exec_t *x0 = ref_exec(&e, g, 0, cut), *x1 = ref_exec(&e, g, cut, n);
+    uint32_t cn;
+    assert_int_equal(dag_exec_cut_outputs(x0, &cn, 1), 1);
+    size_t width = (size_t)dag_graph_width(g, cn), rows = 16;
+    dag_spec sp;
+    fu_errmsg em = {{0}};
+    assert_int_equal(dag_spec_parse(SPEC8, strlen(SPEC8), DAG_JOB_ANY, &sp, &em), FU_OK);
+    dag_data_order order = dag_spec_data_order(&sp);
+    int32_t tok[16], tgt[16];
+    assert_int_equal(dag_data_rows(&order, e.tokens, e.n_tokens, 0, 0, tok, tgt), FU_OK);
+    assert_int_equal(dag_exec_set_tokens(x0, 0, tok, NULL, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_forward(x0, 0), FU_OK);
+    const float *act;
+    size_t nf;
+    assert_int_equal(dag_exec_get_output(x0, 0, cn, &act, &nf), FU_OK);
+    assert_int_equal(nf, rows * width);
+
+    send_activation(&e, FUSION__DTYPE__DTYPE_F32, (int64_t)width, act, nf * sizeof(float)); /* f32: refused */
+    expect_codec_error(&e, 1);
+    size_t bytes = kern_codec_bytes(KERN_CODEC_INT8, rows, width);
+    uint8_t *q = malloc(bytes);
+    kern_codec_encode(KERN_CODEC_INT8, act, rows, width, q);
+    uint8_t *evil = malloc(bytes);
+    memcpy(evil, q, bytes);
+    float nan = NAN;
+    memcpy(evil + 3 * (width + 4), &nan, 4); /* row 3's scale */
+    send_activation(&e, FUSION__DTYPE__DTYPE_U8, (int64_t)(width + 4), evil, bytes);
+    expect_codec_error(&e, 2);
+
+    send_activation(&e, FUSION__DTYPE__DTYPE_U8, (int64_t)(width + 4), q, bytes); /* well-formed */
+    float *dec = malloc(nf * sizeof *dec);
+    assert_int_equal(kern_codec_decode(KERN_CODEC_INT8, q, bytes, rows, width, dec), FU_OK);
+    assert_int_equal(dag_exec_set_tokens(x1, 0, NULL, tgt, 2, 8), FU_OK);
+    assert_int_equal(dag_exec_set_input(x1, 0, cn, dec, nf), FU_OK);
+    assert_int_equal(dag_exec_forward(x1, 0), FU_OK);
+    assert_int_equal(dag_exec_backward(x1, 0, 0.5f), FU_OK);
+    const float *ref;
+    size_t ng;
+    assert_int_equal(dag_exec_get_input_grad(x1, cn, &ref, &ng), FU_OK);
+    wire_tensor t = {0};
+    if (!pump(&e, FUSION__MSG_TYPE__MSG_GRADIENT, 20000, &t))
+        dump_log(&e);
+    assert_int_equal(t.meta.dtype, FUSION__DTYPE__DTYPE_F32); /* gradients: f32 (grad_codec's default) */
+    assert_int_equal(t.len, ng * sizeof(float));
+    double scale, d = max_diff((const float *)t.data, ref, ng, &scale);
+    printf("int8 activation: gradient max |peer - executor on the decoded input| = %.3g (max |g| %.3g)\n", d, scale);
+    assert_true(d <= g_tol * (1.0 + scale));
+    wire_tensor_clear(&t);
+    assert_int_equal(e.errors, 2);
+    free(q);
+    free(evil);
+    free(dec);
+    release_stage(&e, NULL);
+    fu_sleep_ms(200);
+    expect_leave(&e);
+    assert_int_equal(wait_exit(&e, 5000), 0);
+    dag_spec_clear(&sp);
+    dag_exec_destroy(&x0);
+    dag_exec_destroy(&x1);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
 /* A second signal during the drain exits at once (status 1), without waiting for StageRelease. */
 static void test_peer_second_signal_exits_at_once(void **state)
 {
@@ -1083,6 +1205,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_peer_graceful_leave_without_stage, tu_teardown),
         cmocka_unit_test_teardown(test_peer_stage_matches_executor, tu_teardown),
         cmocka_unit_test_teardown(test_peer_refuses_weights_with_wrong_hash, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_refuses_tensor_in_wrong_codec, tu_teardown),
         cmocka_unit_test_teardown(test_peer_last_stage_relayed_matches_executor, tu_teardown),
         cmocka_unit_test_teardown(test_peer_second_signal_exits_at_once, tu_teardown),
         cmocka_unit_test_teardown(test_peer_heartbeats_while_computing, tu_teardown),

@@ -2,18 +2,26 @@
 # bench/wan: the pipeline over home internet links (issue "Home links"). For each link condition a
 # broker, three peers and a client each live in their own network namespace behind fusion-linkemu
 # (tests/linkemu/linkemu.c: every host's access link has the condition's bandwidth and one-way delay),
-# and a three-stage fine-tune and a three-stage generation run over them. One JSON line per condition:
+# and a three-stage fine-tune per wire codec and a three-stage generation run over them. One JSON line
+# per condition and codec ("kind":"finetune"):
+#   codec                     activations and gradients on the wire (--wire-codec)
 #   finetune_tokens_per_s     trained tokens over the job's run (StageStart to done, from the broker log)
-#   finetune_vs_lan           that against the LAN condition's
+#   finetune_vs_lan           that against the LAN condition's with f32 on the wire
+#   network_wait_share        the share of the step's time the links add: 1 - (LAN time with the same
+#                             codec) / (this time)
+#   adapter_same_as_run       the adapter has the bits of `fusion run finetune --cuts` (the plan's cuts)
+#                             with the same codec, in one process
+#   adapter_same_as_lan       f32: the adapter has the LAN run's bits
+#   loss                      the fine-tune's last loss; on LAN (not --quick) also loss_200, the last loss
+#                             of a 200-step run, and loss_200_vs_f32, its relative change against f32's
+# and one per condition for the generation ("kind":"infer"):
 #   infer_tokens_per_s        generated tokens over the generation's run
 #   infer_floor_tokens_per_s  one token per round of the generation's hops (stage 0 -> .. -> last stage
 #                             -> broker -> stage 0, each one way across two access links): 1 / (sum of
 #                             the hops' latencies), what no schedule can beat (the generation needs less
 #                             memory and may take fewer stages: infer_stages)
-#   loss                      the fine-tune's last loss; adapter_same_as_lan: its adapter file has the
-#                             LAN run's bits (the wire carries f32: no codec yet)
 #
-#   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]
+#   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME] [--codecs LIST]   (LIST default f32,bf16,int8)
 #
 # WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step; WAN_PEER_GB (default 0.039) is each
 # peer's memory, which makes the plan three stages (raise it with the step).
@@ -26,10 +34,12 @@ BUILD=$(cd "${1:?usage: bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]}" && 
 shift
 QUICK=0
 ONLY=
+CODECS=f32,bf16,int8
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) QUICK=1 ;;
     --only) ONLY=$2; shift ;;
+    --codecs) CODECS=$2; shift ;;
     *) echo "bench-wan: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -127,37 +137,65 @@ broker = tcp://${ADDR[b]}:7700
 broker-key = $WORK/broker/public.key
 keys = $WORK/client
 CONF
-  local job gen
-  job=$(client submit finetune --model model --data "$DATA" $TRAIN --checkpoint-every 1000 -q)
-  timeout 900 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$job" -q --wait-timeout 880 \
-    >/dev/null
-  client result "$job" -o "result-$name" >/dev/null
-  local stages
-  stages=$(grep -c "job $job stage [0-9]/" "broker-$name.log" || true)
-  local t0 t1 loss
-  t0=$(log_ms "job $job: every stage is ready; started" "broker-$name.log")
-  t1=$(log_ms "job $job done" "broker-$name.log")
-  loss=$(client status "$job" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
+  local stages cuts codec
+  for codec in ${CODECS//,/ }; do
+    local job t0 t1 loss
+    job=$(client submit finetune --model model --data "$DATA" $TRAIN --wire-codec "$codec" --checkpoint-every 1000 -q)
+    timeout 900 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$job" -q \
+      --wait-timeout 880 >/dev/null
+    client result "$job" -o "result-$name-$codec" >/dev/null
+    stages=$(grep -c "job $job stage [0-9]/" "broker-$name.log" || true)
+    cuts=$(grep "job $job stage [1-9]/" "broker-$name.log" | sed -n 's/.*: nodes \([0-9]*\)-.*/\1/p' | paste -sd, -)
+    t0=$(log_ms "job $job: every stage is ready; started" "broker-$name.log")
+    t1=$(log_ms "job $job done" "broker-$name.log")
+    loss=$(client status "$job" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
+    local same_run=false same_lan=null ref="ref-$stages-$cuts-$codec"
+    [ -d "$ref" ] || "$BIN/fusion" run finetune --model model --data "$DATA" $TRAIN --wire-codec "$codec" \
+      ${cuts:+--cuts "$cuts"} --threads 1 -o "$ref" >/dev/null 2>&1 || [ -z "$cuts" ]
+    cmp -s "result-$name-$codec/adapter_model.safetensors" "$ref/adapter_model.safetensors" && same_run=true
+    if [ "$codec" = f32 ]; then
+      [ "$name" = lan ] && cp "result-$name-$codec/adapter_model.safetensors" lan.adapter
+      same_lan=false
+      cmp -s "result-$name-$codec/adapter_model.safetensors" lan.adapter && same_lan=true
+    fi
+    local l200=null
+    if [ "$name" = lan ] && [ $QUICK = 0 ]; then # the codec's effect on the loss: 200 steps on LAN
+      local long
+      long=$(client submit finetune --model model --data "$DATA" ${TRAIN/--steps $STEPS/--steps 200} \
+        --wire-codec "$codec" --checkpoint-every 1000 -q)
+      timeout 900 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$long" -q \
+        --wait-timeout 880 >/dev/null
+      l200=$(client status "$long" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
+      [ "$codec" = f32 ] && echo "$l200" >lan.l200
+    fi
+    awk -v n="$name" -v c="$codec" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" \
+        -v t0="$t0" -v t1="$t1" -v toks=$((STEPS * BATCH * SEQ)) -v loss="$loss" -v sr=$same_run -v sl=$same_lan \
+        -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" \
+        -v lan="$(cat lan.tps 2>/dev/null || echo 0)" -v lanc="$(cat "lan-$codec.ms" 2>/dev/null || echo 0)" 'BEGIN {
+      ms = t1 - t0; tps = toks / (ms / 1000);
+      printf "{\"bench\":\"wan\",\"kind\":\"finetune\",\"case\":\"%s\",\"codec\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,", n, c, up, down;
+      printf "\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"finetune_tokens_per_s\":%.1f,", 4 * d, st, s, tps;
+      printf "\"finetune_vs_lan\":%.2f,\"network_wait_share\":%.2f,", (lan > 0 ? tps / lan : 1), (lanc > 0 ? 1 - lanc / ms : 0);
+      printf "\"loss\":%s,\"adapter_same_as_run\":%s,\"adapter_same_as_lan\":%s", loss, sr, sl;
+      if (l200 != "null") printf ",\"loss_200\":%s,\"loss_200_vs_f32\":%.4f", l200, (f200 > 0 ? l200 / f200 - 1 : 0);
+      printf "}\n";
+      if (n == "lan") { printf "%d\n", ms > ("lan-" c ".ms"); if (c == "f32") printf "%.3f\n", tps > "lan.tps" } }'
+  done
+  local gen g0 g1 ngen istages
   gen=$(client submit infer --model model --prompt "To be, or not to be" --max-tokens $GEN -q)
   timeout 600 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$gen" -q --wait-timeout 580 \
     >/dev/null
-  local g0 g1 ngen istages
   istages=$(grep -c "job $gen stage [0-9]/" "broker-$name.log" || true)
   ngen=$(client status "$gen" --json | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
   g0=$(log_ms "job $gen: every stage is ready; started" "broker-$name.log")
   g1=$(log_ms "job $gen done" "broker-$name.log")
-  local same=false
-  [ "$name" = lan ] && cp "result-$name/adapter_model.safetensors" lan.adapter
-  cmp -s "result-$name/adapter_model.safetensors" lan.adapter && same=true
-  awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" -v t0="$t0" -v t1="$t1" \
-      -v g0="$g0" -v g1="$g1" -v toks=$((STEPS * BATCH * SEQ)) -v gen="$ngen" -v is="$istages" -v loss="$loss" -v same=$same \
-      -v lan="$(cat lan.tps 2>/dev/null || echo 0)" 'BEGIN {
-    tps = toks / ((t1 - t0) / 1000); itps = gen / ((g1 - g0) / 1000);
+  awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v g0="$g0" -v g1="$g1" -v gen="$ngen" \
+      -v is="$istages" 'BEGIN {
+    itps = gen / ((g1 - g0) / 1000);
     hop = 2 * d / 1000; floor = hop > 0 ? 1 / ((is + 1) * hop) : 0; # s0->..->last->broker->s0, 2 access delays each
-    printf "{\"bench\":\"wan\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"infer_stages\":%d,\"generated\":%d,", n, up, down, 4 * d, st, s, is, gen;
-    printf "\"finetune_tokens_per_s\":%.1f,\"finetune_vs_lan\":%.2f,\"infer_tokens_per_s\":%.2f,", tps, (lan > 0 ? tps / lan : 1), itps;
-    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f,\"loss\":%s,\"adapter_same_as_lan\":%s}\n", floor, (floor > 0 ? itps / floor : 0), loss, same;
-    if (n == "lan") printf "%.3f\n", tps > "lan.tps" }'
+    printf "{\"bench\":\"wan\",\"kind\":\"infer\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,", n, up, down, 4 * d;
+    printf "\"stall\":\"%s\",\"infer_stages\":%d,\"generated\":%d,\"infer_tokens_per_s\":%.2f,", st, is, gen, itps;
+    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f}\n", floor, (floor > 0 ? itps / floor : 0) }'
   stop_all
 }
 
