@@ -15,3 +15,9 @@ set_tests_properties(test_linkemu_conditions PROPERTIES TIMEOUT 120 SKIP_RETURN_
 add_test(NAME test_wan_3stage_same_bits COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/wan_same_bits.sh ${PROJECT_BINARY_DIR})
 set_tests_properties(test_wan_3stage_same_bits PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
                      LABELS "netns;linkemu;e2e")
+# A peer killed mid-job over the 20 Mbit/s, 60 ms condition: the job recovers on its backup with the
+# LAN run's adapter bit for bit (bench/wan/run.sh --quick --only 20mbit_60ms --codecs f32 --kill).
+add_test(NAME test_wan_peer_killed_recovers COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/linkemu/wan_peer_killed.sh
+         ${PROJECT_BINARY_DIR})
+set_tests_properties(test_wan_peer_killed_recovers PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
+                     LABELS "netns;linkemu;e2e;fault")

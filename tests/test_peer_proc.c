@@ -81,6 +81,7 @@ typedef struct {
     char last_error[512];
     int heartbeats;
     double hb_link_bps;           /* link bandwidth the last heartbeat carried */
+    int64_t hb_first_ms;          /* sender's time of the first heartbeat since the reset */
     int64_t hb_last_ms;           /* sender's time of the last heartbeat (0: none since the reset) */
     int64_t hb_max_gap_ms;        /* longest gap between two heartbeats by the sender's clock */
     int hb_paused;                /* heartbeats that said PEER_STATE_PAUSED */
@@ -381,6 +382,8 @@ static wire_msg_t *pump(env *e, Fusion__MsgType want, int timeout_ms, wire_tenso
                     e->hb_link_bps = hb->link_bandwidth_bps;
                     if (e->hb_last_ms && hb->time_ms - e->hb_last_ms > e->hb_max_gap_ms)
                         e->hb_max_gap_ms = hb->time_ms - e->hb_last_ms;
+                    if (!e->hb_last_ms)
+                        e->hb_first_ms = hb->time_ms;
                     e->hb_last_ms = hb->time_ms;
                     e->hb_state = hb->state;
                     e->hb_progress = hb->step << 32 | hb->forward_done;
@@ -1115,20 +1118,29 @@ static void test_peer_heartbeats_while_computing(void **state)
         ss.job_id = JOB_ID;
         to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
     }
-    e.hb_last_ms = 0;
+    e.hb_last_ms = e.hb_first_ms = 0;
     e.hb_max_gap_ms = 0;
     int hb0 = e.heartbeats;
     wire_tensor t = {0};
+    int64_t opened = fu_wallclock_ms();
     wire_msg_t *early = pump(&e, FUSION__MSG_TYPE__MSG_ACTIVATION, HB_WINDOW_MS, &t);
+    int64_t closed = fu_wallclock_ms();
+    tu_load_stop();
+    /* This process is slowed by the same load: heartbeats the peer sent in the window may still wait
+     * in its socket. Read on until one sent after the window has come. */
+    for (uint64_t until = fu_clock_ms() + 3000; e.hb_last_ms < closed && fu_clock_ms() < until;)
+        (void)pump(&e, FUSION__MSG_TYPE__MSG_PEER_HELLO, 50, NULL);
     int hb = e.heartbeats - hb0;
     int64_t gap = e.hb_max_gap_ms;
-    tu_load_stop();
-    printf("under %d busy loops: %d heartbeats in %d ms (interval 200 ms), longest gap %lld ms; the stage %s\n", cores,
-           hb, HB_WINDOW_MS, (long long)gap,
+    printf("under %d busy loops: %d heartbeats from %lld ms before the %d ms window to %lld ms after it (interval "
+           "200 ms), longest gap %lld ms; the stage %s\n", cores, hb, (long long)(opened - e.hb_first_ms), HB_WINDOW_MS,
+           (long long)(e.hb_last_ms - closed), (long long)gap,
            !ready ? "was still loading" : early ? "finished its forward within the window" : "was in its forward");
-    /* No missed interval: a heartbeat every 200 ms by the peer's clock, a late wake-up of some ms at most. */
+    /* No missed interval: a heartbeat every 200 ms by the peer's clock, a late wake-up of some ms at most,
+     * over the whole window. */
     assert_true(gap > 0 && gap < 2 * 200);
-    assert_true(hb >= HB_WINDOW_MS / 200 - 2);
+    assert_true(e.hb_first_ms <= opened + 2 * 200 && e.hb_last_ms >= closed);
+    assert_true(hb >= (int)((e.hb_last_ms - e.hb_first_ms) / 220)); /* on average no later than 10% */
     /* The guest's compute was slowed, not lost: its stage is held and at work (how fast it goes once
      * the loops stop depends on what else the machine runs, so it is not waited for). */
     assert_int_equal(e.errors, 0);

@@ -21,7 +21,11 @@
 #                             the hops' latencies), what no schedule can beat (the generation needs less
 #                             memory and may take fewer stages: infer_stages)
 #
-#   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME] [--codecs LIST]   (LIST default f32,bf16,int8)
+#   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME] [--codecs LIST] [--kill]
+#
+# LIST defaults to f32,bf16,int8. --kill: a fourth peer is the job's backup, and halfway through each
+# f32 fine-tune away from LAN the peer of stage 1 is killed (SIGKILL): the line says when
+# ("killed_at_step") and whether the job still ended with the LAN adapter's bits.
 #
 # WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step; WAN_PEER_GB (default 0.039) is each
 # peer's memory, which makes the plan three stages (raise it with the step).
@@ -33,6 +37,7 @@ set -euo pipefail
 BUILD=$(cd "${1:?usage: bench/wan/run.sh BUILD_DIR [--quick] [--only NAME]}" && pwd)
 shift
 QUICK=0
+KILL=0
 ONLY=
 CODECS=f32,bf16,int8
 while [ $# -gt 0 ]; do
@@ -40,6 +45,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1 ;;
     --only) ONLY=$2; shift ;;
     --codecs) CODECS=$2; shift ;;
+    --kill) KILL=1 ;;
     *) echo "bench-wan: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -62,8 +68,12 @@ TRAIN="--rank 4 --alpha 8 --batch $BATCH --seq-len $SEQ --micro-batches $MICRO -
 GEN=32
 TAG=wan$$
 NET=10.90.0
-declare -A ADDR=([b]=$NET.1 [p0]=$NET.11 [p1]=$NET.12 [p2]=$NET.13 [c]=$NET.100)
-HOSTS="b p0 p1 p2 c"
+declare -A ADDR=([b]=$NET.1 [p0]=$NET.11 [p1]=$NET.12 [p2]=$NET.13 [p3]=$NET.14 [c]=$NET.100)
+PEERS="0 1 2"
+[ $KILL = 1 ] && PEERS="0 1 2 3" # the fourth is the job's backup
+HOSTS="b c"
+for i in $PEERS; do HOSTS="$HOSTS p$i"; done
+declare -A PEER_PID=()
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/fusion-wan-XXXXXX")
 PIDS=()
 EMU_PID=
@@ -92,8 +102,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 cd "$WORK"
-for k in broker client p0 p1 p2; do "$BIN/fusion" keygen -o "$k" >/dev/null; done
-for k in client p0 p1 p2; do grep -v '^#' "$k/public.key"; done >allow
+for k in broker client p0 p1 p2 p3; do "$BIN/fusion" keygen -o "$k" >/dev/null; done
+for k in client p0 p1 p2 p3; do grep -v '^#' "$k/public.key"; done >allow
 "$BIN/fusion" model init -o model $MODEL_ARGS >/dev/null
 
 run_in() { # host log command...
@@ -120,15 +130,16 @@ condition() {
   [ -f ready ] || { cat "emu-$name.log" >&2; echo "bench-wan: the emulator could not start" >&2; exit 1; }
   rm -rf "store-$name.db"* "cache-$name"*
   run_in b "broker-$name.log" "$BIN/fusion-broker" --bind "tcp://${ADDR[b]}:7700" --keys broker \
-    --db "store-$name.db" --allow allow --model-root "$WORK" --backups 0 --heartbeat-ms 1000 --verify 0 \
+    --db "store-$name.db" --allow allow --model-root "$WORK" --backups $KILL --heartbeat-ms 1000 --verify 0 \
     --challenge-ms 0 --step-timeout 600
   for _ in $(seq 1 100); do grep -q "listening on" "broker-$name.log" 2>/dev/null && break; sleep 0.1; done
-  for i in 0 1 2; do
+  for i in $PEERS; do
     run_in "p$i" "p$i-$name.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
       --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
       --max-memory "$PEER_GB" --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
+    PEER_PID[$i]=${PIDS[-1]}
   done
-  for i in 0 1 2; do
+  for i in $PEERS; do
     for _ in $(seq 1 600); do grep -q "(p$i) joined" "broker-$name.log" && break; sleep 0.1; done
     grep -q "(p$i) joined" "broker-$name.log" || { echo "bench-wan: $name: peer p$i did not join" >&2; exit 1; }
   done
@@ -140,7 +151,21 @@ CONF
   local stages cuts codec
   for codec in ${CODECS//,/ }; do
     local job t0 t1 loss
-    job=$(client submit finetune --model model --data "$DATA" $TRAIN --wire-codec "$codec" --checkpoint-every 1000 -q)
+    local every=1000 killed=null
+    [ $KILL = 1 ] && every=2
+    job=$(client submit finetune --model model --data "$DATA" $TRAIN --wire-codec "$codec" --checkpoint-every $every -q)
+    if [ $KILL = 1 ] && [ "$codec" = f32 ] && [ "$name" != lan ]; then # kill stage 1's peer halfway
+      local at=0 victim
+      for _ in $(seq 1 3000); do
+        at=$(client status "$job" --json | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
+        [ "${at:-0}" -ge $((STEPS / 2)) ] && break
+        sleep 0.1
+      done
+      victim=$(grep "job $job stage 1/" "broker-$name.log" | tail -n 1 | sed -n 's/.* (p\([0-9]\)).*/\1/p')
+      [ -n "$victim" ] || { echo "bench-wan: $name: no peer holds stage 1 of $job" >&2; exit 1; }
+      kill -KILL "${PEER_PID[$victim]}"
+      killed=$at
+    fi
     timeout 900 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$job" -q \
       --wait-timeout 880 >/dev/null
     client result "$job" -o "result-$name-$codec" >/dev/null
@@ -170,7 +195,7 @@ CONF
     fi
     awk -v n="$name" -v c="$codec" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" \
         -v t0="$t0" -v t1="$t1" -v toks=$((STEPS * BATCH * SEQ)) -v loss="$loss" -v sr=$same_run -v sl=$same_lan \
-        -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" \
+        -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" -v killed="$killed" \
         -v lan="$(cat lan.tps 2>/dev/null || echo 0)" -v lanc="$(cat "lan-$codec.ms" 2>/dev/null || echo 0)" 'BEGIN {
       ms = t1 - t0; tps = toks / (ms / 1000);
       printf "{\"bench\":\"wan\",\"kind\":\"finetune\",\"case\":\"%s\",\"codec\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,", n, c, up, down;
@@ -178,6 +203,7 @@ CONF
       printf "\"finetune_vs_lan\":%.2f,\"network_wait_share\":%.2f,", (lan > 0 ? tps / lan : 1), (lanc > 0 ? 1 - lanc / ms : 0);
       printf "\"loss\":%s,\"adapter_same_as_run\":%s,\"adapter_same_as_lan\":%s", loss, sr, sl;
       if (l200 != "null") printf ",\"loss_200\":%s,\"loss_200_vs_f32\":%.4f", l200, (f200 > 0 ? l200 / f200 - 1 : 0);
+      if (killed != "null") printf ",\"killed_at_step\":%s", killed;
       printf "}\n";
       if (n == "lan") { printf "%d\n", ms > ("lan-" c ".ms"); if (c == "f32") printf "%.3f\n", tps > "lan.tps" } }'
   done
