@@ -336,8 +336,12 @@ dag_partition_opts broker_job_popts(const broker_job *j)
 {
     dag_partition_opts o = {.micro_batches = 1, .training = j->kind == DB_JOB_FINETUNE};
     if (j->kind == DB_JOB_FINETUNE || j->kind == DB_JOB_EVAL) { /* eval: forward only, nothing kept */
-        o.micro_batches = j->spec.micro_batches;
-        o.tokens_per_micro = j->spec.batch / j->spec.micro_batches * j->spec.seq_len;
+        uint32_t M = j->spec.micro_batches ? j->spec.micro_batches : 1; /* 0: not chosen yet */
+        o.micro_batches = M;
+        o.tokens_per_micro = j->spec.batch / M * j->spec.seq_len;
+        /* what the job's wire codecs make of a value (an int8 row's scale is left out) */
+        o.act_wire_bytes = (double)kern_codec_bytes(j->spec.act_codec, 1, 1024) / 1024.0;
+        o.grad_wire_bytes = (double)kern_codec_bytes(j->spec.grad_codec, 1, 1024) / 1024.0;
     } else {
         uint64_t t = j->n_tokens + j->spec.max_tokens;
         o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;

@@ -81,6 +81,11 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errms
                            j->spec.model, dj->model_id, j->model->id);
         goto fail;
     }
+    if (j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0 && dj->micro_batches &&
+        j->spec.batch % dj->micro_batches == 0) { /* the count this broker chose before its restart */
+        j->spec.micro_batches = dj->micro_batches;
+        broker_job_canon(j);
+    }
     broker_job_exclusions_load(b, j);
     j->steps_done = dj->step > 0 ? (uint64_t)dj->step : 0;
     j->loss = dj->loss;
@@ -140,7 +145,10 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     st->idempotency_key = dj->idem_key ? dj->idem_key : (char *)"";
     st->output = (char *)"";
     st->tokens_per_s = dj->tokens_per_s;
+    st->micro_batches = dj->micro_batches;
     if (j) {
+        if (j->kind != DB_JOB_INFER)
+            st->micro_batches = j->spec.micro_batches;
         st->stages = j->n_stages;
         if (j->kind == DB_JOB_INFER && j->output)
             st->output = j->output;
@@ -155,9 +163,9 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
         if (broker_job_verify_fraction(b, j) > 0)
             snprintf(ver, sizeof ver, "; verified samples: %u agreed, %u disagreed, %u input mismatches, %u skipped",
                      j->v_agree, j->v_disagree, j->v_mismatch, j->v_skipped);
-        snprintf(msg_buf, cap, "running on %u stage%s: step %" PRIu64 "/%" PRIu64 "%s%s%s", j->n_stages,
-                 j->n_stages == 1 ? "" : "s", j->steps_done, j->spec.steps, ver, reason && reason[0] ? "; " : "",
-                 reason ? reason : "");
+        snprintf(msg_buf, cap, "running on %u stage%s, %u micro-batch%s a step: step %" PRIu64 "/%" PRIu64 "%s%s%s",
+                 j->n_stages, j->n_stages == 1 ? "" : "s", j->spec.micro_batches, j->spec.micro_batches == 1 ? "" : "es",
+                 j->steps_done, j->spec.steps, ver, reason && reason[0] ? "; " : "", reason ? reason : "");
     } else
         snprintf(msg_buf, cap, "%s", reason ? reason : "");
     broker_utf8_trim(msg_buf);

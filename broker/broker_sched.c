@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "broker_internal.h"
+#include "dag_exec.h"
 #include "fu_alloc.h"
 #include "fu_log.h"
 
@@ -293,6 +294,43 @@ static fu_err plan_over(broker_t *b, broker_job *j, broker_peer *const *who, siz
     return rc;
 }
 
+/* Least tokens in a micro-batch the broker splits a step into when the spec leaves the count to it. */
+#define BROKER_MICRO_MIN_TOKENS 32
+
+/* A fine-tune whose spec leaves its micro-batch count to the broker (0) gets the divisor M of its
+ * batch whose plan over these peers predicts the shortest step (dag_plan_pipeline_time: over slow
+ * links more micro-batches hide the latency, each costs a little), no micro-batch under
+ * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. Returns the predicted step of
+ * M = 1 in *one_s (0: it did not fit). False (spec unchanged) when nothing fits. */
+static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
+                                 size_t n_spare, double *best_s, double *one_s)
+{
+    uint32_t best = 0, B = j->spec.batch;
+    *best_s = *one_s = 0;
+    for (uint32_t m = 1; m <= B && m <= DAG_EXEC_MAX_SLOTS; m++) {
+        if (B % m != 0)
+            continue;
+        if (m > 1 && (uint64_t)(B / m) * j->spec.seq_len < BROKER_MICRO_MIN_TOKENS)
+            break;
+        j->spec.micro_batches = m;
+        dag_plan plan = {0};
+        size_t used = 0;
+        fu_errmsg em = {{0}};
+        if (plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &used, &em) == FU_OK) {
+            double t = dag_plan_pipeline_time(&plan, m);
+            if (m == 1)
+                *one_s = t;
+            if (!best || t < 0.98 * *best_s) {
+                best = m;
+                *best_s = t;
+            }
+        }
+        dag_plan_free(&plan);
+    }
+    j->spec.micro_batches = best;
+    return best != 0;
+}
+
 static void plan_job(broker_t *b, broker_job *j)
 {
     size_t n_idle = 0, n_live = 0, n_barred = 0, n_spare = 0;
@@ -328,7 +366,21 @@ static void plan_job(broker_t *b, broker_job *j)
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
     j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
+    bool choose = j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0;
+    double chose_s = 0, one_s = 0;
+    if (choose && !choose_micro_batches(b, j, who, n_first, n_idle, n_spare, &chose_s, &one_s))
+        j->spec.micro_batches = 1; /* nothing fits: plan once more for the message */
     fu_err rc = plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
+    if (rc == FU_OK && choose && (rc = db_job_set_micro_batches(b->db, j->id, j->spec.micro_batches)) != FU_OK)
+        fu_errmsg_set(&em, rc, "the chosen micro-batch count could not be stored");
+    if (rc != FU_OK && choose)
+        j->spec.micro_batches = 0; /* chosen again with the peers of the next try */
+    if (rc == FU_OK && choose) {
+        broker_job_canon(j); /* the peers get the count */
+        FU_INFO(LOG, "job %s: %u micro-batches of %u tokens (left to the broker: predicted step %.3g s, against "
+                "%.3g s in one)", j->id, j->spec.micro_batches, j->spec.batch / j->spec.micro_batches * j->spec.seq_len,
+                chose_s, one_s);
+    }
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
         broker_job_note(b, j, reason);

@@ -141,6 +141,9 @@ static const char *const migrations[] = {
     "ALTER TABLE jobs_v5 RENAME TO jobs;"
     "CREATE INDEX jobs_by_owner ON jobs(owner, created_ms);"
     "CREATE INDEX jobs_by_state ON jobs(state, created_ms);",
+    /* 5 → 6: the micro-batch count the broker chose for a fine-tune whose spec left it to it (0: the
+     * spec's own). */
+    "ALTER TABLE jobs ADD COLUMN micro_batches INTEGER NOT NULL DEFAULT 0 CHECK (micro_batches BETWEEN 0 AND 64);",
 };
 _Static_assert(sizeof migrations / sizeof migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     5          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     6          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -104,6 +104,8 @@ typedef struct {
     int64_t       created_ms;              /* submission time */
     int64_t       updated_ms;              /* last change of state or progress */
     int           retries;                 /* times it went from running back to queued */
+    uint32_t      micro_batches;           /* fine-tune: the M the broker chose when the spec left it to it
+                                              (0: none chosen; the spec's M) */
 } db_job;
 
 /* A peer as stored. Owned by the caller; free with db_peer_free / db_peer_array_free. */
@@ -250,6 +252,9 @@ FU_MUST_CHECK fu_err db_job_set_state(db_t *db, const char *id, db_job_state to,
 /* Cancels owner's job. FU_OK when it is now cancelled (also when it already was); FU_ENOTFOUND for
  * a job that does not exist or belongs to someone else; FU_EPERM when it already finished (done or
  * failed). owner NULL: the broker cancels any job. */
+/* Records the micro-batch count (1..64) the broker chose for job id. FU_EINVAL bad arguments,
+ * FU_ENOTFOUND no such job. */
+FU_MUST_CHECK fu_err db_job_set_micro_batches(db_t *db, const char *id, uint32_t m);
 FU_MUST_CHECK fu_err db_job_cancel(db_t *db, const char *id, const char *owner, int64_t now_ms);
 /* Records progress of a running job. loss may be NaN (not known). FU_EPERM if the job is not
  * running (a late report for a job that moved on); FU_EINVAL negative step/total. */

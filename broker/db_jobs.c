@@ -17,7 +17,7 @@
 /* The columns read_job expects, in order; the list variant leaves the blobs out. */
 #define JOB_COLS                                                                                   \
     "id, owner, idem_key, kind, state, step, total_steps, loss, tokens_per_s, reason, result_path, " \
-    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id"
+    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id, micro_batches"
 #define JOB_COLS_BLOBS JOB_COLS ", spec, result"
 
 static void job_members_free(db_job *j)
@@ -56,24 +56,27 @@ static fu_err read_job(db_t *db, sqlite3_stmt *st, bool blobs, db_job *j)
     j->updated_ms = sqlite3_column_int64(st, 13);
     int64_t retries = sqlite3_column_int64(st, 14);
     int64_t spec_len = sqlite3_column_int64(st, 15), result_len = sqlite3_column_int64(st, 16);
+    int64_t micro = sqlite3_column_int64(st, 18);
     if (!db_job_id_valid(j->id) || !db_key_valid(j->owner) || j->step < 0 || j->total_steps < 0 || retries < 0 ||
+        micro < 0 || micro > 64 ||
         retries > INT_MAX || spec_len <= 0 || result_len < 0 || (j->result_hash[0] && !db_hash_hex_valid(j->result_hash))) {
         FU_ERROR(DB_LOG, "%s: job row '%s' fails validation (corrupt or foreign row)", db->path, j->id);
         err = FU_EDB;
         goto fail;
     }
     j->retries = (int)retries;
+    j->micro_batches = (uint32_t)micro;
     j->spec_len = (size_t)spec_len;
     j->result_len = (size_t)result_len;
     if (blobs) {
         size_t n = 0;
-        if ((err = db_col_blob(db, st, 18, &j->spec, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 19, &j->spec, &n)) != FU_OK)
             goto fail;
         if (n != j->spec_len) {
             err = FU_EDB;
             goto fail;
         }
-        if ((err = db_col_blob(db, st, 19, &j->result, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 20, &j->result, &n)) != FU_OK)
             goto fail;
         if (n != j->result_len) {
             err = FU_EDB;
@@ -374,6 +377,18 @@ fu_err db_job_cancel(db_t *db, const char *id, const char *owner, int64_t now_ms
 fail:
     db_rollback(db);
     return err;
+}
+
+fu_err db_job_set_micro_batches(db_t *db, const char *id, uint32_t m)
+{
+    static const char SQL[] = "UPDATE jobs SET micro_batches = ? WHERE id = ?";
+    if (!db || !db_job_id_valid(id) || m < 1 || m > 64)
+        return FU_EINVAL;
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "it", (int64_t)m, id));
+    FU_TRY(db_run(db, st, "recording the micro-batch count"));
+    return sqlite3_changes(db->conn) == 1 ? FU_OK : FU_ENOTFOUND;
 }
 
 fu_err db_job_progress(db_t *db, const char *id, int64_t step, int64_t total_steps, double loss,

@@ -55,6 +55,8 @@ static cJSON *status_json(const Fusion__JobStatus *s)
     cJSON_AddNumberToObject(o, "created_ms", (double)s->created_ms);
     cJSON_AddNumberToObject(o, "updated_ms", (double)s->updated_ms);
     cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
+    if (s->micro_batches)
+        cJSON_AddNumberToObject(o, "micro_batches", s->micro_batches);
     cJSON *stages = cJSON_AddArrayToObject(o, "stage_peers");
     for (size_t i = 0; i < s->n_stage_info; i++) {
         const Fusion__JobStage *st = s->stage_info[i];

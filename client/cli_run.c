@@ -182,6 +182,11 @@ static int run_finetune(int argc, char **argv)
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model_dir, &spec, &code) != FU_OK)
         return code;
+    if (spec.micro_batches == 0) {
+        fprintf(stderr, "%s: --micro-batches 0 leaves the count to a broker (fusion submit); here give it "
+                        "(fusion status shows the one a broker chose)\n", argv[0]);
+        return FU_EXIT_USAGE;
+    }
     size_t cuts[DAG_CHAIN_MAX_STAGES], n_cuts = 0;
     for (const char *p = cuts_arg; p && *p;) {
         char *end;

@@ -17,17 +17,27 @@ static double stage_flops(const dag_graph_t *g, size_t first, size_t last, const
     return c.flops_fwd + (o->training ? c.flops_bwd : 0.0);
 }
 
+/* Seconds of link latency a micro-batch of nodes [first, last) waits for on p's link, and through
+ * *bytes_out the bytes it sends (activations down, gradients back up). */
+static double stage_latency(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
+                            const dag_partition_opts *o, double *bytes_out)
+{
+    double tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
+    double act = o->act_wire_bytes > 0 ? o->act_wire_bytes : 4.0, grad = o->grad_wire_bytes > 0 ? o->grad_wire_bytes : 4.0;
+    double bytes = act * tokens * (double)dag_graph_cut_width(g, last);
+    if (o->training)
+        bytes += grad * tokens * (double)dag_graph_cut_width(g, first); /* gradients sent back */
+    *bytes_out = bytes;
+    return bytes > 0.0 ? p->link_latency_s * (o->training && first > 0 && last < dag_graph_size(g) ? 2 : 1) : 0.0;
+}
+
 double dag_cost_stage_time(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
                            const dag_partition_opts *o, double *compute_s, double *comm_s)
 {
     double tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
     double comp = tokens * stage_flops(g, first, last, o) / (p->gflops * 1e9);
-    double bytes = 4.0 * tokens * (double)dag_graph_cut_width(g, last);
-    if (o->training)
-        bytes += 4.0 * tokens * (double)dag_graph_cut_width(g, first); /* gradients sent back */
-    double comm = 0.0;
-    if (bytes > 0.0)
-        comm = bytes / p->link_bw + p->link_latency_s * (o->training && first > 0 && last < dag_graph_size(g) ? 2 : 1);
+    double bytes = 0.0, lat = stage_latency(g, first, last, p, o, &bytes);
+    double comm = bytes > 0.0 ? bytes / p->link_bw + lat : 0.0;
     if (compute_s)
         *compute_s = comp;
     if (comm_s)
@@ -49,6 +59,19 @@ uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, 
     }
     uint64_t cut = dag_graph_cut_width(g, first) + dag_graph_cut_width(g, last);
     return c.param_bytes + m * tokens * c.act_bytes + 4ull * tokens * (3 * wmax + 2 * cut) + DAG_STAGE_OVERHEAD_BYTES;
+}
+
+double dag_plan_pipeline_time(const dag_plan *plan, uint32_t M)
+{
+    double way = 0.0, slowest = 0.0;
+    for (size_t k = 0; k < plan->n_stages; k++) {
+        const dag_stage *s = &plan->stages[k];
+        double t = s->time_s + DAG_MICRO_OVERHEAD_S;
+        way += t;
+        if (t - s->latency_s > slowest)
+            slowest = t - s->latency_s;
+    }
+    return way + (double)(M > 1 ? M - 1 : 0) * slowest;
 }
 
 void dag_plan_free(dag_plan *plan)
@@ -84,8 +107,11 @@ static void fill_stage(const dag_graph_t *g, const dag_peer_profile *peers, cons
     s->peer = peer;
     layer_span(g, first, last, &s->first_layer, &s->last_layer);
     s->time_s = dag_cost_stage_time(g, first, last, &peers[peer], o, &s->compute_s, &s->comm_s);
+    double bytes;
+    s->latency_s = stage_latency(g, first, last, &peers[peer], o, &bytes);
     s->mem_bytes = dag_cost_stage_memory(g, first, last, o);
-    s->cut_bytes = 4ull * (o->tokens_per_micro ? o->tokens_per_micro : 1) * dag_graph_cut_width(g, last);
+    s->cut_bytes = (uint64_t)((o->act_wire_bytes > 0 ? o->act_wire_bytes : 4.0) *
+                              (double)(o->tokens_per_micro ? o->tokens_per_micro : 1) * (double)dag_graph_cut_width(g, last));
 }
 
 static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const dag_partition_opts *o,

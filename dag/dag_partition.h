@@ -39,6 +39,9 @@ typedef struct {
     uint32_t max_stages;       /* most stages (0: as many as peers) */
     const bool *ends_ok;       /* per peer (in the order given): the first and the last stage (they see
                                   the tokens) go only to peers marked true; NULL: any peer */
+    double act_wire_bytes;     /* bytes a value of the activations takes on the wire (the job's codec;
+                                  0: 4, f32) */
+    double grad_wire_bytes;    /* the same for the gradients sent back */
 } dag_partition_opts;
 
 /* One stage of a plan. */
@@ -49,6 +52,7 @@ typedef struct {
     int32_t last_layer;   /* highest decoder layer in the stage */
     double compute_s;     /* estimated compute seconds per micro-batch */
     double comm_s;        /* estimated link seconds per micro-batch (cut out + gradients back) */
+    double latency_s;     /* the part of comm_s that is its links' latency */
     double time_s;        /* compute_s + comm_s */
     uint64_t mem_bytes;   /* estimated peak memory on the peer */
     uint64_t cut_bytes;   /* bytes of the tensors sent to the next stage per micro-batch */
@@ -84,6 +88,17 @@ FU_MUST_CHECK fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile 
  * layers (embedding with the first, head with the last). Memory is not checked. */
 FU_MUST_CHECK fu_err dag_partition_even(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
                                         const dag_partition_opts *o, dag_plan *plan);
+
+/* Seconds a micro-batch costs each stage beyond its compute and transfers (messages, smaller GEMMs):
+ * what keeps the estimate below from splitting a step into ever smaller micro-batches. */
+#define DAG_MICRO_OVERHEAD_S 0.0005
+
+/* The step time of plan with M micro-batches, as a pipeline runs them: the first micro-batch's way
+ * through every stage and back (each stage's compute and transfers, each link's latency), then M - 1
+ * more behind the slowest stage (latency overlaps with them), each stage's time per micro-batch with
+ * DAG_MICRO_OVERHEAD_S added. The plan must have been made for M (dag_partition_opts.micro_batches
+ * and tokens_per_micro). */
+double dag_plan_pipeline_time(const dag_plan *plan, uint32_t M);
 
 /* Frees plan->stages; idempotent. */
 void dag_plan_free(dag_plan *plan);

@@ -44,8 +44,8 @@ static const field FIELDS[] = {
     {"batch", "batch", F_U32, OFF(batch), 1, 65536, 4, KF | KE, "B", "sequences per step (default 4)"},
     {"seq_len", "seq-len", F_U32, OFF(seq_len), 1, DAG_SPEC_MAX_ROWS, 128, KF | KE, "T",
      "tokens per sequence (default 128)"},
-    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 1, DAG_EXEC_MAX_SLOTS, 1, KF | KE, "M",
-     "micro-batches per step, dividing B (default 1)"},
+    {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 0, DAG_EXEC_MAX_SLOTS, 1, KF | KE, "M",
+     "micro-batches per step, dividing B (default 1; fusion submit: 0 lets the broker choose for the links)"},
     {"checkpoint_every", "checkpoint-every", F_U64, OFF(checkpoint_every), 1, 1e9, 10, KF | PL, "K",
      "checkpoint every K steps (default 10)"},
     {"heldout", "heldout", F_DBL, OFF(heldout), 0, 0.5, 0, KF | KE, "F",
@@ -175,7 +175,10 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"targets\" names an unknown linear");
     }
     if (s->kind != DAG_JOB_INFER) { /* batches of windows: a fine-tune's or an eval's */
-        if (s->batch % s->micro_batches != 0)
+        if (s->micro_batches == 0 && s->kind != DAG_JOB_FINETUNE)
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"micro_batches\" must be 1 or more (0, the broker's choice, "
+                                                "is for fine-tunes)");
+        if (s->micro_batches && s->batch % s->micro_batches != 0)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"micro_batches\" (%u) must divide \"batch\" (%u)",
                                  s->micro_batches, s->batch);
         if ((uint64_t)s->batch * s->seq_len > DAG_SPEC_MAX_ROWS)
@@ -574,7 +577,7 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
         out->shuffle = c->shuffle;
         if (!(out->alpha > 0))
             out->alpha = 2.0 * out->rank;
-        if (out->batch % out->micro_batches != 0)
+        if (out->micro_batches && out->batch % out->micro_batches != 0)
             return fu_errmsg_set(em, FU_EINVAL, "--micro-batches (%u) must divide --batch (%u)", out->micro_batches,
                                  out->batch);
         if ((uint64_t)out->batch * out->seq_len > DAG_SPEC_MAX_ROWS)

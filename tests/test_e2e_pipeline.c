@@ -146,6 +146,44 @@ static void test_e2e_pipeline_wire_codec(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The micro-batch count left to the broker (issue "Home links"): over links stated at 20 Mbit/s the
+ * broker splits the step into more than one micro-batch (they hide the transfers), says how many in the
+ * job's status, keeps its choice across its own SIGKILL and restart, and the adapter is `fusion run
+ * --micro-batches M`'s bit for bit. */
+static void test_e2e_pipeline_micro_batches_chosen(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    o.link_mbps = "20";
+    tu_cluster *c = tu_cluster_new("e2e-micro", &o);
+    tu_cluster_start(c);
+    const char *train = "--rank 4 --alpha 8 --batch 8 --seq-len 16 --lr 0.01 --seed 7 --steps 12";
+    char id[17];
+    tu_submit_finetune(c, id, "model", "%s --micro-batches 0 --checkpoint-every 4", train);
+    (void)tu_wait_step(c, id, 5, 60000);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "status %s --json", id), 0);
+    const char *mb = strstr(out, "\"micro_batches\":");
+    assert_non_null(mb);
+    int M = atoi(mb + strlen("\"micro_batches\":"));
+    printf("the broker chose %d micro-batches: %s\n", M, out);
+    free(out);
+    assert_true(M > 1 && 8 % M == 0);
+    assert_true(tu_broker_logged(c, "job %s: %d micro-batches of %d tokens (left to the broker", id, M, 8 / M * 16));
+    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
+    tu_broker_start(c); /* same port, same SQLite file: the choice is stored */
+    tu_wait_done(c, id, 90);
+    assert_int_equal(tu_fusion(c, &out, "status %s --json", id), 0);
+    char want[32];
+    snprintf(want, sizeof want, "\"micro_batches\":%d", M);
+    assert_non_null(strstr(out, want));
+    free(out);
+    char ref[256];
+    snprintf(ref, sizeof ref, "%s --micro-batches %d", train, M);
+    tu_assert_identical_adapter(c, id, "model", ref, 1);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Peers with 1, 2 and 3 compute threads run a three-stage fine-tune whose adapter has the bits of
  * `fusion run finetune --threads 2` (docs/DAG.md "Determinism"): neither the partition nor any
  * process's thread count changes a bit. */
@@ -722,6 +760,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wire_codec, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_micro_batches_chosen, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_mixed_threads, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_concurrent_jobs, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_faster_peers_more_layers, tu_teardown),
