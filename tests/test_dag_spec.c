@@ -81,10 +81,15 @@ static void test_dag_spec_every_field_roundtrips(void **state)
     s.seed = 1125899906842623ull; /* 2^50 - 1: the largest seed kept exactly */
     s.checkpoint_every = 5;
     s.verify = 0.25;
+    s.act_codec = KERN_CODEC_INT8;
+    s.grad_codec = KERN_CODEC_BF16;
     roundtrip(&s);
     char *txt = dag_spec_to_json(&s);
     assert_non_null(strstr(txt, "\"targets\":[\"q_proj\",\"v_proj\"]"));
+    assert_non_null(strstr(txt, "\"act_codec\":\"int8\",\"grad_codec\":\"bf16\""));
     free(txt);
+    s.micro_batches = 0; /* a fine-tune may leave the count to the broker */
+    roundtrip(&s);
     dag_spec_init(&s, DAG_JOB_INFER);
     snprintf(s.adapter_job, sizeof s.adapter_job, "00112233aabbccdd");
     int32_t ids[] = {1, 2, 70000};
@@ -111,7 +116,7 @@ static void test_dag_spec_refuses_bad_values(void **state)
         {"rank", "4097", "0", DAG_JOB_FINETUNE},          {"alpha", "1e7", "-1", DAG_JOB_FINETUNE},
         {"lr", "11", "0", DAG_JOB_FINETUNE},              {"weight_decay", "11", "-0.1", DAG_JOB_FINETUNE},
         {"steps", "1e10", "0", DAG_JOB_FINETUNE},         {"batch", "65537", "0", DAG_JOB_FINETUNE},
-        {"seq_len", "2000000", "0", DAG_JOB_FINETUNE},    {"micro_batches", "65537", "0", DAG_JOB_FINETUNE},
+        {"seq_len", "2000000", "0", DAG_JOB_FINETUNE},    {"micro_batches", "65537", "-1", DAG_JOB_FINETUNE},
         {"checkpoint_every", "1e10", "0", DAG_JOB_FINETUNE}, {"verify", "1.5", "-0.5", DAG_JOB_FINETUNE},
         {"seed", "1e17", "-1", DAG_JOB_FINETUNE},         {"max_tokens", "65537", "0", DAG_JOB_INFER},
         {"temperature", "101", "-1", DAG_JOB_INFER},      {"top_k", "5000000", "-1", DAG_JOB_INFER},
@@ -161,6 +166,11 @@ static void test_dag_spec_refuses_bad_specs(void **state)
     expect_refused("{\"shuffle\": 1}", DAG_JOB_FINETUNE, FU_EINVAL, "\"shuffle\"");
     expect_refused("{\"model\": 3}", DAG_JOB_FINETUNE, FU_EINVAL, "\"model\"");
     expect_refused("{\"batch\": 6, \"micro_batches\": 4}", DAG_JOB_FINETUNE, FU_EINVAL, "must divide");
+    expect_refused("{\"micro_batches\": 0}", DAG_JOB_EVAL, FU_EINVAL, "is for fine-tunes");
+    expect_refused("{\"act_codec\": \"int4\"}", DAG_JOB_FINETUNE, FU_EINVAL, "\"act_codec\" must be f32, f16, bf16 or int8");
+    expect_refused("{\"grad_codec\": 8}", DAG_JOB_FINETUNE, FU_EINVAL, "\"grad_codec\"");
+    expect_refused("{\"grad_codec\": \"int8\"}", DAG_JOB_EVAL, FU_EINVAL, "unknown key \"grad_codec\"");
+    expect_refused("{\"act_codec\": \"int8\"}", DAG_JOB_INFER, FU_EINVAL, "unknown key \"act_codec\"");
     expect_refused("{\"batch\": 4096, \"seq_len\": 4096}", DAG_JOB_FINETUNE, FU_EINVAL, "at most");
     expect_refused("{\"kind\": \"infer\"}", DAG_JOB_FINETUNE, FU_EINVAL, "\"kind\" is \"infer\" in a finetune job");
     expect_refused("{\"kind\": \"train\"}", DAG_JOB_ANY, FU_EINVAL, "\"kind\"");
@@ -230,7 +240,8 @@ static void test_dag_spec_cli_matches_json(void **state)
     assert_true(n >= 14);
     fu_cmd cmd = {.prog = "test", .usage = "", .summary = "", .opts = opts, .n_opts = n};
     char *argv[] = {"test", "--targets", "q,v", "--rank", "4", "--steps", "20", "--batch", "4", "--micro-batches", "2",
-                    "--seq-len", "16", "--lr", "0.01", "--seed", "7", "--shuffle", "--verify", "0.5", NULL};
+                    "--seq-len", "16", "--lr", "0.01", "--seed", "7", "--shuffle", "--verify", "0.5",
+                    "--wire-codec", "int8,bf16", NULL};
     int argc = (int)(sizeof argv / sizeof argv[0]) - 1, code = 0;
     size_t npos;
     assert_int_equal(fu_opts_parse(&cmd, argc, argv, &npos, &code), FU_OK);
@@ -239,12 +250,23 @@ static void test_dag_spec_cli_matches_json(void **state)
     assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_OK);
     const char *txt = "{\"model\": \"/m\", \"targets\": [\"q_proj\", \"v_proj\"], \"rank\": 4, \"steps\": 20, "
                       "\"batch\": 4, \"micro_batches\": 2, \"seq_len\": 16, \"lr\": 0.01, \"seed\": 7, "
-                      "\"shuffle\": true, \"verify\": 0.5}";
+                      "\"shuffle\": true, \"verify\": 0.5, \"act_codec\": \"int8\", \"grad_codec\": \"bf16\"}";
     assert_int_equal(dag_spec_parse(txt, strlen(txt), DAG_JOB_FINETUNE, &b, &em), FU_OK);
     char *ja = dag_spec_to_json(&a), *jb = dag_spec_to_json(&b);
     assert_string_equal(ja, jb);
     free(ja);
     free(jb);
+    /* One codec for both directions; bad ones name the option. */
+    c.wire_codec = "bf16";
+    assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_OK);
+    assert_true(a.act_codec == KERN_CODEC_BF16 && a.grad_codec == KERN_CODEC_BF16);
+    const char *bad[] = {"int4", "int8,", ",int8", "f32,f16,bf16", "averyveryverylongcodecname"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        c.wire_codec = bad[i];
+        assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_EINVAL);
+        assert_non_null(strstr(em.msg, "--wire-codec must be"));
+    }
+    c.wire_codec = NULL;
     /* Bad options name themselves. */
     c.ival[0] = 0; /* rank */
     assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_EINVAL);

@@ -423,6 +423,37 @@ static void test_db_job_model_id(void **state)
     db_close(&db);
 }
 
+/* The micro-batch count the broker chose is stored with the job and read back after a reopen (0 until
+ * chosen); counts outside 1..64 and unknown jobs are refused. */
+static void test_db_job_micro_batches(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char id[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    assert_int_equal(db_job_submit(db, f->key[0], NULL, DB_JOB_FINETUNE, "{}", 2, NULL, 1, id, &created), FU_OK);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->micro_batches, 0);
+    db_job_free(&j);
+    assert_int_equal(db_job_set_micro_batches(db, id, 0), FU_EINVAL);
+    assert_int_equal(db_job_set_micro_batches(db, id, 65), FU_EINVAL);
+    assert_int_equal(db_job_set_micro_batches(db, "0123456789abcdef", 4), FU_ENOTFOUND);
+    assert_int_equal(db_job_set_micro_batches(db, id, 8), FU_OK);
+    db_close(&db);
+    db = open_ok(f->path);
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->micro_batches, 8);
+    db_job_free(&j);
+    db_job *all = NULL;
+    size_t n = 0;
+    assert_int_equal(db_jobs_unfinished(db, &all, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(all[0].micro_batches, 8);
+    db_job_array_free(&all, n);
+    db_close(&db);
+}
+
 /* Model hashes kept across restarts: a row round-trips, a directory is replaced in place, and at
  * most DB_MODEL_HASHES_MAX rows stay (the least recently used go). */
 static void test_db_model_hashes(void **state)
@@ -1482,6 +1513,7 @@ int main(void)
         cmocka_unit_test(test_db_missing_dir_refused),
         cmocka_unit_test(test_db_submit_idempotent),
         cmocka_unit_test(test_db_job_model_id),
+        cmocka_unit_test(test_db_job_micro_batches),
         cmocka_unit_test(test_db_model_hashes),
         cmocka_unit_test(test_db_ownership),
         cmocka_unit_test(test_db_state_transitions),
