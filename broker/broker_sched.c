@@ -377,9 +377,11 @@ static void plan_job(broker_t *b, broker_job *j)
         j->spec.micro_batches = 0; /* chosen again with the peers of the next try */
     if (rc == FU_OK && choose) {
         broker_job_canon(j); /* the peers get the count */
-        FU_INFO(LOG, "job %s: %u micro-batches of %u tokens (left to the broker: predicted step %.3g s, against "
-                "%.3g s in one)", j->id, j->spec.micro_batches, j->spec.batch / j->spec.micro_batches * j->spec.seq_len,
-                chose_s, one_s);
+        char one[64] = "one does not fit";
+        if (one_s > 0)
+            snprintf(one, sizeof one, "%.3g s in one", one_s);
+        FU_INFO(LOG, "job %s: %u micro-batches of %u tokens (left to the broker: predicted step %.3g s, against %s)",
+                j->id, j->spec.micro_batches, j->spec.batch / j->spec.micro_batches * j->spec.seq_len, chose_s, one);
     }
     if (rc != FU_OK) {
         snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));

@@ -173,7 +173,7 @@ static int run_finetune(int argc, char **argv)
                    "with beta1 0.9, beta2 0.999, eps 1e-8. Writes adapter_model.safetensors and "
                    "adapter_config.json (PEFT)."};
     int code = 0;
-    if (dag_spec_cli_parse(&sc, DAG_JOB_FINETUNE, 0, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
+    if (dag_spec_cli_parse(&sc, DAG_JOB_FINETUNE, DAG_SPEC_CLI_CHECKPOINTS, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
                            &code) != FU_OK)
         return code;
     const char *prog = argv[0];

@@ -111,7 +111,7 @@ static fu_err micro_batch(dag_chain *c, uint64_t step, uint32_t m, float *loss, 
             size_t n_g = dag_train_cut_floats(t, false);
             rc = dag_exec_gather_input_grads(t->x, t->cut_in, t->n_cut_in, dag_train_rows(t), c->grad, n_g);
             if (rc == FU_OK)
-                rc = over_the_wire(t, spec->grad_codec, false, c->grad, c->wire);
+                rc = dag_train_grad_encode(t, spec->grad_codec, step, m, c->grad, c->wire);
         }
         if (rc != FU_OK)
             return fu_errmsg_set(em, rc, "stage %zu: backward of micro-batch %u failed", k, m);

@@ -47,7 +47,7 @@ static const field FIELDS[] = {
     {"micro_batches", "micro-batches", F_U32, OFF(micro_batches), 0, DAG_EXEC_MAX_SLOTS, 1, KF | KE, "M",
      "micro-batches per step, dividing B (default 1; fusion submit: 0 lets the broker choose for the links)"},
     {"checkpoint_every", "checkpoint-every", F_U64, OFF(checkpoint_every), 1, 1e9, 10, KF | PL, "K",
-     "checkpoint every K steps (default 10)"},
+     "checkpoint every K steps (default 10; int8-ef gradients restart their error feedback there)"},
     {"heldout", "heldout", F_DBL, OFF(heldout), 0, 0.5, 0, KF | KE, "F",
      "fraction of the data kept out of training for `fusion eval` (the last examples; default 0)"},
     {"verify", "verify", F_DBL, OFF(verify), 0, 1, -1, KF | PL, "F",
@@ -73,7 +73,8 @@ static const char *const EV_KEYS[] = {"kind", "model", "adapter_job", "trusted_e
 
 static const char *const KIND_NAMES[] = {"finetune", "infer", "eval"};
 
-#define CODECS "f32, f16, bf16 or int8"
+#define CODECS      "f32, f16, bf16 or int8"
+#define GRAD_CODECS "f32, f16, bf16, int8 or int8-ef"
 
 static double get(const dag_spec *s, const field *f)
 {
@@ -193,8 +194,10 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
     }
     if (memchr(s->model, '\0', sizeof s->model) == NULL)
         return fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" is too long");
-    if ((unsigned)s->act_codec >= KERN_CODEC_COUNT_ || (unsigned)s->grad_codec >= KERN_CODEC_COUNT_)
-        return fu_errmsg_set(em, FU_EINVAL, "spec: \"act_codec\" and \"grad_codec\" must be " CODECS);
+    if ((unsigned)s->act_codec >= KERN_CODEC_COUNT_ || s->act_codec == KERN_CODEC_INT8_EF)
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"act_codec\" must be " CODECS " (error feedback is for gradients)");
+    if ((unsigned)s->grad_codec >= KERN_CODEC_COUNT_)
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"grad_codec\" must be " GRAD_CODECS);
     if ((s->kind == DAG_JOB_INFER && (s->act_codec || s->grad_codec)) || (s->kind == DAG_JOB_EVAL && s->grad_codec))
         return fu_errmsg_set(em, FU_EINVAL, "spec: wire codecs are for fine-tunes (\"act_codec\", \"grad_codec\") "
                                             "and evals (\"act_codec\")");
@@ -207,8 +210,10 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
 static fu_err parse_codec(const cJSON *o, const char *key, kern_codec *out, fu_errmsg *em)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (v && (!cJSON_IsString(v) || kern_codec_parse(v->valuestring, out) != FU_OK))
-        return fu_errmsg_set(em, FU_EINVAL, "spec: \"%s\" must be " CODECS, key);
+    bool grad = strcmp(key, "grad_codec") == 0;
+    if (v && (!cJSON_IsString(v) || kern_codec_parse(v->valuestring, out) != FU_OK ||
+              (!grad && *out == KERN_CODEC_INT8_EF)))
+        return fu_errmsg_set(em, FU_EINVAL, "spec: \"%s\" must be %s", key, grad ? GRAD_CODECS : CODECS);
     return FU_OK;
 }
 
@@ -484,7 +489,8 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
         const field *f = &FIELDS[i];
         c->ival[i] = (long long)f->def;
         c->dval[i] = f->def;
-        if (!(f->kinds & kb) || ((f->kinds & PL) && !(flags & DAG_SPEC_CLI_PIPELINE)) || *n >= cap)
+        bool ckpt = (flags & DAG_SPEC_CLI_CHECKPOINTS) && strcmp(f->key, "checkpoint_every") == 0;
+        if (!(f->kinds & kb) || ((f->kinds & PL) && !(flags & DAG_SPEC_CLI_PIPELINE) && !ckpt) || *n >= cap)
             continue;
         bool dbl = f->type == F_DBL;
         opts[(*n)++] = (fu_opt){f->opt, 0, dbl ? FU_OPT_DOUBLE : FU_OPT_INT, dbl ? (void *)&c->dval[i] : (void *)&c->ival[i],
@@ -493,8 +499,9 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
     if (kind != DAG_JOB_INFER && *n < cap)
         opts[(*n)++] = (fu_opt){"wire-codec", 0, FU_OPT_STR, &c->wire_codec, "ACT[,GRAD]",
                                 kind == DAG_JOB_EVAL ? "activations between stages as f32 (default), f16, bf16 or int8"
-                                                     : "activations (and gradients, if not given apart) between "
-                                                       "stages as f32 (default), f16, bf16 or int8 (per-row scales)"};
+                                                     : "activations and gradients between stages: f32 (default), f16, bf16 or int8 "
+                                                       "(per-row scales; its gradients with error feedback, int8-ef); "
+                                                       "ACT,GRAD to choose apart"};
     if ((flags & DAG_SPEC_CLI_PIPELINE) && *n < cap)
         opts[(*n)++] = (fu_opt){"trusted-ends", 0, FU_OPT_STR, &c->trusted_ends, "on|off",
                                 "keep the first and last stages (they see the tokens) on peers the broker trusts "
@@ -559,12 +566,16 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
             memcpy(act, c->wire_codec, la);
         snprintf(grad, sizeof grad, "%s", comma ? comma + 1 : act);
         if (la >= sizeof act || kern_codec_parse(act, &out->act_codec) != FU_OK ||
-            kern_codec_parse(grad, &out->grad_codec) != FU_OK || (comma && out->kind == DAG_JOB_EVAL))
+            kern_codec_parse(grad, &out->grad_codec) != FU_OK || (comma && out->kind == DAG_JOB_EVAL) ||
+            out->act_codec == KERN_CODEC_INT8_EF)
             return fu_errmsg_set(em, FU_EINVAL, "--wire-codec must be %s, not '%.40s'",
-                                 out->kind == DAG_JOB_EVAL ? CODECS : CODECS " (or ACT,GRAD: int8,bf16)",
+                                 out->kind == DAG_JOB_EVAL ? CODECS
+                                                           : CODECS " (or ACT,GRAD with GRAD " GRAD_CODECS ": int8,int8-ef)",
                                  c->wire_codec);
         if (out->kind == DAG_JOB_EVAL)
             out->grad_codec = KERN_CODEC_F32;
+        else if (!comma && out->act_codec == KERN_CODEC_INT8)
+            out->grad_codec = KERN_CODEC_INT8_EF; /* plain int8 gradients cost accuracy (docs/PIPELINE.md) */
     }
     if (out->kind == DAG_JOB_FINETUNE) {
         if (dag_adapter_parse(c->method ? c->method : "lora-fa", &out->method) != FU_OK ||

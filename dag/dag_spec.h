@@ -77,7 +77,8 @@ typedef struct {
                                            allow-list marks trusted: 1 yes, 0 no, -1 (default) yes when a
                                            trusted peer is registered */
     kern_codec act_codec;               /* fine-tune and eval: activations on the wire (default f32) */
-    kern_codec grad_codec;              /* fine-tune: gradients on the wire (default f32) */
+    kern_codec grad_codec;              /* fine-tune: gradients on the wire (default f32; int8-ef: int8 with
+                                           error feedback) */
     /* inference and eval */
     char adapter_job[DAG_SPEC_JOB_ID_LEN + 1]; /* fine-tune job whose adapter to use ("": none) */
     uint32_t max_tokens;                /* tokens to generate (default 64) */
@@ -117,7 +118,8 @@ kern_adamw_params dag_spec_adamw(const dag_spec *s);
 
 /* ---- command-line options ------------------------------------------------------------------- */
 
-#define DAG_SPEC_CLI_PIPELINE (1u << 0) /* also --checkpoint-every and --verify (fusion submit) */
+#define DAG_SPEC_CLI_PIPELINE    (1u << 0) /* also --checkpoint-every and --verify (fusion submit) */
+#define DAG_SPEC_CLI_CHECKPOINTS (1u << 1) /* also --checkpoint-every (fusion run: where int8-ef restarts) */
 #define DAG_SPEC_CLI_MAX_OPTS 28        /* most entries dag_spec_cli_opts adds */
 
 /* Where fu_opts_parse puts the spec's options; read by dag_spec_from_cli. */

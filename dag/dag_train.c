@@ -32,7 +32,11 @@ void dag_train_stage_clear(dag_train_stage *t)
         return;
     free(t->tok);
     free(t->tgt);
+    free(t->ef);
+    free(t->ef_from);
     t->tok = t->tgt = NULL;
+    t->ef = NULL;
+    t->ef_from = NULL;
 }
 
 uint64_t dag_train_rows(const dag_train_stage *t)
@@ -142,6 +146,41 @@ fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, c
         x += rows * w;
         bytes += b;
     }
+    return FU_OK;
+}
+
+fu_err dag_train_grad_encode(dag_train_stage *t, kern_codec c, uint64_t step, uint32_t m, float *g, uint8_t *wire)
+{
+    if (c == KERN_CODEC_F32)
+        return FU_OK;
+    size_t n = dag_train_cut_floats(t, false), len = dag_train_wire_bytes(t, c, false);
+    if (c != KERN_CODEC_INT8_EF) {
+        dag_train_wire_encode(t, c, false, g, wire);
+        return dag_train_wire_decode(t, c, false, wire, len, g);
+    }
+    uint32_t M = t->spec->micro_batches;
+    if (m >= M)
+        return FU_EINVAL;
+    if (!t->ef) {
+        t->ef = fu_calloc((size_t)M * n + 1, sizeof *t->ef);
+        t->ef_from = fu_malloc(M * sizeof *t->ef_from);
+        for (uint32_t k = 0; k < M; k++)
+            t->ef_from[k] = UINT64_MAX;
+    }
+    uint64_t K = t->spec->checkpoint_every, from = K ? step / K * K : 0;
+    float *e = t->ef + (size_t)m * n;
+    if (t->ef_from[m] != from) { /* a new checkpoint interval: what a resumed run starts from too */
+        memset(e, 0, n * sizeof *e);
+        t->ef_from[m] = from;
+    }
+    for (size_t i = 0; i < n; i++) {
+        g[i] += e[i];
+        e[i] = g[i];
+    }
+    dag_train_wire_encode(t, c, false, g, wire);
+    FU_TRY(dag_train_wire_decode(t, c, false, wire, len, g));
+    for (size_t i = 0; i < n; i++)
+        e[i] -= g[i];
     return FU_OK;
 }
 

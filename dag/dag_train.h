@@ -39,6 +39,9 @@ typedef struct {
     uint32_t cut_out[DAG_TRAIN_MAX_CUTS]; /* the cut outputs (not the last stage) */
     uint32_t n_cut_out;
     int32_t *tok, *tgt;                  /* scratch: B/M x seq_len each (owned) */
+    float *ef;                           /* int8-ef: each micro-batch's gradient residual, one block of
+                                            dag_train_cut_floats(t, false) each (owned; NULL until used) */
+    uint64_t *ef_from;                   /* per micro-batch: the checkpoint step its residual counts from */
 } dag_train_stage;
 
 /* Fills t for executor x of graph g (its cut tensors from the executor). spec, ids and g are
@@ -76,6 +79,14 @@ void dag_train_wire_encode(const dag_train_stage *t, kern_codec c, bool out, con
  * malformed (kern_codec_decode). */
 FU_MUST_CHECK fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, const uint8_t *bytes,
                                            size_t len, float *x);
+
+/* The gradient g of the cut inputs of micro-batch m of step `step` on its way up in codec c: written
+ * to wire (dag_train_wire_bytes(t, c, false) bytes; nothing for f32) and g replaced by what the
+ * receiver decodes. int8-ef adds the micro-batch's residual (what its last encoding lost) before
+ * encoding and keeps what this one loses; every residual starts at zero at each checkpoint step (0
+ * and the multiples of checkpoint_every), so a run resumed from a checkpoint sends the same bits. */
+FU_MUST_CHECK fu_err dag_train_grad_encode(dag_train_stage *t, kern_codec c, uint64_t step, uint32_t m, float *g,
+                                           uint8_t *wire);
 
 /* The optimizer step after the M-th backward. */
 FU_MUST_CHECK fu_err dag_train_step(dag_train_stage *t);

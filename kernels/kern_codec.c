@@ -7,7 +7,7 @@
 
 #include "kern_tensor.h"
 
-static const char *const NAMES[KERN_CODEC_COUNT_] = {"f32", "f16", "bf16", "int8"};
+static const char *const NAMES[KERN_CODEC_COUNT_] = {"f32", "f16", "bf16", "int8", "int8-ef"};
 
 const char *kern_codec_name(kern_codec c)
 {
@@ -36,6 +36,7 @@ size_t kern_codec_bytes(kern_codec c, size_t rows, size_t width)
         row = width * 2;
         break;
     case KERN_CODEC_INT8:
+    case KERN_CODEC_INT8_EF:
         row = width + 4;
         break;
     default:
@@ -112,6 +113,7 @@ void kern_codec_encode(kern_codec c, const float *x, size_t rows, size_t width, 
             put_u16(out + 2 * i, kern_f32_to_bf16(x[i]));
         break;
     case KERN_CODEC_INT8:
+    case KERN_CODEC_INT8_EF:
         for (size_t r = 0; r < rows; r++)
             encode_int8_row(x + r * width, width, out + r * (width + 4));
         break;

@@ -7,6 +7,9 @@
  *   int8  1 byte a value plus 4 a row: each row of `width` values is its scale s (f32, little-endian;
  *         s = max|x| / 127, 0 for a zero row) followed by q_i = x_i / s rounded to nearest even, in
  *         [-127, 127]; it decodes to q_i * s
+ *   int8-ef  int8 on the wire; for gradients, the sender adds what its last encoding of the same
+ *         micro-batch lost before encoding, and keeps what this one loses (error feedback: the
+ *         state lives with the sender, dag_train_grad_encode)
  *
  * Encoding is a pure function of the values: the same bits whatever the thread count or machine, so
  * a run that applies encode-then-decode at the same cuts (`fusion run --cuts --wire-codec`) gives the
@@ -31,10 +34,11 @@ typedef enum {
     KERN_CODEC_F16 = 1,
     KERN_CODEC_BF16 = 2,
     KERN_CODEC_INT8 = 3,
+    KERN_CODEC_INT8_EF = 4, /* int8's format; the sender keeps a residual */
     KERN_CODEC_COUNT_
 } kern_codec;
 
-/* "f32", "f16", "bf16", "int8"; "?" for a value out of range. */
+/* "f32", "f16", "bf16", "int8", "int8-ef"; "?" for a value out of range. */
 const char *kern_codec_name(kern_codec c);
 /* The codec named s (as kern_codec_name writes it). FU_EINVAL for anything else. */
 FU_MUST_CHECK fu_err kern_codec_parse(const char *s, kern_codec *out);

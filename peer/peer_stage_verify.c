@@ -183,8 +183,9 @@ static void verify_compute(stage_t *s, const verify_req *q)
         rc = last ? stage_collect_input_grads(s, rows, total, out) : stage_collect_outputs(s, q->mb, total, out);
     uint8_t *wire = NULL; /* the output as the stage's neighbour decodes it */
     size_t wire_len = 0;
-    if (rc == FU_OK && !solo)
-        rc = stage_wire_encode(s, last ? s->spec.grad_codec : s->spec.act_codec, !last, out, &wire, &wire_len);
+    kern_codec codec = last ? s->spec.grad_codec : s->spec.act_codec;
+    if (rc == FU_OK && !solo && codec != KERN_CODEC_INT8_EF) /* int8-ef: the stage keeps its gradient as computed */
+        rc = stage_wire_encode(s, codec, !last, out, &wire, &wire_len);
     free(wire);
     if (rc == FU_OK)
         verify_answer(s, q->step, q->mb, q->seed, out, total, ih, NULL);

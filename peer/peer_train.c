@@ -60,11 +60,11 @@ fu_err stage_collect_input_grads(stage_t *s, uint64_t rows, size_t total, float 
  * dimension (width floats for f32, f16 and bf16; int8 rows are bytes, scales included). */
 static Fusion__Dtype wire_dtype(kern_codec c, uint64_t rows, uint64_t width, size_t bytes, uint64_t *dim1)
 {
-    *dim1 = c == KERN_CODEC_INT8 ? (rows ? bytes / rows : 0) : width;
-    return c == KERN_CODEC_F16    ? FUSION__DTYPE__DTYPE_F16
-           : c == KERN_CODEC_BF16 ? FUSION__DTYPE__DTYPE_BF16
-           : c == KERN_CODEC_INT8 ? FUSION__DTYPE__DTYPE_U8
-                                  : FUSION__DTYPE__DTYPE_F32;
+    *dim1 = c == KERN_CODEC_INT8 || c == KERN_CODEC_INT8_EF ? (rows ? bytes / rows : 0) : width;
+    return c == KERN_CODEC_F16                               ? FUSION__DTYPE__DTYPE_F16
+           : c == KERN_CODEC_BF16                            ? FUSION__DTYPE__DTYPE_BF16
+           : c == KERN_CODEC_INT8 || c == KERN_CODEC_INT8_EF ? FUSION__DTYPE__DTYPE_U8
+                                                             : FUSION__DTYPE__DTYPE_F32;
 }
 
 /* Hands a cut tensor of rows x width values in codec c (data, len bytes, which the command owns from
@@ -109,20 +109,31 @@ fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t *
 }
 
 /* A fine-tune's output (total floats in f, which this takes) of (step, mb) on its way out in codec c:
- * kept for verification as the neighbour decodes it, then sent. */
+ * kept for verification as the neighbour decodes it (int8-ef: as computed, since the residual added
+ * to it is the sender's), then sent. */
 static fu_err send_produced(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
                             uint64_t rows, uint64_t width, kern_codec c, bool verified, float *f, size_t total)
 {
+    bool down = role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
     uint8_t *wire = NULL;
     size_t len = 0;
-    fu_err rc = stage_wire_encode(s, c, role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, f, &wire, &len);
-    if (rc != FU_OK) {
+    fu_err rc;
+    if (c == KERN_CODEC_INT8_EF) {
+        if (verified)
+            (void)stage_output_produced(s, step, mb, f, total);
+        len = dag_train_wire_bytes(&s->train, c, false);
+        wire = fu_malloc(len + 1);
+        rc = dag_train_grad_encode(&s->train, c, step, mb, f, wire);
+    } else {
+        rc = stage_wire_encode(s, c, down, f, &wire, &len);
+        if (rc == FU_OK && verified && stage_output_produced(s, step, mb, f, total) && wire)
+            dag_train_wire_encode(&s->train, c, down, f, wire); /* a test's cheat */
+    }
+    if (rc != FU_OK) { /* a value the codec cannot carry (a NaN, an infinity): the step has diverged */
+        free(wire);
         free(f);
         return rc;
     }
-    if (verified && stage_output_produced(s, step, mb, f, total) && wire)
-        dag_train_wire_encode(&s->train, c, role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, f, wire); /* a test's
-                                                                                                          cheat */
     if (wire)
         free(f);
     send_tensor(s, role, type, step, mb, rows, width, c, wire ? wire : (uint8_t *)f, len);

@@ -19,6 +19,9 @@
 #include "dag_model.h"
 #include "dag_partition.h"
 #include "dag_quant.h"
+#include "dag_spec.h"
+#include "dag_train.h"
+#include "kern_codec.h"
 #include "fu_modelcfg.h"
 #include "fu_safetensors.h"
 #include "kern_bitmap.h"
@@ -1416,6 +1419,71 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
     dag_graph_destroy(&g);
 }
 
+/* int8 gradients with error feedback (dag_train_grad_encode): within a checkpoint interval what the
+ * receiver decoded adds up to what was computed, short only by the last residual (at most half a step
+ * of the last scale per value), where plain int8's errors add up; at a checkpoint step the residual
+ * starts from zero again, so that step's encoding is plain int8's. */
+static void test_dag_exec_int8_error_feedback(void **state)
+{
+    tiny *t = tiny_start(state, "exec-ef", 3);
+    dag_graph_t *g = graph(t, DAG_ADAPTER_LORA_FA, 4, DAG_HEAD_LOSS, 0);
+    dag_spec spec;
+    dag_spec_init(&spec, DAG_JOB_FINETUNE);
+    spec.batch = 2;
+    spec.micro_batches = 1;
+    spec.seq_len = 8;
+    spec.checkpoint_every = 4;
+    dag_train_stage ts = {.g = g, .spec = &spec, .n_cut_in = 1, .cut_in = {16}, .n_slots = 1};
+    size_t n = dag_train_cut_floats(&ts, false), bytes = dag_train_wire_bytes(&ts, KERN_CODEC_INT8_EF, false);
+    size_t width = (size_t)dag_graph_width(g, 16), rows = n / width;
+    assert_true(n > 0 && bytes == rows * (width + 4));
+    float *gk = malloc(n * sizeof *gk), *sum_g = calloc(n, sizeof *sum_g), *sum_ef = calloc(n, sizeof *sum_ef);
+    float *sum_plain = calloc(n, sizeof *sum_plain), *plain = malloc(n * sizeof *plain);
+    uint8_t *wire = malloc(bytes), *wire2 = malloc(bytes);
+    double worst_ef = 0, worst_plain = 0;
+    for (uint64_t step = 0; step < 6; step++) {
+        srand((unsigned)step + 1);
+        for (size_t i = 0; i < n; i++)
+            gk[i] = 1e-3f * ((float)rand() / (float)RAND_MAX - 0.5f) + 1e-5f; /* a small bias int8 loses */
+        memcpy(plain, gk, n * sizeof *gk);
+        kern_codec_encode(KERN_CODEC_INT8, plain, rows, width, wire2);
+        assert_int_equal(kern_codec_decode(KERN_CODEC_INT8, wire2, bytes, rows, width, plain), FU_OK);
+        if (step == 4) /* a checkpoint step: no residual yet */
+            for (size_t i = 0; i < n; i++)
+                sum_g[i] = sum_ef[i] = sum_plain[i] = 0;
+        for (size_t i = 0; i < n; i++)
+            sum_g[i] += gk[i];
+        assert_int_equal(dag_train_grad_encode(&ts, KERN_CODEC_INT8_EF, step, 0, gk, wire), FU_OK);
+        if (step == 0 || step == 4)
+            assert_memory_equal(wire, wire2, bytes);
+        double amax = 0;
+        for (size_t i = 0; i < n; i++) {
+            sum_ef[i] += gk[i];
+            sum_plain[i] += plain[i];
+            amax = fmax(amax, fabs(gk[i]));
+        }
+        if (step == 3) { /* the end of the first interval: four steps of error */
+            for (size_t i = 0; i < n; i++) {
+                worst_ef = fmax(worst_ef, fabs(sum_ef[i] - sum_g[i]));
+                worst_plain = fmax(worst_plain, fabs(sum_plain[i] - sum_g[i]));
+            }
+            assert_true(worst_ef <= 0.5 * amax / 127.0 * 1.1);
+        }
+    }
+    printf("after 4 steps: max |sum decoded - sum computed| %.3g with error feedback, %.3g without\n", worst_ef,
+           worst_plain);
+    assert_true(worst_ef < worst_plain);
+    dag_train_stage_clear(&ts);
+    free(gk);
+    free(sum_g);
+    free(sum_ef);
+    free(sum_plain);
+    free(plain);
+    free(wire);
+    free(wire2);
+    dag_graph_destroy(&g);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1423,6 +1491,7 @@ int main(void)
         cmocka_unit_test(test_dag_exec_gradients_match_finite_differences),
         cmocka_unit_test(test_dag_exec_qwen_gradients_match_finite_differences),
         cmocka_unit_test(test_dag_exec_stages_equal_whole_dag),
+        cmocka_unit_test(test_dag_exec_int8_error_feedback),
         cmocka_unit_test(test_dag_exec_lorafa_saves_less_than_lora),
         cmocka_unit_test(test_dag_exec_finetune_lowers_loss),
         cmocka_unit_test(test_dag_exec_checkpoint_round_trip_and_peft),

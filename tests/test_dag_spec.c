@@ -260,7 +260,13 @@ static void test_dag_spec_cli_matches_json(void **state)
     c.wire_codec = "bf16";
     assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_OK);
     assert_true(a.act_codec == KERN_CODEC_BF16 && a.grad_codec == KERN_CODEC_BF16);
-    const char *bad[] = {"int4", "int8,", ",int8", "f32,f16,bf16", "averyveryverylongcodecname"};
+    c.wire_codec = "int8"; /* int8 alone: its gradients with error feedback */
+    assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_OK);
+    assert_true(a.act_codec == KERN_CODEC_INT8 && a.grad_codec == KERN_CODEC_INT8_EF);
+    c.wire_codec = "int8,int8";
+    assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_OK);
+    assert_true(a.act_codec == KERN_CODEC_INT8 && a.grad_codec == KERN_CODEC_INT8);
+    const char *bad[] = {"int4", "int8,", ",int8", "f32,f16,bf16", "averyveryverylongcodecname", "int8-ef"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         c.wire_codec = bad[i];
         assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_FINETUNE, "/m", &a, &em), FU_EINVAL);

@@ -44,10 +44,12 @@
 #define JOB_STEPS 120
 #define KILL_AT   25 /* steps done before the fault (a checkpoint at 20 is committed) */
 
+static const char *g_train_extra = ""; /* more options of the job (a test's wire codecs) */
+
 static const char *train_args(void)
 {
     static char a[256];
-    snprintf(a, sizeof a, "%s --steps %d", TU_TRAIN_ARGS, JOB_STEPS);
+    snprintf(a, sizeof a, "%s --steps %d%s", TU_TRAIN_ARGS, JOB_STEPS, g_train_extra);
     return a;
 }
 
@@ -119,6 +121,29 @@ static void test_e2e_fault_peer_kill9(void **state)
     printf("the job finished %llu ms after the kill\n", (unsigned long long)(fu_clock_ms() - t0));
     assert_moved(c, id, 1);
     tu_assert_same_adapter(c, id, "model", train_args());
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* Wire codecs through a failover (issue "Home links"): int8 activations and int8 gradients with error
+ * feedback. The peer of stage 1 is SIGKILLed after step KILL_AT; its backup takes the same range from
+ * the checkpoint of step 20, where every residual starts from zero as in a run without the fault, so
+ * the adapter is `fusion run finetune --cuts (the plan's) --wire-codec int8,int8-ef --checkpoint-every
+ * 10`'s bit for bit. */
+static void test_e2e_fault_peer_kill9_int8_ef(void **state)
+{
+    (void)state;
+    tu_cluster *c;
+    char id[17], cuts[64], ref[384];
+    g_train_extra = " --wire-codec int8,int8-ef";
+    int victim = start_job(&c, "e2e-kill9-ef", 300, 1, id);
+    printf("SIGKILL to p%d (stage 1 of 3)\n", victim);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    tu_wait_done(c, id, 80);
+    assert_moved(c, id, 1);
+    tu_job_cuts(c, id, cuts, sizeof cuts);
+    snprintf(ref, sizeof ref, "%s --cuts %s --checkpoint-every 10", train_args(), cuts);
+    g_train_extra = "";
+    tu_assert_identical_adapter(c, id, "model", ref, 1);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
@@ -626,6 +651,7 @@ int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_fault_peer_kill9, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_peer_kill9_int8_ef, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_leave, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_sigstop, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart, tu_teardown),

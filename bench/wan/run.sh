@@ -23,12 +23,14 @@
 #
 #   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME] [--codecs LIST] [--kill]
 #
-# LIST defaults to f32,bf16,int8. --kill: a fourth peer is the job's backup, and halfway through each
+# LIST: --wire-codec values separated by spaces, default "f32 bf16 int8,f32 int8 int8,int8" (int8 alone:
+# int8 activations, int8 gradients with error feedback). --kill: a fourth peer is the job's backup, and halfway through each
 # f32 fine-tune away from LAN the peer of stage 1 is killed (SIGKILL): the line says when
 # ("killed_at_step") and whether the job still ended with the LAN adapter's bits.
 #
-# WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step; WAN_PEER_GB (default 0.039) is each
-# peer's memory, which makes the plan three stages (raise it with the step).
+# WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step (WAN_MICRO=0: the broker chooses the
+# micro-batch count for the links; "micro_batches" says what it chose); WAN_PEER_GB (default 0.039) is
+# each peer's memory, which makes the plan three stages (raise it with the step).
 #
 # BUILD_DIR holds bin/fusion, bin/fusion-broker, bin/fusion-peer and tests/fusion-linkemu (a Release
 # build for figures). Needs root (namespaces, TUN); exits 77 otherwise. Bounded: every run has a
@@ -39,7 +41,7 @@ shift
 QUICK=0
 KILL=0
 ONLY=
-CODECS=f32,bf16,int8
+CODECS="f32 bf16 int8,f32 int8 int8,int8"
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) QUICK=1 ;;
@@ -95,7 +97,7 @@ stop_all() {
 cleanup() {
   local rc=$?
   stop_all
-  if [ $rc = 0 ]; then rm -rf "$WORK"; else echo "bench-wan: failed (exit $rc); logs in $WORK" >&2; fi
+  if [ $rc = 0 ] && [ -z "${WAN_KEEP:-}" ]; then rm -rf "$WORK"; else echo "bench-wan: exit $rc; logs in $WORK" >&2; fi
   exit $rc
 }
 trap cleanup EXIT
@@ -149,7 +151,7 @@ broker-key = $WORK/broker/public.key
 keys = $WORK/client
 CONF
   local stages cuts codec
-  for codec in ${CODECS//,/ }; do
+  for codec in $CODECS; do
     local job t0 t1 loss
     local every=1000 killed=null
     [ $KILL = 1 ] && every=2
@@ -174,8 +176,11 @@ CONF
     t0=$(log_ms "job $job: every stage is ready; started" "broker-$name.log")
     t1=$(log_ms "job $job done" "broker-$name.log")
     loss=$(client status "$job" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
-    local same_run=false same_lan=null ref="ref-$stages-$cuts-$codec"
-    [ -d "$ref" ] || "$BIN/fusion" run finetune --model model --data "$DATA" $TRAIN --wire-codec "$codec" \
+    local micro
+    micro=$(client status "$job" --json | sed -n 's/.*"micro_batches":\([0-9]*\).*/\1/p')
+    local same_run=false same_lan=null ref="ref-$stages-$cuts-$codec-$micro"
+    [ -d "$ref" ] || "$BIN/fusion" run finetune --model model --data "$DATA" \
+      ${TRAIN/--micro-batches $MICRO/--micro-batches ${micro:-$MICRO}} --wire-codec "$codec" \
       ${cuts:+--cuts "$cuts"} --threads 1 -o "$ref" >/dev/null 2>&1 || [ -z "$cuts" ]
     cmp -s "result-$name-$codec/adapter_model.safetensors" "$ref/adapter_model.safetensors" && same_run=true
     if [ "$codec" = f32 ]; then
@@ -195,11 +200,11 @@ CONF
     fi
     awk -v n="$name" -v c="$codec" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" \
         -v t0="$t0" -v t1="$t1" -v toks=$((STEPS * BATCH * SEQ)) -v loss="$loss" -v sr=$same_run -v sl=$same_lan \
-        -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" -v killed="$killed" \
+        -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" -v killed="$killed" -v micro="${micro:-0}" \
         -v lan="$(cat lan.tps 2>/dev/null || echo 0)" -v lanc="$(cat "lan-$codec.ms" 2>/dev/null || echo 0)" 'BEGIN {
       ms = t1 - t0; tps = toks / (ms / 1000);
       printf "{\"bench\":\"wan\",\"kind\":\"finetune\",\"case\":\"%s\",\"codec\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,", n, c, up, down;
-      printf "\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"finetune_tokens_per_s\":%.1f,", 4 * d, st, s, tps;
+      printf "\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"micro_batches\":%d,\"finetune_tokens_per_s\":%.1f,", 4 * d, st, s, micro, tps;
       printf "\"finetune_vs_lan\":%.2f,\"network_wait_share\":%.2f,", (lan > 0 ? tps / lan : 1), (lanc > 0 ? 1 - lanc / ms : 0);
       printf "\"loss\":%s,\"adapter_same_as_run\":%s,\"adapter_same_as_lan\":%s", loss, sr, sl;
       if (l200 != "null") printf ",\"loss_200\":%s,\"loss_200_vs_f32\":%.4f", l200, (f200 > 0 ? l200 / f200 - 1 : 0);

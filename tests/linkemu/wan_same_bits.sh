@@ -7,7 +7,7 @@
 #
 #   tests/linkemu/wan_same_bits.sh BUILD_DIR
 set -uo pipefail
-out=$("$(dirname "$0")/../../bench/wan/run.sh" "$1" --quick --only 20mbit_60ms --codecs f32,int8)
+out=$("$(dirname "$0")/../../bench/wan/run.sh" "$1" --quick --only 20mbit_60ms --codecs "f32 int8")
 rc=$?
 echo "$out"
 [ $rc = 77 ] && exit 77
