@@ -65,7 +65,16 @@ static cJSON *status_json(const Fusion__JobStatus *s)
         cJSON_AddStringToObject(e, "peer", st->peer_id ? st->peer_id : "");
         cJSON_AddStringToObject(e, "name", st->peer_name ? st->peer_name : "");
         cJSON_AddStringToObject(e, "layers", st->layers ? st->layers : "");
+        cJSON_AddNumberToObject(e, "node_begin", st->node_begin);
+        cJSON_AddNumberToObject(e, "node_end", st->node_end);
         cJSON_AddItemToArray(stages, e);
+    }
+    if (s->n_stage_info > 1) { /* what `fusion run finetune --cuts` takes to run the same stages */
+        char cuts[256] = "";
+        size_t n = 0;
+        for (size_t i = 1; i < s->n_stage_info && n < sizeof cuts; i++)
+            n += (size_t)snprintf(cuts + n, sizeof cuts - n, "%s%u", i > 1 ? "," : "", s->stage_info[i]->node_begin);
+        cJSON_AddStringToObject(o, "cuts", cuts);
     }
     if (s->output && s->output[0])
         cJSON_AddStringToObject(o, "output", s->output);

@@ -167,6 +167,10 @@ static void test_e2e_pipeline_micro_batches_chosen(void **state)
     assert_non_null(mb);
     int M = atoi(mb + strlen("\"micro_batches\":"));
     printf("the broker chose %d micro-batches: %s\n", M, out);
+    char cuts[64], want_cuts[96];
+    tu_job_cuts(c, id, cuts, sizeof cuts);
+    snprintf(want_cuts, sizeof want_cuts, "\"cuts\":\"%s\"", cuts); /* what fusion run --cuts takes */
+    assert_non_null(strstr(out, want_cuts));
     free(out);
     assert_true(M > 1 && 8 % M == 0);
     assert_true(tu_broker_logged(c, "job %s: %d micro-batches of %d tokens (left to the broker", id, M, 8 / M * 16));

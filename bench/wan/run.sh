@@ -13,7 +13,8 @@
 #                             with the same codec, in one process
 #   adapter_same_as_lan       f32: the adapter has the LAN run's bits
 #   loss                      the fine-tune's last loss; on LAN (not --quick) also loss_200, the last loss
-#                             of a 200-step run, and loss_200_vs_f32, its relative change against f32's
+#                             of a 200-step run, loss_200_vs_f32, its relative change against f32's,
+#                             plans_200 (1 unless it was planned again) and adapter_200_same_as_run
 # and one per condition for the generation ("kind":"infer"):
 #   infer_tokens_per_s        generated tokens over the generation's run
 #   infer_floor_tokens_per_s  one token per round of the generation's hops (stage 0 -> .. -> last stage
@@ -178,9 +179,9 @@ CONF
     loss=$(client status "$job" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
     local micro
     micro=$(client status "$job" --json | sed -n 's/.*"micro_batches":\([0-9]*\).*/\1/p')
-    local same_run=false same_lan=null ref="ref-$stages-$cuts-$codec-$micro"
+    local same_run=false same_lan=null ref="ref-$stages-$cuts-$codec-$micro-$every"
     [ -d "$ref" ] || "$BIN/fusion" run finetune --model model --data "$DATA" \
-      ${TRAIN/--micro-batches $MICRO/--micro-batches ${micro:-$MICRO}} --wire-codec "$codec" \
+      ${TRAIN/--micro-batches $MICRO/--micro-batches ${micro:-$MICRO}} --wire-codec "$codec" --checkpoint-every $every \
       ${cuts:+--cuts "$cuts"} --threads 1 -o "$ref" >/dev/null 2>&1 || [ -z "$cuts" ]
     cmp -s "result-$name-$codec/adapter_model.safetensors" "$ref/adapter_model.safetensors" && same_run=true
     if [ "$codec" = f32 ]; then
@@ -188,7 +189,7 @@ CONF
       same_lan=false
       cmp -s "result-$name-$codec/adapter_model.safetensors" lan.adapter && same_lan=true
     fi
-    local l200=null
+    local l200=null plans200=0 same200=null
     if [ "$name" = lan ] && [ $QUICK = 0 ]; then # the codec's effect on the loss: 200 steps on LAN
       local long
       long=$(client submit finetune --model model --data "$DATA" ${TRAIN/--steps $STEPS/--steps 200} \
@@ -197,17 +198,32 @@ CONF
         --wait-timeout 880 >/dev/null
       l200=$(client status "$long" --json | sed -n 's/.*"loss":\([0-9.eE+-]*\).*/\1/p')
       [ "$codec" = f32 ] && echo "$l200" >lan.l200
+      # the long run's adapter against one process with its plan's cuts and micro-batches
+      local lcuts lmicro
+      plans200=$(grep -c "job $long stage 0/" "broker-$name.log" || true)
+      lcuts=$(grep "job $long stage [1-9]/" "broker-$name.log" | tail -n $((stages - 1)) |
+        sed -n 's/.*: nodes \([0-9]*\)-.*/\1/p' | paste -sd, -)
+      lmicro=$(client status "$long" --json | sed -n 's/.*"micro_batches":\([0-9]*\).*/\1/p')
+      client result "$long" -o "result-200-$codec" >/dev/null
+      same200=false
+      "$BIN/fusion" run finetune --model model --data "$DATA" \
+        $(echo "${TRAIN/--steps $STEPS/--steps 200}" | sed "s/--micro-batches [0-9]*/--micro-batches ${lmicro:-$MICRO}/") \
+        --wire-codec "$codec" --checkpoint-every 1000 ${lcuts:+--cuts "$lcuts"} --threads 1 -o "ref-200-$codec" \
+        >/dev/null 2>&1 || true
+      cmp -s "result-200-$codec/adapter_model.safetensors" "ref-200-$codec/adapter_model.safetensors" && same200=true
     fi
     awk -v n="$name" -v c="$codec" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v s="$stages" \
         -v t0="$t0" -v t1="$t1" -v toks=$((STEPS * BATCH * SEQ)) -v loss="$loss" -v sr=$same_run -v sl=$same_lan \
         -v l200="$l200" -v f200="$(cat lan.l200 2>/dev/null || echo 0)" -v killed="$killed" -v micro="${micro:-0}" \
+        -v plans200="$plans200" -v same200="$same200" \
         -v lan="$(cat lan.tps 2>/dev/null || echo 0)" -v lanc="$(cat "lan-$codec.ms" 2>/dev/null || echo 0)" 'BEGIN {
       ms = t1 - t0; tps = toks / (ms / 1000);
       printf "{\"bench\":\"wan\",\"kind\":\"finetune\",\"case\":\"%s\",\"codec\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,", n, c, up, down;
       printf "\"rtt_ms\":%g,\"stall\":\"%s\",\"stages\":%d,\"micro_batches\":%d,\"finetune_tokens_per_s\":%.1f,", 4 * d, st, s, micro, tps;
       printf "\"finetune_vs_lan\":%.2f,\"network_wait_share\":%.2f,", (lan > 0 ? tps / lan : 1), (lanc > 0 ? 1 - lanc / ms : 0);
       printf "\"loss\":%s,\"adapter_same_as_run\":%s,\"adapter_same_as_lan\":%s", loss, sr, sl;
-      if (l200 != "null") printf ",\"loss_200\":%s,\"loss_200_vs_f32\":%.4f", l200, (f200 > 0 ? l200 / f200 - 1 : 0);
+      if (l200 != "null") printf ",\"loss_200\":%s,\"loss_200_vs_f32\":%.4f,\"plans_200\":%d,\"adapter_200_same_as_run\":%s",
+        l200, (f200 > 0 ? l200 / f200 - 1 : 0), plans200, same200;
       if (killed != "null") printf ",\"killed_at_step\":%s", killed;
       printf "}\n";
       if (n == "lan") { printf "%d\n", ms > ("lan-" c ".ms"); if (c == "f32") printf "%.3f\n", tps > "lan.tps" } }'
