@@ -828,6 +828,35 @@ static void test_peer_refuses_weights_with_wrong_hash(void **state)
     env_stop(&e);
 }
 
+/* Starts a peer that cannot listen (tag: its scratch directory) as the last stage, layer 1 on, of a
+ * job with spec, its data frames relayed through this test's broker; waits for StageReady and sends
+ * StageStart. Returns the graph, the stage's first node in *cut. */
+static dag_graph_t *relayed_last_stage(env *e, const char *tag, const char *spec, size_t *cut)
+{
+    env_start(e, tag);
+    e->no_listen = true;
+    spawn_peer(e);
+    handshake(e);
+    fu_err err;
+    e->relay_in = wire_socket_new(e->ctx, ZMQ_ROUTER, &err);
+    e->relay_out = wire_socket_new(e->ctx, ZMQ_DEALER, &err);
+    assert_int_equal(zmq_bind(e->relay_in, "inproc://test-relay"), 0);
+    assert_int_equal(zmq_connect(e->relay_out, "inproc://test-relay"), 0);
+    dag_graph_t *g = make_graph(e);
+    *cut = layer_start(g, 1);
+    assign_stage(e, g, 1, *cut, dag_graph_size(g), spec, (size_t)1 << 28);
+    wire_msg_t *m = pump(e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m)
+        dump_log(e);
+    assert_non_null(m);
+    assert_non_null(e->seal);
+    wire_msg_destroy(&m);
+    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
+    ss.job_id = JOB_ID;
+    to_peer(e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+    return g;
+}
+
 /* The last stage on a peer that cannot listen: every data frame (SealHello, activations down,
  * gradients up) goes through the broker with Envelope.relay_to, and the broker forwards it with
  * Envelope.sender (wire_forward). The peer's gradients and StepDone loss equal the executor's. */
@@ -835,29 +864,10 @@ static void test_peer_last_stage_relayed_matches_executor(void **state)
 {
     (void)state;
     env e;
-    env_start(&e, "peer-relay");
-    e.no_listen = true;
-    spawn_peer(&e);
-    handshake(&e);
-    fu_err err;
-    e.relay_in = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
-    e.relay_out = wire_socket_new(e.ctx, ZMQ_DEALER, &err);
-    assert_int_equal(zmq_bind(e.relay_in, "inproc://test-relay"), 0);
-    assert_int_equal(zmq_connect(e.relay_out, "inproc://test-relay"), 0);
-
-    dag_graph_t *g = make_graph(&e);
-    size_t cut = layer_start(g, 1), n = dag_graph_size(g);
-    assign_stage(&e, g, 1, cut, n, SPEC, (size_t)1 << 28);
-
-    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
-    if (!m)
-        dump_log(&e);
-    assert_non_null(m);
-    assert_non_null(e.seal);
-    wire_msg_destroy(&m);
-    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
-    ss.job_id = JOB_ID;
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+    size_t cut;
+    dag_graph_t *g = relayed_last_stage(&e, "peer-relay", SPEC, &cut);
+    size_t n = dag_graph_size(g);
+    wire_msg_t *m = NULL;
 
     dag_exec_t *x0 = ref_exec(&e, g, 0, cut), *x1 = ref_exec(&e, g, cut, n);
     uint32_t cn;
@@ -974,26 +984,9 @@ static void test_peer_refuses_tensor_in_wrong_codec(void **state)
                                "\"lr\": 0.01, \"steps\": 1, \"batch\": 4, \"seq_len\": 8, \"micro_batches\": 2, "
                                "\"seed\": 3, \"checkpoint_every\": 1, \"act_codec\": \"int8\"}";
     env e;
-    env_start(&e, "peer-codec");
-    e.no_listen = true;
-    spawn_peer(&e);
-    handshake(&e);
-    fu_err err;
-    e.relay_in = wire_socket_new(e.ctx, ZMQ_ROUTER, &err);
-    e.relay_out = wire_socket_new(e.ctx, ZMQ_DEALER, &err);
-    assert_int_equal(zmq_bind(e.relay_in, "inproc://test-relay"), 0);
-    assert_int_equal(zmq_connect(e.relay_out, "inproc://test-relay"), 0);
-    dag_graph_t *g = make_graph(&e);
-    size_t cut = layer_start(g, 1), n = dag_graph_size(g);
-    assign_stage(&e, g, 1, cut, n, SPEC8, (size_t)1 << 28);
-    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
-    if (!m)
-        dump_log(&e);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
-    Fusion__StageStart ss = FUSION__STAGE_START__INIT;
-    ss.job_id = JOB_ID;
-    to_peer(&e, FUSION__MSG_TYPE__MSG_STAGE_START, JOB_ID, &ss.base);
+    size_t cut;
+    dag_graph_t *g = relayed_last_stage(&e, "peer-codec", SPEC8, &cut);
+    size_t n = dag_graph_size(g);
 
     dag_exec_t *x0 = ref_exec(&e, g, 0, cut), *x1 = ref_exec(&e, g, cut, n);
     uint32_t cn;
