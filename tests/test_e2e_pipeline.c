@@ -157,7 +157,7 @@ static void test_e2e_pipeline_micro_batches_chosen(void **state)
     o.link_mbps = "20";
     tu_cluster *c = tu_cluster_new("e2e-micro", &o);
     tu_cluster_start(c);
-    const char *train = "--rank 4 --alpha 8 --batch 8 --seq-len 16 --lr 0.01 --seed 7 --steps 12";
+    const char *train = "--rank 4 --alpha 8 --batch 8 --seq-len 16 --lr 0.01 --seed 7 --steps 40"; /* the kill lands mid-job */
     char id[17];
     tu_submit_finetune(c, id, "model", "%s --micro-batches 0 --checkpoint-every 4", train);
     (void)tu_wait_step(c, id, 5, 60000);
