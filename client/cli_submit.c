@@ -217,7 +217,7 @@ static int submit_infer(int argc, char **argv)
 /* What an eval takes on the command line (`fusion submit eval`, `fusion eval --pipeline`). */
 typedef struct {
     cli_conn_opts co;
-    const char *model, *data, *adapter_job, *idem, *trusted_ends;
+    const char *model, *data, *adapter_job, *idem, *trusted_ends, *wire_codec;
     double heldout;
     long long seq_len, batch, micro_batches;
     bool byte_tokens, wait, quiet, upload, json, pipeline;
@@ -234,6 +234,7 @@ typedef struct {
     {"micro-batches", 0, FU_OPT_INT, &(a)->micro_batches, "M", "micro-batches per step, dividing B (default 1)"}, \
     {"byte-tokens", 0, FU_OPT_FLAG, &(a)->byte_tokens, NULL, "a model of more ids without tokenizer.json: bytes"}, \
     {"trusted-ends", 0, FU_OPT_STR, &(a)->trusted_ends, "on|off", "the first and last stages on trusted peers"},  \
+    {"wire-codec", 0, FU_OPT_STR, &(a)->wire_codec, "C", "activations between stages: f32, f16, bf16 or int8"},  \
     {"upload", 0, FU_OPT_FLAG, &(a)->upload, NULL, "send the model directory (here) to the broker first"},        \
     {"quiet", 'q', FU_OPT_FLAG, &(a)->quiet, NULL, "print only the result"}, CLI_CONN_OPTS(&(a)->co)
 
@@ -277,6 +278,11 @@ static int eval_spec(const char *prog, const eval_args *a, const char *adapter_j
     }
     if (a->trusted_ends)
         spec->trusted_ends = strcmp(a->trusted_ends, "on") == 0;
+    if (a->wire_codec && (kern_codec_parse(a->wire_codec, &spec->act_codec) != FU_OK ||
+                          spec->act_codec == KERN_CODEC_INT8_EF)) {
+        fprintf(stderr, "%s: --wire-codec must be f32, f16, bf16 or int8 (an eval sends no gradients)\n", prog);
+        return FU_EXIT_USAGE;
+    }
     fu_errmsg em = {{0}};
     if (dag_spec_check(spec, &em) != FU_OK) {
         fprintf(stderr, "%s: %s\n", prog, em.msg);

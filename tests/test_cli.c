@@ -46,6 +46,12 @@ static void test_cli_unknown_command_and_option_exit_2(void **state)
          "--link-mbps must be"},
         {"fusion-peer", "--broker tcp://127.0.0.1:9 --broker-key x --keys y --cache-max-gb nan",
          "--cache-max-gb must be"},
+        /* wire codecs and the broker's micro-batch count, refused where they cannot act */
+        {"fusion", "run finetune --model m --data d -o o --wire-codec int8", "give them with --cuts"},
+        {"fusion", "run finetune --model m --data d -o o --wire-codec int8-ef --cuts 5", "--wire-codec must be"},
+        {"fusion", "run finetune --model m --data d -o o --micro-batches 0", "leaves the count to a broker"},
+        {"fusion", "run finetune --model m --data d -o o --cuts 5,x", "--cuts wants"},
+        {"fusion", "submit eval --model m --data d --wire-codec int8-ef", "an eval sends no gradients"},
         {"fusion", "", NULL}, /* no command: usage, exit 2 */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
