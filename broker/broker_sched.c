@@ -300,10 +300,11 @@ static fu_err plan_over(broker_t *b, broker_job *j, broker_peer *const *who, siz
 /* A fine-tune whose spec leaves its micro-batch count to the broker (0) gets the divisor M of its
  * batch whose plan over these peers predicts the shortest step (dag_plan_pipeline_time: over slow
  * links more micro-batches hide the latency, each costs a little), no micro-batch under
- * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. Returns the predicted step of
- * M = 1 in *one_s (0: it did not fit). False (spec unchanged) when nothing fits. */
+ * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. That plan goes to *plan (and
+ * *n_used, as plan_over), its predicted step to *best_s, M = 1's to *one_s (0: it did not fit). False
+ * (the spec's count left 0, *plan empty) when nothing fits. */
 static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
-                                 size_t n_spare, double *best_s, double *one_s)
+                                 size_t n_spare, dag_plan *plan, size_t *n_used, double *best_s, double *one_s)
 {
     uint32_t best = 0, B = j->spec.batch;
     *best_s = *one_s = 0;
@@ -313,19 +314,23 @@ static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const 
         if (m > 1 && (uint64_t)(B / m) * j->spec.seq_len < BROKER_MICRO_MIN_TOKENS)
             break;
         j->spec.micro_batches = m;
-        dag_plan plan = {0};
+        dag_plan p = {0};
         size_t used = 0;
         fu_errmsg em = {{0}};
-        if (plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &used, &em) == FU_OK) {
-            double t = dag_plan_pipeline_time(&plan, m);
+        if (plan_over(b, j, who, n_first, n_idle, n_spare, &p, &used, &em) == FU_OK) {
+            double t = dag_plan_pipeline_time(&p, m);
             if (m == 1)
                 *one_s = t;
             if (!best || t < 0.98 * *best_s) {
                 best = m;
                 *best_s = t;
+                *n_used = used;
+                dag_plan_free(plan);
+                *plan = p;
+                continue;
             }
         }
-        dag_plan_free(&plan);
+        dag_plan_free(&p);
     }
     j->spec.micro_batches = best;
     return best != 0;
@@ -368,9 +373,10 @@ static void plan_job(broker_t *b, broker_job *j)
     j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
     bool choose = j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0;
     double chose_s = 0, one_s = 0;
-    if (choose && !choose_micro_batches(b, j, who, n_first, n_idle, n_spare, &chose_s, &one_s))
+    bool chosen = choose && choose_micro_batches(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &chose_s, &one_s);
+    if (choose && !chosen)
         j->spec.micro_batches = 1; /* nothing fits: plan once more for the message */
-    fu_err rc = plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
+    fu_err rc = chosen ? FU_OK : plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
     if (rc == FU_OK && choose && (rc = db_job_set_micro_batches(b->db, j->id, j->spec.micro_batches)) != FU_OK)
         fu_errmsg_set(&em, rc, "the chosen micro-batch count could not be stored");
     if (rc != FU_OK && choose)

@@ -100,4 +100,7 @@ extern const char *const db_stage_state_names[];
 #define DB_N_PEER_STATES  4
 #define DB_N_STAGE_STATES 4
 
+/* migrations[v] takes a store from user_version v to v + 1 (db_schema.c). */
+extern const char *const db_migrations[];
+
 #endif

@@ -6,16 +6,6 @@
 
 #include "fu_alloc.h"
 
-/* x (n floats) as the neighbour receives it: encoded in codec and decoded again (f32 is sent as it
- * is). */
-static fu_err over_the_wire(const dag_train_stage *t, kern_codec codec, bool out, float *x, uint8_t *wire)
-{
-    if (codec == KERN_CODEC_F32)
-        return FU_OK;
-    dag_train_wire_encode(t, codec, out, x, wire);
-    return dag_train_wire_decode(t, codec, out, wire, dag_train_wire_bytes(t, codec, out), x);
-}
-
 static size_t max3(size_t a, size_t b, size_t c)
 {
     return a > b ? (a > c ? a : c) : (b > c ? b : c);
@@ -97,7 +87,7 @@ static fu_err micro_batch(dag_chain *c, uint64_t step, uint32_t m, float *loss, 
             n_in = dag_train_cut_floats(t, true);
             rc = dag_exec_gather_outputs(t->x, m % t->n_slots, t->cut_out, t->n_cut_out, c->act, n_in);
             if (rc == FU_OK)
-                rc = over_the_wire(t, spec->act_codec, true, c->act, c->wire);
+                rc = dag_train_wire_send(t, spec->act_codec, true, step, m, c->act, c->wire);
         }
         if (rc != FU_OK)
             return fu_errmsg_set(em, rc, "stage %zu: forward of micro-batch %u failed", k, m);
@@ -111,7 +101,7 @@ static fu_err micro_batch(dag_chain *c, uint64_t step, uint32_t m, float *loss, 
             size_t n_g = dag_train_cut_floats(t, false);
             rc = dag_exec_gather_input_grads(t->x, t->cut_in, t->n_cut_in, dag_train_rows(t), c->grad, n_g);
             if (rc == FU_OK)
-                rc = dag_train_grad_encode(t, spec->grad_codec, step, m, c->grad, c->wire);
+                rc = dag_train_wire_send(t, spec->grad_codec, false, step, m, c->grad, c->wire);
         }
         if (rc != FU_OK)
             return fu_errmsg_set(em, rc, "stage %zu: backward of micro-batch %u failed", k, m);

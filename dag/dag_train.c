@@ -149,17 +149,18 @@ fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, c
     return FU_OK;
 }
 
-fu_err dag_train_grad_encode(dag_train_stage *t, kern_codec c, uint64_t step, uint32_t m, float *g, uint8_t *wire)
+fu_err dag_train_wire_send(dag_train_stage *t, kern_codec c, bool out, uint64_t step, uint32_t m, float *g,
+                           uint8_t *wire)
 {
     if (c == KERN_CODEC_F32)
         return FU_OK;
-    size_t n = dag_train_cut_floats(t, false), len = dag_train_wire_bytes(t, c, false);
+    size_t n = dag_train_cut_floats(t, out), len = dag_train_wire_bytes(t, c, out);
     if (c != KERN_CODEC_INT8_EF) {
-        dag_train_wire_encode(t, c, false, g, wire);
-        return dag_train_wire_decode(t, c, false, wire, len, g);
+        dag_train_wire_encode(t, c, out, g, wire);
+        return dag_train_wire_decode(t, c, out, wire, len, g);
     }
     uint32_t M = t->spec->micro_batches;
-    if (m >= M)
+    if (out || m >= M)
         return FU_EINVAL;
     if (!t->ef) {
         t->ef = fu_calloc((size_t)M * n + 1, sizeof *t->ef);

@@ -80,13 +80,15 @@ void dag_train_wire_encode(const dag_train_stage *t, kern_codec c, bool out, con
 FU_MUST_CHECK fu_err dag_train_wire_decode(const dag_train_stage *t, kern_codec c, bool out, const uint8_t *bytes,
                                            size_t len, float *x);
 
-/* The gradient g of the cut inputs of micro-batch m of step `step` on its way up in codec c: written
- * to wire (dag_train_wire_bytes(t, c, false) bytes; nothing for f32) and g replaced by what the
- * receiver decodes. int8-ef adds the micro-batch's residual (what its last encoding lost) before
- * encoding and keeps what this one loses; every residual starts at zero at each checkpoint step (0
- * and the multiples of checkpoint_every), so a run resumed from a checkpoint sends the same bits. */
-FU_MUST_CHECK fu_err dag_train_grad_encode(dag_train_stage *t, kern_codec c, uint64_t step, uint32_t m, float *g,
-                                           uint8_t *wire);
+/* One micro-batch's cut floats x of one side (out: activations going down; else gradients going up)
+ * of micro-batch m of step `step` on their way to the neighbour in codec c: written to wire
+ * (dag_train_wire_bytes(t, c, out) bytes; nothing for f32) and x replaced by what the receiver
+ * decodes. int8-ef (gradients only) adds the micro-batch's residual (what its last encoding lost)
+ * before encoding and keeps what this one loses; every residual starts at zero at each checkpoint
+ * step (0 and the multiples of checkpoint_every), so a run resumed from a checkpoint sends the same
+ * bits. FU_EPROTO when a value cannot be carried (a NaN or an infinity in int8). */
+FU_MUST_CHECK fu_err dag_train_wire_send(dag_train_stage *t, kern_codec c, bool out, uint64_t step, uint32_t m,
+                                         float *x, uint8_t *wire);
 
 /* The optimizer step after the M-th backward. */
 FU_MUST_CHECK fu_err dag_train_step(dag_train_stage *t);

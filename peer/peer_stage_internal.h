@@ -213,10 +213,11 @@ bool stage_keeps_for_verify(const stage_t *s, uint32_t mb);
 /* The output of (step, mb) (total floats) is about to be sent: keeps a copy when verifying (and
  * applies the test-only fault hook, peer_verify.h). */
 bool stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, size_t total);
-/* A fine-tune's or eval's cut floats x of one side (out: the cut outputs, else the cut inputs) as the
- * neighbour decodes them in codec c: x is replaced by that, and *wire (NULL for f32: x goes as it is,
- * caller frees) receives the bytes to send, *len their size. */
-FU_MUST_CHECK fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t **wire, size_t *len);
+/* A fine-tune's or eval's cut floats x of one side (out: the cut outputs, else the cut inputs) of
+ * (step, mb) as the neighbour decodes them in codec c (dag_train_wire_send): x is replaced by that,
+ * and *wire (NULL for f32: x goes as it is; caller frees) receives the bytes to send, *len their size. */
+FU_MUST_CHECK fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, uint64_t step, uint32_t mb, float *x,
+                                       uint8_t **wire, size_t *len);
 /* Gives up on queued requests whose input has not come in time. */
 void stage_verify_expire(stage_t *s);
 /* The verifier's checkpoint fetch ended: ok, or not (why); answers or goes on with the queue. */

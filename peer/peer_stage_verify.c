@@ -185,7 +185,7 @@ static void verify_compute(stage_t *s, const verify_req *q)
     size_t wire_len = 0;
     kern_codec codec = last ? s->spec.grad_codec : s->spec.act_codec;
     if (rc == FU_OK && !solo && codec != KERN_CODEC_INT8_EF) /* int8-ef: the stage keeps its gradient as computed */
-        rc = stage_wire_encode(s, codec, !last, out, &wire, &wire_len);
+        rc = stage_wire_encode(s, codec, !last, q->step, q->mb, out, &wire, &wire_len);
     free(wire);
     if (rc == FU_OK)
         verify_answer(s, q->step, q->mb, q->seed, out, total, ih, NULL);

@@ -91,7 +91,8 @@ static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type,
     stage_to_io(s, cmd);
 }
 
-fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t **wire, size_t *len)
+fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, uint64_t step, uint32_t mb, float *x, uint8_t **wire,
+                         size_t *len)
 {
     *wire = NULL;
     *len = dag_train_cut_floats(&s->train, out) * sizeof(float);
@@ -99,8 +100,7 @@ fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, float *x, uint8_t *
         return FU_OK;
     *len = dag_train_wire_bytes(&s->train, c, out);
     *wire = fu_malloc(*len + 1);
-    dag_train_wire_encode(&s->train, c, out, x, *wire);
-    fu_err rc = dag_train_wire_decode(&s->train, c, out, *wire, *len, x);
+    fu_err rc = dag_train_wire_send(&s->train, c, out, step, mb, x, *wire);
     if (rc != FU_OK) { /* a value the codec cannot carry (a NaN, an infinity): the step has diverged */
         free(*wire);
         *wire = NULL;
@@ -117,23 +117,16 @@ static fu_err send_produced(stage_t *s, Fusion__LinkRole role, Fusion__MsgType t
     bool down = role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
     uint8_t *wire = NULL;
     size_t len = 0;
-    fu_err rc;
-    if (c == KERN_CODEC_INT8_EF) {
-        if (verified)
-            (void)stage_output_produced(s, step, mb, f, total);
-        len = dag_train_wire_bytes(&s->train, c, false);
-        wire = fu_malloc(len + 1);
-        rc = dag_train_grad_encode(&s->train, c, step, mb, f, wire);
-    } else {
-        rc = stage_wire_encode(s, c, down, f, &wire, &len);
-        if (rc == FU_OK && verified && stage_output_produced(s, step, mb, f, total) && wire)
-            dag_train_wire_encode(&s->train, c, down, f, wire); /* a test's cheat */
-    }
-    if (rc != FU_OK) { /* a value the codec cannot carry (a NaN, an infinity): the step has diverged */
-        free(wire);
+    bool ef = c == KERN_CODEC_INT8_EF;
+    if (verified && ef)
+        (void)stage_output_produced(s, step, mb, f, total);
+    fu_err rc = stage_wire_encode(s, c, down, step, mb, f, &wire, &len);
+    if (rc != FU_OK) {
         free(f);
         return rc;
     }
+    if (verified && !ef && stage_output_produced(s, step, mb, f, total) && wire)
+        dag_train_wire_encode(&s->train, c, down, f, wire); /* a test's cheat */
     if (wire)
         free(f);
     send_tensor(s, role, type, step, mb, rows, width, c, wire ? wire : (uint8_t *)f, len);

@@ -1419,7 +1419,7 @@ static void test_dag_exec_planned_pipeline_with_micro_batches(void **state)
     dag_graph_destroy(&g);
 }
 
-/* int8 gradients with error feedback (dag_train_grad_encode): within a checkpoint interval what the
+/* int8 gradients with error feedback (dag_train_wire_send): within a checkpoint interval what the
  * receiver decoded adds up to what was computed, short only by the last residual (at most half a step
  * of the last scale per value), where plain int8's errors add up; at a checkpoint step the residual
  * starts from zero again, so that step's encoding is plain int8's. */
@@ -1453,7 +1453,7 @@ static void test_dag_exec_int8_error_feedback(void **state)
                 sum_g[i] = sum_ef[i] = sum_plain[i] = 0;
         for (size_t i = 0; i < n; i++)
             sum_g[i] += gk[i];
-        assert_int_equal(dag_train_grad_encode(&ts, KERN_CODEC_INT8_EF, step, 0, gk, wire), FU_OK);
+        assert_int_equal(dag_train_wire_send(&ts, KERN_CODEC_INT8_EF, false, step, 0, gk, wire), FU_OK);
         if (step == 0 || step == 4)
             assert_memory_equal(wire, wire2, bytes);
         double amax = 0;
