@@ -184,6 +184,8 @@ typedef struct {
     fu_tokenizer *tok;                 /* the model's tokenizer (infer: decode output) */
     int64_t eos[FU_MODELCFG_MAX_EOS];  /* the ids that end a generation (config.json's, else the tokenizer's) */
     size_t n_eos;                      /* how many */
+    bool no_ring;                      /* the last stage sends its tokens only through the broker: it sent
+                                          stage 0 another token than it reported (ERR_CONFLICT) */
     uint64_t last_step_ms;             /* monotonic time of the last StepDone (throughput) */
     uint64_t progress_ms;              /* monotonic time of the last sign of progress: StageStart, StepDone,
                                           InferToken, a committed checkpoint (step deadline) */

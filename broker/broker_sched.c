@@ -510,6 +510,18 @@ void broker_schedule(broker_t *b)
 
 /* ---- assign and start (the normal path; failover and recovery call these too) ------------------- */
 
+/* Whether inference job j closes its ring (LinkRole): the last stage sends each token straight to
+ * stage 0, when both reach each other without the broker and neither has given the broker reason to
+ * doubt what it sends there. */
+static bool job_ring(broker_t *b, const broker_job *j)
+{
+    if (j->kind != DB_JOB_INFER || j->n_stages < 2 || j->no_ring)
+        return false;
+    const broker_peer *p0 = broker_peer_find(b, j->stages[0].peer);
+    const broker_peer *pl = broker_peer_find(b, j->stages[j->n_stages - 1].peer);
+    return p0 && pl && !p0->relay && !pl->relay && p0->endpoint[0] && pl->endpoint[0];
+}
+
 fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup)
 {
     Fusion__StageAssign a = FUSION__STAGE_ASSIGN__INIT;
@@ -517,8 +529,13 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
     Fusion__Neighbour *nbp[2];
     uint8_t keys[2][WIRE_KEY_BYTES];
     size_t nn = 0;
+    bool ring = job_ring(b, j);
     for (int d = -1; d <= 1; d += 2) {
         int64_t o = (int64_t)s + d;
+        if (ring && o < 0)
+            o = (int64_t)j->n_stages - 1; /* stage 0's upstream: the last stage */
+        else if (ring && o == (int64_t)j->n_stages)
+            o = 0; /* the last stage's downstream: stage 0 */
         if (o < 0 || o >= (int64_t)j->n_stages)
             continue;
         broker_peer *q = broker_peer_find(b, j->stages[o].peer);
@@ -537,6 +554,9 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
         nbp[nn] = &nb[nn];
         nn++;
     }
+    int32_t eos[FU_MODELCFG_MAX_EOS];
+    for (size_t i = 0; i < j->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        eos[i] = (int32_t)j->eos[i];
     a.job_id = j->id64;
     a.stage_index = s;
     a.stage_count = j->n_stages;
@@ -552,6 +572,10 @@ fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p
     a.backup = backup;
     a.spec_json = j->spec_canon;
     a.verify = broker_job_verify_fraction(b, j);
+    if (j->kind == DB_JOB_INFER) {
+        a.n_eos_ids = j->n_eos < FU_MODELCFG_MAX_EOS ? j->n_eos : FU_MODELCFG_MAX_EOS;
+        a.eos_ids = eos;
+    }
     return broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, j->id64, &a.base);
 }
 

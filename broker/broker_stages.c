@@ -404,6 +404,26 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     (void)broker_send_peer(b, first, FUSION__MSG_TYPE__MSG_INFER_TOKEN, j->id64, &next.base);
 }
 
+/* Stage 0 of inference job j says the last stage sent it, over the ring, another token for position
+ * pos than the broker's. The broker's copy is what the last stage reported and what stage 0 goes on
+ * with; anything generated after pos came from the other history and is dropped. Only stage 0 of a
+ * job whose ring is closed can say so, once: from then on the tokens go through the broker. */
+static void on_ring_conflict(broker_t *b, broker_job *j, broker_peer *p, uint64_t pos)
+{
+    if (j->kind != DB_JOB_INFER || j->no_ring || j->n_stages < 2 || p->backup || p->stage != 0 ||
+        strcmp(j->stages[0].peer, p->key) != 0 || pos < j->n_tokens || pos >= j->n_tokens + j->n_gen)
+        return;
+    j->no_ring = true;
+    size_t keep = (size_t)(pos - j->n_tokens) + 1;
+    FU_WARN(LOG, "job %s: stage 0 (%.8s) got another token for position %" PRIu64 " from the last stage than the "
+            "one reported to the broker: %zu later tokens dropped, tokens go through the broker from now on",
+            j->id, p->key, pos, j->n_gen - keep);
+    j->n_gen = keep;
+    broker_peer *last = broker_peer_find(b, j->stages[j->n_stages - 1].peer);
+    if (last)
+        stage_peer_fault(b, j, last, "it sent stage 0 another token than the one it reported");
+}
+
 void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__Error *e = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_ERROR);
@@ -413,6 +433,10 @@ void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     broker_job *j = jid ? broker_job_find64(b, jid) : NULL;
     if (!j || strcmp(p->job, j->id) != 0)
         return;
+    if (e && e->code == FUSION__ERROR_CODE__ERR_CONFLICT) {
+        on_ring_conflict(b, j, p, wire_msg_hdr(msg)->step);
+        return;
+    }
     char why[300];
     snprintf(why, sizeof why, "its peer reported an error: %s", e && e->message ? e->message : "?");
     stage_peer_fault(b, j, p, why);

@@ -21,6 +21,9 @@ peer_corrupt_mode peer_fault_corrupt_now(void)
     } else if (v && strncmp(v, "nudge", 5) == 0) {
         m = PEER_CORRUPT_NUDGE;
         n = 5;
+    } else if (v && strncmp(v, "ring", 4) == 0) {
+        m = PEER_CORRUPT_RING;
+        n = 4;
     } else {
         return PEER_CORRUPT_NONE;
     }

@@ -19,6 +19,8 @@ extern "C" {
  * sketches agree, and what it delivers to the next stage's verifier differs from what the next
  * stage received. "nudge" sends and keeps its output with the first value moved by one unit in the
  * last place: far inside any tolerance, caught only where verification compares exact bits.
+ * "ring", at the last stage of an inference job, sends stage 0 over the ring another token than the
+ * one it reports to the broker (the next id); stage 0 must notice and the broker stop trusting it.
  * "MODE:PATH" does so only while the file PATH exists. A peer run this way is a dishonest peer;
  * verification must catch it. */
 #define PEER_CORRUPT_ENV   "FUSION_TEST_CORRUPT_OUTPUT"
@@ -29,6 +31,7 @@ typedef enum {
     PEER_CORRUPT_SEND,     /* "scale": sends and keeps the scaled output */
     PEER_CORRUPT_LIE,      /* "lie": sends the scaled output, keeps the honest one */
     PEER_CORRUPT_NUDGE,    /* "nudge": sends and keeps the output with its first value one ulp off */
+    PEER_CORRUPT_RING,     /* "ring": tells stage 0 another token than the broker */
 } peer_corrupt_mode;
 
 /* Env var of the stall hook, FOR TESTS ONLY (the deadline tests of tests/test_e2e_fault.c): the

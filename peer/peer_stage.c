@@ -74,6 +74,7 @@ static void stage_clear(stage_t *s)
     free(s->tok);
     free(s->tgt);
     free(s->prompt);
+    free(s->hist);
     for (size_t r = 0; r < ST_VERIFY_KEEP; r++)
         for (size_t m = 0; m < DAG_EXEC_MAX_SLOTS; m++)
             free(s->kept[r][m]);
@@ -219,6 +220,16 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     }
     s->spec.micro_batches = s->M;
     if (stage_is_infer(s)) {
+        /* The ring (fusion.proto LinkRole): stage 0's upstream and the last stage's downstream. */
+        for (size_t i = 0; i < a->n_neighbours && a->stage_count > 1; i++) {
+            const Fusion__Neighbour *nb = a->neighbours[i];
+            s->ring_in |= stage_is_first(s) && nb->role == FUSION__LINK_ROLE__LINK_ROLE_UPSTREAM &&
+                          nb->stage_index + 1 == a->stage_count;
+            s->ring_out |= stage_is_last(s) && nb->role == FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM &&
+                           nb->stage_index == 0;
+        }
+        for (size_t i = 0; i < a->n_eos_ids && s->n_eos < FU_MODELCFG_MAX_EOS; i++)
+            s->eos[s->n_eos++] = a->eos_ids[i];
         if (stage_is_first(s) && s->spec.prompt_tokens) {
             s->n_prompt = s->spec.n_prompt_tokens;
             s->prompt = fu_malloc((s->n_prompt ? s->n_prompt : 1) * sizeof *s->prompt);
@@ -253,8 +264,11 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     }
     char jid[64], name[96];
     snprintf(jid, sizeof jid, "job:%016" PRIx64, a->job_id);
-    /* Inference: every stage reads the prompt's length from the tokens (it sizes the executor). */
-    bool need_tokens = stage_is_infer(s) ? !s->spec.prompt_tokens : (stage_is_first(s) || stage_is_last(s));
+    /* Inference: every stage reads the prompt's length from the tokens (it sizes the executor); a
+     * prompt given in the spec is the tokens unless tokens were generated before a failover (the
+     * tokens are then the prompt followed by those, and stage 0 runs them all again). */
+    bool need_tokens = stage_is_infer(s) ? !s->spec.prompt_tokens || a->resume_step > 0
+                                         : (stage_is_first(s) || stage_is_last(s));
     if (need_tokens)
         stage_add_fetch(s, jid, "tokens", FETCH_TOKENS, false);
     if (!stage_is_infer(s) && a->resume_step > 0 && !a->backup) {
@@ -356,7 +370,7 @@ static fu_err make_exec(stage_t *s, fu_errmsg *em)
                        .yield = peer_guest_yield, .yield_arg = s->cfg.guest};
     if (stage_is_infer(s)) {
         /* Rows of one forward: the prompt (plus the tokens generated before a failover) at once. */
-        uint64_t prompt = s->spec.prompt_tokens ? s->spec.n_prompt_tokens : s->n_ids;
+        uint64_t prompt = s->n_ids ? s->n_ids : s->spec.n_prompt_tokens;
         if (prompt == 0)
             prompt = 1;
         uint32_t maxtok = s->spec.max_tokens ? s->spec.max_tokens : 1;
@@ -639,7 +653,9 @@ void *peer_compute_main(void *arg)
         fu_err rc = peer_cmd_recv(s->pipe, s->pending_fwd ? ZMQ_DONTWAIT : 0, &c);
         if (rc == FU_EAGAIN) {
             s->pending_fwd = false;
-            if (s->active && s->running)
+            if (s->active && s->running && stage_is_infer(s))
+                stage_infer_next(s);
+            else if (s->active && s->running)
                 stage_run_forwards(s);
             continue;
         }

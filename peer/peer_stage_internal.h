@@ -15,6 +15,7 @@
 #include "dag_spec.h"
 #include "dag_train.h"
 #include "fu_err.h"
+#include "fu_modelcfg.h"
 #include "fu_safetensors.h"
 #include "fusion.pb-c.h"
 #include "peer_blob.h"
@@ -99,7 +100,17 @@ typedef struct {
     dag_infer_stage infer;    /* the generation step (dag_infer), shared with `fusion run infer` */
     int32_t *prompt;          /* stage 0: prompt tokens */
     size_t n_prompt;
-    bool pending_fwd;         /* stage 0: the current step's forwards are due */
+    bool pending_fwd;         /* stage 0: the current step's forwards are due (inference, one stage:
+                                 the token just sampled, next_pos and next_tok, is its next input) */
+    bool ring_in, ring_out;   /* the ring (fusion.proto LinkRole) closed: stage 0 takes tokens from the
+                                 last stage straight (ring_in); the last stage sends them there (ring_out) */
+    int32_t eos[FU_MODELCFG_MAX_EOS]; /* StageAssign.eos_ids: the last stage feeds no token after one */
+    size_t n_eos;
+    int32_t *hist;            /* stage 0: the token at each position of the session, [0, session length) */
+    size_t hist_cap;
+    uint64_t next_pos;        /* one stage: the position of the token to feed back (pending_fwd) */
+    int32_t next_tok;
+    uint64_t ring_taken;      /* stage 0: tokens taken from the ring before the broker's copy came */
 
     /* verification (docs/PIPELINE.md "Verification") */
     double verify;            /* StageAssign.verify: > 0 makes the stage keep its recent outputs and input hashes */
@@ -201,8 +212,14 @@ void stage_replay_deferred(stage_t *s);
 
 /* Runs rows new positions starting at p (tokens for stage 0, else the upstream's activation act). */
 void stage_infer_forward(stage_t *s, uint64_t p, const int32_t *tokens, const float *act, uint64_t rows);
-/* Stage 0: the broker's InferToken, the input of the next position. */
+/* Stage 0: the broker's InferToken, the input of the next position (or the confirmation of a token
+ * the ring brought first). */
 void stage_on_infer_token(stage_t *s, const Fusion__InferToken *it);
+/* A frame from a neighbour of an inference stage (the upstream's activations; at stage 0 the last
+ * stage's token over the ring). */
+void stage_infer_on_tensor(stage_t *s, const wire_tensor *t);
+/* One stage: feeds back the token it sampled last (pending_fwd), unless something came meanwhile. */
+void stage_infer_next(stage_t *s);
 
 /* ---- peer_stage_verify.c: verification ---------------------------------------------------------- */
 

@@ -77,7 +77,7 @@ bool stage_output_produced(stage_t *s, uint64_t step, uint32_t mb, float *f, siz
     if (cheat == PEER_CORRUPT_LIE) /* keeps the honest output, sends a scaled one */
         for (size_t i = 0; i < total; i++)
             f[i] *= PEER_CORRUPT_SCALE;
-    return cheat != PEER_CORRUPT_NONE;
+    return cheat == PEER_CORRUPT_SEND || cheat == PEER_CORRUPT_NUDGE || cheat == PEER_CORRUPT_LIE;
 }
 
 /* Answers the broker with the sketch of x (n floats), the hash of its bytes and the hash of the

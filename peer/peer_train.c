@@ -490,9 +490,7 @@ void stage_on_tensor(stage_t *s, peer_cmd *c)
         return;
     }
     if (stage_is_infer(s)) {
-        if (t->meta.type == FUSION__MSG_TYPE__MSG_ACTIVATION && !stage_is_first(s) && t->meta.ndim == 2 &&
-            t->meta.shape[0] > 0 && (uint64_t)t->meta.shape[1] == s->w_in_total)
-            stage_infer_forward(s, t->meta.step, NULL, (const float *)t->data, (uint64_t)t->meta.shape[0]);
+        stage_infer_on_tensor(s, t);
         peer_cmd_destroy(&c);
         return;
     }

@@ -70,6 +70,7 @@ fu_e2e_case(test_e2e_guest test_e2e_guest_pause_grace 300 fault broker)
 fu_e2e_exe(test_e2e_security)
 fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 240)
 fu_e2e_case(test_e2e_security test_e2e_security_garbage_spares_the_job 240 fault)
+fu_e2e_case(test_e2e_security test_e2e_security_ring_liar_caught 240 fault)
 
 # Multi-host: a broker and three peers each in its own network namespace (needs root and `ip netns`).
 add_test(NAME test_e2e_netns_multihost COMMAND ${PROJECT_SOURCE_DIR}/tests/netns/run.sh $<TARGET_FILE:test_e2e_pipeline>

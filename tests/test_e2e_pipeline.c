@@ -69,6 +69,23 @@ static void finetune_as_run(tu_cluster *c, const char *model, const char *train,
     tu_assert_same_adapter(c, id, model, train);
 }
 
+/* Inference job id's stage 0 took its tokens straight from the last stage (the ring) rather than
+ * waiting for the broker's copy, as its peer's log says. */
+static void assert_ring_used(const tu_cluster *c, const char *id)
+{
+    char p[TU_PATH], want[96];
+    snprintf(want, sizeof want, "job %s stage 0: tokens come straight from the last stage", id);
+    for (int i = 0; i < tu_cluster_n_peers(c); i++) {
+        tu_path(c, p, "p%d.log", i);
+        char *log = tu_file_text(p);
+        bool hit = log && strstr(log, want);
+        free(log);
+        if (hit)
+            return;
+    }
+    fail_msg("no peer log says \"%s\"", want);
+}
+
 /* Greedy generation of max_tokens with fine-tune job ftid's adapter through the pipeline (`fusion
  * submit infer --adapter-job`, `fusion result`) gives the text `fusion run infer --adapter` gives.
  * Inference needs less memory than the fine-tune (no optimiser state): two or three stages fit, and
@@ -98,6 +115,7 @@ static void expect_same_generation(tu_cluster *c, const char *model, const char 
     free(got);
     free(want);
     assert_stages(c, iid, 2);
+    assert_ring_used(c, iid);
 }
 
 /* How many peers `fusion peers --json` lists with a link of want_bps. */

@@ -5,7 +5,11 @@
  *     port send random bytes, half a ZMTP greeting (left open), and full greetings followed by a frame
  *     announcing a huge length; the broker keeps serving, and the job finishes with the adapter of the
  *     uninterrupted `fusion run finetune`. (test_broker_peers sends garbage with a fake peer and no
- *     job; this one checks that a running pipeline is not disturbed.) */
+ *     job; this one checks that a running pipeline is not disturbed.)
+ *   - ring_liar_caught: the last stage of a generation sends stage 0, straight over the ring, other
+ *     tokens than it reports to the broker (the test-only hook FUSION_TEST_CORRUPT_OUTPUT=ring, on
+ *     every peer): stage 0 notices, the broker drops what came after, blames the last stage and sends
+ *     the job's tokens through itself from then on; the text is still `fusion run infer`'s. */
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -135,11 +139,55 @@ static void test_e2e_security_garbage_spares_the_job(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+#define RING_PROMPT "116,104,101,32,113,117,105,99,107"
+
+static void test_e2e_security_ring_liar_caught(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(4);
+    o.corrupt_mode = "ring"; /* every peer lies when it is the last stage, from the start */
+    tu_cluster *c = tu_cluster_new("e2e-ring", &o);
+    for (int i = 0; i < 4; i++) {
+        char p[TU_PATH];
+        tu_path(c, p, "corrupt.p%d", i);
+        tu_file_write_private(p, "armed");
+    }
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit(c, id, "infer --model model --prompt-tokens " RING_PROMPT " --max-tokens 24");
+    tu_wait_done(c, id, 90);
+    bool two = tu_broker_logged(c, "job %s stage 1/", id);
+    bool caught = tu_broker_logged(c, "job %s: stage 0", id) &&
+                  tu_broker_logged(c, "another token for position");
+    if (!two || !caught)
+        tu_cluster_show_logs(c);
+    assert_true(two); /* a ring needs two stages */
+    assert_true(caught);
+    tu_result(c, id);
+    char p[TU_PATH];
+    tu_path(c, p, "res-%s/output.txt", id);
+    char *got = tu_file_text(p);
+    char *want = NULL;
+    assert_int_equal(tu_fusion(c, &want, "run infer -q --threads 1 --model model --prompt-tokens " RING_PROMPT
+                               " --max-tokens 24 2>/dev/null"), 0);
+    size_t wl = strlen(want);
+    if (wl && want[wl - 1] == '\n')
+        want[--wl] = '\0';
+    printf("generation %s with a lying last stage: %zu bytes, fusion run %zu bytes: %s\n", id, strlen(got), wl,
+           strcmp(got, want) == 0 ? "identical" : "DIFFERENT");
+    assert_true(wl > 0);
+    assert_string_equal(got, want);
+    free(got);
+    free(want);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_security_unknown_key_refused, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_security_garbage_spares_the_job, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_security_ring_liar_caught, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

@@ -17,10 +17,14 @@
 #                             plans_200 (1 unless it was planned again) and adapter_200_same_as_run
 # and one per condition for the generation ("kind":"infer"):
 #   infer_tokens_per_s        generated tokens over the generation's run
+#   infer_stages, ring        the generation's stages (its peers are started again with WAN_GEN_PEER_GB,
+#                             default 0.008, so that it takes three) and whether stage 0 took its tokens
+#                             straight from the last stage (the ring) rather than through the broker
 #   infer_floor_tokens_per_s  one token per round of the generation's hops (stage 0 -> .. -> last stage
-#                             -> broker -> stage 0, each one way across two access links): 1 / (sum of
-#                             the hops' latencies), what no schedule can beat (the generation needs less
-#                             memory and may take fewer stages: infer_stages)
+#                             -> stage 0, and through the broker without the ring; each one way across
+#                             two access links): 1 / (sum of the hops' latencies), what no schedule can
+#                             beat; 0 for one stage (no hop)
+#   text_same_as_run          the generated text is `fusion run infer`'s
 #
 #   bench/wan/run.sh BUILD_DIR [--quick] [--only NAME] [--codecs LIST] [--kill]
 #
@@ -67,6 +71,7 @@ MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256
 STEPS=20
 [ $QUICK = 1 ] && STEPS=8
 BATCH=${WAN_BATCH:-4} SEQ=${WAN_SEQ:-16} MICRO=${WAN_MICRO:-2} PEER_GB=${WAN_PEER_GB:-0.039} # the step's size, each peer's memory
+GEN_PEER_GB=${WAN_GEN_PEER_GB:-0.008} # each peer's memory for the generation (three stages)
 TRAIN="--rank 4 --alpha 8 --batch $BATCH --seq-len $SEQ --micro-batches $MICRO --lr 0.01 --seed 7 --steps $STEPS"
 GEN=32
 TAG=wan$$
@@ -119,6 +124,38 @@ log_ms() { # the log line's time (ms) of the first line matching the pattern aft
   grep -F "$1" "$2" | head -n 1 | awk '{ split($1, t, /[T:Z.]/); printf "%d\n", ((t[2] * 60 + t[3]) * 60 + t[4]) * 1000 + t[5] }'
 }
 
+# start_peers NAME UP_MBIT MEMORY_GB SUFFIX: the peers of condition NAME (logs pI-NAME[SUFFIX].log), joined
+start_peers() {
+  local name=$1 up=$2 mem=$3 sfx=$4 i
+  local -A before=()
+  for i in $PEERS; do before[$i]=$(grep -c "(p$i) joined" "broker-$name.log" || true); done
+  for i in $PEERS; do
+    run_in "p$i" "p$i-$name$sfx.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
+      --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
+      --max-memory "$mem" --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
+    PEER_PID[$i]=${PIDS[-1]}
+  done
+  for i in $PEERS; do
+    for _ in $(seq 1 600); do
+      [ "$(grep -c "(p$i) joined" "broker-$name.log" || true)" -gt "${before[$i]}" ] && break
+      sleep 0.1
+    done
+    [ "$(grep -c "(p$i) joined" "broker-$name.log" || true)" -gt "${before[$i]}" ] ||
+      { echo "bench-wan: $name: peer p$i did not join" >&2; exit 1; }
+  done
+}
+# stop_peers: SIGTERM to the peers (they leave the broker), waited for
+stop_peers() {
+  local i p
+  for i in "${!PEER_PID[@]}"; do kill -TERM "${PEER_PID[$i]}" 2>/dev/null || true; done
+  for i in "${!PEER_PID[@]}"; do
+    p=${PEER_PID[$i]}
+    for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+}
+
 # condition NAME UP_MBIT DOWN_MBIT DELAY_MS [STALL]: every host's access link so
 condition() {
   local name=$1 up=$2 down=$3 delay=$4 stall=${5:-}
@@ -136,16 +173,7 @@ condition() {
     --db "store-$name.db" --allow allow --model-root "$WORK" --backups $KILL --heartbeat-ms 1000 --verify 0 \
     --challenge-ms 0 --step-timeout 600
   for _ in $(seq 1 100); do grep -q "listening on" "broker-$name.log" 2>/dev/null && break; sleep 0.1; done
-  for i in $PEERS; do
-    run_in "p$i" "p$i-$name.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
-      --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
-      --max-memory "$PEER_GB" --gflops 20 --link-mbps "$up" --drain-timeout 5 --priority normal
-    PEER_PID[$i]=${PIDS[-1]}
-  done
-  for i in $PEERS; do
-    for _ in $(seq 1 600); do grep -q "(p$i) joined" "broker-$name.log" && break; sleep 0.1; done
-    grep -q "(p$i) joined" "broker-$name.log" || { echo "bench-wan: $name: peer p$i did not join" >&2; exit 1; }
-  done
+  start_peers "$name" "$up" "$PEER_GB" ""
   cat >client.conf <<CONF
 broker = tcp://${ADDR[b]}:7700
 broker-key = $WORK/broker/public.key
@@ -228,7 +256,11 @@ CONF
       printf "}\n";
       if (n == "lan") { printf "%d\n", ms > ("lan-" c ".ms"); if (c == "f32") printf "%.3f\n", tps > "lan.tps" } }'
   done
-  local gen g0 g1 ngen istages
+  # The generation on peers with less memory, so that it runs as several stages and its tokens cross
+  # the links: the ring (stage 0 -> .. -> last stage -> stage 0, one way across two access links each)
+  stop_peers
+  start_peers "$name" "$up" "$GEN_PEER_GB" "-gen"
+  local gen g0 g1 ngen istages ring=false same_text=false
   gen=$(client submit infer --model model --prompt "To be, or not to be" --max-tokens $GEN -q)
   timeout 600 env FUSION_CONFIG="$WORK/client.conf" ip netns exec "$TAG-c" "$BIN/fusion" wait "$gen" -q --wait-timeout 580 \
     >/dev/null
@@ -236,13 +268,20 @@ CONF
   ngen=$(client status "$gen" --json | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
   g0=$(log_ms "job $gen: every stage is ready; started" "broker-$name.log")
   g1=$(log_ms "job $gen done" "broker-$name.log")
+  cat p*-"$name"-gen.log | grep -q "job $gen stage 0: tokens come straight from the last stage" && ring=true
+  client result "$gen" -o "result-$name-gen" >/dev/null
+  [ -f run-gen.txt ] || "$BIN/fusion" run infer -q --threads 1 --model model --prompt "To be, or not to be" \
+    --max-tokens $GEN >run-gen.txt 2>/dev/null
+  [ "$(cat "result-$name-gen/output.txt")" = "$(cat run-gen.txt)" ] && same_text=true
   awk -v n="$name" -v up="$up" -v down="$down" -v d="$delay" -v st="${stall:-}" -v g0="$g0" -v g1="$g1" -v gen="$ngen" \
-      -v is="$istages" 'BEGIN {
+      -v is="$istages" -v ring="$ring" -v same="$same_text" 'BEGIN {
     itps = gen / ((g1 - g0) / 1000);
-    hop = 2 * d / 1000; floor = hop > 0 ? 1 / ((is + 1) * hop) : 0; # s0->..->last->broker->s0, 2 access delays each
+    hops = ring == "true" ? is : is + 1; # with the ring no hop through the broker
+    hop = 2 * d / 1000; floor = hop > 0 && hops > 1 ? 1 / (hops * hop) : 0;
     printf "{\"bench\":\"wan\",\"kind\":\"infer\",\"case\":\"%s\",\"up_mbit\":%g,\"down_mbit\":%g,\"rtt_ms\":%g,", n, up, down, 4 * d;
-    printf "\"stall\":\"%s\",\"infer_stages\":%d,\"generated\":%d,\"infer_tokens_per_s\":%.2f,", st, is, gen, itps;
-    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f}\n", floor, (floor > 0 ? itps / floor : 0) }'
+    printf "\"stall\":\"%s\",\"infer_stages\":%d,\"ring\":%s,\"generated\":%d,\"infer_tokens_per_s\":%.2f,", st, is, ring, gen, itps;
+    printf "\"infer_floor_tokens_per_s\":%.2f,\"infer_vs_floor\":%.2f,\"text_same_as_run\":%s}\n", floor,
+      (floor > 0 ? itps / floor : 0), same }'
   stop_all
 }
 
