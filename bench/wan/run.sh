@@ -18,7 +18,7 @@
 # and one per condition for the generation ("kind":"infer"):
 #   infer_tokens_per_s        generated tokens over the generation's run
 #   infer_stages, ring        the generation's stages (its peers are started again with WAN_GEN_PEER_GB,
-#                             default 0.008, so that it takes three) and whether stage 0 took its tokens
+#                             default 0.038, so that it takes three) and whether stage 0 took its tokens
 #                             straight from the last stage (the ring) rather than through the broker
 #   infer_floor_tokens_per_s  one token per round of the generation's hops (stage 0 -> .. -> last stage
 #                             -> stage 0, and through the broker without the ring; each one way across
@@ -71,7 +71,7 @@ MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256
 STEPS=20
 [ $QUICK = 1 ] && STEPS=8
 BATCH=${WAN_BATCH:-4} SEQ=${WAN_SEQ:-16} MICRO=${WAN_MICRO:-2} PEER_GB=${WAN_PEER_GB:-0.039} # the step's size, each peer's memory
-GEN_PEER_GB=${WAN_GEN_PEER_GB:-0.008} # each peer's memory for the generation (three stages)
+GEN_PEER_GB=${WAN_GEN_PEER_GB:-0.038} # each peer's memory for the generation (three stages)
 TRAIN="--rank 4 --alpha 8 --batch $BATCH --seq-len $SEQ --micro-batches $MICRO --lr 0.01 --seed 7 --steps $STEPS"
 GEN=32
 TAG=wan$$
@@ -124,11 +124,12 @@ log_ms() { # the log line's time (ms) of the first line matching the pattern aft
   grep -F "$1" "$2" | head -n 1 | awk '{ split($1, t, /[T:Z.]/); printf "%d\n", ((t[2] * 60 + t[3]) * 60 + t[4]) * 1000 + t[5] }'
 }
 
+joins() { grep -cE "\(p$1\) (joined|re-registered)" "broker-$2.log" || true; } # peer pI's registrations
 # start_peers NAME UP_MBIT MEMORY_GB SUFFIX: the peers of condition NAME (logs pI-NAME[SUFFIX].log), joined
 start_peers() {
   local name=$1 up=$2 mem=$3 sfx=$4 i
   local -A before=()
-  for i in $PEERS; do before[$i]=$(grep -c "(p$i) joined" "broker-$name.log" || true); done
+  for i in $PEERS; do before[$i]=$(joins "$i" "$name"); done
   for i in $PEERS; do
     run_in "p$i" "p$i-$name$sfx.log" "$BIN/fusion-peer" --broker "tcp://${ADDR[b]}:7700" --broker-key broker/public.key \
       --keys "p$i" --name "p$i" --data-bind "tcp://${ADDR[p$i]}:7701" --cache "cache-$name$i" --threads 1 \
@@ -137,10 +138,10 @@ start_peers() {
   done
   for i in $PEERS; do
     for _ in $(seq 1 600); do
-      [ "$(grep -c "(p$i) joined" "broker-$name.log" || true)" -gt "${before[$i]}" ] && break
+      [ "$(joins "$i" "$name")" -gt "${before[$i]}" ] && break
       sleep 0.1
     done
-    [ "$(grep -c "(p$i) joined" "broker-$name.log" || true)" -gt "${before[$i]}" ] ||
+    [ "$(joins "$i" "$name")" -gt "${before[$i]}" ] ||
       { echo "bench-wan: $name: peer p$i did not join" >&2; exit 1; }
   done
 }
