@@ -1,9 +1,16 @@
 /* fusion-broker: the registry, scheduler, backup pool and job store daemon. Runs in the foreground
  * and logs to stderr; SIGTERM or SIGINT stop it cleanly (socket closed, store closed). */
+#include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "broker.h"
+#include "fu_alloc.h"
+#include "fu_file.h"
 #include "fu_log.h"
 #include "fu_opts.h"
 #include "wire_keys.h"
@@ -12,6 +19,35 @@ static void on_signal(int sig)
 {
     (void)sig;
     broker_request_stop();
+}
+
+/* --allow FILE must name a list that exists, or, with an enrolment token, one the broker can create
+ * (enrolment appends to it): a mistyped path is an error, not an empty list that admits nobody. */
+static int allow_file_usable(const char *allow, bool enrols)
+{
+    if (fu_path_exists(allow)) {
+        if (fu_path_is_dir(allow)) {
+            fprintf(stderr, "fusion-broker: --allow '%s' is a directory, not an allow-list file\n", allow);
+            return FU_EXIT_USAGE;
+        }
+        return FU_EXIT_OK;
+    }
+    if (!enrols) {
+        fprintf(stderr, "fusion-broker: --allow '%s' does not exist: no key would be admitted (list public keys in "
+                        "it, one per line, or give an enrolment token so that enrolled keys are added to it)\n",
+                allow);
+        return FU_EXIT_NOTFOUND;
+    }
+    char *dir = fu_strdup(allow);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *(slash == dir ? slash + 1 : slash) = '\0';
+    bool ok = access(slash ? dir : ".", W_OK | X_OK) == 0;
+    if (!ok)
+        fprintf(stderr, "fusion-broker: --allow '%s' does not exist and cannot be made in '%s': %s\n", allow,
+                slash ? dir : ".", strerror(errno));
+    free(dir);
+    return ok ? FU_EXIT_OK : FU_EXIT_NOTFOUND;
 }
 
 int main(int argc, char **argv)
@@ -129,6 +165,8 @@ int main(int argc, char **argv)
     }
     if (!allow && !token && !peer_token && !client_token)
         fprintf(stderr, "fusion-broker: neither --allow nor an enrolment token given: no key will be admitted\n");
+    if (allow && (code = allow_file_usable(allow, token || peer_token || client_token)) != FU_EXIT_OK)
+        return code;
     static const int stop_signals[] = {SIGTERM, SIGINT};
     code =
         fu_opts_daemon_start(cmd.prog, on_signal, stop_signals, sizeof stop_signals / sizeof *stop_signals);

@@ -45,11 +45,11 @@ fu_err broker_job_prepare(broker_models *models, broker_job *j, const char *adap
     fu_errmsg sub = {{0}};
     fu_err rc = broker_models_open(models, j->spec.model, &j->model, &sub);
     if (rc != FU_OK)
-        return fu_errmsg_set(em, rc == FU_ENOTFOUND ? FU_ENOTFOUND : FU_EINVAL, "spec: %s", sub.msg);
+        return fu_errmsg_set(em, rc == FU_ENOTFOUND || rc == FU_EVERSION ? rc : FU_EINVAL, "spec: %s", sub.msg);
     const broker_model *m = j->model;
     fu_modelcfg cfg;
     if ((rc = fu_modelcfg_parse(m->config, m->config_len, FU_MODELCFG_FILE, &cfg, &sub)) != FU_OK)
-        return fu_errmsg_set(em, FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
+        return fu_errmsg_set(em, rc == FU_EVERSION ? rc : FU_EINVAL, "spec: model: %s", fu_errmsg_text(&sub, rc));
     dag_salr_info si = {0};
     bool salr = m->salr != NULL;
     if (salr && (rc = dag_salr_info_parse(m->salr, m->salr_len, &si, &sub)) != FU_OK)
@@ -152,11 +152,13 @@ static fu_err submit_prepare(broker_submit_task *t)
 {
     fu_errmsg em = {{0}};
     broker_job *j = t->job = broker_job_new(t->kind);
-    if (broker_spec_parse(t->spec_json, t->spec_len, t->kind, &j->spec, &em) != FU_OK)
-        return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "%s", em.msg);
-    fu_err rc = broker_job_prepare(t->models, j, t->adapter_spec, &em);
-    if (rc != FU_OK)
-        return submit_fail(t, rc == FU_ENOTFOUND ? FUSION__ERROR_CODE__ERR_NOT_FOUND : FUSION__ERROR_CODE__ERR_INVALID,
+    fu_err rc = broker_spec_parse(t->spec_json, t->spec_len, t->kind, &j->spec, &em);
+    if (rc == FU_OK)
+        rc = broker_job_prepare(t->models, j, t->adapter_spec, &em);
+    if (rc != FU_OK) /* a missing model is not found, an unsupported feature is ERR_VERSION (exit 2) */
+        return submit_fail(t, rc == FU_ENOTFOUND   ? FUSION__ERROR_CODE__ERR_NOT_FOUND
+                              : rc == FU_EVERSION ? FUSION__ERROR_CODE__ERR_VERSION
+                                                  : FUSION__ERROR_CODE__ERR_INVALID,
                            "%s", em.msg);
     size_t vocab = dag_graph_dims(j->graph)->vocab_size;
     int32_t *ids = NULL;

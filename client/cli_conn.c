@@ -1,6 +1,7 @@
 #include "cli_conn.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,35 +20,54 @@ struct cli_conn {
     void *sock;         /* DEALER to the broker */
     void *monitor;      /* PAIR receiving the DEALER's handshake events */
     long long timeout_ms;
+    bool connected;     /* a TCP connection to the broker was made (once is enough) */
+    int refused;        /* connection attempts refused before that */
     uint64_t sequence;  /* of our requests */
     char endpoint[256]; /* the broker, for messages */
 };
 
 /* Reads `key = value` from the config file into the fields still NULL. Values are copied into
- * static storage: the CLI makes one connection per process. */
-static void conn_read_config(cli_conn_opts *o)
+ * static storage: the CLI makes one connection per process. A $FUSION_CONFIG that cannot be read, or a
+ * line that is no known setting, is an error (said on stderr; the exit code returned): a typo must not
+ * pass for a setting. The default file may be missing; FUSION_CONFIG set empty reads none. */
+static int conn_read_config(const char *prog, cli_conn_opts *o)
 {
     static char broker[256], broker_key[1024], keys[1024];
     char path[1024];
     const char *env = getenv("FUSION_CONFIG"), *home = getenv("HOME");
+    if (env && !env[0])
+        return FU_EXIT_OK; /* FUSION_CONFIG= (empty): no configuration file */
     if (env)
         snprintf(path, sizeof path, "%s", env);
     else if (home)
         snprintf(path, sizeof path, "%s/.config/fusion/%s", home, CLI_CONFIG_NAME);
     else
-        return;
+        return FU_EXIT_OK;
     FILE *f = fopen(path, "r");
-    if (!f)
-        return;
+    if (!f) {
+        if (!env && errno == ENOENT)
+            return FU_EXIT_OK;
+        fprintf(stderr, "%s: cannot read the configuration file '%s'%s: %s\n", prog, path,
+                env ? " ($FUSION_CONFIG; set it empty for none)" : "", strerror(errno));
+        return errno == ENOENT ? FU_EXIT_NOTFOUND : FU_EXIT_USAGE;
+    }
     char line[1200];
-    while (fgets(line, sizeof line, f)) {
-        char *eq = strchr(line, '=');
-        if (line[0] == '#' || !eq)
-            continue;
-        *eq = '\0';
-        char *k = line, *v = eq + 1;
+    int code = FU_EXIT_OK;
+    for (unsigned no = 1; code == FU_EXIT_OK && fgets(line, sizeof line, f); no++) {
+        char *k = line;
         while (*k == ' ' || *k == '\t')
             k++;
+        if (*k == '#' || *k == '\n' || *k == '\r' || *k == '\0')
+            continue;
+        char *eq = strchr(k, '=');
+        if (!eq) {
+            fprintf(stderr, "%s: %s line %u: expected `key = value`, got '%.60s'\n", prog, path, no,
+                    strtok(k, "\r\n"));
+            code = FU_EXIT_USAGE;
+            break;
+        }
+        *eq = '\0';
+        char *v = eq + 1;
         for (char *e = k + strlen(k); e > k && (e[-1] == ' ' || e[-1] == '\t'); e--)
             e[-1] = '\0';
         while (*v == ' ' || *v == '\t')
@@ -55,14 +75,23 @@ static void conn_read_config(cli_conn_opts *o)
         v[strcspn(v, "\r\n")] = '\0';
         for (char *e = v + strlen(v); e > v && (e[-1] == ' ' || e[-1] == '\t'); e--)
             e[-1] = '\0';
-        if (strcmp(k, "broker") == 0 && !o->broker)
-            o->broker = strncpy(broker, v, sizeof broker - 1);
-        else if (strcmp(k, "broker-key") == 0 && !o->broker_key)
-            o->broker_key = strncpy(broker_key, v, sizeof broker_key - 1);
-        else if (strcmp(k, "keys") == 0 && !o->keys)
-            o->keys = strncpy(keys, v, sizeof keys - 1);
+        if (strcmp(k, "broker") == 0) {
+            if (!o->broker)
+                o->broker = strncpy(broker, v, sizeof broker - 1);
+        } else if (strcmp(k, "broker-key") == 0) {
+            if (!o->broker_key)
+                o->broker_key = strncpy(broker_key, v, sizeof broker_key - 1);
+        } else if (strcmp(k, "keys") == 0) {
+            if (!o->keys)
+                o->keys = strncpy(keys, v, sizeof keys - 1);
+        } else {
+            fprintf(stderr, "%s: %s line %u: unknown setting '%.40s' (the settings are broker, broker-key and keys)\n",
+                    prog, path, no, k);
+            code = FU_EXIT_USAGE;
+        }
     }
     fclose(f);
+    return code;
 }
 
 static fu_err conn_fail(const char *prog, int *exit_code, int code, const char *msg, const char *arg)
@@ -83,7 +112,11 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
         o.broker_key = getenv("FUSION_BROKER_KEY");
     if (!o.keys)
         o.keys = getenv("FUSION_KEYS");
-    conn_read_config(&o);
+    int cfg_code = conn_read_config(prog, &o);
+    if (cfg_code != FU_EXIT_OK) {
+        *exit_code = cfg_code;
+        return FU_EINVAL;
+    }
     if (!o.broker)
         return conn_fail(prog, exit_code, FU_EXIT_USAGE,
                          "no broker given: use --broker tcp://HOST:7700, set FUSION_BROKER, or put "
@@ -122,8 +155,10 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
     /* Watch the handshake so a refused key is reported as such rather than as a timeout. */
     char mon[64];
     snprintf(mon, sizeof mon, "inproc://cli-monitor-%p", (void *)c);
+    /* ... and a broker that is not there (connection refused) as such, at once. */
     if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0)
+                                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_CONNECTED |
+                                             ZMQ_EVENT_CONNECT_RETRIED) != 0)
         goto fail;
     c->monitor = zmq_socket(c->ctx, ZMQ_PAIR);
     if (!c->monitor || zmq_connect(c->monitor, mon) != 0)
@@ -190,9 +225,31 @@ static int error_exit_code(Fusion__ErrorCode code)
         return FU_EXIT_AUTH;
     case FUSION__ERROR_CODE__ERR_NOT_FOUND:
         return FU_EXIT_NOTFOUND;
+    case FUSION__ERROR_CODE__ERR_VERSION: /* a protocol version or a model feature fusion does not support */
+        return FU_EXIT_USAGE;
     default:
         return FU_EXIT_FAIL;
     }
+}
+
+/* A progress line is drawn on stderr and not ended (cli_conn_line_open): an error starts a new line. */
+static bool g_line_open;
+
+void cli_conn_line_open(bool open)
+{
+    g_line_open = open;
+}
+
+static void conn_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void conn_err(const char *fmt, ...)
+{
+    if (g_line_open)
+        fputc('\n', stderr);
+    g_line_open = false;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
 }
 
 fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code)
@@ -201,7 +258,7 @@ fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
     h.sequence = ++c->sequence;
     fu_err rc = wire_send(c->sock, NULL, 0, &h, body);
     if (rc != FU_OK) {
-        fprintf(stderr, "%s: cannot send to the broker at %s: %s\n", c->prog, c->endpoint, fu_strerror(rc));
+        conn_err("%s: cannot send to the broker at %s: %s\n", c->prog, c->endpoint, fu_strerror(rc));
         *exit_code = FU_EXIT_FAIL;
     }
     return rc;
@@ -232,7 +289,7 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
     for (;;) {
         uint64_t now = fu_clock_ms();
         if (now >= deadline) {
-            fprintf(stderr,
+            conn_err(
                     "%s: no answer from the broker at %s within %lld ms (is fusion-broker running there, and "
                     "is --broker-key its public key?)\n",
                     c->prog, c->endpoint, c->timeout_ms);
@@ -247,8 +304,19 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         }
         if (items[1].revents & ZMQ_POLLIN) {
             int ev = conn_monitor_event(c);
+            c->connected |= ev == ZMQ_EVENT_CONNECTED || ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+            /* Refused again and again (a retry every WIRE_RECONNECT_MS at first) before it ever
+             * connected: nothing listens there. Once connected, a broker that restarts is waited for. */
+            if (ev == ZMQ_EVENT_CONNECT_RETRIED && !c->connected && ++c->refused >= CLI_REFUSED_TRIES) {
+                conn_err(
+                        "%s: nothing answers at %s: the connection is refused (is fusion-broker running there, on "
+                        "that port?)\n",
+                        c->prog, c->endpoint);
+                *exit_code = FU_EXIT_FAIL;
+                return FU_EIO;
+            }
             if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
-                fprintf(stderr,
+                conn_err(
                         "%s: the broker at %s refused this client's key (ask its operator to allow your "
                         "public.key, or check --broker-key)\n",
                         c->prog, c->endpoint);
@@ -263,13 +331,13 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         if (rc == FU_EAGAIN)
             continue;
         if (rc != FU_OK) {
-            fprintf(stderr, "%s: bad answer from the broker: %s\n", c->prog, fu_strerror(rc));
+            conn_err("%s: bad answer from the broker: %s\n", c->prog, fu_strerror(rc));
             *exit_code = FU_EXIT_FAIL;
             return rc;
         }
         const Fusion__Error *err = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
         if (err) {
-            fprintf(stderr, "%s: %s\n", c->prog, err->message && err->message[0] ? err->message : "refused");
+            conn_err("%s: %s\n", c->prog, err->message && err->message[0] ? err->message : "refused");
             *exit_code = error_exit_code(err->code);
             wire_msg_destroy(&m);
             return *exit_code == FU_EXIT_AUTH ? FU_EAUTH : *exit_code == FU_EXIT_NOTFOUND ? FU_ENOTFOUND : FU_EPROTO;

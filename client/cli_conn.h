@@ -18,6 +18,7 @@ extern "C" {
 #endif
 
 #define CLI_DEFAULT_TIMEOUT_MS 10000 /* one request's deadline */
+#define CLI_REFUSED_TRIES      3     /* refused connection attempts that mean no broker listens there */
 #define CLI_CONFIG_NAME        "client.conf"
 
 /* What the user said about the connection; NULL fields are filled from the environment and the
@@ -42,6 +43,10 @@ typedef struct cli_conn cli_conn_t;
  * prog) and returns the exit code to use in *exit_code. */
 FU_MUST_CHECK fu_err cli_conn_open(const char *prog, const cli_conn_opts *o, cli_conn_t **out, int *exit_code);
 void cli_conn_close(cli_conn_t **self_p);
+
+/* Says whether a progress line is drawn on stderr without its newline: the connection's errors then
+ * begin on a line of their own instead of being glued to it. */
+void cli_conn_line_open(bool open);
 
 /* Sends (hdr, body) and waits for one answer. When the answer is of type `want` it is returned in
  * *reply (free with wire_msg_destroy). An Error answer is printed (with prog) and mapped to an exit

@@ -2,9 +2,11 @@
 #include "cli_jobs.h"
 
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -199,24 +201,82 @@ int cli_jobs_main(int argc, char **argv)
     return list_jobs(argv[0], &o, active);
 }
 
-/* Draws the progress line of a running job on a terminal, or prints a line per new step. */
-static void show_progress(const Fusion__JobStatus *s, bool tty)
+/* Columns of the terminal on stderr (80 when it does not say). */
+static int term_width(void)
+{
+    struct winsize ws;
+    if (ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col >= 20)
+        return ws.ws_col;
+    return 80;
+}
+
+/* "M:SS" or "H:MM:SS". */
+static void fmt_duration(char *buf, size_t cap, double s)
+{
+    long t = s > 0 && s < 1e9 ? (long)(s + 0.5) : 0;
+    if (t >= 3600)
+        snprintf(buf, cap, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+    else
+        snprintf(buf, cap, "%ld:%02ld", t / 60, t % 60);
+}
+
+/* Where a job was when `wait` first saw it make progress: the ETA's rate counts from there. */
+typedef struct {
+    double start_s;    /* when wait began */
+    double first_s;    /* when the first step was seen (0: not yet) */
+    uint64_t first_step;
+} progress_clock;
+
+/* Draws the progress line of a running job on a terminal, never wider than it (a redraw must not
+ * scroll): bar, step of steps, loss, tokens/s, time followed and the time left at the rate seen since
+ * then, and the broker's message when it says more than that the job runs. Without a terminal, a
+ * line per new step. */
+static void show_progress(const Fusion__JobStatus *s, bool tty, progress_clock *pc)
 {
     if (!s->total_steps || !s->step)
         return;
-    if (tty) {
-        enum { WIDTH = 30 };
-        int filled = (int)((double)WIDTH * (double)s->step / (double)s->total_steps);
-        char bar[WIDTH + 1];
-        for (int i = 0; i < WIDTH; i++)
-            bar[i] = i < filled ? '#' : '.';
-        bar[WIDTH] = '\0';
-        fprintf(stderr, "\r[%s] step %" PRIu64 "/%" PRIu64 "  loss %.4f  %.0f tok/s  %s\033[K", bar, s->step,
-                s->total_steps, s->loss, s->tokens_per_s, s->message ? s->message : "");
-    } else {
+    double now = fu_clock_sec();
+    if (!pc->first_s) {
+        pc->first_s = now;
+        pc->first_step = s->step;
+    }
+    if (!tty) {
         fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " loss %.4f %.0f tok/s\n", s->step, s->total_steps, s->loss,
                 s->tokens_per_s);
+        return;
     }
+    char el[16], eta[24] = "";
+    fmt_duration(el, sizeof el, now - pc->start_s);
+    if (s->step > pc->first_step && s->step < s->total_steps) {
+        double left = (double)(s->total_steps - s->step) * (now - pc->first_s) / (double)(s->step - pc->first_step);
+        char t[16];
+        fmt_duration(t, sizeof t, left);
+        snprintf(eta, sizeof eta, " ETA %s", t);
+    }
+    enum { WIDTH = 20 };
+    int filled = (int)((double)WIDTH * (double)s->step / (double)s->total_steps);
+    char bar[WIDTH + 1];
+    for (int i = 0; i < WIDTH; i++)
+        bar[i] = i < filled ? '#' : '.';
+    bar[WIDTH] = '\0';
+    const char *msg = s->message ? s->message : "";
+    if (strncmp(msg, "running on ", 11) == 0)
+        msg = ""; /* the step and the stages are shown already */
+    char line[512];
+    int n = snprintf(line, sizeof line, "[%s] %" PRIu64 "/%" PRIu64 " loss %.4f %.0f tok/s %s%s%s%s", bar, s->step,
+                     s->total_steps, s->loss, s->tokens_per_s, el, eta, msg[0] ? "  " : "", msg);
+    size_t max = (size_t)term_width() - 1;
+    size_t len = n > 0 ? (size_t)n : 0;
+    if (len > sizeof line - 1)
+        len = sizeof line - 1;
+    if (len > max) {
+        len = max;
+        while (len > 0 && ((unsigned char)line[len] & 0xC0) == 0x80) /* not inside a UTF-8 character */
+            len--;
+    }
+    line[len] = '\0';
+    fprintf(stderr, "\r%s\033[K", line);
+    cli_conn_line_open(true);
 }
 
 /* Prints the job's stages and their peers when they differ from what was printed last (a new plan,
@@ -234,7 +294,33 @@ static void show_stages(const Fusion__JobStatus *s, bool tty, char *seen, size_t
     if (!now[0] || strcmp(now, seen) == 0)
         return;
     fprintf(stderr, "%sstages: %s\n", tty ? "\r\033[K" : "", now);
+    cli_conn_line_open(false);
     snprintf(seen, seen_cap, "%s", now);
+}
+
+/* Ctrl-C on `fusion wait`: the job is the broker's and goes on; say so, and how to come back. */
+static char g_wait_note[256];
+
+static void on_wait_interrupt(int sig)
+{
+    (void)sig;
+    ssize_t w = write(STDERR_FILENO, g_wait_note, strlen(g_wait_note));
+    (void)w;
+    _exit(130);
+}
+
+static void wait_note_install(const char *prog, uint64_t id)
+{
+    char idt[17];
+    cli_job_id_format(id, idt);
+    snprintf(g_wait_note, sizeof g_wait_note,
+             "\n%s: stopped following job %s; it goes on on the broker (`fusion wait %s` follows it again, "
+             "`fusion cancel %s` stops it)\n", prog, idt, idt, idt);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_wait_interrupt;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
 }
 
 int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet)
@@ -244,6 +330,8 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
     uint64_t last_step = UINT64_MAX;
     size_t printed = 0; /* bytes of generated text already written */
     double start = fu_clock_sec();
+    progress_clock pc = {.start_s = start};
+    wait_note_install(prog, id);
     char last_msg[256] = "";
     for (;;) {
         wire_msg_t *m = NULL;
@@ -265,7 +353,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
         if (!quiet)
             show_stages(s, tty, stages_seen, sizeof stages_seen);
         if (!quiet && s->kind != FUSION__JOB_KIND__JOB_KIND_INFER && s->step != last_step) {
-            show_progress(s, tty);
+            show_progress(s, tty, &pc);
             last_step = s->step;
         }
         Fusion__JobState st = s->state;
@@ -278,6 +366,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
             st == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
             if (tty && last_step != UINT64_MAX)
                 fputc('\n', stderr);
+            cli_conn_line_open(false);
             if (printed)
                 putchar('\n');
             char idt[17];
@@ -292,6 +381,9 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
             return FU_EXIT_FAIL;
         }
         if (timeout_s > 0 && fu_clock_sec() - start > timeout_s) {
+            if (tty && last_step != UINT64_MAX)
+                fputc('\n', stderr);
+            cli_conn_line_open(false);
             fprintf(stderr, "%s: still %s after %.0f s (step %" PRIu64 "); run `fusion wait` again to follow it\n",
                     prog, cli_job_state_name(st), timeout_s, step);
             return FU_EXIT_TIMEOUT;

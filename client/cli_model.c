@@ -18,15 +18,6 @@
  * transformers LlamaConfig initializer_range). */
 #define CLI_MODEL_INIT_STD 0.02f
 
-static int exit_for(fu_err rc)
-{
-    switch (rc) {
-    case FU_ENOTFOUND: return FU_EXIT_NOTFOUND;
-    case FU_EPERM: return FU_EXIT_AUTH;
-    default: return FU_EXIT_FAIL;
-    }
-}
-
 /* ---- model init ----------------------------------------------------------------------------- */
 
 static int model_init(int argc, char **argv)
@@ -135,7 +126,7 @@ static int model_init(int argc, char **argv)
         }
     } else if ((rc = fu_mkdir_p(out, 0755, &em)) != FU_OK) {
         fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
 
     /* A stale shard index would win over the new single file when the directory is read. */
@@ -149,7 +140,7 @@ static int model_init(int argc, char **argv)
     rc = dag_model_init_random_as(out, &cfg, (uint64_t)seed, CLI_MODEL_INIT_STD, dt, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", cmd.prog, fu_errmsg_text(&em, rc));
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
     uint64_t params = fu_modelcfg_param_count(&cfg);
     printf("wrote %s: %s, %zu layers, hidden %zu, heads %zu/%zu, ffn %zu, vocab %zu, %llu parameters "
@@ -189,13 +180,13 @@ static int model_info(int argc, char **argv)
     fu_err rc = fu_modelcfg_load(dir, &cfg, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: %s\n", fu_errmsg_text(&em, rc));
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
     fu_safetensors *st = NULL;
     rc = fu_safetensors_open_dir(dir, &st, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: %s\n", fu_errmsg_text(&em, rc));
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
     rc = fu_modelcfg_check_weights(&cfg, st, &em);
     const char *dtname = "?";
@@ -205,14 +196,14 @@ static int model_info(int argc, char **argv)
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: model dir '%s': %s\n", dir, fu_errmsg_text(&em, rc));
         fu_safetensors_close(&st);
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
     fu_tokenizer *tok = NULL;
     rc = fu_tokenizer_open_dir(dir, cfg.vocab_size, cfg.byte_tokens || byte_tokens, &tok, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion: model dir '%s': tokenizer: %s\n", dir, fu_errmsg_text(&em, rc));
         fu_safetensors_close(&st);
-        return exit_for(rc);
+        return fu_exit_for(rc);
     }
     char toks[160];
     if (fu_tokenizer_kind(tok) == FU_TOK_BYTES)
@@ -261,7 +252,7 @@ static int model_merge(int argc, char **argv)
     fu_err rc = dag_model_merge(model, adapter, out, force, &rep, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion model merge: %s\n", fu_errmsg_text(&em, rc));
-        return rc == FU_EEXIST ? FU_EXIT_USAGE : exit_for(rc);
+        return rc == FU_EEXIST ? FU_EXIT_USAGE : fu_exit_for(rc);
     }
     printf("wrote %s: %zu tensors (%.1f MB, float32); %zu linears took the adapter, %zu SALR linears made dense\n",
            out, rep.tensors, (double)rep.bytes / 1e6, rep.merged, rep.densified);
@@ -298,7 +289,7 @@ static int model_quantize(int argc, char **argv)
     fu_err rc = dag_model_quantize(model, out, force, &rep, &em);
     if (rc != FU_OK) {
         fprintf(stderr, "fusion model quantize: %s\n", fu_errmsg_text(&em, rc));
-        return rc == FU_EEXIST ? FU_EXIT_USAGE : exit_for(rc);
+        return rc == FU_EEXIST ? FU_EXIT_USAGE : fu_exit_for(rc);
     }
     printf("wrote %s: %zu of %zu weights int8 per channel; %.1f MB -> %.1f MB; largest rounding error %.5f of a "
            "row's largest weight\n",

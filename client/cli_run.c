@@ -3,6 +3,7 @@
  * (optionally with an adapter), streaming tokens as they come. Both build the job's DAG and run it
  * whole with the DAG executor (dag_exec), the same code a peer runs for one stage. */
 #include <cblas.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,20 +34,38 @@
 #define CLI_RUN_MAX_PROMPT    65536             /* longest prompt in tokens */
 #define CLI_RUN_BAR_WIDTH     30                /* progress bar characters */
 
-static int exit_for(fu_err rc)
+/* The adapter's output directory, made now and checked writable, so that a fine-tune never trains
+ * only to fail at the end; an adapter already there is kept unless force (as `fusion result`). */
+static int output_dir_ready(const char *prog, const char *out, bool force)
 {
-    switch (rc) {
-    case FU_ENOTFOUND: return FU_EXIT_NOTFOUND;
-    case FU_EPERM: return FU_EXIT_AUTH;
-    case FU_EINVAL: return FU_EXIT_USAGE;
-    default: return FU_EXIT_FAIL;
+    fu_errmsg em = {{0}};
+    fu_err rc = fu_mkdir_p(out, 0755, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: -o '%s': %s\n", prog, out, fu_errmsg_text(&em, rc));
+        return fu_exit_for(rc);
     }
+    if (access(out, W_OK | X_OK) != 0) {
+        fprintf(stderr, "%s: -o '%s': %s\n", prog, out, strerror(errno));
+        return errno == EACCES || errno == EPERM || errno == EROFS ? FU_EXIT_AUTH : FU_EXIT_FAIL;
+    }
+    static const char *const files[] = {"adapter_model.safetensors", "adapter_config.json"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0] && !force; i++) {
+        char *p = fu_path_join(out, files[i]);
+        bool there = fu_path_exists(p);
+        free(p);
+        if (there) {
+            fprintf(stderr, "%s: '%s' holds an adapter already; use --force to replace it, or another -o\n", prog,
+                    out);
+            return FU_EXIT_USAGE;
+        }
+    }
+    return FU_EXIT_OK;
 }
 
 static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
 {
     fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(em, rc));
-    return rc == FU_EINVAL ? FU_EXIT_FAIL : exit_for(rc);
+    return fu_exit_for(rc);
 }
 
 /* --threads: BLAS and kernel threads (0 leaves the libraries' defaults). */
@@ -150,13 +169,14 @@ static int run_finetune(int argc, char **argv)
 {
     const char *model_dir = NULL, *data = NULL, *out = NULL, *loss_log = NULL, *cuts_arg = NULL;
     long long threads = 0;
-    bool correction = false;
+    bool correction = false, force = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 8] = {
         {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory (config.json + safetensors)"},
         {"data", 0, FU_OPT_STR, &data, "FILE", "training text (tokenized with the model's tokenizer)"},
         {"loss-log", 0, FU_OPT_STR, &loss_log, "FILE", "append one JSON line per step (step, loss, tokens/s)"},
         {"output", 'o', FU_OPT_STR, &out, "DIR", "where to write the adapter (PEFT format)"},
+        {"force", 0, FU_OPT_FLAG, &force, NULL, "replace an adapter already in the -o directory"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},
         {"lorafa-correction", 0, FU_OPT_FLAG, &correction, NULL,
          "lora-fa: precondition B's gradient with (A·Aᵀ)⁻¹/s² (PEFT's LoRA-FA optimizer)"},
@@ -179,6 +199,8 @@ static int run_finetune(int argc, char **argv)
     const char *prog = argv[0];
     if (!model_dir || !data || !out)
         return fu_opts_usage_error(&cmd, "--model, --data and -o are required");
+    if ((code = output_dir_ready(prog, out, force)) != FU_EXIT_OK)
+        return code; /* before a single step is trained */
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model_dir, &spec, &code) != FU_OK)
         return code;

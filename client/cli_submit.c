@@ -40,13 +40,14 @@ static char *spec_json(dag_spec *spec)
 }
 
 /* The job's data file into *text (at most CLI_MAX_INLINE_BYTES); false with a message. */
-static bool read_data(const char *prog, const char *path, char **text, size_t *len)
+/* Reads the --data file; on failure says why and returns its exit code (4: no such file). */
+static int read_data(const char *prog, const char *path, char **text, size_t *len)
 {
     fu_errmsg em = {0};
     fu_err rc = fu_file_read_all(path, CLI_MAX_INLINE_BYTES, text, len, &em);
     if (rc != FU_OK)
         fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(&em, rc));
-    return rc == FU_OK;
+    return fu_exit_for(rc);
 }
 
 /* Uploads the spec's model first when asked (the spec then names the broker's copy) and sends the
@@ -157,9 +158,9 @@ static int submit_finetune(int argc, char **argv)
         return code;
     char *text = NULL;
     size_t text_len = 0;
-    if (!read_data(cmd.prog, data, &text, &text_len)) {
+    if ((code = read_data(cmd.prog, data, &text, &text_len)) != FU_EXIT_OK) {
         dag_spec_clear(&spec);
-        return FU_EXIT_USAGE;
+        return code;
     }
     code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, &spec, upload, (const uint8_t *)text,
                              text_len, idem, wait, quiet);
@@ -316,8 +317,8 @@ static int submit_eval(int argc, char **argv)
         return code;
     char *text = NULL;
     size_t text_len = 0;
-    if (!read_data(cmd.prog, a.data, &text, &text_len))
-        return FU_EXIT_USAGE;
+    if ((code = read_data(cmd.prog, a.data, &text, &text_len)) != FU_EXIT_OK)
+        return code;
     code = submit_and_follow(cmd.prog, &a.co, FUSION__JOB_KIND__JOB_KIND_EVAL, &spec, a.upload, (const uint8_t *)text,
                              text_len, a.idem, a.wait, a.quiet);
     dag_spec_clear(&spec);
@@ -368,8 +369,8 @@ int cli_eval_pipeline_main(int argc, char **argv)
             return code;
     char *text = NULL;
     size_t text_len = 0;
-    if (!read_data(cmd.prog, a.data, &text, &text_len))
-        return FU_EXIT_USAGE;
+    if ((code = read_data(cmd.prog, a.data, &text, &text_len)) != FU_EXIT_OK)
+        return code;
     cli_conn_t *conn = NULL;
     if (cli_conn_open(cmd.prog, &a.co, &conn, &code) != FU_OK) {
         free(text);

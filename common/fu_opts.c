@@ -354,3 +354,17 @@ int fu_opts_daemon_start(const char *prog, void (*on_signal)(int), const int *si
     signal(SIGPIPE, SIG_IGN);
     return FU_EXIT_OK;
 }
+
+int fu_exit_for(fu_err rc)
+{
+    switch (rc) {
+    case FU_OK: return FU_EXIT_OK;
+    case FU_ENOTFOUND: return FU_EXIT_NOTFOUND;
+    case FU_EPERM:
+    case FU_EAUTH: return FU_EXIT_AUTH;
+    case FU_EVERSION:
+    case FU_ENOSYS: return FU_EXIT_USAGE;
+    case FU_ETIMEDOUT: return FU_EXIT_TIMEOUT;
+    default: return FU_EXIT_FAIL;
+    }
+}

@@ -22,6 +22,11 @@ extern "C" {
 #define FU_EXIT_NOTFOUND 4 /* the job, file or peer named does not exist */
 #define FU_EXIT_TIMEOUT 5 /* a wait ran out of time */
 
+/* The exit code for a failed operation's error: 4 for FU_ENOTFOUND, 3 for FU_EPERM and FU_EAUTH, 2
+ * for what this build or fusion does not support (FU_EVERSION, FU_ENOSYS), 5 for FU_ETIMEDOUT, else 1
+ * (a bad value is the operation's failure here: command-line errors are the parser's, exit 2). */
+int fu_exit_for(fu_err rc);
+
 #define FU_OPTS_LINE_MAX   4096  /* longest config-file line, in bytes without the newline */
 #define FU_OPTS_ARENA_SIZE 65536 /* bytes for string values read from config files, per process */
 

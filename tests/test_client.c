@@ -9,6 +9,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <cmocka.h>
 
@@ -33,7 +38,7 @@ static int setup(void **state)
     const char *dir = tu_cluster_dir(g_c);
     for (int i = 0; i < 3; i++)
         snprintf(g_env[i], sizeof g_env[i],
-                 "FUSION_CONFIG=/nonexistent FUSION_BROKER=%s FUSION_BROKER_KEY=%s/broker/public.key "
+                 "FUSION_CONFIG= FUSION_BROKER=%s FUSION_BROKER_KEY=%s/broker/public.key "
                  "FUSION_KEYS=%s/%s", tu_broker_endpoint(g_c), dir, dir, names[i]);
     char *out = NULL;
     for (int i = 0; i < 100; i++) { /* until it answers */
@@ -77,7 +82,7 @@ static void test_client_connection_settings_come_from_options_env_or_config(void
     (void)state;
     /* Nothing said: exit 2 and what to do. */
     tu_sh_expect(2, "no broker given: use --broker",
-                 "env -u FUSION_BROKER FUSION_CONFIG=/nonexistent %s jobs", tu_bin("fusion"));
+                 "env -u FUSION_BROKER FUSION_CONFIG= %s jobs", tu_bin("fusion"));
     /* A config file alone is enough. */
     char conf[TU_PATH];
     tu_path(g_c, conf, "alice.conf");
@@ -146,7 +151,7 @@ static void test_client_bad_arguments_exit_2(void **state)
     static const tu_cmd_case cases[] = {
         {"status not-a-job", 2, "is not a job id"},
         {"submit finetune --model x", 2, "needs --model DIR and --data FILE"},
-        {"submit finetune --model x --data /nonexistent/data.txt", 2, NULL},
+        {"submit finetune --model x --data /nonexistent/data.txt", 4, "/nonexistent/data.txt"},
         {"submit infer --model x --prompt hi --prompt-tokens 1,2", 2, NULL},
         {"submit finetune --model x --data /dev/null --verify 1.5", 2,
          "--verify must be a number between 0 and 1"},
@@ -157,6 +162,109 @@ static void test_client_bad_arguments_exit_2(void **state)
         run_as(0, cases[i].rc, cases[i].says, "%s", cases[i].args);
 }
 
+/* A TCP port on loopback that nothing listens on (bound, then closed). */
+static int closed_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* Issue "Operate and serve", CLI points: a broker that is not there is said at once (not after the
+ * request's deadline: here 60 s, which would exit 5), and a misspelt configuration file or a
+ * $FUSION_CONFIG that does not exist stops the command with the line or the file named. */
+static void test_client_dead_broker_and_bad_config_said_at_once(void **state)
+{
+    (void)state;
+    const char *dir = tu_cluster_dir(g_c);
+    double t0 = fu_clock_sec();
+    tu_sh_expect(1, "the connection is refused",
+                 "FUSION_CONFIG= %s status --broker tcp://127.0.0.1:%d --broker-key %s/broker/public.key --keys "
+                 "%s/alice --timeout-ms 60000", tu_bin("fusion"), closed_port(), dir, dir);
+    printf("a broker that is not there: said after %.1f s\n", fu_clock_sec() - t0);
+    char conf[TU_PATH];
+    tu_path(g_c, conf, "typo.conf");
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fprintf(f, "# a typo on line 3\nbroker = %s\nbrokr-key = %s/broker/public.key\n", tu_broker_endpoint(g_c), dir);
+    fclose(f);
+    tu_sh_expect(2, "line 3: unknown setting 'brokr-key'", "env -u FUSION_BROKER_KEY FUSION_CONFIG=%s %s jobs", conf,
+                 tu_bin("fusion"));
+    tu_sh_expect(4, "cannot read the configuration file '/nonexistent/client.conf' ($FUSION_CONFIG",
+                 "FUSION_CONFIG=/nonexistent/client.conf %s jobs", tu_bin("fusion"));
+    /* fusion-broker --allow with a path that does not exist and no enrolment token: it would admit nobody */
+    tu_sh_expect(4, "--allow '/nonexistent/allow' does not exist", "%s --allow /nonexistent/allow --keys %s/broker "
+                 "--db %s/other.db --bind tcp://127.0.0.1:%d", tu_bin("fusion-broker"), dir, dir, closed_port());
+}
+
+/* Issue "Operate and serve", CLI points: exit codes as the README says, the same from `run` and
+ * `submit`: 4 for a model or data file that is not there, 2 for a model feature fusion does not
+ * support. */
+static void test_client_exit_codes_agree_between_run_and_submit(void **state)
+{
+    (void)state;
+    const char *data = tu_cluster_data(g_c);
+    run_as(0, 4, "does not exist", "run finetune --model /nonexistent/model --data %s -o %s/o1 --steps 1", data,
+           tu_cluster_dir(g_c));
+    run_as(0, 4, "nope.txt", "run finetune --model %s --data /nonexistent/nope.txt -o %s/o2 --steps 1", g_model,
+           tu_cluster_dir(g_c));
+    run_as(0, 4, NULL, "submit finetune --model nonexistent-model --data %s --steps 1", data);
+    run_as(0, 4, "nope.txt", "submit finetune --model %s --data /nonexistent/nope.txt --steps 1", g_model);
+    /* a model of a family fusion does not run (model_type gpt2), in the broker's model root */
+    char odd[TU_PATH], cfg[TU_PATH];
+    tu_path(g_c, odd, "gpt2ish");
+    tu_sh_expect(0, NULL, "cp -r %s %s", g_model, odd);
+    tu_path(g_c, cfg, "gpt2ish/config.json");
+    tu_sh_expect(0, NULL, "sed -i 's/\"model_type\":[[:space:]]*\"llama\"/\"model_type\": \"gpt2\"/' %s && grep -q gpt2 %s",
+                 cfg, cfg);
+    run_as(0, 2, "model_type 'gpt2' is not supported", "run infer --model %s --prompt hi --max-tokens 1", odd);
+    run_as(0, 2, "model_type 'gpt2' is not supported", "submit infer --model %s --prompt hi --max-tokens 1", odd);
+}
+
+/* Issue "Operate and serve", CLI points: `run finetune -o DIR` checks DIR before the first step, and
+ * keeps an adapter already there unless --force. */
+static void test_client_run_output_checked_before_training(void **state)
+{
+    (void)state;
+    char out[TU_PATH], ad[TU_PATH];
+    tu_path(g_c, out, "adapter-there");
+    tu_path(g_c, ad, "adapter-there/adapter_model.safetensors");
+    tu_sh_expect(0, NULL, "mkdir -p %s && echo keep > %s", out, ad);
+    char *o = run_as_out(0, 2, "holds an adapter already; use --force",
+                         "run finetune --model %s --data %s -o %s --steps 500 --batch 2 --seq-len 16", g_model,
+                         tu_cluster_data(g_c), out);
+    assert_null(strstr(o, "step")); /* not one step trained */
+    free(o);
+    char *kept = tu_file_text(ad);
+    assert_string_equal(kept, "keep\n");
+    free(kept);
+    run_as(0, 1, "-o '/proc/self/none'", "run finetune --model %s --data %s -o /proc/self/none --steps 500", g_model,
+           tu_cluster_data(g_c));
+    run_as(0, 0, "wrote adapter", "run finetune --model %s --data %s -o %s --steps 1 --batch 2 --seq-len 16 --force",
+           g_model, tu_cluster_data(g_c), out);
+}
+
+/* Issue "Operate and serve", CLI points: Ctrl-C on `fusion wait` says that the job goes on on the broker
+ * and how to follow or cancel it; the job is untouched. */
+static void test_client_wait_interrupted_says_the_job_goes_on(void **state)
+{
+    (void)state;
+    char id[17] = "";
+    submit(1, "interrupted", id);
+    char *out = tu_sh_expect_out(130, "it goes on on the broker", "%s timeout --preserve-status -s INT 2 %s wait %s",
+                                 g_env[1], tu_bin("fusion"), id);
+    char want[64];
+    snprintf(want, sizeof want, "`fusion wait %s`", id);
+    assert_non_null(strstr(out, want));
+    free(out);
+    run_as(1, 0, "queued", "status %s", id);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -165,6 +273,10 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_client_submit_is_idempotent_and_jobs_are_private),
         cmocka_unit_test(test_client_wait_reports_why_a_job_is_queued_and_times_out),
         cmocka_unit_test(test_client_bad_arguments_exit_2),
+        cmocka_unit_test(test_client_dead_broker_and_bad_config_said_at_once),
+        cmocka_unit_test(test_client_exit_codes_agree_between_run_and_submit),
+        cmocka_unit_test(test_client_run_output_checked_before_training),
+        cmocka_unit_test(test_client_wait_interrupted_says_the_job_goes_on),
     };
     return tu_run_tests(argc, argv, tests, setup, teardown);
 }
