@@ -70,6 +70,7 @@ void broker_on_relay(broker_t *b, const wire_msg_t *msg)
         return;
     }
     b->relayed++;
+    b->tot.relayed_bytes += wire_msg_heap_bytes(msg);
 }
 
 /* ---------- dispatch ---------- */
@@ -508,6 +509,12 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
                       zmq_strerror(zmq_errno()));
         goto fail;
     }
+    if (cfg->http) {
+        if ((rc = broker_http_new(cfg->http, b, &b->http, em)) != FU_OK)
+            goto fail;
+        FU_INFO(LOG, "serving metrics on http://%.*s:%u/metrics", (int)(strrchr(cfg->http, ':') - cfg->http),
+                cfg->http, broker_http_port(b->http));
+    }
     b->started_ms = broker_now();
     resume_jobs(b);
     char ep[256] = "";
@@ -531,6 +538,7 @@ void broker_destroy(broker_t **b_p)
     if (!b_p || !*b_p)
         return;
     broker_t *b = *b_p;
+    broker_http_destroy(&b->http);
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_quota_free(&b->quota);
     broker_auth_free(&b->auth);
@@ -608,10 +616,13 @@ fu_err broker_run(broker_t *b)
         timers(b);
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
-        zmq_pollitem_t items[3] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+        if (b->http)
+            timeout = broker_http_timeout_ms(b->http, timeout);
+        zmq_pollitem_t items[4] = {{.socket = b->sock, .events = ZMQ_POLLIN},
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
-                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN}};
-        int n = zmq_poll(items, 3, timeout);
+                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
+                                   {.fd = b->http ? broker_http_fd(b->http) : -1, .events = ZMQ_POLLIN}};
+        int n = zmq_poll(items, b->http ? 4 : 3, timeout);
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -624,6 +635,8 @@ fu_err broker_run(broker_t *b)
             while (read(pfd[0], buf, sizeof buf) > 0) {
             }
         }
+        if (b->http) /* its connections and timers (nothing ready: returns at once) */
+            broker_http_serve(b->http);
         if (items[2].revents & ZMQ_POLLIN) {
             /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
              * next one meanwhile; heartbeats are served between them (the eventfd stays readable). */

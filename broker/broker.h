@@ -81,6 +81,7 @@ typedef struct {
     bool init_store;           /* an existing empty file at db_path may become a new store (--init) */
     bool check_store;          /* full integrity check of the store at start (--check-store) */
     const char *allow_file;    /* allow-list file, or NULL */
+    const char *http;          /* --http IPV4:PORT: GET /metrics there (broker_http.h); NULL: no listener */
     const char *enrol_token;   /* enrolment token (Z85) granting the client and peer roles, or NULL */
     const char *peer_token;    /* enrolment token granting the peer role only, or NULL */
     const char *client_token;  /* enrolment token granting the client role only, or NULL */

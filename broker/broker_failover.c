@@ -60,6 +60,7 @@ void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why
 {
     if (j->dead || j->phase == BJ_QUEUED || stage >= j->n_stages)
         return;
+    b->tot.failovers++;
     char text[DB_REASON_MAX];
     char lost[DB_KEY_LEN + 1];
     snprintf(lost, sizeof lost, "%s", j->stages[stage].peer);

@@ -78,8 +78,14 @@ void broker_jobs_reap(broker_t *b)
 {
     size_t w = 0;
     for (size_t i = 0; i < b->n_jobs; i++) {
-        if (b->jobs[i]->dead)
+        if (b->jobs[i]->dead) {
+            broker_job *j = b->jobs[i]; /* its verification counts stay in the broker's totals */
+            b->tot.v_agree += j->v_agree;
+            b->tot.v_disagree += j->v_disagree;
+            b->tot.v_mismatch += j->v_mismatch;
+            b->tot.v_skipped += j->v_skipped;
             broker_job_free(&b->jobs[i]);
+        }
         else
             b->jobs[w++] = b->jobs[i];
     }

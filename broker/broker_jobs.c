@@ -190,18 +190,7 @@ static void answer_status(broker_t *b, const broker_ret *r, const db_job *dj)
         stg[s].peer_name = p ? p->name : (char *)"";
         stg[s].node_begin = j->stages[s].first;
         stg[s].node_end = j->stages[s].last;
-        int32_t lo = INT32_MAX, hi = -1;
-        for (uint32_t n = j->stages[s].first; n < j->stages[s].last; n++) {
-            const dag_node *nd = dag_graph_node(j->graph, n);
-            if (nd && nd->layer != DAG_NO_LAYER) {
-                lo = nd->layer < lo ? nd->layer : lo;
-                hi = nd->layer > hi ? nd->layer : hi;
-            }
-        }
-        if (hi >= 0)
-            snprintf(layers[s], sizeof layers[s], "layers %d-%d", (int)lo, (int)hi);
-        else
-            snprintf(layers[s], sizeof layers[s], "no decoder layers");
+        dag_graph_range_label(j->graph, j->stages[s].first, j->stages[s].last, layers[s], sizeof layers[s]);
         stg[s].layers = layers[s];
         stp[s] = &stg[s];
     }

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "broker.h"
+#include "broker_http.h"
 #include "fu_alloc.h"
 #include "fu_file.h"
 #include "fu_log.h"
@@ -52,7 +53,7 @@ static int allow_file_usable(const char *allow, bool enrols)
 
 int main(int argc, char **argv)
 {
-    const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *token = NULL, *data_dir = NULL;
+    const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *http = NULL, *token = NULL, *data_dir = NULL;
     const char *token_file = NULL, *model_roots = NULL;
     const char *peer_token_file = NULL, *client_token_file = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
@@ -69,6 +70,8 @@ int main(int argc, char **argv)
         {"check-store", 0, FU_OPT_FLAG, &check_store, NULL,
          "full integrity check of the store at start (slower than the default quick check)"},
         {"allow", 0, FU_OPT_STR, &allow, "FILE", "admit only the public keys listed in FILE"},
+        {"http", 0, FU_OPT_STR, &http, "IPV4:PORT",
+         "serve GET /metrics (Prometheus text) there, e.g. 127.0.0.1:9090 (off by default)"},
         {"enrol-token-file", 0, FU_OPT_STR, &token_file, "FILE",
          "admit any key that presents the token in FILE (mode 0600; or set FUSION_ENROL_TOKEN)"},
         {"enrol-token", 0, FU_OPT_STR, &token, "TOKEN", "the same with the token itself (visible in ps)"},
@@ -167,6 +170,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-broker: neither --allow nor an enrolment token given: no key will be admitted\n");
     if (allow && (code = allow_file_usable(allow, token || peer_token || client_token)) != FU_EXIT_OK)
         return code;
+    struct sockaddr_in http_sa;
+    fu_errmsg hem = {{0}};
+    if (http && broker_http_parse_addr(http, &http_sa, &hem) != FU_OK) {
+        fprintf(stderr, "fusion-broker: %s\n", hem.msg);
+        return FU_EXIT_USAGE;
+    }
     static const int stop_signals[] = {SIGTERM, SIGINT};
     code =
         fu_opts_daemon_start(cmd.prog, on_signal, stop_signals, sizeof stop_signals / sizeof *stop_signals);
@@ -174,7 +183,7 @@ int main(int argc, char **argv)
         return code;
 
     broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
-                      .check_store = check_store, .allow_file = allow, .enrol_token = token,
+                      .check_store = check_store, .allow_file = allow, .http = http, .enrol_token = token,
                       .peer_token = peer_token, .client_token = client_token,
                       .data_dir = data_dir, .model_roots = model_roots, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,
                       .verify = verify, .min_reputation = min_rep,

@@ -155,7 +155,10 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         check_pace(b, j, dt);
     j->stepped = true;
     j->after_restart = false;
-    if (d->step + 1 > j->steps_done) {
+    if (d->step + 1 > j->steps_done) { /* a new step (not one replayed after a recovery) */
+        b->tot.steps++;
+        b->tot.step_s_sum += dt;
+        b->tot.trained_tokens += d->tokens;
         j->steps_done = d->step + 1;
         j->retries = 0; /* progress */
     }
@@ -371,6 +374,7 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         j->gen = fu_realloc(j->gen, j->cap_gen * sizeof *j->gen);
     }
     j->gen[j->n_gen++] = t->token;
+    b->tot.generated_tokens++;
     j->retries = 0;
     char *text = NULL;
     size_t tl = 0;

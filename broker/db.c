@@ -15,6 +15,7 @@
 #include <sodium.h>
 
 #include "fu_alloc.h"
+#include "fu_clock.h"
 #include "fu_encode.h"
 #include "fu_log.h"
 
@@ -252,7 +253,19 @@ fu_err db_commit(db_t *db)
     static const char SQL[] = "COMMIT";
     sqlite3_stmt *st;
     FU_TRY(db_prep(db, SQL, &st));
-    return db_run(db, st, "committing");
+    double t0 = fu_clock_sec();
+    fu_err rc = db_run(db, st, "committing");
+    double dt = fu_clock_sec() - t0;
+    db->commits.n++;
+    db->commits.sum_s += dt;
+    if (dt > db->commits.max_s)
+        db->commits.max_s = dt;
+    return rc;
+}
+
+db_commit_stats db_commits(const db_t *db)
+{
+    return db->commits;
 }
 
 void db_rollback(db_t *db)

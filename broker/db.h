@@ -75,6 +75,7 @@ typedef enum {
     DB_JOB_FAILED,
     DB_JOB_CANCELLED,
 } db_job_state;
+#define DB_N_JOB_STATES 5
 
 typedef enum { DB_PEER_ACTIVE = 0, DB_PEER_BACKUP, DB_PEER_LEFT, DB_PEER_DEAD } db_peer_state;
 
@@ -192,6 +193,15 @@ FU_MUST_CHECK fu_err db_open(const char *path, db_t **out);
 FU_MUST_CHECK fu_err db_open_opts(const char *path, const db_options *opts, db_t **out);
 /* Closes the store and sets *db_p = NULL. Idempotent; NULL and *db_p == NULL are fine. */
 void db_close(db_t **db_p);
+
+/* Transactions committed since db_open and the time the commits took (fsync included). */
+typedef struct {
+    uint64_t n;       /* commits */
+    double sum_s;     /* seconds, all of them */
+    double max_s;     /* the slowest */
+} db_commit_stats;
+
+db_commit_stats db_commits(const db_t *db);
 /* The schema version stored in the file (PRAGMA user_version). */
 FU_MUST_CHECK fu_err db_user_version(db_t *db, int *out);
 /* The path the store was opened with (borrowed, valid until db_close). */
@@ -240,6 +250,8 @@ void db_model_hashes_free(db_model_hashes **arr, size_t n);
 /* What owner holds in the store: its unfinished (queued or running) jobs and the bytes of all its
  * jobs' specs and results (per-client quotas, docs/SECURITY.md). */
 FU_MUST_CHECK fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes);
+/* Jobs of every owner in each state: counts[s] for s < DB_N_JOB_STATES. */
+FU_MUST_CHECK fu_err db_job_counts(db_t *db, int64_t counts[DB_N_JOB_STATES]);
 /* Frees an array of n jobs from db_job_list / db_jobs_unfinished and sets *arr_p = NULL. */
 void db_job_array_free(db_job **arr_p, size_t n);
 /* Moves job id to state `to` (owner NULL: the broker acting), checking the transition. reason (may

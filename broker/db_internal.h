@@ -14,6 +14,7 @@ struct db {
     sqlite3 *conn;      /* the connection; owned */
     char    *path;      /* as given to db_open; owned */
     int      ckpt_keep; /* checkpoints kept per (job, stage) */
+    db_commit_stats commits; /* db_commit's count and time (the broker's /metrics) */
     size_t   n_stmts;   /* entries used in stmts */
     struct {
         const char   *sql; /* the SQL literal (compared by address) */
@@ -96,7 +97,6 @@ extern const char *const db_peer_state_names[]; /* indexed by db_peer_state */
 extern const char *const db_stage_state_names[];
 
 #define DB_N_KINDS        3
-#define DB_N_JOB_STATES   5
 #define DB_N_PEER_STATES  4
 #define DB_N_STAGE_STATES 4
 

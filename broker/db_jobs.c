@@ -257,6 +257,26 @@ fu_err db_job_list(db_t *db, const char *owner, db_job **out, size_t *n)
     return collect_jobs(db, st, false, out, n);
 }
 
+fu_err db_job_counts(db_t *db, int64_t counts[DB_N_JOB_STATES])
+{
+    static const char SQL[] = "SELECT state, count(*) FROM jobs GROUP BY state";
+    if (!db || !counts)
+        return FU_EINVAL;
+    for (int i = 0; i < DB_N_JOB_STATES; i++)
+        counts[i] = 0;
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    for (;;) {
+        bool row;
+        FU_TRY(db_step(db, st, "counting jobs by state", &row));
+        if (!row)
+            return FU_OK;
+        int s;
+        FU_TRY(db_col_enum(db, st, 0, db_job_state_names, DB_N_JOB_STATES, &s));
+        counts[s] = sqlite3_column_int64(st, 1);
+    }
+}
+
 fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes)
 {
     static const char SQL[] = "SELECT count(*) FILTER (WHERE state IN ('queued', 'running')), "

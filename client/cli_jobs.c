@@ -123,6 +123,11 @@ typedef struct {
 /* The fu_opt entries of read_opts, bound to *o. */
 #define READ_OPTS(o) CLI_CONN_OPTS(&(o)->conn), {"json", 0, FU_OPT_FLAG, &(o)->json, NULL, "print JSON"}
 
+void cli_print_status_json(const Fusion__JobStatus *s)
+{
+    print_json(status_json(s));
+}
+
 /* Prints one job (one; a JSON object) or a list of them (l when one is NULL; a JSON array), as a
  * table or, with --json, as JSON. */
 static void print_jobs(const read_opts *o, const Fusion__JobStatus *one, const Fusion__JobList *l)
@@ -323,8 +328,9 @@ static void wait_note_install(const char *prog, uint64_t id)
     sigaction(SIGINT, &sa, NULL);
 }
 
-int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet)
+int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet, bool json)
 {
+    quiet = quiet || json; /* stdout is the final status alone */
     char stages_seen[1024] = "";
     bool tty = isatty(STDERR_FILENO) && !quiet;
     uint64_t last_step = UINT64_MAX;
@@ -340,7 +346,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
             return code;
         const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
         size_t out_len = s->output ? strlen(s->output) : 0;
-        if (out_len > printed) {
+        if (out_len > printed && !json) {
             fwrite(s->output + printed, 1, out_len - printed, stdout);
             fflush(stdout);
             printed = out_len;
@@ -360,10 +366,14 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
         char final_msg[512];
         snprintf(final_msg, sizeof final_msg, "%s", msg);
         uint64_t step = s->step;
+        bool over = st == FUSION__JOB_STATE__JOB_STATE_DONE || st == FUSION__JOB_STATE__JOB_STATE_FAILED ||
+                    st == FUSION__JOB_STATE__JOB_STATE_CANCELED;
+        bool timed_out = !over && timeout_s > 0 && fu_clock_sec() - start > timeout_s;
+        if (json && (over || timed_out))
+            print_json(status_json(s));
         wire_msg_destroy(&m);
 
-        if (st == FUSION__JOB_STATE__JOB_STATE_DONE || st == FUSION__JOB_STATE__JOB_STATE_FAILED ||
-            st == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
+        if (over) {
             if (tty && last_step != UINT64_MAX)
                 fputc('\n', stderr);
             cli_conn_line_open(false);
@@ -380,7 +390,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
                     final_msg);
             return FU_EXIT_FAIL;
         }
-        if (timeout_s > 0 && fu_clock_sec() - start > timeout_s) {
+        if (timed_out) {
             if (tty && last_step != UINT64_MAX)
                 fputc('\n', stderr);
             cli_conn_line_open(false);
@@ -423,10 +433,12 @@ int cli_wait_main(int argc, char **argv)
 {
     cli_conn_opts co = {0};
     double timeout = 0;
-    bool quiet = false;
+    bool quiet = false, json = false;
     const fu_opt opts[] = {CLI_CONN_OPTS(&co),
                            {"wait-timeout", 0, FU_OPT_DOUBLE, &timeout, "S", "give up after S seconds (exit 5)"},
-                           {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "no progress bar"}};
+                           {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "no progress bar"},
+                           {"json", 0, FU_OPT_FLAG, &json, NULL,
+                            "print the job's last status as JSON (as `fusion status --json`), nothing else"}};
     const fu_cmd cmd = {.prog = argv[0], .usage = "JOB [options]",
                         .summary = "Follows a job until it ends, with a progress bar (step of steps, loss, "
                                    "tokens/s); an inference job's text is printed as it is generated.",
@@ -438,7 +450,7 @@ int cli_wait_main(int argc, char **argv)
     cli_conn_t *conn = NULL;
     if (cli_conn_open(argv[0], &co, &conn, &code) != FU_OK)
         return code;
-    code = cli_wait_job(conn, argv[0], id, timeout, quiet);
+    code = cli_wait_job(conn, argv[0], id, timeout, quiet, json);
     cli_conn_close(&conn);
     return code;
 }

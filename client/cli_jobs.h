@@ -13,12 +13,16 @@ extern "C" {
 
 #define CLI_WAIT_POLL_MS 200 /* how often `wait` asks for a job's status */
 
+/* Prints job status s on stdout as one JSON object, as `fusion status JOB --json` does. */
+void cli_print_status_json(const Fusion__JobStatus *s);
+
 /* Follows job `id` until it ends: a progress bar on a terminal (step of steps, loss, tokens/s, time
  * followed, ETA; never wider than the terminal), one line per step otherwise, generated text as it
  * arrives for inference jobs, nothing with quiet. Ctrl-C (SIGINT) stops following with a line saying
  * that the job goes on and how to follow or cancel it (exit 130). Returns the exit code: 0 done, 1
- * failed or cancelled, 5 when timeout_s (> 0) passed first. */
-int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet);
+ * failed or cancelled, 5 when timeout_s (> 0) passed first. With json, nothing but the job's last
+ * status as one JSON object on stdout (as `fusion status --json`). */
+int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout_s, bool quiet, bool json);
 
 /* Waits (quietly) until job id ends: done, its JobStatus.output in *output (caller frees; "" when
  * none); failed or cancelled, the reason printed and FU_EXIT_FAIL in *code. */

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "cli.h"
 #include "fu_file.h"
 #include "dag_merge.h"
@@ -156,10 +158,11 @@ static int model_init(int argc, char **argv)
 
 static int model_info(int argc, char **argv)
 {
-    bool byte_tokens = false;
+    bool byte_tokens = false, json = false;
     const fu_opt opts[] = {
         {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL,
          "accept a model of more than 256 ids without tokenizer.json (its text as byte ids)"},
+        {"json", 0, FU_OPT_FLAG, &json, NULL, "print the summary as one JSON object"},
     };
     const fu_cmd cmd = {
         .prog = "fusion model info",
@@ -204,6 +207,38 @@ static int model_info(int argc, char **argv)
         fprintf(stderr, "fusion: model dir '%s': tokenizer: %s\n", dir, fu_errmsg_text(&em, rc));
         fu_safetensors_close(&st);
         return fu_exit_for(rc);
+    }
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "dir", dir);
+        cJSON_AddStringToObject(o, "architecture", cfg.architecture);
+        cJSON_AddStringToObject(o, "model_type", cfg.model_type);
+        cJSON_AddNumberToObject(o, "layers", (double)cfg.num_hidden_layers);
+        cJSON_AddNumberToObject(o, "hidden", (double)cfg.hidden_size);
+        cJSON_AddNumberToObject(o, "heads", (double)cfg.num_attention_heads);
+        cJSON_AddNumberToObject(o, "kv_heads", (double)cfg.num_key_value_heads);
+        cJSON_AddNumberToObject(o, "head_dim", (double)cfg.head_dim);
+        cJSON_AddNumberToObject(o, "ffn", (double)cfg.intermediate_size);
+        cJSON_AddNumberToObject(o, "vocab", (double)cfg.vocab_size);
+        cJSON_AddNumberToObject(o, "max_pos", (double)cfg.max_position_embeddings);
+        cJSON_AddNumberToObject(o, "rope_theta", cfg.rope_theta);
+        cJSON_AddNumberToObject(o, "rms_eps", cfg.rms_norm_eps);
+        cJSON_AddBoolToObject(o, "tied_embeddings", cfg.tie_word_embeddings);
+        cJSON_AddNumberToObject(o, "parameters", (double)fu_modelcfg_param_count(&cfg));
+        cJSON_AddNumberToObject(o, "tensors", (double)fu_safetensors_count(st));
+        cJSON_AddStringToObject(o, "weights", dtname);
+        bool bytes = fu_tokenizer_kind(tok) == FU_TOK_BYTES;
+        cJSON_AddStringToObject(o, "tokenizer", bytes ? "bytes" : "bpe");
+        cJSON_AddNumberToObject(o, "tokenizer_vocab", (double)fu_tokenizer_vocab_size(tok));
+        cJSON_AddNumberToObject(o, "bos", bytes ? -1 : fu_tokenizer_bos_id(tok));
+        cJSON_AddNumberToObject(o, "eos", bytes ? -1 : fu_tokenizer_eos_id(tok));
+        char *text = cJSON_PrintUnformatted(o);
+        printf("%s\n", text);
+        free(text);
+        cJSON_Delete(o);
+        fu_tokenizer_destroy(&tok);
+        fu_safetensors_close(&st);
+        return FU_EXIT_OK;
     }
     char toks[160];
     if (fu_tokenizer_kind(tok) == FU_TOK_BYTES)

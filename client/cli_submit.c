@@ -54,8 +54,8 @@ static int read_data(const char *prog, const char *path, char **text, size_t *le
  * submission over conn (retrying with the same key): the job's id in *id, printed on stdout when
  * print_id. On failure the message is printed and the exit code returned in *code. */
 static fu_err submit_on(cli_conn_t *conn, const char *prog, Fusion__JobKind kind, dag_spec *spec, bool upload,
-                        const uint8_t *data, size_t data_len, const char *idem, bool quiet, bool print_id, uint64_t *id,
-                        int *code)
+                        const uint8_t *data, size_t data_len, const char *idem, bool quiet, bool print_id, bool json,
+                        uint64_t *id, int *code)
 {
     char key[33];
     if (!idem) {
@@ -98,10 +98,11 @@ static fu_err submit_on(cli_conn_t *conn, const char *prog, Fusion__JobKind kind
     *id = s->job_id;
     char idt[17];
     cli_job_id_format(*id, idt);
-    if (print_id) {
+    if (print_id && json)
+        cli_print_status_json(s);
+    else if (print_id)
         printf("%s\n", idt);
-        fflush(stdout);
-    }
+    fflush(stdout);
     if (!quiet) {
         fprintf(stderr, "submitted job %s (%s)%s%s\n", idt, cli_job_state_name(s->state),
                 s->message && s->message[0] ? ": " : "", s->message ? s->message : "");
@@ -113,15 +114,17 @@ static fu_err submit_on(cli_conn_t *conn, const char *prog, Fusion__JobKind kind
 /* submit_on over a connection of its own; prints the job id, optionally waits. */
 static int submit_and_follow(const char *prog, const cli_conn_opts *co, Fusion__JobKind kind, dag_spec *spec,
                              bool upload, const uint8_t *data, size_t data_len, const char *idem, bool wait,
-                             bool quiet)
+                             bool quiet, bool json)
 {
     cli_conn_t *conn = NULL;
     int code = FU_EXIT_OK;
     if (cli_conn_open(prog, co, &conn, &code) != FU_OK)
         return code;
     uint64_t id = 0;
-    if (submit_on(conn, prog, kind, spec, upload, data, data_len, idem, quiet, true, &id, &code) == FU_OK)
-        code = wait ? cli_wait_job(conn, prog, id, 0, quiet) : FU_EXIT_OK;
+    /* --json: the status as submitted, or with --wait the last one, and nothing else on stdout */
+    if (submit_on(conn, prog, kind, spec, upload, data, data_len, idem, quiet || json, !(json && wait), json, &id,
+                  &code) == FU_OK)
+        code = wait ? cli_wait_job(conn, prog, id, 0, quiet, json) : FU_EXIT_OK;
     cli_conn_close(&conn);
     return code;
 }
@@ -130,7 +133,7 @@ static int submit_finetune(int argc, char **argv)
 {
     cli_conn_opts co = {0};
     const char *model = NULL, *data = NULL, *idem = NULL;
-    bool wait = false, quiet = false, upload = false;
+    bool wait = false, quiet = false, upload = false, json = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 12] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "Hugging Face model directory, as the broker sees it"},
@@ -139,6 +142,7 @@ static int submit_finetune(int argc, char **argv)
         {"idempotency-key", 0, FU_OPT_STR, &idem, "KEY", "resubmitting with the same KEY returns the same job"},
         {"wait", 'w', FU_OPT_FLAG, &wait, NULL, "follow the job until it ends"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the job id"},
+        {"json", 0, FU_OPT_FLAG, &json, NULL, "print the job's status as JSON (with --wait: its last one)"},
         CLI_CONN_OPTS(&co),
     };
     fu_cmd cmd = {.prog = "fusion submit finetune",
@@ -163,7 +167,7 @@ static int submit_finetune(int argc, char **argv)
         return code;
     }
     code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_FINETUNE, &spec, upload, (const uint8_t *)text,
-                             text_len, idem, wait, quiet);
+                             text_len, idem, wait, quiet, json);
     dag_spec_clear(&spec);
     free(text);
     return code;
@@ -173,7 +177,7 @@ static int submit_infer(int argc, char **argv)
 {
     cli_conn_opts co = {0};
     const char *model = NULL, *adapter_job = NULL, *prompt = NULL, *idem = NULL;
-    bool wait = false, quiet = false, dump_logits = false, upload = false;
+    bool wait = false, quiet = false, dump_logits = false, upload = false, json = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 12] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "Hugging Face model directory, as the broker sees it"},
@@ -184,6 +188,7 @@ static int submit_infer(int argc, char **argv)
         {"idempotency-key", 0, FU_OPT_STR, &idem, "KEY", "resubmitting with the same KEY returns the same job"},
         {"wait", 'w', FU_OPT_FLAG, &wait, NULL, "stream the generated text until the job ends"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the job id and the text"},
+        {"json", 0, FU_OPT_FLAG, &json, NULL, "print the job's status as JSON (with --wait: its last one, text included)"},
         CLI_CONN_OPTS(&co),
     };
     fu_cmd cmd = {.prog = "fusion submit infer",
@@ -208,7 +213,7 @@ static int submit_infer(int argc, char **argv)
         cli_job_id_format(aid, spec.adapter_job);
     spec.dump_logits = dump_logits;
     code = submit_and_follow(cmd.prog, &co, FUSION__JOB_KIND__JOB_KIND_INFER, &spec, upload, (const uint8_t *)prompt,
-                             prompt ? strlen(prompt) : 0, idem, wait, quiet);
+                             prompt ? strlen(prompt) : 0, idem, wait, quiet, json);
     dag_spec_clear(&spec);
     return code;
 }
@@ -320,7 +325,7 @@ static int submit_eval(int argc, char **argv)
     if ((code = read_data(cmd.prog, a.data, &text, &text_len)) != FU_EXIT_OK)
         return code;
     code = submit_and_follow(cmd.prog, &a.co, FUSION__JOB_KIND__JOB_KIND_EVAL, &spec, a.upload, (const uint8_t *)text,
-                             text_len, a.idem, a.wait, a.quiet);
+                             text_len, a.idem, a.wait, a.quiet, false);
     dag_spec_clear(&spec);
     free(text);
     return code;
@@ -383,7 +388,7 @@ int cli_eval_pipeline_main(int argc, char **argv)
     code = FU_EXIT_OK;
     for (int k = 0; k < n && code == FU_EXIT_OK; k++) /* both submitted first: they may run side by side */
         if (submit_on(conn, cmd.prog, FUSION__JOB_KIND__JOB_KIND_EVAL, &spec[k], a.upload && k == 0,
-                      (const uint8_t *)text, text_len, NULL, true, false, &id[k], &code) == FU_OK && a.upload && n == 2)
+                      (const uint8_t *)text, text_len, NULL, true, false, false, &id[k], &code) == FU_OK && a.upload && n == 2)
             snprintf(spec[1].model, sizeof spec[1].model, "%s", spec[0].model); /* the uploaded name */
     for (int k = 0; k < n && code == FU_EXIT_OK; k++) {
         char *out = NULL;

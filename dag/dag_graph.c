@@ -807,3 +807,44 @@ fu_err dag_graph_check_range(const dag_graph_t *g, size_t first, size_t last, fu
     }
     return FU_OK;
 }
+
+/* Which half of its layer node n is in: "attn" up to and with the layer's first residual add, "mlp"
+ * after it. */
+static const char *layer_part(const dag_graph_t *g, size_t n)
+{
+    int32_t l = dag_graph_node(g, n)->layer;
+    size_t i = n;
+    while (i > 0 && dag_graph_node(g, i - 1)->layer == l)
+        i--;
+    for (; i < n; i++)
+        if (dag_graph_node(g, i)->op == DAG_OP_ADD)
+            return "mlp";
+    return "attn";
+}
+
+void dag_graph_range_label(const dag_graph_t *self, size_t first, size_t last, char *buf, size_t cap)
+{
+    size_t n = dag_graph_size(self), lo_n = SIZE_MAX, hi_n = SIZE_MAX;
+    for (size_t i = first; i < last && i < n; i++)
+        if (dag_graph_node(self, i)->layer != DAG_NO_LAYER) {
+            if (lo_n == SIZE_MAX)
+                lo_n = i;
+            hi_n = i;
+        }
+    if (lo_n == SIZE_MAX) {
+        snprintf(buf, cap, "no decoder layers");
+        return;
+    }
+    int32_t lo = dag_graph_node(self, lo_n)->layer, hi = dag_graph_node(self, hi_n)->layer;
+    char a[24], b[24];
+    bool lo_cut = lo_n > 0 && dag_graph_node(self, lo_n - 1)->layer == lo; /* starts inside layer lo */
+    bool hi_cut = hi_n + 1 < n && dag_graph_node(self, hi_n + 1)->layer == hi; /* ends inside layer hi */
+    snprintf(a, sizeof a, "%d%s%s", (int)lo, lo_cut ? "." : "", lo_cut ? layer_part(self, lo_n) : "");
+    snprintf(b, sizeof b, "%d%s%s", (int)hi, hi_cut ? "." : "", hi_cut ? layer_part(self, hi_n) : "");
+    if (lo == hi && !(lo_cut && hi_cut)) /* one layer, or the half of one */
+        snprintf(buf, cap, "layer %s", lo_cut ? a : b);
+    else if (strcmp(a, b) == 0)
+        snprintf(buf, cap, "layer %s", a);
+    else
+        snprintf(buf, cap, "layers %s-%s", a, b);
+}

@@ -174,6 +174,11 @@ const dag_node *dag_graph_node(const dag_graph_t *self, size_t i);
 /* Mutable node i, for builders and decoders. */
 dag_node *dag_graph_node_mut(dag_graph_t *self, size_t i);
 
+/* The decoder layers of nodes [first, last) for people: "layers 0-3", or, where a cut falls inside a
+ * layer, which half of it: "layers 0-1.attn" then "layers 1.mlp-3" (attn: up to the layer's attention
+ * residual, mlp: after it); "layer 2.mlp" for one; "no decoder layers". At most cap bytes with the NUL. */
+void dag_graph_range_label(const dag_graph_t *self, size_t first, size_t last, char *buf, size_t cap);
+
 /* Model dimensions the graph was built from (copied by builders and the decoder). */
 const dag_model_dims *dag_graph_dims(const dag_graph_t *self);
 void dag_graph_set_dims(dag_graph_t *self, const dag_model_dims *dims);

@@ -125,10 +125,7 @@ static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const d
         dag_stage *s = &plan->stages[i];
         const dag_peer_profile *p = &peers[s->peer];
         char layers[48];
-        if (s->first_layer == DAG_NO_LAYER)
-            snprintf(layers, sizeof layers, "no decoder layers");
-        else
-            snprintf(layers, sizeof layers, "layers %d-%d", s->first_layer, s->last_layer);
+        dag_graph_range_label(g, s->first, s->last, layers, sizeof layers);
         double gf = (o->tokens_per_micro ? o->tokens_per_micro : 1) * stage_flops(g, s->first, s->last, o) / 1e9;
         int wl = snprintf(s->why, sizeof s->why,
                  "stage %zu: nodes %zu-%zu (%s%s%s) on '%s': %.2f GFLOP at %.1f GFLOP/s = %.1f ms + "

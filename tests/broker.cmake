@@ -1,7 +1,7 @@
 # The broker daemon (broker/broker*.c): the real fusion-broker process, real peer processes (the
 # test executable run again as a fake peer, tests/fake_peer.h), real CURVE sockets on loopback, a real
 # SQLite file.
-foreach(t peers jobs failover trust roles upload)
+foreach(t peers jobs failover trust roles upload metrics)
   fu_add_test(test_broker_${t} SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_broker_${t}.c LIBS fu_test_cluster TIMEOUT 90)
   set_tests_properties(test_broker_${t} PROPERTIES RUN_SERIAL TRUE LABELS broker)
 endforeach()

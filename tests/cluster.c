@@ -1153,3 +1153,30 @@ int tu_main(int argc, char **argv, const char *group, const struct CMUnitTest *t
     }
     return _cmocka_run_group_tests(group, tests, n, setup, teardown);
 }
+
+int tu_metrics_port(const tu_cluster *c)
+{
+    static const char at[] = "serving metrics on http://127.0.0.1:";
+    char *log = tu_broker_log_text(c);
+    const char *p = strstr(log, at);
+    int port = p ? atoi(p + strlen(at)) : 0;
+    free(log);
+    if (port <= 0)
+        tu_fail("the broker's log names no metrics port (started with --http 127.0.0.1:0?)");
+    return port;
+}
+
+char *tu_metrics_scrape(const tu_cluster *c)
+{
+    return tu_sh_expect_out(0, "# TYPE fusion_peers gauge", "curl -sf --max-time 10 http://127.0.0.1:%d/metrics",
+                            tu_metrics_port(c));
+}
+
+double tu_metric(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; (p = strstr(p, name)) != NULL; p += n)
+        if ((p == text || p[-1] == '\n') && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+    return -1;
+}

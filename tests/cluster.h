@@ -317,6 +317,13 @@ int tu_reap(pid_t pid, int timeout_ms);
 /* A fresh scratch directory $TMPDIR/fusion-TAG-XXXXXX (caller frees); fails the test otherwise. */
 char *tu_dir_new(const char *tag);
 
+/* The broker's /metrics (started with --http 127.0.0.1:0, tu_broker_args): the port its log names,
+ * the text scraped with curl (caller frees; fails the test when it cannot), and the value of the
+ * sample named exactly `name`, labels included (-1 when absent). */
+int tu_metrics_port(const tu_cluster *c);
+char *tu_metrics_scrape(const tu_cluster *c);
+double tu_metric(const char *text, const char *name);
+
 /* Removes dir and everything under it. */
 void tu_dir_remove(const char *dir);
 

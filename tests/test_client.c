@@ -265,6 +265,33 @@ static void test_client_wait_interrupted_says_the_job_goes_on(void **state)
     run_as(1, 0, "queued", "status %s", id);
 }
 
+/* Issue "Operate and serve", CLI points: --json on `model info`, `submit` and `wait`: one JSON object
+ * on stdout and nothing else there. */
+static void test_client_json_everywhere(void **state)
+{
+    (void)state;
+    char *o = tu_sh_expect_out(0, "\"layers\":", "%s model info --json %s 2>/dev/null", tu_bin("fusion"), g_model);
+    assert_true(o[0] == '{');
+    assert_non_null(strstr(o, "\"model_type\":\"llama\""));
+    assert_non_null(strstr(o, "\"tokenizer\":"));
+    assert_ptr_equal(strchr(o, '\n'), o + strlen(o) - 1); /* one line */
+    free(o);
+    o = run_as_out(1, 0, "\"state\":\"queued\"",
+                   "submit finetune --model %s --data %s --steps 3 --batch 2 --seq-len 16 --idempotency-key j1 --json "
+                   "2>/dev/null", g_model, tu_cluster_data(g_c));
+    assert_true(o[0] == '{');
+    char id[17];
+    const char *at = strstr(o, "\"job\":\"");
+    assert_non_null(at);
+    snprintf(id, sizeof id, "%.16s", at + 7);
+    free(o);
+    /* a queued job waited for one second: exit 5, and its status as JSON on stdout */
+    o = run_as_out(1, 5, "\"state\":\"queued\"", "wait %s --wait-timeout 1 --json 2>/dev/null", id);
+    assert_true(o[0] == '{');
+    assert_non_null(strstr(o, id));
+    free(o);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -277,6 +304,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_client_exit_codes_agree_between_run_and_submit),
         cmocka_unit_test(test_client_run_output_checked_before_training),
         cmocka_unit_test(test_client_wait_interrupted_says_the_job_goes_on),
+        cmocka_unit_test(test_client_json_everywhere),
     };
     return tu_run_tests(argc, argv, tests, setup, teardown);
 }

@@ -121,6 +121,43 @@ static void c_adapter_on_norm(dag_node *n) { n->adapter.method = DAG_ADAPTER_LOR
 static void c_eps(dag_node *n) { n->eps = 0.0f; }
 static void c_loss_width(dag_node *n) { n->dim_in = 1u << 19; }
 
+/* Stage labels (issue "Operate and serve": "layers 0-1", "1-2", "2-3" overlapped): a cut inside a layer
+ * names the half each side holds. */
+static void test_dag_graph_range_label_names_the_cut(void **state)
+{
+    (void)state;
+    dag_model_dims d = tiny_dims();
+    d.n_layers = 4;
+    dag_graph_t *g = build(&d, DAG_ADAPTER_LORA_FA, DAG_HEAD_LOSS);
+    size_t n = dag_graph_size(g), l1 = SIZE_MAX, l2 = SIZE_MAX, mid1 = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const dag_node *nd = dag_graph_node(g, i);
+        if (nd->layer == 1 && l1 == SIZE_MAX)
+            l1 = i;
+        if (nd->layer == 2 && l2 == SIZE_MAX)
+            l2 = i;
+        if (nd->layer == 1 && nd->op == DAG_OP_ADD && mid1 == SIZE_MAX)
+            mid1 = i + 1; /* the first node after layer 1's attention residual */
+    }
+    char a[48], b[48], c[48];
+    dag_graph_range_label(g, 0, n, a, sizeof a);
+    assert_string_equal(a, "layers 0-3");
+    dag_graph_range_label(g, 0, l1, a, sizeof a); /* a cut between layers */
+    dag_graph_range_label(g, l1, n, b, sizeof b);
+    assert_string_equal(a, "layer 0");
+    assert_string_equal(b, "layers 1-3");
+    dag_graph_range_label(g, 0, mid1, a, sizeof a); /* cuts inside layer 1 */
+    dag_graph_range_label(g, mid1, l2, b, sizeof b);
+    dag_graph_range_label(g, l2, n, c, sizeof c);
+    printf("three stages cut inside layer 1: %s | %s | %s\n", a, b, c);
+    assert_string_equal(a, "layers 0-1.attn");
+    assert_string_equal(b, "layer 1.mlp");
+    assert_string_equal(c, "layers 2-3");
+    dag_graph_range_label(g, n - 1, n, a, sizeof a); /* the head alone */
+    assert_string_equal(a, "no decoder layers");
+    dag_graph_destroy(&g);
+}
+
 static void test_dag_graph_validation_rejects_malformed(void **state)
 {
     (void)state;
@@ -503,6 +540,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dag_graph_builder_shapes_and_names),
+        cmocka_unit_test(test_dag_graph_range_label_names_the_cut),
         cmocka_unit_test(test_dag_graph_validation_rejects_malformed),
         cmocka_unit_test(test_dag_graph_protobuf_round_trip),
         cmocka_unit_test(test_dag_graph_decode_rejects_wrong_ids),

@@ -134,12 +134,26 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     tu_opts o = tu_opts_default(3);
     o.link_mbps = "900"; /* stated by the operator: no probe, and the broker plans with it */
     tu_cluster *c = tu_cluster_new("e2e-pipeline", &o);
+    tu_broker_args(c, "--http 127.0.0.1:0");
     tu_cluster_start(c);
     const char *train = TU_TRAIN_ARGS " --steps 20";
     char id[17];
     finetune_as_run(c, "model", train, 5, 3, id); /* the memory cap makes the fine-tune need all three stages */
     assert_int_equal(peers_with_link(c, 900e6), 3);
     expect_same_generation(c, "model", id, 24);
+    /* the broker's /metrics counted what ran: 20 steps of 4 x 16 tokens, 24 generated tokens, two jobs
+     * done, three peers idle again */
+    char *m = tu_metrics_scrape(c);
+    printf("metrics: %.0f steps, %.0f trained tokens, %.0f generated, %.0f jobs done, %.0f peers idle\n",
+           tu_metric(m, "fusion_steps_total"), tu_metric(m, "fusion_trained_tokens_total"),
+           tu_metric(m, "fusion_generated_tokens_total"), tu_metric(m, "fusion_jobs{state=\"done\"}"),
+           tu_metric(m, "fusion_peers{state=\"idle\"}"));
+    assert_true(tu_metric(m, "fusion_steps_total") == 20);
+    assert_true(tu_metric(m, "fusion_trained_tokens_total") == 20 * 4 * 16);
+    assert_true(tu_metric(m, "fusion_generated_tokens_total") == 24);
+    assert_true(tu_metric(m, "fusion_jobs{state=\"done\"}") == 2);
+    assert_true(tu_metric(m, "fusion_step_seconds_total") > 0);
+    free(m);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
@@ -238,9 +252,10 @@ static int layers_on(const tu_cluster *c, const char *id, int i)
     int n = 0;
     for (const char *at = log; (at = strstr(at, needle)) != NULL; at++) {
         const char *nl = strchr(at, '\n'), *who = strstr(at, " (p"), *l = strstr(at, "(layers ");
+        const char *dash = l ? strchr(l, '-') : NULL; /* "(layers X[.part]-Y[.part]" */
         int x, y;
-        if (!who || (nl && who > nl) || atoi(who + 3) != i || !l || (nl && l > nl) ||
-            sscanf(l, "(layers %d-%d", &x, &y) != 2)
+        if (!who || (nl && who > nl) || atoi(who + 3) != i || !l || (nl && l > nl) || !dash ||
+            sscanf(l, "(layers %d", &x) != 1 || sscanf(dash, "-%d", &y) != 1)
             continue;
         printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
         n = y - x + 1;

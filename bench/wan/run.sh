@@ -269,7 +269,7 @@ CONF
   ngen=$(client status "$gen" --json | sed -n 's/.*"step":\([0-9]*\).*/\1/p')
   g0=$(log_ms "job $gen: every stage is ready; started" "broker-$name.log")
   g1=$(log_ms "job $gen done" "broker-$name.log")
-  cat p*-"$name"-gen.log | grep -q "job $gen stage 0: tokens come straight from the last stage" && ring=true
+  grep -qs "job $gen stage 0: tokens come straight from the last stage" p*-"$name"-gen.log && ring=true
   client result "$gen" -o "result-$name-gen" >/dev/null
   [ -f run-gen.txt ] || "$BIN/fusion" run infer -q --threads 1 --model model --prompt "To be, or not to be" \
     --max-tokens $GEN >run-gen.txt 2>/dev/null

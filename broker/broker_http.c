@@ -1,0 +1,140 @@
+/* broker_http: GET /metrics over libmicrohttpd in external epoll mode (see broker_http.h). */
+#include "broker_http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <microhttpd.h>
+
+#include "broker_metrics.h"
+#include "fu_alloc.h"
+
+struct broker_http {
+    struct MHD_Daemon *d;
+    broker_t *b;
+    uint16_t port;
+    int fd;
+};
+
+static enum MHD_Result reply(struct MHD_Connection *c, unsigned int status, const char *type, char *body, size_t len,
+                             enum MHD_ResponseMemoryMode mode)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", type);
+    MHD_add_response_header(r, "Cache-Control", "no-store");
+    enum MHD_Result ok = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *upload_data, size_t *upload_data_size,
+                                  void **con_cls)
+{
+    (void)version;
+    (void)upload_data;
+    broker_http_t *h = cls;
+    if (!*con_cls) { /* the headers: answer when the request is whole */
+        *con_cls = h;
+        return MHD_YES;
+    }
+    if (*upload_data_size) { /* a body nobody asked for: read and ignored */
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+    static char not_allowed[] = "only GET is served\n", not_found[] = "not found: the broker serves /metrics\n",
+                no_memory[] = "out of memory\n";
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+        return reply(c, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed, strlen(not_allowed),
+                     MHD_RESPMEM_PERSISTENT);
+    if (strcmp(url, "/metrics") != 0)
+        return reply(c, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found), MHD_RESPMEM_PERSISTENT);
+    size_t len = 0;
+    char *text = broker_metrics_text(h->b, &len);
+    if (!text)
+        return reply(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", no_memory, strlen(no_memory),
+                     MHD_RESPMEM_PERSISTENT);
+    return reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len, MHD_RESPMEM_MUST_FREE);
+}
+
+fu_err broker_http_parse_addr(const char *addr, struct sockaddr_in *sa, fu_errmsg *em)
+{
+    char host[64];
+    const char *colon = addr ? strrchr(addr, ':') : NULL;
+    char *end = NULL;
+    long port = colon ? strtol(colon + 1, &end, 10) : -1;
+    size_t hl = colon ? (size_t)(colon - addr) : 0;
+    if (!colon || hl == 0 || hl >= sizeof host || !end || *end || end == colon + 1 || port < 0 || port > 65535)
+        return fu_errmsg_set(em, FU_EINVAL, "--http wants IPV4:PORT (127.0.0.1:9090), not '%.80s'", addr ? addr : "");
+    memcpy(host, addr, hl);
+    host[hl] = '\0';
+    memset(sa, 0, sizeof *sa);
+    sa->sin_family = AF_INET;
+    if (inet_pton(AF_INET, host, &sa->sin_addr) != 1)
+        return fu_errmsg_set(em, FU_EINVAL, "--http: '%s' is not an IPv4 address", host);
+    sa->sin_port = htons((uint16_t)port);
+    return FU_OK;
+}
+
+fu_err broker_http_new(const char *addr, broker_t *b, broker_http_t **out, fu_errmsg *em)
+{
+    *out = NULL;
+    struct sockaddr_in sa;
+    FU_TRY(broker_http_parse_addr(addr, &sa, em));
+    uint16_t port = ntohs(sa.sin_port);
+    broker_http_t *h = fu_calloc(1, sizeof *h);
+    h->b = b;
+    h->d = MHD_start_daemon(MHD_USE_EPOLL, port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR,
+                            (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT, (unsigned)BROKER_HTTP_MAX_CONNS,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)BROKER_HTTP_TIMEOUT_S, MHD_OPTION_END);
+    const union MHD_DaemonInfo *fi = h->d ? MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_EPOLL_FD) : NULL;
+    const union MHD_DaemonInfo *pi = h->d ? MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT) : NULL;
+    if (!fi || !pi) {
+        broker_http_destroy(&h);
+        return fu_errmsg_set(em, FU_EIO, "--http: cannot listen on %s (in use, or not an address of this host?)",
+                             addr);
+    }
+    h->fd = fi->epoll_fd;
+    h->port = pi->port;
+    *out = h;
+    return FU_OK;
+}
+
+void broker_http_destroy(broker_http_t **h_p)
+{
+    broker_http_t *h = *h_p;
+    if (!h)
+        return;
+    if (h->d)
+        MHD_stop_daemon(h->d);
+    free(h);
+    *h_p = NULL;
+}
+
+uint16_t broker_http_port(const broker_http_t *h)
+{
+    return h->port;
+}
+
+int broker_http_fd(const broker_http_t *h)
+{
+    return h->fd;
+}
+
+long broker_http_timeout_ms(broker_http_t *h, long max_ms)
+{
+    MHD_UNSIGNED_LONG_LONG t = 0;
+    if (MHD_get_timeout(h->d, &t) == MHD_YES && (long long)t < max_ms)
+        return (long)t;
+    return max_ms;
+}
+
+void broker_http_serve(broker_http_t *h)
+{
+    (void)MHD_run(h->d);
+}

@@ -1,0 +1,112 @@
+/* broker_metrics: Prometheus text of the broker's state (see broker_metrics.h). */
+#include "broker_metrics.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "broker_internal.h"
+
+/* "# HELP" and "# TYPE" lines of one metric family. */
+static void family(FILE *f, const char *name, const char *type, const char *help)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void peers(FILE *f, const broker_t *b)
+{
+    enum { IDLE, STAGE, BACKUP, PAUSED, DRAINING, GONE, N };
+    static const char *const names[N] = {"idle", "stage", "backup", "paused", "draining", "gone"};
+    uint64_t n[N] = {0};
+    for (size_t i = 0; i < b->n_peers; i++) {
+        const broker_peer *p = &b->peers[i];
+        n[!p->live ? GONE : p->paused ? PAUSED : p->draining ? DRAINING : !p->job[0] ? IDLE : p->backup ? BACKUP : STAGE]++;
+    }
+    family(f, "fusion_peers", "gauge", "Peers the broker knows, by state (gone: registered, not live).");
+    for (int s = 0; s < N; s++)
+        fprintf(f, "fusion_peers{state=\"%s\"} %" PRIu64 "\n", names[s], n[s]);
+}
+
+static void jobs(FILE *f, broker_t *b)
+{
+    int64_t counts[DB_N_JOB_STATES];
+    if (db_job_counts(b->db, counts) == FU_OK) {
+        family(f, "fusion_jobs", "gauge", "Jobs in the store, by state.");
+        for (int s = 0; s < DB_N_JOB_STATES; s++)
+            fprintf(f, "fusion_jobs{state=\"%s\"} %" PRId64 "\n", db_job_state_name((db_job_state)s), counts[s]);
+    }
+    static const char *const phases[] = {"queued", "starting", "running", "recover_wait"};
+    uint64_t n[4] = {0};
+    uint64_t v[4] = {b->tot.v_agree, b->tot.v_disagree, b->tot.v_mismatch, b->tot.v_skipped};
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        const broker_job *j = b->jobs[i];
+        if (!j->dead && (unsigned)j->phase < 4)
+            n[j->phase]++;
+        v[0] += j->v_agree;
+        v[1] += j->v_disagree;
+        v[2] += j->v_mismatch;
+        v[3] += j->v_skipped;
+    }
+    family(f, "fusion_jobs_active", "gauge", "Unfinished jobs the scheduler holds, by phase.");
+    for (int p = 0; p < 4; p++)
+        fprintf(f, "fusion_jobs_active{phase=\"%s\"} %" PRIu64 "\n", phases[p], n[p]);
+    family(f, "fusion_verify_samples_total", "counter",
+           "Verification samples by outcome (disagreed: a stage's output was found wrong; mismatch: two "
+           "accounts of its input differed).");
+    static const char *const outcomes[] = {"agreed", "disagreed", "mismatch", "skipped"};
+    for (int k = 0; k < 4; k++)
+        fprintf(f, "fusion_verify_samples_total{outcome=\"%s\"} %" PRIu64 "\n", outcomes[k], v[k]);
+}
+
+char *broker_metrics_text(broker_t *b, size_t *len)
+{
+    char *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (!f)
+        return NULL;
+    peers(f, b);
+    jobs(f, b);
+    const broker_totals *t = &b->tot;
+    family(f, "fusion_steps_total", "counter", "Fine-tune steps reported done.");
+    fprintf(f, "fusion_steps_total %" PRIu64 "\n", t->steps);
+    family(f, "fusion_step_seconds_total", "counter",
+           "Seconds those steps took (rate over fusion_steps_total: the mean step time).");
+    fprintf(f, "fusion_step_seconds_total %.6f\n", t->step_s_sum);
+    family(f, "fusion_trained_tokens_total", "counter", "Tokens the fine-tune steps trained on (rate: tokens/s).");
+    fprintf(f, "fusion_trained_tokens_total %" PRIu64 "\n", t->trained_tokens);
+    family(f, "fusion_generated_tokens_total", "counter", "Tokens inference jobs generated.");
+    fprintf(f, "fusion_generated_tokens_total %" PRIu64 "\n", t->generated_tokens);
+    family(f, "fusion_failovers_total", "counter", "Stages moved to another peer.");
+    fprintf(f, "fusion_failovers_total %" PRIu64 "\n", t->failovers);
+    family(f, "fusion_relayed_frames_total", "counter", "Sealed data frames relayed between peers.");
+    fprintf(f, "fusion_relayed_frames_total %" PRIu64 "\n", b->relayed);
+    family(f, "fusion_relayed_bytes_total", "counter", "Bytes of those frames (sealed: the broker cannot read them).");
+    fprintf(f, "fusion_relayed_bytes_total %" PRIu64 "\n", t->relayed_bytes);
+    const wire_counters *c = &b->counters;
+    family(f, "fusion_messages_received_total", "counter", "Well-formed messages handled.");
+    fprintf(f, "fusion_messages_received_total %" PRIu64 "\n", c->received);
+    family(f, "fusion_messages_dropped_total", "counter", "Messages dropped on receipt, by cause.");
+    fprintf(f, "fusion_messages_dropped_total{cause=\"frames\"} %" PRIu64 "\n", c->dropped_frames);
+    fprintf(f, "fusion_messages_dropped_total{cause=\"malformed\"} %" PRIu64 "\n", c->dropped_malformed);
+    fprintf(f, "fusion_messages_dropped_total{cause=\"version\"} %" PRIu64 "\n", c->dropped_version);
+    fprintf(f, "fusion_messages_dropped_total{cause=\"unknown_type\"} %" PRIu64 "\n", c->dropped_unknown_type);
+    fprintf(f, "fusion_messages_dropped_total{cause=\"too_large\"} %" PRIu64 "\n", c->dropped_too_large);
+    family(f, "fusion_errors_replied_total", "counter", "Error messages sent back for refused messages.");
+    fprintf(f, "fusion_errors_replied_total %" PRIu64 "\n", c->errors_replied);
+    db_commit_stats cs = db_commits(b->db);
+    family(f, "fusion_store_commits_total", "counter", "Transactions committed to the SQLite store.");
+    fprintf(f, "fusion_store_commits_total %" PRIu64 "\n", cs.n);
+    family(f, "fusion_store_commit_seconds_total", "counter", "Seconds those commits took (fsync included).");
+    fprintf(f, "fusion_store_commit_seconds_total %.6f\n", cs.sum_s);
+    family(f, "fusion_store_commit_seconds_max", "gauge", "The slowest commit since the broker started.");
+    fprintf(f, "fusion_store_commit_seconds_max %.6f\n", cs.max_s);
+    family(f, "fusion_uptime_seconds", "gauge", "Seconds since the broker started.");
+    fprintf(f, "fusion_uptime_seconds %.3f\n", (double)(broker_now() - b->started_ms) / 1000.0);
+    if (fclose(f) != 0) {
+        free(text);
+        return NULL;
+    }
+    *len = n;
+    return text;
+}

@@ -1,0 +1,127 @@
+/* The broker's HTTP listener (fusion-broker --http, broker/broker_http.c): an operator's scraper reads
+ * GET /metrics with curl, and the counters say what the test did to the real broker:
+ *   - a job submitted while no peer can take it: one queued job in the store, a commit counted;
+ *   - three malformed messages: three drops for that cause, three Errors sent back;
+ *   - two peers registered, then one leaving: two idle, then one idle and one gone;
+ *   - anything but GET /metrics: 404 for another path, 405 for another method; no job id or key in
+ *     the text.
+ * Off by default: without --http nothing listens. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <zmq.h>
+
+#include "cluster.h"
+#include "fake_peer.h"
+#include "fu_clock.h"
+#include "testutil.h"
+
+/* Scrapes until sample `name` is want (10 s); returns the last text (caller frees). */
+static char *scrape_until(const tu_cluster *c, const char *name, double want)
+{
+    char *t = NULL;
+    for (uint64_t end = fu_clock_ms() + 10000; fu_clock_ms() < end; fu_sleep_ms(100)) {
+        free(t);
+        t = tu_metrics_scrape(c);
+        if (tu_metric(t, name) == want)
+            return t;
+    }
+    fail_msg("%s never became %g:\n%s", name, want, t);
+    return t;
+}
+
+static void test_broker_metrics_count_what_happened(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_args(f->c, "--http 127.0.0.1:0");
+    tu_broker_fx_start(f);
+    int port = tu_metrics_port(f->c);
+    char *t = tu_metrics_scrape(f->c);
+    assert_true(tu_metric(t, "fusion_peers{state=\"idle\"}") == 0);
+    assert_true(tu_metric(t, "fusion_jobs{state=\"queued\"}") == 0);
+    assert_true(tu_metric(t, "fusion_messages_dropped_total{cause=\"malformed\"}") == 0);
+    double commits0 = tu_metric(t, "fusion_store_commits_total");
+    free(t);
+
+    /* a job nobody can take yet */
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "metrics-job");
+    assert_non_null(m);
+    char id[17];
+    snprintf(id, sizeof id, "%016llx", (unsigned long long)tu_status_of(m)->job_id);
+    wire_msg_destroy(&m);
+    t = scrape_until(f->c, "fusion_jobs{state=\"queued\"}", 1);
+    assert_true(tu_metric(t, "fusion_store_commits_total") > commits0);
+    assert_null(strstr(t, id)); /* aggregates only */
+    free(t);
+
+    /* three malformed bodies: each dropped and answered */
+    uint8_t env_junk[] = {0x08, 0x01, 0x10, 13};          /* Envelope{version 1, type JOB_SUBMIT} */
+    uint8_t body_junk[] = {0x0a, 0xff, 0xff, 0xff, 0x7f}; /* a string longer than the frame */
+    for (int i = 0; i < 3; i++) {
+        zmq_send(f->cl.sock, env_junk, sizeof env_junk, ZMQ_SNDMORE);
+        zmq_send(f->cl.sock, body_junk, sizeof body_junk, 0);
+        m = tu_client_recv(&f->cl, 3000);
+        assert_non_null(m);
+        assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+        wire_msg_destroy(&m);
+    }
+    t = tu_metrics_scrape(f->c);
+    assert_true(tu_metric(t, "fusion_messages_dropped_total{cause=\"malformed\"}") == 3);
+    assert_true(tu_metric(t, "fusion_errors_replied_total") >= 3);
+    free(t);
+
+    /* two peers too small for the job, then one leaves */
+    tu_client p[2] = {{0}};
+    for (int i = 0; i < 2; i++) {
+        char name[8];
+        snprintf(name, sizeof name, "p%d", i);
+        tu_client_open(&p[i], f->c, name);
+        tu_client_hello(&p[i], name, 1u << 20, 10.0);
+    }
+    free(scrape_until(f->c, "fusion_peers{state=\"idle\"}", 2));
+    Fusion__Leave lv = FUSION__LEAVE__INIT;
+    lv.reason = (char *)"the test";
+    assert_int_equal(tu_client_send(&p[1], FUSION__MSG_TYPE__MSG_LEAVE, 0, &lv.base), FU_OK);
+    t = scrape_until(f->c, "fusion_peers{state=\"gone\"}", 1);
+    assert_true(tu_metric(t, "fusion_peers{state=\"idle\"}") == 1);
+    assert_true(tu_metric(t, "fusion_jobs{state=\"queued\"}") == 1);
+    assert_true(tu_metric(t, "fusion_messages_received_total") > 3);
+    printf("%s", t);
+    free(t);
+    for (int i = 0; i < 2; i++)
+        tu_client_close(&p[i]);
+
+    /* nothing else is served */
+    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/api/jobs", port);
+    tu_sh_expect(0, "405", "curl -s -o /dev/null -w '%%{http_code}' -X POST http://127.0.0.1:%d/metrics", port);
+}
+
+/* A malformed --http is refused before the broker starts. */
+static void test_broker_metrics_bad_address_refused(void **state)
+{
+    tu_broker_fx *f = *state;
+    char db[TU_PATH], keys[TU_PATH];
+    tu_path(f->c, db, "other.db");
+    tu_path(f->c, keys, "broker");
+    tu_sh_expect(2, "--http wants IPV4:PORT", "%s --keys %s --db %s --bind tcp://127.0.0.1:0 --http localhost",
+                 tu_bin("fusion-broker"), keys, db);
+    tu_sh_expect(2, "is not an IPv4 address", "%s --keys %s --db %s --bind tcp://127.0.0.1:0 --http nohost:9",
+                 tu_bin("fusion-broker"), keys, db);
+}
+
+int main(int argc, char **argv)
+{
+    if (tu_fake_peer_requested(argc, argv))
+        return tu_fake_peer_main(argc, argv);
+    const struct CMUnitTest tests[] = {
+        tu_broker_test(test_broker_metrics_count_what_happened),
+        tu_broker_test(test_broker_metrics_bad_address_refused),
+    };
+    return tu_run_tests(argc, argv, tests, NULL, NULL);
+}
