@@ -520,9 +520,9 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
     char ep[256] = "";
     if (wire_socket_endpoint(b->sock, ep, sizeof ep) != FU_OK)
         snprintf(ep, sizeof ep, "%s", cfg->bind);
-    FU_INFO(LOG, "listening on %s as %s (heartbeat %u ms, dead after %u ms, %u backups per job, %s)", ep,
-            wire_keypair_public_z85(b->kp), b->cfg.heartbeat_ms, b->dead_after_ms, b->cfg.backups,
-            enrolments_open(cfg));
+    FU_INFO(LOG, "listening on %s as %s (heartbeat %u ms, dead after %u ms, %u backups per job, %.0f%% of "
+            "micro-batches verified unless a job says otherwise, %s)", ep, wire_keypair_public_z85(b->kp),
+            b->cfg.heartbeat_ms, b->dead_after_ms, b->cfg.backups, 100.0 * b->cfg.verify, enrolments_open(cfg));
     if (err)
         *err = FU_OK;
     return b;

@@ -233,11 +233,36 @@ void broker_job_requeue(broker_t *b, broker_job *j, const char *reason)
     FU_INFO(LOG, "job %s back in the queue: %s", j->id, reason);
 }
 
+/* A fine-tune that ended without finishing (failed, cancelled) keeps the adapter of its stages'
+ * newest common checkpoint as its result, for `fusion result`; its reason says which step. */
+static void keep_partial(broker_t *b, broker_job *j)
+{
+    int64_t step = 0;
+    if (j->kind != DB_JOB_FINETUNE || j->n_stages == 0 || db_ckpt_common_step(b->db, j->id, &step) != FU_OK ||
+        step <= 0)
+        return;
+    uint8_t *blob = NULL;
+    size_t len = 0;
+    fu_errmsg em = {{0}};
+    if (broker_adapter_assemble(b, j, step, &blob, &len, &em) != FU_OK) {
+        FU_WARN(LOG, "job %s: the adapter of its checkpoint at step %" PRId64 " cannot be kept: %s", j->id, step,
+                em.msg);
+        return;
+    }
+    char note[160];
+    snprintf(note, sizeof note, "; `fusion result` gives the adapter of step %" PRId64 " of %" PRIu64
+             " (its last checkpoint)", step, j->spec.steps);
+    if (db_job_keep_partial(b->db, j->id, blob, len, note) == FU_OK)
+        FU_INFO(LOG, "job %s: the adapter of its checkpoint at step %" PRId64 " is kept as its result", j->id, step);
+    free(blob);
+}
+
 void broker_job_fail(broker_t *b, broker_job *j, const char *reason)
 {
     broker_job_release(b, j, reason);
     broker_job_show(j, reason);
     store(b, j, DB_JOB_FAILED, reason);
+    keep_partial(b, j);
     FU_WARN(LOG, "job %s failed: %s", j->id, reason);
     j->dead = true;
 }
@@ -269,6 +294,7 @@ fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner)
     if (j) {
         broker_job_release(b, j, "the job was cancelled by its owner");
         broker_job_show(j, "cancelled");
+        keep_partial(b, j);
         j->dead = true;
     }
     FU_INFO(LOG, "job %s cancelled by its owner", id);

@@ -491,10 +491,20 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
         return;
     char *cfg = NULL, *logits = NULL;
     size_t logits_len = 0;
-    if (dj->state != DB_JOB_DONE) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "job %s is %s: a result exists only once it is done (wait with `fusion wait`)", dj->id,
-                           db_job_state_name(dj->state));
+    /* A fine-tune that failed or was cancelled may have kept its last checkpoint's adapter. */
+    bool partial = (dj->state == DB_JOB_FAILED || dj->state == DB_JOB_CANCELLED) && dj->kind == DB_JOB_FINETUNE &&
+                   dj->result;
+    if (dj->state != DB_JOB_DONE && !partial) {
+        if (dj->state == DB_JOB_QUEUED || dj->state == DB_JOB_RUNNING)
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "job %s is %s: a result exists only once it is done (wait with `fusion wait`)", dj->id,
+                               db_job_state_name(dj->state));
+        else
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                               "job %s is %s and has no result%s", dj->id, db_job_state_name(dj->state),
+                               dj->kind == DB_JOB_FINETUNE ? " (it ended before its first checkpoint; "
+                                                             "--checkpoint-every sets how often one is made)"
+                                                           : "");
         goto done;
     }
     struct {

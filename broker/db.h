@@ -277,6 +277,11 @@ FU_MUST_CHECK fu_err db_job_progress(db_t *db, const char *id, int64_t step, int
  * stored hash is BLAKE2b-256 hex. FU_EPERM the job is not running. */
 FU_MUST_CHECK fu_err db_job_complete(db_t *db, const char *id, const void *result, size_t result_len,
                                      const char *path, const char *hash_hex, int64_t now_ms);
+/* Keeps what a job that ended without finishing (failed or cancelled) had made: result (1..
+ * DB_BLOB_MAX bytes) as its result, and note appended to its reason (at most DB_REASON_MAX bytes in
+ * all). FU_EPERM when the job is in another state. */
+FU_MUST_CHECK fu_err db_job_keep_partial(db_t *db, const char *id, const void *result, size_t result_len,
+                                         const char *note);
 
 /* ---- peers ---- */
 

@@ -466,3 +466,19 @@ fail:
     db_rollback(db);
     return err;
 }
+
+fu_err db_job_keep_partial(db_t *db, const char *id, const void *result, size_t result_len, const char *note)
+{
+    static const char SQL[] = "UPDATE jobs SET result = ?1, result_hash = ?2, "
+                              "reason = substr(coalesce(reason, '') || ?3, 1, ?4) "
+                              "WHERE id = ?5 AND state IN ('failed', 'cancelled')";
+    if (!db || !db_job_id_valid(id) || !result || result_len == 0 || result_len > DB_BLOB_MAX || !note)
+        return FU_EINVAL;
+    char hash[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(hash, result, result_len);
+    sqlite3_stmt *st;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "bttit", result, result_len, hash, note, (int64_t)DB_REASON_MAX - 1, id));
+    FU_TRY(db_run(db, st, "keeping a partial result"));
+    return sqlite3_changes(db->conn) == 1 ? FU_OK : FU_EPERM;
+}

@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "cli_conn.h"
+#include "cli_jobs.h"
 #include "fu_alloc.h"
 #include "fu_file.h"
 
@@ -79,7 +80,8 @@ int cli_result_main(int argc, char **argv)
     const fu_cmd cmd = {.prog = argv[0], .usage = "JOB -o DIR [options]",
                         .summary = "Downloads a finished job's result: a fine-tune's adapter in PEFT format "
                                    "(adapter_model.safetensors, adapter_config.json), or an inference job's "
-                                   "output.txt. Every file is checked against its hash before it is written.",
+                                   "output.txt. A fine-tune that failed or was cancelled gives the adapter of its "
+                                   "last checkpoint. Every file is checked against its hash before it is written.",
                         FU_OPTS_TABLE(opts), .min_pos = 1, .max_pos = 1};
     uint64_t id;
     int code;
@@ -116,6 +118,21 @@ int cli_result_main(int argc, char **argv)
             code = take_chunk(argv[0], c, files, &nf);
             offset += c->data.len;
             last = c->last;
+            wire_msg_destroy(&m);
+        }
+    }
+    /* A fine-tune that failed or was cancelled gives the adapter of its last checkpoint: say so. */
+    if (code == FU_EXIT_OK) {
+        Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+        ref.job_id = id;
+        wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, .job_id = id};
+        wire_msg_t *m = NULL;
+        int scode;
+        if (cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &scode) == FU_OK) {
+            const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
+            if (s->state != FUSION__JOB_STATE__JOB_STATE_DONE)
+                fprintf(stderr, "%s: job %s is %s: %s\n", argv[0], argv[1], cli_job_state_name(s->state),
+                        s->message ? s->message : "");
             wire_msg_destroy(&m);
         }
     }

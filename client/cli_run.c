@@ -5,6 +5,7 @@
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,26 @@
 #define CLI_RUN_MAX_DATA      ((size_t)1 << 30) /* largest --data file read */
 #define CLI_RUN_MAX_PROMPT    65536             /* longest prompt in tokens */
 #define CLI_RUN_BAR_WIDTH     30                /* progress bar characters */
+
+/* Ctrl-C (SIGINT) or SIGTERM during `run finetune`: the step under way finishes, then the adapter of
+ * the last finished step is written before the command exits 130. */
+static volatile sig_atomic_t g_interrupted;
+
+static void on_interrupt(int sig)
+{
+    (void)sig;
+    g_interrupted = 1;
+}
+
+static void interrupt_install(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
 
 /* The adapter's output directory, made now and checked writable, so that a fine-tune never trains
  * only to fail at the end; an adapter already there is kept unless force (as `fusion result`). */
@@ -305,7 +326,9 @@ static int run_finetune(int argc, char **argv)
                dag_adapter_name(method), rank, alpha, n_ids, n_win, seq_len, steps, batch, seq_len,
                dag_chain_trainable_params(&chain));
     double t0 = fu_clock_sec();
-    for (long long s = 1; s <= steps; s++) {
+    long long done_steps = 0;
+    interrupt_install();
+    for (long long s = 1; s <= steps && !g_interrupted; s++) {
         double loss = 0;
         rc = dag_chain_step(&chain, (uint64_t)(s - 1), &loss, &em);
         if (rc != FU_OK) {
@@ -318,6 +341,7 @@ static int run_finetune(int argc, char **argv)
             exit_code = FU_EXIT_FAIL;
             goto done;
         }
+        done_steps = s;
         double el = fu_clock_sec() - t0;
         double tps = (double)(s * batch * seq_len) / (el > 0 ? el : 1e-9);
         progress(tty, s, steps, loss, tps);
@@ -330,6 +354,13 @@ static int run_finetune(int argc, char **argv)
     if ((rc = dag_chain_save_adapter(&chain, out, model_dir, &em)) != FU_OK) {
         exit_code = fail(prog, rc, &em);
         goto done;
+    }
+    if (g_interrupted) {
+        if (tty)
+            fputc('\n', stderr);
+        fprintf(stderr, "%s: interrupted: %s holds the adapter after step %lld of %lld (the one --steps %lld "
+                        "makes)\n", prog, out, done_steps, steps, done_steps);
+        exit_code = 130;
     }
     printf("wrote adapter %s (PEFT: adapter_model.safetensors, adapter_config.json)\n", out);
 done:

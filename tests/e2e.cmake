@@ -79,6 +79,7 @@ set_tests_properties(test_e2e_netns_multihost PROPERTIES TIMEOUT 240 SKIP_RETURN
                      RUN_SERIAL TRUE ENVIRONMENT "FUSION_BIN_DIR=${PROJECT_BINARY_DIR}/bin;FUSION_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
 
 fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_infer_logits 240)
+fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_cancelled_keeps_its_checkpoint 240)
 
 if(FUSION_E2E_KNOWN_BUGS)
   # Tests of known, not yet fixed bugs go here (none today).

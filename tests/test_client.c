@@ -292,6 +292,26 @@ static void test_client_json_everywhere(void **state)
     free(o);
 }
 
+/* Issue "Operate and serve", CLI points: Ctrl-C on `run finetune` keeps the work done: the adapter of
+ * the last finished step is written, the one `--steps N` makes, bit for bit, and the exit is 130. */
+static void test_client_run_interrupted_saves_the_adapter(void **state)
+{
+    (void)state;
+    const char *dir = tu_cluster_dir(g_c), *train = "--batch 2 --seq-len 16 --threads 1 --seed 3";
+    char *o = tu_sh_expect_out(130, "interrupted: ",
+                               "timeout --preserve-status -s INT 3 %s run finetune --model %s --data %s -o %s/cut %s "
+                               "--steps 1000000", tu_bin("fusion"), g_model, tu_cluster_data(g_c), dir, train);
+    const char *at = strstr(o, "the adapter after step ");
+    assert_non_null(at);
+    long long n = atoll(at + strlen("the adapter after step "));
+    printf("interrupted after step %lld\n", n);
+    assert_true(n >= 1);
+    free(o);
+    tu_sh_expect(0, "wrote adapter", "%s run finetune --model %s --data %s -o %s/whole %s --steps %lld",
+                 tu_bin("fusion"), g_model, tu_cluster_data(g_c), dir, train, n);
+    tu_sh_expect(0, NULL, "cmp %s/cut/adapter_model.safetensors %s/whole/adapter_model.safetensors", dir, dir);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -305,6 +325,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_client_run_output_checked_before_training),
         cmocka_unit_test(test_client_wait_interrupted_says_the_job_goes_on),
         cmocka_unit_test(test_client_json_everywhere),
+        cmocka_unit_test(test_client_run_interrupted_saves_the_adapter),
     };
     return tu_run_tests(argc, argv, tests, setup, teardown);
 }

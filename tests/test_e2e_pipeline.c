@@ -157,6 +157,44 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Issue "Operate and serve", CLI points: a fine-tune cancelled mid-run keeps the adapter of its last
+ * common checkpoint: `fusion result` downloads it and says which step it is, and it is the adapter
+ * `fusion run finetune --steps K` makes. A cancelled job without a checkpoint says so instead of
+ * "wait". */
+static void test_e2e_pipeline_cancelled_keeps_its_checkpoint(void **state)
+{
+    (void)state;
+    tu_cluster *c = three_peers("e2e-cancel", TU_PEER_MEMORY_GB);
+    char id[17], none[17];
+    tu_submit_finetune(c, id, "model", "%s --steps 400 --checkpoint-every 2", TU_TRAIN_ARGS);
+    (void)tu_wait_step(c, id, 6, 60000);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "cancel %s", id), 0);
+    free(out);
+    assert_int_equal(tu_fusion(c, &out, "result %s -o 'res-%s'", id, id), 0);
+    printf("fusion result of the cancelled job: %s", out);
+    const char *at = strstr(out, "the adapter of step ");
+    assert_non_null(at);
+    long k = atol(at + strlen("the adapter of step "));
+    free(out);
+    assert_true(k >= 2 && k % 2 == 0);
+    char train[256];
+    snprintf(train, sizeof train, "%s --steps %ld", TU_TRAIN_ARGS, k);
+    double d = tu_job_vs_reference(c, id, "model", train);
+    printf("cancelled at step >= 6: the adapter of its checkpoint at step %ld, max diff %g to fusion run --steps %ld\n",
+           k, d, k);
+    assert_true(d <= 1e-5);
+    /* no checkpoint: no result, and the reason why */
+    tu_submit_finetune(c, none, "model", "%s --steps 400", TU_TRAIN_ARGS);
+    (void)tu_wait_step(c, none, 2, 60000);
+    assert_int_equal(tu_fusion(c, &out, "cancel %s", none), 0);
+    free(out);
+    assert_int_equal(tu_fusion(c, &out, "result %s -o 'res-%s'", none, none), 4);
+    assert_non_null(strstr(out, "before its first checkpoint"));
+    free(out);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Wire codecs (issue "Home links"): a three-stage fine-tune with int8 activations and bf16 gradients
  * on the wire has the adapter of `fusion run finetune` cut where the plan cut it, with the same codecs,
  * bit for bit; and not f32's (the codecs were applied). */
@@ -806,6 +844,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_pipeline_finetune_then_infer, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_salr, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_infer_logits, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_pipeline_cancelled_keeps_its_checkpoint, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wide_model_splits, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_targets, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_pipeline_wire_codec, tu_teardown),
