@@ -9,6 +9,7 @@
 
 #include <microhttpd.h>
 
+#include "broker_api.h"
 #include "broker_metrics.h"
 #include "fu_alloc.h"
 
@@ -47,11 +48,20 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_data_size = 0;
         return MHD_YES;
     }
-    static char not_allowed[] = "only GET is served\n", not_found[] = "not found: the broker serves /metrics\n",
+    static char not_allowed[] = "only GET is served\n",
+                not_found[] = "not found: the broker serves /metrics and /api/ (docs/BROKER.md)\n",
                 no_memory[] = "out of memory\n";
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
         return reply(c, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed, strlen(not_allowed),
                      MHD_RESPMEM_PERSISTENT);
+    if (strncmp(url, "/api/", 5) == 0) {
+        broker_api_reply r = {0};
+        broker_api_get(h->b, url, MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION), &r);
+        if (!r.body)
+            return reply(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", no_memory, strlen(no_memory),
+                         MHD_RESPMEM_PERSISTENT);
+        return reply(c, r.status, "application/json", r.body, r.len, MHD_RESPMEM_MUST_FREE);
+    }
     if (strcmp(url, "/metrics") != 0)
         return reply(c, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found), MHD_RESPMEM_PERSISTENT);
     size_t len = 0;

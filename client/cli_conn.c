@@ -103,9 +103,9 @@ static fu_err conn_fail(const char *prog, int *exit_code, int code, const char *
     return code == FU_EXIT_AUTH ? FU_EAUTH : FU_EINVAL;
 }
 
-fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **out, int *exit_code)
+fu_err cli_conn_resolve(const char *prog, cli_conn_opts *o_, bool need_broker, int *exit_code)
 {
-    cli_conn_opts o = *given;
+    cli_conn_opts o = *o_;
     if (!o.broker)
         o.broker = getenv("FUSION_BROKER");
     if (!o.broker_key)
@@ -117,7 +117,7 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
         *exit_code = cfg_code;
         return FU_EINVAL;
     }
-    if (!o.broker)
+    if (!o.broker && need_broker)
         return conn_fail(prog, exit_code, FU_EXIT_USAGE,
                          "no broker given: use --broker tcp://HOST:7700, set FUSION_BROKER, or put "
                          "`broker = …` in ~/.config/fusion/client.conf%s", "");
@@ -129,6 +129,14 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
         return conn_fail(prog, exit_code, FU_EXIT_USAGE,
                          "no client keys given: make them with `fusion keygen -o DIR`, then use --keys DIR "
                          "or set FUSION_KEYS%s", "");
+    *o_ = o;
+    return FU_OK;
+}
+
+fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **out, int *exit_code)
+{
+    cli_conn_opts o = *given;
+    FU_TRY(cli_conn_resolve(prog, &o, true, exit_code));
 
     fu_errmsg em = {{0}};
     uint8_t server_pk[WIRE_KEY_BYTES];

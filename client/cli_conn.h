@@ -44,6 +44,11 @@ typedef struct cli_conn cli_conn_t;
 FU_MUST_CHECK fu_err cli_conn_open(const char *prog, const cli_conn_opts *o, cli_conn_t **out, int *exit_code);
 void cli_conn_close(cli_conn_t **self_p);
 
+/* Fills o's broker, broker key and keys from the environment and the configuration file where the
+ * options left them NULL; each must then be known (the broker's endpoint only when need_broker). On
+ * failure the message is printed and the exit code set. */
+FU_MUST_CHECK fu_err cli_conn_resolve(const char *prog, cli_conn_opts *o, bool need_broker, int *exit_code);
+
 /* Says whether a progress line is drawn on stderr without its newline: the connection's errors then
  * begin on a line of their own instead of being glued to it. */
 void cli_conn_line_open(bool open);

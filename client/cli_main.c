@@ -31,6 +31,8 @@ static const cli_subcommand subcommands[] = {
     {"result", "download a finished job's adapter (PEFT format)", cli_result_main, "End to end: client CLI"},
     {"cancel", "cancel one of your jobs", cli_cancel_main, "End to end: client CLI"},
     {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
+    {"http-token", "the bearer token of your key for the broker's HTTP API (--http)", cli_http_token_main,
+     "Operate and serve"},
     {"eval", "perplexity of a model, with and without an adapter, on held-out data", cli_eval_main, "Data"},
     {"tokenize", "encode text to token ids with a model's tokenizer, or decode ids (--decode)", cli_tokenize_main,
      "Tokenizers"},
@@ -44,7 +46,7 @@ static void print_help(void)
            "This is the client: it talks to a fusion-broker, or runs a job in-process with `fusion run`.\n\n"
            "Commands:\n");
     for (size_t i = 0; i < N_SUB; i++)
-        printf("  %-8s %s%s\n", subcommands[i].name, subcommands[i].summary,
+        printf("  %-10s %s%s\n", subcommands[i].name, subcommands[i].summary,
                subcommands[i].main ? "" : " [not in this build yet]");
     printf("\nRun 'fusion COMMAND --help' for a command's options.\n"
            "Exit codes: 0 ok, 1 failed, 2 usage or missing capability, 3 refused, 4 not found, 5 timed out.\n");

@@ -220,8 +220,6 @@ static int run_finetune(int argc, char **argv)
     const char *prog = argv[0];
     if (!model_dir || !data || !out)
         return fu_opts_usage_error(&cmd, "--model, --data and -o are required");
-    if ((code = output_dir_ready(prog, out, force)) != FU_EXIT_OK)
-        return code; /* before a single step is trained */
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_FINETUNE, model_dir, &spec, &code) != FU_OK)
         return code;
@@ -311,6 +309,8 @@ static int run_finetune(int argc, char **argv)
         exit_code = fail(prog, rc, &em);
         goto done;
     }
+    if ((exit_code = output_dir_ready(prog, out, force)) != FU_EXIT_OK)
+        goto done; /* every input checked, and not a single step trained yet */
     if (loss_log && !(log = fopen(loss_log, "a"))) {
         fprintf(stderr, "%s: cannot open --loss-log '%s' for appending\n", prog, loss_log);
         exit_code = FU_EXIT_FAIL;

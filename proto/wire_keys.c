@@ -306,3 +306,25 @@ fu_err wire_keypair_save(const wire_keypair_t *kp, const char *dir, bool force, 
     snprintf(pub, sizeof pub, "# fusion public key (X25519, Z85). Share it freely.\n%s\n", kp->pk_z85);
     return write_key_file(dir, WIRE_PUBLIC_KEY_FILE, pub, 0644, force, em);
 }
+
+fu_err wire_http_token(const uint8_t own_sk[WIRE_KEY_BYTES], const uint8_t other_pk[WIRE_KEY_BYTES],
+                       const uint8_t broker_pk[WIRE_KEY_BYTES], const uint8_t client_pk[WIRE_KEY_BYTES],
+                       char out[WIRE_HTTP_TOKEN_LEN + 1])
+{
+    static const char label[] = "fusion-http-v1";
+    uint8_t shared[crypto_scalarmult_BYTES], mac[WIRE_KEY_BYTES];
+    if (crypto_scalarmult(shared, own_sk, other_pk) != 0)
+        return FU_EAUTH;
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, shared, sizeof shared, sizeof mac);
+    crypto_generichash_update(&st, (const uint8_t *)label, sizeof label - 1);
+    crypto_generichash_update(&st, broker_pk, WIRE_KEY_BYTES);
+    crypto_generichash_update(&st, client_pk, WIRE_KEY_BYTES);
+    crypto_generichash_final(&st, mac, sizeof mac);
+    sodium_memzero(shared, sizeof shared);
+    sodium_memzero(&st, sizeof st);
+    fu_hex_encode(out, client_pk, WIRE_KEY_BYTES);
+    fu_hex_encode(out + 2 * WIRE_KEY_BYTES, mac, sizeof mac);
+    out[WIRE_HTTP_TOKEN_LEN] = '\0';
+    return FU_OK;
+}

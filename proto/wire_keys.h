@@ -66,6 +66,16 @@ FU_MUST_CHECK fu_err wire_token_choose(const char *file, const char *given, cons
 /* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
 FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em);
 
+/* The bearer token a client shows the broker's HTTP API (fusion-broker --http): the hex of the client's
+ * public key, then the hex of BLAKE2b-256 keyed with the X25519 secret the two key pairs share, over
+ * "fusion-http-v1" || broker key || client key. Either side makes it from its own secret and the
+ * other's public key (own_sk, other_pk); only a holder of one of the two secret keys can. FU_EAUTH
+ * when X25519 refuses the keys. */
+#define WIRE_HTTP_TOKEN_LEN (4 * WIRE_KEY_BYTES)
+FU_MUST_CHECK fu_err wire_http_token(const uint8_t own_sk[WIRE_KEY_BYTES], const uint8_t other_pk[WIRE_KEY_BYTES],
+                                     const uint8_t broker_pk[WIRE_KEY_BYTES], const uint8_t client_pk[WIRE_KEY_BYTES],
+                                     char out[WIRE_HTTP_TOKEN_LEN + 1]);
+
 /* Z85 text (exactly 40 chars) to key bytes; FU_EINVAL otherwise. */
 FU_MUST_CHECK fu_err wire_key_from_z85(const char *z85, uint8_t out[WIRE_KEY_BYTES]);
 /* Key bytes to Z85 text; out holds WIRE_KEY_Z85_LEN + 1 chars. */

@@ -1038,7 +1038,7 @@ static double vs_reference(const tu_cluster *c, const char *id, const char *mode
     tu_path(c, res, "res-%s", id);
     if (!fu_path_exists(res)) /* downloaded once: a second reference compares the same file */
         tu_result(c, id);
-    int rc = tu_fusion(c, &out, "run finetune --model '%s' --data '%s' --threads %d %s -o 'ref-%s-t%d'", model_dir,
+    int rc = tu_fusion(c, &out, "run finetune --model '%s' --data '%s' --threads %d %s -o 'ref-%s-t%d' --force", model_dir,
                        c->data, threads, train_args, id, threads);
     if (rc != 0)
         tu_fail("fusion run finetune: exit %d: %s", rc, out ? out : "");

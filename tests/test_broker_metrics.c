@@ -1,9 +1,11 @@
-/* The broker's HTTP listener (fusion-broker --http, broker/broker_http.c): an operator's scraper reads
+/* The broker's HTTP listener (fusion-broker --http, broker/broker_http.c): its read-only JSON API
+ * (each client sees its own jobs, by the bearer token `fusion http-token` prints), and its metrics: an
+ * operator's scraper reads
  * GET /metrics with curl, and the counters say what the test did to the real broker:
  *   - a job submitted while no peer can take it: one queued job in the store, a commit counted;
  *   - three malformed messages: three drops for that cause, three Errors sent back;
  *   - two peers registered, then one leaving: two idle, then one idle and one gone;
- *   - anything but GET /metrics: 404 for another path, 405 for another method; no job id or key in
+ *   - a path it does not serve: 404; another method: 405; no job id or key in
  *     the text.
  * Off by default: without --http nothing listens. */
 #include <setjmp.h>
@@ -98,8 +100,70 @@ static void test_broker_metrics_count_what_happened(void **state)
         tu_client_close(&p[i]);
 
     /* nothing else is served */
-    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/api/jobs", port);
+    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/other", port);
     tu_sh_expect(0, "405", "curl -s -o /dev/null -w '%%{http_code}' -X POST http://127.0.0.1:%d/metrics", port);
+}
+
+/* The bearer token of key `name` (tu_keygen's directory) for c's broker, as `fusion http-token` prints it. */
+static void http_token(const tu_cluster *c, const char *name, char *out, size_t cap)
+{
+    const char *dir = tu_cluster_dir(c);
+    char *t = tu_sh_expect_out(0, NULL, "FUSION_CONFIG= %s http-token --broker-key %s/broker/public.key --keys %s/%s",
+                               tu_bin("fusion"), dir, dir, name);
+    t[strcspn(t, "\n")] = '\0';
+    assert_int_equal(strlen(t), 128);
+    snprintf(out, cap, "%s", t);
+    free(t);
+}
+
+/* The read-only JSON API (broker_api.h): a job is shown to its owner only, with its stages and
+ * events, whoever asks without a token sees the peers but no job, and a token made with another
+ * key, or bytes that only look like one, is refused. */
+static void test_broker_metrics_api_shows_each_client_its_own(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_args(f->c, "--http 127.0.0.1:0");
+    tu_broker_fx_start(f);
+    int port = tu_metrics_port(f->c);
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "api-job");
+    assert_non_null(m);
+    char id[17];
+    snprintf(id, sizeof id, "%016llx", (unsigned long long)tu_status_of(m)->job_id);
+    wire_msg_destroy(&m);
+    tu_client p0 = {0};
+    tu_client_open(&p0, f->c, "p0");
+    tu_client_hello(&p0, "p0", 1u << 20, 10.0);
+    char mine[160], other[160];
+    http_token(f->c, "client", mine, sizeof mine);
+    http_token(f->c, "other", other, sizeof other);
+    /* the owner: its job, and the job's events */
+    char *o = tu_sh_expect_out(0, id, "curl -sf -H 'Authorization: Bearer %s' http://127.0.0.1:%d/api/jobs", mine,
+                               port);
+    assert_true(o[0] == '[');
+    assert_non_null(strstr(o, "\"state\":\"queued\""));
+    free(o);
+    o = tu_sh_expect_out(0, "\"kind\":\"submitted\"",
+                         "curl -sf -H 'Authorization: Bearer %s' http://127.0.0.1:%d/api/jobs/%s/events", mine, port, id);
+    free(o);
+    /* another client: an empty list, and not the owner's events */
+    o = tu_sh_expect_out(0, "[]", "curl -sf -H 'Authorization: Bearer %s' http://127.0.0.1:%d/api/jobs", other, port);
+    assert_null(strstr(o, id));
+    free(o);
+    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                 "http://127.0.0.1:%d/api/jobs/%s/events", other, port, id);
+    /* nobody: the peers, no jobs */
+    o = tu_sh_expect_out(0, "\"name\":\"p0\"", "curl -sf http://127.0.0.1:%d/api/peers", port);
+    assert_non_null(strstr(o, "\"gflops\":"));
+    free(o);
+    tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/api/jobs", port);
+    /* a forged token: the owner's public key with a MAC of someone else's making */
+    char forged[160];
+    snprintf(forged, sizeof forged, "%.64s%s", mine, other + 64);
+    tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                 "http://127.0.0.1:%d/api/jobs", forged, port);
+    tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer zz' "
+                 "http://127.0.0.1:%d/api/peers", port);
+    tu_client_close(&p0);
 }
 
 /* A malformed --http is refused before the broker starts. */
@@ -122,6 +186,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         tu_broker_test(test_broker_metrics_count_what_happened),
         tu_broker_test(test_broker_metrics_bad_address_refused),
+        tu_broker_test(test_broker_metrics_api_shows_each_client_its_own),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
