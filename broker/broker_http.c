@@ -13,6 +13,10 @@
 #include "broker_metrics.h"
 #include "fu_alloc.h"
 
+/* dashboard.html, embedded at build time (broker/embed.cmake) */
+extern const unsigned char broker_dashboard_html[];
+extern const size_t broker_dashboard_html_len;
+
 struct broker_http {
     struct MHD_Daemon *d;
     broker_t *b;
@@ -49,11 +53,25 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     static char not_allowed[] = "only GET is served\n",
-                not_found[] = "not found: the broker serves /metrics and /api/ (docs/BROKER.md)\n",
+                not_found[] = "not found: the broker serves /, /metrics and /api/ (docs/BROKER.md)\n",
                 no_memory[] = "out of memory\n";
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
         return reply(c, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed, strlen(not_allowed),
                      MHD_RESPMEM_PERSISTENT);
+    if (strcmp(url, "/") == 0 || strcmp(url, "/index.html") == 0) {
+        struct MHD_Response *r = MHD_create_response_from_buffer(broker_dashboard_html_len,
+                                                                 (void *)broker_dashboard_html, MHD_RESPMEM_PERSISTENT);
+        if (!r)
+            return MHD_NO;
+        MHD_add_response_header(r, "Content-Type", "text/html; charset=utf-8");
+        /* the page loads nothing from elsewhere and talks to this broker only */
+        MHD_add_response_header(r, "Content-Security-Policy",
+                                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                "connect-src 'self'; img-src 'self' data:");
+        enum MHD_Result ok = MHD_queue_response(c, MHD_HTTP_OK, r);
+        MHD_destroy_response(r);
+        return ok;
+    }
     if (strncmp(url, "/api/", 5) == 0) {
         broker_api_reply r = {0};
         broker_api_get(h->b, url, MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION), &r);

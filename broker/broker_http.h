@@ -1,6 +1,7 @@
 /* broker_http: the broker's optional HTTP listener (fusion-broker --http ADDR:PORT), off unless
- * asked for. It serves GET /metrics (Prometheus text, broker_metrics.h) and GET /api/... (read-only
- * JSON for bearers of a client's token, broker_api.h); anything else is 404, any other method 405. libmicrohttpd runs without a thread of its own (external epoll mode): its one
+ * asked for. It serves GET / (the dashboard page, broker/dashboard.html, embedded in the binary),
+ * GET /metrics (Prometheus text, broker_metrics.h) and GET /api/... (read-only JSON for bearers of a
+ * client's token, broker_api.h); anything else is 404, any other method 405. libmicrohttpd runs without a thread of its own (external epoll mode): its one
  * descriptor joins the broker's poll and requests are answered on the broker's thread, from the live
  * state, with nothing copied or locked. Connections are capped, and time out. */
 #ifndef FU_BROKER_HTTP_H

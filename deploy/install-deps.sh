@@ -15,6 +15,7 @@ PACKAGES=(
   libcjson-dev
   libmicrohttpd-dev  # the broker's --http listener (/metrics)
   curl  # tests scrape /metrics as an operator would
+  chromium  # the dashboard's browser test (headless)
   clang libclang-rt-14-dev
   iproute2 procps
   python3-torch  # the independent reference of tests/reference/hf_reference.py (run as /usr/bin/python3)

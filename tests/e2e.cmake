@@ -72,6 +72,10 @@ fu_e2e_case(test_e2e_security test_e2e_security_unknown_key_refused 240)
 fu_e2e_case(test_e2e_security test_e2e_security_garbage_spares_the_job 240 fault)
 fu_e2e_case(test_e2e_security test_e2e_security_ring_liar_caught 240 fault)
 
+# The broker's dashboard in headless Chromium against a running three-peer job (label browser).
+fu_e2e_exe(test_e2e_dashboard)
+fu_e2e_case(test_e2e_dashboard test_e2e_dashboard_shows_a_running_job 300 browser)
+
 # Multi-host: a broker and three peers each in its own network namespace (needs root and `ip netns`).
 add_test(NAME test_e2e_netns_multihost COMMAND ${PROJECT_SOURCE_DIR}/tests/netns/run.sh $<TARGET_FILE:test_e2e_pipeline>
          WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
