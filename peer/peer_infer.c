@@ -38,22 +38,10 @@ static void send_ring_token(stage_t *s, uint64_t pos, int32_t tok)
     /* FAULT INJECTION FOR TESTS ONLY (peer_faults.h): a last stage telling stage 0 another token */
     if (peer_fault_corrupt_now() == PEER_CORRUPT_RING)
         tok = (int32_t)(((size_t)tok + 1) % dag_graph_dims(s->g)->vocab_size);
-    peer_cmd *c = peer_cmd_new(PEER_CMD_SEND_TENSOR);
-    c->gen = s->gen;
-    c->role = FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM;
-    c->job_id = s->job_id;
-    c->meta.type = FUSION__MSG_TYPE__MSG_ACTIVATION;
-    c->meta.job_id = s->job_id;
-    c->meta.step = pos;
-    c->meta.stage = s->stage_index;
-    c->meta.dtype = FUSION__DTYPE__DTYPE_I32;
-    c->meta.ndim = 2;
-    c->meta.shape[0] = 1;
-    c->meta.shape[1] = 1;
-    c->data = fu_malloc(sizeof tok);
-    memcpy(c->data, &tok, sizeof tok); /* little-endian hosts only (wire_tensor) */
-    c->len = sizeof tok;
-    stage_to_io(s, c);
+    uint8_t *data = fu_malloc(sizeof tok);
+    memcpy(data, &tok, sizeof tok); /* little-endian hosts only (wire_tensor) */
+    stage_send_tensor(s, FUSION__LINK_ROLE__LINK_ROLE_DOWNSTREAM, FUSION__MSG_TYPE__MSG_ACTIVATION, pos, 0,
+                      FUSION__DTYPE__DTYPE_I32, 1, 1, data, sizeof tok);
 }
 
 /* After a forward that consumed positions [p, p+rows): the outputs downstream, or at the last stage

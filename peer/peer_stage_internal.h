@@ -203,6 +203,10 @@ FU_MUST_CHECK fu_err stage_send_outputs(stage_t *s, uint32_t slot, uint64_t step
 void stage_publish_progress(const stage_t *s);
 /* Stage 0: forward every micro-batch of the current step. */
 void stage_run_forwards(stage_t *s);
+/* A rows x dim1 tensor of dtype (len bytes of data, taken) to the neighbour `role`, as message `type`
+ * of (step, mb), through the I/O thread. */
+void stage_send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                       Fusion__Dtype dtype, uint64_t rows, uint64_t dim1, uint8_t *data, size_t len);
 /* A frame from a neighbour (takes c): run now, held for a later step, or dropped. */
 void stage_on_tensor(stage_t *s, peer_cmd *c);
 /* Runs the held frames of the current step, in arrival order. */

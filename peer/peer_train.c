@@ -69,8 +69,8 @@ static Fusion__Dtype wire_dtype(kern_codec c, uint64_t rows, uint64_t width, siz
 
 /* Hands a cut tensor of rows x width values in codec c (data, len bytes, which the command owns from
  * here) of micro-batch mb to the I/O thread, for the neighbour in role as a message of type. */
-static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
-                        uint64_t rows, uint64_t width, kern_codec c, uint8_t *data, size_t len)
+void stage_send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                       Fusion__Dtype dtype, uint64_t rows, uint64_t dim1, uint8_t *data, size_t len)
 {
     peer_cmd *cmd = peer_cmd_new(PEER_CMD_SEND_TENSOR);
     cmd->gen = s->gen;
@@ -81,14 +81,22 @@ static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type,
     cmd->meta.step = step;
     cmd->meta.micro_batch = mb;
     cmd->meta.stage = s->stage_index;
-    uint64_t dim1;
-    cmd->meta.dtype = wire_dtype(c, rows, width, len, &dim1);
+    cmd->meta.dtype = dtype;
     cmd->meta.ndim = 2;
     cmd->meta.shape[0] = (int64_t)rows;
     cmd->meta.shape[1] = (int64_t)dim1;
     cmd->data = data;
     cmd->len = len;
     stage_to_io(s, cmd);
+}
+
+/* rows x width values in codec c (len bytes of data, taken) to the neighbour `role`. */
+static void send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, uint64_t step, uint32_t mb,
+                        uint64_t rows, uint64_t width, kern_codec c, uint8_t *data, size_t len)
+{
+    uint64_t dim1;
+    Fusion__Dtype dt = wire_dtype(c, rows, width, len, &dim1);
+    stage_send_tensor(s, role, type, step, mb, dt, rows, dim1, data, len);
 }
 
 fu_err stage_wire_encode(stage_t *s, kern_codec c, bool out, uint64_t step, uint32_t mb, float *x, uint8_t **wire,
