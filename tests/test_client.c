@@ -132,7 +132,9 @@ static void test_client_submit_is_idempotent_and_jobs_are_private(void **state)
     out = run_as_out(0, 0, NULL, "jobs --active --json");
     assert_null(strstr(out, a));
     free(out);
-    run_as(0, 1, "a result exists only once it is done", "result %s -o %s/res", a, tu_cluster_dir(g_c));
+    run_as(0, 4, "is cancelled and has no result", "result %s -o %s/res", a, tu_cluster_dir(g_c));
+    /* a job still queued: not yet */
+    run_as(1, 1, "a result exists only once it is done", "result %s -o %s/res", b, tu_cluster_dir(g_c));
 }
 
 static void test_client_wait_reports_why_a_job_is_queued_and_times_out(void **state)
