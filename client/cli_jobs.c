@@ -250,11 +250,11 @@ static void show_progress(const Fusion__JobStatus *s, bool tty, progress_clock *
                 s->tokens_per_s);
         return;
     }
-    char el[16], eta[24] = "";
+    char el[48], eta[64] = "";
     fmt_duration(el, sizeof el, now - pc->start_s);
     if (s->step > pc->first_step && s->step < s->total_steps) {
         double left = (double)(s->total_steps - s->step) * (now - pc->first_s) / (double)(s->step - pc->first_step);
-        char t[16];
+        char t[48];
         fmt_duration(t, sizeof t, left);
         snprintf(eta, sizeof eta, " ETA %s", t);
     }
