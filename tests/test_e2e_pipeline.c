@@ -184,8 +184,8 @@ static void test_e2e_pipeline_cancelled_keeps_its_checkpoint(void **state)
     printf("cancelled at step >= 6: the adapter of its checkpoint at step %ld, max diff %g to fusion run --steps %ld\n",
            k, d, k);
     assert_true(d <= 1e-5);
-    /* no checkpoint: no result, and the reason why */
-    tu_submit_finetune(c, none, "model", "%s --steps 400", TU_TRAIN_ARGS);
+    /* no checkpoint (the first would be at step 1000): no result, and the reason why */
+    tu_submit_finetune(c, none, "model", "%s --steps 400 --checkpoint-every 1000", TU_TRAIN_ARGS);
     (void)tu_wait_step(c, none, 2, 60000);
     assert_int_equal(tu_fusion(c, &out, "cancel %s", none), 0);
     free(out);
