@@ -436,6 +436,7 @@ static void test_trust_fair_queue_and_rate_limit(void **state)
     tu_broker_fx *f = *state;
     tu_broker_fx_start(f);
     uint64_t a[2], bid;
+    uint64_t t0 = fu_clock_ms(); /* the bucket starts full and refills one submission a second */
     for (int i = 0; i < 2; i++) {
         wire_msg_t *m = tu_client_submit(&f->cl, f->spec, NULL);
         a[i] = tu_status_of(m)->job_id;
@@ -475,9 +476,11 @@ static void test_trust_fair_queue_and_rate_limit(void **state)
         }
         wire_msg_destroy(&m);
     }
-    print_message("72 submissions in a burst: %d accepted, %d refused by the rate (\"%s\")\n", accepted, refused_rate,
-                  msg);
-    assert_true(accepted <= 61 && refused_rate >= 11);
+    /* 60 at once, plus what refilled while the test ran (a loaded machine takes seconds over it) */
+    int refilled = (int)((fu_clock_ms() - t0) / 1000) + 1;
+    print_message("72 submissions in a burst: %d accepted, %d refused by the rate, %d refilled (\"%s\")\n", accepted,
+                  refused_rate, refilled, msg);
+    assert_true(accepted <= 60 + refilled && refused_rate >= 12 - refilled && refused_rate >= 1);
     m = tu_client_submit(&other, f->spec, NULL); /* another client is not held back */
     assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
     wire_msg_destroy(&m);
