@@ -566,8 +566,9 @@ static void test_e2e_fault_replan_without_spare(void **state)
  * goes on from that checkpoint, cut for three stages; its adapter is fusion run's, bit for bit. The
  * peers claim 10 GFLOP/s each (--gflops) and the broker believes them (challenges off): speeds
  * measured on a loaded machine made the newcomer's gain a coin toss (one measured at 18 against 30
- * and 36 made three stages only 4% faster). With equal speeds the gain is about 30%, past the
- * default margin of 20%. */
+ * and 36 made three stages only 4% faster). With equal speeds the gain is 15-30% (the links' measured
+ * latency, which load changes, counts in the plan: 0.194 s against 0.228 s once in CI), so the broker
+ * here grows past a 10% gain (--grow-margin 0.1). */
 static void test_e2e_fault_grow_when_a_peer_joins(void **state)
 {
     (void)state;
@@ -581,6 +582,7 @@ static void test_e2e_fault_grow_when_a_peer_joins(void **state)
     o.peer_extra[0] = "--gflops";
     o.peer_extra[1] = "10";
     o.challenge_ms = -1;
+    o.grow_margin = "0.1";
     tu_cluster *c = tu_cluster_new("e2e-grow", &o);
     tu_broker_start(c);
     for (int i = 0; i < 2; i++)
