@@ -635,7 +635,7 @@ fu_err broker_run(broker_t *b)
             while (read(pfd[0], buf, sizeof buf) > 0) {
             }
         }
-        if (b->http) /* its connections and timers (nothing ready: returns at once) */
+        if (b->http && (n == 0 || (items[3].revents & ZMQ_POLLIN))) /* a request, or its timers are due */
             broker_http_serve(b->http);
         if (items[2].revents & ZMQ_POLLIN) {
             /* One per turn of the loop: storing a job takes a commit, and the worker may finish the

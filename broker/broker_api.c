@@ -1,6 +1,7 @@
 /* broker_api: GET /api/peers, /api/jobs, /api/jobs/JOB/events as JSON (see broker_api.h). */
 #include "broker_api.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,7 +129,7 @@ static cJSON *jobs_json(broker_t *b, const char *caller)
         cJSON_AddStringToObject(o, "state", db_job_state_name(dj->state));
         cJSON_AddNumberToObject(o, "step", (double)dj->step);
         cJSON_AddNumberToObject(o, "total_steps", (double)dj->total_steps);
-        if (dj->loss == dj->loss) /* not NaN */
+        if (!isnan(dj->loss))
             cJSON_AddNumberToObject(o, "loss", dj->loss);
         cJSON_AddNumberToObject(o, "tokens_per_s", dj->tokens_per_s);
         cJSON_AddStringToObject(o, "message", dj->reason ? dj->reason : "");

@@ -24,17 +24,27 @@ struct broker_http {
     int fd;
 };
 
-static enum MHD_Result reply(struct MHD_Connection *c, unsigned int status, const char *type, char *body, size_t len,
-                             enum MHD_ResponseMemoryMode mode)
+/* Queues body (len bytes of type, kept or freed by mode) with status; csp, when not NULL, is the
+ * page's Content-Security-Policy. */
+static enum MHD_Result reply(struct MHD_Connection *c, unsigned int status, const char *type, void *body, size_t len,
+                             enum MHD_ResponseMemoryMode mode, const char *csp)
 {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
     if (!r)
         return MHD_NO;
     MHD_add_response_header(r, "Content-Type", type);
     MHD_add_response_header(r, "Cache-Control", "no-store");
+    if (csp)
+        MHD_add_response_header(r, "Content-Security-Policy", csp);
     enum MHD_Result ok = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
     return ok;
+}
+
+/* A static line of text. */
+static enum MHD_Result reply_text(struct MHD_Connection *c, unsigned int status, const char *text)
+{
+    return reply(c, status, "text/plain", (void *)text, strlen(text), MHD_RESPMEM_PERSISTENT, NULL);
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -52,42 +62,28 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_data_size = 0;
         return MHD_YES;
     }
-    static char not_allowed[] = "only GET is served\n",
-                not_found[] = "not found: the broker serves /, /metrics and /api/ (docs/BROKER.md)\n",
-                no_memory[] = "out of memory\n";
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
-        return reply(c, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed, strlen(not_allowed),
-                     MHD_RESPMEM_PERSISTENT);
-    if (strcmp(url, "/") == 0 || strcmp(url, "/index.html") == 0) {
-        struct MHD_Response *r = MHD_create_response_from_buffer(broker_dashboard_html_len,
-                                                                 (void *)broker_dashboard_html, MHD_RESPMEM_PERSISTENT);
-        if (!r)
-            return MHD_NO;
-        MHD_add_response_header(r, "Content-Type", "text/html; charset=utf-8");
-        /* the page loads nothing from elsewhere and talks to this broker only */
-        MHD_add_response_header(r, "Content-Security-Policy",
-                                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                "connect-src 'self'; img-src 'self' data:");
-        enum MHD_Result ok = MHD_queue_response(c, MHD_HTTP_OK, r);
-        MHD_destroy_response(r);
-        return ok;
-    }
+        return reply_text(c, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET is served\n");
+    if (strcmp(url, "/") == 0 || strcmp(url, "/index.html") == 0) /* it loads nothing from elsewhere and talks
+                                                                      to this broker only */
+        return reply(c, MHD_HTTP_OK, "text/html; charset=utf-8", (void *)broker_dashboard_html,
+                     broker_dashboard_html_len, MHD_RESPMEM_PERSISTENT,
+                     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                     "connect-src 'self'; img-src 'self' data:");
     if (strncmp(url, "/api/", 5) == 0) {
         broker_api_reply r = {0};
         broker_api_get(h->b, url, MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION), &r);
         if (!r.body)
-            return reply(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", no_memory, strlen(no_memory),
-                         MHD_RESPMEM_PERSISTENT);
-        return reply(c, r.status, "application/json", r.body, r.len, MHD_RESPMEM_MUST_FREE);
+            return reply_text(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+        return reply(c, r.status, "application/json", r.body, r.len, MHD_RESPMEM_MUST_FREE, NULL);
     }
     if (strcmp(url, "/metrics") != 0)
-        return reply(c, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found), MHD_RESPMEM_PERSISTENT);
+        return reply_text(c, MHD_HTTP_NOT_FOUND, "not found: the broker serves /, /metrics and /api/ (docs/BROKER.md)\n");
     size_t len = 0;
     char *text = broker_metrics_text(h->b, &len);
     if (!text)
-        return reply(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", no_memory, strlen(no_memory),
-                     MHD_RESPMEM_PERSISTENT);
-    return reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len, MHD_RESPMEM_MUST_FREE);
+        return reply_text(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+    return reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len, MHD_RESPMEM_MUST_FREE, NULL);
 }
 
 fu_err broker_http_parse_addr(const char *addr, struct sockaddr_in *sa, fu_errmsg *em)

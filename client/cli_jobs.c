@@ -106,7 +106,7 @@ static void print_status_row(const Fusion__JobStatus *s)
 }
 
 /* Asks for one job's status. */
-static fu_err fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code)
+fu_err cli_job_fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code)
 {
     Fusion__JobRef ref = FUSION__JOB_REF__INIT;
     ref.job_id = id;
@@ -342,7 +342,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
     for (;;) {
         wire_msg_t *m = NULL;
         int code;
-        if (fetch_status(conn, id, &m, &code) != FU_OK)
+        if (cli_job_fetch_status(conn, id, &m, &code) != FU_OK)
             return code;
         const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
         size_t out_len = s->output ? strlen(s->output) : 0;
@@ -406,7 +406,7 @@ fu_err cli_job_output(cli_conn_t *conn, const char *prog, uint64_t id, char **ou
 {
     for (;;) {
         wire_msg_t *m = NULL;
-        if (fetch_status(conn, id, &m, code) != FU_OK)
+        if (cli_job_fetch_status(conn, id, &m, code) != FU_OK)
             return FU_EIO;
         const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
         Fusion__JobState st = s->state;

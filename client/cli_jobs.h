@@ -13,6 +13,10 @@ extern "C" {
 
 #define CLI_WAIT_POLL_MS 200 /* how often `wait` asks for a job's status */
 
+/* Job id's JobStatus from the broker over conn (*m: the reply, for wire_msg_destroy); on failure the
+ * message is printed and the exit code set. */
+FU_MUST_CHECK fu_err cli_job_fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code);
+
 /* Prints job status s on stdout as one JSON object, as `fusion status JOB --json` does. */
 void cli_print_status_json(const Fusion__JobStatus *s);
 

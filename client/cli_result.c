@@ -123,12 +123,9 @@ int cli_result_main(int argc, char **argv)
     }
     /* A fine-tune that failed or was cancelled gives the adapter of its last checkpoint: say so. */
     if (code == FU_EXIT_OK) {
-        Fusion__JobRef ref = FUSION__JOB_REF__INIT;
-        ref.job_id = id;
-        wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, .job_id = id};
         wire_msg_t *m = NULL;
         int scode;
-        if (cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &scode) == FU_OK) {
+        if (cli_job_fetch_status(conn, id, &m, &scode) == FU_OK) {
             const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
             if (s->state != FUSION__JOB_STATE__JOB_STATE_DONE)
                 fprintf(stderr, "%s: job %s is %s: %s\n", argv[0], argv[1], cli_job_state_name(s->state),
