@@ -1,0 +1,107 @@
+/* bench-swarm: N simulated peers and K clients against the real fusion-broker process (docs/SCALE.md).
+ *
+ * One process, one thread: the broker is started by the tests' cluster harness (tests/cluster.h) on
+ * loopback with a temporary store, keys and allow-list; every simulated peer has its own CURVE key
+ * pair and its own DEALER socket (one TCP connection, one identity) and speaks the peer protocol
+ * (PeerHello, Heartbeat, StageReady, StepDone, CheckpointPut, Leave); clients submit fine-tunes and
+ * poll their status. Stage work is a timer from the job's DAG cost model and the peer's drawn
+ * hardware. Sockets are watched by one epoll set over their ZMQ_FD (swarm_run.c), so a turn of the
+ * loop costs what is ready, not N.
+ *
+ * Ownership: swarm_run owns everything it makes and frees it before returning; the result is the
+ * caller's (plain values). Not thread-safe; one run at a time per process. */
+#ifndef FU_BENCH_SWARM_H
+#define FU_BENCH_SWARM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fu_err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SWARM_MAX_PEERS   20000 /* simulated peers in one run (two file descriptors each) */
+#define SWARM_MAX_CLIENTS 64    /* client identities */
+#define SWARM_MAX_JOBS    4096  /* jobs submitted in one run */
+
+/* What a run does. swarm_cfg_default gives the values documented in bench-swarm --help. */
+typedef struct {
+    int n_peers;            /* simulated peers */
+    int n_clients;          /* client identities (K) */
+    int n_jobs;             /* fine-tunes submitted, spread over the clients, all at the start (M) */
+    int job_steps;          /* steps of each fine-tune */
+    int ckpt_every;         /* its checkpoint_every */
+    double duration_s;      /* churn and load run this long */
+    double drain_s;         /* then up to this long (churn stopped) for the unfinished jobs to end */
+    double session_mean_s;  /* mean online session of a peer (exponential); 0: no churn */
+    double offline_mean_s;  /* mean time a departed peer stays away before it joins again */
+    double clean_leave;     /* share of departures that send Leave (the rest vanish: a crash) */
+    double work_scale;      /* simulated FLOPs per FLOP of the model's cost estimate (a tiny model
+                               standing in for a large one) */
+    double mem_per_gib;     /* bytes a peer offers per GiB of its GPU, on top of the 32 MiB the partitioner
+                               reserves per stage: small, so that the small model needs several stages as a
+                               large one would on these cards */
+    int heartbeat_ms;       /* the broker's --heartbeat-ms */
+    int backups;            /* the broker's --backups */
+    int layers;             /* decoder layers of the model the jobs fine-tune */
+    uint64_t seed;          /* hardware, sessions and churn draws */
+    double join_rate;       /* peers connected per second at the start (ramp) */
+    double sample_s;        /* a "sample" line this often (0: none) */
+    bool quiet;             /* no progress lines on stderr */
+} swarm_cfg;
+
+/* A latency distribution, milliseconds. */
+typedef struct {
+    size_t n;
+    double p50, p99, max;
+} swarm_dist;
+
+/* What a run measured (docs/SCALE.md says how each is measured). */
+typedef struct {
+    int peers_joined;           /* distinct peers welcomed at least once */
+    int peers_online_end;       /* online at the end of the load phase */
+    double run_s;               /* load phase as it ran */
+    double broker_cpu;          /* broker CPU seconds / wall seconds over the load phase (1.0 = one core) */
+    double broker_cpu_steady;   /* ... over the second half of it */
+    double sim_cpu;             /* this process's share over the same time */
+    double broker_rss_mib;      /* broker resident memory at the end of the load phase */
+    double broker_rss_max_mib;  /* the most seen during the run */
+    double hb_per_s;            /* heartbeats answered per second (second half of the load phase) */
+    double msgs_per_s;          /* messages the broker handled per second (its own counter, same window) */
+    swarm_dist plan_ms;         /* JobSubmit's answer -> every stage of the first plan assigned */
+    swarm_dist plan_broker_ms;  /* the broker's own planning pass time per job (fusion_plan_seconds) */
+    swarm_dist replace_ms;      /* a stage's peer departs -> that stage assigned to another peer */
+    swarm_dist resume_ms;       /* a stage's peer departs -> the job's stages told to start again */
+    int jobs_submitted, jobs_acked, jobs_done, jobs_failed, jobs_cancelled, jobs_unfinished;
+    int jobs_lost;              /* acknowledged, then unknown to the broker or failed */
+    double steps_per_s;         /* new (not replayed) steps per second over the load phase */
+    uint64_t steps_new, steps_replayed;
+    int departures, crashes, stage_losses; /* peers that left or vanished; those that held a stage */
+    double commits_per_s;       /* store commits per second over the load phase */
+    double store_mib_end;       /* store file + WAL at the end */
+    double store_mib_max;
+    double events_end;          /* rows in the events table at the end (from the store) */
+    uint64_t errors_seen;       /* Error messages the broker sent the simulated peers and clients */
+} swarm_result;
+
+/* The defaults of bench-swarm. */
+swarm_cfg swarm_cfg_default(void);
+
+/* Runs the swarm: makes the scratch directory (keys, allow-list, model), starts the broker, joins
+ * the peers, submits the jobs, runs cfg->duration_s then drains, stops the broker and removes the
+ * directory (kept when FUSION_TEST_KEEP is set). Prints "sample" JSON lines on stdout while it runs
+ * (cfg->sample_s). FU_EINVAL on a bad configuration, FU_EIO when the broker or a socket failed (the
+ * message on stderr). */
+FU_MUST_CHECK fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out);
+
+/* Prints r as one JSON line {"bench":"swarm","case":name,...} with the configuration. */
+void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,392 @@
+/* swarm_run: the scratch directory and the broker (through the tests' cluster harness), the
+ * identities, the one event loop over every socket (epoll on their ZMQ_FDs), the phases of a run
+ * (join ramp, load with churn, drain) and the figures. */
+#include <inttypes.h>
+#include <libgen.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <sodium.h>
+#include <sqlite3.h>
+#include <zmq.h>
+
+#include "cluster.h"
+#include "swarm_internal.h"
+#include "swarm_stats.h"
+#include "wire_socket.h"
+
+swarm_cfg swarm_cfg_default(void)
+{
+    return (swarm_cfg){.n_peers = 100,
+                       .n_clients = 4,
+                       .n_jobs = 8,
+                       .job_steps = 20,
+                       .ckpt_every = 5,
+                       .duration_s = 60,
+                       .drain_s = 60,
+                       .session_mean_s = 1800,
+                       .offline_mean_s = 60,
+                       .clean_leave = 0.5,
+                       .work_scale = 10000,
+                       .mem_per_gib = 1024 * 1024,
+                       .heartbeat_ms = 1000,
+                       .backups = 1,
+                       .layers = 16,
+                       .seed = 1,
+                       .join_rate = 500,
+                       .sample_s = 10};
+}
+
+/* The model every job fine-tunes: hidden 128, so that a layer is about 1 MiB of f32 weights. */
+#define SWARM_MODEL_FMT "--layers %d --hidden 128 --heads 4 --kv-heads 2 --ffn 384 --vocab 256 --seed 5"
+#define SWARM_STAGE_FIXED (32ull << 20) /* the partitioner's fixed memory per stage (a peer offers it on top) */
+
+static fu_err make_identities(swarm *s, const char *allow)
+{
+    FILE *f = fopen(allow, "a");
+    if (!f)
+        return FU_EIO;
+    for (int i = 0; i < s->n_peers; i++) {
+        swarm_peer *p = &s->peers[i];
+        crypto_box_keypair(p->pk, p->sk);
+        wire_key_to_z85(p->pk, p->z85);
+        snprintf(p->name, sizeof p->name, "sim%d", i);
+        p->gpu = swarm_gpu_draw(&s->rng);
+        p->link = swarm_link_draw(&s->rng);
+        p->gflops = p->gpu->tflops * 1000.0 * 0.6; /* GEMM reaches about 60% of the peak */
+        p->mem = SWARM_STAGE_FIXED + (uint64_t)(p->gpu->gib * s->cfg.mem_per_gib);
+        p->job = -1;
+        fprintf(f, "%s peer\n", p->z85);
+    }
+    for (int k = 0; k < s->cfg.n_clients; k++) {
+        char z[WIRE_KEY_Z85_LEN + 1];
+        crypto_box_keypair(s->clients[k].pk, s->clients[k].sk);
+        wire_key_to_z85(s->clients[k].pk, z);
+        fprintf(f, "%s client\n", z);
+    }
+    return fclose(f) == 0 ? FU_OK : FU_EIO;
+}
+
+static long count_events(const char *db)
+{
+    sqlite3 *h = NULL;
+    long n = -1;
+    if (sqlite3_open_v2(db, &h, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK) {
+        sqlite3_stmt *st = NULL;
+        if (sqlite3_prepare_v2(h, "SELECT count(*) FROM events", -1, &st, NULL) == SQLITE_OK &&
+            sqlite3_step(st) == SQLITE_ROW)
+            n = sqlite3_column_int64(st, 0);
+        sqlite3_finalize(st);
+    }
+    sqlite3_close(h);
+    return n;
+}
+
+/* A snapshot of the broker for the windows of the result. */
+typedef struct {
+    uint64_t ms;
+    double cpu_s, sim_cpu_s, msgs, commits;
+    uint64_t hb;
+} snap;
+
+static double self_cpu_s(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
+           (double)ru.ru_stime.tv_usec / 1e6;
+}
+
+static snap take(swarm *s, int pid, int port)
+{
+    snap x = {.ms = swarm_now(), .cpu_s = swarm_proc_cpu_s(pid), .sim_cpu_s = self_cpu_s(), .hb = s->hb_answered};
+    char *m = swarm_http_get(port, "/metrics");
+    x.msgs = swarm_metric(m, "fusion_messages_received_total");
+    x.commits = swarm_metric(m, "fusion_store_commits_total");
+    free(m);
+    return x;
+}
+
+/* One turn: wait for sockets (at most SWARM_POLL_MS), read what is ready, run the timers. */
+static void turn(swarm *s, bool clients_on)
+{
+    struct epoll_event ev[256];
+    int n = epoll_wait(s->ep, ev, 256, SWARM_POLL_MS);
+    for (int e = 0; e < n; e++) {
+        uint32_t tag = ev[e].data.u32;
+        swarm_drain(s, tag < SWARM_MAX_PEERS ? (int)tag : -1 - (int)(tag - SWARM_MAX_PEERS));
+    }
+    swarm_drain_marked(s);
+    uint64_t now = swarm_now();
+    for (int i = 0; i < s->n_peers; i++)
+        swarm_peer_timers(s, i, now);
+    swarm_job_timers(s, now);
+    if (clients_on)
+        swarm_client_timers(s, now);
+    swarm_drain_marked(s);
+}
+
+static int jobs_final(const swarm *s)
+{
+    int n = 0;
+    for (int k = 0; k < s->n_jobs; k++)
+        n += s->jobs[k].st >= SJ_DONE;
+    return n;
+}
+
+static void sample_line(swarm *s, int pid, int port, const char *db, double t, const char *phase, swarm_result *r)
+{
+    double rss = swarm_proc_rss_mib(pid), mib = swarm_store_mib(db);
+    if (rss > r->broker_rss_max_mib)
+        r->broker_rss_max_mib = rss;
+    if (mib > r->store_mib_max)
+        r->store_mib_max = mib;
+    if (s->cfg.sample_s <= 0)
+        return;
+    char *m = swarm_http_get(port, "/metrics");
+    int online = 0;
+    for (int i = 0; i < s->n_peers; i++)
+        online += s->peers[i].st == SP_ONLINE;
+    printf("{\"bench\":\"swarm\",\"case\":\"sample\",\"phase\":\"%s\",\"t_s\":%.1f,\"peers_online\":%d,"
+           "\"broker_cpu_s\":%.2f,\"broker_rss_mib\":%.1f,\"store_mib\":%.2f,\"store_commits\":%.0f,"
+           "\"messages\":%.0f,\"jobs_final\":%d,\"steps_new\":%" PRIu64 ",\"failovers\":%.0f}\n",
+           phase, t, online, swarm_proc_cpu_s(pid), rss, mib, swarm_metric(m, "fusion_store_commits_total"),
+           swarm_metric(m, "fusion_messages_received_total"), jobs_final(s), s->steps_new,
+           swarm_metric(m, "fusion_failovers_total"));
+    fflush(stdout);
+    free(m);
+}
+
+static void set_bin_dir(void)
+{
+    if (getenv("FUSION_BIN_DIR"))
+        return;
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return;
+    self[n] = '\0';
+    setenv("FUSION_BIN_DIR", dirname(self), 1);
+}
+
+static fu_err setup(swarm *s, tu_cluster **cp)
+{
+    tu_opts o = tu_opts_default(0);
+    char margs[256];
+    snprintf(margs, sizeof margs, SWARM_MODEL_FMT, s->cfg.layers);
+    o.model_args = margs;
+    o.backups = s->cfg.backups;
+    o.heartbeat_ms = s->cfg.heartbeat_ms;
+    o.challenge_ms = -1; /* profiles believed: the simulated peers compute nothing */
+    o.log_level = "info";
+    o.word_data = true; /* the harness wants a training text; the jobs submit their own */
+    tu_cluster *c = *cp = tu_cluster_new("swarm", &o);
+    snprintf(s->dir, sizeof s->dir, "%s", tu_cluster_dir(c));
+    tu_path(c, s->model, "model");
+    char allow[TU_PATH];
+    tu_path(c, allow, "allow");
+    if (make_identities(s, allow) != FU_OK)
+        return FU_EIO;
+    tu_broker_args(c, "--http 127.0.0.1:0 --verify 0 --max-jobs-per-client 100000 --max-submits-per-minute 100000");
+    tu_broker_start(c);
+    snprintf(s->endpoint, sizeof s->endpoint, "%s", tu_broker_endpoint(c));
+    char bpk[TU_PATH];
+    tu_path(c, bpk, "broker/public.key");
+    if (wire_key_load_public(bpk, s->broker_pk, NULL) != FU_OK)
+        return FU_EIO;
+    /* the training text: a few KiB of words */
+    s->data_len = 8192;
+    s->data = malloc(s->data_len);
+    static const char *words[] = {"swarm ", "peer ", "broker ", "stage ", "step ", "layer ", "adapter ", "token "};
+    for (size_t i = 0; i < s->data_len; i++)
+        s->data[i] = words[(i / 7) % 8][i % 6];
+    return FU_OK;
+}
+
+static void collect(swarm *s, swarm_result *r)
+{
+    for (int k = 0; k < s->n_jobs; k++) {
+        const swarm_job *j = &s->jobs[k];
+        r->jobs_submitted += j->st != SJ_NEW || j->submit_ms;
+        r->jobs_acked += j->id != 0;
+        r->jobs_done += j->st == SJ_DONE;
+        r->jobs_failed += j->st == SJ_FAILED;
+        r->jobs_cancelled += j->st == SJ_CANCELLED;
+        r->jobs_unfinished += j->st == SJ_ACKED || j->st == SJ_SUBMITTED || j->st == SJ_NEW;
+        r->jobs_lost += j->st == SJ_LOST || (j->id && j->st == SJ_FAILED);
+    }
+    r->steps_new = s->steps_new;
+    r->steps_replayed = s->steps_replayed;
+    r->departures = s->departures;
+    r->crashes = s->crashes;
+    r->stage_losses = s->stage_losses;
+    r->errors_seen = s->errors;
+    r->peers_joined = s->joined;
+    r->plan_ms = swarm_samples_dist(&s->plan_ms);
+    r->replace_ms = swarm_samples_dist(&s->replace_ms);
+    r->resume_ms = swarm_samples_dist(&s->resume_ms);
+}
+
+fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
+{
+    memset(out, 0, sizeof *out);
+    if (cfg->n_peers < 1 || cfg->n_peers > SWARM_MAX_PEERS || cfg->n_clients < 1 ||
+        cfg->n_clients > SWARM_MAX_CLIENTS || cfg->n_jobs < 0 || cfg->n_jobs > SWARM_MAX_JOBS || cfg->job_steps < 1 ||
+        cfg->ckpt_every < 1 || cfg->heartbeat_ms < 50 || cfg->layers < 1 || cfg->join_rate <= 0)
+        return FU_EINVAL;
+    set_bin_dir();
+    tu_fail_exits();
+    swarm *s = calloc(1, sizeof *s);
+    s->cfg = *cfg;
+    s->rng = cfg->seed * 0x9E3779B97F4A7C15ull + 7;
+    s->n_peers = cfg->n_peers;
+    s->peers = calloc((size_t)s->n_peers, sizeof *s->peers);
+    s->n_jobs = cfg->n_jobs;
+    s->jobs = calloc((size_t)(s->n_jobs ? s->n_jobs : 1), sizeof *s->jobs);
+    s->dirty = calloc((size_t)(s->n_peers + SWARM_MAX_CLIENTS), sizeof *s->dirty);
+    s->ep = epoll_create1(EPOLL_CLOEXEC);
+    s->ctx = zmq_ctx_new();
+    (void)zmq_ctx_set(s->ctx, ZMQ_MAX_SOCKETS, s->n_peers + SWARM_MAX_CLIENTS + 16);
+    tu_cluster *c = NULL;
+    fu_err rc = setup(s, &c);
+    if (rc != FU_OK)
+        goto done;
+    int pid = (int)tu_broker_pid(c), port = tu_metrics_port(c);
+    char db[TU_PATH];
+    tu_path(c, db, "store.db");
+    for (int k = 0; k < s->n_jobs; k++) {
+        s->jobs[k].client = k % cfg->n_clients;
+        snprintf(s->jobs[k].idem, sizeof s->jobs[k].idem, "swarm-%d", k);
+        for (int t = 0; t < SWARM_MAX_STAGES; t++)
+            s->jobs[k].stage_peer[t] = -1;
+    }
+    /* the join ramp */
+    uint64_t t0 = swarm_now();
+    for (int i = 0; i < s->n_peers; i++)
+        s->peers[i].rejoin_ms = t0 + 1 + (uint64_t)(1000.0 * i / cfg->join_rate);
+    uint64_t ramp_end = t0 + (uint64_t)(1000.0 * s->n_peers / cfg->join_rate) + 30000;
+    while (s->joined < s->n_peers && swarm_now() < ramp_end)
+        turn(s, false);
+    if (!cfg->quiet)
+        fprintf(stderr, "bench-swarm: %d of %d peers joined in %.1f s\n", s->joined, s->n_peers,
+                (double)(swarm_now() - t0) / 1000.0);
+    for (int k = 0; k < cfg->n_clients; k++)
+        if ((rc = swarm_client_connect(s, k)) != FU_OK)
+            goto done;
+    /* the load phase: jobs submitted at once, churn on */
+    s->churn = cfg->session_mean_s > 0;
+    uint64_t l0 = swarm_now(), lend = l0 + (uint64_t)(cfg->duration_s * 1000), half = l0 + (lend - l0) / 2;
+    uint64_t next_sample = l0;
+    snap a = take(s, pid, port), h = a;
+    bool half_taken = false;
+    while (swarm_now() < lend) {
+        turn(s, true);
+        uint64_t now = swarm_now();
+        if (!half_taken && now >= half) {
+            h = take(s, pid, port);
+            half_taken = true;
+        }
+        if (now >= next_sample) {
+            sample_line(s, pid, port, db, (double)(now - l0) / 1000.0, "load", out);
+            next_sample = now + (uint64_t)(cfg->sample_s > 0 ? cfg->sample_s * 1000 : 5000);
+        }
+    }
+    snap z = take(s, pid, port);
+    double wall = (double)(z.ms - a.ms) / 1000.0, hw = (double)(z.ms - h.ms) / 1000.0;
+    out->run_s = wall;
+    out->broker_cpu = (z.cpu_s - a.cpu_s) / wall;
+    out->broker_cpu_steady = (z.cpu_s - h.cpu_s) / hw;
+    out->sim_cpu = (z.sim_cpu_s - a.sim_cpu_s) / wall;
+    out->hb_per_s = (double)(z.hb - h.hb) / hw;
+    out->msgs_per_s = (z.msgs - h.msgs) / hw;
+    out->commits_per_s = (z.commits - a.commits) / wall;
+    out->broker_rss_mib = swarm_proc_rss_mib(pid);
+    out->steps_per_s = (double)s->steps_new / wall;
+    for (int i = 0; i < s->n_peers; i++)
+        out->peers_online_end += s->peers[i].st == SP_ONLINE;
+    sample_line(s, pid, port, db, wall, "load-end", out);
+    /* drain: churn off, the unfinished jobs may end */
+    s->churn = false;
+    s->draining = true;
+    uint64_t dend = swarm_now() + (uint64_t)(cfg->drain_s * 1000);
+    while (swarm_now() < dend && jobs_final(s) < s->n_jobs)
+        turn(s, true);
+    out->store_mib_end = swarm_store_mib(db);
+    collect(s, out);
+    {
+        char log[TU_PATH];
+        snprintf(log, sizeof log, "%s", tu_broker_log(c));
+        swarm_samples bp = {0}; /* the broker's own planning times */
+        swarm_log_plans(log, &bp);
+        out->plan_broker_ms = swarm_samples_dist(&bp);
+        swarm_samples_free(&bp);
+    }
+done:
+    for (int i = 0; i < s->n_peers; i++)
+        if (s->peers[i].sock)
+            swarm_peer_disconnect(s, i);
+    for (int k = 0; k < SWARM_MAX_CLIENTS; k++)
+        wire_socket_close(&s->clients[k].sock);
+    zmq_ctx_term(s->ctx);
+    if (c) {
+        char db2[TU_PATH];
+        tu_path(c, db2, "store.db");
+        if (tu_broker_stop(c, SIGTERM) != 0)
+            rc = rc == FU_OK ? FU_EIO : rc;
+        out->events_end = (double)count_events(db2);
+        if (tu_cluster_stop(&c) != FU_OK)
+            rc = rc == FU_OK ? FU_EIO : rc;
+    }
+    for (int k = 0; k < s->n_jobs; k++)
+        dag_graph_destroy(&s->jobs[k].g);
+    swarm_samples_free(&s->plan_ms);
+    swarm_samples_free(&s->replace_ms);
+    swarm_samples_free(&s->resume_ms);
+    close(s->ep);
+    free(s->data);
+    free(s->dirty);
+    free(s->jobs);
+    sodium_memzero(s->peers, (size_t)s->n_peers * sizeof *s->peers);
+    free(s->peers);
+    free(s);
+    return rc;
+}
+
+static void dist(const char *name, const swarm_dist *d)
+{
+    printf(",\"%s_n\":%zu,\"%s_p50\":%.1f,\"%s_p99\":%.1f,\"%s_max\":%.1f", name, d->n, name, d->p50, name, d->p99,
+           name, d->max);
+}
+
+void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
+{
+    printf("{\"bench\":\"swarm\",\"case\":\"%s\",\"peers\":%d,\"clients\":%d,\"jobs\":%d,\"job_steps\":%d,"
+           "\"duration_s\":%.0f,\"session_mean_s\":%.0f,\"heartbeat_ms\":%d,\"layers\":%d,\"backups\":%d,"
+           "\"peers_joined\":%d,\"peers_online_end\":%d,\"run_s\":%.1f,\"broker_cpu\":%.3f,"
+           "\"broker_cpu_steady\":%.3f,\"sim_cpu\":%.3f,\"broker_rss_mib\":%.1f,\"broker_rss_max_mib\":%.1f,"
+           "\"heartbeats_per_s\":%.1f,\"broker_msgs_per_s\":%.1f",
+           name, cfg->n_peers, cfg->n_clients, cfg->n_jobs, cfg->job_steps, cfg->duration_s, cfg->session_mean_s,
+           cfg->heartbeat_ms, cfg->layers, cfg->backups, r->peers_joined, r->peers_online_end, r->run_s,
+           r->broker_cpu, r->broker_cpu_steady, r->sim_cpu, r->broker_rss_mib, r->broker_rss_max_mib, r->hb_per_s,
+           r->msgs_per_s);
+    dist("plan_ms", &r->plan_ms);
+    dist("plan_broker_ms", &r->plan_broker_ms);
+    dist("replace_ms", &r->replace_ms);
+    dist("resume_ms", &r->resume_ms);
+    int acked = r->jobs_acked ? r->jobs_acked : 1;
+    printf(",\"jobs_submitted\":%d,\"jobs_acked\":%d,\"jobs_done\":%d,\"jobs_failed\":%d,\"jobs_cancelled\":%d,"
+           "\"jobs_unfinished\":%d,\"jobs_lost\":%d,\"jobs_done_share\":%.3f,\"steps_new\":%" PRIu64
+           ",\"steps_replayed\":%" PRIu64 ",\"steps_per_s\":%.2f,\"departures\":%d,\"crashes\":%d,"
+           "\"stage_losses\":%d,\"store_commits_per_s\":%.1f,\"store_mib_end\":%.2f,\"store_mib_max\":%.2f,"
+           "\"events_end\":%.0f,\"errors_seen\":%" PRIu64 "}\n",
+           r->jobs_submitted, r->jobs_acked, r->jobs_done, r->jobs_failed, r->jobs_cancelled, r->jobs_unfinished,
+           r->jobs_lost, (double)r->jobs_done / acked, r->steps_new, r->steps_replayed, r->steps_per_s, r->departures,
+           r->crashes, r->stage_losses, r->commits_per_s, r->store_mib_end, r->store_mib_max, r->events_end,
+           r->errors_seen);
+    fflush(stdout);
+}
