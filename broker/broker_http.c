@@ -12,6 +12,7 @@
 #include "broker_api.h"
 #include "broker_metrics.h"
 #include "fu_alloc.h"
+#include "fu_net.h"
 
 /* dashboard.html, embedded at build time (broker/embed.cmake) */
 extern const unsigned char broker_dashboard_html[];
@@ -88,21 +89,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 
 fu_err broker_http_parse_addr(const char *addr, struct sockaddr_in *sa, fu_errmsg *em)
 {
-    char host[64];
-    const char *colon = addr ? strrchr(addr, ':') : NULL;
-    char *end = NULL;
-    long port = colon ? strtol(colon + 1, &end, 10) : -1;
-    size_t hl = colon ? (size_t)(colon - addr) : 0;
-    if (!colon || hl == 0 || hl >= sizeof host || !end || *end || end == colon + 1 || port < 0 || port > 65535)
-        return fu_errmsg_set(em, FU_EINVAL, "--http wants IPV4:PORT (127.0.0.1:9090), not '%.80s'", addr ? addr : "");
-    memcpy(host, addr, hl);
-    host[hl] = '\0';
-    memset(sa, 0, sizeof *sa);
-    sa->sin_family = AF_INET;
-    if (inet_pton(AF_INET, host, &sa->sin_addr) != 1)
-        return fu_errmsg_set(em, FU_EINVAL, "--http: '%s' is not an IPv4 address", host);
-    sa->sin_port = htons((uint16_t)port);
-    return FU_OK;
+    return fu_net_parse_ipv4(addr, "--http", sa, em);
 }
 
 fu_err broker_http_new(const char *addr, broker_t *b, broker_http_t **out, fu_errmsg *em)

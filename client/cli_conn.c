@@ -24,6 +24,8 @@ struct cli_conn {
     int refused;        /* connection attempts refused before that */
     uint64_t sequence;  /* of our requests */
     char endpoint[256]; /* the broker, for messages */
+    int last_code;      /* the last failure's Fusion__ErrorCode, or -1 when the broker gave none */
+    char last_err[512]; /* the last failure's sentence */
 };
 
 /* Reads `key = value` from the config file into the fields still NULL. Values are copied into
@@ -248,16 +250,27 @@ void cli_conn_line_open(bool open)
     g_line_open = open;
 }
 
-static void conn_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void conn_err(const char *fmt, ...)
+/* Says a failure of c on stderr (prefixed with its prog) and keeps it as its last error, with the
+ * broker's error code (-1: none). */
+static void conn_err(cli_conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void conn_err(cli_conn_t *c, int code, const char *fmt, ...)
 {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->last_err, sizeof c->last_err, fmt, ap);
+    va_end(ap);
+    c->last_code = code;
     if (g_line_open)
         fputc('\n', stderr);
     g_line_open = false;
-    va_list ap;
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
+    fprintf(stderr, "%s: %s\n", c->prog, c->last_err);
+}
+
+const char *cli_conn_last_error(const cli_conn_t *c, int *code)
+{
+    if (code)
+        *code = c->last_code;
+    return c->last_err;
 }
 
 fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code)
@@ -266,7 +279,7 @@ fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
     h.sequence = ++c->sequence;
     fu_err rc = wire_send(c->sock, NULL, 0, &h, body);
     if (rc != FU_OK) {
-        conn_err("%s: cannot send to the broker at %s: %s\n", c->prog, c->endpoint, fu_strerror(rc));
+        conn_err(c, -1, "cannot send to the broker at %s: %s", c->endpoint, fu_strerror(rc));
         *exit_code = FU_EXIT_FAIL;
     }
     return rc;
@@ -297,10 +310,10 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
     for (;;) {
         uint64_t now = fu_clock_ms();
         if (now >= deadline) {
-            conn_err(
-                    "%s: no answer from the broker at %s within %lld ms (is fusion-broker running there, and "
-                    "is --broker-key its public key?)\n",
-                    c->prog, c->endpoint, c->timeout_ms);
+            conn_err(c, -1,
+                     "no answer from the broker at %s within %lld ms (is fusion-broker running there, and is "
+                     "--broker-key its public key?)",
+                     c->endpoint, c->timeout_ms);
             *exit_code = FU_EXIT_TIMEOUT;
             return FU_ETIMEDOUT;
         }
@@ -316,18 +329,18 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
             /* Refused again and again (a retry every WIRE_RECONNECT_MS at first) before it ever
              * connected: nothing listens there. Once connected, a broker that restarts is waited for. */
             if (ev == ZMQ_EVENT_CONNECT_RETRIED && !c->connected && ++c->refused >= CLI_REFUSED_TRIES) {
-                conn_err(
-                        "%s: nothing answers at %s: the connection is refused (is fusion-broker running there, on "
-                        "that port?)\n",
-                        c->prog, c->endpoint);
+                conn_err(c, -1,
+                         "nothing answers at %s: the connection is refused (is fusion-broker running there, on "
+                         "that port?)",
+                         c->endpoint);
                 *exit_code = FU_EXIT_FAIL;
                 return FU_EIO;
             }
             if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
-                conn_err(
-                        "%s: the broker at %s refused this client's key (ask its operator to allow your "
-                        "public.key, or check --broker-key)\n",
-                        c->prog, c->endpoint);
+                conn_err(c, FUSION__ERROR_CODE__ERR_AUTH,
+                         "the broker at %s refused this client's key (ask its operator to allow your public.key, "
+                         "or check --broker-key)",
+                         c->endpoint);
                 *exit_code = FU_EXIT_AUTH;
                 return FU_EAUTH;
             }
@@ -339,13 +352,13 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         if (rc == FU_EAGAIN)
             continue;
         if (rc != FU_OK) {
-            conn_err("%s: bad answer from the broker: %s\n", c->prog, fu_strerror(rc));
+            conn_err(c, -1, "bad answer from the broker: %s", fu_strerror(rc));
             *exit_code = FU_EXIT_FAIL;
             return rc;
         }
         const Fusion__Error *err = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
         if (err) {
-            conn_err("%s: %s\n", c->prog, err->message && err->message[0] ? err->message : "refused");
+            conn_err(c, (int)err->code, "%s", err->message && err->message[0] ? err->message : "refused");
             *exit_code = error_exit_code(err->code);
             wire_msg_destroy(&m);
             return *exit_code == FU_EXIT_AUTH ? FU_EAUTH : *exit_code == FU_EXIT_NOTFOUND ? FU_ENOTFOUND : FU_EPROTO;

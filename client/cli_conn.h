@@ -67,6 +67,10 @@ FU_MUST_CHECK fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, 
                                       const ProtobufCMessage *body, Fusion__MsgType want, wire_msg_t **reply,
                                       int *exit_code);
 
+/* The last failure said on c (without the prog prefix; "" when none) and, in *code when not NULL,
+ * the broker's Fusion__ErrorCode for it, or -1 when the failure was the connection's. */
+const char *cli_conn_last_error(const cli_conn_t *self, int *code);
+
 /* Sends (hdr, body) without waiting: requests in flight are answered in order (cli_conn_recv each). */
 FU_MUST_CHECK fu_err cli_conn_send(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code);
 

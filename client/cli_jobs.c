@@ -123,6 +123,33 @@ typedef struct {
 /* The fu_opt entries of read_opts, bound to *o. */
 #define READ_OPTS(o) CLI_CONN_OPTS(&(o)->conn), {"json", 0, FU_OPT_FLAG, &(o)->json, NULL, "print JSON"}
 
+fu_err cli_job_submit(cli_conn_t *conn, Fusion__JobKind kind, const char *spec_json, const uint8_t *data, size_t len,
+                      const char *idem, wire_msg_t **m, int *code)
+{
+    Fusion__JobSubmit sub = FUSION__JOB_SUBMIT__INIT;
+    sub.idempotency_key = (char *)idem;
+    sub.kind = kind;
+    sub.spec_json = (char *)spec_json;
+    sub.data.data = (uint8_t *)data;
+    sub.data.len = len;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_SUBMIT};
+    fu_err rc = FU_ETIMEDOUT;
+    for (int t = 0; t < CLI_SUBMIT_TRIES && rc == FU_ETIMEDOUT; t++)
+        rc = cli_conn_call(conn, &h, &sub.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, m, code);
+    return rc;
+}
+
+fu_err cli_job_cancel(cli_conn_t *conn, uint64_t id, int *code)
+{
+    Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+    ref.job_id = id;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_CANCEL, .job_id = id};
+    wire_msg_t *m = NULL;
+    fu_err rc = cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, code);
+    wire_msg_destroy(&m);
+    return rc;
+}
+
 void cli_print_status_json(const Fusion__JobStatus *s)
 {
     print_json(status_json(s));

@@ -3,6 +3,7 @@
 #define FU_CLI_JOBS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "cli_conn.h"
@@ -12,10 +13,22 @@ extern "C" {
 #endif
 
 #define CLI_WAIT_POLL_MS 200 /* how often `wait` asks for a job's status */
+#define CLI_SUBMIT_TRIES 3   /* sends of one submission before giving up */
 
 /* Job id's JobStatus from the broker over conn (*m: the reply, for wire_msg_destroy); on failure the
  * message is printed and the exit code set. */
 FU_MUST_CHECK fu_err cli_job_fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code);
+
+/* Submits a job: kind, its spec's JSON text and data[0..len) (training text, or an inference
+ * prompt), under idempotency key idem, sent again with the same key when no answer comes (so a retry
+ * never makes a second job). The broker's JobStatus in *m (wire_msg_destroy); on failure the message
+ * is printed and the exit code set. */
+FU_MUST_CHECK fu_err cli_job_submit(cli_conn_t *conn, Fusion__JobKind kind, const char *spec_json, const uint8_t *data,
+                                    size_t len, const char *idem, wire_msg_t **m, int *code);
+
+/* Cancels job id (the broker's answer is not kept); on failure the message is printed and the exit
+ * code set. */
+FU_MUST_CHECK fu_err cli_job_cancel(cli_conn_t *conn, uint64_t id, int *code);
 
 /* Prints job status s on stdout as one JSON object, as `fusion status JOB --json` does. */
 void cli_print_status_json(const Fusion__JobStatus *s);

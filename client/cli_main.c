@@ -33,6 +33,8 @@ static const cli_subcommand subcommands[] = {
     {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
     {"http-token", "the bearer token of your key for the broker's HTTP API (--http)", cli_http_token_main,
      "Operate and serve"},
+    {"serve", "an OpenAI-compatible endpoint (/v1/chat/completions) that runs requests on the broker",
+     cli_serve_main, "Operate and serve"},
     {"eval", "perplexity of a model, with and without an adapter, on held-out data", cli_eval_main, "Data"},
     {"tokenize", "encode text to token ids with a model's tokenizer, or decode ids (--decode)", cli_tokenize_main,
      "Tokenizers"},

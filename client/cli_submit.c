@@ -18,7 +18,6 @@
 #include "fu_encode.h"
 #include "fu_file.h"
 
-#define CLI_SUBMIT_TRIES     3               /* sends of one submission before giving up */
 #define CLI_MAX_INLINE_BYTES (24u << 20)     /* training text carried inside the submission */
 
 /* A model directory the broker will read: made absolute when it exists here (loopback clusters),
@@ -76,17 +75,8 @@ static fu_err submit_on(cli_conn_t *conn, const char *prog, Fusion__JobKind kind
         snprintf(spec->model, sizeof spec->model, "%s", name);
     }
     char *spec_txt = upload ? dag_spec_to_json(spec) : spec_json(spec);
-    Fusion__JobSubmit sub = FUSION__JOB_SUBMIT__INIT;
-    sub.idempotency_key = (char *)idem;
-    sub.kind = kind;
-    sub.spec_json = spec_txt;
-    sub.data.data = (uint8_t *)data;
-    sub.data.len = data_len;
-    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_SUBMIT};
     wire_msg_t *m = NULL;
-    fu_err rc = FU_ETIMEDOUT;
-    for (int t = 0; t < CLI_SUBMIT_TRIES && rc == FU_ETIMEDOUT; t++)
-        rc = cli_conn_call(conn, &h, &sub.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, code);
+    fu_err rc = cli_job_submit(conn, kind, spec_txt, data, data_len, idem, &m, code);
     free(spec_txt);
     if (rc != FU_OK) {
         if (*code == FU_EXIT_NOTFOUND && !upload && fu_path_is_dir(local))

@@ -9,6 +9,8 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "cli_openai.h"
+#include "dag_dataset.h"
 #include "fu_alloc.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
@@ -17,17 +19,37 @@
 
 #define TOK_MAX_INPUT ((size_t)256 << 20) /* most bytes read from stdin */
 
+/* How --chat renders: the chat format and the model's BOS and EOS ids (-1: the tokenizer's). */
+typedef struct {
+    dag_chat_format fmt;
+    int32_t bos, eos;
+} tok_chat;
+
 /* The tokenizer of src: a model directory (its tokenizer.json, else bytes over its vocabulary) or a
- * tokenizer.json file. */
-static fu_err open_tokenizer(const char *src, bool byte_tokens, fu_tokenizer **tok, fu_errmsg *em)
+ * tokenizer.json file; with chat, also how chats render (tokenizer_config.json beside it). */
+static fu_err open_tokenizer(const char *src, bool byte_tokens, fu_tokenizer **tok, tok_chat *chat, fu_errmsg *em)
 {
-    if (!fu_path_is_dir(src))
-        return fu_tokenizer_load(src, tok, em);
-    fu_modelcfg cfg;
-    fu_err rc = fu_modelcfg_load(src, &cfg, em);
-    if (rc != FU_OK)
+    if (chat)
+        *chat = (tok_chat){.fmt = DAG_CHAT_NONE, .bos = -1, .eos = -1};
+    if (!fu_path_is_dir(src)) {
+        FU_TRY(fu_tokenizer_load(src, tok, em));
+        if (!chat)
+            return FU_OK;
+        char *dir = fu_strdup(src), *slash = strrchr(dir, '/');
+        if (slash)
+            *slash = '\0';
+        fu_err rc = dag_chat_format_from_dir(slash ? dir : ".", &chat->fmt, em);
+        free(dir);
         return rc;
-    return fu_tokenizer_open_dir(src, cfg.vocab_size, cfg.byte_tokens || byte_tokens, tok, em);
+    }
+    fu_modelcfg cfg;
+    FU_TRY(fu_modelcfg_load(src, &cfg, em));
+    FU_TRY(fu_tokenizer_open_dir(src, cfg.vocab_size, cfg.byte_tokens || byte_tokens, tok, em));
+    if (!chat)
+        return FU_OK;
+    chat->bos = (int32_t)cfg.bos_token_id;
+    chat->eos = (int32_t)cfg.eos_token_id;
+    return dag_chat_format_from_dir(src, &chat->fmt, em);
 }
 
 /* All of stdin (at most TOK_MAX_INPUT bytes) into *out (NUL-terminated, caller frees). */
@@ -140,8 +162,32 @@ static int decode_one(const fu_tokenizer *tok, const char *json, bool as_json, c
     return code;
 }
 
+/* The chat of json ({"messages": [...]}, as a chat request has them) rendered in fmt as `fusion
+ * serve` renders it for the model's next turn: its ids printed. */
+static int chat_one(const fu_tokenizer *tok, const tok_chat *chat, const char *json, size_t len, const char *prog)
+{
+    cli_oai_req r;
+    fu_errmsg em = {{0}};
+    fu_err rc = cli_oai_parse_messages(json, len, &r, &em);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: --chat: %s\n", prog, fu_errmsg_text(&em, rc));
+        return FU_EXIT_USAGE;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    rc = dag_chat_prompt(tok, chat->fmt, chat->bos, chat->eos, r.msgs, r.n_msgs, &ids, &n, &em);
+    cli_oai_req_free(&r);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: --chat: %s\n", prog, fu_errmsg_text(&em, rc));
+        return FU_EXIT_USAGE;
+    }
+    print_ids(ids, n);
+    free(ids);
+    return FU_EXIT_OK;
+}
+
 /* --jsonl: one JSON value per line of in. */
-static int per_line(const fu_tokenizer *tok, char *in, bool decode, const char *prog)
+static int per_line(const fu_tokenizer *tok, char *in, bool decode, const tok_chat *chat, const char *prog)
 {
     int code = FU_EXIT_OK;
     size_t line = 0;
@@ -151,6 +197,8 @@ static int per_line(const fu_tokenizer *tok, char *in, bool decode, const char *
             *nl = '\0';
         if (decode) {
             code = decode_one(tok, p, true, prog);
+        } else if (chat) {
+            code = chat_one(tok, chat, p, strlen(p), prog);
         } else {
             cJSON *s = cJSON_Parse(p);
             if (!cJSON_IsString(s)) {
@@ -170,18 +218,21 @@ static int per_line(const fu_tokenizer *tok, char *in, bool decode, const char *
 
 int cli_tokenize_main(int argc, char **argv)
 {
-    bool decode = false, jsonl = false, byte_tokens = false;
+    bool decode = false, jsonl = false, byte_tokens = false, chat_flag = false;
     const fu_opt opts[] = {
         {"decode", 'd', FU_OPT_FLAG, &decode, NULL, "decode a JSON array of ids to text instead"},
         {"jsonl", 0, FU_OPT_FLAG, &jsonl, NULL,
          "read one JSON value per line from stdin (strings to encode, or arrays with --decode) and answer one "
          "line each"},
+        {"chat", 0, FU_OPT_FLAG, &chat_flag, NULL,
+         "encode a chat ({\"messages\": [...]}) as `fusion serve` prompts the model with it: in the model's chat "
+         "format (tokenizer_config.json), ready for the assistant's turn"},
         {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL,
          "a model of more than 256 ids without tokenizer.json: use byte ids anyway"},
     };
     const fu_cmd cmd = {
         .prog = argv[0],
-        .usage = "[--decode] [--jsonl] MODEL_DIR|tokenizer.json [TEXT|IDS]",
+        .usage = "[--decode | --chat] [--jsonl] MODEL_DIR|tokenizer.json [TEXT|IDS|CHAT]",
         .summary = "Encodes TEXT (or stdin) with a model's tokenizer and prints the ids as a JSON array, or "
                    "with --decode prints the text of a JSON array of ids. Special tokens written in the text "
                    "(<s>, <|im_start|>) become their ids; nothing is added around it.",
@@ -198,12 +249,20 @@ int cli_tokenize_main(int argc, char **argv)
         fprintf(stderr, "%s: --jsonl reads stdin: give no TEXT\n", argv[0]);
         return FU_EXIT_USAGE;
     }
+    if (decode && chat_flag) {
+        fprintf(stderr, "%s: --decode and --chat do not go together\n", argv[0]);
+        return FU_EXIT_USAGE;
+    }
     fu_errmsg em = {{0}};
     fu_tokenizer *tok = NULL;
-    fu_err rc = open_tokenizer(src, byte_tokens, &tok, &em);
+    tok_chat chat;
+    fu_err rc = open_tokenizer(src, byte_tokens, &tok, chat_flag ? &chat : NULL, &em);
+    if (rc == FU_OK && chat_flag && chat.fmt == DAG_CHAT_NONE)
+        rc = fu_errmsg_set(&em, FU_EINVAL, "--chat: %s has no chat_template in its tokenizer_config.json", src);
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", argv[0], fu_errmsg_text(&em, rc));
-        return rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : FU_EXIT_FAIL;
+        fu_tokenizer_destroy(&tok);
+        return rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : rc == FU_EINVAL || rc == FU_EVERSION ? FU_EXIT_USAGE : FU_EXIT_FAIL;
     }
     char *in = NULL;
     size_t len = 0;
@@ -216,7 +275,9 @@ int cli_tokenize_main(int argc, char **argv)
         return FU_EXIT_FAIL;
     }
     if (jsonl)
-        code = per_line(tok, in, decode, argv[0]);
+        code = per_line(tok, in, decode, chat_flag ? &chat : NULL, argv[0]);
+    else if (chat_flag)
+        code = chat_one(tok, &chat, in, len, argv[0]);
     else if (decode)
         code = decode_one(tok, in, false, argv[0]);
     else

@@ -1,5 +1,6 @@
 #include "dag_dataset.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,8 +10,11 @@
 
 #include "dag_data.h"
 #include "fu_alloc.h"
+#include "fu_file.h"
 
 /* ---- chat formats ---------------------------------------------------------------------------- */
+
+#define DAG_CHAT_CONFIG_MAX (16u << 20) /* the longest tokenizer_config.json read */
 
 const char *dag_chat_format_name(dag_chat_format f)
 {
@@ -64,6 +68,130 @@ fu_err dag_chat_format_from_config(const char *json, size_t len, dag_chat_format
         }
     }
     cJSON_Delete(c);
+    return rc;
+}
+
+/* content without the whitespace at its ends (Jinja's trim, Python's strip): *len bytes from the return. */
+static const char *trimmed(const char *s, size_t *len)
+{
+    size_t n = strlen(s);
+    while (n && isspace((unsigned char)*s))
+        s++, n--;
+    while (n && isspace((unsigned char)s[n - 1]))
+        n--;
+    *len = n;
+    return s;
+}
+
+static bool chat_role_ok(const char *role)
+{
+    return role && (strcmp(role, "system") == 0 || strcmp(role, "user") == 0 || strcmp(role, "assistant") == 0);
+}
+
+fu_err dag_chat_text(dag_chat_format fmt, const dag_chat_msg *msgs, size_t n, const char *bos, const char *eos,
+                     bool gen_prompt, char **out, fu_errmsg *em)
+{
+    *out = NULL;
+    if (fmt == DAG_CHAT_NONE)
+        return fu_errmsg_set(em, FU_EINVAL, "the model has no chat format: its tokenizer_config.json has no chat_template");
+    if (n == 0 || n > DAG_CHAT_MAX_MSGS)
+        return fu_errmsg_set(em, FU_EINVAL, "a chat has 1 to %d messages, not %zu", DAG_CHAT_MAX_MSGS, n);
+    for (size_t i = 0; i < n; i++)
+        if (!chat_role_ok(msgs[i].role) || !msgs[i].content)
+            return fu_errmsg_set(em, FU_EINVAL, "message %zu: role '%.40s' is not system, user or assistant, or it has "
+                                 "no content", i, msgs[i].role ? msgs[i].role : "");
+    bos = bos ? bos : "";
+    eos = eos ? eos : "";
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f)
+        return fu_errmsg_set(em, FU_ENOMEM, "out of memory");
+    fu_err rc = FU_OK;
+    size_t first = 0, tl;
+    const char *sys = NULL, *t;
+    switch (fmt) {
+    case DAG_CHAT_LLAMA3: /* bos, then <|start_header_id|>role<|end_header_id|>\n\n content|trim <|eot_id|> */
+        fputs(bos, f);
+        for (size_t i = 0; i < n; i++) {
+            t = trimmed(msgs[i].content, &tl);
+            fprintf(f, "<|start_header_id|>%s<|end_header_id|>\n\n%.*s<|eot_id|>", msgs[i].role, (int)tl, t);
+        }
+        if (gen_prompt)
+            fputs("<|start_header_id|>assistant<|end_header_id|>\n\n", f);
+        break;
+    case DAG_CHAT_CHATML:
+        for (size_t i = 0; i < n; i++)
+            fprintf(f, "<|im_start|>%s\n%s<|im_end|>\n", msgs[i].role, msgs[i].content);
+        if (gen_prompt)
+            fputs("<|im_start|>assistant\n", f);
+        break;
+    case DAG_CHAT_INST: /* Llama 2's template: [system,] user, assistant, user, ... */
+        if (strcmp(msgs[0].role, "system") == 0)
+            sys = msgs[first++].content;
+        for (size_t i = first; i < n && rc == FU_OK; i++) {
+            bool user = strcmp(msgs[i].role, "user") == 0;
+            if (user != ((i - first) % 2 == 0)) {
+                rc = fu_errmsg_set(em, FU_EINVAL, "message %zu: [INST] chats alternate user and assistant turns "
+                                   "(after one optional system message)", i);
+                break;
+            }
+            char *joined = NULL; /* the template strips the first turn with the system text before it */
+            if (user && i == first && sys) {
+                size_t jl = strlen(sys) + strlen(msgs[i].content) + 32;
+                joined = fu_malloc(jl);
+                snprintf(joined, jl, "<<SYS>>\n%s\n<</SYS>>\n\n%s", sys, msgs[i].content);
+            }
+            t = trimmed(joined ? joined : msgs[i].content, &tl);
+            if (user)
+                fprintf(f, "%s[INST] %.*s [/INST]", bos, (int)tl, t);
+            else
+                fprintf(f, " %.*s %s", (int)tl, t, eos);
+            free(joined);
+        }
+        if (rc == FU_OK && first == n)
+            rc = fu_errmsg_set(em, FU_EINVAL, "an [INST] chat needs a user message after its system message");
+        break;
+    default:
+        rc = fu_errmsg_set(em, FU_EINVAL, "unknown chat format");
+    }
+    if (fclose(f) != 0 && rc == FU_OK)
+        rc = fu_errmsg_set(em, FU_ENOMEM, "out of memory");
+    if (rc != FU_OK) {
+        free(buf);
+        return rc;
+    }
+    *out = buf;
+    return FU_OK;
+}
+
+fu_err dag_chat_format_from_dir(const char *dir, dag_chat_format *out, fu_errmsg *em)
+{
+    *out = DAG_CHAT_NONE;
+    char *path = fu_path_join(dir, "tokenizer_config.json"), *txt = NULL;
+    size_t len = 0;
+    fu_err rc = FU_OK;
+    if (fu_path_exists(path) && (rc = fu_file_read_all(path, DAG_CHAT_CONFIG_MAX, &txt, &len, em)) == FU_OK)
+        rc = dag_chat_format_from_config(txt, len, out, em);
+    free(txt);
+    free(path);
+    return rc;
+}
+
+fu_err dag_chat_prompt(const fu_tokenizer *tok, dag_chat_format fmt, int32_t bos, int32_t eos, const dag_chat_msg *msgs,
+                       size_t n, int32_t **ids, size_t *n_ids, fu_errmsg *em)
+{
+    *ids = NULL;
+    *n_ids = 0;
+    if (bos < 0)
+        bos = fu_tokenizer_bos_id(tok);
+    if (eos < 0)
+        eos = fu_tokenizer_eos_id(tok);
+    char *text = NULL;
+    FU_TRY(dag_chat_text(fmt, msgs, n, bos >= 0 ? fu_tokenizer_token(tok, bos) : NULL,
+                         eos >= 0 ? fu_tokenizer_token(tok, eos) : NULL, true, &text, em));
+    fu_err rc = fu_tokenizer_encode(tok, text, strlen(text), ids, n_ids, em);
+    free(text);
     return rc;
 }
 

