@@ -3,7 +3,6 @@
  * checkpoints from every stage (real safetensors of the stage's adapter tensors, which the broker
  * checks against the graph), and the clients that submit the jobs and poll their status. */
 #include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,10 +127,10 @@ void swarm_job_on_assign(swarm *s, int i, const Fusion__StageAssign *a)
 }
 
 /* Seconds of one step of j's pipeline on its stage peers: every stage computes its share of the
- * model's FLOPs (times work_scale) at its peer's speed and sends its cut (forward, and the gradient
- * back; times sqrt(work_scale): a model with L times the layers and H times the width has about L H^2
- * times the FLOPs and H times the activations) over its upload link; M micro-batches through S stages take (M + S - 1) micro-batch slots of
- * the slowest stage. Negative when a stage has no peer. */
+ * model's FLOPs, times work_scale (the small model stands in for a large one), at its peer's speed,
+ * and sends its cut forward and the gradient back over its upload link with the link's round trip,
+ * not scaled (what the broker's own plan predicts for them); M micro-batches through S stages take
+ * (M + S - 1) micro-batch slots of the slowest stage. Negative when a stage has no peer. */
 static double step_seconds(const swarm *s, const swarm_job *j)
 {
     double tokens = (double)(j->batch * j->seq_len), worst = 0;
@@ -143,8 +142,8 @@ static double step_seconds(const swarm *s, const swarm_job *j)
         dag_cost c = dag_graph_cost(j->g, j->first[t], j->last[t]);
         double sec = tokens * (c.flops_fwd + c.flops_bwd) * s->cfg.work_scale / (p->gflops * 1e9);
         if (t + 1 < j->n_stages)
-            sec += tokens * 4.0 * (double)dag_graph_cut_width(j->g, j->last[t]) * 2.0 * sqrt(s->cfg.work_scale) /
-                   (p->link->up_mbit * 125000.0);
+            sec += tokens * 4.0 * (double)dag_graph_cut_width(j->g, j->last[t]) * 2.0 / (p->link->up_mbit * 125000.0) +
+                   p->link->rtt_ms / 1000.0;
         if (sec > worst)
             worst = sec;
     }

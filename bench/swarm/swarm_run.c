@@ -208,8 +208,29 @@ static fu_err setup(swarm *s, tu_cluster **cp)
     return FU_OK;
 }
 
+/* Says on stderr where each unfinished job stands, as the simulation sees it. */
+static void show_unfinished(const swarm *s)
+{
+    for (int k = 0; k < s->n_jobs; k++) {
+        const swarm_job *j = &s->jobs[k];
+        if (j->st != SJ_ACKED && j->st != SJ_SUBMITTED && j->st != SJ_NEW)
+            continue;
+        fprintf(stderr, "bench-swarm: job %016" PRIx64 " unfinished: %s, %u stages, %s at step %" PRIu64
+                " (%" PRIu64 " done), stage peers:", j->id, j->st == SJ_ACKED ? "acknowledged" : "not acknowledged",
+                j->n_stages, j->running ? "running" : "stopped", j->step, j->steps_done);
+        for (uint32_t t = 0; t < j->n_stages; t++) {
+            int pi = j->stage_peer[t];
+            fprintf(stderr, " %s(%s)", pi >= 0 ? s->peers[pi].name : "-",
+                    pi < 0 ? "" : s->peers[pi].st == SP_ONLINE ? "online" : "away");
+        }
+        fprintf(stderr, "\n");
+    }
+}
+
 static void collect(swarm *s, swarm_result *r)
 {
+    if (!s->cfg.quiet)
+        show_unfinished(s);
     for (int k = 0; k < s->n_jobs; k++) {
         const swarm_job *j = &s->jobs[k];
         r->jobs_submitted += j->st != SJ_NEW || j->submit_ms;
