@@ -205,7 +205,10 @@ static void gen_poll(gen_t *g)
     size_t rel = cli_oai_release(g->text ? g->text : "", g->len, g->stops, g->n_stops, done, g->sent, &stopped);
     if (stopped) {
         g->finish = "stop";
-        gen_cancel(g); /* it may be generating on past the stop string */
+        if (done)
+            g->over = true;
+        else
+            gen_cancel(g); /* it would generate on past the stop string */
     } else if (done) {
         g->finish = g->usage.completion_tokens >= max ? "length" : "stop";
         g->over = true;

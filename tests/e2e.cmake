@@ -94,3 +94,9 @@ if(FUSION_HAVE_CUDA)
   fu_e2e_exe(test_e2e_gpu)
   fu_e2e_case(test_e2e_gpu test_e2e_gpu_same_bits 300 gpu)
 endif()
+
+# fusion serve, the OpenAI-compatible gateway, with OpenAI's own client (npm openai) and curl in front
+# of a three-peer pipeline; and its refusals without a cluster.
+fu_e2e_exe(test_e2e_serve)
+fu_e2e_case(test_e2e_serve test_e2e_serve_openai_client_through_three_peers 400 serve)
+fu_e2e_case(test_e2e_serve test_e2e_serve_refuses_an_open_listener 60 serve)
