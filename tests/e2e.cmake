@@ -100,3 +100,7 @@ endif()
 fu_e2e_exe(test_e2e_serve)
 fu_e2e_case(test_e2e_serve test_e2e_serve_openai_client_through_three_peers 400 serve)
 fu_e2e_case(test_e2e_serve test_e2e_serve_refuses_an_open_listener 60 serve)
+
+# `fusion wait`'s progress line on a pseudo-terminal (script(1)) of a given width.
+fu_e2e_exe(test_cli_progress)
+fu_e2e_case(test_cli_progress test_cli_progress_line_fits_the_terminal 200 client)
