@@ -15,6 +15,7 @@
 /* ---- chat formats ---------------------------------------------------------------------------- */
 
 #define DAG_CHAT_CONFIG_MAX (16u << 20) /* the longest tokenizer_config.json read */
+#define DAG_CHAT_MAX_TURNS  64          /* assistant turns of one training chat (each renders its prefix again) */
 
 const char *dag_chat_format_name(dag_chat_format f)
 {
@@ -235,68 +236,110 @@ static void special(ivec *a, int32_t id, bool counted)
         put(a, counted ? id : DAG_DATA_MASKED(id));
 }
 
-/* One chat: its messages rendered in fmt, the assistant's turns counted. */
+/* The ids of text (caller frees), and how many. */
+static fu_err encode_text(const fu_tokenizer *tok, const char *text, size_t len, int32_t **ids, size_t *n, fu_errmsg *em)
+{
+    *ids = NULL;
+    *n = 0;
+    return fu_tokenizer_encode(tok, text, len, ids, n, em);
+}
+
+/* How many of the ids of msgs[0..upto) rendered (with the generation prompt when gen; for ChatML
+ * without the newline after a turn's <|im_end|>, which the assistant does not say) begin full's ids:
+ * the token index where that text ends in the whole chat's encoding. */
+static fu_err chat_boundary(const fu_tokenizer *tok, dag_chat_format fmt, const dag_chat_msg *m, size_t upto, bool gen,
+                            const char *bos, const char *eos, const int32_t *full, size_t n_full, size_t *at,
+                            fu_errmsg *em)
+{
+    char *text = NULL;
+    *at = 0;
+    if (upto == 0) /* an assistant turn first: counted from the chat's start */
+        return FU_OK;
+    FU_TRY(dag_chat_text(fmt, m, upto, bos, eos, gen, &text, em));
+    size_t len = strlen(text);
+    if (fmt == DAG_CHAT_CHATML && !gen && len && text[len - 1] == '\n')
+        len--;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    fu_err rc = encode_text(tok, text, len, &ids, &n, em);
+    free(text);
+    if (rc != FU_OK)
+        return rc;
+    size_t k = 0; /* the tokens that agree: where the text ends inside a token, the boundary moves back */
+    while (k < n && k < n_full && ids[k] == full[k])
+        k++;
+    free(ids);
+    *at = k;
+    return FU_OK;
+}
+
+/* One chat: rendered whole as the model's chat_template renders it (dag_chat_text, the text
+ * `fusion serve` prompts with, encoded once), and each assistant turn counted: the tokens between
+ * the prompt that asks for that turn (the messages before it with the generation prompt) and the end
+ * of the turn (its end-of-turn token; for [INST] its EOS). */
 static fu_err render_chat(const fu_tokenizer *tok, dag_chat_format fmt, const cJSON *msgs, ivec *a, size_t line,
                           fu_errmsg *em)
 {
-    const char *system = NULL;
-    bool first_user = true;
-    const cJSON *m;
-    cJSON_ArrayForEach(m, msgs)
+    if (fmt == DAG_CHAT_NONE)
+        return fu_errmsg_set(em, FU_EINVAL,
+                             "data line %zu: \"messages\" need the model's chat format, and its tokenizer_config.json "
+                             "has no chat_template", line);
+    size_t n = (size_t)cJSON_GetArraySize(msgs), turns = 0;
+    if (n > DAG_CHAT_MAX_MSGS)
+        return fu_errmsg_set(em, FU_EINVAL, "data line %zu: a chat has at most %d messages", line, DAG_CHAT_MAX_MSGS);
+    dag_chat_msg *m = fu_calloc(n, sizeof *m);
+    size_t i = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, msgs)
     {
-        const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role"), *c = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsString(r) || !cJSON_IsString(c))
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(e, "role"), *c = cJSON_GetObjectItemCaseSensitive(e, "content");
+        m[i].role = cJSON_IsString(r) ? r->valuestring : NULL;
+        m[i].content = cJSON_IsString(c) ? c->valuestring : NULL;
+        if (!m[i].role || !m[i].content) {
+            free(m);
             return fu_errmsg_set(em, FU_EINVAL, "data line %zu: every message needs a \"role\" and a \"content\" string",
                                  line);
-        const char *role = r->valuestring, *content = c->valuestring;
-        bool asst = strcmp(role, "assistant") == 0;
-        if (!asst && strcmp(role, "user") != 0 && strcmp(role, "system") != 0)
-            return fu_errmsg_set(em, FU_EINVAL, "data line %zu: role '%.40s' is not system, user or assistant", line,
-                                 role);
-        char head[160];
-        switch (fmt) {
-        case DAG_CHAT_LLAMA3:
-            snprintf(head, sizeof head, "<|start_header_id|>%s<|end_header_id|>\n\n", role);
-            FU_TRY(text_piece(tok, a, head, false, em));
-            FU_TRY(text_piece(tok, a, content, asst, em));
-            FU_TRY(text_piece(tok, a, "<|eot_id|>", asst, em));
-            break;
-        case DAG_CHAT_CHATML:
-            snprintf(head, sizeof head, "<|im_start|>%s\n", role);
-            FU_TRY(text_piece(tok, a, head, false, em));
-            FU_TRY(text_piece(tok, a, content, asst, em));
-            FU_TRY(text_piece(tok, a, "<|im_end|>", asst, em));
-            FU_TRY(text_piece(tok, a, "\n", false, em));
-            break;
-        case DAG_CHAT_INST:
-            if (strcmp(role, "system") == 0) {
-                system = content; /* folded into the first user turn, as Llama 2's template does */
-            } else if (!asst) {
-                FU_TRY(text_piece(tok, a, "[INST] ", false, em));
-                if (system && first_user) {
-                    FU_TRY(text_piece(tok, a, "<<SYS>>\n", false, em));
-                    FU_TRY(text_piece(tok, a, system, false, em));
-                    FU_TRY(text_piece(tok, a, "\n<</SYS>>\n\n", false, em));
-                }
-                FU_TRY(text_piece(tok, a, content, false, em));
-                FU_TRY(text_piece(tok, a, " [/INST]", false, em));
-                first_user = false;
-            } else {
-                FU_TRY(text_piece(tok, a, " ", true, em));
-                FU_TRY(text_piece(tok, a, content, true, em));
-                FU_TRY(text_piece(tok, a, " ", true, em));
-                special(a, fu_tokenizer_eos_id(tok), true);
-                special(a, fu_tokenizer_bos_id(tok), false); /* the next turn's <s> */
-            }
-            break;
-        default:
-            return fu_errmsg_set(em, FU_EINVAL,
-                                 "data line %zu: \"messages\" need the model's chat format, and its tokenizer_config.json "
-                                 "has no chat_template",
-                                 line);
         }
+        turns += strcmp(m[i].role, "assistant") == 0;
+        i++;
     }
-    return FU_OK;
+    if (turns > DAG_CHAT_MAX_TURNS) {
+        free(m);
+        return fu_errmsg_set(em, FU_EINVAL, "data line %zu: more than %d assistant turns in one chat (split it)", line,
+                             DAG_CHAT_MAX_TURNS);
+    }
+    int32_t bos_id = fu_tokenizer_bos_id(tok), eos_id = fu_tokenizer_eos_id(tok);
+    const char *bos = bos_id >= 0 ? fu_tokenizer_token(tok, bos_id) : NULL,
+               *eos = eos_id >= 0 ? fu_tokenizer_token(tok, eos_id) : NULL;
+    char *text = NULL;
+    int32_t *full = NULL;
+    size_t n_full = 0;
+    fu_err rc = dag_chat_text(fmt, m, n, bos, eos, false, &text, em);
+    if (rc == FU_OK)
+        rc = encode_text(tok, text, strlen(text), &full, &n_full, em);
+    free(text);
+    bool *counted = rc == FU_OK ? fu_calloc(n_full ? n_full : 1, sizeof *counted) : NULL;
+    for (i = 0; i < n && rc == FU_OK; i++) {
+        if (strcmp(m[i].role, "assistant") != 0)
+            continue;
+        size_t from = 0, to = 0;
+        if ((rc = chat_boundary(tok, fmt, m, i, true, bos, eos, full, n_full, &from, em)) == FU_OK &&
+            (rc = chat_boundary(tok, fmt, m, i + 1, false, bos, eos, full, n_full, &to, em)) == FU_OK)
+            for (size_t k = from; k < to; k++)
+                counted[k] = true;
+    }
+    if (rc == FU_OK)
+        for (size_t k = 0; k < n_full; k++)
+            put(a, counted[k] ? full[k] : DAG_DATA_MASKED(full[k]));
+    else if (rc == FU_EINVAL && strncmp(em->msg, "data line", 9) != 0) {
+        char why[sizeof em->msg];
+        snprintf(why, sizeof why, "%s", em->msg);
+        fu_errmsg_set(em, FU_EINVAL, "data line %zu: %s", line, why);
+    }
+    free(counted);
+    free(full);
+    free(m);
+    return rc;
 }
 
 /* Pads a to a whole number of windows of win tokens with masked pads. */
@@ -400,8 +443,7 @@ fu_err dag_dataset_make(const fu_tokenizer *tok, const char *data, size_t len, c
             pad_to(&all, from, win, pad);
         } else if (cJSON_IsArray(msgs) && cJSON_GetArraySize(msgs) > 0) {
             kinds |= 4;
-            special(&all, bos, false);
-            rc = render_chat(tok, o->chat, msgs, &all, line, em);
+            rc = render_chat(tok, o->chat, msgs, &all, line, em); /* its BOS is the template's */
             pad_to(&all, from, win, pad);
         } else {
             rc = fu_errmsg_set(em, FU_EINVAL,

@@ -5,8 +5,9 @@
  * read line by line, one example each:
  *   {"text": "..."}                        every token counted, an EOS after each, packed;
  *   {"prompt": "...", "completion": "..."} only the completion (and its EOS) counted;
- *   {"messages": [{"role", "content"}]}    rendered in the model's chat format (dag_chat_format),
- *                                          only the assistant's turns counted.
+ *   {"messages": [{"role", "content"}]}    rendered whole in the model's chat format (dag_chat_text,
+ *                                          as `fusion serve` prompts), only the assistant's turns
+ *                                          counted.
  * Prompt/completion and chat examples start with BOS and are padded (masked) to a whole number of
  * windows of seq_len + 1, so that no window mixes two of them. A token that must not count is
  * stored as DAG_DATA_MASKED(id). A held-out fraction (the last examples; for plain text, the last

@@ -5,7 +5,7 @@ fu_add_test(test_model_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_model_cli.c 
 add_dependencies(test_model_cli fusion)
 fu_add_test(test_tokenizer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer.c LIBS fu_common)
 # Real tokenizer.json files against @lenml/tokenizers on 10,000 strings (deploy/fetch-test-data.sh).
-fu_add_test(test_tokenizer_conformance SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer_conformance.c LIBS fu_common
+fu_add_test(test_tokenizer_conformance SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_tokenizer_conformance.c LIBS fu_dag fu_common
             TIMEOUT 300)
 add_dependencies(test_tokenizer_conformance fusion)
 # Each Hugging Face family's logits against a PyTorch reference (tests/reference/hf_reference.py).

