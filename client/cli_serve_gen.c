@@ -4,6 +4,7 @@
  * grows, never past a stop string or the end-of-sequence token's text. The job is cancelled when the
  * client goes away, a stop string comes, the request times out or the gateway stops. */
 #define _GNU_SOURCE /* POLLRDHUP */
+#include <inttypes.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -30,7 +31,8 @@ typedef struct {
     bool submitted, over, conn_broken;
     char id[48];
     int64_t created;
-    double deadline;
+    double started, deadline;
+    bool gone;           /* the client went away before the end */
     const char *stops[CLI_OAI_MAX_STOP + FU_MODELCFG_MAX_EOS]; /* the request's, then the EOS texts */
     size_t n_stops;
     cli_oai_usage usage;
@@ -239,7 +241,8 @@ static gen_t *gen_new(serve_t *s, cli_oai_req *req, struct MHD_Connection *mc)
     memset(req, 0, sizeof *req);
     g->mc = mc;
     g->created = (int64_t)time(NULL);
-    g->deadline = fu_clock_sec() + s->timeout_s;
+    g->started = fu_clock_sec();
+    g->deadline = g->started + s->timeout_s;
     for (size_t i = 0; i < g->req.n_stop; i++)
         g->stops[g->n_stops++] = g->req.stop[i];
     for (size_t i = 0; i < s->n_eos_text; i++) /* the text ends at the end-of-sequence token's text */
@@ -248,10 +251,26 @@ static gen_t *gen_new(serve_t *s, cli_oai_req *req, struct MHD_Connection *mc)
     return g;
 }
 
+/* One line per request on the gateway's log: its kind, its job, the tokens, how it ended, how long. */
+static void gen_log(const gen_t *g)
+{
+    char jid[17] = "-";
+    if (g->submitted)
+        cli_job_id_format(g->job, jid);
+    const char *how = g->err_status ? g->err : g->gone ? "the client went away; its job was cancelled"
+                      : g->finish                  ? g->finish
+                                                   : "ended";
+    fprintf(stderr, "%s: %s%s %s: job %s, %" PRIu64 " prompt + %" PRIu64 " generated tokens, %.2f s: %u %s\n",
+            g->s->prog, g->req.chat ? "chat" : "completion", g->req.stream ? " (stream)" : "", g->req.model, jid,
+            g->usage.prompt_tokens, g->usage.completion_tokens, fu_clock_sec() - g->started,
+            g->err_status ? g->err_status : g->gone ? 499u : 200u, how);
+}
+
 static void gen_free(gen_t *g)
 {
     if (!g)
         return;
+    gen_log(g);
     gen_cancel(g);
     serve_conn_put(g->s, g->conn, g->conn_broken);
     atomic_fetch_sub(&g->s->in_flight, 1);
@@ -298,6 +317,7 @@ static enum MHD_Result answer_whole(struct MHD_Connection *mc, gen_t *g)
         if (g->over)
             break;
         if (client_gone(mc)) {
+            g->gone = true;
             gen_free(g); /* cancels the job */
             return MHD_NO;
         }
@@ -385,7 +405,9 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 
 static void stream_free(void *cls)
 {
-    gen_free(cls);
+    gen_t *g = cls;
+    g->gone = !g->end_sent && !g->err_status;
+    gen_free(g);
 }
 
 static enum MHD_Result answer_stream(struct MHD_Connection *mc, gen_t *g)
@@ -411,8 +433,10 @@ enum MHD_Result serve_generate(serve_t *s, struct MHD_Connection *mc, bool chat,
     fu_errmsg em = {{0}};
     uint32_t def = chat ? s->max_tokens : (s->max_tokens < SERVE_COMPLETION_DEFAULT ? s->max_tokens : SERVE_COMPLETION_DEFAULT);
     fu_err rc = cli_oai_parse(body, len, chat, def, s->max_tokens, &req, param, &em);
-    if (rc != FU_OK)
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: %s: 400 %s\n", s->prog, chat ? "chat" : "completion", fu_errmsg_text(&em, rc));
         return serve_reply_error(mc, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, fu_errmsg_text(&em, rc));
+    }
     if (atomic_load(&s->in_flight) >= s->max_requests) {
         cli_oai_req_free(&req);
         return serve_reply_error(mc, MHD_HTTP_TOO_MANY_REQUESTS, "rate_limit_error", NULL, NULL,
