@@ -61,18 +61,23 @@ void serve_conn_put(serve_t *s, cli_conn_t *c, bool broken)
 
 /* ---- replies ---------------------------------------------------------------------------------- */
 
-enum MHD_Result serve_reply_json(struct MHD_Connection *mc, unsigned status, char *json)
+enum MHD_Result serve_queue(struct MHD_Connection *mc, unsigned status, struct MHD_Response *r, const char *type)
 {
-    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(json), json, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(json);
+    if (!r)
         return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", "application/json");
+    MHD_add_response_header(r, "Content-Type", type);
     MHD_add_response_header(r, "Cache-Control", "no-store");
     enum MHD_Result ok = MHD_queue_response(mc, status, r);
     MHD_destroy_response(r);
     return ok;
+}
+
+enum MHD_Result serve_reply_json(struct MHD_Connection *mc, unsigned status, char *json)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(json), json, MHD_RESPMEM_MUST_FREE);
+    if (!r)
+        free(json);
+    return serve_queue(mc, status, r, "application/json");
 }
 
 enum MHD_Result serve_reply_error(struct MHD_Connection *mc, unsigned status, const char *type, const char *param,

@@ -49,6 +49,8 @@ cli_conn_t *serve_conn_get(serve_t *s);
 /* Gives c back to the pool, or closes it when broken or the pool is full. NULL-safe. */
 void serve_conn_put(serve_t *s, cli_conn_t *c, bool broken);
 
+/* Queues r (taken; NULL: MHD_NO) with status and Content-Type type, not to be cached. */
+enum MHD_Result serve_queue(struct MHD_Connection *mc, unsigned status, struct MHD_Response *r, const char *type);
 /* Queues json (taken) with status, as application/json. */
 enum MHD_Result serve_reply_json(struct MHD_Connection *mc, unsigned status, char *json);
 /* Queues an error in OpenAI's form (param and code may be NULL). */

@@ -415,15 +415,9 @@ static enum MHD_Result answer_stream(struct MHD_Connection *mc, gen_t *g)
     if (!gen_start(g))
         return reply_gen_error(mc, g); /* refused before anything was sent: a plain HTTP error */
     struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, stream_read, g, stream_free);
-    if (!r) {
+    if (!r)
         gen_free(g);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", "text/event-stream");
-    MHD_add_response_header(r, "Cache-Control", "no-cache");
-    enum MHD_Result ok = MHD_queue_response(mc, MHD_HTTP_OK, r);
-    MHD_destroy_response(r);
-    return ok;
+    return serve_queue(mc, MHD_HTTP_OK, r, "text/event-stream"); /* g is the response's from here */
 }
 
 enum MHD_Result serve_generate(serve_t *s, struct MHD_Connection *mc, bool chat, const char *body, size_t len)

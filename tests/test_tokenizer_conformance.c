@@ -246,31 +246,31 @@ static void check_chat_dataset(const char *name, const char *tokenizer, dag_chat
     assert_int_equal(masks_ok, nr);
 }
 
+/* Both chat checks for the tokenizer chat_ref.mjs wrote to the directory name, whose turns end with eot. */
+static void check_chat_format(const char *name, dag_chat_format fmt, const char *eot)
+{
+    char tok[4300];
+    snprintf(tok, sizeof tok, "%s/%s/tokenizer.json", tu_dir, name);
+    check_chat(name, tok);
+    check_chat_dataset(name, tok, fmt, eot);
+}
+
 static void test_tokenizer_conformance_chat_llama2(void **state)
 {
     (void)state;
-    char tok[4300];
-    snprintf(tok, sizeof tok, "%s/llama2-chat/tokenizer.json", tu_dir);
-    check_chat("llama2-chat", tok);
-    check_chat_dataset("llama2-chat", tok, DAG_CHAT_INST, "</s>");
+    check_chat_format("llama2-chat", DAG_CHAT_INST, "</s>");
 }
 
 static void test_tokenizer_conformance_chat_llama3(void **state)
 {
     (void)state;
-    char tok[4300];
-    snprintf(tok, sizeof tok, "%s/llama3/tokenizer.json", tu_dir);
-    check_chat("llama3", tok);
-    check_chat_dataset("llama3", tok, DAG_CHAT_LLAMA3, "<|eot_id|>");
+    check_chat_format("llama3", DAG_CHAT_LLAMA3, "<|eot_id|>");
 }
 
 static void test_tokenizer_conformance_chat_chatml(void **state)
 {
     (void)state;
-    char tok[4300];
-    snprintf(tok, sizeof tok, "%s/qwen3-chatml/tokenizer.json", tu_dir);
-    check_chat("qwen3-chatml", tok);
-    check_chat_dataset("qwen3-chatml", tok, DAG_CHAT_CHATML, "<|im_end|>");
+    check_chat_format("qwen3-chatml", DAG_CHAT_CHATML, "<|im_end|>");
 }
 
 /* Makes the corpus and the references once (node, tests/reference/tokenize_ref.mjs and chat_ref.mjs). */
