@@ -13,6 +13,7 @@
 
 
 #include "cli.h"
+#include "cli_openai.h"
 #include "dag_chain.h"
 #include "dag_data.h"
 #include "dag_peft.h"
@@ -391,6 +392,38 @@ static bool write_logits(const dag_infer_stage *is, const char *path)
     return fclose(f) == 0 && ok;
 }
 
+/* --stop: the text so far, written up to where it may still be followed by a stop string. */
+typedef struct {
+    const dag_spec *spec;
+    int32_t *ids;
+    size_t n, cap, written;
+} stop_text;
+
+/* Adds token id (-1: none; final: the generation ended) and writes what may be written: up to the first
+ * stop string, and short of a tail that could begin one until the end. true when a stop string came. */
+static bool stop_text_add(stop_text *st, const fu_tokenizer *tok, int32_t id, bool final)
+{
+    if (id >= 0) {
+        if (st->n == st->cap)
+            st->ids = fu_realloc(st->ids, (st->cap = st->cap ? 2 * st->cap : 64) * sizeof *st->ids);
+        st->ids[st->n++] = id;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (fu_tokenizer_decode(tok, st->ids, st->n, &text, &len, NULL) != FU_OK)
+        return true;
+    const char *stops[DAG_SPEC_MAX_STOP];
+    for (uint32_t i = 0; i < st->spec->n_stop; i++)
+        stops[i] = st->spec->stop[i];
+    bool stopped;
+    size_t upto = cli_oai_release(text, len, stops, st->spec->n_stop, final, st->written, &stopped);
+    fwrite(text + st->written, 1, upto - st->written, stdout);
+    fflush(stdout);
+    st->written = upto;
+    free(text);
+    return stopped;
+}
+
 static int run_infer(int argc, char **argv)
 {
     const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *dump = NULL;
@@ -509,6 +542,7 @@ static int run_infer(int argc, char **argv)
     long long generated = 0;
     double t1 = fu_clock_sec();
     int32_t next = 0;
+    stop_text st = {.spec = &spec};
     for (long long k = 0; k < max_new; k++) {
         if ((k > 0 && (rc = dag_infer_forward(&is, &next, NULL, 0, 1, NULL)) != FU_OK) ||
             (rc = dag_infer_sampled(&is, &next)) != FU_OK)
@@ -516,6 +550,11 @@ static int run_infer(int argc, char **argv)
         generated++;
         if (fu_modelcfg_is_eos(&m.cfg, eos_fallback, next))
             break;
+        if (spec.n_stop) {
+            if (stop_text_add(&st, m.tok, next, false))
+                break;
+            continue;
+        }
         char *piece = NULL;
         size_t plen = 0;
         if (fu_tokenizer_decode(m.tok, &next, 1, &piece, &plen, NULL) == FU_OK) {
@@ -524,6 +563,9 @@ static int run_infer(int argc, char **argv)
         }
         free(piece);
     }
+    if (spec.n_stop)
+        (void)stop_text_add(&st, m.tok, -1, true);
+    free(st.ids);
     double t_gen = fu_clock_sec() - t1;
     if (rc != FU_OK) {
         fprintf(stderr, "\n%s: generation failed: %s\n", prog, fu_strerror(rc));

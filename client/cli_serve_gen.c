@@ -135,6 +135,8 @@ static bool gen_submit(gen_t *g)
     sp.temperature = g->req.temperature;
     sp.top_p = g->req.top_p;
     sp.top_k = g->req.top_k;
+    for (size_t i = 0; i < g->req.n_stop; i++) /* the job ends at them itself (done, not cancelled) */
+        snprintf(sp.stop[sp.n_stop++], sizeof sp.stop[0], "%s", g->req.stop[i]);
     /* no seed: a new draw each time, as OpenAI's API behaves; a seed repeats its text */
     sp.seed = g->req.has_seed ? g->req.seed : randombytes_uniform(1u << 31);
     fu_errmsg em = {{0}};

