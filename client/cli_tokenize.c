@@ -257,12 +257,15 @@ int cli_tokenize_main(int argc, char **argv)
     fu_tokenizer *tok = NULL;
     tok_chat chat;
     fu_err rc = open_tokenizer(src, byte_tokens, &tok, chat_flag ? &chat : NULL, &em);
-    if (rc == FU_OK && chat_flag && chat.fmt == DAG_CHAT_NONE)
+    int fail = rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : FU_EXIT_FAIL;
+    if (rc == FU_OK && chat_flag && chat.fmt == DAG_CHAT_NONE) {
         rc = fu_errmsg_set(&em, FU_EINVAL, "--chat: %s has no chat_template in its tokenizer_config.json", src);
+        fail = FU_EXIT_USAGE;
+    }
     if (rc != FU_OK) {
         fprintf(stderr, "%s: %s\n", argv[0], fu_errmsg_text(&em, rc));
         fu_tokenizer_destroy(&tok);
-        return rc == FU_ENOTFOUND ? FU_EXIT_NOTFOUND : rc == FU_EINVAL || rc == FU_EVERSION ? FU_EXIT_USAGE : FU_EXIT_FAIL;
+        return fail;
     }
     char *in = NULL;
     size_t len = 0;
