@@ -501,6 +501,14 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc, "cannot make the socket a CURVE server");
         goto fail;
     }
+    /* No ZMTP pings from the broker's side. libzmq keeps the heartbeat timers of every connection in
+     * one ordered map per I/O thread and cancels one by walking that map, on each message after a
+     * ping: O(connections) per message, 22% of the broker's CPU with 1,000 peers (docs/SCALE.md).
+     * A peer's liveness is its application heartbeat (dead_after_ms), and a silent connection is
+     * still closed by the TTL that the peers' own pings announce (wire_socket_new). */
+    int no_ping = 0;
+    if (zmq_setsockopt(b->sock, ZMQ_HEARTBEAT_IVL, &no_ping, sizeof no_ping) != 0)
+        FU_WARN(LOG, "cannot turn the ROUTER's ZMTP pings off: %s", zmq_strerror(zmq_errno()));
     int handover = 1; /* a reconnecting peer with the same routing id replaces the old connection */
     (void)zmq_setsockopt(b->sock, ZMQ_ROUTER_HANDOVER, &handover, sizeof handover);
     if (zmq_bind(b->sock, cfg->bind) != 0) {
@@ -546,6 +554,7 @@ void broker_destroy(broker_t **b_p)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);
     free(b->peers);
+    free(b->peer_index);
     free(b->probe_zeros);
     for (int i = 0; i < BROKER_VERIFY_SNAPS; i++)
         free(b->snaps[i].buf);
@@ -644,8 +653,10 @@ fu_err broker_run(broker_t *b)
             if (t)
                 t->done(t, b);
         }
-        /* Drain what is queued, but give the timers a turn every so often. */
-        for (int k = 0; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
+        /* Drain what is queued, but give the timers a turn every so often. A turn that stops at the cap
+         * leaves messages unread: until one drains the socket, nobody is judged silent (b->backlog). */
+        int k = 0;
+        for (; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
             wire_msg_t *msg = NULL;
             fu_err rc = wire_recv(b->sock, WIRE_DONTWAIT | WIRE_REPLY_ERRORS, &b->counters, &msg);
             if (rc == FU_EAGAIN)
@@ -662,6 +673,7 @@ fu_err broker_run(broker_t *b)
             dispatch(b, msg);
             wire_msg_destroy(&msg);
         }
+        b->backlog = k == 256;
     }
     FU_INFO(LOG, "stopping: %llu messages handled, %llu dropped, %llu relayed",
             (unsigned long long)b->counters.received, (unsigned long long)wire_counters_dropped(&b->counters),

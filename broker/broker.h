@@ -34,7 +34,7 @@ extern "C" {
 #define BROKER_BLOB_WINDOW      (16u << 20) /* most bytes answered to one WeightRequest or JobResultRequest */
 #define BROKER_LOGITS_FILE      "logits.f32" /* inference result file: prompt logits, positions x vocab float32 */
 #define BROKER_MAX_LOGITS_BYTES (1ull << 31) /* largest logits file served */
-#define BROKER_MAX_PEERS        4096      /* peers held in the registry */
+#define BROKER_MAX_PEERS        65536     /* peers held in the registry (about 1.5 KiB each) */
 #define BROKER_MAX_SLOTS        8         /* slots of one peer process (fusion-peer --slots) */
 #define BROKER_MAX_ACTIVE_JOBS  1024      /* queued + running jobs held in memory */
 #define BROKER_MAX_STAGES       64        /* stages of one job */

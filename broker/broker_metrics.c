@@ -77,6 +77,12 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_trained_tokens_total %" PRIu64 "\n", t->trained_tokens);
     family(f, "fusion_generated_tokens_total", "counter", "Tokens inference jobs generated.");
     fprintf(f, "fusion_generated_tokens_total %" PRIu64 "\n", t->generated_tokens);
+    family(f, "fusion_plans_total", "counter", "Jobs planned (a plan over the idle peers assigned).");
+    fprintf(f, "fusion_plans_total %" PRIu64 "\n", t->plans);
+    family(f, "fusion_plan_seconds_total", "counter", "Seconds those planning passes took (candidates, partitioner).");
+    fprintf(f, "fusion_plan_seconds_total %.6f\n", t->plan_s_sum);
+    family(f, "fusion_plan_seconds_max", "gauge", "The longest planning pass since the broker started.");
+    fprintf(f, "fusion_plan_seconds_max %.6f\n", t->plan_s_max);
     family(f, "fusion_failovers_total", "counter", "Stages moved to another peer.");
     fprintf(f, "fusion_failovers_total %" PRIu64 "\n", t->failovers);
     family(f, "fusion_relayed_frames_total", "counter", "Sealed data frames relayed between peers.");

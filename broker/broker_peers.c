@@ -144,8 +144,12 @@ void broker_on_leave(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 
 void broker_peers_sweep(broker_t *b)
 {
+    broker_peer_leases_flush(b); /* the beats heard since the last sweep, in one commit */
     uint64_t now = broker_now();
-    for (size_t i = 0; i < b->n_peers; i++) {
+    /* While the loop is behind (a join storm, a burst), the beats of live peers wait unread in the
+     * socket: declaring them dead would make them register again and deepen the storm (docs/SCALE.md).
+     * They are judged at the first sweep after a turn that read everything. */
+    for (size_t i = 0; i < b->n_peers && !b->backlog; i++) {
         broker_peer *p = &b->peers[i];
         if (p->live && now - p->last_heard_ms > b->dead_after_ms) {
             char why[128];

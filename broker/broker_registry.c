@@ -18,13 +18,56 @@
 #define BROKER_DEFAULT_LINK_BW 1e9  /* bytes/s assumed when a peer did not measure its link */
 #define BROKER_MAX_LINK_BW     1e12 /* bytes/s above which a reported link is not believed */
 
+/* ---- the index of the table by key: every message names its peer, so finding it must not cost a
+ * scan of every peer (docs/SCALE.md). Open addressing with linear probing over FNV-1a of the key;
+ * entries are never deleted one by one: an entry of the table that changes key (a gone peer's,
+ * reused when the table is full) rebuilds the index. */
+
+static uint64_t key_hash(const char *key)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const unsigned char *c = (const unsigned char *)key; *c; c++)
+        h = (h ^ *c) * 0x100000001b3ull;
+    return h;
+}
+
+static void index_put(broker_t *b, size_t i)
+{
+    size_t mask = b->peer_index_cap - 1;
+    for (size_t at = (size_t)key_hash(b->peers[i].key) & mask;; at = (at + 1) & mask)
+        if (!b->peer_index[at]) {
+            b->peer_index[at] = (uint32_t)(i + 1);
+            return;
+        }
+}
+
+/* Makes the index again for the n_peers entries, at least twice as large as they are many. */
+static void index_rebuild(broker_t *b)
+{
+    size_t cap = 64;
+    while (cap < 2 * b->n_peers)
+        cap *= 2;
+    if (cap != b->peer_index_cap) {
+        free(b->peer_index);
+        b->peer_index = fu_calloc(cap, sizeof *b->peer_index);
+        b->peer_index_cap = cap;
+    } else {
+        memset(b->peer_index, 0, cap * sizeof *b->peer_index);
+    }
+    for (size_t i = 0; i < b->n_peers; i++)
+        index_put(b, i);
+}
+
 broker_peer *broker_peer_find(broker_t *b, const char *key)
 {
-    if (!key)
+    if (!key || !b->peer_index_cap)
         return NULL;
-    for (size_t i = 0; i < b->n_peers; i++)
-        if (strcmp(b->peers[i].key, key) == 0)
-            return &b->peers[i];
+    size_t mask = b->peer_index_cap - 1;
+    for (size_t at = (size_t)key_hash(key) & mask; b->peer_index[at]; at = (at + 1) & mask) {
+        broker_peer *p = &b->peers[b->peer_index[at] - 1];
+        if (strcmp(p->key, key) == 0)
+            return p;
+    }
     return NULL;
 }
 
@@ -151,12 +194,14 @@ static broker_peer *slot_for(broker_t *b, const char *key)
     broker_peer *p = broker_peer_find(b, key);
     if (p)
         return p;
+    bool reused = false;
     if (b->n_peers >= BROKER_MAX_PEERS) { /* reuse the entry of a peer that is gone */
         for (size_t i = 0; i < b->n_peers && !p; i++)
             if (!b->peers[i].live && !b->peers[i].job[0])
                 p = &b->peers[i];
         if (!p)
             return NULL;
+        reused = true;
     } else {
         if (b->n_peers == b->cap_peers) {
             b->cap_peers = b->cap_peers ? 2 * b->cap_peers : 16;
@@ -166,6 +211,10 @@ static broker_peer *slot_for(broker_t *b, const char *key)
     }
     memset(p, 0, sizeof *p);
     snprintf(p->key, sizeof p->key, "%s", key);
+    if (reused || b->peer_index_cap < 2 * b->n_peers)
+        index_rebuild(b); /* the old key's entry goes, or the index grows */
+    else
+        index_put(b, (size_t)(p - b->peers));
     return p;
 }
 
@@ -258,7 +307,7 @@ fu_err broker_peer_admit(broker_t *b, const char *pk, uint32_t slot, const Fusio
     for (size_t i = 0; i < b->n_peers; i++) /* a new slot starts no better than its key's others */
         if (&b->peers[i] != p && broker_peer_same_key(&b->peers[i], p) && b->peers[i].reputation < p->reputation)
             reputation_adjust_one(b, p, b->peers[i].reputation - p->reputation);
-    BROKER_IGNORE(db_event_add(b->db, p->joined_ms, NULL, p->key, "peer-join", p->name));
+    /* db_peer_upsert stored the peer-join (or peer-rejoin) event with the registration: one commit */
     FU_INFO(LOG, "peer %.8s (%s) %s: %.1f GFLOP/s, %.2f GiB, %s%s", p->key, p->name,
             created ? "joined" : "re-registered", p->gflops, (double)p->mem_bytes / (1u << 30),
             p->relay ? "relayed" : "endpoint ", p->endpoint);
@@ -327,14 +376,40 @@ void broker_peer_heartbeat(broker_t *b, broker_peer *p, const Fusion__Heartbeat 
         p->link_bw = hb->link_bandwidth_bps;
         p->link_measured = true;
     }
-    int64_t now = broker_wall();
-    if (p->job[0] && !p->backup) {
-        fu_err rc = db_stage_lease_extend(b->db, p->job, p->stage, p->key,
-                                          now + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms, now);
-        if (rc != FU_OK && rc != FU_EPERM)
-            FU_DEBUG(LOG, "lease of %s stage %u for %.8s not extended: %s", p->job, p->stage, p->key,
-                     fu_strerror(rc));
+    if (p->job[0] && !p->backup) { /* its lease is extended at the next sweep (broker_peer_leases_flush) */
+        p->lease_due = true;
+        b->leases_due = true;
     }
+}
+
+void broker_peer_leases_flush(broker_t *b)
+{
+    if (!b->leases_due)
+        return;
+    b->leases_due = false;
+    size_t n = 0;
+    for (size_t i = 0; i < b->n_peers; i++)
+        n += b->peers[i].lease_due;
+    db_lease *ls = fu_calloc(n ? n : 1, sizeof *ls);
+    int64_t now = broker_wall();
+    size_t k = 0;
+    for (size_t i = 0; i < b->n_peers; i++) {
+        broker_peer *p = &b->peers[i];
+        if (!p->lease_due)
+            continue;
+        p->lease_due = false;
+        if (p->live && p->job[0] && !p->backup)
+            ls[k++] = (db_lease){.job = p->job, .index = p->stage, .peer = p->key,
+                                 .deadline_ms = now + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms};
+    }
+    fu_err rc = db_stage_leases_extend(b->db, ls, k, now);
+    if (rc != FU_OK)
+        FU_WARN(LOG, "%zu stage leases not extended: %s", k, fu_strerror(rc));
+    for (size_t i = 0; rc == FU_OK && i < k; i++)
+        if (ls[i].result != FU_OK && ls[i].result != FU_EPERM)
+            FU_DEBUG(LOG, "lease of %s stage %u for %.8s not extended: %s", ls[i].job, ls[i].index, ls[i].peer,
+                     fu_strerror(ls[i].result));
+    free(ls);
 }
 
 Fusion__PeerState broker_peer_wire_state(const broker_peer *p)
@@ -350,10 +425,9 @@ void broker_peer_set_gone(broker_t *b, broker_peer *p, bool left, const char *jo
 {
     int64_t now = broker_wall();
     FU_INFO(LOG, "peer %.8s (%s) %s: %s", p->key, p->name, left ? "left" : "is dead", why);
-    fu_err rc = db_peer_set_state(b->db, p->key, left ? DB_PEER_LEFT : DB_PEER_DEAD, now);
+    fu_err rc = db_peer_gone(b->db, p->key, left, now, job && job[0] ? job : NULL, why); /* one commit, one event */
     if (rc != FU_OK)
         FU_WARN(LOG, "could not store the state of peer %.8s: %s", p->key, fu_strerror(rc));
-    BROKER_IGNORE(db_event_add(b->db, now, job && job[0] ? job : NULL, p->key, left ? "peer-left" : "peer-dead", why));
     broker_peer_forget_work(p);
     p->live = false;
     p->draining = false;

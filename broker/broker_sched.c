@@ -9,6 +9,7 @@
 #include "broker_internal.h"
 #include "dag_exec.h"
 #include "fu_alloc.h"
+#include "fu_clock.h"
 #include "fu_log.h"
 
 #define LOG "sched"
@@ -338,6 +339,7 @@ static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const 
 
 static void plan_job(broker_t *b, broker_job *j)
 {
+    uint64_t t0_ns = fu_clock_ns(); /* the planning time: /metrics and the log line below */
     size_t n_idle = 0, n_live = 0, n_barred = 0, n_spare = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         n_live += b->peers[i].live;
@@ -434,6 +436,13 @@ static void plan_job(broker_t *b, broker_job *j)
                 plan.stages[s].why);
     }
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan.stages[0].why));
+    double plan_s = (double)(fu_clock_ns() - t0_ns) / 1e9;
+    b->tot.plans++;
+    b->tot.plan_s_sum += plan_s;
+    if (plan_s > b->tot.plan_s_max)
+        b->tot.plan_s_max = plan_s;
+    FU_INFO(LOG, "job %s planned over %zu candidates in %.2f ms (%zu stages)", j->id, n_idle + n_spare, plan_s * 1e3,
+            plan.n_stages);
     broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
     give_backups(b, j);
 done:

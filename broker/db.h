@@ -295,6 +295,12 @@ FU_MUST_CHECK fu_err db_peer_set_profile(db_t *db, const char *key, const char *
 /* Sets a peer's state. FU_ENOTFOUND unknown peer. A peer that becomes left or dead loses its
  * stages: each stage it held in a running/queued job becomes lost (lease cleared). */
 FU_MUST_CHECK fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms);
+/* A peer left (left) or died: db_peer_set_state to left or dead with ONE event, kind "peer-left" or
+ * "peer-dead", naming job (NULL: none) and saying why (NULL: nothing) before the state and the stages
+ * lost: a departure is one commit (docs/SCALE.md). Errors as db_peer_set_state; FU_EINVAL for a job
+ * id that is not one. */
+FU_MUST_CHECK fu_err db_peer_gone(db_t *db, const char *key, bool left, int64_t now_ms, const char *job,
+                                  const char *why);
 /* Records that the peer was heard from at now_ms. FU_ENOTFOUND unknown peer. */
 FU_MUST_CHECK fu_err db_peer_touch(db_t *db, const char *key, int64_t now_ms);
 /* Adds delta to a peer's reputation, clamped to [0, 1]; *out (may be NULL) gets the new value. */
@@ -328,6 +334,19 @@ FU_MUST_CHECK fu_err db_stage_reassign(db_t *db, const char *job, uint32_t index
  * FU_ENOTFOUND no such stage. */
 FU_MUST_CHECK fu_err db_stage_lease_extend(db_t *db, const char *job, uint32_t index, const char *peer,
                                            int64_t lease_deadline_ms, int64_t now_ms);
+/* One lease to extend in a batch (db_stage_leases_extend). The strings are borrowed. */
+typedef struct {
+    const char *job;     /* job id */
+    uint32_t index;      /* stage */
+    const char *peer;    /* the holder */
+    int64_t deadline_ms; /* the new deadline (never shortens the lease) */
+    fu_err result;       /* out: what db_stage_lease_extend would have returned for it alone */
+} db_lease;
+/* db_stage_lease_extend for every lease of leases[0..n) in ONE transaction (one commit for all the
+ * heartbeats of a sweep, not one per heartbeat: docs/SCALE.md). A lease refused (FU_EPERM,
+ * FU_ETIMEDOUT, FU_ENOTFOUND, FU_EINVAL in its result) changes nothing and the others go on; any other
+ * failure rolls them all back and is returned (FU_EDB). */
+FU_MUST_CHECK fu_err db_stage_leases_extend(db_t *db, db_lease *leases, size_t n, int64_t now_ms);
 /* The stages of job in pipeline order (db_stage_array_free). An empty plan gives *n = 0. */
 FU_MUST_CHECK fu_err db_stage_list(db_t *db, const char *job, db_stage **out, size_t *n);
 /* Marks every assigned stage whose lease deadline is before now_ms as lost, and returns those

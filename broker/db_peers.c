@@ -134,12 +134,15 @@ fu_err db_peer_set_profile(db_t *db, const char *key, const char *profile_json)
     return sqlite3_changes(db->conn) ? FU_OK : FU_ENOTFOUND;
 }
 
-fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms)
+/* db_peer_set_state and db_peer_gone: the state, the stages a departure loses, and one event (kind,
+ * job, detail: why, then the state and the stages lost), in one transaction. */
+static fu_err set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms, const char *kind,
+                        const char *job, const char *why)
 {
     static const char SQL[] = "UPDATE peers SET state = ? WHERE pubkey = ?";
     static const char SQL_LOSE[] = "UPDATE stages SET state = 'lost', lease_deadline_ms = 0, updated_ms = ? "
                                    "WHERE peer_key = ? AND state = 'assigned'";
-    if (!db || !db_key_valid(key) || (unsigned)state >= DB_N_PEER_STATES)
+    if (!db || !db_key_valid(key) || (unsigned)state >= DB_N_PEER_STATES || (job && !db_job_id_valid(job)))
         return FU_EINVAL;
     FU_TRY(db_begin(db));
     sqlite3_stmt *st;
@@ -159,14 +162,25 @@ fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t
             goto fail;
         lost = sqlite3_changes(db->conn);
     }
-    if ((err = db_event_put(db, now_ms, NULL, key, "peer-state", "%s (%d stages lost)", db_peer_state_names[state],
-                            lost)) != FU_OK ||
+    if ((err = db_event_put(db, now_ms, job, key, kind, "%.3900s%s%s (%d stages lost)", why ? why : "",
+                            why ? ": " : "", db_peer_state_names[state], lost)) != FU_OK ||
         (err = db_commit(db)) != FU_OK)
         goto fail;
     return FU_OK;
 fail:
     db_rollback(db);
     return err;
+}
+
+fu_err db_peer_set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms)
+{
+    return set_state(db, key, state, now_ms, "peer-state", NULL, NULL);
+}
+
+fu_err db_peer_gone(db_t *db, const char *key, bool left, int64_t now_ms, const char *job, const char *why)
+{
+    return set_state(db, key, left ? DB_PEER_LEFT : DB_PEER_DEAD, now_ms, left ? "peer-left" : "peer-dead", job,
+                     why);
 }
 
 fu_err db_peer_touch(db_t *db, const char *key, int64_t now_ms)
@@ -440,41 +454,70 @@ fail:
     return err;
 }
 
-fu_err db_stage_lease_extend(db_t *db, const char *job, uint32_t index, const char *peer, int64_t lease_deadline_ms,
-                             int64_t now_ms)
+/* The checks and the update of db_stage_lease_extend, inside the caller's transaction. */
+static fu_err lease_extend_in_tx(db_t *db, const char *job, uint32_t index, const char *peer,
+                                 int64_t lease_deadline_ms, int64_t now_ms)
 {
     static const char SQL_GET[] = "SELECT " STAGE_COLS " FROM stages WHERE job_id = ? AND idx = ?";
     static const char SQL_SET[] = "UPDATE stages SET lease_deadline_ms = max(lease_deadline_ms, ?), updated_ms = ? "
                                   "WHERE job_id = ? AND idx = ?";
-    if (!db || !db_job_id_valid(job) || !db_key_valid(peer))
+    if (!db_job_id_valid(job) || !db_key_valid(peer))
         return FU_EINVAL;
-    FU_TRY(db_begin(db));
     sqlite3_stmt *st;
     fu_err err;
     bool row;
     db_stage s;
     if ((err = db_prep(db, SQL_GET, &st)) != FU_OK || (err = db_bind(db, st, "ti", job, (int64_t)index)) != FU_OK ||
         (err = db_step(db, st, "reading a lease", &row)) != FU_OK)
-        goto fail;
+        return err;
     err = row ? read_stage(db, st, &s) : FU_ENOTFOUND;
     db_done(st);
     if (err != FU_OK)
-        goto fail;
-    if (s.state != DB_STAGE_ASSIGNED || strcmp(s.peer, peer) != 0) {
-        err = FU_EPERM;
-        goto fail;
-    }
-    if (s.lease_deadline_ms < now_ms) {
-        err = FU_ETIMEDOUT;
-        goto fail;
-    }
+        return err;
+    if (s.state != DB_STAGE_ASSIGNED || strcmp(s.peer, peer) != 0)
+        return FU_EPERM;
+    if (s.lease_deadline_ms < now_ms)
+        return FU_ETIMEDOUT;
     if ((err = db_prep(db, SQL_SET, &st)) != FU_OK ||
-        (err = db_bind(db, st, "iiti", lease_deadline_ms, now_ms, job, (int64_t)index)) != FU_OK ||
-        (err = db_run(db, st, "extending a lease")) != FU_OK || (err = db_commit(db)) != FU_OK)
-        goto fail;
-    return FU_OK;
-fail:
+        (err = db_bind(db, st, "iiti", lease_deadline_ms, now_ms, job, (int64_t)index)) != FU_OK)
+        return err;
+    return db_run(db, st, "extending a lease");
+}
+
+fu_err db_stage_lease_extend(db_t *db, const char *job, uint32_t index, const char *peer, int64_t lease_deadline_ms,
+                             int64_t now_ms)
+{
+    if (!db || !db_job_id_valid(job) || !db_key_valid(peer))
+        return FU_EINVAL;
+    FU_TRY(db_begin(db));
+    fu_err err = lease_extend_in_tx(db, job, index, peer, lease_deadline_ms, now_ms);
+    if (err == FU_OK && (err = db_commit(db)) == FU_OK)
+        return FU_OK;
     db_rollback(db);
+    return err;
+}
+
+fu_err db_stage_leases_extend(db_t *db, db_lease *leases, size_t n, int64_t now_ms)
+{
+    if (!db || (n && !leases))
+        return FU_EINVAL;
+    if (n == 0)
+        return FU_OK;
+    FU_TRY(db_begin(db));
+    for (size_t i = 0; i < n; i++) {
+        db_lease *l = &leases[i];
+        l->result = lease_extend_in_tx(db, l->job, l->index, l->peer, l->deadline_ms, now_ms);
+        /* a lease refused (another holder, run out, no such stage) changes nothing: go on */
+        if (l->result != FU_OK && l->result != FU_EPERM && l->result != FU_ETIMEDOUT && l->result != FU_ENOTFOUND &&
+            l->result != FU_EINVAL) {
+            fu_err err = l->result;
+            db_rollback(db);
+            return err;
+        }
+    }
+    fu_err err = db_commit(db);
+    if (err != FU_OK)
+        db_rollback(db);
     return err;
 }
 

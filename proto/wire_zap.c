@@ -41,6 +41,10 @@ struct wire_zap {
     uint8_t (*keys)[WIRE_KEY_BYTES];
     uint32_t *roles;                    /* roles[i]: WIRE_ROLE_* of keys[i] */
     size_t n_keys, cap_keys;
+    uint32_t *index;                    /* open-addressing hash of keys: i + 1, 0 empty; a power of two at
+                                           least twice n_keys (every message asks for its key's roles) */
+    size_t index_cap;
+    uint8_t index_key[crypto_shorthash_KEYBYTES]; /* SipHash key: nobody can pick keys that collide */
     zap_token tokens[WIRE_ZAP_TOKENS_MAX];
     size_t n_tokens;                    /* 0: enrolment is off */
     zap_ban *bans;                      /* WIRE_ZAP_BANS_MAX slots, allocated at the first ban */
@@ -216,14 +220,53 @@ fu_err wire_allow_list_load(const char *path, uint8_t (**keys)[WIRE_KEY_BYTES], 
     return FU_OK;
 }
 
+/* The slot where key's probe starts. */
+static size_t index_home(const wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+{
+    uint8_t h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, key, WIRE_KEY_BYTES, zap->index_key);
+    uint64_t v;
+    memcpy(&v, h, sizeof v);
+    return (size_t)v & (zap->index_cap - 1);
+}
+
+/* Caller holds mu. */
+static void index_put(wire_zap_t *zap, size_t i)
+{
+    size_t mask = zap->index_cap - 1;
+    for (size_t at = index_home(zap, zap->keys[i]);; at = (at + 1) & mask)
+        if (!zap->index[at]) {
+            zap->index[at] = (uint32_t)(i + 1);
+            return;
+        }
+}
+
+/* Makes the index again over keys[0..n_keys) (after a load or a removal). Caller holds mu. */
+static void index_rebuild(wire_zap_t *zap)
+{
+    size_t cap = 64;
+    while (cap < 2 * zap->n_keys)
+        cap *= 2;
+    free(zap->index);
+    zap->index = fu_calloc(cap, sizeof *zap->index);
+    zap->index_cap = cap;
+    for (size_t i = 0; i < zap->n_keys; i++)
+        index_put(zap, i);
+}
+
 /* The roles of key: those of every entry that holds it (a key enrolled again, or listed twice,
- * has one entry per line). 0 when it is not a member. Caller holds mu. */
+ * has one entry per line; each is in the index). 0 when it is not a member. Caller holds mu. */
 static uint32_t roles_of(const wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
 {
     uint32_t roles = 0;
-    for (size_t i = 0; i < zap->n_keys; i++)
+    if (!zap->index_cap)
+        return 0;
+    size_t mask = zap->index_cap - 1;
+    for (size_t at = index_home(zap, key); zap->index[at]; at = (at + 1) & mask) {
+        size_t i = zap->index[at] - 1;
         if (sodium_memcmp(zap->keys[i], key, WIRE_KEY_BYTES) == 0)
             roles |= zap->roles[i];
+    }
     return roles;
 }
 
@@ -237,6 +280,10 @@ static void add_key(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t
     }
     memcpy(zap->keys[zap->n_keys], key, WIRE_KEY_BYTES);
     zap->roles[zap->n_keys++] = roles;
+    if (zap->index_cap < 2 * zap->n_keys)
+        index_rebuild(zap);
+    else
+        index_put(zap, zap->n_keys - 1);
 }
 
 /* Whether addr is banned now. Caller holds mu. */
@@ -420,6 +467,8 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
         }
         zap->n_keys = zap->cap_keys = n;
     }
+    crypto_shorthash_keygen(zap->index_key);
+    index_rebuild(zap);
     wire_zap_token all[WIRE_ZAP_TOKENS_MAX + 1] = {{cfg->enrol_token, WIRE_ROLES_DEFAULT}};
     memcpy(all + 1, cfg->tokens, sizeof cfg->tokens);
     for (size_t i = 0; i < WIRE_ZAP_TOKENS_MAX + 1; i++)
@@ -490,6 +539,7 @@ void wire_zap_destroy(wire_zap_t **zap_p)
         sodium_free(zap->tokens[i].hash);
     free(zap->keys);
     free(zap->roles);
+    free(zap->index);
     free(zap->bans);
     free(zap->allow_file);
     pthread_mutex_destroy(&zap->mu);
@@ -547,6 +597,7 @@ void wire_zap_deny(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
         zap->roles[kept++] = zap->roles[i];
     }
     zap->n_keys = kept;
+    index_rebuild(zap);
     pthread_mutex_unlock(&zap->mu);
 }
 

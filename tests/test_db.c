@@ -930,6 +930,91 @@ static void test_db_peers(void **state)
     db_close(&db);
 }
 
+/* db_stage_leases_extend: many leases in one commit (a sweep's heartbeats); each one refused as
+ * db_stage_lease_extend would refuse it alone, without holding the others back. */
+static void test_db_stage_leases_batch(void **state)
+{
+    fx *f = *state;
+    const char *owner = f->key[0], *pa = f->key[1], *pb = f->key[2];
+    char id[DB_JOB_ID_LEN + 1];
+    db_t *db = open_ok(f->path);
+    assert_int_equal(db_peer_upsert(db, pa, "a", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    assert_int_equal(db_peer_upsert(db, pb, "b", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    submit_ok(db, owner, "s", "{\"layers\":4}", id);
+    db_stage_plan plan[3] = {SP(0, 10, pa, 1000), SP(10, 20, pb, 2000), SP(20, 30, NULL, 0)};
+    assert_int_equal(db_stage_assign(db, id, plan, 3, "starting", 0), FU_OK);
+    db_lease ls[5] = {{id, 0, pa, 1500, FU_EIO}, {id, 0, pb, 9000, FU_EIO}, {id, 9, pa, 9000, FU_EIO},
+                      {id, 1, pb, 3000, FU_EIO}, {id, 2, pa, 9000, FU_EIO}};
+    uint64_t commits = db_commits(db).n;
+    assert_int_equal(db_stage_leases_extend(db, ls, 5, 500), FU_OK);
+    assert_int_equal(db_commits(db).n, commits + 1); /* one commit for the lot */
+    assert_int_equal(ls[0].result, FU_OK);
+    assert_int_equal(ls[1].result, FU_EPERM);     /* another peer's stage */
+    assert_int_equal(ls[2].result, FU_ENOTFOUND); /* no such stage */
+    assert_int_equal(ls[3].result, FU_OK);
+    assert_int_equal(ls[4].result, FU_EPERM);     /* pending: nobody holds it */
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(st[0].lease_deadline_ms, 1500);
+    assert_int_equal(st[1].lease_deadline_ms, 3000);
+    db_stage_array_free(&st, n);
+    /* at 2000 stage 0's lease (1500) has run out: told so, and stage 1 is still extended */
+    db_lease late[2] = {{id, 0, pa, 9000, FU_EIO}, {id, 1, pb, 4000, FU_EIO}};
+    assert_int_equal(db_stage_leases_extend(db, late, 2, 2000), FU_OK);
+    assert_int_equal(late[0].result, FU_ETIMEDOUT);
+    assert_int_equal(late[1].result, FU_OK);
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(st[0].lease_deadline_ms, 1500);
+    assert_int_equal(st[1].lease_deadline_ms, 4000);
+    db_stage_array_free(&st, n);
+    commits = db_commits(db).n;
+    assert_int_equal(db_stage_leases_extend(db, NULL, 0, 2000), FU_OK); /* nothing: no commit */
+    assert_int_equal(db_commits(db).n, commits);
+    assert_int_equal(db_stage_leases_extend(db, NULL, 1, 2000), FU_EINVAL);
+    db_close(&db);
+}
+
+/* db_peer_gone: a departure is one commit with one event that says why, names the job and counts
+ * the stages it lost; they are lost. */
+static void test_db_peer_gone_one_commit(void **state)
+{
+    fx *f = *state;
+    const char *owner = f->key[0], *pa = f->key[1], *pb = f->key[2];
+    char id[DB_JOB_ID_LEN + 1];
+    db_t *db = open_ok(f->path);
+    assert_int_equal(db_peer_upsert(db, pa, "a", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    assert_int_equal(db_peer_upsert(db, pb, "b", PROFILE, DB_PEER_ACTIVE, 0, NULL), FU_OK);
+    submit_ok(db, owner, "s", "{\"layers\":4}", id);
+    db_stage_plan plan[2] = {SP(0, 10, pa, 1000), SP(10, 20, pb, 2000)};
+    assert_int_equal(db_stage_assign(db, id, plan, 2, "starting", 0), FU_OK);
+    uint64_t commits = db_commits(db).n;
+    assert_int_equal(db_peer_gone(db, pa, false, 500, id, "silent for 3000 ms"), FU_OK);
+    assert_int_equal(db_commits(db).n, commits + 1);
+    assert_int_equal(db_peer_gone(db, pb, true, 600, NULL, NULL), FU_OK);
+    assert_int_equal(db_peer_gone(db, pb, true, 600, "not-a-job", "x"), FU_EINVAL);
+    assert_int_equal(db_peer_gone(db, f->key[4], true, 600, NULL, "x"), FU_ENOTFOUND);
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, id, &st, &n), FU_OK);
+    assert_int_equal(st[0].state, DB_STAGE_LOST);
+    assert_int_equal(st[1].state, DB_STAGE_LOST);
+    db_stage_array_free(&st, n);
+    db_event *ev = NULL;
+    assert_int_equal(db_event_list(db, id, 0, 100, &ev, &n), FU_OK);
+    bool seen = false;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(ev[i].kind, "peer-dead") == 0) {
+            assert_string_equal(ev[i].peer, pa);
+            assert_string_equal(ev[i].detail, "silent for 3000 ms: dead (1 stages lost)");
+            seen = true;
+        }
+    assert_true(seen);
+    db_event_array_free(&ev, n);
+    db_close(&db);
+}
+
 static void test_db_stage_leases(void **state)
 {
     fx *f = *state;
@@ -1522,6 +1607,8 @@ int main(void)
         cmocka_unit_test(test_db_ckpt_recut_replaces_the_old_plan),
         cmocka_unit_test(test_db_peers),
         cmocka_unit_test(test_db_stage_leases),
+        cmocka_unit_test(test_db_stage_leases_batch),
+        cmocka_unit_test(test_db_peer_gone_one_commit),
         cmocka_unit_test(test_db_events),
         cmocka_unit_test(test_db_names_and_validators),
         cmocka_unit_test(test_db_corrupt_rows_are_errors),
