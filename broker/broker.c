@@ -620,7 +620,7 @@ fu_err broker_run(broker_t *b)
     if (g_stop) /* a signal before the pipe existed */
         broker_request_stop();
     fu_err result = FU_OK;
-    b->next_sweep_ms = broker_now();
+    b->next_sweep_ms = b->drained_ms = broker_now();
     while (!g_stop) {
         timers(b);
         uint64_t now = broker_now();
@@ -654,7 +654,8 @@ fu_err broker_run(broker_t *b)
                 t->done(t, b);
         }
         /* Drain what is queued, but give the timers a turn every so often. A turn that stops at the cap
-         * leaves messages unread: until one drains the socket, nobody is judged silent (b->backlog). */
+         * leaves messages unread: silence is judged up to the last turn that read everything
+         * (b->drained_ms). */
         int k = 0;
         for (; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
             wire_msg_t *msg = NULL;
@@ -673,7 +674,8 @@ fu_err broker_run(broker_t *b)
             dispatch(b, msg);
             wire_msg_destroy(&msg);
         }
-        b->backlog = k == 256;
+        if (k < 256) /* everything sent before now has been read */
+            b->drained_ms = broker_now();
     }
     FU_INFO(LOG, "stopping: %llu messages handled, %llu dropped, %llu relayed",
             (unsigned long long)b->counters.received, (unsigned long long)wire_counters_dropped(&b->counters),

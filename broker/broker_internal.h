@@ -286,8 +286,8 @@ struct broker {
     broker_peer *peers;                /* registry */
     size_t n_peers, cap_peers;
     bool leases_due;                   /* some peer's lease_due is set */
-    bool backlog;                      /* the last turn of the loop left messages unread (broker_run): their
-                                          senders are not silent, only not heard yet */
+    uint64_t drained_ms;               /* broker_now when a turn of the loop last read the socket empty: a
+                                          peer is silent only if nothing of it came before then */
     uint32_t *peer_index;              /* open-addressing hash of peers[].key: index + 1, 0 empty
                                           (broker_registry.c); a power of two at least twice n_peers */
     size_t peer_index_cap;

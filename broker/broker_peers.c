@@ -146,12 +146,13 @@ void broker_peers_sweep(broker_t *b)
 {
     broker_peer_leases_flush(b); /* the beats heard since the last sweep, in one commit */
     uint64_t now = broker_now();
-    /* While the loop is behind (a join storm, a burst), the beats of live peers wait unread in the
-     * socket: declaring them dead would make them register again and deepen the storm (docs/SCALE.md).
-     * They are judged at the first sweep after a turn that read everything. */
-    for (size_t i = 0; i < b->n_peers && !b->backlog; i++) {
+    /* Silence is measured up to the last turn that read the socket empty, not up to now: while the
+     * loop is behind (a join storm, a burst, a long plan) the beats of live peers wait unread, and
+     * declaring them dead would make them register again and deepen the storm (docs/SCALE.md). */
+    uint64_t heard_by = b->drained_ms;
+    for (size_t i = 0; i < b->n_peers; i++) {
         broker_peer *p = &b->peers[i];
-        if (p->live && now - p->last_heard_ms > b->dead_after_ms) {
+        if (p->live && heard_by > p->last_heard_ms && heard_by - p->last_heard_ms > b->dead_after_ms) {
             char why[128];
             snprintf(why, sizeof why, "silent for %llu ms (dead after %u ms)",
                      (unsigned long long)(now - p->last_heard_ms), b->dead_after_ms);
@@ -162,7 +163,10 @@ void broker_peers_sweep(broker_t *b)
      * ZMTP pings, or a clock jump): treat as a death of that stage. */
     db_stage *st = NULL;
     size_t n = 0;
-    if (db_stage_expired(b->db, broker_wall(), &st, &n) != FU_OK)
+    /* ... judged, like silence, as of the last turn that read everything: a lease is renewed by
+     * heartbeats, and those may be waiting unread behind a long plan or a storm */
+    int64_t heard_wall = broker_wall() - (int64_t)(now - (heard_by < now ? heard_by : now));
+    if (db_stage_expired(b->db, heard_wall, &st, &n) != FU_OK)
         return;
     for (size_t k = 0; k < n; k++) {
         broker_job *j = broker_job_find(b, st[k].job);

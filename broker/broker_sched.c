@@ -145,7 +145,49 @@ static bool ends_trusted_now(const broker_t *b, const broker_job *j)
 /* The best plan of j over the peers who[0..n) (dag_partition): at most max_stages stages (0: n minus
  * the backups the broker keeps, so that the job has them), the ends on trusted peers when
  * ends_trusted. */
+/* A candidate of a capped planning pass: its rank key and its index in the caller's list. */
+typedef struct {
+    double key;
+    size_t at;
+} plan_pick;
+
+static int pick_cmp(const void *a, const void *b)
+{
+    const plan_pick *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key > y->key ? -1 : 1;
+    return x->at < y->at ? -1 : x->at > y->at; /* stable: the caller's order among equals */
+}
+
+static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em);
+
+/* dag_partition over who[0..n), but over at most BROKER_PLAN_CANDIDATES of them: the fastest (the
+ * trusted ones first when the ends must stay trusted). The partitioner's time grows faster than the
+ * candidates (an 80-layer job over 1,000 idle peers took 3 s, during which no heartbeat was
+ * answered: docs/SCALE.md), and a pipeline of at most BROKER_MAX_STAGES stages and its backups come
+ * from the fastest peers anyway. The plan's peer indices are into who, as without the cap. */
 static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
+{
+    if (n <= BROKER_PLAN_CANDIDATES)
+        return partition_once(b, j, who, n, max_stages, ends_trusted, plan, em);
+    plan_pick *pk = fu_calloc(n, sizeof *pk);
+    for (size_t k = 0; k < n; k++)
+        pk[k] = (plan_pick){.key = who[k]->gflops + (ends_trusted && who[k]->trusted ? 1e12 : 0), .at = k};
+    qsort(pk, n, sizeof *pk, pick_cmp);
+    broker_peer **sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
+    for (size_t k = 0; k < BROKER_PLAN_CANDIDATES; k++)
+        sub[k] = who[pk[k].at];
+    fu_err rc = partition_once(b, j, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plan, em);
+    for (size_t s = 0; rc == FU_OK && s < plan->n_stages; s++)
+        plan->stages[s].peer = pk[plan->stages[s].peer].at;
+    free(sub);
+    free(pk);
+    return rc;
+}
+
+static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
                              uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
