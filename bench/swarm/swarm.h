@@ -51,6 +51,9 @@ typedef struct {
     double join_rate;       /* peers connected per second at the start (ramp) */
     double sample_s;        /* a "sample" line this often (0: none) */
     bool quiet;             /* no progress lines on stderr */
+    bool zmtp_ping;         /* the peers' sockets send ZMTP pings as fusion-peer's do (wire_socket_new); off
+                               (--no-zmtp-ping) spares the simulator's one I/O thread, whose timer map
+                               grows with its N connections, and the broker the TTL timer each ping sets */
 } swarm_cfg;
 
 /* A latency distribution, milliseconds. */
@@ -78,6 +81,8 @@ typedef struct {
     int jobs_submitted, jobs_acked, jobs_done, jobs_failed, jobs_cancelled, jobs_unfinished;
     int jobs_lost;              /* acknowledged, then unknown to the broker or failed */
     double steps_per_s;         /* new (not replayed) steps per second over the load phase */
+    double makespan_s;          /* first submission -> the last job seen final (the clients poll every second) */
+    double goodput;             /* new steps per second of makespan: what --compare divides */
     uint64_t steps_new, steps_replayed;
     int departures, crashes, stage_losses; /* peers that left or vanished; those that held a stage */
     double commits_per_s;       /* store commits per second over the load phase */

@@ -87,6 +87,7 @@ typedef struct {
     uint64_t id;            /* the broker's id (0 before the answer) */
     swarm_jstate st;
     uint64_t submit_ms, ack_ms, retry_ms, poll_ms;
+    uint64_t final_ms;      /* when the client saw it end */
     bool planned;           /* the first plan was assigned in full (plan_ms measured) */
     /* the plan as assigned to our peers */
     uint32_t n_stages;
@@ -148,6 +149,7 @@ typedef struct swarm {
     int departures, crashes, stage_losses;
     swarm_samples plan_ms, replace_ms, resume_ms;
     int joined;
+    uint64_t next_timers_ms; /* the next turn that runs the timers (a scan of every peer) */
     int *dirty;              /* handles sent on since their last drain (room for every handle) */
     int n_dirty;
 } swarm;

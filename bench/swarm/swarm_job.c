@@ -387,6 +387,7 @@ void swarm_client_on_message(swarm *s, int c, const wire_msg_t *m)
         j->ack_ms = now;
         j->poll_ms = now + SWARM_POLL_EVERY_MS;
     }
+    bool was_final = j->st >= SJ_DONE;
     switch (st->state) {
     case FUSION__JOB_STATE__JOB_STATE_DONE:
         j->st = SJ_DONE;
@@ -402,4 +403,6 @@ void swarm_client_on_message(swarm *s, int c, const wire_msg_t *m)
     default:
         break;
     }
+    if (!was_final && j->st >= SJ_DONE)
+        j->final_ms = now;
 }

@@ -39,7 +39,8 @@ swarm_cfg swarm_cfg_default(void)
                        .layers = 16,
                        .seed = 1,
                        .join_rate = 500,
-                       .sample_s = 10};
+                       .sample_s = 10,
+                       .zmtp_ping = true};
 }
 
 /* The model every job fine-tunes: hidden 128, so that a layer is about 1 MiB of f32 weights. */
@@ -123,6 +124,9 @@ static void turn(swarm *s, bool clients_on)
     }
     swarm_drain_marked(s);
     uint64_t now = swarm_now();
+    if (now < s->next_timers_ms) /* the peers' timers are looked at every SWARM_POLL_MS at most */
+        return;
+    s->next_timers_ms = now + SWARM_POLL_MS;
     for (int i = 0; i < s->n_peers; i++)
         swarm_peer_timers(s, i, now);
     swarm_job_timers(s, now);
@@ -241,6 +245,16 @@ static void collect(swarm *s, swarm_result *r)
         r->jobs_unfinished += j->st == SJ_ACKED || j->st == SJ_SUBMITTED || j->st == SJ_NEW;
         r->jobs_lost += j->st == SJ_LOST || (j->id && j->st == SJ_FAILED);
     }
+    uint64_t first = 0, last = 0;
+    for (int k = 0; k < s->n_jobs; k++) {
+        const swarm_job *j = &s->jobs[k];
+        if (j->submit_ms && (!first || j->submit_ms < first))
+            first = j->submit_ms;
+        if (j->final_ms > last)
+            last = j->final_ms;
+    }
+    r->makespan_s = first && last > first ? (double)(last - first) / 1000.0 : 0;
+    r->goodput = r->makespan_s > 0 ? (double)s->steps_new / r->makespan_s : 0;
     r->steps_new = s->steps_new;
     r->steps_replayed = s->steps_replayed;
     r->departures = s->departures;
@@ -401,12 +415,13 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
     dist("resume_ms", &r->resume_ms);
     int acked = r->jobs_acked ? r->jobs_acked : 1;
     printf(",\"jobs_submitted\":%d,\"jobs_acked\":%d,\"jobs_done\":%d,\"jobs_failed\":%d,\"jobs_cancelled\":%d,"
-           "\"jobs_unfinished\":%d,\"jobs_lost\":%d,\"jobs_done_share\":%.3f,\"steps_new\":%" PRIu64
+           "\"jobs_unfinished\":%d,\"jobs_lost\":%d,\"jobs_done_share\":%.3f,\"makespan_s\":%.1f,\"goodput_steps_per_s\":%.3f,"
+           "\"steps_new\":%" PRIu64
            ",\"steps_replayed\":%" PRIu64 ",\"steps_per_s\":%.2f,\"departures\":%d,\"crashes\":%d,"
            "\"stage_losses\":%d,\"store_commits_per_s\":%.1f,\"store_mib_end\":%.2f,\"store_mib_max\":%.2f,"
            "\"events_end\":%.0f,\"errors_seen\":%" PRIu64 "}\n",
            r->jobs_submitted, r->jobs_acked, r->jobs_done, r->jobs_failed, r->jobs_cancelled, r->jobs_unfinished,
-           r->jobs_lost, (double)r->jobs_done / acked, r->steps_new, r->steps_replayed, r->steps_per_s, r->departures,
+           r->jobs_lost, (double)r->jobs_done / acked, r->makespan_s, r->goodput, r->steps_new, r->steps_replayed, r->steps_per_s, r->departures,
            r->crashes, r->stage_losses, r->commits_per_s, r->store_mib_end, r->store_mib_max, r->events_end,
            r->errors_seen);
     fflush(stdout);
