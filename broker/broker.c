@@ -486,6 +486,12 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc, "cannot create a ZeroMQ context");
         goto fail;
     }
+    /* Peers' ZMTP pings make libzmq set a TTL timer on their connection, which it cancels on the next
+     * message by walking the whole timer map of that connection's I/O thread: O(connections) per
+     * message, half the broker's CPU at 4,000 peers (docs/SCALE.md). Spreading the connections over
+     * several I/O threads divides each walk and spreads them over the cores. */
+    if (zmq_ctx_set(b->ctx, ZMQ_IO_THREADS, BROKER_IO_THREADS) != 0)
+        FU_WARN(LOG, "cannot use %d ZeroMQ I/O threads: %s", BROKER_IO_THREADS, zmq_strerror(zmq_errno()));
     wire_zap_cfg zc = {.allow_file = cfg->allow_file,
                        .enrol_token = cfg->enrol_token,
                        .tokens = {{cfg->peer_token, WIRE_ROLE_PEER}, {cfg->client_token, WIRE_ROLE_CLIENT}}};
