@@ -18,6 +18,7 @@
 import fs from "fs";
 import path from "path";
 import { createRequire } from "module";
+import { seeded } from "./seeded.mjs";
 
 const [modulesDir, outDir, nArg] = process.argv.slice(2);
 if (!modulesDir || !outDir) {
@@ -50,15 +51,7 @@ const CHATML_TEMPLATE =
   "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + " +
   "'\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
-let state = 0x2545f491;
-function rand() { // mulberry32
-  state = (state + 0x6d2b79f5) | 0;
-  let t = Math.imul(state ^ (state >>> 15), 1 | state);
-  t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-}
-const pick = (a) => a[Math.floor(rand() * a.length)];
-const between = (lo, hi) => lo + Math.floor(rand() * (hi - lo + 1));
+const { rand, pick, between } = seeded(0x2545f491);
 
 const words = ["Hello", "world", "what", "is", "the", "capital", "of", "France?", "Paris.", "naïve", "café",
   "привет", "мир", "你好", "世界", "こんにちは", "안녕하세요", "مرحبا", "नमस्ते", "🙂", "👍🏽", "🇫🇷", "x = 3;",

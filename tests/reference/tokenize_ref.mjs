@@ -13,6 +13,7 @@
 import fs from "fs";
 import path from "path";
 import { createRequire } from "module";
+import { seeded } from "./seeded.mjs";
 
 const [modulesDir, outDir, nArg] = process.argv.slice(2);
 if (!modulesDir || !outDir) {
@@ -23,16 +24,8 @@ const N = nArg ? parseInt(nArg, 10) : 10000;
 const require = createRequire(path.join(path.resolve(modulesDir), "x.js"));
 const { TokenizerLoader } = require("@lenml/tokenizers");
 
-// ---- a seeded generator (mulberry32) ----------------------------------------------------------
-let state = 0x9e3779b9;
-function rand() {
-  state = (state + 0x6d2b79f5) | 0;
-  let t = Math.imul(state ^ (state >>> 15), 1 | state);
-  t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-}
-const pick = (a) => a[Math.floor(rand() * a.length)];
-const between = (lo, hi) => lo + Math.floor(rand() * (hi - lo + 1));
+// ---- a seeded generator (seeded.mjs: mulberry32) ------------------------------------------------
+const { rand, pick, between } = seeded(0x9e3779b9);
 const fromRange = (lo, hi) => String.fromCodePoint(between(lo, hi));
 
 // ---- pieces of text -----------------------------------------------------------------------------
