@@ -236,14 +236,6 @@ static void special(ivec *a, int32_t id, bool counted)
         put(a, counted ? id : DAG_DATA_MASKED(id));
 }
 
-/* The ids of text (caller frees), and how many. */
-static fu_err encode_text(const fu_tokenizer *tok, const char *text, size_t len, int32_t **ids, size_t *n, fu_errmsg *em)
-{
-    *ids = NULL;
-    *n = 0;
-    return fu_tokenizer_encode(tok, text, len, ids, n, em);
-}
-
 /* How many of the ids of msgs[0..upto) rendered (with the generation prompt when gen; for ChatML
  * without the newline after a turn's <|im_end|>, which the assistant does not say) begin full's ids:
  * the token index where that text ends in the whole chat's encoding. */
@@ -261,7 +253,7 @@ static fu_err chat_boundary(const fu_tokenizer *tok, dag_chat_format fmt, const 
         len--;
     int32_t *ids = NULL;
     size_t n = 0;
-    fu_err rc = encode_text(tok, text, len, &ids, &n, em);
+    fu_err rc = fu_tokenizer_encode(tok, text, len, &ids, &n, em);
     free(text);
     if (rc != FU_OK)
         return rc;
@@ -316,7 +308,7 @@ static fu_err render_chat(const fu_tokenizer *tok, dag_chat_format fmt, const cJ
     size_t n_full = 0;
     fu_err rc = dag_chat_text(fmt, m, n, bos, eos, false, &text, em);
     if (rc == FU_OK)
-        rc = encode_text(tok, text, strlen(text), &full, &n_full, em);
+        rc = fu_tokenizer_encode(tok, text, strlen(text), &full, &n_full, em);
     free(text);
     bool *counted = rc == FU_OK ? fu_calloc(n_full ? n_full : 1, sizeof *counted) : NULL;
     for (i = 0; i < n && rc == FU_OK; i++) {
