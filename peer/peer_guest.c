@@ -11,6 +11,13 @@
 
 #include "fu_alloc.h"
 #include "fu_clock.h"
+#include "fu_log.h"
+#include "peer_gpuwatch.h"
+
+/* Consecutive busy and quiet samples of one watched resource. */
+typedef struct {
+    int busy_run, quiet_run;
+} hysteresis;
 
 struct peer_guest {
     peer_guest_cfg cfg;
@@ -21,7 +28,10 @@ struct peer_guest {
     uint64_t next_sample_ms;   /* when peer_guest_tick reads the machine again */
     peer_guest_sample last;    /* the previous reading (total 0: none yet) */
     double others;             /* the latest share of the other processes, percent (-1: unknown) */
-    int busy_run, quiet_run;   /* consecutive busy / quiet samples */
+    hysteresis cpu;            /* of the CPU samples */
+    peer_gpuwatch_t *gpu;      /* NULL: the GPU is not watched */
+    int gpu_others;            /* other programs' processes on the GPU at the latest look */
+    hysteresis gpu_h;          /* of the GPU looks */
     /* compute thread: the duty cycle's window */
     uint64_t wall0_ns, cpu0_ns;
 };
@@ -73,7 +83,8 @@ bool peer_guest_in_hours(int from, int to, int m)
 peer_guest_t *peer_guest_new(const peer_guest_cfg *cfg, int threads)
 {
     if (!cfg || cfg->max_cpu < 0 || cfg->max_cpu > 100 || cfg->busy_percent < 0 || cfg->busy_percent > 100 ||
-        cfg->hours_from < 0 || cfg->hours_from >= 1440 || cfg->hours_to < 0 || cfg->hours_to >= 1440 || threads < 0)
+        cfg->hours_from < 0 || cfg->hours_from >= 1440 || cfg->hours_to < 0 || cfg->hours_to >= 1440 || threads < 0 ||
+        cfg->gpu < -1 || cfg->gpu_own < 0)
         return NULL;
     peer_guest_t *g = fu_calloc(1, sizeof *g);
     g->cfg = *cfg;
@@ -84,6 +95,16 @@ peer_guest_t *peer_guest_new(const peer_guest_cfg *cfg, int threads)
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     g->threads = threads > 0 ? threads : n > 0 ? (int)n : 1;
     g->others = -1;
+    if (g->cfg.pause_when_gpu_busy) {
+        fu_errmsg em = {{0}};
+        g->gpu = peer_gpuwatch_new(g->cfg.gpu, g->cfg.gpu_own, &em);
+        if (g->gpu)
+            FU_INFO("peer", "--pause-when-gpu-busy: watching %s for other programs' processes (NVML)",
+                    peer_gpuwatch_describe(g->gpu));
+        else
+            FU_WARN("peer", "--pause-when-gpu-busy: %s; compute will not pause for other programs' GPU work",
+                    fu_errmsg_text(&em, FU_ENOSYS));
+    }
     return g;
 }
 
@@ -91,6 +112,7 @@ void peer_guest_destroy(peer_guest_t **g_p)
 {
     if (!g_p || !*g_p)
         return;
+    peer_gpuwatch_destroy(&(*g_p)->gpu);
     free(*g_p);
     *g_p = NULL;
 }
@@ -147,20 +169,25 @@ static void mask_set(peer_guest_t *g, unsigned bit, bool on)
         atomic_fetch_and(&g->mask, ~bit);
 }
 
+/* One busy or quiet sample: the pause `bit` begins after PEER_GUEST_BUSY_ON busy samples in a row
+ * and ends after PEER_GUEST_BUSY_OFF quiet ones. */
+static void hysteresis_feed(peer_guest_t *g, hysteresis *h, unsigned bit, bool busy)
+{
+    h->busy_run = busy ? h->busy_run + 1 : 0;
+    h->quiet_run = busy ? 0 : h->quiet_run + 1;
+    if (h->busy_run >= PEER_GUEST_BUSY_ON)
+        mask_set(g, bit, true);
+    else if (h->quiet_run >= PEER_GUEST_BUSY_OFF)
+        mask_set(g, bit, false);
+}
+
 unsigned peer_guest_feed(peer_guest_t *g, double others_percent, int minute_of_day)
 {
     if (atomic_load(&g->released))
         return 0;
     g->others = others_percent;
-    if (g->cfg.pause_when_busy && others_percent >= 0) {
-        bool busy = others_percent > (double)g->cfg.busy_percent;
-        g->busy_run = busy ? g->busy_run + 1 : 0;
-        g->quiet_run = busy ? 0 : g->quiet_run + 1;
-        if (g->busy_run >= PEER_GUEST_BUSY_ON)
-            mask_set(g, PEER_PAUSE_BUSY, true);
-        else if (g->quiet_run >= PEER_GUEST_BUSY_OFF)
-            mask_set(g, PEER_PAUSE_BUSY, false);
-    }
+    if (g->cfg.pause_when_busy && others_percent >= 0)
+        hysteresis_feed(g, &g->cpu, PEER_PAUSE_BUSY, others_percent > (double)g->cfg.busy_percent);
     if (minute_of_day >= 0)
         mask_set(g, PEER_PAUSE_HOURS, !peer_guest_in_hours(g->cfg.hours_from, g->cfg.hours_to, minute_of_day));
     return atomic_load(&g->mask);
@@ -189,7 +216,30 @@ unsigned peer_guest_tick(peer_guest_t *g, uint64_t now_ms)
         if (localtime_r(&t, &tm))
             minute = tm.tm_hour * 60 + tm.tm_min;
     }
+    if (g->gpu) {
+        int listed = 0, on_gpu = -1;
+        if (peer_gpuwatch_sample(g->gpu, &listed, &on_gpu) != FU_OK)
+            on_gpu = -1;
+        (void)peer_guest_feed_gpu(g, on_gpu);
+    }
     return peer_guest_feed(g, others, minute);
+}
+
+unsigned peer_guest_feed_gpu(peer_guest_t *g, int others)
+{
+    if (!g || atomic_load(&g->released))
+        return 0;
+    if (g->cfg.pause_when_gpu_busy && others >= 0) {
+        if (others > 0)
+            g->gpu_others = others;
+        hysteresis_feed(g, &g->gpu_h, PEER_PAUSE_GPU, others > 0);
+    }
+    return atomic_load(&g->mask);
+}
+
+bool peer_guest_gpu_watched(const peer_guest_t *g)
+{
+    return g && g->gpu;
 }
 
 void peer_guest_owner_pause(peer_guest_t *g, bool on)
@@ -226,6 +276,14 @@ void peer_guest_describe(const peer_guest_t *g, unsigned mask, char *out, size_t
         len += (size_t)snprintf(out + len, cap - len, "%soutside hours %02d:%02d-%02d:%02d", len ? "; " : "",
                                 g->cfg.hours_from / 60, g->cfg.hours_from % 60, g->cfg.hours_to / 60,
                                 g->cfg.hours_to % 60);
+    if ((mask & PEER_PAUSE_GPU) && len < cap) {
+        int n = g ? g->gpu_others : 0;
+        char which[32] = "the GPU";
+        if (g && g->cfg.gpu >= 0)
+            snprintf(which, sizeof which, "GPU %d", g->cfg.gpu);
+        len += (size_t)snprintf(out + len, cap - len, "%sgpu: %d other process%s use%s %s", len ? "; " : "", n,
+                                n == 1 ? "" : "es", n == 1 ? "s" : "", which);
+    }
     if ((mask & PEER_PAUSE_OWNER) && len < cap)
         (void)snprintf(out + len, cap - len, "%spaused by its owner", len ? "; " : "");
 }

@@ -201,7 +201,7 @@ int main(int argc, char **argv)
     const char *cache = NULL, *name = NULL, *enrol_token = NULL, *advertise = NULL, *token_file = NULL;
     long long threads = 0, drain_s = PEER_DRAIN_MS / 1000;
     double max_memory = 0, cache_max = PEER_CACHE_DEFAULT_GB, link_mbps = 0, gflops = 0;
-    bool no_listen = false, pause_busy = false;
+    bool no_listen = false, pause_busy = false, pause_gpu = false, no_pause_gpu = false;
     const char *priority = "idle", *hours = NULL, *config = NULL;
     long long max_cpu = 100, busy_pct = PEER_GUEST_BUSY_DEFAULT, slots = 1;
     const fu_opt opts[] = {
@@ -238,6 +238,11 @@ int main(int argc, char **argv)
          "pause compute while other programs use more than --busy-percent of the CPU"},
         {"busy-percent", 0, FU_OPT_INT, &busy_pct, "PERCENT",
          "the other programs' share of all CPUs that counts as busy (default 25)"},
+        {"pause-when-gpu-busy", 0, FU_OPT_FLAG, &pause_gpu, NULL,
+         "pause compute while other programs run on the GPU (the default with --device cuda; a CPU peer then "
+         "watches every GPU)"},
+        {"no-pause-when-gpu-busy", 0, FU_OPT_FLAG, &no_pause_gpu, NULL,
+         "never pause for other programs' GPU work"},
         {"hours", 0, FU_OPT_STR, &hours, "FROM-TO", "compute only in this daily window, local time (22-08, 22:30-07:00)"},
     };
     const fu_cmd cmd = {
@@ -275,7 +280,24 @@ int main(int argc, char **argv)
         fprintf(stderr, "fusion-peer: --link-mbps must be a number of MB/s, 0 to 1000000 (0: measure)\n");
         return FU_EXIT_USAGE;
     }
-    peer_guest_cfg guest = {.max_cpu = (int)max_cpu, .pause_when_busy = pause_busy, .busy_percent = (int)busy_pct};
+    if (pause_gpu && no_pause_gpu) {
+        fprintf(stderr, "fusion-peer: --pause-when-gpu-busy and --no-pause-when-gpu-busy exclude each other\n");
+        return FU_EXIT_USAGE;
+    }
+    /* The GPU the guest watches: --device cuda:N's N (peer_new refuses a malformed --device; here a
+     * bad one only leaves the GPU unwatched). A CUDA peer watches by default: its kernels compete with
+     * the owner's on the GPU, where the CPU priority does nothing. */
+    int gpu = -1;
+    if (strcmp(device, "cuda") == 0) {
+        gpu = 0;
+    } else if (strncmp(device, "cuda:", 5) == 0) {
+        char *end = NULL;
+        long n = strtol(device + 5, &end, 10);
+        gpu = end != device + 5 && !*end && n >= 0 && n <= 1024 ? (int)n : -1;
+    }
+    peer_guest_cfg guest = {.max_cpu = (int)max_cpu, .pause_when_busy = pause_busy, .busy_percent = (int)busy_pct,
+                            .pause_when_gpu_busy = !no_pause_gpu && (pause_gpu || gpu >= 0), .gpu = gpu,
+                            .gpu_own = gpu >= 0 ? (int)slots : 0};
     if (kern_priority_parse(priority, &guest.priority) != FU_OK) {
         fprintf(stderr, "fusion-peer: --priority must be idle, low or normal\n");
         return FU_EXIT_USAGE;
