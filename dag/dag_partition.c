@@ -11,54 +11,78 @@
 /* Fixed memory beside parameters and activations: workspaces, cut buffers, allocator slack. */
 #define DAG_STAGE_OVERHEAD_BYTES (32ull << 20)
 
-static double stage_flops(const dag_graph_t *g, size_t first, size_t last, const dag_partition_opts *o)
+static double tokens_of(const dag_partition_opts *o)
 {
-    dag_cost c = dag_graph_cost(g, first, last);
-    return c.flops_fwd + (o->training ? c.flops_bwd : 0.0);
+    return o->tokens_per_micro ? o->tokens_per_micro : 1;
 }
 
-/* Seconds of link latency a micro-batch of nodes [first, last) waits for on p's link, and through
- * *bytes_out the bytes it sends (activations down, gradients back up). */
-static double stage_latency(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
-                            const dag_partition_opts *o, double *bytes_out)
+static double stage_flops(const dag_cost *c, const dag_partition_opts *o)
 {
-    double tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
+    return c->flops_fwd + (o->training ? c->flops_bwd : 0.0);
+}
+
+/* A stage's time on p from its sums: FLOPs per token, the widths of the cut it reads (cut_in; 0 for
+ * the first stage) and of the cut it writes (cut_out; 0 for the last), interior when it is neither.
+ * The compute and link seconds go to *comp and *comm, the part of *comm that is link latency to *lat.
+ * The public cost functions and the partitioner's tables both come here, so both give the same bits. */
+static double time_of(double flops, uint64_t cut_in, uint64_t cut_out, bool interior, const dag_peer_profile *p,
+                      const dag_partition_opts *o, double *comp, double *comm, double *lat)
+{
+    double tokens = tokens_of(o);
     double act = o->act_wire_bytes > 0 ? o->act_wire_bytes : 4.0, grad = o->grad_wire_bytes > 0 ? o->grad_wire_bytes : 4.0;
-    double bytes = act * tokens * (double)dag_graph_cut_width(g, last);
+    double bytes = act * tokens * (double)cut_out;
     if (o->training)
-        bytes += grad * tokens * (double)dag_graph_cut_width(g, first); /* gradients sent back */
-    *bytes_out = bytes;
-    return bytes > 0.0 ? p->link_latency_s * (o->training && first > 0 && last < dag_graph_size(g) ? 2 : 1) : 0.0;
+        bytes += grad * tokens * (double)cut_in; /* gradients sent back */
+    *lat = bytes > 0.0 ? p->link_latency_s * (o->training && interior ? 2 : 1) : 0.0;
+    *comp = tokens * flops / (p->gflops * 1e9);
+    *comm = bytes > 0.0 ? bytes / p->link_bw + *lat : 0.0;
+    return *comp + *comm;
+}
+
+/* A stage's peak memory from its sums and the widest output among its nodes (the working buffers of
+ * one micro-batch). Less its cut terms, it only grows as the stage takes more nodes. */
+static uint64_t memory_of(const dag_cost *c, uint64_t wmax, uint64_t cut_in, uint64_t cut_out, const dag_partition_opts *o)
+{
+    uint64_t tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
+    uint64_t m = o->training ? (o->micro_batches ? o->micro_batches : 1) : 0;
+    return c->param_bytes + m * tokens * c->act_bytes + 4ull * tokens * (3 * wmax + 2 * (cut_in + cut_out)) +
+           DAG_STAGE_OVERHEAD_BYTES;
+}
+
+static uint64_t widest(const dag_graph_t *g, size_t first, size_t last)
+{
+    uint64_t w = 0;
+    for (size_t i = first; i < last; i++)
+        if (dag_graph_node(g, i)->out_width > w)
+            w = dag_graph_node(g, i)->out_width;
+    return w;
+}
+
+/* time_of for nodes [first, last), its latency to *lat. */
+static double stage_time(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
+                         const dag_partition_opts *o, double *comp, double *comm, double *lat)
+{
+    dag_cost c = dag_graph_cost(g, first, last);
+    return time_of(stage_flops(&c, o), dag_graph_cut_width(g, first), dag_graph_cut_width(g, last),
+                   first > 0 && last < dag_graph_size(g), p, o, comp, comm, lat);
 }
 
 double dag_cost_stage_time(const dag_graph_t *g, size_t first, size_t last, const dag_peer_profile *p,
                            const dag_partition_opts *o, double *compute_s, double *comm_s)
 {
-    double tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
-    double comp = tokens * stage_flops(g, first, last, o) / (p->gflops * 1e9);
-    double bytes = 0.0, lat = stage_latency(g, first, last, p, o, &bytes);
-    double comm = bytes > 0.0 ? bytes / p->link_bw + lat : 0.0;
+    double comp, comm, lat;
+    double t = stage_time(g, first, last, p, o, &comp, &comm, &lat);
     if (compute_s)
         *compute_s = comp;
     if (comm_s)
         *comm_s = comm;
-    return comp + comm;
+    return t;
 }
 
 uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, const dag_partition_opts *o)
 {
     dag_cost c = dag_graph_cost(g, first, last);
-    uint64_t tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
-    uint64_t m = o->training ? (o->micro_batches ? o->micro_batches : 1) : 0;
-    /* Widest output among the nodes: the working buffers of one micro-batch. */
-    uint64_t wmax = 0;
-    for (size_t i = first; i < last; i++) {
-        const dag_node *n = dag_graph_node(g, i);
-        if (n->out_width > wmax)
-            wmax = n->out_width;
-    }
-    uint64_t cut = dag_graph_cut_width(g, first) + dag_graph_cut_width(g, last);
-    return c.param_bytes + m * tokens * c.act_bytes + 4ull * tokens * (3 * wmax + 2 * cut) + DAG_STAGE_OVERHEAD_BYTES;
+    return memory_of(&c, widest(g, first, last), dag_graph_cut_width(g, first), dag_graph_cut_width(g, last), o);
 }
 
 double dag_plan_pipeline_time(const dag_plan *plan, uint32_t M)
@@ -106,12 +130,10 @@ static void fill_stage(const dag_graph_t *g, const dag_peer_profile *peers, cons
     s->last = last;
     s->peer = peer;
     layer_span(g, first, last, &s->first_layer, &s->last_layer);
-    s->time_s = dag_cost_stage_time(g, first, last, &peers[peer], o, &s->compute_s, &s->comm_s);
-    double bytes;
-    s->latency_s = stage_latency(g, first, last, &peers[peer], o, &bytes);
+    s->time_s = stage_time(g, first, last, &peers[peer], o, &s->compute_s, &s->comm_s, &s->latency_s);
     s->mem_bytes = dag_cost_stage_memory(g, first, last, o);
-    s->cut_bytes = (uint64_t)((o->act_wire_bytes > 0 ? o->act_wire_bytes : 4.0) *
-                              (double)(o->tokens_per_micro ? o->tokens_per_micro : 1) * (double)dag_graph_cut_width(g, last));
+    s->cut_bytes = (uint64_t)((o->act_wire_bytes > 0 ? o->act_wire_bytes : 4.0) * tokens_of(o) *
+                              (double)dag_graph_cut_width(g, last));
 }
 
 static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const dag_partition_opts *o,
@@ -126,7 +148,8 @@ static void explain(const dag_graph_t *g, const dag_peer_profile *peers, const d
         const dag_peer_profile *p = &peers[s->peer];
         char layers[48];
         dag_graph_range_label(g, s->first, s->last, layers, sizeof layers);
-        double gf = (o->tokens_per_micro ? o->tokens_per_micro : 1) * stage_flops(g, s->first, s->last, o) / 1e9;
+        dag_cost c = dag_graph_cost(g, s->first, s->last);
+        double gf = tokens_of(o) * stage_flops(&c, o) / 1e9;
         int wl = snprintf(s->why, sizeof s->why,
                  "stage %zu: nodes %zu-%zu (%s%s%s) on '%s': %.2f GFLOP at %.1f GFLOP/s = %.1f ms + "
                  "%.2f MB over the link at %.1f MB/s = %.1f ms; %.0f MiB of %.0f MiB; %s",
@@ -154,7 +177,19 @@ static fu_err check_args(const dag_graph_t *g, const dag_peer_profile *peers, si
     return FU_OK;
 }
 
-/* Candidate cut points: every node boundary 0..n. */
+/* ---- the partitioner ------------------------------------------------------------------------------
+ *
+ * A dynamic program over (the set of peers used so far, the cut where the next stage begins): the
+ * stages are contiguous, so a plan is a path of cuts 0 = c0 < c1 < ... < ck = n, each hop a stage on
+ * a peer not used before. Its cost is (the slowest stage, then the sum of stage times, then the
+ * stages). Three things keep it fast without changing what it finds:
+ *   - tables: every stage's time and memory, one pass over the nodes per first cut;
+ *   - bounds: a greedy plan of at most k stages bounds the slowest stage of the best such plan, so a
+ *     stage whose compute alone exceeds it ends the look further along the graph (compute only grows
+ *     with the stage, as does its memory less the cut buffers);
+ *   - twins: peers with equal profiles are used in their order, one plan standing for all the
+ *     orders that only swap twins. */
+
 typedef struct {
     double best;  /* bottleneck */
     double sum;   /* sum of stage times (tie-break) */
@@ -178,77 +213,203 @@ static bool better(double b1, double s1, uint32_t k1, double b2, double s2, uint
     return k1 < k2;
 }
 
-fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
-                     const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em)
-{
-    FU_TRY(check_args(g, peers, n_peers, o));
-    if (!plan)
-        return FU_EINVAL;
-    memset(plan, 0, sizeof *plan);
-    const size_t n = dag_graph_size(g);
-    size_t P = n_peers;
-    size_t *order = fu_malloc(n_peers * sizeof *order);
-    for (size_t i = 0; i < n_peers; i++)
-        order[i] = i;
-    if (P > DAG_PARTITION_EXACT) {
-        /* Fastest first; the DAG_PARTITION_EXACT fastest are searched exactly, the rest are backups. */
-        for (size_t i = 1; i < n_peers; i++)
-            for (size_t j = i; j > 0 && peers[order[j]].gflops > peers[order[j - 1]].gflops; j--) {
-                size_t t = order[j];
-                order[j] = order[j - 1];
-                order[j - 1] = t;
-            }
-        P = DAG_PARTITION_EXACT;
-        /* with the ends reserved for trusted peers, the two fastest trusted ones are searched too:
-         * each takes the place of the slowest untrusted peer among those searched */
-        for (size_t slot = P; o->ends_ok && slot > 0;) {
-            size_t in = 0, far = n_peers;
-            for (size_t i = 0; i < n_peers; i++) {
-                if (!o->ends_ok[order[i]])
-                    continue;
-                if (i < P)
-                    in++;
-                else if (far == n_peers)
-                    far = i;
-            }
-            while (slot > 0 && o->ends_ok[order[slot - 1]])
-                slot--;
-            if (in >= 2 || far == n_peers || slot == 0)
-                break;
-            size_t t = order[slot - 1];
-            order[slot - 1] = order[far];
-            order[far] = t;
-        }
-    }
-    size_t max_k = o->max_stages && o->max_stages < P ? o->max_stages : P;
+/* The search space and its tables. Peer q (0..P) is peers[order[q]]. */
+typedef struct {
+    const dag_graph_t *g;
+    const dag_peer_profile *peers;
+    const dag_partition_opts *o;
+    const size_t *order;
+    size_t P, m;        /* peers searched, cut candidates */
+    size_t *cand;       /* cut candidates (node boundaries), cand[0] = 0, cand[m - 1] = n */
+    double *flops;      /* [a·m + b]: FLOPs per token of the stage cand[a]..cand[b] */
+    uint64_t *mem;      /* [a·m + b]: its memory */
+    uint64_t *mem_grow; /* [a·m + b]: its memory less the cut buffers (grows with b) */
+    double *tt;         /* [(a·m + b)·P + q]: its time on peer q */
+} ptab;
 
-    /* Cut candidates: 0, n, and every boundary no wider than the residual stream (for a decoder:
-     * between layers, between a layer's attention and MLP halves, and before the loss, where the
-     * logits cross). Boundaries inside attention or the MLP carry several tensors and are skipped.
-     * The bound is the residual width, not the narrowest cut: with a vocabulary smaller than the
-     * hidden size the logits boundary is the narrowest, and the layers must stay cuttable. */
+/* The first peer may take an end stage (it sees the tokens). */
+static bool end_ok(const ptab *t, size_t q)
+{
+    return !t->o->ends_ok || t->o->ends_ok[t->order[q]];
+}
+
+static void ptab_free(ptab *t)
+{
+    free(t->cand);
+    free(t->flops);
+    free(t->mem);
+    free(t->mem_grow);
+    free(t->tt);
+}
+
+/* Cut candidates: 0, n, and every boundary no wider than the residual stream (for a decoder: between
+ * layers, between a layer's attention and MLP halves, and before the loss, where the logits cross).
+ * Boundaries inside attention or the MLP carry several tensors and are skipped. The bound is the
+ * residual width, not the narrowest cut: with a vocabulary smaller than the hidden size the logits
+ * boundary is the narrowest, and the layers must stay cuttable. Then the tables, each stage's sums
+ * added up node by node in the order dag_graph_cost adds them. */
+static void ptab_build(ptab *t)
+{
+    const dag_graph_t *g = t->g;
+    const dag_partition_opts *o = t->o;
+    size_t n = dag_graph_size(g), P = t->P;
     uint64_t residual = dag_graph_dims(g)->hidden_size;
-    size_t *cand = fu_malloc((n + 1) * sizeof *cand);
+    uint64_t *width = fu_malloc((n + 1) * sizeof *width);
+    t->cand = fu_malloc((n + 1) * sizeof *t->cand);
     size_t m = 0;
-    cand[m++] = 0;
+    t->cand[m] = 0;
+    width[m++] = 0;
     for (size_t i = 1; i < n; i++) {
         uint64_t w = dag_graph_cut_width(g, i);
-        if (w && w <= residual)
-            cand[m++] = i;
-    }
-    cand[m++] = n;
-
-    /* Stage time per (candidate a, candidate b, peer q) and memory per (a, b). */
-    double *tt = fu_malloc(m * m * P * sizeof *tt);
-    uint64_t *mm = fu_malloc(m * m * sizeof *mm);
-    for (size_t a = 0; a < m; a++)
-        for (size_t b = a + 1; b < m; b++) {
-            mm[a * m + b] = dag_cost_stage_memory(g, cand[a], cand[b], o);
-            for (size_t q = 0; q < P; q++)
-                tt[(a * m + b) * P + q] = dag_cost_stage_time(g, cand[a], cand[b], &peers[order[q]], o, NULL, NULL);
+        if (w && w <= residual) {
+            t->cand[m] = i;
+            width[m++] = w;
         }
-    size_t n_masks = (size_t)1 << P;
-    cell *dp = fu_malloc(n_masks * m * sizeof *dp);
+    }
+    t->cand[m] = n;
+    width[m++] = 0;
+    t->m = m;
+    t->flops = fu_calloc(m * m, sizeof *t->flops);
+    t->mem = fu_calloc(m * m, sizeof *t->mem);
+    t->mem_grow = fu_calloc(m * m, sizeof *t->mem_grow);
+    t->tt = fu_calloc(m * m * P, sizeof *t->tt);
+    for (size_t a = 0; a + 1 < m; a++) {
+        dag_cost c = {0};
+        uint64_t wmax = 0;
+        for (size_t b = a + 1; b < m; b++) {
+            for (size_t i = t->cand[b - 1]; i < t->cand[b]; i++) {
+                const dag_node *nd = dag_graph_node(g, i);
+                c.flops_fwd += nd->flops_fwd;
+                c.flops_bwd += nd->flops_bwd;
+                c.param_bytes += nd->param_bytes;
+                c.act_bytes += nd->act_bytes;
+                if (nd->out_width > wmax)
+                    wmax = nd->out_width;
+            }
+            size_t ab = a * m + b;
+            t->flops[ab] = stage_flops(&c, o);
+            t->mem[ab] = memory_of(&c, wmax, width[a], width[b], o);
+            t->mem_grow[ab] = memory_of(&c, wmax, 0, 0, o);
+            for (size_t q = 0; q < P; q++) {
+                double comp, comm, lat;
+                t->tt[ab * P + q] = time_of(t->flops[ab], width[a], width[b], a > 0 && b + 1 < m,
+                                            &t->peers[t->order[q]], o, &comp, &comm, &lat);
+            }
+        }
+    }
+    free(width);
+}
+
+/* Whether stage a..b fits peer q with a time of at most T, its time to *time. */
+static bool ptab_fits(const ptab *t, size_t a, size_t b, size_t q, double T, double *time)
+{
+    *time = t->tt[(a * t->m + b) * t->P + q];
+    return t->mem[a * t->m + b] <= t->peers[t->order[q]].mem_bytes && *time <= T;
+}
+
+/* The farthest b < m - 1 that stage a..b can reach on q within T (0: none). */
+static size_t ptab_reach(const ptab *t, size_t a, size_t q, double T)
+{
+    const dag_peer_profile *p = &t->peers[t->order[q]];
+    size_t far = 0;
+    for (size_t b = a + 1; b + 1 < t->m; b++) {
+        size_t ab = a * t->m + b;
+        if (tokens_of(t->o) * t->flops[ab] / (p->gflops * 1e9) > T || t->mem_grow[ab] > p->mem_bytes)
+            break;
+        double time;
+        if (ptab_fits(t, a, b, q, T, &time))
+            far = b;
+    }
+    return far;
+}
+
+/* A plan of at most k stages whose stages all take at most T, found greedily: peers in their order
+ * (the ends on the first two peers that may take them), each stage as long as it can be until what
+ * is left fits the peer that would take it. Its slowest stage, or DBL_MAX when it finds none. */
+static double greedy(const ptab *t, size_t k, double T)
+{
+    bool ends = t->o->ends_ok != NULL;
+    size_t e1 = 0, e2 = t->P; /* the first stage's peer; the last stage's when the ends are reserved */
+    if (ends) {
+        while (e1 < t->P && !end_ok(t, e1))
+            e1++;
+        for (e2 = e1 + 1; e2 < t->P && !end_ok(t, e2);)
+            e2++;
+        if (e1 == t->P)
+            return DBL_MAX;
+    }
+    double worst = 0.0, time;
+    size_t a = 0, stages = 0, q = e1, scan = 0;
+    for (;;) {
+        size_t last = ends && stages > 0 ? e2 : q; /* who would take the rest */
+        if (last < t->P && stages < k && ptab_fits(t, a, t->m - 1, last, T, &time))
+            return time > worst ? time : worst;
+        if (stages + 2 > k) /* a stage on q, and at least one after it */
+            return DBL_MAX;
+        size_t b = ptab_reach(t, a, q, T);
+        if (b == 0)
+            return DBL_MAX;
+        (void)ptab_fits(t, a, b, q, T, &time);
+        worst = time > worst ? time : worst;
+        stages++;
+        a = b;
+        while (scan < t->P && (scan == e1 || scan == e2))
+            scan++;
+        if (scan == t->P)
+            return DBL_MAX;
+        q = scan++;
+    }
+}
+
+/* bound[k] for k = 1..max_k: the slowest stage of a plan of at most k stages (DBL_MAX: none found),
+ * the smallest the greedy plans reach over a bisection of their limit. Never more than bound[k-1]. */
+static void bounds(const ptab *t, size_t max_k, double *bound)
+{
+    bound[0] = DBL_MAX;
+    for (size_t k = 1; k <= max_k; k++) {
+        double best = greedy(t, k, DBL_MAX);
+        if (best < DBL_MAX) {
+            double lo = 0.0, hi = best;
+            for (int it = 0; it < 40 && hi - lo > 1e-6 * hi; it++) {
+                double mid = 0.5 * (lo + hi), got = greedy(t, k, mid);
+                if (got < DBL_MAX) {
+                    hi = got < mid ? got : mid;
+                    best = got < best ? got : best;
+                } else {
+                    lo = mid;
+                }
+            }
+        }
+        bound[k] = best < bound[k - 1] ? best : bound[k - 1];
+    }
+}
+
+/* For each peer q, the twin before it (an earlier peer of the same profile and end rule), or -1. */
+static void twins(const ptab *t, int32_t *twin)
+{
+    for (size_t q = 0; q < t->P; q++) {
+        const dag_peer_profile *p = &t->peers[t->order[q]];
+        twin[q] = -1;
+        for (size_t r = q; r-- > 0;) {
+            const dag_peer_profile *x = &t->peers[t->order[r]];
+            if (x->gflops == p->gflops && x->mem_bytes == p->mem_bytes && x->link_bw == p->link_bw &&
+                x->link_latency_s == p->link_latency_s && end_ok(t, r) == end_ok(t, q)) {
+                twin[q] = (int32_t)r;
+                break;
+            }
+        }
+    }
+}
+
+/* The dynamic program: dp[mask·m + a] is the best way to cover the nodes before cand[a] with the
+ * peers in mask. */
+static void search(const ptab *t, size_t max_k, cell *dp)
+{
+    const size_t m = t->m, P = t->P, n_masks = (size_t)1 << P;
+    double *bound = fu_malloc((max_k + 1) * sizeof *bound);
+    int32_t *twin = fu_malloc(P * sizeof *twin);
+    bounds(t, max_k, bound);
+    twins(t, twin);
     for (size_t z = 0; z < n_masks * m; z++)
         dp[z] = (cell){DBL_MAX, DBL_MAX, 0, -1, -1, 0};
     dp[0].best = 0.0;
@@ -258,85 +419,187 @@ fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t
             cell c = dp[mask * m + a];
             if (c.best == DBL_MAX || c.k >= max_k)
                 continue;
-            for (size_t b = a + 1; b < m; b++) {
-                uint64_t mem = mm[a * m + b];
-                for (size_t q = 0; q < P; q++) {
-                    if ((mask & ((size_t)1 << q)) || mem > peers[order[q]].mem_bytes)
+            /* a stage slower than this cannot be part of the best plan of c.k + 1 or more stages */
+            double limit = bound[c.k + 1] < DBL_MAX ? bound[c.k + 1] * (1 + 1e-6) : DBL_MAX;
+            for (size_t q = 0; q < P; q++) {
+                if ((mask & ((size_t)1 << q)) || (twin[q] >= 0 && !(mask & ((size_t)1 << twin[q]))))
+                    continue; /* used, or a twin comes first */
+                const dag_peer_profile *p = &t->peers[t->order[q]];
+                if (a == 0 && !end_ok(t, q))
+                    continue; /* the first stage on a peer not trusted with tokens */
+                cell *row = &dp[(mask | ((size_t)1 << q)) * m];
+                for (size_t b = a + 1; b < m; b++) {
+                    size_t ab = a * m + b;
+                    if (tokens_of(t->o) * t->flops[ab] / (p->gflops * 1e9) > limit || t->mem_grow[ab] > p->mem_bytes)
+                        break;
+                    if (t->mem[ab] > p->mem_bytes || (b == m - 1 && !end_ok(t, q)))
                         continue;
-                    if (o->ends_ok && (a == 0 || b == m - 1) && !o->ends_ok[order[q]])
-                        continue; /* an end stage on a peer not trusted with tokens */
-                    double t = tt[(a * m + b) * P + q];
-                    double bt = c.best > t ? c.best : t;
-                    double st = c.sum + t;
-                    cell *d = &dp[(mask | ((size_t)1 << q)) * m + b];
+                    double tq = t->tt[ab * P + q];
+                    double bt = c.best > tq ? c.best : tq;
+                    double st = c.sum + tq;
+                    cell *d = &row[b];
                     if (better(bt, st, c.k + 1, d->best, d->sum, d->k))
                         *d = (cell){bt, st, c.k + 1, (int32_t)a, (int32_t)q, (uint32_t)mask};
                 }
             }
         }
     }
-    size_t best_mask = 0;
-    const cell *bc = NULL;
-    for (size_t mask = 1; mask < n_masks; mask++) {
-        const cell *c = &dp[mask * m + (m - 1)];
-        if (c->best == DBL_MAX)
-            continue;
-        if (!bc || better(c->best, c->sum, c->k, bc->best, bc->sum, bc->k)) {
-            bc = c;
-            best_mask = mask;
+    free(twin);
+    free(bound);
+}
+
+/* The peers searched, in order: all of them up to DAG_PARTITION_EXACT; beyond, the fastest, with
+ * the two fastest that may take the ends among them when the ends are reserved. Returns P. */
+static size_t searched(const dag_peer_profile *peers, size_t n_peers, const dag_partition_opts *o, size_t *order)
+{
+    for (size_t i = 0; i < n_peers; i++)
+        order[i] = i;
+    if (n_peers <= DAG_PARTITION_EXACT)
+        return n_peers;
+    for (size_t i = 1; i < n_peers; i++)
+        for (size_t j = i; j > 0 && peers[order[j]].gflops > peers[order[j - 1]].gflops; j--) {
+            size_t t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
         }
+    size_t P = DAG_PARTITION_EXACT;
+    /* with the ends reserved for trusted peers, the two fastest trusted ones are searched too: each
+     * takes the place of the slowest untrusted peer among those searched */
+    for (size_t slot = P; o->ends_ok && slot > 0;) {
+        size_t in = 0, far = n_peers;
+        for (size_t i = 0; i < n_peers; i++) {
+            if (!o->ends_ok[order[i]])
+                continue;
+            if (i < P)
+                in++;
+            else if (far == n_peers)
+                far = i;
+        }
+        while (slot > 0 && o->ends_ok[order[slot - 1]])
+            slot--;
+        if (in >= 2 || far == n_peers || slot == 0)
+            break;
+        size_t t = order[slot - 1];
+        order[slot - 1] = order[far];
+        order[far] = t;
     }
-    fu_err rc = FU_OK;
-    if (!bc && o->ends_ok) {
+    return P;
+}
+
+static fu_err no_plan(const ptab *t, size_t n_peers, fu_errmsg *em)
+{
+    const dag_partition_opts *o = t->o;
+    if (o->ends_ok) {
         size_t n_ok = 0;
         for (size_t q = 0; q < n_peers; q++)
             n_ok += o->ends_ok[q];
-        rc = fu_errmsg_set(em, FU_ENOMEM,
-                           "no plan puts the first and last stages (they see the tokens) on trusted peers: %zu of "
-                           "the %zu free peers are trusted, and they do not have the memory for both ends",
-                           n_ok, n_peers);
-        goto done;
+        return fu_errmsg_set(em, FU_ENOMEM,
+                             "no plan puts the first and last stages (they see the tokens) on trusted peers: %zu of "
+                             "the %zu free peers are trusted, and they do not have the memory for both ends",
+                             n_ok, n_peers);
     }
-    if (!bc) {
-        if (em) {
-            uint64_t total = 0, largest = 0, smallest_stage = UINT64_MAX;
-            for (size_t q = 0; q < n_peers; q++) {
-                total += peers[q].mem_bytes;
-                if (peers[q].mem_bytes > largest)
-                    largest = peers[q].mem_bytes;
-            }
-            for (size_t a = 0; a + 1 < m; a++)
-                if (mm[a * m + a + 1] < smallest_stage)
-                    smallest_stage = mm[a * m + a + 1];
-            fu_errmsg_set(em, FU_ENOMEM,
-                          "the model does not fit in the peers' memory: all of it needs about %.0f MiB, the "
-                          "peers offer %.0f MiB together (largest %.0f MiB) and the smallest possible stage "
-                          "needs %.0f MiB; add peers or memory, or use fewer micro-batches",
-                          (double)mm[m - 1] / 1048576.0, (double)total / 1048576.0,
-                          (double)largest / 1048576.0, (double)smallest_stage / 1048576.0);
+    if (em) {
+        size_t m = t->m;
+        uint64_t total = 0, largest = 0, smallest_stage = UINT64_MAX;
+        for (size_t q = 0; q < n_peers; q++) {
+            total += t->peers[q].mem_bytes;
+            if (t->peers[q].mem_bytes > largest)
+                largest = t->peers[q].mem_bytes;
         }
-        rc = FU_ENOMEM;
-        goto done;
+        for (size_t a = 0; a + 1 < m; a++)
+            if (t->mem[a * m + a + 1] < smallest_stage)
+                smallest_stage = t->mem[a * m + a + 1];
+        fu_errmsg_set(em, FU_ENOMEM,
+                      "the model does not fit in the peers' memory: all of it needs about %.0f MiB, the "
+                      "peers offer %.0f MiB together (largest %.0f MiB) and the smallest possible stage "
+                      "needs %.0f MiB; add peers or memory, or use fewer micro-batches",
+                      (double)t->mem[m - 1] / 1048576.0, (double)total / 1048576.0, (double)largest / 1048576.0,
+                      (double)smallest_stage / 1048576.0);
     }
-    plan->n_stages = bc->k;
-    plan->stages = fu_calloc(bc->k, sizeof *plan->stages);
-    size_t mask = best_mask, b = m - 1;
-    for (size_t s = bc->k; s-- > 0;) {
+    return FU_ENOMEM;
+}
+
+/* The plan that ends in dp's cell at (mask, the last cut). */
+static void trace(const ptab *t, const cell *dp, size_t mask, dag_plan *plan)
+{
+    const size_t m = t->m;
+    const cell *end = &dp[mask * m + (m - 1)];
+    plan->n_stages = end->k;
+    plan->stages = fu_calloc(end->k, sizeof *plan->stages);
+    size_t b = m - 1;
+    for (size_t s = end->k; s-- > 0;) {
         const cell *c = &dp[mask * m + b];
         size_t a = (size_t)c->prev_i;
-        fill_stage(g, peers, o, &plan->stages[s], cand[a], cand[b], order[c->prev_peer]);
+        fill_stage(t->g, t->peers, t->o, &plan->stages[s], t->cand[a], t->cand[b], t->order[c->prev_peer]);
         mask = c->prev_mask;
         b = a;
     }
-    plan->bottleneck_s = bc->best;
-    plan->step_s = bc->best * (double)((o->training ? (o->micro_batches ? o->micro_batches : 1) : 1) + bc->k - 1);
-    explain(g, peers, o, plan);
-done:
+    uint32_t M = t->o->training ? (t->o->micro_batches ? t->o->micro_batches : 1) : 1;
+    plan->bottleneck_s = end->best;
+    plan->step_s = end->best * (double)(M + end->k - 1);
+    explain(t->g, t->peers, t->o, plan);
+}
+
+fu_err dag_partition_each(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
+                          const dag_partition_opts *o, dag_plan *plans, size_t cap, fu_errmsg *em)
+{
+    FU_TRY(check_args(g, peers, n_peers, o));
+    if (!plans || cap == 0)
+        return FU_EINVAL;
+    memset(plans, 0, cap * sizeof *plans);
+    size_t *order = fu_malloc(n_peers * sizeof *order);
+    ptab t = {.g = g, .peers = peers, .o = o, .order = order, .P = searched(peers, n_peers, o, order)};
+    size_t max_k = o->max_stages && o->max_stages < t.P ? o->max_stages : t.P;
+    if (cap < max_k)
+        max_k = cap;
+    ptab_build(&t);
+    const size_t m = t.m, n_masks = (size_t)1 << t.P;
+    cell *dp = fu_malloc(n_masks * m * sizeof *dp);
+    search(&t, max_k, dp);
+    /* The best plan of at most k stages: the best final cell over the masks of at most k peers. */
+    size_t found = 0;
+    for (size_t k = 1; k <= max_k; k++) {
+        size_t best_mask = 0;
+        const cell *bc = NULL;
+        for (size_t mask = 1; mask < n_masks; mask++) {
+            const cell *c = &dp[mask * m + (m - 1)];
+            if (c->best == DBL_MAX || c->k > k)
+                continue;
+            if (!bc || better(c->best, c->sum, c->k, bc->best, bc->sum, bc->k)) {
+                bc = c;
+                best_mask = mask;
+            }
+        }
+        if (bc) {
+            trace(&t, dp, best_mask, &plans[k - 1]);
+            found++;
+        }
+    }
+    fu_err rc = found ? FU_OK : no_plan(&t, n_peers, em);
     free(dp);
-    free(tt);
-    free(mm);
-    free(cand);
+    ptab_free(&t);
     free(order);
+    return rc;
+}
+
+fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
+                     const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em)
+{
+    FU_TRY(check_args(g, peers, n_peers, o));
+    if (!plan)
+        return FU_EINVAL;
+    memset(plan, 0, sizeof *plan);
+    size_t P = n_peers < DAG_PARTITION_EXACT ? n_peers : DAG_PARTITION_EXACT;
+    size_t k = o->max_stages && o->max_stages < P ? o->max_stages : P;
+    dag_plan *each = fu_calloc(k, sizeof *each);
+    fu_err rc = dag_partition_each(g, peers, n_peers, o, each, k, em);
+    if (rc == FU_OK) {
+        *plan = each[k - 1];
+        each[k - 1] = (dag_plan){0};
+    }
+    for (size_t i = 0; i < k; i++)
+        dag_plan_free(&each[i]);
+    free(each);
     return rc;
 }
 

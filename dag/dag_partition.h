@@ -84,6 +84,14 @@ uint64_t dag_cost_stage_memory(const dag_graph_t *g, size_t first, size_t last, 
 FU_MUST_CHECK fu_err dag_partition(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
                                    const dag_partition_opts *o, dag_plan *plan, fu_errmsg *em);
 
+/* dag_partition for every stage count at once: plans[k - 1] is the best plan of at most k stages, for
+ * k = 1 .. cap (and no more than o->max_stages or the peers searched; the entries past those, and
+ * those of a k with no plan that fits, are left empty: n_stages 0). One search gives them all, at
+ * the cost of one dag_partition. FU_OK when any of them has a plan; the errors are dag_partition's.
+ * Each filled entry is the caller's (dag_plan_free). */
+FU_MUST_CHECK fu_err dag_partition_each(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,
+                                        const dag_partition_opts *o, dag_plan *plans, size_t cap, fu_errmsg *em);
+
 /* The naive plan for comparison: every peer, in the order given, gets an equal share of the decoder
  * layers (embedding with the first, head with the last). Memory is not checked. */
 FU_MUST_CHECK fu_err dag_partition_even(const dag_graph_t *g, const dag_peer_profile *peers, size_t n_peers,

@@ -1,5 +1,7 @@
 # The IR plane: graph, serialisation, partitioner, executor, and `fusion run` as real processes.
 fu_add_test(test_dag_graph SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_graph.c LIBS fu_dag TIMEOUT 60)
+# The partitioner against an exhaustive search, and every stage limit from one search.
+fu_add_test(test_dag_partition SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_partition.c LIBS fu_dag TIMEOUT 60)
 # The job spec (dag_spec): defaults, every field through JSON and back and refused out of range.
 fu_add_test(test_dag_spec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_spec.c LIBS fu_dag TIMEOUT 30)
 fu_add_test(test_dag_data SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_data.c LIBS fu_dag TIMEOUT 30)

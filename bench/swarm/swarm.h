@@ -105,6 +105,10 @@ FU_MUST_CHECK fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out);
 /* Prints r as one JSON line {"bench":"swarm","case":name,...} with the configuration. */
 void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r);
 
+/* --plan-only: no broker, no sockets; the broker's planning of the jobs' model over cfg->n_peers
+ * drawn peers, `repeats` times (swarm_plan.c). Prints the "plan" and "plan_measured" lines; 0, or 1 on bad arguments. */
+int swarm_plan_bench(const swarm_cfg *cfg, int repeats);
+
 #ifdef __cplusplus
 }
 #endif

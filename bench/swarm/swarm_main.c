@@ -36,6 +36,8 @@ static void usage(const swarm_cfg *d)
            "  --compare          run once without churn first; print goodput relative to it\n"
            "  --check            exit 3 unless every job finished and none was lost\n"
            "  --quiet            no progress on stderr\n"
+           "  --plan-only R      no broker: time the broker's planning of the jobs' model over --peers drawn\n"
+           "                     peers R times (the partitioner alone) and print two \"plan\" lines\n"
            "  --no-zmtp-ping     the peers' sockets send no ZMTP pings (fusion-peer's do; for N in the thousands,\n"
            "                     where the simulator's one I/O thread cannot keep up with them)\n",
            d->n_peers, SWARM_MAX_PEERS, d->n_clients, d->n_jobs, d->job_steps, d->ckpt_every, d->duration_s,
@@ -50,8 +52,9 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     swarm_cfg cfg = swarm_cfg_default(), dflt = cfg;
     bool compare = false, check = false;
+    int plan_only = 0;
     enum { O_PEERS = 256, O_CLIENTS, O_JOBS, O_STEPS, O_CKPT, O_DURATION, O_DRAIN, O_SESSION, O_OFFLINE, O_CLEAN,
-           O_SCALE, O_LAYERS, O_HB, O_BACKUPS, O_JOIN, O_SAMPLE, O_SEED, O_COMPARE, O_CHECK, O_QUIET, O_HELP, O_NOPING };
+           O_SCALE, O_LAYERS, O_HB, O_BACKUPS, O_JOIN, O_SAMPLE, O_SEED, O_COMPARE, O_CHECK, O_QUIET, O_HELP, O_NOPING, O_PLAN };
     static const struct option opts[] = {
         {"peers", 1, 0, O_PEERS},       {"clients", 1, 0, O_CLIENTS},   {"jobs", 1, 0, O_JOBS},
         {"steps", 1, 0, O_STEPS},       {"ckpt-every", 1, 0, O_CKPT},   {"duration", 1, 0, O_DURATION},
@@ -60,7 +63,7 @@ int main(int argc, char **argv)
         {"heartbeat-ms", 1, 0, O_HB},   {"backups", 1, 0, O_BACKUPS},   {"join-rate", 1, 0, O_JOIN},
         {"sample", 1, 0, O_SAMPLE},     {"seed", 1, 0, O_SEED},         {"compare", 0, 0, O_COMPARE},
         {"check", 0, 0, O_CHECK},       {"quiet", 0, 0, O_QUIET},       {"help", 0, 0, O_HELP},
-        {"no-zmtp-ping", 0, 0, O_NOPING},
+        {"no-zmtp-ping", 0, 0, O_NOPING}, {"plan-only", 1, 0, O_PLAN},
         {0, 0, 0, 0}};
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -87,10 +90,13 @@ int main(int argc, char **argv)
         case O_CHECK: check = true; break;
         case O_QUIET: cfg.quiet = true; break;
         case O_NOPING: cfg.zmtp_ping = false; break;
+        case O_PLAN: plan_only = (int)v; break;
         case O_HELP: usage(&dflt); return 0;
         default: usage(&dflt); return 2;
         }
     }
+    if (plan_only > 0)
+        return swarm_plan_bench(&cfg, plan_only);
     swarm_result base = {0}, r = {0};
     if (compare) {
         swarm_cfg b = cfg;
