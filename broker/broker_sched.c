@@ -142,9 +142,6 @@ static bool ends_trusted_now(const broker_t *b, const broker_job *j)
     return j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
 }
 
-/* The best plan of j over the peers who[0..n) (dag_partition): at most max_stages stages (0: n minus
- * the backups the broker keeps, so that the job has them), the ends on trusted peers when
- * ends_trusted. */
 /* A candidate of a capped planning pass: its rank key and its index in the caller's list. */
 typedef struct {
     double key;
@@ -159,36 +156,11 @@ static int pick_cmp(const void *a, const void *b)
     return x->at < y->at ? -1 : x->at > y->at; /* stable: the caller's order among equals */
 }
 
+/* The best plans of j over the peers who[0..n) (dag_partition_each): plans[k - 1] the best of at
+ * most k stages, for k up to cap and max_stages (0: n minus the backups the broker keeps, so that the
+ * job has them), the ends on trusted peers when ends_trusted. */
 static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em);
-
-/* dag_partition over who[0..n), but over at most BROKER_PLAN_CANDIDATES of them: the fastest (the
- * trusted ones first when the ends must stay trusted). The partitioner's time grows faster than the
- * candidates (an 80-layer job over 1,000 idle peers took 3 s, during which no heartbeat was
- * answered: docs/SCALE.md), and a pipeline of at most BROKER_MAX_STAGES stages and its backups come
- * from the fastest peers anyway. The plan's peer indices are into who, as without the cap. */
-static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
-{
-    if (n <= BROKER_PLAN_CANDIDATES)
-        return partition_once(b, j, who, n, max_stages, ends_trusted, plan, em);
-    plan_pick *pk = fu_calloc(n, sizeof *pk);
-    for (size_t k = 0; k < n; k++)
-        pk[k] = (plan_pick){.key = who[k]->gflops + (ends_trusted && who[k]->trusted ? 1e12 : 0), .at = k};
-    qsort(pk, n, sizeof *pk, pick_cmp);
-    broker_peer **sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
-    for (size_t k = 0; k < BROKER_PLAN_CANDIDATES; k++)
-        sub[k] = who[pk[k].at];
-    fu_err rc = partition_once(b, j, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plan, em);
-    for (size_t s = 0; rc == FU_OK && s < plan->n_stages; s++)
-        plan->stages[s].peer = pk[plan->stages[s].peer].at;
-    free(sub);
-    free(pk);
-    return rc;
-}
-
-static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
     for (size_t k = 0; k < n; k++)
@@ -205,34 +177,80 @@ static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *cons
     for (size_t k = 0; ends_ok && k < n; k++)
         ends_ok[k] = who[k]->trusted;
     o.ends_ok = ends_ok;
-    fu_err rc = dag_partition(j->graph, prof, n, &o, plan, em);
+    fu_err rc = dag_partition_each(j->graph, prof, n, &o, plans, cap, em);
     free(ends_ok);
     free(prof);
+    return rc;
+}
+
+/* partition_once over who[0..n), but over at most BROKER_PLAN_CANDIDATES of them: the fastest (the
+ * trusted ones first when the ends must stay trusted). A plan's stages come from the fastest peers
+ * anyway, and the partitioner's sort of its candidates grows with their square. The plans' peer
+ * indices are into who, as without the cap. */
+static fu_err partition_each(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
+{
+    if (n <= BROKER_PLAN_CANDIDATES)
+        return partition_once(b, j, who, n, max_stages, ends_trusted, plans, cap, em);
+    plan_pick *pk = fu_calloc(n, sizeof *pk);
+    for (size_t k = 0; k < n; k++)
+        pk[k] = (plan_pick){.key = who[k]->gflops + (ends_trusted && who[k]->trusted ? 1e12 : 0), .at = k};
+    qsort(pk, n, sizeof *pk, pick_cmp);
+    broker_peer **sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
+    for (size_t k = 0; k < BROKER_PLAN_CANDIDATES; k++)
+        sub[k] = who[pk[k].at];
+    fu_err rc = partition_once(b, j, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plans, cap, em);
+    for (size_t k = 0; rc == FU_OK && k < cap; k++)
+        for (size_t s = 0; s < plans[k].n_stages; s++)
+            plans[k].stages[s].peer = pk[plans[k].stages[s].peer].at;
+    free(sub);
+    free(pk);
+    return rc;
+}
+
+/* The best plan of at most max_stages stages (as partition_once) into *plan. */
+static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
+                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
+{
+    dag_plan each[DAG_PARTITION_EXACT];
+    memset(plan, 0, sizeof *plan);
+    fu_err rc = partition_each(b, j, who, n, max_stages, ends_trusted, each, DAG_PARTITION_EXACT, em);
+    for (size_t k = DAG_PARTITION_EXACT; rc == FU_OK && k-- > 0;) { /* the most stages: the best */
+        if (each[k].n_stages && !plan->n_stages)
+            *plan = each[k];
+        else
+            dag_plan_free(&each[k]);
+    }
     return rc;
 }
 
 /* A job takes no more stages than pay for themselves, so that the rest of the pool is left to other
  * jobs: *best (the plan over every peer it may use) gives way to the plan with the fewest stages
  * that best does not beat by cfg.grow_margin of its predicted step time. Growth applies the same
- * margin later (broker_grow), so a job does not shrink at planning what it would grow back. */
+ * margin later (broker_grow), so a job does not shrink at planning what it would grow back. One
+ * search gives the plans of every stage count. */
 static void fewest_stages(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, dag_plan *best)
 {
-    if (b->cfg.grow_margin <= 0)
+    if (b->cfg.grow_margin <= 0 || best->n_stages < 2)
         return;
-    for (uint32_t s = 1; s < best->n_stages; s++) {
-        dag_plan p = {0};
-        fu_errmsg em = {{0}};
-        if (partition_over(b, j, who, n, s, j->ends_trusted, &p, &em) == FU_OK &&
-            best->step_s > (1.0 - b->cfg.grow_margin) * p.step_s) {
+    dag_plan each[DAG_PARTITION_EXACT];
+    if (partition_each(b, j, who, n, (uint32_t)best->n_stages - 1, j->ends_trusted, each, DAG_PARTITION_EXACT,
+                       NULL) != FU_OK)
+        return;
+    for (size_t s = 0; s < DAG_PARTITION_EXACT; s++) {
+        dag_plan *p = &each[s];
+        if (p->n_stages && best->n_stages > p->n_stages && best->step_s > (1.0 - b->cfg.grow_margin) * p->step_s) {
             FU_INFO(LOG, "job %s: %zu stages predict %.3g s a step, %zu stages %.3g s: it takes %zu (more pay only "
-                    "from %.0f%% shorter)", j->id, p.n_stages, p.step_s, best->n_stages, best->step_s, p.n_stages,
+                    "from %.0f%% shorter)", j->id, p->n_stages, p->step_s, best->n_stages, best->step_s, p->n_stages,
                     100 * b->cfg.grow_margin);
             dag_plan_free(best);
-            *best = p;
-            return;
+            *best = *p;
+            *p = (dag_plan){0};
+            break;
         }
-        dag_plan_free(&p);
     }
+    for (size_t s = 0; s < DAG_PARTITION_EXACT; s++)
+        dag_plan_free(&each[s]);
 }
 
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph

@@ -323,42 +323,42 @@ static size_t ptab_reach(const ptab *t, size_t a, size_t q, double T)
     return far;
 }
 
-/* A plan of at most k stages whose stages all take at most T, found greedily: peers in their order
- * (the ends on the first two peers that may take them), each stage as long as it can be until what
- * is left fits the peer that would take it. Its slowest stage, or DBL_MAX when it finds none. */
+/* A plan of at most k stages whose stages all take at most T, found greedily: each stage goes to the
+ * unused peer that can take the most of the graph within T (keeping a peer that may take the last
+ * stage), until one peer can take the rest. Its slowest stage, or DBL_MAX when it finds none. */
 static double greedy(const ptab *t, size_t k, double T)
 {
-    bool ends = t->o->ends_ok != NULL;
-    size_t e1 = 0, e2 = t->P; /* the first stage's peer; the last stage's when the ends are reserved */
-    if (ends) {
-        while (e1 < t->P && !end_ok(t, e1))
-            e1++;
-        for (e2 = e1 + 1; e2 < t->P && !end_ok(t, e2);)
-            e2++;
-        if (e1 == t->P)
-            return DBL_MAX;
-    }
+    bool used[DAG_PARTITION_EXACT] = {false};
+    size_t ends_left = 0; /* unused peers that may take an end */
+    for (size_t q = 0; q < t->P; q++)
+        ends_left += end_ok(t, q);
     double worst = 0.0, time;
-    size_t a = 0, stages = 0, q = e1, scan = 0;
-    for (;;) {
-        size_t last = ends && stages > 0 ? e2 : q; /* who would take the rest */
-        if (last < t->P && stages < k && ptab_fits(t, a, t->m - 1, last, T, &time))
-            return time > worst ? time : worst;
-        if (stages + 2 > k) /* a stage on q, and at least one after it */
+    size_t a = 0;
+    for (size_t stages = 0; stages < k; stages++) {
+        for (size_t q = 0; q < t->P; q++) /* the rest on one peer: the last stage */
+            if (!used[q] && end_ok(t, q) && ptab_fits(t, a, t->m - 1, q, T, &time))
+                return time > worst ? time : worst;
+        if (stages + 2 > k)
             return DBL_MAX;
-        size_t b = ptab_reach(t, a, q, T);
-        if (b == 0)
+        size_t best_q = t->P, best_b = 0;
+        for (size_t q = 0; q < t->P; q++) {
+            if (used[q] || (stages == 0 && !end_ok(t, q)) || ends_left - end_ok(t, q) == 0)
+                continue; /* used, an untrusted first stage, or the last peer left for the last stage */
+            size_t b = ptab_reach(t, a, q, T);
+            if (b > best_b) {
+                best_b = b;
+                best_q = q;
+            }
+        }
+        if (best_q == t->P)
             return DBL_MAX;
-        (void)ptab_fits(t, a, b, q, T, &time);
+        (void)ptab_fits(t, a, best_b, best_q, T, &time);
         worst = time > worst ? time : worst;
-        stages++;
-        a = b;
-        while (scan < t->P && (scan == e1 || scan == e2))
-            scan++;
-        if (scan == t->P)
-            return DBL_MAX;
-        q = scan++;
+        used[best_q] = true;
+        ends_left -= end_ok(t, best_q);
+        a = best_b;
     }
+    return DBL_MAX;
 }
 
 /* bound[k] for k = 1..max_k: the slowest stage of a plan of at most k stages (DBL_MAX: none found),
@@ -381,6 +381,25 @@ static void bounds(const ptab *t, size_t max_k, double *bound)
             }
         }
         bound[k] = best < bound[k - 1] ? best : bound[k - 1];
+    }
+}
+
+/* rest[a]: the fewest stages that can cover the graph from cut a on, for memory alone: stages that
+ * each fit the largest memory among the peers searched (a shortest path over the cut candidates;
+ * SIZE_MAX where none can). rest[0] is the fewest stages of any plan. */
+static void fewest_for_memory(const ptab *t, size_t *rest)
+{
+    const size_t m = t->m;
+    uint64_t most = 0;
+    for (size_t q = 0; q < t->P; q++)
+        if (t->peers[t->order[q]].mem_bytes > most)
+            most = t->peers[t->order[q]].mem_bytes;
+    rest[m - 1] = 0;
+    for (size_t a = m - 1; a-- > 0;) {
+        rest[a] = SIZE_MAX;
+        for (size_t b = a + 1; b < m && t->mem_grow[a * m + b] <= most; b++)
+            if (rest[b] != SIZE_MAX && t->mem[a * m + b] <= most && rest[b] + 1 < rest[a])
+                rest[a] = rest[b] + 1;
     }
 }
 
@@ -410,6 +429,9 @@ static void search(const ptab *t, size_t max_k, cell *dp)
     int32_t *twin = fu_malloc(P * sizeof *twin);
     bounds(t, max_k, bound);
     twins(t, twin);
+    size_t *rest = fu_malloc(m * sizeof *rest);
+    fewest_for_memory(t, rest);
+    size_t at_least = rest[0]; /* every plan has at least this many stages */
     for (size_t z = 0; z < n_masks * m; z++)
         dp[z] = (cell){DBL_MAX, DBL_MAX, 0, -1, -1, 0};
     dp[0].best = 0.0;
@@ -419,8 +441,12 @@ static void search(const ptab *t, size_t max_k, cell *dp)
             cell c = dp[mask * m + a];
             if (c.best == DBL_MAX || c.k >= max_k)
                 continue;
-            /* a stage slower than this cannot be part of the best plan of c.k + 1 or more stages */
-            double limit = bound[c.k + 1] < DBL_MAX ? bound[c.k + 1] * (1 + 1e-6) : DBL_MAX;
+            /* a stage slower than this cannot be part of the best plan of j stages, for any j this
+             * path can end with: at least c.k + 1, and at least what memory needs */
+            size_t j = c.k + 1 > at_least ? c.k + 1 : at_least;
+            double limit = j <= max_k && bound[j] < DBL_MAX ? bound[j] * (1 + 1e-6) : DBL_MAX;
+            if (c.best > limit)
+                continue; /* nor can what came before, then */
             for (size_t q = 0; q < P; q++) {
                 if ((mask & ((size_t)1 << q)) || (twin[q] >= 0 && !(mask & ((size_t)1 << twin[q]))))
                     continue; /* used, or a twin comes first */
@@ -428,12 +454,14 @@ static void search(const ptab *t, size_t max_k, cell *dp)
                 if (a == 0 && !end_ok(t, q))
                     continue; /* the first stage on a peer not trusted with tokens */
                 cell *row = &dp[(mask | ((size_t)1 << q)) * m];
+                double flops_max = limit < DBL_MAX ? limit * (p->gflops * 1e9) / tokens_of(t->o) * (1 + 1e-9) : DBL_MAX;
                 for (size_t b = a + 1; b < m; b++) {
                     size_t ab = a * m + b;
-                    if (tokens_of(t->o) * t->flops[ab] / (p->gflops * 1e9) > limit || t->mem_grow[ab] > p->mem_bytes)
+                    if (t->flops[ab] > flops_max || t->mem_grow[ab] > p->mem_bytes)
                         break;
-                    if (t->mem[ab] > p->mem_bytes || (b == m - 1 && !end_ok(t, q)))
-                        continue;
+                    if (t->mem[ab] > p->mem_bytes || (b == m - 1 && !end_ok(t, q)) || rest[b] > max_k - c.k - 1)
+                        continue; /* it does not fit, takes an end it may not, or leaves more than the
+                                     stages left can hold */
                     double tq = t->tt[ab * P + q];
                     double bt = c.best > tq ? c.best : tq;
                     double st = c.sum + tq;
@@ -444,6 +472,7 @@ static void search(const ptab *t, size_t max_k, cell *dp)
             }
         }
     }
+    free(rest);
     free(twin);
     free(bound);
 }
