@@ -99,7 +99,7 @@ peer_guest_t *peer_guest_new(const peer_guest_cfg *cfg, int threads)
         fu_errmsg em = {{0}};
         g->gpu = peer_gpuwatch_new(g->cfg.gpu, g->cfg.gpu_own, &em);
         if (g->gpu)
-            FU_INFO("peer", "--pause-when-gpu-busy: watching %s for other programs' processes (NVML)",
+            FU_INFO("peer", "--pause-when-gpu-busy: watching %s for other programs' processes",
                     peer_gpuwatch_describe(g->gpu));
         else
             FU_WARN("peer", "--pause-when-gpu-busy: %s; compute will not pause for other programs' GPU work",
