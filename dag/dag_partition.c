@@ -425,6 +425,7 @@ static void twins(const ptab *t, int32_t *twin)
 static void search(const ptab *t, size_t max_k, cell *dp)
 {
     const size_t m = t->m, P = t->P, n_masks = (size_t)1 << P;
+    size_t mask_end = n_masks;
     double *bound = fu_malloc((max_k + 1) * sizeof *bound);
     int32_t *twin = fu_malloc(P * sizeof *twin);
     bounds(t, max_k, bound);
@@ -432,11 +433,13 @@ static void search(const ptab *t, size_t max_k, cell *dp)
     size_t *rest = fu_malloc(m * sizeof *rest);
     fewest_for_memory(t, rest);
     size_t at_least = rest[0]; /* every plan has at least this many stages */
+    if (at_least > max_k) /* none fits: no search needed to say so */
+        mask_end = 0;
     for (size_t z = 0; z < n_masks * m; z++)
         dp[z] = (cell){DBL_MAX, DBL_MAX, 0, -1, -1, 0};
     dp[0].best = 0.0;
     dp[0].sum = 0.0;
-    for (size_t mask = 0; mask < n_masks; mask++) {
+    for (size_t mask = 0; mask < mask_end; mask++) {
         for (size_t a = 0; a + 1 < m; a++) {
             cell c = dp[mask * m + a];
             if (c.best == DBL_MAX || c.k >= max_k)
