@@ -433,6 +433,18 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         b->cfg.client_mib = BROKER_CLIENT_MIB;
     if (!b->cfg.client_per_min)
         b->cfg.client_per_min = BROKER_CLIENT_PER_MIN;
+    if (!b->cfg.keep_events)
+        b->cfg.keep_events = BROKER_KEEP_EVENTS;
+    if (!(b->cfg.keep_events_days != 0)) /* 0 or NaN */
+        b->cfg.keep_events_days = BROKER_KEEP_EVENTS_DAYS;
+    if (!(b->cfg.keep_jobs_days != 0))
+        b->cfg.keep_jobs_days = BROKER_KEEP_JOBS_DAYS;
+    b->compact = (db_compact_policy){
+        .events_max = b->cfg.keep_events > 0 ? b->cfg.keep_events : 0,
+        .events_keep_ms = b->cfg.keep_events_days > 0 ? (int64_t)(b->cfg.keep_events_days * 86400e3) : 0,
+        .jobs_keep_ms = b->cfg.keep_jobs_days > 0 ? (int64_t)(b->cfg.keep_jobs_days * 86400e3) : 0,
+        .ckpt_grace_ms = BROKER_CKPT_GRACE_MS,
+        .budget_s = BROKER_COMPACT_BUDGET_MS / 1e3};
     b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);
     b->auth = broker_auth_new();
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
@@ -507,14 +519,11 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc, "cannot make the socket a CURVE server");
         goto fail;
     }
-    /* No ZMTP pings from the broker's side. libzmq keeps the heartbeat timers of every connection in
-     * one ordered map per I/O thread and cancels one by walking that map, on each message after a
-     * ping: O(connections) per message, 22% of the broker's CPU with 1,000 peers (docs/SCALE.md).
-     * A peer's liveness is its application heartbeat (dead_after_ms), and a silent connection is
-     * still closed by the TTL that the peers' own pings announce (wire_socket_new). */
-    int no_ping = 0;
-    if (zmq_setsockopt(b->sock, ZMQ_HEARTBEAT_IVL, &no_ping, sizeof no_ping) != 0)
-        FU_WARN(LOG, "cannot turn the ROUTER's ZMTP pings off: %s", zmq_strerror(zmq_errno()));
+    /* No ZMTP pings on a socket of thousands of connections (wire_socket_quiet): a peer's liveness is
+     * its application heartbeat (dead_after_ms), and the kernel closes a connection whose peer
+     * vanished. */
+    if (wire_socket_quiet(b->sock) != FU_OK)
+        FU_WARN(LOG, "the ROUTER socket still pings: expect more CPU per message with many peers");
     int handover = 1; /* a reconnecting peer with the same routing id replaces the old connection */
     (void)zmq_setsockopt(b->sock, ZMQ_ROUTER_HANDOVER, &handover, sizeof handover);
     if (zmq_bind(b->sock, cfg->bind) != 0) {
@@ -586,6 +595,33 @@ static uint64_t sweep_period(const broker_t *b)
     return p;
 }
 
+/* One turn of the store's compaction (db_compact, at most BROKER_COMPACT_BUDGET_MS of new work); the
+ * milliseconds until the next: a sweep period while work is left, else BROKER_COMPACT_EVERY_MS. */
+static uint64_t compact(broker_t *b)
+{
+    db_compact_stats s;
+    if (db_compact(b->db, &b->compact, broker_wall(), &s) != FU_OK)
+        return BROKER_COMPACT_EVERY_MS * 10; /* logged by the store; try again later */
+    db_compact_stats *t = &b->tot.compacted;
+    t->events_archived += s.events_archived;
+    t->ckpts_dropped += s.ckpts_dropped;
+    t->ckpt_bytes += s.ckpt_bytes;
+    t->jobs_purged += s.jobs_purged;
+    t->purged_bytes += s.purged_bytes;
+    t->pages_vacuumed += s.pages_vacuumed;
+    t->commits += s.commits;
+    t->seconds += s.seconds;
+    if (s.seconds > b->tot.compact_s_max)
+        b->tot.compact_s_max = s.seconds;
+    if (s.jobs_purged || s.events_archived >= 10000)
+        FU_INFO(LOG, "store compacted: %lld events archived, %lld checkpoints (%.1f MiB) of ended jobs and the "
+                "artifacts of %lld jobs (%.1f MiB) deleted, %lld pages freed, in %.1f ms",
+                (long long)s.events_archived, (long long)s.ckpts_dropped, (double)s.ckpt_bytes / (1 << 20),
+                (long long)s.jobs_purged, (double)s.purged_bytes / (1 << 20), (long long)s.pages_vacuumed,
+                1e3 * s.seconds);
+    return s.more ? sweep_period(b) : BROKER_COMPACT_EVERY_MS;
+}
+
 static void timers(broker_t *b)
 {
     uint64_t now = broker_now();
@@ -601,13 +637,8 @@ static void timers(broker_t *b)
         }
         b->next_sweep_ms = now + sweep_period(b);
     }
-    if (now >= b->next_prune_ms) {
-        int64_t deleted = 0;
-        if (db_event_prune(b->db, broker_wall() - BROKER_EVENT_KEEP_MS, &deleted) == FU_OK && deleted > 0)
-            FU_INFO(LOG, "pruned %lld events older than %lld days", (long long)deleted,
-                    (long long)(BROKER_EVENT_KEEP_MS / (24 * 3600 * 1000)));
-        b->next_prune_ms = now + BROKER_PRUNE_EVERY_MS;
-    }
+    if (now >= b->next_compact_ms)
+        b->next_compact_ms = now + compact(b);
     if (b->sched_dirty) {
         b->sched_dirty = false;
         broker_schedule(b);

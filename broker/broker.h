@@ -50,8 +50,14 @@ extern "C" {
 #define BROKER_CLIENT_PER_MIN   60        /* default --max-submits-per-minute */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
-#define BROKER_EVENT_KEEP_MS    (30ll * 24 * 3600 * 1000) /* events older than this are pruned */
-#define BROKER_PRUNE_EVERY_MS   (3600u * 1000u)  /* how often */
+/* A bounded store (docs/STORE.md "Compaction"): what the periodic compaction keeps. */
+#define BROKER_KEEP_EVENTS      100000    /* default --keep-events: events kept; older ones go to the archive */
+#define BROKER_KEEP_EVENTS_DAYS 30.0      /* default --keep-events-days: events older than this go to the archive */
+#define BROKER_KEEP_JOBS_DAYS   30.0      /* default --keep-jobs-days: artifacts of jobs that ended longer ago go */
+#define BROKER_CKPT_GRACE_MS    60000     /* checkpoints of a job that ended this long ago go (its result holds
+                                             the adapter) */
+#define BROKER_COMPACT_EVERY_MS 1000      /* compaction runs this often (every sweep while work is left) */
+#define BROKER_COMPACT_BUDGET_MS 4        /* no new compaction transaction starts after this long in one turn */
 #define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */
 /* Verification of untrusted peers (docs/PIPELINE.md "Verification"). */
@@ -103,6 +109,11 @@ typedef struct {
     uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
                                   (profiles believed: only for a cluster of one's own machines) */
     uint32_t upload_gib;       /* GiB of models clients may upload (fusion submit --upload) in all; 0: none */
+    int64_t keep_events;       /* events kept in the store (the newest; older ones are archived); 0:
+                                  BROKER_KEEP_EVENTS; < 0: no count limit */
+    double keep_events_days;   /* events older than this are archived; 0: BROKER_KEEP_EVENTS_DAYS; < 0: no age limit */
+    double keep_jobs_days;     /* artifacts (result, tokens, result file) of jobs that ended longer ago are deleted;
+                                  0: BROKER_KEEP_JOBS_DAYS; < 0: kept for ever */
     double grow_margin;        /* a job takes more stages (when planned, or from idle peers at a checkpoint)
                                   only when they make its predicted step time at least this much shorter
                                   (0.2: 20%); 0: every peer that lowers its slowest stage, and no growth */

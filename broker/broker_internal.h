@@ -225,6 +225,8 @@ typedef struct {
     double plan_s_sum, plan_s_max;     /* seconds those planning passes took, in all and the longest */
     uint64_t v_agree, v_disagree, v_mismatch, v_skipped; /* verification samples of the jobs gone from
                                           memory (the live jobs count their own) */
+    db_compact_stats compacted;        /* compaction: what it removed in all (seconds: its time in all) */
+    double compact_s_max;              /* the longest compaction turn, seconds */
 } broker_totals;
 
 /* One verification sample in flight (docs/PIPELINE.md "Verification"): who was asked for the
@@ -302,7 +304,8 @@ struct broker {
     uint64_t sched_round;              /* planning round: a job is tried once per round (sched_tried) */
     bool sched_resume;                 /* the last pass was cut short: go on with the same round */
     uint64_t next_sweep_ms;            /* next liveness / lease sweep */
-    uint64_t next_prune_ms;            /* next event-log pruning */
+    uint64_t next_compact_ms;          /* next compaction of the store (compact() in broker.c) */
+    db_compact_policy compact;         /* what it keeps (from the configuration) */
     uint64_t started_ms;               /* monotonic start time */
     uint64_t relayed;                  /* frames relayed */
     broker_totals tot;                 /* counts since start, for /metrics (broker_metrics.c) */

@@ -318,8 +318,12 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     const char *sj = js->spec_json ? js->spec_json : "";
     if ((kind == DB_JOB_INFER || kind == DB_JOB_EVAL) && broker_spec_parse(sj, strlen(sj), kind, &peek, &em) == FU_OK) {
         bool bad = peek.adapter_job[0] && (db_job_get(b->db, peek.adapter_job, owner, &aj) != FU_OK ||
-                                           aj->kind != DB_JOB_FINETUNE || aj->state != DB_JOB_DONE);
-        if (bad)
+                                           aj->kind != DB_JOB_FINETUNE || aj->state != DB_JOB_DONE || !aj->result);
+        if (bad && aj && aj->purged_ms)
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+                               "adapter_job %s: its adapter was deleted with its other artifacts after the broker's "
+                               "retention (--keep-jobs-days); fine-tune it again", peek.adapter_job);
+        else if (bad)
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
                                "adapter_job %s is not a finished fine-tune job of yours", peek.adapter_job);
         dag_spec_clear(&peek);
@@ -494,6 +498,14 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     /* A fine-tune that failed or was cancelled may have kept its last checkpoint's adapter. */
     bool partial = (dj->state == DB_JOB_FAILED || dj->state == DB_JOB_CANCELLED) && dj->kind == DB_JOB_FINETUNE &&
                    dj->result;
+    if (dj->purged_ms) { /* docs/STORE.md "Compaction" */
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                           "job %s is %s, but its result was deleted %.1f days after it ended (the broker's "
+                           "--keep-jobs-days); its BLAKE2b-256 was %s", dj->id, db_job_state_name(dj->state),
+                           (double)(dj->purged_ms - dj->updated_ms) / 86400e3,
+                           dj->result_hash[0] ? dj->result_hash : "(none)");
+        goto done;
+    }
     if (dj->state != DB_JOB_DONE && !partial) {
         if (dj->state == DB_JOB_QUEUED || dj->state == DB_JOB_RUNNING)
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,

@@ -61,6 +61,8 @@ int main(int argc, char **argv)
     long long challenge_ms = BROKER_CHALLENGE_MS;
     long long upload_gib = BROKER_UPLOAD_GIB, client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
     double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION, grow = BROKER_GROW_MARGIN;
+    long long keep_events = BROKER_KEEP_EVENTS;
+    double keep_events_days = BROKER_KEEP_EVENTS_DAYS, keep_jobs_days = BROKER_KEEP_JOBS_DAYS;
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -110,6 +112,14 @@ int main(int argc, char **argv)
          "MiB of specs, tokens and results one client's jobs may hold in the store (default 4096)"},
         {"max-submits-per-minute", 0, FU_OPT_INT, &client_per_min, "N",
          "submissions one client may make per minute (default 60)"},
+        {"keep-events", 0, FU_OPT_INT, &keep_events, "N",
+         "events kept in the store; older ones are rolled into its audit archive (counts per day and kind, "
+         "hash-chained) (default 100000; 0: no count limit)"},
+        {"keep-events-days", 0, FU_OPT_DOUBLE, &keep_events_days, "DAYS",
+         "events older than DAYS are rolled into the archive too (default 30; 0: no age limit)"},
+        {"keep-jobs-days", 0, FU_OPT_DOUBLE, &keep_jobs_days, "DAYS",
+         "a job that ended DAYS ago loses its result, tokens and result file; its row, spec, result hash and "
+         "events stay (default 30; 0: kept for ever). Checkpoints go a minute after a job ends"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -156,6 +166,12 @@ int main(int argc, char **argv)
                         "--max-mib-per-client 1..16777216\n");
         return FU_EXIT_USAGE;
     }
+    if (keep_events < 0 || !(keep_events_days >= 0 && keep_events_days <= 36500) ||
+        !(keep_jobs_days >= 0 && keep_jobs_days <= 36500)) {
+        fprintf(stderr, "fusion-broker: --keep-events must be >= 0, --keep-events-days and --keep-jobs-days "
+                        "0..36500 (0: no limit)\n");
+        return FU_EXIT_USAGE;
+    }
     char token_buf[WIRE_TOKEN_Z85_LEN + 1];
     fu_errmsg tem = {{0}};
     char peer_buf[WIRE_TOKEN_Z85_LEN + 1], client_buf[WIRE_TOKEN_Z85_LEN + 1];
@@ -191,7 +207,11 @@ int main(int argc, char **argv)
                       .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
                       .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min,
                       .challenge_ms = (uint32_t)challenge_ms, .grow_margin = grow,
-                      .upload_gib = (uint32_t)upload_gib};
+                      .upload_gib = (uint32_t)upload_gib,
+                      /* 0 on the command line is "no limit", which the configuration says with -1 */
+                      .keep_events = keep_events ? keep_events : -1,
+                      .keep_events_days = keep_events_days > 0 ? keep_events_days : -1,
+                      .keep_jobs_days = keep_jobs_days > 0 ? keep_jobs_days : -1};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

@@ -58,6 +58,36 @@ static void jobs(FILE *f, broker_t *b)
         fprintf(f, "fusion_verify_samples_total{outcome=\"%s\"} %" PRIu64 "\n", outcomes[k], v[k]);
 }
 
+/* The store's size, what fills it and what compaction removed (docs/STORE.md "Compaction"). */
+static void store(FILE *f, broker_t *b)
+{
+    db_store_stats st;
+    if (db_store_stats_get(b->db, &st) == FU_OK) {
+        family(f, "fusion_store_bytes", "gauge", "The store's main file (pages x page size), and of it the free pages.");
+        fprintf(f, "fusion_store_bytes{part=\"file\"} %" PRId64 "\n", st.pages * st.page_size);
+        fprintf(f, "fusion_store_bytes{part=\"free\"} %" PRId64 "\n", st.free_pages * st.page_size);
+        fprintf(f, "fusion_store_bytes{part=\"checkpoints\"} %" PRId64 "\n", st.checkpoint_bytes);
+        fprintf(f, "fusion_store_bytes{part=\"results\"} %" PRId64 "\n", st.result_bytes);
+        family(f, "fusion_store_rows", "gauge", "Rows in the store: events, archive days, checkpoints, purged jobs.");
+        fprintf(f, "fusion_store_rows{table=\"events\"} %" PRId64 "\n", st.events);
+        fprintf(f, "fusion_store_rows{table=\"event_archive\"} %" PRId64 "\n", st.archive_rows);
+        fprintf(f, "fusion_store_rows{table=\"checkpoints\"} %" PRId64 "\n", st.checkpoints);
+        fprintf(f, "fusion_store_rows{table=\"jobs_purged\"} %" PRId64 "\n", st.jobs_purged);
+        family(f, "fusion_store_events_archived", "gauge", "Events the archive accounts for (all time).");
+        fprintf(f, "fusion_store_events_archived %" PRId64 "\n", st.archived_events);
+    }
+    const db_compact_stats *c = &b->tot.compacted;
+    family(f, "fusion_store_compacted_total", "counter", "What compaction removed since the broker started.");
+    fprintf(f, "fusion_store_compacted_total{what=\"events\"} %" PRId64 "\n", c->events_archived);
+    fprintf(f, "fusion_store_compacted_total{what=\"checkpoints\"} %" PRId64 "\n", c->ckpts_dropped);
+    fprintf(f, "fusion_store_compacted_total{what=\"jobs\"} %" PRId64 "\n", c->jobs_purged);
+    fprintf(f, "fusion_store_compacted_total{what=\"pages\"} %" PRId64 "\n", c->pages_vacuumed);
+    family(f, "fusion_store_compact_seconds_total", "counter", "Seconds compaction took, in all.");
+    fprintf(f, "fusion_store_compact_seconds_total %.6f\n", c->seconds);
+    family(f, "fusion_store_compact_seconds_max", "gauge", "The longest compaction turn since the broker started.");
+    fprintf(f, "fusion_store_compact_seconds_max %.6f\n", b->tot.compact_s_max);
+}
+
 char *broker_metrics_text(broker_t *b, size_t *len)
 {
     char *text = NULL;
@@ -107,6 +137,7 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_store_commit_seconds_total %.6f\n", cs.sum_s);
     family(f, "fusion_store_commit_seconds_max", "gauge", "The slowest commit since the broker started.");
     fprintf(f, "fusion_store_commit_seconds_max %.6f\n", cs.max_s);
+    store(f, b);
     family(f, "fusion_uptime_seconds", "gauge", "Seconds since the broker started.");
     fprintf(f, "fusion_uptime_seconds %.3f\n", (double)(broker_now() - b->started_ms) / 1000.0);
     if (fclose(f) != 0) {

@@ -489,6 +489,31 @@ static fu_err check_ours(db_t *db, int64_t app_id, int64_t version)
 
 static fu_err migrate_steps(db_t *db);
 
+/* A store made before version 7 has no auto_vacuum: freed pages stay in the file. Turning it on needs
+ * one VACUUM (the file rewritten: it takes a while and as much free disk as the file): done once,
+ * logged; when it fails (no room) the store keeps working without it, and is tried again at the next
+ * start. */
+static void incremental_vacuum_on(db_t *db)
+{
+    int64_t av = 0, pages = 0, psize = 0;
+    int rc;
+    if (pragma_int(db, "PRAGMA auto_vacuum", &av, &rc) != FU_OK || av == 2)
+        return;
+    (void)pragma_int(db, "PRAGMA page_count", &pages, &rc);
+    (void)pragma_int(db, "PRAGMA page_size", &psize, &rc);
+    FU_INFO(DB_LOG, "%s: converting the store to incremental vacuum (once: the file, %.1f MiB, is rewritten)",
+            db->path, (double)(pages * psize) / (1 << 20));
+    double t0 = fu_clock_sec();
+    if (exec_sql(db, "PRAGMA auto_vacuum = INCREMENTAL; VACUUM", "converting to incremental vacuum") != FU_OK) {
+        FU_WARN(DB_LOG, "%s: the store stays without incremental vacuum for now (freed pages are reused, not given "
+                "back); it is tried again at the next start", db->path);
+        return;
+    }
+    (void)pragma_int(db, "PRAGMA page_count", &pages, &rc);
+    FU_INFO(DB_LOG, "%s: incremental vacuum on, %.1f MiB after %.1f s", db->path,
+            (double)(pages * psize) / (1 << 20), fu_clock_sec() - t0);
+}
+
 /* Migrates with foreign keys off (a migration may make a referenced table again; PRAGMA
  * foreign_keys is a no-op inside a transaction), on again after. */
 static fu_err migrate(db_t *db)
@@ -696,9 +721,17 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         goto fail;
 
     if (!o.read_only) {
+        /* A new store gets incremental vacuum before anything is written to it (db_compact gives free
+         * pages back); an older one is converted after its migration (incremental_vacuum_on). */
+        if (version == 0 && (err = exec_sql(db, "PRAGMA auto_vacuum = INCREMENTAL", "enabling incremental vacuum")) != FU_OK)
+            goto fail;
         if ((err = pragma_expect_text(db, "PRAGMA journal_mode = WAL", "wal")) != FU_OK)
             goto fail;
         if ((err = exec_sql(db, "PRAGMA synchronous = FULL", "setting synchronous=FULL")) != FU_OK)
+            goto fail;
+        char sql[64];
+        snprintf(sql, sizeof sql, "PRAGMA journal_size_limit = %d", DB_JOURNAL_LIMIT);
+        if ((err = exec_sql(db, sql, "limiting the WAL file")) != FU_OK)
             goto fail;
     }
     if ((err = exec_sql(db, "PRAGMA foreign_keys = ON", "enabling foreign keys")) != FU_OK)
@@ -712,11 +745,25 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
     if (!o.read_only) {
         if ((err = migrate(db)) != FU_OK)
             goto fail;
+        incremental_vacuum_on(db);
     } else if (version != DB_SCHEMA_VERSION) {
         FU_ERROR(DB_LOG, "job store '%s' has schema version %lld and cannot be migrated read-only", path,
                  (long long)version);
         err = FU_EVERSION;
         goto fail;
+    }
+    if (o.full_check) {
+        db_audit au;
+        if ((err = db_event_audit(db, &au)) != FU_OK) {
+            if (err == FU_EAUTH)
+                FU_ERROR(DB_LOG, "job store '%s': the event archive does not hold (row %lld: %s): events or their "
+                         "archive were changed outside fusion-broker; keep a copy of the file and investigate",
+                         path, (long long)au.bad_row, au.why);
+            err = FU_EPROTO;
+            goto fail;
+        }
+        FU_INFO(DB_LOG, "%s: event archive checked: %lld days, %lld events", path, (long long)au.rows,
+                (long long)au.events);
     }
     if (o.max_page_count > 0) {
         char sql[64];
@@ -885,20 +932,6 @@ fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, 
     FU_TRY(db_prep(db, SQL, &st));
     FU_TRY(db_bind(db, st, "iti", after_id, job, (int64_t)limit));
     return db_collect(db, st, "listing events", sizeof **out, read_event, NULL, event_members_free, (void **)out, n);
-}
-
-fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted)
-{
-    static const char SQL[] = "DELETE FROM events WHERE time_ms < ?";
-    if (!db)
-        return FU_EINVAL;
-    sqlite3_stmt *st;
-    FU_TRY(db_prep(db, SQL, &st));
-    FU_TRY(db_bind(db, st, "i", before_ms));
-    FU_TRY(db_run(db, st, "pruning events"));
-    if (deleted)
-        *deleted = sqlite3_changes64(db->conn);
-    return FU_OK;
 }
 
 void db_event_array_free(db_event **arr_p, size_t n)

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     6          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     7          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -107,6 +107,8 @@ typedef struct {
     int           retries;                 /* times it went from running back to queued */
     uint32_t      micro_batches;           /* fine-tune: the M the broker chose when the spec left it to it
                                               (0: none chosen; the spec's M) */
+    int64_t       purged_ms;               /* when its artifacts (result, tokens, result file) were deleted
+                                              after the retention (db_compact); 0: they were not */
 } db_job;
 
 /* A peer as stored. Owned by the caller; free with db_peer_free / db_peer_array_free. */
@@ -388,8 +390,94 @@ FU_MUST_CHECK fu_err db_event_add(db_t *db, int64_t now_ms, const char *job, con
 FU_MUST_CHECK fu_err db_event_list(db_t *db, const char *job, int64_t after_id, size_t limit, db_event **out,
                                    size_t *n);
 void db_event_array_free(db_event **arr_p, size_t n);
-/* Deletes events older than before_ms (the log's retention); *deleted (may be NULL) gets how many. */
-FU_MUST_CHECK fu_err db_event_prune(db_t *db, int64_t before_ms, int64_t *deleted);
+
+/* ---- compaction: a bounded store (docs/STORE.md "Compaction") ---- */
+
+#define DB_COMPACT_BATCH     500       /* default events archived per transaction */
+#define DB_VACUUM_SLACK      1024      /* free pages kept for reuse (4 MiB of 4 KiB pages) */
+#define DB_VACUUM_PAGES      256       /* most pages returned to the file system per db_compact (1 MiB) */
+#define DB_JOURNAL_LIMIT     (64 << 20) /* the WAL file is truncated to this after a checkpoint */
+
+/* What db_compact removes. Zero-initialise: zero means "no limit" for each limit. */
+typedef struct {
+    int64_t events_max;     /* events kept in the events table (the newest); older ones are archived.
+                               0: no count limit */
+    int64_t events_keep_ms; /* events older than this are archived. 0: no age limit */
+    int64_t jobs_keep_ms;   /* a job that ended (done, failed, cancelled) longer ago than this loses its
+                               artifacts: result blob, result file, tokens (its row, spec text, result hash
+                               and events stay). 0: kept for ever */
+    int64_t ckpt_grace_ms;  /* the checkpoints of a job that ended longer ago than this are deleted (its
+                               result already holds the adapter). < 0: kept */
+    int     batch;          /* events archived per transaction; 0: DB_COMPACT_BATCH */
+    double  budget_s;       /* no new transaction starts once db_compact has run this long; 0: one
+                               transaction of each kind at most */
+} db_compact_policy;
+
+/* What one db_compact did. */
+typedef struct {
+    int64_t events_archived; /* events moved into the archive */
+    int64_t ckpts_dropped;   /* checkpoint rows deleted (of ended jobs) */
+    int64_t ckpt_bytes;      /* their bytes */
+    int64_t jobs_purged;     /* jobs whose artifacts were deleted */
+    int64_t purged_bytes;    /* the bytes of those artifacts in the store (result + tokens) */
+    int64_t pages_vacuumed;  /* free pages returned to the file system */
+    int     commits;         /* transactions committed */
+    double  seconds;         /* time it took */
+    bool    more;            /* work was left when the budget ran out: call again soon */
+} db_compact_stats;
+
+/* Makes the store smaller by policy, in transactions of bounded size, until the work is done or
+ * policy->budget_s has passed (a transaction started is finished): events beyond the limits are
+ * archived oldest first (a per-day archive row with counts per kind and a hash chain over them,
+ * db_event_audit) and deleted, except the `excluded` events of unfinished jobs (a restarted broker
+ * reads them); checkpoints of ended jobs are deleted after the grace; artifacts of jobs that ended
+ * before the retention are deleted (one "purged" event each), result files unlinked after the
+ * commit; then free pages beyond DB_VACUUM_SLACK go back to the file system (incremental vacuum,
+ * at most DB_VACUUM_PAGES). Nothing a queued or running job needs is touched. *out (may be NULL)
+ * says what was done. FU_EDB on a store error (what was committed stays). */
+FU_MUST_CHECK fu_err db_compact(db_t *db, const db_compact_policy *policy, int64_t now_ms, db_compact_stats *out);
+
+/* The result of db_event_audit. */
+typedef struct {
+    int64_t rows;       /* archive rows checked */
+    int64_t events;     /* events they account for */
+    int64_t bad_row;    /* id of the first archive row that fails (0: none, or the failure is not one row's) */
+    char    why[192];   /* what failed ("" when the chain holds) */
+} db_audit;
+
+/* Checks the event archive: every row's hash is the BLAKE2b of its fields and of the hash of the row
+ * before it (so a row altered, removed or inserted breaks the chain), and the archived and live
+ * events account for every event id issued since the first archived one (so events deleted outside
+ * the archive show). FU_OK when it holds; FU_EAUTH when it does not (out says where and why); FU_EDB
+ * on a store error. */
+FU_MUST_CHECK fu_err db_event_audit(db_t *db, db_audit *out);
+
+/* One day of the event archive (db_event_archive_list). Free an array with db_event_archive_free. */
+typedef struct {
+    int64_t id;                          /* archive row id (increasing) */
+    int64_t day;                         /* UTC days since 1970-01-01 of its first event */
+    int64_t first_id, last_id;           /* the event ids it covers */
+    int64_t first_ms, last_ms;           /* their times */
+    int64_t n;                           /* events archived in it */
+    char   *counts;                      /* JSON object: events per kind */
+    char    hash[DB_HASH_HEX_LEN + 1];   /* the chain's hash after it */
+} db_archive_day;
+/* The archive rows with id > after_id, oldest first, at most limit (0: DB_EVENT_LIST_MAX). */
+FU_MUST_CHECK fu_err db_event_archive_list(db_t *db, int64_t after_id, size_t limit, db_archive_day **out, size_t *n);
+void db_event_archive_free(db_archive_day **arr_p, size_t n);
+
+/* The store's size and what fills it (the broker's /metrics). */
+typedef struct {
+    int64_t events;          /* rows in events */
+    int64_t archived_events; /* events accounted for by the archive */
+    int64_t archive_rows;    /* rows in event_archive */
+    int64_t checkpoints;     /* checkpoint rows */
+    int64_t checkpoint_bytes;/* their bytes */
+    int64_t result_bytes;    /* bytes of job results */
+    int64_t jobs_purged;     /* jobs whose artifacts were deleted */
+    int64_t pages, free_pages, page_size; /* the main file: pages, of which free, bytes per page */
+} db_store_stats;
+FU_MUST_CHECK fu_err db_store_stats_get(db_t *db, db_store_stats *out);
 
 #ifdef __cplusplus
 }

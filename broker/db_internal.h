@@ -15,6 +15,9 @@ struct db {
     char    *path;      /* as given to db_open; owned */
     int      ckpt_keep; /* checkpoints kept per (job, stage) */
     db_commit_stats commits; /* db_commit's count and time (the broker's /metrics) */
+    uint64_t compact_turn; /* db_compact calls (which kind of work goes first) */
+    bool     vacuuming;      /* incremental vacuum is giving pages back (down to DB_VACUUM_SLACK) */
+    bool     archive_halted; /* the event archive's newest row failed its hash: archiving stopped */
     size_t   n_stmts;   /* entries used in stmts */
     struct {
         const char   *sql; /* the SQL literal (compared by address) */

@@ -17,7 +17,8 @@
 /* The columns read_job expects, in order; the list variant leaves the blobs out. */
 #define JOB_COLS                                                                                   \
     "id, owner, idem_key, kind, state, step, total_steps, loss, tokens_per_s, reason, result_path, " \
-    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id, micro_batches"
+    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id, micro_batches, " \
+    "coalesce(purged_ms, 0)"
 #define JOB_COLS_BLOBS JOB_COLS ", spec, result"
 
 static void job_members_free(db_job *j)
@@ -57,8 +58,9 @@ static fu_err read_job(db_t *db, sqlite3_stmt *st, bool blobs, db_job *j)
     int64_t retries = sqlite3_column_int64(st, 14);
     int64_t spec_len = sqlite3_column_int64(st, 15), result_len = sqlite3_column_int64(st, 16);
     int64_t micro = sqlite3_column_int64(st, 18);
+    j->purged_ms = sqlite3_column_int64(st, 19);
     if (!db_job_id_valid(j->id) || !db_key_valid(j->owner) || j->step < 0 || j->total_steps < 0 || retries < 0 ||
-        micro < 0 || micro > 64 ||
+        micro < 0 || micro > 64 || j->purged_ms < 0 ||
         retries > INT_MAX || spec_len <= 0 || result_len < 0 || (j->result_hash[0] && !db_hash_hex_valid(j->result_hash))) {
         FU_ERROR(DB_LOG, "%s: job row '%s' fails validation (corrupt or foreign row)", db->path, j->id);
         err = FU_EDB;
@@ -70,13 +72,13 @@ static fu_err read_job(db_t *db, sqlite3_stmt *st, bool blobs, db_job *j)
     j->result_len = (size_t)result_len;
     if (blobs) {
         size_t n = 0;
-        if ((err = db_col_blob(db, st, 19, &j->spec, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 20, &j->spec, &n)) != FU_OK)
             goto fail;
         if (n != j->spec_len) {
             err = FU_EDB;
             goto fail;
         }
-        if ((err = db_col_blob(db, st, 20, &j->result, &n)) != FU_OK)
+        if ((err = db_col_blob(db, st, 21, &j->result, &n)) != FU_OK)
             goto fail;
         if (n != j->result_len) {
             err = FU_EDB;

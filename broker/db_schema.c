@@ -116,6 +116,26 @@ const char *const db_migrations[] = {
     /* 5 → 6: the micro-batch count the broker chose for a fine-tune whose spec left it to it (0: the
      * spec's own). */
     "ALTER TABLE jobs ADD COLUMN micro_batches INTEGER NOT NULL DEFAULT 0 CHECK (micro_batches BETWEEN 0 AND 64);",
+    /* 6 → 7: a bounded store (db_compact.c, docs/STORE.md "Compaction"). A finished job's artifacts (result,
+     * tokens, result file) are deleted after the retention: purged_ms says when (NULL: not purged), the
+     * partial index finds the next ones in O(log n). Events past the event limits are rolled into
+     * event_archive: per UTC day, counts per kind and a BLAKE2b chain over the rows removed, each archive
+     * row chained to the one before it. */
+    "ALTER TABLE jobs ADD COLUMN purged_ms INTEGER;"
+    "CREATE INDEX jobs_ended ON jobs(updated_ms) WHERE purged_ms IS NULL AND state IN ('done','failed','cancelled');"
+    "CREATE TABLE event_archive ("
+    "  id        INTEGER PRIMARY KEY AUTOINCREMENT,"
+    "  day       INTEGER NOT NULL,"
+    "  first_id  INTEGER NOT NULL,"
+    "  last_id   INTEGER NOT NULL CHECK (last_id >= first_id),"
+    "  first_ms  INTEGER NOT NULL,"
+    "  last_ms   INTEGER NOT NULL,"
+    "  n         INTEGER NOT NULL CHECK (n >= 1),"
+    "  counts    TEXT NOT NULL CHECK (json_valid(counts)),"
+    "  rows_hash TEXT NOT NULL CHECK (length(rows_hash) = 64),"
+    "  prev_hash TEXT NOT NULL CHECK (length(prev_hash) = 64),"
+    "  hash      TEXT NOT NULL CHECK (length(hash) = 64)"
+    ") STRICT;",
 };
 _Static_assert(sizeof db_migrations / sizeof db_migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

@@ -302,7 +302,7 @@ static void test_db_v1_stage_ranges_migrate(void **state)
     /* What version 1 wrote for the same plan. */
     raw_exec(f->path, "ALTER TABLE stages RENAME COLUMN node_end TO node_last;"
                       "UPDATE stages SET node_last = node_last - 1; ALTER TABLE jobs DROP COLUMN model_id;"
-                      "DROP TABLE model_hashes;"
+                      "DROP TABLE model_hashes; DROP TABLE event_archive;"
                       "PRAGMA user_version = 1");
     db = open_ok(f->path);
     db_job *j = NULL;
@@ -333,7 +333,7 @@ static void test_db_v4_jobs_rebuilt_keeps_references(void **state)
     job_with_plan(db, f->key[0], "idem-v4", 3, id);
     put_ckpt(db, id, 1, 5);
     db_close(&db);
-    raw_exec(f->path, "PRAGMA user_version = 4");
+    raw_exec(f->path, "DROP TABLE event_archive; PRAGMA user_version = 4");
     db = open_ok(f->path);
     db_stage *st = NULL;
     size_t n = 0;
@@ -1154,10 +1154,11 @@ static void test_db_events(void **state)
     assert_int_equal(n, 1);
     assert_string_equal(ev[0].kind, "submitted");
     db_event_array_free(&ev, n);
-    /* Retention: events before a time go, the rest stay. */
-    int64_t deleted = -1;
-    assert_int_equal(db_event_prune(db, 5001, &deleted), FU_OK);
-    assert_int_equal(deleted, 2); /* "submitted" (at 1000) and "note" (at 5000) */
+    /* Retention: events before a time go (into the archive), the rest stay. */
+    db_compact_policy pol = {.events_keep_ms = 1, .ckpt_grace_ms = -1};
+    db_compact_stats cs;
+    assert_int_equal(db_compact(db, &pol, 5002, &cs), FU_OK);
+    assert_int_equal(cs.events_archived, 2); /* "submitted" (at 1000) and "note" (at 5000) */
     assert_int_equal(db_event_list(db, NULL, 0, 0, &ev, &n), FU_OK);
     assert_int_equal(n, 1);
     assert_string_equal(ev[0].kind, "broker-start");
@@ -1585,6 +1586,403 @@ static void test_db_commit_latency(void **state)
     db_close(&db);
 }
 
+/* ---- compaction: a bounded store (docs/STORE.md "Compaction") ---------------------------------- */
+
+#define DAY (24ll * 3600 * 1000)
+
+/* Runs db_compact until no work is left (at most 10,000 turns); the sum of what it did. */
+static db_compact_stats compact_all(db_t *db, const db_compact_policy *p, int64_t now_ms)
+{
+    db_compact_stats sum = {0};
+    for (int i = 0; i < 10000; i++) {
+        db_compact_stats s;
+        assert_int_equal(db_compact(db, p, now_ms, &s), FU_OK);
+        sum.events_archived += s.events_archived;
+        sum.ckpts_dropped += s.ckpts_dropped;
+        sum.jobs_purged += s.jobs_purged;
+        sum.pages_vacuumed += s.pages_vacuumed;
+        sum.commits += s.commits;
+        if (s.seconds > sum.seconds)
+            sum.seconds = s.seconds; /* the longest turn */
+        if (!s.more)
+            return sum;
+    }
+    fail_msg("compaction did not finish");
+    return sum;
+}
+
+static int64_t count_events(db_t *db)
+{
+    db_store_stats st;
+    assert_int_equal(db_store_stats_get(db, &st), FU_OK);
+    return st.events;
+}
+
+/* Events past the count limit go into the archive, one row per UTC day with counts per kind, chained
+ * by hashes: the audit holds; the newest events are still listed; any change to an archived row, a
+ * removed archive row or an event deleted outside the archive makes the audit fail (and --check-store
+ * refuse the store); a changed newest row stops archiving without stopping the store. */
+static void test_db_compact_events_archived_and_audited(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    /* 1,200 events over three days (400 a day), kinds "a" and "b" */
+    for (int i = 0; i < 1200; i++)
+        assert_int_equal(db_event_add(db, 10 * DAY + (i / 400) * DAY + i, NULL, i % 3 ? NULL : f->key[1],
+                                      i % 2 ? "a" : "b", "detail"),
+                         FU_OK);
+    db_audit au;
+    assert_int_equal(db_event_audit(db, &au), FU_OK); /* an empty archive holds */
+    assert_int_equal(au.rows, 0);
+    db_compact_policy pol = {.events_max = 100, .ckpt_grace_ms = -1, .batch = 250, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 13 * DAY);
+    assert_int_equal(cs.events_archived, 1100);
+    assert_int_equal(count_events(db), 100);
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    assert_int_equal(au.rows, 3); /* one per day */
+    assert_int_equal(au.events, 1100);
+    db_archive_day *days = NULL;
+    size_t nd = 0;
+    assert_int_equal(db_event_archive_list(db, 0, 0, &days, &nd), FU_OK);
+    assert_int_equal(nd, 3);
+    assert_int_equal(days[0].day, 10);
+    assert_int_equal(days[0].n, 400);
+    assert_string_equal(days[0].counts, "{\"b\":200,\"a\":200}");
+    assert_int_equal(days[2].n, 300);
+    assert_int_equal(days[2].last_id, 1100);
+    db_event_archive_free(&days, nd);
+    assert_null(days);
+    /* the live log lists from the first event kept */
+    db_event *ev = NULL;
+    size_t n = 0;
+    assert_int_equal(db_event_list(db, NULL, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 100);
+    assert_int_equal(ev[0].id, 1101);
+    db_event_array_free(&ev, n);
+    /* nothing more to do: a turn that finds no work commits nothing */
+    assert_int_equal(db_compact(db, &pol, 13 * DAY, &cs), FU_OK);
+    assert_int_equal(cs.commits, 0);
+    assert_false(cs.more);
+    /* more events, more archived: the third day's row goes on (same day), its chain with it */
+    for (int i = 0; i < 50; i++)
+        assert_int_equal(db_event_add(db, 12 * DAY + 500 + i, NULL, NULL, "c", NULL), FU_OK);
+    cs = compact_all(db, &pol, 13 * DAY);
+    assert_int_equal(cs.events_archived, 50);
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    assert_int_equal(au.rows, 3);
+    assert_int_equal(au.events, 1150);
+    db_close(&db);
+    char copy[8300];
+    snprintf(copy, sizeof copy, "cp '%s' '%s.good'", f->path, f->path);
+    assert_int_equal(system(copy), 0);
+
+    /* a count changed in an archived row */
+    raw_exec(f->path, "UPDATE event_archive SET counts = '{\"b\":199,\"a\":201}' WHERE id = 1");
+    db = open_ok(f->path);
+    assert_int_equal(db_event_audit(db, &au), FU_EAUTH);
+    assert_int_equal(au.bad_row, 1);
+    print_message("audit after a changed row: %s\n", au.why);
+    db_close(&db);
+    db_options o = {.full_check = true};
+    assert_int_equal(db_open_opts(f->path, &o, &db), FU_EPROTO); /* --check-store refuses it */
+    assert_null(db);
+
+    /* an archive row removed (the first two rows' successor no longer chains) */
+    snprintf(copy, sizeof copy, "cp '%s.good' '%s'", f->path, f->path);
+    assert_int_equal(system(copy), 0);
+    raw_exec(f->path, "DELETE FROM event_archive WHERE id = 2");
+    db = open_ok(f->path);
+    assert_int_equal(db_event_audit(db, &au), FU_EAUTH);
+    assert_int_equal(au.bad_row, 3);
+    db_close(&db);
+
+    /* an event deleted from the live log */
+    snprintf(copy, sizeof copy, "cp '%s.good' '%s'", f->path, f->path);
+    assert_int_equal(system(copy), 0);
+    raw_exec(f->path, "DELETE FROM events WHERE id = 1200");
+    db = open_ok(f->path);
+    assert_int_equal(db_event_audit(db, &au), FU_EAUTH);
+    assert_int_equal(au.bad_row, 0);
+    db_close(&db);
+
+    /* the newest archive row changed: archiving stops (logged), the store goes on serving */
+    snprintf(copy, sizeof copy, "cp '%s.good' '%s'", f->path, f->path);
+    assert_int_equal(system(copy), 0);
+    raw_exec(f->path, "UPDATE event_archive SET n = n - 1 WHERE id = 3");
+    db = open_ok(f->path);
+    for (int i = 0; i < 10; i++)
+        assert_int_equal(db_event_add(db, 12 * DAY + 900 + i, NULL, NULL, "d", NULL), FU_OK);
+    int64_t before = count_events(db);
+    assert_int_equal(db_compact(db, &pol, 13 * DAY, &cs), FU_OK);
+    assert_int_equal(cs.events_archived, 0);
+    assert_int_equal(count_events(db), before);
+    assert_int_equal(db_event_add(db, 12 * DAY + 999, NULL, NULL, "e", NULL), FU_OK);
+    db_close(&db);
+}
+
+/* The age limit archives events older than it whatever their number; the `excluded` events of a
+ * running job stay (a restarted broker reads them back) until the job ends; the audit still holds
+ * when such an event is archived after newer ones. */
+static void test_db_compact_keeps_what_running_jobs_need(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char id[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, f->key[0], "run", 2, id);
+    assert_int_equal(db_event_add(db, 2000, id, f->key[1], "excluded", "missed its deadline"), FU_OK);
+    for (int i = 0; i < 20; i++)
+        assert_int_equal(db_event_add(db, 3000 + i, id, NULL, "note", NULL), FU_OK);
+    db_compact_policy pol = {.events_keep_ms = DAY, .ckpt_grace_ms = 0, .batch = 7, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 10 * DAY);
+    db_event *ev = NULL;
+    size_t n = 0;
+    assert_int_equal(db_event_list(db, id, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_string_equal(ev[0].kind, "excluded");
+    int64_t excluded_id = ev[0].id;
+    db_event_array_free(&ev, n);
+    db_audit au;
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    /* the job ends: its exclusion is archived in the current row, below that row's other ids */
+    uint8_t result[32] = {1};
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, NULL, 10 * DAY), FU_OK);
+    cs = compact_all(db, &pol, 12 * DAY);
+    assert_true(cs.events_archived >= 1);
+    assert_int_equal(db_event_list(db, id, 0, 0, &ev, &n), FU_OK);
+    for (size_t i = 0; i < n; i++)
+        assert_int_not_equal(ev[i].id, excluded_id);
+    db_event_array_free(&ev, n);
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    db_close(&db);
+}
+
+/* Checkpoints of a job that ended go after the grace (its result holds the adapter); those of a
+ * running job are not touched, so that its recovery point survives any compaction. */
+static void test_db_compact_checkpoints_of_ended_jobs(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char run[DB_JOB_ID_LEN + 1], done[DB_JOB_ID_LEN + 1], failed[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, f->key[0], "run", 2, run);
+    job_with_plan(db, f->key[0], "done", 2, done);
+    job_with_plan(db, f->key[0], "failed", 2, failed);
+    for (uint32_t s = 0; s < 2; s++)
+        for (int64_t step = 5; step <= 15; step += 5) {
+            put_ckpt(db, run, s, step);
+            put_ckpt(db, done, s, step);
+            put_ckpt(db, failed, s, step);
+        }
+    uint8_t result[64] = {7};
+    assert_int_equal(db_job_complete(db, done, result, sizeof result, NULL, NULL, 100000), FU_OK);
+    assert_int_equal(db_job_set_state(db, failed, DB_JOB_FAILED, "a stage failed", 100000), FU_OK);
+    db_compact_policy pol = {.ckpt_grace_ms = 60000, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 130000); /* 30 s after they ended: within the grace */
+    assert_int_equal(cs.ckpts_dropped, 0);
+    assert_true(has_ckpt(db, done, 1, 15));
+    cs = compact_all(db, &pol, 160001);
+    assert_int_equal(cs.ckpts_dropped, 12); /* 3 steps x 2 stages x 2 ended jobs */
+    for (uint32_t s = 0; s < 2; s++) {
+        assert_false(has_ckpt(db, done, s, -1));
+        assert_false(has_ckpt(db, failed, s, -1));
+        for (int64_t step = 5; step <= 15; step += 5)
+            assert_true(has_ckpt(db, run, s, step));
+    }
+    int64_t common = 0;
+    assert_int_equal(db_ckpt_common_step(db, run, &common), FU_OK);
+    assert_int_equal(common, 15);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, done, NULL, &j), FU_OK); /* the result is what `fusion result` serves */
+    assert_int_equal(j->result_len, sizeof result);
+    assert_int_equal(j->purged_ms, 0);
+    db_job_free(&j);
+    db_close(&db);
+}
+
+/* Past the retention, an ended job's artifacts go (result blob, tokens after the spec text, result
+ * file) with one "purged" event; its row, spec text and result hash stay; a running job, however old,
+ * keeps everything. */
+static void test_db_compact_purges_jobs_past_retention(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    const char *owner = f->key[0];
+    char run[DB_JOB_ID_LEN + 1], done[DB_JOB_ID_LEN + 1];
+    uint8_t spec[64];
+    const char text[] = "{\"steps\":3}";
+    memcpy(spec, text, sizeof text); /* the spec text, its NUL, then 4 tokens */
+    for (int i = 0; i < 16; i++)
+        spec[sizeof text + (size_t)i] = (uint8_t)i;
+    size_t spec_len = sizeof text + 16;
+    bool created = false;
+    assert_int_equal(db_job_submit(db, owner, "r", DB_JOB_FINETUNE, spec, spec_len, NULL, 1000, run, &created), FU_OK);
+    assert_int_equal(db_job_submit(db, owner, "d", DB_JOB_FINETUNE, spec, spec_len, NULL, 1000, done, &created), FU_OK);
+    assert_int_equal(db_job_set_state(db, run, DB_JOB_RUNNING, NULL, 1000), FU_OK);
+    assert_int_equal(db_job_set_state(db, done, DB_JOB_RUNNING, NULL, 1000), FU_OK);
+    char file[4200];
+    snprintf(file, sizeof file, "%s/logits.f32", f->dir);
+    FILE *fp = fopen(file, "w");
+    assert_non_null(fp);
+    fputs("logits", fp);
+    fclose(fp);
+    uint8_t result[1000];
+    memset(result, 3, sizeof result);
+    char hash[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(hash, result, sizeof result);
+    assert_int_equal(db_job_complete(db, done, result, sizeof result, file, hash, 2000), FU_OK);
+    int64_t unfinished = 0, bytes_before = 0, bytes_after = 0;
+    assert_int_equal(db_owner_usage(db, owner, &unfinished, &bytes_before), FU_OK);
+    db_compact_policy pol = {.jobs_keep_ms = DAY, .ckpt_grace_ms = 0, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 2000 + DAY / 2);
+    assert_int_equal(cs.jobs_purged, 0);
+    cs = compact_all(db, &pol, 2000 + 2 * DAY);
+    assert_int_equal(cs.jobs_purged, 1);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, done, NULL, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_DONE);
+    assert_null(j->result);
+    assert_int_equal(j->result_len, 0);
+    assert_null(j->result_path);
+    assert_string_equal(j->result_hash, hash); /* what the result was stays provable */
+    assert_int_equal(j->purged_ms, 2000 + 2 * DAY);
+    assert_int_equal(j->spec_len, sizeof text); /* the spec text and its NUL: no tokens */
+    assert_memory_equal(j->spec, text, sizeof text);
+    db_job_free(&j);
+    assert_int_not_equal(access(file, F_OK), 0); /* the result file is gone */
+    assert_int_equal(db_job_get(db, run, NULL, &j), FU_OK); /* the running job: untouched */
+    assert_int_equal(j->spec_len, spec_len);
+    assert_int_equal(j->purged_ms, 0);
+    db_job_free(&j);
+    assert_int_equal(db_owner_usage(db, owner, &unfinished, &bytes_after), FU_OK);
+    assert_int_equal(bytes_before - bytes_after, (int64_t)sizeof result + 16);
+    db_event *ev = NULL;
+    size_t n = 0;
+    assert_int_equal(db_event_list(db, done, 0, 0, &ev, &n), FU_OK);
+    assert_true(n > 0);
+    assert_string_equal(ev[n - 1].kind, "purged");
+    db_event_array_free(&ev, n);
+    cs = compact_all(db, &pol, 2000 + 3 * DAY); /* once */
+    assert_int_equal(cs.jobs_purged, 0);
+    db_close(&db);
+}
+
+/* A store of version 6 (no archive, no purged_ms, no auto_vacuum) opens as version 7 with its data,
+ * converted to incremental vacuum; space freed by compaction then goes back to the file system. */
+static void test_db_v6_store_migrates_and_shrinks(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    assert_int_equal(raw_int(f->path, "PRAGMA auto_vacuum"), 2); /* a new store has it */
+    char id[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, f->key[0], "v6", 2, id);
+    size_t big = 2u << 20;
+    uint8_t *blob = malloc(big);
+    assert_non_null(blob);
+    char hash[DB_HASH_HEX_LEN + 1];
+    for (uint32_t s = 0; s < 2; s++)
+        for (int64_t step = 1; step <= 3; step++) {
+            randombytes_buf(blob, big);
+            db_hash_hex(hash, blob, big);
+            assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, 2000), FU_OK);
+        }
+    free(blob);
+    assert_int_equal(db_event_add(db, 3000, id, NULL, "note", "before the migration"), FU_OK);
+    db_close(&db);
+    raw_exec(f->path, "DROP TABLE event_archive; DROP INDEX jobs_ended; ALTER TABLE jobs DROP COLUMN purged_ms; "
+                      "PRAGMA user_version = 6");
+    raw_exec(f->path, "PRAGMA auto_vacuum = NONE; VACUUM");
+    assert_int_equal(raw_int(f->path, "PRAGMA auto_vacuum"), 0);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), 6);
+
+    db = open_ok(f->path);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+    assert_int_equal(raw_int(f->path, "PRAGMA auto_vacuum"), 2);
+    assert_true(has_ckpt(db, id, 1, 3));
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->purged_ms, 0);
+    db_job_free(&j);
+    db_store_stats st0, st1;
+    assert_int_equal(db_store_stats_get(db, &st0), FU_OK);
+    assert_true(st0.pages * st0.page_size > (int64_t)(10u << 20));
+    uint8_t result[16] = {1};
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, NULL, 5000), FU_OK);
+    db_compact_policy pol = {.events_max = 1, .ckpt_grace_ms = 0, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 6000);
+    assert_int_equal(cs.ckpts_dropped, 6);
+    assert_true(cs.pages_vacuumed > 0);
+    assert_int_equal(db_store_stats_get(db, &st1), FU_OK);
+    print_message("v6 store: %.1f MiB -> %.1f MiB (%lld free pages left)\n",
+                  (double)(st0.pages * st0.page_size) / (1 << 20), (double)(st1.pages * st1.page_size) / (1 << 20),
+                  (long long)st1.free_pages);
+    assert_true(st1.pages * st1.page_size < (int64_t)(6u << 20)); /* ~12 MiB of checkpoints gone */
+    assert_true(st1.free_pages <= 2 * DB_VACUUM_SLACK);
+    db_audit au;
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    assert_true(au.events >= 1);
+    db_close(&db);
+}
+
+/* Many jobs one after another, each with MiB of checkpoints and a result, and a steady stream of
+ * events: with compaction in the loop the file stops growing; every turn stays short. */
+static void test_db_compact_store_stays_bounded(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    db_compact_policy pol = {.events_max = 2000, .events_keep_ms = DAY, .jobs_keep_ms = 20000, .ckpt_grace_ms = 1000,
+                             .budget_s = 0.004};
+    size_t big = 256u << 10;
+    uint8_t *blob = malloc(big);
+    assert_non_null(blob);
+    int64_t now = 1000000, size_at[40] = {0};
+    double turn_max = 0;
+    for (int k = 0; k < 40; k++) {
+        char id[DB_JOB_ID_LEN + 1], idem[32];
+        snprintf(idem, sizeof idem, "job-%d", k);
+        job_with_plan(db, f->key[0], idem, 2, id);
+        for (int64_t step = 1; step <= 4; step++)
+            for (uint32_t s = 0; s < 2; s++) {
+                randombytes_buf(blob, big);
+                char hash[DB_HASH_HEX_LEN + 1];
+                db_hash_hex(hash, blob, big);
+                assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, now), FU_OK);
+            }
+        for (int e = 0; e < 300; e++)
+            assert_int_equal(db_event_add(db, now + e, NULL, f->key[1], "peer-join", "a peer"), FU_OK);
+        assert_int_equal(db_job_complete(db, id, blob, big, NULL, NULL, now), FU_OK);
+        now += 5000;
+        for (int t = 0; t < 20; t++) { /* the broker's turns: a few ms each */
+            db_compact_stats cs;
+            assert_int_equal(db_compact(db, &pol, now, &cs), FU_OK);
+            if (getenv("FUSION_TEST_VERBOSE"))
+                print_message("turn %.2f ms: %lld ev %lld ck %lld jobs %lld pages\n", 1e3 * cs.seconds,
+                              (long long)cs.events_archived, (long long)cs.ckpts_dropped, (long long)cs.jobs_purged,
+                              (long long)cs.pages_vacuumed);
+            if (cs.seconds > turn_max) {
+                turn_max = cs.seconds;
+                print_message("turn %.1f ms: %lld events, %lld checkpoints, %lld jobs, %lld pages, %d commits\n",
+                              1e3 * cs.seconds, (long long)cs.events_archived, (long long)cs.ckpts_dropped,
+                              (long long)cs.jobs_purged, (long long)cs.pages_vacuumed, cs.commits);
+            }
+            if (!cs.more)
+                break;
+        }
+        db_store_stats st;
+        assert_int_equal(db_store_stats_get(db, &st), FU_OK);
+        size_at[k] = st.pages * st.page_size;
+        assert_true(st.events <= 2000 + 300);
+    }
+    free(blob);
+    print_message("store after 10, 20, 30, 40 jobs: %.1f %.1f %.1f %.1f MiB; longest turn %.1f ms\n",
+                  (double)size_at[9] / (1 << 20), (double)size_at[19] / (1 << 20), (double)size_at[29] / (1 << 20),
+                  (double)size_at[39] / (1 << 20), 1e3 * turn_max);
+    assert_true(size_at[39] <= size_at[19] + (2 << 20)); /* flat once the retention is reached */
+    assert_true(turn_max < 0.25);                       /* a loaded 2-core machine: a loose bound */
+    db_audit au;
+    assert_int_equal(db_event_audit(db, &au), FU_OK);
+    assert_true(au.events > 30 * 300);
+    db_close(&db);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1617,6 +2015,12 @@ int main(void)
         cmocka_unit_test(test_db_durability_ckpt_sigkill),
         cmocka_unit_test(test_db_disk_full),
         cmocka_unit_test(test_db_commit_latency),
+        cmocka_unit_test(test_db_compact_events_archived_and_audited),
+        cmocka_unit_test(test_db_compact_keeps_what_running_jobs_need),
+        cmocka_unit_test(test_db_compact_checkpoints_of_ended_jobs),
+        cmocka_unit_test(test_db_compact_purges_jobs_past_retention),
+        cmocka_unit_test(test_db_v6_store_migrates_and_shrinks),
+        cmocka_unit_test(test_db_compact_store_stays_bounded),
     };
     return tu_unit_main(tests, sodium_init, fx_setup, fx_teardown);
 }
