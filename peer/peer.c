@@ -215,6 +215,10 @@ static fu_err broker_connect(peer_t *p, fu_errmsg *em)
         return fu_errmsg_set(em, err, "cannot make the broker socket: %s", fu_strerror(err));
     if ((err = wire_socket_curve_client(p->broker, p->kp, p->broker_pk)) != FU_OK)
         return fu_errmsg_set(em, err, "this libzmq cannot be a CURVE client: %s", fu_strerror(err));
+    /* no ZMTP pings to the broker, which serves thousands: the heartbeats say we are alive, and the
+     * kernel notices a broker that vanished (wire_socket_quiet); so does the heartbeats' silence */
+    if (wire_socket_quiet(p->broker) != FU_OK)
+        FU_WARN("peer", "the broker socket still pings the broker");
     if (p->mon) {
         zmq_close(p->mon);
         p->mon = NULL;

@@ -61,6 +61,22 @@ fail:
     return NULL;
 }
 
+fu_err wire_socket_quiet(void *sock)
+{
+    int bad = 0;
+    bad |= setopt_int(sock, ZMQ_HEARTBEAT_IVL, 0);
+    bad |= setopt_int(sock, ZMQ_TCP_KEEPALIVE, 1);
+    bad |= setopt_int(sock, ZMQ_TCP_KEEPALIVE_IDLE, WIRE_KEEPALIVE_IDLE_S);
+    bad |= setopt_int(sock, ZMQ_TCP_KEEPALIVE_INTVL, WIRE_KEEPALIVE_INTVL_S);
+    bad |= setopt_int(sock, ZMQ_TCP_KEEPALIVE_CNT, WIRE_KEEPALIVE_CNT);
+    bad |= setopt_int(sock, ZMQ_TCP_MAXRT, WIRE_TCP_MAXRT_MS);
+    if (bad) {
+        FU_WARN("wire", "cannot make a socket quiet: %s", zmq_strerror(zmq_errno()));
+        return FU_EIO;
+    }
+    return FU_OK;
+}
+
 void wire_socket_close(void **sock_p)
 {
     if (!sock_p || !*sock_p)

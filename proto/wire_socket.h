@@ -9,6 +9,7 @@
  *   ZMQ_HEARTBEAT_IVL     1000 ms            ZMTP PINGs notice a stopped or cut-off peer in ~4 s
  *   ZMQ_HEARTBEAT_TIMEOUT 3000 ms            (without them: 20 s and more)
  *   ZMQ_HEARTBEAT_TTL     3000 ms            the other side drops us as quickly
+ *                                            (no pings on a quiet socket: wire_socket_quiet)
  *   ZMQ_SNDTIMEO          WIRE_SEND_TIMEOUT_MS a blocked send (full HWM) fails instead of hanging;
  *                         0 on ROUTER     one slow peer never stalls a daemon's event loop
  *   ZMQ_HANDSHAKE_IVL     WIRE_HANDSHAKE_MS  half-open handshakes are shed
@@ -45,6 +46,20 @@ extern "C" {
 /* A new socket of ZeroMQ type `type` (ZMQ_ROUTER, ZMQ_DEALER, ...) in ctx with the options above.
  * NULL on failure with *err set (err may be NULL). Close with wire_socket_close. */
 void *wire_socket_new(void *ctx, int type, fu_err *err);
+
+/* A socket of many connections, or one to such a socket, sends no ZMTP pings: libzmq keeps every
+ * connection's ping timers in one ordered map per I/O thread and walks it to cancel one, on each
+ * message after a ping, so that pings cost a broker O(connections) per message (docs/SCALE.md).
+ * The application's heartbeats say who is alive; the kernel closes a connection whose other end
+ * vanished (TCP keepalive: WIRE_KEEPALIVE_IDLE_S idle, then WIRE_KEEPALIVE_CNT probes
+ * WIRE_KEEPALIVE_INTVL_S apart; and data unacknowledged for WIRE_TCP_MAXRT_MS), after which libzmq
+ * reconnects a connecting socket as it does after a ping timeout. Call before connect or bind.
+ * FU_EIO when an option is refused. The broker's ROUTER and a peer's socket to it are quiet. */
+#define WIRE_KEEPALIVE_IDLE_S  10
+#define WIRE_KEEPALIVE_INTVL_S 5
+#define WIRE_KEEPALIVE_CNT     3
+#define WIRE_TCP_MAXRT_MS      15000
+FU_MUST_CHECK fu_err wire_socket_quiet(void *sock);
 
 /* Closes *sock_p (pending messages get WIRE_LINGER_MS) and sets it to NULL. Idempotent. */
 void wire_socket_close(void **sock_p);

@@ -92,6 +92,43 @@ static void test_wire_socket_options_set_on_purpose(void **state)
     assert_int_equal(v, WIRE_SEND_TIMEOUT_MS);
 }
 
+/* A quiet socket (the broker's ROUTER, a peer's socket to it) sends no ZMTP pings and leaves a
+ * vanished other end to the kernel's TCP keepalive and retransmission limit; it still carries
+ * messages. */
+static void test_wire_socket_quiet_leaves_liveness_to_tcp(void **state)
+{
+    fixture *f = *state;
+    fu_err rc;
+    void *d = wire_socket_new(f->ctx, ZMQ_DEALER, &rc);
+    assert_non_null(d);
+    f->extra[f->n_extra++] = d;
+    assert_int_equal(wire_socket_quiet(d), FU_OK);
+    static const struct {
+        int opt, want;
+    } want[] = {{ZMQ_HEARTBEAT_IVL, 0},
+                {ZMQ_TCP_KEEPALIVE, 1},
+                {ZMQ_TCP_KEEPALIVE_IDLE, WIRE_KEEPALIVE_IDLE_S},
+                {ZMQ_TCP_KEEPALIVE_INTVL, WIRE_KEEPALIVE_INTVL_S},
+                {ZMQ_TCP_KEEPALIVE_CNT, WIRE_KEEPALIVE_CNT},
+                {ZMQ_TCP_MAXRT, WIRE_TCP_MAXRT_MS}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        int v = -7;
+        size_t sz = sizeof v;
+        assert_int_equal(zmq_getsockopt(d, want[i].opt, &v, &sz), 0);
+        assert_int_equal(v, want[i].want);
+    }
+    assert_int_equal(zmq_connect(d, f->endpoint), 0);
+    set_rcvtimeo(d, 5000);
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_HEARTBEAT, .sequence = 9};
+    assert_int_equal(wire_send(d, NULL, 0, &h, &hb.base), FU_OK);
+    wire_counters c = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->router, 0, &c, &m), FU_OK);
+    assert_int_equal(wire_msg_hdr(m)->sequence, 9);
+    wire_msg_destroy(&m);
+}
+
 static void test_wire_socket_round_trip_router_dealer(void **state)
 {
     fixture *f = *state;
@@ -323,6 +360,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_wire_socket_options_set_on_purpose),
+        cmocka_unit_test(test_wire_socket_quiet_leaves_liveness_to_tcp),
         cmocka_unit_test(test_wire_socket_round_trip_router_dealer),
         cmocka_unit_test(test_wire_socket_malformed_dropped_counted_answered),
         cmocka_unit_test(test_wire_socket_oversized_message_never_delivered),
