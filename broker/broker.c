@@ -613,12 +613,13 @@ static uint64_t compact(broker_t *b)
     t->seconds += s.seconds;
     if (s.seconds > b->tot.compact_s_max)
         b->tot.compact_s_max = s.seconds;
-    if (s.jobs_purged || s.events_archived >= 10000)
+    b->tot.compact_turns++;
+    if (s.jobs_purged || s.events_archived >= 10000 || s.seconds > 0.010)
         FU_INFO(LOG, "store compacted: %lld events archived, %lld checkpoints (%.1f MiB) of ended jobs and the "
-                "artifacts of %lld jobs (%.1f MiB) deleted, %lld pages freed, in %.1f ms",
+                "artifacts of %lld jobs (%.1f MiB) deleted, %lld pages freed, %d commits in %.1f ms",
                 (long long)s.events_archived, (long long)s.ckpts_dropped, (double)s.ckpt_bytes / (1 << 20),
                 (long long)s.jobs_purged, (double)s.purged_bytes / (1 << 20), (long long)s.pages_vacuumed,
-                1e3 * s.seconds);
+                s.commits, 1e3 * s.seconds);
     return s.more ? sweep_period(b) : BROKER_COMPACT_EVERY_MS;
 }
 

@@ -227,6 +227,7 @@ typedef struct {
                                           memory (the live jobs count their own) */
     db_compact_stats compacted;        /* compaction: what it removed in all (seconds: its time in all) */
     double compact_s_max;              /* the longest compaction turn, seconds */
+    uint64_t compact_turns;            /* compaction turns (db_compact calls) */
 } broker_totals;
 
 /* One verification sample in flight (docs/PIPELINE.md "Verification"): who was asked for the

@@ -500,7 +500,7 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
                    dj->result;
     if (dj->purged_ms) { /* docs/STORE.md "Compaction" */
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
-                           "job %s is %s, but its result was deleted %.1f days after it ended (the broker's "
+                           "job %s is %s, but its result was deleted %.3g days after it ended (the broker's "
                            "--keep-jobs-days); its BLAKE2b-256 was %s", dj->id, db_job_state_name(dj->state),
                            (double)(dj->purged_ms - dj->updated_ms) / 86400e3,
                            dj->result_hash[0] ? dj->result_hash : "(none)");

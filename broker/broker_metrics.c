@@ -84,6 +84,8 @@ static void store(FILE *f, broker_t *b)
     fprintf(f, "fusion_store_compacted_total{what=\"pages\"} %" PRId64 "\n", c->pages_vacuumed);
     family(f, "fusion_store_compact_seconds_total", "counter", "Seconds compaction took, in all.");
     fprintf(f, "fusion_store_compact_seconds_total %.6f\n", c->seconds);
+    family(f, "fusion_store_compact_turns_total", "counter", "Compaction turns (once a second, more while work is left).");
+    fprintf(f, "fusion_store_compact_turns_total %" PRIu64 "\n", b->tot.compact_turns);
     family(f, "fusion_store_compact_seconds_max", "gauge", "The longest compaction turn since the broker started.");
     fprintf(f, "fusion_store_compact_seconds_max %.6f\n", b->tot.compact_s_max);
 }

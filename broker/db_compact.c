@@ -45,6 +45,24 @@ static void put_str(crypto_generichash_state *h, const char *s)
         crypto_generichash_update(h, (const uint8_t *)s, n);
 }
 
+/* SQLite as Debian builds it zeroes every deleted page (SECURE_DELETE): megabytes of zeros through the
+ * WAL for one job's checkpoints. For compaction's deletes it is FAST: what is written anyway is zeroed;
+ * freed overflow pages are overwritten when reused or cut off by the incremental vacuum (at most
+ * DB_VACUUM_SLACK of them stay). Set before the first delete of a db_compact, restored at its end. */
+static void fast_delete(db_t *db)
+{
+    if (db->secure_saved >= 0)
+        return;
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(db->conn, "PRAGMA secure_delete", -1, &st, NULL) == SQLITE_OK &&
+        sqlite3_step(st) == SQLITE_ROW) {
+        int v = sqlite3_column_int(st, 0);
+        if (v != 2 && sqlite3_exec(db->conn, "PRAGMA secure_delete = FAST", NULL, NULL, NULL) == SQLITE_OK)
+            db->secure_saved = v;
+    }
+    sqlite3_finalize(st);
+}
+
 /* One event as read for archiving (job and peer NULL when the column is NULL). */
 typedef struct {
     int64_t id, time_ms;
@@ -271,6 +289,31 @@ static fu_err events_max_id(db_t *db, int64_t *out)
     return FU_OK;
 }
 
+/* Whether one of the oldest HEAD_EXTRA + 1 events is past a limit and may go (ids and times only). */
+static fu_err head_probe(db_t *db, int64_t cut_id, int64_t cut_ms, bool *work)
+{
+    static const char SQL[] =
+        "SELECT e.id, e.time_ms, e.kind = 'excluded' AND EXISTS (SELECT 1 FROM jobs j WHERE j.id = e.job_id AND "
+        "j.state IN ('queued','running')) FROM events e ORDER BY e.id LIMIT ?";
+    sqlite3_stmt *st;
+    *work = false;
+    FU_TRY(db_prep(db, SQL, &st));
+    FU_TRY(db_bind(db, st, "i", (int64_t)HEAD_EXTRA + 1));
+    for (;;) {
+        bool row;
+        FU_TRY(db_step(db, st, "looking at the oldest events", &row));
+        if (!row)
+            break;
+        int64_t id = sqlite3_column_int64(st, 0), t = sqlite3_column_int64(st, 1);
+        if (sqlite3_column_int(st, 2))
+            continue;
+        *work = id <= cut_id || t < cut_ms;
+        break;
+    }
+    db_done(st);
+    return FU_OK;
+}
+
 /* One transaction: archives and deletes at most batch of the oldest events that are past a limit.
  * *archived how many; *more whether the next ones are past a limit too. */
 static fu_err events_step(db_t *db, const db_compact_policy *p, int64_t now_ms, int batch, int64_t *archived,
@@ -281,20 +324,27 @@ static fu_err events_step(db_t *db, const db_compact_policy *p, int64_t now_ms, 
     *more = false;
     if (p->events_max <= 0 && p->events_keep_ms <= 0)
         return FU_OK;
+    /* a read before any write lock: most turns find nothing to do */
+    int64_t max_id = 0;
+    bool work = false;
+    FU_TRY(events_max_id(db, &max_id));
+    int64_t cut_id = p->events_max > 0 ? max_id - p->events_max : INT64_MIN;
+    int64_t cut_ms = p->events_keep_ms > 0 ? now_ms - p->events_keep_ms : INT64_MIN;
+    FU_TRY(head_probe(db, cut_id, cut_ms, &work));
+    if (!work)
+        return FU_OK;
     int cap = batch + HEAD_EXTRA;
     ev_row *rows = fu_calloc((size_t)cap, sizeof *rows);
     bool *keep = fu_calloc((size_t)cap, sizeof *keep);
     arc_row *arc = NULL;
     size_t n_arc = 0, cap_arc = 0;
     int n = 0;
+    fast_delete(db);
     fu_err err = db_begin(db);
     if (err != FU_OK)
         goto out;
-    int64_t max_id = 0;
-    if ((err = events_max_id(db, &max_id)) != FU_OK || (err = head_read(db, cap, rows, keep, &n)) != FU_OK)
+    if ((err = head_read(db, cap, rows, keep, &n)) != FU_OK)
         goto fail;
-    int64_t cut_id = p->events_max > 0 ? max_id - p->events_max : INT64_MIN;
-    int64_t cut_ms = p->events_keep_ms > 0 ? now_ms - p->events_keep_ms : INT64_MIN;
     int done = 0;
     for (int i = 0; i < n; i++) {
         const ev_row *e = &rows[i];
@@ -379,23 +429,26 @@ static fu_err ckpt_step(db_t *db, int64_t before_ms, int64_t *rows, int64_t *byt
     static const char SQL_DEL[] = "DELETE FROM checkpoints WHERE job_id = ?";
     *rows = *bytes = 0;
     *found = false;
-    FU_TRY(db_begin(db));
     sqlite3_stmt *st;
     char job[DB_JOB_ID_LEN + 1];
     bool row;
     fu_err err;
-    if ((err = db_prep(db, SQL_FIND, &st)) != FU_OK || (err = db_bind(db, st, "i", before_ms)) != FU_OK ||
-        (err = db_step(db, st, "finding checkpoints of ended jobs", &row)) != FU_OK)
-        goto fail;
+    /* found outside the transaction: the broker's loop is the only writer, and most turns find none */
+    FU_TRY(db_prep(db, SQL_FIND, &st));
+    FU_TRY(db_bind(db, st, "i", before_ms));
+    FU_TRY(db_step(db, st, "finding checkpoints of ended jobs", &row));
     if (!row) {
         db_done(st);
-        db_rollback(db);
         return FU_OK;
     }
     err = db_col_text(db, st, 0, job, sizeof job, false);
     int64_t n = sqlite3_column_int64(st, 1), b = sqlite3_column_int64(st, 2);
     db_done(st);
-    if (err != FU_OK || (err = db_prep(db, SQL_DEL, &st)) != FU_OK || (err = db_bind(db, st, "t", job)) != FU_OK ||
+    if (err != FU_OK)
+        return err;
+    fast_delete(db);
+    FU_TRY(db_begin(db));
+    if ((err = db_prep(db, SQL_DEL, &st)) != FU_OK || (err = db_bind(db, st, "t", job)) != FU_OK ||
         (err = db_run(db, st, "deleting checkpoints of an ended job")) != FU_OK || (err = db_commit(db)) != FU_OK)
         goto fail;
     FU_DEBUG(DB_LOG, "job %s ended: its %lld checkpoints (%.1f MiB) deleted", job, (long long)n, (double)b / (1 << 20));
@@ -432,12 +485,11 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
     int n = 0;
     *jobs = *bytes = 0;
     *more = false;
-    FU_TRY(db_begin(db));
     sqlite3_stmt *st;
     fu_err err;
-    if ((err = db_prep(db, SQL_FIND, &st)) != FU_OK ||
-        (err = db_bind(db, st, "ii", before_ms, (int64_t)PURGE_BATCH + 1)) != FU_OK)
-        goto fail;
+    /* found outside the transaction, as in ckpt_step */
+    FU_TRY(db_prep(db, SQL_FIND, &st));
+    FU_TRY(db_bind(db, st, "ii", before_ms, (int64_t)PURGE_BATCH + 1));
     for (;;) {
         bool row;
         if ((err = db_step(db, st, "finding jobs past the retention", &row)) != FU_OK || !row)
@@ -455,7 +507,10 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
         n++;
     }
     db_done(st);
-    if (err != FU_OK)
+    if (err != FU_OK || n == 0)
+        goto fail;
+    fast_delete(db);
+    if ((err = db_begin(db)) != FU_OK)
         goto fail;
     for (int i = 0; i < n; i++) {
         if ((err = db_prep(db, SQL_PURGE, &st)) != FU_OK || (err = db_bind(db, st, "ti", j[i].id, now_ms)) != FU_OK ||
@@ -463,15 +518,11 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
             (err = db_prep(db, SQL_CK, &st)) != FU_OK || (err = db_bind(db, st, "t", j[i].id)) != FU_OK ||
             (err = db_run(db, st, "deleting a job's checkpoints")) != FU_OK ||
             (err = db_event_put(db, now_ms, j[i].id, NULL, "purged",
-                                "artifacts deleted %.1f days after the job ended: result %lld bytes (its hash "
+                                "artifacts deleted %.3g days after the job ended: result %lld bytes (its hash "
                                 "stays), tokens %lld bytes%s",
                                 (double)keep_ms / DAY_MS, (long long)j[i].result, (long long)j[i].tokens,
                                 j[i].path ? ", result file" : "")) != FU_OK)
             goto fail;
-    }
-    if (n == 0) {
-        db_rollback(db);
-        return FU_OK;
     }
     if ((err = db_commit(db)) != FU_OK)
         goto fail;
@@ -550,14 +601,7 @@ fu_err db_compact(db_t *db, const db_compact_policy *policy, int64_t now_ms, db_
                     policy->ckpt_grace_ms >= 0, policy->jobs_keep_ms > 0};
     int first = (int)(db->compact_turn++ % 3);
     bool ran = false;
-    /* SQLite as Debian builds it zeroes every deleted page (SECURE_DELETE): megabytes of zeros through
-     * the WAL for one job's checkpoints. FAST zeroes what it writes anyway; the freed overflow pages are
-     * overwritten when reused or cut off by the incremental vacuum below (at most DB_VACUUM_SLACK of
-     * them stay). Restored after. */
-    int64_t secure = 0;
-    if (pragma_i64(db, "PRAGMA secure_delete", &secure) != FU_OK ||
-        sqlite3_exec(db->conn, "PRAGMA secure_delete = FAST", NULL, NULL, NULL) != SQLITE_OK)
-        secure = -1;
+    db->secure_saved = -1;
     for (;;) {
         bool any = false;
         for (int i = 0; i < 3 && err == FU_OK; i++) {
@@ -606,9 +650,11 @@ vacuum:
         s.commits += s.pages_vacuumed > 0;
         s.more |= vmore;
     }
-    if (secure >= 0)
-        (void)sqlite3_exec(db->conn, secure == 1 ? "PRAGMA secure_delete = ON" : secure == 2 ? "PRAGMA secure_delete = FAST"
-                                                                                          : "PRAGMA secure_delete = OFF",
+    if (db->secure_saved >= 0)
+        (void)sqlite3_exec(db->conn,
+                           db->secure_saved == 1   ? "PRAGMA secure_delete = ON"
+                           : db->secure_saved == 2 ? "PRAGMA secure_delete = FAST"
+                                                   : "PRAGMA secure_delete = OFF",
                            NULL, NULL, NULL);
     s.seconds = fu_clock_sec() - t0;
     if (out)

@@ -16,6 +16,7 @@ struct db {
     int      ckpt_keep; /* checkpoints kept per (job, stage) */
     db_commit_stats commits; /* db_commit's count and time (the broker's /metrics) */
     uint64_t compact_turn; /* db_compact calls (which kind of work goes first) */
+    int      secure_saved;   /* PRAGMA secure_delete before db_compact set FAST (-1: not changed) */
     bool     vacuuming;      /* incremental vacuum is giving pages back (down to DB_VACUUM_SLACK) */
     bool     archive_halted; /* the event archive's newest row failed its hash: archiving stopped */
     size_t   n_stmts;   /* entries used in stmts */
