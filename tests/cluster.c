@@ -614,7 +614,7 @@ void tu_broker_start(tu_cluster *c)
     snprintf(hb, sizeof hb, "%d", c->o.heartbeat_ms > 0 ? c->o.heartbeat_ms : 1000);
     char prog[TU_PATH];
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-broker"));
-    char *argv[32] = {prog, "--bind", bind, "--keys", keys, "--db", db, "--allow", allow, "--backups", backups,
+    char *argv[48] = {prog, "--bind", bind, "--keys", keys, "--db", db, "--allow", allow, "--backups", backups,
                       "--heartbeat-ms", hb};
     int n = 13;
     add_option(argv, &n, "--ready-timeout", number_option(rt, c->o.ready_timeout_s));
@@ -636,7 +636,7 @@ void tu_broker_start(tu_cluster *c)
     add_option(argv, &n, "--grow-margin", c->o.grow_margin);
     char extra[sizeof c->broker_args];
     snprintf(extra, sizeof extra, "%s", c->broker_args);
-    for (char *save = NULL, *a = strtok_r(extra, " ", &save); a && n < 30; a = strtok_r(NULL, " ", &save))
+    for (char *save = NULL, *a = strtok_r(extra, " ", &save); a && n < 46; a = strtok_r(NULL, " ", &save))
         argv[n++] = a;
     argv[n] = NULL;
     c->broker = tu_spawn(c->broker_log, argv, NULL);

@@ -31,7 +31,11 @@ extern "C" {
 typedef struct {
     int n_peers;            /* simulated peers */
     int n_clients;          /* client identities (K) */
-    int n_jobs;             /* fine-tunes submitted, spread over the clients, all at the start (M) */
+    int n_jobs;             /* fine-tunes submitted, spread over the clients (M): all at the start, or one
+                               every job_every_s */
+    double job_every_s;     /* > 0: a continuous stream, job k submitted job_every_s x k after the start of the
+                               load phase (the store sees hours of work); 0: all at the start */
+    const char *broker_args; /* more fusion-broker arguments (space-separated), or NULL */
     int job_steps;          /* steps of each fine-tune */
     int ckpt_every;         /* its checkpoint_every */
     double duration_s;      /* churn and load run this long */
@@ -89,6 +93,9 @@ typedef struct {
     double store_mib_end;       /* store file + WAL at the end */
     double store_mib_max;
     double events_end;          /* rows in the events table at the end (from the store) */
+    double events_archived_end; /* events the store's archive accounts for at the end */
+    double ckpts_end;           /* checkpoint rows at the end */
+    double jobs_purged_end;     /* jobs whose artifacts the broker deleted (--keep-jobs-days) */
     uint64_t errors_seen;       /* Error messages the broker sent the simulated peers and clients */
 } swarm_result;
 

@@ -19,6 +19,9 @@ static void usage(const swarm_cfg *d)
            "  --peers N          simulated peers (default %d, at most %d)\n"
            "  --clients K        client identities (default %d)\n"
            "  --jobs M           fine-tunes submitted at the start (default %d)\n"
+           "  --job-every SEC    submit them as a stream instead, one every SEC from the start of the load\n"
+           "                     phase (M x SEC should be about --duration)\n"
+           "  --broker-args ARGS more fusion-broker options, e.g. \"--keep-events 5000 --keep-jobs-days 0.005\"\n"
            "  --steps S          steps of each (default %d)\n"
            "  --ckpt-every C     checkpoint every C steps (default %d)\n"
            "  --duration SEC     load phase with churn (default %.0f)\n"
@@ -54,7 +57,8 @@ int main(int argc, char **argv)
     bool compare = false, check = false;
     int plan_only = 0;
     enum { O_PEERS = 256, O_CLIENTS, O_JOBS, O_STEPS, O_CKPT, O_DURATION, O_DRAIN, O_SESSION, O_OFFLINE, O_CLEAN,
-           O_SCALE, O_LAYERS, O_HB, O_BACKUPS, O_JOIN, O_SAMPLE, O_SEED, O_COMPARE, O_CHECK, O_QUIET, O_HELP, O_NOPING, O_PLAN };
+           O_SCALE, O_LAYERS, O_HB, O_BACKUPS, O_JOIN, O_SAMPLE, O_SEED, O_COMPARE, O_CHECK, O_QUIET, O_HELP, O_NOPING, O_PLAN,
+           O_EVERY, O_BARGS };
     static const struct option opts[] = {
         {"peers", 1, 0, O_PEERS},       {"clients", 1, 0, O_CLIENTS},   {"jobs", 1, 0, O_JOBS},
         {"steps", 1, 0, O_STEPS},       {"ckpt-every", 1, 0, O_CKPT},   {"duration", 1, 0, O_DURATION},
@@ -64,6 +68,7 @@ int main(int argc, char **argv)
         {"sample", 1, 0, O_SAMPLE},     {"seed", 1, 0, O_SEED},         {"compare", 0, 0, O_COMPARE},
         {"check", 0, 0, O_CHECK},       {"quiet", 0, 0, O_QUIET},       {"help", 0, 0, O_HELP},
         {"no-zmtp-ping", 0, 0, O_NOPING}, {"plan-only", 1, 0, O_PLAN},
+        {"job-every", 1, 0, O_EVERY},   {"broker-args", 1, 0, O_BARGS},
         {0, 0, 0, 0}};
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -91,6 +96,8 @@ int main(int argc, char **argv)
         case O_QUIET: cfg.quiet = true; break;
         case O_NOPING: cfg.zmtp_ping = false; break;
         case O_PLAN: plan_only = (int)v; break;
+        case O_EVERY: cfg.job_every_s = v; break;
+        case O_BARGS: cfg.broker_args = optarg; break;
         case O_HELP: usage(&dflt); return 0;
         default: usage(&dflt); return 2;
         }

@@ -158,10 +158,21 @@ static void sample_line(swarm *s, int pid, int port, const char *db, double t, c
         online += s->peers[i].st == SP_ONLINE;
     printf("{\"bench\":\"swarm\",\"case\":\"sample\",\"phase\":\"%s\",\"t_s\":%.1f,\"peers_online\":%d,"
            "\"broker_cpu_s\":%.2f,\"broker_rss_mib\":%.1f,\"store_mib\":%.2f,\"store_commits\":%.0f,"
-           "\"messages\":%.0f,\"jobs_final\":%d,\"steps_new\":%" PRIu64 ",\"failovers\":%.0f}\n",
+           "\"messages\":%.0f,\"jobs_final\":%d,\"steps_new\":%" PRIu64 ",\"failovers\":%.0f,"
+           "\"store_free_mib\":%.2f,\"events\":%.0f,\"events_archived\":%.0f,\"archive_rows\":%.0f,"
+           "\"checkpoints\":%.0f,\"checkpoint_mib\":%.2f,\"result_mib\":%.2f,\"jobs_purged\":%.0f,"
+           "\"compact_max_ms\":%.2f,\"compact_s\":%.3f,\"compact_turns\":%.0f}\n",
            phase, t, online, swarm_proc_cpu_s(pid), rss, mib, swarm_metric(m, "fusion_store_commits_total"),
            swarm_metric(m, "fusion_messages_received_total"), jobs_final(s), s->steps_new,
-           swarm_metric(m, "fusion_failovers_total"));
+           swarm_metric(m, "fusion_failovers_total"), swarm_metric(m, "fusion_store_bytes{part=\"free\"}") / (1 << 20),
+           swarm_metric(m, "fusion_store_rows{table=\"events\"}"), swarm_metric(m, "fusion_store_events_archived"),
+           swarm_metric(m, "fusion_store_rows{table=\"event_archive\"}"),
+           swarm_metric(m, "fusion_store_rows{table=\"checkpoints\"}"),
+           swarm_metric(m, "fusion_store_bytes{part=\"checkpoints\"}") / (1 << 20),
+           swarm_metric(m, "fusion_store_bytes{part=\"results\"}") / (1 << 20),
+           swarm_metric(m, "fusion_store_rows{table=\"jobs_purged\"}"),
+           1e3 * swarm_metric(m, "fusion_store_compact_seconds_max"),
+           swarm_metric(m, "fusion_store_compact_seconds_total"), swarm_metric(m, "fusion_store_compact_turns_total"));
     fflush(stdout);
     free(m);
 }
@@ -196,7 +207,10 @@ static fu_err setup(swarm *s, tu_cluster **cp)
     tu_path(c, allow, "allow");
     if (make_identities(s, allow) != FU_OK)
         return FU_EIO;
-    tu_broker_args(c, "--http 127.0.0.1:0 --verify 0 --max-jobs-per-client 100000 --max-submits-per-minute 100000");
+    char bargs[512];
+    snprintf(bargs, sizeof bargs, "--http 127.0.0.1:0 --verify 0 --max-jobs-per-client 100000 --max-submits-per-minute "
+             "100000%s%s", s->cfg.broker_args ? " " : "", s->cfg.broker_args ? s->cfg.broker_args : "");
+    tu_broker_args(c, bargs);
     tu_broker_start(c);
     snprintf(s->endpoint, sizeof s->endpoint, "%s", tu_broker_endpoint(c));
     char bpk[TU_PATH];
@@ -317,6 +331,9 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     s->churn = cfg->session_mean_s > 0;
     uint64_t l0 = swarm_now(), lend = l0 + (uint64_t)(cfg->duration_s * 1000), half = l0 + (lend - l0) / 2;
     uint64_t next_sample = l0;
+    if (cfg->job_every_s > 0) /* a stream: job k waits until its time (swarm_client_timers) */
+        for (int k = 0; k < s->n_jobs; k++)
+            s->jobs[k].retry_ms = l0 + (uint64_t)(1000.0 * cfg->job_every_s * k);
     snap a = take(s, pid, port), h = a;
     bool half_taken = false;
     while (swarm_now() < lend) {
@@ -352,6 +369,14 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     while (swarm_now() < dend && jobs_final(s) < s->n_jobs)
         turn(s, true);
     out->store_mib_end = swarm_store_mib(db);
+    {
+        char *m = swarm_http_get(port, "/metrics");
+        out->events_archived_end = swarm_metric(m, "fusion_store_events_archived");
+        out->ckpts_end = swarm_metric(m, "fusion_store_rows{table=\"checkpoints\"}");
+        out->jobs_purged_end = swarm_metric(m, "fusion_store_rows{table=\"jobs_purged\"}");
+        free(m);
+    }
+    sample_line(s, pid, port, db, (double)(swarm_now() - l0) / 1000.0, "drain-end", out);
     collect(s, out);
     {
         char log[TU_PATH];
@@ -419,10 +444,11 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
            "\"steps_new\":%" PRIu64
            ",\"steps_replayed\":%" PRIu64 ",\"steps_per_s\":%.2f,\"departures\":%d,\"crashes\":%d,"
            "\"stage_losses\":%d,\"store_commits_per_s\":%.1f,\"store_mib_end\":%.2f,\"store_mib_max\":%.2f,"
-           "\"events_end\":%.0f,\"errors_seen\":%" PRIu64 "}\n",
+           "\"events_end\":%.0f,\"events_archived_end\":%.0f,\"checkpoints_end\":%.0f,\"jobs_purged_end\":%.0f,"
+           "\"errors_seen\":%" PRIu64 "}\n",
            r->jobs_submitted, r->jobs_acked, r->jobs_done, r->jobs_failed, r->jobs_cancelled, r->jobs_unfinished,
            r->jobs_lost, (double)r->jobs_done / acked, r->makespan_s, r->goodput, r->steps_new, r->steps_replayed, r->steps_per_s, r->departures,
            r->crashes, r->stage_losses, r->commits_per_s, r->store_mib_end, r->store_mib_max, r->events_end,
-           r->errors_seen);
+           r->events_archived_end, r->ckpts_end, r->jobs_purged_end, r->errors_seen);
     fflush(stdout);
 }
