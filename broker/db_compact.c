@@ -803,16 +803,17 @@ void db_event_archive_free(db_archive_day **arr_p, size_t n)
     db_items_free(arr_p, n, sizeof **arr_p, day_members_free);
 }
 
-fu_err db_store_stats_get(db_t *db, db_store_stats *out)
+fu_err db_store_stats_get(db_t *db, bool deep, db_store_stats *out)
 {
     static const char SQL[] =
         "SELECT (SELECT count(*) FROM events), (SELECT coalesce(sum(n), 0) FROM event_archive), "
         "(SELECT count(*) FROM event_archive), (SELECT count(*) FROM checkpoints), "
-        "(SELECT coalesce(sum(length(data)), 0) FROM checkpoints), "
-        "(SELECT coalesce(sum(length(result)), 0) FROM jobs), (SELECT count(*) FROM jobs WHERE purged_ms IS NOT NULL)";
+        "(SELECT coalesce(sum(length(data)), 0) FROM checkpoints)";
+    static const char SQL_DEEP[] = "SELECT coalesce(sum(length(result)), 0), count(purged_ms) FROM jobs";
     if (!db || !out)
         return FU_EINVAL;
     memset(out, 0, sizeof *out);
+    out->result_bytes = out->jobs_purged = -1;
     sqlite3_stmt *st;
     bool row;
     FU_TRY(db_prep(db, SQL, &st));
@@ -823,10 +824,17 @@ fu_err db_store_stats_get(db_t *db, db_store_stats *out)
         out->archive_rows = sqlite3_column_int64(st, 2);
         out->checkpoints = sqlite3_column_int64(st, 3);
         out->checkpoint_bytes = sqlite3_column_int64(st, 4);
-        out->result_bytes = sqlite3_column_int64(st, 5);
-        out->jobs_purged = sqlite3_column_int64(st, 6);
     }
     db_done(st);
+    if (deep) {
+        FU_TRY(db_prep(db, SQL_DEEP, &st));
+        FU_TRY(db_step(db, st, "reading the store's figures", &row));
+        if (row) {
+            out->result_bytes = sqlite3_column_int64(st, 0);
+            out->jobs_purged = sqlite3_column_int64(st, 1);
+        }
+        db_done(st);
+    }
     FU_TRY(pragma_i64(db, "PRAGMA page_count", &out->pages));
     FU_TRY(pragma_i64(db, "PRAGMA freelist_count", &out->free_pages));
     FU_TRY(pragma_i64(db, "PRAGMA page_size", &out->page_size));

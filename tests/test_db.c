@@ -1614,7 +1614,7 @@ static db_compact_stats compact_all(db_t *db, const db_compact_policy *p, int64_
 static int64_t count_events(db_t *db)
 {
     db_store_stats st;
-    assert_int_equal(db_store_stats_get(db, &st), FU_OK);
+    assert_int_equal(db_store_stats_get(db, true, &st), FU_OK);
     return st.events;
 }
 
@@ -1902,7 +1902,7 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
     assert_int_equal(j->purged_ms, 0);
     db_job_free(&j);
     db_store_stats st0, st1;
-    assert_int_equal(db_store_stats_get(db, &st0), FU_OK);
+    assert_int_equal(db_store_stats_get(db, true, &st0), FU_OK);
     assert_true(st0.pages * st0.page_size > (int64_t)(10u << 20));
     uint8_t result[16] = {1};
     assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, NULL, 5000), FU_OK);
@@ -1910,7 +1910,7 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
     db_compact_stats cs = compact_all(db, &pol, 6000);
     assert_int_equal(cs.ckpts_dropped, 6);
     assert_true(cs.pages_vacuumed > 0);
-    assert_int_equal(db_store_stats_get(db, &st1), FU_OK);
+    assert_int_equal(db_store_stats_get(db, true, &st1), FU_OK);
     print_message("v6 store: %.1f MiB -> %.1f MiB (%lld free pages left)\n",
                   (double)(st0.pages * st0.page_size) / (1 << 20), (double)(st1.pages * st1.page_size) / (1 << 20),
                   (long long)st1.free_pages);
@@ -1967,7 +1967,7 @@ static void test_db_compact_store_stays_bounded(void **state)
                 break;
         }
         db_store_stats st;
-        assert_int_equal(db_store_stats_get(db, &st), FU_OK);
+        assert_int_equal(db_store_stats_get(db, true, &st), FU_OK);
         size_at[k] = st.pages * st.page_size;
         assert_true(st.events <= 2000 + 300);
     }
