@@ -162,6 +162,52 @@ static cJSON *events_json(broker_t *b, const char *job)
     return out;
 }
 
+/* The event archive (docs/STORE.md "Compaction"): the audit's verdict and the newest days, at most
+ * DB_EVENT_LIST_MAX of them. */
+static cJSON *archive_json(broker_t *b)
+{
+    db_audit au;
+    fu_err rc = db_event_audit(b->db, &au);
+    if (rc != FU_OK && rc != FU_EAUTH)
+        return NULL;
+    db_archive_day *d = NULL;
+    size_t n = 0, total = 0;
+    int64_t after = 0;
+    cJSON *days = cJSON_CreateArray();
+    do { /* page to the end; keep the newest DB_EVENT_LIST_MAX */
+        if (db_event_archive_list(b->db, after, 0, &d, &n) != FU_OK) {
+            cJSON_Delete(days);
+            return NULL;
+        }
+        for (size_t i = 0; i < n; i++) {
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "day", (double)d[i].day);
+            cJSON_AddNumberToObject(o, "first_id", (double)d[i].first_id);
+            cJSON_AddNumberToObject(o, "last_id", (double)d[i].last_id);
+            cJSON_AddNumberToObject(o, "first_ms", (double)d[i].first_ms);
+            cJSON_AddNumberToObject(o, "last_ms", (double)d[i].last_ms);
+            cJSON_AddNumberToObject(o, "events", (double)d[i].n);
+            cJSON *counts = cJSON_Parse(d[i].counts);
+            cJSON_AddItemToObject(o, "counts", counts ? counts : cJSON_CreateObject());
+            cJSON_AddStringToObject(o, "hash", d[i].hash);
+            cJSON_AddItemToArray(days, o);
+            if (++total > DB_EVENT_LIST_MAX)
+                cJSON_DeleteItemFromArray(days, 0);
+        }
+        after = n ? d[n - 1].id : after;
+        db_event_archive_free(&d, n);
+    } while (n == DB_EVENT_LIST_MAX);
+    cJSON *out = cJSON_CreateObject();
+    cJSON_AddBoolToObject(out, "audit_ok", rc == FU_OK);
+    if (rc != FU_OK) {
+        cJSON_AddNumberToObject(out, "audit_bad_row", (double)au.bad_row);
+        cJSON_AddStringToObject(out, "audit_why", au.why);
+    }
+    cJSON_AddNumberToObject(out, "archived_events", (double)au.events);
+    cJSON_AddItemToObject(out, "days", days);
+    return out;
+}
+
 void broker_api_get(broker_t *b, const char *path, const char *authorization, broker_api_reply *r)
 {
     char key[WIRE_KEY_Z85_LEN + 1];
@@ -175,8 +221,20 @@ void broker_api_get(broker_t *b, const char *path, const char *authorization, br
         reply_json(r, 200, peers_json(b, known ? key : NULL, roles));
         return;
     }
+    if (strcmp(path, "/api/archive") == 0) {
+        if (!known || !(roles & WIRE_ROLE_OPERATOR)) {
+            reply_error(r, 401, "the event archive is shown to operators only");
+            return;
+        }
+        cJSON *o = archive_json(b);
+        if (o)
+            reply_json(r, 200, o);
+        else
+            reply_error(r, 500, "the broker's store failed");
+        return;
+    }
     if (strcmp(path, "/api/jobs") != 0 && strncmp(path, "/api/jobs/", 10) != 0) {
-        reply_error(r, 404, "not found: the API serves /api/peers, /api/jobs and /api/jobs/JOB/events");
+        reply_error(r, 404, "not found: the API serves /api/peers, /api/jobs, /api/jobs/JOB/events and /api/archive");
         return;
     }
     if (!known) {

@@ -123,6 +123,8 @@ static void test_broker_metrics_api_shows_each_client_its_own(void **state)
 {
     tu_broker_fx *f = *state;
     tu_broker_args(f->c, "--http 127.0.0.1:0");
+    tu_keygen(f->c, "op", true);
+    tu_allow_roles(f->c, "op", "operator");
     tu_broker_fx_start(f);
     int port = tu_metrics_port(f->c);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "api-job");
@@ -163,6 +165,21 @@ static void test_broker_metrics_api_shows_each_client_its_own(void **state)
                  "http://127.0.0.1:%d/api/jobs", forged, port);
     tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer zz' "
                  "http://127.0.0.1:%d/api/peers", port);
+    /* the event archive: operators only; its audit holds */
+    tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                 "http://127.0.0.1:%d/api/archive", mine, port);
+    char op[160];
+    http_token(f->c, "op", op, sizeof op);
+    o = tu_sh_expect_out(0, "\"audit_ok\":true",
+                         "curl -sf -H 'Authorization: Bearer %s' http://127.0.0.1:%d/api/archive", op, port);
+    assert_non_null(strstr(o, "\"days\":[]"));
+    free(o);
+    /* the store's figures */
+    char *t = tu_metrics_scrape(f->c);
+    assert_true(tu_metric(t, "fusion_store_rows{table=\"events\"}") >= 1);
+    assert_true(tu_metric(t, "fusion_store_bytes{part=\"file\"}") > 0);
+    assert_true(tu_metric(t, "fusion_store_compact_turns_total") >= 1);
+    free(t);
     tu_client_close(&p0);
 }
 
