@@ -55,9 +55,10 @@ typedef struct {
     double join_rate;       /* peers connected per second at the start (ramp) */
     double sample_s;        /* a "sample" line this often (0: none) */
     bool quiet;             /* no progress lines on stderr */
-    bool zmtp_ping;         /* the peers' sockets send ZMTP pings as fusion-peer's do (wire_socket_new); off
-                               (--no-zmtp-ping) spares the simulator's one I/O thread, whose timer map
-                               grows with its N connections, and the broker the TTL timer each ping sets */
+    bool zmtp_ping;         /* --zmtp-ping: the peers' sockets send ZMTP pings, as fusion-peer's did before its
+                               socket to the broker became quiet (wire_socket_quiet); off (the default, as
+                               fusion-peer now) spares the broker a walk over its connections' timers per
+                               message and the simulator's one I/O thread its own */
 } swarm_cfg;
 
 /* A latency distribution, milliseconds. */
@@ -80,6 +81,8 @@ typedef struct {
     double msgs_per_s;          /* messages the broker handled per second (its own counter, same window) */
     swarm_dist plan_ms;         /* JobSubmit's answer -> every stage of the first plan assigned */
     swarm_dist plan_broker_ms;  /* the broker's own planning pass time per job (fusion_plan_seconds) */
+    swarm_dist plan_search_ms;  /* the part of it that was the search (candidates and partitioner), not
+                                   storing the plan */
     swarm_dist replace_ms;      /* a stage's peer departs -> that stage assigned to another peer */
     swarm_dist resume_ms;       /* a stage's peer departs -> the job's stages told to start again */
     int jobs_submitted, jobs_acked, jobs_done, jobs_failed, jobs_cancelled, jobs_unfinished;

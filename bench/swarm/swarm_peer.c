@@ -30,9 +30,9 @@ static fu_err open_socket(swarm *s, int handle, const uint8_t *pk, const uint8_t
     void *sock = wire_socket_new(s->ctx, ZMQ_DEALER, &rc);
     if (!sock)
         return rc;
-    if (!s->cfg.zmtp_ping) { /* --no-zmtp-ping: see swarm_cfg.zmtp_ping */
-        int off = 0;
-        (void)zmq_setsockopt(sock, ZMQ_HEARTBEAT_IVL, &off, sizeof off);
+    if (!s->cfg.zmtp_ping && wire_socket_quiet(sock) != FU_OK) { /* as fusion-peer's: swarm_cfg.zmtp_ping */
+        wire_socket_close(&sock);
+        return FU_EIO;
     }
     wire_keypair_t *kp = wire_keypair_from_bytes(pk, sk);
     if (!kp || wire_socket_curve_client(sock, kp, s->broker_pk) != FU_OK || zmq_connect(sock, s->endpoint) != 0) {

@@ -40,7 +40,7 @@ swarm_cfg swarm_cfg_default(void)
                        .seed = 1,
                        .join_rate = 500,
                        .sample_s = 10,
-                       .zmtp_ping = true};
+                       .zmtp_ping = false};
 }
 
 /* The model every job fine-tunes: hidden 128, so that a layer is about 1 MiB of f32 weights. */
@@ -381,10 +381,12 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     {
         char log[TU_PATH];
         snprintf(log, sizeof log, "%s", tu_broker_log(c));
-        swarm_samples bp = {0}; /* the broker's own planning times */
-        swarm_log_plans(log, &bp);
+        swarm_samples bp = {0}, bs = {0}; /* the broker's own planning times, and their searches */
+        swarm_log_plans(log, &bp, &bs);
         out->plan_broker_ms = swarm_samples_dist(&bp);
+        out->plan_search_ms = swarm_samples_dist(&bs);
         swarm_samples_free(&bp);
+        swarm_samples_free(&bs);
     }
 done:
     for (int i = 0; i < s->n_peers; i++)
@@ -436,6 +438,7 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
            r->msgs_per_s);
     dist("plan_ms", &r->plan_ms);
     dist("plan_broker_ms", &r->plan_broker_ms);
+    dist("plan_search_ms", &r->plan_search_ms);
     dist("replace_ms", &r->replace_ms);
     dist("resume_ms", &r->resume_ms);
     int acked = r->jobs_acked ? r->jobs_acked : 1;

@@ -111,17 +111,20 @@ double swarm_store_mib(const char *db)
     return total / (1024.0 * 1024.0);
 }
 
-void swarm_log_plans(const char *log, swarm_samples *out)
+void swarm_log_plans(const char *log, swarm_samples *out, swarm_samples *search)
 {
     FILE *f = fopen(log, "r");
     if (!f)
         return;
     char line[4096];
-    static const char tag[] = " candidates in ";
+    static const char tag[] = " candidates in ", stag[] = "; the search ";
     while (fgets(line, sizeof line, f)) {
-        const char *p = strstr(line, tag);
-        if (p && strstr(line, " planned over "))
-            swarm_samples_add(out, strtod(p + sizeof tag - 1, NULL));
+        const char *p = strstr(line, tag), *q = strstr(line, stag);
+        if (!p || !strstr(line, " planned over "))
+            continue;
+        swarm_samples_add(out, strtod(p + sizeof tag - 1, NULL));
+        if (q)
+            swarm_samples_add(search, strtod(q + sizeof stag - 1, NULL));
     }
     fclose(f);
 }

@@ -20,7 +20,8 @@ double swarm_metric(const char *text, const char *name);
 /* MiB of the SQLite file db and its -wal file. */
 double swarm_store_mib(const char *db);
 
-/* Adds the planning times (ms) the broker's log names ("job ... planned over N candidates in X ms"). */
-void swarm_log_plans(const char *log, swarm_samples *out);
+/* Adds the planning times (ms) the broker's log names ("job ... planned over N candidates in X ms
+ * (S stages; the search Y ms ...") to out, and their searches to search. */
+void swarm_log_plans(const char *log, swarm_samples *out, swarm_samples *search);
 
 #endif
