@@ -423,9 +423,12 @@ out:
 /* One transaction: deletes every checkpoint of one job that ended at or before before_ms. */
 static fu_err ckpt_step(db_t *db, int64_t before_ms, int64_t *rows, int64_t *bytes, bool *found)
 {
-    static const char SQL_FIND[] = "SELECT c.job_id, count(*), sum(length(c.data)) FROM checkpoints c JOIN jobs j ON "
-                                   "j.id = c.job_id WHERE j.state IN ('done','failed','cancelled') AND "
-                                   "j.updated_ms <= ?1 GROUP BY c.job_id LIMIT 1";
+    /* from the few jobs that have checkpoints (a covering index), never from all the ended jobs; a GROUP BY
+     * over the join made SQLite read every blob (150 ms for 4 MiB) */
+    static const char SQL_FIND[] = "SELECT c.job_id, (SELECT count(*) FROM checkpoints k WHERE k.job_id = c.job_id), "
+                                   "(SELECT sum(length(k.data)) FROM checkpoints k WHERE k.job_id = c.job_id) FROM "
+                                   "(SELECT DISTINCT job_id FROM checkpoints) c JOIN jobs j ON j.id = c.job_id WHERE "
+                                   "j.state IN ('done','failed','cancelled') AND j.updated_ms <= ?1 LIMIT 1";
     static const char SQL_DEL[] = "DELETE FROM checkpoints WHERE job_id = ?";
     *rows = *bytes = 0;
     *found = false;
@@ -471,8 +474,8 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
 {
     static const char SQL_FIND[] =
         "SELECT id, coalesce(length(result), 0), CASE WHEN instr(spec, x'00') > 0 THEN length(spec) - "
-        "instr(spec, x'00') ELSE 0 END, result_path FROM jobs WHERE purged_ms IS NULL AND state IN "
-        "('done','failed','cancelled') AND updated_ms < ?1 ORDER BY updated_ms LIMIT ?2";
+        "instr(spec, x'00') ELSE 0 END, result_path FROM jobs INDEXED BY jobs_ended WHERE purged_ms IS NULL AND "
+        "state IN ('done','failed','cancelled') AND updated_ms < ?1 ORDER BY updated_ms LIMIT ?2";
     static const char SQL_PURGE[] =
         "UPDATE jobs SET result = NULL, result_path = NULL, purged_ms = ?2, spec = CASE WHEN instr(spec, x'00') > 0 "
         "THEN substr(spec, 1, instr(spec, x'00')) ELSE spec END WHERE id = ?1";
