@@ -120,6 +120,11 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_generated_tokens_total %" PRIu64 "\n", t->generated_tokens);
     family(f, "fusion_plans_total", "counter", "Jobs planned (a plan over the idle peers assigned).");
     fprintf(f, "fusion_plans_total %" PRIu64 "\n", t->plans);
+    family(f, "fusion_plans_failed_total", "counter", "Planning searches that found no plan that fits (the job waits).");
+    fprintf(f, "fusion_plans_failed_total %" PRIu64 "\n", t->plans_failed);
+    family(f, "fusion_plans_skipped_total", "counter",
+           "Searches not made: a waiting job's candidates were those of its last failed search.");
+    fprintf(f, "fusion_plans_skipped_total %" PRIu64 "\n", t->plans_skipped);
     family(f, "fusion_plan_seconds_total", "counter", "Seconds those planning passes took (candidates, partitioner).");
     fprintf(f, "fusion_plan_seconds_total %.6f\n", t->plan_s_sum);
     family(f, "fusion_plan_seconds_max", "gauge", "The longest planning pass since the broker started.");

@@ -397,6 +397,38 @@ static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const 
     return best != 0;
 }
 
+static uint64_t mix(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ c[i]) * 1099511628211ull; /* FNV-1a */
+    return h;
+}
+
+/* A digest of everything a plan of j over who[] depends on: each candidate's profile, trust and
+ * slots in order, the counts of each kind, and the job's rules. Equal digests give equal outcomes,
+ * so a job that could not be planned is not searched again (up to a full search without bounds,
+ * tenths of a second for a large model) until one of them changes. Never 0. */
+static uint64_t plan_inputs(const broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
+                            size_t n_spare)
+{
+    uint64_t h = 14695981039346656037ull;
+    size_t counts[3] = {n_first, n_idle, n_spare};
+    h = mix(h, counts, sizeof counts);
+    h = mix(h, &j->ends_trusted, sizeof j->ends_trusted);
+    h = mix(h, &j->spec.micro_batches, sizeof j->spec.micro_batches);
+    for (size_t k = 0; k < n_idle + n_spare; k++) {
+        const broker_peer *p = who[k];
+        h = mix(h, &p->gflops, sizeof p->gflops);
+        h = mix(h, &p->mem_bytes, sizeof p->mem_bytes);
+        h = mix(h, &p->link_bw, sizeof p->link_bw);
+        h = mix(h, &p->link_latency_ms, sizeof p->link_latency_ms);
+        h = mix(h, &p->trusted, sizeof p->trusted);
+        h = mix(h, &p->n_slots, sizeof p->n_slots);
+    }
+    return h ? h : 1;
+}
+
 static void plan_job(broker_t *b, broker_job *j)
 {
     uint64_t t0_ns = fu_clock_ns(); /* the planning time: /metrics and the log line below */
@@ -433,12 +465,20 @@ static void plan_job(broker_t *b, broker_job *j)
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
     j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
+    uint64_t inputs = plan_inputs(j, who, n_first, n_idle, n_spare);
+    if (inputs == j->plan_failed_on) { /* nothing changed since it found no plan: its reason stands */
+        b->tot.plans_skipped++;
+        free(who);
+        return;
+    }
     bool choose = j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0;
     double chose_s = 0, one_s = 0;
     bool chosen = choose && choose_micro_batches(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &chose_s, &one_s);
     if (choose && !chosen)
         j->spec.micro_batches = 1; /* nothing fits: plan once more for the message */
     fu_err rc = chosen ? FU_OK : plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
+    j->plan_failed_on = rc == FU_ENOMEM ? inputs : 0; /* no plan fits these candidates */
+    b->tot.plans_failed += rc == FU_ENOMEM;
     if (rc == FU_OK && choose && (rc = db_job_set_micro_batches(b->db, j->id, j->spec.micro_batches)) != FU_OK)
         fu_errmsg_set(&em, rc, "the chosen micro-batch count could not be stored");
     if (rc != FU_OK && choose)

@@ -39,6 +39,7 @@ static void assert_queued(tu_broker_fx *f, uint64_t id, const char *when, const 
 static void test_broker_jobs_queued_then_assigned(void **state)
 {
     tu_broker_fx *f = *state;
+    tu_broker_args(f->c, "--http 127.0.0.1:0");
     tu_broker_fx_start(f);
     wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "q1");
     const Fusion__JobStatus *st = tu_status_of(m);
@@ -54,6 +55,28 @@ static void test_broker_jobs_queued_then_assigned(void **state)
     assert_true(tu_fake_peer_expect(&small, "WELCOME", 5000, NULL, 0));
     fu_sleep_ms(300);
     assert_queued(f, id, "with a 1 MiB peer", "waiting for peers: the model does not fit in the peers' memory");
+    char *t = tu_metrics_scrape(f->c);
+    double failed = tu_metric(t, "fusion_plans_failed_total");
+    assert_true(failed >= 1);
+    assert_true(tu_metric(t, "fusion_plans_skipped_total") == 0);
+    free(t);
+    /* a second job makes a planning round over the same candidates: the first job's search, which
+     * found nothing over them, is not made again (its reason stands); the second job's is */
+    m = tu_client_submit(&f->cl, f->spec, "q2");
+    uint64_t id2 = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    fu_sleep_ms(300);
+    t = tu_metrics_scrape(f->c);
+    assert_true(tu_metric(t, "fusion_plans_skipped_total") >= 1);
+    assert_true(tu_metric(t, "fusion_plans_failed_total") >= failed + 1);
+    free(t);
+    assert_queued(f, id, "after the second job", "waiting for peers: the model does not fit in the peers' memory");
+    assert_queued(f, id2, "the second job", "waiting for peers: the model does not fit in the peers' memory");
+    Fusion__JobRef r2 = FUSION__JOB_REF__INIT;
+    r2.job_id = id2;
+    m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_CANCEL, id2, &r2.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 3000);
+    assert_int_equal(tu_status_of(m)->state, FUSION__JOB_STATE__JOB_STATE_CANCELED);
+    wire_msg_destroy(&m);
     tu_fake_peer_stop(&small, SIGKILL);
     /* a peer joins: it gets the stage */
     char line[512];
