@@ -36,6 +36,10 @@ typedef struct {
     double job_every_s;     /* > 0: a continuous stream, job k submitted job_every_s x k after the start of the
                                load phase (the store sees hours of work); 0: all at the start */
     const char *broker_args; /* more fusion-broker arguments (space-separated), or NULL */
+    int idle_peers;         /* --idle-peers N: N more peers, simulated by a second (forked) process, that only
+                               join and heartbeat: too slow and too small to be planned, they load the broker as
+                               any connected peer does. Each simulated peer takes two descriptors of its
+                               process, so two processes carry twice as many (10,000 in all on this machine) */
     int job_steps;          /* steps of each fine-tune */
     int ckpt_every;         /* its checkpoint_every */
     double duration_s;      /* churn and load run this long */
@@ -71,6 +75,7 @@ typedef struct {
 typedef struct {
     int peers_joined;           /* distinct peers welcomed at least once */
     int peers_online_end;       /* online at the end of the load phase */
+    int broker_peers_end;       /* live peers the broker counts at the end of the load phase (idle ones included) */
     double run_s;               /* load phase as it ran */
     double broker_cpu;          /* broker CPU seconds / wall seconds over the load phase (1.0 = one core) */
     double broker_cpu_steady;   /* ... over the second half of it */

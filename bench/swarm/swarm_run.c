@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <sodium.h>
@@ -281,10 +283,34 @@ static void collect(swarm *s, swarm_result *r)
     r->resume_ms = swarm_samples_dist(&s->resume_ms);
 }
 
+/* The second process of --idle-peers: the identities after the parent's own, each joining at the
+ * ramp's rate and heartbeating until the parent kills it (or dies). Its own libzmq context and epoll
+ * set: nothing of the parent's is touched after the fork. */
+static _Noreturn void idle_process(swarm *s)
+{
+    (void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+    s->peers += s->cfg.n_peers;
+    s->n_peers = s->cfg.idle_peers;
+    s->n_jobs = 0;
+    s->churn = false;
+    s->ctx = zmq_ctx_new();
+    (void)zmq_ctx_set(s->ctx, ZMQ_MAX_SOCKETS, s->n_peers + 16);
+    s->ep = epoll_create1(EPOLL_CLOEXEC);
+    uint64_t t0 = swarm_now();
+    for (int i = 0; i < s->n_peers; i++) {
+        swarm_peer *p = &s->peers[i];
+        p->gflops = 1.0;      /* never among the fastest candidates */
+        p->mem = 1u << 20;    /* and no stage fits */
+        p->rejoin_ms = t0 + 1 + (uint64_t)(1000.0 * i / s->cfg.join_rate);
+    }
+    for (;;)
+        turn(s, false);
+}
+
 fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
 {
     memset(out, 0, sizeof *out);
-    if (cfg->n_peers < 1 || cfg->n_peers > SWARM_MAX_PEERS || cfg->n_clients < 1 ||
+    if (cfg->n_peers < 1 || cfg->idle_peers < 0 || cfg->n_peers + cfg->idle_peers > SWARM_MAX_PEERS || cfg->n_clients < 1 ||
         cfg->n_clients > SWARM_MAX_CLIENTS || cfg->n_jobs < 0 || cfg->n_jobs > SWARM_MAX_JOBS || cfg->job_steps < 1 ||
         cfg->ckpt_every < 1 || cfg->heartbeat_ms < 50 || cfg->layers < 1 || cfg->join_rate <= 0)
         return FU_EINVAL;
@@ -293,7 +319,7 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     swarm *s = calloc(1, sizeof *s);
     s->cfg = *cfg;
     s->rng = cfg->seed * 0x9E3779B97F4A7C15ull + 7;
-    s->n_peers = cfg->n_peers;
+    s->n_peers = cfg->n_peers + cfg->idle_peers; /* identities for both processes; the parent keeps its own */
     s->peers = calloc((size_t)s->n_peers, sizeof *s->peers);
     s->n_jobs = cfg->n_jobs;
     s->jobs = calloc((size_t)(s->n_jobs ? s->n_jobs : 1), sizeof *s->jobs);
@@ -303,6 +329,15 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     (void)zmq_ctx_set(s->ctx, ZMQ_MAX_SOCKETS, s->n_peers + SWARM_MAX_CLIENTS + 16);
     tu_cluster *c = NULL;
     fu_err rc = setup(s, &c);
+    pid_t idle_pid = -1;
+    if (rc == FU_OK && cfg->idle_peers > 0) {
+        fflush(stdout);
+        if ((idle_pid = fork()) == 0)
+            idle_process(s);
+        if (idle_pid < 0)
+            rc = FU_EIO;
+    }
+    s->n_peers = cfg->n_peers;
     if (rc != FU_OK)
         goto done;
     int pid = (int)tu_broker_pid(c), port = tu_metrics_port(c);
@@ -361,6 +396,16 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     out->steps_per_s = (double)s->steps_new / wall;
     for (int i = 0; i < s->n_peers; i++)
         out->peers_online_end += s->peers[i].st == SP_ONLINE;
+    {
+        char *m = swarm_http_get(port, "/metrics");
+        static const char *live[] = {"idle", "stage", "backup", "paused", "draining"};
+        for (size_t k = 0; k < sizeof live / sizeof live[0]; k++) {
+            char name[64];
+            snprintf(name, sizeof name, "fusion_peers{state=\"%s\"}", live[k]);
+            out->broker_peers_end += (int)swarm_metric(m, name);
+        }
+        free(m);
+    }
     sample_line(s, pid, port, db, wall, "load-end", out);
     /* drain: churn off, the unfinished jobs may end */
     s->churn = false;
@@ -389,6 +434,10 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
         swarm_samples_free(&bs);
     }
 done:
+    if (idle_pid > 0) {
+        kill(idle_pid, SIGKILL);
+        (void)waitpid(idle_pid, NULL, 0);
+    }
     for (int i = 0; i < s->n_peers; i++)
         if (s->peers[i].sock)
             swarm_peer_disconnect(s, i);
@@ -429,11 +478,13 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
 {
     printf("{\"bench\":\"swarm\",\"case\":\"%s\",\"peers\":%d,\"clients\":%d,\"jobs\":%d,\"job_steps\":%d,"
            "\"duration_s\":%.0f,\"session_mean_s\":%.0f,\"heartbeat_ms\":%d,\"layers\":%d,\"backups\":%d,"
-           "\"peers_joined\":%d,\"peers_online_end\":%d,\"run_s\":%.1f,\"broker_cpu\":%.3f,"
+           "\"idle_peers\":%d,\"peers_joined\":%d,\"peers_online_end\":%d,\"broker_peers_end\":%d,"
+           "\"run_s\":%.1f,\"broker_cpu\":%.3f,"
            "\"broker_cpu_steady\":%.3f,\"sim_cpu\":%.3f,\"broker_rss_mib\":%.1f,\"broker_rss_max_mib\":%.1f,"
            "\"heartbeats_per_s\":%.1f,\"broker_msgs_per_s\":%.1f",
            name, cfg->n_peers, cfg->n_clients, cfg->n_jobs, cfg->job_steps, cfg->duration_s, cfg->session_mean_s,
-           cfg->heartbeat_ms, cfg->layers, cfg->backups, r->peers_joined, r->peers_online_end, r->run_s,
+           cfg->heartbeat_ms, cfg->layers, cfg->backups, cfg->idle_peers, r->peers_joined, r->peers_online_end,
+           r->broker_peers_end, r->run_s,
            r->broker_cpu, r->broker_cpu_steady, r->sim_cpu, r->broker_rss_mib, r->broker_rss_max_mib, r->hb_per_s,
            r->msgs_per_s);
     dist("plan_ms", &r->plan_ms);
