@@ -312,7 +312,7 @@ struct broker {
     uint64_t next_compact_ms;          /* next compaction of the store (compact() in broker.c) */
     db_compact_policy compact;         /* what it keeps (from the configuration) */
     uint64_t store_deep_ms;            /* when /metrics last read the figures that scan every job (0: never) */
-    int64_t store_results, store_purged; /* what they were: result bytes, purged jobs */
+    int64_t store_ended, store_purged; /* what they were: ended jobs, purged jobs */
     uint64_t started_ms;               /* monotonic start time */
     uint64_t relayed;                  /* frames relayed */
     broker_totals tot;                 /* counts since start, for /metrics (broker_metrics.c) */

@@ -67,20 +67,21 @@ static void store(FILE *f, broker_t *b)
     if (db_store_stats_get(b->db, deep, &st) == FU_OK) {
         if (deep) {
             b->store_deep_ms = broker_now();
-            b->store_results = st.result_bytes;
+            b->store_ended = st.jobs_ended;
             b->store_purged = st.jobs_purged;
         }
-        st.result_bytes = b->store_results;
+        st.jobs_ended = b->store_ended;
         st.jobs_purged = b->store_purged;
-        family(f, "fusion_store_bytes", "gauge", "The store's main file (pages x page size), and of it the free pages.");
+        family(f, "fusion_store_bytes", "gauge",
+               "The store's main file (pages x page size), of it the free pages, and the checkpoints' bytes.");
         fprintf(f, "fusion_store_bytes{part=\"file\"} %" PRId64 "\n", st.pages * st.page_size);
         fprintf(f, "fusion_store_bytes{part=\"free\"} %" PRId64 "\n", st.free_pages * st.page_size);
         fprintf(f, "fusion_store_bytes{part=\"checkpoints\"} %" PRId64 "\n", st.checkpoint_bytes);
-        fprintf(f, "fusion_store_bytes{part=\"results\"} %" PRId64 "\n", st.result_bytes);
-        family(f, "fusion_store_rows", "gauge", "Rows in the store: events, archive days, checkpoints, purged jobs.");
+        family(f, "fusion_store_rows", "gauge", "Rows in the store: events, archive days, checkpoints, ended jobs and of them the purged.");
         fprintf(f, "fusion_store_rows{table=\"events\"} %" PRId64 "\n", st.events);
         fprintf(f, "fusion_store_rows{table=\"event_archive\"} %" PRId64 "\n", st.archive_rows);
         fprintf(f, "fusion_store_rows{table=\"checkpoints\"} %" PRId64 "\n", st.checkpoints);
+        fprintf(f, "fusion_store_rows{table=\"jobs_ended\"} %" PRId64 "\n", st.jobs_ended);
         fprintf(f, "fusion_store_rows{table=\"jobs_purged\"} %" PRId64 "\n", st.jobs_purged);
         family(f, "fusion_store_events_archived", "gauge", "Events the archive accounts for (all time).");
         fprintf(f, "fusion_store_events_archived %" PRId64 "\n", st.archived_events);

@@ -1865,7 +1865,7 @@ static void test_db_compact_purges_jobs_past_retention(void **state)
     db_close(&db);
 }
 
-/* A store of version 6 (no archive, no purged_ms, no auto_vacuum) opens as version 7 with its data,
+/* A store of version 6 (no archive, no purged_ms, no auto_vacuum) opens as the current version with its data,
  * converted to incremental vacuum; space freed by compaction then goes back to the file system. */
 static void test_db_v6_store_migrates_and_shrinks(void **state)
 {
@@ -1887,8 +1887,8 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
     free(blob);
     assert_int_equal(db_event_add(db, 3000, id, NULL, "note", "before the migration"), FU_OK);
     db_close(&db);
-    raw_exec(f->path, "DROP TABLE event_archive; DROP INDEX jobs_ended; ALTER TABLE jobs DROP COLUMN purged_ms; "
-                      "PRAGMA user_version = 6");
+    raw_exec(f->path, "DROP TABLE event_archive; DROP INDEX jobs_ended; DROP INDEX jobs_ended_id; "
+                      "ALTER TABLE jobs DROP COLUMN purged_ms; PRAGMA user_version = 6");
     raw_exec(f->path, "PRAGMA auto_vacuum = NONE; VACUUM");
     assert_int_equal(raw_int(f->path, "PRAGMA auto_vacuum"), 0);
     assert_int_equal(raw_int(f->path, "PRAGMA user_version"), 6);

@@ -162,7 +162,7 @@ static void sample_line(swarm *s, int pid, int port, const char *db, double t, c
            "\"broker_cpu_s\":%.2f,\"broker_rss_mib\":%.1f,\"store_mib\":%.2f,\"store_commits\":%.0f,"
            "\"messages\":%.0f,\"jobs_final\":%d,\"steps_new\":%" PRIu64 ",\"failovers\":%.0f,"
            "\"store_free_mib\":%.2f,\"events\":%.0f,\"events_archived\":%.0f,\"archive_rows\":%.0f,"
-           "\"checkpoints\":%.0f,\"checkpoint_mib\":%.2f,\"result_mib\":%.2f,\"jobs_purged\":%.0f,"
+           "\"checkpoints\":%.0f,\"checkpoint_mib\":%.2f,\"jobs_ended\":%.0f,\"jobs_purged\":%.0f,"
            "\"compact_max_ms\":%.2f,\"compact_s\":%.3f,\"compact_turns\":%.0f}\n",
            phase, t, online, swarm_proc_cpu_s(pid), rss, mib, swarm_metric(m, "fusion_store_commits_total"),
            swarm_metric(m, "fusion_messages_received_total"), jobs_final(s), s->steps_new,
@@ -171,7 +171,7 @@ static void sample_line(swarm *s, int pid, int port, const char *db, double t, c
            swarm_metric(m, "fusion_store_rows{table=\"event_archive\"}"),
            swarm_metric(m, "fusion_store_rows{table=\"checkpoints\"}"),
            swarm_metric(m, "fusion_store_bytes{part=\"checkpoints\"}") / (1 << 20),
-           swarm_metric(m, "fusion_store_bytes{part=\"results\"}") / (1 << 20),
+           swarm_metric(m, "fusion_store_rows{table=\"jobs_ended\"}"),
            swarm_metric(m, "fusion_store_rows{table=\"jobs_purged\"}"),
            1e3 * swarm_metric(m, "fusion_store_compact_seconds_max"),
            swarm_metric(m, "fusion_store_compact_seconds_total"), swarm_metric(m, "fusion_store_compact_turns_total"));
