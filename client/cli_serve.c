@@ -353,11 +353,11 @@ static int serve_key(serve_t *s, const char *file)
 
 int cli_serve_main(int argc, char **argv)
 {
-    serve_t s = {.prog = argv[0], .max_tokens = 1024, .timeout_s = 600, .max_requests = 16};
+    serve_t s = {.prog = argv[0], .max_tokens = 1024, .timeout_s = 600, .queue_timeout_s = 60, .max_requests = 16};
     const char *model = NULL, *name = NULL, *listen = "127.0.0.1:8080", *key_file = NULL;
     bool upload = false, byte_tokens = false;
     long long max_tokens = s.max_tokens, max_requests = s.max_requests;
-    double timeout = s.timeout_s;
+    double timeout = s.timeout_s, queue_timeout = s.queue_timeout_s;
     const fu_opt opts[] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "the Hugging Face model directory (here: its tokenizer is used here)"},
         {"upload", 0, FU_OPT_FLAG, &upload, NULL, "send the model to the broker first, by content (else the broker "
@@ -369,6 +369,9 @@ int cli_serve_main(int argc, char **argv)
         {"max-tokens", 0, FU_OPT_INT, &max_tokens, "N", "most tokens one request generates; chat's default (1024)"},
         {"max-requests", 0, FU_OPT_INT, &max_requests, "N", "requests in flight at once; more get 429 (16)"},
         {"request-timeout", 0, FU_OPT_DOUBLE, &timeout, "S", "a request not done by then is cancelled (600)"},
+        {"queue-timeout", 0, FU_OPT_DOUBLE, &queue_timeout, "S",
+         "a request whose job has not started by then (no peers free, or none with the memory) is cancelled and "
+         "answered 503 with the broker's reason (60)"},
         {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL, "a model of more ids without tokenizer.json: bytes"},
         CLI_CONN_OPTS(&s.co),
     };
@@ -388,14 +391,16 @@ int cli_serve_main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     if (max_tokens < 1 || max_tokens > DAG_SPEC_MAX_TOKENS || max_requests < 1 || max_requests > 1024 ||
-        !(timeout > 0)) {
-        fprintf(stderr, "%s: --max-tokens is 1..%u, --max-requests 1..1024 and --request-timeout more than 0\n",
+        !(timeout > 0) || !(queue_timeout > 0)) {
+        fprintf(stderr, "%s: --max-tokens is 1..%u, --max-requests 1..1024, --request-timeout and --queue-timeout "
+                "more than 0\n",
                 s.prog, DAG_SPEC_MAX_TOKENS);
         return FU_EXIT_USAGE;
     }
     s.max_tokens = (uint32_t)max_tokens;
     s.max_requests = (unsigned)max_requests;
     s.timeout_s = timeout;
+    s.queue_timeout_s = queue_timeout;
     struct sockaddr_in sa;
     fu_errmsg em = {{0}};
     if (fu_net_parse_ipv4(listen, "--listen", &sa, &em) != FU_OK) {

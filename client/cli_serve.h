@@ -35,6 +35,7 @@ typedef struct {
     size_t n_eos_text;
     uint32_t max_tokens;                 /* the most one request may ask; chat's default */
     double timeout_s;                    /* one request's limit */
+    double queue_timeout_s;              /* how long its job may wait in the broker's queue before it starts */
     unsigned max_requests;
     char key[SERVE_KEY_MAX];             /* "": no API key asked */
     int64_t started;

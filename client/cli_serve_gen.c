@@ -33,6 +33,8 @@ typedef struct {
     int64_t created;
     double started, deadline;
     bool gone;           /* the client went away before the end */
+    bool queued;         /* at the last look its job was still in the broker's queue */
+    char why[256];       /* what the broker said it waits for */
     const char *stops[CLI_OAI_MAX_STOP + FU_MODELCFG_MAX_EOS]; /* the request's, then the EOS texts */
     size_t n_stops;
     cli_oai_usage usage;
@@ -196,6 +198,9 @@ static void gen_poll(gen_t *g)
         g->len = ol;
     }
     g->usage.completion_tokens = st->step;
+    g->queued = st->state == FUSION__JOB_STATE__JOB_STATE_QUEUED;
+    if (g->queued)
+        snprintf(g->why, sizeof g->why, "%s", st->message && st->message[0] ? st->message : "no reason given");
     bool done = st->state == FUSION__JOB_STATE__JOB_STATE_DONE;
     if (st->state == FUSION__JOB_STATE__JOB_STATE_FAILED || st->state == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
         gen_fail(g, MHD_HTTP_BAD_GATEWAY, "api_error", "the job %s: %s", cli_job_state_name(st->state),
@@ -228,6 +233,11 @@ static void gen_wait(gen_t *g)
     if (serve_stopping()) {
         gen_cancel(g);
         gen_fail(g, MHD_HTTP_SERVICE_UNAVAILABLE, "api_error", "the gateway is stopping");
+    } else if (g->queued && fu_clock_sec() > g->started + g->s->queue_timeout_s) {
+        gen_cancel(g);
+        gen_fail(g, MHD_HTTP_SERVICE_UNAVAILABLE, "api_error",
+                 "the swarm did not start this request within %.0f s (the broker says: %s); its job was cancelled: "
+                 "try again later", g->s->queue_timeout_s, g->why);
     } else if (fu_clock_sec() > g->deadline) {
         gen_cancel(g);
         gen_fail(g, MHD_HTTP_GATEWAY_TIMEOUT, "api_error", "no answer within %.0f s (the job was cancelled)",

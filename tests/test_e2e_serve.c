@@ -26,6 +26,7 @@
 #include <cmocka.h>
 
 #include "cluster.h"
+#include "fu_clock.h"
 #include "fu_file.h"
 #include "testutil.h"
 
@@ -61,7 +62,7 @@ static void gateway_start(gateway *g, tu_cluster *c)
     tu_path(c, keys, "client");
     char *argv[] = {(char *)tu_bin("fusion"), "serve", "--model", model, "--listen", "127.0.0.1:0", "--api-key-file",
                     key_file, "--broker", (char *)tu_broker_endpoint(c), "--broker-key", bkey, "--keys", keys,
-                    "--max-tokens", "2000", NULL};
+                    "--max-tokens", "2000", "--queue-timeout", "8", NULL};
     g->pid = tu_spawn(g->log, argv, "FUSION_CONFIG=");
     if (!tu_file_wait(g->log, "http://127.0.0.1:", 30000)) {
         tu_file_show(g->log, 40);
@@ -368,6 +369,17 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     }
     printf("the hung-up stream's job %s: %s\n", jid, st);
     assert_string_equal(st, "cancelled");
+    /* a request the swarm cannot start in time: its job waits behind the fine-tune, and after
+     * --queue-timeout (8 s) it is cancelled and answered 503 with the broker's reason */
+    double q0 = fu_clock_sec();
+    out = curl(&g, "-w ' HTTP %{http_code}'", "/completions", "{\"model\": \"model\", \"prompt\": \"x\", \"max_tokens\": 4}");
+    double waited = fu_clock_sec() - q0;
+    printf("a request behind the fine-tune, after %.1f s: %s\n", waited, out);
+    assert_non_null(strstr(out, " HTTP 503"));
+    assert_non_null(strstr(out, "did not start this request within 8 s"));
+    assert_non_null(strstr(out, "waiting for peers"));
+    assert_true(waited >= 7.5 && waited < 30);
+    free(out);
     assert_int_equal(tu_fusion(c, NULL, "cancel %s", busy), 0);
 
     /* OpenAI's error shapes */
