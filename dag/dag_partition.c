@@ -182,11 +182,14 @@ static fu_err check_args(const dag_graph_t *g, const dag_peer_profile *peers, si
  * A dynamic program over (the set of peers used so far, the cut where the next stage begins): the
  * stages are contiguous, so a plan is a path of cuts 0 = c0 < c1 < ... < ck = n, each hop a stage on
  * a peer not used before. Its cost is (the slowest stage, then the sum of stage times, then the
- * stages). Three things keep it fast without changing what it finds:
+ * stages). Three things keep it fast without changing what it finds (test_dag_partition checks it
+ * against an exhaustive search):
  *   - tables: every stage's time and memory, one pass over the nodes per first cut;
  *   - bounds: a greedy plan of at most k stages bounds the slowest stage of the best such plan, so a
  *     stage whose compute alone exceeds it ends the look further along the graph (compute only grows
- *     with the stage, as does its memory less the cut buffers);
+ *     with the stage, as does its memory less the cut buffers); and memory alone says how many
+ *     stages the rest of the graph needs at least, so a path that leaves more than its stages left
+ *     can hold is dropped;
  *   - twins: peers with equal profiles are used in their order, one plan standing for all the
  *     orders that only swap twins. */
 
@@ -227,7 +230,7 @@ typedef struct {
     double *tt;         /* [(a·m + b)·P + q]: its time on peer q */
 } ptab;
 
-/* The first peer may take an end stage (it sees the tokens). */
+/* Whether peer q may take an end stage (the first and the last see the tokens). */
 static bool end_ok(const ptab *t, size_t q)
 {
     return !t->o->ends_ok || t->o->ends_ok[t->order[q]];
