@@ -499,10 +499,12 @@ void broker_on_result(broker_t *b, const wire_msg_t *msg)
     bool partial = (dj->state == DB_JOB_FAILED || dj->state == DB_JOB_CANCELLED) && dj->kind == DB_JOB_FINETUNE &&
                    dj->result;
     if (dj->purged_ms) { /* docs/STORE.md "Compaction" */
+        double s = (double)(dj->purged_ms - dj->updated_ms) / 1e3;
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
-                           "job %s is %s, but its result was deleted %.3g days after it ended (the broker's "
+                           "job %s is %s, but its result was deleted %.3g %s after it ended (the broker's "
                            "--keep-jobs-days); its BLAKE2b-256 was %s", dj->id, db_job_state_name(dj->state),
-                           (double)(dj->purged_ms - dj->updated_ms) / 86400e3,
+                           s >= 86400 ? s / 86400 : s >= 3600 ? s / 3600 : s,
+                           s >= 86400 ? "days" : s >= 3600 ? "hours" : "seconds",
                            dj->result_hash[0] ? dj->result_hash : "(none)");
         goto done;
     }

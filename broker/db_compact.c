@@ -523,10 +523,11 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
             (err = db_prep(db, SQL_CK, &st)) != FU_OK || (err = db_bind(db, st, "t", j[i].id)) != FU_OK ||
             (err = db_run(db, st, "deleting a job's checkpoints")) != FU_OK ||
             (err = db_event_put(db, now_ms, j[i].id, NULL, "purged",
-                                "artifacts deleted %.3g days after the job ended: result %lld bytes (its hash "
-                                "stays), tokens %lld bytes%s",
-                                (double)keep_ms / DAY_MS, (long long)j[i].result, (long long)j[i].tokens,
-                                j[i].path ? ", result file" : "")) != FU_OK)
+                                "artifacts deleted after the retention (%.3g %s after the job ended): result %lld "
+                                "bytes (its hash stays), tokens %lld bytes%s",
+                                keep_ms >= DAY_MS ? (double)keep_ms / DAY_MS : (double)keep_ms / 1e3,
+                                keep_ms >= DAY_MS ? "days" : "seconds", (long long)j[i].result,
+                                (long long)j[i].tokens, j[i].path ? ", result file" : "")) != FU_OK)
             goto fail;
     }
     if ((err = db_commit(db)) != FU_OK)

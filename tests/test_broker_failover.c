@@ -336,6 +336,59 @@ static void test_broker_failover_inference_streams_tokens(void **state)
     tu_fake_peer_stop(&p, SIGKILL);
 }
 
+/* Past --keep-jobs-days a done job's result is deleted by the store's compaction: `fusion result`
+ * says when and gives the result's hash; the job's status stays done (docs/STORE.md "Compaction"). */
+static void test_broker_failover_result_purged_after_retention(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->backups = 0;
+    tu_broker_args(f->c, "--keep-jobs-days 0.00002"); /* 1.7 s */
+    tu_broker_fx_start(f);
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p0", "p0", 4 * GiB, 50, "infer");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    char spec[9000];
+    snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"max_tokens\": 4, \"seed\": 3}", f->model);
+    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
+    js.kind = FUSION__JOB_KIND__JOB_KIND_INFER;
+    js.spec_json = spec;
+    js.data.data = (uint8_t *)"Hello";
+    js.data.len = 5;
+    wire_msg_t *m =
+        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 5000);
+    assert_non_null(m);
+    uint64_t id = ((const Fusion__JobStatus *)wire_msg_body(m))->job_id;
+    wire_msg_destroy(&m);
+    m = poll_state(f, id, FUSION__JOB_STATE__JOB_STATE_DONE, 100);
+    assert_int_equal(((const Fusion__JobStatus *)wire_msg_body(m))->state, FUSION__JOB_STATE__JOB_STATE_DONE);
+    wire_msg_destroy(&m);
+    const char *why = NULL;
+    for (int k = 0; k < 100 && !why; k++) { /* the retention, then a compaction turn (once a second) */
+        Fusion__JobResultRequest rr = FUSION__JOB_RESULT_REQUEST__INIT;
+        rr.job_id = id;
+        m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ, id, &rr.base,
+                           FUSION__MSG_TYPE__MSG_JOB_RESULT_CHUNK, 3000);
+        assert_non_null(m);
+        if (wire_msg_type(m) == FUSION__MSG_TYPE__MSG_ERROR) {
+            const Fusion__Error *e = (const Fusion__Error *)wire_msg_body(m);
+            print_message("after the retention: %s\n", e->message);
+            assert_int_equal(e->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);
+            assert_non_null(strstr(e->message, "was deleted"));
+            assert_non_null(strstr(e->message, "--keep-jobs-days"));
+            assert_non_null(strstr(e->message, "BLAKE2b-256 was "));
+            why = "deleted";
+        }
+        wire_msg_destroy(&m);
+        if (!why)
+            fu_sleep_ms(100);
+    }
+    assert_non_null(why);
+    m = tu_client_job_status(&f->cl, id); /* still done */
+    assert_int_equal(((const Fusion__JobStatus *)wire_msg_body(m))->state, FUSION__JOB_STATE__JOB_STATE_DONE);
+    wire_msg_destroy(&m);
+    tu_fake_peer_stop(&p, SIGKILL);
+}
+
 static void test_broker_failover_relay(void **state)
 {
     tu_broker_fx *f = *state;
@@ -440,6 +493,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_failover_retry_cap_fails_the_job),
         tu_broker_test(test_broker_failover_full_run_and_result),
         tu_broker_test(test_broker_failover_inference_streams_tokens),
+        tu_broker_test(test_broker_failover_result_purged_after_retention),
         tu_broker_test(test_broker_failover_relay),
         tu_broker_test(test_broker_failover_ready_deadline_waits),
     };
