@@ -1720,6 +1720,85 @@ static void test_db_compact_events_archived_and_audited(void **state)
     db_close(&db);
 }
 
+/* The archive's hashes are what docs/STORE.md says, so that whoever kept a copy of the events (a log
+ * shipper, a backup) can prove them: the running hash over the events, then the row's hash. */
+static void le64(crypto_generichash_state *h, int64_t v)
+{
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)((uint64_t)v >> (8 * i));
+    crypto_generichash_update(h, b, 8);
+}
+
+static void lestr(crypto_generichash_state *h, const char *s)
+{
+    uint32_t n = s ? (uint32_t)strlen(s) : 0xffffffffu;
+    uint8_t b[4] = {(uint8_t)n, (uint8_t)(n >> 8), (uint8_t)(n >> 16), (uint8_t)(n >> 24)};
+    crypto_generichash_update(h, b, 4);
+    if (s)
+        crypto_generichash_update(h, (const uint8_t *)s, n);
+}
+
+static void test_db_compact_archive_hashes_as_documented(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    char id[DB_JOB_ID_LEN + 1];
+    submit_ok(db, f->key[0], "doc", "{}", id); /* event 1: "submitted" of job id at 1000 */
+    assert_int_equal(db_event_add(db, 2000, NULL, f->key[1], "peer-join", "hello"), FU_OK);
+    assert_int_equal(db_event_add(db, 3000, id, NULL, "note", NULL), FU_OK); /* detail NULL is stored as "" */
+    db_event *ev = NULL;
+    size_t n = 0;
+    assert_int_equal(db_event_list(db, NULL, 0, 0, &ev, &n), FU_OK);
+    assert_int_equal(n, 3);
+    uint8_t chain[32] = {0}; /* the first row starts from zeros */
+    for (size_t i = 0; i < n; i++) {
+        crypto_generichash_state h;
+        crypto_generichash_init(&h, NULL, 0, 32);
+        crypto_generichash_update(&h, chain, 32);
+        le64(&h, ev[i].id);
+        le64(&h, ev[i].time_ms);
+        lestr(&h, ev[i].job[0] ? ev[i].job : NULL);
+        lestr(&h, ev[i].peer[0] ? ev[i].peer : NULL);
+        lestr(&h, ev[i].kind);
+        lestr(&h, ev[i].detail);
+        crypto_generichash_final(&h, chain, 32);
+    }
+    db_event_array_free(&ev, n);
+    db_compact_policy pol = {.events_keep_ms = 1, .ckpt_grace_ms = -1, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &pol, 5000);
+    assert_int_equal(cs.events_archived, 3);
+    db_close(&db);
+    sqlite3 *c = NULL;
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_open_v2(f->path, &c, SQLITE_OPEN_READONLY, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_prepare_v2(c, "SELECT day, first_id, last_id, first_ms, last_ms, n, counts, rows_hash, "
+                                           "prev_hash, hash FROM event_archive", -1, &st, NULL),
+                     SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    char hex[65];
+    fu_hex_encode(hex, chain, 32);
+    assert_string_equal((const char *)sqlite3_column_text(st, 7), hex); /* rows_hash */
+    assert_string_equal((const char *)sqlite3_column_text(st, 8), /* prev_hash: zeros */
+                        "0000000000000000000000000000000000000000000000000000000000000000");
+    crypto_generichash_state h;
+    crypto_generichash_init(&h, NULL, 0, 32);
+    lestr(&h, "fusion event archive v1");
+    uint8_t zeros[32] = {0}, row[32];
+    crypto_generichash_update(&h, zeros, 32);
+    for (int k = 0; k < 6; k++)
+        le64(&h, sqlite3_column_int64(st, k));
+    lestr(&h, (const char *)sqlite3_column_text(st, 6));
+    crypto_generichash_update(&h, chain, 32);
+    crypto_generichash_final(&h, row, 32);
+    fu_hex_encode(hex, row, 32);
+    assert_string_equal((const char *)sqlite3_column_text(st, 9), hex); /* hash */
+    assert_int_equal(sqlite3_column_int64(st, 0), 0);                   /* day 0: 1970-01-01 */
+    assert_int_equal(sqlite3_column_int64(st, 5), 3);
+    sqlite3_finalize(st);
+    sqlite3_close(c);
+}
+
 /* The age limit archives events older than it whatever their number; the `excluded` events of a
  * running job stay (a restarted broker reads them back) until the job ends; the audit still holds
  * when such an event is archived after newer ones. */
@@ -2016,6 +2095,7 @@ int main(void)
         cmocka_unit_test(test_db_disk_full),
         cmocka_unit_test(test_db_commit_latency),
         cmocka_unit_test(test_db_compact_events_archived_and_audited),
+        cmocka_unit_test(test_db_compact_archive_hashes_as_documented),
         cmocka_unit_test(test_db_compact_keeps_what_running_jobs_need),
         cmocka_unit_test(test_db_compact_checkpoints_of_ended_jobs),
         cmocka_unit_test(test_db_compact_purges_jobs_past_retention),
