@@ -23,6 +23,12 @@
 #define DAY_MS     (24ll * 3600 * 1000)
 #define ARCHIVE_V1 "fusion event archive v1" /* domain of an archive row's hash */
 #define HEAD_EXTRA 64 /* rows read past a batch: `excluded` events of unfinished jobs stay and are skipped */
+/* Whether event e stays: an `excluded` event of a queued or running job (a restarted broker reads them).
+ * CASE, not AND: SQLite evaluates both sides of an AND in a result column, and the job's state comes
+ * after its spec in the row (reading it walks the spec's overflow pages). */
+#define KEEP_EXPR                                                                                          \
+    "CASE WHEN e.kind = 'excluded' THEN EXISTS (SELECT 1 FROM jobs j WHERE j.id = e.job_id AND j.state IN " \
+    "('queued','running')) ELSE 0 END"
 
 /* ------------------------------------------------------------------------------------------------
  * Hashing: an event as bytes, an archive row's hash.
@@ -241,9 +247,7 @@ static void arc_add(arc_row *a, const ev_row *e)
 static fu_err head_read(db_t *db, int max, ev_row *rows, bool *keep, int *n)
 {
     static const char SQL[] =
-        "SELECT e.id, e.time_ms, e.job_id, e.peer_key, e.kind, e.detail, "
-        "e.kind = 'excluded' AND EXISTS (SELECT 1 FROM jobs j WHERE j.id = e.job_id AND j.state IN ('queued','running')) "
-        "FROM events e ORDER BY e.id LIMIT ?";
+        "SELECT e.id, e.time_ms, e.job_id, e.peer_key, e.kind, e.detail, " KEEP_EXPR " FROM events e ORDER BY e.id LIMIT ?";
     sqlite3_stmt *st;
     *n = 0;
     FU_TRY(db_prep(db, SQL, &st));
@@ -293,8 +297,7 @@ static fu_err events_max_id(db_t *db, int64_t *out)
 static fu_err head_probe(db_t *db, int64_t cut_id, int64_t cut_ms, bool *work)
 {
     static const char SQL[] =
-        "SELECT e.id, e.time_ms, e.kind = 'excluded' AND EXISTS (SELECT 1 FROM jobs j WHERE j.id = e.job_id AND "
-        "j.state IN ('queued','running')) FROM events e ORDER BY e.id LIMIT ?";
+        "SELECT e.id, e.time_ms, " KEEP_EXPR " FROM events e ORDER BY e.id LIMIT ?";
     sqlite3_stmt *st;
     *work = false;
     FU_TRY(db_prep(db, SQL, &st));
