@@ -411,7 +411,7 @@ void broker_jobs_reap(broker_t *b);
 const char *broker_phase_name(broker_phase p);
 /* The transitions. Each stores the job's state and reason in one commit (or none when they did not
  * change) and logs. */
-/* A new job: queued, in the table. */
+/* A new job, stored queued by db_job_submit: queued, in the table (no second commit). */
 void broker_job_enqueue(broker_t *b, broker_job *j);
 /* A job read back after a restart that was running: wait until at_ms for its peers. */
 void broker_job_recover_wait(broker_t *b, broker_job *j, uint64_t at_ms);

@@ -145,8 +145,9 @@ void broker_job_enqueue(broker_t *b, broker_job *j)
 {
     j->phase = BJ_QUEUED;
     broker_job_add(b, j);
-    broker_job_show(j, "waiting for the scheduler");
-    store(b, j, DB_JOB_QUEUED, j->reason);
+    broker_job_show(j, "waiting for the scheduler"); /* not stored: db_job_submit stored it queued, and an
+                                                       update rewrites the row with its spec, megabytes of
+                                                       token ids for a large submission */
     b->sched_dirty = true;
 }
 

@@ -296,9 +296,10 @@ static void test_trust_forged_checkpoint_refused(void **state)
 /* A burst of 12 submissions of 1 M tokens each (what 4 MB of English makes with a BPE tokenizer; the
  * test model's tokenizer is byte-level), each on its own 175 MB model (hard-linked copies: every one
  * is hashed), while a peer heartbeats every 100 ms: the broker prepares them on its worker, and no
- * heartbeat waits a heartbeat interval (1 s; dead is 3 s) for its answer, on a machine busy with one busy loop
- * per core. What is left on the loop is each
- * job's store commit. */
+ * heartbeat waits a heartbeat interval (1 s; dead is 3 s) for its answer, on a machine busy with one
+ * busy loop per core. What is left on the loop is each job's store commits: the submission's row and
+ * its first reason, each of which writes the row with its 4 MB of token ids (a third, storing "queued"
+ * again, took the slowest answer from 0.84 to 0.29 s when it went). */
 static void test_trust_submission_burst_keeps_heartbeats(void **state)
 {
     tu_broker_fx *f = *state;
