@@ -288,15 +288,9 @@ static void test_broker_failover_full_run_and_result(void **state)
         tu_fake_peer_stop(&p[i], SIGKILL);
 }
 
-static void test_broker_failover_inference_streams_tokens(void **state)
+/* Submits a 4-token generation of "Hello" (seed 3); its job id. */
+static uint64_t submit_hello_infer(tu_broker_fx *f)
 {
-    tu_broker_fx *f = *state;
-    tu_cluster_opts(f->c)->backups = 0;
-    tu_broker_fx_start(f);
-    tu_fake_peer p;
-    char line[512];
-    tu_fake_peer_start(&p, f->c, "p0", "p0", 4 * GiB, 50, "infer");
-    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
     char spec[9000];
     snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"max_tokens\": 4, \"seed\": 3}", f->model);
     Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
@@ -310,6 +304,20 @@ static void test_broker_failover_inference_streams_tokens(void **state)
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_JOB_STATUS);
     uint64_t id = ((const Fusion__JobStatus *)wire_msg_body(m))->job_id;
     wire_msg_destroy(&m);
+    return id;
+}
+
+static void test_broker_failover_inference_streams_tokens(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->backups = 0;
+    tu_broker_fx_start(f);
+    tu_fake_peer p;
+    char line[512];
+    tu_fake_peer_start(&p, f->c, "p0", "p0", 4 * GiB, 50, "infer");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    uint64_t id = submit_hello_infer(f);
+    wire_msg_t *m = NULL;
     assert_true(tu_fake_peer_expect(&p, "FETCH", 5000, line, sizeof line));
     assert_string_equal(line, "FETCH tokens ok 20 resume 0"); /* the 5 prompt bytes as I32 */
     /* the broker hands each sampled token back to stage 0 until max_tokens */
@@ -347,18 +355,8 @@ static void test_broker_failover_result_purged_after_retention(void **state)
     tu_fake_peer p;
     tu_fake_peer_start(&p, f->c, "p0", "p0", 4 * GiB, 50, "infer");
     assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
-    char spec[9000];
-    snprintf(spec, sizeof spec, "{\"model\": \"%s\", \"max_tokens\": 4, \"seed\": 3}", f->model);
-    Fusion__JobSubmit js = FUSION__JOB_SUBMIT__INIT;
-    js.kind = FUSION__JOB_KIND__JOB_KIND_INFER;
-    js.spec_json = spec;
-    js.data.data = (uint8_t *)"Hello";
-    js.data.len = 5;
-    wire_msg_t *m =
-        tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_SUBMIT, 0, &js.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, 5000);
-    assert_non_null(m);
-    uint64_t id = ((const Fusion__JobStatus *)wire_msg_body(m))->job_id;
-    wire_msg_destroy(&m);
+    uint64_t id = submit_hello_infer(f);
+    wire_msg_t *m = NULL;
     m = poll_state(f, id, FUSION__JOB_STATE__JOB_STATE_DONE, 100);
     assert_int_equal(((const Fusion__JobStatus *)wire_msg_body(m))->state, FUSION__JOB_STATE__JOB_STATE_DONE);
     wire_msg_destroy(&m);
