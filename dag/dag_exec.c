@@ -203,6 +203,8 @@ void dag_exec_destroy(dag_exec_t **self_p)
             kern_tensor_destroy(&x->slots[s].tokens);
             kern_tensor_destroy(&x->slots[s].targets);
             kern_tensor_destroy(&x->slots[s].pos);
+            free(x->slots[s].sess);
+            free(x->slots[s].sess_rows);
         }
     free(x->slots);
     kern_workspace_destroy(&x->ws);
@@ -259,6 +261,55 @@ static bool is_cut_input(const dag_exec_t *x, uint32_t node)
 
 /* ---- batch ---------------------------------------------------------------------------------- */
 
+/* Makes room for n sessions in slot s's list. */
+static void slot_sess_reserve(eslot *s, uint32_t n)
+{
+    if (n <= s->cap_sess)
+        return;
+    s->sess = fu_realloc(s->sess, (size_t)n * sizeof *s->sess);
+    s->sess_rows = fu_realloc(s->sess_rows, (size_t)n * sizeof *s->sess_rows);
+    s->cap_sess = n;
+}
+
+/* The slot's positions (each session's continue its cache; without sessions every sequence starts
+ * at 0) and tokens, checked against the vocabulary and copied to the backend. */
+static fu_err slot_fill(dag_exec_t *x, eslot *s, const int32_t *tokens, const int32_t *targets)
+{
+    const dag_model_dims *d = dag_graph_dims(x->g);
+    uint64_t rows = s->rows;
+    if (tokens)
+        for (uint64_t i = 0; i < rows; i++)
+            if (tokens[i] < 0 || (uint32_t)tokens[i] >= d->vocab_size)
+                return FU_EINVAL;
+    if (targets)
+        for (uint64_t i = 0; i < rows; i++)
+            if (targets[i] != DAG_IGNORE_INDEX && (targets[i] < 0 || (uint32_t)targets[i] >= d->vocab_size))
+                return FU_EINVAL;
+    int32_t *pos = fu_malloc(rows * sizeof *pos);
+    if (s->n_sess) {
+        uint64_t r = 0;
+        for (uint32_t k = 0; k < s->n_sess; k++)
+            for (uint32_t j = 0; j < s->sess_rows[k]; j++)
+                pos[r++] = (int32_t)(s->sess[k]->len + j);
+    } else {
+        for (uint64_t i = 0; i < rows; i++)
+            pos[i] = (int32_t)(i % s->seq_len);
+    }
+    kern_tensor_t pv = tv1(s->pos->data, KERN_I32, (int64_t)rows, x->be->device);
+    fu_err rc = kern_tensor_copy_in(x->be, &pv, pos, rows * sizeof *pos);
+    free(pos);
+    FU_TRY(rc);
+    if (tokens) {
+        kern_tensor_t t = tv1(s->tokens->data, KERN_I32, (int64_t)rows, x->be->device);
+        FU_TRY(kern_tensor_copy_in(x->be, &t, tokens, rows * sizeof *tokens));
+    }
+    if (targets) {
+        kern_tensor_t t = tv1(s->targets->data, KERN_I32, (int64_t)rows, x->be->device);
+        FU_TRY(kern_tensor_copy_in(x->be, &t, targets, rows * sizeof *targets));
+    }
+    return FU_OK;
+}
+
 fu_err dag_exec_set_tokens(dag_exec_t *x, uint32_t slot, const int32_t *tokens, const int32_t *targets,
                            uint32_t n_seq, uint32_t seq_len)
 {
@@ -269,38 +320,61 @@ fu_err dag_exec_set_tokens(dag_exec_t *x, uint32_t slot, const int32_t *tokens, 
         return FU_EINVAL;
     if (x->session && n_seq != 1)
         return FU_EINVAL;
-    const dag_model_dims *d = dag_graph_dims(x->g);
     eslot *s = &x->slots[slot];
     s->n_seq = n_seq;
     s->seq_len = seq_len;
     s->rows = (uint32_t)rows;
     s->has_tokens = tokens != NULL;
     s->has_targets = targets != NULL;
+    s->batch = false;
+    s->n_sess = 0;
     s->pos0 = x->session ? x->session->len : 0;
-    if (x->session && (uint64_t)s->pos0 + rows > x->o.max_context)
-        return FU_ENOMEM;
-    int32_t *pos = fu_malloc(rows * sizeof *pos);
-    for (uint64_t i = 0; i < rows; i++)
-        pos[i] = (int32_t)(x->session ? s->pos0 + (int64_t)i : (int64_t)(i % seq_len));
-    kern_tensor_t pv = tv1(s->pos->data, KERN_I32, (int64_t)rows, x->be->device);
-    fu_err rc = kern_tensor_copy_in(x->be, &pv, pos, rows * sizeof *pos);
-    free(pos);
-    FU_TRY(rc);
-    if (tokens) {
-        for (uint64_t i = 0; i < rows; i++)
-            if (tokens[i] < 0 || (uint32_t)tokens[i] >= d->vocab_size)
-                return FU_EINVAL;
-        kern_tensor_t t = tv1(s->tokens->data, KERN_I32, (int64_t)rows, x->be->device);
-        FU_TRY(kern_tensor_copy_in(x->be, &t, tokens, rows * sizeof *tokens));
+    if (x->session) {
+        if ((uint64_t)s->pos0 + rows > x->o.max_context)
+            return FU_ENOMEM;
+        slot_sess_reserve(s, 1);
+        s->sess[0] = x->session;
+        s->sess_rows[0] = (uint32_t)rows;
+        s->n_sess = 1;
     }
-    if (targets) {
-        for (uint64_t i = 0; i < rows; i++)
-            if (targets[i] != DAG_IGNORE_INDEX && (targets[i] < 0 || (uint32_t)targets[i] >= d->vocab_size))
-                return FU_EINVAL;
-        kern_tensor_t t = tv1(s->targets->data, KERN_I32, (int64_t)rows, x->be->device);
-        FU_TRY(kern_tensor_copy_in(x->be, &t, targets, rows * sizeof *targets));
+    return slot_fill(x, s, tokens, targets);
+}
+
+fu_err dag_exec_set_batch(dag_exec_t *x, uint32_t slot, dag_session_t *const *sess, const uint32_t *rows,
+                          uint32_t n, const int32_t *tokens)
+{
+    if (!x || slot >= x->o.n_slots || !sess || !rows || n == 0 || x->o.training)
+        return FU_EINVAL;
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        if (!sess[k] || sess[k]->x != x || rows[k] == 0)
+            return FU_EINVAL;
+        for (uint32_t j = 0; j < k; j++)
+            if (sess[j] == sess[k])
+                return FU_EINVAL; /* one session's rows must be one run of its positions */
+        total += rows[k];
     }
-    return FU_OK;
+    if (total > x->o.max_tokens)
+        return FU_EINVAL;
+    for (uint32_t k = 0; k < n; k++)
+        if ((uint64_t)sess[k]->len + rows[k] > x->o.max_context)
+            return FU_ENOMEM;
+    eslot *s = &x->slots[slot];
+    slot_sess_reserve(s, n);
+    memcpy(s->sess, sess, (size_t)n * sizeof *sess);
+    memcpy(s->sess_rows, rows, (size_t)n * sizeof *rows);
+    s->n_sess = n;
+    s->batch = true;
+    s->n_seq = n;
+    s->seq_len = 0; /* sessions attend through their caches: no fixed sequence length */
+    s->rows = (uint32_t)total;
+    s->has_tokens = tokens != NULL;
+    s->has_targets = false;
+    s->pos0 = sess[0]->len;
+    fu_err rc = slot_fill(x, s, tokens, NULL);
+    if (rc != FU_OK)
+        s->n_sess = 0;
+    return rc;
 }
 
 fu_err dag_exec_set_input(dag_exec_t *x, uint32_t slot, uint32_t node, const float *data, size_t n_floats)
@@ -429,6 +503,7 @@ fu_err dag_exec_session_new(dag_exec_t *x, dag_session_t **out)
         return FU_EINVAL;
     dag_session_t *s = fu_calloc(1, sizeof *s);
     s->x = x;
+    s->sampled = -1;
     s->caches = fu_calloc(x->n, sizeof *s->caches);
     for (size_t i = x->first; i < x->last; i++) {
         const dag_node *nd = N(x, i);
@@ -451,6 +526,12 @@ void dag_exec_session_destroy(dag_session_t **s_p)
     dag_session_t *s = *s_p;
     if (s->x && s->x->session == s)
         s->x->session = NULL;
+    for (uint32_t k = 0; s->x && k < s->x->o.n_slots; k++) { /* no slot keeps a dangling session */
+        eslot *sl = &s->x->slots[k];
+        for (uint32_t j = 0; j < sl->n_sess; j++)
+            if (sl->sess[j] == s)
+                sl->n_sess = sl->rows = 0; /* its forward is refused until the slot is set again */
+    }
     for (size_t i = 0; s->x && i < s->x->n; i++)
         kern_kvcache_destroy(&s->caches[i]);
     free(s->caches);
@@ -467,6 +548,23 @@ void dag_exec_session_use(dag_exec_t *x, dag_session_t *s)
 int64_t dag_session_len(const dag_session_t *s)
 {
     return s ? s->len : 0;
+}
+
+void dag_session_set_sampling(dag_session_t *s, const kern_sample_params *p, uint64_t counter)
+{
+    if (!s)
+        return;
+    if (p)
+        s->sp = *p;
+    s->counter = counter;
+}
+
+fu_err dag_session_sampled(const dag_session_t *s, int32_t *token)
+{
+    if (!s || !token || s->sampled < 0)
+        return FU_EINVAL;
+    *token = s->sampled;
+    return FU_OK;
 }
 
 fu_err dag_session_truncate(dag_session_t *s, int64_t len)

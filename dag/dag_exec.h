@@ -110,6 +110,19 @@ size_t dag_exec_cut_outputs(const dag_exec_t *self, uint32_t *ids, size_t cap);
  * against the vocabulary (targets may be -100: ignored). */
 FU_MUST_CHECK fu_err dag_exec_set_tokens(dag_exec_t *self, uint32_t slot, const int32_t *tokens,
                                          const int32_t *targets, uint32_t n_seq, uint32_t seq_len);
+/* A batched inference forward (docs/DAG.md "Batched sessions"): the slot's rows are the new
+ * positions of n distinct sessions of this executor, rows[k] of sess[k], one session after another
+ * (Σ rows ≤ max_tokens); tokens (Σ rows ids, may be NULL where the range has no embedding) as in
+ * set_tokens, cut inputs through set_input. Each session's positions continue its own cache and its
+ * rows attend to it alone; lm_head sees the last row of each session (every row with logits_all),
+ * and the sample node draws for each with the session's own parameters (dag_session_set_sampling),
+ * read back with dag_session_sampled. Linear products run over all the rows at once, so a session's
+ * bits depend on the batch it ran in (one session alone: those of set_tokens with it attached).
+ * The sessions must outlive the forward. FU_EINVAL: a NULL or foreign session, one given twice,
+ * a zero row count, too many rows, a token outside the vocabulary, a training executor; FU_ENOMEM:
+ * a session past max_context. */
+FU_MUST_CHECK fu_err dag_exec_set_batch(dag_exec_t *self, uint32_t slot, dag_session_t *const *sess,
+                                        const uint32_t *rows, uint32_t n, const int32_t *tokens);
 /* Gives cut input `node` of a slot: rows × width floats (host memory, copied), rows being those of
  * the slot's dag_exec_set_tokens (call that first). FU_EINVAL when node is not a cut input. */
 FU_MUST_CHECK fu_err dag_exec_set_input(dag_exec_t *self, uint32_t slot, uint32_t node, const float *data,
@@ -172,6 +185,10 @@ void dag_exec_session_destroy(dag_session_t **s_p);
 void dag_exec_session_use(dag_exec_t *self, dag_session_t *s);
 /* Positions cached by the session. */
 int64_t dag_session_len(const dag_session_t *s);
+/* A batched forward's sampling for session s: parameters (NULL keeps them) and the draw counter. */
+void dag_session_set_sampling(dag_session_t *s, const kern_sample_params *p, uint64_t counter);
+/* The token the last batched forward drew for s; FU_EINVAL before any. */
+FU_MUST_CHECK fu_err dag_session_sampled(const dag_session_t *s, int32_t *token);
 /* Forgets cached positions ≥ len (replay from a point). */
 FU_MUST_CHECK fu_err dag_session_truncate(dag_session_t *s, int64_t len);
 

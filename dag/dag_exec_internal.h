@@ -64,6 +64,12 @@ typedef struct {
     int64_t n_valid;        /* target tokens that loss covers */
     int32_t sampled;        /* token the sample node drew in the last forward */
     bool forwarded;         /* forward ran and backward has not */
+    /* Inference: the sessions whose new positions the slot's rows are, in order (set_tokens with a
+     * session attached: that one; dag_exec_set_batch: several). A destroyed session is cleared here. */
+    dag_session_t **sess;   /* n_sess entries (cap_sess allocated) */
+    uint32_t *sess_rows;    /* rows of each, summing to rows */
+    uint32_t n_sess, cap_sess;
+    bool batch;             /* set by dag_exec_set_batch: each session samples with its own parameters */
 } eslot;
 
 /* An inference session: the KV caches of one sequence. */
@@ -71,6 +77,9 @@ struct dag_session {
     dag_exec_t *x;            /* owner executor */
     kern_kvcache_t **caches;  /* per node of the graph (NULL except attention in range) */
     int64_t len;              /* positions cached */
+    kern_sample_params sp;    /* a batch's sampling of this session (dag_session_set_sampling) */
+    uint64_t counter;         /* its draw counter for the next forward */
+    int32_t sampled;          /* the token a batched forward drew for it (-1: none yet) */
 };
 
 /* The executor (opaque in dag_exec.h). */

@@ -84,10 +84,50 @@ static fu_err ensure_ws_rank(dag_exec_t *x, uint32_t rows, int64_t r)
 
 static uint32_t head_rows(const dag_exec_t *x, const eslot *s)
 {
-    /* Inference without logits_all: only the last row of the (single) sequence reaches lm_head. */
-    if (!x->o.training && !x->o.logits_all && s->n_seq == 1)
-        return 1;
+    /* Inference without logits_all: only the last row of each session (or of the single sequence)
+     * reaches lm_head. */
+    if (!x->o.training && !x->o.logits_all && (s->n_sess || s->n_seq == 1))
+        return s->n_sess ? s->n_sess : 1;
     return s->rows;
+}
+
+/* lm_head's input in a batch of sessions: the last row of each, gathered into a pool buffer (*held,
+ * released by the caller) unless every session has one row. */
+static fu_err head_input(dag_exec_t *x, const eslot *s, const dag_node *nd, const ebuf *in, ebuf **held,
+                         kern_tensor_t *a)
+{
+    kern_device dev = x->be->device;
+    *held = NULL;
+    if (s->n_sess <= 1 || head_rows(x, s) == s->rows) {
+        *a = s->rows == head_rows(x, s) ? bview(x, in, s->rows, nd->dim_in)
+                                        : tv2((float *)in->t->data + (size_t)(s->rows - 1) * nd->dim_in, 1,
+                                              nd->dim_in, dev);
+        return FU_OK;
+    }
+    FU_TRY(dagx_pool_get(x, (size_t)s->n_sess * nd->dim_in, held));
+    size_t end = 0;
+    for (uint32_t k = 0; k < s->n_sess; k++) {
+        end += s->sess_rows[k];
+        kern_tensor_t src = tv2((float *)in->t->data + (end - 1) * nd->dim_in, 1, nd->dim_in, dev);
+        kern_tensor_t dst = tv2((float *)(*held)->t->data + (size_t)k * nd->dim_in, 1, nd->dim_in, dev);
+        FU_TRY(kern_tensor_copy(x->be, &src, &dst));
+    }
+    *a = bview(x, *held, s->n_sess, nd->dim_in);
+    return FU_OK;
+}
+
+/* The sample node in a batch: each session draws from its row of the logits (its last row with
+ * logits_all) with its own parameters and counter. */
+static fu_err sample_batch(dag_exec_t *x, const eslot *s, const dag_node *nd, const ebuf *lg, uint32_t lg_rows)
+{
+    size_t end = 0;
+    for (uint32_t k = 0; k < s->n_sess; k++) {
+        end += s->sess_rows[k];
+        size_t row = lg_rows == s->rows ? end - 1 : k;
+        kern_tensor_t l = tv2((float *)lg->t->data + row * nd->dim_in, 1, nd->dim_in, x->be->device);
+        FU_TRY(kern_sample(x->be, &l, &s->sess[k]->sp, s->sess[k]->counter, &s->sess[k]->sampled));
+    }
+    return FU_OK;
 }
 
 static uint32_t rows_of(const dag_exec_t *x, const eslot *s, size_t i)
@@ -263,10 +303,20 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
         kern_attn_params p = {.n_head = (int)nd->n_heads, .n_kv_head = (int)nd->n_kv_heads,
                               .head_dim = (int)nd->head_dim, .n_seq = (int)s->n_seq, .q_offset = 0, .scale = 0.0f,
                               .window = (int64_t)nd->window};
-        if (x->session) {
-            kern_kvcache_t *c = x->session->caches[i];
-            FU_TRY(ensure_ws_attn(x, &p, rows, kern_kvcache_len(c) + rows, false));
-            rc = kern_kvcache_attend(c, &p, &q, &k, &v, &out, x->ws);
+        if (s->n_sess) { /* each session's rows attend to its own cache */
+            p.n_seq = 1;
+            size_t r0 = 0;
+            for (uint32_t b = 0; b < s->n_sess && rc == FU_OK; b++) {
+                int64_t nr = s->sess_rows[b];
+                kern_kvcache_t *c = s->sess[b]->caches[i];
+                kern_tensor_t qb = tv2((float *)q.data + r0 * w, nr, (int64_t)w, dev);
+                kern_tensor_t kb = tv2((float *)k.data + r0 * kw, nr, kw, dev);
+                kern_tensor_t vb = tv2((float *)v.data + r0 * kw, nr, kw, dev);
+                kern_tensor_t ob2 = tv2((float *)out.data + r0 * w, nr, (int64_t)w, dev);
+                FU_TRY(ensure_ws_attn(x, &p, nr, kern_kvcache_len(c) + nr, false));
+                rc = kern_kvcache_attend(c, &p, &qb, &kb, &vb, &ob2, x->ws);
+                r0 += (size_t)nr;
+            }
         } else {
             FU_TRY(ensure_ws_attn(x, &p, s->seq_len, s->seq_len, false));
             rc = kern_attn_forward(x->be, &p, &q, &k, &v, &out, x->ws);
@@ -283,12 +333,15 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
         rc = kern_add_forward(x->be, &a, &b, &out);
         break;
     }
-    case DAG_OP_LM_HEAD: {
-        uint32_t in_rows = s->rows;
-        kern_tensor_t a = bview(x, in[0], in_rows, nd->dim_in);
-        if (rows != in_rows) /* last row only */
-            a = tv2((float *)in[0]->t->data + (size_t)(in_rows - 1) * nd->dim_in, 1, nd->dim_in, dev);
-        rc = nd->adapter.method == DAG_ADAPTER_SALR ? fwd_salr(x, slot, i, &a, &out) : base_linear(x, &a, e->w, &out);
+    case DAG_OP_LM_HEAD: { /* every row, or the last of each session */
+        kern_tensor_t a;
+        ebuf *held = NULL;
+        rc = head_input(x, s, nd, in[0], &held, &a);
+        if (rc == FU_OK)
+            rc = nd->adapter.method == DAG_ADAPTER_SALR ? fwd_salr(x, slot, i, &a, &out)
+                                                        : base_linear(x, &a, e->w, &out);
+        if (held)
+            held->refs = 0;
         break;
     }
     case DAG_OP_CROSS_ENTROPY: {
@@ -301,6 +354,10 @@ static fu_err fwd_node(dag_exec_t *x, uint32_t slot, size_t i)
     }
     case DAG_OP_SAMPLE: {
         uint32_t lr = rows_of(x, s, nd->inputs[0]);
+        if (s->batch) {
+            rc = sample_batch(x, s, nd, in[0], lr);
+            break;
+        }
         kern_tensor_t lg = tv2((float *)in[0]->t->data + (size_t)(lr - 1) * nd->dim_in, 1, nd->dim_in, dev);
         rc = kern_sample(x->be, &lg, &x->sp, x->sample_counter, &s->sampled);
         break;
@@ -354,17 +411,19 @@ fu_err dag_exec_forward(dag_exec_t *x, uint32_t slot)
     if (rc != FU_OK) {
         slot_release(x, slot, false);
         s->forwarded = false;
-        /* Layers before the failure appended to their caches: rewind them to the session's length. */
-        if (x->session)
+        /* Layers before the failure appended to their caches: rewind them to the sessions' lengths. */
+        for (uint32_t b = 0; b < s->n_sess; b++) {
+            dag_session_t *ss = s->sess[b];
             for (size_t i = x->first; i < x->last; i++)
-                if (x->session->caches[i] && kern_kvcache_len(x->session->caches[i]) > x->session->len) {
-                    fu_err trc = kern_kvcache_truncate(x->session->caches[i], x->session->len);
+                if (ss->caches[i] && kern_kvcache_len(ss->caches[i]) > ss->len) {
+                    fu_err trc = kern_kvcache_truncate(ss->caches[i], ss->len);
                     (void)trc; /* cannot fail: len is below the cache's length */
                 }
+        }
         return rc;
     }
-    if (x->session)
-        x->session->len += s->rows;
+    for (uint32_t b = 0; b < s->n_sess; b++)
+        s->sess[b]->len += s->sess_rows[b];
     s->forwarded = true;
     if (x->o.training) {
         x->saved_now = slot_saved_bytes(x, slot);

@@ -23,7 +23,6 @@ fu_err dag_infer_stage_init(dag_infer_stage *t, dag_exec_t *x, const dag_graph_t
     for (size_t i = 0; i < dag_graph_size(g); i++)
         if (dag_graph_node(g, i)->op == DAG_OP_LM_HEAD)
             t->lm_node = (uint32_t)i;
-    dag_exec_session_use(x, sess);
     return FU_OK;
 }
 
@@ -39,40 +38,69 @@ fu_err dag_infer_seek(dag_infer_stage *t, uint64_t p, fu_errmsg *em)
     return FU_OK;
 }
 
-/* The inputs of the run and its forward. */
-static fu_err run(dag_infer_stage *t, uint64_t p, const int32_t *tokens, const float *in, size_t n, uint64_t rows)
+/* The batch's inputs and its forward. */
+static fu_err run(dag_infer_stage *const *ts, size_t n, const int32_t *tokens, const float *in, size_t n_floats,
+                  const uint64_t *rows)
 {
-    if (rows == 0 || rows > UINT32_MAX || (t->first && !tokens) || (!t->first && (!in || n != rows * t->w_in)))
+    if (!ts || n == 0 || n > DAG_INFER_MAX_BATCH || !rows)
         return FU_EINVAL;
-    if (p == 0)
-        t->prompt_len = rows > t->resume ? rows - t->resume : 0;
-    if (t->last)
-        dag_exec_set_sampling(t->x, &t->sp, p + rows >= t->prompt_len ? p + rows - t->prompt_len : 0);
-    FU_TRY(dag_exec_set_tokens(t->x, 0, t->first ? tokens : NULL, NULL, 1, (uint32_t)rows));
+    dag_infer_stage *t0 = ts[0];
+    dag_session_t *sess[DAG_INFER_MAX_BATCH];
+    uint32_t r[DAG_INFER_MAX_BATCH];
+    uint64_t total = 0;
+    for (size_t k = 0; k < n; k++) {
+        const dag_infer_stage *t = ts[k];
+        if (!t || t->x != t0->x || t->first != t0->first || t->last != t0->last || rows[k] == 0 ||
+            rows[k] > UINT32_MAX)
+            return FU_EINVAL;
+        sess[k] = t->sess;
+        r[k] = (uint32_t)rows[k];
+        total += rows[k];
+    }
+    if ((t0->first && !tokens) || (!t0->first && (!in || n_floats != total * t0->w_in)))
+        return FU_EINVAL;
+    for (size_t k = 0; k < n; k++) {
+        dag_infer_stage *t = ts[k];
+        uint64_t p = (uint64_t)dag_session_len(t->sess);
+        if (p == 0)
+            t->prompt_len = rows[k] > t->resume ? rows[k] - t->resume : 0;
+        if (t->last)
+            dag_session_set_sampling(t->sess, &t->sp,
+                                     p + rows[k] >= t->prompt_len ? p + rows[k] - t->prompt_len : 0);
+    }
+    FU_TRY(dag_exec_set_batch(t0->x, 0, sess, r, (uint32_t)n, t0->first ? tokens : NULL));
     size_t off = 0;
-    for (uint32_t i = 0; i < t->n_cut_in; i++) {
-        size_t k = (size_t)(rows * dag_graph_width(t->g, t->cut_in[i]));
-        FU_TRY(dag_exec_set_input(t->x, 0, t->cut_in[i], in + off, k));
+    for (uint32_t i = 0; i < t0->n_cut_in; i++) {
+        size_t k = (size_t)(total * dag_graph_width(t0->g, t0->cut_in[i]));
+        FU_TRY(dag_exec_set_input(t0->x, 0, t0->cut_in[i], in + off, k));
         off += k;
     }
-    return dag_exec_forward(t->x, 0);
+    return dag_exec_forward(t0->x, 0);
 }
 
 fu_err dag_infer_forward(dag_infer_stage *t, const int32_t *tokens, const float *in, size_t n, uint64_t rows,
                          fu_errmsg *em)
 {
-    uint64_t p = (uint64_t)dag_session_len(t->sess);
-    fu_err rc = run(t, p, tokens, in, n, rows);
-    if (rc != FU_OK)
+    return dag_infer_forward_batch(&t, 1, tokens, in, n, &rows, em);
+}
+
+fu_err dag_infer_forward_batch(dag_infer_stage *const *ts, size_t n, const int32_t *tokens, const float *in,
+                               size_t n_floats, const uint64_t *rows, fu_errmsg *em)
+{
+    fu_err rc = run(ts, n, tokens, in, n_floats, rows);
+    if (rc == FU_OK)
+        return FU_OK;
+    uint64_t p = ts && n && ts[0] ? (uint64_t)dag_session_len(ts[0]->sess) : 0;
+    if (n == 1)
         return fu_errmsg_set(em, rc, "inference forward at position %" PRIu64 " failed: %s", p, fu_strerror(rc));
-    return FU_OK;
+    return fu_errmsg_set(em, rc, "batched inference forward of %zu sessions failed: %s", n, fu_strerror(rc));
 }
 
 fu_err dag_infer_sampled(const dag_infer_stage *t, int32_t *token)
 {
     if (!t->last)
         return FU_EINVAL;
-    return dag_exec_sampled(t->x, 0, token);
+    return dag_session_sampled(t->sess, token);
 }
 
 fu_err dag_infer_logits(const dag_infer_stage *t, const float **logits, size_t *n_floats)

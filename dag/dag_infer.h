@@ -30,12 +30,14 @@
 extern "C" {
 #endif
 
+#define DAG_INFER_MAX_BATCH 256 /* generations one batched forward runs */
+
 /* One stage's view of a generation. Holds no memory of its own: dag_infer_stage_init fills it, and
  * nothing needs freeing. */
 typedef struct {
     dag_exec_t *x;                       /* the stage's executor (training false, slot 0 used) */
     const dag_graph_t *g;                /* its graph */
-    dag_session_t *sess;                 /* the job's session, attached to x (borrowed) */
+    dag_session_t *sess;                 /* the generation's session of x (borrowed) */
     bool first, last;                    /* the pipeline's first / last stage (both: one stage) */
     kern_sample_params sp;               /* the spec's temperature, top-k, top-p and seed */
     uint64_t resume;                     /* tokens generated before a failover, at the end of the
@@ -48,8 +50,8 @@ typedef struct {
     uint64_t w_in;                       /* floats per row over the cut inputs */
 } dag_infer_stage;
 
-/* Fills t for executor x of graph g (inference, its cut inputs from the executor) and attaches sess
- * to x (a session exists only for an inference executor). x, g and sess are borrowed and must outlive
+/* Fills t for executor x of graph g (inference, its cut inputs from the executor) with session sess
+ * of x (a session exists only for an inference executor). x, g and sess are borrowed and must outlive
  * t; spec is read here only. FU_EINVAL on a NULL argument, more than DAG_TRAIN_MAX_CUTS cut inputs,
  * or a stage after the first with none. */
 FU_MUST_CHECK fu_err dag_infer_stage_init(dag_infer_stage *t, dag_exec_t *x, const dag_graph_t *g, dag_session_t *sess,
@@ -69,6 +71,17 @@ FU_MUST_CHECK fu_err dag_infer_seek(dag_infer_stage *t, uint64_t p, fu_errmsg *e
  * P failed: ..."; the session keeps its length. */
 FU_MUST_CHECK fu_err dag_infer_forward(dag_infer_stage *t, const int32_t *tokens, const float *in, size_t n,
                                        uint64_t rows, fu_errmsg *em);
+
+/* Several generations of one stage in one forward (a batch; docs/DAG.md "Batched sessions"): ts[k]
+ * (n of them, at most DAG_INFER_MAX_BATCH, all on one executor with distinct sessions) runs rows[k]
+ * new positions at its session's end, as dag_infer_forward would; tokens holds their Σ rows ids
+ * one generation after another at the first stage, else in holds the cut inputs one after the
+ * other, Σ rows x width each (the upstream's outputs of the same batch). At the last stage each
+ * draws its own token with its own sampling. The linear products run over the whole batch, so a
+ * generation's bits depend on its batch (a batch of one is dag_infer_forward). Errors as
+ * dag_infer_forward's; on one no session changes. */
+FU_MUST_CHECK fu_err dag_infer_forward_batch(dag_infer_stage *const *ts, size_t n, const int32_t *tokens,
+                                             const float *in, size_t n_floats, const uint64_t *rows, fu_errmsg *em);
 
 /* The last stage, after dag_infer_forward: the token drawn for the position after the run. */
 FU_MUST_CHECK fu_err dag_infer_sampled(const dag_infer_stage *t, int32_t *token);
