@@ -161,6 +161,7 @@ static broker_peer *peer_of(broker_t *b, const wire_msg_t *msg)
         p->rid_len = rl;
     }
     p->last_heard_ms = broker_now();
+    broker_conn_heard(b, p, msg);
     return p;
 }
 
@@ -233,9 +234,14 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     }
     broker_peer *p;
     switch (t) {
-    case FUSION__MSG_TYPE__MSG_PEER_HELLO:
+    case FUSION__MSG_TYPE__MSG_PEER_HELLO: {
         broker_on_hello(b, msg);
+        char id[DB_KEY_LEN + 1];
+        p = broker_msg_peer_id(msg, id) ? broker_peer_find(b, id) : NULL;
+        if (p && p->live) /* registered: its connection is this message's */
+            broker_conn_heard(b, p, msg);
         break;
+    }
     case FUSION__MSG_TYPE__MSG_HEARTBEAT:
         if ((p = peer_of(b, msg)))
             broker_on_heartbeat(b, p, msg);
@@ -524,6 +530,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
      * vanished. */
     if (wire_socket_quiet(b->sock) != FU_OK)
         FU_WARN(LOG, "the ROUTER socket still pings: expect more CPU per message with many peers");
+    broker_conn_open(b); /* before the first connection: a crashed peer's closed connection tells */
     int handover = 1; /* a reconnecting peer with the same routing id replaces the old connection */
     (void)zmq_setsockopt(b->sock, ZMQ_ROUTER_HANDOVER, &handover, sizeof handover);
     if (zmq_bind(b->sock, cfg->bind) != 0) {
@@ -575,6 +582,7 @@ void broker_destroy(broker_t **b_p)
         free(b->snaps[i].buf);
     broker_models_free(&b->models);
     broker_uploads_free(&b->uploads);
+    broker_conn_close(b);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);
     if (b->ctx)
@@ -623,8 +631,11 @@ static uint64_t compact(broker_t *b)
     return s.more ? sweep_period(b) : BROKER_COMPACT_EVERY_MS;
 }
 
-static void timers(broker_t *b)
+/* The timers that are due; returns the ms until the next closed connection's grace ends
+ * (UINT64_MAX: none). */
+static uint64_t timers(broker_t *b)
 {
+    uint64_t conn_wait = broker_conn_sweep(b); /* before the scheduler: a peer it declares dead frees work */
     uint64_t now = broker_now();
     if (now >= b->next_sweep_ms) {
         broker_peers_sweep(b);
@@ -645,6 +656,7 @@ static void timers(broker_t *b)
         broker_schedule(b);
     }
     broker_jobs_reap(b);
+    return conn_wait;
 }
 
 fu_err broker_run(broker_t *b)
@@ -660,16 +672,24 @@ fu_err broker_run(broker_t *b)
     fu_err result = FU_OK;
     b->next_sweep_ms = b->drained_ms = broker_now();
     while (!g_stop) {
-        timers(b);
+        uint64_t conn_wait = timers(b);
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
+        if (conn_wait < (uint64_t)timeout)
+            timeout = (long)conn_wait;
         if (b->http)
             timeout = broker_http_timeout_ms(b->http, timeout);
-        zmq_pollitem_t items[4] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+        zmq_pollitem_t items[5] = {{.socket = b->sock, .events = ZMQ_POLLIN},
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
-                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
-                                   {.fd = b->http ? broker_http_fd(b->http) : -1, .events = ZMQ_POLLIN}};
-        int n = zmq_poll(items, b->http ? 4 : 3, timeout);
+                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN}};
+        int n_items = 3, http_item = -1;
+        if (b->mon) /* the connections' events (broker_conn.c), read below whatever woke the poll */
+            items[n_items++] = (zmq_pollitem_t){.socket = b->mon, .events = ZMQ_POLLIN};
+        if (b->http) {
+            http_item = n_items;
+            items[n_items++] = (zmq_pollitem_t){.fd = broker_http_fd(b->http), .events = ZMQ_POLLIN};
+        }
+        int n = zmq_poll(items, n_items, timeout);
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -682,7 +702,8 @@ fu_err broker_run(broker_t *b)
             while (read(pfd[0], buf, sizeof buf) > 0) {
             }
         }
-        if (b->http && (n == 0 || (items[3].revents & ZMQ_POLLIN))) /* a request, or its timers are due */
+        broker_conn_events(b);
+        if (b->http && (n == 0 || (items[http_item].revents & ZMQ_POLLIN))) /* a request, or its timers are due */
             broker_http_serve(b->http);
         if (items[2].revents & ZMQ_POLLIN) {
             /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
@@ -696,6 +717,7 @@ fu_err broker_run(broker_t *b)
          * (b->drained_ms). */
         int k = 0;
         for (; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
+            broker_conn_events(b); /* a reused descriptor's accept is known before its messages are */
             wire_msg_t *msg = NULL;
             fu_err rc = wire_recv(b->sock, WIRE_DONTWAIT | WIRE_REPLY_ERRORS, &b->counters, &msg);
             if (rc == FU_EAGAIN)

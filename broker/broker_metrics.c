@@ -132,6 +132,10 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_plan_seconds_max %.6f\n", t->plan_s_max);
     family(f, "fusion_failovers_total", "counter", "Stages moved to another peer.");
     fprintf(f, "fusion_failovers_total %" PRIu64 "\n", t->failovers);
+    family(f, "fusion_peers_closed_total", "counter",
+           "Peers whose connection closed: declared dead at once, or heard again within the grace.");
+    fprintf(f, "fusion_peers_closed_total{outcome=\"dead\"} %" PRIu64 "\n", t->conn_deaths);
+    fprintf(f, "fusion_peers_closed_total{outcome=\"heard_again\"} %" PRIu64 "\n", t->conn_reheard);
     family(f, "fusion_relayed_frames_total", "counter", "Sealed data frames relayed between peers.");
     fprintf(f, "fusion_relayed_frames_total %" PRIu64 "\n", b->relayed);
     family(f, "fusion_relayed_bytes_total", "counter", "Bytes of those frames (sealed: the broker cannot read them).");

@@ -365,6 +365,7 @@ struct wire_msg {
     char user_id[WIRE_Z85_KEY_LEN + 24]; /* ZAP User-Id of the connection ("" without ZAP) */
     char admission[16];                /* "member", "enrolling", "" */
     char peer_address[WIRE_ADDRESS_MAX]; /* libzmq's "Peer-Address" of the connection, "" when none */
+    int src_fd;                        /* descriptor of the connection (ZMQ_SRCFD), -1 when none */
     zmq_msg_t raw_body;                /* the body frame as received (for wire_forward) */
     bool has_raw;
 };
@@ -452,6 +453,7 @@ static wire_msg_t *msg_alloc(void)
 {
     wire_msg_t *m = fu_calloc(1, sizeof *m);
     pool_init(&m->pool, 0);
+    m->src_fd = -1;
     return m;
 }
 
@@ -527,6 +529,11 @@ const char *wire_msg_admission(const wire_msg_t *msg)
 const char *wire_msg_peer_address(const wire_msg_t *msg)
 {
     return msg->peer_address;
+}
+
+int wire_msg_src_fd(const wire_msg_t *msg)
+{
+    return msg->src_fd;
 }
 
 size_t wire_msg_heap_bytes(const wire_msg_t *msg)
@@ -852,6 +859,9 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
     const char *addr = zmq_msg_gets(&parts[base], "Peer-Address");
     if (addr && strlen(addr) < sizeof m->peer_address)
         strcpy(m->peer_address, addr);
+    m->src_fd = zmq_msg_get(&parts[base], ZMQ_SRCFD);
+    if (m->src_fd < 0)
+        m->src_fd = -1;
     m->raw_body = parts[base + 1]; /* keep the body frame for wire_forward */
     m->has_raw = true;
     for (size_t i = 0; i < base + 1; i++)

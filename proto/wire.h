@@ -163,6 +163,10 @@ const char *wire_msg_admission(const wire_msg_t *msg);
  * metadata: the IP address of a TCP peer, without its port; the same text ZAP sees), or "" when
  * libzmq gave none (or one of WIRE_ADDRESS_MAX characters or more). */
 const char *wire_msg_peer_address(const wire_msg_t *msg);
+/* The descriptor of the TCP connection the message came in on (libzmq's ZMQ_SRCFD, deprecated but
+ * kept in 4.3), or -1 when libzmq gave none (inproc, a decoded message). Descriptors are reused once
+ * a connection closes: pair it with the socket monitor's events (broker_conn.c). */
+int wire_msg_src_fd(const wire_msg_t *msg);
 /* Bytes the body's unpacking allocated (what the budget charged). */
 size_t wire_msg_heap_bytes(const wire_msg_t *msg);
 void   wire_msg_destroy(wire_msg_t **msg_p);

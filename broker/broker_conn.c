@@ -1,0 +1,245 @@
+/* broker_conn: the ROUTER's connections. A peer that crashes (killed, out of memory, its process
+ * aborted) has its TCP connection closed by its kernel, and the broker's libzmq sees that within a
+ * millisecond; its heartbeats would take dead_after_ms (three intervals) to tell. The ROUTER's socket
+ * monitor reports every connection accepted and closed with its descriptor, and every message says
+ * the descriptor it came in on (wire_msg_src_fd), so a closed connection names the peer last heard on
+ * it, and the peer is declared dead "connection closed" unless it is heard again within
+ * close_grace_ms.
+ *
+ * Two things make that naming uncertain, and are settled here:
+ * - Descriptors are reused: a connection accepted after the close may get the same number. Each
+ *   descriptor has an epoch (connections accepted on it so far). The monitor is read before every
+ *   message of the ROUTER (broker_conn_events), and a new connection's accept is reported before its
+ *   CURVE handshake even starts, so its first message is read after its accept and after the close
+ *   of the connection that had the descriptor before it.
+ * - The monitor and the ROUTER are two queues with no order between them: what the closed connection
+ *   sent before it closed may be read after its close. A message on the closed connection's
+ *   descriptor in the same epoch is such a late one: it is handled as usual but does not count as
+ *   hearing the peer again; one on another descriptor, or after a new accept on the same one, does.
+ *
+ * The grace: libzmq reconnects a dropped connection by itself (after WIRE_RECONNECT_MS), and a peer
+ * that opened a new socket says PeerHello at once (the same session keeps its work); a quarter of the
+ * heartbeat interval, at least twice the reconnect interval, at most BROKER_CLOSE_GRACE_MAX_MS so that
+ * a crashed stage holder is replaced well under a second after its crash. A live peer whose
+ * connection only dropped and that does not speak within the grace is declared dead too, and
+ * registers again at its next heartbeat (refused: "declared dead"): what a crash would have cost.
+ * Silent peers whose connection stays open (SIGSTOP, a cut cable) still go by their heartbeats
+ * (broker_peers_sweep), and so does a peer whose last heartbeat said it is paused: it keeps the grace
+ * its pause gives (docs/BROKER.md "Paused peers"). Everything here is O(1) per event and message. */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "broker_internal.h"
+#include "fu_alloc.h"
+#include "fu_log.h"
+#include "wire_socket.h"
+
+#define LOG "registry"
+#define BROKER_CONN_MONITOR       "inproc://fusion-broker-connections"
+#define BROKER_CONN_FD_MAX        (1 << 24) /* descriptors past this are not watched (never seen) */
+#define BROKER_CLOSE_GRACE_MAX_MS 250u      /* longest grace of a closed connection */
+#define BROKER_CLOSE_GRACE_MIN_MS (2u * WIRE_RECONNECT_MS) /* shortest: a reconnect and its handshake */
+
+void broker_conn_open(broker_t *b)
+{
+    uint32_t g = b->cfg.heartbeat_ms / 4;
+    if (g < BROKER_CLOSE_GRACE_MIN_MS)
+        g = BROKER_CLOSE_GRACE_MIN_MS;
+    if (g > BROKER_CLOSE_GRACE_MAX_MS)
+        g = BROKER_CLOSE_GRACE_MAX_MS;
+    b->close_grace_ms = g;
+    if (zmq_socket_monitor(b->sock, BROKER_CONN_MONITOR, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0)
+        goto off;
+    void *m = zmq_socket(b->ctx, ZMQ_PAIR);
+    int zero = 0;
+    /* RCVHWM 0: the monitor's queue is unbounded, an event is never dropped (nor does libzmq's I/O
+     * thread wait on it); the loop reads it before every message. */
+    if (!m || zmq_setsockopt(m, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(m, ZMQ_RCVHWM, &zero, sizeof zero) != 0 || zmq_connect(m, BROKER_CONN_MONITOR) != 0) {
+        int e = zmq_errno();
+        if (m)
+            zmq_close(m);
+        (void)zmq_socket_monitor(b->sock, NULL, 0);
+        errno = e;
+        goto off;
+    }
+    b->mon = m;
+    return;
+off:
+    FU_WARN(LOG, "cannot watch the connections of the broker's socket (%s): a crashed peer is declared dead by "
+            "its silence only (%u ms)", zmq_strerror(zmq_errno()), b->dead_after_ms);
+}
+
+void broker_conn_close(broker_t *b)
+{
+    if (b->mon) {
+        (void)zmq_socket_monitor(b->sock, NULL, 0);
+        zmq_close(b->mon);
+        b->mon = NULL;
+    }
+    free(b->conns);
+    b->conns = NULL;
+    b->n_conns = 0;
+    free(b->closing);
+    b->closing = NULL;
+    b->n_closing = b->closing_head = b->cap_closing = 0;
+}
+
+/* The record of descriptor fd (grown on first use), NULL when fd is none or out of range. */
+static broker_conn *conn_at(broker_t *b, int fd)
+{
+    if (fd < 0 || fd >= BROKER_CONN_FD_MAX)
+        return NULL;
+    if ((size_t)fd >= b->n_conns) {
+        size_t n = b->n_conns ? b->n_conns : 1024;
+        while (n <= (size_t)fd)
+            n *= 2;
+        b->conns = fu_realloc(b->conns, n * sizeof *b->conns);
+        memset(b->conns + b->n_conns, 0, (n - b->n_conns) * sizeof *b->conns);
+        b->n_conns = n;
+    }
+    return &b->conns[fd];
+}
+
+/* Queues p's grace, due close_grace_ms after now (the queue is in due order: one grace for all). */
+static void closing_push(broker_t *b, broker_peer *p, uint64_t now)
+{
+    if (b->closing_head == b->n_closing) {
+        b->closing_head = b->n_closing = 0;
+    } else if (b->n_closing == b->cap_closing && b->closing_head > 0) {
+        memmove(b->closing, b->closing + b->closing_head, (b->n_closing - b->closing_head) * sizeof *b->closing);
+        b->n_closing -= b->closing_head;
+        b->closing_head = 0;
+    }
+    if (b->n_closing == b->cap_closing) {
+        b->cap_closing = b->cap_closing ? 2 * b->cap_closing : 64;
+        b->closing = fu_realloc(b->closing, b->cap_closing * sizeof *b->closing);
+    }
+    b->closing[b->n_closing++] =
+        (broker_closing){.peer = (uint32_t)(p - b->peers), .closed_ms = p->closed_ms, .due_ms = now + b->close_grace_ms};
+}
+
+/* The connection on descriptor fd closed: every live slot last heard on it starts its grace. */
+static void on_closed(broker_t *b, int fd, uint64_t now)
+{
+    broker_conn *c = conn_at(b, fd);
+    if (!c)
+        return;
+    uint32_t owner = c->peer;
+    c->peer = 0;
+    if (!owner || owner > b->n_peers)
+        return;
+    broker_peer *p = &b->peers[owner - 1];
+    if (!p->live || p->conn_fd != fd + 1)
+        return; /* gone already, or it speaks on another connection since */
+    /* The slots of one peer process share its connection; at most BROKER_MAX_SLOTS lookups. */
+    for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) {
+        broker_peer *q = p;
+        if (s != p->slot) {
+            char id[DB_KEY_LEN + 1];
+            broker_peer_id(p->pk, s, id);
+            q = broker_peer_find(b, id);
+        }
+        if (!q || !q->live || q->conn_fd != fd + 1 || q->closed_ms)
+            continue;
+        q->closed_ms = now ? now : 1;
+        q->closed_epoch = c->epoch;
+        closing_push(b, q, now);
+        FU_DEBUG(LOG, "peer %.8s (%s): its connection closed; dead unless heard again within %u ms", q->key, q->name,
+                 b->close_grace_ms);
+    }
+}
+
+void broker_conn_events(broker_t *b)
+{
+    if (!b->mon)
+        return;
+    for (;;) {
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, b->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&f);
+            return;
+        }
+        uint16_t ev = 0;
+        uint32_t value = 0;
+        if (zmq_msg_size(&f) >= 6) {
+            memcpy(&ev, zmq_msg_data(&f), sizeof ev);
+            memcpy(&value, (const uint8_t *)zmq_msg_data(&f) + 2, sizeof value);
+        }
+        while (zmq_msg_more(&f)) { /* the endpoint: not needed (for an accepted connection it is ours) */
+            zmq_msg_close(&f);
+            zmq_msg_init(&f);
+            if (zmq_msg_recv(&f, b->mon, 0) < 0)
+                break;
+        }
+        zmq_msg_close(&f);
+        int fd = value <= (uint32_t)BROKER_CONN_FD_MAX ? (int)value : -1;
+        if (ev == ZMQ_EVENT_ACCEPTED) {
+            broker_conn *c = conn_at(b, fd);
+            if (c) { /* a new connection: whoever was heard on this number before is not on it */
+                c->epoch++;
+                c->peer = 0;
+            }
+        } else if (ev == ZMQ_EVENT_DISCONNECTED) {
+            on_closed(b, fd, broker_now());
+        }
+    }
+}
+
+void broker_conn_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    int fd = wire_msg_src_fd(msg);
+    broker_conn *c = b->mon ? conn_at(b, fd) : NULL;
+    if (!c)
+        return;
+    if (p->closed_ms) {
+        if (p->conn_fd == fd + 1 && c->epoch == p->closed_epoch)
+            return; /* a late message of the closed connection: proves nothing */
+        p->closed_ms = 0;
+        b->tot.conn_reheard++;
+        FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key,
+                p->name);
+    }
+    uint32_t idx = (uint32_t)(p - b->peers) + 1;
+    if (p->conn_fd && p->conn_fd != fd + 1) {
+        broker_conn *old = conn_at(b, p->conn_fd - 1);
+        if (old && old->peer == idx)
+            old->peer = 0;
+    }
+    p->conn_fd = fd + 1;
+    c->peer = idx;
+}
+
+uint64_t broker_conn_sweep(broker_t *b)
+{
+    uint64_t now = broker_now();
+    while (b->closing_head < b->n_closing) {
+        const broker_closing e = b->closing[b->closing_head];
+        /* Judged as of the last turn that read the socket empty: a message on a new connection may be
+         * waiting unread behind a long turn. */
+        if (e.due_ms > b->drained_ms)
+            return e.due_ms > now ? e.due_ms - now : 0;
+        b->closing_head++;
+        broker_peer *p = e.peer < b->n_peers ? &b->peers[e.peer] : NULL;
+        if (!p || !p->live || p->closed_ms != e.closed_ms)
+            continue; /* gone meanwhile, heard again, or closed again later (its own entry) */
+        p->closed_ms = 0;
+        if (p->paused) {
+            FU_INFO(LOG, "peer %.8s (%s): its connection closed while it is paused (%s); its heartbeats decide",
+                    p->key, p->name, p->pause_reason);
+            continue;
+        }
+        char why[96];
+        snprintf(why, sizeof why, "connection closed (not heard again within %u ms)", b->close_grace_ms);
+        b->tot.conn_deaths++;
+        broker_peer_gone(b, p, false, why);
+    }
+    b->closing_head = b->n_closing = 0;
+    return UINT64_MAX;
+}
