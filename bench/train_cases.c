@@ -14,9 +14,10 @@
 #include "bench.h"
 #include "dag_exec.h"
 #include "dag_graph.h"
-#include "dag_quant.h"
+#include "dag_infer.h"
 #include "dag_model.h"
 #include "dag_quant.h"
+#include "dag_spec.h"
 #include "fu_clock.h"
 #include "fu_file.h"
 #include "fu_modelcfg.h"
@@ -643,4 +644,90 @@ BENCH_CASE(infer_salr)
 BENCH_CASE(infer_salr_keep_head)
 {
     infer_case("infer_salr_keep_head", TB_SALR_KEEP_HEAD);
+}
+
+/* ---- batched generation --------------------------------------------------------------------- */
+
+/* K generations decoding together (docs/DAG.md "Batched sessions"): each prompt is run alone, then
+ * TB_GENERATE steps each run every generation's next token in one forward (dag_infer_forward_batch,
+ * as a peer's stage batches its sessions). Aggregate generated tokens per second. */
+static void batch_child(int fd, void *arg)
+{
+    int k_sessions = *(const int *)arg;
+    tb_infer m = {0};
+    infer_open(TB_DENSE, &m);
+    dag_session_t **sess = calloc((size_t)k_sessions, sizeof *sess);
+    dag_infer_stage *st = calloc((size_t)k_sessions, sizeof *st);
+    dag_infer_stage **b = calloc((size_t)k_sessions, sizeof *b);
+    int32_t *next = calloc((size_t)k_sessions, sizeof *next);
+    uint64_t *rows = calloc((size_t)k_sessions, sizeof *rows);
+    dag_spec spec;
+    dag_spec_init(&spec, DAG_JOB_INFER);
+    spec.temperature = 0.8;
+    int32_t prompt[TB_PROMPT];
+    double best = 0, best_cpu = 0;
+    for (int r = 0; r < 3; r++) {
+        for (int k = 0; k < k_sessions; k++) {
+            spec.seed = (uint64_t)k + 1;
+            if (dag_exec_session_new(m.x, &sess[k]) != FU_OK ||
+                dag_infer_stage_init(&st[k], m.x, m.g, sess[k], &spec, true, true, 0) != FU_OK)
+                _exit(2);
+            b[k] = &st[k];
+            rows[k] = 1;
+            for (int i = 0; i < TB_PROMPT; i++)
+                prompt[i] = (int32_t)((i * 7919u + 3u + (unsigned)k * 131u) % env.cfg.vocab_size);
+            if (dag_infer_forward(&st[k], prompt, NULL, 0, TB_PROMPT, NULL) != FU_OK ||
+                dag_infer_sampled(&st[k], &next[k]) != FU_OK)
+                _exit(2);
+        }
+        double t0 = fu_clock_sec(), c0 = cpu_s();
+        for (int step = 1; step < TB_GENERATE; step++) {
+            if (dag_infer_forward_batch(b, (size_t)k_sessions, next, NULL, 0, rows, NULL) != FU_OK)
+                _exit(2);
+            for (int k = 0; k < k_sessions; k++)
+                if (dag_infer_sampled(&st[k], &next[k]) != FU_OK)
+                    _exit(2);
+        }
+        double tps = (double)k_sessions * (TB_GENERATE - 1) / (fu_clock_sec() - t0);
+        double cps = (double)k_sessions * (TB_GENERATE - 1) / ((cpu_s() - c0) / TB_THREADS);
+        if (r > 0 && tps > best) /* round 0 warms up; the best round counts */
+            best = tps;
+        if (r > 0 && cps > best_cpu)
+            best_cpu = cps;
+        for (int k = 0; k < k_sessions; k++)
+            dag_exec_session_destroy(&sess[k]);
+    }
+    char line[400];
+    snprintf(line, sizeof line,
+             "\"model\":\"dense\",\"layers\":%zu,\"hidden\":%zu,\"vocab\":%zu,\"threads\":%d,\"sessions\":%d,"
+             "\"prompt_tokens\":%d,\"generated_tokens_per_s\":%.1f,\"generated_tokens_per_cpu_s_x_threads\":%.1f,"
+             "\"peak_rss_gib\":%.3f",
+             env.cfg.num_hidden_layers, env.cfg.hidden_size, env.cfg.vocab_size, TB_THREADS, k_sessions,
+             TB_PROMPT, best, best_cpu, peak_gib());
+    send_line(fd, line);
+    dag_spec_clear(&spec);
+    free(rows);
+    free(next);
+    free(b);
+    free(st);
+    free(sess);
+    infer_close(&m);
+}
+
+BENCH_CASE(infer_batch)
+{
+    static const int ks[] = {1, 4, 16, 32};
+    double one = 0;
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
+        char line[512];
+        int k = ks[i];
+        if (!ensure_models(TB_DENSE) || !in_child(batch_child, &k, line, sizeof line)) {
+            bench_emit("train", "infer_batch", "\"sessions\":%d,\"error\":\"run failed\"", k);
+            continue;
+        }
+        double g = field(line, "\"generated_tokens_per_s\":");
+        if (k == 1)
+            one = g;
+        bench_emit("train", "infer_batch", "%s,\"speedup_vs_one_session\":%.2f", line, one > 0 ? g / one : 0.0);
+    }
 }

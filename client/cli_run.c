@@ -14,6 +14,8 @@
 
 #include "cli.h"
 #include "cli_openai.h"
+#include "cli_run_batch.h"
+#include "cli_runmodel.h"
 #include "dag_chain.h"
 #include "dag_data.h"
 #include "dag_peft.h"
@@ -33,7 +35,7 @@
 #include "fu_tokenizer.h"
 
 #define CLI_RUN_MAX_DATA      ((size_t)1 << 30) /* largest --data file read */
-#define CLI_RUN_MAX_PROMPT    65536             /* longest prompt in tokens */
+#define CLI_RUN_MAX_PROMPT    CLI_RUN_BATCH_MAX_PROMPT /* longest prompt in tokens */
 #define CLI_RUN_BAR_WIDTH     30                /* progress bar characters */
 
 /* Ctrl-C (SIGINT) or SIGTERM during `run finetune`: the step under way finishes, then the adapter of
@@ -82,89 +84,6 @@ static int output_dir_ready(const char *prog, const char *out, bool force)
         }
     }
     return FU_EXIT_OK;
-}
-
-static int fail(const char *prog, fu_err rc, const fu_errmsg *em)
-{
-    fprintf(stderr, "%s: %s\n", prog, fu_errmsg_text(em, rc));
-    return fu_exit_for(rc);
-}
-
-/* --threads: BLAS and kernel threads (0 leaves the libraries' defaults). */
-static bool set_threads(const char *prog, long long n)
-{
-    if (n < 0 || n > 1024) {
-        fprintf(stderr, "%s: --threads must be 0 (automatic) to 1024\n", prog);
-        return false;
-    }
-    if (n > 0) {
-        if (kern_cpu_set_threads((int)n) != FU_OK)
-            return false;
-    }
-    return true;
-}
-
-/* The model directory: config, weights, tokenizer, and whether it is SALR-pruned. */
-typedef struct {
-    fu_modelcfg cfg;
-    dag_model_dims dims;
-    fu_safetensors *st;
-    fu_tokenizer *tok;
-    dag_chat_format chat; /* tokenizer_config.json's chat_template (JSON Lines "messages") */
-    bool salr;
-    uint32_t res_rank;
-    bool salr_lm_head; /* the SALR model's lm_head is pruned too */
-} cli_model;
-
-/* byte_tokens: --byte-tokens (a model of more than 256 ids without tokenizer.json takes byte ids). */
-static fu_err model_open(const char *dir, bool byte_tokens, cli_model *m, fu_errmsg *em)
-{
-    memset(m, 0, sizeof *m);
-    FU_TRY(fu_modelcfg_load(dir, &m->cfg, em));
-    dag_dims_from_cfg(&m->cfg, &m->dims);
-    FU_TRY(fu_safetensors_open_dir(dir, &m->st, em));
-    FU_TRY(fu_tokenizer_open_dir(dir, m->cfg.vocab_size, m->cfg.byte_tokens || byte_tokens, &m->tok, em));
-    char *tc = fu_path_join(dir, FU_TOKENIZER_CONFIG_FILE), *txt = NULL;
-    size_t tl = 0;
-    fu_err rc = fu_path_exists(tc) ? fu_file_read_all(tc, FU_TOKENIZER_MAX_BYTES, &txt, &tl, em) : FU_OK;
-    if (rc == FU_OK && txt)
-        rc = dag_chat_format_from_config(txt, tl, &m->chat, em);
-    free(txt);
-    free(tc);
-    FU_TRY(rc);
-    char *sc = fu_path_join(dir, DAG_SALR_CONFIG_FILE);
-    bool has = fu_path_exists(sc);
-    free(sc);
-    if (has) {
-        dag_salr_info info;
-        FU_TRY(dag_salr_info_load(dir, &info, em));
-        m->salr = true;
-        m->res_rank = info.residual_rank;
-        m->salr_lm_head = info.lm_head;
-    }
-    return FU_OK;
-}
-
-static void model_close(cli_model *m)
-{
-    fu_safetensors_close(&m->st);
-    fu_tokenizer_destroy(&m->tok);
-}
-
-static fu_err make_graph(const cli_model *m, const dag_build_opts *bo, dag_graph_t **g, fu_errmsg *em)
-{
-    fu_err rc = dag_build_llama(&m->dims, bo, g);
-    if (rc != FU_OK)
-        return fu_errmsg_set(em, rc, "cannot build the model's graph (rank larger than a layer?)");
-    return dag_graph_validate(*g, em) != FU_OK ? FU_EINVAL : FU_OK;
-}
-
-static fu_err make_exec(const cli_model *m, const dag_build_opts *bo, const dag_exec_opts *eo, dag_graph_t **g,
-                        dag_exec_t **x, fu_errmsg *em)
-{
-    FU_TRY(make_graph(m, bo, g, em));
-    FU_TRY(dag_exec_new(*g, eo, x, em));
-    return dag_exec_load_weights(*x, m->st, em);
 }
 
 /* ---- finetune ------------------------------------------------------------------------------- */
@@ -249,25 +168,25 @@ static int run_finetune(int argc, char **argv)
     const long long rank = spec.rank, steps = (long long)spec.steps, batch = spec.batch, seq_len = spec.seq_len,
                     micro = spec.micro_batches;
     const double alpha = spec.alpha;
-    if (!set_threads(prog, threads))
+    if (!cli_run_threads(prog, threads))
         return FU_EXIT_USAGE;
 
     fu_errmsg em = {{0}};
-    cli_model m;
-    fu_err rc = model_open(model_dir, spec.byte_tokens, &m, &em);
+    cli_runmodel m;
+    fu_err rc = cli_runmodel_open(model_dir, spec.byte_tokens, &m, &em);
     if (rc != FU_OK) {
-        model_close(&m);
-        return fail(prog, rc, &em);
+        cli_runmodel_close(&m);
+        return cli_run_fail(prog, rc, &em);
     }
     if (method == DAG_ADAPTER_SALR && !m.salr) {
         fprintf(stderr, "%s: --method salr needs a SALR-pruned model; make one with `fusion model prune` "
                         "('%s' has no %s)\n", prog, model_dir, DAG_SALR_CONFIG_FILE);
-        model_close(&m);
+        cli_runmodel_close(&m);
         return FU_EXIT_USAGE;
     }
     if (m.salr && method != DAG_ADAPTER_SALR) {
         fprintf(stderr, "%s: '%s' is a SALR-pruned model: use --method salr\n", prog, model_dir);
-        model_close(&m);
+        cli_runmodel_close(&m);
         return FU_EXIT_USAGE;
     }
     char *text = NULL;
@@ -282,7 +201,7 @@ static int run_finetune(int argc, char **argv)
     dag_dataset_opts dopt = {.seq_len = (uint32_t)seq_len, .heldout = spec.heldout, .chat = m.chat};
     if ((rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) != FU_OK ||
         (rc = dag_dataset_make(m.tok, text, text_len, &dopt, &ds, &em)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     ids = ds.train;
@@ -305,9 +224,9 @@ static int run_finetune(int argc, char **argv)
     uint32_t rows = (uint32_t)(batch / micro); /* sequences per micro-batch */
     dag_exec_opts eo = {.max_tokens = rows * (uint32_t)seq_len, .n_slots = 1, .training = true,
                         .seed = spec.seed, .lorafa_correction = correction};
-    if ((rc = make_graph(&m, &bo, &g, &em)) != FU_OK ||
+    if ((rc = cli_runmodel_graph(&m, &bo, &g, &em)) != FU_OK ||
         (rc = dag_chain_new(&chain, g, &eo, m.st, cuts, n_cuts, &spec, ids, n_ids, &em)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     if ((exit_code = output_dir_ready(prog, out, force)) != FU_EXIT_OK)
@@ -353,7 +272,7 @@ static int run_finetune(int argc, char **argv)
         }
     }
     if ((rc = dag_chain_save_adapter(&chain, out, model_dir, &em)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     if (g_interrupted) {
@@ -371,7 +290,7 @@ done:
     dag_graph_destroy(&g);
     free(ids);
     free(text);
-    model_close(&m);
+    cli_runmodel_close(&m);
     return exit_code;
 }
 
@@ -426,14 +345,18 @@ static bool stop_text_add(stop_text *st, const fu_tokenizer *tok, int32_t id, bo
 
 static int run_infer(int argc, char **argv)
 {
-    const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *dump = NULL;
-    long long threads = 0;
+    const char *model_dir = NULL, *adapter = NULL, *prompt = NULL, *dump = NULL, *prompts = NULL;
+    long long threads = 0, batch = 8;
     bool quiet = false;
     dag_spec_cli sc;
     fu_opt opts[DAG_SPEC_CLI_MAX_OPTS + 8] = {
         {"model", 0, FU_OPT_STR, &model_dir, "DIR", "Hugging Face model directory"},
         {"adapter", 0, FU_OPT_STR, &adapter, "DIR", "PEFT adapter directory (from `fusion run finetune`)"},
         {"prompt", 0, FU_OPT_STR, &prompt, "TEXT", "prompt text"},
+        {"prompts", 0, FU_OPT_STR, &prompts, "FILE",
+         "JSON Lines of {\"prompt\": TEXT} or {\"prompt_tokens\": [IDS]}: generate for each, batched; one JSON "
+         "line per result (generation i seeds with --seed + i)"},
+        {"batch", 0, FU_OPT_INT, &batch, "N", "with --prompts: generations run together (default 8)"},
         {"dump-logits", 0, FU_OPT_STR, &dump, "FILE",
          "write float32 logits of every prompt position (little-endian, positions x vocab)"},
         {"quiet", 'q', FU_OPT_FLAG, &quiet, NULL, "print only the generated text (no statistics)"},
@@ -441,7 +364,7 @@ static int run_infer(int argc, char **argv)
     };
     fu_cmd cmd = {
         .prog = argv[0],
-        .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+        .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS | --prompts FILE) [options]",
         .summary = "Generates text in this process, streaming tokens as they are drawn. The prompt is run "
                    "through the model in one pass, then tokens are generated one at a time with a KV cache."};
     int code = 0;
@@ -449,21 +372,25 @@ static int run_infer(int argc, char **argv)
                            &code) != FU_OK)
         return code;
     const char *prog = argv[0];
-    if (!model_dir || (!prompt == !sc.prompt_tokens))
-        return fu_opts_usage_error(&cmd, "--model and one of --prompt or --prompt-tokens are required");
+    if (!model_dir || (!!prompt + !!sc.prompt_tokens + !!prompts) != 1)
+        return fu_opts_usage_error(&cmd, "--model and one of --prompt, --prompt-tokens or --prompts are required");
+    if (batch < 1 || batch > DAG_INFER_MAX_BATCH)
+        return fu_opts_usage_error(&cmd, "--batch must be 1 to 256");
+    if (prompts && dump)
+        return fu_opts_usage_error(&cmd, "--dump-logits takes one prompt, not --prompts");
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_INFER, model_dir, &spec, &code) != FU_OK)
         return code;
     const long long max_new = spec.max_tokens;
     fu_errmsg em = {{0}};
-    cli_model m;
-    fu_err rc = !set_threads(prog, threads) ? FU_EINVAL : model_open(model_dir, spec.byte_tokens, &m, &em);
+    cli_runmodel m;
+    fu_err rc = !cli_run_threads(prog, threads) ? FU_EINVAL : cli_runmodel_open(model_dir, spec.byte_tokens, &m, &em);
     if (rc != FU_OK) {
         dag_spec_clear(&spec);
         if (rc == FU_EINVAL && !em.msg[0])
             return FU_EXIT_USAGE; /* --threads */
-        model_close(&m);
-        return fail(prog, rc, &em);
+        cli_runmodel_close(&m);
+        return cli_run_fail(prog, rc, &em);
     }
     int32_t *ids = NULL;
     size_t n_prompt = 0;
@@ -472,7 +399,9 @@ static int run_infer(int argc, char **argv)
     dag_session_t *sess = NULL;
     fu_safetensors *ast = NULL;
     int exit_code = FU_EXIT_OK;
-    if (spec.prompt_tokens) {
+    if (prompts) {
+        n_prompt = 1; /* the graph's cost estimates only */
+    } else if (spec.prompt_tokens) {
         for (size_t i = 0; i < spec.n_prompt_tokens; i++)
             if ((uint32_t)spec.prompt_tokens[i] >= m.dims.vocab_size) {
                 fprintf(stderr, "%s: --prompt-tokens must be ids below the vocabulary size %u\n", prog,
@@ -484,7 +413,7 @@ static int run_infer(int argc, char **argv)
         n_prompt = spec.n_prompt_tokens;
         spec.prompt_tokens = NULL;
     } else if ((rc = fu_tokenizer_encode(m.tok, prompt, strlen(prompt), &ids, &n_prompt, &em)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     if (n_prompt == 0 || n_prompt > CLI_RUN_MAX_PROMPT) {
@@ -499,7 +428,7 @@ static int run_infer(int argc, char **argv)
         uint32_t r = 0, tg = 0;
         float a = 0;
         if ((rc = dag_peft_config_load(adapter, &r, &a, &tg, &em)) != FU_OK) {
-            exit_code = fail(prog, rc, &em);
+            exit_code = cli_run_fail(prog, rc, &em);
             goto done;
         }
         if (!m.salr)
@@ -511,17 +440,21 @@ static int run_infer(int argc, char **argv)
         rc = fu_safetensors_open_file(ap, &ast, &em);
         free(ap);
         if (rc != FU_OK) {
-            exit_code = fail(prog, rc, &em);
+            exit_code = cli_run_fail(prog, rc, &em);
             goto done;
         }
+    }
+    if (prompts) {
+        exit_code = cli_run_infer_batch(prog, &m, &spec, &bo, ast, prompts, (uint32_t)batch, quiet);
+        goto done;
     }
     dag_exec_opts eo = {.max_tokens = (uint32_t)n_prompt, .n_slots = 1, .training = false,
                         .logits_all = dump != NULL, .max_context = (uint32_t)(n_prompt + (size_t)max_new + 1)};
     dag_infer_stage is;
-    if ((rc = make_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK ||
+    if ((rc = cli_runmodel_exec(&m, &bo, &eo, &g, &x, &em)) != FU_OK ||
         (ast && (rc = dag_exec_load_adapter(x, ast, &em)) != FU_OK) || (rc = dag_exec_session_new(x, &sess)) != FU_OK ||
         (rc = dag_infer_stage_init(&is, x, g, sess, &spec, true, true, 0)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     /* The one-stage pipeline: the peers' step (dag_infer) with this process as stage 0 and the last
@@ -584,7 +517,7 @@ done:
     fu_safetensors_close(&ast);
     free(ids);
     dag_spec_clear(&spec);
-    model_close(&m);
+    cli_runmodel_close(&m);
     return exit_code;
 }
 
@@ -592,13 +525,13 @@ done:
 
 /* Mean loss per counted target over the whole windows of stream (rows of batch windows), with the
  * graph bo of model m (and adapter ast when given). */
-static fu_err mean_loss(const cli_model *m, const dag_build_opts *bo, const fu_safetensors *ast, const int32_t *stream,
+static fu_err mean_loss(const cli_runmodel *m, const dag_build_opts *bo, const fu_safetensors *ast, const int32_t *stream,
                         size_t n, uint32_t seq_len, uint32_t batch, double *loss, int64_t *counted, fu_errmsg *em)
 {
     dag_exec_opts eo = {.max_tokens = batch * seq_len, .n_slots = 1, .training = false};
     dag_graph_t *g = NULL;
     dag_exec_t *x = NULL;
-    fu_err rc = make_exec(m, bo, &eo, &g, &x, em);
+    fu_err rc = cli_runmodel_exec(m, bo, &eo, &g, &x, em);
     if (rc == FU_OK && ast)
         rc = dag_exec_load_adapter(x, ast, em);
     const size_t win = (size_t)seq_len + 1, w = n / win;
@@ -667,21 +600,21 @@ static int run_eval(int argc, char **argv)
     if (!(heldout >= 0 && heldout <= DAG_DATASET_MAX_HELDOUT) || seq_len < 1 || seq_len > 65536 || batch < 1 ||
         batch > 4096)
         return fu_opts_usage_error(&cmd, "--heldout must be 0..0.5, --seq-len 1..65536, --batch 1..4096");
-    if (!set_threads(prog, threads))
+    if (!cli_run_threads(prog, threads))
         return FU_EXIT_USAGE;
     fu_errmsg em = {{0}};
-    cli_model m;
+    cli_runmodel m;
     fu_safetensors *ast = NULL;
     char *text = NULL;
     size_t text_len = 0;
     dag_dataset ds = {0};
     int exit_code = FU_EXIT_OK;
-    fu_err rc = model_open(model_dir, byte_tokens, &m, &em);
+    fu_err rc = cli_runmodel_open(model_dir, byte_tokens, &m, &em);
     dag_dataset_opts dopt = {.seq_len = (uint32_t)seq_len, .heldout = heldout, .chat = m.chat};
     if (rc == FU_OK && (rc = fu_file_read_all(data, CLI_RUN_MAX_DATA, &text, &text_len, &em)) == FU_OK)
         rc = dag_dataset_make(m.tok, text, text_len, &dopt, &ds, &em);
     if (rc != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     const int32_t *stream = ds.n_heldout ? ds.heldout : ds.train;
@@ -697,7 +630,7 @@ static int run_eval(int argc, char **argv)
     double base = NAN, tuned = NAN;
     int64_t counted = 0;
     if ((rc = mean_loss(&m, &bo, NULL, stream, n, (uint32_t)seq_len, (uint32_t)batch, &base, &counted, &em)) != FU_OK) {
-        exit_code = fail(prog, rc, &em);
+        exit_code = cli_run_fail(prog, rc, &em);
         goto done;
     }
     if (adapter) {
@@ -716,7 +649,7 @@ static int run_eval(int argc, char **argv)
         if (rc == FU_OK)
             rc = mean_loss(&m, &bo, ast, stream, n, (uint32_t)seq_len, (uint32_t)batch, &tuned, &counted, &em);
         if (rc != FU_OK) {
-            exit_code = fail(prog, rc, &em);
+            exit_code = cli_run_fail(prog, rc, &em);
             goto done;
         }
     }
@@ -736,7 +669,7 @@ done:
     dag_dataset_free(&ds);
     free(text);
     fu_safetensors_close(&ast);
-    model_close(&m);
+    cli_runmodel_close(&m);
     return exit_code;
 }
 

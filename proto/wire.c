@@ -210,6 +210,19 @@ bool wire_utf8_valid(const char *str, size_t n)
     return true;
 }
 
+void wire_utf8_clean(char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0))
+            i += len;
+        else
+            s[i++] = '?';
+    }
+}
+
 static fu_err validate_at(const ProtobufCMessage *m, unsigned depth);
 
 static fu_err validate_value(const ProtobufCFieldDescriptor *f, const void *p, unsigned depth)

@@ -173,6 +173,9 @@ void   wire_msg_destroy(wire_msg_t **msg_p);
 
 /* Strict UTF-8 check (no overlongs, no surrogates, nothing above U+10FFFF) of n bytes. */
 bool wire_utf8_valid(const char *s, size_t n);
+/* Replaces, in place, every byte of s[0..n) that does not begin a valid UTF-8 character (and NUL)
+ * with '?', as the broker shows a generation's bytes that are no text (yet). */
+void wire_utf8_clean(char *s, size_t n);
 
 /* Validates a decoded protobuf-c message: every enum value is one the schema names, every string
  * is valid UTF-8, no repeated field has more than WIRE_MAX_REPEATED elements, nesting at most

@@ -1,10 +1,12 @@
-/* `fusion run finetune` and `fusion run infer` as real processes on a tiny model. */
+/* `fusion run finetune` and `fusion run infer` as real processes on a tiny model, `run infer --prompts`
+ * (batched generations) among them. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +17,7 @@
 #include "fu_file.h"
 #include "fu_modelcfg.h"
 #include "testutil.h"
+#include "wire.h"
 
 static char *model; /* tiny model, in the scratch directory tu_dir */
 static char *data;  /* training text */
@@ -408,6 +411,102 @@ static void test_dag_cli_quantize(void **state)
     check_merged(base, "q8-adapter", "merged-q8");
 }
 
+/* The "text" of JSON line `index` of a --prompts run's output (caller frees). */
+static char *batch_text(const char *out, int index)
+{
+    for (const char *l = out; l && *l;) {
+        const char *nl = strchr(l, '\n');
+        size_t len = nl ? (size_t)(nl - l) : strlen(l);
+        cJSON *o = cJSON_ParseWithLength(l, len);
+        const cJSON *i = cJSON_GetObjectItemCaseSensitive(o, "index");
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "text");
+        if (cJSON_IsNumber(i) && i->valueint == index && cJSON_IsString(t)) {
+            char *r = strdup(t->valuestring);
+            cJSON_Delete(o);
+            return r;
+        }
+        cJSON_Delete(o);
+        l = nl ? nl + 1 : NULL;
+    }
+    fail_msg("no result for prompt %d in:\n%s", index, out);
+    return NULL;
+}
+
+static void test_dag_cli_infer_prompts_batched(void **state)
+{
+    (void)state;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/prompts.jsonl", tu_dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("{\"prompt\": \"the quick\"}\n\n{\"prompt_tokens\": [116, 104, 101, 32, 108]}\n"
+          "{\"prompt\": \"over the lazy dog, and back again\"}\n{\"prompt_tokens\": [7]}\n", f);
+    fclose(f);
+    static const char *const solo[4] = {"--prompt 'the quick'", "--prompt-tokens 116,104,101,32,108",
+                                        "--prompt 'over the lazy dog, and back again'", "--prompt-tokens 7"};
+    /* One at a time (--batch 1), generation i is `run infer` with seed 7 + i: the same text. */
+    char *one = tu_fusion_expect_out(0, NULL, "run infer -q --model %s --prompts %s --batch 1 --max-tokens 10 "
+                                     "--temperature 0.9 --seed 7 2>/dev/null", model, path);
+    for (int i = 0; i < 4; i++) {
+        char *want = tu_fusion_expect_out(0, NULL, "run infer -q --model %s %s --max-tokens 10 --temperature 0.9 "
+                                          "--seed %d 2>/dev/null", model, solo[i], 7 + i);
+        size_t n = strlen(want);
+        if (n && want[n - 1] == '\n')
+            want[--n] = '\0';
+        wire_utf8_clean(want, n); /* the JSON line shows bytes that are no text as '?' */
+        char *got = batch_text(one, i);
+        assert_string_equal(got, want);
+        free(got);
+        free(want);
+    }
+    /* All four in one batch, greedy: each its text alone (the batch's products round otherwise by
+     * about 1e-6, far below this model's gaps between the two likeliest tokens), and a batch of 2 as
+     * well (the third and fourth prompts join as the first two end). The statistics count them. */
+    char *g1 = tu_fusion_expect_out(0, NULL, "run infer -q --model %s --prompts %s --batch 1 --max-tokens 12 "
+                                    "--temperature 0 2>/dev/null", model, path);
+    char *g4 = tu_fusion_expect_out(0, "4 generations: 48 tokens", "run infer --model %s --prompts %s --batch 4 "
+                                    "--max-tokens 12 --temperature 0 2>&1", model, path);
+    char *g2 = tu_fusion_expect_out(0, "batched steps of up to 2", "run infer --model %s --prompts %s --batch 2 "
+                                    "--max-tokens 12 --temperature 0 2>&1", model, path);
+    for (int i = 0; i < 4; i++) {
+        char *a = batch_text(g1, i), *b = batch_text(g4, i), *c = batch_text(g2, i);
+        assert_string_equal(a, b);
+        assert_string_equal(a, c);
+        free(a);
+        free(b);
+        free(c);
+    }
+    assert_non_null(strstr(g4, "\"completion_tokens\":12,\"finish_reason\":\"length\""));
+    free(g1);
+    free(g2);
+    free(g4);
+    free(one);
+
+    /* Bad files and options: a clear message, nothing generated. */
+    snprintf(path, sizeof path, "%s/bad.jsonl", tu_dir);
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("{\"prompt\": \"fine\"}\n{\"prompt\": 3}\n", f);
+    fclose(f);
+    tu_fusion_expect(1, "bad.jsonl': line 2: give one of \"prompt\" (text) or \"prompt_tokens\" (ids)",
+                     "run infer --model %s --prompts %s 2>&1", model, path);
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("{\"prompt_tokens\": [1, 256]}\n", f);
+    fclose(f);
+    tu_fusion_expect(1, "line 1: prompt_tokens must be ids below the vocabulary size 256",
+                     "run infer --model %s --prompts %s 2>&1", model, path);
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("\n  \n", f);
+    fclose(f);
+    tu_fusion_expect(1, "no prompts in the file", "run infer --model %s --prompts %s 2>&1", model, path);
+    tu_fusion_expect(4, "No such file", "run infer --model %s --prompts %s/none.jsonl 2>&1", model, tu_dir);
+    tu_fusion_expect(2, "one of --prompt, --prompt-tokens or --prompts",
+                     "run infer --model %s --prompts %s --prompt hi 2>&1", model, path);
+    tu_fusion_expect(2, "--batch must be 1 to 256", "run infer --model %s --prompts %s --batch 0 2>&1", model, path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -419,6 +518,7 @@ int main(void)
         cmocka_unit_test(test_dag_cli_quantize),
         cmocka_unit_test(test_dag_cli_jsonl_prompt_masking_and_eval),
         cmocka_unit_test(test_dag_cli_merge),
+        cmocka_unit_test(test_dag_cli_infer_prompts_batched),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
