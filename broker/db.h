@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define DB_SCHEMA_VERSION     8          /* PRAGMA user_version this code writes and understands */
+#define DB_SCHEMA_VERSION     9          /* PRAGMA user_version this code writes and understands */
 #define DB_KEY_LEN            40         /* Z85 characters of a 32-byte public key */
 #define DB_JOB_ID_LEN         16         /* hex characters of a job id (8 random bytes) */
 #define DB_HASH_LEN           32         /* BLAKE2b digest bytes (crypto_generichash) */
@@ -478,8 +478,8 @@ typedef struct {
     int64_t pages, free_pages, page_size; /* the main file: pages, of which free, bytes per page */
 } db_store_stats;
 /* The figures; deep adds those that count every ended job (two index scans, a few milliseconds per
- * 100,000 jobs: not for every turn of a loop). No figure reads a job row: its spec comes first, and
- * reading the columns after it walks its overflow pages. */
+ * 100,000 jobs: not for every turn of a loop). No figure reads a job row: an ended job's result comes
+ * before most of its columns, and reading the columns after it walks its overflow pages. */
 FU_MUST_CHECK fu_err db_store_stats_get(db_t *db, bool deep, db_store_stats *out);
 
 #ifdef __cplusplus

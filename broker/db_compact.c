@@ -24,8 +24,8 @@
 #define ARCHIVE_V1 "fusion event archive v1" /* domain of an archive row's hash */
 #define HEAD_EXTRA 64 /* rows read past a batch: `excluded` events of unfinished jobs stay and are skipped */
 /* Whether event e stays: an `excluded` event of a queued or running job (a restarted broker reads them).
- * CASE, not AND: SQLite evaluates both sides of an AND in a result column, and the job's state comes
- * after its spec in the row (reading it walks the spec's overflow pages). */
+ * CASE, not AND: SQLite evaluates both sides of an AND in a result column (and before schema version 9 a
+ * job's state came after its spec in the row: reading it walked the spec's overflow pages). */
 #define KEEP_EXPR                                                                                          \
     "CASE WHEN e.kind = 'excluded' THEN EXISTS (SELECT 1 FROM jobs j WHERE j.id = e.job_id AND j.state IN " \
     "('queued','running')) ELSE 0 END"
@@ -428,7 +428,7 @@ static fu_err ckpt_step(db_t *db, int64_t before_ms, int64_t *rows, int64_t *byt
 {
     /* From the few jobs that have checkpoints (a covering index), never from all the ended jobs (a GROUP BY
      * over the join made SQLite read every blob: 150 ms for 4 MiB), and through jobs_ended_id: no job row is
-     * read (a running job's spec comes before its state: megabytes of overflow pages for every turn). */
+     * read (an ended job's result comes before updated_ms: megabytes of overflow pages for every turn). */
     static const char SQL_FIND[] = "SELECT c.job_id, (SELECT count(*) FROM checkpoints k WHERE k.job_id = c.job_id), "
                                    "(SELECT sum(length(k.data)) FROM checkpoints k WHERE k.job_id = c.job_id) FROM "
                                    "(SELECT DISTINCT job_id FROM checkpoints) c JOIN jobs AS j INDEXED BY jobs_ended_id "
@@ -478,12 +478,14 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
                          int64_t *bytes, bool *more)
 {
     static const char SQL_FIND[] =
-        "SELECT id, coalesce(length(result), 0), CASE WHEN instr(spec, x'00') > 0 THEN length(spec) - "
-        "instr(spec, x'00') ELSE 0 END, result_path FROM jobs INDEXED BY jobs_ended WHERE purged_ms IS NULL AND "
-        "state IN ('done','failed','cancelled') AND updated_ms < ?1 ORDER BY updated_ms LIMIT ?2";
-    static const char SQL_PURGE[] =
-        "UPDATE jobs SET result = NULL, result_path = NULL, purged_ms = ?2, spec = CASE WHEN instr(spec, x'00') > 0 "
-        "THEN substr(spec, 1, instr(spec, x'00')) ELSE spec END WHERE id = ?1";
+        "SELECT j.id, coalesce(length(j.result), 0), (SELECT CASE WHEN instr(s.spec, x'00') > 0 THEN length(s.spec) - "
+        "instr(s.spec, x'00') ELSE 0 END FROM job_specs s WHERE s.job_id = j.id), j.result_path FROM jobs j INDEXED BY "
+        "jobs_ended WHERE j.purged_ms IS NULL AND j.state IN ('done','failed','cancelled') AND j.updated_ms < ?1 "
+        "ORDER BY j.updated_ms LIMIT ?2";
+    static const char SQL_PURGE[] = "UPDATE jobs SET result = NULL, result_path = NULL, purged_ms = ?2 WHERE id = ?1";
+    /* the spec keeps its text and NUL (job_specs, schema version 9): the tokens go */
+    static const char SQL_TOKENS[] = "UPDATE job_specs SET spec = substr(spec, 1, instr(spec, x'00')) "
+                                     "WHERE job_id = ?1 AND instr(spec, x'00') BETWEEN 1 AND length(spec) - 1";
     static const char SQL_CK[] = "DELETE FROM checkpoints WHERE job_id = ?";
     struct {
         char id[DB_JOB_ID_LEN + 1];
@@ -523,6 +525,8 @@ static fu_err purge_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t ke
     for (int i = 0; i < n; i++) {
         if ((err = db_prep(db, SQL_PURGE, &st)) != FU_OK || (err = db_bind(db, st, "ti", j[i].id, now_ms)) != FU_OK ||
             (err = db_run(db, st, "deleting a job's artifacts")) != FU_OK ||
+            (err = db_prep(db, SQL_TOKENS, &st)) != FU_OK || (err = db_bind(db, st, "t", j[i].id)) != FU_OK ||
+            (err = db_run(db, st, "deleting a job's tokens")) != FU_OK ||
             (err = db_prep(db, SQL_CK, &st)) != FU_OK || (err = db_bind(db, st, "t", j[i].id)) != FU_OK ||
             (err = db_run(db, st, "deleting a job's checkpoints")) != FU_OK ||
             (err = db_event_put(db, now_ms, j[i].id, NULL, "purged",

@@ -14,12 +14,16 @@
 
 #define DB_LOG "db"
 
-/* The columns read_job expects, in order; the list variant leaves the blobs out. */
+/* The columns read_job expects, in order (from `jobs`); the list variant leaves the blobs out. A job's
+ * spec is in job_specs (schema version 9), written once at submission: the jobs row stays small, so that
+ * updating it (state, progress) or reading it never touches the spec's megabytes of tokens. length() of a
+ * blob reads no overflow page. */
+#define JOB_SPEC_OF_ROW "(SELECT s.spec FROM job_specs s WHERE s.job_id = jobs.id)"
 #define JOB_COLS                                                                                   \
     "id, owner, idem_key, kind, state, step, total_steps, loss, tokens_per_s, reason, result_path, " \
-    "result_hash, created_ms, updated_ms, retries, length(spec), length(result), model_id, micro_batches, " \
-    "coalesce(purged_ms, 0)"
-#define JOB_COLS_BLOBS JOB_COLS ", spec, result"
+    "result_hash, created_ms, updated_ms, retries, (SELECT length(s.spec) FROM job_specs s WHERE s.job_id = " \
+    "jobs.id), length(result), model_id, micro_batches, coalesce(purged_ms, 0)"
+#define JOB_COLS_BLOBS JOB_COLS ", " JOB_SPEC_OF_ROW ", result"
 
 static void job_members_free(db_job *j)
 {
@@ -137,10 +141,12 @@ static bool text_ok(const char *s, size_t max)
 fu_err db_job_submit(db_t *db, const char *owner, const char *idem_key, db_job_kind kind, const void *spec,
                      size_t spec_len, const char *model_id, int64_t now_ms, char job_id[DB_JOB_ID_LEN + 1], bool *created)
 {
-    static const char SQL_FIND[] = "SELECT id, kind, spec = ?3 FROM jobs WHERE owner = ?1 AND idem_key = ?2";
+    static const char SQL_FIND[] = "SELECT id, kind, " JOB_SPEC_OF_ROW " = ?3 FROM jobs WHERE owner = ?1 AND "
+                                   "idem_key = ?2";
     static const char SQL_TAKEN[] = "SELECT 1 FROM jobs WHERE id = ?";
-    static const char SQL_INSERT[] = "INSERT INTO jobs (id, owner, idem_key, kind, spec, state, created_ms, "
-                                     "updated_ms, model_id) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, ?)";
+    static const char SQL_INSERT[] = "INSERT INTO jobs (id, owner, idem_key, kind, state, created_ms, updated_ms, "
+                                     "model_id) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)";
+    static const char SQL_SPEC[] = "INSERT INTO job_specs (job_id, spec) VALUES (?, ?)";
     if (!db || !db_key_valid(owner) || !idem_valid(idem_key) || (unsigned)kind >= DB_N_KINDS || !spec ||
         spec_len == 0 || spec_len > DB_SPEC_MAX || !job_id || !created ||
         (model_id && strlen(model_id) != DB_MODEL_ID_LEN))
@@ -192,9 +198,11 @@ fu_err db_job_submit(db_t *db, const char *owner, const char *idem_key, db_job_k
         }
     }
     if ((err = db_prep(db, SQL_INSERT, &st)) != FU_OK ||
-        (err = db_bind(db, st, "ttttbiit", id, owner, idem_key, db_job_kind_names[kind], spec, spec_len, now_ms,
-                       now_ms, model_id)) != FU_OK ||
-        (err = db_run(db, st, "inserting a job")) != FU_OK)
+        (err = db_bind(db, st, "ttttiit", id, owner, idem_key, db_job_kind_names[kind], now_ms, now_ms, model_id)) !=
+            FU_OK ||
+        (err = db_run(db, st, "inserting a job")) != FU_OK || (err = db_prep(db, SQL_SPEC, &st)) != FU_OK ||
+        (err = db_bind(db, st, "tb", id, spec, spec_len)) != FU_OK ||
+        (err = db_run(db, st, "storing a job's spec")) != FU_OK)
         goto fail;
     if ((err = db_event_put(db, now_ms, id, NULL, "submitted", "%s, spec %zu bytes", db_job_kind_names[kind],
                             spec_len)) != FU_OK)
@@ -282,7 +290,8 @@ fu_err db_job_counts(db_t *db, int64_t counts[DB_N_JOB_STATES])
 fu_err db_owner_usage(db_t *db, const char *owner, int64_t *unfinished, int64_t *bytes)
 {
     static const char SQL[] = "SELECT count(*) FILTER (WHERE state IN ('queued', 'running')), "
-                              "coalesce(sum(length(spec) + coalesce(length(result), 0)), 0) "
+                              "coalesce(sum(coalesce((SELECT length(s.spec) FROM job_specs s WHERE s.job_id = "
+                              "jobs.id), 0) + coalesce(length(result), 0)), 0) "
                               "FROM jobs WHERE owner = ?1";
     if (!db || !db_key_valid(owner) || !unfinished || !bytes)
         return FU_EINVAL;

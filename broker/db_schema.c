@@ -141,6 +141,16 @@ const char *const db_migrations[] = {
      * updated_ms: reading those walks megabytes of overflow pages). */
     "CREATE INDEX jobs_ended_id ON jobs(id, updated_ms) WHERE purged_ms IS NULL AND "
     "state IN ('done','failed','cancelled');",
+    /* 8 → 9: a job's spec (its text, a NUL, its token ids: 4 MB for a submission of a million tokens) in a
+     * table of its own, written once at submission: an update of the job's row (state, progress, reason)
+     * no longer rewrites it, and reading a row's columns no longer walks its overflow pages. The specs are
+     * copied over and the column dropped (SQLite rewrites the jobs rows) in this one transaction. */
+    "CREATE TABLE job_specs ("
+    "  job_id TEXT PRIMARY KEY NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,"
+    "  spec   BLOB NOT NULL CHECK (length(spec) >= 1)"
+    ") STRICT;"
+    "INSERT INTO job_specs (job_id, spec) SELECT id, spec FROM jobs ORDER BY rowid;"
+    "ALTER TABLE jobs DROP COLUMN spec;",
 };
 _Static_assert(sizeof db_migrations / sizeof db_migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

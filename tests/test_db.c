@@ -108,6 +108,58 @@ static int64_t raw_int(const char *path, const char *sql)
     return v;
 }
 
+/* The migrations as broker/db_schema.c has them: a test builds a store exactly as an older version made it. */
+extern const char *const db_migrations[];
+#define TEST_APPLICATION_ID 0x46555331 /* "FUS1" (broker/db.c) */
+
+/* A store as version 8 wrote it, made by migrations 0..7 on a raw connection (the spec in the jobs row,
+ * before state and progress). */
+static void raw_v8_store(const char *path)
+{
+    char sql[128];
+    snprintf(sql, sizeof sql, "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL; PRAGMA application_id = %d",
+             TEST_APPLICATION_ID);
+    raw_exec(path, sql);
+    for (int v = 0; v < 8; v++)
+        raw_exec(path, db_migrations[v]);
+    raw_exec(path, "PRAGMA user_version = 8");
+}
+
+/* Turns a current store back into what version 8 had (the spec in the jobs row, no job_specs), so that a
+ * test of an older version can go on downgrading from there. */
+static void raw_back_to_v8(const char *path)
+{
+    raw_exec(path, "ALTER TABLE jobs ADD COLUMN spec BLOB NOT NULL DEFAULT x'00';"
+                   "UPDATE jobs SET spec = (SELECT s.spec FROM job_specs s WHERE s.job_id = jobs.id);"
+                   "DROP TABLE job_specs; PRAGMA user_version = 8");
+}
+
+static int64_t file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (int64_t)st.st_size : 0;
+}
+
+/* The bytes in path's WAL file. */
+static int64_t wal_size(const char *path)
+{
+    char wal[4200];
+    snprintf(wal, sizeof wal, "%s-wal", path);
+    return file_size(wal);
+}
+
+/* Copies the WAL into the store and truncates it to 0 bytes from a second connection (the store's own
+ * connection holds no read transaction between calls), so that wal_size then counts what the next
+ * commits write. */
+static void raw_wal_truncate(sqlite3 *c)
+{
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_prepare_v2(c, "PRAGMA wal_checkpoint(TRUNCATE)", -1, &st, NULL), SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    assert_int_equal(sqlite3_column_int(st, 0), 0); /* not busy */
+    sqlite3_finalize(st);
+}
+
 /* Captures what the code under test logs to stderr between capture_start and capture_stop. */
 static int g_saved_stderr = -1;
 static char g_capture_path[4200];
@@ -300,6 +352,7 @@ static void test_db_v1_stage_ranges_migrate(void **state)
     job_with_plan(db, owner, "idem-v1", 3, id);
     db_close(&db);
     /* What version 1 wrote for the same plan. */
+    raw_back_to_v8(f->path);
     raw_exec(f->path, "ALTER TABLE stages RENAME COLUMN node_end TO node_last;"
                       "UPDATE stages SET node_last = node_last - 1; ALTER TABLE jobs DROP COLUMN model_id;"
                       "DROP TABLE model_hashes; DROP TABLE event_archive;"
@@ -333,6 +386,7 @@ static void test_db_v4_jobs_rebuilt_keeps_references(void **state)
     job_with_plan(db, f->key[0], "idem-v4", 3, id);
     put_ckpt(db, id, 1, 5);
     db_close(&db);
+    raw_back_to_v8(f->path);
     raw_exec(f->path, "DROP TABLE event_archive; PRAGMA user_version = 4");
     db = open_ok(f->path);
     db_stage *st = NULL;
@@ -1926,6 +1980,9 @@ static void test_db_compact_purges_jobs_past_retention(void **state)
     assert_int_equal(j->spec_len, sizeof text); /* the spec text and its NUL: no tokens */
     assert_memory_equal(j->spec, text, sizeof text);
     db_job_free(&j);
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT length(spec) FROM job_specs WHERE job_id = '%s'", done);
+    assert_int_equal(raw_int(f->path, sql), (int64_t)sizeof text); /* in the specs' own table */
     assert_int_not_equal(access(file, F_OK), 0); /* the result file is gone */
     assert_int_equal(db_job_get(db, run, NULL, &j), FU_OK); /* the running job: untouched */
     assert_int_equal(j->spec_len, spec_len);
@@ -1966,6 +2023,7 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
     free(blob);
     assert_int_equal(db_event_add(db, 3000, id, NULL, "note", "before the migration"), FU_OK);
     db_close(&db);
+    raw_back_to_v8(f->path);
     raw_exec(f->path, "DROP TABLE event_archive; DROP INDEX jobs_ended; DROP INDEX jobs_ended_id; "
                       "ALTER TABLE jobs DROP COLUMN purged_ms; PRAGMA user_version = 6");
     raw_exec(f->path, "PRAGMA auto_vacuum = NONE; VACUUM");
@@ -1999,6 +2057,185 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
     assert_int_equal(db_event_audit(db, &au), FU_OK);
     assert_true(au.events >= 1);
     db_close(&db);
+}
+
+/* A spec as the broker stores it: the spec text, its NUL, then n_tokens int32 token ids. Caller frees. */
+static uint8_t *make_spec(const char *text, size_t n_tokens, size_t *len)
+{
+    size_t tl = strlen(text) + 1;
+    *len = tl + 4 * n_tokens;
+    uint8_t *b = malloc(*len);
+    assert_non_null(b);
+    memcpy(b, text, tl);
+    for (size_t i = 0; i < n_tokens; i++) {
+        uint32_t t = (uint32_t)(i * 2654435761u) % 32000u;
+        memcpy(b + tl + 4 * i, &t, 4);
+    }
+    return b;
+}
+
+/* Inserts a job row as version 8 wrote it (the spec in the row) on a raw connection. */
+static void raw_v8_job(sqlite3 *c, const char *id, const char *owner, const char *idem, const char *kind,
+                       const uint8_t *spec, size_t len, const char *state)
+{
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_prepare_v2(c, "INSERT INTO jobs (id, owner, idem_key, kind, spec, state, created_ms, "
+                                           "updated_ms) VALUES (?, ?, ?, ?, ?, ?, 1000, 1000)", -1, &st, NULL),
+                     SQLITE_OK);
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, owner, -1, SQLITE_STATIC);
+    if (idem)
+        sqlite3_bind_text(st, 3, idem, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 4, kind, -1, SQLITE_STATIC);
+    sqlite3_bind_blob64(st, 5, spec, len, SQLITE_STATIC);
+    sqlite3_bind_text(st, 6, state, -1, SQLITE_STATIC);
+    assert_int_equal(sqlite3_step(st), SQLITE_DONE);
+    sqlite3_finalize(st);
+}
+
+/* A store of version 8 (each job's spec in its jobs row) opens as the current version: every job keeps
+ * its spec byte for byte, now in job_specs (the jobs table has no spec column), its stages and
+ * checkpoints keep their references, and a retried submission still matches its spec. Also measures
+ * what a change of state with a reason (db_job_move's update) of a job with a million tokens writes
+ * before the migration (a row whose size changes is written again whole, spec included: SQLite rewrites
+ * unchanged overflow pages in place only when the row keeps its size, as a progress update mostly does)
+ * and after it. */
+static void test_db_v8_store_specs_move_to_their_table(void **state)
+{
+    fx *f = *state;
+    raw_v8_store(f->path);
+    size_t len[3];
+    uint8_t *spec[3] = {make_spec("{\"steps\":30}", 1000000, &len[0]), make_spec("{\"steps\":2}", 0, &len[1]),
+                        make_spec("{\"max_tokens\":8}", 10, &len[2])};
+    const char *ids[3] = {"00000000000000a1", "00000000000000b2", "00000000000000c3"};
+    const char *peer = f->key[3];
+    sqlite3 *c = NULL;
+    assert_int_equal(sqlite3_open(f->path, &c), SQLITE_OK);
+    raw_v8_job(c, ids[0], f->key[0], "big", "finetune", spec[0], len[0], "running");
+    raw_v8_job(c, ids[1], f->key[0], "small", "finetune", spec[1], len[1], "done");
+    raw_v8_job(c, ids[2], f->key[1], NULL, "infer", spec[2], len[2], "queued");
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "INSERT INTO peers VALUES ('%s', 'p', '{}', 'active', 1.0, 1000, 1000);"
+             "INSERT INTO stages VALUES ('%s', 0, 0, 10, '%s', 5000, 'assigned', 1000);"
+             "INSERT INTO checkpoints VALUES ('%s', 0, 3, '%064d', x'0102', 1000);"
+             "UPDATE jobs SET result = x'0a0b0c', result_hash = '%064d' WHERE id = '%s';",
+             peer, ids[0], peer, ids[0], 0, 0, ids[1]);
+    assert_int_equal(sqlite3_exec(c, sql, NULL, NULL, NULL), SQLITE_OK);
+    /* version 8: a change of state rewrites the row, spec and all */
+    raw_wal_truncate(c);
+    snprintf(sql, sizeof sql, "UPDATE jobs SET state = 'queued', reason = 'a stage was lost', updated_ms = 2000, "
+                              "retries = retries + 1 WHERE id = '%s'", ids[0]);
+    assert_int_equal(sqlite3_exec(c, sql, NULL, NULL, NULL), SQLITE_OK);
+    int64_t wal_v8 = wal_size(f->path);
+    assert_int_equal(sqlite3_close(c), SQLITE_OK);
+
+    db_t *db = open_ok(f->path);
+    assert_int_equal(raw_int(f->path, "PRAGMA user_version"), DB_SCHEMA_VERSION);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_table_info('jobs') WHERE name = 'spec'"), 0);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM job_specs"), 3);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
+    for (int i = 0; i < 3; i++) {
+        db_job *j = NULL;
+        assert_int_equal(db_job_get(db, ids[i], NULL, &j), FU_OK);
+        assert_int_equal(j->spec_len, len[i]);
+        assert_memory_equal(j->spec, spec[i], len[i]);
+        db_job_free(&j);
+    }
+    db_job *list = NULL;
+    size_t n = 0;
+    assert_int_equal(db_jobs_unfinished(db, &list, &n), FU_OK);
+    assert_int_equal(n, 2);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(list[i].spec_len, strcmp(list[i].id, ids[0]) == 0 ? len[0] : len[2]);
+    db_job_array_free(&list, n);
+    assert_int_equal(db_job_list(db, NULL, &list, &n), FU_OK);
+    assert_int_equal(n, 3);
+    db_job_array_free(&list, n);
+    db_stage *st = NULL;
+    assert_int_equal(db_stage_list(db, ids[0], &st, &n), FU_OK);
+    assert_int_equal(n, 1);
+    db_stage_array_free(&st, n);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM checkpoints"), 1);
+    int64_t unfinished = 0, bytes = 0;
+    assert_int_equal(db_owner_usage(db, f->key[0], &unfinished, &bytes), FU_OK);
+    assert_int_equal(unfinished, 1);
+    assert_int_equal(bytes, (int64_t)(len[0] + len[1] + 3));
+    /* a retry of the first submission matches its migrated spec; another spec under its key does not */
+    char again[DB_JOB_ID_LEN + 1];
+    bool created = true;
+    assert_int_equal(db_job_submit(db, f->key[0], "big", DB_JOB_FINETUNE, spec[0], len[0], NULL, 3000, again, &created),
+                     FU_OK);
+    assert_false(created);
+    assert_string_equal(again, ids[0]);
+    assert_int_equal(db_job_submit(db, f->key[0], "big", DB_JOB_FINETUNE, spec[2], len[2], NULL, 3000, again, &created),
+                     FU_EEXIST);
+    /* version 9: the same change writes a few pages */
+    assert_int_equal(sqlite3_open(f->path, &c), SQLITE_OK);
+    raw_wal_truncate(c);
+    assert_int_equal(db_job_set_state(db, ids[0], DB_JOB_RUNNING, "resumed after the migration", 4000), FU_OK);
+    int64_t wal_v9 = wal_size(f->path);
+    assert_int_equal(sqlite3_close(c), SQLITE_OK);
+    print_message("a change of state of a job of 1 M tokens wrote %.1f KiB to the WAL at version 8, %.1f KiB "
+                  "after the migration\n", (double)wal_v8 / 1024, (double)wal_v9 / 1024);
+    assert_true(wal_v8 > (int64_t)len[0]);
+    assert_true(wal_v9 < 64 * 1024);
+    db_close(&db);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_integrity_check WHERE integrity_check != 'ok'"), 0);
+    for (int i = 0; i < 3; i++)
+        free(spec[i]);
+}
+
+/* The spec of a job (4 MB of token ids) is written once, at submission: the updates of the job's life
+ * (running, progress, a reason, a retry, done) write a few pages each, not the spec again, and the jobs
+ * table stays a few pages whatever the specs hold. */
+static void test_db_job_updates_leave_the_spec_alone(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    size_t len = 0;
+    uint8_t *spec = make_spec("{\"steps\":30}", 1000000, &len);
+    char id[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    sqlite3 *c = NULL;
+    assert_int_equal(sqlite3_open(f->path, &c), SQLITE_OK);
+    raw_wal_truncate(c);
+    assert_int_equal(db_job_submit(db, f->key[0], "k", DB_JOB_FINETUNE, spec, len, NULL, 1000, id, &created), FU_OK);
+    int64_t wal_submit = wal_size(f->path);
+    assert_true(wal_submit > (int64_t)len); /* written once */
+    raw_wal_truncate(c);
+    int updates = 0;
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, "planned", 1100), FU_OK);
+    updates++;
+    for (int64_t step = 1; step <= 20; step++, updates++)
+        assert_int_equal(db_job_progress(db, id, step, 30, 2.0, 50, 1100 + step), FU_OK);
+    assert_int_equal(db_job_set_micro_batches(db, id, 4), FU_OK);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_QUEUED, "a stage was lost", 1200), FU_OK);
+    assert_int_equal(db_job_set_state(db, id, DB_JOB_RUNNING, "resumed", 1300), FU_OK);
+    uint8_t result[64] = {7};
+    assert_int_equal(db_job_complete(db, id, result, sizeof result, NULL, NULL, 1400), FU_OK);
+    updates += 4;
+    int64_t wal_updates = wal_size(f->path);
+    assert_int_equal(sqlite3_close(c), SQLITE_OK);
+    print_message("a job of 1 M tokens: its submission wrote %.1f MiB to the WAL, its %d updates %.1f KiB in all\n",
+                  (double)wal_submit / (1 << 20), updates, (double)wal_updates / 1024);
+    assert_true(wal_updates < updates * 4 * 4200); /* a few pages a commit; one spec would be 4 MB */
+    /* the jobs table: a page or two; the spec is in job_specs */
+    assert_true(raw_int(f->path, "SELECT coalesce(sum(length(id) + length(owner) + coalesce(length(reason), 0) + "
+                                 "coalesce(length(result), 0)), 0) FROM jobs") < 1024);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, id, NULL, &j), FU_OK);
+    assert_int_equal(j->spec_len, len);
+    assert_memory_equal(j->spec, spec, len);
+    assert_int_equal(j->step, 20);
+    assert_int_equal(j->state, DB_JOB_DONE);
+    db_job_free(&j);
+    assert_int_equal(db_job_get_brief(db, id, NULL, &j), FU_OK);
+    assert_null(j->spec);
+    assert_int_equal(j->spec_len, len);
+    db_job_free(&j);
+    db_close(&db);
+    free(spec);
 }
 
 /* Many jobs one after another, each with MiB of checkpoints and a result, and a steady stream of
@@ -2100,6 +2337,8 @@ int main(void)
         cmocka_unit_test(test_db_compact_checkpoints_of_ended_jobs),
         cmocka_unit_test(test_db_compact_purges_jobs_past_retention),
         cmocka_unit_test(test_db_v6_store_migrates_and_shrinks),
+        cmocka_unit_test(test_db_v8_store_specs_move_to_their_table),
+        cmocka_unit_test(test_db_job_updates_leave_the_spec_alone),
         cmocka_unit_test(test_db_compact_store_stays_bounded),
     };
     return tu_unit_main(tests, sodium_init, fx_setup, fx_teardown);
