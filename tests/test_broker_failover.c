@@ -1,5 +1,6 @@
 /* Failover and the data flows through the real fusion-broker process: a stage whose peer is
- * killed goes to the warm backup (time measured); with no backup left the job waits and says
+ * killed goes to the warm backup (time measured; its closed connection tells, a stopped peer's
+ * silence does); with no backup left the job waits and says
  * why; a whole fine-tune run through peer processes (weights and tokens fetched and hash-checked,
  * chunked checkpoints committed and acknowledged, progress, the adapter assembled, the result
  * downloaded in chunks and resumed from an offset); the data-plane relay; a stage peer that never says
@@ -148,6 +149,50 @@ static void test_broker_failover_to_warm_backup(void **state)
     /* and now no backup is left: killing it sends the job back to the queue with a reason */
     tu_fake_peer_stop(&p[backup], SIGKILL);
     assert_true(queued_saying(f, id, "waiting for peers", "", 8000));
+}
+
+/* A stage peer that crashes (SIGKILL: its kernel closes its connection) is declared dead "connection
+ * closed" and its warm backup gets the stage within a fraction of dead_after_ms (heartbeat 2000 ms:
+ * dead after 6000 ms; the grace is 250 ms). One that is stopped (SIGSTOP: its connection stays open)
+ * keeps its stage until its silence passes dead_after_ms. */
+static void test_broker_failover_closed_connection(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->heartbeat_ms = 2000;
+    tu_fake_peer p[2], third;
+    char line[512];
+    uint64_t id;
+    int stage_peer = job_with_backup(f, p, &id), backup = 1 - stage_peer, cores;
+    fu_sleep_ms(300);
+    uint64_t dt = backup_takes_over(p, stage_peer, id, SIGKILL, 8000, &cores);
+    print_message("closed connection: stage peer killed (SIGKILL), its backup got the stage %llu ms later (heartbeat "
+                  "2000 ms, dead after 6000 ms; %d busy loops)\n", (unsigned long long)dt, cores);
+    assert_true(dt < 3000); /* half of dead_after_ms: only the closed connection can have told */
+    assert_true(tu_broker_logged(f->c, "(p%d) is dead: connection closed", stage_peer));
+    tu_fake_peer_stop(&p[stage_peer], SIGKILL);
+    assert_true(tu_fake_peer_expect(&p[backup], "START", 5000, NULL, 0));
+    /* a third peer becomes the backup; then the stage's peer is stopped, its connection open */
+    tu_fake_peer_start(&third, f->c, "p2", "p2", 4 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&third, "WELCOME", 5000, NULL, 0));
+    assert_true(tu_fake_peer_expect(&third, "ASSIGN", 8000, line, sizeof line));
+    assert_non_null(strstr(line, "backup 1"));
+    fu_sleep_ms(300);
+    cores = tu_load_start(0);
+    uint64_t t0 = fu_clock_ms();
+    kill(p[backup].pid, SIGSTOP);
+    /* its last heartbeat was at most 2000 ms before the stop: not dead before 4000 ms after it */
+    bool early = tu_fake_peer_expect(&third, "ASSIGN", 3000, line, sizeof line);
+    bool got = early || tu_fake_peer_expect(&third, "ASSIGN", 10000, line, sizeof line);
+    dt = fu_clock_ms() - t0;
+    tu_load_stop();
+    print_message("SIGSTOP: the stopped stage peer's backup got the stage %llu ms after the stop (%d busy loops)\n",
+                  (unsigned long long)dt, cores);
+    assert_false(early);
+    assert_true(got);
+    assert_non_null(strstr(line, "backup 0"));
+    assert_true(tu_broker_logged(f->c, "(p%d) is dead: silent for", backup));
+    tu_fake_peer_stop(&p[backup], SIGKILL);
+    tu_fake_peer_stop(&third, SIGKILL);
 }
 
 static void test_broker_failover_on_leave(void **state)
@@ -487,6 +532,7 @@ int main(int argc, char **argv)
         return tu_fake_peer_main(argc, argv);
     const struct CMUnitTest tests[] = {
         tu_broker_test(test_broker_failover_to_warm_backup),
+        tu_broker_test(test_broker_failover_closed_connection),
         tu_broker_test(test_broker_failover_on_leave),
         tu_broker_test(test_broker_failover_retry_cap_fails_the_job),
         tu_broker_test(test_broker_failover_full_run_and_result),

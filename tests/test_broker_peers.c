@@ -1,7 +1,8 @@
 /* The real fusion-broker process with real peer processes on loopback: join and leave, the link
  * probe and the bandwidth heartbeats carry, heartbeat
  * timeout of a SIGSTOPped peer (detection time measured), re-registration, an unknown key refused
- * in allow-list mode, garbage bytes on the broker's port, clean stop on SIGTERM. */
+ * in allow-list mode, garbage bytes on the broker's port, slots, a closed connection declared dead
+ * at once (detection time measured), clean stop on SIGTERM. */
 #include <math.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -141,6 +142,9 @@ static void test_broker_peers_sigstop_is_dead(void **state)
     assert_int_equal(st, FUSION__PEER_STATE__PEER_STATE_DEAD);
     assert_true(dt <= 5000);
     assert_true(dt >= 2000); /* not before its silence was long enough */
+    /* its connection stayed open: the heartbeat rule, not the closed-connection one (broker_conn.c) */
+    assert_true(tu_broker_logged(f->c, "peer %.8s (stopped) is dead: silent for", key));
+    assert_false(tu_broker_logged(f->c, "connection closed"));
     /* SIGCONT: its next heartbeat is refused, it registers again and is live */
     kill(p.pid, SIGCONT);
     assert_true(tu_fake_peer_expect(&p, "REHELLO", 5000, NULL, 0));
@@ -326,6 +330,61 @@ static void test_broker_peers_slots(void **state)
     tu_client_close(&s0);
 }
 
+/* A peer's connection closing (broker_conn.c): the same process on a new socket before its old one
+ * closes keeps its registration; when its connection closes for good (no Leave) it is declared dead
+ * "connection closed" long before its silence would tell (grace 250 ms, dead after 3000 ms), and so
+ * is a second slot of the process on that connection. */
+static void test_broker_peers_closed_connection(void **state)
+{
+    tu_broker_fx *f = *state;
+    char key[41], id1[41];
+    tu_key_public(f->c, "p1", key);
+    tu_broker_fx_start(f);
+    /* timed: against one busy loop per core (docs/TESTING.md), forked before the sockets are opened
+     * (a child holding a copy of a connection's descriptor would keep it open) */
+    int cores = tu_load_start(0);
+    tu_client a, b;
+    tu_client_open(&a, f->c, "p1");
+    tu_client_hello(&a, "conn", 2 * GiB, 50);
+    wire_msg_t *w = expect_type(&a, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000);
+    assert_non_null(w);
+    wire_msg_destroy(&w);
+    /* a new socket of the same process (same session), then the old one closes */
+    tu_client_open(&b, f->c, "p1");
+    b.session = a.session;
+    tu_client_hello(&b, "conn", 2 * GiB, 50);
+    w = expect_type(&b, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000);
+    assert_non_null(w);
+    wire_msg_destroy(&w);
+    assert_true(tu_broker_wait_log(f->c, 3000, "peer %.8s (conn) said hello again (same session)", key));
+    tu_client_close(&a);
+    fu_sleep_ms(800); /* three graces, well within its heartbeat silence (3000 ms) */
+    assert_int_not_equal(tu_client_peer_state(&f->cl, key), FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_false(tu_broker_logged(f->c, "is dead"));
+    /* slot 1 of the process on the same connection */
+    b.slot = 1;
+    tu_client_hello(&b, "conn#1", 2 * GiB, 50);
+    w = expect_type(&b, FUSION__MSG_TYPE__MSG_PEER_WELCOME, 5000);
+    assert_non_null(w);
+    snprintf(id1, sizeof id1, "%s", ((const Fusion__PeerWelcome *)wire_msg_body(w))->peer_id);
+    wire_msg_destroy(&w);
+    /* the connection closes without a Leave, as when the process is killed */
+    uint64_t t0 = fu_clock_ms();
+    tu_client_close(&b);
+    int st0 = tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_DEAD, 2500);
+    int st1 = tu_client_wait_peer_state(&f->cl, id1, FUSION__PEER_STATE__PEER_STATE_DEAD, 2500);
+    uint64_t dt = fu_clock_ms() - t0;
+    tu_load_stop();
+    print_message("closed connection: both slots declared dead %llu ms after their connection closed (grace 250 "
+                  "ms, dead after 3000 ms; %d busy loops)\n", (unsigned long long)dt, cores);
+    assert_int_equal(st0, FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_int_equal(st1, FUSION__PEER_STATE__PEER_STATE_DEAD);
+    assert_true(tu_broker_logged(f->c, "peer %.8s (conn) is dead: connection closed", key));
+    assert_true(tu_broker_logged(f->c, "peer %.8s (conn#1) is dead: connection closed", id1));
+    assert_false(tu_broker_logged(f->c, "silent for"));
+    assert_true(dt < 2500); /* the silence rule could not have fired before 3000 ms */
+}
+
 int main(int argc, char **argv)
 {
     if (tu_fake_peer_requested(argc, argv))
@@ -338,6 +397,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_peers_enrolment_token),
         tu_broker_test(test_broker_peers_garbage_on_the_port),
         tu_broker_test(test_broker_peers_slots),
+        tu_broker_test(test_broker_peers_closed_connection),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
