@@ -449,6 +449,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         .events_max = b->cfg.keep_events > 0 ? b->cfg.keep_events : 0,
         .events_keep_ms = b->cfg.keep_events_days > 0 ? (int64_t)(b->cfg.keep_events_days * 86400e3) : 0,
         .jobs_keep_ms = b->cfg.keep_jobs_days > 0 ? (int64_t)(b->cfg.keep_jobs_days * 86400e3) : 0,
+        .forget_ms = b->cfg.forget_days > 0 ? (int64_t)(b->cfg.forget_days * 86400e3) : 0,
         .ckpt_grace_ms = BROKER_CKPT_GRACE_MS,
         .budget_s = BROKER_COMPACT_BUDGET_MS / 1e3};
     b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);

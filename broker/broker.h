@@ -114,6 +114,9 @@ typedef struct {
     double keep_events_days;   /* events older than this are archived; 0: BROKER_KEEP_EVENTS_DAYS; < 0: no age limit */
     double keep_jobs_days;     /* artifacts (result, tokens, result file) of jobs that ended longer ago are deleted;
                                   0: BROKER_KEEP_JOBS_DAYS; < 0: kept for ever */
+    double forget_days;        /* jobs whose artifacts were deleted longer ago, and peers gone longer ago at full
+                                  reputation, are deleted from the store (db_compact_policy.forget_ms); <= 0: kept
+                                  for ever */
     double grow_margin;        /* a job takes more stages (when planned, or from idle peers at a checkpoint)
                                   only when they make its predicted step time at least this much shorter
                                   (0.2: 20%); 0: every peer that lowers its slowest stage, and no growth */

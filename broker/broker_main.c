@@ -62,7 +62,7 @@ int main(int argc, char **argv)
     long long upload_gib = BROKER_UPLOAD_GIB, client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
     double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION, grow = BROKER_GROW_MARGIN;
     long long keep_events = BROKER_KEEP_EVENTS;
-    double keep_events_days = BROKER_KEEP_EVENTS_DAYS, keep_jobs_days = BROKER_KEEP_JOBS_DAYS;
+    double keep_events_days = BROKER_KEEP_EVENTS_DAYS, keep_jobs_days = BROKER_KEEP_JOBS_DAYS, forget_days = 0;
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
@@ -120,6 +120,10 @@ int main(int argc, char **argv)
         {"keep-jobs-days", 0, FU_OPT_DOUBLE, &keep_jobs_days, "DAYS",
          "a job that ended DAYS ago loses its result, tokens and result file; its row, spec, result hash and "
          "events stay (default 30; 0: kept for ever). Checkpoints go a minute after a job ends"},
+        {"forget-days", 0, FU_OPT_DOUBLE, &forget_days, "DAYS",
+         "a job whose artifacts were deleted DAYS ago (--keep-jobs-days) is forgotten: its row, spec text, stages "
+         "and idempotency key go (a `forgotten` event keeps its result hash in the log); so is a peer that left or "
+         "died DAYS ago at full reputation and that no stored stage names (default 0: kept for ever)"},
     };
     const fu_cmd cmd = {
         .prog = "fusion-broker",
@@ -167,9 +171,9 @@ int main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     if (keep_events < 0 || !(keep_events_days >= 0 && keep_events_days <= 36500) ||
-        !(keep_jobs_days >= 0 && keep_jobs_days <= 36500)) {
-        fprintf(stderr, "fusion-broker: --keep-events must be >= 0, --keep-events-days and --keep-jobs-days "
-                        "0..36500 (0: no limit)\n");
+        !(keep_jobs_days >= 0 && keep_jobs_days <= 36500) || !(forget_days >= 0 && forget_days <= 36500)) {
+        fprintf(stderr, "fusion-broker: --keep-events must be >= 0, --keep-events-days, --keep-jobs-days and "
+                        "--forget-days 0..36500 (0: no limit)\n");
         return FU_EXIT_USAGE;
     }
     char token_buf[WIRE_TOKEN_Z85_LEN + 1];
@@ -211,7 +215,7 @@ int main(int argc, char **argv)
                       /* 0 on the command line is "no limit", which the configuration says with -1 */
                       .keep_events = keep_events ? keep_events : -1,
                       .keep_events_days = keep_events_days > 0 ? keep_events_days : -1,
-                      .keep_jobs_days = keep_jobs_days > 0 ? keep_jobs_days : -1};
+                      .keep_jobs_days = keep_jobs_days > 0 ? keep_jobs_days : -1, .forget_days = forget_days};
     fu_err err = FU_OK;
     fu_errmsg em = {{0}};
     broker_t *b = broker_new(&cfg, &err, &em);

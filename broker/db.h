@@ -408,6 +408,10 @@ typedef struct {
                                and events stay). 0: kept for ever */
     int64_t ckpt_grace_ms;  /* the checkpoints of a job that ended longer ago than this are deleted (its
                                result already holds the adapter). < 0: kept */
+    int64_t forget_ms;      /* a job purged (jobs_keep_ms) longer ago than this is deleted: its row, spec
+                               text, stages and idempotency key (one "forgotten" event keeps its result
+                               hash in the log); so is a peer that left or died longer ago than this, at
+                               full reputation, that no stored stage names. 0: kept for ever */
     int     batch;          /* events archived per transaction; 0: DB_COMPACT_BATCH */
     double  budget_s;       /* no new transaction starts once db_compact has run this long; 0: one
                                transaction of each kind at most */
@@ -420,6 +424,8 @@ typedef struct {
     int64_t ckpt_bytes;      /* their bytes */
     int64_t jobs_purged;     /* jobs whose artifacts were deleted */
     int64_t purged_bytes;    /* the bytes of those artifacts in the store (result + tokens) */
+    int64_t jobs_forgotten;  /* purged jobs deleted (forget_ms) */
+    int64_t peers_forgotten; /* peer rows deleted (forget_ms) */
     int64_t pages_vacuumed;  /* free pages returned to the file system */
     int     commits;         /* transactions committed */
     double  seconds;         /* time it took */
@@ -432,7 +438,7 @@ typedef struct {
  * db_event_audit) and deleted, except the `excluded` events of unfinished jobs (a restarted broker
  * reads them); checkpoints of ended jobs are deleted after the grace; artifacts of jobs that ended
  * before the retention are deleted (one "purged" event each), result files unlinked after the
- * commit; then free pages beyond DB_VACUUM_SLACK go back to the file system (incremental vacuum,
+ * commit; jobs purged and peers gone before forget_ms are deleted (one "forgotten" event each); then free pages beyond DB_VACUUM_SLACK go back to the file system (incremental vacuum,
  * at most DB_VACUUM_PAGES). Nothing a queued or running job needs is touched. *out (may be NULL)
  * says what was done. FU_EDB on a store error (what was committed stays). */
 FU_MUST_CHECK fu_err db_compact(db_t *db, const db_compact_policy *policy, int64_t now_ms, db_compact_stats *out);

@@ -1,6 +1,7 @@
 /* db: compaction, so that the store stays bounded (docs/STORE.md "Compaction"): the event archive
  * (per-day rows with counts per kind and a BLAKE2b chain over the events removed, db_event_audit),
- * checkpoints of ended jobs, the artifacts of jobs past their retention, and incremental vacuum. */
+ * checkpoints of ended jobs, the artifacts of jobs past their retention, forgetting purged jobs and gone
+ * peers, and incremental vacuum. */
 #include "db_internal.h"
 
 #include <errno.h>
@@ -554,6 +555,109 @@ fail:
     return err;
 }
 
+#define FORGET_BATCH   32       /* jobs, and peers, deleted per transaction */
+#define FORGET_IDLE_MS 60000ll  /* after a look that found nothing to forget, the next one a minute later */
+
+/* One transaction: deletes at most FORGET_BATCH jobs purged before before_ms (their rows, spec texts and
+ * stages: ON DELETE CASCADE), one "forgotten" event each with what the row said, and at most FORGET_BATCH
+ * peers that left or died before before_ms at full reputation and that no stored stage names (a peer below
+ * full reputation stays: its reputation is the key's memory, docs/SECURITY.md). */
+static fu_err forget_step(db_t *db, int64_t before_ms, int64_t now_ms, int64_t *jobs, int64_t *peers, bool *more)
+{
+    static const char SQL_JOBS[] = "SELECT id, kind, state, coalesce(result_hash, ''), purged_ms FROM jobs INDEXED BY "
+                                   "jobs_purged WHERE purged_ms IS NOT NULL AND purged_ms < ?1 ORDER BY purged_ms "
+                                   "LIMIT ?2";
+    static const char SQL_PEERS[] = "SELECT p.pubkey FROM peers p INDEXED BY peers_gone WHERE p.state IN "
+                                    "('left','dead') AND p.reputation >= 1.0 AND p.last_seen_ms < ?1 AND NOT EXISTS "
+                                    "(SELECT 1 FROM stages s WHERE s.peer_key = p.pubkey) ORDER BY p.last_seen_ms "
+                                    "LIMIT ?2";
+    static const char SQL_DEL_JOB[] = "DELETE FROM jobs WHERE id = ?";
+    static const char SQL_DEL_PEER[] = "DELETE FROM peers WHERE pubkey = ?";
+    *jobs = *peers = 0;
+    *more = false;
+    if (now_ms < db->forget_idle_until_ms)
+        return FU_OK;
+    sqlite3_stmt *st;
+    fu_err err = FU_OK;
+    int nj = 0, np = 0;
+    bool row;
+    struct {
+        char id[DB_JOB_ID_LEN + 1], kind[16], state[16], hash[DB_HASH_HEX_LEN + 1];
+        int64_t purged_ms;
+    } j[FORGET_BATCH];
+    char pk[FORGET_BATCH][DB_KEY_LEN + 1];
+    fast_delete(db);
+    FU_TRY(db_begin(db));
+    /* the rows first, the deletes after (each query walks an index its deletes change) */
+    if ((err = db_prep(db, SQL_JOBS, &st)) != FU_OK ||
+        (err = db_bind(db, st, "ii", before_ms, (int64_t)FORGET_BATCH + 1)) != FU_OK)
+        goto fail;
+    for (;;) {
+        if ((err = db_step(db, st, "finding purged jobs to forget", &row)) != FU_OK || !row)
+            break;
+        if (nj == FORGET_BATCH) {
+            *more = true;
+            break;
+        }
+        if ((err = db_col_text(db, st, 0, j[nj].id, sizeof j[nj].id, false)) != FU_OK ||
+            (err = db_col_text(db, st, 1, j[nj].kind, sizeof j[nj].kind, false)) != FU_OK ||
+            (err = db_col_text(db, st, 2, j[nj].state, sizeof j[nj].state, false)) != FU_OK ||
+            (err = db_col_text(db, st, 3, j[nj].hash, sizeof j[nj].hash, false)) != FU_OK)
+            break;
+        j[nj].purged_ms = sqlite3_column_int64(st, 4);
+        nj++;
+    }
+    db_done(st);
+    if (err != FU_OK)
+        goto fail;
+    for (int i = 0; i < nj; i++) {
+        sqlite3_stmt *del;
+        if ((err = db_event_put(db, now_ms, j[i].id, NULL, "forgotten",
+                                "%s job, %s, result BLAKE2b-256 %s: its row, spec text and stages deleted %.3g days "
+                                "after its artifacts", j[i].kind, j[i].state, j[i].hash[0] ? j[i].hash : "(none)",
+                                (double)(now_ms - j[i].purged_ms) / DAY_MS)) != FU_OK ||
+            (err = db_prep(db, SQL_DEL_JOB, &del)) != FU_OK || (err = db_bind(db, del, "t", j[i].id)) != FU_OK ||
+            (err = db_run(db, del, "forgetting a purged job")) != FU_OK)
+            goto fail;
+    }
+    if ((err = db_prep(db, SQL_PEERS, &st)) != FU_OK ||
+        (err = db_bind(db, st, "ii", before_ms, (int64_t)FORGET_BATCH + 1)) != FU_OK)
+        goto fail;
+    for (;;) {
+        if ((err = db_step(db, st, "finding gone peers to forget", &row)) != FU_OK || !row)
+            break;
+        if (np == FORGET_BATCH) {
+            *more = true;
+            break;
+        }
+        if ((err = db_col_text(db, st, 0, pk[np], sizeof pk[np], false)) != FU_OK)
+            break;
+        np++;
+    }
+    db_done(st);
+    if (err != FU_OK)
+        goto fail;
+    for (int i = 0; i < np; i++)
+        if ((err = db_prep(db, SQL_DEL_PEER, &st)) != FU_OK || (err = db_bind(db, st, "t", pk[i])) != FU_OK ||
+            (err = db_run(db, st, "forgetting a gone peer")) != FU_OK ||
+            (err = db_event_put(db, now_ms, NULL, pk[i], "forgotten",
+                                "peer gone since before the retention, at full reputation: its row deleted")) != FU_OK)
+            goto fail;
+    if (nj + np == 0) {
+        db_rollback(db);
+        db->forget_idle_until_ms = now_ms + FORGET_IDLE_MS;
+        return FU_OK;
+    }
+    if ((err = db_commit(db)) != FU_OK)
+        goto fail;
+    *jobs = nj;
+    *peers = np;
+    return FU_OK;
+fail:
+    db_rollback(db);
+    return err;
+}
+
 static fu_err pragma_i64(db_t *db, const char *sql, int64_t *out)
 {
     sqlite3_stmt *st;
@@ -602,23 +706,24 @@ static fu_err vacuum_step(db_t *db, int64_t *pages, bool *more)
 fu_err db_compact(db_t *db, const db_compact_policy *policy, int64_t now_ms, db_compact_stats *out)
 {
     if (!db || !policy || policy->batch < 0 || policy->events_max < 0 || policy->events_keep_ms < 0 ||
-        policy->jobs_keep_ms < 0)
+        policy->jobs_keep_ms < 0 || policy->forget_ms < 0)
         return FU_EINVAL;
     db_compact_stats s = {0};
     int batch = policy->batch ? policy->batch : DB_COMPACT_BATCH;
     double t0 = fu_clock_sec();
     fu_err err = FU_OK;
-    /* events, checkpoints, artifacts; the first kind turns with every call, so that none starves
-     * another when the budget allows one transaction */
-    bool more[3] = {(policy->events_max > 0 || policy->events_keep_ms > 0) && !db->archive_halted,
-                    policy->ckpt_grace_ms >= 0, policy->jobs_keep_ms > 0};
-    int first = (int)(db->compact_turn++ % 3);
+    /* events, checkpoints, artifacts, forgetting; the first kind turns with every call, so that none
+     * starves another when the budget allows one transaction */
+    enum { KINDS = 4 };
+    bool more[KINDS] = {(policy->events_max > 0 || policy->events_keep_ms > 0) && !db->archive_halted,
+                        policy->ckpt_grace_ms >= 0, policy->jobs_keep_ms > 0, policy->forget_ms > 0};
+    int first = (int)(db->compact_turn++ % KINDS);
     bool ran = false;
     db->secure_saved = -1;
     for (;;) {
         bool any = false;
-        for (int i = 0; i < 3 && err == FU_OK; i++) {
-            int k = (first + i) % 3;
+        for (int i = 0; i < KINDS && err == FU_OK; i++) {
+            int k = (first + i) % KINDS;
             if (!more[k])
                 continue;
             if (ran && fu_clock_sec() - t0 >= policy->budget_s) {
@@ -642,11 +747,16 @@ fu_err db_compact(db_t *db, const db_compact_policy *policy, int64_t now_ms, db_
                 more[1] = did;
                 s.ckpts_dropped += a;
                 s.ckpt_bytes += b;
-            } else {
+            } else if (k == 2) {
                 err = purge_step(db, now_ms - policy->jobs_keep_ms, now_ms, policy->jobs_keep_ms, &a, &b, &more[2]);
                 s.jobs_purged += a;
                 s.purged_bytes += b;
                 did = a > 0;
+            } else {
+                err = forget_step(db, now_ms - policy->forget_ms, now_ms, &a, &b, &more[3]);
+                s.jobs_forgotten += a;
+                s.peers_forgotten += b;
+                did = a + b > 0;
             }
             s.commits += did;
             any |= did;

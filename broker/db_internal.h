@@ -19,6 +19,7 @@ struct db {
     int      secure_saved;   /* PRAGMA secure_delete before db_compact set FAST (-1: not changed) */
     bool     vacuuming;      /* incremental vacuum is giving pages back (down to DB_VACUUM_SLACK) */
     bool     archive_halted; /* the event archive's newest row failed its hash: archiving stopped */
+    int64_t  forget_idle_until_ms; /* db_compact looks for jobs and peers to forget again from this time */
     size_t   n_stmts;   /* entries used in stmts */
     struct {
         const char   *sql; /* the SQL literal (compared by address) */

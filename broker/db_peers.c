@@ -139,7 +139,9 @@ fu_err db_peer_set_profile(db_t *db, const char *key, const char *profile_json)
 static fu_err set_state(db_t *db, const char *key, db_peer_state state, int64_t now_ms, const char *kind,
                         const char *job, const char *why)
 {
-    static const char SQL[] = "UPDATE peers SET state = ? WHERE pubkey = ?";
+    /* a departure is the last time the peer was heard of (forgetting counts from it: db_compact) */
+    static const char SQL[] = "UPDATE peers SET state = ?1, last_seen_ms = CASE WHEN ?1 IN ('left','dead') THEN "
+                              "max(last_seen_ms, ?3) ELSE last_seen_ms END WHERE pubkey = ?2";
     static const char SQL_LOSE[] = "UPDATE stages SET state = 'lost', lease_deadline_ms = 0, updated_ms = ? "
                                    "WHERE peer_key = ? AND state = 'assigned'";
     if (!db || !db_key_valid(key) || (unsigned)state >= DB_N_PEER_STATES || (job && !db_job_id_valid(job)))
@@ -148,7 +150,7 @@ static fu_err set_state(db_t *db, const char *key, db_peer_state state, int64_t 
     sqlite3_stmt *st;
     fu_err err;
     if ((err = db_prep(db, SQL, &st)) != FU_OK ||
-        (err = db_bind(db, st, "tt", db_peer_state_names[state], key)) != FU_OK ||
+        (err = db_bind(db, st, "tti", db_peer_state_names[state], key, now_ms)) != FU_OK ||
         (err = db_run(db, st, "setting a peer's state")) != FU_OK)
         goto fail;
     if (sqlite3_changes(db->conn) == 0) {

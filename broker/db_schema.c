@@ -150,7 +150,11 @@ const char *const db_migrations[] = {
     "  spec   BLOB NOT NULL CHECK (length(spec) >= 1)"
     ") STRICT;"
     "INSERT INTO job_specs (job_id, spec) SELECT id, spec FROM jobs ORDER BY rowid;"
-    "ALTER TABLE jobs DROP COLUMN spec;",
+    "ALTER TABLE jobs DROP COLUMN spec;"
+    /* what compaction may forget (db_compact_policy.forget_ms): purged jobs by purge time, and peers gone
+     * at full reputation by the time they were last seen */
+    "CREATE INDEX jobs_purged ON jobs(purged_ms) WHERE purged_ms IS NOT NULL;"
+    "CREATE INDEX peers_gone ON peers(last_seen_ms) WHERE state IN ('left','dead') AND reputation >= 1.0;",
 };
 _Static_assert(sizeof db_migrations / sizeof db_migrations[0] == DB_SCHEMA_VERSION,
                "one migration per schema version");

@@ -125,13 +125,13 @@ static void raw_v8_store(const char *path)
     raw_exec(path, "PRAGMA user_version = 8");
 }
 
-/* Turns a current store back into what version 8 had (the spec in the jobs row, no job_specs), so that a
- * test of an older version can go on downgrading from there. */
+/* Turns a current store back into what version 8 had (the spec in the jobs row, no job_specs, no indexes
+ * of what to forget), so that a test of an older version can go on downgrading from there. */
 static void raw_back_to_v8(const char *path)
 {
     raw_exec(path, "ALTER TABLE jobs ADD COLUMN spec BLOB NOT NULL DEFAULT x'00';"
                    "UPDATE jobs SET spec = (SELECT s.spec FROM job_specs s WHERE s.job_id = jobs.id);"
-                   "DROP TABLE job_specs; PRAGMA user_version = 8");
+                   "DROP TABLE job_specs; DROP INDEX jobs_purged; DROP INDEX peers_gone; PRAGMA user_version = 8");
 }
 
 static int64_t file_size(const char *path)
@@ -1654,6 +1654,8 @@ static db_compact_stats compact_all(db_t *db, const db_compact_policy *p, int64_
         sum.events_archived += s.events_archived;
         sum.ckpts_dropped += s.ckpts_dropped;
         sum.jobs_purged += s.jobs_purged;
+        sum.jobs_forgotten += s.jobs_forgotten;
+        sum.peers_forgotten += s.peers_forgotten;
         sum.pages_vacuumed += s.pages_vacuumed;
         sum.commits += s.commits;
         if (s.seconds > sum.seconds)
@@ -2001,6 +2003,102 @@ static void test_db_compact_purges_jobs_past_retention(void **state)
     db_close(&db);
 }
 
+/* With forget_ms, a job purged longer ago than that goes whole (row, spec text, stages, idempotency key) with
+ * one "forgotten" event that keeps its result hash, and so does a peer that left or died that long ago at
+ * full reputation once no stored stage names it; a peer that lost reputation, an active peer and a running
+ * job stay whatever their age. Without forget_ms nothing is forgotten. */
+static void test_db_compact_forgets_purged_jobs_and_gone_peers(void **state)
+{
+    fx *f = *state;
+    db_t *db = open_ok(f->path);
+    const char *owner = f->key[0];
+    char done[DB_JOB_ID_LEN + 1], run[DB_JOB_ID_LEN + 1];
+    job_with_plan(db, owner, "done", 2, done);
+    job_with_plan(db, owner, "run", 1, run);
+    db_stage *st = NULL;
+    size_t n = 0;
+    assert_int_equal(db_stage_list(db, done, &st, &n), FU_OK);
+    char holder[DB_KEY_LEN + 1]; /* the peer that held the ended job's stages */
+    snprintf(holder, sizeof holder, "%s", st[0].peer);
+    db_stage_array_free(&st, n);
+    uint8_t result[100];
+    memset(result, 5, sizeof result);
+    char hash[DB_HASH_HEX_LEN + 1];
+    db_hash_hex(hash, result, sizeof result);
+    assert_int_equal(db_job_complete(db, done, result, sizeof result, NULL, NULL, 2000), FU_OK);
+    assert_int_equal(db_peer_gone(db, holder, true, 3000, NULL, "went home"), FU_OK);
+    const char *gone = f->key[1], *bad = f->key[2], *active = f->key[3];
+    for (int i = 1; i <= 3; i++)
+        assert_int_equal(db_peer_upsert(db, f->key[i], "p", PROFILE, DB_PEER_ACTIVE, 1000, NULL), FU_OK);
+    assert_int_equal(db_peer_reputation_adjust(db, bad, -0.3, 1500, NULL), FU_OK);
+    assert_int_equal(db_peer_gone(db, gone, true, 3000, NULL, NULL), FU_OK);
+    assert_int_equal(db_peer_gone(db, bad, false, 3000, NULL, NULL), FU_OK);
+    db_peer *p = NULL;
+    assert_int_equal(db_peer_get(db, gone, &p), FU_OK);
+    assert_int_equal(p->last_seen_ms, 3000); /* a departure is when it was last heard of */
+    db_peer_free(&p);
+
+    /* no forget_ms: nothing goes, however old */
+    db_compact_policy keep = {.jobs_keep_ms = DAY, .ckpt_grace_ms = 0, .budget_s = 10};
+    db_compact_stats cs = compact_all(db, &keep, 2000 + 100 * DAY);
+    assert_int_equal(cs.jobs_purged, 1);
+    assert_int_equal(cs.jobs_forgotten + cs.peers_forgotten, 0);
+    assert_int_equal(db_peer_get(db, gone, &p), FU_OK);
+    db_peer_free(&p);
+    db_close(&db);
+
+    /* forget_ms of 2 days (a second connection: its own minute of rest after a look that found nothing) */
+    db = open_ok(f->path);
+    db_compact_policy pol = {.jobs_keep_ms = DAY, .forget_ms = 2 * DAY, .ckpt_grace_ms = 0, .budget_s = 10};
+    int64_t purged_at = 2000 + 100 * DAY;
+    cs = compact_all(db, &pol, purged_at + DAY); /* purged a day ago: the job stays, and its stages' peer */
+    assert_int_equal(cs.jobs_forgotten, 0);
+    assert_int_equal(cs.peers_forgotten, 1); /* `gone`: full reputation, no stage */
+    assert_int_equal(db_peer_get(db, gone, &p), FU_ENOTFOUND);
+    assert_int_equal(db_peer_get(db, holder, &p), FU_OK);
+    db_peer_free(&p);
+    cs = compact_all(db, &pol, purged_at + DAY + 1000); /* within the minute of rest: nothing looked at */
+    assert_int_equal(cs.jobs_forgotten + cs.peers_forgotten, 0);
+    cs = compact_all(db, &pol, purged_at + 3 * DAY);
+    assert_int_equal(cs.jobs_forgotten, 1);
+    assert_int_equal(cs.peers_forgotten, 1); /* `holder`, once the job's stages went with it */
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(db, done, NULL, &j), FU_ENOTFOUND);
+    assert_int_equal(db_peer_get(db, holder, &p), FU_ENOTFOUND);
+    char sql[200];
+    snprintf(sql, sizeof sql, "SELECT (SELECT count(*) FROM job_specs WHERE job_id = '%s') + (SELECT count(*) FROM "
+                              "stages WHERE job_id = '%s')", done, done);
+    assert_int_equal(raw_int(f->path, sql), 0);
+    db_event *ev = NULL;
+    assert_int_equal(db_event_list(db, done, 0, 0, &ev, &n), FU_OK);
+    assert_true(n > 0);
+    assert_string_equal(ev[n - 1].kind, "forgotten");
+    assert_non_null(strstr(ev[n - 1].detail, hash)); /* what the result was is still in the log */
+    db_event_array_free(&ev, n);
+    /* what stays: the running job with its spec and stages, a peer below full reputation, an active peer */
+    assert_int_equal(db_job_get(db, run, NULL, &j), FU_OK);
+    assert_int_equal(j->state, DB_JOB_RUNNING);
+    assert_true(j->spec_len > 0);
+    db_job_free(&j);
+    assert_int_equal(db_stage_list(db, run, &st, &n), FU_OK);
+    assert_int_equal(n, 1);
+    db_stage_array_free(&st, n);
+    assert_int_equal(db_peer_get(db, bad, &p), FU_OK);
+    db_peer_free(&p);
+    assert_int_equal(db_peer_get(db, active, &p), FU_OK);
+    db_peer_free(&p);
+    /* the forgotten idempotency key makes a new job; the forgotten peer joins as new */
+    char again[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    assert_int_equal(db_job_submit(db, owner, "done", DB_JOB_FINETUNE, "{}", 2, NULL, purged_at + 4 * DAY, again,
+                                   &created), FU_OK);
+    assert_true(created);
+    assert_int_equal(db_peer_upsert(db, gone, "p", PROFILE, DB_PEER_ACTIVE, purged_at + 4 * DAY, &created), FU_OK);
+    assert_true(created);
+    assert_int_equal(raw_int(f->path, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
+    db_close(&db);
+}
+
 /* A store of version 6 (no archive, no purged_ms, no auto_vacuum) opens as the current version with its data,
  * converted to incremental vacuum; space freed by compaction then goes back to the file system. */
 static void test_db_v6_store_migrates_and_shrinks(void **state)
@@ -2336,6 +2434,7 @@ int main(void)
         cmocka_unit_test(test_db_compact_keeps_what_running_jobs_need),
         cmocka_unit_test(test_db_compact_checkpoints_of_ended_jobs),
         cmocka_unit_test(test_db_compact_purges_jobs_past_retention),
+        cmocka_unit_test(test_db_compact_forgets_purged_jobs_and_gone_peers),
         cmocka_unit_test(test_db_v6_store_migrates_and_shrinks),
         cmocka_unit_test(test_db_v8_store_specs_move_to_their_table),
         cmocka_unit_test(test_db_job_updates_leave_the_spec_alone),
