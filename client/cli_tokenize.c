@@ -16,6 +16,7 @@
 #include "fu_modelcfg.h"
 #include "fu_opts.h"
 #include "fu_tokenizer.h"
+#include "wire.h"
 
 #define TOK_MAX_INPUT ((size_t)256 << 20) /* most bytes read from stdin */
 
@@ -87,13 +88,24 @@ static void print_ids(const int32_t *ids, size_t n)
     puts("]");
 }
 
-/* Prints text[0..len) as a JSON string and a newline (invalid UTF-8 is escaped byte by byte as
- * U+FFFD, as JSON cannot carry it). */
+/* Prints text[0..len) as a JSON string and a newline (a byte that begins no valid UTF-8 character
+ * becomes U+FFFD, byte by byte, as JSON cannot carry it; cJSON would print it raw). */
 static void print_string(const char *text, size_t len)
 {
-    char *z = fu_malloc(len + 1);
-    memcpy(z, text, len);
-    z[len] = '\0';
+    char *z = fu_malloc(3 * len + 1), *o = z;
+    for (size_t i = 0; i < len;) {
+        size_t cl = wire_utf8_char_len(text + i, len - i);
+        if (cl) {
+            memcpy(o, text + i, cl);
+            o += cl;
+            i += cl;
+        } else {
+            memcpy(o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    *o = '\0';
     cJSON *s = cJSON_CreateString(z);
     char *out = s ? cJSON_PrintUnformatted(s) : NULL;
     puts(out ? out : "null");

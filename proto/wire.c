@@ -210,13 +210,20 @@ bool wire_utf8_valid(const char *str, size_t n)
     return true;
 }
 
+size_t wire_utf8_char_len(const char *s, size_t n)
+{
+    if (n == 0)
+        return 0;
+    unsigned char c = (unsigned char)s[0];
+    size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+    return len && len <= n && wire_utf8_valid(s, len) && c != 0 ? len : 0;
+}
+
 void wire_utf8_clean(char *s, size_t n)
 {
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = (unsigned char)s[i];
-        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0))
+    for (size_t i = 0; i < n;) {
+        size_t len = wire_utf8_char_len(s + i, n - i);
+        if (len)
             i += len;
         else
             s[i++] = '?';

@@ -173,6 +173,8 @@ void   wire_msg_destroy(wire_msg_t **msg_p);
 
 /* Strict UTF-8 check (no overlongs, no surrogates, nothing above U+10FFFF) of n bytes. */
 bool wire_utf8_valid(const char *s, size_t n);
+/* The length (1 to 4) of the valid UTF-8 character (NUL excluded) that s[0..n) begins with, or 0. */
+size_t wire_utf8_char_len(const char *s, size_t n);
 /* Replaces, in place, every byte of s[0..n) that does not begin a valid UTF-8 character (and NUL)
  * with '?', as the broker shows a generation's bytes that are no text (yet). */
 void wire_utf8_clean(char *s, size_t n);

@@ -133,6 +133,10 @@ static void test_model_cli_no_tokenizer_needs_byte_tokens(void **state)
     tu_fusion_expect(0, "byte tokens", "model info --byte-tokens '%s'", dir);
     tu_fusion_expect(1, "--byte-tokens", "tokenize '%s' hello", dir);
     tu_fusion_expect(0, "[104,101,108,108,111]", "tokenize --byte-tokens '%s' hello", dir);
+    /* Decoded to JSON, a byte that begins no UTF-8 character is U+FFFD (JSON cannot carry it raw):
+     * "é" (195 169), then 200 alone, then "A". */
+    tu_sh_expect(0, "\"\xc3\xa9\xef\xbf\xbd" "A\"",
+                 "echo '[195,169,200,65]' | %s tokenize --decode --jsonl --byte-tokens '%s'", tu_bin("fusion"), dir);
     tu_fusion_expect(1, "no tokenizer.json", "run infer -q --model '%s' --prompt hello --max-tokens 2", dir);
     tu_fusion_expect(0, NULL, "run infer -q --byte-tokens --model '%s' --prompt hello --max-tokens 2", dir);
     free(dir);
