@@ -227,9 +227,11 @@ uint64_t broker_conn_sweep(broker_t *b)
             return e.due_ms > now ? e.due_ms - now : 0;
         b->closing_head++;
         broker_peer *p = e.peer < b->n_peers ? &b->peers[e.peer] : NULL;
-        if (!p || !p->live || p->closed_ms != e.closed_ms)
-            continue; /* gone meanwhile, heard again, or closed again later (its own entry) */
+        if (!p || p->closed_ms != e.closed_ms)
+            continue; /* heard again, or closed again later (its own entry) */
         p->closed_ms = 0;
+        if (!p->live)
+            continue; /* gone meanwhile (a Leave read after the close, its silence) */
         if (p->paused) {
             FU_INFO(LOG, "peer %.8s (%s): its connection closed while it is paused (%s); its heartbeats decide",
                     p->key, p->name, p->pause_reason);
