@@ -600,6 +600,7 @@ typedef struct {
     uint8_t *data;                     /* JobSubmit.data (freed once tokenized) */
     size_t data_len;
     char *adapter_spec;                /* the adapter_job's spec text, or NULL */
+    char adapter_model[DB_MODEL_ID_LEN + 1]; /* the model the adapter_job was pinned to ("": none known) */
     /* out */
     broker_job *job;                   /* the prepared job, or NULL with code and em */
     Fusion__ErrorCode code;
@@ -613,6 +614,9 @@ broker_submit_task *broker_submit_task_new(broker_models *models, const wire_msg
 void broker_submit_task_free(broker_submit_task **t);
 
 /* ---- broker_jobs.c (client API) ---- */
+/* An inference's or eval's adapter must have been fine-tuned on the job's model: FU_EINVAL with em
+ * saying so when adapter_model (the fine-tune's pinned model id, "" when not known) is not j's. */
+FU_MUST_CHECK fu_err broker_adapter_model_check(const broker_job *j, const char *adapter_model, fu_errmsg *em);
 void broker_on_submit(broker_t *b, const wire_msg_t *msg);
 void broker_on_status(broker_t *b, const wire_msg_t *msg);
 void broker_on_list(broker_t *b, const wire_msg_t *msg);

@@ -71,6 +71,8 @@ fu_err broker_job_load(broker_t *b, const db_job *dj, broker_job **out, fu_errms
         goto fail;
     }
     rc = broker_job_prepare(b->models, j, aj ? (const char *)aj->spec : NULL, em);
+    if (rc == FU_OK && aj)
+        rc = broker_adapter_model_check(j, aj->model_id, em);
     db_job_free(&aj);
     if (rc != FU_OK)
         goto fail;
@@ -334,6 +336,8 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
         }
     }
     broker_submit_task *t = broker_submit_task_new(b->models, msg, kind, js, aj ? (const char *)aj->spec : NULL);
+    if (aj)
+        snprintf(t->adapter_model, sizeof t->adapter_model, "%s", aj->model_id);
     t->base.done = submit_done;
     db_job_free(&aj);
     if (!broker_worker_post(b->worker, &t->base)) {
@@ -356,11 +360,25 @@ static void remember_model(broker_t *b, const broker_model *m)
                 fu_strerror(rc));
 }
 
+fu_err broker_adapter_model_check(const broker_job *j, const char *adapter_model, fu_errmsg *em)
+{
+    if (!j->spec.adapter_job[0] || !adapter_model || !adapter_model[0] || strcmp(adapter_model, j->model->id) == 0)
+        return FU_OK;
+    return fu_errmsg_set(em, FU_EINVAL,
+                         "adapter_job %s was fine-tuned on another model (%.18s...) than '%s' (%.18s...): an adapter "
+                         "only fits the weights it was trained on",
+                         j->spec.adapter_job, adapter_model, j->spec.model, j->model->id);
+}
+
 /* Stores a prepared submission and answers it. */
 static void submit_finish(broker_t *b, broker_submit_task *t)
 {
     const broker_ret *r = &t->ret;
     broker_quota_done(b->quota, t->owner);
+    if (t->job && broker_adapter_model_check(t->job, t->adapter_model, &t->em) != FU_OK) {
+        broker_job_free(&t->job);
+        t->code = FUSION__ERROR_CODE__ERR_INVALID;
+    }
     if (!t->job) {
         broker_answer_error(b, r, t->code, "%s", t->em.msg);
         return;

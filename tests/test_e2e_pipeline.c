@@ -154,6 +154,16 @@ static void test_e2e_pipeline_finetune_then_infer(void **state)
     assert_true(tu_metric(m, "fusion_jobs{state=\"done\"}") == 2);
     assert_true(tu_metric(m, "fusion_step_seconds_total") > 0);
     free(m);
+    /* The adapter on another model of the same shapes (other weights): refused at submission, not run
+     * into text that means nothing. */
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "model init -o other --seed 9 >/dev/null"), 0);
+    free(out);
+    assert_int_not_equal(tu_fusion(c, &out, "submit infer --model other --adapter-job %s --prompt-tokens "
+                                   PROMPT_TOKENS " --max-tokens 4 2>&1", id), 0);
+    if (!strstr(out, "was fine-tuned on another model") || !strstr(out, "/other' (m:"))
+        fail_msg("an adapter of 'model' on 'other': %s", out);
+    free(out);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
