@@ -35,7 +35,9 @@
 #
 # WAN_BATCH, WAN_SEQ, WAN_MICRO (default 4, 16, 2) size a step (WAN_MICRO=0: the broker chooses the
 # micro-batch count for the links; "micro_batches" says what it chose); WAN_PEER_GB (default 0.039) is
-# each peer's memory, which makes the plan three stages (raise it with the step).
+# each peer's memory, which makes the plan three stages (raise it with the step). WAN_MODEL_ARGS
+# (`fusion model init` options, default a 6-layer, hidden-256 model) sizes the model: a wider one does
+# more compute per byte its cuts send.
 #
 # BUILD_DIR holds bin/fusion, bin/fusion-broker, bin/fusion-peer and tests/fusion-linkemu (a Release
 # build for figures). Needs root (namespaces, TUN); exits 77 otherwise. Bounded: every run has a
@@ -67,7 +69,7 @@ done
 [ "$(id -u)" = 0 ] || { echo "bench-wan: skipped: needs root (network namespaces, TUN)"; exit 77; }
 [ -c /dev/net/tun ] || { echo "bench-wan: skipped: no /dev/net/tun"; exit 77; }
 
-MODEL_ARGS="--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"
+MODEL_ARGS=${WAN_MODEL_ARGS:-"--layers 6 --hidden 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 256 --seed 3"}
 STEPS=20
 [ $QUICK = 1 ] && STEPS=8
 BATCH=${WAN_BATCH:-4} SEQ=${WAN_SEQ:-16} MICRO=${WAN_MICRO:-2} PEER_GB=${WAN_PEER_GB:-0.039} # the step's size, each peer's memory
