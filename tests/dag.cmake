@@ -8,7 +8,7 @@ fu_add_test(test_dag_data SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_data.c LI
 fu_add_test(test_dag_exec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_exec.c LIBS fu_dag TIMEOUT 120)
 # The generation step (dag_infer): a two-stage split equals one stage, replays, gaps and bad inputs.
 fu_add_test(test_dag_infer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_infer.c LIBS fu_dag TIMEOUT 60)
-fu_add_test(test_dag_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_cli.c LIBS fu_dag fu_proto TIMEOUT 120)
+fu_add_test(test_dag_cli SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_dag_cli.c LIBS fu_dag fu_proto TIMEOUT 400)
 add_dependencies(test_dag_cli fusion)
 
 # Fuzz target of the DAG decoder: its seed corpus runs as a test; libFuzzer binary with FUSION_FUZZ.
