@@ -454,6 +454,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         .budget_s = BROKER_COMPACT_BUDGET_MS / 1e3};
     b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);
     b->auth = broker_auth_new();
+    b->losses = broker_losses_new(BROKER_LOSSHIST_POINTS, BROKER_LOSSES_ENDED);
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
     if (!b->cfg.heartbeat_ms)
         b->cfg.heartbeat_ms = BROKER_HEARTBEAT_MS;
@@ -573,6 +574,7 @@ void broker_destroy(broker_t **b_p)
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_quota_free(&b->quota);
     broker_auth_free(&b->auth);
+    broker_losses_destroy(&b->losses);
     for (size_t i = 0; i < b->n_jobs; i++)
         broker_job_free(&b->jobs[i]);
     free(b->jobs);

@@ -1,4 +1,5 @@
-/* broker_api: GET /api/peers, /api/jobs, /api/jobs/JOB/events as JSON (see broker_api.h). */
+/* broker_api: GET /api/peers, /api/jobs, /api/jobs/JOB/events, /api/jobs/JOB/loss, /api/archive as
+ * JSON (see broker_api.h). */
 #include "broker_api.h"
 
 #include <math.h>
@@ -162,6 +163,27 @@ static cJSON *events_json(broker_t *b, const char *job)
     return out;
 }
 
+/* The loss curve of job (broker_losshist.h): {"job","kind","stride","points":[[step,loss],...]};
+ * no points for a job that has none (not a fine-tune, no step yet, or not since the broker started). */
+static cJSON *loss_json(broker_t *b, const db_job *dj)
+{
+    cJSON *out = cJSON_CreateObject();
+    cJSON_AddStringToObject(out, "job", dj->id);
+    cJSON_AddStringToObject(out, "kind", db_job_kind_name(dj->kind));
+    const broker_losshist *h = dj->kind == DB_JOB_FINETUNE ? broker_losses_find(b->losses, dj->id) : NULL;
+    size_t n = 0;
+    const broker_loss_point *pts = h ? broker_losshist_points(h, &n) : NULL;
+    cJSON_AddNumberToObject(out, "stride", h ? (double)broker_losshist_stride(h) : 1);
+    cJSON *arr = cJSON_AddArrayToObject(out, "points");
+    for (size_t i = 0; i < n; i++) {
+        cJSON *pt = cJSON_CreateArray();
+        cJSON_AddItemToArray(pt, cJSON_CreateNumber((double)pts[i].step));
+        cJSON_AddItemToArray(pt, cJSON_CreateNumber(pts[i].loss));
+        cJSON_AddItemToArray(arr, pt);
+    }
+    return out;
+}
+
 /* The event archive (docs/STORE.md "Compaction"): the audit's verdict and the newest days, at most
  * DB_EVENT_LIST_MAX of them. */
 static cJSON *archive_json(broker_t *b)
@@ -234,7 +256,8 @@ void broker_api_get(broker_t *b, const char *path, const char *authorization, br
         return;
     }
     if (strcmp(path, "/api/jobs") != 0 && strncmp(path, "/api/jobs/", 10) != 0) {
-        reply_error(r, 404, "not found: the API serves /api/peers, /api/jobs, /api/jobs/JOB/events and /api/archive");
+        reply_error(r, 404, "not found: the API serves /api/peers, /api/jobs, /api/jobs/JOB/events, "
+                            "/api/jobs/JOB/loss and /api/archive");
         return;
     }
     if (!known) {
@@ -252,8 +275,11 @@ void broker_api_get(broker_t *b, const char *path, const char *authorization, br
     }
     char id[DB_JOB_ID_LEN + 1];
     const char *rest = path + 10;
-    if (strlen(rest) != DB_JOB_ID_LEN + strlen("/events") || strcmp(rest + DB_JOB_ID_LEN, "/events") != 0) {
-        reply_error(r, 404, "not found: the API serves /api/jobs/JOB/events");
+    bool loss = false;
+    if (strlen(rest) == DB_JOB_ID_LEN + strlen("/loss") && strcmp(rest + DB_JOB_ID_LEN, "/loss") == 0)
+        loss = true;
+    else if (strlen(rest) != DB_JOB_ID_LEN + strlen("/events") || strcmp(rest + DB_JOB_ID_LEN, "/events") != 0) {
+        reply_error(r, 404, "not found: the API serves /api/jobs/JOB/events and /api/jobs/JOB/loss");
         return;
     }
     memcpy(id, rest, DB_JOB_ID_LEN);
@@ -262,6 +288,11 @@ void broker_api_get(broker_t *b, const char *path, const char *authorization, br
     if (!db_job_id_valid(id) ||
         db_job_get_brief(b->db, id, (roles & WIRE_ROLE_OPERATOR) ? NULL : key, &dj) != FU_OK) {
         reply_error(r, 404, "no such job among yours");
+        return;
+    }
+    if (loss) {
+        reply_json(r, 200, loss_json(b, dj));
+        db_job_free(&dj);
         return;
     }
     db_job_free(&dj);

@@ -4,6 +4,9 @@
  *                               operator); another tenant's work shows as "busy"
  *   GET /api/jobs               the caller's jobs, with their stages while they run
  *   GET /api/jobs/JOB/events    the event log of one of the caller's jobs
+ *   GET /api/jobs/JOB/loss      the loss curve of one of the caller's fine-tunes, from the broker's
+ *                               memory (broker_losshist.h): {"job","kind","stride","points":[[step,
+ *                               loss],...]}, no points for other kinds or since a restart
  * The caller is whoever shows `Authorization: Bearer TOKEN`, TOKEN being wire_http_token of a key on
  * the allow-list with the client or operator role (`fusion http-token` prints it). Without one,
  * /api/peers shows what any stranger may see and the job routes answer 401. Read on the broker's

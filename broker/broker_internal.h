@@ -13,6 +13,7 @@
 #include "broker.h"
 #include "broker_http.h"
 #include "broker_auth.h"
+#include "broker_losshist.h"
 #include "broker_models.h"
 #include "broker_quota.h"
 #include "broker_upload.h"
@@ -335,6 +336,7 @@ struct broker {
     broker_worker *worker;             /* job preparation off the loop */
     broker_quota *quota;               /* per-client submission rate and preparations */
     broker_auth *auth;                 /* failed enrolments by address, and bans */
+    broker_losses *losses;             /* fine-tunes' loss curves (GET /api/jobs/JOB/loss), memory only */
     bool sched_dirty;                  /* something changed: run the scheduler */
     uint64_t sched_round;              /* planning round: a job is tried once per round (sched_tried) */
     bool sched_resume;                 /* the last pass was cut short: go on with the same round */

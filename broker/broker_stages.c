@@ -163,6 +163,7 @@ void broker_on_step_done(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         j->retries = 0; /* progress */
     }
     j->loss = d->loss;
+    broker_losses_add(b->losses, j->id, d->step + 1, d->loss); /* a replayed step rewinds the curve */
     fu_err rc = db_job_progress(b->db, j->id, (int64_t)j->steps_done, (int64_t)j->spec.steps,
                                 isfinite(d->loss) ? d->loss : NAN, tps, broker_wall());
     if (rc != FU_OK)

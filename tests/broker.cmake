@@ -8,3 +8,6 @@ foreach(t peers jobs failover trust roles upload metrics)
 endforeach()
 # test_broker_roles also checks broker_auth's ban policy in-process (no clock, no sockets).
 target_link_libraries(test_broker_roles PRIVATE fu_broker)
+# broker_losshist (the loss curves of /api/jobs/JOB/loss) in-process: no sockets, no processes.
+fu_add_test(test_broker_losshist SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_broker_losshist.c LIBS fu_broker TIMEOUT 30)
+set_tests_properties(test_broker_losshist PROPERTIES LABELS broker)

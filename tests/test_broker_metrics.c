@@ -7,15 +7,20 @@
  *   - two peers registered, then one leaving: two idle, then one idle and one gone;
  *   - a path it does not serve: 404; another method: 405; no job id or key in
  *     the text.
+ * The loss curve of a fine-tune (GET /api/jobs/JOB/loss) is checked against a fake peer's 1,100
+ * steps: every loss in step order, downsampled to stride 2 past 1,024 points, still served once the
+ * job is done; another client's job and an unknown one are 404.
  * Off by default: without --http nothing listens. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
 #include <cmocka.h>
 #include <zmq.h>
 
@@ -153,6 +158,15 @@ static void test_broker_metrics_api_shows_each_client_its_own(void **state)
     free(o);
     tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
                  "http://127.0.0.1:%d/api/jobs/%s/events", other, port, id);
+    /* the loss curve: none yet for a queued job; another client's is not found, like a job that does
+     * not exist */
+    o = tu_sh_expect_out(0, "\"points\":[]", "curl -sf -H 'Authorization: Bearer %s' "
+                         "http://127.0.0.1:%d/api/jobs/%s/loss", mine, port, id);
+    assert_non_null(strstr(o, "\"kind\":\"finetune\""));
+    free(o);
+    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                 "http://127.0.0.1:%d/api/jobs/%s/loss", other, port, id);
+    tu_sh_expect(0, "401", "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/api/jobs/%s/loss", port, id);
     /* nobody: the peers, no jobs */
     o = tu_sh_expect_out(0, "\"name\":\"p0\"", "curl -sf http://127.0.0.1:%d/api/peers", port);
     assert_non_null(strstr(o, "\"gflops\":"));
@@ -183,6 +197,81 @@ static void test_broker_metrics_api_shows_each_client_its_own(void **state)
     tu_client_close(&p0);
 }
 
+/* GET /api/jobs/JOB/loss of a fine-tune a fake peer runs (broker_losshist.h): the fake peer reports
+ * loss 5 - s for its step s (counted from 0), so the API's step n (counted from 1) has loss 6 - n.
+ * 1,100 steps overflow the 1,024 points: steps 1, 3, ..., 1099 stay (stride 2), and the newest,
+ * 1100. */
+static void test_broker_metrics_api_loss_curve(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->backups = 0;
+    tu_broker_args(f->c, "--http 127.0.0.1:0");
+    tu_broker_fx_start(f);
+    int port = tu_metrics_port(f->c);
+    tu_fake_peer p = {0};
+    tu_fake_peer_start(&p, f->c, "p0", "p0", 4ull << 30, 50, "train");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    const unsigned steps = 1100;
+    char spec[8192];
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, "
+             "\"steps\": %u, \"batch\": 2, \"seq_len\": 8, \"micro_batches\": 2, \"checkpoint_every\": %u}",
+             f->model, steps, steps);
+    wire_msg_t *m = tu_client_submit(&f->cl, spec, "loss-job");
+    assert_non_null(m);
+    uint64_t id64 = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    char id[17];
+    snprintf(id, sizeof id, "%016llx", (unsigned long long)id64);
+    uint64_t t0 = fu_clock_ms();
+    bool done = false;
+    for (uint64_t end = t0 + 120000; !done && fu_clock_ms() < end; fu_sleep_ms(100)) {
+        m = tu_client_job_status(&f->cl, id64);
+        const Fusion__JobStatus *st = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS);
+        done = st && st->state == FUSION__JOB_STATE__JOB_STATE_DONE;
+        wire_msg_destroy(&m);
+    }
+    if (!done)
+        tu_file_show(tu_broker_log(f->c), 40);
+    assert_true(done);
+    print_message("%u steps done in %.1f s\n", steps, (double)(fu_clock_ms() - t0) / 1e3);
+    char mine[160], other[160];
+    http_token(f->c, "client", mine, sizeof mine);
+    http_token(f->c, "other", other, sizeof other);
+    char *o = tu_sh_expect_out(0, "\"points\"", "curl -sf -H 'Authorization: Bearer %s' "
+                               "http://127.0.0.1:%d/api/jobs/%s/loss", mine, port, id);
+    cJSON *j = cJSON_Parse(o);
+    assert_non_null(j);
+    assert_string_equal(cJSON_GetObjectItem(j, "job")->valuestring, id);
+    assert_string_equal(cJSON_GetObjectItem(j, "kind")->valuestring, "finetune");
+    assert_int_equal((int)cJSON_GetObjectItem(j, "stride")->valuedouble, 2);
+    const cJSON *pts = cJSON_GetObjectItem(j, "points");
+    int n = cJSON_GetArraySize(pts);
+    print_message("the loss curve: %d points, %zu bytes of JSON\n", n, strlen(o));
+    assert_int_equal(n, 551); /* 1, 3, ..., 1099 and 1100 */
+    for (int i = 0; i < n; i++) {
+        const cJSON *pt = cJSON_GetArrayItem(pts, i);
+        assert_int_equal(cJSON_GetArraySize(pt), 2);
+        double step = cJSON_GetArrayItem(pt, 0)->valuedouble, loss = cJSON_GetArrayItem(pt, 1)->valuedouble;
+        assert_true(step == (i + 1 < n ? 2.0 * i + 1 : (double)steps));
+        assert_true(loss == 6.0 - step);
+    }
+    cJSON_Delete(j);
+    free(o);
+    /* another client's job, an unknown job: not found, as JSON */
+    o = tu_sh_expect_out(0, "404", "curl -s -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                         "http://127.0.0.1:%d/api/jobs/%s/loss", other, port, id);
+    assert_non_null(strstr(o, "{\"error\":\"no such job among yours\"}"));
+    free(o);
+    o = tu_sh_expect_out(0, "404", "curl -s -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                         "http://127.0.0.1:%d/api/jobs/00000000deadbeef/loss", mine, port);
+    assert_non_null(strstr(o, "{\"error\":"));
+    free(o);
+    tu_sh_expect(0, "404", "curl -s -o /dev/null -w '%%{http_code}' -H 'Authorization: Bearer %s' "
+                 "http://127.0.0.1:%d/api/jobs/%s/lossy", mine, port, id);
+    tu_fake_peer_stop(&p, SIGTERM);
+}
+
 /* A malformed --http is refused before the broker starts. */
 static void test_broker_metrics_bad_address_refused(void **state)
 {
@@ -204,6 +293,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_metrics_count_what_happened),
         tu_broker_test(test_broker_metrics_bad_address_refused),
         tu_broker_test(test_broker_metrics_api_shows_each_client_its_own),
+        tu_broker_test(test_broker_metrics_api_loss_curve),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
