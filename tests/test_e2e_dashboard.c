@@ -3,6 +3,8 @@
  * URL (`fusion http-token`), and the page's own JavaScript fills the DOM from the JSON API:
  *   - every peer, in its state (the three holding a stage as "stage");
  *   - the running job, its three stages laid over their peers, its step and tokens/s, its events;
+ *   - its loss curve from step 1 on, though the page was loaded after several steps: the broker's
+ *     history (GET /api/jobs/JOB/loss) holds the steps the page did not see;
  *   - the page loads nothing from elsewhere (its Content-Security-Policy says so, and it has no
  *     external URL).
  * A screenshot is saved as dashboard-screenshot.png in the test's working directory (the build's
@@ -43,7 +45,7 @@ static void test_e2e_dashboard_shows_a_running_job(void **state)
     tu_cluster_start(c);
     char id[17];
     tu_submit_finetune(c, id, "model", "%s --steps 100000 --checkpoint-every 1000", TU_TRAIN_ARGS);
-    (void)tu_wait_step(c, id, 3, 90000);
+    long before = tu_wait_step(c, id, 5, 120000); /* steps done before the page is loaded */
     int port = tu_metrics_port(c);
     const char *dir = tu_cluster_dir(c);
     char *tok = tu_sh_expect_out(0, NULL, "FUSION_CONFIG= %s http-token --broker-key %s/broker/public.key --keys %s/client",
@@ -74,6 +76,15 @@ static void test_e2e_dashboard_shows_a_running_job(void **state)
     }
     assert_non_null(strstr(dom, "tok/s"));
     assert_non_null(strstr(dom, "submitted")); /* the event log */
+    /* the loss curve: the broker's history from step 1, at least the steps done before the load */
+    const char *curve = strstr(dom, "class=\"loss\" data-points=\"");
+    if (!curve)
+        fail_msg("no loss curve in the dashboard:\n%s", dom);
+    long points = strtol(curve + strlen("class=\"loss\" data-points=\""), NULL, 10);
+    printf("the loss curve: %ld points, %ld steps done before the page was loaded\n", points, before);
+    assert_true(points >= before);
+    assert_non_null(strstr(curve, "data-first-step=\"1\""));
+    assert_non_null(strstr(curve, "<polyline points=\""));
     assert_null(strstr(dom, "src=\"http")); /* nothing from elsewhere */
     free(dom);
     char *csp = tu_sh_expect_out(0, "Content-Security-Policy: default-src 'none'",
