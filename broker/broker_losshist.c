@@ -14,7 +14,7 @@
 struct broker_losshist {
     broker_loss_point *pts; /* n of them, increasing steps; all but the last on the stride */
     size_t n, cap;
-    uint64_t stride;        /* steps 1, 1 + stride, ... are kept */
+    uint64_t stride; /* steps 1, 1 + stride, ... are kept */
 };
 
 typedef struct {
@@ -26,9 +26,9 @@ typedef struct {
 struct broker_losses {
     losses_entry *e; /* n of them, in no order */
     size_t n, cap;
-    size_t points;   /* each curve's capacity */
-    size_t keep;     /* ended curves kept */
-    uint64_t ends;   /* ends seen: the next ended order */
+    size_t points; /* each curve's capacity */
+    size_t keep;   /* ended curves kept */
+    uint64_t ends; /* ends seen: the next ended order */
 };
 
 /* ---- one curve ---------------------------------------------------------------------------------- */

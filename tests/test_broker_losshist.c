@@ -175,7 +175,7 @@ static void test_broker_losshist_set_keeps_the_newest_ended(void **state)
     broker_losses_ended(l, id[1]);
     assert_int_equal(broker_losses_count(l), 8);
     broker_losses_ended(l, id[2]);
-    broker_losses_ended(l, id[2]); /* twice: once */
+    broker_losses_ended(l, id[2]);              /* twice: once */
     broker_losses_ended(l, "00000000000000ff"); /* none: nothing */
     assert_int_equal(broker_losses_count(l), 7);
     assert_null(broker_losses_find(l, id[0]));
