@@ -649,6 +649,7 @@ static uint64_t timers(broker_t *b)
             broker_job *j = b->jobs[i];
             if (!j->dead && j->phase == BJ_RECOVER_WAIT && now >= j->recover_at_ms)
                 broker_recover(b, j);
+            broker_job_wake(b, j, true); /* long polls whose wait is over */
         }
         b->next_sweep_ms = now + sweep_period(b);
     }

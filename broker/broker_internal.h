@@ -170,6 +170,25 @@ typedef enum {
     BJ_RECOVER_WAIT, /* restarted broker: waiting for peers to come back before recovery */
 } broker_phase;
 
+/* Where an answer to a request goes (its connection, sequence, job and type), kept while the
+ * request is prepared off the loop. */
+typedef struct {
+    uint8_t rid[WIRE_MAX_ROUTING_ID];
+    size_t rid_len;
+    uint64_t sequence, job_id;
+    Fusion__MsgType type;
+    char uid[DB_KEY_LEN + 1];
+} broker_ret;
+
+#define BROKER_JOB_WAITERS 8      /* long-polled status requests one job holds (more are answered at once) */
+#define BROKER_WAIT_MAX_MS 2000u  /* the longest a status request is held */
+
+/* A status request held until its job's output changes (JobRef.wait_ms): who to answer, by when. */
+typedef struct {
+    broker_ret ret;
+    uint64_t deadline_ms;
+} broker_waiter;
+
 /* A queued or running job. */
 typedef struct {
     char id[DB_JOB_ID_LEN + 1];        /* hex id */
@@ -202,6 +221,8 @@ typedef struct {
     int32_t *gen;                      /* generated tokens */
     size_t n_gen, cap_gen;
     char *output;                      /* decoded generated text (NUL-terminated) */
+    broker_waiter waiters[BROKER_JOB_WAITERS]; /* status requests held until the output changes */
+    uint32_t n_waiters;
     uint8_t *logits;                   /* infer with dump_logits: float32 logits of every prompt
                                           position (positions × vocab, little-endian), or NULL */
     size_t logits_len;                 /* bytes */
@@ -361,15 +382,6 @@ struct broker {
 /* ---- broker_io.c: clocks and sending ---- */
 /* Sends body of type t to a peer (by its current routing id); logs and returns the error. */
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body);
-/* Where an answer to a request goes (its connection, sequence, job and type), kept while the
- * request is prepared off the loop. */
-typedef struct {
-    uint8_t rid[WIRE_MAX_ROUTING_ID];
-    size_t rid_len;
-    uint64_t sequence, job_id;
-    Fusion__MsgType type;
-    char uid[DB_KEY_LEN + 1];
-} broker_ret;
 void broker_ret_of(const wire_msg_t *msg, broker_ret *r);
 /* Answers the request r with a body of type t, or with Error{code, text}. */
 fu_err broker_answer(broker_t *b, const broker_ret *r, Fusion__MsgType t, const ProtobufCMessage *body);
@@ -620,6 +632,9 @@ void broker_submit_task_free(broker_submit_task **t);
  * saying so when adapter_model (the fine-tune's pinned model id, "" when not known) is not j's. */
 FU_MUST_CHECK fu_err broker_adapter_model_check(const broker_job *j, const char *adapter_model, fu_errmsg *em);
 void broker_on_submit(broker_t *b, const wire_msg_t *msg);
+/* Answers the status requests job j holds (JobRef.wait_ms): every one (its output changed, or it
+ * ends), or with due_only those whose wait is over. */
+void broker_job_wake(broker_t *b, broker_job *j, bool due_only);
 void broker_on_status(broker_t *b, const wire_msg_t *msg);
 void broker_on_list(broker_t *b, const wire_msg_t *msg);
 void broker_on_cancel(broker_t *b, const wire_msg_t *msg);

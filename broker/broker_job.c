@@ -85,6 +85,7 @@ void broker_jobs_reap(broker_t *b)
             b->tot.v_mismatch += j->v_mismatch;
             b->tot.v_skipped += j->v_skipped;
             broker_losses_ended(b->losses, j->id); /* its loss curve stays a while (/api) */
+            broker_job_wake(b, j, false);          /* its held status requests: it ended */
             broker_job_free(&b->jobs[i]);
         }
         else

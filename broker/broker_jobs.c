@@ -431,12 +431,52 @@ static void submit_done(broker_task *bt, void *loop)
     broker_submit_task_free(&t);
 }
 
+/* A long poll (JobRef.wait_ms) of a job that has nothing new yet: held by the job instead of
+ * answered, when it is a live one with room for it. */
+static bool status_held(broker_t *b, const wire_msg_t *msg, const Fusion__JobRef *r, const db_job *dj)
+{
+    if (r->wait_ms == 0 || db_job_state_final(dj->state))
+        return false;
+    broker_job *j = broker_job_find(b, dj->id);
+    if (!j || j->dead || j->n_waiters == BROKER_JOB_WAITERS)
+        return false;
+    if ((j->output ? strlen(j->output) : 0) != r->known_output_len)
+        return false; /* news already */
+    broker_waiter *w = &j->waiters[j->n_waiters++];
+    broker_ret_of(msg, &w->ret);
+    w->deadline_ms = broker_now() + (r->wait_ms < BROKER_WAIT_MAX_MS ? r->wait_ms : BROKER_WAIT_MAX_MS);
+    return true;
+}
+
 void broker_on_status(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__JobRef *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ);
     db_job *dj = r ? own_job(b, msg, r->job_id, false) : NULL;
-    if (dj)
+    if (dj && !status_held(b, msg, r, dj))
         reply_status(b, msg, dj);
+    db_job_free(&dj);
+}
+
+void broker_job_wake(broker_t *b, broker_job *j, bool due_only)
+{
+    if (!j->n_waiters)
+        return;
+    uint64_t now = broker_now();
+    db_job *dj = NULL;
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < j->n_waiters; i++) {
+        broker_waiter *w = &j->waiters[i];
+        if (due_only && now < w->deadline_ms) {
+            j->waiters[kept++] = *w;
+            continue;
+        }
+        if (!dj && db_job_get_brief(b->db, j->id, NULL, &dj) != FU_OK) {
+            broker_answer_error(b, &w->ret, FUSION__ERROR_CODE__ERR_INTERNAL, "the broker's store failed; try again");
+            continue;
+        }
+        answer_status(b, &w->ret, dj);
+    }
+    j->n_waiters = kept;
     db_job_free(&dj);
 }
 

@@ -114,6 +114,22 @@ fu_err cli_job_fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *
     return cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, m, code);
 }
 
+fu_err cli_job_watch_status(cli_conn_t *conn, uint64_t id, uint32_t wait_ms, uint64_t known_len, wire_msg_t **m,
+                            int *code)
+{
+    Fusion__JobRef ref = FUSION__JOB_REF__INIT;
+    ref.job_id = id;
+    ref.wait_ms = wait_ms;
+    ref.known_output_len = known_len;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, .job_id = id};
+    return cli_conn_call(conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, m, code);
+}
+
+bool cli_job_poll_pause(uint64_t started_ms, uint32_t wait_ms)
+{
+    return fu_clock_ms() - started_ms < wait_ms / 8;
+}
+
 /* Options every job-reading command shares. */
 typedef struct {
     cli_conn_opts conn;
@@ -366,13 +382,20 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
     progress_clock pc = {.start_s = start};
     wait_note_install(prog, id);
     char last_msg[256] = "";
+    bool infer = false; /* an inference's text is long-polled: each token shows as it comes */
+    size_t known = 0;   /* the length of the text the last answer had */
     for (;;) {
         wire_msg_t *m = NULL;
         int code;
-        if (cli_job_fetch_status(conn, id, &m, &code) != FU_OK)
+        uint64_t asked = fu_clock_ms();
+        if ((infer ? cli_job_watch_status(conn, id, CLI_WAIT_LONG_POLL_MS, known, &m, &code)
+                   : cli_job_fetch_status(conn, id, &m, &code)) != FU_OK)
             return code;
         const Fusion__JobStatus *s = (const Fusion__JobStatus *)wire_msg_body(m);
         size_t out_len = s->output ? strlen(s->output) : 0;
+        bool news = out_len != known;
+        known = out_len;
+        infer = s->kind == FUSION__JOB_KIND__JOB_KIND_INFER;
         if (out_len > printed && !json) {
             fwrite(s->output + printed, 1, out_len - printed, stdout);
             fflush(stdout);
@@ -425,7 +448,8 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
                     prog, cli_job_state_name(st), timeout_s, step);
             return FU_EXIT_TIMEOUT;
         }
-        fu_sleep_ms(CLI_WAIT_POLL_MS);
+        if (!infer || (!news && cli_job_poll_pause(asked, CLI_WAIT_LONG_POLL_MS)))
+            fu_sleep_ms(CLI_WAIT_POLL_MS);
     }
 }
 

@@ -13,11 +13,20 @@ extern "C" {
 #endif
 
 #define CLI_WAIT_POLL_MS 200 /* how often `wait` asks for a job's status */
+#define CLI_WAIT_LONG_POLL_MS 1000 /* how long the broker may hold `wait`'s question about an inference's text */
 #define CLI_SUBMIT_TRIES 3   /* sends of one submission before giving up */
 
 /* Job id's JobStatus from the broker over conn (*m: the reply, for wire_msg_destroy); on failure the
  * message is printed and the exit code set. */
 FU_MUST_CHECK fu_err cli_job_fetch_status(cli_conn_t *conn, uint64_t id, wire_msg_t **m, int *code);
+/* The same as a long poll (JobRef.wait_ms): the broker answers once the job's output is no longer
+ * known_len bytes long, the job ends, or wait_ms (at most 2000) passed; a broker that does not hold
+ * requests answers at once (cli_job_poll_pause then says to wait). */
+FU_MUST_CHECK fu_err cli_job_watch_status(cli_conn_t *conn, uint64_t id, uint32_t wait_ms, uint64_t known_len,
+                                          wire_msg_t **m, int *code);
+/* After a long poll that began at started_ms and brought nothing new: whether the broker answered at
+ * once (it does not hold requests), so that the caller waits poll_ms itself before asking again. */
+bool cli_job_poll_pause(uint64_t started_ms, uint32_t wait_ms);
 
 /* Submits a job: kind, its spec's JSON text and data[0..len) (training text, or an inference
  * prompt), under idempotency key idem, sent again with the same key when no answer comes (so a retry

@@ -20,7 +20,9 @@
 #include "fu_clock.h"
 #include "fu_encode.h"
 
-#define SERVE_POLL_MS            50 /* how often a request asks the broker for its job's text */
+#define SERVE_POLL_MS            50  /* how often a request asks a broker that does not hold requests */
+#define SERVE_LONG_POLL_MS       500 /* how long the broker may hold a request's question about its text
+                                        (a client that hung up is noticed within this) */
 #define SERVE_COMPLETION_DEFAULT 16 /* /v1/completions' max_tokens when absent (OpenAI's) */
 
 typedef struct {
@@ -39,6 +41,8 @@ typedef struct {
     size_t n_stops;
     cli_oai_usage usage;
     char *text;          /* the text generated so far (the broker's JobStatus.output) */
+    size_t known;        /* the length of the output the broker's last answer had (the long poll's) */
+    bool pause;          /* the last look came back at once with nothing new: wait before the next */
     size_t len, sent;    /* its bytes, and how many were passed on */
     size_t avail;        /* how many may be passed on (cli_oai_release) */
     const char *finish;  /* "stop" or "length" once ended */
@@ -185,13 +189,16 @@ static void gen_poll(gen_t *g)
 {
     wire_msg_t *m = NULL;
     int code;
-    if (cli_job_fetch_status(g->conn, g->job, &m, &code) != FU_OK) {
+    uint64_t asked = fu_clock_ms();
+    if (cli_job_watch_status(g->conn, g->job, SERVE_LONG_POLL_MS, g->known, &m, &code) != FU_OK) {
         gen_fail_broker(g);
         return;
     }
     const Fusion__JobStatus *st = (const Fusion__JobStatus *)wire_msg_body(m);
     const char *out = st->output ? st->output : "";
     size_t ol = strlen(out);
+    g->pause = ol == g->known && cli_job_poll_pause(asked, SERVE_LONG_POLL_MS);
+    g->known = ol;
     if (ol >= g->len) { /* the text only grows (a shorter one: tokens the broker dropped; keep ours) */
         free(g->text);
         g->text = fu_strdup(out);
@@ -229,7 +236,8 @@ static void gen_poll(gen_t *g)
  * deadline or when the gateway stops. */
 static void gen_wait(gen_t *g)
 {
-    fu_sleep_ms(SERVE_POLL_MS);
+    if (g->pause)
+        fu_sleep_ms(SERVE_POLL_MS);
     if (serve_stopping()) {
         gen_cancel(g);
         gen_fail(g, MHD_HTTP_SERVICE_UNAVAILABLE, "api_error", "the gateway is stopping");

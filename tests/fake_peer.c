@@ -637,7 +637,7 @@ static void fake_on_assign(fake_peer *f, const Fusion__StageAssign *a)
         bool w_ok = fake_fetch(&f->cl, a->model_id, "model.norm.weight", &n1);
         bool t_ok = fake_fetch(&f->cl, jobblob, "tokens", &n2);
         printf("FETCH weights %s %zu tokens %s %zu\n", w_ok ? "ok" : "BAD", n1, t_ok ? "ok" : "BAD", n2);
-    } else if (strcmp(f->mode, "infer") == 0) {
+    } else if (strncmp(f->mode, "infer", 5) == 0) {
         char jobblob[64];
         size_t nb = 0;
         snprintf(jobblob, sizeof jobblob, "job:%016" PRIx64, a->job_id);
@@ -682,7 +682,7 @@ static void fake_on_message(fake_peer *f, const wire_msg_t *m, uint32_t *hb_ms, 
         printf("START %016" PRIx64 " step %" PRIu64 "\n", s->job_id, s->step);
         if ((strcmp(f->mode, "train") == 0 || strcmp(f->mode, "forge") == 0) && s->job_id == f->tr.job)
             fake_train_run(&f->cl, &f->tr, s->step);
-        if (strcmp(f->mode, "infer") == 0 && s->job_id == f->infer_job && f->infer_stage == f->infer_stages - 1) {
+        if (strncmp(f->mode, "infer", 5) == 0 && s->job_id == f->infer_job && f->infer_stage == f->infer_stages - 1) {
             /* the "sampled" token at position p is 'A' + (p - prompt length) */
             Fusion__InferToken it = FUSION__INFER_TOKEN__INIT;
             it.job_id = f->infer_job;
@@ -701,6 +701,8 @@ static void fake_on_message(fake_peer *f, const wire_msg_t *m, uint32_t *hb_ms, 
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN: { /* stage 0's next input; this fake is every stage */
         const Fusion__InferToken *in = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN);
         printf("TOKEN %" PRIu64 " %d\n", in->position, in->token);
+        if (strcmp(f->mode, "infer-slow") == 0)
+            fu_sleep_ms(300); /* a token every 0.3 s */
         Fusion__InferToken it = FUSION__INFER_TOKEN__INIT;
         it.job_id = in->job_id;
         it.position = in->position + 1;

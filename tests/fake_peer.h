@@ -145,7 +145,8 @@ typedef struct {
  * "train" also fetches a weight and the job's tokens (hash-checked), sends a chunked checkpoint of its
  * stage (every adapter tensor of its graph range: A = stage*100 + i, B = the step, moments 0.5) every
  * checkpoint step, and StepDone on the last stage; "forge" is "train" whose checkpoints hold one
- * made-up tensor; "infer" plays every stage of an inference job, sampling 'A', 'B', ...; "error"
+ * made-up tensor; "infer" plays every stage of an inference job, sampling 'A', 'B', ... ("infer-slow":
+ * one token every 0.3 s); "error"
  * fails every stage with an Error; "noready" heartbeats but never says StageReady. */
 void tu_fake_peer_start(tu_fake_peer *p, const tu_cluster *c, const char *key_name, const char *name, uint64_t mem,
                         double gflops, const char *mode);

@@ -389,6 +389,74 @@ static void test_broker_failover_inference_streams_tokens(void **state)
     tu_fake_peer_stop(&p, SIGKILL);
 }
 
+/* A long-polled status request (JobRef.wait_ms) of the text of job id, known_len bytes known: the
+ * answer, and how long it took in *ms. */
+static wire_msg_t *long_poll(tu_broker_fx *f, uint64_t id, uint32_t wait_ms, uint64_t known_len, uint64_t *ms)
+{
+    Fusion__JobRef r = FUSION__JOB_REF__INIT;
+    r.job_id = id;
+    r.wait_ms = wait_ms;
+    r.known_output_len = known_len;
+    uint64_t t0 = fu_clock_ms();
+    wire_msg_t *m = tu_client_call(&f->cl, FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ, id, &r.base,
+                                   FUSION__MSG_TYPE__MSG_JOB_STATUS, 6000);
+    *ms = fu_clock_ms() - t0;
+    assert_non_null(m);
+    assert_non_null(wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_JOB_STATUS));
+    return m;
+}
+
+/* `fusion serve` and `fusion wait` follow a generation by long polls: the broker holds a status
+ * request until the text grows, the job ends or the wait (at most 2 s) is over, so each token is
+ * passed on as it comes and nothing is asked in between. */
+static void test_broker_failover_inference_long_poll(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->backups = 0;
+    tu_broker_fx_start(f);
+    /* No peer: the job waits, and so does its long poll, until its wait is over. */
+    uint64_t id = submit_hello_infer(f), ms = 0;
+    wire_msg_t *m = long_poll(f, id, 700, 0, &ms);
+    const Fusion__JobStatus *st = (const Fusion__JobStatus *)wire_msg_body(m);
+    printf("queued job: answered after %" PRIu64 " ms of a 700 ms wait\n", ms);
+    assert_int_equal(st->state, FUSION__JOB_STATE__JOB_STATE_QUEUED);
+    assert_true(ms >= 650 && ms < 3000);
+    wire_msg_destroy(&m);
+    m = long_poll(f, id, 60000, 0, &ms); /* held 2 s at most */
+    printf("a 60 s wait: answered after %" PRIu64 " ms\n", ms);
+    assert_true(ms >= 1900 && ms < 4000);
+    wire_msg_destroy(&m);
+    /* A token every 0.3 s: each answer brings more text, none comes back empty-handed. */
+    tu_fake_peer p;
+    tu_fake_peer_start(&p, f->c, "p0", "p0", 4 * GiB, 50, "infer-slow");
+    assert_true(tu_fake_peer_expect(&p, "WELCOME", 5000, NULL, 0));
+    char seen[8][8];
+    size_t known = 0, n = 0;
+    for (int k = 0; k < 40; k++) {
+        m = long_poll(f, id, 2000, known, &ms);
+        st = (const Fusion__JobStatus *)wire_msg_body(m);
+        size_t len = strlen(st->output);
+        bool done = st->state == FUSION__JOB_STATE__JOB_STATE_DONE;
+        if (!done && st->state != FUSION__JOB_STATE__JOB_STATE_QUEUED && len == known && ms < 1900)
+            fail_msg("a long poll of a running job came back after %" PRIu64 " ms with nothing new", ms);
+        if (len != known && n < 8)
+            snprintf(seen[n++], sizeof seen[0], "%s", st->output);
+        known = len;
+        wire_msg_destroy(&m);
+        if (done)
+            break;
+    }
+    printf("texts seen: %zu, the last '%s'\n", n, n ? seen[n - 1] : "");
+    assert_true(n >= 3); /* "A", "AB", "ABC", ... one answer per token, give or take the last */
+    assert_string_equal(seen[n - 1], "ABCD");
+    /* A finished job is answered at once. */
+    m = long_poll(f, id, 2000, 4, &ms);
+    assert_int_equal(((const Fusion__JobStatus *)wire_msg_body(m))->state, FUSION__JOB_STATE__JOB_STATE_DONE);
+    assert_true(ms < 1000);
+    wire_msg_destroy(&m);
+    tu_fake_peer_stop(&p, SIGKILL);
+}
+
 /* Past --keep-jobs-days a done job's result is deleted by the store's compaction: `fusion result`
  * says when and gives the result's hash; the job's status stays done (docs/STORE.md "Compaction"). */
 static void test_broker_failover_result_purged_after_retention(void **state)
@@ -537,6 +605,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_failover_retry_cap_fails_the_job),
         tu_broker_test(test_broker_failover_full_run_and_result),
         tu_broker_test(test_broker_failover_inference_streams_tokens),
+        tu_broker_test(test_broker_failover_inference_long_poll),
         tu_broker_test(test_broker_failover_result_purged_after_retention),
         tu_broker_test(test_broker_failover_relay),
         tu_broker_test(test_broker_failover_ready_deadline_waits),
