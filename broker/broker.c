@@ -500,6 +500,11 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         rc = FU_EIO;
         goto fail;
     }
+    /* Its own thread: a submission's preparation takes seconds, a plan milliseconds. */
+    if (!(b->planner = broker_worker_new(1, em))) {
+        rc = FU_EIO;
+        goto fail;
+    }
     b->ctx = zmq_ctx_new();
     if (!b->ctx) {
         rc = FU_EIO;
@@ -572,6 +577,7 @@ void broker_destroy(broker_t **b_p)
     broker_t *b = *b_p;
     broker_http_destroy(&b->http);
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
+    broker_worker_free(&b->planner);
     broker_quota_free(&b->quota);
     broker_auth_free(&b->auth);
     broker_losses_destroy(&b->losses);
@@ -683,10 +689,11 @@ fu_err broker_run(broker_t *b)
             timeout = (long)conn_wait;
         if (b->http)
             timeout = broker_http_timeout_ms(b->http, timeout);
-        zmq_pollitem_t items[5] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+        zmq_pollitem_t items[6] = {{.socket = b->sock, .events = ZMQ_POLLIN},
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
-                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN}};
-        int n_items = 3, http_item = -1;
+                                   {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
+                                   {.fd = broker_worker_fd(b->planner), .events = ZMQ_POLLIN}};
+        int n_items = 4, http_item = -1;
         if (b->mon) /* the connections' events (broker_conn.c), read below whatever woke the poll */
             items[n_items++] = (zmq_pollitem_t){.socket = b->mon, .events = ZMQ_POLLIN};
         if (b->http) {
@@ -713,6 +720,11 @@ fu_err broker_run(broker_t *b)
             /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
              * next one meanwhile; heartbeats are served between them (the eventfd stays readable). */
             broker_task *t = broker_worker_take(b->worker);
+            if (t)
+                t->done(t, b);
+        }
+        if (items[3].revents & ZMQ_POLLIN) { /* a search is back (broker_sched.c) */
+            broker_task *t = broker_worker_take(b->planner);
             if (t)
                 t->done(t, b);
         }

@@ -241,6 +241,7 @@ typedef struct {
     double slowest_s;                  /* slowest step (fine-tune) or token gap (inference) seen, seconds */
     bool stepped;                      /* a step or token came since the last StageStart */
     uint64_t sched_tried;              /* the planning round it was last tried in */
+    uint32_t plan_stale;               /* its searches in a row whose chosen peers changed meanwhile */
     uint64_t plan_failed_on;           /* what its last plan that found none was made over (plan_inputs;
                                           0: none failed): the same candidates are not searched again */
     bool ends_trusted;                 /* its first and last stages are kept on trusted peers (decided when
@@ -270,6 +271,7 @@ typedef struct {
     uint64_t plans;                    /* jobs planned (a plan assigned) */
     uint64_t plans_failed;             /* searches that found no plan that fits */
     uint64_t plans_skipped;            /* searches not made: the candidates of a job's failed one again */
+    uint64_t plans_stale;              /* searches whose chosen peers changed while they ran: made again */
     double plan_s_sum, plan_s_max;     /* seconds those planning passes took, in all and the longest */
     uint64_t v_agree, v_disagree, v_mismatch, v_skipped; /* verification samples of the jobs gone from
                                           memory (the live jobs count their own) */
@@ -355,6 +357,9 @@ struct broker {
     broker_models *models;             /* the models served, by content id */
     broker_uploads *uploads;           /* models clients upload; NULL: uploads off */
     broker_worker *worker;             /* job preparation off the loop */
+    broker_worker *planner;            /* plan searches off the loop (broker_sched.c), one at a time */
+    broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
+    bool sched_changed;                /* the scheduler was asked for while a search ran: a new round next */
     broker_quota *quota;               /* per-client submission rate and preparations */
     broker_auth *auth;                 /* failed enrolments by address, and bans */
     broker_losses *losses;             /* fine-tunes' loss curves (GET /api/jobs/JOB/loss), memory only */

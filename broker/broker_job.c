@@ -78,7 +78,7 @@ void broker_jobs_reap(broker_t *b)
 {
     size_t w = 0;
     for (size_t i = 0; i < b->n_jobs; i++) {
-        if (b->jobs[i]->dead) {
+        if (b->jobs[i]->dead && b->jobs[i] != b->planning) { /* a search reads its graph: freed after */
             broker_job *j = b->jobs[i]; /* its verification counts stay in the broker's totals */
             b->tot.v_agree += j->v_agree;
             b->tot.v_disagree += j->v_disagree;

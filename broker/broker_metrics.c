@@ -126,6 +126,9 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     family(f, "fusion_plans_skipped_total", "counter",
            "Searches not made: a waiting job's candidates were those of its last failed search.");
     fprintf(f, "fusion_plans_skipped_total %" PRIu64 "\n", t->plans_skipped);
+    family(f, "fusion_plans_stale_total", "counter",
+           "Searches whose chosen peers changed while they ran on the planner thread (the job is planned again).");
+    fprintf(f, "fusion_plans_stale_total %" PRIu64 "\n", t->plans_stale);
     family(f, "fusion_plan_seconds_total", "counter", "Seconds those planning passes took (candidates, partitioner).");
     fprintf(f, "fusion_plan_seconds_total %.6f\n", t->plan_s_sum);
     family(f, "fusion_plan_seconds_max", "gauge", "The longest planning pass since the broker started.");

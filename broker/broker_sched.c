@@ -142,6 +142,43 @@ static bool ends_trusted_now(const broker_t *b, const broker_job *j)
     return j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
 }
 
+/* ---- the search (the planner thread runs it for a queued job; growth runs it on the loop) -------- */
+
+/* What a search knows of one candidate: copied from the registry on the loop, so that the planner
+ * thread reads nothing the loop owns; the loop checks the chosen ones against the registry when the
+ * search is back (still_fits). */
+typedef struct {
+    dag_peer_profile prof;             /* what the partitioner sees (profile_of) */
+    bool trusted;                      /* may take an end stage */
+    size_t at;                         /* its index in b->peers */
+    char key[DB_KEY_LEN + 1];          /* ... and its key there */
+    double gflops, link_bw, link_latency_ms; /* what the search saw of it */
+    uint64_t mem_bytes;
+    uint32_t n_slots;
+} plan_cand;
+
+/* What one search needs besides its candidates: the job (a copy of its header on the planner
+ * thread: the graph, immutable while the job lives, kept while the search runs; its kind, spec
+ * numbers and rules; no other pointer in it is followed) and the broker's numbers. */
+typedef struct {
+    broker_job *j;
+    uint32_t backups;                  /* cfg.backups */
+    double grow_margin;                /* cfg.grow_margin */
+} plan_ctx;
+
+static void cand_of(const broker_t *b, const broker_peer *p, plan_cand *c)
+{
+    profile_of(p, &c->prof);
+    c->trusted = p->trusted;
+    c->at = (size_t)(p - b->peers);
+    snprintf(c->key, sizeof c->key, "%s", p->key);
+    c->gflops = p->gflops;
+    c->link_bw = p->link_bw;
+    c->link_latency_ms = p->link_latency_ms;
+    c->mem_bytes = p->mem_bytes;
+    c->n_slots = p->n_slots;
+}
+
 /* A candidate of a capped planning pass: its rank key and its index in the caller's list. */
 typedef struct {
     double key;
@@ -156,28 +193,28 @@ static int pick_cmp(const void *a, const void *b)
     return x->at < y->at ? -1 : x->at > y->at; /* stable: the caller's order among equals */
 }
 
-/* The best plans of j over the peers who[0..n) (dag_partition_each): plans[k - 1] the best of at
- * most k stages, for k up to cap and max_stages (0: n minus the backups the broker keeps, so that the
- * job has them), the ends on trusted peers when ends_trusted. */
-static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
+/* The best plans of j over the candidates who[0..n) (dag_partition_each): plans[k - 1] the best of
+ * at most k stages, for k up to cap and max_stages (0: n minus the backups the broker keeps, so that
+ * the job has them), the ends on trusted peers when ends_trusted. */
+static fu_err partition_once(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
+                             bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
 {
     dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
     for (size_t k = 0; k < n; k++)
-        profile_of(who[k], &prof[k]);
-    size_t n_plan = max_stages ? max_stages : n > b->cfg.backups ? n - b->cfg.backups : n;
+        prof[k] = who[k].prof;
+    size_t n_plan = max_stages ? max_stages : n > x->backups ? n - x->backups : n;
     if (n_plan > n)
         n_plan = n;
     if (n_plan > BROKER_MAX_STAGES)
         n_plan = BROKER_MAX_STAGES;
-    dag_partition_opts o = broker_job_popts(j);
+    dag_partition_opts o = broker_job_popts(x->j);
     o.max_stages = (uint32_t)n_plan;
     /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
     bool *ends_ok = ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
     for (size_t k = 0; ends_ok && k < n; k++)
-        ends_ok[k] = who[k]->trusted;
+        ends_ok[k] = who[k].trusted;
     o.ends_ok = ends_ok;
-    fu_err rc = dag_partition_each(j->graph, prof, n, &o, plans, cap, em);
+    fu_err rc = dag_partition_each(x->j->graph, prof, n, &o, plans, cap, em);
     free(ends_ok);
     free(prof);
     return rc;
@@ -187,19 +224,19 @@ static fu_err partition_once(broker_t *b, const broker_job *j, broker_peer *cons
  * trusted ones first when the ends must stay trusted). A plan's stages come from the fastest peers
  * anyway, and the partitioner's sort of its candidates grows with their square. The plans' peer
  * indices are into who, as without the cap. */
-static fu_err partition_each(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
+static fu_err partition_each(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
+                             bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
 {
     if (n <= BROKER_PLAN_CANDIDATES)
-        return partition_once(b, j, who, n, max_stages, ends_trusted, plans, cap, em);
+        return partition_once(x, who, n, max_stages, ends_trusted, plans, cap, em);
     plan_pick *pk = fu_calloc(n, sizeof *pk);
     for (size_t k = 0; k < n; k++)
-        pk[k] = (plan_pick){.key = who[k]->gflops + (ends_trusted && who[k]->trusted ? 1e12 : 0), .at = k};
+        pk[k] = (plan_pick){.key = who[k].gflops + (ends_trusted && who[k].trusted ? 1e12 : 0), .at = k};
     qsort(pk, n, sizeof *pk, pick_cmp);
-    broker_peer **sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
+    plan_cand *sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
     for (size_t k = 0; k < BROKER_PLAN_CANDIDATES; k++)
         sub[k] = who[pk[k].at];
-    fu_err rc = partition_once(b, j, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plans, cap, em);
+    fu_err rc = partition_once(x, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plans, cap, em);
     for (size_t k = 0; rc == FU_OK && k < cap; k++)
         for (size_t s = 0; s < plans[k].n_stages; s++)
             plans[k].stages[s].peer = pk[plans[k].stages[s].peer].at;
@@ -209,12 +246,12 @@ static fu_err partition_each(broker_t *b, const broker_job *j, broker_peer *cons
 }
 
 /* The best plan of at most max_stages stages (as partition_once) into *plan. */
-static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *const *who, size_t n,
-                             uint32_t max_stages, bool ends_trusted, dag_plan *plan, fu_errmsg *em)
+static fu_err partition_over(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
+                             bool ends_trusted, dag_plan *plan, fu_errmsg *em)
 {
     dag_plan each[DAG_PARTITION_EXACT];
     memset(plan, 0, sizeof *plan);
-    fu_err rc = partition_each(b, j, who, n, max_stages, ends_trusted, each, DAG_PARTITION_EXACT, em);
+    fu_err rc = partition_each(x, who, n, max_stages, ends_trusted, each, DAG_PARTITION_EXACT, em);
     for (size_t k = DAG_PARTITION_EXACT; rc == FU_OK && k-- > 0;) { /* the most stages: the best */
         if (each[k].n_stages && !plan->n_stages)
             *plan = each[k];
@@ -229,20 +266,20 @@ static fu_err partition_over(broker_t *b, const broker_job *j, broker_peer *cons
  * that best does not beat by cfg.grow_margin of its predicted step time. Growth applies the same
  * margin later (broker_grow), so a job does not shrink at planning what it would grow back. One
  * search gives the plans of every stage count. */
-static void fewest_stages(broker_t *b, broker_job *j, broker_peer *const *who, size_t n, dag_plan *best)
+static void fewest_stages(const plan_ctx *x, const plan_cand *who, size_t n, dag_plan *best)
 {
-    if (b->cfg.grow_margin <= 0 || best->n_stages < 2)
+    if (x->grow_margin <= 0 || best->n_stages < 2)
         return;
     dag_plan each[DAG_PARTITION_EXACT];
-    if (partition_each(b, j, who, n, (uint32_t)best->n_stages - 1, j->ends_trusted, each, DAG_PARTITION_EXACT,
+    if (partition_each(x, who, n, (uint32_t)best->n_stages - 1, x->j->ends_trusted, each, DAG_PARTITION_EXACT,
                        NULL) != FU_OK)
         return;
     for (size_t s = 0; s < DAG_PARTITION_EXACT; s++) {
         dag_plan *p = &each[s];
-        if (p->n_stages && best->n_stages > p->n_stages && best->step_s > (1.0 - b->cfg.grow_margin) * p->step_s) {
+        if (p->n_stages && best->n_stages > p->n_stages && best->step_s > (1.0 - x->grow_margin) * p->step_s) {
             FU_INFO(LOG, "job %s: %zu stages predict %.3g s a step, %zu stages %.3g s: it takes %zu (more pay only "
-                    "from %.0f%% shorter)", j->id, p->n_stages, p->step_s, best->n_stages, best->step_s, p->n_stages,
-                    100 * b->cfg.grow_margin);
+                    "from %.0f%% shorter)", x->j->id, p->n_stages, p->step_s, best->n_stages, best->step_s,
+                    p->n_stages, 100 * x->grow_margin);
             dag_plan_free(best);
             *best = *p;
             *p = (dag_plan){0};
@@ -252,6 +289,78 @@ static void fewest_stages(broker_t *b, broker_job *j, broker_peer *const *who, s
     for (size_t s = 0; s < DAG_PARTITION_EXACT; s++)
         dag_plan_free(&each[s]);
 }
+
+/* The plan of j over who[0..n_idle) (idle peers, the first n_first of distinct processes) and then
+ * the n_spare spares after them, the first of these that works: distinct processes first (two slots
+ * of one machine serve two jobs rather than one), then every idle peer, each leaving room for the
+ * job's backups; then every idle peer with no room left for backups; then the spares too.
+ * *n_used: the candidates it used. */
+static fu_err plan_over(const plan_ctx *x, const plan_cand *who, size_t n_first, size_t n_idle, size_t n_spare,
+                        dag_plan *plan, size_t *n_used, fu_errmsg *em)
+{
+    const struct {
+        size_t n;
+        bool all; /* no room kept for backups */
+    } tries[4] = {{n_first < n_idle ? n_first : 0, false}, {n_idle, false}, {n_idle, true}, {n_spare ? n_idle + n_spare : 0, true}};
+    fu_err rc = FU_EINVAL;
+    for (int t = 0; t < 4; t++) {
+        size_t n = tries[t].n;
+        if (n == 0 || (t == 2 && x->backups == 0)) /* the same as the try before */
+            continue;
+        dag_plan_free(plan);
+        uint32_t max = tries[t].all ? (uint32_t)(n < BROKER_MAX_STAGES ? n : BROKER_MAX_STAGES) : 0;
+        if ((rc = partition_over(x, who, n, max, x->j->ends_trusted, plan, em)) == FU_OK) {
+            *n_used = n;
+            return FU_OK;
+        }
+    }
+    return rc;
+}
+
+/* Least tokens in a micro-batch the broker splits a step into when the spec leaves the count to it. */
+#define BROKER_MICRO_MIN_TOKENS 32
+
+/* A fine-tune whose spec leaves its micro-batch count to the broker (0) gets the divisor M of its
+ * batch whose plan over these peers predicts the shortest step (dag_plan_pipeline_time: over slow
+ * links more micro-batches hide the latency, each costs a little), no micro-batch under
+ * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. That plan goes to *plan (and
+ * *n_used, as plan_over), its predicted step to *best_s, M = 1's to *one_s (0: it did not fit), the
+ * count to x->j->spec.micro_batches. False (the count left 0, *plan empty) when nothing fits. */
+static bool choose_micro_batches(const plan_ctx *x, const plan_cand *who, size_t n_first, size_t n_idle,
+                                 size_t n_spare, dag_plan *plan, size_t *n_used, double *best_s, double *one_s)
+{
+    broker_job *j = x->j;
+    uint32_t best = 0, B = j->spec.batch;
+    *best_s = *one_s = 0;
+    for (uint32_t m = 1; m <= B && m <= DAG_EXEC_MAX_SLOTS; m++) {
+        if (B % m != 0)
+            continue;
+        if (m > 1 && (uint64_t)(B / m) * j->spec.seq_len < BROKER_MICRO_MIN_TOKENS)
+            break;
+        j->spec.micro_batches = m;
+        dag_plan p = {0};
+        size_t used = 0;
+        fu_errmsg em = {{0}};
+        if (plan_over(x, who, n_first, n_idle, n_spare, &p, &used, &em) == FU_OK) {
+            double t = dag_plan_pipeline_time(&p, m);
+            if (m == 1)
+                *one_s = t;
+            if (!best || t < 0.98 * *best_s) {
+                best = m;
+                *best_s = t;
+                *n_used = used;
+                dag_plan_free(plan);
+                *plan = p;
+                continue;
+            }
+        }
+        dag_plan_free(&p);
+    }
+    j->spec.micro_batches = best;
+    return best != 0;
+}
+
+/* ---- a queued job's plan: candidates on the loop, the search on the planner thread --------------- */
 
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
  * elsewhere, each of its stages gets that state cut for its own range (broker_ckpt_recut), stored
@@ -328,75 +437,6 @@ static bool lendable(broker_t *b, const broker_job *j, const broker_peer *p)
     return total > keep && before < total - keep;
 }
 
-/* The plan of j over who[0..n_idle) (idle peers, the first n_first of distinct processes) and then
- * the n_spare spares after them, the first of these that works: distinct processes first (two slots
- * of one machine serve two jobs rather than one), then every idle peer, each leaving room for the
- * job's backups; then every idle peer with no room left for backups; then the spares too.
- * *n_used: the candidates it used. */
-static fu_err plan_over(broker_t *b, broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
-                        size_t n_spare, dag_plan *plan, size_t *n_used, fu_errmsg *em)
-{
-    const struct {
-        size_t n;
-        bool all; /* no room kept for backups */
-    } tries[4] = {{n_first < n_idle ? n_first : 0, false}, {n_idle, false}, {n_idle, true}, {n_spare ? n_idle + n_spare : 0, true}};
-    fu_err rc = FU_EINVAL;
-    for (int t = 0; t < 4; t++) {
-        size_t n = tries[t].n;
-        if (n == 0 || (t == 2 && b->cfg.backups == 0)) /* the same as the try before */
-            continue;
-        dag_plan_free(plan);
-        uint32_t max = tries[t].all ? (uint32_t)(n < BROKER_MAX_STAGES ? n : BROKER_MAX_STAGES) : 0;
-        if ((rc = partition_over(b, j, who, n, max, j->ends_trusted, plan, em)) == FU_OK) {
-            *n_used = n;
-            return FU_OK;
-        }
-    }
-    return rc;
-}
-
-/* Least tokens in a micro-batch the broker splits a step into when the spec leaves the count to it. */
-#define BROKER_MICRO_MIN_TOKENS 32
-
-/* A fine-tune whose spec leaves its micro-batch count to the broker (0) gets the divisor M of its
- * batch whose plan over these peers predicts the shortest step (dag_plan_pipeline_time: over slow
- * links more micro-batches hide the latency, each costs a little), no micro-batch under
- * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. That plan goes to *plan (and
- * *n_used, as plan_over), its predicted step to *best_s, M = 1's to *one_s (0: it did not fit). False
- * (the spec's count left 0, *plan empty) when nothing fits. */
-static bool choose_micro_batches(broker_t *b, broker_job *j, broker_peer *const *who, size_t n_first, size_t n_idle,
-                                 size_t n_spare, dag_plan *plan, size_t *n_used, double *best_s, double *one_s)
-{
-    uint32_t best = 0, B = j->spec.batch;
-    *best_s = *one_s = 0;
-    for (uint32_t m = 1; m <= B && m <= DAG_EXEC_MAX_SLOTS; m++) {
-        if (B % m != 0)
-            continue;
-        if (m > 1 && (uint64_t)(B / m) * j->spec.seq_len < BROKER_MICRO_MIN_TOKENS)
-            break;
-        j->spec.micro_batches = m;
-        dag_plan p = {0};
-        size_t used = 0;
-        fu_errmsg em = {{0}};
-        if (plan_over(b, j, who, n_first, n_idle, n_spare, &p, &used, &em) == FU_OK) {
-            double t = dag_plan_pipeline_time(&p, m);
-            if (m == 1)
-                *one_s = t;
-            if (!best || t < 0.98 * *best_s) {
-                best = m;
-                *best_s = t;
-                *n_used = used;
-                dag_plan_free(plan);
-                *plan = p;
-                continue;
-            }
-        }
-        dag_plan_free(&p);
-    }
-    j->spec.micro_batches = best;
-    return best != 0;
-}
-
 static uint64_t mix(uint64_t h, const void *p, size_t n)
 {
     const unsigned char *c = p;
@@ -429,9 +469,213 @@ static uint64_t plan_inputs(const broker_job *j, broker_peer *const *who, size_t
     return h ? h : 1;
 }
 
-static void plan_job(broker_t *b, broker_job *j)
+/* Env var of the test hook, FOR TESTS ONLY (compiled in with FUSION_TEST_HOOKS): the planner thread
+ * sleeps this many milliseconds before each search, so a test can show that the loop answers
+ * heartbeats while a search runs (tests/test_broker_jobs.c). */
+#define BROKER_PLAN_DELAY_ENV "FUSION_TEST_PLAN_DELAY_MS"
+
+/* A queued job's search on the planner thread (broker_worker.h): the loop's snapshot in, the plan
+ * (or why none) out. */
+typedef struct {
+    broker_task base;
+    broker_job *j;                     /* the loop's job (only the loop reads it; kept while this runs) */
+    broker_job view;                   /* the copy the search reads (plan_ctx) */
+    plan_ctx x;                        /* x.j = &view */
+    plan_cand *who;                    /* the candidates: n_idle idle ones (n_first first), n_spare spares */
+    size_t n_first, n_idle, n_spare;
+    bool choose;                       /* it chooses the micro-batch count */
+    uint64_t inputs;                   /* plan_inputs of the snapshot (the failed-search memo) */
+    double loop_s;                     /* the loop's time on it so far (the snapshot), seconds */
+    /* out */
+    fu_err rc;                         /* FU_OK: plan found */
+    fu_errmsg em;                      /* why not */
+    dag_plan plan;                     /* peers index who */
+    size_t n_used;                     /* candidates the plan used */
+    bool chosen;                       /* choose: a count was found (view.spec.micro_batches) */
+    double chose_s, one_s;             /* choose: the predicted step with it, and with one micro-batch */
+    double search_s;                   /* the search's time on the planner thread, seconds */
+} plan_task;
+
+static void plan_task_free(plan_task *t)
 {
-    uint64_t t0_ns = fu_clock_ns(); /* the planning time: /metrics and the log line below */
+    dag_plan_free(&t->plan);
+    free(t->who);
+    free(t);
+}
+
+static void plan_drop(broker_task *bt)
+{
+    plan_task_free((plan_task *)bt);
+}
+
+/* On the planner thread: what plan_job did in the loop before, over the snapshot. */
+static void plan_run(broker_task *bt)
+{
+    plan_task *t = (plan_task *)bt;
+#ifdef FUSION_TEST_HOOKS
+    const char *delay = getenv(BROKER_PLAN_DELAY_ENV);
+    if (delay && atoi(delay) > 0)
+        fu_sleep_ms((uint32_t)atoi(delay));
+#endif
+    uint64_t t0 = fu_clock_ns();
+    const plan_ctx *x = &t->x;
+    t->chosen = t->choose && choose_micro_batches(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used,
+                                                  &t->chose_s, &t->one_s);
+    if (t->choose && !t->chosen)
+        t->view.spec.micro_batches = 1; /* nothing fits: plan once more for the message */
+    t->rc = t->chosen ? FU_OK
+                      : plan_over(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used, &t->em);
+    if (t->rc == FU_OK)
+        fewest_stages(x, t->who, t->n_used, &t->plan);
+    t->search_s = (double)(fu_clock_ns() - t0) / 1e9;
+}
+
+/* The registry's peer for candidate c when it may still take stage work of j as the search saw it:
+ * the same key at the same place, live, idle (or a spare j may take), and its profile, memory, link
+ * and trust unchanged. NULL otherwise. */
+static broker_peer *still_fits(broker_t *b, const broker_job *j, const plan_cand *c)
+{
+    if (c->at >= b->n_peers)
+        return NULL;
+    broker_peer *p = &b->peers[c->at];
+    if (strcmp(p->key, c->key) != 0 || !p->live)
+        return NULL;
+    if (!((peer_idle(p) && !broker_job_excludes(j, p->key)) || lendable(b, j, p)))
+        return NULL;
+    if (p->gflops != c->gflops || p->mem_bytes != c->mem_bytes || p->link_bw != c->link_bw ||
+        p->link_latency_ms != c->link_latency_ms || p->trusted != c->trusted || p->n_slots != c->n_slots)
+        return NULL;
+    return p;
+}
+
+/* The search of t is back: on the loop, the plan is stored and assigned as before, unless the job
+ * went meanwhile (the result is dropped) or a peer it chose changed (planned again, bounded by
+ * BROKER_PLAN_STALE_MAX in a row; each search is over a fresh snapshot). */
+static void plan_done(broker_task *bt, void *loop)
+{
+    plan_task *t = (plan_task *)bt;
+    broker_t *b = loop;
+    broker_job *j = t->j;
+    uint64_t t0_ns = fu_clock_ns();
+    b->planning = NULL;
+    b->sched_dirty = true; /* the rest of the round (or a new one if something changed meanwhile) */
+    b->sched_resume = !b->sched_changed;
+    b->sched_changed = false;
+    if (j->dead || j->phase != BJ_QUEUED) {
+        FU_DEBUG(LOG, "job %s: its plan is dropped (the job is %s)", j->id,
+                 j->dead ? "gone" : broker_phase_name(j->phase));
+        plan_task_free(t);
+        return;
+    }
+    char reason[DB_REASON_MAX];
+    fu_err rc = t->rc;
+    j->plan_failed_on = rc == FU_ENOMEM ? t->inputs : 0; /* no plan fits these candidates */
+    b->tot.plans_failed += rc == FU_ENOMEM;
+    if (rc != FU_OK) {
+        j->plan_stale = 0;
+        snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&t->em, rc));
+        broker_job_note(b, j, reason);
+        plan_task_free(t);
+        return;
+    }
+    dag_plan *plan = &t->plan;
+    broker_peer **who = fu_calloc(t->n_idle + t->n_spare, sizeof *who); /* the chosen ones, resolved */
+    const plan_cand *stale = NULL;
+    for (size_t s = 0; s < plan->n_stages && !stale; s++) {
+        const plan_cand *c = &t->who[plan->stages[s].peer];
+        if (!(who[plan->stages[s].peer] = still_fits(b, j, c)))
+            stale = c;
+    }
+    if (stale) {
+        b->tot.plans_stale++;
+        bool again = ++j->plan_stale < BROKER_PLAN_STALE_MAX;
+        FU_INFO(LOG, "job %s: peer %.8s, which its plan chose, changed while the plan was searched: %s", j->id,
+                stale->key, again ? "it is planned again" : "planned again at the next change");
+        if (again)
+            j->sched_tried = 0; /* again in this round */
+        else
+            j->plan_stale = 0;
+        free(who);
+        plan_task_free(t);
+        return;
+    }
+    j->plan_stale = 0;
+    if (t->choose) {
+        j->spec.micro_batches = t->view.spec.micro_batches;
+        if ((rc = db_job_set_micro_batches(b->db, j->id, j->spec.micro_batches)) != FU_OK) {
+            j->spec.micro_batches = 0; /* chosen again with the peers of the next try */
+            snprintf(reason, sizeof reason, "waiting for peers: %s",
+                     "the chosen micro-batch count could not be stored");
+            broker_job_note(b, j, reason);
+            goto done;
+        }
+        broker_job_canon(j); /* the peers get the count */
+        char one[64] = "one does not fit";
+        if (t->one_s > 0)
+            snprintf(one, sizeof one, "%.3g s in one", t->one_s);
+        FU_INFO(LOG, "job %s: %u micro-batches of %u tokens (left to the broker: predicted step %.3g s, against %s)",
+                j->id, j->spec.micro_batches, j->spec.batch / j->spec.micro_batches * j->spec.seq_len, t->chose_s, one);
+    }
+    db_stage_plan *sp = fu_calloc(plan->n_stages, sizeof *sp);
+    int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
+    for (size_t s = 0; s < plan->n_stages; s++) {
+        sp[s].first = (uint32_t)plan->stages[s].first;
+        sp[s].end = (uint32_t)plan->stages[s].last;
+        sp[s].peer = who[plan->stages[s].peer]->key;
+        sp[s].lease_deadline_ms = lease;
+    }
+    /* A fine-tune resumes from its newest common checkpoint, cut again for this plan when its stages
+     * are not the ones that took it (docs/PIPELINE.md "Re-planning"). */
+    int64_t c = 0;
+    if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
+        c = 0;
+    if (c > 0 && (rc = recut(b, j, c, sp, plan->n_stages)) != FU_OK) {
+        free(sp);
+        goto done;
+    }
+    /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
+     * assignment is sent. */
+    rc = broker_job_planned(b, j, sp, plan->n_stages);
+    broker_ckpt_recut_free(sp, plan->n_stages);
+    free(sp);
+    if (rc != FU_OK) {
+        FU_ERROR(LOG, "job %s: the plan could not be stored (%s); it stays queued", j->id, fu_strerror(rc));
+        goto done;
+    }
+    for (size_t s = 0; s < plan->n_stages; s++) {
+        broker_peer *p = who[plan->stages[s].peer];
+        broker_job *donor = p->backup && p->job[0] ? broker_job_find(b, p->job) : NULL;
+        if (donor) { /* a spare of another job gives way */
+            FU_INFO(LOG, "job %s: takes peer %.8s (%s), a backup of job %s (spares give way to queued jobs)", j->id,
+                    p->key, p->name, donor->id);
+            broker_peer_release(b, donor, p, "a queued job needs this peer: backups give way");
+        }
+        broker_peer_take(b, p, j, (uint32_t)s, false);
+        FU_INFO(LOG, "job %s stage %zu/%zu on %.8s (%s): %s", j->id, s, plan->n_stages, p->key, p->name,
+                plan->stages[s].why);
+    }
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan->stages[0].why));
+    double loop_s = t->loop_s + (double)(fu_clock_ns() - t0_ns) / 1e9, plan_s = t->search_s + loop_s;
+    b->tot.plans++;
+    b->tot.plan_s_sum += plan_s;
+    if (plan_s > b->tot.plan_s_max)
+        b->tot.plan_s_max = plan_s;
+    FU_INFO(LOG, "job %s planned over %zu candidates in %.2f ms (%zu stages; the search %.2f ms on the planner "
+            "thread, the loop %.2f ms: the candidates, storing the plan)", j->id, t->n_idle + t->n_spare,
+            plan_s * 1e3, plan->n_stages, t->search_s * 1e3, loop_s * 1e3);
+    broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
+    give_backups(b, j);
+done:
+    free(who);
+    plan_task_free(t);
+}
+
+/* Plans queued job j: says why it waits when no peer could take it, skips the search when its
+ * candidates are those of its last failed one, else posts the search to the planner thread
+ * (plan_done takes it from there). True when a search was posted. */
+static bool plan_job(broker_t *b, broker_job *j)
+{
+    uint64_t t0_ns = fu_clock_ns();
     size_t n_idle = 0, n_live = 0, n_barred = 0, n_spare = 0;
     for (size_t i = 0; i < b->n_peers; i++) {
         n_live += b->peers[i].live;
@@ -455,100 +699,41 @@ static void plan_job(broker_t *b, broker_job *j)
             snprintf(reason, sizeof reason, "waiting for peers: %s", why_now);
         }
         broker_job_note(b, j, reason);
-        return;
+        return false;
     }
     broker_peer **who = fu_calloc(n_idle + n_spare, sizeof *who);
-    size_t n_first = candidates(b, j, who), n_used = 0;
+    size_t n_first = candidates(b, j, who);
     for (size_t i = 0, k = n_idle; i < b->n_peers; i++)
         if (lendable(b, j, &b->peers[i]))
             who[k++] = &b->peers[i];
-    dag_plan plan = {0};
-    fu_errmsg em = {{0}};
     j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
     uint64_t inputs = plan_inputs(j, who, n_first, n_idle, n_spare);
     if (inputs == j->plan_failed_on) { /* nothing changed since it found no plan: its reason stands */
         b->tot.plans_skipped++;
         free(who);
-        return;
+        return false;
     }
-    bool choose = j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0;
-    double chose_s = 0, one_s = 0;
-    bool chosen = choose && choose_micro_batches(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &chose_s, &one_s);
-    if (choose && !chosen)
-        j->spec.micro_batches = 1; /* nothing fits: plan once more for the message */
-    fu_err rc = chosen ? FU_OK : plan_over(b, j, who, n_first, n_idle, n_spare, &plan, &n_used, &em);
-    j->plan_failed_on = rc == FU_ENOMEM ? inputs : 0; /* no plan fits these candidates */
-    b->tot.plans_failed += rc == FU_ENOMEM;
-    if (rc == FU_OK && choose && (rc = db_job_set_micro_batches(b->db, j->id, j->spec.micro_batches)) != FU_OK)
-        fu_errmsg_set(&em, rc, "the chosen micro-batch count could not be stored");
-    if (rc != FU_OK && choose)
-        j->spec.micro_batches = 0; /* chosen again with the peers of the next try */
-    if (rc == FU_OK && choose) {
-        broker_job_canon(j); /* the peers get the count */
-        char one[64] = "one does not fit";
-        if (one_s > 0)
-            snprintf(one, sizeof one, "%.3g s in one", one_s);
-        FU_INFO(LOG, "job %s: %u micro-batches of %u tokens (left to the broker: predicted step %.3g s, against %s)",
-                j->id, j->spec.micro_batches, j->spec.batch / j->spec.micro_batches * j->spec.seq_len, chose_s, one);
-    }
-    if (rc != FU_OK) {
-        snprintf(reason, sizeof reason, "waiting for peers: %s", fu_errmsg_text(&em, rc));
-        broker_job_note(b, j, reason);
-        goto done;
-    }
-    fewest_stages(b, j, who, n_used, &plan);
-    double search_s = (double)(fu_clock_ns() - t0_ns) / 1e9; /* the candidates and the partitioner */
-    db_stage_plan *sp = fu_calloc(plan.n_stages, sizeof *sp);
-    int64_t lease = broker_wall() + (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
-    for (size_t s = 0; s < plan.n_stages; s++) {
-        sp[s].first = (uint32_t)plan.stages[s].first;
-        sp[s].end = (uint32_t)plan.stages[s].last;
-        sp[s].peer = who[plan.stages[s].peer]->key;
-        sp[s].lease_deadline_ms = lease;
-    }
-    /* A fine-tune resumes from its newest common checkpoint, cut again for this plan when its stages
-     * are not the ones that took it (docs/PIPELINE.md "Re-planning"). */
-    int64_t c = 0;
-    if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
-        c = 0;
-    if (c > 0 && (rc = recut(b, j, c, sp, plan.n_stages)) != FU_OK) {
-        free(sp);
-        goto done;
-    }
-    /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
-     * assignment is sent. */
-    rc = broker_job_planned(b, j, sp, plan.n_stages);
-    broker_ckpt_recut_free(sp, plan.n_stages);
-    free(sp);
-    if (rc != FU_OK) {
-        FU_ERROR(LOG, "job %s: the plan could not be stored (%s); it stays queued", j->id, fu_strerror(rc));
-        goto done;
-    }
-    for (size_t s = 0; s < plan.n_stages; s++) {
-        broker_peer *p = who[plan.stages[s].peer];
-        broker_job *donor = p->backup && p->job[0] ? broker_job_find(b, p->job) : NULL;
-        if (donor) { /* a spare of another job gives way */
-            FU_INFO(LOG, "job %s: takes peer %.8s (%s), a backup of job %s (spares give way to queued jobs)", j->id,
-                    p->key, p->name, donor->id);
-            broker_peer_release(b, donor, p, "a queued job needs this peer: backups give way");
-        }
-        broker_peer_take(b, p, j, (uint32_t)s, false);
-        FU_INFO(LOG, "job %s stage %zu/%zu on %.8s (%s): %s", j->id, s, plan.n_stages, p->key, p->name,
-                plan.stages[s].why);
-    }
-    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan.stages[0].why));
-    double plan_s = (double)(fu_clock_ns() - t0_ns) / 1e9;
-    b->tot.plans++;
-    b->tot.plan_s_sum += plan_s;
-    if (plan_s > b->tot.plan_s_max)
-        b->tot.plan_s_max = plan_s;
-    FU_INFO(LOG, "job %s planned over %zu candidates in %.2f ms (%zu stages; the search %.2f ms, the rest storing "
-            "the plan)", j->id, n_idle + n_spare, plan_s * 1e3, plan.n_stages, search_s * 1e3);
-    broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
-    give_backups(b, j);
-done:
-    dag_plan_free(&plan);
+    plan_task *t = fu_calloc(1, sizeof *t);
+    t->base = (broker_task){.run = plan_run, .done = plan_done, .drop = plan_drop};
+    t->j = j;
+    t->view = *j; /* the header: graph, kind, spec numbers, rules; its other pointers are not followed */
+    t->x = (plan_ctx){.j = &t->view, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin};
+    t->who = fu_calloc(n_idle + n_spare, sizeof *t->who);
+    for (size_t k = 0; k < n_idle + n_spare; k++)
+        cand_of(b, who[k], &t->who[k]);
     free(who);
+    t->n_first = n_first;
+    t->n_idle = n_idle;
+    t->n_spare = n_spare;
+    t->choose = j->kind == DB_JOB_FINETUNE && j->spec.micro_batches == 0;
+    t->inputs = inputs;
+    t->loop_s = (double)(fu_clock_ns() - t0_ns) / 1e9;
+    b->planning = j;
+    if (!broker_worker_post(b->planner, &t->base)) { /* cannot happen (one at a time): search here */
+        plan_run(&t->base);
+        plan_done(&t->base, b);
+    }
+    return true;
 }
 
 /* Fair queueing across clients: the next queued job to plan is one of the client with the fewest
@@ -575,8 +760,15 @@ static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t
 
 void broker_schedule(broker_t *b)
 {
-    /* A plan costs up to ~0.1 s with 10+ peers: keep one pass short so heartbeats are answered,
-     * and go on with the rest of the round at the next turn of the loop. */
+    /* One search at a time, on the planner thread: the jobs of a round are planned in turn, each over
+     * the peers the ones before it left, as if the loop planned them (the same plans). A pass asked
+     * for meanwhile comes when the search is back (plan_done), as a new round. */
+    if (b->planning) {
+        b->sched_changed = true;
+        return;
+    }
+    /* A pass keeps short (the snapshots, the skipped searches) so heartbeats are answered, and goes
+     * on with the rest of the round at the next turn of the loop. */
     uint64_t t0 = broker_now();
     if (!b->sched_resume)
         b->sched_round++;
@@ -604,13 +796,16 @@ void broker_schedule(broker_t *b)
             break;
         }
         j->sched_tried = b->sched_round;
-        plan_job(b, j);
+        if (plan_job(b, j) && b->planning)
+            break; /* its search runs: the round goes on when it is back */
         if (j->phase != BJ_QUEUED)
             busy[owner_of[at]]++;
     }
     free(owner_of);
     free(first);
     free(busy);
+    if (b->planning)
+        return; /* backups after the round's plans, which may take these peers */
     for (size_t i = 0; i < b->n_jobs; i++) {
         broker_job *r = b->jobs[i];
         if (!r->dead && (r->phase == BJ_STARTING || r->phase == BJ_RUNNING))
@@ -743,10 +938,15 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step)
         if ((p->live && strcmp(p->job, j->id) == 0) || (peer_idle(p) && !broker_job_excludes(j, p->key)))
             who[n++] = p;
     }
+    plan_cand *cand = fu_calloc(n ? n : 1, sizeof *cand);
+    for (size_t k = 0; k < n; k++)
+        cand_of(b, who[k], &cand[k]);
+    plan_ctx x = {.j = j, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin};
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
-    bool better = partition_over(b, j, who, n, 0, ends_trusted_now(b, j), &plan, &em) == FU_OK &&
+    bool better = partition_over(&x, cand, n, 0, ends_trusted_now(b, j), &plan, &em) == FU_OK &&
                   plan.step_s <= (1.0 - b->cfg.grow_margin) * now_s;
+    free(cand);
     if (!better)
         FU_DEBUG(LOG, "job %s: with %zu idle peer%s a plan would have %zu stages and %.3g s a step against %.3g s now: "
                  "it stays as it is", j->id, n_new, n_new == 1 ? "" : "s", plan.n_stages, plan.step_s, now_s);

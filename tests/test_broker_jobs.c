@@ -338,6 +338,63 @@ static void test_broker_jobs_damaged_store_refused(void **state)
     assert_int_equal(after.st_size, sb.st_size);
 }
 
+/* The loop answers while a plan is searched (docs/SCALE.md "Planning off the loop"): with the test
+ * hook that makes every search on the planner thread take 3 s, a registered peer's heartbeats and a
+ * client's status requests are answered at once meanwhile (a search in the loop would hold them for
+ * the 3 s), and the job is then planned onto the peer as without the hook. */
+static void test_broker_jobs_heartbeats_while_planning(void **state)
+{
+#ifndef FUSION_TEST_HOOKS
+    (void)state;
+    skip();
+#else
+    tu_broker_fx *f = *state;
+    setenv("FUSION_TEST_PLAN_DELAY_MS", "3000", 1); /* the broker inherits it; nothing else started here */
+    tu_broker_fx_start(f);
+    unsetenv("FUSION_TEST_PLAN_DELAY_MS");
+    char key[41];
+    tu_key_public(f->c, "p0", key);
+    tu_client pc;
+    tu_client_open(&pc, f->c, "p0");
+    tu_client_hello(&pc, "planned", 4 * GiB, 50);
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, key, FUSION__PEER_STATE__PEER_STATE_IDLE, 5000),
+                     FUSION__PEER_STATE__PEER_STATE_IDLE);
+    wire_msg_t *m = tu_client_submit(&f->cl, f->spec, "slow-plan");
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    uint64_t t0 = fu_clock_ms(), worst = 0;
+    int answered = 0;
+    fu_sleep_ms(200); /* the search is on the planner thread now, asleep */
+    while (fu_clock_ms() - t0 < 2000) {
+        Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+        hb.state = FUSION__PEER_STATE__PEER_STATE_IDLE;
+        uint64_t s = fu_clock_ms();
+        m = tu_client_call(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_HEARTBEAT, 2500);
+        assert_non_null(m);
+        assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_HEARTBEAT);
+        wire_msg_destroy(&m);
+        uint64_t lat = fu_clock_ms() - s;
+        worst = lat > worst ? lat : worst;
+        answered++;
+        fu_sleep_ms(100);
+    }
+    assert_queued(f, id, "while its plan is searched", "");
+    print_message("while the search ran: %d heartbeats answered, the slowest in %" PRIu64 " ms\n", answered, worst);
+    assert_true(answered >= 8);
+    assert_true(worst < 1000); /* the search sleeps 3 s: in the loop, the answers would wait for it */
+    /* the search comes back and the job is planned onto the peer */
+    bool assigned = false;
+    for (uint64_t t1 = fu_clock_ms(); !assigned && fu_clock_ms() - t1 < 10000;) {
+        m = tu_client_recv(&pc, 500);
+        assigned = m && wire_msg_type(m) == FUSION__MSG_TYPE__MSG_STAGE_ASSIGN;
+        wire_msg_destroy(&m);
+    }
+    assert_true(assigned);
+    assert_true(tu_broker_logged(f->c, "job %016" PRIx64 " planned over 1 candidates", id));
+    tu_client_close(&pc);
+#endif
+}
+
 int main(int argc, char **argv)
 {
     if (tu_fake_peer_requested(argc, argv))
@@ -349,6 +406,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_jobs_kill9_restart_loses_nothing),
         tu_broker_test(test_broker_jobs_kill9_mid_burst_keeps_every_ack),
         tu_broker_test(test_broker_jobs_damaged_store_refused),
+        tu_broker_test(test_broker_jobs_heartbeats_while_planning),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
