@@ -295,8 +295,12 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     }
     char hex[DB_HASH_HEX_LEN + 1];
     fu_hex_encode(hex, st->ck_hash, DB_HASH_LEN);
+    /* A run that is starting loads its stages' checkpoints of start_step: the stages of the run
+     * before (still at work after a broker restart) may bring newer ones meanwhile, which must not
+     * prune those away. */
+    int64_t keep = j->phase == BJ_STARTING ? (int64_t)j->start_step : -1;
     fu_err rc = db_ckpt_put(b->db, j->id, c->stage_index, (int64_t)st->ck_step, st->ck_buf, (size_t)st->ck_total, hex,
-                            broker_wall());
+                            keep, broker_wall());
     free(st->ck_buf);
     st->ck_buf = NULL;
     if (rc == FU_EAUTH) {

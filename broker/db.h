@@ -364,11 +364,13 @@ void db_stage_array_free(db_stage **arr_p, size_t n);
 
 /* Stores the checkpoint of (job, stage) at step after checking that hash_hex is the BLAKE2b-256
  * of data (mismatch: FU_EAUTH, nothing stored), then keeps only the newest ckpt_keep steps of that
- * (job, stage). Storing the same step again replaces it. Returns after the commit is durable: only
- * then may the broker acknowledge the checkpoint. FU_ENOTFOUND no such job; FU_EINVAL len 0 or >
- * DB_BLOB_MAX, step < 0. */
+ * (job, stage), the job's newest common step, and keep_step (-1: none): the step a run that is
+ * starting loads its stages from, which checkpoints of later steps (stages of the run before,
+ * still at work) must not prune away. Storing the same step again replaces it. Returns after the
+ * commit is durable: only then may the broker acknowledge the checkpoint. FU_ENOTFOUND no such
+ * job; FU_EINVAL len 0 or > DB_BLOB_MAX, step < 0. */
 FU_MUST_CHECK fu_err db_ckpt_put(db_t *db, const char *job, uint32_t stage, int64_t step, const void *data,
-                                 size_t len, const char *hash_hex, int64_t now_ms);
+                                 size_t len, const char *hash_hex, int64_t keep_step, int64_t now_ms);
 /* Loads the checkpoint of (job, stage) at step (step < 0: the newest), re-checking its hash
  * (FU_EAUTH when the stored data no longer matches). FU_ENOTFOUND none. db_ckpt_free frees it. */
 FU_MUST_CHECK fu_err db_ckpt_get(db_t *db, const char *job, uint32_t stage, int64_t step, db_ckpt **out);

@@ -30,15 +30,16 @@ static fu_err common_step(db_t *db, const char *job, int64_t *step, bool *found)
 }
 
 fu_err db_ckpt_put(db_t *db, const char *job, uint32_t stage, int64_t step, const void *data, size_t len,
-                   const char *hash_hex, int64_t now_ms)
+                   const char *hash_hex, int64_t keep_step, int64_t now_ms)
 {
     static const char SQL_PUT[] = "INSERT OR REPLACE INTO checkpoints (job_id, stage_idx, step, hash, data, "
                                   "created_ms) VALUES (?, ?, ?, ?, ?, ?)";
     /* Keeps the newest ckpt_keep steps of (job, stage), and always the job's newest common step, so
-     * that recovery has a consistent point even when one stage ran ahead of the others. */
+     * that recovery has a consistent point even when one stage ran ahead of the others, and the step
+     * a starting run loads (?5). */
     static const char SQL_PRUNE[] = "DELETE FROM checkpoints WHERE job_id = ?1 AND stage_idx = ?2 AND step != ?4 "
-                                    "AND step NOT IN (SELECT step FROM checkpoints WHERE job_id = ?1 AND "
-                                    "stage_idx = ?2 ORDER BY step DESC LIMIT ?3)";
+                                    "AND step != ?5 AND step NOT IN (SELECT step FROM checkpoints WHERE job_id = ?1 "
+                                    "AND stage_idx = ?2 ORDER BY step DESC LIMIT ?3)";
     if (!db || !db_job_id_valid(job) || step < 0 || !data || len == 0 || len > DB_BLOB_MAX ||
         !db_hash_hex_valid(hash_hex))
         return FU_EINVAL;
@@ -67,7 +68,8 @@ fu_err db_ckpt_put(db_t *db, const char *job, uint32_t stage, int64_t step, cons
     if ((err = common_step(db, job, &common, &found)) != FU_OK)
         goto fail;
     if ((err = db_prep(db, SQL_PRUNE, &st)) != FU_OK ||
-        (err = db_bind(db, st, "tiii", job, (int64_t)stage, (int64_t)db->ckpt_keep, found ? common : (int64_t)-1)) !=
+        (err = db_bind(db, st, "tiiii", job, (int64_t)stage, (int64_t)db->ckpt_keep, found ? common : (int64_t)-1,
+                       keep_step)) !=
             FU_OK ||
         (err = db_run(db, st, "pruning checkpoints")) != FU_OK)
         goto fail;

@@ -760,7 +760,7 @@ static void put_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step)
     char data[64], hash[DB_HASH_HEX_LEN + 1];
     int n = snprintf(data, sizeof data, "state of stage %u at step %lld", stage, (long long)step);
     db_hash_hex(hash, data, (size_t)n);
-    assert_int_equal(db_ckpt_put(db, job, stage, step, data, (size_t)n, hash, 1000 + step), FU_OK);
+    assert_int_equal(db_ckpt_put(db, job, stage, step, data, (size_t)n, hash, -1, 1000 + step), FU_OK);
 }
 
 static bool has_ckpt(db_t *db, const char *job, uint32_t stage, int64_t step)
@@ -792,10 +792,10 @@ static void test_db_ckpt_hash_and_common_step(void **state)
     db_hash_hex(right, data, sizeof data);
     memcpy(wrong, right, sizeof wrong);
     wrong[0] = wrong[0] == 'a' ? 'b' : 'a';
-    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, wrong, 1000), FU_EAUTH);
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, wrong, -1, 1000), FU_EAUTH);
     assert_false(has_ckpt(db, id, 0, 2));
-    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, "xyz", 1000), FU_EINVAL);
-    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, right, 1000), FU_OK);
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, "xyz", -1, 1000), FU_EINVAL);
+    assert_int_equal(db_ckpt_put(db, id, 0, 2, data, sizeof data, right, -1, 1000), FU_OK);
     db_ckpt *c = NULL;
     assert_int_equal(db_ckpt_get(db, id, 0, -1, &c), FU_OK);
     assert_int_equal(c->len, sizeof data);
@@ -819,28 +819,45 @@ static void test_db_ckpt_hash_and_common_step(void **state)
     put_ckpt(db, id, 1, 6);
     assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
     assert_int_equal(step, 6);
-    /* A checkpoint of a stage outside the plan does not count. */
-    put_ckpt(db, id, 7, 8);
+    /* A run starting from step 6 (keep_step): newer checkpoints of every stage (7, 8, 9, 10: the run
+     * before, still at work) move the newest common step past 6 and would prune it; they do not.
+     * Without keep_step it goes. */
+    for (int64_t k = 7; k <= 10; k++)
+        for (uint32_t s = 0; s < 3; s++) {
+            char d[64], h[DB_HASH_HEX_LEN + 1];
+            int n = snprintf(d, sizeof d, "state of stage %u at step %lld", s, (long long)k);
+            db_hash_hex(h, d, (size_t)n);
+            assert_int_equal(db_ckpt_put(db, id, s, k, d, (size_t)n, h, 6, 2000 + k), FU_OK);
+        }
     assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
-    assert_int_equal(step, 6);
+    assert_int_equal(step, 10);
+    for (uint32_t s = 0; s < 3; s++)
+        assert_true(has_ckpt(db, id, s, 6));
+    put_ckpt(db, id, 0, 11);
+    assert_false(has_ckpt(db, id, 0, 6));
+    assert_true(has_ckpt(db, id, 1, 6));
+    /* A checkpoint of a stage outside the plan does not count. */
+    put_ckpt(db, id, 7, 12);
+    assert_int_equal(db_ckpt_common_step(db, id, &step), FU_OK);
+    assert_int_equal(step, 10);
     /* The newest of one stage, and an unknown job. */
     assert_int_equal(db_ckpt_get(db, id, 1, -1, &c), FU_OK);
-    assert_int_equal(c->step, 6);
+    assert_int_equal(c->step, 10);
     db_ckpt_free(&c);
-    assert_int_equal(db_ckpt_put(db, "0123456789abcdef", 0, 1, data, sizeof data, right, 1000), FU_ENOTFOUND);
+    assert_int_equal(db_ckpt_put(db, "0123456789abcdef", 0, 1, data, sizeof data, right, -1, 1000), FU_ENOTFOUND);
 
     /* Damage in the file is noticed on read. */
     db_close(&db);
     char sql[256];
-    snprintf(sql, sizeof sql, "UPDATE checkpoints SET data = X'00' WHERE job_id = '%s' AND stage_idx = 1 AND step = 4",
+    snprintf(sql, sizeof sql, "UPDATE checkpoints SET data = X'00' WHERE job_id = '%s' AND stage_idx = 1 AND step = 10",
              id);
     raw_exec(f->path, sql);
     db = open_ok(f->path);
-    assert_int_equal(db_ckpt_get(db, id, 1, 4, &c), FU_EAUTH);
+    assert_int_equal(db_ckpt_get(db, id, 1, 10, &c), FU_EAUTH);
     assert_null(c);
     /* No checkpoints for a finished job. */
     assert_int_equal(db_job_cancel(db, id, a, 3000), FU_OK);
-    assert_int_equal(db_ckpt_put(db, id, 0, 8, data, sizeof data, right, 3000), FU_EPERM);
+    assert_int_equal(db_ckpt_put(db, id, 0, 8, data, sizeof data, right, -1, 3000), FU_EPERM);
     db_close(&db);
 }
 
@@ -1456,7 +1473,7 @@ static void child_ckpt(const writer *w, int fd)
         char hash[DB_HASH_HEX_LEN + 1], line[128];
         randombytes_buf(data, len);
         db_hash_hex(hash, data, len);
-        if (db_ckpt_put(db, w->job, 0, step, data, len, hash, step) != FU_OK)
+        if (db_ckpt_put(db, w->job, 0, step, data, len, hash, -1, step) != FU_OK)
             _exit(4);
         int n = snprintf(line, sizeof line, "%lld %s\n", (long long)step, hash);
         if (write(fd, line, (size_t)n) != n)
@@ -1541,7 +1558,7 @@ static void test_db_disk_full(void **state)
     /* A checkpoint that does not fit is refused and leaves nothing behind. */
     char hash[DB_HASH_HEX_LEN + 1];
     db_hash_hex(hash, spec, huge);
-    assert_int_equal(db_ckpt_put(db, ids[0], 0, 5, spec, huge, hash, 3), FU_EDB);
+    assert_int_equal(db_ckpt_put(db, ids[0], 0, 5, spec, huge, hash, -1, 3), FU_EDB);
     /* The connection still serves reads, and every committed row is there. */
     db_job *list = NULL;
     size_t n = 0;
@@ -1624,7 +1641,7 @@ static void test_db_commit_latency(void **state)
         blob[0] = (uint8_t)i;
         db_hash_hex(hash, blob, len);
         double a = fu_clock_sec();
-        assert_int_equal(db_ckpt_put(db, cj, 0, i, blob, len, hash, i), FU_OK);
+        assert_int_equal(db_ckpt_put(db, cj, 0, i, blob, len, hash, -1, i), FU_OK);
         double b = fu_clock_sec();
         db_ckpt *c = NULL;
         assert_int_equal(db_ckpt_get(db, cj, 0, -1, &c), FU_OK);
@@ -2116,7 +2133,7 @@ static void test_db_v6_store_migrates_and_shrinks(void **state)
         for (int64_t step = 1; step <= 3; step++) {
             randombytes_buf(blob, big);
             db_hash_hex(hash, blob, big);
-            assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, 2000), FU_OK);
+            assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, -1, 2000), FU_OK);
         }
     free(blob);
     assert_int_equal(db_event_add(db, 3000, id, NULL, "note", "before the migration"), FU_OK);
@@ -2358,7 +2375,7 @@ static void test_db_compact_store_stays_bounded(void **state)
                 randombytes_buf(blob, big);
                 char hash[DB_HASH_HEX_LEN + 1];
                 db_hash_hex(hash, blob, big);
-                assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, now), FU_OK);
+                assert_int_equal(db_ckpt_put(db, id, s, step, blob, big, hash, -1, now), FU_OK);
             }
         for (int e = 0; e < 300; e++)
             assert_int_equal(db_event_add(db, now + e, NULL, f->key[1], "peer-join", "a peer"), FU_OK);
