@@ -397,10 +397,9 @@ fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const
 /* Answers msg with Error{code, text}. */
 void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-/* Makes s[0..n) valid UTF-8 in place: every byte that does not start a valid character becomes
- * '?' (a snprintf that cut a character in two, bytes a byte-level tokenizer decoded). */
-void broker_utf8_clean(char *s, size_t n);
-#define broker_utf8_trim(s) broker_utf8_clean((s), strlen(s))
+/* Makes the string s valid UTF-8 in place (wire_utf8_clean: every byte that does not start a valid
+ * character becomes '?'; a snprintf that cut a character in two). */
+#define broker_utf8_trim(s) wire_utf8_clean((s), strlen(s))
 uint64_t broker_now(void);  /* monotonic ms */
 int64_t broker_wall(void);  /* Unix ms */
 

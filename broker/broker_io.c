@@ -15,20 +15,6 @@ uint64_t broker_now(void) { return fu_clock_ms(); }
 
 int64_t broker_wall(void) { return fu_wallclock_ms(); }
 
-void broker_utf8_clean(char *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = (unsigned char)s[i];
-        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (len && i + len <= n && wire_utf8_valid(s + i, len) && !(len == 1 && c == 0)) {
-            i += len;
-        } else {
-            s[i++] = '?';
-        }
-    }
-}
-
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
 {
     wire_hdr h = {.type = t, .job_id = job};

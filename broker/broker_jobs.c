@@ -209,7 +209,7 @@ static void answer_status(broker_t *b, const broker_ret *r, const db_job *dj)
         out = fu_malloc(n + 1);
         memcpy(out, dj->result, n);
         out[n] = 0;
-        broker_utf8_clean(out, n);
+        wire_utf8_clean(out, n);
         st.output = out;
     }
     (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);

@@ -404,7 +404,7 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         free(text);
         return;
     }
-    broker_utf8_clean(text, tl); /* JobStatus.output is a string: bytes that are no text show as '?' */
+    wire_utf8_clean(text, tl); /* JobStatus.output is a string: bytes that are no text show as '?' */
     free(j->output);
     j->output = text;
     broker_job_wake(b, j, false); /* the long polls of its text */
