@@ -25,7 +25,12 @@
  * registers again at its next heartbeat (refused: "declared dead"): what a crash would have cost.
  * Silent peers whose connection stays open (SIGSTOP, a cut cable) still go by their heartbeats
  * (broker_peers_sweep), and so does a peer whose last heartbeat said it is paused: it keeps the grace
- * its pause gives (docs/BROKER.md "Paused peers"). Everything here is O(1) per event and message. */
+ * its pause gives (docs/BROKER.md "Paused peers"). Their connection does not stay open for ever:
+ * libzmq closes it when its ZMTP pings go unanswered for WIRE_HEARTBEAT_TIMEOUT_MS. A close after that
+ * much silence is such a timeout, not a crash (a crashed peer spoke within its last heartbeat
+ * interval), and is left to the heartbeats; with intervals of BROKER_SILENT_CLOSE_MS and more a crash
+ * late in an interval looks the same and is found by its silence too. Everything here is O(1) per
+ * event and message. */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -44,6 +49,10 @@
 #define BROKER_CONN_FD_MAX        (1 << 24) /* descriptors past this are not watched (never seen) */
 #define BROKER_CLOSE_GRACE_MAX_MS 250u      /* longest grace of a closed connection */
 #define BROKER_CLOSE_GRACE_MIN_MS (2u * WIRE_RECONNECT_MS) /* shortest: a reconnect and its handshake */
+/* A connection closed after this much silence was closed by libzmq's ZMTP ping timeout (no byte for
+ * WIRE_HEARTBEAT_TIMEOUT_MS), not by a crash: the peer is stopped or cut off, and goes by its
+ * heartbeats. Half a ping interval below the timeout, for the loop's lag in reading. */
+#define BROKER_SILENT_CLOSE_MS (WIRE_HEARTBEAT_TIMEOUT_MS - WIRE_HEARTBEAT_IVL_MS / 2)
 
 void broker_conn_open(broker_t *b)
 {
@@ -137,6 +146,12 @@ static void on_closed(broker_t *b, int fd, uint64_t now)
     broker_peer *p = &b->peers[owner - 1];
     if (!p->live || p->conn_fd != fd + 1)
         return; /* gone already, or it speaks on another connection since */
+    if (now - p->last_heard_ms >= BROKER_SILENT_CLOSE_MS) {
+        /* libzmq's ZMTP ping timed out: the peer was silent, not crashed (see above) */
+        FU_DEBUG(LOG, "peer %.8s (%s): its connection timed out after %llu ms of silence; judged by its heartbeats",
+                 p->key, p->name, (unsigned long long)(now - p->last_heard_ms));
+        return;
+    }
     /* The slots of one peer process share its connection; at most BROKER_MAX_SLOTS lookups. */
     for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) {
         broker_peer *q = p;
