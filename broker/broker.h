@@ -75,6 +75,9 @@ extern "C" {
 #define BROKER_VERIFY_MAX       256       /* verification samples in flight (more are skipped and logged) */
 #define BROKER_VERIFY_TIMEOUT_MS 60000    /* a sample whose sketches did not all come back by then is dropped */
 #define BROKER_VERIFY_SNAPS     4         /* verification snapshots (states of steps without a checkpoint) held */
+#define BROKER_VERIFY_EVICT_GRACE_MS 250  /* least wait, after a stage k < last said a sampled output is no longer
+                                             held, for the last stage's StepDone that shows it could have moved on
+                                             (broker_verify.c "Evicted or withheld") */
 /* The profile challenge (broker_challenge.c, docs/SECURITY.md "Verified profiles"). */
 #define BROKER_CHALLENGE_MS     300       /* default --challenge-ms: the product takes this long at the claimed speed */
 #define BROKER_CHALLENGE_SLACK  1.5       /* plans use min(claimed, this x measured) GFLOP/s */

@@ -307,6 +307,12 @@ typedef struct {
     uint64_t deadline_ms;              /* monotonic time after which the sample is dropped */
     int snap;                          /* 1 + the index of the snapshot (b->snaps) the verifiers restore; 0: a
                                           checkpoint. The verifier is asked once the snapshot is in. */
+    uint64_t asked_ms;                 /* when it was taken (broker_now, at the StepDone of its step) */
+    uint64_t done;                     /* the most steps the job's last stage has reported done (StepDone step + 1)
+                                          since: how far the broker knows the pipeline moved past the sample */
+    uint64_t evict_by_ms;              /* the stage's peer (k < last) said it no longer holds the output while
+                                          `done` did not show the pipeline WIRE_VERIFY_KEEP_STEPS past it: withheld
+                                          unless a StepDone shows that by then (0: no such answer) */
 } broker_vsample;
 
 /* A verification snapshot: the state of a stage at the start of a step without a checkpoint,

@@ -27,7 +27,24 @@
  * BROKER_VERIFY_RTOL x norm are a disagreement: a third warm backup of the stage settles it when
  * there is one (the minority loses BROKER_VERIFY_PENALTY); otherwise the stage's peer loses
  * BROKER_VERIFY_PENALTY and the verifier BROKER_VERIFY_SOLO_PENALTY. A peer that falls below the
- * reputation threshold gets no more work and its stage fails over. */
+ * reputation threshold gets no more work and its stage fails over.
+ *
+ * Evicted or withheld: the stage's peer keeps its last WIRE_VERIFY_KEEP_STEPS (K) steps. It drops step
+ * s's output when it starts step s + K (its snapshot when it finishes s + K - 1), and no stage can
+ * finish step s + K - 1 before the last stage has finished that step's backward: the last stage sends
+ * StepDone{s + K - 1} before it drops anything of s itself, and shortly after it sent the gradients
+ * that let a stage k < last move on. Stages are not held back by verification, so on a loaded machine
+ * a request can reach an honest peer after that. The broker therefore judges an `unavailable` answer
+ * of the stage's peer about a step of the current run by its own records, never by the peer's word:
+ * `done`, the most steps the last stage has reported done since the sample was taken. When done >=
+ * s + K the pipeline can have moved past the sample and it is skipped (no one loses anything). When
+ * not, the last stage (whose StepDones come on the connection of its answer, in order) has withheld
+ * it; a stage k < last gets until max(BROKER_VERIFY_EVICT_GRACE_MS, half the time it took to answer)
+ * after its answer for the StepDone that shows it (the last stage's optimizer step and a message on
+ * another connection; the pipeline took K - 1 steps to get there), else it has withheld it. Claiming
+ * to be ahead gains a dishonest peer no more than not answering at all (a sample nobody answers is
+ * dropped after BROKER_VERIFY_TIMEOUT_MS): either way it must wait until the pipeline really moved
+ * K steps on. A stage assigned again since the sample (a new run) may have dropped it: skipped. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -177,8 +194,20 @@ static void snaps_collect(broker_t *b)
     }
 }
 
+static void judge_evicted(broker_t *b, broker_vsample *v);
+
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
+    /* what the broker knows of how far the pipeline moved past each sample in flight */
+    for (size_t i = 0; i < BROKER_VERIFY_MAX; i++) {
+        broker_vsample *v = &b->vs[i];
+        if (!v->used || v->job64 != j->id64)
+            continue;
+        if (step + 1 > v->done)
+            v->done = step + 1;
+        if (v->evict_by_ms && v->done >= v->step + WIRE_VERIFY_KEEP_STEPS)
+            judge_evicted(b, v);
+    }
     double frac = broker_job_verify_fraction(b, j);
     if (j->phase != BJ_RUNNING || j->n_stages < 1)
         return;
@@ -240,7 +269,9 @@ void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
             snprintf(v->who[1], sizeof v->who[1], "%s", ver->key);
             if (up)
                 snprintf(v->up, sizeof v->up, "%s", up->key);
-            v->deadline_ms = broker_now() + BROKER_VERIFY_TIMEOUT_MS;
+            v->asked_ms = broker_now();
+            v->deadline_ms = v->asked_ms + BROKER_VERIFY_TIMEOUT_MS;
+            v->done = step + 1;
             v->snap = slot + 1;
             /* with a snapshot to wait for, the verifier is asked once it is in (broker_verify_on_snapshot) */
             bool ask_now = !need_snap || b->snaps[slot].complete;
@@ -323,6 +354,44 @@ static void count(broker_t *b, const char *key, bool failed)
         p->v_checked++;
         p->v_failed += failed;
     }
+}
+
+/* The stage's peer of v said it no longer holds the sampled output (the top of this file, "Evicted or
+ * withheld"): skipped when the pipeline can have moved K steps past the sample by the broker's records
+ * (within the grace, for a stage k < last), else withheld: a wrong answer. A stage that changed hands
+ * or runs since is not judged. */
+static void judge_evicted(broker_t *b, broker_vsample *v)
+{
+    broker_job *j = broker_job_find(b, v->job);
+    uint64_t now = broker_now();
+    v->used = false;
+    if (!j || j->dead || v->stage >= j->n_stages || strcmp(j->stages[v->stage].peer, v->who[0]) != 0 ||
+        j->stages[v->stage].assigned_ms >= v->asked_ms) {
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: its stage changed hands or runs while "
+                "waiting to tell whether %.8s could still hold it", v->job, v->stage, v->step, v->mb, v->who[0]);
+        if (j)
+            j->v_skipped++;
+        return;
+    }
+    if (v->done >= v->step + WIRE_VERIFY_KEEP_STEPS && (!v->evict_by_ms || now <= v->evict_by_ms)) {
+        FU_INFO(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: peer %.8s no longer holds it, and the "
+                "pipeline can have moved on (the last stage reported step %" PRIu64 " done; a peer keeps its last %d "
+                "steps)", j->id, v->stage, v->step, v->mb, v->who[0], v->done - 1, WIRE_VERIFY_KEEP_STEPS);
+        j->v_skipped++;
+        return;
+    }
+    char ev[400];
+    snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: WITHHELD: the stage's peer would not show its own "
+             "output of this run, which it keeps %d steps (the last stage had reported %" PRIu64 " steps done%s)",
+             v->stage, v->step, v->mb, WIRE_VERIFY_KEEP_STEPS, v->done,
+             v->evict_by_ms ? " by the end of the grace" : "");
+    FU_WARN(LOG, "job %s %s", j->id, ev);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, v->who[0], "withheld", ev));
+    j->v_disagree++;
+    count(b, v->who[0], true);
+    char key[DB_KEY_LEN + 1];
+    snprintf(key, sizeof key, "%s", v->who[0]);
+    penalise(b, j, key, BROKER_VERIFY_PENALTY, "it would not show its own output of a step it ran");
 }
 
 /* The first 4 bytes of an input hash in hex, for logs and events. */
@@ -507,20 +576,25 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         return;
     }
     broker_job *j = broker_job_find(b, v->job);
+    if (who == 0 && v->evict_by_ms) {
+        if (s->unavailable && s->unavailable[0])
+            return; /* said again: the first answer's wait stands */
+        v->evict_by_ms = 0; /* a sketch after all: judged as any */
+    }
     if (s->unavailable && s->unavailable[0] && who == 0 && j && !j->dead && v->step >= j->start_step &&
-        strcmp(j->stages[v->stage].peer, p->key) == 0 && broker_job_verify_fraction(b, j) > 0) {
-        /* The stage's peer ran this step in this run and keeps its last 3 steps (outputs, input
-         * hashes, snapshots) while verification is on: an honest one always has them when asked
-         * right after the step. Withholding counts as a wrong answer, or not answering would pay. */
-        char ev[400];
-        snprintf(ev, sizeof ev, "stage %u step %" PRIu64 " mb %u: WITHHELD: the stage's peer would not show its "
-                 "own output of this run (%.200s)", v->stage, v->step, v->mb, s->unavailable);
-        FU_WARN(LOG, "job %s %s", j->id, ev);
-        BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "withheld", ev));
-        j->v_disagree++;
-        count(b, p->key, true);
-        v->used = false;
-        penalise(b, j, p->key, BROKER_VERIFY_PENALTY, "it would not show its own output of a step it ran");
+        v->stage < j->n_stages && strcmp(j->stages[v->stage].peer, p->key) == 0 &&
+        j->stages[v->stage].assigned_ms < v->asked_ms && broker_job_verify_fraction(b, j) > 0) {
+        /* The stage's peer ran this step in this run and keeps its last K steps: evicted or withheld,
+         * by the broker's records (the top of this file). */
+        if (v->done >= v->step + WIRE_VERIFY_KEEP_STEPS || v->stage + 1 == j->n_stages) {
+            judge_evicted(b, v);
+            return;
+        }
+        uint64_t now = broker_now(), grace = (now - v->asked_ms) / 2;
+        v->evict_by_ms = now + (grace > BROKER_VERIFY_EVICT_GRACE_MS ? grace : BROKER_VERIFY_EVICT_GRACE_MS);
+        FU_DEBUG(LOG, "job %s stage %u step %" PRIu64 " mb %u: peer %.8s no longer holds it (%.200s); the last stage "
+                 "has reported %" PRIu64 " steps done: waiting %" PRIu64 " ms for the StepDone that shows it could",
+                 j->id, v->stage, v->step, v->mb, p->key, s->unavailable, v->done, v->evict_by_ms - now);
         return;
     }
     if (s->unavailable && s->unavailable[0]) {
@@ -665,6 +739,10 @@ void broker_verify_sweep(broker_t *b)
     snaps_collect(b);
     for (size_t i = 0; i < BROKER_VERIFY_MAX; i++) {
         broker_vsample *v = &b->vs[i];
+        if (v->used && v->evict_by_ms && now > v->evict_by_ms) {
+            judge_evicted(b, v); /* no StepDone showed the pipeline far enough in time */
+            continue;
+        }
         if (!v->used || now < v->deadline_ms)
             continue;
         broker_job *j = broker_job_find(b, v->job);

@@ -29,7 +29,7 @@ extern "C" {
 
 #define ST_MAX_CUTS DAG_TRAIN_MAX_CUTS /* cut tensors one stage boundary may carry */
 #define ST_MAX_DEFER  (2 * DAG_EXEC_MAX_SLOTS) /* frames of the next step held back */
-#define ST_VERIFY_KEEP  3  /* steps of outputs (and input hashes) kept for the broker's verification */
+#define ST_VERIFY_KEEP  WIRE_VERIFY_KEEP_STEPS /* steps of outputs (and input hashes) kept for the broker's verification */
 #define ST_VERIFY_QUEUE 64 /* verification requests a verifier holds (more are answered "unavailable") */
 
 typedef enum { FETCH_WEIGHT, FETCH_TOKENS, FETCH_CKPT, FETCH_ADAPTER, FETCH_VERIFY_CKPT } fetch_kind;

@@ -31,6 +31,9 @@ extern "C" {
 #define WIRE_PROTOCOL_VERSION   1u
 #define WIRE_VERIFY_SKETCH_K 16 /* entries of VerifySketch.sketch (docs/PROTOCOL.md "Verification sketch") */
 #define WIRE_VERIFY_HASH_BYTES 32u /* VerifySketch.input_hash: BLAKE2b-256 */
+/* Steps a verified stage's peer keeps its outputs, input hashes and snapshots of (StageAssign.verify;
+ * docs/PIPELINE.md "Verification"): the broker's rule for a withheld output counts on it. */
+#define WIRE_VERIFY_KEEP_STEPS 3
 /* VerifyInput chunks (docs/PROTOCOL.md "Verification inputs"): plaintext bytes per chunk, and what
  * sealing adds to each (a 56-byte binding header + crypto_box_SEALBYTES = 48). */
 #define WIRE_VERIFY_INPUT_CHUNK    (1u << 20)

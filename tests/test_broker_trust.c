@@ -13,7 +13,8 @@
  * - the stages that see tokens stay on peers the allow-list marks trusted;
  * - a peer's claimed speed is capped by its profile challenge; a forged answer or none gets no work;
  * - a stage that reports steps faster than its verified speed allows is flagged;
- * - a stage's peer that withholds its output from verification pays as if it had lied;
+ * - a stage's peer that withholds its output from verification pays as if it had lied; one whose
+ *   pipeline can have moved past the sampled step, by the broker's records, is not blamed;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -650,23 +651,22 @@ static void test_trust_too_fast_stage_flagged(void **state)
     tu_client_close(&w);
 }
 
-/* A stage's peer asked for the sketch of a step it just ran answers "unavailable" (to dodge the
- * check): that counts as a wrong answer (event "withheld", 0.3 reputation), not a skipped sample. */
-static void test_trust_withheld_output_costs_like_a_lie(void **state)
+/* Submits a single-stage job of `steps` steps, one micro-batch, every one verified, and starts two
+ * wire peers named "ann" (p0) and "bob" (p1): one gets the stage (*primary, its name in
+ * *primary_name), the other its warm backup (the verifier). Returns the job id. */
+static uint64_t verified_pair(tu_broker_fx *f, uint64_t steps, tu_client pc[2], tu_client **primary,
+                              const char **primary_name)
 {
-    tu_broker_fx *f = *state;
-    tu_broker_fx_start(f);
     char spec[9000];
     snprintf(spec, sizeof spec,
-             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 4, "
-             "\"batch\": 2, \"seq_len\": 8, \"micro_batches\": 1, \"checkpoint_every\": 4, \"verify\": 1.0}",
-             f->model);
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": %" PRIu64
+             ", \"batch\": 2, \"seq_len\": 8, \"micro_batches\": 1, \"checkpoint_every\": 4, \"verify\": 1.0}",
+             f->model, steps);
     wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
     uint64_t id = tu_status_of(m)->job_id;
     wire_msg_destroy(&m);
-    tu_client pc[2];
-    const char *names[2] = {"dodger", "checker"};
-    tu_client *primary = NULL;
+    static const char *const names[2] = {"ann", "bob"};
+    *primary = NULL;
     for (int i = 0; i < 2; i++) {
         tu_client_open(&pc[i], f->c, i ? "p1" : "p0");
         tu_client_hello(&pc[i], names[i], 4 * GiB, 50);
@@ -679,8 +679,10 @@ static void test_trust_withheld_output_costs_like_a_lie(void **state)
             const Fusion__StageAssign *sa = a ? wire_msg_body_as(a, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN) : NULL;
             if (sa) {
                 assigned = true;
-                if (!sa->backup)
-                    primary = &pc[i];
+                if (!sa->backup) {
+                    *primary = &pc[i];
+                    *primary_name = names[i];
+                }
                 Fusion__StageReady r = FUSION__STAGE_READY__INIT;
                 r.job_id = id;
                 assert_int_equal(tu_client_send(&pc[i], FUSION__MSG_TYPE__MSG_STAGE_READY, id, &r.base), FU_OK);
@@ -689,42 +691,105 @@ static void test_trust_withheld_output_costs_like_a_lie(void **state)
         }
         assert_true(assigned);
     }
-    assert_non_null(primary);
-    assert_true(got(primary, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    assert_non_null(*primary);
+    assert_true(got(*primary, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
     /* the checker's StageReady came on another connection: the step waits until it is a warm verifier */
-    tu_client *checker = primary == &pc[0] ? &pc[1] : &pc[0];
+    tu_client *checker = *primary == &pc[0] ? &pc[1] : &pc[0];
     assert_int_equal(tu_client_wait_peer_state(&f->cl, wire_keypair_public_z85(checker->kp),
                                                FUSION__PEER_STATE__PEER_STATE_WARM, 5000),
                      FUSION__PEER_STATE__PEER_STATE_WARM);
+    return id;
+}
+
+static void step_done(tu_client *cl, uint64_t id, uint64_t step)
+{
     Fusion__StepDone d = FUSION__STEP_DONE__INIT;
     d.job_id = id;
-    d.step = 0;
+    d.step = step;
     d.loss = 1.0;
     d.tokens = 16;
-    assert_int_equal(tu_client_send(primary, FUSION__MSG_TYPE__MSG_STEP_DONE, id, &d.base), FU_OK);
-    uint64_t end = fu_clock_ms() + 5000;
-    bool asked = false;
-    while (!asked && fu_clock_ms() < end) {
-        wire_msg_t *q = tu_client_recv(primary, 200);
+    assert_int_equal(tu_client_send(cl, FUSION__MSG_TYPE__MSG_STEP_DONE, id, &d.base), FU_OK);
+}
+
+/* Answers the VerifyRequest of step `step` (seed in seeds[step]) with "no longer held". */
+static void say_unavailable(tu_client *cl, uint64_t id, uint64_t step, uint64_t seed)
+{
+    Fusion__VerifySketch vs = FUSION__VERIFY_SKETCH__INIT;
+    vs.job_id = id;
+    vs.stage_index = 0;
+    vs.step = step;
+    vs.micro_batch = 0;
+    vs.seed = seed;
+    vs.unavailable = (char *)"that output is no longer held (this peer keeps the last 3 steps)";
+    assert_int_equal(tu_client_send(cl, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, id, &vs.base), FU_OK);
+}
+
+/* Collects the VerifyRequests for steps 0..n-1 (their seeds) that cl gets within timeout_ms. */
+static bool verify_requests(tu_client *cl, uint64_t n, uint64_t seeds[], int timeout_ms)
+{
+    bool have[8] = {false};
+    uint64_t left = n, end = fu_clock_ms() + (uint64_t)timeout_ms;
+    while (left > 0 && fu_clock_ms() < end) {
+        wire_msg_t *q = tu_client_recv(cl, 200);
         const Fusion__VerifyRequest *vr = q ? wire_msg_body_as(q, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST) : NULL;
-        if (vr) {
-            asked = true;
-            Fusion__VerifySketch vs = FUSION__VERIFY_SKETCH__INIT;
-            vs.job_id = vr->job_id;
-            vs.stage_index = vr->stage_index;
-            vs.step = vr->step;
-            vs.micro_batch = vr->micro_batch;
-            vs.seed = vr->seed;
-            vs.unavailable = (char *)"that output is no longer held";
-            assert_int_equal(tu_client_send(primary, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, id, &vs.base), FU_OK);
+        if (vr && vr->step < n && vr->step < 8 && !have[vr->step]) {
+            have[vr->step] = true;
+            seeds[vr->step] = vr->seed;
+            left--;
         }
         wire_msg_destroy(&q);
     }
-    assert_true(asked);
+    return left == 0;
+}
+
+/* A stage's peer asked for the sketch of a step it just ran answers "unavailable" (to dodge the
+ * check): that counts as a wrong answer (event "withheld", 0.3 reputation), not a skipped sample. */
+static void test_trust_withheld_output_costs_like_a_lie(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_client pc[2], *primary;
+    const char *dodger = NULL;
+    uint64_t id = verified_pair(f, 4, pc, &primary, &dodger);
+    step_done(primary, id, 0);
+    uint64_t seed[1];
+    assert_true(verify_requests(primary, 1, seed, 5000));
+    say_unavailable(primary, id, 0, seed[0]);
     assert_true(tu_broker_wait_log(f->c, 5000, "WITHHELD"));
-    const char *dodger = primary == &pc[0] ? names[0] : names[1];
     double rep = tu_client_reputation(&f->cl, dodger);
     print_message("%s withheld its output: reputation %.2f\n", dodger, rep);
+    assert_true(rep > 0.65 && rep < 0.75);
+    tu_client_close(&pc[0]);
+    tu_client_close(&pc[1]);
+}
+
+/* The honest but fast case: the stage runs steps 0, 1 and 2 before it reads the broker's request for
+ * step 0, and by then no longer holds step 0 (a peer keeps its last 3 steps). The broker's own
+ * records (StepDone 2 came before the answer) show the pipeline can have moved that far: the sample
+ * is skipped and the peer keeps its reputation. The same answer about step 1, which the peer must
+ * still hold after step 2, is withheld: claiming to have moved on is bounded by the StepDones. */
+static void test_trust_evicted_output_is_skipped(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    tu_client pc[2], *primary;
+    const char *name = NULL;
+    uint64_t id = verified_pair(f, 6, pc, &primary, &name);
+    for (uint64_t s = 0; s < 3; s++)
+        step_done(primary, id, s);
+    uint64_t seeds[3];
+    assert_true(verify_requests(primary, 3, seeds, 10000));
+    say_unavailable(primary, id, 0, seeds[0]);
+    assert_true(tu_broker_wait_log(f->c, 5000, "step 0 mb 0: sample skipped: peer"));
+    assert_true(tu_broker_logged(f->c, "the pipeline can have moved on (the last stage reported step 2 done"));
+    assert_false(tu_broker_logged(f->c, "WITHHELD"));
+    double rep = tu_client_reputation(&f->cl, name);
+    print_message("%s no longer held step 0 after step 2: reputation %.2f\n", name, rep);
+    assert_true(rep > 0.99);
+    say_unavailable(primary, id, 1, seeds[1]);
+    assert_true(tu_broker_wait_log(f->c, 5000, "step 1 mb 0: WITHHELD"));
+    rep = tu_client_reputation(&f->cl, name);
+    print_message("%s withheld step 1 after step 2: reputation %.2f\n", name, rep);
     assert_true(rep > 0.65 && rep < 0.75);
     tu_client_close(&pc[0]);
     tu_client_close(&pc[1]);
@@ -890,6 +955,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_forged_or_missing_challenge_gets_no_work),
         tu_broker_test(test_trust_too_fast_stage_flagged),
         tu_broker_test(test_trust_withheld_output_costs_like_a_lie),
+        tu_broker_test(test_trust_evicted_output_is_skipped),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
