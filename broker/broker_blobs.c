@@ -143,6 +143,8 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         }
         db_job *dj = NULL;
         if (db_job_get(b->db, jid, NULL, &dj) != FU_OK || dj->state != DB_JOB_DONE || !dj->result) {
+            /* the job was admitted with this adapter and its stage told to load it: the broker's fault */
+            snprintf(p->lacked, sizeof p->lacked, "%s", mine->id);
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "job %s has no finished adapter", jid);
             db_job_free(&dj);
             return;
@@ -186,6 +188,11 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         db_ckpt *ck = NULL;
         fu_err rc = db_ckpt_get(b->db, jid, stage, step, &ck);
         if (rc != FU_OK) {
+            /* The checkpoint its StageAssign names (its stage at the run's start step; peer_stage.c) is the
+             * broker's to keep: when it is missing (pruned, lost) or the store fails, the stage's load
+             * failure that follows is the broker's fault, and costs the peer nothing. */
+            if (!p->backup && stage == p->stage && (uint64_t)step == mine->start_step && mine->start_step > 0)
+                snprintf(p->lacked, sizeof p->lacked, "%s", mine->id);
             broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "job %s has no checkpoint of stage %u at step "
                                "%lld (%s)", jid, stage, step, fu_strerror(rc));
             return;

@@ -111,6 +111,9 @@ typedef struct {
     double reputation;                 /* from the store, in [0, 1] */
     uint32_t v_checked, v_failed;      /* verification samples it took part in / was found wrong in */
     uint32_t v_mismatch;               /* samples where its account of a stage input differed (see broker_verify.c) */
+    char lacked[DB_JOB_ID_LEN + 1];    /* a job whose blob, named by this peer's assignment, the broker could not
+                                          serve it (missing, store error): the load failure the peer reports next
+                                          is the broker's fault, not the peer's (broker_stages.c); "" when none */
     /* Fine-tuning progress from its last heartbeat (broker_failover.c: which stage stalled). */
     char prog_job[DB_JOB_ID_LEN + 1];  /* the job it was for, "" when none reported */
     uint64_t prog_step;                /* step worked on, plus 1 */

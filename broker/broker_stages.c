@@ -223,15 +223,16 @@ static void maybe_finish_finetune(broker_t *b, broker_job *j)
 }
 
 /* Takes the stage that p runs off it for a fault of p's own (an error it reported, a checkpoint that
- * does not fit): reputation lost, the stage fails over. */
-static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const char *why)
+ * does not fit): reputation lost, the stage fails over. With `own` false the fault is the broker's (it
+ * could not serve a blob p's assignment named): the stage fails over and p loses nothing. */
+static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const char *why, bool own)
 {
     uint32_t s = p->stage;
     bool backup = p->backup;
     broker_peer_forget_work(p);
     if (backup || s >= j->n_stages || strcmp(j->stages[s].peer, p->key) != 0)
         return;
-    if (!j->after_restart) /* right after a broker restart, a stage's trouble is the outage's */
+    if (own && !j->after_restart) /* right after a broker restart, a stage's trouble is the outage's */
         broker_peer_reputation_adjust(b, p, -BROKER_ERROR_PENALTY);
     broker_failover(b, j, s, why);
 }
@@ -290,7 +291,7 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
                  c->step, em.msg);
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "checkpoint refused: %s", em.msg);
         BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, p->key, "bad-checkpoint", em.msg));
-        stage_peer_fault(b, j, p, why);
+        stage_peer_fault(b, j, p, why, true);
         return;
     }
     char hex[DB_HASH_HEX_LEN + 1];
@@ -435,7 +436,7 @@ static void on_ring_conflict(broker_t *b, broker_job *j, broker_peer *p, uint64_
     j->n_gen = keep;
     broker_peer *last = broker_peer_find(b, j->stages[j->n_stages - 1].peer);
     if (last)
-        stage_peer_fault(b, j, last, "it sent stage 0 another token than the one it reported");
+        stage_peer_fault(b, j, last, "it sent stage 0 another token than the one it reported", true);
 }
 
 void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
@@ -451,7 +452,14 @@ void broker_on_peer_error(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         on_ring_conflict(b, j, p, wire_msg_hdr(msg)->step);
         return;
     }
+    /* A stage that could not load because the broker refused it a blob its assignment named (the
+     * broker's own record, broker_blobs.c; never the peer's word) is not at fault. */
+    bool brokers = e && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST && strcmp(p->lacked, j->id) == 0;
+    p->lacked[0] = '\0';
     char why[300];
     snprintf(why, sizeof why, "its peer reported an error: %s", e && e->message ? e->message : "?");
-    stage_peer_fault(b, j, p, why);
+    if (brokers)
+        FU_WARN(LOG, "job %s: peer %.8s (%s) could not load its stage because the broker could not serve a blob its "
+                "assignment named: the broker's fault, no reputation lost", j->id, p->key, p->name);
+    stage_peer_fault(b, j, p, why, !brokers);
 }

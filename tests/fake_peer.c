@@ -579,6 +579,14 @@ static bool fake_put_ckpt(tu_client *cl, const fake_train *t, uint64_t step)
     return false;
 }
 
+bool tu_fake_put_ckpt(tu_client *cl, uint64_t job, uint32_t stage, const struct dag_graph *g, uint32_t first,
+                      uint32_t last, uint64_t step, const char *dir)
+{
+    fake_train t = {.job = job, .stage = stage, .g = (dag_graph_t *)g, .first = first, .last = last};
+    snprintf(t.dir, sizeof t.dir, "%s", dir);
+    return fake_put_ckpt(cl, &t, step);
+}
+
 /* Runs the steps from `from` on: StepDone on the last stage, a checkpoint every `every` steps. */
 static void fake_train_run(tu_client *cl, const fake_train *t, uint64_t from)
 {

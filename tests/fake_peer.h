@@ -106,6 +106,13 @@ void tu_client_hello(tu_client *cl, const char *name, uint64_t mem, double gflop
  * step. Written into buf; returns buf. */
 const char *tu_finetune_spec(const char *model_dir, char *buf, size_t cap);
 
+/* Sends, through cl, a checkpoint of stage `stage` (nodes [first, last) of g) of job at `step` that is
+ * honest in form (every adapter tensor and moment of the range), as the fake peers in "train" mode
+ * do (its file goes in dir), and waits for the CheckpointAck: true when it came. */
+struct dag_graph;
+bool tu_fake_put_ckpt(tu_client *cl, uint64_t job, uint32_t stage, const struct dag_graph *g, uint32_t first,
+                      uint32_t last, uint64_t step, const char *dir);
+
 /* ---- the fixture of the broker tests ------------------------------------------------------------- */
 
 /* A broker alone (tu_opts_broker_alone) and the key pairs of two clients, "client" and "other", and

@@ -15,6 +15,8 @@
  * - a stage that reports steps faster than its verified speed allows is flagged;
  * - a stage's peer that withholds its output from verification pays as if it had lied; one whose
  *   pipeline can have moved past the sampled step, by the broker's records, is not blamed;
+ * - a stage's peer that cannot load because the broker lost the checkpoint its assignment named keeps
+ *   its reputation;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
  * - 150 rejected submissions over 30 model copies leave the broker's memory flat. */
 #include <inttypes.h>
@@ -32,6 +34,8 @@
 #include <unistd.h>
 
 #include "cluster.h"
+#include "dag_graph.h"
+#include "dag_serial.h"
 #include "fake_peer.h"
 #include "fu_clock.h"
 #include "fu_safetensors.h"
@@ -795,6 +799,89 @@ static void test_trust_evicted_output_is_skipped(void **state)
     tu_client_close(&pc[1]);
 }
 
+/* The stage's peer of a run resumed from step 2 cannot load its stage because the broker no longer has
+ * the checkpoint its StageAssign named (here deleted from the store under the broker; in CI a prune
+ * did it: "no blob ckpt:2:60"): the broker's fault, so the stage fails over and the peer keeps its
+ * reputation. The broker goes by its own record of the refusal, not by the peer's word. */
+static void test_trust_missing_blob_costs_nothing(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    char spec[9000];
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 4, "
+             "\"batch\": 2, \"seq_len\": 8, \"micro_batches\": 1, \"checkpoint_every\": 2, \"verify\": 0}",
+             f->model);
+    wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    /* ann runs steps 0 and 1, commits the checkpoint of step 2, and goes */
+    tu_client ann;
+    tu_client_open(&ann, f->c, "p0");
+    tu_client_hello(&ann, "ann", 4 * GiB, 50);
+    dag_graph_t *g = NULL;
+    uint32_t first = 0, last = 0;
+    for (uint64_t end = fu_clock_ms() + 20000; !g && fu_clock_ms() < end;) {
+        wire_msg_t *a = tu_client_recv(&ann, 200);
+        const Fusion__StageAssign *sa = a ? wire_msg_body_as(a, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN) : NULL;
+        if (sa) {
+            assert_int_equal(dag_graph_decode(sa->dag.data, sa->dag.len, &g, NULL), FU_OK);
+            first = sa->node_begin;
+            last = sa->node_end;
+        }
+        wire_msg_destroy(&a);
+    }
+    assert_non_null(g);
+    Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+    r.job_id = id;
+    assert_int_equal(tu_client_send(&ann, FUSION__MSG_TYPE__MSG_STAGE_READY, id, &r.base), FU_OK);
+    assert_true(got(&ann, FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    step_done(&ann, id, 0);
+    step_done(&ann, id, 1);
+    assert_true(tu_fake_put_ckpt(&ann, id, 0, g, first, last, 2, tu_cluster_dir(f->c)));
+    dag_graph_destroy(&g);
+    tu_client_close(&ann);
+    /* bob takes the stage over from step 2; the store loses that checkpoint before bob asks for it */
+    tu_client bob;
+    tu_client_open(&bob, f->c, "p1");
+    tu_client_hello(&bob, "bob", 4 * GiB, 50);
+    bool resumed = false;
+    for (uint64_t end = fu_clock_ms() + 30000; !resumed && fu_clock_ms() < end;) {
+        wire_msg_t *a = tu_client_recv(&bob, 200);
+        const Fusion__StageAssign *sa = a ? wire_msg_body_as(a, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN) : NULL;
+        resumed = sa && !sa->backup && sa->resume_step == 2;
+        wire_msg_destroy(&a);
+    }
+    assert_true(resumed);
+    char *out = NULL;
+    int rc = tu_sh(&out, "sqlite3 -cmd '.timeout 10000' '%s/store.db' \"DELETE FROM checkpoints WHERE job_id = "
+                   "'%016" PRIx64 "'\"", tu_cluster_dir(f->c), id);
+    if (rc != 0)
+        fail_msg("sqlite3: %s", out);
+    free(out);
+    Fusion__WeightRequest w = FUSION__WEIGHT_REQUEST__INIT;
+    char jid[64];
+    snprintf(jid, sizeof jid, "job:%016" PRIx64, id);
+    w.model_id = jid;
+    w.tensor_name = (char *)"ckpt:0:2";
+    m = tu_client_call(&bob, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST, 0, &w.base, FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK,
+                       5000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    print_message("the broker refused bob the checkpoint: %s\n", ((const Fusion__Error *)wire_msg_body(m))->message);
+    wire_msg_destroy(&m);
+    Fusion__Error e = FUSION__ERROR__INIT; /* what fusion-peer says then (peer_stage.c) */
+    e.code = FUSION__ERROR_CODE__ERR_NOT_FOUND;
+    e.in_reply_to = FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST;
+    e.message = (char *)"cannot load the stage: the broker has no blob";
+    assert_int_equal(tu_client_send(&bob, FUSION__MSG_TYPE__MSG_ERROR, id, &e.base), FU_OK);
+    assert_true(tu_broker_wait_log(f->c, 5000, "the broker's fault, no reputation lost"));
+    double rep = tu_client_reputation(&f->cl, "bob");
+    print_message("bob could not load its stage for want of the broker's blob: reputation %.2f\n", rep);
+    assert_true(rep > 0.99);
+    tu_client_close(&bob);
+}
+
 /* The other per-client limits, made small: a client with 3 unfinished jobs is told to wait or
  * cancel; one whose jobs would hold more than 1 MiB is told so; another client is not affected. */
 static void test_trust_quotas_name_the_limit(void **state)
@@ -956,6 +1043,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_too_fast_stage_flagged),
         tu_broker_test(test_trust_withheld_output_costs_like_a_lie),
         tu_broker_test(test_trust_evicted_output_is_skipped),
+        tu_broker_test(test_trust_missing_blob_costs_nothing),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
