@@ -172,6 +172,37 @@ static void send_leave(peer_t *p, const char *reason)
 
 /* ---- start --------------------------------------------------------------------------------- */
 
+/* Reads one event of the broker socket's monitor, if one waits, into *ev: FU_EAGAIN when none waits,
+ * FU_EIO when the monitor failed. An event is two frames, delivered together. */
+static fu_err mon_read(peer_t *p, uint16_t *ev)
+{
+    zmq_msg_t f1, f2;
+    zmq_msg_init(&f1);
+    zmq_msg_init(&f2);
+    fu_err rc = FU_OK;
+    *ev = 0;
+    if (zmq_msg_recv(&f1, p->mon, ZMQ_DONTWAIT) < 0)
+        rc = zmq_errno() == EAGAIN ? FU_EAGAIN : FU_EIO;
+    else if (zmq_msg_recv(&f2, p->mon, ZMQ_DONTWAIT) < 0)
+        rc = FU_EIO;
+    else if (zmq_msg_size(&f1) >= sizeof *ev)
+        memcpy(ev, zmq_msg_data(&f1), sizeof *ev);
+    zmq_msg_close(&f1);
+    zmq_msg_close(&f2);
+    return rc;
+}
+
+/* Stops watching the broker socket's connection. */
+static void mon_stop(peer_t *p)
+{
+    if (!p->mon)
+        return;
+    if (p->broker)
+        (void)zmq_socket_monitor(p->broker, NULL, 0);
+    zmq_close(p->mon);
+    p->mon = NULL;
+}
+
 /* Waits for the broker socket's TCP connection and CURVE handshake (monitor events): the TCP
  * connect time is the link latency sample (one round trip). FU_EAUTH when the broker refused our
  * key; FU_ETIMEDOUT when it did not answer in time (the peer goes on: the hello is queued). */
@@ -182,22 +213,16 @@ static fu_err wait_handshake(peer_t *p, uint64_t t0_ns)
         zmq_pollitem_t it = {p->mon, 0, ZMQ_POLLIN, 0};
         if (zmq_poll(&it, 1, 100) <= 0)
             continue;
-        zmq_msg_t f1, f2;
-        zmq_msg_init(&f1);
-        zmq_msg_init(&f2);
-        if (zmq_msg_recv(&f1, p->mon, 0) < 0 || zmq_msg_recv(&f2, p->mon, 0) < 0) {
-            zmq_msg_close(&f1);
-            zmq_msg_close(&f2);
-            return FU_EIO;
-        }
-        uint16_t ev = 0;
-        if (zmq_msg_size(&f1) >= 2)
-            memcpy(&ev, zmq_msg_data(&f1), 2);
-        zmq_msg_close(&f1);
-        zmq_msg_close(&f2);
+        uint16_t ev;
+        fu_err rc = mon_read(p, &ev);
+        if (rc == FU_EAGAIN)
+            continue;
+        if (rc != FU_OK)
+            return rc;
         if (ev == ZMQ_EVENT_CONNECTED) {
             p->prof.link_latency_ms = (double)(fu_clock_ns() - t0_ns) / 1e6;
         } else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            p->handshakes++;
             return FU_OK;
         } else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
             return FU_EAUTH;
@@ -206,9 +231,46 @@ static fu_err wait_handshake(peer_t *p, uint64_t t0_ns)
     return FU_ETIMEDOUT;
 }
 
+/* The broker connection's events, read from the monitor, which watches the broker socket for the
+ * peer's whole life. A dropped connection (a NAT rebinding, a middlebox restarting, the broker's side
+ * closing it) is connected again by libzmq itself after WIRE_RECONNECT_MS, but the broker declares a
+ * peer whose connection closed dead unless it hears from it within a grace of a quarter heartbeat
+ * (broker_conn.c): our next heartbeat may be a whole interval away. So every handshake after the
+ * first says at once that we are alive: a Heartbeat (an extra one, the schedule stays), or PeerHello
+ * again while we are not welcomed (the one outstanding may have gone with the old connection; the
+ * same session keeps its work). The first handshake needs nothing: our PeerHello goes out on it. */
+static void broker_conn_events(peer_t *p)
+{
+    uint16_t ev;
+    fu_err rc;
+    while (p->mon && (rc = mon_read(p, &ev)) != FU_EAGAIN) {
+        if (rc != FU_OK) {
+            FU_WARN("peer", "the broker connection's monitor failed: a dropped connection is told by the heartbeats");
+            mon_stop(p);
+            return;
+        }
+        if (ev == ZMQ_EVENT_DISCONNECTED) {
+            FU_INFO("peer", "the connection to the broker closed; connecting again");
+        } else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+            FU_WARN("peer", "the broker at %s refused this peer's key %s on a new connection", p->cfg.broker,
+                    wire_keypair_public_z85(p->kp));
+        } else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED && p->handshakes++ > 0) {
+            if (p->welcomed) {
+                FU_INFO("peer", "connected to the broker again: a heartbeat at once");
+                peer_io_send_heartbeat(p, false);
+            } else {
+                FU_INFO("peer", "connected to the broker again: PeerHello at once");
+                peer_io_send_hello(p);
+            }
+        }
+    }
+}
+
 static fu_err broker_connect(peer_t *p, fu_errmsg *em)
 {
     fu_err err = FU_OK;
+    mon_stop(p);
+    p->handshakes = 0;
     wire_socket_close(&p->broker);
     p->broker = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
     if (!p->broker)
@@ -219,30 +281,31 @@ static fu_err broker_connect(peer_t *p, fu_errmsg *em)
      * kernel notices a broker that vanished (wire_socket_quiet); so does the heartbeats' silence */
     if (wire_socket_quiet(p->broker) != FU_OK)
         FU_WARN("peer", "the broker socket still pings the broker");
-    if (p->mon) {
-        zmq_close(p->mon);
-        p->mon = NULL;
-    }
-    if (zmq_socket_monitor(p->broker, IO_MONITOR_EP,
-                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) ==
-        0) {
+    int ivl = IO_BROKER_RECONNECT_MS; /* back within the broker's grace after a drop (broker_conn_events) */
+    if (zmq_setsockopt(p->broker, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl) != 0)
+        FU_WARN("peer", "the broker socket reconnects after %d ms, not %d", WIRE_RECONNECT_MS, ivl);
+    /* a monitor endpoint of its own per socket: a closed socket's may not be released yet */
+    char mon_ep[64];
+    snprintf(mon_ep, sizeof mon_ep, IO_MONITOR_EP "-%u", ++p->mon_n);
+    if (zmq_socket_monitor(p->broker, mon_ep,
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0) {
         p->mon = zmq_socket(p->ctx, ZMQ_PAIR);
         int linger = 0;
         if (p->mon && (zmq_setsockopt(p->mon, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
-                       zmq_connect(p->mon, IO_MONITOR_EP) != 0)) {
-            zmq_close(p->mon);
-            p->mon = NULL;
-        }
+                       zmq_connect(p->mon, mon_ep) != 0))
+            mon_stop(p);
+        else if (!p->mon)
+            (void)zmq_socket_monitor(p->broker, NULL, 0);
     }
+    if (!p->mon)
+        FU_WARN("peer", "cannot watch the broker connection: a dropped connection is told by the heartbeats");
     uint64_t t0 = fu_clock_ns();
     if (zmq_connect(p->broker, p->cfg.broker) != 0)
         return fu_errmsg_set(em, FU_EINVAL, "bad --broker endpoint '%s': %s", p->cfg.broker,
                              zmq_strerror(zmq_errno()));
     if (p->mon) {
         fu_err rc = wait_handshake(p, t0);
-        zmq_socket_monitor(p->broker, NULL, 0);
-        zmq_close(p->mon);
-        p->mon = NULL;
         if (rc == FU_EAUTH)
             return fu_errmsg_set(
                 em, FU_EAUTH,
@@ -251,6 +314,10 @@ static fu_err broker_connect(peer_t *p, fu_errmsg *em)
                 p->cfg.broker, wire_keypair_public_z85(p->kp));
         if (rc == FU_ETIMEDOUT)
             FU_WARN("peer", "the broker at %s does not answer yet; PeerHello waits in the queue", p->cfg.broker);
+        if (rc == FU_EIO) {
+            FU_WARN("peer", "the broker connection's monitor failed: a dropped connection is told by the heartbeats");
+            mon_stop(p);
+        }
     }
     return FU_OK;
 }
@@ -511,10 +578,14 @@ fu_err peer_run(peer_t *p)
         }
         peer_io_flush_stash(p);
         peer_link_handle_held(p);
-        zmq_pollitem_t items[4];
-        int n = 0, i_pipe = -1, i_broker = -1, i_router = -1, i_down = -1;
+        zmq_pollitem_t items[5];
+        int n = 0, i_pipe = -1, i_broker = -1, i_router = -1, i_down = -1, i_mon = -1;
         items[n] = (zmq_pollitem_t){p->pipe, 0, ZMQ_POLLIN, 0};
         i_pipe = n++;
+        if (p->mon) {
+            items[n] = (zmq_pollitem_t){p->mon, 0, ZMQ_POLLIN, 0};
+            i_mon = n++;
+        }
         if (!peer_io_input_paused(p)) {
             items[n] = (zmq_pollitem_t){p->broker, 0, ZMQ_POLLIN, 0};
             i_broker = n++;
@@ -542,6 +613,8 @@ fu_err peer_run(peer_t *p)
             result = FU_EIO;
             break;
         }
+        if (i_mon >= 0 && (items[i_mon].revents & ZMQ_POLLIN))
+            broker_conn_events(p);
         /* Commands from the compute thread first (they free memory and open the way forward). */
         if (items[i_pipe].revents & ZMQ_POLLIN) {
             for (int k = 0; k < 64; k++) {
@@ -620,9 +693,8 @@ void peer_destroy(peer_t **p_p)
     peer_guest_destroy(&p->guest);
     wire_socket_close(&p->down);
     wire_socket_close(&p->router);
+    mon_stop(p);
     wire_socket_close(&p->broker);
-    if (p->mon)
-        zmq_close(p->mon);
     if (p->pipe)
         zmq_close(p->pipe);
     if (p->ctx)

@@ -27,8 +27,13 @@ extern "C" {
 #endif
 
 #define IO_POLL_MS        100   /* longest poll: signals and timers are checked at least this often */
-#define IO_MONITOR_EP     "inproc://fusion-peer-monitor"
+#define IO_MONITOR_EP     "inproc://fusion-peer-monitor" /* + a number per broker socket */
 #define IO_CONNECT_WAIT_MS 5000 /* how long the start waits for the broker's handshake */
+/* The broker socket's first reconnect after a dropped connection (libzmq adds up to as much again at
+ * random, then doubles it up to WIRE_RECONNECT_MAX_MS): the broker declares a peer whose connection
+ * closed dead unless it hears from it within 200-250 ms (broker_conn.c), and WIRE_RECONNECT_MS (100,
+ * so 100-199 ms) with the handshake and our heartbeat did not always fit in that under load. */
+#define IO_BROKER_RECONNECT_MS 20
 #define IO_ENROL_WAIT_MS  10000
 #define IO_MAX_TENSOR     ((size_t)1 << 31) /* largest activation/gradient accepted */
 #define PEER_PROBE_BYTES  (4u << 20) /* LinkProbe payload asked for after joining */
@@ -72,7 +77,9 @@ struct peer {
     void *router;                  /* data-plane ROUTER, or NULL (--no-listen) */
     void *down;                    /* DEALER to the downstream stage, or NULL */
     void *pipe;                    /* PAIR to the compute thread */
-    void *mon;                     /* monitor of the broker socket while starting */
+    void *mon;                     /* monitor of the broker socket (its connection's events), or NULL */
+    uint32_t mon_n;                /* broker sockets monitored so far (names each monitor's endpoint) */
+    uint32_t handshakes;           /* CURVE handshakes with the broker on this socket so far */
     char data_endpoint[256];       /* advertised in PeerHello; "" with --no-listen */
     uint64_t session;              /* random, for this process's PeerHellos (fusion.proto) */
     pthread_t compute;

@@ -9,7 +9,9 @@ fu_add_test(test_peer_proc SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c 
 fu_add_test(test_peer_gpu SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_proc.c LIBS fu_peer fu_test_cluster TIMEOUT 120
             ARGS --device cuda:0 LABELS gpu)
 # With the real broker and client: a two-stage fine-tune equals `fusion run finetune`; a SIGKILLed
-# stage fails over to the warm backup and the adapter is unchanged.
+# stage fails over to the warm backup and the adapter is unchanged; the peers' connections to the
+# broker cut mid-job (a TCP proxy replaced, under load): every peer beats at once on its new
+# connection, nobody is declared dead, no stage moves, the adapter is unchanged.
 fu_add_test(test_peer_broker SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_peer_broker.c LIBS fu_test_cluster TIMEOUT 240
             ARGS "*pipeline_equals*")
 add_test(NAME test_peer_broker_failover COMMAND test_peer_broker "*failover*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -17,9 +19,10 @@ add_test(NAME test_peer_broker_leave COMMAND test_peer_broker "*leave_keeps*" WO
 add_test(NAME test_peer_broker_enrol COMMAND test_peer_broker "*enrolment*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_restart COMMAND test_peer_broker "*restart_keeps*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_peer_broker_infer COMMAND test_peer_broker "*inference*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_peer_broker_reconnect COMMAND test_peer_broker "*reconnect*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_peer_broker ENVIRONMENT FU_PEER_TEST_ENV)
 set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_broker_restart test_peer_broker_infer
-                     test_peer_broker_enrol PROPERTIES TIMEOUT 240 SKIP_RETURN_CODE 77
+                     test_peer_broker_enrol test_peer_broker_reconnect PROPERTIES TIMEOUT 240 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${FU_PEER_TEST_ENV}")
 # Verification of untrusted peers (docs/PIPELINE.md "Verification"): the sketch and the sealed input
 # chunks (unit); the broker refuses malformed verification messages and relayed control messages;
