@@ -49,4 +49,10 @@ int64_t peer_fault_stall_step(void)
         return -1;
     return (int64_t)n;
 }
+
+bool peer_fault_verify_late(void)
+{
+    const char *v = getenv(PEER_VERIFY_LATE_ENV);
+    return v && strcmp(v, "1") == 0;
+}
 #endif

@@ -42,6 +42,13 @@ typedef enum {
  * StageAssign; it stalls once per process. Anything else: no stall. */
 #define PEER_STALL_ENV "FUSION_TEST_STALL"
 
+/* Env var of the late-verification hook, FOR TESTS ONLY (tests/test_verify.c): "1": as a stage's own
+ * peer (not a backup) this peer reads each VerifyRequest only once its stage has moved
+ * WIRE_VERIFY_KEEP_STEPS steps past the request's step (or finished its steps), as an honest peer on a
+ * loaded machine may; by then it no longer holds what was asked for and answers `unavailable`. The
+ * broker must not blame it (docs/PIPELINE.md "Verification"). Anything else: no delay. */
+#define PEER_VERIFY_LATE_ENV "FUSION_TEST_VERIFY_LATE"
+
 #ifdef FUSION_TEST_HOOKS
 /* What the fault-injection hook asks this peer to do with its outputs now. */
 peer_corrupt_mode peer_fault_corrupt_now(void);
@@ -49,6 +56,8 @@ peer_corrupt_mode peer_fault_corrupt_now(void);
 bool peer_fault_stall_ready(void);
 /* The step at which the stall hook stalls a fine-tune stage now, or -1 for none. */
 int64_t peer_fault_stall_step(void);
+/* True when the late-verification hook holds a stage's VerifyRequests back. */
+bool peer_fault_verify_late(void);
 #else
 static inline peer_corrupt_mode peer_fault_corrupt_now(void)
 {
@@ -61,6 +70,10 @@ static inline bool peer_fault_stall_ready(void)
 static inline int64_t peer_fault_stall_step(void)
 {
     return -1;
+}
+static inline bool peer_fault_verify_late(void)
+{
+    return false;
 }
 #endif
 

@@ -129,6 +129,9 @@ typedef struct {
     size_t kept_n;            /* floats of one output */
     verify_req vq[ST_VERIFY_QUEUE]; /* verifier: requests to answer, in arrival order */
     size_t n_vq;
+    Fusion__VerifyRequest late[ST_VERIFY_QUEUE]; /* FOR TESTS ONLY (peer_faults.h, PEER_VERIFY_LATE_ENV): the
+                                                    stage's requests held until it moved past their step */
+    size_t n_late;            /* how many */
     int64_t vstate_step;      /* verifier: step whose adapter state the executor holds, -1: none */
     bool vfetching;           /* verifier: the checkpoint of step vfetch_step is being fetched */
     uint64_t vfetch_step;     /* verifier: which */
@@ -245,6 +248,9 @@ void stage_verify_expire(stage_t *s);
 void stage_verify_fetched(stage_t *s, bool ok, const char *why);
 /* The broker's VerifyRequest: answered from the kept outputs, or queued for the verifier. */
 void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r);
+/* The test-only late-verification hook (peer_faults.h): answers the held requests the stage has moved
+ * WIRE_VERIFY_KEEP_STEPS steps past (all of them once it finished); a no-op without held ones. */
+void stage_verify_late_replay(stage_t *s);
 /* The broker's VerifyDeliver: hands the kept output to the I/O thread for the verifier. */
 void stage_on_verify_deliver(stage_t *s, const Fusion__VerifyDeliver *d);
 /* A delivered input for a queued request (takes c). */

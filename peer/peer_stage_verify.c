@@ -315,6 +315,12 @@ void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
         s->stage_index = keep;
         return;
     }
+    /* FAULT INJECTION FOR TESTS ONLY (peer_faults.h): an honest peer that reads the request late */
+    if (!s->backup && peer_fault_verify_late() && !s->finished && s->step < r->step + ST_VERIFY_KEEP &&
+        s->n_late < ST_VERIFY_QUEUE) {
+        s->late[s->n_late++] = *r;
+        return;
+    }
     if (!s->backup) {
         /* The stage's own peer: the sketch of the output it already sent, and the hash of the input
          * it received (stage 0: of its tokens); for a step without a checkpoint also the snapshot of
@@ -350,6 +356,22 @@ void stage_on_verify_request(stage_t *s, const Fusion__VerifyRequest *r)
     }
     s->vq[s->n_vq++] = (verify_req){.step = r->step, .mb = r->micro_batch, .seed = r->seed, .since_ms = fu_clock_ms()};
     verify_pump(s);
+}
+
+void stage_verify_late_replay(stage_t *s)
+{
+    for (size_t i = 0; i < s->n_late;) {
+        Fusion__VerifyRequest r = s->late[i];
+        if (!s->finished && s->step < r.step + ST_VERIFY_KEEP) {
+            i++;
+            continue;
+        }
+        memmove(s->late + i, s->late + i + 1, (s->n_late - i - 1) * sizeof *s->late);
+        s->n_late--;
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: test hook %s: reading the request for step %" PRIu64 " mb %u at "
+                "step %" PRIu64, s->job_id, s->stage_index, PEER_VERIFY_LATE_ENV, r.step, r.micro_batch, s->step);
+        stage_on_verify_request(s, &r);
+    }
 }
 
 /* Tells the broker that the output of (step, mb) asked for by d cannot be delivered. */

@@ -312,6 +312,7 @@ static void finish_step(stage_t *s)
     s->step++;
     s->fwd_done = s->bwd_done = 0;
     stage_publish_progress(s);
+    stage_verify_late_replay(s); /* the test-only late-verification hook (peer_faults.h) */
     s->loss_sum = 0;
     s->eval_sum = 0;
     s->tokens_sum = 0;
@@ -319,6 +320,7 @@ static void finish_step(stage_t *s)
         s->finished = true;
         FU_INFO("peer", "job %016" PRIx64 " stage %u: all %" PRIu64 " steps done; waiting for StageRelease", s->job_id,
                 s->stage_index, s->spec.steps);
+        stage_verify_late_replay(s);
         return;
     }
     if (stage_is_first(s))

@@ -407,7 +407,7 @@ static void write_word_data(tu_cluster *c)
 tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts)
 {
 #ifndef FUSION_TEST_HOOKS
-    if (opts->stall || opts->corrupt_mode)
+    if (opts->stall || opts->corrupt_mode || opts->verify_late)
         skip(); /* a build without test hooks has no fault hooks (peer/peer_faults.h) */
 #endif
     if (opts->n_peers < 0 || opts->n_peers > TU_MAX_PEERS)
@@ -776,6 +776,9 @@ void tu_peer_start(tu_cluster *c, int i, ...)
         envp = env;
     } else if (c->o.corrupt_mode) {
         snprintf(env, sizeof env, "FUSION_TEST_CORRUPT_OUTPUT=%s:%s/corrupt.p%d", c->o.corrupt_mode, c->dir, i);
+        envp = env;
+    } else if (c->o.verify_late) {
+        snprintf(env, sizeof env, "FUSION_TEST_VERIFY_LATE=1");
         envp = env;
     }
     c->peers[i] = tu_spawn(log, argv, envp);

@@ -97,6 +97,9 @@ typedef struct {
     const char *stall;          /* "ready" or "step:N": peer pI runs with FUSION_TEST_STALL=
                                    STALL:DIR/stall.pI and stalls while that file exists (test hooks
                                    only); NULL: none. Takes the place of corrupt_mode. */
+    bool verify_late;           /* every peer runs with FUSION_TEST_VERIFY_LATE=1: it reads its stage's
+                                   VerifyRequests only once it moved past their step (test hooks only;
+                                   peer/peer_faults.h). Only without stall and corrupt_mode. */
 } tu_opts;
 
 /* The e2e cluster of n_peers: TU_MODEL_ARGS, Shakespeare, no backups, the broker's default timings,

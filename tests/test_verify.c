@@ -8,6 +8,8 @@
  *   - two stages, verify = 1.0 over honest peers: every sampled micro-batch of stage 0 agrees, the
  *     broker logs and records (events "verified") them, and the adapter equals `fusion run
  *     finetune`'s;
+ *   - honest peers that read their requests late (the test-only hook FUSION_TEST_VERIFY_LATE) and no
+ *     longer hold what is asked for are not blamed: the broker's StepDones show they moved on;
  *   - a dishonest stage-0 peer (the test-only hook FUSION_TEST_CORRUPT_OUTPUT=scale:FILE, armed by
  *     creating FILE once the plan is known) is caught: its reputation falls below the threshold,
  *     its stage fails over to the backup, it gets no more work, and the job still finishes; with two
@@ -426,6 +428,42 @@ static void test_verify_honest_peers_agree(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* Honest peers that read their VerifyRequests late (the test-only hook FUSION_TEST_VERIFY_LATE: a
+ * stage's peer answers only once it has moved 3 steps past the sampled step, as on a loaded machine):
+ * they no longer hold most of what is asked for and say so. The broker's records (the last stage's
+ * StepDones) show the pipeline can have moved that far: every such sample is skipped, nobody is
+ * blamed ("withheld"), nobody loses reputation, and the job finishes. Stage 0's answers wait for the
+ * last stage's StepDone (another connection); the last stage's are judged at once. */
+static void test_verify_late_honest_peers_not_blamed(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(4, 2);
+    o.verify_late = true;
+    tu_cluster *c = tu_cluster_new("verify-late", &o);
+    tu_cluster_start(c);
+    char id[17];
+    tu_submit_finetune(c, id, "model", "--rank 4 --steps 10 --batch 4 --seq-len 16 --lr 0.01 --micro-batches 2 "
+                       "--checkpoint-every 5 --verify 1.0");
+    tu_wait_done(c, id, 120);
+    assert_true(tu_broker_logged(c, "job %s stage 0/2 on", id)); /* a two-stage pipeline */
+    char *bl = tu_broker_log_text(c);
+    int moved = count_of(bl, "no longer holds it, and the pipeline can have moved on"),
+        withheld = count_of(bl, "WITHHELD"), agree = count_of(bl, ": agree (");
+    printf("job %s: %d samples skipped as moved past (a peer keeps 3 steps), %d withheld, %d agreed\n", id, moved,
+           withheld, agree);
+    if (withheld || moved == 0)
+        tu_file_show(tu_broker_log(c), 60);
+    free(bl);
+    assert_int_equal(withheld, 0);
+    assert_true(moved >= 1);
+    for (int i = 0; i < 4; i++) {
+        double r = reputation_of(c, i);
+        printf("p%d: reputation %.2f\n", i, r);
+        assert_true(r >= 0.999);
+    }
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Once every stage of job id is ready, peer pI starts to cheat (the hook's file DIR/corrupt.pI). */
 static void corrupt_once_ready(const tu_cluster *c, const char *id, int i)
 {
@@ -730,6 +768,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_verify_input_chunks),
         cmocka_unit_test_teardown(test_verify_broker_refuses_bad_messages, tu_teardown),
         cmocka_unit_test_teardown(test_verify_honest_peers_agree, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_late_honest_peers_not_blamed, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, tu_teardown),
         cmocka_unit_test_teardown(test_verify_single_stage_cheater, tu_teardown),
