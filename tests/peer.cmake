@@ -32,7 +32,8 @@ set_tests_properties(test_peer_broker_failover test_peer_broker_leave test_peer_
 # peer through the broker) agree and keep the adapter; a dishonest middle stage is caught while the
 # stage after it is not blamed; a stage-0 peer that keeps honest copies of what it corrupts shows up as
 # input mismatches at stage 1; a single-stage job's cheater (its verified output: the loss) is caught
-# too. The three-stage cases run 6 peers: RUN_SERIAL.
+# too; honest peers that read their requests late (test-only hook) and no longer hold the output are
+# not blamed. The three-stage cases run 6 peers: RUN_SERIAL.
 fu_add_test(test_verify SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_verify.c LIBS fu_peer fu_broker fu_test_cluster
             TIMEOUT 240 ARGS "*sketch*" LABELS peer)
 add_test(NAME test_verify_input_chunks COMMAND test_verify "*input_chunks*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
@@ -45,10 +46,11 @@ add_test(NAME test_verify_middle_stage COMMAND test_verify "*middle_stage_cheate
 add_test(NAME test_verify_input_mismatch COMMAND test_verify "*input_mismatch*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_single_stage COMMAND test_verify "*single_stage_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 add_test(NAME test_verify_last_bit COMMAND test_verify "*last_bit_cheater*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+add_test(NAME test_verify_late COMMAND test_verify "*late_answers*" WORKING_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
 get_test_property(test_verify ENVIRONMENT FU_VERIFY_TEST_ENV)
 set_tests_properties(test_verify_input_chunks test_verify_bad_messages test_verify_honest test_verify_dishonest test_verify_third_opinion
                      test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch test_verify_single_stage
-                     test_verify_last_bit PROPERTIES TIMEOUT 240
+                     test_verify_last_bit test_verify_late PROPERTIES TIMEOUT 240
                      SKIP_RETURN_CODE 77
                      LABELS peer ENVIRONMENT "${FU_VERIFY_TEST_ENV}")
 set_tests_properties(test_verify_every_stage test_verify_middle_stage test_verify_input_mismatch PROPERTIES TIMEOUT 300

@@ -434,7 +434,7 @@ static void test_verify_honest_peers_agree(void **state)
  * StepDones) show the pipeline can have moved that far: every such sample is skipped, nobody is
  * blamed ("withheld"), nobody loses reputation, and the job finishes. Stage 0's answers wait for the
  * last stage's StepDone (another connection); the last stage's are judged at once. */
-static void test_verify_late_honest_peers_not_blamed(void **state)
+static void test_verify_late_answers_not_blamed(void **state)
 {
     (void)state;
     tu_opts o = tu_opts_two_stage(4, 2);
@@ -768,7 +768,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_verify_input_chunks),
         cmocka_unit_test_teardown(test_verify_broker_refuses_bad_messages, tu_teardown),
         cmocka_unit_test_teardown(test_verify_honest_peers_agree, tu_teardown),
-        cmocka_unit_test_teardown(test_verify_late_honest_peers_not_blamed, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_late_answers_not_blamed, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_is_caught, tu_teardown),
         cmocka_unit_test_teardown(test_verify_dishonest_peer_third_opinion, tu_teardown),
         cmocka_unit_test_teardown(test_verify_single_stage_cheater, tu_teardown),
