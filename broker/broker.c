@@ -192,6 +192,9 @@ static uint32_t role_needed(Fusion__MsgType t)
     case FUSION__MSG_TYPE__MSG_JOB_RESULT_REQ:
     case FUSION__MSG_TYPE__MSG_MODEL_UPLOAD:
     case FUSION__MSG_TYPE__MSG_MODEL_CHUNK:
+    case FUSION__MSG_TYPE__MSG_SESSION_OPEN:
+    case FUSION__MSG_TYPE__MSG_SESSION_STATUS_REQ:
+    case FUSION__MSG_TYPE__MSG_SESSION_CLOSE:
         return WIRE_ROLE_CLIENT;
     default:
         return 0;
@@ -296,6 +299,13 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
         break;
     case FUSION__MSG_TYPE__MSG_JOB_STATUS_REQ:
         broker_on_status(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_SESSION_OPEN:
+        broker_on_session_open(b, msg);
+        break;
+    case FUSION__MSG_TYPE__MSG_SESSION_STATUS_REQ:
+    case FUSION__MSG_TYPE__MSG_SESSION_CLOSE:
+        broker_on_session_status(b, msg, t == FUSION__MSG_TYPE__MSG_SESSION_CLOSE);
         break;
     case FUSION__MSG_TYPE__MSG_JOB_LIST_REQ:
         broker_on_list(b, msg);
@@ -656,6 +666,7 @@ static uint64_t timers(broker_t *b)
             if (!j->dead && j->phase == BJ_RECOVER_WAIT && now >= j->recover_at_ms)
                 broker_recover(b, j);
             broker_job_wake(b, j, true); /* long polls whose wait is over */
+            broker_serve_sweep(b, j);
         }
         b->next_sweep_ms = now + sweep_period(b);
     }

@@ -344,6 +344,8 @@ void broker_deadlines_sweep(broker_t *b)
                     break;
                 }
             }
+        } else if (j->phase == BJ_RUNNING && j->spec.sessions && !broker_serve_open_count(j)) {
+            continue; /* a serving job without sessions has nothing to do: no stall */
         } else if (j->phase == BJ_RUNNING && !pause_hold(b, j, now)) {
             uint64_t limit = broker_step_timeout_ms(b, j), idle = now - j->progress_ms;
             idle = idle > j->pause_held_ms ? idle - j->pause_held_ms : 0; /* time a pause held j is no stall */

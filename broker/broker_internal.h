@@ -192,6 +192,9 @@ typedef struct {
     uint64_t deadline_ms;
 } broker_waiter;
 
+/* A serving job's sessions (broker_serve.c). */
+typedef struct broker_serve broker_serve;
+
 /* A queued or running job. */
 typedef struct {
     char id[DB_JOB_ID_LEN + 1];        /* hex id */
@@ -224,6 +227,7 @@ typedef struct {
     int32_t *gen;                      /* generated tokens */
     size_t n_gen, cap_gen;
     char *output;                      /* decoded generated text (NUL-terminated) */
+    broker_serve *serve;               /* a serving job's sessions (spec.sessions > 0), NULL until one opens */
     broker_waiter waiters[BROKER_JOB_WAITERS]; /* status requests held until the output changes */
     uint32_t n_waiters;
     uint8_t *logits;                   /* infer with dump_logits: float32 logits of every prompt
@@ -455,6 +459,22 @@ void broker_peer_reputation_adjust(broker_t *b, broker_peer *p, double delta);
 bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
 /* Trusted, holding no work and not paused. */
 bool broker_peer_free(const broker_t *b, const broker_peer *p);
+
+/* ---- broker_serve.c: the sessions of serving jobs ---- */
+void broker_on_session_open(broker_t *b, const wire_msg_t *msg);
+/* SessionRef: a status (close false) or SessionClose (close true). */
+void broker_on_session_status(broker_t *b, const wire_msg_t *msg, bool close);
+/* A token of session t->session of serving job j from its last stage (checked: j's last stage). */
+void broker_serve_on_token(broker_t *b, broker_job *j, const wire_msg_t *msg, const Fusion__InferToken *t);
+/* j's stages started (StageStart sent): every open session is started on them again. */
+void broker_serve_started(broker_t *b, broker_job *j);
+/* j ended (done, failed, cancelled): its open sessions end with why. */
+void broker_serve_ended(broker_t *b, broker_job *j, const char *why);
+/* Answers the long polls whose wait is over and forgets sessions that ended a while ago. */
+void broker_serve_sweep(broker_t *b, broker_job *j);
+/* Sessions of j that are generating. */
+uint32_t broker_serve_open_count(const broker_job *j);
+void broker_serve_free(broker_serve **svp);
 
 /* ---- broker_job.c: the jobs and their state machine ---- */
 broker_job *broker_job_new(db_job_kind kind);

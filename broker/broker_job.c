@@ -70,6 +70,7 @@ void broker_job_free(broker_job **j_p)
     free(j->output);
     free(j->logits);
     fu_tokenizer_destroy(&j->tok);
+    broker_serve_free(&j->serve);
     free(j);
     *j_p = NULL;
 }
@@ -86,6 +87,7 @@ void broker_jobs_reap(broker_t *b)
             b->tot.v_skipped += j->v_skipped;
             broker_losses_ended(b->losses, j->id); /* its loss curve stays a while (/api) */
             broker_job_wake(b, j, false);          /* its held status requests: it ended */
+            broker_serve_ended(b, j, j->reason[0] ? j->reason : "the serving job ended");
             broker_job_free(&b->jobs[i]);
         }
         else
@@ -377,6 +379,9 @@ dag_partition_opts broker_job_popts(const broker_job *j)
         /* what the job's wire codecs make of a value (an int8 row's scale is left out) */
         o.act_wire_bytes = (double)kern_codec_bytes(j->spec.act_codec, 1, 1024) / 1024.0;
         o.grad_wire_bytes = (double)kern_codec_bytes(j->spec.grad_codec, 1, 1024) / 1024.0;
+    } else if (j->spec.sessions) { /* a serving job: the KV cache of every session at once */
+        uint64_t t = (uint64_t)j->spec.sessions * (j->spec.context ? j->spec.context : DAG_SPEC_CONTEXT);
+        o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;
     } else {
         uint64_t t = j->n_tokens + j->spec.max_tokens;
         o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;

@@ -198,6 +198,10 @@ static fu_err submit_prepare(broker_submit_task *t)
         n_ids = ds.n_train;
         ds.train = NULL;
         dag_dataset_free(&ds);
+    } else if (j->spec.sessions) { /* a serving job: its prompts come per session */
+        if (t->data_len)
+            return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID,
+                               "a serving job (\"sessions\") takes no prompt: open sessions in it (`fusion ask`)");
     } else if (fu_tokenizer_encode(j->tok, (const char *)t->data, t->data_len, &ids, &n_ids, &em) != FU_OK) {
         return submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID, "data: %s", fu_errmsg_text(&em, FU_EINVAL));
     }
@@ -209,7 +213,7 @@ static fu_err submit_prepare(broker_submit_task *t)
                              "data has %zu tokens: that makes %zu windows of %zu tokens, fewer than batch %u (send "
                              "more data, or use a shorter seq_len or a smaller batch)",
                              n_ids, n_win, win, j->spec.batch);
-    } else if (n_ids == 0) {
+    } else if (n_ids == 0 && !j->spec.sessions) {
         rc = submit_fail(t, FUSION__ERROR_CODE__ERR_INVALID,
                          "an inference job needs a prompt: JobSubmit.data or \"prompt_tokens\"");
     }

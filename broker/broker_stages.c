@@ -57,6 +57,7 @@ void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         if (sp && sp->live)
             (void)broker_send_peer(b, sp, FUSION__MSG_TYPE__MSG_STAGE_START, j->id64, &st.base);
     }
+    broker_serve_started(b, j);
 }
 
 /* A step of j took dt seconds: a stage whose work needs longer than that at BROKER_PACE_FACTOR x its
@@ -345,6 +346,13 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
                            "InferToken comes from the last stage of a running inference job only");
         return;
     }
+    if (j->spec.sessions || t->session) {
+        if (!j->spec.sessions)
+            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "InferToken: job %s has no sessions", j->id);
+        else
+            broker_serve_on_token(b, j, msg, t);
+        return;
+    }
     size_t vocab = dag_graph_dims(j->graph)->vocab_size;
     uint64_t expect = j->n_tokens + j->n_gen;
     if (t->token < 0 || (size_t)t->token >= vocab || t->position > expect) {
@@ -425,6 +433,13 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
  * job whose ring is closed can say so, once: from then on the tokens go through the broker. */
 static void on_ring_conflict(broker_t *b, broker_job *j, broker_peer *p, uint64_t pos)
 {
+    if (j->spec.sessions && j->n_stages >= 2 && !p->backup && p->stage == 0 &&
+        strcmp(j->stages[0].peer, p->key) == 0) { /* a serving job: its sessions start again without it */
+        broker_peer *last = broker_peer_find(b, j->stages[j->n_stages - 1].peer);
+        if (last)
+            stage_peer_fault(b, j, last, "it sent stage 0 another token than the one it reported", true);
+        return;
+    }
     if (j->kind != DB_JOB_INFER || j->no_ring || j->n_stages < 2 || p->backup || p->stage != 0 ||
         strcmp(j->stages[0].peer, p->key) != 0 || pos < j->n_tokens || pos >= j->n_tokens + j->n_gen)
         return;

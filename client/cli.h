@@ -46,6 +46,7 @@ int cli_result_main(int argc, char **argv); /* `fusion result`, cli_result.c */
 int cli_tokenize_main(int argc, char **argv); /* `fusion tokenize`, cli_tokenize.c */
 int cli_http_token_main(int argc, char **argv); /* `fusion http-token`, cli_http.c */
 int cli_serve_main(int argc, char **argv);      /* `fusion serve`, cli_serve.c */
+int cli_ask_main(int argc, char **argv);        /* `fusion ask`: a generation in a serving job, cli_ask.c */
 int cli_eval_main(int argc, char **argv);     /* `fusion eval` (= `fusion run eval`), cli_run.c */
 int cli_eval_pipeline_main(int argc, char **argv); /* `fusion eval --pipeline`: through the broker, cli_submit.c */
 

@@ -25,6 +25,7 @@ struct cli_conn {
     uint64_t sequence;  /* of our requests */
     char endpoint[256]; /* the broker, for messages */
     int last_code;      /* the last failure's Fusion__ErrorCode, or -1 when the broker gave none */
+    bool quiet;         /* failures are kept (cli_conn_last_error) but not printed */
     char last_err[512]; /* the last failure's sentence */
 };
 
@@ -260,10 +261,17 @@ static void conn_err(cli_conn_t *c, int code, const char *fmt, ...)
     vsnprintf(c->last_err, sizeof c->last_err, fmt, ap);
     va_end(ap);
     c->last_code = code;
+    if (c->quiet)
+        return;
     if (g_line_open)
         fputc('\n', stderr);
     g_line_open = false;
     fprintf(stderr, "%s: %s\n", c->prog, c->last_err);
+}
+
+void cli_conn_set_quiet(cli_conn_t *c, bool quiet)
+{
+    c->quiet = quiet;
 }
 
 const char *cli_conn_last_error(const cli_conn_t *c, int *code)

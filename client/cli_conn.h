@@ -71,6 +71,9 @@ FU_MUST_CHECK fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, 
  * the broker's Fusion__ErrorCode for it, or -1 when the failure was the connection's. */
 const char *cli_conn_last_error(const cli_conn_t *self, int *code);
 
+/* quiet true: failures on c are no longer printed, only kept (cli_conn_last_error); false again prints. */
+void cli_conn_set_quiet(cli_conn_t *self, bool quiet);
+
 /* Sends (hdr, body) without waiting: requests in flight are answered in order (cli_conn_recv each). */
 FU_MUST_CHECK fu_err cli_conn_send(cli_conn_t *self, const wire_hdr *hdr, const ProtobufCMessage *body, int *exit_code);
 

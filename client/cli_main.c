@@ -30,6 +30,8 @@ static const cli_subcommand subcommands[] = {
     {"wait", "follow a job until it ends, with a progress bar", cli_wait_main, "End to end: client CLI"},
     {"result", "download a finished job's adapter (PEFT format)", cli_result_main, "End to end: client CLI"},
     {"cancel", "cancel one of your jobs", cli_cancel_main, "End to end: client CLI"},
+    {"ask", "one generation in a serving job (submit infer --sessions N), its text streamed", cli_ask_main,
+     "Serving"},
     {"peers", "list the broker's peers: device, speed, memory, state, stage", cli_peers_main, "End to end: client CLI"},
     {"http-token", "the bearer token of your key for the broker's HTTP API (--http)", cli_http_token_main,
      "Operate and serve"},

@@ -182,15 +182,17 @@ static int submit_infer(int argc, char **argv)
         CLI_CONN_OPTS(&co),
     };
     fu_cmd cmd = {.prog = "fusion submit infer",
-                  .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS) [options]",
+                  .usage = "--model DIR (--prompt TEXT | --prompt-tokens IDS | --sessions N) [options]",
                   .summary = "Submits a generation job to the broker; with --wait the text streams back as "
-                             "the pipeline generates it."};
+                             "the pipeline generates it. With --sessions N it is a serving job instead: it "
+                             "holds up to N generations at once, opened with `fusion ask JOB`, and runs "
+                             "until cancelled."};
     int code;
-    if (dag_spec_cli_parse(&sc, DAG_JOB_INFER, 0, &cmd, opts, sizeof opts / sizeof opts[0], argc, argv,
-                           &code) != FU_OK)
+    if (dag_spec_cli_parse(&sc, DAG_JOB_INFER, DAG_SPEC_CLI_PIPELINE, &cmd, opts, sizeof opts / sizeof opts[0],
+                           argc, argv, &code) != FU_OK)
         return code;
-    if (!model || (!prompt == !sc.prompt_tokens)) {
-        fprintf(stderr, "%s: needs --model DIR and exactly one of --prompt and --prompt-tokens\n", cmd.prog);
+    if (!model) {
+        fprintf(stderr, "%s: needs --model DIR\n", cmd.prog);
         return FU_EXIT_USAGE;
     }
     uint64_t aid = 0;
@@ -199,6 +201,14 @@ static int submit_infer(int argc, char **argv)
     dag_spec spec;
     if (dag_spec_from_cmd(&sc, &cmd, DAG_JOB_INFER, model, &spec, &code) != FU_OK)
         return code;
+    if (spec.sessions ? prompt || sc.prompt_tokens || dump_logits : !prompt == !sc.prompt_tokens) {
+        fprintf(stderr, spec.sessions ? "%s: a serving job (--sessions) takes its prompts from `fusion ask`: no "
+                                        "--prompt, --prompt-tokens or --dump-logits\n"
+                                      : "%s: needs exactly one of --prompt and --prompt-tokens (or --sessions N)\n",
+                cmd.prog);
+        dag_spec_clear(&spec);
+        return FU_EXIT_USAGE;
+    }
     if (adapter_job)
         cli_job_id_format(aid, spec.adapter_job);
     spec.dump_logits = dump_logits;

@@ -60,6 +60,10 @@ static const field FIELDS[] = {
      "sampling temperature; 0 = greedy (default 0)"},
     {"top_k", "top-k", F_U32, OFF(top_k), 0, 1 << 22, 0, KI, "K", "sample among the K most likely tokens (default 0: all)"},
     {"top_p", "top-p", F_DBL, OFF(top_p), 0, 1, 1, KI, "P", "nucleus sampling threshold (default 1: off)"},
+    {"sessions", "sessions", F_U32, OFF(sessions), 0, DAG_SPEC_MAX_SESSIONS, 0, KI | PL, "S",
+     "a serving job of up to S generations at once, opened with `fusion ask` (default 0: one generation)"},
+    {"context", "context", F_U32, OFF(context), 0, DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS, 0, KI | PL, "N",
+     "serving job: positions of one session, prompt and generated (default 2048)"},
 };
 #define N_FIELDS (sizeof FIELDS / sizeof FIELDS[0])
 
@@ -191,6 +195,9 @@ fu_err dag_spec_check(const dag_spec *s, fu_errmsg *em)
         for (size_t i = 0; i < s->n_prompt_tokens; i++)
             if (s->prompt_tokens[i] < 0)
                 return fu_errmsg_set(em, FU_EINVAL, "spec: \"prompt_tokens\" must hold token ids (0 or more)");
+        if (s->sessions && (s->n_prompt_tokens || s->dump_logits))
+            return fu_errmsg_set(em, FU_EINVAL, "spec: a serving job (\"sessions\") takes its prompts per session "
+                                                "(SessionOpen): no \"prompt_tokens\" or \"dump_logits\"");
         if (s->n_stop > DAG_SPEC_MAX_STOP)
             return fu_errmsg_set(em, FU_EINVAL, "spec: \"stop\" holds at most %d strings", DAG_SPEC_MAX_STOP);
         for (size_t i = 0; i < s->n_stop; i++)
@@ -421,7 +428,9 @@ char *dag_spec_to_json(const dag_spec *s)
     for (size_t i = 0; i < N_FIELDS; i++) {
         const field *f = &FIELDS[i];
         double v = get(s, f);
-        if ((f->kinds & kb) && !(f->def < 0 && v == f->def))
+        /* a serving job's fields only when it is one: the canonical text of every other spec stays */
+        bool serve_only = f->off == OFF(sessions) || f->off == OFF(context);
+        if ((f->kinds & kb) && !(f->def < 0 && v == f->def) && !(serve_only && !s->sessions))
             cJSON_AddNumberToObject(o, f->key, v);
     }
     if (s->kind == DAG_JOB_FINETUNE) {

@@ -36,6 +36,8 @@ extern "C" {
 #define DAG_SPEC_MAX_ROWS    (1u << 20) /* batch x seq_len: most tokens of one step */
 #define DAG_SPEC_MAX_TOKENS  65536u     /* most tokens one inference job generates */
 #define DAG_SPEC_JOB_ID_LEN  16         /* "adapter_job": 16 hex characters */
+#define DAG_SPEC_MAX_SESSIONS 256      /* most sessions of a serving job (DAG_INFER_MAX_BATCH) */
+#define DAG_SPEC_CONTEXT      2048u    /* a serving job's positions per session unless "context" says */
 #define DAG_SPEC_MAX_STOP    4          /* "stop": strings that end a generation's text */
 #define DAG_SPEC_STOP_LEN    256        /* bytes of one stop string */
 #define DAG_SPEC_MAX_SEED    1125899906842624.0 /* 2^50: JSON numbers (doubles, printed with 15 digits) keep
@@ -90,6 +92,10 @@ typedef struct {
     bool dump_logits;                   /* keep the prompt's logits in the result */
     char stop[DAG_SPEC_MAX_STOP][DAG_SPEC_STOP_LEN + 1]; /* the text ends before the first of these */
     uint32_t n_stop;                    /* how many (default 0) */
+    uint32_t sessions;                  /* > 0: a serving job of up to this many generations at once, each
+                                           opened by SessionOpen (no prompt of its own); 0 (default): one */
+    uint32_t context;                   /* serving job: positions of one session, prompt and generated
+                                           (0: DAG_SPEC_CONTEXT) */
     int32_t *prompt_tokens;             /* the prompt as ids when given (owned), else NULL */
     size_t n_prompt_tokens;
 } dag_spec;

@@ -58,6 +58,7 @@ void stage_send_error(stage_t *s, Fusion__ErrorCode code, Fusion__MsgType about,
 
 static void stage_clear(stage_t *s)
 {
+    stage_serve_clear(s); /* its sessions before their executor */
     dag_exec_session_destroy(&s->sess);
     dag_train_stage_clear(&s->train);
     free(s->rx);
@@ -267,7 +268,8 @@ static void on_assign(stage_t *s, const Fusion__StageAssign *a, uint64_t gen)
     /* Inference: every stage reads the prompt's length from the tokens (it sizes the executor); a
      * prompt given in the spec is the tokens unless tokens were generated before a failover (the
      * tokens are then the prompt followed by those, and stage 0 runs them all again). */
-    bool need_tokens = stage_is_infer(s) ? !s->spec.prompt_tokens || a->resume_step > 0
+    bool need_tokens = stage_is_serve(s)  ? false /* its sessions bring their own (SessionStart) */
+                       : stage_is_infer(s) ? !s->spec.prompt_tokens || a->resume_step > 0
                                          : (stage_is_first(s) || stage_is_last(s));
     if (need_tokens)
         stage_add_fetch(s, jid, "tokens", FETCH_TOKENS, false);
@@ -368,7 +370,15 @@ static fu_err make_exec(stage_t *s, fu_errmsg *em)
 {
     dag_exec_opts o = {.be = s->cfg.be, .first = s->first, .last = s->last, .seed = s->spec.seed,
                        .yield = peer_guest_yield, .yield_arg = s->cfg.guest};
-    if (stage_is_infer(s)) {
+    if (stage_is_serve(s)) {
+        /* A serving job: each session's KV cache holds the job's context; one forward runs a prompt
+         * and a position of every other session. */
+        s->ctx_rows = s->spec.context ? s->spec.context : DAG_SPEC_CONTEXT;
+        o.max_tokens = (uint32_t)(s->ctx_rows + s->spec.sessions);
+        o.max_context = (uint32_t)s->ctx_rows;
+        o.n_slots = 1;
+        o.training = false;
+    } else if (stage_is_infer(s)) {
         /* Rows of one forward: the prompt (plus the tokens generated before a failover) at once. */
         uint64_t prompt = s->n_ids ? s->n_ids : s->spec.n_prompt_tokens;
         if (prompt == 0)
@@ -419,7 +429,7 @@ static void fetched_all(stage_t *s)
             memcpy(s->prompt, d, len);
         }
     }
-    if (stage_is_infer(s) && stage_is_first(s) && s->n_prompt == 0) {
+    if (stage_is_infer(s) && !stage_is_serve(s) && stage_is_first(s) && s->n_prompt == 0) {
         stage_send_error(s, FUSION__ERROR_CODE__ERR_INVALID, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN, "the prompt is empty");
         stage_end(s, "empty prompt");
         return;
@@ -469,7 +479,7 @@ static void fetched_all(stage_t *s)
             return;
         }
     }
-    if (stage_is_infer(s) && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
+    if (stage_is_infer(s) && !stage_is_serve(s) && (rc = dag_exec_session_new(s->x, &s->sess)) == FU_OK)
         rc = dag_infer_stage_init(&s->infer, s->x, s->g, s->sess, &s->spec, stage_is_first(s), stage_is_last(s),
                                   s->resume_step);
     if (!stage_is_infer(s) && rc == FU_OK)
@@ -532,6 +542,8 @@ static void on_start(stage_t *s, const Fusion__StageStart *st)
     if (!s->active || st->job_id != s->job_id || !s->loaded || s->backup)
         return;
     s->running = true;
+    if (stage_is_serve(s))
+        return; /* its sessions come with SessionStart */
     if (stage_is_infer(s)) {
         if (stage_is_first(s)) {
             /* After a failover the tokens blob is the prompt followed by the tokens generated so far;
@@ -588,7 +600,15 @@ static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
         break;
     }
     case FUSION__MSG_TYPE__MSG_INFER_TOKEN:
-        stage_on_infer_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
+        if (s->active && stage_is_serve(s))
+            stage_serve_on_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
+        else
+            stage_on_infer_token(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_INFER_TOKEN));
+        break;
+    case FUSION__MSG_TYPE__MSG_SESSION_START:
+    case FUSION__MSG_TYPE__MSG_SESSION_END:
+        if (s->active && stage_is_serve(s))
+            stage_serve_on_msg(s, m);
         break;
     case FUSION__MSG_TYPE__MSG_VERIFY_REQUEST:
         stage_on_verify_request(s, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST));
@@ -653,7 +673,9 @@ void *peer_compute_main(void *arg)
         fu_err rc = peer_cmd_recv(s->pipe, s->pending_fwd ? ZMQ_DONTWAIT : 0, &c);
         if (rc == FU_EAGAIN) {
             s->pending_fwd = false;
-            if (s->active && s->running && stage_is_infer(s))
+            if (s->active && s->running && stage_is_serve(s))
+                stage_serve_run(s);
+            else if (s->active && s->running && stage_is_infer(s))
                 stage_infer_next(s);
             else if (s->active && s->running)
                 stage_run_forwards(s);

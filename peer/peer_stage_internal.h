@@ -112,6 +112,12 @@ typedef struct {
     int32_t next_tok;
     uint64_t ring_taken;      /* stage 0: tokens taken from the ring before the broker's copy came */
 
+    /* a serving job (spec.sessions > 0; peer_serve.c) */
+    struct st_session *ss;    /* its sessions */
+    size_t n_ss, cap_ss;
+    uint64_t ctx_rows;        /* positions of one session (the job's context) */
+    size_t ss_widest;         /* the most sessions one forward ran so far (logged as it grows) */
+
     /* verification (docs/PIPELINE.md "Verification") */
     double verify;            /* StageAssign.verify: > 0 makes the stage keep its recent outputs and input hashes */
     float *kept[ST_VERIFY_KEEP][DAG_EXEC_MAX_SLOTS]; /* outputs as sent (activations; the last stage: the
@@ -169,6 +175,12 @@ static inline bool stage_is_eval(const stage_t *s)
     return s->spec.kind == DAG_JOB_EVAL;
 }
 
+/* A serving job: sessions opened and closed while it runs (peer_serve.c). */
+static inline bool stage_is_serve(const stage_t *s)
+{
+    return s->spec.kind == DAG_JOB_INFER && s->spec.sessions > 0;
+}
+
 static inline bool stage_is_first(const stage_t *s)
 {
     return s->stage_index == 0;
@@ -214,6 +226,20 @@ void stage_send_tensor(stage_t *s, Fusion__LinkRole role, Fusion__MsgType type, 
 void stage_on_tensor(stage_t *s, peer_cmd *c);
 /* Runs the held frames of the current step, in arrival order. */
 void stage_replay_deferred(stage_t *s);
+
+/* ---- peer_serve.c: a serving job's sessions ---------------------------------------------------- */
+
+typedef struct st_session st_session;
+/* SessionStart or SessionEnd from the broker. */
+void stage_serve_on_msg(stage_t *s, const wire_msg_t *m);
+/* Stage 0: a session's token from the broker. */
+void stage_serve_on_token(stage_t *s, const Fusion__InferToken *it);
+/* A frame of a session (Envelope.micro_batch) from a neighbour. */
+void stage_serve_on_tensor(stage_t *s, const wire_tensor *t);
+/* Runs every queued session input in one batched forward, and sends what it made. */
+void stage_serve_run(stage_t *s);
+/* Frees every session. */
+void stage_serve_clear(stage_t *s);
 
 /* ---- peer_infer.c: inference ------------------------------------------------------------------- */
 

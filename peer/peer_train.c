@@ -499,6 +499,11 @@ void stage_on_tensor(stage_t *s, peer_cmd *c)
         peer_cmd_destroy(&c);
         return;
     }
+    if (stage_is_serve(s)) {
+        stage_serve_on_tensor(s, t);
+        peer_cmd_destroy(&c);
+        return;
+    }
     if (stage_is_infer(s)) {
         stage_infer_on_tensor(s, t);
         peer_cmd_destroy(&c);

@@ -61,6 +61,12 @@ static const wire_type_info type_table[] = {
     T(MSG_MODEL_UPLOAD, &fusion__model_upload__descriptor, true), /* a manifest: 34 bytes a chunk */
     T(MSG_MODEL_CHUNK, &fusion__model_chunk__descriptor, true),   /* up to WIRE_UPLOAD_CHUNK bytes */
     T(MSG_UPLOAD_STATUS, &fusion__upload_status__descriptor, false),
+    T(MSG_SESSION_OPEN, &fusion__session_open__descriptor, true), /* a prompt of up to 64 Ki tokens */
+    T(MSG_SESSION_STATUS_REQ, &fusion__session_ref__descriptor, false),
+    T(MSG_SESSION_STATUS, &fusion__session_status__descriptor, false),
+    T(MSG_SESSION_CLOSE, &fusion__session_ref__descriptor, false),
+    T(MSG_SESSION_START, &fusion__session_start__descriptor, true), /* a session's tokens */
+    T(MSG_SESSION_END, &fusion__session_end__descriptor, false),
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

@@ -104,3 +104,7 @@ fu_e2e_case(test_e2e_serve test_e2e_serve_refuses_an_open_listener 60 serve)
 # `fusion wait`'s progress line on a pseudo-terminal (script(1)) of a given width.
 fu_e2e_exe(test_cli_progress)
 fu_e2e_case(test_cli_progress test_cli_progress_line_fits_the_terminal 200 client)
+
+# Serving jobs: sessions opened with `fusion ask` in one job, batched through its stages.
+fu_e2e_exe(test_e2e_sessions)
+fu_e2e_case(test_e2e_sessions test_e2e_sessions_concurrent_asks 300 serve)
