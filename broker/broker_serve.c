@@ -168,14 +168,16 @@ void broker_serve_started(broker_t *b, broker_job *j)
 {
     if (!j->serve)
         return;
-    size_t n = 0;
+    size_t n = 0, gen = 0;
     for (size_t i = 0; i < j->serve->n; i++)
         if (!j->serve->s[i].ended_ms) {
             send_start(b, j, &j->serve->s[i]);
             n++;
+            gen += j->serve->s[i].n_gen;
         }
     if (n)
-        FU_INFO(LOG, "job %s: %zu open sessions started again on the new stages", j->id, n);
+        FU_INFO(LOG, "job %s: %zu open sessions started again on the new stages (%zu tokens generated so far)", j->id,
+                n, gen);
 }
 
 void broker_serve_ended(broker_t *b, broker_job *j, const char *why)

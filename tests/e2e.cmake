@@ -108,3 +108,4 @@ fu_e2e_case(test_cli_progress test_cli_progress_line_fits_the_terminal 200 clien
 # Serving jobs: sessions opened with `fusion ask` in one job, batched through its stages.
 fu_e2e_exe(test_e2e_sessions)
 fu_e2e_case(test_e2e_sessions test_e2e_sessions_concurrent_asks 300 serve)
+fu_e2e_case(test_e2e_sessions test_e2e_sessions_failover 300 serve)

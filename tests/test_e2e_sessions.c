@@ -8,8 +8,10 @@
  *     batches of more than one session;
  *   - what cannot be served is refused with a message: a prompt over the context, a session on a job
  *     that is no serving job, a prompt given to a serving job; the job serves again after each;
- *   - cancelling the job ends it. */
+ *   - cancelling the job ends it;
+ *   - a stage's peer killed mid-generation: the sessions go on on the new stages, same texts. */
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -31,17 +33,13 @@
 static const char *const PROMPTS[] = {"the quick brown fox", "To be, or not to be", "Now is the winter"};
 #define N_PROMPTS 3
 #define N_FILE    6 /* prompts in the file: more than the job's 4 sessions */
+#define LONG_TOKENS 300  /* a generation long enough to be cut by a failover */
 
-/* Waits until job id runs (a serving job never ends by itself). */
+/* Waits until job id's stages run (a serving job never ends by itself). */
 static void wait_running(const tu_cluster *c, const char *id, int timeout_ms)
 {
-    uint64_t t0 = fu_clock_ms();
-    tu_status st;
-    while (fu_clock_ms() - t0 < (uint64_t)timeout_ms) {
-        if (tu_status_get(c, id, &st) && strcmp(st.state, "running") == 0)
-            return;
-        fu_sleep_ms(200);
-    }
+    if (tu_broker_wait_log(c, timeout_ms, "job %s: every stage is ready", id))
+        return;
     tu_file_show(tu_broker_log(c), 40);
     fail_msg("serving job %s is not running after %d ms", id, timeout_ms);
 }
@@ -194,10 +192,82 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* A stage's peer killed while two sessions generate: the broker moves the stage to the warm backup,
+ * starts both sessions again on the new stages with their tokens so far, and each ends with the text
+ * `fusion run infer --prompts --batch 1` gives, as if nothing had happened. */
+static void test_e2e_sessions_failover(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_two_stage(3, 1);
+    tu_cluster *c = tu_cluster_new("e2e-sessions-fo", &o);
+    tu_cluster_start(c);
+    char id[TU_ID_LEN];
+    tu_submit(c, id, "infer --model model --sessions 2 --context %d --max-tokens %d", LONG_TOKENS + 32, LONG_TOKENS);
+    wait_running(c, id, 60000);
+    char path[TU_PATH], log[TU_PATH], conf[TU_PATH + 32];
+    tu_path(c, path, "long.jsonl");
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f, "{\"prompt\": \"the river and the stone\"}\n{\"prompt\": \"over the lazy dog\"}\n");
+    fclose(f);
+    tu_path(c, log, "ask-long.out");
+    snprintf(conf, sizeof conf, "FUSION_CONFIG=%s/client.conf", tu_cluster_dir(c));
+    char *argv[] = {(char *)tu_bin("fusion"), "ask", id, "--prompts", path, NULL};
+    pid_t ask = tu_spawn(log, argv, conf);
+    assert_true(tu_broker_wait_log(c, 30000, "job %s session 2: opened", id));
+    fu_sleep_ms(300); /* a few dozen tokens each (300 take about two seconds here) */
+    int victim = tu_stage_peer(c, id, 1, 1000);
+    printf("killing p%d (stage 1 of the serving job) while its two sessions generate\n", victim);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    assert_int_equal(tu_reap(ask, 120000), 0);
+    /* the kill came while both generated, after their first tokens */
+    char *bl = tu_broker_log_text(c), needle[128];
+    snprintf(needle, sizeof needle, "job %s: 2 open sessions started again on the new stages (", id);
+    const char *at = strstr(bl, needle);
+    long before = at ? strtol(at + strlen(needle), NULL, 10) : -1;
+    printf("tokens generated before the failover: %ld of %d\n", before, 2 * LONG_TOKENS);
+    if (before <= 0 || before >= 2 * LONG_TOKENS)
+        tu_file_show(tu_broker_log(c), 30);
+    free(bl);
+    assert_true(before > 0 && before < 2 * LONG_TOKENS);
+    assert_true(tu_broker_logged(c, "job %s: stage 1 moved from", id));
+    char *got = tu_file_text(log), *want = NULL;
+    assert_int_equal(tu_fusion(c, &want, "run infer --threads 1 --model model --prompts long.jsonl --batch 1 "
+                               "--max-tokens %d 2>/dev/null", LONG_TOKENS), 0);
+    wire_utf8_clean(want, strlen(want)); /* as the broker's text is: bytes that are no UTF-8 become '?' */
+    /* each line's text is compared as parsed (both are cJSON's) */
+    char *gl = got, *wl = want;
+    for (int i = 0; i < 2; i++) {
+        char *ge = strchr(gl, '\n'), *we = strchr(wl, '\n');
+        assert_non_null(ge);
+        assert_non_null(we);
+        *ge = *we = '\0';
+        cJSON *g = cJSON_Parse(gl), *w = cJSON_Parse(wl);
+        assert_non_null(g);
+        assert_non_null(w);
+        const cJSON *gt = cJSON_GetObjectItemCaseSensitive(g, "text"), *wt = cJSON_GetObjectItemCaseSensitive(w, "text");
+        const cJSON *gn = cJSON_GetObjectItemCaseSensitive(g, "completion_tokens");
+        assert_true(cJSON_IsString(gt) && cJSON_IsString(wt) && cJSON_IsNumber(gn));
+        printf("session %d after the failover: %d tokens, %s\n", i, (int)gn->valuedouble,
+               strcmp(gt->valuestring, wt->valuestring) == 0 ? "fusion run infer's text" : "ANOTHER TEXT");
+        assert_int_equal((int)gn->valuedouble, LONG_TOKENS);
+        assert_string_equal(gt->valuestring, wt->valuestring);
+        cJSON_Delete(g);
+        cJSON_Delete(w);
+        gl = ge + 1;
+        wl = we + 1;
+    }
+    free(got);
+    free(want);
+    assert_int_equal(tu_fusion(c, NULL, "cancel %s", id), 0);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_sessions_concurrent_asks, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_sessions_failover, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
