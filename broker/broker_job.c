@@ -379,9 +379,11 @@ dag_partition_opts broker_job_popts(const broker_job *j)
         /* what the job's wire codecs make of a value (an int8 row's scale is left out) */
         o.act_wire_bytes = (double)kern_codec_bytes(j->spec.act_codec, 1, 1024) / 1024.0;
         o.grad_wire_bytes = (double)kern_codec_bytes(j->spec.grad_codec, 1, 1024) / 1024.0;
-    } else if (j->spec.sessions) { /* a serving job: the KV cache of every session at once */
-        uint64_t t = (uint64_t)j->spec.sessions * (j->spec.context ? j->spec.context : DAG_SPEC_CONTEXT);
-        o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;
+    } else if (j->spec.sessions) { /* a serving job: one forward of a prompt and a position of every other
+                                       session, and the KV cache of every session at once */
+        uint64_t ctx = j->spec.context ? j->spec.context : DAG_SPEC_CONTEXT;
+        o.tokens_per_micro = (uint32_t)(ctx + j->spec.sessions);
+        o.kv_positions = j->spec.sessions * ctx;
     } else {
         uint64_t t = j->n_tokens + j->spec.max_tokens;
         o.tokens_per_micro = t > (1u << 20) ? (1u << 20) : (uint32_t)t;

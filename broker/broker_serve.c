@@ -95,6 +95,8 @@ static void answer(broker_t *b, const broker_ret *r, const broker_job *j, const 
     st.prompt_tokens = (uint32_t)s->n_prompt;
     st.finish_reason = (char *)s->finish;
     st.reason = (char *)s->reason;
+    st.waiting = (char *)(!s->ended_ms && j->phase != BJ_RUNNING ? (j->reason[0] ? j->reason : "waiting for peers")
+                                                                 : "");
     (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_SESSION_STATUS, &st.base);
 }
 

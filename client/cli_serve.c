@@ -353,10 +353,11 @@ static int serve_key(serve_t *s, const char *file)
 
 int cli_serve_main(int argc, char **argv)
 {
-    serve_t s = {.prog = argv[0], .max_tokens = 1024, .timeout_s = 600, .queue_timeout_s = 60, .max_requests = 16};
+    serve_t s = {.prog = argv[0], .max_tokens = 1024, .timeout_s = 600, .queue_timeout_s = 60, .max_requests = 16,
+                 .sessions = 8};
     const char *model = NULL, *name = NULL, *listen = "127.0.0.1:8080", *key_file = NULL;
     bool upload = false, byte_tokens = false;
-    long long max_tokens = s.max_tokens, max_requests = s.max_requests;
+    long long max_tokens = s.max_tokens, max_requests = s.max_requests, sessions = s.sessions, context = 0;
     double timeout = s.timeout_s, queue_timeout = s.queue_timeout_s;
     const fu_opt opts[] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "the Hugging Face model directory (here: its tokenizer is used here)"},
@@ -372,6 +373,11 @@ int cli_serve_main(int argc, char **argv)
         {"queue-timeout", 0, FU_OPT_DOUBLE, &queue_timeout, "S",
          "a request whose job has not started by then (no peers free, or none with the memory) is cancelled and "
          "answered 503 with the broker's reason (60)"},
+        {"sessions", 0, FU_OPT_INT, &sessions, "N",
+         "requests share a serving job per model name holding N generations at once, batched through its stages "
+         "(8; 0: a job per request)"},
+        {"context", 0, FU_OPT_INT, &context, "N",
+         "positions of one request in a serving job, prompt and generated (default: 2048, or 2 x --max-tokens)"},
         {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL, "a model of more ids without tokenizer.json: bytes"},
         CLI_CONN_OPTS(&s.co),
     };
@@ -379,8 +385,10 @@ int cli_serve_main(int argc, char **argv)
         .prog = argv[0],
         .usage = "--model DIR [--listen 127.0.0.1:8080] [options]",
         .summary = "An OpenAI-compatible endpoint for the swarm: /v1/models, /v1/completions and "
-                   "/v1/chat/completions (stream or not) run as inference jobs on the broker with your keys. "
-                   "The model name NAME:JOB uses a finished fine-tune's adapter. Ctrl-C stops it.",
+                   "/v1/chat/completions (stream or not) run on the broker with your keys, as sessions of a "
+                   "serving job per model name (concurrent requests share its pipeline), or with --sessions 0 as "
+                   "a job each. The model name NAME:JOB uses a finished fine-tune's adapter. Ctrl-C stops it "
+                   "and cancels its serving jobs.",
         FU_OPTS_TABLE(opts),
     };
     int code = FU_EXIT_OK;
@@ -391,12 +399,16 @@ int cli_serve_main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     if (max_tokens < 1 || max_tokens > DAG_SPEC_MAX_TOKENS || max_requests < 1 || max_requests > 1024 ||
-        !(timeout > 0) || !(queue_timeout > 0)) {
+        !(timeout > 0) || !(queue_timeout > 0) || sessions < 0 || sessions > DAG_SPEC_MAX_SESSIONS || context < 0 ||
+        context > DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS || (context && context <= max_tokens)) {
         fprintf(stderr, "%s: --max-tokens is 1..%u, --max-requests 1..1024, --request-timeout and --queue-timeout "
-                "more than 0\n",
-                s.prog, DAG_SPEC_MAX_TOKENS);
+                "more than 0, --sessions 0..%u, --context more than --max-tokens and at most %u\n",
+                s.prog, DAG_SPEC_MAX_TOKENS, DAG_SPEC_MAX_SESSIONS, DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS);
         return FU_EXIT_USAGE;
     }
+    s.sessions = (uint32_t)sessions;
+    s.context = context ? (uint32_t)context
+                        : max_tokens * 2 > DAG_SPEC_CONTEXT ? (uint32_t)max_tokens * 2 : DAG_SPEC_CONTEXT;
     s.max_tokens = (uint32_t)max_tokens;
     s.max_requests = (unsigned)max_requests;
     s.timeout_s = timeout;
@@ -432,6 +444,7 @@ int cli_serve_main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     pthread_mutex_init(&s.mu, NULL);
+    pthread_mutex_init(&s.jobs_mu, NULL);
     s.started = (int64_t)time(NULL);
     struct MHD_Daemon *d = NULL;
     if ((code = serve_load_model(&s, model, byte_tokens)) != FU_EXIT_OK ||
@@ -480,9 +493,11 @@ int cli_serve_main(int argc, char **argv)
 out:
     if (d)
         MHD_stop_daemon(d); /* waits for the connections' threads; they see g_stop and cancel their jobs */
+    serve_jobs_cancel_all(&s);
     for (size_t i = 0; i < s.n_idle; i++)
         cli_conn_close(&s.idle[i]);
     fu_tokenizer_destroy(&s.tok);
     pthread_mutex_destroy(&s.mu);
+    pthread_mutex_destroy(&s.jobs_mu);
     return code;
 }

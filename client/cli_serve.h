@@ -20,6 +20,13 @@
 #include "fu_tokenizer.h"
 
 #define SERVE_POOL         16         /* idle broker connections kept */
+#define SERVE_JOBS_MAX     16         /* serving jobs one gateway holds (a model name each) */
+
+/* A serving job the gateway holds for one model name (cli_serve_jobs.c). */
+typedef struct {
+    char adapter[DAG_SPEC_JOB_ID_LEN + 1]; /* "" for the base model, else the fine-tune's job id */
+    uint64_t job;                          /* 0: none submitted (or it ended) */
+} serve_sjob;
 #define SERVE_KEY_MAX      256        /* bytes of the API key */
 
 typedef struct {
@@ -39,6 +46,11 @@ typedef struct {
     unsigned max_requests;
     char key[SERVE_KEY_MAX];             /* "": no API key asked */
     int64_t started;
+    uint32_t sessions;                   /* > 0: requests are sessions of a serving job per model name holding
+                                            this many; 0: a job per request */
+    uint32_t context;                    /* the serving jobs' positions per session */
+    pthread_mutex_t jobs_mu;             /* guards jobs */
+    serve_sjob jobs[SERVE_JOBS_MAX];
     pthread_mutex_t mu;                  /* guards idle, n_idle */
     cli_conn_t *idle[SERVE_POOL];
     size_t n_idle;
@@ -64,6 +76,15 @@ unsigned serve_status_of(int code, const char **type);
 /* The adapter job a model name asks for: "" for the model itself, the job's id for "NAME:JOB".
  * false for a name this gateway does not serve. */
 bool serve_model_adapter(const serve_t *s, const char *model, char adapter[DAG_SPEC_JOB_ID_LEN + 1]);
+
+/* The serving job for the model name's adapter ("" for the base model): the one held, or a new one
+ * submitted on c. 0 with *code set (the broker's Fusion__ErrorCode, -1: the connection's) and err
+ * saying why when it cannot be had. */
+uint64_t serve_job_for(serve_t *s, cli_conn_t *c, const char *adapter, int *code, char *err, size_t cap);
+/* Serving job `job` ended (cancelled by someone, failed): the next request submits another. */
+void serve_job_gone(serve_t *s, uint64_t job);
+/* Cancels every serving job held (the gateway stops). */
+void serve_jobs_cancel_all(serve_t *s);
 
 /* Whether the gateway is stopping (requests in flight then cancel their jobs). */
 bool serve_stopping(void);

@@ -29,7 +29,8 @@ typedef struct {
     serve_t *s;
     cli_conn_t *conn;
     cli_oai_req req;
-    uint64_t job;
+    uint64_t job;        /* the request's job, or with --sessions the serving job it is a session of */
+    uint32_t session;    /* with --sessions: its session in job (0: a job of its own) */
     bool submitted, over, conn_broken;
     char id[48];
     int64_t created;
@@ -122,10 +123,92 @@ static bool gen_prompt(gen_t *g, int32_t **ids, size_t *n)
     return true;
 }
 
+/* Opens g's session in the serving job of its model name (submitted by the first request that names
+ * it). A job holding all its sessions makes the request wait for one, up to the queue timeout; a job
+ * that ended is replaced. False with g's error set. */
+static bool gen_open(gen_t *g)
+{
+    serve_t *s = g->s;
+    char adapter[DAG_SPEC_JOB_ID_LEN + 1];
+    if (!serve_model_adapter(s, g->req.model, adapter)) {
+        gen_fail(g, MHD_HTTP_NOT_FOUND, "invalid_request_error", "model '%s' is not served here (GET /v1/models)",
+                 g->req.model);
+        return false;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (!gen_prompt(g, &ids, &n))
+        return false;
+    g->usage.prompt_tokens = n;
+    Fusion__SessionOpen o = FUSION__SESSION_OPEN__INIT;
+    o.prompt_tokens = ids;
+    o.n_prompt_tokens = n;
+    o.max_tokens = g->req.max_tokens;
+    o.temperature = g->req.temperature;
+    o.top_p = g->req.top_p;
+    o.top_k = g->req.top_k;
+    o.seed = g->req.has_seed ? g->req.seed : randombytes_uniform(1u << 31); /* as gen_submit */
+    o.stop = (char **)g->req.stop;
+    o.n_stop = g->req.n_stop;
+    bool ok = false;
+    for (int renewed = 0; !ok;) {
+        int bc = -1;
+        char err[512] = "";
+        uint64_t job = serve_job_for(s, g->conn, adapter, &bc, err, sizeof err);
+        if (!job) {
+            const char *type;
+            unsigned st = serve_status_of(bc, &type);
+            g->conn_broken = bc < 0;
+            gen_fail(g, st, type, "no serving job for '%s': %s", g->req.model, err);
+            break;
+        }
+        o.job_id = job;
+        wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_SESSION_OPEN, .job_id = job};
+        wire_msg_t *m = NULL;
+        int code;
+        cli_conn_set_quiet(g->conn, true);
+        fu_err rc = cli_conn_call(g->conn, &h, &o.base, FUSION__MSG_TYPE__MSG_SESSION_STATUS, &m, &code);
+        cli_conn_set_quiet(g->conn, false);
+        if (rc == FU_OK) {
+            g->job = job;
+            g->session = ((const Fusion__SessionStatus *)wire_msg_body(m))->session;
+            wire_msg_destroy(&m);
+            ok = true;
+            break;
+        }
+        (void)cli_conn_last_error(g->conn, &bc);
+        if (bc == FUSION__ERROR_CODE__ERR_NOT_FOUND && renewed++ < 2) {
+            serve_job_gone(s, job); /* it ended (cancelled elsewhere, failed): another one */
+            continue;
+        }
+        if (bc == FUSION__ERROR_CODE__ERR_BUSY && !serve_stopping() &&
+            fu_clock_sec() < g->started + s->queue_timeout_s) {
+            fu_sleep_ms(SERVE_POLL_MS); /* every session is taken: wait for one to end */
+            continue;
+        }
+        gen_fail_broker(g);
+        if (bc == FUSION__ERROR_CODE__ERR_BUSY) {
+            g->err_status = MHD_HTTP_SERVICE_UNAVAILABLE;
+            g->err_type = "api_error";
+        }
+        break;
+    }
+    free(ids);
+    if (!ok)
+        return false;
+    g->submitted = true;
+    char jid[17];
+    cli_job_id_format(g->job, jid);
+    snprintf(g->id, sizeof g->id, "%s%s-%u", g->req.chat ? "chatcmpl-" : "cmpl-", jid, g->session);
+    return true;
+}
+
 /* Submits g's job; false with g's error set. */
 static bool gen_submit(gen_t *g)
 {
     serve_t *s = g->s;
+    if (s->sessions)
+        return gen_open(g);
     dag_spec sp;
     dag_spec_init(&sp, DAG_JOB_INFER);
     snprintf(sp.model, sizeof sp.model, "%s", s->spec_model);
@@ -175,18 +258,109 @@ static bool gen_submit(gen_t *g)
     return true;
 }
 
-/* Cancels g's job unless it is over (the client went, a stop string came, the gateway stops). */
+/* One call about g's session: its status (a long poll: wait_ms, the text's length known) or close. */
+static fu_err session_call(gen_t *g, Fusion__MsgType type, uint32_t wait_ms, wire_msg_t **m)
+{
+    Fusion__SessionRef ref = FUSION__SESSION_REF__INIT;
+    ref.job_id = g->job;
+    ref.session = g->session;
+    ref.wait_ms = wait_ms;
+    ref.known_output_len = g->known;
+    wire_hdr h = {.type = type, .job_id = g->job};
+    int code;
+    return cli_conn_call(g->conn, &h, &ref.base, FUSION__MSG_TYPE__MSG_SESSION_STATUS, m, &code);
+}
+
+/* Cancels g's job (closes its session) unless it is over (the client went, a stop string came, the
+ * gateway stops). */
 static void gen_cancel(gen_t *g)
 {
     int code;
-    if (g->submitted && !g->over && g->conn && cli_job_cancel(g->conn, g->job, &code) != FU_OK)
-        g->conn_broken = true;
+    wire_msg_t *m = NULL;
+    if (g->submitted && !g->over && g->conn) {
+        fu_err rc = g->session ? session_call(g, FUSION__MSG_TYPE__MSG_SESSION_CLOSE, 0, &m)
+                               : cli_job_cancel(g->conn, g->job, &code);
+        if (rc != FU_OK)
+            g->conn_broken = true;
+        wire_msg_destroy(&m);
+    }
     g->over = true;
+}
+
+/* What g has so far: out (ol bytes), the broker's text; the text only grows (a shorter one: tokens
+ * the broker dropped; keep ours). */
+static void gen_text(gen_t *g, const char *out, size_t ol)
+{
+    g->known = ol;
+    if (ol >= g->len) {
+        free(g->text);
+        g->text = fu_strdup(out);
+        g->len = ol;
+    }
+}
+
+/* Where a session ended or not: done (finish as the broker says), failed, or on; then what may be
+ * passed on (cli_oai_release). */
+static void gen_release(gen_t *g, bool done, const char *finish)
+{
+    bool stopped;
+    size_t rel = cli_oai_release(g->text ? g->text : "", g->len, g->stops, g->n_stops, done, g->sent, &stopped);
+    if (stopped) {
+        g->finish = "stop";
+        if (done)
+            g->over = true;
+        else
+            gen_cancel(g); /* it would generate on past the stop string */
+    } else if (done) {
+        g->finish = finish;
+        g->over = true;
+    }
+    g->avail = rel;
+}
+
+/* One look at g's session (a long poll). */
+static void gen_poll_session(gen_t *g)
+{
+    wire_msg_t *m = NULL;
+    uint64_t asked = fu_clock_ms();
+    if (session_call(g, FUSION__MSG_TYPE__MSG_SESSION_STATUS_REQ, SERVE_LONG_POLL_MS, &m) != FU_OK) {
+        int bc;
+        (void)cli_conn_last_error(g->conn, &bc);
+        if (bc == FUSION__ERROR_CODE__ERR_NOT_FOUND)
+            serve_job_gone(g->s, g->job);
+        gen_fail_broker(g);
+        return;
+    }
+    const Fusion__SessionStatus *st = (const Fusion__SessionStatus *)wire_msg_body(m);
+    const char *out = st->output ? st->output : "";
+    size_t ol = strlen(out);
+    g->pause = ol == g->known && cli_job_poll_pause(asked, SERVE_LONG_POLL_MS);
+    gen_text(g, out, ol);
+    g->usage.completion_tokens = st->tokens;
+    g->queued = st->waiting && st->waiting[0];
+    if (g->queued)
+        snprintf(g->why, sizeof g->why, "%s", st->waiting);
+    if (st->state == FUSION__JOB_STATE__JOB_STATE_FAILED || st->state == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
+        gen_fail(g, MHD_HTTP_BAD_GATEWAY, "api_error", "session %u of serving job %016" PRIx64 " %s: %s", g->session,
+                 g->job, st->state == FUSION__JOB_STATE__JOB_STATE_FAILED ? "failed" : "was closed",
+                 st->reason && st->reason[0] ? st->reason : "no reason given");
+        g->submitted = false; /* nothing left to close */
+        wire_msg_destroy(&m);
+        return;
+    }
+    bool done = st->state == FUSION__JOB_STATE__JOB_STATE_DONE;
+    const char *finish = st->finish_reason && strcmp(st->finish_reason, "length") == 0 ? "length" : "stop";
+    wire_msg_destroy(&m);
+    gen_release(g, done, finish);
 }
 
 /* One look at the job: the text so far, and whether (and how) it ended. */
 static void gen_poll(gen_t *g)
 {
+    if (g->session) {
+        gen_poll_session(g);
+        return;
+    }
     wire_msg_t *m = NULL;
     int code;
     uint64_t asked = fu_clock_ms();
@@ -198,12 +372,7 @@ static void gen_poll(gen_t *g)
     const char *out = st->output ? st->output : "";
     size_t ol = strlen(out);
     g->pause = ol == g->known && cli_job_poll_pause(asked, SERVE_LONG_POLL_MS);
-    g->known = ol;
-    if (ol >= g->len) { /* the text only grows (a shorter one: tokens the broker dropped; keep ours) */
-        free(g->text);
-        g->text = fu_strdup(out);
-        g->len = ol;
-    }
+    gen_text(g, out, ol);
     g->usage.completion_tokens = st->step;
     g->queued = st->state == FUSION__JOB_STATE__JOB_STATE_QUEUED;
     if (g->queued)
@@ -217,19 +386,7 @@ static void gen_poll(gen_t *g)
     }
     uint64_t max = st->total_steps;
     wire_msg_destroy(&m);
-    bool stopped;
-    size_t rel = cli_oai_release(g->text ? g->text : "", g->len, g->stops, g->n_stops, done, g->sent, &stopped);
-    if (stopped) {
-        g->finish = "stop";
-        if (done)
-            g->over = true;
-        else
-            gen_cancel(g); /* it would generate on past the stop string */
-    } else if (done) {
-        g->finish = g->usage.completion_tokens >= max ? "length" : "stop";
-        g->over = true;
-    }
-    g->avail = rel;
+    gen_release(g, done, g->usage.completion_tokens >= max ? "length" : "stop");
 }
 
 /* Waits for the next look: SERVE_POLL_MS, shorter when the gateway is stopping. Ends g on its
@@ -244,11 +401,11 @@ static void gen_wait(gen_t *g)
     } else if (g->queued && fu_clock_sec() > g->started + g->s->queue_timeout_s) {
         gen_cancel(g);
         gen_fail(g, MHD_HTTP_SERVICE_UNAVAILABLE, "api_error",
-                 "the swarm did not start this request within %.0f s (the broker says: %s); its job was cancelled: "
+                 "the swarm did not start this request within %.0f s (the broker says: %s); it was cancelled: "
                  "try again later", g->s->queue_timeout_s, g->why);
     } else if (fu_clock_sec() > g->deadline) {
         gen_cancel(g);
-        gen_fail(g, MHD_HTTP_GATEWAY_TIMEOUT, "api_error", "no answer within %.0f s (the job was cancelled)",
+        gen_fail(g, MHD_HTTP_GATEWAY_TIMEOUT, "api_error", "no answer within %.0f s (the request was cancelled)",
                  g->s->timeout_s);
     }
 }

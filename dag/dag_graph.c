@@ -768,8 +768,14 @@ dag_cost dag_graph_cost(const dag_graph_t *g, size_t first, size_t last)
         c.flops_bwd += g->nodes[i].flops_bwd;
         c.param_bytes += g->nodes[i].param_bytes;
         c.act_bytes += g->nodes[i].act_bytes;
+        c.kv_bytes += dag_node_kv_bytes(&g->nodes[i]);
     }
     return c;
+}
+
+uint64_t dag_node_kv_bytes(const dag_node *n)
+{
+    return n->op == DAG_OP_ATTENTION ? 2ull * n->n_kv_heads * n->head_dim * sizeof(float) : 0;
 }
 
 uint64_t dag_graph_cut_width(const dag_graph_t *g, size_t at)

@@ -224,8 +224,12 @@ typedef struct {
     double flops_bwd;     /* per token */
     uint64_t param_bytes; /* resident parameters */
     uint64_t act_bytes;   /* saved for backward, per token */
+    uint64_t kv_bytes;    /* inference: the KV cache of one position (dag_node_kv_bytes) */
 } dag_cost;
 dag_cost dag_graph_cost(const dag_graph_t *self, size_t first, size_t last);
+/* The bytes one position of an inference session keeps for node n: an attention's keys and values
+ * (f32), 0 for any other node. */
+uint64_t dag_node_kv_bytes(const dag_node *n);
 
 /* Floats per token that cross the cut between [0, at) and [at, n): the widths of every node < at
  * read by a node ≥ at, each counted once. */

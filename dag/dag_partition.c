@@ -46,7 +46,7 @@ static uint64_t memory_of(const dag_cost *c, uint64_t wmax, uint64_t cut_in, uin
     uint64_t tokens = o->tokens_per_micro ? o->tokens_per_micro : 1;
     uint64_t m = o->training ? (o->micro_batches ? o->micro_batches : 1) : 0;
     return c->param_bytes + m * tokens * c->act_bytes + 4ull * tokens * (3 * wmax + 2 * (cut_in + cut_out)) +
-           DAG_STAGE_OVERHEAD_BYTES;
+           o->kv_positions * c->kv_bytes + DAG_STAGE_OVERHEAD_BYTES;
 }
 
 static uint64_t widest(const dag_graph_t *g, size_t first, size_t last)
@@ -286,6 +286,7 @@ static void ptab_build(ptab *t)
                 c.flops_bwd += nd->flops_bwd;
                 c.param_bytes += nd->param_bytes;
                 c.act_bytes += nd->act_bytes;
+                c.kv_bytes += dag_node_kv_bytes(nd);
                 if (nd->out_width > wmax)
                     wmax = nd->out_width;
             }

@@ -42,6 +42,8 @@ typedef struct {
     double act_wire_bytes;     /* bytes a value of the activations takes on the wire (the job's codec;
                                   0: 4, f32) */
     double grad_wire_bytes;    /* the same for the gradients sent back */
+    uint64_t kv_positions;     /* inference: positions of KV cache held besides one forward's buffers
+                                  (a serving job's sessions x context; 0: none counted apart) */
 } dag_partition_opts;
 
 /* One stage of a plan. */

@@ -109,3 +109,4 @@ fu_e2e_case(test_cli_progress test_cli_progress_line_fits_the_terminal 200 clien
 fu_e2e_exe(test_e2e_sessions)
 fu_e2e_case(test_e2e_sessions test_e2e_sessions_concurrent_asks 300 serve)
 fu_e2e_case(test_e2e_sessions test_e2e_sessions_failover 300 serve)
+fu_e2e_case(test_e2e_serve test_e2e_serve_sessions_share_one_job 300 serve)

@@ -49,8 +49,9 @@ static const char *src_dir(void)
     return s && *s ? s : "..";
 }
 
-/* Starts `fusion serve` for the cluster's model with extra arguments; waits for its URL. */
-static void gateway_start(gateway *g, tu_cluster *c)
+/* Starts `fusion serve` for the cluster's model with the arguments extra (NULL-terminated, at most 8;
+ * NULL: none); waits for its URL. */
+static void gateway_start(gateway *g, tu_cluster *c, const char *const *extra)
 {
     g->c = c;
     tu_path(c, g->log, "serve.log");
@@ -62,7 +63,13 @@ static void gateway_start(gateway *g, tu_cluster *c)
     tu_path(c, keys, "client");
     char *argv[] = {(char *)tu_bin("fusion"), "serve", "--model", model, "--listen", "127.0.0.1:0", "--api-key-file",
                     key_file, "--broker", (char *)tu_broker_endpoint(c), "--broker-key", bkey, "--keys", keys,
-                    "--max-tokens", "2000", "--queue-timeout", "8", NULL};
+                    "--max-tokens", "2000", "--queue-timeout", "8", NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                    NULL};
+    size_t at = 0;
+    while (argv[at])
+        at++;
+    for (size_t i = 0; extra && extra[i] && i < 8; i++)
+        argv[at++] = (char *)extra[i];
     g->pid = tu_spawn(g->log, argv, "FUSION_CONFIG=");
     if (!tu_file_wait(g->log, "http://127.0.0.1:", 30000)) {
         tu_file_show(g->log, 40);
@@ -248,7 +255,8 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     tu_file_write_private(cfg, CHATML);
     tu_cluster_start(c);
     gateway g;
-    gateway_start(&g, c);
+    const char *const per_job[] = {"--sessions", "0", NULL}; /* a job per request: what this test follows */
+    gateway_start(&g, c, per_job);
 
     /* the key is needed; the models are listed */
     tu_sh_expect(0, "invalid_api_key", "curl -s '%s/models'", g.url);
@@ -428,6 +436,82 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* With --sessions (the default) concurrent requests are sessions of one serving job: three at once
+ * each get `fusion run infer`'s text, all in the one job the gateway submitted for its model, and
+ * stopping the gateway cancels that job. */
+static void test_e2e_serve_sessions_share_one_job(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    tu_cluster *c = tu_cluster_new("e2e-serve-sessions", &o);
+    tu_cluster_start(c);
+    gateway g;
+    const char *const serving[] = {"--sessions", "4", "--context", "160", "--max-tokens", "64", NULL};
+    gateway_start(&g, c, serving);
+    static const char *const prompts[] = {"Once upon a time", "To be, or not to be", "Now is the winter"};
+    char cmd[4096];
+    size_t n = (size_t)snprintf(cmd, sizeof cmd, "cd '%s' && { ", tu_cluster_dir(c));
+    for (int i = 0; i < 3; i++) {
+        char body[TU_PATH];
+        tu_path(c, body, "req%d.json", i);
+        char req[256];
+        snprintf(req, sizeof req, "{\"model\": \"model\", \"prompt\": \"%s\", \"max_tokens\": 48, "
+                                  "\"temperature\": 0}", prompts[i]);
+        tu_file_write_private(body, req);
+        n += (size_t)snprintf(cmd + n, sizeof cmd - n, "curl -sS --max-time 120 -H 'Authorization: Bearer " KEY "' "
+                              "-H 'Content-Type: application/json' --data-binary @req%d.json '%s/completions' "
+                              "> resp%d.json & p%d=$!; ", i, g.url, i, i);
+    }
+    snprintf(cmd + n, sizeof cmd - n, "wait $p0 && wait $p1 && wait $p2; }");
+    char *out = NULL;
+    assert_int_equal(tu_sh(&out, "%s", cmd), 0);
+    free(out);
+    char job[17] = "";
+    for (int i = 0; i < 3; i++) {
+        char path[TU_PATH];
+        tu_path(c, path, "resp%d.json", i);
+        char *text = tu_file_text(path);
+        cJSON *r = cJSON_Parse(text);
+        if (!cJSON_IsObject(r))
+            fail_msg("request %d: not JSON: %s", i, text ? text : "");
+        const char *id = str_at(r, "id", NULL, NULL), *got = str_at(r, "choices", "text", NULL);
+        char *want = tu_sh_expect_out(0, NULL, "cd '%s' && FUSION_CONFIG= %s run infer --model model --prompt '%s' "
+                                      "--max-tokens 48 2>/dev/null", tu_cluster_dir(c), tu_bin("fusion"), prompts[i]);
+        want[strcspn(want, "\n")] = '\0';
+        utf8_clean(want);
+        printf("request %d (%s): %s\n", i, id, strcmp(got, want) == 0 ? "fusion run infer's text" : "ANOTHER TEXT");
+        assert_true(strncmp(id, "cmpl-", 5) == 0 && strlen(id) > 5 + 16 && id[5 + 16] == '-');
+        if (!job[0])
+            memcpy(job, id + 5, 16);
+        assert_memory_equal(job, id + 5, 16); /* one serving job for all three */
+        assert_string_equal(got, want);
+        assert_int_equal((int)num_at(r, "usage", "completion_tokens"), 48);
+        free(want);
+        cJSON_Delete(r);
+        free(text);
+    }
+    /* the gateway submitted that one job, and no other */
+    char *log = tu_file_text(g.log), needle[96];
+    size_t jobs = 0;
+    for (const char *q = log; (q = strstr(q, ": serving job ")) != NULL; q++)
+        jobs += strstr(q, " sessions of ") != NULL;
+    snprintf(needle, sizeof needle, ": serving job %s for model: 4 sessions of 160 positions", job);
+    printf("serving jobs the gateway submitted: %zu (%s)\n", jobs, strstr(log, needle) ? job : "not the one answering");
+    assert_non_null(strstr(log, needle));
+    assert_int_equal(jobs, 1);
+    free(log);
+    char st[32];
+    job_state(c, job, st, sizeof st);
+    assert_string_equal(st, "running");
+    /* SIGTERM stops the gateway and cancels its serving job */
+    kill(g.pid, SIGTERM);
+    assert_int_equal(tu_reap(g.pid, 15000), 0);
+    job_state(c, job, st, sizeof st);
+    printf("serving job %s after the gateway stopped: %s\n", job, st);
+    assert_string_equal(st, "cancelled");
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Listening where other machines reach it needs an API key; a model that is not here is said. */
 static void test_e2e_serve_refuses_an_open_listener(void **state)
 {
@@ -449,6 +533,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_serve_openai_client_through_three_peers, tu_teardown),
         cmocka_unit_test(test_e2e_serve_refuses_an_open_listener),
+        cmocka_unit_test_teardown(test_e2e_serve_sessions_share_one_job, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
