@@ -642,6 +642,7 @@ typedef struct {
     db_job_kind kind;
     char owner[DB_KEY_LEN + 1];
     char *idem;                        /* idempotency key or NULL */
+    bool check_only;                   /* JobSubmit.check_only: answer the model's id, store nothing */
     char *spec_json;                   /* as submitted */
     size_t spec_len;
     uint8_t *data;                     /* JobSubmit.data (freed once tokenized) */

@@ -148,6 +148,7 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     st->output = (char *)"";
     st->tokens_per_s = dj->tokens_per_s;
     st->micro_batches = dj->micro_batches;
+    st->model_id = (char *)dj->model_id;
     if (j) {
         if (j->kind != DB_JOB_INFER)
             st->micro_batches = j->spec.micro_batches;
@@ -381,6 +382,17 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
     }
     if (!t->job) {
         broker_answer_error(b, r, t->code, "%s", t->em.msg);
+        return;
+    }
+    if (t->check_only) { /* the job would be taken: say its model's content id, store nothing */
+        Fusion__JobStatus st = FUSION__JOB_STATUS__INIT;
+        st.kind = t->kind == DB_JOB_FINETUNE ? FUSION__JOB_KIND__JOB_KIND_FINETUNE
+                  : t->kind == DB_JOB_EVAL   ? FUSION__JOB_KIND__JOB_KIND_EVAL
+                                             : FUSION__JOB_KIND__JOB_KIND_INFER;
+        st.model_id = t->job->model->id;
+        remember_model(b, t->job->model); /* its hashes, for the jobs that follow (and a restart) */
+        (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_JOB_STATUS, &st.base);
+        broker_job_free(&t->job);
         return;
     }
     char id[DB_JOB_ID_LEN + 1];

@@ -268,6 +268,7 @@ broker_submit_task *broker_submit_task_new(broker_models *models, const wire_msg
     t->kind = kind;
     snprintf(t->owner, sizeof t->owner, "%s", wire_msg_user_id(msg));
     t->idem = js->idempotency_key && js->idempotency_key[0] ? fu_strdup(js->idempotency_key) : NULL;
+    t->check_only = js->check_only;
     t->spec_len = js->spec_json ? strlen(js->spec_json) : 0;
     t->spec_json = fu_strdup(js->spec_json ? js->spec_json : "");
     t->data_len = js->data.len;

@@ -123,7 +123,8 @@ static cJSON *model_obj(const char *id, int64_t created)
 }
 
 /* GET /v1/models (want NULL) or /v1/models/ID: the model, and the model with each finished fine-tune
- * of this key's as "NAME:JOB". */
+ * of this key's of the same model (the same content id: an adapter fits only the weights it was
+ * trained on, and the broker refuses any other) as "NAME:JOB". */
 static enum MHD_Result get_models(serve_t *s, struct MHD_Connection *mc, const char *want)
 {
     cli_conn_t *c = serve_conn_get(s);
@@ -152,6 +153,8 @@ static enum MHD_Result get_models(serve_t *s, struct MHD_Connection *mc, const c
         const Fusion__JobStatus *j = l->jobs[i];
         if (j->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE || j->state != FUSION__JOB_STATE__JOB_STATE_DONE)
             continue;
+        if (s->model_id[0] && strcmp(j->model_id ? j->model_id : "", s->model_id) != 0)
+            continue; /* a fine-tune of another model (or of one the broker did not pin) */
         char id[CLI_OAI_MAX_MODEL + 20], jid[17];
         cli_job_id_format(j->job_id, jid);
         snprintf(id, sizeof id, "%s:%s", s->name, jid);
@@ -323,6 +326,55 @@ static int serve_broker_model(serve_t *s, const char *dir, bool upload)
     return FU_EXIT_OK;
 }
 
+/* Is the broker there, does it take this key, and which content id has the model? A check-only
+ * submission of a one-token generation: the broker opens the model as it would for a job (hashing it
+ * once; the jobs that follow find it hashed), answers its id and stores nothing. A broker from before
+ * check_only would store the job: it is cancelled at once, and every fine-tune is listed, as then. */
+static int serve_model_id(serve_t *s)
+{
+    dag_spec sp;
+    dag_spec_init(&sp, DAG_JOB_INFER);
+    snprintf(sp.model, sizeof sp.model, "%s", s->spec_model);
+    int32_t tok = 0;
+    sp.prompt_tokens = &tok;
+    sp.n_prompt_tokens = 1;
+    sp.max_tokens = 1;
+    char *spec = dag_spec_to_json(&sp);
+    sp.prompt_tokens = NULL; /* ours, not the spec's */
+    sp.n_prompt_tokens = 0;
+    dag_spec_clear(&sp);
+    Fusion__JobSubmit sub = FUSION__JOB_SUBMIT__INIT;
+    sub.kind = FUSION__JOB_KIND__JOB_KIND_INFER;
+    sub.spec_json = spec;
+    sub.check_only = true;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_SUBMIT};
+    wire_msg_t *m = NULL;
+    int code = 0;
+    cli_conn_t *c = serve_conn_get(s);
+    fu_err rc = c ? FU_ETIMEDOUT : FU_EIO;
+    for (int t = 0; t < CLI_SUBMIT_TRIES && rc == FU_ETIMEDOUT; t++) /* the first open hashes the model */
+        rc = cli_conn_call(c, &h, &sub.base, FUSION__MSG_TYPE__MSG_JOB_STATUS, &m, &code);
+    free(spec);
+    if (rc != FU_OK) {
+        serve_conn_put(s, c, true);
+        return code ? code : FU_EXIT_FAIL;
+    }
+    const Fusion__JobStatus *st = (const Fusion__JobStatus *)wire_msg_body(m);
+    if (st->job_id) { /* an older broker stored it */
+        int cc;
+        if (cli_job_cancel(c, st->job_id, &cc) != FU_OK)
+            fprintf(stderr, "%s: the broker stored the model check as a job; cancel it with `fusion cancel`\n",
+                    s->prog);
+    }
+    snprintf(s->model_id, sizeof s->model_id, "%s", st->job_id == 0 && st->model_id ? st->model_id : "");
+    wire_msg_destroy(&m);
+    serve_conn_put(s, c, false);
+    if (!s->model_id[0])
+        fprintf(stderr, "%s: the broker does not say the model's content id: GET /v1/models lists the fine-tunes "
+                "of every model\n", s->prog);
+    return FU_EXIT_OK;
+}
+
 /* The API key from --api-key-file or $FUSION_SERVE_API_KEY ("" when neither). */
 static int serve_key(serve_t *s, const char *file)
 {
@@ -450,18 +502,8 @@ int cli_serve_main(int argc, char **argv)
     if ((code = serve_load_model(&s, model, byte_tokens)) != FU_EXIT_OK ||
         (code = serve_broker_model(&s, model, upload)) != FU_EXIT_OK)
         goto out;
-    /* is the broker there, and does it take this key? (a model list is one small request) */
-    cli_conn_t *probe = serve_conn_get(&s);
-    Fusion__JobListRequest q = FUSION__JOB_LIST_REQUEST__INIT;
-    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_JOB_LIST_REQ};
-    wire_msg_t *m = NULL;
-    if (!probe || cli_conn_call(probe, &h, &q.base, FUSION__MSG_TYPE__MSG_JOB_LIST, &m, &code) != FU_OK) {
-        serve_conn_put(&s, probe, true);
-        code = code ? code : FU_EXIT_FAIL;
+    if ((code = serve_model_id(&s)) != FU_EXIT_OK)
         goto out;
-    }
-    wire_msg_destroy(&m);
-    serve_conn_put(&s, probe, false);
 
     sigset_t stop_set; /* blocked in every thread (libmicrohttpd's inherit it); this one waits for them */
     sigemptyset(&stop_set);
@@ -483,8 +525,9 @@ int cli_serve_main(int argc, char **argv)
     inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
     printf("http://%s:%u/v1\n", ip, (unsigned)pi->port);
     fflush(stdout);
-    fprintf(stderr, "%s: serving %s (%s, chat format %s%s) at http://%s:%u/v1; Ctrl-C stops\n", s.prog, s.name,
-            s.spec_model, dag_chat_format_name(s.chat), s.key[0] ? ", API key required" : "", ip, (unsigned)pi->port);
+    fprintf(stderr, "%s: serving %s (%s, %.18s..., chat format %s%s) at http://%s:%u/v1; Ctrl-C stops\n", s.prog,
+            s.name, s.spec_model, s.model_id[0] ? s.model_id : "content id unknown", dag_chat_format_name(s.chat),
+            s.key[0] ? ", API key required" : "", ip, (unsigned)pi->port);
     int sig = 0;
     sigwait(&stop_set, &sig);
     atomic_store(&g_stop, 1);

@@ -33,6 +33,8 @@ typedef struct {
     const char *prog;
     cli_conn_opts co;
     char spec_model[DAG_SPEC_MODEL_MAX]; /* the model as the broker names it */
+    char model_id[80];                   /* its content id ("m:" + hex) as the broker computed it; "" when the
+                                            broker did not say (one from before JobStatus.model_id) */
     char name[CLI_OAI_MAX_MODEL];        /* the model as clients name it */
     fu_modelcfg cfg;
     fu_tokenizer *tok;

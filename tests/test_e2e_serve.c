@@ -7,6 +7,8 @@
  *     string cuts the text before it; a client that hangs up cancels its job; bad requests get
  *     OpenAI's error shapes; the API key is needed;
  *   - "NAME:JOB" serves a finished fine-tune's adapter, as `fusion submit infer --adapter-job` does;
+ *     /v1/models lists the fine-tunes of the gateway's model only, not those of another model (the
+ *     same shapes, other weights) that the broker also serves;
  *   - the gateway refuses to listen beyond loopback without a key, and stops on SIGTERM.
  * The model is the e2e model (bytes as tokens) with a ChatML chat_template in its
  * tokenizer_config.json; the real tokenizers' chat prompts are held to transformers.js in
@@ -253,6 +255,13 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     char cfg[TU_PATH];
     tu_path(c, cfg, "model/tokenizer_config.json");
     tu_file_write_private(cfg, CHATML);
+    /* another base model beside it: the same shapes, other weights (so another content id) */
+    char *mi = NULL;
+    int mrc = tu_sh(&mi, "cd '%s' && '%s' model init -o model2 --layers 6 --hidden 256 --heads 4 --kv-heads 2 "
+                    "--ffn 512 --vocab 256 --seed 4", tu_cluster_dir(c), tu_bin("fusion"));
+    if (mrc != 0)
+        fail_msg("fusion model init model2: exit %d: %s", mrc, mi ? mi : "");
+    free(mi);
     tu_cluster_start(c);
     gateway g;
     const char *const per_job[] = {"--sessions", "0", NULL}; /* a job per request: what this test follows */
@@ -405,17 +414,29 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
     tu_sh_expect(0, "\"413\"", "head -c 5000000 /dev/zero | tr '\\0' ' ' | curl -s -o /dev/null -w '\"%%{http_code}\"' "
                  "-H 'Authorization: Bearer " KEY "' --data-binary @- '%s/completions'", g.url);
 
-    /* a finished fine-tune's adapter, by its model name */
-    char ft[TU_ID_LEN];
+    /* a finished fine-tune's adapter, by its model name; a fine-tune of another model is not listed */
+    char ft[TU_ID_LEN], ft2[TU_ID_LEN];
     tu_submit_finetune(c, ft, "model", "%s --steps 4 --checkpoint-every 2", TU_TRAIN_ARGS);
+    tu_submit_finetune(c, ft2, "model2", "%s --steps 4 --checkpoint-every 2", TU_TRAIN_ARGS);
     tu_wait_done(c, ft, 300);
+    tu_wait_done(c, ft2, 300);
     models = curl_json(&g, "/models", NULL);
-    char name[64];
+    char name[64], name2[64];
     snprintf(name, sizeof name, "model:%s", ft);
+    snprintf(name2, sizeof name2, "model:%s", ft2);
     char *listed = cJSON_PrintUnformatted(models);
+    printf("GET /v1/models: %s (fine-tune of model %s, of model2 %s)\n", listed, ft, ft2);
     assert_non_null(strstr(listed, name));
+    assert_null(strstr(listed, name2));
     free(listed);
     cJSON_Delete(models);
+    tu_sh_expect(0, "\"404\"", "curl -s -o /dev/null -w '\"%%{http_code}\"' -H 'Authorization: Bearer " KEY "' "
+                 "'%s/models/%s'", g.url, name2);
+    char path[96];
+    snprintf(path, sizeof path, "/models/%s", name);
+    cJSON *one = curl_json(&g, path, NULL);
+    assert_string_equal(str_at(one, "id", NULL, NULL), name);
+    cJSON_Delete(one);
     snprintf(req, sizeof req, "{\"model\": \"%s\", \"prompt\": \"Once upon a time\", \"max_tokens\": 8, "
                               "\"temperature\": 0}", name);
     cJSON *ad = curl_json(&g, "/completions", req);
