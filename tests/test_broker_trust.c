@@ -14,7 +14,8 @@
  * - a peer's claimed speed is capped by its profile challenge; a forged answer or none gets no work;
  * - a stage that reports steps faster than its verified speed allows is flagged;
  * - a stage's peer that withholds its output from verification pays as if it had lied; one whose
- *   pipeline can have moved past the sampled step, by the broker's records, is not blamed;
+ *   pipeline can have moved past the sampled step, by the broker's records, is not blamed (a stage
+ *   before the last gets a short wait for the last stage's StepDone, no more);
  * - a stage's peer that cannot load because the broker lost the checkpoint its assignment named keeps
  *   its reputation;
  * - a burst of submissions (each hashing its own 175 MB model) leaves heartbeats answered at once;
@@ -728,15 +729,15 @@ static void say_unavailable(tu_client *cl, uint64_t id, uint64_t step, uint64_t 
     assert_int_equal(tu_client_send(cl, FUSION__MSG_TYPE__MSG_VERIFY_SKETCH, id, &vs.base), FU_OK);
 }
 
-/* Collects the VerifyRequests for steps 0..n-1 (their seeds) that cl gets within timeout_ms. */
-static bool verify_requests(tu_client *cl, uint64_t n, uint64_t seeds[], int timeout_ms)
+/* Collects the VerifyRequests for steps from..n-1 (their seeds, by step) that cl gets within timeout_ms. */
+static bool verify_requests(tu_client *cl, uint64_t from, uint64_t n, uint64_t seeds[], int timeout_ms)
 {
     bool have[8] = {false};
-    uint64_t left = n, end = fu_clock_ms() + (uint64_t)timeout_ms;
+    uint64_t left = n - from, end = fu_clock_ms() + (uint64_t)timeout_ms;
     while (left > 0 && fu_clock_ms() < end) {
         wire_msg_t *q = tu_client_recv(cl, 200);
         const Fusion__VerifyRequest *vr = q ? wire_msg_body_as(q, FUSION__MSG_TYPE__MSG_VERIFY_REQUEST) : NULL;
-        if (vr && vr->step < n && vr->step < 8 && !have[vr->step]) {
+        if (vr && vr->step >= from && vr->step < n && vr->step < 8 && !have[vr->step]) {
             have[vr->step] = true;
             seeds[vr->step] = vr->seed;
             left--;
@@ -757,7 +758,7 @@ static void test_trust_withheld_output_costs_like_a_lie(void **state)
     uint64_t id = verified_pair(f, 4, pc, &primary, &dodger);
     step_done(primary, id, 0);
     uint64_t seed[1];
-    assert_true(verify_requests(primary, 1, seed, 5000));
+    assert_true(verify_requests(primary, 0, 1, seed, 5000));
     say_unavailable(primary, id, 0, seed[0]);
     assert_true(tu_broker_wait_log(f->c, 5000, "WITHHELD"));
     double rep = tu_client_reputation(&f->cl, dodger);
@@ -782,7 +783,7 @@ static void test_trust_evicted_output_is_skipped(void **state)
     for (uint64_t s = 0; s < 3; s++)
         step_done(primary, id, s);
     uint64_t seeds[3];
-    assert_true(verify_requests(primary, 3, seeds, 10000));
+    assert_true(verify_requests(primary, 0, 3, seeds, 10000));
     say_unavailable(primary, id, 0, seeds[0]);
     assert_true(tu_broker_wait_log(f->c, 5000, "step 0 mb 0: sample skipped: peer"));
     assert_true(tu_broker_logged(f->c, "the pipeline can have moved on (the last stage reported step 2 done"));
@@ -797,6 +798,96 @@ static void test_trust_evicted_output_is_skipped(void **state)
     assert_true(rep > 0.65 && rep < 0.75);
     tu_client_close(&pc[0]);
     tu_client_close(&pc[1]);
+}
+
+/* A two-stage job of three wire peers (the stage peers and a warm backup of stage 0, its verifier):
+ * stage 0's peer answers "no longer held" at once about step 0 while the last stage has reported
+ * only step 0 done. A stage k < last gets a short wait for the last stage's StepDone (it comes on
+ * another connection): none comes, so it withheld the output (0.3). Then it says the same about
+ * step 1 and the last stage reports steps 2 and 3 within the wait: it can have moved past step 1,
+ * and the sample is skipped at no cost. */
+static void test_trust_withheld_waits_for_the_last_stage(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_broker_fx_start(f);
+    char spec[9000];
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"%s\", \"method\": \"lora-fa\", \"rank\": 4, \"alpha\": 8, \"lr\": 0.01, \"steps\": 8, "
+             "\"batch\": 2, \"seq_len\": 8, \"micro_batches\": 1, \"checkpoint_every\": 8, \"verify\": 1.0}",
+             f->model);
+    wire_msg_t *m = tu_client_submit(&f->cl, spec, NULL);
+    uint64_t id = tu_status_of(m)->job_id;
+    wire_msg_destroy(&m);
+    static const char *const names[3] = {"ann", "bob", "cy"};
+    tu_client pc[3];
+    tu_client *st[2] = {NULL, NULL}, *backup = NULL;
+    const char *st0_name = NULL;
+    /* the broker's estimate for this model: about 33 MiB whole, 32 MiB its smallest stage; peers of
+     * 32.6 MiB each make a plan of two stages and a backup */
+    const uint64_t mem = 34183578;
+    for (int i = 0; i < 3; i++) {
+        char key[8];
+        snprintf(key, sizeof key, "p%d", i);
+        tu_client_open(&pc[i], f->c, key);
+        tu_client_hello(&pc[i], names[i], mem, 50);
+    }
+    /* all three answer their profile challenges at once (a plan needs them all), then say ready */
+    bool assigned[3] = {false, false, false};
+    int n_assigned = 0;
+    for (uint64_t end = fu_clock_ms() + 20000; n_assigned < 3 && fu_clock_ms() < end;) {
+        for (int i = 0; i < 3; i++) {
+            wire_msg_t *a = assigned[i] ? NULL : tu_client_recv(&pc[i], 50);
+            const Fusion__StageAssign *sa = a ? wire_msg_body_as(a, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN) : NULL;
+            if (sa) {
+                assigned[i] = true;
+                n_assigned++;
+                print_message("%s: stage %u of %u%s\n", names[i], sa->stage_index, sa->stage_count,
+                              sa->backup ? " (backup)" : "");
+                if (sa->backup)
+                    backup = &pc[i];
+                else if (sa->stage_index < 2) {
+                    st[sa->stage_index] = &pc[i];
+                    if (sa->stage_index == 0)
+                        st0_name = names[i];
+                }
+                Fusion__StageReady r = FUSION__STAGE_READY__INIT;
+                r.job_id = id;
+                r.stage_index = sa->stage_index;
+                assert_int_equal(tu_client_send(&pc[i], FUSION__MSG_TYPE__MSG_STAGE_READY, id, &r.base), FU_OK);
+            }
+            wire_msg_destroy(&a);
+        }
+    }
+    assert_int_equal(n_assigned, 3);
+    assert_non_null(st[0]);
+    assert_non_null(st[1]);
+    assert_non_null(backup);
+    assert_true(got(st[1], FUSION__MSG_TYPE__MSG_STAGE_START, 5000));
+    assert_int_equal(tu_client_wait_peer_state(&f->cl, wire_keypair_public_z85(backup->kp),
+                                               FUSION__PEER_STATE__PEER_STATE_WARM, 5000),
+                     FUSION__PEER_STATE__PEER_STATE_WARM);
+    step_done(st[1], id, 0);
+    uint64_t seed[2];
+    assert_true(verify_requests(st[0], 0, 1, seed, 5000));
+    say_unavailable(st[0], id, 0, seed[0]);
+    assert_true(tu_broker_wait_log(f->c, 5000, "for the StepDone that shows it could"));
+    assert_true(tu_broker_wait_log(f->c, 5000, "stage 0 step 0 mb 0: WITHHELD"));
+    double rep = tu_client_reputation(&f->cl, st0_name);
+    print_message("%s said step 0 was gone with only step 0 done: reputation %.2f\n", st0_name, rep);
+    assert_true(rep > 0.65 && rep < 0.75);
+    step_done(st[1], id, 1);
+    assert_true(verify_requests(st[0], 1, 2, seed, 5000));
+    say_unavailable(st[0], id, 1, seed[1]);
+    fu_sleep_ms(50);
+    step_done(st[1], id, 2);
+    step_done(st[1], id, 3);
+    assert_true(tu_broker_wait_log(f->c, 5000, "stage 0 step 1 mb 0: sample skipped: peer"));
+    rep = tu_client_reputation(&f->cl, st0_name);
+    print_message("%s said step 1 was gone and the last stage reported step 3 within the wait: reputation %.2f\n",
+                  st0_name, rep);
+    assert_true(rep > 0.65 && rep < 0.75);
+    for (int i = 0; i < 3; i++)
+        tu_client_close(&pc[i]);
 }
 
 /* The stage's peer of a run resumed from step 2 cannot load its stage because the broker no longer has
@@ -1043,6 +1134,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_trust_too_fast_stage_flagged),
         tu_broker_test(test_trust_withheld_output_costs_like_a_lie),
         tu_broker_test(test_trust_evicted_output_is_skipped),
+        tu_broker_test(test_trust_withheld_waits_for_the_last_stage),
         tu_broker_test(test_trust_missing_blob_costs_nothing),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
