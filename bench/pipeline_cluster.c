@@ -14,7 +14,8 @@
  *     running again, and until the job was past the step it had reached;
  *   - replan: the same with no backup: the job is planned again over the two survivors;
  *   - verify_run, verify_cost: what verification at the default fraction costs (below);
- *   - jobs: three jobs at once on six peers against one alone (below).
+ *   - jobs: three jobs at once on six peers against one alone (below);
+ *   - serve: a serving job with 1, 4 and 8 generations at once (below).
  * --quick: the e2e tests' model (6 layers, hidden 256), batch 4 x 16 tokens; default: 8 layers,
  * hidden 512, ffn 1376, vocab 512 (23 M parameters), batch 4 x 64 tokens. (The vocabulary is not the
  * byte-level 256: with hidden > vocab the partitioner cannot cut between layers — docs/TESTING.md.)
@@ -663,4 +664,77 @@ BENCH_CASE(pipeline_upload)
                "\"changed_config_chunks_copied\":%u",
                first.mib, first.chunks, first.seconds, first.seconds > 0 ? first.mib_sent / first.seconds : 0,
                again.seconds, again.sent, changed.seconds, changed.sent, changed.copied);
+}
+
+/* ---- a serving job: many generations in one pipeline ------------------------------------------- */
+
+/* The generated tokens/s of a serving job (docs/SERVE.md "Serving jobs") on three peers when 1, 4 and
+ * 8 generations run at once (`fusion ask --prompts`, greedy, PS_TOKENS each), measured from the
+ * client's start to its end: the stages run the sessions' positions in batched forwards, so the
+ * aggregate grows with the sessions while each one's own rate falls less. Also the stages the
+ * broker planned and the widest batch a peer logged. */
+#define PS_TOKENS 64
+BENCH_CASE(pipeline_serve)
+{
+    if (!pb_setup() || !pb_probe_need())
+        return;
+    tu_cluster *c = pb_start("bench-serve", 3, 0, pb_cap_gb(3));
+    char id[17];
+    tu_submit(c, id, "infer --model '%s' --sessions 8 --context %d --max-tokens %d", env.model, 32 + PS_TOKENS,
+              PS_TOKENS);
+    if (!tu_broker_wait_log(c, 120000, "job %s: every stage is ready", id)) {
+        fprintf(stderr, "bench-pipeline: serve: the serving job did not start (logs in %s)\n", tu_cluster_dir(c));
+        pb_stop(&c);
+        return;
+    }
+    int stages = 0;
+    for (int s = 0; s < 8; s++)
+        stages += tu_broker_logged(c, "job %s stage %d/", id, s);
+    static const int ns[] = {1, 4, 8};
+    double one = 0;
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+        char path[TU_PATH];
+        snprintf(path, sizeof path, "%s/prompts%d.jsonl", tu_cluster_dir(c), ns[k]);
+        FILE *f = fopen(path, "w");
+        if (!f)
+            break;
+        for (int i = 0; i < ns[k]; i++)
+            fprintf(f, "{\"prompt\": \"Generation %d of %d begins here:\"}\n", i, ns[k]);
+        fclose(f);
+        double t0 = fu_clock_sec();
+        char *out = NULL;
+        int rc = tu_fusion(c, &out, "ask %s --prompts '%s' --max-tokens %d 2>&1", id, path, PS_TOKENS);
+        double dt = fu_clock_sec() - t0;
+        int lines = 0;
+        for (const char *q = out ? out : ""; (q = strstr(q, "\"completion_tokens\":" )) != NULL; q++)
+            lines += atoi(q + strlen("\"completion_tokens\":")) == PS_TOKENS;
+        free(out);
+        if (rc != 0 || lines != ns[k]) {
+            fprintf(stderr, "bench-pipeline: serve: %d generations: exit %d, %d of them complete\n", ns[k], rc, lines);
+            break;
+        }
+        double tps = ns[k] * PS_TOKENS / dt;
+        if (ns[k] == 1)
+            one = tps;
+        int widest = 0;
+        for (int p = 0; p < 3; p++) {
+            char log[TU_PATH];
+            snprintf(log, sizeof log, "%s/p%d.log", tu_cluster_dir(c), p);
+            char *t = tu_file_text(log);
+            for (const char *q = t ? t : ""; (q = strstr(q, " sessions in one forward")) != NULL; q++) {
+                const char *d = q;
+                while (d > t && d[-1] >= '0' && d[-1] <= '9')
+                    d--;
+                int w = atoi(d);
+                widest = w > widest ? w : widest;
+            }
+            free(t);
+        }
+        bench_emit("pipeline", "serve",
+                   "\"stages\":%d,\"sessions\":%d,\"tokens_each\":%d,\"seconds\":%.2f,\"tokens_per_s\":%.1f,"
+                   "\"per_session_tokens_per_s\":%.1f,\"vs_one\":%.2f,\"widest_batch_so_far\":%d",
+                   stages, ns[k], PS_TOKENS, dt, tps, tps / ns[k], one > 0 ? tps / one : 0, widest);
+    }
+    (void)tu_fusion(c, NULL, "cancel %s", id);
+    pb_stop(&c);
 }
