@@ -7,7 +7,8 @@
  *     `fusion run infer --prompts FILE --batch 1` gives, and the stages ran their positions in
  *     batches of more than one session;
  *   - what cannot be served is refused with a message: a prompt over the context, a session on a job
- *     that is no serving job, a prompt given to a serving job; the job serves again after each;
+ *     that is no serving job, a prompt given to a serving job, another client's session in the job
+ *     ("not found", as for its jobs); the job serves again after each;
  *   - cancelling the job ends it;
  *   - a stage's peer killed mid-generation: the sessions go on on the new stages, same texts. */
 #include <setjmp.h>
@@ -77,6 +78,7 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     (void)state;
     tu_opts o = tu_opts_default(3);
     tu_cluster *c = tu_cluster_new("e2e-sessions", &o);
+    tu_keygen(c, "bob", true); /* another client, on the allow-list from the start */
     tu_cluster_start(c);
     char id[TU_ID_LEN];
     tu_submit(c, id, "infer --model model --sessions 4 --context 64 --max-tokens %d", MAX_TOKENS);
@@ -178,6 +180,12 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     free(out);
     rc = tu_fusion(c, &out, "submit infer --model model --sessions 2 --prompt hello 2>&1");
     assert_int_equal(rc, 2);
+    free(out);
+    /* another client can neither open a session in the job nor see or close one of it */
+    rc = tu_fusion(c, &out, "ask %s --keys bob --prompt hello 2>&1", id);
+    printf("bob asks in %s: exit %d: %s", id, rc, out);
+    assert_int_equal(rc, 4);
+    assert_non_null(strstr(out, "no serving job"));
     free(out);
     rc = tu_fusion(c, &out, "ask %s --json --prompt '%s' --max-tokens 3", id, PROMPTS[1]);
     assert_int_equal(rc, 0);
