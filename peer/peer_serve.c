@@ -299,10 +299,18 @@ void stage_serve_run(stage_t *s)
 {
     if (!s->active || !s->loaded || !s->running)
         return;
+    /* Stage 0 of a pipeline cuts its sessions into as many groups as there are stages: while one group
+     * is computed downstream the next runs here, so every stage has work. A group holds at most
+     * ceil(sessions / stages), which keeps the groups as they go round (the next call runs the rest). */
+    size_t cap = DAG_INFER_MAX_BATCH;
+    if (stage_is_first(s) && s->stage_count > 1) {
+        size_t g = (s->n_ss + s->stage_count - 1) / s->stage_count;
+        cap = g && g < cap ? g : cap;
+    }
     size_t n = 0;
     uint64_t total = 0;
     st_session **qs = fu_malloc((s->n_ss ? s->n_ss : 1) * sizeof *qs);
-    for (size_t i = 0; i < s->n_ss && n < DAG_INFER_MAX_BATCH; i++) {
+    for (size_t i = 0; i < s->n_ss && n < cap; i++) {
         st_session *q = &s->ss[i];
         if (!q->due || total + q->rows > s->ctx_rows + s->spec.sessions)
             continue;
