@@ -509,6 +509,9 @@ FU_MUST_CHECK fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *
                                      const char *file, const char *hash);
 /* Cancels owner's job id (db_job_cancel's errors); releases it when it is in the table. */
 FU_MUST_CHECK fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner);
+/* The broker ends j itself (a serving job idle past its spec's idle_s): released, stored cancelled
+ * with reason, an event "retired". */
+void broker_job_retire(broker_t *b, broker_job *j, const char *reason);
 /* A stored job that cannot be made into one (a corrupt row, a model gone): stored as failed. */
 void broker_job_refuse(broker_t *b, const char *id, const char *reason);
 /* A new reason within the phase (why it waits), stored when it changed. */

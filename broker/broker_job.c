@@ -292,6 +292,16 @@ fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *result, size_t
     return FU_OK;
 }
 
+void broker_job_retire(broker_t *b, broker_job *j, const char *reason)
+{
+    broker_job_release(b, j, reason);
+    broker_job_show(j, reason);
+    store(b, j, DB_JOB_CANCELLED, reason);
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "retired", reason));
+    FU_INFO(LOG, "job %s cancelled by the broker: %s", j->id, reason);
+    j->dead = true;
+}
+
 fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner)
 {
     FU_TRY(db_job_cancel(b->db, id, owner, broker_wall()));

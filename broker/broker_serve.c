@@ -13,7 +13,9 @@
  *   - after a failover (StageStart of a new run) every open session is started again with its prompt
  *     and the tokens generated so far (`resume`), as a job of one generation replays its own;
  *   - status requests may be long polls (SessionRef.wait_ms), answered when the text grows;
- *   - a session that ended is kept BROKER_SERVE_KEEP_MS for its last status, then forgotten.
+ *   - a session that ended is kept BROKER_SERVE_KEEP_MS for its last status, then forgotten;
+ *   - a job whose spec says "idle_s" is cancelled by the broker once it has been that long without a
+ *     session (a gateway that was killed leaves no job holding the peers for ever).
  * Everything here runs on the broker's loop. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -48,6 +50,7 @@ struct broker_serve {
     size_t n, cap;
     uint32_t next_id;
     uint32_t n_open;
+    uint64_t idle_since_ms;        /* monotonic time its last session ended (0: one is open) */
 };
 
 static broker_session *session_find(broker_serve *sv, uint32_t id)
@@ -154,7 +157,8 @@ static void session_end(broker_t *b, broker_job *j, broker_session *s, Fusion__J
     snprintf(s->finish, sizeof s->finish, "%s", finish ? finish : "");
     snprintf(s->reason, sizeof s->reason, "%s", reason ? reason : "");
     broker_utf8_trim(s->reason);
-    j->serve->n_open--;
+    if (--j->serve->n_open == 0)
+        j->serve->idle_since_ms = broker_now();
     Fusion__SessionEnd e = FUSION__SESSION_END__INIT;
     e.job_id = j->id64;
     e.session = s->id;
@@ -190,12 +194,29 @@ void broker_serve_ended(broker_t *b, broker_job *j, const char *why)
         session_end(b, j, &j->serve->s[i], FUSION__JOB_STATE__JOB_STATE_CANCELED, NULL, why);
 }
 
+/* Whether serving job j has been without a session for longer than its spec's idle_s, counted from
+ * its last session's end, else from its start (j->progress_ms: its StageStart, or its first open). */
+static bool idle_too_long(const broker_job *j, uint64_t now)
+{
+    if (!j->spec.sessions || !j->spec.idle_s || j->dead || j->phase != BJ_RUNNING ||
+        (j->serve && j->serve->n_open))
+        return false;
+    uint64_t since = j->serve && j->serve->idle_since_ms ? j->serve->idle_since_ms : j->progress_ms;
+    return now > since && now - since > (uint64_t)j->spec.idle_s * 1000u;
+}
+
 void broker_serve_sweep(broker_t *b, broker_job *j)
 {
+    uint64_t now = broker_now();
+    if (idle_too_long(j, now)) {
+        char why[96];
+        snprintf(why, sizeof why, "no session for %u s (its idle_s)", j->spec.idle_s);
+        broker_job_retire(b, j, why); /* the peers it held go back to the pool */
+        return;
+    }
     broker_serve *sv = j->serve;
     if (!sv)
         return;
-    uint64_t now = broker_now();
     size_t w = 0;
     for (size_t i = 0; i < sv->n; i++) {
         broker_session *s = &sv->s[i];
@@ -375,8 +396,10 @@ void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
     s->cap = n + s->sp.max_tokens + 1;
     s->tok = fu_realloc(ids, s->cap * sizeof *s->tok);
     s->n_prompt = n;
-    if (sv->n_open++ == 0)
+    if (sv->n_open++ == 0) {
         j->progress_ms = broker_now(); /* an idle job's step deadline counts from its first session */
+        sv->idle_since_ms = 0;
+    }
     FU_INFO(LOG, "job %s session %u: opened (%zu prompt tokens, at most %u to generate)", j->id, s->id, n,
             s->sp.max_tokens);
     if (j->phase == BJ_RUNNING)

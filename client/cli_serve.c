@@ -406,10 +406,11 @@ static int serve_key(serve_t *s, const char *file)
 int cli_serve_main(int argc, char **argv)
 {
     serve_t s = {.prog = argv[0], .max_tokens = 1024, .timeout_s = 600, .queue_timeout_s = 60, .max_requests = 16,
-                 .sessions = 8};
+                 .sessions = 8, .idle_s = 600};
     const char *model = NULL, *name = NULL, *listen = "127.0.0.1:8080", *key_file = NULL;
     bool upload = false, byte_tokens = false;
-    long long max_tokens = s.max_tokens, max_requests = s.max_requests, sessions = s.sessions, context = 0;
+    long long max_tokens = s.max_tokens, max_requests = s.max_requests, sessions = s.sessions, context = 0,
+              idle_s = s.idle_s;
     double timeout = s.timeout_s, queue_timeout = s.queue_timeout_s;
     const fu_opt opts[] = {
         {"model", 0, FU_OPT_STR, &model, "DIR", "the Hugging Face model directory (here: its tokenizer is used here)"},
@@ -430,6 +431,9 @@ int cli_serve_main(int argc, char **argv)
          "(8; 0: a job per request)"},
         {"context", 0, FU_OPT_INT, &context, "N",
          "positions of one request in a serving job, prompt and generated (default: 2048, or 2 x --max-tokens)"},
+        {"job-idle-s", 0, FU_OPT_INT, &idle_s, "S",
+         "the broker cancels a serving job after S seconds without a request (600; 0: never): a gateway that "
+         "dies leaves no job holding the peers"},
         {"byte-tokens", 0, FU_OPT_FLAG, &byte_tokens, NULL, "a model of more ids without tokenizer.json: bytes"},
         CLI_CONN_OPTS(&s.co),
     };
@@ -452,13 +456,15 @@ int cli_serve_main(int argc, char **argv)
     }
     if (max_tokens < 1 || max_tokens > DAG_SPEC_MAX_TOKENS || max_requests < 1 || max_requests > 1024 ||
         !(timeout > 0) || !(queue_timeout > 0) || sessions < 0 || sessions > DAG_SPEC_MAX_SESSIONS || context < 0 ||
-        context > DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS || (context && context <= max_tokens)) {
+        context > DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS || (context && context <= max_tokens) || idle_s < 0 ||
+        idle_s > 10000000) {
         fprintf(stderr, "%s: --max-tokens is 1..%u, --max-requests 1..1024, --request-timeout and --queue-timeout "
                 "more than 0, --sessions 0..%u, --context more than --max-tokens and at most %u\n",
                 s.prog, DAG_SPEC_MAX_TOKENS, DAG_SPEC_MAX_SESSIONS, DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS);
         return FU_EXIT_USAGE;
     }
     s.sessions = (uint32_t)sessions;
+    s.idle_s = (uint32_t)idle_s;
     s.context = context ? (uint32_t)context
                         : max_tokens * 2 > DAG_SPEC_CONTEXT ? (uint32_t)max_tokens * 2 : DAG_SPEC_CONTEXT;
     s.max_tokens = (uint32_t)max_tokens;

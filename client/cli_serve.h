@@ -51,6 +51,7 @@ typedef struct {
     uint32_t sessions;                   /* > 0: requests are sessions of a serving job per model name holding
                                             this many; 0: a job per request */
     uint32_t context;                    /* the serving jobs' positions per session */
+    uint32_t idle_s;                     /* the broker cancels a serving job that long without a session */
     pthread_mutex_t jobs_mu;             /* guards jobs */
     serve_sjob jobs[SERVE_JOBS_MAX];
     pthread_mutex_t mu;                  /* guards idle, n_idle */

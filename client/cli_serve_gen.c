@@ -326,9 +326,17 @@ static void gen_poll_session(gen_t *g)
     if (session_call(g, FUSION__MSG_TYPE__MSG_SESSION_STATUS_REQ, SERVE_LONG_POLL_MS, &m) != FU_OK) {
         int bc;
         (void)cli_conn_last_error(g->conn, &bc);
-        if (bc == FUSION__ERROR_CODE__ERR_NOT_FOUND)
-            serve_job_gone(g->s, g->job);
         gen_fail_broker(g);
+        if (bc == FUSION__ERROR_CODE__ERR_NOT_FOUND) { /* the session is gone: and its job? (a broker that
+                                                          restarted keeps the job but not its sessions) */
+            wire_msg_t *jm = NULL;
+            int code;
+            if (cli_job_watch_status(g->conn, g->job, 0, 0, &jm, &code) != FU_OK ||
+                ((const Fusion__JobStatus *)wire_msg_body(jm))->state > FUSION__JOB_STATE__JOB_STATE_RUNNING)
+                serve_job_gone(g->s, g->job);
+            wire_msg_destroy(&jm);
+            g->submitted = false; /* nothing left to close */
+        }
         return;
     }
     const Fusion__SessionStatus *st = (const Fusion__SessionStatus *)wire_msg_body(m);

@@ -36,6 +36,7 @@ uint64_t serve_job_for(serve_t *s, cli_conn_t *c, const char *adapter, int *code
         sp.sessions = s->sessions;
         sp.context = s->context;
         sp.max_tokens = s->max_tokens;
+        sp.idle_s = s->idle_s; /* a gateway that is killed leaves no job holding the peers for ever */
         char *spec = dag_spec_to_json(&sp);
         dag_spec_clear(&sp);
         char idem[33];

@@ -64,6 +64,8 @@ static const field FIELDS[] = {
      "a serving job of up to S generations at once, opened with `fusion ask` (default 0: one generation)"},
     {"context", "context", F_U32, OFF(context), 0, DAG_SPEC_MAX_PROMPT + DAG_SPEC_MAX_TOKENS, 0, KI | PL, "N",
      "serving job: positions of one session, prompt and generated (default 2048)"},
+    {"idle_s", "idle-s", F_U32, OFF(idle_s), 0, 1e7, 0, KI | PL, "S",
+     "serving job: cancelled after S seconds without a session (default 0: never)"},
 };
 #define N_FIELDS (sizeof FIELDS / sizeof FIELDS[0])
 
@@ -429,7 +431,7 @@ char *dag_spec_to_json(const dag_spec *s)
         const field *f = &FIELDS[i];
         double v = get(s, f);
         /* a serving job's fields only when it is one: the canonical text of every other spec stays */
-        bool serve_only = f->off == OFF(sessions) || f->off == OFF(context);
+        bool serve_only = f->off == OFF(sessions) || f->off == OFF(context) || f->off == OFF(idle_s);
         if ((f->kinds & kb) && !(f->def < 0 && v == f->def) && !(serve_only && !s->sessions))
             cJSON_AddNumberToObject(o, f->key, v);
     }

@@ -96,6 +96,8 @@ typedef struct {
                                            opened by SessionOpen (no prompt of its own); 0 (default): one */
     uint32_t context;                   /* serving job: positions of one session, prompt and generated
                                            (0: DAG_SPEC_CONTEXT) */
+    uint32_t idle_s;                    /* serving job: the broker cancels it after this many seconds
+                                           without a session (0, default: never) */
     int32_t *prompt_tokens;             /* the prompt as ids when given (owned), else NULL */
     size_t n_prompt_tokens;
 } dag_spec;

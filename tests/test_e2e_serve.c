@@ -458,8 +458,9 @@ static void test_e2e_serve_openai_client_through_three_peers(void **state)
 }
 
 /* With --sessions (the default) concurrent requests are sessions of one serving job: three at once
- * each get `fusion run infer`'s text, all in the one job the gateway submitted for its model, and
- * stopping the gateway cancels that job. */
+ * each get `fusion run infer`'s text, all in the one job the gateway submitted for its model; the
+ * broker cancels the job once it is idle for --job-idle-s and the next request gets a new one;
+ * stopping the gateway cancels that one. */
 static void test_e2e_serve_sessions_share_one_job(void **state)
 {
     (void)state;
@@ -467,7 +468,8 @@ static void test_e2e_serve_sessions_share_one_job(void **state)
     tu_cluster *c = tu_cluster_new("e2e-serve-sessions", &o);
     tu_cluster_start(c);
     gateway g;
-    const char *const serving[] = {"--sessions", "4", "--context", "160", "--max-tokens", "64", NULL};
+    const char *const serving[] = {"--sessions", "4", "--context", "160", "--max-tokens", "64", "--job-idle-s", "4",
+                                   NULL};
     gateway_start(&g, c, serving);
     static const char *const prompts[] = {"Once upon a time", "To be, or not to be", "Now is the winter"};
     char cmd[4096];
@@ -487,6 +489,7 @@ static void test_e2e_serve_sessions_share_one_job(void **state)
     char *out = NULL;
     assert_int_equal(tu_sh(&out, "%s", cmd), 0);
     free(out);
+    double idle_from = fu_clock_sec();
     char job[17] = "";
     for (int i = 0; i < 3; i++) {
         char path[TU_PATH];
@@ -521,14 +524,30 @@ static void test_e2e_serve_sessions_share_one_job(void **state)
     assert_non_null(strstr(log, needle));
     assert_int_equal(jobs, 1);
     free(log);
+    /* idle for --job-idle-s (4 s), the broker cancels the job; the next request gets a new one */
     char st[32];
-    job_state(c, job, st, sizeof st);
-    assert_string_equal(st, "running");
+    for (int i = 0; i < 100; i++) {
+        job_state(c, job, st, sizeof st);
+        if (strcmp(st, "cancelled") == 0)
+            break;
+        usleep(200000);
+    }
+    printf("serving job %s %.1f s after its last request: %s\n", job, fu_clock_sec() - idle_from, st);
+    assert_string_equal(st, "cancelled");
+    assert_true(fu_clock_sec() - idle_from > 3.5);
+    cJSON *again = curl_json(&g, "/completions", "{\"model\": \"model\", \"prompt\": \"x\", \"max_tokens\": 4}");
+    const char *id2 = str_at(again, "id", NULL, NULL);
+    char job2[17];
+    snprintf(job2, sizeof job2, "%.16s", id2 + 5);
+    printf("the next request: %s (a new serving job: %s)\n", id2, strcmp(job2, job) ? "yes" : "NO");
+    assert_string_not_equal(job2, job);
+    assert_true(tu_file_wait(g.log, "ended; the next request submits another", 1000));
+    cJSON_Delete(again);
     /* SIGTERM stops the gateway and cancels its serving job */
     kill(g.pid, SIGTERM);
     assert_int_equal(tu_reap(g.pid, 15000), 0);
-    job_state(c, job, st, sizeof st);
-    printf("serving job %s after the gateway stopped: %s\n", job, st);
+    job_state(c, job2, st, sizeof st);
+    printf("serving job %s after the gateway stopped: %s\n", job2, st);
     assert_string_equal(st, "cancelled");
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }

@@ -9,7 +9,7 @@
  *   - what cannot be served is refused with a message: a prompt over the context, a session on a job
  *     that is no serving job, a prompt given to a serving job, another client's session in the job
  *     ("not found", as for its jobs); the job serves again after each;
- *   - cancelling the job ends it;
+ *   - cancelling the job ends it; one with --idle-s is cancelled by the broker once idle that long;
  *   - a stage's peer killed mid-generation: the sessions go on on the new stages, same texts. */
 #include <setjmp.h>
 #include <signal.h>
@@ -197,6 +197,23 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     assert_true(tu_status_get(c, id, &st));
     printf("serving job %s after cancel: %s\n", id, st.state);
     assert_true(strncmp(st.state, "cancel", 6) == 0);
+    /* a serving job with --idle-s 2 is cancelled by the broker 2 s after its last session ended */
+    char idle[TU_ID_LEN];
+    tu_submit(c, idle, "infer --model model --sessions 2 --context 64 --max-tokens 4 --idle-s 2");
+    wait_running(c, idle, 60000);
+    assert_int_equal(tu_fusion(c, NULL, "ask %s --prompt hello", idle), 0);
+    uint64_t t0 = fu_clock_ms();
+    bool gone = false;
+    while (!gone && fu_clock_ms() - t0 < 20000) {
+        gone = tu_status_get(c, idle, &st) && strncmp(st.state, "cancel", 6) == 0;
+        if (!gone)
+            fu_sleep_ms(200);
+    }
+    printf("idle serving job %s: %s after %.1f s: %s\n", idle, st.state, (double)(fu_clock_ms() - t0) / 1e3,
+           st.message);
+    assert_true(gone);
+    assert_non_null(strstr(st.message, "no session for 2 s"));
+    assert_true(fu_clock_ms() - t0 >= 1500);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
