@@ -119,6 +119,17 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_trained_tokens_total %" PRIu64 "\n", t->trained_tokens);
     family(f, "fusion_generated_tokens_total", "counter", "Tokens inference jobs generated.");
     fprintf(f, "fusion_generated_tokens_total %" PRIu64 "\n", t->generated_tokens);
+    uint64_t open = 0;
+    for (size_t i = 0; i < b->n_jobs; i++)
+        open += b->jobs[i]->dead ? 0 : broker_serve_open_count(b->jobs[i]);
+    family(f, "fusion_sessions_open", "gauge", "Serving jobs' sessions generating now.");
+    fprintf(f, "fusion_sessions_open %" PRIu64 "\n", open);
+    family(f, "fusion_sessions_total", "counter",
+           "Serving jobs' sessions opened, and ended: done, failed, or closed (by their client or their job's end).");
+    fprintf(f, "fusion_sessions_total{event=\"opened\"} %" PRIu64 "\n", t->sessions_opened);
+    fprintf(f, "fusion_sessions_total{event=\"done\"} %" PRIu64 "\n", t->sessions_done);
+    fprintf(f, "fusion_sessions_total{event=\"failed\"} %" PRIu64 "\n", t->sessions_failed);
+    fprintf(f, "fusion_sessions_total{event=\"closed\"} %" PRIu64 "\n", t->sessions_closed);
     family(f, "fusion_plans_total", "counter", "Jobs planned (a plan over the idle peers assigned).");
     fprintf(f, "fusion_plans_total %" PRIu64 "\n", t->plans);
     family(f, "fusion_plans_failed_total", "counter", "Planning searches that found no plan that fits (the job waits).");

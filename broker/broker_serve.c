@@ -159,6 +159,12 @@ static void session_end(broker_t *b, broker_job *j, broker_session *s, Fusion__J
     broker_utf8_trim(s->reason);
     if (--j->serve->n_open == 0)
         j->serve->idle_since_ms = broker_now();
+    if (state == FUSION__JOB_STATE__JOB_STATE_DONE)
+        b->tot.sessions_done++;
+    else if (state == FUSION__JOB_STATE__JOB_STATE_FAILED)
+        b->tot.sessions_failed++;
+    else
+        b->tot.sessions_closed++;
     Fusion__SessionEnd e = FUSION__SESSION_END__INIT;
     e.job_id = j->id64;
     e.session = s->id;
@@ -391,6 +397,7 @@ void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
         return;
     }
     sv->n++;
+    b->tot.sessions_opened++;
     s->id = ++sv->next_id;
     s->state = FUSION__JOB_STATE__JOB_STATE_RUNNING;
     s->cap = n + s->sp.max_tokens + 1;

@@ -79,6 +79,7 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     tu_opts o = tu_opts_default(3);
     tu_cluster *c = tu_cluster_new("e2e-sessions", &o);
     tu_keygen(c, "bob", true); /* another client, on the allow-list from the start */
+    tu_broker_args(c, "--http 127.0.0.1:0");
     tu_cluster_start(c);
     char id[TU_ID_LEN];
     tu_submit(c, id, "infer --model model --sessions 4 --context 64 --max-tokens %d", MAX_TOKENS);
@@ -191,6 +192,14 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     assert_int_equal(rc, 0);
     assert_non_null(strstr(out, "\"tokens\":3"));
     free(out);
+    /* the broker's /metrics counted the 10 sessions: 3 asks, 6 of the file, 1 after the refusals */
+    char *m = tu_metrics_scrape(c);
+    printf("metrics: %.0f sessions opened, %.0f done, %.0f open\n", tu_metric(m, "fusion_sessions_total{event=\"opened\"}"),
+           tu_metric(m, "fusion_sessions_total{event=\"done\"}"), tu_metric(m, "fusion_sessions_open"));
+    assert_true(tu_metric(m, "fusion_sessions_total{event=\"opened\"}") == 10);
+    assert_true(tu_metric(m, "fusion_sessions_total{event=\"done\"}") == 10);
+    assert_true(tu_metric(m, "fusion_sessions_open") == 0);
+    free(m);
     /* cancelling ends it */
     assert_int_equal(tu_fusion(c, &out, "cancel %s", id), 0);
     free(out);
