@@ -511,6 +511,12 @@ FU_MUST_CHECK fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *
                                      const char *file, const char *hash);
 /* Cancels owner's job id (db_job_cancel's errors); releases it when it is in the table. */
 FU_MUST_CHECK fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner);
+/* The text of the n tokens gen that inference job j generated with sampling spec sp (its own, or a
+ * session's): decoded without a last end-of-sequence token and cut before the first stop string (a
+ * malloc'd string, *len bytes). *ends: the generation is over (an end-of-sequence token, a stop
+ * string, sp's max_tokens). The tokenizer's error when the ids cannot be decoded. */
+FU_MUST_CHECK fu_err broker_gen_text(const broker_job *j, const dag_spec *sp, const int32_t *gen, size_t n,
+                                     bool *ends, char **text, size_t *len);
 /* The broker ends j itself (a serving job idle past its spec's idle_s): released, stored cancelled
  * with reason, an event "retired". */
 void broker_job_retire(broker_t *b, broker_job *j, const char *reason);

@@ -292,6 +292,24 @@ fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *result, size_t
     return FU_OK;
 }
 
+fu_err broker_gen_text(const broker_job *j, const dag_spec *sp, const int32_t *gen, size_t n, bool *ends,
+                       char **text, size_t *len)
+{
+    bool eos = false;
+    for (size_t i = 0; n && i < j->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
+        eos = eos || gen[n - 1] == j->eos[i];
+    FU_TRY(fu_tokenizer_decode(j->tok, gen, n - (eos ? 1 : 0), text, len, NULL));
+    bool stopped = false;
+    if (sp->n_stop) {
+        size_t cut = dag_spec_stop_at(sp, *text, *len);
+        stopped = cut < *len;
+        *len = cut;
+        (*text)[cut] = '\0';
+    }
+    *ends = eos || stopped || n >= sp->max_tokens;
+    return FU_OK;
+}
+
 void broker_job_retire(broker_t *b, broker_job *j, const char *reason)
 {
     broker_job_release(b, j, reason);

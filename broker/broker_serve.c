@@ -263,27 +263,18 @@ void broker_serve_on_token(broker_t *b, broker_job *j, const wire_msg_t *msg, co
     s->tok[s->n_prompt + s->n_gen++] = t->token;
     b->tot.generated_tokens++;
     j->retries = 0;
-    bool eos = false;
-    for (size_t i = 0; i < j->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
-        eos = eos || t->token == j->eos[i];
     char *text = NULL;
     size_t tl = 0;
-    if (fu_tokenizer_decode(j->tok, s->tok + s->n_prompt, s->n_gen - (eos ? 1 : 0), &text, &tl, NULL) != FU_OK) {
+    bool ends = false;
+    if (broker_gen_text(j, &s->sp, s->tok + s->n_prompt, s->n_gen, &ends, &text, &tl) != FU_OK) {
         session_end(b, j, s, FUSION__JOB_STATE__JOB_STATE_FAILED, NULL, "the generated tokens cannot be decoded");
         return;
-    }
-    bool stopped = false;
-    if (s->sp.n_stop) {
-        size_t cut = dag_spec_stop_at(&s->sp, text, tl);
-        stopped = cut < tl;
-        tl = cut;
-        text[tl] = '\0';
     }
     wire_utf8_clean(text, tl); /* SessionStatus.output is a string */
     free(s->output);
     s->output = text;
-    if (eos || stopped || s->n_gen >= s->sp.max_tokens) {
-        session_end(b, j, s, FUSION__JOB_STATE__JOB_STATE_DONE, eos || stopped ? "stop" : "length", NULL);
+    if (ends) {
+        session_end(b, j, s, FUSION__JOB_STATE__JOB_STATE_DONE, s->n_gen >= s->sp.max_tokens ? "length" : "stop", NULL);
         return;
     }
     wake(b, j, s, false);

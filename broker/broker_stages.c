@@ -390,25 +390,16 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     j->gen[j->n_gen++] = t->token;
     b->tot.generated_tokens++;
     j->retries = 0;
-    bool eos = false;
-    for (size_t i = 0; i < j->n_eos && i < FU_MODELCFG_MAX_EOS; i++)
-        eos = eos || t->token == j->eos[i];
     /* The text: without the end-of-sequence token, and ending before the first stop string */
     char *text = NULL;
     size_t tl = 0;
-    bool stopped = false;
-    if (fu_tokenizer_decode(j->tok, j->gen, j->n_gen - (eos ? 1 : 0), &text, &tl, NULL) != FU_OK) {
+    bool ends = false;
+    if (broker_gen_text(j, &j->spec, j->gen, j->n_gen, &ends, &text, &tl) != FU_OK) {
         broker_job_fail(b, j, "the generated tokens cannot be decoded");
         return;
     }
-    if (j->spec.n_stop) {
-        size_t cut = dag_spec_stop_at(&j->spec, text, tl);
-        stopped = cut < tl;
-        tl = cut;
-        text[tl] = '\0';
-    }
     BROKER_IGNORE(db_job_progress(b->db, j->id, (int64_t)j->n_gen, j->spec.max_tokens, NAN, 0, broker_wall()));
-    if (j->n_gen >= j->spec.max_tokens || eos || stopped) {
+    if (ends) {
         finish(b, j, (const uint8_t *)text, tl);
         free(text);
         return;

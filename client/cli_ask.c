@@ -19,6 +19,7 @@
 
 #include "cli.h"
 #include "cli_conn.h"
+#include "cli_jobs.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 #include "fu_file.h"
@@ -35,22 +36,6 @@ static void on_signal(int sig)
     g_stop = 1;
 }
 
-static const char *state_name(Fusion__JobState s)
-{
-    switch (s) {
-    case FUSION__JOB_STATE__JOB_STATE_RUNNING:
-        return "running";
-    case FUSION__JOB_STATE__JOB_STATE_DONE:
-        return "done";
-    case FUSION__JOB_STATE__JOB_STATE_FAILED:
-        return "failed";
-    case FUSION__JOB_STATE__JOB_STATE_CANCELED:
-        return "closed";
-    default:
-        return "unknown";
-    }
-}
-
 static void print_json(const Fusion__SessionStatus *st)
 {
     char id[17];
@@ -58,7 +43,7 @@ static void print_json(const Fusion__SessionStatus *st)
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "job", id);
     cJSON_AddNumberToObject(o, "session", st->session);
-    cJSON_AddStringToObject(o, "state", state_name(st->state));
+    cJSON_AddStringToObject(o, "state", cli_job_state_name(st->state));
     cJSON_AddStringToObject(o, "text", st->output ? st->output : "");
     cJSON_AddNumberToObject(o, "tokens", st->tokens);
     cJSON_AddNumberToObject(o, "prompt_tokens", st->prompt_tokens);
@@ -172,7 +157,7 @@ static void print_line(size_t index, const Fusion__SessionStatus *st)
     cJSON_AddNumberToObject(o, "prompt_tokens", st->prompt_tokens);
     cJSON_AddNumberToObject(o, "completion_tokens", st->tokens);
     cJSON_AddStringToObject(o, "finish_reason", st->state == FUSION__JOB_STATE__JOB_STATE_DONE ? st->finish_reason
-                                                                                            : state_name(st->state));
+                                                                                            : cli_job_state_name(st->state));
     if (st->reason && st->reason[0])
         cJSON_AddStringToObject(o, "reason", st->reason);
     char *s = cJSON_PrintUnformatted(o);
@@ -382,7 +367,7 @@ int cli_ask_main(int argc, char **argv)
     }
     code = st->state == FUSION__JOB_STATE__JOB_STATE_DONE ? FU_EXIT_OK : FU_EXIT_FAIL;
     if (code != FU_EXIT_OK && !json)
-        fprintf(stderr, "%s: session %u of job %016" PRIx64 " %s%s%s\n", cmd.prog, session, job, state_name(st->state),
+        fprintf(stderr, "%s: session %u of job %016" PRIx64 " %s%s%s\n", cmd.prog, session, job, cli_job_state_name(st->state),
                 st->reason && st->reason[0] ? ": " : "", st->reason ? st->reason : "");
     wire_msg_destroy(&m);
     cli_conn_close(&conn);

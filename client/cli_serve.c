@@ -20,6 +20,7 @@
 #include "cli_serve.h"
 #include "cli_upload.h"
 #include "fu_alloc.h"
+#include "fu_encode.h"
 #include "fu_file.h"
 #include "fu_net.h"
 #define SERVE_MAX_BODY (4u << 20) /* bytes of one request's body */
@@ -29,6 +30,13 @@ static atomic_int g_stop; /* the gateway is stopping: requests in flight cancel 
 bool serve_stopping(void)
 {
     return atomic_load(&g_stop) != 0;
+}
+
+void serve_idem_new(char out[SERVE_IDEM_LEN])
+{
+    uint8_t raw[(SERVE_IDEM_LEN - 1) / 2];
+    randombytes_buf(raw, sizeof raw);
+    fu_hex_encode(out, raw, sizeof raw);
 }
 
 /* ---- broker connections --------------------------------------------------------------------- */

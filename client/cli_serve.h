@@ -60,6 +60,10 @@ typedef struct {
     atomic_uint in_flight;
 } serve_t;
 
+#define SERVE_IDEM_LEN 33 /* a fresh idempotency key: 32 hex digits */
+/* A fresh random idempotency key (one submission's: a retry never makes a second job). */
+void serve_idem_new(char out[SERVE_IDEM_LEN]);
+
 /* A broker connection from the pool, or a new one (NULL when it cannot be opened; the log says why). */
 cli_conn_t *serve_conn_get(serve_t *s);
 /* Gives c back to the pool, or closes it when broken or the pool is full. NULL-safe. */

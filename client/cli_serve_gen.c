@@ -18,7 +18,6 @@
 #include "cli_serve.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
-#include "fu_encode.h"
 
 #define SERVE_POLL_MS            50  /* how often a request asks a broker that does not hold requests */
 #define SERVE_LONG_POLL_MS       500 /* how long the broker may hold a request's question about its text
@@ -237,10 +236,8 @@ static bool gen_submit(gen_t *g)
     }
     char *spec = dag_spec_to_json(&sp);
     dag_spec_clear(&sp);
-    char idem[33];
-    uint8_t raw[16];
-    randombytes_buf(raw, sizeof raw);
-    fu_hex_encode(idem, raw, sizeof raw);
+    char idem[SERVE_IDEM_LEN];
+    serve_idem_new(idem);
     wire_msg_t *m = NULL;
     int code;
     rc = cli_job_submit(g->conn, FUSION__JOB_KIND__JOB_KIND_INFER, spec, NULL, 0, idem, &m, &code);

@@ -6,13 +6,11 @@
  * cancels its jobs when it stops. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
-
-#include <sodium.h>
 
 #include "cli_jobs.h"
 #include "cli_serve.h"
-#include "fu_encode.h"
 
 uint64_t serve_job_for(serve_t *s, cli_conn_t *c, const char *adapter, int *code, char *err, size_t cap)
 {
@@ -39,10 +37,8 @@ uint64_t serve_job_for(serve_t *s, cli_conn_t *c, const char *adapter, int *code
         sp.idle_s = s->idle_s; /* a gateway that is killed leaves no job holding the peers for ever */
         char *spec = dag_spec_to_json(&sp);
         dag_spec_clear(&sp);
-        char idem[33];
-        uint8_t raw[16];
-        randombytes_buf(raw, sizeof raw);
-        fu_hex_encode(idem, raw, sizeof raw);
+        char idem[SERVE_IDEM_LEN];
+        serve_idem_new(idem);
         wire_msg_t *m = NULL;
         int exit_code;
         if (cli_job_submit(c, FUSION__JOB_KIND__JOB_KIND_INFER, spec, NULL, 0, idem, &m, &exit_code) == FU_OK) {

@@ -58,6 +58,45 @@ static char *reference(const tu_cluster *c, const char *p)
     return want;
 }
 
+/* The n JSON lines of `fusion ask --prompts` (got) against those of `fusion run infer --prompts
+ * --batch 1` (want): the same index, token counts (each `tokens` when >= 0) and finish reason, and
+ * the same text once want's bytes that are no UTF-8 are '?' as the broker's are. Cuts both. */
+static void same_lines(char *got, char *want, int n, int tokens)
+{
+    char *gl = got, *wl = want;
+    for (int i = 0; i < n; i++) {
+        char *ge = strchr(gl, '\n'), *we = strchr(wl, '\n');
+        assert_non_null(ge);
+        assert_non_null(we);
+        *ge = *we = '\0';
+        cJSON *g = cJSON_Parse(gl), *w = cJSON_Parse(wl);
+        assert_non_null(g);
+        assert_non_null(w);
+        const char *keys[] = {"index", "prompt_tokens", "completion_tokens", "finish_reason"};
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+            char *a = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(g, keys[k]));
+            char *b = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(w, keys[k]));
+            if (!a || !b || strcmp(a, b) != 0)
+                fail_msg("prompt %d: %s is %s, fusion run infer says %s", i, keys[k], a ? a : "-", b ? b : "-");
+            free(a);
+            free(b);
+        }
+        const cJSON *gt = cJSON_GetObjectItemCaseSensitive(g, "text"), *wt = cJSON_GetObjectItemCaseSensitive(w, "text");
+        const cJSON *gn = cJSON_GetObjectItemCaseSensitive(g, "completion_tokens");
+        assert_true(cJSON_IsString(gt) && cJSON_IsString(wt) && cJSON_IsNumber(gn));
+        wire_utf8_clean(wt->valuestring, strlen(wt->valuestring));
+        printf("prompt %d: %d tokens, %s\n", i, (int)gn->valuedouble,
+               strcmp(gt->valuestring, wt->valuestring) == 0 ? "fusion run infer's text" : "ANOTHER TEXT");
+        if (tokens >= 0)
+            assert_int_equal((int)gn->valuedouble, tokens);
+        assert_string_equal(gt->valuestring, wt->valuestring);
+        cJSON_Delete(g);
+        cJSON_Delete(w);
+        gl = ge + 1;
+        wl = we + 1;
+    }
+}
+
 /* How many peer logs say a batch of at least two sessions ran. */
 static bool batched(const tu_cluster *c)
 {
@@ -134,33 +173,7 @@ static void test_e2e_sessions_concurrent_asks(void **state)
     assert_int_equal(tu_fusion(c, &want, "run infer --threads 1 --model model --prompts prompts.jsonl --batch 1 "
                                "--seed 5 --temperature 0.8 --max-tokens %d 2>/dev/null", MAX_TOKENS), 0);
     printf("fusion ask --prompts:\n%s" "fusion run infer --prompts:\n%s", got, want);
-    char *gl = got, *wl = want;
-    for (int i = 0; i < N_FILE; i++) {
-        char *ge = strchr(gl, '\n'), *we = strchr(wl, '\n');
-        assert_non_null(ge);
-        assert_non_null(we);
-        *ge = *we = '\0';
-        cJSON *g = cJSON_Parse(gl), *w = cJSON_Parse(wl);
-        assert_non_null(g);
-        assert_non_null(w);
-        const char *keys[] = {"index", "prompt_tokens", "completion_tokens", "finish_reason"};
-        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
-            char *a = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(g, keys[k]));
-            char *b = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(w, keys[k]));
-            if (!a || !b || strcmp(a, b) != 0)
-                fail_msg("prompt %d: %s is %s, fusion run infer says %s", i, keys[k], a ? a : "-", b ? b : "-");
-            free(a);
-            free(b);
-        }
-        const cJSON *gt = cJSON_GetObjectItemCaseSensitive(g, "text"), *wt = cJSON_GetObjectItemCaseSensitive(w, "text");
-        assert_true(cJSON_IsString(gt) && cJSON_IsString(wt));
-        wire_utf8_clean(wt->valuestring, strlen(wt->valuestring));
-        assert_string_equal(gt->valuestring, wt->valuestring);
-        cJSON_Delete(g);
-        cJSON_Delete(w);
-        gl = ge + 1;
-        wl = we + 1;
-    }
+    same_lines(got, want, N_FILE, -1);
     free(got);
     free(want);
     assert_true(batched(c));
@@ -268,29 +281,8 @@ static void test_e2e_sessions_failover(void **state)
     char *got = tu_file_text(log), *want = NULL;
     assert_int_equal(tu_fusion(c, &want, "run infer --threads 1 --model model --prompts long.jsonl --batch 1 "
                                "--max-tokens %d 2>/dev/null", LONG_TOKENS), 0);
-    wire_utf8_clean(want, strlen(want)); /* as the broker's text is: bytes that are no UTF-8 become '?' */
     /* each line's text is compared as parsed (both are cJSON's) */
-    char *gl = got, *wl = want;
-    for (int i = 0; i < 2; i++) {
-        char *ge = strchr(gl, '\n'), *we = strchr(wl, '\n');
-        assert_non_null(ge);
-        assert_non_null(we);
-        *ge = *we = '\0';
-        cJSON *g = cJSON_Parse(gl), *w = cJSON_Parse(wl);
-        assert_non_null(g);
-        assert_non_null(w);
-        const cJSON *gt = cJSON_GetObjectItemCaseSensitive(g, "text"), *wt = cJSON_GetObjectItemCaseSensitive(w, "text");
-        const cJSON *gn = cJSON_GetObjectItemCaseSensitive(g, "completion_tokens");
-        assert_true(cJSON_IsString(gt) && cJSON_IsString(wt) && cJSON_IsNumber(gn));
-        printf("session %d after the failover: %d tokens, %s\n", i, (int)gn->valuedouble,
-               strcmp(gt->valuestring, wt->valuestring) == 0 ? "fusion run infer's text" : "ANOTHER TEXT");
-        assert_int_equal((int)gn->valuedouble, LONG_TOKENS);
-        assert_string_equal(gt->valuestring, wt->valuestring);
-        cJSON_Delete(g);
-        cJSON_Delete(w);
-        gl = ge + 1;
-        wl = we + 1;
-    }
+    same_lines(got, want, 2, LONG_TOKENS);
     free(got);
     free(want);
     assert_int_equal(tu_fusion(c, NULL, "cancel %s", id), 0);
