@@ -36,7 +36,8 @@ uint8_t *broker_stored_spec(const char *spec, size_t spec_len, const int32_t *to
     uint8_t *buf = fu_malloc(*len);
     memcpy(buf, spec, spec_len);
     buf[spec_len] = 0;
-    memcpy(buf + spec_len + 1, tok, n * sizeof *tok);
+    if (n) /* a serving job has no tokens (and memcpy from NULL is undefined even for 0 bytes) */
+        memcpy(buf + spec_len + 1, tok, n * sizeof *tok);
     return buf;
 }
 

@@ -355,6 +355,10 @@ void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
                            "tokens", BROKER_SERVE_PROMPT_MAX, DAG_SPEC_MAX_PROMPT);
         return;
     }
+    if (!o->n_prompt_tokens && !o->prompt.len) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "SessionOpen: the prompt is empty");
+        return;
+    }
     fu_errmsg em = {{0}};
     int32_t *ids = NULL;
     size_t n = 0;
