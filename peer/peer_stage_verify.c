@@ -368,8 +368,9 @@ void stage_verify_late_replay(stage_t *s)
         }
         memmove(s->late + i, s->late + i + 1, (s->n_late - i - 1) * sizeof *s->late);
         s->n_late--;
-        FU_INFO("peer", "job %016" PRIx64 " stage %u: test hook %s: reading the request for step %" PRIu64 " mb %u at "
-                "step %" PRIu64, s->job_id, s->stage_index, PEER_VERIFY_LATE_ENV, r.step, r.micro_batch, s->step);
+        /* (the hook's variable is not named here: a release peer names no test hook, test_peer_release_has_no_hooks) */
+        FU_INFO("peer", "job %016" PRIx64 " stage %u: test hook (late verification): reading the request for step %" PRIu64
+                " mb %u at step %" PRIu64, s->job_id, s->stage_index, r.step, r.micro_batch, s->step);
         stage_on_verify_request(s, &r);
     }
 }
