@@ -284,6 +284,12 @@ static fu_err broker_connect(peer_t *p, fu_errmsg *em)
     int ivl = IO_BROKER_RECONNECT_MS; /* back within the broker's grace after a drop (broker_conn_events) */
     if (zmq_setsockopt(p->broker, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl) != 0)
         FU_WARN("peer", "the broker socket reconnects after %d ms, not %d", WIRE_RECONNECT_MS, ivl);
+    /* ... and after an outage of the broker at most IO_BROKER_RECONNECT_MAX_MS after it is back: a
+     * restarted broker waits for its peers only a few heartbeats (BJ_RECOVER_WAIT), and libzmq's
+     * back-off (doubling up to WIRE_RECONNECT_MAX_MS, 5 s) could miss that. */
+    int ivl_max = IO_BROKER_RECONNECT_MAX_MS;
+    if (zmq_setsockopt(p->broker, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max) != 0)
+        FU_WARN("peer", "the broker socket's reconnect back-off is not capped at %d ms", ivl_max);
     /* a monitor endpoint of its own per socket: a closed socket's may not be released yet */
     char mon_ep[64];
     snprintf(mon_ep, sizeof mon_ep, IO_MONITOR_EP "-%u", ++p->mon_n);

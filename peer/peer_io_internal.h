@@ -34,6 +34,7 @@ extern "C" {
  * closed dead unless it hears from it within 200-250 ms (broker_conn.c), and WIRE_RECONNECT_MS (100,
  * so 100-199 ms) with the handshake and our heartbeat did not always fit in that under load. */
 #define IO_BROKER_RECONNECT_MS 20
+#define IO_BROKER_RECONNECT_MAX_MS 500 /* the broker socket's longest reconnect interval (an outage) */
 #define IO_ENROL_WAIT_MS  10000
 #define IO_MAX_TENSOR     ((size_t)1 << 31) /* largest activation/gradient accepted */
 #define PEER_PROBE_BYTES  (4u << 20) /* LinkProbe payload asked for after joining */
