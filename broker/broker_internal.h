@@ -517,6 +517,9 @@ FU_MUST_CHECK fu_err broker_job_cancel(broker_t *b, const char *id, const char *
  * string, sp's max_tokens). The tokenizer's error when the ids cannot be decoded. */
 FU_MUST_CHECK fu_err broker_gen_text(const broker_job *j, const dag_spec *sp, const int32_t *gen, size_t n,
                                      bool *ends, char **text, size_t *len);
+/* Token tok of position pos (of session `session`, 0: the job's one generation) on to stage 0 of
+ * inference job j as its next input; nothing while stage 0 has no live peer (failover under way). */
+void broker_token_to_first(broker_t *b, const broker_job *j, uint32_t session, uint64_t pos, int32_t tok);
 /* The broker ends j itself (a serving job idle past its spec's idle_s): released, stored cancelled
  * with reason, an event "retired". */
 void broker_job_retire(broker_t *b, broker_job *j, const char *reason);

@@ -310,6 +310,19 @@ fu_err broker_gen_text(const broker_job *j, const dag_spec *sp, const int32_t *g
     return FU_OK;
 }
 
+void broker_token_to_first(broker_t *b, const broker_job *j, uint32_t session, uint64_t pos, int32_t tok)
+{
+    broker_peer *first = broker_peer_find(b, j->stages[0].peer);
+    if (!first || !first->live)
+        return; /* failover is under way */
+    Fusion__InferToken next = FUSION__INFER_TOKEN__INIT;
+    next.job_id = j->id64;
+    next.session = session;
+    next.position = pos;
+    next.token = tok;
+    (void)broker_send_peer(b, first, FUSION__MSG_TYPE__MSG_INFER_TOKEN, j->id64, &next.base);
+}
+
 void broker_job_retire(broker_t *b, broker_job *j, const char *reason)
 {
     broker_job_release(b, j, reason);

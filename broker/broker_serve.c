@@ -278,15 +278,7 @@ void broker_serve_on_token(broker_t *b, broker_job *j, const wire_msg_t *msg, co
         return;
     }
     wake(b, j, s, false);
-    broker_peer *first = broker_peer_find(b, j->stages[0].peer);
-    if (!first || !first->live)
-        return; /* failover is under way */
-    Fusion__InferToken next = FUSION__INFER_TOKEN__INIT;
-    next.job_id = j->id64;
-    next.session = s->id;
-    next.position = t->position;
-    next.token = t->token;
-    (void)broker_send_peer(b, first, FUSION__MSG_TYPE__MSG_INFER_TOKEN, j->id64, &next.base);
+    broker_token_to_first(b, j, s->id, t->position, t->token);
 }
 
 /* ---- the client's requests ---- */

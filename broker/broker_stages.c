@@ -408,14 +408,7 @@ void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     free(j->output);
     j->output = text;
     broker_job_wake(b, j, false); /* the long polls of its text */
-    broker_peer *first = broker_peer_find(b, j->stages[0].peer);
-    if (!first || !first->live)
-        return; /* failover is under way */
-    Fusion__InferToken next = FUSION__INFER_TOKEN__INIT;
-    next.job_id = j->id64;
-    next.position = t->position;
-    next.token = t->token;
-    (void)broker_send_peer(b, first, FUSION__MSG_TYPE__MSG_INFER_TOKEN, j->id64, &next.base);
+    broker_token_to_first(b, j, 0, t->position, t->token);
 }
 
 /* Stage 0 of inference job j says the last stage sent it, over the ring, another token for position
