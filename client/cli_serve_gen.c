@@ -284,10 +284,13 @@ static void gen_cancel(gen_t *g)
     g->over = true;
 }
 
-/* What g has so far: out (ol bytes), the broker's text; the text only grows (a shorter one: tokens
- * the broker dropped; keep ours). */
-static void gen_text(gen_t *g, const char *out, size_t ol)
+/* What g has so far: out (NULL: none), the broker's text in the answer to a long poll made at
+ * asked_ms; the text only grows (a shorter one: tokens the broker dropped; keep ours). */
+static void gen_text(gen_t *g, const char *out, uint64_t asked_ms)
 {
+    out = out ? out : "";
+    size_t ol = strlen(out);
+    g->pause = ol == g->known && cli_job_poll_pause(asked_ms, SERVE_LONG_POLL_MS);
     g->known = ol;
     if (ol >= g->len) {
         free(g->text);
@@ -337,10 +340,7 @@ static void gen_poll_session(gen_t *g)
         return;
     }
     const Fusion__SessionStatus *st = (const Fusion__SessionStatus *)wire_msg_body(m);
-    const char *out = st->output ? st->output : "";
-    size_t ol = strlen(out);
-    g->pause = ol == g->known && cli_job_poll_pause(asked, SERVE_LONG_POLL_MS);
-    gen_text(g, out, ol);
+    gen_text(g, st->output, asked);
     g->usage.completion_tokens = st->tokens;
     g->queued = st->waiting && st->waiting[0];
     if (g->queued)
@@ -374,10 +374,7 @@ static void gen_poll(gen_t *g)
         return;
     }
     const Fusion__JobStatus *st = (const Fusion__JobStatus *)wire_msg_body(m);
-    const char *out = st->output ? st->output : "";
-    size_t ol = strlen(out);
-    g->pause = ol == g->known && cli_job_poll_pause(asked, SERVE_LONG_POLL_MS);
-    gen_text(g, out, ol);
+    gen_text(g, st->output, asked);
     g->usage.completion_tokens = st->step;
     g->queued = st->state == FUSION__JOB_STATE__JOB_STATE_QUEUED;
     if (g->queued)
