@@ -136,7 +136,10 @@ static cJSON *jobs_json(broker_t *b, const char *caller)
         cJSON_AddStringToObject(o, "message", dj->reason ? dj->reason : "");
         cJSON_AddNumberToObject(o, "created_ms", (double)dj->created_ms);
         cJSON_AddNumberToObject(o, "updated_ms", (double)dj->updated_ms);
-        cJSON_AddItemToObject(o, "stages", stages_json(b, broker_job_find(b, dj->id)));
+        broker_job *j = broker_job_find(b, dj->id);
+        if (j && j->kind == DB_JOB_FINETUNE) /* the fraction verified: the spec's, else the broker's default */
+            cJSON_AddNumberToObject(o, "verify", broker_job_verify_fraction(b, j));
+        cJSON_AddItemToObject(o, "stages", stages_json(b, j));
         cJSON_AddItemToArray(out, o);
     }
     db_job_array_free(&arr, n);

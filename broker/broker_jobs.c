@@ -149,6 +149,7 @@ static void fill_status(broker_t *b, const db_job *dj, Fusion__JobStatus *st, ch
     st->tokens_per_s = dj->tokens_per_s;
     st->micro_batches = dj->micro_batches;
     st->model_id = (char *)dj->model_id;
+    st->verify = j ? broker_job_verify_fraction(b, j) : -1;
     if (j) {
         if (j->kind != DB_JOB_INFER)
             st->micro_batches = j->spec.micro_batches;

@@ -10,6 +10,7 @@
 #include <zmq.h>
 
 #include "fu_alloc.h"
+#include "cli_progress.h"
 #include "fu_clock.h"
 #include "wire_keys.h"
 #include "wire_socket.h"
@@ -21,6 +22,8 @@ struct cli_conn {
     void *monitor;      /* PAIR receiving the DEALER's handshake events */
     long long timeout_ms;
     bool connected;     /* a TCP connection to the broker was made (once is enough) */
+    bool handshaken;    /* ... and its CURVE handshake finished */
+    uint64_t opened_ms; /* when the connection was opened: the handshake's clock */
     int refused;        /* connection attempts refused before that */
     uint64_t sequence;  /* of our requests */
     char endpoint[256]; /* the broker, for messages */
@@ -153,6 +156,7 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
     cli_conn_t *c = fu_calloc(1, sizeof *c);
     c->prog = prog;
     c->timeout_ms = o.timeout_ms > 0 ? o.timeout_ms : CLI_DEFAULT_TIMEOUT_MS;
+    c->opened_ms = fu_clock_ms();
     snprintf(c->endpoint, sizeof c->endpoint, "%s", o.broker);
     fu_err rc = FU_EIO;
     c->ctx = zmq_ctx_new();
@@ -243,14 +247,6 @@ static int error_exit_code(Fusion__ErrorCode code)
     }
 }
 
-/* A progress line is drawn on stderr and not ended (cli_conn_line_open): an error starts a new line. */
-static bool g_line_open;
-
-void cli_conn_line_open(bool open)
-{
-    g_line_open = open;
-}
-
 /* Says a failure of c on stderr (prefixed with its prog) and keeps it as its last error, with the
  * broker's error code (-1: none). */
 static void conn_err(cli_conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -263,9 +259,7 @@ static void conn_err(cli_conn_t *c, int code, const char *fmt, ...)
     c->last_code = code;
     if (c->quiet)
         return;
-    if (g_line_open)
-        fputc('\n', stderr);
-    g_line_open = false;
+    cli_progress_break(); /* an error after a progress line starts a line of its own */
     fprintf(stderr, "%s: %s\n", c->prog, c->last_err);
 }
 
@@ -315,8 +309,24 @@ fu_err cli_conn_request(const char *prog, const cli_conn_opts *o, const wire_hdr
 fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, int *exit_code)
 {
     uint64_t deadline = fu_clock_ms() + (uint64_t)c->timeout_ms;
+    uint64_t shake_ms = (uint64_t)(c->timeout_ms < CLI_HANDSHAKE_MS ? c->timeout_ms : CLI_HANDSHAKE_MS);
     for (;;) {
         uint64_t now = fu_clock_ms();
+        /* A broker that is stopped, hung or behind a black hole never finishes the handshake: said after
+         * a few seconds rather than at the request's deadline. Once it has, a restart is waited for. */
+        if (!c->handshaken && now >= c->opened_ms + shake_ms && now < deadline) {
+            if (c->connected)
+                conn_err(c, -1,
+                         "the broker at %s took the connection but has not finished its handshake in %.1f s (is "
+                         "fusion-broker stopped or hung, or is something else listening on that port?)",
+                         c->endpoint, (double)shake_ms / 1000.0);
+            else
+                conn_err(c, -1,
+                         "cannot reach %s: no connection in %.1f s (is the host up, and the port open to you?)",
+                         c->endpoint, (double)shake_ms / 1000.0);
+            *exit_code = FU_EXIT_TIMEOUT;
+            return FU_ETIMEDOUT;
+        }
         if (now >= deadline) {
             conn_err(c, -1,
                      "no answer from the broker at %s within %lld ms (is fusion-broker running there, and is "
@@ -334,6 +344,7 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         if (items[1].revents & ZMQ_POLLIN) {
             int ev = conn_monitor_event(c);
             c->connected |= ev == ZMQ_EVENT_CONNECTED || ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+            c->handshaken |= ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
             /* Refused again and again (a retry every WIRE_RECONNECT_MS at first) before it ever
              * connected: nothing listens there. Once connected, a broker that restarts is waited for. */
             if (ev == ZMQ_EVENT_CONNECT_RETRIED && !c->connected && ++c->refused >= CLI_REFUSED_TRIES) {
@@ -359,6 +370,7 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         fu_err rc = wire_recv(c->sock, WIRE_DONTWAIT, NULL, &m);
         if (rc == FU_EAGAIN)
             continue;
+        c->handshaken = true; /* an answer came: its event may still be queued on the monitor */
         if (rc != FU_OK) {
             conn_err(c, -1, "bad answer from the broker: %s", fu_strerror(rc));
             *exit_code = FU_EXIT_FAIL;

@@ -19,6 +19,8 @@ extern "C" {
 
 #define CLI_DEFAULT_TIMEOUT_MS 10000 /* one request's deadline */
 #define CLI_REFUSED_TRIES      3     /* refused connection attempts that mean no broker listens there */
+#define CLI_HANDSHAKE_MS       4000  /* a broker that has not finished the CURVE handshake by then (or the
+                                        request's deadline, when shorter) is not answering: said at once */
 #define CLI_CONFIG_NAME        "client.conf"
 
 /* What the user said about the connection; NULL fields are filled from the environment and the
@@ -48,10 +50,6 @@ void cli_conn_close(cli_conn_t **self_p);
  * options left them NULL; each must then be known (the broker's endpoint only when need_broker). On
  * failure the message is printed and the exit code set. */
 FU_MUST_CHECK fu_err cli_conn_resolve(const char *prog, cli_conn_opts *o, bool need_broker, int *exit_code);
-
-/* Says whether a progress line is drawn on stderr without its newline: the connection's errors then
- * begin on a line of their own instead of being glued to it. */
-void cli_conn_line_open(bool open);
 
 /* Sends (hdr, body) and waits for one answer. When the answer is of type `want` it is returned in
  * *reply (free with wire_msg_destroy). An Error answer is printed (with prog) and mapped to an exit

@@ -6,12 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "cli_progress.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 
@@ -59,6 +59,8 @@ static cJSON *status_json(const Fusion__JobStatus *s)
     cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
     if (s->micro_batches)
         cJSON_AddNumberToObject(o, "micro_batches", s->micro_batches);
+    if (s->kind == FUSION__JOB_KIND__JOB_KIND_FINETUNE && s->verify >= 0)
+        cJSON_AddNumberToObject(o, "verify", s->verify);
     cJSON *stages = cJSON_AddArrayToObject(o, "stage_peers");
     for (size_t i = 0; i < s->n_stage_info; i++) {
         const Fusion__JobStage *st = s->stage_info[i];
@@ -103,6 +105,18 @@ static void print_status_row(const Fusion__JobStatus *s)
         snprintf(loss, sizeof loss, "%.4f", s->loss);
     printf("%-16s  %-8s  %-9s  %-11s  %-8s  %s\n", id, kind_name(s->kind), cli_job_state_name(s->state), step, loss,
            s->message ? s->message : "");
+}
+
+const char *cli_job_verify_text(const Fusion__JobStatus *s, char *buf, size_t cap)
+{
+    buf[0] = '\0';
+    if (s->kind != FUSION__JOB_KIND__JOB_KIND_FINETUNE || s->verify < 0)
+        return buf;
+    if (s->verify == 0)
+        snprintf(buf, cap, "verification off (no micro-batch is re-run on a second peer)");
+    else
+        snprintf(buf, cap, "%g%% of micro-batches verified on a second peer", 100.0 * s->verify);
+    return buf;
 }
 
 /* Asks for one job's status. */
@@ -187,6 +201,9 @@ static void print_jobs(const read_opts *o, const Fusion__JobStatus *one, const F
         else
             print_status_row(s);
     }
+    char ver[96];
+    if (one && !o->json && cli_job_verify_text(one, ver, sizeof ver)[0])
+        printf("%s\n", ver);
     if (arr)
         print_json(arr);
 }
@@ -249,87 +266,30 @@ int cli_jobs_main(int argc, char **argv)
     return list_jobs(argv[0], &o, active);
 }
 
-/* Columns of the terminal on stderr (80 when it does not say). */
-static int term_width(void)
-{
-    struct winsize ws;
-    if (ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col >= 20)
-        return ws.ws_col;
-    return 80;
-}
-
-/* "M:SS" or "H:MM:SS". */
-static void fmt_duration(char *buf, size_t cap, double s)
-{
-    long t = s > 0 && s < 1e9 ? (long)(s + 0.5) : 0;
-    if (t >= 3600)
-        snprintf(buf, cap, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
-    else
-        snprintf(buf, cap, "%ld:%02ld", t / 60, t % 60);
-}
-
-/* Where a job was when `wait` first saw it make progress: the ETA's rate counts from there. */
-typedef struct {
-    double start_s;    /* when wait began */
-    double first_s;    /* when the first step was seen (0: not yet) */
-    uint64_t first_step;
-} progress_clock;
-
-/* Draws the progress line of a running job on a terminal, never wider than it (a redraw must not
- * scroll): bar, step of steps, loss, tokens/s, time followed and the time left at the rate seen since
- * then, and the broker's message when it says more than that the job runs. Without a terminal, a
- * line per new step. */
-static void show_progress(const Fusion__JobStatus *s, bool tty, progress_clock *pc)
+/* Draws the progress line of a running job on a terminal (cli_progress.h): step of steps, loss,
+ * tokens/s, and the broker's message when it says more than that the job runs. Without a terminal,
+ * a line per new step. */
+static void show_progress(const Fusion__JobStatus *s, bool tty, cli_progress *pc)
 {
     if (!s->total_steps || !s->step)
         return;
-    double now = fu_clock_sec();
-    if (!pc->first_s) {
-        pc->first_s = now;
-        pc->first_step = s->step;
-    }
     if (!tty) {
         fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " loss %.4f %.0f tok/s\n", s->step, s->total_steps, s->loss,
                 s->tokens_per_s);
         return;
     }
-    char el[48], eta[64] = "";
-    fmt_duration(el, sizeof el, now - pc->start_s);
-    if (s->step > pc->first_step && s->step < s->total_steps) {
-        double left = (double)(s->total_steps - s->step) * (now - pc->first_s) / (double)(s->step - pc->first_step);
-        char t[48];
-        fmt_duration(t, sizeof t, left);
-        snprintf(eta, sizeof eta, " ETA %s", t);
-    }
-    enum { WIDTH = 20 };
-    int filled = (int)((double)WIDTH * (double)s->step / (double)s->total_steps);
-    char bar[WIDTH + 1];
-    for (int i = 0; i < WIDTH; i++)
-        bar[i] = i < filled ? '#' : '.';
-    bar[WIDTH] = '\0';
     const char *msg = s->message ? s->message : "";
     if (strncmp(msg, "running on ", 11) == 0)
         msg = ""; /* the step and the stages are shown already */
-    char line[512];
-    int n = snprintf(line, sizeof line, "[%s] %" PRIu64 "/%" PRIu64 " loss %.4f %.0f tok/s %s%s%s%s", bar, s->step,
-                     s->total_steps, s->loss, s->tokens_per_s, el, eta, msg[0] ? "  " : "", msg);
-    size_t max = (size_t)term_width() - 1;
-    size_t len = n > 0 ? (size_t)n : 0;
-    if (len > sizeof line - 1)
-        len = sizeof line - 1;
-    if (len > max) {
-        len = max;
-        while (len > 0 && ((unsigned char)line[len] & 0xC0) == 0x80) /* not inside a UTF-8 character */
-            len--;
-    }
-    line[len] = '\0';
-    fprintf(stderr, "\r%s\033[K", line);
-    cli_conn_line_open(true);
+    char count[48], detail[64];
+    snprintf(count, sizeof count, "%" PRIu64 "/%" PRIu64, s->step, s->total_steps);
+    snprintf(detail, sizeof detail, "loss %.4f %.0f tok/s", s->loss, s->tokens_per_s);
+    cli_progress_draw(pc, (double)s->step, (double)s->total_steps, count, detail, msg);
 }
 
 /* Prints the job's stages and their peers when they differ from what was printed last (a new plan,
  * or a stage that moved to a backup). seen holds the last printed list. */
-static void show_stages(const Fusion__JobStatus *s, bool tty, char *seen, size_t seen_cap)
+static void show_stages(const Fusion__JobStatus *s, char *seen, size_t seen_cap)
 {
     char now[1024] = "";
     size_t n = 0;
@@ -341,8 +301,8 @@ static void show_stages(const Fusion__JobStatus *s, bool tty, char *seen, size_t
     }
     if (!now[0] || strcmp(now, seen) == 0)
         return;
-    fprintf(stderr, "%sstages: %s\n", tty ? "\r\033[K" : "", now);
-    cli_conn_line_open(false);
+    cli_progress_clear(); /* printed over the progress line, which the next redraw puts back */
+    fprintf(stderr, "stages: %s\n", now);
     snprintf(seen, seen_cap, "%s", now);
 }
 
@@ -379,7 +339,8 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
     uint64_t last_step = UINT64_MAX;
     size_t printed = 0; /* bytes of generated text already written */
     double start = fu_clock_sec();
-    progress_clock pc = {.start_s = start};
+    cli_progress pc;
+    cli_progress_init(&pc);
     wait_note_install(prog, id);
     char last_msg[256] = "";
     bool infer = false; /* an inference's text is long-polled: each token shows as it comes */
@@ -403,11 +364,12 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
         }
         const char *msg = s->message ? s->message : "";
         if (!quiet && s->state == FUSION__JOB_STATE__JOB_STATE_QUEUED && strcmp(msg, last_msg) != 0) {
+            cli_progress_clear();
             fprintf(stderr, "queued: %s\n", msg);
             snprintf(last_msg, sizeof last_msg, "%s", msg);
         }
         if (!quiet)
-            show_stages(s, tty, stages_seen, sizeof stages_seen);
+            show_stages(s, stages_seen, sizeof stages_seen);
         if (!quiet && s->kind != FUSION__JOB_KIND__JOB_KIND_INFER && s->step != last_step) {
             show_progress(s, tty, &pc);
             last_step = s->step;
@@ -424,9 +386,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
         wire_msg_destroy(&m);
 
         if (over) {
-            if (tty && last_step != UINT64_MAX)
-                fputc('\n', stderr);
-            cli_conn_line_open(false);
+            cli_progress_break();
             if (printed)
                 putchar('\n');
             char idt[17];
@@ -441,9 +401,7 @@ int cli_wait_job(cli_conn_t *conn, const char *prog, uint64_t id, double timeout
             return FU_EXIT_FAIL;
         }
         if (timed_out) {
-            if (tty && last_step != UINT64_MAX)
-                fputc('\n', stderr);
-            cli_conn_line_open(false);
+            cli_progress_break();
             fprintf(stderr, "%s: still %s after %.0f s (step %" PRIu64 "); run `fusion wait` again to follow it\n",
                     prog, cli_job_state_name(st), timeout_s, step);
             return FU_EXIT_TIMEOUT;

@@ -57,6 +57,10 @@ FU_MUST_CHECK fu_err cli_job_output(cli_conn_t *conn, const char *prog, uint64_t
 /* State names users see ("queued", "running", ...). */
 const char *cli_job_state_name(Fusion__JobState s);
 
+/* What a fine-tune's verification is, in words ("25% of micro-batches verified on a second peer"), in
+ * buf; "" for other jobs and when the broker did not say. Returns buf. */
+const char *cli_job_verify_text(const Fusion__JobStatus *s, char *buf, size_t cap);
+
 #ifdef __cplusplus
 }
 #endif

@@ -14,6 +14,7 @@
 
 #include "cli.h"
 #include "cli_openai.h"
+#include "cli_progress.h"
 #include "cli_run_batch.h"
 #include "cli_runmodel.h"
 #include "dag_chain.h"
@@ -36,7 +37,6 @@
 
 #define CLI_RUN_MAX_DATA      ((size_t)1 << 30) /* largest --data file read */
 #define CLI_RUN_MAX_PROMPT    CLI_RUN_BATCH_MAX_PROMPT /* longest prompt in tokens */
-#define CLI_RUN_BAR_WIDTH     30                /* progress bar characters */
 
 /* Ctrl-C (SIGINT) or SIGTERM during `run finetune`: the step under way finishes, then the adapter of
  * the last finished step is written before the command exits 130. */
@@ -88,18 +88,16 @@ static int output_dir_ready(const char *prog, const char *out, bool force)
 
 /* ---- finetune ------------------------------------------------------------------------------- */
 
-static void progress(bool tty, long long step, long long steps, double loss, double tps)
+/* A step done: the progress line on a terminal, else a line on stdout. */
+static void progress(cli_progress *p, bool tty, long long step, long long steps, double loss, double tps)
 {
     if (tty) {
-        int filled = (int)(CLI_RUN_BAR_WIDTH * step / (steps ? steps : 1));
-        char bar[CLI_RUN_BAR_WIDTH + 1];
-        for (int i = 0; i < CLI_RUN_BAR_WIDTH; i++)
-            bar[i] = i < filled ? '#' : '.';
-        bar[CLI_RUN_BAR_WIDTH] = '\0';
-        fprintf(stderr, "\rstep %lld/%lld [%s] loss %.4f  %.0f tokens/s ", step, steps, bar, loss, tps);
+        char count[48], detail[64];
+        snprintf(count, sizeof count, "step %lld/%lld", step, steps);
+        snprintf(detail, sizeof detail, "loss %.4f %.0f tok/s", loss, tps);
+        cli_progress_draw(p, (double)step, (double)steps, count, detail, NULL);
         if (step == steps)
-            fputc('\n', stderr);
-        fflush(stderr);
+            cli_progress_break();
     } else {
         printf("step %lld/%lld loss %.4f tokens/s %.0f\n", step, steps, (double)loss, tps);
         fflush(stdout);
@@ -246,17 +244,21 @@ static int run_finetune(int argc, char **argv)
                dag_adapter_name(method), rank, alpha, n_ids, n_win, seq_len, steps, batch, seq_len,
                dag_chain_trainable_params(&chain));
     double t0 = fu_clock_sec();
+    cli_progress bar;
+    cli_progress_init(&bar);
     long long done_steps = 0;
     interrupt_install();
     for (long long s = 1; s <= steps && !g_interrupted; s++) {
         double loss = 0;
         rc = dag_chain_step(&chain, (uint64_t)(s - 1), &loss, &em);
         if (rc != FU_OK) {
+            cli_progress_break();
             fprintf(stderr, "%s: step %lld failed: %s\n", prog, s, fu_errmsg_text(&em, rc));
             exit_code = FU_EXIT_FAIL;
             goto done;
         }
         if (!isfinite(loss)) {
+            cli_progress_break();
             fprintf(stderr, "%s: the loss is not finite at step %lld (learning rate too high?)\n", prog, s);
             exit_code = FU_EXIT_FAIL;
             goto done;
@@ -264,7 +266,7 @@ static int run_finetune(int argc, char **argv)
         done_steps = s;
         double el = fu_clock_sec() - t0;
         double tps = (double)(s * batch * seq_len) / (el > 0 ? el : 1e-9);
-        progress(tty, s, steps, loss, tps);
+        progress(&bar, tty, s, steps, loss, tps);
         if (log) {
             fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"tokens\":%lld,\"elapsed_s\":%.3f,\"tokens_per_s\":%.1f}\n", s,
                     (double)loss, s * batch * seq_len, el, tps);
@@ -276,8 +278,7 @@ static int run_finetune(int argc, char **argv)
         goto done;
     }
     if (g_interrupted) {
-        if (tty)
-            fputc('\n', stderr);
+        cli_progress_break();
         fprintf(stderr, "%s: interrupted: %s holds the adapter after step %lld of %lld (the one --steps %lld "
                         "makes)\n", prog, out, done_steps, steps, done_steps);
         exit_code = 130;

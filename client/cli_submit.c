@@ -94,8 +94,10 @@ static fu_err submit_on(cli_conn_t *conn, const char *prog, Fusion__JobKind kind
         printf("%s\n", idt);
     fflush(stdout);
     if (!quiet) {
-        fprintf(stderr, "submitted job %s (%s)%s%s\n", idt, cli_job_state_name(s->state),
-                s->message && s->message[0] ? ": " : "", s->message ? s->message : "");
+        char ver[96];
+        cli_job_verify_text(s, ver, sizeof ver);
+        fprintf(stderr, "submitted job %s (%s)%s%s%s%s\n", idt, cli_job_state_name(s->state),
+                s->message && s->message[0] ? ": " : "", s->message ? s->message : "", ver[0] ? "; " : "", ver);
     }
     wire_msg_destroy(&m);
     return FU_OK;
@@ -305,6 +307,8 @@ static int submit_eval(int argc, char **argv)
         EVAL_OPTS(&a),
         {"idempotency-key", 0, FU_OPT_STR, &a.idem, "KEY", "resubmitting with the same KEY returns the same job"},
         {"wait", 'w', FU_OPT_FLAG, &a.wait, NULL, "follow the job; print its result (JSON) when done"},
+        {"json", 0, FU_OPT_FLAG, &a.json, NULL, "print the job's status as JSON (with --wait: its last one, the "
+                                                 "result in its \"output\")"},
     };
     const fu_cmd cmd = {.prog = argv[0],
                         .usage = "--model DIR --data FILE [--adapter-job JOB] [options]",
@@ -325,7 +329,7 @@ static int submit_eval(int argc, char **argv)
     if ((code = read_data(cmd.prog, a.data, &text, &text_len)) != FU_EXIT_OK)
         return code;
     code = submit_and_follow(cmd.prog, &a.co, FUSION__JOB_KIND__JOB_KIND_EVAL, &spec, a.upload, (const uint8_t *)text,
-                             text_len, a.idem, a.wait, a.quiet, false);
+                             text_len, a.idem, a.wait, a.quiet, a.json);
     dag_spec_clear(&spec);
     free(text);
     return code;

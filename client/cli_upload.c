@@ -12,6 +12,7 @@
 #include <sodium.h>
 
 #include "cli.h"
+#include "cli_progress.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
 #include "fu_file.h"
@@ -62,14 +63,19 @@ typedef struct {
     uint32_t len;
 } chunk_at;
 
-static void progress(const char *prog, const cli_upload_report *r, uint64_t to_send, uint32_t already, double t0,
-                     bool done)
+/* The upload's progress line (cli_progress.h): MiB sent of those to send, the rate, the chunks the
+ * broker had already. */
+static void progress(cli_progress *p, const cli_upload_report *r, uint64_t to_send, uint32_t already, bool done)
 {
-    double el = fu_clock_sec() - t0;
-    fprintf(stderr, "\r%s: upload %.1f of %.1f MiB (%3.0f%%)  %.1f MiB/s  %u chunks already on the broker\033[K%s",
-            prog, (double)r->bytes_sent / 1048576.0, (double)to_send / 1048576.0,
-            to_send ? 100.0 * (double)r->bytes_sent / (double)to_send : 100.0,
-            el > 0 ? (double)r->bytes_sent / 1048576.0 / el : 0.0, already, done ? "\n" : "");
+    double sent = (double)r->bytes_sent / 1048576.0, total = (double)to_send / 1048576.0;
+    double el = fu_clock_sec() - p->start_s;
+    char count[64], detail[96];
+    snprintf(count, sizeof count, "%.1f/%.1f MiB", sent, total);
+    snprintf(detail, sizeof detail, "%.1f MiB/s, %u chunks already on the broker", el > 0 ? sent / el : 0.0,
+             already);
+    cli_progress_draw(p, to_send ? sent : 1, to_send ? total : 1, count, detail, NULL);
+    if (done)
+        cli_progress_break();
 }
 
 fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, bool quiet,
@@ -116,6 +122,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
             uint64_t off = (uint64_t)k * WIRE_UPLOAD_CHUNK, left = files[i].size - off;
             uint32_t len = (uint32_t)(left < WIRE_UPLOAD_CHUNK ? left : WIRE_UPLOAD_CHUNK);
             if (pread(fds[i], buf, len, (off_t)off) != (ssize_t)len) {
+                cli_progress_break();
                 fprintf(stderr, "%s: cannot read '%s/%s' (it changed while read?)\n", prog, dir, names[i]);
                 *exit_code = FU_EXIT_FAIL;
                 rc = FU_EIO;
@@ -136,6 +143,8 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
     uint64_t to_send = 0;
     uint32_t already = 0;
     bool tty = !quiet && isatty(STDERR_FILENO);
+    cli_progress bar;
+    cli_progress_init(&bar);
     /* announce; send what is asked for; commit; until the broker names the model (it flushes the
      * files on its worker meanwhile: nothing to send, no name yet, ask again) */
     int idle = 0, sends = 0;
@@ -173,6 +182,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
         for (size_t i = 0; i < nm + ncp && rc == FU_OK; i++) {
             uint32_t c = todo[i];
             if (c >= nc) {
+                cli_progress_break();
                 fprintf(stderr, "%s: the broker asked for chunk %u of %u\n", prog, c, nc);
                 *exit_code = FU_EXIT_FAIL;
                 rc = FU_EPROTO;
@@ -206,7 +216,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
                 rep->bytes_sent += at[c].len;
             }
             if (tty)
-                progress(prog, rep, to_send, already, t0, false);
+                progress(&bar, rep, to_send, already, false);
         }
         for (; rc == FU_OK && in_flight > 0; in_flight--) {
             if ((rc = cli_conn_recv(conn, FUSION__MSG_TYPE__MSG_UPLOAD_STATUS, &m, exit_code)) == FU_OK)
@@ -216,6 +226,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
         free(stub);
     }
     if (rc == FU_OK && !name[0]) {
+        cli_progress_break();
         fprintf(stderr, "%s: the broker did not name the uploaded model (it kept asking for chunks, or its commit "
                         "took over %d s)\n",
                 prog, CLI_UPLOAD_WAITS / 10);
@@ -224,7 +235,7 @@ fu_err cli_upload_model(cli_conn_t *conn, const char *prog, const char *dir, boo
     }
     rep->seconds = fu_clock_sec() - t0;
     if (tty && rc == FU_OK)
-        progress(prog, rep, to_send, already, t0, true);
+        progress(&bar, rep, to_send, already, true);
     for (size_t i = 0; i < n; i++) {
         if (fds[i] >= 0)
             close(fds[i]);

@@ -1,8 +1,9 @@
-/* `fusion wait`'s progress line on a real terminal (issue "Operate and serve", CLI points): a
- * three-peer fine-tune is followed under script(1), which gives `fusion` a pseudo-terminal of a chosen
- * width. Every redraw must fit in the terminal less one column (a line that wraps scrolls the screen
- * at every redraw), show the step once, and, when there is room, the loss, tokens/s, the time
- * followed and the ETA; on a narrow terminal the line is cut, never wrapped. */
+/* The progress lines of `fusion wait` and `fusion run finetune` on a real terminal (issue "Operate and
+ * serve", CLI points): a three-peer fine-tune is followed, and a local one run, under script(1), which
+ * gives `fusion` a pseudo-terminal of a chosen width. Every redraw must fit in the terminal less one
+ * column (a line that wraps scrolls the screen at every redraw), show the step once, and, when there
+ * is room, the loss, tokens/s, the time followed and the ETA; on a narrow terminal the line is cut,
+ * never wrapped. An error that ends `wait` starts on a line of its own, not glued to the bar. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,16 +11,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 
 #include <cmocka.h>
 
 #include "cluster.h"
 #include "testutil.h"
 
-/* The progress redraws (segments between \r and \n that begin with the bar) of what `fusion wait`
- * drew on a terminal of cols columns; each checked. Returns how many there were; *full counts those
- * that show loss, tokens/s, time followed and ETA. */
-static int check_redraws(char *out, int cols, int *full)
+/* The progress redraws (segments between \r and \n that begin with the bar) of what `fusion` drew on
+ * a terminal of cols columns, for a job of `total` steps ("/100000"); each checked. Returns how many
+ * there were; *full counts those that show loss, tokens/s, time followed and ETA. */
+static int check_redraws(char *out, int cols, const char *total, int *full)
 {
     int n = 0;
     *full = 0;
@@ -32,9 +34,9 @@ static int check_redraws(char *out, int cols, int *full)
         n++;
         if ((int)strlen(seg) > cols - 1)
             fail_msg("a progress line of %zu columns on a terminal of %d: '%s'", strlen(seg), cols, seg);
-        const char *of = strstr(seg, "/100000");
+        const char *of = strstr(seg, total);
         assert_non_null(of);
-        assert_null(strstr(of + 1, "/100000")); /* the step once */
+        assert_null(strstr(of + 1, total)); /* the step once */
         if (strstr(seg, " loss ") && strstr(seg, " tok/s ") && strstr(seg, " ETA ") && strstr(seg, "0:0"))
             (*full)++;
     }
@@ -58,14 +60,44 @@ static void test_cli_progress_line_fits_the_terminal(void **state)
         /* exit 5: --wait-timeout passed with the job still running */
         char *out = tu_sh_expect_out(5, NULL, "script -qfec \"stty cols %d rows 24; FUSION_CONFIG='%s' '%s' wait %s "
                                      "--wait-timeout 5\" /dev/null", widths[w], conf, tu_bin("fusion"), id);
-        int full = 0, n = check_redraws(out, widths[w], &full);
+        int full = 0, n = check_redraws(out, widths[w], "/100000", &full);
         printf("terminal of %d columns: %d redraws, %d with loss, tok/s, time and ETA\n", widths[w], n, full);
         assert_true(n >= 2);
         if (widths[w] >= 100)
             assert_true(full >= 1);
         free(out);
     }
+    /* The broker stops answering while `wait` draws: its error begins a line of its own. */
+    char *out = tu_sh_expect_out(5, "no answer from the broker", "script -qfec \"stty cols 80 rows 24; "
+                                 "FUSION_CONFIG='%s' '%s' wait %s --timeout-ms 2000 & p=\\$!; sleep 2; kill -STOP %d; wait \\$p\" "
+                                 "/dev/null", conf, tu_bin("fusion"), id, (int)tu_broker_pid(c));
+    assert_int_equal(kill(tu_broker_pid(c), SIGCONT), 0);
+    const char *err = strstr(out, "no answer from the broker");
+    const char *line = err;
+    while (line > out && line[-1] != '\n')
+        line--;
+    if (memchr(line, '[', (size_t)(err - line)))
+        fail_msg("the error is glued to the progress line: '%.*s'", (int)(err - line) + 30, line);
+    assert_non_null(strstr(out, "/100000")); /* there was a bar before it */
+    free(out);
     assert_int_equal(tu_fusion(c, NULL, "cancel %s", id), 0);
+
+    /* `fusion run finetune`'s line, on a narrow terminal and a wide one */
+    char model[TU_PATH];
+    tu_path(c, model, "model");
+    for (int w = 0; w < 2; w++) {
+        out = tu_sh_expect_out(0, "wrote adapter", "script -qfec \"stty cols %d rows 24; '%s' run finetune --model "
+                               "'%s' --data '%s' -o '%s/run-%d' --steps 40 --batch 2 --seq-len 16 --threads 1\" "
+                               "/dev/null", widths[w], tu_bin("fusion"), model, tu_cluster_data(c),
+                               tu_cluster_dir(c), w);
+        int full = 0, n = check_redraws(out, widths[w], "/40", &full);
+        printf("run finetune on a terminal of %d columns: %d redraws, %d with loss, tok/s, time and ETA\n",
+               widths[w], n, full);
+        assert_true(n >= 40);
+        if (widths[w] >= 100)
+            assert_true(full >= 1);
+        free(out);
+    }
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 

@@ -75,6 +75,7 @@ static void test_e2e_dashboard_shows_a_running_job(void **state)
         assert_non_null(strstr(dom, want));
     }
     assert_non_null(strstr(dom, "tok/s"));
+    assert_non_null(strstr(dom, "verified 25%")); /* the broker's default verification, shown */
     assert_non_null(strstr(dom, "submitted")); /* the event log */
     /* the loss curve: the broker's history from step 1, at least the steps done before the load */
     const char *curve = strstr(dom, "class=\"loss\" data-points=\"");

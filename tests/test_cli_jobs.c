@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <arpa/inet.h>
@@ -189,6 +190,18 @@ static void test_client_dead_broker_and_bad_config_said_at_once(void **state)
                  "FUSION_CONFIG= %s status --broker tcp://127.0.0.1:%d --broker-key %s/broker/public.key --keys "
                  "%s/alice --timeout-ms 60000", tu_bin("fusion"), closed_port(), dir, dir);
     printf("a broker that is not there: said after %.1f s\n", fu_clock_sec() - t0);
+    /* A broker that is there but does not answer (stopped: the kernel still takes the connection) is
+     * said within a few seconds too, as a timeout, and not at the 60 s deadline. */
+    pid_t broker = tu_broker_pid(g_c);
+    assert_int_equal(kill(broker, SIGSTOP), 0);
+    t0 = fu_clock_sec();
+    char *o = run_as_out(0, 5, "has not finished its handshake in 4.0 s", "status --timeout-ms 60000");
+    double took = fu_clock_sec() - t0;
+    assert_int_equal(kill(broker, SIGCONT), 0);
+    printf("a broker that is stopped: said after %.1f s\n", took);
+    assert_true(took < 15);
+    free(o);
+    run_as(0, 0, NULL, "jobs"); /* it goes on once continued */
     char conf[TU_PATH];
     tu_path(g_c, conf, "typo.conf");
     FILE *f = fopen(conf, "w");
@@ -202,6 +215,14 @@ static void test_client_dead_broker_and_bad_config_said_at_once(void **state)
     /* fusion-broker --allow with a path that does not exist and no enrolment token: it would admit nobody */
     tu_sh_expect(4, "--allow '/nonexistent/allow' does not exist", "%s --allow /nonexistent/allow --keys %s/broker "
                  "--db %s/other.db --bind tcp://127.0.0.1:%d", tu_bin("fusion-broker"), dir, dir, closed_port());
+    /* a directory is no allow-list; with an enrolment token the list may be missing, but it must be
+     * possible to make it */
+    tu_sh_expect(2, "is a directory, not an allow-list file", "%s --allow %s --keys %s/broker --db %s/other.db "
+                 "--bind tcp://127.0.0.1:%d", tu_bin("fusion-broker"), dir, dir, dir, closed_port());
+    char want[TU_PATH + 64];
+    snprintf(want, sizeof want, "does not exist and cannot be made in '%s/no-dir'", dir);
+    tu_sh_expect(4, want, "%s --allow %s/no-dir/allow --enrol-token 0123456789abcdef0123 --keys %s/broker --db "
+                 "%s/other.db --bind tcp://127.0.0.1:%d", tu_bin("fusion-broker"), dir, dir, dir, closed_port());
 }
 
 /* Issue "Operate and serve", CLI points: exit codes as the README says, the same from `run` and
@@ -286,11 +307,50 @@ static void test_client_json_everywhere(void **state)
     const char *at = strstr(o, "\"job\":\"");
     assert_non_null(at);
     snprintf(id, sizeof id, "%.16s", at + 7);
+    /* a fine-tune's verification is shown, the broker's default when the spec says nothing */
+    assert_non_null(strstr(o, "\"verify\":0.25"));
     free(o);
+    /* infer and eval too */
+    free(run_as_out(1, 0, "\"kind\":\"infer\"", "submit infer --model %s --prompt hi --max-tokens 2 --json 2>/dev/null",
+                    g_model));
+    char *e = run_as_out(1, 0, "\"kind\":\"eval\"", "submit eval --model %s --data %s --batch 2 --seq-len 16 --json "
+                         "2>/dev/null", g_model, tu_cluster_data(g_c));
+    assert_true(e[0] == '{');
+    assert_ptr_equal(strchr(e, '\n'), e + strlen(e) - 1);
+    free(e);
     /* a queued job waited for one second: exit 5, and its status as JSON on stdout */
     o = run_as_out(1, 5, "\"state\":\"queued\"", "wait %s --wait-timeout 1 --json 2>/dev/null", id);
     assert_true(o[0] == '{');
     assert_non_null(strstr(o, id));
+    free(o);
+}
+
+/* Issue "Operate and serve", CLI points: verification is on by default (the broker's --verify, 0.25)
+ * and every fine-tune says how much of it runs: at submission, in `status` and in its JSON; a spec's
+ * own fraction (0 included) is what is shown. */
+static void test_client_verification_is_on_by_default_and_shown(void **state)
+{
+    (void)state;
+    const char *args = "--steps 3 --batch 2 --seq-len 16";
+    char *o = run_as_out(0, 0, "25% of micro-batches verified on a second peer",
+                         "submit finetune --model %s --data %s %s --idempotency-key v-default 2>&1", g_model,
+                         tu_cluster_data(g_c), args);
+    char id[17];
+    snprintf(id, sizeof id, "%.16s", o);
+    free(o);
+    run_as(0, 0, "25% of micro-batches verified on a second peer", "status %s", id);
+    run_as(0, 0, "\"verify\":0.25", "status %s --json", id);
+    o = run_as_out(0, 0, "verification off", "submit finetune --model %s --data %s %s --verify 0 "
+                   "--idempotency-key v-off 2>&1", g_model, tu_cluster_data(g_c), args);
+    snprintf(id, sizeof id, "%.16s", o);
+    free(o);
+    run_as(0, 0, "\"verify\":0,", "status %s --json", id);
+    o = run_as_out(0, 0, "50% of micro-batches", "submit finetune --model %s --data %s %s --verify 0.5 "
+                   "--idempotency-key v-half 2>&1", g_model, tu_cluster_data(g_c), args);
+    free(o);
+    /* an inference has no verification to show */
+    o = run_as_out(0, 0, NULL, "submit infer --model %s --prompt hi --max-tokens 2 --json", g_model);
+    assert_null(strstr(o, "\"verify\""));
     free(o);
 }
 
@@ -328,6 +388,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_client_wait_interrupted_says_the_job_goes_on),
         cmocka_unit_test(test_client_json_everywhere),
         cmocka_unit_test(test_client_run_interrupted_saves_the_adapter),
+        cmocka_unit_test(test_client_verification_is_on_by_default_and_shown),
     };
     return tu_run_tests(argc, argv, tests, setup, teardown);
 }
