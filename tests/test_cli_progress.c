@@ -43,6 +43,39 @@ static int check_redraws(char *out, int cols, const char *total, int *full)
     return n;
 }
 
+/* The "stages:" line `wait` printed names each stage's layers without overlap: a stage that ends
+ * inside layer K ("K.attn") is followed by one that starts at "K.mlp", one that ends with layer K
+ * (whole, or its mlp) by one that starts at layer K + 1. */
+static void check_stage_labels(const char *out)
+{
+    const char *p = strstr(out, "stages: ");
+    assert_non_null(p);
+    const char *end = p + strcspn(p, "\r\n");
+    char prev[32] = "";
+    int n = 0;
+    for (const char *q = strstr(p, "(layer"); q && q < end; q = strstr(q + 1, "(layer"), n++) {
+        char lab[64];
+        size_t len = strcspn(q + 1, ")");
+        snprintf(lab, sizeof lab, "%.*s", (int)len, q + 1);
+        char *from = strchr(lab, ' ') + 1, *dash = strchr(from, '-');
+        char *to = dash ? dash + 1 : from;
+        if (dash)
+            *dash = '\0';
+        if (prev[0]) {
+            char want[32];
+            if (strstr(prev, ".attn"))
+                snprintf(want, sizeof want, "%d.mlp", atoi(prev));
+            else
+                snprintf(want, sizeof want, "%d", atoi(prev) + 1);
+            if (strncmp(from, want, strlen(want)) != 0 || (strstr(want, ".mlp") == NULL && strstr(from, ".mlp")))
+                fail_msg("stage %d starts at '%s' after a stage that ends at '%s': '%.*s'", n, from, prev,
+                         (int)(end - p), p);
+        }
+        snprintf(prev, sizeof prev, "%s", to);
+    }
+    assert_int_equal(n, 3);
+}
+
 static void test_cli_progress_line_fits_the_terminal(void **state)
 {
     (void)state;
@@ -60,6 +93,8 @@ static void test_cli_progress_line_fits_the_terminal(void **state)
         /* exit 5: --wait-timeout passed with the job still running */
         char *out = tu_sh_expect_out(5, NULL, "script -qfec \"stty cols %d rows 24; FUSION_CONFIG='%s' '%s' wait %s "
                                      "--wait-timeout 5\" /dev/null", widths[w], conf, tu_bin("fusion"), id);
+        if (w == 0)
+            check_stage_labels(out);
         int full = 0, n = check_redraws(out, widths[w], "/100000", &full);
         printf("terminal of %d columns: %d redraws, %d with loss, tok/s, time and ETA\n", widths[w], n, full);
         assert_true(n >= 2);
