@@ -449,6 +449,8 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         b->cfg.client_mib = BROKER_CLIENT_MIB;
     if (!b->cfg.client_per_min)
         b->cfg.client_per_min = BROKER_CLIENT_PER_MIN;
+    if (!b->cfg.sessions_per_min)
+        b->cfg.sessions_per_min = BROKER_SESSIONS_PER_MIN;
     if (!b->cfg.keep_events)
         b->cfg.keep_events = BROKER_KEEP_EVENTS;
     if (!(b->cfg.keep_events_days != 0)) /* 0 or NaN */
@@ -463,6 +465,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         .ckpt_grace_ms = BROKER_CKPT_GRACE_MS,
         .budget_s = BROKER_COMPACT_BUDGET_MS / 1e3};
     b->quota = broker_quota_new(b->cfg.client_per_min, BROKER_PREP_PER_CLIENT);
+    b->session_quota = broker_quota_new(b->cfg.sessions_per_min, 0);
     b->auth = broker_auth_new();
     b->losses = broker_losses_new(BROKER_LOSSHIST_POINTS, BROKER_LOSSES_ENDED);
     randombytes_buf(b->verify_key, sizeof b->verify_key); /* sample selection the peers cannot predict */
@@ -589,6 +592,7 @@ void broker_destroy(broker_t **b_p)
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_worker_free(&b->planner);
     broker_quota_free(&b->quota);
+    broker_quota_free(&b->session_quota);
     broker_auth_free(&b->auth);
     broker_losses_destroy(&b->losses);
     for (size_t i = 0; i < b->n_jobs; i++)

@@ -48,6 +48,7 @@ extern "C" {
 #define BROKER_CLIENT_MIB       4096      /* default --max-mib-per-client: MiB of specs, tokens and results stored */
 #define BROKER_UPLOAD_GIB       64        /* default --upload-gib: GiB of models clients may upload */
 #define BROKER_CLIENT_PER_MIN   60        /* default --max-submits-per-minute */
+#define BROKER_SESSIONS_PER_MIN 1200      /* default --max-sessions-per-minute (a serving job's generations) */
 #define BROKER_MAX_INFER_TOKENS 65536     /* most tokens one inference job may generate */
 #define BROKER_MIN_REPUTATION   0.2       /* a peer below this reputation gets no work */
 /* A bounded store (docs/STORE.md "Compaction"): what the periodic compaction keeps. */
@@ -111,6 +112,7 @@ typedef struct {
     uint32_t client_jobs;      /* unfinished jobs one client may have; 0: BROKER_CLIENT_JOBS */
     uint32_t client_mib;       /* MiB one client's jobs may hold in the store; 0: BROKER_CLIENT_MIB */
     uint32_t client_per_min;   /* submissions one client may make per minute; 0: BROKER_CLIENT_PER_MIN */
+    uint32_t sessions_per_min; /* sessions one client may open per minute; 0: BROKER_SESSIONS_PER_MIN */
     uint32_t challenge_ms;     /* the profile challenge's length at a peer's claimed speed; 0: no challenge
                                   (profiles believed: only for a cluster of one's own machines) */
     uint32_t upload_gib;       /* GiB of models clients may upload (fusion submit --upload) in all; 0: none */

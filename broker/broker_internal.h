@@ -376,6 +376,7 @@ struct broker {
     broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
     bool sched_changed;                /* the scheduler was asked for while a search ran: a new round next */
     broker_quota *quota;               /* per-client submission rate and preparations */
+    broker_quota *session_quota;       /* per-client rate of sessions opened in serving jobs */
     broker_auth *auth;                 /* failed enrolments by address, and bans */
     broker_losses *losses;             /* fine-tunes' loss curves (GET /api/jobs/JOB/loss), memory only */
     bool sched_dirty;                  /* something changed: run the scheduler */

@@ -59,7 +59,8 @@ int main(int argc, char **argv)
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
     long long challenge_ms = BROKER_CHALLENGE_MS;
-    long long upload_gib = BROKER_UPLOAD_GIB, client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN;
+    long long upload_gib = BROKER_UPLOAD_GIB, client_jobs = BROKER_CLIENT_JOBS, client_mib = BROKER_CLIENT_MIB, client_per_min = BROKER_CLIENT_PER_MIN,
+              sessions_per_min = BROKER_SESSIONS_PER_MIN;
     double verify = BROKER_VERIFY_DEFAULT, min_rep = BROKER_MIN_REPUTATION, grow = BROKER_GROW_MARGIN;
     long long keep_events = BROKER_KEEP_EVENTS;
     double keep_events_days = BROKER_KEEP_EVENTS_DAYS, keep_jobs_days = BROKER_KEEP_JOBS_DAYS, forget_days = 0;
@@ -112,6 +113,8 @@ int main(int argc, char **argv)
          "MiB of specs, tokens and results one client's jobs may hold in the store (default 4096)"},
         {"max-submits-per-minute", 0, FU_OPT_INT, &client_per_min, "N",
          "submissions one client may make per minute (default 60)"},
+        {"max-sessions-per-minute", 0, FU_OPT_INT, &sessions_per_min, "N",
+         "generations one client may open in its serving jobs per minute (default 1200)"},
         {"keep-events", 0, FU_OPT_INT, &keep_events, "N",
          "events kept in the store; older ones are rolled into its audit archive (counts per day and kind, "
          "hash-chained) (default 100000; 0: no count limit)"},
@@ -165,8 +168,9 @@ int main(int argc, char **argv)
         return FU_EXIT_USAGE;
     }
     if (client_jobs < 1 || client_jobs > 1000000 || client_mib < 1 || client_mib > (1 << 24) || client_per_min < 1 ||
-        client_per_min > 1000000) {
-        fprintf(stderr, "fusion-broker: --max-jobs-per-client and --max-submits-per-minute must be 1..1000000, "
+        client_per_min > 1000000 || sessions_per_min < 1 || sessions_per_min > 1000000) {
+        fprintf(stderr, "fusion-broker: --max-jobs-per-client, --max-submits-per-minute and --max-sessions-per-minute "
+                        "must be 1..1000000, "
                         "--max-mib-per-client 1..16777216\n");
         return FU_EXIT_USAGE;
     }
@@ -210,6 +214,7 @@ int main(int argc, char **argv)
                       .ready_timeout_s = (uint32_t)ready_timeout, .step_timeout_s = (uint32_t)step_timeout,
                       .pause_grace_s = (uint32_t)pause_grace, .client_jobs = (uint32_t)client_jobs,
                       .client_mib = (uint32_t)client_mib, .client_per_min = (uint32_t)client_per_min,
+                      .sessions_per_min = (uint32_t)sessions_per_min,
                       .challenge_ms = (uint32_t)challenge_ms, .grow_margin = grow,
                       .upload_gib = (uint32_t)upload_gib,
                       /* 0 on the command line is "no limit", which the configuration says with -1 */

@@ -24,7 +24,7 @@ broker_quota *broker_quota_new(uint32_t per_minute, uint32_t preparing)
 {
     broker_quota *q = fu_calloc(1, sizeof *q);
     q->per_minute = per_minute ? per_minute : 1;
-    q->preparing = preparing ? preparing : 1;
+    q->preparing = preparing ? preparing : UINT32_MAX;
     q->c = fu_calloc(BROKER_QUOTA_CLIENTS, sizeof *q->c);
     return q;
 }
@@ -82,7 +82,8 @@ bool broker_quota_take(broker_quota *q, const char *owner, uint64_t now_ms, uint
         return false;
     }
     c->tokens -= 1.0;
-    c->preparing++;
+    if (q->preparing != UINT32_MAX)
+        c->preparing++;
     return true;
 }
 

@@ -14,6 +14,7 @@
 
 typedef struct broker_quota broker_quota;
 
+/* preparing 0: none counted (a bucket alone, as for the sessions a client opens). */
 broker_quota *broker_quota_new(uint32_t per_minute, uint32_t preparing);
 void broker_quota_free(broker_quota **q);
 

@@ -30,6 +30,8 @@
 #define BROKER_SERVE_KEEP_MS    60000u      /* an ended session's status stays this long */
 #define BROKER_SERVE_WAITERS    4           /* long polls one session holds */
 #define BROKER_SERVE_PROMPT_MAX (256u << 10) /* bytes of a prompt's text */
+#define BROKER_SERVE_KEEP_MIN   64u         /* ended sessions a job keeps at least; at most 4 x its sessions
+                                               when more (the oldest forgotten first, before their 60 s) */
 
 typedef struct {
     uint32_t id;                   /* 1.. */
@@ -331,6 +333,26 @@ static fu_err open_spec(const broker_job *j, const Fusion__SessionOpen *o, size_
     return FU_OK;
 }
 
+/* Keeps a job's ended sessions to BROKER_SERVE_KEEP_MIN, or 4 x its sessions: a client that opens
+ * and closes sessions quickly cannot make the broker hold their texts for the whole 60 s. The
+ * oldest ended session without a long poll on it goes first. */
+static void forget_ended(broker_job *j)
+{
+    broker_serve *sv = j->serve;
+    size_t keep = 4u * j->spec.sessions > BROKER_SERVE_KEEP_MIN ? 4u * j->spec.sessions : BROKER_SERVE_KEEP_MIN;
+    while (sv->n - sv->n_open >= keep) {
+        size_t old = sv->n;
+        for (size_t i = 0; i < sv->n; i++)
+            if (sv->s[i].ended_ms && !sv->s[i].n_w && (old == sv->n || sv->s[i].ended_ms < sv->s[old].ended_ms))
+                old = i;
+        if (old == sv->n)
+            return; /* each has a long poll on it: they are answered within 2 s */
+        session_clear(&sv->s[old]);
+        memmove(&sv->s[old], &sv->s[old + 1], (sv->n - old - 1) * sizeof *sv->s);
+        sv->n--;
+    }
+}
+
 void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
 {
     const Fusion__SessionOpen *o = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_SESSION_OPEN);
@@ -340,6 +362,13 @@ void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
     if (j->serve->n_open >= j->spec.sessions) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
                            "job %s holds %u sessions already, its most: retry when one ends", j->id, j->spec.sessions);
+        return;
+    }
+    uint32_t retry = 0;
+    if (!broker_quota_take(b->session_quota, j->owner, broker_now(), &retry)) {
+        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY,
+                           "you opened %u sessions in the last minute, the most this broker takes: open again in %u s",
+                           b->cfg.sessions_per_min, retry);
         return;
     }
     if (o->prompt.len > BROKER_SERVE_PROMPT_MAX || o->n_prompt_tokens > DAG_SPEC_MAX_PROMPT) {
@@ -370,6 +399,7 @@ void broker_on_session_open(broker_t *b, const wire_msg_t *msg)
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID, "SessionOpen: the prompt: %s", em.msg);
         return;
     }
+    forget_ended(j);
     broker_serve *sv = j->serve;
     if (sv->n == sv->cap) {
         sv->cap = sv->cap ? 2 * sv->cap : 8;

@@ -366,7 +366,12 @@ int cli_ask_main(int argc, char **argv)
         printf("\n");
     }
     code = st->state == FUSION__JOB_STATE__JOB_STATE_DONE ? FU_EXIT_OK : FU_EXIT_FAIL;
-    if (code != FU_EXIT_OK && !json)
+    if (g_stop && st->state == FUSION__JOB_STATE__JOB_STATE_CANCELED) {
+        code = 130; /* as after Ctrl-C on any command; the job itself goes on */
+        if (!json)
+            fprintf(stderr, "%s: interrupted: session %u closed; job %016" PRIx64 " goes on serving\n", cmd.prog,
+                    session, job);
+    } else if (code != FU_EXIT_OK && !json)
         fprintf(stderr, "%s: session %u of job %016" PRIx64 " %s%s%s\n", cmd.prog, session, job, cli_job_state_name(st->state),
                 st->reason && st->reason[0] ? ": " : "", st->reason ? st->reason : "");
     wire_msg_destroy(&m);

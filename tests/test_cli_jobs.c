@@ -35,6 +35,7 @@ static int setup(void **state)
     for (int i = 0; i < 3; i++)
         tu_keygen(g_c, names[i], i < 2); /* mallory is not on the allow-list */
     tu_path(g_c, g_model, "model");
+    tu_broker_args(g_c, "--max-sessions-per-minute 3");
     tu_broker_start(g_c);
     const char *dir = tu_cluster_dir(g_c);
     for (int i = 0; i < 3; i++)
@@ -374,6 +375,26 @@ static void test_client_run_interrupted_saves_the_adapter(void **state)
     tu_sh_expect(0, NULL, "cmp %s/cut/adapter_model.safetensors %s/whole/adapter_model.safetensors", dir, dir);
 }
 
+/* A client opens sessions in its serving job no faster than the broker's --max-sessions-per-minute
+ * (3 here): each open costs the broker a tokenization and memory for the session's text, so a client
+ * that opens and closes them in a loop is refused, with when to come back. The job has no peers: each
+ * session waits until `fusion ask` is interrupted, which closes it. */
+static void test_client_sessions_opened_at_a_bounded_rate(void **state)
+{
+    (void)state;
+    char *o = run_as_out(0, 0, NULL, "submit infer --model %s --sessions 2 --context 64 --max-tokens 8", g_model);
+    char id[17];
+    snprintf(id, sizeof id, "%.16s", o);
+    free(o);
+    for (int i = 0; i < 3; i++)
+        run_as(0, 130, NULL, "ask %s --prompt hello & p=$!; sleep 0.5; kill -INT $p; wait $p", id);
+    o = run_as_out(0, 1, "you opened 3 sessions in the last minute, the most this broker takes: open again in",
+                   "ask %s --prompt hello", id);
+    free(o);
+    run_as(1, 4, NULL, "ask %s --prompt hello", id); /* another client: not its job, whatever its rate */
+    run_as(0, 0, "cancelled", "cancel %s", id);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -389,6 +410,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_client_json_everywhere),
         cmocka_unit_test(test_client_run_interrupted_saves_the_adapter),
         cmocka_unit_test(test_client_verification_is_on_by_default_and_shown),
+        cmocka_unit_test(test_client_sessions_opened_at_a_bounded_rate),
     };
     return tu_run_tests(argc, argv, tests, setup, teardown);
 }
