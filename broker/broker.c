@@ -524,10 +524,10 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc, "cannot create a ZeroMQ context");
         goto fail;
     }
-    /* Peers' ZMTP pings make libzmq set a TTL timer on their connection, which it cancels on the next
-     * message by walking the whole timer map of that connection's I/O thread: O(connections) per
-     * message, half the broker's CPU at 4,000 peers (docs/SCALE.md). Spreading the connections over
-     * several I/O threads divides each walk and spreads them over the cores. */
+    /* Two I/O threads: CURVE for relayed frames and checkpoints on two cores. More cost memory (each
+     * keeps its own malloc arena: 10,000 peers took about 1 GiB with four, 0.5-0.7 GiB with one or two)
+     * and wake-ups; the walks over ZMTP ping timers that once made four worth it are gone with the
+     * pings (docs/SCALE.md, fixes 10 and 13). */
     if (zmq_ctx_set(b->ctx, ZMQ_IO_THREADS, BROKER_IO_THREADS) != 0)
         FU_WARN(LOG, "cannot use %d ZeroMQ I/O threads: %s", BROKER_IO_THREADS, zmq_strerror(zmq_errno()));
     wire_zap_cfg zc = {.allow_file = cfg->allow_file,

@@ -268,6 +268,7 @@ typedef struct {
 /* What the broker has counted since it started (its /metrics; broker_metrics.c). */
 typedef struct {
     uint64_t relayed_bytes;            /* bytes of the frames relayed between peers */
+    uint64_t heartbeats;               /* peers' heartbeats handled */
     uint64_t steps;                    /* fine-tune steps reported done */
     double step_s_sum;                 /* the time those steps took, seconds */
     uint64_t trained_tokens;           /* tokens those steps trained on */

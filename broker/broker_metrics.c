@@ -152,6 +152,8 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_peers_closed_total{outcome=\"heard_again\"} %" PRIu64 "\n", t->conn_reheard);
     family(f, "fusion_relayed_frames_total", "counter", "Sealed data frames relayed between peers.");
     fprintf(f, "fusion_relayed_frames_total %" PRIu64 "\n", b->relayed);
+    family(f, "fusion_heartbeats_received_total", "counter", "Peers' heartbeats handled.");
+    fprintf(f, "fusion_heartbeats_received_total %" PRIu64 "\n", t->heartbeats);
     family(f, "fusion_relayed_bytes_total", "counter", "Bytes of those frames (sealed: the broker cannot read them).");
     fprintf(f, "fusion_relayed_bytes_total %" PRIu64 "\n", t->relayed_bytes);
     const wire_counters *c = &b->counters;

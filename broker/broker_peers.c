@@ -95,8 +95,11 @@ void broker_on_hello(broker_t *b, const wire_msg_t *msg)
 void broker_on_heartbeat(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__Heartbeat *hb = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_HEARTBEAT);
+    b->tot.heartbeats++;
     if (hb)
         broker_peer_heartbeat(b, p, hb);
+    if (hb && hb->quiet)
+        return; /* heard; an answer would only cost both sides a message */
     Fusion__Heartbeat r = FUSION__HEARTBEAT__INIT;
     r.time_ms = broker_wall();
     r.state = broker_peer_wire_state(p);

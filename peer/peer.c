@@ -147,6 +147,7 @@ void peer_io_send_heartbeat(peer_t *p, bool on_time)
         hb.pause_reason = p->pause_text;
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
+    hb.quiet = true; /* the broker answers only to say it does not know us */
     if (atomic_load(&p->shared.stage_active)) {
         uint64_t pr = atomic_load(&p->shared.progress);
         hb.step = pr >> 32;

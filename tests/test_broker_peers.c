@@ -116,6 +116,20 @@ static void test_broker_peers_link_probe(void **state)
     assert_int_equal(tu_client_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
     fu_sleep_ms(200);
     assert_true(listed_link_bw(&f->cl, key) == 123.5e6);
+    /* A quiet heartbeat (fusion-peer's) is heard and not answered; another one is answered. */
+    for (wire_msg_t *old = tu_client_recv(&pc, 300); old; old = tu_client_recv(&pc, 300))
+        wire_msg_destroy(&old); /* the answers to the three heartbeats above */
+    hb.link_bandwidth_bps = 0;
+    hb.quiet = true;
+    assert_int_equal(tu_client_send(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base), FU_OK);
+    wire_msg_t *none = tu_client_recv(&pc, 600);
+    if (none)
+        fail_msg("a quiet heartbeat was answered with a %s", wire_type_name(wire_msg_type(none)));
+    hb.quiet = false;
+    m = tu_client_call(&pc, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_HEARTBEAT, 3000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_HEARTBEAT);
+    wire_msg_destroy(&m);
     tu_client_close(&pc);
 }
 
@@ -307,6 +321,7 @@ static void test_broker_peers_slots(void **state)
     Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
     hb.state = FUSION__PEER_STATE__PEER_STATE_IDLE;
     bad.slot = 2;
+    hb.quiet = true; /* an Error still answers a quiet heartbeat: it is how a peer learns to register again */
     m = tu_client_call(&bad, FUSION__MSG_TYPE__MSG_HEARTBEAT, 0, &hb.base, FUSION__MSG_TYPE__MSG_ERROR, 3000);
     assert_non_null(m);
     assert_int_equal(((const Fusion__Error *)wire_msg_body(m))->code, FUSION__ERROR_CODE__ERR_NOT_FOUND);

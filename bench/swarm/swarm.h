@@ -63,6 +63,8 @@ typedef struct {
                                socket to the broker became quiet (wire_socket_quiet); off (the default, as
                                fusion-peer now) spares the broker a walk over its connections' timers per
                                message and the simulator's one I/O thread its own */
+    bool loud_heartbeats;   /* --loud-heartbeats: heartbeats ask for an answer, as fusion-peer's did before
+                               Heartbeat.quiet (the answers were half of the broker's messages) */
 } swarm_cfg;
 
 /* A latency distribution, milliseconds. */

@@ -105,10 +105,11 @@ static double self_cpu_s(void)
            (double)ru.ru_stime.tv_usec / 1e6;
 }
 
-static snap take(swarm *s, int pid, int port)
+static snap take(int pid, int port)
 {
-    snap x = {.ms = swarm_now(), .cpu_s = swarm_proc_cpu_s(pid), .sim_cpu_s = self_cpu_s(), .hb = s->hb_answered};
+    snap x = {.ms = swarm_now(), .cpu_s = swarm_proc_cpu_s(pid), .sim_cpu_s = self_cpu_s()};
     char *m = swarm_http_get(port, "/metrics");
+    x.hb = (uint64_t)swarm_metric(m, "fusion_heartbeats_received_total"); /* handled, answered or not */
     x.msgs = swarm_metric(m, "fusion_messages_received_total");
     x.commits = swarm_metric(m, "fusion_store_commits_total");
     free(m);
@@ -369,13 +370,13 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     if (cfg->job_every_s > 0) /* a stream: job k waits until its time (swarm_client_timers) */
         for (int k = 0; k < s->n_jobs; k++)
             s->jobs[k].retry_ms = l0 + (uint64_t)(1000.0 * cfg->job_every_s * k);
-    snap a = take(s, pid, port), h = a;
+    snap a = take(pid, port), h = a;
     bool half_taken = false;
     while (swarm_now() < lend) {
         turn(s, true);
         uint64_t now = swarm_now();
         if (!half_taken && now >= half) {
-            h = take(s, pid, port);
+            h = take(pid, port);
             half_taken = true;
         }
         if (now >= next_sample) {
@@ -383,7 +384,7 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
             next_sample = now + (uint64_t)(cfg->sample_s > 0 ? cfg->sample_s * 1000 : 5000);
         }
     }
-    snap z = take(s, pid, port);
+    snap z = take(pid, port);
     double wall = (double)(z.ms - a.ms) / 1000.0, hw = (double)(z.ms - h.ms) / 1000.0;
     out->run_s = wall;
     out->broker_cpu = (z.cpu_s - a.cpu_s) / wall;
