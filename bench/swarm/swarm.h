@@ -92,6 +92,8 @@ typedef struct {
                                    storing the plan */
     swarm_dist replace_ms;      /* a stage's peer departs -> that stage assigned to another peer */
     swarm_dist resume_ms;       /* a stage's peer departs -> the job's stages told to start again */
+    swarm_dist job_ms;          /* a finished job's submission -> the client seeing it done */
+    double job_s_sum;           /* the sum of those, seconds: --compare's per-job goodput divides them */
     int jobs_submitted, jobs_acked, jobs_done, jobs_failed, jobs_cancelled, jobs_unfinished;
     int jobs_lost;              /* acknowledged, then unknown to the broker or failed */
     double steps_per_s;         /* new (not replayed) steps per second over the load phase */

@@ -263,13 +263,20 @@ static void collect(swarm *s, swarm_result *r)
         r->jobs_lost += j->st == SJ_LOST || (j->id && j->st == SJ_FAILED);
     }
     uint64_t first = 0, last = 0;
+    swarm_samples jobs = {0};
     for (int k = 0; k < s->n_jobs; k++) {
         const swarm_job *j = &s->jobs[k];
+        if (j->st == SJ_DONE && j->final_ms > j->submit_ms) {
+            swarm_samples_add(&jobs, (double)(j->final_ms - j->submit_ms));
+            r->job_s_sum += (double)(j->final_ms - j->submit_ms) / 1000.0;
+        }
         if (j->submit_ms && (!first || j->submit_ms < first))
             first = j->submit_ms;
         if (j->final_ms > last)
             last = j->final_ms;
     }
+    r->job_ms = swarm_samples_dist(&jobs);
+    swarm_samples_free(&jobs);
     r->makespan_s = first && last > first ? (double)(last - first) / 1000.0 : 0;
     r->goodput = r->makespan_s > 0 ? (double)s->steps_new / r->makespan_s : 0;
     r->steps_new = s->steps_new;
@@ -493,6 +500,7 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
     dist("plan_search_ms", &r->plan_search_ms);
     dist("replace_ms", &r->replace_ms);
     dist("resume_ms", &r->resume_ms);
+    dist("job_ms", &r->job_ms);
     int acked = r->jobs_acked ? r->jobs_acked : 1;
     printf(",\"jobs_submitted\":%d,\"jobs_acked\":%d,\"jobs_done\":%d,\"jobs_failed\":%d,\"jobs_cancelled\":%d,"
            "\"jobs_unfinished\":%d,\"jobs_lost\":%d,\"jobs_done_share\":%.3f,\"makespan_s\":%.1f,\"goodput_steps_per_s\":%.3f,"
