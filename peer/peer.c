@@ -147,7 +147,10 @@ void peer_io_send_heartbeat(peer_t *p, bool on_time)
         hb.pause_reason = p->pause_text;
     hb.free_memory_bytes = p->prof.free_memory_bytes;
     hb.link_bandwidth_bps = p->prof.link_bandwidth_bps;
-    hb.quiet = true; /* the broker answers only to say it does not know us */
+    /* Quiet (the broker answers only to say it does not know us), except one beat in
+     * PEER_HB_ASK_EVERY and one sent out of turn (a new connection, a pause): their answers tell that
+     * the broker still hears us, at a fifth of the messages an answer to every beat cost it. */
+    hb.quiet = on_time && p->hb_n++ % PEER_HB_ASK_EVERY != 0;
     if (atomic_load(&p->shared.stage_active)) {
         uint64_t pr = atomic_load(&p->shared.progress);
         hb.step = pr >> 32;
@@ -574,9 +577,12 @@ fu_err peer_run(peer_t *p)
         }
         if (peer_io_input_paused(p))
             p->last_broker_ms = now; /* not reading the broker is not the broker's silence */
-        if (now - p->last_broker_ms >= p->dead_ms && now - p->hello_ms >= p->dead_ms) {
+        uint64_t silent = (uint64_t)(PEER_HB_ASK_EVERY + 2) * p->hb_ms; /* an asking beat unanswered */
+        if (silent < p->dead_ms)
+            silent = p->dead_ms;
+        if (now - p->last_broker_ms >= silent && now - p->hello_ms >= p->dead_ms) {
             if (p->welcomed)
-                FU_WARN("peer", "no word from the broker for %u ms: saying PeerHello again", p->dead_ms);
+                FU_WARN("peer", "no word from the broker for %" PRIu64 " ms: saying PeerHello again", silent);
             peer_io_send_hello(p);
         }
         if (p->job_id && p->ready_pending && now - p->assign_ms > PEER_MAX_ASSIGN_WAIT_MS) {

@@ -32,7 +32,9 @@ extern "C" {
 
 #define PEER_SOFTWARE        "fusion 0.1.0"
 #define PEER_HEARTBEAT_MS    1000   /* until PeerWelcome says otherwise */
-#define PEER_DEAD_AFTER_MS   3000   /* broker silence after which PeerHello is sent again */
+#define PEER_DEAD_AFTER_MS   3000   /* broker silence after which PeerHello is sent again (at least; below) */
+#define PEER_HB_ASK_EVERY    5      /* one heartbeat in this many asks for an answer (Heartbeat.quiet off);
+                                       PeerHello is said again after (this + 2) heartbeats without a word */
 #define PEER_DRAIN_MS        30000  /* most time a leaving peer waits for StageRelease */
 #define PEER_STASH           64     /* messages the I/O thread holds for a busy compute thread */
 #define PEER_PAIR_HWM        16     /* messages queued on the inproc pipe each way */

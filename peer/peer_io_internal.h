@@ -90,6 +90,7 @@ struct peer {
 
     bool welcomed;                 /* PeerWelcome seen since the last PeerHello */
     uint32_t hb_ms, dead_ms;       /* from PeerWelcome */
+    uint32_t hb_n;                 /* heartbeats sent on time: one in PEER_HB_ASK_EVERY asks for an answer */
     uint64_t last_broker_ms;       /* last message from the broker */
     uint64_t last_hb_ms;           /* last Heartbeat sent */
     uint64_t hello_ms;             /* last PeerHello sent */

@@ -13,6 +13,7 @@
 
 #define SWARM_MAX_STAGES 64  /* stages of one simulated job */
 #define SWARM_POLL_MS    5   /* longest wait of one turn of the loop */
+#define SWARM_HB_ASK_EVERY 5  /* as fusion-peer's PEER_HB_ASK_EVERY: one heartbeat in 5 asks for an answer */
 
 /* ---- hardware (swarm_hw.c) ---- */
 
@@ -61,6 +62,7 @@ typedef struct {
     uint64_t hello_ms;      /* when the current PeerHello was sent */
     uint64_t next_hb_ms, session_end_ms, rejoin_ms;
     uint32_t hb_ms;
+    uint32_t hb_n;          /* heartbeats sent: one in PEER_HB_ASK_EVERY asks for an answer, as fusion-peer's */
     /* work */
     int job;                /* index into the run's jobs, -1: none */
     uint32_t stage;

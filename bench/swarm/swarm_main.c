@@ -47,7 +47,7 @@ static void usage(const swarm_cfg *d)
            "  --zmtp-ping        the peers' sockets send ZMTP pings, as fusion-peer's did before its socket to the\n"
            "                     broker became quiet (the default: none, as fusion-peer now)\n"
            "  --no-zmtp-ping     no ZMTP pings (the default; kept for older scripts)\n"
-           "  --loud-heartbeats  heartbeats that ask for an answer, as fusion-peer's did before they were quiet\n",
+           "  --loud-heartbeats  every heartbeat asks for an answer, as fusion-peer's did before (now one in 5)\n",
            d->n_peers, SWARM_MAX_PEERS, d->n_clients, d->n_jobs, d->job_steps, d->ckpt_every, d->duration_s,
            d->drain_s, d->session_mean_s, d->offline_mean_s, d->clean_leave, d->work_scale, d->layers,
            d->heartbeat_ms, d->backups, d->join_rate, d->sample_s, (unsigned long long)d->seed, SWARM_MAX_PEERS);

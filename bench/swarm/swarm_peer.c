@@ -164,7 +164,7 @@ void swarm_peer_timers(swarm *s, int i, uint64_t now)
     if (p->st == SP_ONLINE && now >= p->next_hb_ms) {
         Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
         hb.time_ms = (int64_t)now;
-        hb.quiet = !s->cfg.loud_heartbeats; /* as fusion-peer's */
+        hb.quiet = !s->cfg.loud_heartbeats && p->hb_n++ % SWARM_HB_ASK_EVERY != 0; /* as fusion-peer's */
         const swarm_job *j = p->job >= 0 && !p->backup ? &s->jobs[p->job] : NULL;
         hb.state = j ? FUSION__PEER_STATE__PEER_STATE_BUSY : FUSION__PEER_STATE__PEER_STATE_IDLE;
         if (j && j->running) {
