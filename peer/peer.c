@@ -422,8 +422,10 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
         fu_errmsg_set(em, err, "measuring this peer failed: %s", fu_errmsg_text(&inner, err));
         goto fail;
     }
-    if (p->cfg.link_mbps > 0) /* stated: in the first PeerHello, and no probe */
+    if (p->cfg.link_mbps > 0) { /* stated: in the first PeerHello, and no probe */
         p->prof.link_bandwidth_bps = p->cfg.link_mbps * 1e6;
+        atomic_store(&p->shared.link_bytes_per_s, (uint64_t)p->prof.link_bandwidth_bps);
+    }
     uint32_t n_slots = cfg->n_slots > 1 ? cfg->n_slots : 1;
     for (uint32_t i = 0; p->cfg.gflops > 0 && i < p->prof.n_speeds; i++) /* stated: a claim like any other */
         p->prof.gflops[i] = p->cfg.gflops / n_slots;
@@ -571,7 +573,7 @@ fu_err peer_run(peer_t *p)
                 break;
             }
         }
-        if (p->welcomed && now - p->last_hb_ms >= p->hb_ms) {
+        if (p->known && now - p->last_hb_ms >= p->hb_ms) {
             peer_io_send_heartbeat(p, true);
             peer_link_check_ready(p); /* a StageReady the stall test hook held back */
         }

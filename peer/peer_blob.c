@@ -37,6 +37,7 @@ struct peer_blob {
     uint8_t *data;           /* total bytes once known */
     uint64_t next;           /* next byte expected (chunks are taken in order) */
     uint64_t win_end;        /* end of the window asked for */
+    uint64_t window;         /* bytes asked for at once (peer_blob_set_window) */
     uint64_t asked_ms;       /* when the current request went out (or the last chunk came) */
     uint32_t attempts;       /* full fetches that failed their hash */
     uint32_t bad_cache;      /* cache files refused */
@@ -53,6 +54,7 @@ peer_blob_t *peer_blob_new(const char *model_id, const char *name, const char *c
     if (!model_id || !name)
         return NULL;
     peer_blob_t *b = fu_calloc(1, sizeof *b);
+    b->window = PEER_BLOB_WINDOW;
     b->model_id = fu_strdup(model_id);
     b->name = fu_strdup(name);
     b->cache_dir = cache_dir && *cache_dir ? fu_strdup(cache_dir) : NULL;
@@ -124,6 +126,19 @@ static bool try_cache(peer_blob_t *b)
     return ok;
 }
 
+uint64_t peer_blob_window_for(uint64_t link_bytes_per_s)
+{
+    if (!link_bytes_per_s || link_bytes_per_s >= PEER_BLOB_WINDOW)
+        return PEER_BLOB_WINDOW;
+    return link_bytes_per_s > PEER_BLOB_WINDOW_MIN ? link_bytes_per_s : PEER_BLOB_WINDOW_MIN;
+}
+
+void peer_blob_set_window(peer_blob_t *b, uint64_t bytes)
+{
+    if (b)
+        b->window = bytes < PEER_BLOB_WINDOW_MIN ? PEER_BLOB_WINDOW_MIN : bytes > PEER_BLOB_WINDOW ? PEER_BLOB_WINDOW : bytes;
+}
+
 bool peer_blob_request(peer_blob_t *b, uint64_t now_ms, Fusion__WeightRequest *req)
 {
     if (!b || !req || b->st == B_DONE)
@@ -140,8 +155,8 @@ bool peer_blob_request(peer_blob_t *b, uint64_t now_ms, Fusion__WeightRequest *r
         b->st = B_PROBE_OUT;
     } else if (b->st == B_WINDOW || late) {
         req->offset = b->next;
-        req->length = PEER_BLOB_WINDOW;
-        b->win_end = b->next + PEER_BLOB_WINDOW;
+        req->length = b->window;
+        b->win_end = b->next + b->window;
         b->st = B_WINDOW_OUT;
     } else {
         return false;

@@ -29,7 +29,8 @@
 extern "C" {
 #endif
 
-#define PEER_BLOB_WINDOW     (4u << 20) /* bytes asked for by one WeightRequest */
+#define PEER_BLOB_WINDOW     (4u << 20) /* bytes asked for by one WeightRequest, at most */
+#define PEER_BLOB_WINDOW_MIN (256u << 10) /* ... and at least (peer_blob_set_window) */
 #define PEER_BLOB_ATTEMPTS   3          /* fetches of one blob before its hash mismatch is an error */
 #define PEER_BLOB_HASH_BYTES 32u        /* BLAKE2b-256 */
 #define PEER_BLOB_RESEND_MS  5000       /* a window with no chunk for this long is asked for again */
@@ -44,6 +45,14 @@ void peer_blob_destroy(peer_blob_t **b_p);
 /* After a cached blob is written, the cache is trimmed to max_bytes keeping that blob
  * (peer_cache_trim; 0, the default: no limit). A cache hit marks its file as used. */
 void peer_blob_set_cache_max(peer_blob_t *b, uint64_t max_bytes);
+
+/* Sizes the windows asked for (PEER_BLOB_WINDOW_MIN..PEER_BLOB_WINDOW; PEER_BLOB_WINDOW until set):
+ * about a second of the link, so that on a slow link a window does not hold the broker's other
+ * messages to this peer back for long (they queue behind it on the same connection). */
+void peer_blob_set_window(peer_blob_t *b, uint64_t bytes);
+
+/* The window for a link of link_bytes_per_s (0: not known): a second of it, within the bounds. */
+uint64_t peer_blob_window_for(uint64_t link_bytes_per_s);
 
 /* The next WeightRequest to send, when one is due now (now_ms: fu_clock_ms()); false when the
  * fetch is waiting for chunks or done. */

@@ -20,6 +20,9 @@ typedef struct {
      * the stage that stalled from it), in one word: the step worked on plus 1 (0: none) << 32 |
      * micro-batches through forward << 16 | through backward. */
     _Atomic uint64_t progress;
+    /* Bytes a second from the broker, once measured (the link probe) or stated (--link-mbps); 0: not
+     * known. Fetches size their windows by it (peer_blob_set_window). */
+    _Atomic uint64_t link_bytes_per_s;
 } peer_shared;
 
 typedef struct {

@@ -89,6 +89,12 @@ struct peer {
     peer_compute_cfg ccfg;
 
     bool welcomed;                 /* PeerWelcome seen since the last PeerHello */
+
+    bool known;                    /* welcomed at least once: heartbeats go on while a PeerHello said
+
+                                      again waits for its Welcome (behind bulk data on a slow link, it
+
+                                      may take seconds: a peer that stopped beating was declared dead) */
     uint32_t hb_ms, dead_ms;       /* from PeerWelcome */
     uint32_t hb_n;                 /* heartbeats sent on time: one in PEER_HB_ASK_EVERY asks for an answer */
     uint64_t last_broker_ms;       /* last message from the broker */

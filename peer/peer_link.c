@@ -348,7 +348,7 @@ static bool send_wait(void *arg)
 {
     peer_t *p = arg;
     p->send_waited = true;
-    if (p->welcomed && fu_clock_ms() - p->last_hb_ms >= p->hb_ms)
+    if (p->known && fu_clock_ms() - p->last_hb_ms >= p->hb_ms)
         peer_io_send_heartbeat(p, true);
     peer_io_flush_stash(p);
     peer_link_read_data(p, p->router, SRC_ROUTER, true);

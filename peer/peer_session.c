@@ -131,7 +131,7 @@ void peer_io_on_broker(peer_t *p, wire_msg_t *m)
                                                                                    : 3 * p->hb_ms;
         if (!p->welcomed)
             FU_INFO("peer", "welcomed by the broker as %s (heartbeat %u ms)", w->peer_id, p->hb_ms);
-        p->welcomed = true;
+        p->welcomed = p->known = true;
         if (p->cfg.link_mbps <= 0 && !p->probe_t0_ns &&
             (!p->probe_done_ms || fu_clock_ms() - p->probe_done_ms >= PEER_PROBE_EVERY_MS)) {
             Fusion__LinkProbeRequest rq = FUSION__LINK_PROBE_REQUEST__INIT;
@@ -148,6 +148,7 @@ void peer_io_on_broker(peer_t *p, wire_msg_t *m)
         uint64_t el_ns = p->probe_t0_ns ? fu_clock_ns() - p->probe_t0_ns : 0;
         if (el_ns && lp->data.len >= PEER_PROBE_BYTES / 4) {
             p->prof.link_bandwidth_bps = (double)lp->data.len * 1e9 / (double)el_ns;
+            atomic_store(&p->shared.link_bytes_per_s, (uint64_t)p->prof.link_bandwidth_bps);
             FU_INFO("peer", "link from the broker: %.1f MB/s (%zu bytes in %.1f ms)", p->prof.link_bandwidth_bps / 1e6,
                     lp->data.len, (double)el_ns / 1e6);
         }

@@ -140,6 +140,8 @@ void stage_add_fetch(stage_t *s, const char *model_id, const char *name, fetch_k
     s->fetch = fu_realloc(s->fetch, (s->n_fetch + 1) * sizeof *s->fetch);
     s->fetch[s->n_fetch].blob = peer_blob_new(model_id, name, cached ? s->cfg.cache_dir : NULL, s->cfg.mem_budget);
     peer_blob_set_cache_max(s->fetch[s->n_fetch].blob, s->cfg.cache_max_bytes);
+    peer_blob_set_window(s->fetch[s->n_fetch].blob,
+                         peer_blob_window_for(atomic_load(&s->cfg.shared->link_bytes_per_s)));
     s->fetch[s->n_fetch].kind = kind;
     s->n_fetch++;
 }

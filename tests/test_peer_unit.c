@@ -189,6 +189,40 @@ static void serve(peer_blob_t *b, const uint8_t *blob, size_t len, const uint8_t
     }
 }
 
+/* Windows sized by the link: about a second of it, within PEER_BLOB_WINDOW_MIN..PEER_BLOB_WINDOW; a
+ * fetch asks for exactly that and still assembles the blob. */
+static void test_peer_blob_window_follows_the_link(void **state)
+{
+    (void)state;
+    assert_int_equal(peer_blob_window_for(0), PEER_BLOB_WINDOW);                 /* not measured */
+    assert_int_equal(peer_blob_window_for(1000000000), PEER_BLOB_WINDOW);        /* LAN */
+    assert_int_equal(peer_blob_window_for(1250000), 1250000);                    /* 10 Mbit/s */
+    assert_int_equal(peer_blob_window_for(10000), PEER_BLOB_WINDOW_MIN);         /* 80 kbit/s */
+    size_t len = 3u << 20;
+    uint8_t *blob = malloc(len);
+    for (size_t i = 0; i < len; i++)
+        blob[i] = (uint8_t)(i * 13 + 1);
+    uint8_t hash[32];
+    peer_blob_hash(hash, blob, len);
+    peer_blob_t *b = peer_blob_new("m:x", "w", NULL, (uint64_t)1 << 30);
+    peer_blob_set_window(b, 1250000);
+    Fusion__WeightRequest req;
+    assert_true(peer_blob_request(b, 1000, &req));
+    assert_int_equal(req.length, 1250000);
+    peer_blob_destroy(&b);
+    b = peer_blob_new("m:x", "w", NULL, (uint64_t)1 << 30);
+    peer_blob_set_window(b, 1250000);
+    bool done;
+    fu_err rc;
+    int reqs = 0;
+    serve(b, blob, len, hash, 1u << 20, &done, &rc, &reqs);
+    assert_true(done);
+    assert_int_equal(reqs, 3); /* ceil(3 MiB / 1.25 MB) */
+    assert_memory_equal(peer_blob_data(b, NULL), blob, len);
+    peer_blob_destroy(&b);
+    free(blob);
+}
+
 static void test_peer_blob_verifies_refuses_and_caches(void **state)
 {
     (void)state;
@@ -284,6 +318,7 @@ int main(void)
         cmocka_unit_test(test_peer_spec_parses_the_contract_example),
         cmocka_unit_test(test_peer_data_order_follows_the_contract),
         cmocka_unit_test(test_peer_blob_verifies_refuses_and_caches),
+        cmocka_unit_test(test_peer_blob_window_follows_the_link),
     };
     return tu_unit_main(tests, sodium_init, NULL, NULL);
 }
