@@ -96,6 +96,8 @@ typedef struct {
     int stage_peer[SWARM_MAX_STAGES];   /* peer index, -1 */
     uint32_t first[SWARM_MAX_STAGES], last[SWARM_MAX_STAGES];
     uint32_t gen;           /* counts StageStarts that restarted the run */
+    uint64_t start_ms;      /* the first StageStart (0: none yet) */
+    double step_s_first, step_s_last; /* the simulated step time of the first and the latest start */
     dag_graph_t *g;         /* its DAG (from the first StageAssign) */
     uint64_t steps, every, batch, seq_len, micro;
     /* the running pipeline */

@@ -166,6 +166,11 @@ void swarm_job_on_start(swarm *s, int i, const Fusion__StageStart *st)
     uint64_t now = swarm_now();
     j->running = true;
     j->gen++;
+    if (!j->start_ms) {
+        j->start_ms = now;
+        j->step_s_first = sec;
+    }
+    j->step_s_last = sec;
     j->step = st->step;
     j->step_due_ms = now + (uint64_t)(sec * 1000.0) + 1;
     if (j->any_lost_ms) {

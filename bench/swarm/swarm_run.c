@@ -90,6 +90,24 @@ static long count_events(const char *db)
     return n;
 }
 
+/* One "job" line per job: where its time went (queued before its first start, then running), how
+ * often it started again, and the simulated step time of its first and its latest plan (a job that
+ * ends late after a failover on slower peers shows it there). */
+static void print_jobs(const swarm *s, const swarm_cfg *cfg)
+{
+    for (int k = 0; k < s->n_jobs; k++) {
+        const swarm_job *j = &s->jobs[k];
+        double queued = j->start_ms > j->submit_ms && j->submit_ms ? (double)(j->start_ms - j->submit_ms) / 1000.0 : -1;
+        double run = j->final_ms > j->start_ms && j->start_ms ? (double)(j->final_ms - j->start_ms) / 1000.0 : -1;
+        printf("{\"bench\":\"swarm\",\"case\":\"job\",\"session_mean_s\":%.0f,\"job\":%d,\"done\":%s,"
+               "\"stages\":%u,\"queued_s\":%.1f,\"run_s\":%.1f,\"starts\":%u,\"step_s_first\":%.3f,"
+               "\"step_s_last\":%.3f}\n",
+               cfg->session_mean_s, k, j->st == SJ_DONE ? "true" : "false", j->n_stages, queued, run, j->gen,
+               j->step_s_first, j->step_s_last);
+    }
+    fflush(stdout);
+}
+
 /* A snapshot of the broker for the windows of the result. */
 typedef struct {
     uint64_t ms;
@@ -431,6 +449,7 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     }
     sample_line(s, pid, port, db, (double)(swarm_now() - l0) / 1000.0, "drain-end", out);
     collect(s, out);
+    print_jobs(s, cfg);
     {
         char log[TU_PATH];
         snprintf(log, sizeof log, "%s", tu_broker_log(c));
