@@ -104,7 +104,7 @@ static void test_cli_progress_line_fits_the_terminal(void **state)
     }
     /* The broker stops answering while `wait` draws: its error begins a line of its own. */
     char *out = tu_sh_expect_out(5, "no answer from the broker", "script -qfec \"stty cols 80 rows 24; "
-                                 "FUSION_CONFIG='%s' '%s' wait %s --timeout-ms 2000 & p=\\$!; sleep 2; kill -STOP %d; wait \\$p\" "
+                                 "FUSION_CONFIG='%s' '%s' wait %s --timeout-ms 2000 & p=\\$!; sleep 3; kill -STOP %d; wait \\$p\" "
                                  "/dev/null", conf, tu_bin("fusion"), id, (int)tu_broker_pid(c));
     assert_int_equal(kill(tu_broker_pid(c), SIGCONT), 0);
     const char *err = strstr(out, "no answer from the broker");
