@@ -39,6 +39,7 @@ extern "C" {
 #define BROKER_MAX_ACTIVE_JOBS  1024      /* queued + running jobs held in memory */
 #define BROKER_MAX_STAGES       64        /* stages of one job */
 #define BROKER_PLAN_CANDIDATES  128       /* idle peers one partitioner run considers: the fastest */
+#define BROKER_BACKUP_SPEED_TIE 0.10     /* warm backups: peers within 10% of each other's speed are equals */
 #define BROKER_IO_THREADS       2         /* libzmq I/O threads of the broker's context (broker.c) */
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */

@@ -606,6 +606,10 @@ void broker_on_verify_sketch(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg);
 /* Drops samples past their deadline (logged), and snapshots no sample needs. */
 void broker_verify_sweep(broker_t *b);
+/* j starts a new run (a failover, a rewind, growth): its samples in flight and their snapshots belong
+ * to the run that ended and are dropped (counted skipped; nobody loses reputation). A step of the new
+ * run is sampled afresh: the old run's snapshot of the same step is another state. */
+void broker_verify_job_restarted(broker_t *b, broker_job *j);
 /* A chunk of a verification snapshot (CheckpointPut.snapshot) from p, the peer of stage c->stage_index
  * of j: assembled; once whole and checked, the verifiers waiting for it are asked. */
 void broker_verify_on_snapshot(broker_t *b, broker_peer *p, broker_job *j, const wire_msg_t *msg,

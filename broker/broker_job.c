@@ -185,6 +185,7 @@ fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan,
 void broker_job_starting(broker_t *b, broker_job *j, uint64_t resume_step, const char *reason)
 {
     enter(j, BJ_STARTING);
+    broker_verify_job_restarted(b, j);
     j->start_step = resume_step;
     j->stepped = false;
     if (j->kind == DB_JOB_EVAL) { /* a run counts every step again */

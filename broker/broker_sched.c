@@ -82,42 +82,61 @@ static bool may_back_up(broker_t *b, const broker_job *j, uint32_t k, const brok
     return broker_peer_fits(j, k, p) && !broker_peer_same_key(broker_peer_find(b, j->stages[k].peer), p);
 }
 
-/* Tops up j's warm backups from the idle peers. */
-static void give_backups(broker_t *b, broker_job *j)
+/* The stage idle peer p would back up for j (the one likeliest lost, or with verification the one
+ * with the fewest backups), or UINT32_MAX when it can hold none. */
+static uint32_t backup_stage(broker_t *b, const broker_job *j, const broker_peer *p)
 {
-    uint32_t have = backups_of(b, j);
-    for (size_t i = 0; i < b->n_peers && have < b->cfg.backups; i++) {
-        broker_peer *p = &b->peers[i];
-        if (!peer_idle(p) || broker_job_excludes(j, p->key))
-            continue;
-        uint32_t s = likely_loss(b, j);
-        if (broker_job_verify_fraction(b, j) > 0) {
-            /* Verification wants a warm backup of every stage (a verifier), then a second of each (a
-             * third opinion): the stage with the fewest backups gets the next one (ties: the lowest
-             * index). Any backup still takes over any stage on a failover (broker_failover). */
-            uint32_t fewest = UINT32_MAX;
-            for (uint32_t k = 0; k < j->n_stages; k++) {
-                uint32_t n = backups_for(b, j, k);
-                if (n < fewest && may_back_up(b, j, k, p)) {
-                    fewest = n;
-                    s = k;
-                }
+    uint32_t s = likely_loss(b, j);
+    if (broker_job_verify_fraction(b, j) > 0) {
+        /* Verification wants a warm backup of every stage (a verifier), then a second of each (a
+         * third opinion): the stage with the fewest backups gets the next one (ties: the lowest
+         * index). Any backup still takes over any stage on a failover (broker_failover). */
+        uint32_t fewest = UINT32_MAX;
+        for (uint32_t k = 0; k < j->n_stages; k++) {
+            uint32_t n = backups_for(b, j, k);
+            if (n < fewest && may_back_up(b, j, k, p)) {
+                fewest = n;
+                s = k;
             }
         }
-        if (!may_back_up(b, j, s, p)) { /* a backup for a stage it can hold, or none */
-            uint32_t k = 0;
-            while (k < j->n_stages && !may_back_up(b, j, k, p))
-                k++;
-            if (k == j->n_stages)
+    }
+    if (may_back_up(b, j, s, p))
+        return s;
+    for (uint32_t k = 0; k < j->n_stages; k++) /* a backup for a stage it can hold, or none */
+        if (may_back_up(b, j, k, p))
+            return k;
+    return UINT32_MAX;
+}
+
+/* Tops up j's warm backups from the idle peers, the fastest first: a backup that takes over a stage
+ * sets the pace of the whole pipeline from then on, so a slow one made a job that lost a stage end
+ * far behind the others (docs/SCALE.md, goodput). Peers within BROKER_BACKUP_SPEED_TIE of each
+ * other's speed count as equal (the registry's order decides), so that measurements' noise does not
+ * reorder like machines. */
+static void give_backups(broker_t *b, broker_job *j)
+{
+    for (uint32_t have = backups_of(b, j); have < b->cfg.backups;) {
+        broker_peer *best = NULL;
+        uint32_t s = UINT32_MAX;
+        for (size_t i = 0; i < b->n_peers; i++) {
+            broker_peer *p = &b->peers[i];
+            if (!peer_idle(p) || broker_job_excludes(j, p->key) ||
+                (best && p->gflops <= best->gflops * (1.0 + BROKER_BACKUP_SPEED_TIE)))
                 continue;
-            s = k;
+            uint32_t k = backup_stage(b, j, p);
+            if (k != UINT32_MAX) {
+                best = p;
+                s = k;
+            }
         }
-        broker_peer_take(b, p, j, s, true);
-        if (broker_send_assign(b, j, s, p, true) != FU_OK) {
-            broker_peer_forget_work(p);
-            continue;
+        if (!best)
+            return;
+        broker_peer_take(b, best, j, s, true);
+        if (broker_send_assign(b, j, s, best, true) != FU_OK) {
+            broker_peer_forget_work(best);
+            return; /* its socket refuses now: the next round tries again */
         }
-        FU_INFO(LOG, "job %s: peer %.8s (%s) is a warm backup for stage %u", j->id, p->key, p->name, s);
+        FU_INFO(LOG, "job %s: peer %.8s (%s) is a warm backup for stage %u", j->id, best->key, best->name, s);
         have++;
     }
 }

@@ -196,6 +196,24 @@ static void snaps_collect(broker_t *b)
 
 static void judge_evicted(broker_t *b, broker_vsample *v);
 
+void broker_verify_job_restarted(broker_t *b, broker_job *j)
+{
+    uint32_t n = 0;
+    for (size_t i = 0; i < BROKER_VERIFY_MAX; i++) {
+        broker_vsample *v = &b->vs[i];
+        if (v->used && strcmp(v->job, j->id) == 0) {
+            v->used = false;
+            j->v_skipped++;
+            n++;
+        }
+    }
+    for (int i = 0; i < BROKER_VERIFY_SNAPS; i++)
+        if (b->snaps[i].used && b->snaps[i].job64 == j->id64)
+            snap_drop(&b->snaps[i]);
+    if (n)
+        FU_INFO(LOG, "job %s: %u verification sample%s of the run that ended dropped", j->id, n, n == 1 ? "" : "s");
+}
+
 void broker_verify_step(broker_t *b, broker_job *j, uint64_t step)
 {
     /* what the broker knows of how far the pipeline moved past each sample in flight */
