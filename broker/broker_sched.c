@@ -65,16 +65,6 @@ static uint32_t backups_of(broker_t *b, const broker_job *j)
     return n;
 }
 
-/* Live backups of j that hold stage s. */
-static uint32_t backups_for(broker_t *b, const broker_job *j, uint32_t s)
-{
-    uint32_t n = 0;
-    for (size_t i = 0; i < b->n_peers; i++)
-        if (b->peers[i].live && b->peers[i].backup && b->peers[i].stage == s && strcmp(b->peers[i].job, j->id) == 0)
-            n++;
-    return n;
-}
-
 /* Whether p may back up stage k of j: it fits, and it is not a slot of the peer process that runs
  * the stage (the same machine fails with it, and cannot verify it). */
 static bool may_back_up(broker_t *b, const broker_job *j, uint32_t k, const broker_peer *p)
@@ -82,20 +72,21 @@ static bool may_back_up(broker_t *b, const broker_job *j, uint32_t k, const brok
     return broker_peer_fits(j, k, p) && !broker_peer_same_key(broker_peer_find(b, j->stages[k].peer), p);
 }
 
-/* The stage idle peer p would back up for j (the one likeliest lost, or with verification the one
- * with the fewest backups), or UINT32_MAX when it can hold none. */
-static uint32_t backup_stage(broker_t *b, const broker_job *j, const broker_peer *p)
+/* The stage idle peer p would back up for j, or UINT32_MAX when it can hold none: `likely` (the stage
+ * likeliest lost), or with verification the stage with the fewest backups (n_back: j's live backups
+ * per stage). */
+static uint32_t backup_stage(broker_t *b, const broker_job *j, const broker_peer *p, uint32_t likely, bool verify,
+                             const uint32_t *n_back)
 {
-    uint32_t s = likely_loss(b, j);
-    if (broker_job_verify_fraction(b, j) > 0) {
+    uint32_t s = likely;
+    if (verify) {
         /* Verification wants a warm backup of every stage (a verifier), then a second of each (a
          * third opinion): the stage with the fewest backups gets the next one (ties: the lowest
          * index). Any backup still takes over any stage on a failover (broker_failover). */
         uint32_t fewest = UINT32_MAX;
         for (uint32_t k = 0; k < j->n_stages; k++) {
-            uint32_t n = backups_for(b, j, k);
-            if (n < fewest && may_back_up(b, j, k, p)) {
-                fewest = n;
+            if (n_back[k] < fewest && may_back_up(b, j, k, p)) {
+                fewest = n_back[k];
                 s = k;
             }
         }
@@ -112,18 +103,31 @@ static uint32_t backup_stage(broker_t *b, const broker_job *j, const broker_peer
  * sets the pace of the whole pipeline from then on, so a slow one made a job that lost a stage end
  * far behind the others (docs/SCALE.md, goodput). Peers within BROKER_BACKUP_SPEED_TIE of each
  * other's speed count as equal (the registry's order decides), so that measurements' noise does not
- * reorder like machines. */
+ * reorder like machines. One pass over the peers per backup, O(stages) per candidate. */
 static void give_backups(broker_t *b, broker_job *j)
 {
-    for (uint32_t have = backups_of(b, j); have < b->cfg.backups;) {
+    uint32_t n_back[BROKER_MAX_STAGES] = {0}, have = 0;
+    for (size_t i = 0; i < b->n_peers; i++) {
+        const broker_peer *p = &b->peers[i];
+        if (p->live && p->backup && strcmp(p->job, j->id) == 0) {
+            have++;
+            if (p->stage < BROKER_MAX_STAGES)
+                n_back[p->stage]++;
+        }
+    }
+    if (have >= b->cfg.backups)
+        return;
+    uint32_t likely = likely_loss(b, j);
+    bool verify = broker_job_verify_fraction(b, j) > 0;
+    for (; have < b->cfg.backups; have++) {
         broker_peer *best = NULL;
         uint32_t s = UINT32_MAX;
         for (size_t i = 0; i < b->n_peers; i++) {
             broker_peer *p = &b->peers[i];
-            if (!peer_idle(p) || broker_job_excludes(j, p->key) ||
-                (best && p->gflops <= best->gflops * (1.0 + BROKER_BACKUP_SPEED_TIE)))
+            if (!peer_idle(p) || (best && p->gflops <= best->gflops * (1.0 + BROKER_BACKUP_SPEED_TIE)) ||
+                broker_job_excludes(j, p->key))
                 continue;
-            uint32_t k = backup_stage(b, j, p);
+            uint32_t k = backup_stage(b, j, p, likely, verify, n_back);
             if (k != UINT32_MAX) {
                 best = p;
                 s = k;
@@ -137,7 +141,7 @@ static void give_backups(broker_t *b, broker_job *j)
             return; /* its socket refuses now: the next round tries again */
         }
         FU_INFO(LOG, "job %s: peer %.8s (%s) is a warm backup for stage %u", j->id, best->key, best->name, s);
-        have++;
+        n_back[s]++;
     }
 }
 

@@ -149,7 +149,7 @@ typedef struct swarm {
     bool draining;           /* the load phase is over */
     wire_counters counters;
     /* counters for the result */
-    uint64_t hb_answered, steps_new, steps_replayed, errors;
+    uint64_t steps_new, steps_replayed, errors;
     int departures, crashes, stage_losses;
     swarm_samples plan_ms, replace_ms, resume_ms;
     int joined;

@@ -200,8 +200,7 @@ void swarm_peer_on_message(swarm *s, int i, const wire_msg_t *m)
         p->st = SP_ONLINE;
         break;
     }
-    case FUSION__MSG_TYPE__MSG_HEARTBEAT:
-        s->hb_answered++;
+    case FUSION__MSG_TYPE__MSG_HEARTBEAT: /* the answer to a beat that asked (the broker counts beats) */
         break;
     case FUSION__MSG_TYPE__MSG_STAGE_ASSIGN: {
         const Fusion__StageAssign *a = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_STAGE_ASSIGN);
