@@ -1,5 +1,6 @@
-/* fu_unicode_internal: the generated tables of fu_unicode.c (common/fu_unicode_tables.c, written by
- * common/fu_unicode_gen.py). Private to those two files. */
+/* fu_unicode_internal: the generated tables of fu_unicode.c (common/fu_unicode_cats.c: general
+ * categories; common/fu_unicode_norm.c: normalization; both written by common/fu_unicode_gen.py).
+ * Private to those files. */
 #ifndef FU_UNICODE_INTERNAL_H
 #define FU_UNICODE_INTERNAL_H
 
