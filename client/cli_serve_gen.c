@@ -436,7 +436,9 @@ static void gen_log(const gen_t *g)
     char jid[17] = "-";
     if (g->submitted)
         cli_job_id_format(g->job, jid);
-    const char *how = g->err_status ? g->err : g->gone ? "the client went away; its job was cancelled"
+    const char *how = g->err_status ? g->err
+                      : g->gone     ? (g->session ? "the client went away; its session was closed"
+                                                  : "the client went away; its job was cancelled")
                       : g->finish                  ? g->finish
                                                    : "ended";
     fprintf(stderr, "%s: %s%s %s: job %s, %" PRIu64 " prompt + %" PRIu64 " generated tokens, %.2f s: %u %s\n",

@@ -9,6 +9,8 @@
  *   - "NAME:JOB" serves a finished fine-tune's adapter, as `fusion submit infer --adapter-job` does;
  *     /v1/models lists the fine-tunes of the gateway's model only, not those of another model (the
  *     same shapes, other weights) that the broker also serves;
+ *   - with --sessions (the default), concurrent requests are sessions of one serving job, and a
+ *     streaming client that hangs up closes its session while the job serves on;
  *   - the gateway refuses to listen beyond loopback without a key, and stops on SIGTERM.
  * The model is the e2e model (bytes as tokens) with a ChatML chat_template in its
  * tokenizer_config.json; the real tokenizers' chat prompts are held to transformers.js in
@@ -568,12 +570,74 @@ static void test_e2e_serve_refuses_an_open_listener(void **state)
     tu_tmpdir_remove(&dir);
 }
 
+/* With --sessions a streaming client that hangs up closes its session, not the serving job: the
+ * broker ends the session ("closed by its owner") long before its 2,000 tokens, the job goes on, and
+ * the next request is a session of the same job. */
+static void test_e2e_serve_session_hung_up_is_closed(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_default(3);
+    o.peer_memory_gb = "0.1"; /* room for the sessions' 2,100 positions */
+    tu_cluster *c = tu_cluster_new("e2e-serve-hangup", &o);
+    tu_cluster_start(c);
+    gateway g;
+    const char *const serving[] = {"--sessions", "2", "--context", "2100", "--max-tokens", "2000", NULL};
+    gateway_start(&g, c, serving);
+    /* the client reads the first event and goes: head exits, curl's next write fails */
+    char *out = tu_sh_expect_out(0, "cmpl-", "curl -sSN --max-time 60 -H 'Authorization: Bearer " KEY "' --data "
+                                 "'{\"model\": \"model\", \"prompt\": \"x\", \"max_tokens\": 2000, "
+                                 "\"temperature\": 0, \"stream\": true}' '%s/completions' 2>/dev/null | head -n 1",
+                                 g.url);
+    char job[17];
+    snprintf(job, sizeof job, "%.16s", strstr(out, "cmpl-") + 5);
+    free(out);
+    char needle[160];
+    snprintf(needle, sizeof needle, "job %s session ", job);
+    const char *closed = NULL;
+    char *bl = NULL;
+    for (int i = 0; i < 150 && !closed; i++) { /* the gateway sees the hang-up within a long poll */
+        free(bl);
+        bl = tu_broker_log_text(c);
+        for (const char *q = bl; !closed && (q = strstr(q, needle)) != NULL; q++) {
+            const char *eol = strchr(q, '\n'), *by = strstr(q, "closed by its owner");
+            if (by && (!eol || by < eol))
+                closed = q;
+        }
+        if (!closed)
+            usleep(100000);
+    }
+    if (!closed)
+        tu_file_show(tu_broker_log(c), 30);
+    assert_non_null(closed);
+    unsigned sid = 0, gen = 0;
+    assert_int_equal(sscanf(closed + strlen(needle), "%u: ended after %u tokens", &sid, &gen), 2);
+    printf("the hung-up stream's session %u of job %s: closed by its owner after %u of 2000 tokens\n", sid, job, gen);
+    assert_true(gen < 2000);
+    free(bl);
+    char st[32];
+    job_state(c, job, st, sizeof st);
+    printf("serving job %s after the hang-up: %s\n", job, st);
+    assert_string_equal(st, "running");
+    assert_true(tu_file_wait(g.log, "the client went away; its session was closed", 5000));
+    /* the next request is a session of the same job, and gets its whole answer */
+    cJSON *again = curl_json(&g, "/completions", "{\"model\": \"model\", \"prompt\": \"x\", \"max_tokens\": 4}");
+    const char *id2 = str_at(again, "id", NULL, NULL);
+    printf("the next request: %s\n", id2);
+    assert_true(strncmp(id2, "cmpl-", 5) == 0 && strncmp(id2 + 5, job, 16) == 0);
+    assert_int_equal((int)num_at(again, "usage", "completion_tokens"), 4);
+    cJSON_Delete(again);
+    kill(g.pid, SIGTERM);
+    assert_int_equal(tu_reap(g.pid, 15000), 0);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_serve_openai_client_through_three_peers, tu_teardown),
         cmocka_unit_test(test_e2e_serve_refuses_an_open_listener),
         cmocka_unit_test_teardown(test_e2e_serve_sessions_share_one_job, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_serve_session_hung_up_is_closed, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }
