@@ -31,12 +31,16 @@ static void stop_stages(broker_t *b, broker_job *j, const char *reason, bool dro
         (void)broker_send_peer(b, p, FUSION__MSG_TYPE__MSG_STAGE_RELEASE, j->id64, &r.base);
     }
 }
-/* A peer to take stage s of j: its warm backup, another backup of j, then any idle peer. */
+/* A peer to take stage s of j: its warm backup, another backup of j, then the idle peer that would run
+ * the stage fastest (the cost model: speed and link). The replacement sets the whole pipeline's pace
+ * from then on, and the registry's order is no measure of speed; idle peers within
+ * BROKER_BACKUP_SPEED_TIE of each other count as equals (the registry's order decides). */
 static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const char *exclude)
 {
     broker_peer *best = NULL;
     int best_rank = 99;
-    for (size_t i = 0; i < b->n_peers; i++) {
+    double best_s = 0;
+    for (size_t i = 0; i < b->n_peers && best_rank > 0; i++) {
         broker_peer *p = &b->peers[i];
         if (!broker_peer_trusted(b, p) || p->paused || (exclude && strcmp(p->key, exclude) == 0) ||
             broker_job_excludes(j, p->key) || !broker_peer_fits(j, s, p))
@@ -48,9 +52,13 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
             rank = 3;
         else
             continue;
-        if (rank < best_rank) {
+        if (rank > best_rank)
+            continue;
+        double t = rank == 3 ? broker_peer_stage_s(j, s, p) : 0;
+        if (rank < best_rank || t * (1.0 + BROKER_BACKUP_SPEED_TIE) < best_s) {
             best_rank = rank;
             best = p;
+            best_s = t;
         }
     }
     return best;

@@ -559,6 +559,8 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step);
 /* True when p may hold stage s of j: it has the memory the stage needs (the partitioner's estimate)
  * and, for an end stage of a job that keeps its ends on trusted peers, it is trusted. */
 bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p);
+/* The cost model's seconds of one micro-batch of stage s of j on p (its profile: speed, link). */
+double broker_peer_stage_s(const broker_job *j, uint32_t s, const broker_peer *p);
 /* Sends StageAssign (backup or not) for stage s of j to peer p. */
 fu_err broker_send_assign(broker_t *b, broker_job *j, uint32_t s, broker_peer *p, bool backup);
 /* Starts j's stages from resume_step (broker_job_starting with reason) and sends each its StageAssign. */

@@ -30,6 +30,16 @@ static bool reserved(broker_t *b, const broker_peer *p)
 
 #define peer_idle(p) (broker_peer_free(b, p) && !reserved(b, (p)))
 
+/* What the partitioner knows of p. */
+static void profile_of(const broker_peer *p, dag_peer_profile *out)
+{
+    snprintf(out->name, sizeof out->name, "%.40s(%.8s)", p->name, p->key);
+    out->gflops = p->gflops;
+    out->mem_bytes = p->mem_bytes;
+    out->link_bw = p->link_bw;
+    out->link_latency_s = p->link_latency_ms / 2000.0;
+}
+
 bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p)
 {
     if (s >= j->n_stages)
@@ -38,6 +48,14 @@ bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p)
         return false; /* an end stage (it sees tokens), or a backup of one, only on a trusted peer */
     dag_partition_opts o = broker_job_popts(j);
     return dag_cost_stage_memory(j->graph, j->stages[s].first, j->stages[s].last, &o) <= p->mem_bytes;
+}
+
+double broker_peer_stage_s(const broker_job *j, uint32_t s, const broker_peer *p)
+{
+    dag_partition_opts o = broker_job_popts(j);
+    dag_peer_profile prof;
+    profile_of(p, &prof);
+    return dag_cost_stage_time(j->graph, j->stages[s].first, j->stages[s].last, &prof, &o, NULL, NULL);
 }
 
 /* Stage whose peer is most likely to be lost: the one heard from longest ago. */
@@ -143,16 +161,6 @@ static void give_backups(broker_t *b, broker_job *j)
         FU_INFO(LOG, "job %s: peer %.8s (%s) is a warm backup for stage %u", j->id, best->key, best->name, s);
         n_back[s]++;
     }
-}
-
-/* What the partitioner knows of p. */
-static void profile_of(const broker_peer *p, dag_peer_profile *out)
-{
-    snprintf(out->name, sizeof out->name, "%.40s(%.8s)", p->name, p->key);
-    out->gflops = p->gflops;
-    out->mem_bytes = p->mem_bytes;
-    out->link_bw = p->link_bw;
-    out->link_latency_s = p->link_latency_ms / 2000.0;
 }
 
 /* Whether a plan of j made now keeps its ends on trusted peers: the spec says so, or it leaves it to
@@ -923,19 +931,16 @@ void broker_start_stages(broker_t *b, broker_job *j, uint64_t resume_step, const
  * the slowest stage), 0 when a stage has no live peer. */
 static double current_step_s(broker_t *b, const broker_job *j)
 {
-    dag_partition_opts o = broker_job_popts(j);
     double worst = 0;
     for (uint32_t s = 0; s < j->n_stages; s++) {
         const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
         if (!p || !p->live)
             return 0;
-        dag_peer_profile prof;
-        profile_of(p, &prof);
-        double t = dag_cost_stage_time(j->graph, j->stages[s].first, j->stages[s].last, &prof, &o, NULL, NULL);
+        double t = broker_peer_stage_s(j, s, p);
         if (t > worst)
             worst = t;
     }
-    return (double)(o.micro_batches + j->n_stages - 1) * worst;
+    return (double)(broker_job_popts(j).micro_batches + j->n_stages - 1) * worst;
 }
 
 void broker_grow(broker_t *b, broker_job *j, int64_t step)

@@ -1,6 +1,6 @@
 /* Failover and the data flows through the real fusion-broker process: a stage whose peer is
  * killed goes to the warm backup (time measured; its closed connection tells, a stopped peer's
- * silence does); with no backup left the job waits and says
+ * silence does), without one to the fastest idle peer; with no backup left the job waits and says
  * why; a whole fine-tune run through peer processes (weights and tokens fetched and hash-checked,
  * chunked checkpoints committed and acknowledged, progress, the adapter assembled, the result
  * downloaded in chunks and resumed from an offset); the data-plane relay; a stage peer that never says
@@ -209,6 +209,41 @@ static void test_broker_failover_on_leave(void **state)
     assert_true(tu_fake_peer_expect(&p[stage_peer], "RELEASE", 3000, NULL, 0));
     assert_int_equal(tu_fake_peer_stop(&p[stage_peer], SIGTERM), 0);
     tu_fake_peer_stop(&p[backup], SIGKILL);
+}
+
+/* With no backup of its own left, a lost stage goes to the idle peer that would run it fastest, not
+ * to the first one registered: the replacement sets the job's pace from then on. p0 runs the stage;
+ * "slow" (10 GFLOP/s claimed, 4 measured) joins before "fast" (400 claimed, 60 measured); p0 leaves. */
+static void test_broker_failover_to_the_fastest_idle_peer(void **state)
+{
+    tu_broker_fx *f = *state;
+    tu_cluster_opts(f->c)->backups = 0;
+    tu_broker_fx_start(f);
+    tu_fake_peer p0, slow, fast;
+    char line[512];
+    tu_fake_peer_start(&p0, f->c, "p0", "p0", 4 * GiB, 50, "ready");
+    assert_true(tu_fake_peer_expect(&p0, "WELCOME", 5000, NULL, 0));
+    uint64_t id = submit(f);
+    assert_true(tu_fake_peer_expect(&p0, "ASSIGN", 5000, line, sizeof line));
+    assert_true(tu_fake_peer_expect(&p0, "START", 5000, NULL, 0));
+    tu_fake_peer_start(&slow, f->c, "p1", "slow", 4 * GiB, 10, "ready");
+    assert_true(tu_fake_peer_expect(&slow, "WELCOME", 5000, NULL, 0));
+    tu_fake_peer_start(&fast, f->c, "p2", "fast", 4 * GiB, 400, "ready");
+    assert_true(tu_fake_peer_expect(&fast, "WELCOME", 5000, NULL, 0));
+    /* both measured (a peer takes no work before its speed challenge) */
+    assert_true(tu_file_wait(tu_broker_log(f->c), "claimed 10.0 GFLOP/s, measured", 10000));
+    assert_true(tu_file_wait(tu_broker_log(f->c), "claimed 400.0 GFLOP/s, measured", 10000));
+    kill(p0.pid, SIGTERM); /* a clean Leave: its stage moves at once */
+    bool got = tu_fake_peer_expect(&fast, "ASSIGN", 5000, line, sizeof line);
+    print_message("p0 left; the fast idle peer %s: %s\n", got ? "got the stage" : "got nothing", got ? line : "");
+    assert_true(got);
+    char want[64];
+    snprintf(want, sizeof want, "ASSIGN %016" PRIx64 " stage 0 of 1 backup 0", id);
+    assert_memory_equal(line, want, strlen(want));
+    assert_false(tu_fake_peer_expect(&slow, "ASSIGN", 500, NULL, 0));
+    tu_fake_peer_stop(&p0, SIGKILL);
+    tu_fake_peer_stop(&slow, SIGTERM);
+    tu_fake_peer_stop(&fast, SIGTERM);
 }
 
 static void test_broker_failover_retry_cap_fails_the_job(void **state)
@@ -602,6 +637,7 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_failover_to_warm_backup),
         tu_broker_test(test_broker_failover_closed_connection),
         tu_broker_test(test_broker_failover_on_leave),
+        tu_broker_test(test_broker_failover_to_the_fastest_idle_peer),
         tu_broker_test(test_broker_failover_retry_cap_fails_the_job),
         tu_broker_test(test_broker_failover_full_run_and_result),
         tu_broker_test(test_broker_failover_inference_streams_tokens),
