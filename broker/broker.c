@@ -518,6 +518,15 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         rc = FU_EIO;
         goto fail;
     }
+    /* And one for re-plans' checkpoint cuts, which write tens of megabytes: its own store connection. */
+    if ((rc = db_open_sibling(b->db, &b->cut_db)) != FU_OK) {
+        fu_errmsg_set(em, rc, "cannot open a second connection to the store '%s': %s", cfg->db_path, fu_strerror(rc));
+        goto fail;
+    }
+    if (!(b->cutter = broker_worker_new(BROKER_CUT_DEPTH, em))) {
+        rc = FU_EIO;
+        goto fail;
+    }
     b->ctx = zmq_ctx_new();
     if (!b->ctx) {
         rc = FU_EIO;
@@ -591,6 +600,8 @@ void broker_destroy(broker_t **b_p)
     broker_http_destroy(&b->http);
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_worker_free(&b->planner);
+    broker_worker_free(&b->cutter); /* before its connection */
+    db_close(&b->cut_db);
     broker_quota_free(&b->quota);
     broker_quota_free(&b->session_quota);
     broker_auth_free(&b->auth);
@@ -704,11 +715,12 @@ fu_err broker_run(broker_t *b)
             timeout = (long)conn_wait;
         if (b->http)
             timeout = broker_http_timeout_ms(b->http, timeout);
-        zmq_pollitem_t items[6] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+        zmq_pollitem_t items[7] = {{.socket = b->sock, .events = ZMQ_POLLIN},
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
-                                   {.fd = broker_worker_fd(b->planner), .events = ZMQ_POLLIN}};
-        int n_items = 4, http_item = -1;
+                                   {.fd = broker_worker_fd(b->planner), .events = ZMQ_POLLIN},
+                                   {.fd = broker_worker_fd(b->cutter), .events = ZMQ_POLLIN}};
+        int n_items = 5, http_item = -1;
         if (b->mon) /* the connections' events (broker_conn.c), read below whatever woke the poll */
             items[n_items++] = (zmq_pollitem_t){.socket = b->mon, .events = ZMQ_POLLIN};
         if (b->http) {
@@ -740,6 +752,11 @@ fu_err broker_run(broker_t *b)
         }
         if (items[3].revents & ZMQ_POLLIN) { /* a search is back (broker_sched.c) */
             broker_task *t = broker_worker_take(b->planner);
+            if (t)
+                t->done(t, b);
+        }
+        if (items[4].revents & ZMQ_POLLIN) { /* a checkpoint is cut and stored with its plan */
+            broker_task *t = broker_worker_take(b->cutter);
             if (t)
                 t->done(t, b);
         }

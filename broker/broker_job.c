@@ -79,7 +79,8 @@ void broker_jobs_reap(broker_t *b)
 {
     size_t w = 0;
     for (size_t i = 0; i < b->n_jobs; i++) {
-        if (b->jobs[i]->dead && b->jobs[i] != b->planning) { /* a search reads its graph: freed after */
+        /* a search or a cut reads its graph: freed after */
+        if (b->jobs[i]->dead && b->jobs[i] != b->planning && !b->jobs[i]->cutting) {
             broker_job *j = b->jobs[i]; /* its verification counts stay in the broker's totals */
             b->tot.v_agree += j->v_agree;
             b->tot.v_disagree += j->v_disagree;
@@ -141,7 +142,8 @@ void broker_job_note(broker_t *b, broker_job *j, const char *reason)
     if (strcmp(j->reason, reason) == 0)
         return;
     broker_job_show(j, reason);
-    store(b, j, j->phase == BJ_QUEUED ? DB_JOB_QUEUED : DB_JOB_RUNNING, reason);
+    if (!j->cutting) /* the cutter stores its plan and state (running) meanwhile */
+        store(b, j, j->phase == BJ_QUEUED ? DB_JOB_QUEUED : DB_JOB_RUNNING, reason);
     FU_INFO(LOG, "job %s: %s", j->id, reason);
 }
 
@@ -164,11 +166,15 @@ void broker_job_recover_wait(broker_t *b, broker_job *j, uint64_t at_ms)
 
 fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan, size_t n)
 {
-    static const char reason[] = "starting: stages assigned";
-    fu_err rc = db_stage_assign(b->db, j->id, plan, n, reason, broker_wall());
-    if (rc != FU_OK)
-        return rc;
-    broker_job_show(j, reason); /* stored with the plan */
+    fu_err rc = db_stage_assign(b->db, j->id, plan, n, BROKER_PLANNED_REASON, broker_wall());
+    if (rc == FU_OK)
+        broker_job_plan_stored(j, plan, n);
+    return rc;
+}
+
+void broker_job_plan_stored(broker_job *j, const db_stage_plan *plan, size_t n)
+{
+    broker_job_show(j, BROKER_PLANNED_REASON); /* stored with the plan */
     j->n_stages = (uint32_t)n;
     uint64_t now = broker_now();
     for (size_t s = 0; s < n; s++) {
@@ -179,7 +185,6 @@ fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan,
         j->stages[s].final_ckpt_step = -1; /* this plan's stage has committed nothing yet */
         snprintf(j->stages[s].peer, sizeof j->stages[s].peer, "%s", plan[s].peer);
     }
-    return FU_OK;
 }
 
 void broker_job_starting(broker_t *b, broker_job *j, uint64_t resume_step, const char *reason)

@@ -395,28 +395,36 @@ static bool choose_micro_batches(const plan_ctx *x, const plan_cand *who, size_t
 
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
  * elsewhere, each of its stages gets that state cut for its own range (broker_ckpt_recut), stored
- * with the plan. Fails (the job stays queued, saying why) when the checkpoints cannot be cut. */
-static fu_err recut(broker_t *b, broker_job *j, int64_t c, db_stage_plan *sp, size_t n)
+ * with the plan: *cut is then set to the cutter's task, with the stored plan's ranges and the new
+ * plan (its peers' keys copied). NULL when the stages are the same ones. An error when the stored
+ * plan cannot be read (the job stays queued). */
+static fu_err plan_cut(broker_t *b, const broker_job *j, int64_t c, const db_stage_plan *sp, size_t n,
+                       broker_cut **cut)
 {
     db_stage *old = NULL;
     size_t n_old = 0;
+    *cut = NULL;
     fu_err rc = db_stage_list(b->db, j->id, &old, &n_old);
     if (rc != FU_OK)
         return rc;
     bool same = n_old == n;
     for (size_t s = 0; same && s < n; s++)
         same = old[s].first == sp[s].first && old[s].end == sp[s].end;
-    if (!same) {
-        fu_errmsg em = {{0}};
-        if ((rc = broker_ckpt_recut(b, j, old, n_old, c, sp, n, &em)) != FU_OK) {
-            char reason[DB_REASON_MAX];
-            snprintf(reason, sizeof reason, "waiting: the checkpoint at step %" PRId64 " cannot be cut for a plan of "
-                     "%zu stages: %.600s", c, n, fu_errmsg_text(&em, rc));
-            broker_job_note(b, j, reason);
-        } else {
-            FU_INFO(LOG, "job %s: its checkpoint at step %" PRId64 " (%zu stages) is cut again for %zu stages", j->id,
-                    c, n_old, n);
+    if (!same && (n_old > BROKER_MAX_STAGES || n > BROKER_MAX_STAGES))
+        rc = FU_EINVAL;
+    if (!same && rc == FU_OK) {
+        broker_cut *x = fu_calloc(1, sizeof *x);
+        snprintf(x->job, sizeof x->job, "%s", j->id);
+        x->graph = j->graph;
+        x->step = c;
+        memcpy(x->old, old, n_old * sizeof *old);
+        x->n_old = n_old;
+        for (size_t s = 0; s < n; s++) {
+            x->plan[s] = sp[s];
+            snprintf(x->keys[s], sizeof x->keys[s], "%s", sp[s].peer);
         }
+        x->n = n;
+        *cut = x;
     }
     db_stage_array_free(&old, n_old);
     return rc;
@@ -579,6 +587,75 @@ static broker_peer *still_fits(broker_t *b, const broker_job *j, const plan_cand
     return p;
 }
 
+/* j's plan (t's) is stored and its peers taken: the stages start from the checkpoint of step c. */
+static void plan_started(broker_t *b, broker_job *j, const plan_task *t, int64_t c)
+{
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        FU_INFO(LOG, "job %s stage %u/%u on %.8s (%s): %s", j->id, s, j->n_stages, j->stages[s].peer,
+                p ? p->name : "?", s < t->plan.n_stages ? t->plan.stages[s].why : "");
+    }
+    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", t->plan.stages[0].why));
+    broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
+    give_backups(b, j);
+}
+
+static void plan_task_free_arg(void *t)
+{
+    plan_task_free(t);
+}
+
+/* The cutter is back with j's plan (t's): stored with its cut checkpoint, the stages start; not
+ * stored (the cut or the commit failed, the job ended or a peer it chose left meanwhile), the peers
+ * it took are let go and it stays queued, saying why; stored but a peer it took is gone since, it is
+ * planned again from the checkpoint just cut. */
+static void plan_cut_done(broker_t *b, broker_cut *cut)
+{
+    plan_task *t = cut->arg;
+    broker_job *j = t->j;
+    j->cutting = false;
+    b->sched_dirty = true;
+    if (j->dead) {
+        FU_INFO(LOG, "job %s ended while its checkpoint was cut for its plan (%s)", j->id,
+                cut->rc == FU_OK ? "stored before it ended" : "not stored");
+        plan_task_free(t);
+        return;
+    }
+    if (cut->rc != FU_OK) {
+        char reason[DB_REASON_MAX];
+        if (cut->cut_failed) {
+            snprintf(reason, sizeof reason, "waiting: the checkpoint at step %" PRId64 " cannot be cut for a plan of "
+                     "%zu stages: %.600s", cut->step, cut->n, fu_errmsg_text(&cut->em, cut->rc));
+            j->plan_failed_on = t->inputs; /* the same candidates make the same plan: not again */
+        } else {
+            snprintf(reason, sizeof reason, "waiting for peers: %.600s", fu_errmsg_text(&cut->em, cut->rc));
+        }
+        FU_WARN(LOG, "job %s: %s", j->id, reason);
+        broker_job_release(b, j, "the plan could not be stored");
+        broker_job_note(b, j, reason);
+        plan_task_free(t);
+        return;
+    }
+    broker_job_plan_stored(j, cut->plan, cut->n);
+    FU_INFO(LOG, "job %s: its checkpoint at step %" PRId64 " (%zu stages) is cut again for %zu stages and stored with "
+            "the plan off the loop in %.2f ms (the cut %.2f ms, the commit %.2f ms, %.2f MiB)", j->id, cut->step,
+            cut->n_old, cut->n, (cut->cut_s + cut->store_s) * 1e3, cut->cut_s * 1e3, cut->store_s * 1e3,
+            (double)cut->bytes / (1 << 20));
+    for (uint32_t s = 0; s < j->n_stages; s++) {
+        const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
+        if (!p || !p->live || p->backup || p->stage != s || strcmp(p->job, j->id) != 0) {
+            char reason[DB_REASON_MAX];
+            snprintf(reason, sizeof reason, "planning again: peer %.8s, which its plan chose for stage %u, left while "
+                     "its checkpoint was cut", j->stages[s].peer, s);
+            broker_job_requeue(b, j, reason);
+            plan_task_free(t);
+            return;
+        }
+    }
+    plan_started(b, j, t, cut->step);
+    plan_task_free(t);
+}
+
 /* The search of t is back: on the loop, the plan is stored and assigned as before, unless the job
  * went meanwhile (the result is dropped) or a peer it chose changed (planned again, bounded by
  * BROKER_PLAN_STALE_MAX in a row; each search is over a fresh snapshot). */
@@ -660,17 +737,10 @@ static void plan_done(broker_task *bt, void *loop)
     int64_t c = 0;
     if (j->kind == DB_JOB_FINETUNE && db_ckpt_common_step(b->db, j->id, &c) != FU_OK)
         c = 0;
-    if (c > 0 && (rc = recut(b, j, c, sp, plan->n_stages)) != FU_OK) {
+    broker_cut *cut = NULL;
+    if (c > 0 && (rc = plan_cut(b, j, c, sp, plan->n_stages, &cut)) != FU_OK) {
+        FU_ERROR(LOG, "job %s: its stored plan could not be read (%s); it stays queued", j->id, fu_strerror(rc));
         free(sp);
-        goto done;
-    }
-    /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
-     * assignment is sent. */
-    rc = broker_job_planned(b, j, sp, plan->n_stages);
-    broker_ckpt_recut_free(sp, plan->n_stages);
-    free(sp);
-    if (rc != FU_OK) {
-        FU_ERROR(LOG, "job %s: the plan could not be stored (%s); it stays queued", j->id, fu_strerror(rc));
         goto done;
     }
     for (size_t s = 0; s < plan->n_stages; s++) {
@@ -682,20 +752,46 @@ static void plan_done(broker_task *bt, void *loop)
             broker_peer_release(b, donor, p, "a queued job needs this peer: backups give way");
         }
         broker_peer_take(b, p, j, (uint32_t)s, false);
-        FU_INFO(LOG, "job %s stage %zu/%zu on %.8s (%s): %s", j->id, s, plan->n_stages, p->key, p->name,
-                plan->stages[s].why);
     }
-    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", plan->stages[0].why));
+    /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
+     * assignment is sent: here, or by the cutter when the checkpoint is cut for it. */
+    if (!cut) {
+        rc = broker_job_planned(b, j, sp, plan->n_stages);
+        if (rc != FU_OK) {
+            FU_ERROR(LOG, "job %s: the plan could not be stored (%s); it stays queued", j->id, fu_strerror(rc));
+            broker_job_release(b, j, "the plan could not be stored");
+        }
+    }
+    free(sp);
+    if (rc != FU_OK)
+        goto done;
     double loop_s = t->loop_s + (double)(fu_clock_ns() - t0_ns) / 1e9, plan_s = t->search_s + loop_s;
     b->tot.plans++;
     b->tot.plan_s_sum += plan_s;
     if (plan_s > b->tot.plan_s_max)
         b->tot.plan_s_max = plan_s;
     FU_INFO(LOG, "job %s planned over %zu candidates in %.2f ms (%zu stages; the search %.2f ms on the planner "
-            "thread, the loop %.2f ms: the candidates, storing the plan)", j->id, t->n_idle + t->n_spare,
-            plan_s * 1e3, plan->n_stages, t->search_s * 1e3, loop_s * 1e3);
-    broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
-    give_backups(b, j);
+            "thread, the loop %.2f ms: the candidates, %s)", j->id, t->n_idle + t->n_spare, plan_s * 1e3,
+            plan->n_stages, t->search_s * 1e3, loop_s * 1e3,
+            cut ? "taking the peers; its checkpoint is cut for the new stages and stored with the plan off the loop"
+                : "storing the plan");
+    if (cut) {
+        char note[DB_REASON_MAX];
+        snprintf(note, sizeof note, "starting: its checkpoint of step %" PRId64 " is cut for the new stages", c);
+        broker_job_show(j, note); /* the cutter stores the plan's reason with it */
+        j->cutting = true;
+        cut->lease_ms = (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
+        cut->then = plan_cut_done;
+        cut->arg = t;
+        cut->free_arg = plan_task_free_arg;
+        free(who);
+        if (!broker_cut_post(b, cut)) { /* the cutter is full: here */
+            cut->base.run(&cut->base);
+            cut->base.done(&cut->base, b);
+        }
+        return; /* plan_cut_done frees t */
+    }
+    plan_started(b, j, t, c);
 done:
     free(who);
     plan_task_free(t);
@@ -778,7 +874,7 @@ static broker_job *next_fair(broker_t *b, const size_t *owner_of, const uint32_t
     uint32_t best_busy = UINT32_MAX;
     for (size_t i = 0; i < b->n_jobs; i++) {
         broker_job *j = b->jobs[i];
-        if (j->dead || j->phase != BJ_QUEUED || j->sched_tried == b->sched_round)
+        if (j->dead || j->phase != BJ_QUEUED || j->cutting || j->sched_tried == b->sched_round)
             continue;
         if (busy[owner_of[i]] < best_busy) {
             best = j;
@@ -815,7 +911,7 @@ void broker_schedule(broker_t *b)
             first[n_owners++] = i;
         owner_of[i] = o;
         broker_phase ph = b->jobs[i]->phase;
-        if (!b->jobs[i]->dead && ph != BJ_QUEUED)
+        if (!b->jobs[i]->dead && (ph != BJ_QUEUED || b->jobs[i]->cutting))
             busy[o]++;
     }
     broker_job *j;

@@ -627,7 +627,9 @@ fu_err db_open(const char *path, db_t **out)
     return db_open_opts(path, NULL, out);
 }
 
-fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
+/* Opens path with opts; `sibling`: the store is open (checked, migrated) in this process already, and
+ * this is another connection to it (db_open_sibling): no creation, no checks, no migration. */
+static fu_err open_store(const char *path, const db_options *opts, bool sibling, db_t **out)
 {
     db_options o = {0};
     if (opts)
@@ -647,9 +649,10 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
     db_t *db = fu_calloc(1, sizeof *db);
     db->path = fu_strdup(path);
     db->ckpt_keep = o.ckpt_keep;
+    db->opts = o;
     fu_err err = FU_OK;
     int rc;
-    if (!o.read_only) {
+    if (!o.read_only && !sibling) {
         /* A new store is private to the broker's user (SQLite gives its -wal and -shm files the
          * same mode); an existing one keeps the mode the operator gave it. */
         int fd = open(path, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
@@ -717,13 +720,21 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         err = FU_EVERSION;
         goto fail;
     }
-    if ((err = check_ours(db, app, version)) != FU_OK || (err = check_integrity(db, o.full_check)) != FU_OK)
+    if (sibling && version != DB_SCHEMA_VERSION) {
+        FU_ERROR(DB_LOG, "job store '%s': another connection found schema version %lld, not %d", path,
+                 (long long)version, DB_SCHEMA_VERSION);
+        err = FU_EVERSION;
+        goto fail;
+    }
+    if (!sibling &&
+        ((err = check_ours(db, app, version)) != FU_OK || (err = check_integrity(db, o.full_check)) != FU_OK))
         goto fail;
 
     if (!o.read_only) {
         /* A new store gets incremental vacuum before anything is written to it (db_compact gives free
          * pages back); an older one is converted after its migration (incremental_vacuum_on). */
-        if (version == 0 && (err = exec_sql(db, "PRAGMA auto_vacuum = INCREMENTAL", "enabling incremental vacuum")) != FU_OK)
+        if (!sibling && version == 0 &&
+            (err = exec_sql(db, "PRAGMA auto_vacuum = INCREMENTAL", "enabling incremental vacuum")) != FU_OK)
             goto fail;
         if ((err = pragma_expect_text(db, "PRAGMA journal_mode = WAL", "wal")) != FU_OK)
             goto fail;
@@ -742,7 +753,7 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         err = FU_EDB;
         goto fail;
     }
-    if (!o.read_only) {
+    if (!o.read_only && !sibling) {
         if ((err = migrate(db)) != FU_OK)
             goto fail;
         incremental_vacuum_on(db);
@@ -752,7 +763,7 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
         err = FU_EVERSION;
         goto fail;
     }
-    if (o.full_check) {
+    if (o.full_check && !sibling) {
         db_audit au;
         if ((err = db_event_audit(db, &au)) != FU_OK) {
             if (err == FU_EAUTH)
@@ -780,6 +791,18 @@ fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
 fail:
     db_close(&db);
     return err;
+}
+
+fu_err db_open_opts(const char *path, const db_options *opts, db_t **out)
+{
+    return open_store(path, opts, false, out);
+}
+
+fu_err db_open_sibling(const db_t *db, db_t **out)
+{
+    if (!db || !out)
+        return FU_EINVAL;
+    return open_store(db->path, &db->opts, true, out);
 }
 
 void db_close(db_t **db_p)

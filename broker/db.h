@@ -193,6 +193,10 @@ void db_hash_hex(char out[DB_HASH_HEX_LEN + 1], const void *data, size_t len);
 FU_MUST_CHECK fu_err db_open(const char *path, db_t **out);
 /* As db_open, with options (opts may be NULL for defaults). */
 FU_MUST_CHECK fu_err db_open_opts(const char *path, const db_options *opts, db_t **out);
+/* Another connection to the store db has open, with its options, for another thread of this
+ * process (a connection is used by one thread at a time): no creation, checks or migration, which
+ * db's open did. Writes wait for each other (SQLite's one writer; busy_timeout_ms at most). */
+FU_MUST_CHECK fu_err db_open_sibling(const db_t *db, db_t **out);
 /* Closes the store and sets *db_p = NULL. Idempotent; NULL and *db_p == NULL are fine. */
 void db_close(db_t **db_p);
 

@@ -14,6 +14,7 @@ struct db {
     sqlite3 *conn;      /* the connection; owned */
     char    *path;      /* as given to db_open; owned */
     int      ckpt_keep; /* checkpoints kept per (job, stage) */
+    db_options opts;    /* as opened, defaults filled in (db_open_sibling opens with them again) */
     db_commit_stats commits; /* db_commit's count and time (the broker's /metrics) */
     uint64_t compact_turn; /* db_compact calls (which kind of work goes first) */
     int      secure_saved;   /* PRAGMA secure_delete before db_compact set FAST (-1: not changed) */

@@ -1341,6 +1341,42 @@ static void test_db_read_only_and_two_connections(void **state)
     assert_int_not_equal(access(missing, F_OK), 0);
 }
 
+/* db_open_sibling: another connection to an open store, for another thread (the broker's cutter).
+ * Its writes are the store's; it opens with the first one's options (a capped file stays capped);
+ * without a store open it has nothing to be a sibling of. */
+static void test_db_sibling_connection(void **state)
+{
+    fx *f = *state;
+    const char *owner = f->key[0];
+    db_t *m = open_ok(f->path), *sib = NULL;
+    assert_int_equal(db_open_sibling(m, &sib), FU_OK);
+    char id[DB_JOB_ID_LEN + 1], id2[DB_JOB_ID_LEN + 1];
+    bool created = false;
+    assert_int_equal(db_job_submit(sib, owner, "sib", DB_JOB_INFER, "{}", 2, NULL, 1, id, &created), FU_OK);
+    assert_true(created);
+    db_job *j = NULL;
+    assert_int_equal(db_job_get(m, id, owner, &j), FU_OK); /* the first connection sees it */
+    db_job_free(&j);
+    assert_int_equal(db_job_submit(m, owner, "main", DB_JOB_INFER, "{}", 2, NULL, 2, id2, &created), FU_OK);
+    assert_int_equal(db_job_get(sib, id2, owner, &j), FU_OK);
+    db_job_free(&j);
+    db_close(&sib);
+    db_close(&m);
+    /* the options travel: a store capped at its size refuses a large write through the sibling too */
+    db_options o = {.max_page_count = raw_int(f->path, "PRAGMA page_count") + 2};
+    assert_int_equal(db_open_opts(f->path, &o, &m), FU_OK);
+    assert_int_equal(db_open_sibling(m, &sib), FU_OK);
+    size_t big = 256 * 1024;
+    uint8_t *spec = calloc(1, big);
+    assert_non_null(spec);
+    assert_int_equal(db_job_submit(sib, owner, "big", DB_JOB_FINETUNE, spec, big, NULL, 3, id, &created), FU_EDB);
+    free(spec);
+    db_close(&sib);
+    db_close(&m);
+    assert_int_equal(db_open_sibling(NULL, &sib), FU_EINVAL);
+    assert_null(sib);
+}
+
 /* ---- durability: a writer killed with SIGKILL keeps every job it acknowledged ---- */
 
 /* What a writer child works on. */
@@ -2442,6 +2478,7 @@ int main(void)
         cmocka_unit_test(test_db_names_and_validators),
         cmocka_unit_test(test_db_corrupt_rows_are_errors),
         cmocka_unit_test(test_db_read_only_and_two_connections),
+        cmocka_unit_test(test_db_sibling_connection),
         cmocka_unit_test(test_db_durability_sigkill),
         cmocka_unit_test(test_db_durability_ckpt_sigkill),
         cmocka_unit_test(test_db_disk_full),

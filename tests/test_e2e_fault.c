@@ -595,6 +595,94 @@ static void test_e2e_fault_replan_without_spare(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The replan_without_spare setup with the cutter slowed to 3 s (FUSION_TEST_CUT_DELAY_MS, a test
+ * hook): the job's stage-1 peer is SIGKILLed, the job is planned again over the two survivors, and
+ * its checkpoint is cut for the two stages off the broker's loop. Returns the cluster and the index
+ * of the victim once the broker has taken that decision; the loop still answers meanwhile: `fusion
+ * status` says the checkpoint is being cut. */
+static tu_cluster *replan_while_cut(const char *tag, char id[17], int *victim)
+{
+    tu_opts o = tu_opts_default(4); /* p3 is started by the test that wants it */
+    o.peer_memory_gb = "0.047";
+    o.heartbeat_ms = 300;
+    tu_cluster *c = tu_cluster_new(tag, &o);
+    tu_broker_args(c, "--grow-margin 0");
+    setenv("FUSION_TEST_CUT_DELAY_MS", "3000", 1); /* the broker inherits it */
+    tu_broker_start(c);
+    unsetenv("FUSION_TEST_CUT_DELAY_MS");
+    for (int i = 0; i < 3; i++)
+        tu_peer_start(c, i, NULL);
+    for (int i = 0; i < 3; i++)
+        tu_peer_wait_joined(c, i, 30000);
+    tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
+    (void)tu_wait_step(c, id, KILL_AT, 60000);
+    *victim = tu_stage_peer(c, id, 1, 30000);
+    printf("SIGKILL to p%d (stage 1 of 3)\n", *victim);
+    (void)tu_peer_stop(c, *victim, SIGKILL, 5000);
+    if (!tu_broker_wait_log(c, 30000, "taking the peers; its checkpoint is cut for the new stages"))
+        tu_file_show(tu_broker_log(c), 40);
+    assert_true(tu_broker_logged(c, "taking the peers; its checkpoint is cut for the new stages"));
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    printf("while the checkpoint is cut: %s: %s\n", st.state, st.message);
+    assert_non_null(strstr(st.message, "is cut for the new stages"));
+    return c;
+}
+
+/* While the re-plan's checkpoint is cut, a survivor the plan chose is SIGKILLed: the plan does not
+ * start on it (the cutter's commit is refused, the peer being dead in the store, or the plan is
+ * made again when the cut is back); a fourth peer joins, the job is planned over it and the other
+ * survivor, and it finishes with `fusion run finetune`'s adapter, bit for bit. */
+static void test_e2e_fault_replan_peer_lost_while_cut(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = replan_while_cut("e2e-cutloss", id, &victim);
+    int lost = victim == 0 ? 1 : 0;
+    printf("SIGKILL to p%d (a survivor the new plan chose); p3 joins\n", lost);
+    (void)tu_peer_stop(c, lost, SIGKILL, 5000);
+    tu_peer_start(c, 3, NULL);
+    tu_wait_done(c, id, 180);
+    bool refused = tu_broker_logged(c, "could not be stored: the job ended, or a peer it chose left, meanwhile");
+    bool again = tu_broker_logged(c, "left while its checkpoint was cut");
+    printf("the first cut's plan was %s\n", refused ? "refused by the store" : again ? "made again" : "started (!)");
+    assert_true(refused || again);
+    assert_true(tu_broker_logged(c, "job %s stage 1/2 on ", id));
+    tu_assert_identical_adapter(c, id, "model", train_args(), 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* A job cancelled while its checkpoint is cut ends cancelled: the cutter's commit is refused (or
+ * made before, and the cancel comes after it), and the peers it took are idle again. */
+static void test_e2e_fault_cancel_while_cut(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = replan_while_cut("e2e-cutcancel", id, &victim);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "cancel %s", id), 0);
+    printf("%s", out);
+    free(out);
+    assert_true(tu_broker_wait_log(c, 20000, "job %s ended while its checkpoint was cut", id));
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    printf("after the cut: %s: %s\n", st.state, st.message);
+    assert_string_equal(st.state, "cancelled");
+    tu_peer_seen seen[TU_MAX_PEERS];
+    int n = tu_peers_list(c, seen, TU_MAX_PEERS), live = 0;
+    for (int i = 0; i < n; i++) {
+        printf("%s: %s\n", seen[i].name, seen[i].state);
+        if (tu_peer_index(seen[i].name) != victim) {
+            live++;
+            assert_string_equal(seen[i].state, "idle");
+        }
+    }
+    assert_int_equal(live, 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Growth (docs/PIPELINE.md "Growth"): a job on a 12-layer model runs on two peers (no memory cap:
  * the partitioner gives each its own stage, six layers); a third peer joins. With 8 micro-batches
  * three stages of four layers predict a step about a quarter shorter ((8 + 2) x 4 against
@@ -699,6 +787,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline_no_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_eval_starts_again, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_replan_peer_lost_while_cut, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_cancel_while_cut, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_chaotic_same_bits, tu_teardown),
     };

@@ -90,6 +90,9 @@ typedef struct {
     swarm_dist plan_broker_ms;  /* the broker's own planning pass time per job (fusion_plan_seconds) */
     swarm_dist plan_search_ms;  /* the part of it that was the search (candidates and partitioner), not
                                    storing the plan */
+    swarm_dist plan_first_ms;   /* plan_broker_ms of jobs planned for the first time (submissions) */
+    swarm_dist plan_again_ms;   /* plan_broker_ms of jobs planned again (failover, growth) */
+    swarm_dist cut_ms;          /* a re-plan's checkpoint cut and stored with its plan, off the loop */
     swarm_dist replace_ms;      /* a stage's peer departs -> that stage assigned to another peer */
     swarm_dist resume_ms;       /* a stage's peer departs -> the job's stages told to start again */
     swarm_dist job_ms;          /* a finished job's submission -> the client seeing it done */

@@ -453,12 +453,14 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     {
         char log[TU_PATH];
         snprintf(log, sizeof log, "%s", tu_broker_log(c));
-        swarm_samples bp = {0}, bs = {0}; /* the broker's own planning times, and their searches */
-        swarm_log_plans(log, &bp, &bs);
-        out->plan_broker_ms = swarm_samples_dist(&bp);
-        out->plan_search_ms = swarm_samples_dist(&bs);
-        swarm_samples_free(&bp);
-        swarm_samples_free(&bs);
+        swarm_plan_log pl = {0}; /* the broker's own planning times */
+        swarm_log_plans(log, &pl);
+        out->plan_broker_ms = swarm_samples_dist(&pl.plan);
+        out->plan_search_ms = swarm_samples_dist(&pl.search);
+        out->plan_first_ms = swarm_samples_dist(&pl.first);
+        out->plan_again_ms = swarm_samples_dist(&pl.again);
+        out->cut_ms = swarm_samples_dist(&pl.cut);
+        swarm_plan_log_free(&pl);
     }
 done:
     if (idle_pid > 0) {
@@ -517,6 +519,9 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
     dist("plan_ms", &r->plan_ms);
     dist("plan_broker_ms", &r->plan_broker_ms);
     dist("plan_search_ms", &r->plan_search_ms);
+    dist("plan_first_ms", &r->plan_first_ms);
+    dist("plan_again_ms", &r->plan_again_ms);
+    dist("cut_ms", &r->cut_ms);
     dist("replace_ms", &r->replace_ms);
     dist("resume_ms", &r->resume_ms);
     dist("job_ms", &r->job_ms);

@@ -111,20 +111,49 @@ double swarm_store_mib(const char *db)
     return total / (1024.0 * 1024.0);
 }
 
-void swarm_log_plans(const char *log, swarm_samples *out, swarm_samples *search)
+void swarm_log_plans(const char *log, swarm_plan_log *pl)
 {
     FILE *f = fopen(log, "r");
     if (!f)
         return;
     char line[4096];
-    static const char tag[] = " candidates in ", stag[] = "; the search ";
+    static const char tag[] = " candidates in ", stag[] = "; the search ", ctag[] = " off the loop in ";
+    char (*seen)[17] = NULL; /* the jobs planned so far */
+    size_t n_seen = 0;
     while (fgets(line, sizeof line, f)) {
-        const char *p = strstr(line, tag), *q = strstr(line, stag);
-        if (!p || !strstr(line, " planned over "))
+        const char *p = strstr(line, tag), *q = strstr(line, stag), *job = strstr(line, "] job "), *c;
+        if ((c = strstr(line, ctag)) && strstr(line, " is cut again for ")) {
+            swarm_samples_add(&pl->cut, strtod(c + sizeof ctag - 1, NULL));
             continue;
-        swarm_samples_add(out, strtod(p + sizeof tag - 1, NULL));
+        }
+        if (!p || !job || !strstr(line, " planned over "))
+            continue;
+        double ms = strtod(p + sizeof tag - 1, NULL);
+        swarm_samples_add(&pl->plan, ms);
         if (q)
-            swarm_samples_add(search, strtod(q + sizeof stag - 1, NULL));
+            swarm_samples_add(&pl->search, strtod(q + sizeof stag - 1, NULL));
+        char id[17];
+        snprintf(id, sizeof id, "%.16s", job + 6);
+        size_t k = 0;
+        while (k < n_seen && strcmp(seen[k], id) != 0)
+            k++;
+        swarm_samples_add(k < n_seen ? &pl->again : &pl->first, ms);
+        if (k == n_seen) {
+            seen = realloc(seen, (n_seen + 1) * sizeof *seen);
+            if (!seen)
+                abort();
+            memcpy(seen[n_seen++], id, sizeof id);
+        }
     }
+    free(seen);
     fclose(f);
+}
+
+void swarm_plan_log_free(swarm_plan_log *pl)
+{
+    swarm_samples_free(&pl->plan);
+    swarm_samples_free(&pl->search);
+    swarm_samples_free(&pl->first);
+    swarm_samples_free(&pl->again);
+    swarm_samples_free(&pl->cut);
 }

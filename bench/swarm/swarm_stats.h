@@ -20,8 +20,18 @@ double swarm_metric(const char *text, const char *name);
 /* MiB of the SQLite file db and its -wal file. */
 double swarm_store_mib(const char *db);
 
-/* Adds the planning times (ms) the broker's log names ("job ... planned over N candidates in X ms
- * (S stages; the search Y ms ...") to out, and their searches to search. */
-void swarm_log_plans(const char *log, swarm_samples *out, swarm_samples *search);
+/* What the broker's log says of its plans, in ms. */
+typedef struct {
+    swarm_samples plan;   /* "job ... planned over N candidates in X ms (S stages; ...": every plan */
+    swarm_samples search; /* "...; the search Y ms ...": its search, on the planner thread */
+    swarm_samples first;  /* the plans of jobs planned for the first time (submissions) */
+    swarm_samples again;  /* the plans of jobs planned before (failover, growth) */
+    swarm_samples cut;    /* "... stored with the plan off the loop in Z ms": a re-plan's checkpoint cut
+                             and commit on the cutter thread */
+} swarm_plan_log;
+
+/* Reads log into pl (its samples added to); swarm_plan_log_free frees them. */
+void swarm_log_plans(const char *log, swarm_plan_log *pl);
+void swarm_plan_log_free(swarm_plan_log *pl);
 
 #endif
