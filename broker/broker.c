@@ -707,8 +707,15 @@ fu_err broker_run(broker_t *b)
         broker_request_stop();
     fu_err result = FU_OK;
     b->next_sweep_ms = b->drained_ms = broker_now();
+    uint64_t woke_ns = 0; /* when the last poll returned */
     while (!g_stop) {
         uint64_t conn_wait = timers(b);
+        if (woke_ns) { /* the turn since: what a heartbeat that came meanwhile waited at most */
+            double turn = (double)(fu_clock_ns() - woke_ns) / 1e9;
+            b->tot.turns_slow += turn * 1e3 >= BROKER_TURN_SLOW_MS;
+            if (turn > b->tot.turn_s_max)
+                b->tot.turn_s_max = turn;
+        }
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
         if (conn_wait < (uint64_t)timeout)
@@ -728,6 +735,7 @@ fu_err broker_run(broker_t *b)
             items[n_items++] = (zmq_pollitem_t){.fd = broker_http_fd(b->http), .events = ZMQ_POLLIN};
         }
         int n = zmq_poll(items, n_items, timeout);
+        woke_ns = fu_clock_ns();
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;

@@ -45,6 +45,7 @@ extern "C" {
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
 #define BROKER_PREP_DEPTH       16        /* submissions being prepared (or waiting to be) at once */
 #define BROKER_CUT_DEPTH        16        /* re-plans' checkpoint cuts waiting or running at once */
+#define BROKER_TURN_SLOW_MS     100       /* a turn of the loop this long counts as slow (/metrics) */
 #define BROKER_PREP_PER_CLIENT  8         /* ... of them from one client */
 #define BROKER_CLIENT_JOBS      64        /* default --max-jobs-per-client: unfinished jobs */
 #define BROKER_CLIENT_MIB       4096      /* default --max-mib-per-client: MiB of specs, tokens and results stored */

@@ -290,6 +290,10 @@ typedef struct {
     db_compact_stats compacted;        /* compaction: what it removed in all (seconds: its time in all) */
     double compact_s_max;              /* the longest compaction turn, seconds */
     uint64_t compact_turns;            /* compaction turns (db_compact calls) */
+    uint64_t cuts;                     /* re-plans' checkpoints cut and stored with their plan (cutter) */
+    double cut_s_sum, cut_s_max;       /* seconds those took on the cutter, in all and the longest */
+    double turn_s_max;                 /* the loop's longest turn (poll to poll, the wait not counted) */
+    uint64_t turns_slow;               /* its turns of BROKER_TURN_SLOW_MS or more */
 } broker_totals;
 
 /* One verification sample in flight (docs/PIPELINE.md "Verification"): who was asked for the

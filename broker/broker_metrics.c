@@ -144,6 +144,18 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     fprintf(f, "fusion_plan_seconds_total %.6f\n", t->plan_s_sum);
     family(f, "fusion_plan_seconds_max", "gauge", "The longest planning pass since the broker started.");
     fprintf(f, "fusion_plan_seconds_max %.6f\n", t->plan_s_max);
+    family(f, "fusion_cuts_total", "counter",
+           "Re-plans whose checkpoint was cut for the new stages and stored with the plan, off the loop.");
+    fprintf(f, "fusion_cuts_total %" PRIu64 "\n", t->cuts);
+    family(f, "fusion_cut_seconds_total", "counter", "Seconds those cuts and their commits took on the cutter thread.");
+    fprintf(f, "fusion_cut_seconds_total %.6f\n", t->cut_s_sum);
+    family(f, "fusion_cut_seconds_max", "gauge", "The longest cut since the broker started.");
+    fprintf(f, "fusion_cut_seconds_max %.6f\n", t->cut_s_max);
+    family(f, "fusion_loop_turn_seconds_max", "gauge",
+           "The broker loop's longest turn (from poll to poll, the wait not counted): how long a heartbeat can wait.");
+    fprintf(f, "fusion_loop_turn_seconds_max %.6f\n", t->turn_s_max);
+    family(f, "fusion_loop_turns_slow_total", "counter", "Turns of the broker loop that took 100 ms or more.");
+    fprintf(f, "fusion_loop_turns_slow_total %" PRIu64 "\n", t->turns_slow);
     family(f, "fusion_failovers_total", "counter", "Stages moved to another peer.");
     fprintf(f, "fusion_failovers_total %" PRIu64 "\n", t->failovers);
     family(f, "fusion_peers_closed_total", "counter",

@@ -637,6 +637,10 @@ static void plan_cut_done(broker_t *b, broker_cut *cut)
         return;
     }
     broker_job_plan_stored(j, cut->plan, cut->n);
+    b->tot.cuts++;
+    b->tot.cut_s_sum += cut->cut_s + cut->store_s;
+    if (cut->cut_s + cut->store_s > b->tot.cut_s_max)
+        b->tot.cut_s_max = cut->cut_s + cut->store_s;
     FU_INFO(LOG, "job %s: its checkpoint at step %" PRId64 " (%zu stages) is cut again for %zu stages and stored with "
             "the plan off the loop in %.2f ms (the cut %.2f ms, the commit %.2f ms, %.2f MiB)", j->id, cut->step,
             cut->n_old, cut->n, (cut->cut_s + cut->store_s) * 1e3, cut->cut_s * 1e3, cut->store_s * 1e3,

@@ -612,17 +612,23 @@ static tu_cluster *replan_while_cut(const char *tag, char id[17], int *victim)
     unsetenv("FUSION_TEST_CUT_DELAY_MS");
     for (int i = 0; i < 3; i++)
         tu_peer_start(c, i, NULL);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 3; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", i);
         tu_peer_wait_joined(c, i, 30000);
+        assert_true(tu_peer_profile_checked(c, name, 30000)); /* planned over all three */
+    }
     tu_submit_finetune(c, id, "model", "%s --checkpoint-every 10", train_args());
     (void)tu_wait_step(c, id, KILL_AT, 60000);
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    assert_int_equal(st.n_stages, 3);
     *victim = tu_stage_peer(c, id, 1, 30000);
     printf("SIGKILL to p%d (stage 1 of 3)\n", *victim);
     (void)tu_peer_stop(c, *victim, SIGKILL, 5000);
     if (!tu_broker_wait_log(c, 30000, "taking the peers; its checkpoint is cut for the new stages"))
         tu_file_show(tu_broker_log(c), 40);
     assert_true(tu_broker_logged(c, "taking the peers; its checkpoint is cut for the new stages"));
-    tu_status st;
     assert_true(tu_status_get(c, id, &st));
     printf("while the checkpoint is cut: %s: %s\n", st.state, st.message);
     assert_non_null(strstr(st.message, "is cut for the new stages"));

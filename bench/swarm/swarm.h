@@ -111,6 +111,8 @@ typedef struct {
     double events_archived_end; /* events the store's archive accounts for at the end */
     double ckpts_end;           /* checkpoint rows at the end */
     double jobs_purged_end;     /* jobs whose artifacts the broker deleted (--keep-jobs-days) */
+    double turn_max_ms;         /* the broker loop's longest turn (fusion_loop_turn_seconds_max) */
+    double turns_slow;          /* its turns of 100 ms or more (fusion_loop_turns_slow_total) */
     uint64_t errors_seen;       /* Error messages the broker sent the simulated peers and clients */
 } swarm_result;
 

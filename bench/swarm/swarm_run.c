@@ -445,6 +445,8 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
         out->events_archived_end = swarm_metric(m, "fusion_store_events_archived");
         out->ckpts_end = swarm_metric(m, "fusion_store_rows{table=\"checkpoints\"}");
         out->jobs_purged_end = swarm_metric(m, "fusion_store_rows{table=\"jobs_purged\"}");
+        out->turn_max_ms = 1e3 * swarm_metric(m, "fusion_loop_turn_seconds_max");
+        out->turns_slow = swarm_metric(m, "fusion_loop_turns_slow_total");
         free(m);
     }
     sample_line(s, pid, port, db, (double)(swarm_now() - l0) / 1000.0, "drain-end", out);
@@ -532,10 +534,10 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
            ",\"steps_replayed\":%" PRIu64 ",\"steps_per_s\":%.2f,\"departures\":%d,\"crashes\":%d,"
            "\"stage_losses\":%d,\"store_commits_per_s\":%.1f,\"store_mib_end\":%.2f,\"store_mib_max\":%.2f,"
            "\"events_end\":%.0f,\"events_archived_end\":%.0f,\"checkpoints_end\":%.0f,\"jobs_purged_end\":%.0f,"
-           "\"errors_seen\":%" PRIu64 "}\n",
+           "\"loop_turn_max_ms\":%.1f,\"loop_turns_slow\":%.0f,\"errors_seen\":%" PRIu64 "}\n",
            r->jobs_submitted, r->jobs_acked, r->jobs_done, r->jobs_failed, r->jobs_cancelled, r->jobs_unfinished,
            r->jobs_lost, (double)r->jobs_done / acked, r->makespan_s, r->goodput, r->steps_new, r->steps_replayed, r->steps_per_s, r->departures,
            r->crashes, r->stage_losses, r->commits_per_s, r->store_mib_end, r->store_mib_max, r->events_end,
-           r->events_archived_end, r->ckpts_end, r->jobs_purged_end, r->errors_seen);
+           r->events_archived_end, r->ckpts_end, r->jobs_purged_end, r->turn_max_ms, r->turns_slow, r->errors_seen);
     fflush(stdout);
 }
