@@ -519,11 +519,11 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         goto fail;
     }
     /* And one for re-plans' checkpoint cuts, which write tens of megabytes: its own store connection. */
-    if ((rc = db_open_sibling(b->db, &b->cut_db)) != FU_OK) {
+    if ((rc = db_open_sibling(b->db, &b->writer_db)) != FU_OK) {
         fu_errmsg_set(em, rc, "cannot open a second connection to the store '%s': %s", cfg->db_path, fu_strerror(rc));
         goto fail;
     }
-    if (!(b->cutter = broker_worker_new(BROKER_CUT_DEPTH, em))) {
+    if (!(b->writer = broker_worker_new(BROKER_WRITER_DEPTH, em))) {
         rc = FU_EIO;
         goto fail;
     }
@@ -600,8 +600,8 @@ void broker_destroy(broker_t **b_p)
     broker_http_destroy(&b->http);
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
     broker_worker_free(&b->planner);
-    broker_worker_free(&b->cutter); /* before its connection */
-    db_close(&b->cut_db);
+    broker_worker_free(&b->writer); /* before its connection */
+    db_close(&b->writer_db);
     broker_quota_free(&b->quota);
     broker_quota_free(&b->session_quota);
     broker_auth_free(&b->auth);
@@ -695,6 +695,41 @@ static uint64_t timers(broker_t *b)
     return conn_wait;
 }
 
+/* Where one turn of the loop went (broker_run): a slow turn is counted and said, so that an operator
+ * sees what kept heartbeats waiting. */
+typedef struct {
+    uint64_t woke_ns;                  /* the poll returned (0: no turn yet) */
+    uint64_t http_ns;                  /* connection events and the HTTP server */
+    uint64_t tasks_ns;                 /* finished tasks of the worker, the planner and the writer */
+    uint64_t msgs_ns, slowest_ns;      /* the messages handled, and the slowest of them */
+    int n_msgs;
+    Fusion__MsgType slowest;
+    uint64_t timers_ns;                /* the sweeps and the scheduler, at the top of the next turn */
+    uint64_t last_log_ms;              /* the last slow turn said (one a second at most) */
+} turn_prof;
+
+static void turn_end(broker_t *b, turn_prof *tp)
+{
+    if (!tp->woke_ns)
+        return;
+    uint64_t ns = fu_clock_ns() - tp->woke_ns;
+    double turn = (double)ns / 1e9;
+    if (turn > b->tot.turn_s_max)
+        b->tot.turn_s_max = turn;
+    if (turn * 1e3 < BROKER_TURN_SLOW_MS)
+        return;
+    b->tot.turns_slow++;
+    uint64_t now = broker_now();
+    if (now - tp->last_log_ms < 1000)
+        return;
+    tp->last_log_ms = now;
+    FU_INFO(LOG, "a slow turn of the loop: %.1f ms (connections and HTTP %.1f ms, finished tasks %.1f ms, %d "
+            "messages %.1f ms, the slowest a %s of %.1f ms; sweeps and scheduling %.1f ms)", turn * 1e3,
+            (double)tp->http_ns / 1e6, (double)tp->tasks_ns / 1e6, tp->n_msgs, (double)tp->msgs_ns / 1e6,
+            tp->n_msgs ? wire_type_name(tp->slowest) : "none", (double)tp->slowest_ns / 1e6,
+            (double)tp->timers_ns / 1e6);
+}
+
 fu_err broker_run(broker_t *b)
 {
     int pfd[2];
@@ -707,15 +742,12 @@ fu_err broker_run(broker_t *b)
         broker_request_stop();
     fu_err result = FU_OK;
     b->next_sweep_ms = b->drained_ms = broker_now();
-    uint64_t woke_ns = 0; /* when the last poll returned */
+    turn_prof tp = {0};
     while (!g_stop) {
+        uint64_t t_timers = fu_clock_ns();
         uint64_t conn_wait = timers(b);
-        if (woke_ns) { /* the turn since: what a heartbeat that came meanwhile waited at most */
-            double turn = (double)(fu_clock_ns() - woke_ns) / 1e9;
-            b->tot.turns_slow += turn * 1e3 >= BROKER_TURN_SLOW_MS;
-            if (turn > b->tot.turn_s_max)
-                b->tot.turn_s_max = turn;
-        }
+        tp.timers_ns = fu_clock_ns() - t_timers;
+        turn_end(b, &tp);
         uint64_t now = broker_now();
         long timeout = b->next_sweep_ms > now ? (long)(b->next_sweep_ms - now) : 0;
         if (conn_wait < (uint64_t)timeout)
@@ -726,7 +758,7 @@ fu_err broker_run(broker_t *b)
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->planner), .events = ZMQ_POLLIN},
-                                   {.fd = broker_worker_fd(b->cutter), .events = ZMQ_POLLIN}};
+                                   {.fd = broker_worker_fd(b->writer), .events = ZMQ_POLLIN}};
         int n_items = 5, http_item = -1;
         if (b->mon) /* the connections' events (broker_conn.c), read below whatever woke the poll */
             items[n_items++] = (zmq_pollitem_t){.socket = b->mon, .events = ZMQ_POLLIN};
@@ -735,7 +767,7 @@ fu_err broker_run(broker_t *b)
             items[n_items++] = (zmq_pollitem_t){.fd = broker_http_fd(b->http), .events = ZMQ_POLLIN};
         }
         int n = zmq_poll(items, n_items, timeout);
-        woke_ns = fu_clock_ns();
+        tp = (turn_prof){.woke_ns = fu_clock_ns(), .last_log_ms = tp.last_log_ms};
         if (n < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -751,6 +783,8 @@ fu_err broker_run(broker_t *b)
         broker_conn_events(b);
         if (b->http && (n == 0 || (items[http_item].revents & ZMQ_POLLIN))) /* a request, or its timers are due */
             broker_http_serve(b->http);
+        uint64_t t_tasks = fu_clock_ns();
+        tp.http_ns = t_tasks - tp.woke_ns;
         if (items[2].revents & ZMQ_POLLIN) {
             /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
              * next one meanwhile; heartbeats are served between them (the eventfd stays readable). */
@@ -764,10 +798,11 @@ fu_err broker_run(broker_t *b)
                 t->done(t, b);
         }
         if (items[4].revents & ZMQ_POLLIN) { /* a checkpoint is cut and stored with its plan */
-            broker_task *t = broker_worker_take(b->cutter);
+            broker_task *t = broker_worker_take(b->writer);
             if (t)
                 t->done(t, b);
         }
+        tp.tasks_ns = fu_clock_ns() - t_tasks;
         /* Drain what is queued, but give the timers a turn every so often. A turn that stops at the cap
          * leaves messages unread: silence is judged up to the last turn that read everything
          * (b->drained_ms). */
@@ -787,7 +822,15 @@ fu_err broker_run(broker_t *b)
                          (unsigned long long)wire_counters_dropped(&b->counters));
                 continue;
             }
+            uint64_t t_msg = fu_clock_ns();
             dispatch(b, msg);
+            uint64_t took = fu_clock_ns() - t_msg;
+            tp.msgs_ns += took;
+            tp.n_msgs++;
+            if (took > tp.slowest_ns) {
+                tp.slowest_ns = took;
+                tp.slowest = wire_msg_type(msg);
+            }
             wire_msg_destroy(&msg);
         }
         if (k < 256) /* everything sent before now has been read */

@@ -44,7 +44,8 @@ extern "C" {
 #define BROKER_MAX_CKPT_BYTES   (512u << 20) /* largest checkpoint blob accepted */
 #define BROKER_MAX_DATA_BYTES   (8u << 20)   /* largest JobSubmit.data accepted */
 #define BROKER_PREP_DEPTH       16        /* submissions being prepared (or waiting to be) at once */
-#define BROKER_CUT_DEPTH        16        /* re-plans' checkpoint cuts waiting or running at once */
+#define BROKER_WRITER_DEPTH     64        /* checkpoints and cuts the writer thread holds at once */
+#define BROKER_WRITER_BYTES     (256u << 20) /* and the checkpoint bytes they hold: more are stored on the loop */
 #define BROKER_TURN_SLOW_MS     100       /* a turn of the loop this long counts as slow (/metrics) */
 #define BROKER_PREP_PER_CLIENT  8         /* ... of them from one client */
 #define BROKER_CLIENT_JOBS      64        /* default --max-jobs-per-client: unfinished jobs */

@@ -185,13 +185,13 @@ void broker_ckpt_recut_free(db_stage_plan *plan, size_t n)
     }
 }
 
-/* ---- the cutter: a re-plan's cut and commit off the loop ------------------------------------------ */
+/* ---- the writer: a re-plan's cut and commit off the loop ------------------------------------------ */
 
 #ifdef FUSION_TEST_HOOKS
-#define BROKER_CUT_DELAY_ENV "FUSION_TEST_CUT_DELAY_MS" /* tests: the cutter sleeps this long first */
+#define BROKER_CUT_DELAY_ENV "FUSION_TEST_CUT_DELAY_MS" /* tests: the writer sleeps this long first */
 #endif
 
-/* On the cutter thread (or the loop when it was busy): touches c and c->db only. */
+/* On the writer thread (or the loop when it was busy): touches c and c->db only. */
 static void cut_run(broker_task *bt)
 {
     broker_cut *c = (broker_cut *)bt;
@@ -243,8 +243,8 @@ bool broker_cut_post(broker_t *b, broker_cut *c)
     c->base = (broker_task){.run = cut_run, .done = cut_done, .drop = cut_drop};
     for (size_t s = 0; s < c->n; s++)
         c->plan[s].peer = c->keys[s];
-    c->db = b->cut_db;
-    if (b->cutter && b->cut_db && broker_worker_post(b->cutter, &c->base))
+    c->db = b->writer_db;
+    if (b->writer && b->writer_db && broker_worker_post(b->writer, &c->base))
         return true;
     c->db = b->db;
     return false;

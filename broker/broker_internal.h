@@ -249,7 +249,7 @@ typedef struct {
     bool stepped;                      /* a step or token came since the last StageStart */
     uint64_t sched_tried;              /* the planning round it was last tried in */
     uint32_t plan_stale;               /* its searches in a row whose chosen peers changed meanwhile */
-    bool cutting;                      /* planned (queued, its peers taken): the cutter cuts its checkpoint
+    bool cutting;                      /* planned (queued, its peers taken): the writer cuts its checkpoint
                                           for the plan and stores both; kept, even dead, until it is back */
     uint64_t plan_failed_on;           /* what its last plan that found none was made over (plan_inputs;
                                           0: none failed): the same candidates are not searched again */
@@ -290,8 +290,8 @@ typedef struct {
     db_compact_stats compacted;        /* compaction: what it removed in all (seconds: its time in all) */
     double compact_s_max;              /* the longest compaction turn, seconds */
     uint64_t compact_turns;            /* compaction turns (db_compact calls) */
-    uint64_t cuts;                     /* re-plans' checkpoints cut and stored with their plan (cutter) */
-    double cut_s_sum, cut_s_max;       /* seconds those took on the cutter, in all and the longest */
+    uint64_t cuts;                     /* re-plans' checkpoints cut and stored with their plan (the writer) */
+    double cut_s_sum, cut_s_max;       /* seconds those took on the writer, in all and the longest */
     double turn_s_max;                 /* the loop's longest turn (poll to poll, the wait not counted) */
     uint64_t turns_slow;               /* its turns of BROKER_TURN_SLOW_MS or more */
 } broker_totals;
@@ -381,8 +381,10 @@ struct broker {
     broker_worker *worker;             /* job preparation off the loop */
     broker_worker *planner;            /* plan searches off the loop (broker_sched.c), one at a time */
     broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
-    broker_worker *cutter;             /* re-plans' checkpoint cuts and their commits off the loop (broker_ckpt.c) */
-    db_t *cut_db;                      /* the cutter's own connection to the store */
+    broker_worker *writer;             /* large writes off the loop: peers' checkpoints (broker_stages.c), re-plans'
+                                          checkpoint cuts with their plans (broker_ckpt.c) */
+    db_t *writer_db;                   /* the writer's own connection to the store */
+    size_t writer_bytes;               /* checkpoint bytes posted to the writer and not back yet */
     bool sched_changed;                /* the scheduler was asked for while a search ran: a new round next */
     broker_quota *quota;               /* per-client submission rate and preparations */
     broker_quota *session_quota;       /* per-client rate of sessions opened in serving jobs */
@@ -507,7 +509,7 @@ void broker_job_recover_wait(broker_t *b, broker_job *j, uint64_t at_ms);
 /* A plan for j: its stages, stored with the move to running in one commit (nothing changes in
  * memory when the store refuses). */
 FU_MUST_CHECK fu_err broker_job_planned(broker_t *b, broker_job *j, const db_stage_plan *plan, size_t n);
-/* The in-memory half of broker_job_planned, for a plan stored already (by the cutter). */
+/* The in-memory half of broker_job_planned, for a plan stored already (by the writer). */
 void broker_job_plan_stored(broker_job *j, const db_stage_plan *plan, size_t n);
 #define BROKER_PLANNED_REASON "starting: stages assigned" /* a job's reason as its plan is stored */
 /* Stages (re)assigned from resume_step: waiting for every StageReady. reason NULL keeps the reason. */
@@ -653,14 +655,14 @@ FU_MUST_CHECK fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t
 /* Cuts job id's checkpoints at `step` under the stored plan old[0..n_old) of graph g again for the
  * stages of plan[0..n): each plan[s] gets the checkpoint of its own node range (its tensors found by
  * name in whichever old stage held them, the optimizer's step kept) in ckpt / ckpt_len / ckpt_step,
- * freed by broker_ckpt_recut_free. On an error none is set. Reads through db only: the cutter thread
+ * freed by broker_ckpt_recut_free. On an error none is set. Reads through db only: the writer thread
  * runs it with its own connection. */
 FU_MUST_CHECK fu_err broker_ckpt_recut(db_t *db, const char *id, const dag_graph_t *g, const db_stage *old,
                                        size_t n_old, int64_t step, db_stage_plan *plan, size_t n, fu_errmsg *em);
 void broker_ckpt_recut_free(db_stage_plan *plan, size_t n);
 
 /* A re-plan of a fine-tune whose stages change: its newest common checkpoint cut for the new stages
- * and stored with the plan, in one commit, on the cutter thread (b->cut_db): tens of megabytes to
+ * and stored with the plan, in one commit, on the writer thread (b->writer_db): tens of megabytes to
  * parse, slice and write durably, kept off the loop. The caller fills the inputs, sets `then` and
  * `arg`, and posts it with broker_cut_post; `then` runs on the loop with the outputs (the plan is
  * stored when rc is FU_OK), and the cut is freed after it. */
@@ -681,7 +683,7 @@ struct broker_cut {
     fu_err rc;
     fu_errmsg em;                      /* why, when rc is not FU_OK */
     bool cut_failed;                   /* rc is the cut's (else the commit's) */
-    double cut_s, store_s;             /* the cut and the commit, on the cutter */
+    double cut_s, store_s;             /* the cut and the commit, on the writer */
     size_t bytes;                      /* the new checkpoints' bytes */
     /* the caller's */
     void (*then)(broker_t *b, broker_cut *c);
@@ -689,7 +691,7 @@ struct broker_cut {
     void (*free_arg)(void *arg);       /* frees arg when the cut never comes back (the broker stops) */
     db_t *db;                          /* set by broker_cut_post */
 };
-/* Posts c to the cutter; false (c not taken) when it is busy: cut and store on the loop then. */
+/* Posts c to the writer; false (c not taken) when it is busy: cut and store on the loop then. */
 bool broker_cut_post(broker_t *b, broker_cut *c);
 
 /* ---- broker_prep.c: making a job (thread-safe: the worker runs it for submissions) ---- */

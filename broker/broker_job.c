@@ -142,7 +142,7 @@ void broker_job_note(broker_t *b, broker_job *j, const char *reason)
     if (strcmp(j->reason, reason) == 0)
         return;
     broker_job_show(j, reason);
-    if (!j->cutting) /* the cutter stores its plan and state (running) meanwhile */
+    if (!j->cutting) /* the writer stores its plan and state (running) meanwhile */
         store(b, j, j->phase == BJ_QUEUED ? DB_JOB_QUEUED : DB_JOB_RUNNING, reason);
     FU_INFO(LOG, "job %s: %s", j->id, reason);
 }

@@ -147,7 +147,7 @@ char *broker_metrics_text(broker_t *b, size_t *len)
     family(f, "fusion_cuts_total", "counter",
            "Re-plans whose checkpoint was cut for the new stages and stored with the plan, off the loop.");
     fprintf(f, "fusion_cuts_total %" PRIu64 "\n", t->cuts);
-    family(f, "fusion_cut_seconds_total", "counter", "Seconds those cuts and their commits took on the cutter thread.");
+    family(f, "fusion_cut_seconds_total", "counter", "Seconds those cuts and their commits took on the writer thread.");
     fprintf(f, "fusion_cut_seconds_total %.6f\n", t->cut_s_sum);
     family(f, "fusion_cut_seconds_max", "gauge", "The longest cut since the broker started.");
     fprintf(f, "fusion_cut_seconds_max %.6f\n", t->cut_s_max);

@@ -395,7 +395,7 @@ static bool choose_micro_batches(const plan_ctx *x, const plan_cand *who, size_t
 
 /* The stored plan of j took its checkpoint at step c; when the new plan sp[0..n) cuts the graph
  * elsewhere, each of its stages gets that state cut for its own range (broker_ckpt_recut), stored
- * with the plan: *cut is then set to the cutter's task, with the stored plan's ranges and the new
+ * with the plan: *cut is then set to the writer's task, with the stored plan's ranges and the new
  * plan (its peers' keys copied). NULL when the stages are the same ones. An error when the stored
  * plan cannot be read (the job stays queued). */
 static fu_err plan_cut(broker_t *b, const broker_job *j, int64_t c, const db_stage_plan *sp, size_t n,
@@ -605,7 +605,7 @@ static void plan_task_free_arg(void *t)
     plan_task_free(t);
 }
 
-/* The cutter is back with j's plan (t's): stored with its cut checkpoint, the stages start; not
+/* The writer is back with j's plan (t's): stored with its cut checkpoint, the stages start; not
  * stored (the cut or the commit failed, the job ended or a peer it chose left meanwhile), the peers
  * it took are let go and it stays queued, saying why; stored but a peer it took is gone since, it is
  * planned again from the checkpoint just cut. */
@@ -758,7 +758,7 @@ static void plan_done(broker_task *bt, void *loop)
         broker_peer_take(b, p, j, (uint32_t)s, false);
     }
     /* The plan (and its checkpoints) and the job's move to running are one commit, made before any
-     * assignment is sent: here, or by the cutter when the checkpoint is cut for it. */
+     * assignment is sent: here, or by the writer when the checkpoint is cut for it. */
     if (!cut) {
         rc = broker_job_planned(b, j, sp, plan->n_stages);
         if (rc != FU_OK) {
@@ -782,14 +782,14 @@ static void plan_done(broker_task *bt, void *loop)
     if (cut) {
         char note[DB_REASON_MAX];
         snprintf(note, sizeof note, "starting: its checkpoint of step %" PRId64 " is cut for the new stages", c);
-        broker_job_show(j, note); /* the cutter stores the plan's reason with it */
+        broker_job_show(j, note); /* the writer stores the plan's reason with it */
         j->cutting = true;
         cut->lease_ms = (int64_t)BROKER_LEASE_FACTOR * b->cfg.heartbeat_ms;
         cut->then = plan_cut_done;
         cut->arg = t;
         cut->free_arg = plan_task_free_arg;
         free(who);
-        if (!broker_cut_post(b, cut)) { /* the cutter is full: here */
+        if (!broker_cut_post(b, cut)) { /* the writer is full: here */
             cut->base.run(&cut->base);
             cut->base.done(&cut->base, b);
         }

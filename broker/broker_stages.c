@@ -238,6 +238,96 @@ static void stage_peer_fault(broker_t *b, broker_job *j, broker_peer *p, const c
     broker_failover(b, j, s, why);
 }
 
+/* A stage's checkpoint, checked, on its way into the store: committed on the writer thread while it
+ * has room (a durable write of up to megabytes per stage and step: on the loop, the checkpoints of
+ * many stages kept heartbeats waiting for hundreds of milliseconds), else on the loop. Its answer
+ * and what follows (progress, growth, the job's end) come once it is committed (ckpt_stored). The
+ * writer runs tasks in the order posted, so a re-plan's cut, posted later, replaces it. */
+typedef struct {
+    broker_task base;
+    db_t *db;                          /* the writer's connection, or the loop's */
+    bool posted;                       /* counted in b->writer_bytes */
+    char job[DB_JOB_ID_LEN + 1];
+    uint64_t job64;                    /* as the peer named it */
+    uint32_t stage, first, last;       /* the stage and its node range when it came */
+    uint64_t step, total;
+    uint8_t *blob;                     /* owned until stored */
+    uint8_t hash[DB_HASH_LEN];
+    int64_t keep;                      /* a step pruning keeps (a starting run's), or -1 */
+    broker_ret ret;                    /* who to answer */
+    fu_err rc;
+} ckpt_put;
+
+static void put_run(broker_task *bt)
+{
+    ckpt_put *t = (ckpt_put *)bt;
+    char hex[DB_HASH_HEX_LEN + 1];
+    fu_hex_encode(hex, t->hash, DB_HASH_LEN);
+    t->rc = db_ckpt_put(t->db, t->job, t->stage, (int64_t)t->step, t->blob, (size_t)t->total, hex, t->keep,
+                        broker_wall());
+    free(t->blob);
+    t->blob = NULL;
+}
+
+static void put_drop(broker_task *bt)
+{
+    ckpt_put *t = (ckpt_put *)bt;
+    free(t->blob);
+    free(t);
+}
+
+/* t's commit is back: answered; when it is still a checkpoint of the job's stage as planned now
+ * (the same node range), the stage's progress, and growth or the finish. */
+static void ckpt_stored(broker_t *b, const ckpt_put *t)
+{
+    if (t->rc == FU_EAUTH) {
+        broker_answer_error(b, &t->ret, FUSION__ERROR_CODE__ERR_INVALID,
+                            "checkpoint of stage %u step %" PRIu64 ": the data does not match its hash; send it again",
+                            t->stage, t->step);
+        return;
+    }
+    if (t->rc != FU_OK) {
+        broker_answer_error(b, &t->ret, FUSION__ERROR_CODE__ERR_INTERNAL,
+                            "checkpoint of stage %u step %" PRIu64 " not stored (%s); send it again", t->stage,
+                            t->step, fu_strerror(t->rc));
+        return;
+    }
+    Fusion__CheckpointAck ack = FUSION__CHECKPOINT_ACK__INIT;
+    ack.job_id = t->job64;
+    ack.stage_index = t->stage;
+    ack.step = t->step;
+    ack.content_hash.data = (uint8_t *)t->hash;
+    ack.content_hash.len = DB_HASH_LEN;
+    (void)broker_answer(b, &t->ret, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, &ack.base);
+    broker_job *j = broker_job_find(b, t->job);
+    if (!j || j->dead || t->stage >= j->n_stages || j->stages[t->stage].first != t->first ||
+        j->stages[t->stage].last != t->last) {
+        FU_INFO(LOG, "job %s: checkpoint of stage %u at step %" PRIu64 " committed (%" PRIu64 " bytes) after the "
+                "job ended or its plan changed", t->job, t->stage, t->step, t->total);
+        return;
+    }
+    broker_jstage *st = &j->stages[t->stage];
+    if ((int64_t)t->step > st->final_ckpt_step)
+        st->final_ckpt_step = (int64_t)t->step;
+    j->progress_ms = broker_now(); /* the last steps' checkpoints count as progress (step deadline) */
+    FU_INFO(LOG, "job %s: checkpoint of stage %u at step %" PRIu64 " committed (%" PRIu64 " bytes)", j->id, t->stage,
+            t->step, t->total);
+    if (t->step == j->spec.steps)
+        maybe_finish_finetune(b, j);
+    else
+        broker_grow(b, j, (int64_t)t->step);
+}
+
+static void put_done(broker_task *bt, void *loop)
+{
+    broker_t *b = loop;
+    ckpt_put *t = (ckpt_put *)bt;
+    if (t->posted)
+        b->writer_bytes -= t->total;
+    ckpt_stored(b, t);
+    free(t);
+}
+
 void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__CheckpointPut *c = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_PUT);
@@ -295,45 +385,36 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         stage_peer_fault(b, j, p, why, true);
         return;
     }
-    char hex[DB_HASH_HEX_LEN + 1];
-    fu_hex_encode(hex, st->ck_hash, DB_HASH_LEN);
     /* A run that is starting loads its stages' checkpoints of start_step: the stages of the run
      * before (still at work after a broker restart) may bring newer ones meanwhile, which must not
      * prune those away. */
-    int64_t keep = j->phase == BJ_STARTING ? (int64_t)j->start_step : -1;
-    fu_err rc = db_ckpt_put(b->db, j->id, c->stage_index, (int64_t)st->ck_step, st->ck_buf, (size_t)st->ck_total, hex,
-                            keep, broker_wall());
-    free(st->ck_buf);
+    ckpt_put *t = fu_calloc(1, sizeof *t);
+    t->base = (broker_task){.run = put_run, .done = put_done, .drop = put_drop};
+    snprintf(t->job, sizeof t->job, "%s", j->id);
+    t->job64 = c->job_id;
+    t->stage = c->stage_index;
+    t->first = st->first;
+    t->last = st->last;
+    t->step = st->ck_step;
+    t->total = st->ck_total;
+    t->blob = st->ck_buf;
     st->ck_buf = NULL;
-    if (rc == FU_EAUTH) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
-                           "checkpoint of stage %u step %" PRIu64 ": the data does not match its hash; send it again",
-                           c->stage_index, c->step);
-        return;
+    memcpy(t->hash, st->ck_hash, DB_HASH_LEN);
+    t->keep = j->phase == BJ_STARTING ? (int64_t)j->start_step : -1;
+    broker_ret_of(msg, &t->ret);
+    /* Committed (on the writer thread, with its own connection, while it has room), then acknowledged. */
+    if (b->writer && b->writer_db && b->writer_bytes + t->total <= BROKER_WRITER_BYTES) {
+        t->db = b->writer_db;
+        t->posted = true;
+        if (broker_worker_post(b->writer, &t->base)) {
+            b->writer_bytes += t->total;
+            return;
+        }
     }
-    if (rc != FU_OK) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INTERNAL,
-                           "checkpoint of stage %u step %" PRIu64 " not stored (%s); send it again", c->stage_index,
-                           c->step, fu_strerror(rc));
-        return;
-    }
-    /* Committed: only now acknowledge. */
-    Fusion__CheckpointAck ack = FUSION__CHECKPOINT_ACK__INIT;
-    ack.job_id = c->job_id;
-    ack.stage_index = c->stage_index;
-    ack.step = st->ck_step;
-    ack.content_hash.data = st->ck_hash;
-    ack.content_hash.len = DB_HASH_LEN;
-    (void)broker_reply(b, msg, FUSION__MSG_TYPE__MSG_CHECKPOINT_ACK, &ack.base);
-    if ((int64_t)st->ck_step > st->final_ckpt_step)
-        st->final_ckpt_step = (int64_t)st->ck_step;
-    j->progress_ms = broker_now(); /* the last steps' checkpoints count as progress (step deadline) */
-    FU_INFO(LOG, "job %s: checkpoint of stage %u at step %" PRIu64 " committed (%" PRIu64 " bytes)", j->id,
-            c->stage_index, st->ck_step, st->ck_total);
-    if (st->ck_step == j->spec.steps)
-        maybe_finish_finetune(b, j);
-    else
-        broker_grow(b, j, (int64_t)st->ck_step);
+    t->db = b->db;
+    t->posted = false;
+    put_run(&t->base);
+    put_done(&t->base, b);
 }
 
 void broker_on_infer_token(broker_t *b, broker_peer *p, const wire_msg_t *msg)

@@ -1341,7 +1341,7 @@ static void test_db_read_only_and_two_connections(void **state)
     assert_int_not_equal(access(missing, F_OK), 0);
 }
 
-/* db_open_sibling: another connection to an open store, for another thread (the broker's cutter).
+/* db_open_sibling: another connection to an open store, for another thread (the broker's writer).
  * Its writes are the store's; it opens with the first one's options (a capped file stays capped);
  * without a store open it has nothing to be a sibling of. */
 static void test_db_sibling_connection(void **state)

@@ -595,7 +595,7 @@ static void test_e2e_fault_replan_without_spare(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
-/* The replan_without_spare setup with the cutter slowed to 3 s (FUSION_TEST_CUT_DELAY_MS, a test
+/* The replan_without_spare setup with the writer slowed to 3 s (FUSION_TEST_CUT_DELAY_MS, a test
  * hook): the job's stage-1 peer is SIGKILLed, the job is planned again over the two survivors, and
  * its checkpoint is cut for the two stages off the broker's loop. Returns the cluster and the index
  * of the victim once the broker has taken that decision; the loop still answers meanwhile: `fusion
@@ -636,7 +636,7 @@ static tu_cluster *replan_while_cut(const char *tag, char id[17], int *victim)
 }
 
 /* While the re-plan's checkpoint is cut, a survivor the plan chose is SIGKILLed: the plan does not
- * start on it (the cutter's commit is refused, the peer being dead in the store, or the plan is
+ * start on it (the writer's commit is refused, the peer being dead in the store, or the plan is
  * made again when the cut is back); a fourth peer joins, the job is planned over it and the other
  * survivor, and it finishes with `fusion run finetune`'s adapter, bit for bit. */
 static void test_e2e_fault_replan_peer_lost_while_cut(void **state)
@@ -659,7 +659,7 @@ static void test_e2e_fault_replan_peer_lost_while_cut(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
-/* A job cancelled while its checkpoint is cut ends cancelled: the cutter's commit is refused (or
+/* A job cancelled while its checkpoint is cut ends cancelled: the writer's commit is refused (or
  * made before, and the cancel comes after it), and the peers it took are idle again. */
 static void test_e2e_fault_cancel_while_cut(void **state)
 {
