@@ -816,6 +816,22 @@ int tu_peer_stop(tu_cluster *c, int i, int sig, int timeout_ms)
     return code;
 }
 
+int tu_plan_line_peer(const char *line)
+{
+    const char *eol = strchr(line, '\n'), *on = strstr(line, " on ");
+    if (!on || (eol && on > eol))
+        return -1;
+    const char *pn = on + 4; /* the key's first 8 characters, then " (pI)": skipped by count, as Z85 */
+    for (int k = 0; k < 8; k++) /* has '(' and 'p' too ("(p:aLRMU (p0)" once made this read -1) */
+        if (!*pn++ || (eol && pn > eol))
+            return -1;
+    if (strncmp(pn, " (p", 3) != 0 || pn[3] < '0' || pn[3] > '9')
+        return -1;
+    char *end = NULL;
+    long i = strtol(pn + 3, &end, 10);
+    return *end == ')' && i < TU_MAX_PEERS ? (int)i : -1;
+}
+
 int tu_stage_peer(const tu_cluster *c, const char *id, int stage, int timeout_ms)
 {
     char needle[96];
@@ -826,9 +842,7 @@ int tu_stage_peer(const tu_cluster *c, const char *id, int stage, int timeout_ms
     }
     char *bl = tu_broker_log_text(c);
     const char *at = strstr(bl, needle);
-    const char *eol = at ? strchr(at, '\n') : NULL;
-    const char *pn = at ? strstr(at, " (p") : NULL;
-    int i = pn && (!eol || pn < eol) && pn[3] >= '0' && pn[3] <= '9' ? pn[3] - '0' : -1;
+    int i = at ? tu_plan_line_peer(at) : -1;
     free(bl);
     if (i < 0 || i >= c->o.n_peers)
         tu_fail("job %s: cannot read stage %d's peer from the broker's log", id, stage);

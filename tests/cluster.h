@@ -214,6 +214,9 @@ int tu_peer_stop(tu_cluster *c, int i, int sig, int timeout_ms);
 /* Index of the peer that the current broker's log says runs stage `stage` of job id ("job ID stage
  * K/N on KEY (pI)"), waiting up to timeout_ms for the plan; fails the test when there is none. */
 int tu_stage_peer(const tu_cluster *c, const char *id, int stage, int timeout_ms);
+/* The peer index I of a plan line of the broker's log ("job ID stage S/N on KEY (pI): ..."), at its
+ * start; -1 when it is not one. */
+int tu_plan_line_peer(const char *line);
 
 /* Index of the peer named "pK" (-1 when name is not one). */
 int tu_peer_index(const char *name);

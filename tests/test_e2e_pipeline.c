@@ -299,10 +299,10 @@ static int layers_on(const tu_cluster *c, const char *id, int i)
     snprintf(needle, sizeof needle, "job %s stage ", id);
     int n = 0;
     for (const char *at = log; (at = strstr(at, needle)) != NULL; at++) {
-        const char *nl = strchr(at, '\n'), *who = strstr(at, " (p"), *l = strstr(at, "(layers ");
+        const char *nl = strchr(at, '\n'), *l = strstr(at, "(layers ");
         const char *dash = l ? strchr(l, '-') : NULL; /* "(layers X[.part]-Y[.part]" */
         int x, y;
-        if (!who || (nl && who > nl) || atoi(who + 3) != i || !l || (nl && l > nl) || !dash ||
+        if (tu_plan_line_peer(at) != i || !l || (nl && l > nl) || !dash ||
             sscanf(l, "(layers %d", &x) != 1 || sscanf(dash, "-%d", &y) != 1)
             continue;
         printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
