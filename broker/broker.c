@@ -518,9 +518,11 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         rc = FU_EIO;
         goto fail;
     }
-    /* And one for re-plans' checkpoint cuts, which write tens of megabytes: its own store connection. */
-    if ((rc = db_open_sibling(b->db, &b->writer_db)) != FU_OK) {
-        fu_errmsg_set(em, rc, "cannot open a second connection to the store '%s': %s", cfg->db_path, fu_strerror(rc));
+    /* The worker stores what it prepared, and the writer (peers' checkpoints, re-plans' cuts) writes
+     * megabytes at a time: each with a store connection of its own, so the loop does not wait. */
+    if ((rc = db_open_sibling(b->db, &b->worker_db)) != FU_OK ||
+        (rc = db_open_sibling(b->db, &b->writer_db)) != FU_OK) {
+        fu_errmsg_set(em, rc, "cannot open more connections to the store '%s': %s", cfg->db_path, fu_strerror(rc));
         goto fail;
     }
     if (!(b->writer = broker_worker_new(BROKER_WRITER_DEPTH, em))) {
@@ -598,7 +600,8 @@ void broker_destroy(broker_t **b_p)
         return;
     broker_t *b = *b_p;
     broker_http_destroy(&b->http);
-    broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow */
+    broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow, and its connection */
+    db_close(&b->worker_db);
     broker_worker_free(&b->planner);
     broker_worker_free(&b->writer); /* before its connection */
     db_close(&b->writer_db);

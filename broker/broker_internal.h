@@ -384,6 +384,7 @@ struct broker {
     broker_worker *writer;             /* large writes off the loop: peers' checkpoints (broker_stages.c), re-plans'
                                           checkpoint cuts with their plans (broker_ckpt.c) */
     db_t *writer_db;                   /* the writer's own connection to the store */
+    db_t *worker_db;                   /* the preparation worker's: it stores the submissions it prepared */
     size_t writer_bytes;               /* checkpoint bytes posted to the writer and not back yet */
     bool sched_changed;                /* the scheduler was asked for while a search ran: a new round next */
     broker_quota *quota;               /* per-client submission rate and preparations */
@@ -718,6 +719,7 @@ typedef struct {
     size_t data_len;
     char *adapter_spec;                /* the adapter_job's spec text, or NULL */
     char adapter_model[DB_MODEL_ID_LEN + 1]; /* the model the adapter_job was pinned to ("": none known) */
+    db_t *db;                          /* the worker's store connection (NULL: the loop stores the job) */
     /* out */
     broker_job *job;                   /* the prepared job, or NULL with code and em */
     Fusion__ErrorCode code;
@@ -725,6 +727,10 @@ typedef struct {
     uint8_t *blob;                     /* its stored form */
     size_t blob_len;
     size_t n_ids;                      /* tokens */
+    bool stored;                       /* db_job_submit ran on the worker: its result below */
+    fu_err store_rc;
+    char id[DB_JOB_ID_LEN + 1];
+    bool created;
 } broker_submit_task;
 broker_submit_task *broker_submit_task_new(broker_models *models, const wire_msg_t *msg, db_job_kind kind,
                                            const Fusion__JobSubmit *js, const char *adapter_spec);

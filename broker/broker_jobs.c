@@ -341,6 +341,7 @@ void broker_on_submit(broker_t *b, const wire_msg_t *msg)
     if (aj)
         snprintf(t->adapter_model, sizeof t->adapter_model, "%s", aj->model_id);
     t->base.done = submit_done;
+    t->db = b->worker_db;
     db_job_free(&aj);
     if (!broker_worker_post(b->worker, &t->base)) {
         broker_quota_done(b->quota, owner);
@@ -377,11 +378,7 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
 {
     const broker_ret *r = &t->ret;
     broker_quota_done(b->quota, t->owner);
-    if (t->job && broker_adapter_model_check(t->job, t->adapter_model, &t->em) != FU_OK) {
-        broker_job_free(&t->job);
-        t->code = FUSION__ERROR_CODE__ERR_INVALID;
-    }
-    if (!t->job) {
+    if (!t->job) { /* not prepared, or its adapter_job's model is another (submit_run) */
         broker_answer_error(b, r, t->code, "%s", t->em.msg);
         return;
     }
@@ -400,8 +397,15 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
     bool created = false;
     fu_errmsg em = {{0}};
     db_job *dj = NULL;
-    fu_err rc = db_job_submit(b->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id,
-                              broker_wall(), id, &created);
+    fu_err rc;
+    if (t->stored) { /* by the worker */
+        rc = t->store_rc;
+        memcpy(id, t->id, sizeof id);
+        created = t->created;
+    } else {
+        rc = db_job_submit(b->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id, broker_wall(),
+                           id, &created);
+    }
     if (rc == FU_EEXIST) {
         broker_answer_error(b, r, FUSION__ERROR_CODE__ERR_INVALID,
                             "idempotency_key '%s' was used before for a different job: use a new key", t->idem);

@@ -235,6 +235,17 @@ static void submit_run(broker_task *bt)
         broker_job_free(&t->job);
     free(t->data); /* tokenized: the text is not needed any more */
     t->data = NULL;
+    if (t->job && broker_adapter_model_check(t->job, t->adapter_model, &t->em) != FU_OK) {
+        broker_job_free(&t->job);
+        t->code = FUSION__ERROR_CODE__ERR_INVALID;
+    }
+    /* Stored here, with the worker's connection: the stored form holds every token (megabytes), and
+     * its durable write would keep the loop's heartbeats waiting. */
+    if (t->job && !t->check_only && t->db) {
+        t->store_rc = db_job_submit(t->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id,
+                                    broker_wall(), t->id, &t->created);
+        t->stored = true;
+    }
 }
 
 void broker_submit_task_free(broker_submit_task **tp)
