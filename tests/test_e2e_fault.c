@@ -602,6 +602,9 @@ static void test_e2e_fault_replan_without_spare(void **state)
  * status` says the checkpoint is being cut. */
 static tu_cluster *replan_while_cut(const char *tag, char id[17], int *victim)
 {
+#ifndef FUSION_TEST_HOOKS
+    skip(); /* without the hook the cut is over before the test can act while it runs */
+#endif
     tu_opts o = tu_opts_default(4); /* p3 is started by the test that wants it */
     o.peer_memory_gb = "0.047";
     o.heartbeat_ms = 300;
