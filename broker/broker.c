@@ -788,20 +788,11 @@ fu_err broker_run(broker_t *b)
             broker_http_serve(b->http);
         uint64_t t_tasks = fu_clock_ns();
         tp.http_ns = t_tasks - tp.woke_ns;
-        if (items[2].revents & ZMQ_POLLIN) {
-            /* One per turn of the loop: storing a job takes a commit, and the worker may finish the
-             * next one meanwhile; heartbeats are served between them (the eventfd stays readable). */
-            broker_task *t = broker_worker_take(b->worker);
-            if (t)
-                t->done(t, b);
-        }
-        if (items[3].revents & ZMQ_POLLIN) { /* a search is back (broker_sched.c) */
-            broker_task *t = broker_worker_take(b->planner);
-            if (t)
-                t->done(t, b);
-        }
-        if (items[4].revents & ZMQ_POLLIN) { /* a checkpoint is cut and stored with its plan */
-            broker_task *t = broker_worker_take(b->writer);
+        /* One finished task of each worker per turn of the loop (a prepared job, a search, a write):
+         * heartbeats are served between them (an eventfd stays readable while tasks wait). */
+        broker_worker *const workers[] = {b->worker, b->planner, b->writer};
+        for (int w = 0; w < 3; w++) {
+            broker_task *t = items[2 + w].revents & ZMQ_POLLIN ? broker_worker_take(workers[w]) : NULL;
             if (t)
                 t->done(t, b);
         }

@@ -244,7 +244,7 @@ bool broker_cut_post(broker_t *b, broker_cut *c)
     for (size_t s = 0; s < c->n; s++)
         c->plan[s].peer = c->keys[s];
     c->db = b->writer_db;
-    if (b->writer && b->writer_db && broker_worker_post(b->writer, &c->base))
+    if (broker_worker_post(b->writer, &c->base))
         return true;
     c->db = b->db;
     return false;

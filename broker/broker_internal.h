@@ -474,6 +474,10 @@ void broker_peer_reputation_adjust(broker_t *b, broker_peer *p, double delta);
 bool broker_peer_trusted(const broker_t *b, const broker_peer *p);
 /* Trusted, holding no work and not paused. */
 bool broker_peer_free(const broker_t *b, const broker_peer *p);
+/* True when p is named in the stored plan of a job a restarted broker is about to recover. */
+bool broker_peer_reserved(const broker_t *b, const broker_peer *p);
+/* Free and not reserved: the scheduler may give it work. */
+bool broker_peer_idle(const broker_t *b, const broker_peer *p);
 
 /* ---- broker_serve.c: the sessions of serving jobs ---- */
 void broker_on_session_open(broker_t *b, const wire_msg_t *msg);
@@ -563,9 +567,11 @@ dag_partition_opts broker_job_popts(const broker_job *j);
  * inference after the tokens generated so far, an eval at step 0 (its sums start again). */
 uint64_t broker_job_resume_step(const broker_job *j, int64_t ckpt);
 
-/* ---- broker_sched.c: plan, assign, start ---- */
+/* ---- broker_sched.c: plan, grow; broker_backups.c; broker_assign.c: assign, start ---- */
 /* Plans queued jobs over idle peers; hands out backups. */
 void broker_schedule(broker_t *b);
+/* Tops up j's warm backups from the idle peers, the fastest first. */
+void broker_give_backups(broker_t *b, broker_job *j);
 /* Every stage of running fine-tune j has committed its checkpoint of `step`: when idle peers would
  * make a plan whose predicted step time is at least cfg.grow_margin shorter, j goes back to the
  * queue to be planned again at once from that checkpoint (cut for the new plan). */
@@ -719,7 +725,7 @@ typedef struct {
     size_t data_len;
     char *adapter_spec;                /* the adapter_job's spec text, or NULL */
     char adapter_model[DB_MODEL_ID_LEN + 1]; /* the model the adapter_job was pinned to ("": none known) */
-    db_t *db;                          /* the worker's store connection (NULL: the loop stores the job) */
+    db_t *db;                          /* the worker's store connection: it stores the job it prepared */
     /* out */
     broker_job *job;                   /* the prepared job, or NULL with code and em */
     Fusion__ErrorCode code;
@@ -727,9 +733,8 @@ typedef struct {
     uint8_t *blob;                     /* its stored form */
     size_t blob_len;
     size_t n_ids;                      /* tokens */
-    bool stored;                       /* db_job_submit ran on the worker: its result below */
-    fu_err store_rc;
-    char id[DB_JOB_ID_LEN + 1];
+    fu_err store_rc;                   /* db_job_submit's, when job is set and not check_only */
+    char id[DB_JOB_ID_LEN + 1];        /* the stored job (a new one when created) */
     bool created;
 } broker_submit_task;
 broker_submit_task *broker_submit_task_new(broker_models *models, const wire_msg_t *msg, db_job_kind kind,

@@ -393,19 +393,10 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
         broker_job_free(&t->job);
         return;
     }
-    char id[DB_JOB_ID_LEN + 1];
-    bool created = false;
+    const char *id = t->id; /* stored by the worker (submit_run) */
     fu_errmsg em = {{0}};
     db_job *dj = NULL;
-    fu_err rc;
-    if (t->stored) { /* by the worker */
-        rc = t->store_rc;
-        memcpy(id, t->id, sizeof id);
-        created = t->created;
-    } else {
-        rc = db_job_submit(b->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id, broker_wall(),
-                           id, &created);
-    }
+    fu_err rc = t->store_rc;
     if (rc == FU_EEXIST) {
         broker_answer_error(b, r, FUSION__ERROR_CODE__ERR_INVALID,
                             "idempotency_key '%s' was used before for a different job: use a new key", t->idem);
@@ -416,7 +407,7 @@ static void submit_finish(broker_t *b, broker_submit_task *t)
                             "the broker could not store the job (%s); nothing was queued, try again", fu_strerror(rc));
         return;
     }
-    if (created) {
+    if (t->created) {
         /* The job checked above is the one that runs: its graph, tokenizer and model are not made twice,
          * and its stored form is the one in hand (not read back). */
         broker_job *j = t->job;

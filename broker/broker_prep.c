@@ -241,11 +241,9 @@ static void submit_run(broker_task *bt)
     }
     /* Stored here, with the worker's connection: the stored form holds every token (megabytes), and
      * its durable write would keep the loop's heartbeats waiting. */
-    if (t->job && !t->check_only && t->db) {
+    if (t->job && !t->check_only)
         t->store_rc = db_job_submit(t->db, t->owner, t->idem, t->kind, t->blob, t->blob_len, t->job->model->id,
                                     broker_wall(), t->id, &t->created);
-        t->stored = true;
-    }
 }
 
 void broker_submit_task_free(broker_submit_task **tp)

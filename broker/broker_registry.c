@@ -483,3 +483,21 @@ bool broker_peer_free(const broker_t *b, const broker_peer *p)
 {
     return broker_peer_trusted(b, p) && !p->job[0] && !p->paused;
 }
+
+bool broker_peer_reserved(const broker_t *b, const broker_peer *p)
+{
+    for (size_t i = 0; i < b->n_jobs; i++) {
+        const broker_job *j = b->jobs[i];
+        if (j->dead || j->phase != BJ_RECOVER_WAIT)
+            continue;
+        for (uint32_t s = 0; s < j->n_stages; s++)
+            if (strcmp(j->stages[s].peer, p->key) == 0)
+                return true;
+    }
+    return false;
+}
+
+bool broker_peer_idle(const broker_t *b, const broker_peer *p)
+{
+    return broker_peer_free(b, p) && !broker_peer_reserved(b, p);
+}

@@ -1,5 +1,5 @@
-/* broker_sched: planning queued jobs over the idle live peers (dag_partition), the backup pool, and
- * growth. Assigning and starting the planned stages is broker_assign's. Phases change only through
+/* broker_sched: planning queued jobs over the idle live peers (dag_partition), and growth. Assigning
+ * and starting the planned stages is broker_assign's, the backup pool broker_backups'. Phases change only through
  * the job state machine (broker_job.c). */
 #include <inttypes.h>
 #include <stdio.h>
@@ -14,21 +14,7 @@
 
 #define LOG "sched"
 
-/* True when p is named in the stored plan of a job a restarted broker is about to recover. */
-static bool reserved(broker_t *b, const broker_peer *p)
-{
-    for (size_t i = 0; i < b->n_jobs; i++) {
-        const broker_job *j = b->jobs[i];
-        if (j->dead || j->phase != BJ_RECOVER_WAIT)
-            continue;
-        for (uint32_t s = 0; s < j->n_stages; s++)
-            if (strcmp(j->stages[s].peer, p->key) == 0)
-                return true;
-    }
-    return false;
-}
-
-#define peer_idle(p) (broker_peer_free(b, p) && !reserved(b, (p)))
+#define peer_idle(p) broker_peer_idle(b, (p))
 
 /* What the partitioner knows of p. */
 static void profile_of(const broker_peer *p, dag_peer_profile *out)
@@ -58,22 +44,6 @@ double broker_peer_stage_s(const broker_job *j, uint32_t s, const broker_peer *p
     return dag_cost_stage_time(j->graph, j->stages[s].first, j->stages[s].last, &prof, &o, NULL, NULL);
 }
 
-/* Stage whose peer is most likely to be lost: the one heard from longest ago. */
-static uint32_t likely_loss(broker_t *b, const broker_job *j)
-{
-    uint32_t best = 0;
-    uint64_t oldest = UINT64_MAX;
-    for (uint32_t s = 0; s < j->n_stages; s++) {
-        broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-        uint64_t t = p ? p->last_heard_ms : 0;
-        if (t < oldest) {
-            oldest = t;
-            best = s;
-        }
-    }
-    return best;
-}
-
 static uint32_t backups_of(broker_t *b, const broker_job *j)
 {
     uint32_t n = 0;
@@ -81,86 +51,6 @@ static uint32_t backups_of(broker_t *b, const broker_job *j)
         if (b->peers[i].live && b->peers[i].backup && strcmp(b->peers[i].job, j->id) == 0)
             n++;
     return n;
-}
-
-/* Whether p may back up stage k of j: it fits, and it is not a slot of the peer process that runs
- * the stage (the same machine fails with it, and cannot verify it). */
-static bool may_back_up(broker_t *b, const broker_job *j, uint32_t k, const broker_peer *p)
-{
-    return broker_peer_fits(j, k, p) && !broker_peer_same_key(broker_peer_find(b, j->stages[k].peer), p);
-}
-
-/* The stage idle peer p would back up for j, or UINT32_MAX when it can hold none: `likely` (the stage
- * likeliest lost), or with verification the stage with the fewest backups (n_back: j's live backups
- * per stage). */
-static uint32_t backup_stage(broker_t *b, const broker_job *j, const broker_peer *p, uint32_t likely, bool verify,
-                             const uint32_t *n_back)
-{
-    uint32_t s = likely;
-    if (verify) {
-        /* Verification wants a warm backup of every stage (a verifier), then a second of each (a
-         * third opinion): the stage with the fewest backups gets the next one (ties: the lowest
-         * index). Any backup still takes over any stage on a failover (broker_failover). */
-        uint32_t fewest = UINT32_MAX;
-        for (uint32_t k = 0; k < j->n_stages; k++) {
-            if (n_back[k] < fewest && may_back_up(b, j, k, p)) {
-                fewest = n_back[k];
-                s = k;
-            }
-        }
-    }
-    if (may_back_up(b, j, s, p))
-        return s;
-    for (uint32_t k = 0; k < j->n_stages; k++) /* a backup for a stage it can hold, or none */
-        if (may_back_up(b, j, k, p))
-            return k;
-    return UINT32_MAX;
-}
-
-/* Tops up j's warm backups from the idle peers, the fastest first: a backup that takes over a stage
- * sets the pace of the whole pipeline from then on, so a slow one made a job that lost a stage end
- * far behind the others (docs/SCALE.md, goodput). Peers within BROKER_BACKUP_SPEED_TIE of each
- * other's speed count as equal (the registry's order decides), so that measurements' noise does not
- * reorder like machines. One pass over the peers per backup, O(stages) per candidate. */
-static void give_backups(broker_t *b, broker_job *j)
-{
-    uint32_t n_back[BROKER_MAX_STAGES] = {0}, have = 0;
-    for (size_t i = 0; i < b->n_peers; i++) {
-        const broker_peer *p = &b->peers[i];
-        if (p->live && p->backup && strcmp(p->job, j->id) == 0) {
-            have++;
-            if (p->stage < BROKER_MAX_STAGES)
-                n_back[p->stage]++;
-        }
-    }
-    if (have >= b->cfg.backups)
-        return;
-    uint32_t likely = likely_loss(b, j);
-    bool verify = broker_job_verify_fraction(b, j) > 0;
-    for (; have < b->cfg.backups; have++) {
-        broker_peer *best = NULL;
-        uint32_t s = UINT32_MAX;
-        for (size_t i = 0; i < b->n_peers; i++) {
-            broker_peer *p = &b->peers[i];
-            if (!peer_idle(p) || (best && p->gflops <= best->gflops * (1.0 + BROKER_BACKUP_SPEED_TIE)) ||
-                broker_job_excludes(j, p->key))
-                continue;
-            uint32_t k = backup_stage(b, j, p, likely, verify, n_back);
-            if (k != UINT32_MAX) {
-                best = p;
-                s = k;
-            }
-        }
-        if (!best)
-            return;
-        broker_peer_take(b, best, j, s, true);
-        if (broker_send_assign(b, j, s, best, true) != FU_OK) {
-            broker_peer_forget_work(best);
-            return; /* its socket refuses now: the next round tries again */
-        }
-        FU_INFO(LOG, "job %s: peer %.8s (%s) is a warm backup for stage %u", j->id, best->key, best->name, s);
-        n_back[s]++;
-    }
 }
 
 /* Whether a plan of j made now keeps its ends on trusted peers: the spec says so, or it leaves it to
@@ -460,12 +350,12 @@ static size_t candidates(broker_t *b, const broker_job *j, broker_peer **who)
 }
 
 /* A backup of another job that j may take: spares give way to a queued job (the other job gets
- * backups again from the peers that come free, give_backups), except those a job that verifies
+ * backups again from the peers that come free, broker_give_backups), except those a job that verifies
  * keeps as its verifiers, one per stage. */
 static bool lendable(broker_t *b, const broker_job *j, const broker_peer *p)
 {
     if (!p->live || !p->backup || !p->job[0] || strcmp(p->job, j->id) == 0 || !broker_peer_trusted(b, p) ||
-        p->paused || p->draining || reserved(b, p) || broker_job_excludes(j, p->key))
+        p->paused || p->draining || broker_peer_reserved(b, p) || broker_job_excludes(j, p->key))
         return false;
     const broker_job *d = broker_job_find(b, p->job);
     if (!d)
@@ -597,7 +487,7 @@ static void plan_started(broker_t *b, broker_job *j, const plan_task *t, int64_t
     }
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "planned", t->plan.stages[0].why));
     broker_start_stages(b, j, broker_job_resume_step(j, c), NULL);
-    give_backups(b, j);
+    broker_give_backups(b, j);
 }
 
 static void plan_task_free_arg(void *t)
@@ -940,7 +830,7 @@ void broker_schedule(broker_t *b)
     for (size_t i = 0; i < b->n_jobs; i++) {
         broker_job *r = b->jobs[i];
         if (!r->dead && (r->phase == BJ_STARTING || r->phase == BJ_RUNNING))
-            give_backups(b, r);
+            broker_give_backups(b, r);
     }
 }
 

@@ -403,7 +403,7 @@ void broker_on_checkpoint(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     t->keep = j->phase == BJ_STARTING ? (int64_t)j->start_step : -1;
     broker_ret_of(msg, &t->ret);
     /* Committed (on the writer thread, with its own connection, while it has room), then acknowledged. */
-    if (b->writer && b->writer_db && b->writer_bytes + t->total <= BROKER_WRITER_BYTES) {
+    if (b->writer_bytes + t->total <= BROKER_WRITER_BYTES) {
         t->db = b->writer_db;
         t->posted = true;
         if (broker_worker_post(b->writer, &t->base)) {
