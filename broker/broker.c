@@ -518,6 +518,8 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         rc = FU_EIO;
         goto fail;
     }
+    b->plan_ws = dag_partition_ws_new();
+    b->loop_ws = dag_partition_ws_new();
     /* The worker stores what it prepared, and the writer (peers' checkpoints, re-plans' cuts) writes
      * megabytes at a time: each with a store connection of its own, so the loop does not wait. */
     if ((rc = db_open_sibling(b->db, &b->worker_db)) != FU_OK ||
@@ -602,7 +604,9 @@ void broker_destroy(broker_t **b_p)
     broker_http_destroy(&b->http);
     broker_worker_free(&b->worker); /* before the jobs and models its tasks borrow, and its connection */
     db_close(&b->worker_db);
-    broker_worker_free(&b->planner);
+    broker_worker_free(&b->planner); /* before the memory its searches use */
+    dag_partition_ws_free(&b->plan_ws);
+    dag_partition_ws_free(&b->loop_ws);
     broker_worker_free(&b->writer); /* before its connection */
     db_close(&b->writer_db);
     broker_quota_free(&b->quota);

@@ -381,6 +381,8 @@ struct broker {
     broker_worker *worker;             /* job preparation off the loop */
     broker_worker *planner;            /* plan searches off the loop (broker_sched.c), one at a time */
     broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
+    dag_partition_ws *plan_ws;         /* the planner thread's search memory, kept between its searches */
+    dag_partition_ws *loop_ws;         /* the loop's, for its own searches (a running job's growth) */
     broker_worker *writer;             /* large writes off the loop: peers' checkpoints (broker_stages.c), re-plans'
                                           checkpoint cuts with their plans (broker_ckpt.c) */
     db_t *writer_db;                   /* the writer's own connection to the store */

@@ -85,6 +85,7 @@ typedef struct {
     broker_job *j;
     uint32_t backups;                  /* cfg.backups */
     double grow_margin;                /* cfg.grow_margin */
+    dag_partition_ws *ws;              /* the searching thread's memory (NULL: each search maps its own) */
 } plan_ctx;
 
 static void cand_of(const broker_t *b, const broker_peer *p, plan_cand *c)
@@ -130,6 +131,7 @@ static fu_err partition_once(const plan_ctx *x, const plan_cand *who, size_t n, 
         n_plan = BROKER_MAX_STAGES;
     dag_partition_opts o = broker_job_popts(x->j);
     o.max_stages = (uint32_t)n_plan;
+    o.ws = x->ws;
     /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
     bool *ends_ok = ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
     for (size_t k = 0; ends_ok && k < n; k++)
@@ -738,7 +740,7 @@ static bool plan_job(broker_t *b, broker_job *j)
     t->base = (broker_task){.run = plan_run, .done = plan_done, .drop = plan_drop};
     t->j = j;
     t->view = *j; /* the header: graph, kind, spec numbers, rules; its other pointers are not followed */
-    t->x = (plan_ctx){.j = &t->view, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin};
+    t->x = (plan_ctx){.j = &t->view, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin, .ws = b->plan_ws};
     t->who = fu_calloc(n_idle + n_spare, sizeof *t->who);
     for (size_t k = 0; k < n_idle + n_spare; k++)
         cand_of(b, who[k], &t->who[k]);
@@ -751,6 +753,7 @@ static bool plan_job(broker_t *b, broker_job *j)
     t->loop_s = (double)(fu_clock_ns() - t0_ns) / 1e9;
     b->planning = j;
     if (!broker_worker_post(b->planner, &t->base)) { /* cannot happen (one at a time): search here */
+        t->x.ws = b->loop_ws;
         plan_run(&t->base);
         plan_done(&t->base, b);
     }
@@ -878,7 +881,7 @@ void broker_grow(broker_t *b, broker_job *j, int64_t step)
     plan_cand *cand = fu_calloc(n ? n : 1, sizeof *cand);
     for (size_t k = 0; k < n; k++)
         cand_of(b, who[k], &cand[k]);
-    plan_ctx x = {.j = j, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin};
+    plan_ctx x = {.j = j, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin, .ws = b->loop_ws};
     dag_plan plan = {0};
     fu_errmsg em = {{0}};
     bool better = partition_over(&x, cand, n, 0, ends_trusted_now(b, j), &plan, &em) == FU_OK &&

@@ -279,12 +279,64 @@ static void test_dag_partition_twins_lose_nothing(void **state)
     dag_graph_destroy(&g);
 }
 
+/* A workspace kept across searches (the broker keeps one per searching thread) gives the plans a
+ * search without one gives, bit for bit, over graphs and peer counts that grow and shrink: it grows to
+ * the largest search, never shrinks, and what an earlier, larger search left in it does not leak. */
+static void test_dag_partition_ws_changes_nothing(void **state)
+{
+    (void)state;
+    uint64_t rng = 41;
+    dag_graph_t *gs[3] = {graph(2, DAG_HEAD_LOSS), graph(12, DAG_HEAD_LOSS), graph(6, DAG_HEAD_LOGITS)};
+    dag_partition_ws *ws = dag_partition_ws_new();
+    assert_non_null(ws);
+    assert_int_equal(dag_partition_ws_bytes(ws), 0);
+    size_t grown = 0, last = 0, compared = 0;
+    for (int r = 0; r < 45; r++) {
+        const dag_graph_t *g = gs[(r * 7 + r / 3) % 3];
+        pcase c;
+        draw(&rng, g, &c);
+        dag_plan own[MAX_PEERS], kept[MAX_PEERS];
+        fu_errmsg e1 = {{0}}, e2 = {{0}};
+        fu_err r1 = dag_partition_each(g, c.peers, c.n, &c.o, own, MAX_PEERS, &e1);
+        c.o.ws = ws;
+        fu_err r2 = dag_partition_each(g, c.peers, c.n, &c.o, kept, MAX_PEERS, &e2);
+        assert_int_equal(r1, r2);
+        assert_string_equal(e1.msg, e2.msg);
+        size_t now = dag_partition_ws_bytes(ws);
+        assert_true(now >= last); /* never shrinks */
+        grown += now > last;
+        last = now;
+        for (size_t k = 0; r1 == FU_OK && k < MAX_PEERS; k++) {
+            assert_int_equal(own[k].n_stages, kept[k].n_stages);
+            assert_memory_equal(&own[k].bottleneck_s, &kept[k].bottleneck_s, sizeof(double));
+            assert_memory_equal(&own[k].step_s, &kept[k].step_s, sizeof(double));
+            for (size_t s = 0; s < own[k].n_stages; s++) {
+                assert_int_equal(own[k].stages[s].first, kept[k].stages[s].first);
+                assert_int_equal(own[k].stages[s].last, kept[k].stages[s].last);
+                assert_int_equal(own[k].stages[s].peer, kept[k].stages[s].peer);
+                assert_memory_equal(&own[k].stages[s].time_s, &kept[k].stages[s].time_s, sizeof(double));
+                assert_int_equal(own[k].stages[s].mem_bytes, kept[k].stages[s].mem_bytes);
+            }
+            compared += own[k].n_stages > 0;
+            dag_plan_free(&own[k]);
+            dag_plan_free(&kept[k]);
+        }
+    }
+    assert_true(grown >= 2 && compared > 45);
+    dag_partition_ws_free(&ws);
+    assert_null(ws);
+    dag_partition_ws_free(&ws); /* NULL-safe */
+    for (size_t i = 0; i < 3; i++)
+        dag_graph_destroy(&gs[i]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_dag_partition_equals_exhaustive_search),
         cmocka_unit_test(test_dag_partition_each_is_every_stage_limit),
         cmocka_unit_test(test_dag_partition_twins_lose_nothing),
+        cmocka_unit_test(test_dag_partition_ws_changes_nothing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

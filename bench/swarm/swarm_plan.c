@@ -41,6 +41,7 @@ static int plan_bench(const swarm_cfg *cfg, int repeats, bool measured)
     dag_plan *each = calloc(BROKER_PLAN_MAX_STAGES, sizeof *each);
     swarm_samples ms = {0};
     uint64_t rng = cfg->seed;
+    dag_partition_ws *ws = dag_partition_ws_new(); /* kept between searches, as the broker's planner keeps one */
     double bott_sum = 0;
     size_t stages_sum = 0, failed = 0;
     for (int r = 0; r < repeats; r++) {
@@ -60,7 +61,8 @@ static int plan_bench(const swarm_cfg *cfg, int repeats, bool measured)
         qsort(pp, n, sizeof *pp, by_speed);
         size_t cand = n < PLAN_CANDIDATES ? n : PLAN_CANDIDATES;
         dag_partition_opts o = {.tokens_per_micro = 64, .micro_batches = 4, .training = true,
-                                .max_stages = (uint32_t)(cand > (size_t)cfg->backups ? cand - (size_t)cfg->backups : cand)};
+                                .max_stages = (uint32_t)(cand > (size_t)cfg->backups ? cand - (size_t)cfg->backups : cand),
+                                .ws = ws};
         if (o.max_stages > BROKER_PLAN_MAX_STAGES)
             o.max_stages = BROKER_PLAN_MAX_STAGES;
         uint64_t t0 = fu_clock_ns();
@@ -95,6 +97,7 @@ static int plan_bench(const swarm_cfg *cfg, int repeats, bool measured)
            repeats, d.p50, d.p99, d.max, repeats > (int)failed ? (double)stages_sum / (double)(repeats - (int)failed) : 0,
            repeats > (int)failed ? 1e3 * bott_sum / (double)(repeats - (int)failed) : 0, failed);
     swarm_samples_free(&ms);
+    dag_partition_ws_free(&ws);
     free(each);
     free(pp);
     dag_graph_destroy(&g);
