@@ -114,11 +114,18 @@ fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t
         first[s] = j->stages[s].first;
         last[s] = j->stages[s].last;
     }
+    return broker_adapter_assemble_at(b->db, j->id, j->graph, first, last, j->n_stages, step, out, len, em);
+}
+
+fu_err broker_adapter_assemble_at(db_t *db, const char *id, const dag_graph_t *g, const uint32_t *first,
+                                  const uint32_t *last, uint32_t n_stages, int64_t step, uint8_t **out, size_t *len,
+                                  fu_errmsg *em)
+{
     ckpt_set cs;
-    FU_TRY(ckpt_set_load(b->db, j->id, j->graph, first, last, j->n_stages, step, &cs, em));
+    FU_TRY(ckpt_set_load(db, id, g, first, last, n_stages, step, &cs, em));
     fu_st_tensor *list = NULL;
     size_t n = 0, cap = 0;
-    fu_err rc = gather(j->graph, &cs, 0, (uint32_t)dag_graph_size(j->graph), false, &list, &n, &cap, em);
+    fu_err rc = gather(g, &cs, 0, (uint32_t)dag_graph_size(g), false, &list, &n, &cap, em);
     if (rc == FU_OK && n == 0)
         rc = fu_errmsg_set(em, FU_EPROTO,
                            "the stages' checkpoints hold no adapter tensors (*.lora_A.weight / *.lora_B.weight)");

@@ -66,8 +66,8 @@ static broker_peer *pick_backup(broker_t *b, broker_job *j, uint32_t s, const ch
 
 void broker_failover(broker_t *b, broker_job *j, uint32_t stage, const char *why)
 {
-    if (j->dead || j->phase == BJ_QUEUED || stage >= j->n_stages)
-        return;
+    if (j->dead || j->finishing || j->phase == BJ_QUEUED || stage >= j->n_stages)
+        return; /* a finishing job's stages are done: it needs none of them */
     b->tot.failovers++;
     char text[DB_REASON_MAX];
     char lost[DB_KEY_LEN + 1];
@@ -342,7 +342,7 @@ void broker_deadlines_sweep(broker_t *b)
     uint64_t now = broker_now();
     for (size_t i = 0; i < b->n_jobs; i++) {
         broker_job *j = b->jobs[i];
-        if (j->dead)
+        if (j->dead || j->finishing)
             continue;
         if (j->phase == BJ_STARTING) {
             uint64_t limit = (uint64_t)b->cfg.ready_timeout_s * 1000u;

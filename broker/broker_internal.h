@@ -251,6 +251,10 @@ typedef struct {
     uint32_t plan_stale;               /* its searches in a row whose chosen peers changed meanwhile */
     bool cutting;                      /* planned (queued, its peers taken): the writer cuts its checkpoint
                                           for the plan and stores both; kept, even dead, until it is back */
+    bool finishing;                    /* a fine-tune whose every stage is done: the writer assembles its
+                                          adapter and commits it as the result; nothing else moves it
+                                          meanwhile (no failover, no deadline); kept, even dead, until
+                                          it is back */
     uint64_t plan_failed_on;           /* what its last plan that found none was made over (plan_inputs;
                                           0: none failed): the same candidates are not searched again */
     bool ends_trusted;                 /* its first and last stages are kept on trusted peers (decided when
@@ -531,6 +535,9 @@ void broker_job_fail(broker_t *b, broker_job *j, const char *reason);
  * the table. The store's error leaves j as it was. */
 FU_MUST_CHECK fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *result, size_t len,
                                      const char *file, const char *hash);
+/* The rest of broker_job_done once its result of len bytes (hash hex) is stored: stages released,
+ * out of the table. */
+void broker_job_ended_done(broker_t *b, broker_job *j, size_t len, const char *hash);
 /* Cancels owner's job id (db_job_cancel's errors); releases it when it is in the table. */
 FU_MUST_CHECK fu_err broker_job_cancel(broker_t *b, const char *id, const char *owner);
 /* The text of the n tokens gen that inference job j generated with sampling spec sp (its own, or a
@@ -661,6 +668,11 @@ FU_MUST_CHECK fu_err broker_ckpt_check(const broker_job *j, uint32_t stage, cons
  * stage's checkpoint at `step`. */
 FU_MUST_CHECK fu_err broker_adapter_assemble(broker_t *b, broker_job *j, int64_t step, uint8_t **out, size_t *len,
                                              fu_errmsg *em);
+/* The same for job id of graph g whose stages span first[s]..last[s], s < n, read through db only:
+ * the writer thread runs it with its own connection. */
+FU_MUST_CHECK fu_err broker_adapter_assemble_at(db_t *db, const char *id, const dag_graph_t *g, const uint32_t *first,
+                                                const uint32_t *last, uint32_t n, int64_t step, uint8_t **out,
+                                                size_t *len, fu_errmsg *em);
 /* Cuts job id's checkpoints at `step` under the stored plan old[0..n_old) of graph g again for the
  * stages of plan[0..n): each plan[s] gets the checkpoint of its own node range (its tensors found by
  * name in whichever old stage held them, the optimizer's step kept) in ckpt / ckpt_len / ckpt_step,

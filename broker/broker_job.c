@@ -79,8 +79,8 @@ void broker_jobs_reap(broker_t *b)
 {
     size_t w = 0;
     for (size_t i = 0; i < b->n_jobs; i++) {
-        /* a search or a cut reads its graph: freed after */
-        if (b->jobs[i]->dead && b->jobs[i] != b->planning && !b->jobs[i]->cutting) {
+        /* a search, a cut or a finish reads its graph: freed after */
+        if (b->jobs[i]->dead && b->jobs[i] != b->planning && !b->jobs[i]->cutting && !b->jobs[i]->finishing) {
             broker_job *j = b->jobs[i]; /* its verification counts stay in the broker's totals */
             b->tot.v_agree += j->v_agree;
             b->tot.v_disagree += j->v_disagree;
@@ -290,12 +290,17 @@ fu_err broker_job_done(broker_t *b, broker_job *j, const uint8_t *result, size_t
     fu_err rc = db_job_complete(b->db, j->id, result, len, file, hash, broker_wall());
     if (rc != FU_OK)
         return rc;
+    broker_job_ended_done(b, j, len, hash);
+    return FU_OK;
+}
+
+void broker_job_ended_done(broker_t *b, broker_job *j, size_t len, const char *hash)
+{
     broker_job_release(b, j, "the job is done");
     broker_job_show(j, "done");
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "done", hash));
     FU_INFO(LOG, "job %s done: %zu bytes of result (%.16s...)", j->id, len, hash);
     j->dead = true;
-    return FU_OK;
 }
 
 fu_err broker_gen_text(const broker_job *j, const dag_spec *sp, const int32_t *gen, size_t n, bool *ends,

@@ -692,6 +692,72 @@ static void test_e2e_fault_cancel_while_cut(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* A job whose every stage is done, with the broker's finish (its adapter assembled from the
+ * stages' checkpoints and committed, on the writer thread) slowed to 3 s by FUSION_TEST_FINISH_DELAY_MS
+ * (a test hook). Returns the cluster and the index of stage 1's peer once the finish has begun. */
+static tu_cluster *finish_slowly(const char *tag, char id[17], int *victim)
+{
+#ifndef FUSION_TEST_HOOKS
+    skip(); /* without the hook the finish is over before the test can act while it runs */
+#endif
+    tu_cluster *c = NULL;
+    setenv("FUSION_TEST_FINISH_DELAY_MS", "3000", 1); /* the broker inherits it */
+    *victim = start_job(&c, tag, 300, 1, id);
+    unsetenv("FUSION_TEST_FINISH_DELAY_MS");
+    if (!tu_broker_wait_log(c, 120000, "job %s: every stage is done; its adapter is assembled", id))
+        tu_file_show(tu_broker_log(c), 40);
+    assert_true(tu_broker_logged(c, "job %s: every stage is done; its adapter is assembled", id));
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st)); /* the loop answers meanwhile */
+    printf("while it finishes: %s, step %ld: %s\n", st.state, st.step, st.message);
+    assert_string_equal(st.state, "running");
+    return c;
+}
+
+/* A stage's peer SIGKILLed while its job finishes: its work is done, so the stage does not move
+ * (no failover, no restart from a checkpoint), and the job ends done with fusion run's adapter. */
+static void test_e2e_fault_peer_lost_while_finishing(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = finish_slowly("e2e-finloss", id, &victim);
+    printf("SIGKILL to p%d (stage 1 of 3, done)\n", victim);
+    (void)tu_peer_stop(c, victim, SIGKILL, 5000);
+    tu_wait_done(c, id, 60);
+    assert_false(tu_broker_logged(c, "job %s: stage 1 moved from", id));
+    assert_false(tu_broker_logged(c, "job %s: stage 1 lost its peer", id));
+    tu_assert_identical_adapter(c, id, "model", train_args(), 3);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* A job cancelled while it finishes ends cancelled: the writer's commit of its result is refused
+ * (the job is no longer running in the store), and its peers are idle again. */
+static void test_e2e_fault_cancel_while_finishing(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = finish_slowly("e2e-fincancel", id, &victim);
+    char *out = NULL;
+    assert_int_equal(tu_fusion(c, &out, "cancel %s", id), 0);
+    printf("%s", out);
+    free(out);
+    assert_true(tu_broker_wait_log(c, 20000, "job %s: its adapter was assembled after it ended", id));
+    tu_status st;
+    assert_true(tu_status_get(c, id, &st));
+    printf("after the finish: %s: %s\n", st.state, st.message);
+    assert_string_equal(st.state, "cancelled");
+    tu_peer_seen seen[TU_MAX_PEERS];
+    int n = tu_peers_list(c, seen, TU_MAX_PEERS);
+    assert_int_equal(n, 4);
+    for (int i = 0; i < n; i++) {
+        printf("%s: %s\n", seen[i].name, seen[i].state);
+        assert_string_equal(seen[i].state, "idle");
+    }
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* Growth (docs/PIPELINE.md "Growth"): a job on a 12-layer model runs on two peers (no memory cap:
  * the partitioner gives each its own stage, six layers); a third peer joins. With 8 micro-batches
  * three stages of four layers predict a step about a quarter shorter ((8 + 2) x 4 against
@@ -798,6 +864,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_peer_lost_while_cut, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_cancel_while_cut, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_peer_lost_while_finishing, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_cancel_while_finishing, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_chaotic_same_bits, tu_teardown),
     };
