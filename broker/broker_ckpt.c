@@ -194,19 +194,13 @@ void broker_ckpt_recut_free(db_stage_plan *plan, size_t n)
 
 /* ---- the writer: a re-plan's cut and commit off the loop ------------------------------------------ */
 
-#ifdef FUSION_TEST_HOOKS
 #define BROKER_CUT_DELAY_ENV "FUSION_TEST_CUT_DELAY_MS" /* tests: the writer sleeps this long first */
-#endif
 
 /* On the writer thread (or the loop when it was busy): touches c and c->db only. */
 static void cut_run(broker_task *bt)
 {
     broker_cut *c = (broker_cut *)bt;
-#ifdef FUSION_TEST_HOOKS
-    const char *delay = getenv(BROKER_CUT_DELAY_ENV);
-    if (delay && atoi(delay) > 0)
-        fu_sleep_ms((uint32_t)atoi(delay));
-#endif
+    broker_task_test_delay(BROKER_CUT_DELAY_ENV);
     uint64_t t0 = fu_clock_ns();
     c->rc = broker_ckpt_recut(c->db, c->job, c->graph, c->old, c->n_old, c->step, c->plan, c->n, &c->em);
     uint64_t t1 = fu_clock_ns();

@@ -443,11 +443,7 @@ static void plan_drop(broker_task *bt)
 static void plan_run(broker_task *bt)
 {
     plan_task *t = (plan_task *)bt;
-#ifdef FUSION_TEST_HOOKS
-    const char *delay = getenv(BROKER_PLAN_DELAY_ENV);
-    if (delay && atoi(delay) > 0)
-        fu_sleep_ms((uint32_t)atoi(delay));
-#endif
+    broker_task_test_delay(BROKER_PLAN_DELAY_ENV);
     uint64_t t0 = fu_clock_ns();
     const plan_ctx *x = &t->x;
     t->chosen = t->choose && choose_micro_batches(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used,

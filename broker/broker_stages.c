@@ -227,18 +227,12 @@ typedef struct {
     double assemble_s, store_s;
 } finish_task;
 
-#ifdef FUSION_TEST_HOOKS
 #define BROKER_FINISH_DELAY_ENV "FUSION_TEST_FINISH_DELAY_MS" /* tests: the finish sleeps this long first */
-#endif
 
 static void finish_run(broker_task *bt)
 {
     finish_task *t = (finish_task *)bt;
-#ifdef FUSION_TEST_HOOKS
-    const char *delay = getenv(BROKER_FINISH_DELAY_ENV);
-    if (delay && atoi(delay) > 0)
-        fu_sleep_ms((uint32_t)atoi(delay));
-#endif
+    broker_task_test_delay(BROKER_FINISH_DELAY_ENV);
     uint64_t t0 = fu_clock_ns();
     uint8_t *blob = NULL;
     t->rc = broker_adapter_assemble_at(t->db, t->job, t->graph, t->first, t->last, t->n, t->step, &blob, &t->len,

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "fu_alloc.h"
+#include "fu_clock.h"
 
 typedef struct {
     broker_task *head, *tail;
@@ -92,6 +93,17 @@ broker_worker *broker_worker_new(size_t depth, fu_errmsg *em)
         return NULL;
     }
     return w;
+}
+
+void broker_task_test_delay(const char *env)
+{
+#ifdef FUSION_TEST_HOOKS
+    const char *ms = getenv(env);
+    if (ms && atoi(ms) > 0)
+        fu_sleep_ms((uint32_t)atoi(ms));
+#else
+    (void)env;
+#endif
 }
 
 void broker_worker_free(broker_worker **wp)

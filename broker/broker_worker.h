@@ -36,4 +36,9 @@ broker_task *broker_worker_take(broker_worker *w);
 /* Readable while finished tasks wait to be taken (poll it; broker_worker_take drains it). */
 int broker_worker_fd(const broker_worker *w);
 
+/* A test hook, FOR TESTS ONLY: a task's run() sleeps the milliseconds environment variable `env`
+ * names, so that a test can act while the task runs (the loop answers meanwhile). Nothing without
+ * FUSION_TEST_HOOKS. */
+void broker_task_test_delay(const char *env);
+
 #endif
