@@ -71,7 +71,7 @@ static void send_chunks_to(broker_t *b, const uint8_t *rid, size_t rid_len, uint
 static bool range_ok(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *r, uint64_t total)
 {
     if (r->offset > total || (r->offset == total && total > 0)) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_INVALID,
+        broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_INVALID,
                            "%s/%s: offset %" PRIu64 " is at or past the blob's %" PRIu64 " bytes", r->model_id,
                            r->tensor_name, r->offset, total);
         return false;
@@ -113,14 +113,14 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (strncmp(mid, "m:", 2) == 0) {
         /* the model of the job this peer works on, and no other (the job holds it mapped) */
         if (!mine || strcmp(mine->model->id, mid) != 0) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                                "model %.20s... is not served to you: ask only for the model_id of a stage you were "
                                "assigned", mid);
             return;
         }
         long idx = fu_safetensors_index(mine->model->st, name);
         if (idx < 0) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %.20s... has no tensor '%s'", mid,
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND, "model %.20s... has no tensor '%s'", mid,
                                name);
             return;
         }
@@ -128,7 +128,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         return;
     }
     if (strncmp(mid, "job:", 4) != 0 || !db_job_id_valid(mid + 4)) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+        broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "unknown blob name '%s' (model ids are m:<hex> or job:<job hex>)", mid);
         return;
     }
@@ -136,7 +136,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (strcmp(name, "adapter") == 0) {
         if (!mine || (mine->kind != DB_JOB_INFER && mine->kind != DB_JOB_EVAL) ||
             strcmp(mine->spec.adapter_job, jid) != 0) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                                "adapter of job %s is served only to the stages of an inference or eval job that uses it",
                                jid);
             return;
@@ -145,7 +145,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         if (db_job_get(b->db, jid, NULL, &dj) != FU_OK || dj->state != DB_JOB_DONE || !dj->result) {
             /* the job was admitted with this adapter and its stage told to load it: the broker's fault */
             snprintf(p->lacked, sizeof p->lacked, "%s", mine->id);
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "job %s has no finished adapter", jid);
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND, "job %s has no finished adapter", jid);
             db_job_free(&dj);
             return;
         }
@@ -157,7 +157,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         return;
     }
     if (!mine || strcmp(mine->id, jid) != 0) {
-        broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+        broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                            "blobs of job %s are served only to its stages and backups", jid);
         return;
     }
@@ -193,8 +193,9 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
              * failure that follows is the broker's fault, and costs the peer nothing. */
             if (!p->backup && stage == p->stage && (uint64_t)step == mine->start_step && mine->start_step > 0)
                 snprintf(p->lacked, sizeof p->lacked, "%s", mine->id);
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "job %s has no checkpoint of stage %u at step "
-                               "%lld (%s)", jid, stage, step, fu_strerror(rc));
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+                               "job %s has no checkpoint of stage %u at step %lld (%s)", jid, stage, step,
+                               fu_strerror(rc));
             return;
         }
         uint8_t hash[DB_HASH_LEN];
@@ -208,7 +209,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
     if (sscanf(name, "vsnap:%u:%lld%c", &stage, &step, &tail) == 2 && step >= 0) {
         const broker_snap *sn = broker_verify_snapshot(b, mine->id64, stage, (uint64_t)step);
         if (!sn) {
-            broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+            broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                                "job %s has no verification snapshot of stage %u at step %lld", jid, stage, step);
             return;
         }
@@ -216,7 +217,7 @@ void broker_on_weight_request(broker_t *b, broker_peer *p, const wire_msg_t *msg
         send_chunks(b, msg, r, sn->buf, (size_t)sn->total, sn->hash, FUSION__DTYPE__DTYPE_U8, shape, 1);
         return;
     }
-    broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND,
+    broker_refuse_blob(b, msg, r, FUSION__ERROR_CODE__ERR_NOT_FOUND,
                        "unknown blob '%s' of job %s (tokens, ckpt:<stage>:<step>, vsnap:<stage>:<step> or adapter)",
                        name, jid);
 }

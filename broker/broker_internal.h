@@ -431,6 +431,10 @@ fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const
 /* Answers msg with Error{code, text}. */
 void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* Refuses the WeightRequest wr (in msg) with Error{code, text} naming wr's blob: a peer tells a late
+ * refusal of an earlier fetch from one of the fetch it waits on. */
+void broker_refuse_blob(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *wr, Fusion__ErrorCode code,
+                        const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 /* Makes the string s valid UTF-8 in place (wire_utf8_clean: every byte that does not start a valid
  * character becomes '?'; a snprintf that cut a character in two). */
 #define broker_utf8_trim(s) wire_utf8_clean((s), strlen(s))

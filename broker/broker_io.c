@@ -45,7 +45,9 @@ fu_err broker_answer(broker_t *b, const broker_ret *r, Fusion__MsgType t, const 
     return rc;
 }
 
-static void answer_verror(broker_t *b, const broker_ret *r, Fusion__ErrorCode code, const char *fmt, va_list ap)
+/* wr: the WeightRequest refused, whose blob the Error names (NULL for any other message). */
+static void answer_verror(broker_t *b, const broker_ret *r, const Fusion__WeightRequest *wr, Fusion__ErrorCode code,
+                          const char *fmt, va_list ap)
 {
     char text[1024];
     vsnprintf(text, sizeof text, fmt, ap);
@@ -56,6 +58,10 @@ static void answer_verror(broker_t *b, const broker_ret *r, Fusion__ErrorCode co
     e.message = text;
     e.in_reply_to = r->type;
     e.sequence = r->sequence;
+    if (wr) {
+        e.model_id = wr->model_id;
+        e.tensor_name = wr->tensor_name;
+    }
     (void)broker_answer(b, r, FUSION__MSG_TYPE__MSG_ERROR, &e.base);
 }
 
@@ -63,7 +69,7 @@ void broker_answer_error(broker_t *b, const broker_ret *r, Fusion__ErrorCode cod
 {
     va_list ap;
     va_start(ap, fmt);
-    answer_verror(b, r, code, fmt, ap);
+    answer_verror(b, r, NULL, code, fmt, ap);
     va_end(ap);
 }
 
@@ -86,6 +92,17 @@ void broker_reply_error(broker_t *b, const wire_msg_t *msg, Fusion__ErrorCode co
     broker_ret_of(msg, &r);
     va_list ap;
     va_start(ap, fmt);
-    answer_verror(b, &r, code, fmt, ap);
+    answer_verror(b, &r, NULL, code, fmt, ap);
+    va_end(ap);
+}
+
+void broker_refuse_blob(broker_t *b, const wire_msg_t *msg, const Fusion__WeightRequest *wr, Fusion__ErrorCode code,
+                        const char *fmt, ...)
+{
+    broker_ret r;
+    broker_ret_of(msg, &r);
+    va_list ap;
+    va_start(ap, fmt);
+    answer_verror(b, &r, wr, code, fmt, ap);
     va_end(ap);
 }

@@ -627,19 +627,26 @@ static void on_msg(stage_t *s, const wire_msg_t *m, uint64_t gen)
         break;
     }
     case FUSION__MSG_TYPE__MSG_ERROR: {
-        /* The broker refused a WeightRequest: the blob being fetched cannot be had. */
+        /* The broker refused a WeightRequest: the blob being fetched cannot be had. A refusal that
+         * names another blob answers an earlier fetch (a verifier's, before it was promoted; an
+         * earlier assignment's) and is not this one's. */
         const Fusion__Error *e = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
-        if (s->active && s->vfetching && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST) {
+        if (!s->active || e->in_reply_to != FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST || s->cur_fetch >= s->n_fetch)
+            break;
+        peer_blob_t *b = s->fetch[s->cur_fetch].blob;
+        if (strcmp(e->model_id, peer_blob_model_id(b)) != 0 || strcmp(e->tensor_name, peer_blob_name(b)) != 0) {
+            FU_INFO("peer", "job %016" PRIx64 " stage %u: ignored a late refusal of %.80s/%.80s (fetching %s)",
+                    s->job_id, s->stage_index, e->model_id, e->tensor_name, peer_blob_name(b));
+            break;
+        }
+        if (s->vfetching) {
             stage_verify_fetched(s, false, e->message); /* a verification checkpoint the broker no longer has */
             break;
         }
-        if (s->active && e->in_reply_to == FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST && s->cur_fetch < s->n_fetch) {
-            peer_blob_t *b = s->fetch[s->cur_fetch].blob;
-            stage_send_error(s, FUSION__ERROR_CODE__ERR_NOT_FOUND, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST,
-                             "cannot load the stage: the broker has no blob %s/%s (%s)", peer_blob_model_id(b),
-                             peer_blob_name(b), e->message);
-            stage_end(s, "blob not found");
-        }
+        stage_send_error(s, FUSION__ERROR_CODE__ERR_NOT_FOUND, FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST,
+                         "cannot load the stage: the broker has no blob %s/%s (%s)", peer_blob_model_id(b),
+                         peer_blob_name(b), e->message);
+        stage_end(s, "blob not found");
         break;
     }
     default:

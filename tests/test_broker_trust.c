@@ -959,7 +959,10 @@ static void test_trust_missing_blob_costs_nothing(void **state)
                        5000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
-    print_message("the broker refused bob the checkpoint: %s\n", ((const Fusion__Error *)wire_msg_body(m))->message);
+    const Fusion__Error *re = wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_ERROR);
+    print_message("the broker refused bob the checkpoint: %s\n", re->message);
+    assert_string_equal(re->model_id, jid); /* the refusal names the blob: a peer tells it from a later fetch's */
+    assert_string_equal(re->tensor_name, "ckpt:0:2");
     wire_msg_destroy(&m);
     Fusion__Error e = FUSION__ERROR__INIT; /* what fusion-peer says then (peer_stage.c) */
     e.code = FUSION__ERROR_CODE__ERR_NOT_FOUND;

@@ -77,6 +77,8 @@ typedef struct {
     size_t n_tokens;
     const char *corrupt;          /* tensor served with a wrong hash */
     int corrupt_requests;
+    const char *refuse;           /* tensor refused (Error naming it) when asked for */
+    bool late_refusal;            /* before the first WeightRequest's answer, a refusal of another blob */
     int errors;                   /* Error messages from the peer */
     char last_error[512];
     int heartbeats;
@@ -232,8 +234,28 @@ static void answer_peer(env *e, Fusion__MsgType type, const ProtobufCMessage *bo
         fail_msg("answering the peer: %s", fu_errname(rc));
 }
 
+/* Refuses a WeightRequest of model_id/name as the broker does: Error naming the blob. */
+static void refuse_blob(env *e, const char *model_id, const char *name, const char *why)
+{
+    Fusion__Error er = FUSION__ERROR__INIT;
+    er.code = FUSION__ERROR_CODE__ERR_NOT_FOUND;
+    er.message = (char *)why;
+    er.in_reply_to = FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST;
+    er.model_id = (char *)model_id;
+    er.tensor_name = (char *)name;
+    to_peer(e, FUSION__MSG_TYPE__MSG_ERROR, 0, &er.base);
+}
+
 static void serve_weights(env *e, const Fusion__WeightRequest *rq)
 {
+    if (e->late_refusal) { /* what a verifier promoted while its snapshot fetch was in flight gets */
+        e->late_refusal = false;
+        refuse_blob(e, "job:00000000000000aa", "vsnap:0:9", "no verification snapshot of stage 0 at step 9");
+    }
+    if (e->refuse && strcmp(rq->tensor_name, e->refuse) == 0) {
+        refuse_blob(e, rq->model_id, rq->tensor_name, "refused by the test");
+        return;
+    }
     const uint8_t *bytes = NULL;
     size_t total = 0;
     Fusion__Dtype dt = FUSION__DTYPE__DTYPE_U8;
@@ -242,11 +264,7 @@ static void serve_weights(env *e, const Fusion__WeightRequest *rq)
     if (strcmp(rq->model_id, MODEL_ID) == 0) {
         const fu_st_tensor *t = fu_safetensors_get(e->st, rq->tensor_name);
         if (!t) {
-            Fusion__Error er = FUSION__ERROR__INIT;
-            er.code = FUSION__ERROR_CODE__ERR_NOT_FOUND;
-            er.message = (char *)"no such tensor";
-            er.in_reply_to = FUSION__MSG_TYPE__MSG_WEIGHT_REQUEST;
-            to_peer(e, FUSION__MSG_TYPE__MSG_ERROR, 0, &er.base);
+            refuse_blob(e, rq->model_id, rq->tensor_name, "no such tensor");
             return;
         }
         bytes = t->data;
@@ -838,6 +856,55 @@ static void test_peer_refuses_weights_with_wrong_hash(void **state)
     env_stop(&e);
 }
 
+/* A refusal that names another blob than the one being fetched answers an earlier fetch (a
+ * verifier's snapshot, asked for before it was promoted to the stage): the peer ignores it and
+ * loads its stage. */
+static void test_peer_ignores_late_refusal(void **state)
+{
+    (void)state;
+    env e;
+    dag_graph_t *g = peer_with_stage0(&e, "peer-late-refusal");
+    e.late_refusal = true;
+    wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 30000, NULL);
+    if (!m || e.errors)
+        dump_log(&e);
+    assert_non_null(m);
+    assert_false(e.late_refusal); /* it was sent */
+    assert_int_equal(e.errors, 0);
+    wire_msg_destroy(&m);
+    expect_leave(&e); /* with a stage: it waits for StageRelease */
+    release_stage(&e, "the test is over");
+    assert_int_equal(wait_exit(&e, 5000), 0);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
+/* The broker's refusal of the blob the peer fetches ends the stage with an Error naming it. */
+static void test_peer_refused_blob_ends_stage(void **state)
+{
+    (void)state;
+    env e;
+    dag_graph_t *g = peer_with_stage0(&e, "peer-refused");
+    e.refuse = "model.layers.0.self_attn.q_proj.weight";
+    for (uint64_t end = fu_clock_ms() + 20000; e.errors == 0 && fu_clock_ms() < end;) {
+        wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 200, NULL);
+        if (m) {
+            dump_log(&e);
+            fail_msg("StageReady without a tensor the broker refused");
+        }
+    }
+    if (e.errors != 1)
+        dump_log(&e);
+    assert_int_equal(e.errors, 1);
+    assert_non_null(strstr(e.last_error, "cannot load the stage"));
+    assert_non_null(strstr(e.last_error, "q_proj"));
+    printf("the peer on the refusal of its own fetch: %s\n", e.last_error);
+    expect_leave(&e);
+    assert_int_equal(wait_exit(&e, 5000), 0);
+    dag_graph_destroy(&g);
+    env_stop(&e);
+}
+
 /* Starts a peer that cannot listen (tag: its scratch directory) as the last stage, layer 1 on, of a
  * job with spec, its data frames relayed through this test's broker; waits for StageReady and sends
  * StageStart. Returns the graph, the stage's first node in *cut. */
@@ -1220,6 +1287,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_peer_graceful_leave_without_stage, tu_teardown),
         cmocka_unit_test_teardown(test_peer_stage_matches_executor, tu_teardown),
         cmocka_unit_test_teardown(test_peer_refuses_weights_with_wrong_hash, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_ignores_late_refusal, tu_teardown),
+        cmocka_unit_test_teardown(test_peer_refused_blob_ends_stage, tu_teardown),
         cmocka_unit_test_teardown(test_peer_refuses_tensor_in_wrong_codec, tu_teardown),
         cmocka_unit_test_teardown(test_peer_last_stage_relayed_matches_executor, tu_teardown),
         cmocka_unit_test_teardown(test_peer_second_signal_exits_at_once, tu_teardown),
