@@ -818,6 +818,22 @@ static void test_peer_stage_matches_executor(void **state)
     env_stop(&e);
 }
 
+/* Runs the broker side until the peer reports an Error (20 s at most): exactly one, and no
+ * StageReady, since its stage cannot load for want of `what`. */
+static void await_load_error(env *e, const char *what)
+{
+    for (uint64_t end = fu_clock_ms() + 20000; e->errors == 0 && fu_clock_ms() < end;) {
+        wire_msg_t *m = pump(e, FUSION__MSG_TYPE__MSG_STAGE_READY, 200, NULL);
+        if (m) {
+            dump_log(e);
+            fail_msg("StageReady despite %s", what);
+        }
+    }
+    if (e->errors != 1)
+        dump_log(e);
+    assert_int_equal(e->errors, 1);
+}
+
 static void test_peer_refuses_weights_with_wrong_hash(void **state)
 {
     (void)state;
@@ -825,17 +841,7 @@ static void test_peer_refuses_weights_with_wrong_hash(void **state)
     dag_graph_t *g = peer_with_stage0(&e, "peer-hash");
     e.corrupt = "model.layers.0.self_attn.q_proj.weight"; /* served with a wrong hash when asked for */
     /* No StageReady: the peer asks for the tensor 3 times, then reports an Error. */
-    uint64_t end = fu_clock_ms() + 20000;
-    while (e.errors == 0 && fu_clock_ms() < end) {
-        wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 200, NULL);
-        if (m) {
-            dump_log(&e);
-            fail_msg("StageReady despite a weight with a wrong hash");
-        }
-    }
-    if (e.errors == 0)
-        dump_log(&e);
-    assert_int_equal(e.errors, 1);
+    await_load_error(&e, "a weight with a wrong hash");
     assert_non_null(strstr(e.last_error, "q_proj"));
     assert_true(e.corrupt_requests >= 3);
     printf("wrong-hash tensor requested %d times, then: %s\n", e.corrupt_requests, e.last_error);
@@ -886,16 +892,7 @@ static void test_peer_refused_blob_ends_stage(void **state)
     env e;
     dag_graph_t *g = peer_with_stage0(&e, "peer-refused");
     e.refuse = "model.layers.0.self_attn.q_proj.weight";
-    for (uint64_t end = fu_clock_ms() + 20000; e.errors == 0 && fu_clock_ms() < end;) {
-        wire_msg_t *m = pump(&e, FUSION__MSG_TYPE__MSG_STAGE_READY, 200, NULL);
-        if (m) {
-            dump_log(&e);
-            fail_msg("StageReady without a tensor the broker refused");
-        }
-    }
-    if (e.errors != 1)
-        dump_log(&e);
-    assert_int_equal(e.errors, 1);
+    await_load_error(&e, "a tensor the broker refused");
     assert_non_null(strstr(e.last_error, "cannot load the stage"));
     assert_non_null(strstr(e.last_error, "q_proj"));
     printf("the peer on the refusal of its own fetch: %s\n", e.last_error);
