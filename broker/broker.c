@@ -24,6 +24,10 @@
 #define LOG "broker"
 #define BROKER_SWEEP_MIN_MS 50  /* shortest timer period */
 #define BROKER_SWEEP_MAX_MS 250 /* longest sleep in zmq_poll */
+#define BROKER_TURN_MSGS    256 /* messages read from a socket in one turn of the loop */
+/* Messages queued to or from one gateway (ZMQ_SNDHWM/RCVHWM of the gateways' socket): a gateway
+ * carries thousands of peers, each of which may have WIRE_HWM queued on a direct connection. */
+#define BROKER_GATEWAY_HWM  65536
 
 static volatile sig_atomic_t g_stop;
 static volatile int g_wake_fd = -1; /* write end of the self-pipe */
@@ -64,7 +68,7 @@ void broker_on_relay(broker_t *b, const wire_msg_t *msg)
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_NOT_FOUND, "relay target %.12s... is not a live peer", to);
         return;
     }
-    fu_err rc = wire_forward(b->sock, dst->rid, dst->rid_len, msg, from);
+    fu_err rc = wire_forward(broker_sock_for(b, dst->rid, dst->rid_len), dst->rid, dst->rid_len, msg, from);
     if (rc != FU_OK) {
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_BUSY, "relay to %.12s... failed: %s", to, fu_strerror(rc));
         return;
@@ -207,6 +211,17 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     const char *uid = wire_msg_user_id(msg);
     if (!db_key_valid(uid)) { /* never happens with ZAP on; refuse rather than trust a routing id */
         broker_reply_error(b, msg, FUSION__ERROR_CODE__ERR_AUTH, "no authenticated key on this connection");
+        return;
+    }
+    const char *gw = wire_msg_gateway(msg);
+    if (gw[0] && !(wire_zap_roles(b->zap, gw) & WIRE_ROLE_GATEWAY)) {
+        /* its role was taken away since it connected: nothing it vouches for is believed */
+        b->tot.gateway_refused++;
+        return;
+    }
+    if (t == FUSION__MSG_TYPE__MSG_GATEWAY_CLOSED) { /* a gateway's word only; from anyone else, noise */
+        if (gw[0])
+            broker_conn_gateway_closed(b, msg);
         return;
     }
     uint32_t roles = wire_zap_msg_roles(b->zap, msg);
@@ -424,6 +439,34 @@ static const char *enrolments_open(const broker_cfg *cfg)
     return text;
 }
 
+/* The gateways' ROUTER (docs/PROTOCOL.md "Gateways"): CURVE with the broker's keys on the gateway
+ * ZAP domain, so only keys with the gateway role get in, and with queues as deep as the thousands of
+ * peers a gateway carries need (one peer's queue on the main socket is WIRE_HWM). A gateway that
+ * reconnects with its routing id (fusion-gateway sets one) takes over its old connection, and the
+ * routes of its peers stay good. */
+static fu_err gateway_socket(broker_t *b, const char *endpoint, fu_errmsg *em)
+{
+    fu_err rc = FU_OK;
+    b->gw_sock = wire_socket_new(b->ctx, ZMQ_ROUTER, &rc);
+    if (!b->gw_sock)
+        return fu_errmsg_set(em, rc, "cannot create the gateways' ROUTER socket");
+    if ((rc = wire_socket_curve_server(b->gw_sock, b->kp, WIRE_ZAP_GATEWAY_DOMAIN)) != FU_OK)
+        return fu_errmsg_set(em, rc, "cannot make the gateways' socket a CURVE server");
+    int hwm = BROKER_GATEWAY_HWM, one = 1;
+    if (wire_socket_quiet(b->gw_sock) != FU_OK || zmq_setsockopt(b->gw_sock, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
+        zmq_setsockopt(b->gw_sock, ZMQ_RCVHWM, &hwm, sizeof hwm) != 0 ||
+        zmq_setsockopt(b->gw_sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one) != 0)
+        return fu_errmsg_set(em, FU_EIO, "cannot set the gateways' socket options: %s", zmq_strerror(zmq_errno()));
+    if (zmq_bind(b->gw_sock, endpoint) != 0)
+        return fu_errmsg_set(em, FU_EIO, "cannot bind the gateway endpoint %s: %s", endpoint,
+                             zmq_strerror(zmq_errno()));
+    char ep[256] = "";
+    if (wire_socket_endpoint(b->gw_sock, ep, sizeof ep) != FU_OK)
+        snprintf(ep, sizeof ep, "%s", endpoint);
+    FU_INFO(LOG, "listening for gateways on %s", ep);
+    return FU_OK;
+}
+
 broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
 {
     fu_err rc = FU_EINVAL;
@@ -572,6 +615,8 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
                       zmq_strerror(zmq_errno()));
         goto fail;
     }
+    if (cfg->gateway_bind && (rc = gateway_socket(b, cfg->gateway_bind, em)) != FU_OK)
+        goto fail;
     if (cfg->http) {
         if ((rc = broker_http_new(cfg->http, b, &b->http, em)) != FU_OK)
             goto fail;
@@ -624,6 +669,7 @@ void broker_destroy(broker_t **b_p)
     broker_models_free(&b->models);
     broker_uploads_free(&b->uploads);
     broker_conn_close(b);
+    wire_socket_close(&b->gw_sock);
     wire_socket_close(&b->sock);
     wire_zap_destroy(&b->zap);
     if (b->ctx)
@@ -737,6 +783,40 @@ static void turn_end(broker_t *b, turn_prof *tp)
             (double)tp->timers_ns / 1e6);
 }
 
+/* Reads and handles up to BROKER_TURN_MSGS messages of sock (when it polled readable); false when it
+ * stopped at that cap with messages left. */
+static bool read_socket(broker_t *b, void *sock, bool readable, turn_prof *tp)
+{
+    int k = 0;
+    for (; k < BROKER_TURN_MSGS && readable && !g_stop; k++) {
+        broker_conn_events(b); /* a reused descriptor's accept is known before its messages are */
+        wire_msg_t *msg = NULL;
+        fu_err rc = wire_recv(sock, WIRE_DONTWAIT | WIRE_REPLY_ERRORS, &b->counters, &msg);
+        if (rc == FU_EAGAIN)
+            break;
+        if (rc == FU_ECANCELED) {
+            g_stop = 1;
+            break;
+        }
+        if (rc != FU_OK) {
+            FU_DEBUG(LOG, "dropped a message: %s (%llu dropped so far)", fu_strerror(rc),
+                     (unsigned long long)wire_counters_dropped(&b->counters));
+            continue;
+        }
+        uint64_t t_msg = fu_clock_ns();
+        dispatch(b, msg);
+        uint64_t took = fu_clock_ns() - t_msg;
+        tp->msgs_ns += took;
+        tp->n_msgs++;
+        if (took > tp->slowest_ns) {
+            tp->slowest_ns = took;
+            tp->slowest = wire_msg_type(msg);
+        }
+        wire_msg_destroy(&msg);
+    }
+    return k < BROKER_TURN_MSGS;
+}
+
 fu_err broker_run(broker_t *b)
 {
     int pfd[2];
@@ -761,12 +841,16 @@ fu_err broker_run(broker_t *b)
             timeout = (long)conn_wait;
         if (b->http)
             timeout = broker_http_timeout_ms(b->http, timeout);
-        zmq_pollitem_t items[7] = {{.socket = b->sock, .events = ZMQ_POLLIN},
+        zmq_pollitem_t items[8] = {{.socket = b->sock, .events = ZMQ_POLLIN},
                                    {.fd = pfd[0], .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->worker), .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->planner), .events = ZMQ_POLLIN},
                                    {.fd = broker_worker_fd(b->writer), .events = ZMQ_POLLIN}};
-        int n_items = 5, http_item = -1;
+        int n_items = 5, http_item = -1, gw_item = -1;
+        if (b->gw_sock) {
+            gw_item = n_items;
+            items[n_items++] = (zmq_pollitem_t){.socket = b->gw_sock, .events = ZMQ_POLLIN};
+        }
         if (b->mon) /* the connections' events (broker_conn.c), read below whatever woke the poll */
             items[n_items++] = (zmq_pollitem_t){.socket = b->mon, .events = ZMQ_POLLIN};
         if (b->http) {
@@ -804,34 +888,10 @@ fu_err broker_run(broker_t *b)
         /* Drain what is queued, but give the timers a turn every so often. A turn that stops at the cap
          * leaves messages unread: silence is judged up to the last turn that read everything
          * (b->drained_ms). */
-        int k = 0;
-        for (; k < 256 && (items[0].revents & ZMQ_POLLIN) && !g_stop; k++) {
-            broker_conn_events(b); /* a reused descriptor's accept is known before its messages are */
-            wire_msg_t *msg = NULL;
-            fu_err rc = wire_recv(b->sock, WIRE_DONTWAIT | WIRE_REPLY_ERRORS, &b->counters, &msg);
-            if (rc == FU_EAGAIN)
-                break;
-            if (rc == FU_ECANCELED) {
-                g_stop = 1;
-                break;
-            }
-            if (rc != FU_OK) {
-                FU_DEBUG(LOG, "dropped a message: %s (%llu dropped so far)", fu_strerror(rc),
-                         (unsigned long long)wire_counters_dropped(&b->counters));
-                continue;
-            }
-            uint64_t t_msg = fu_clock_ns();
-            dispatch(b, msg);
-            uint64_t took = fu_clock_ns() - t_msg;
-            tp.msgs_ns += took;
-            tp.n_msgs++;
-            if (took > tp.slowest_ns) {
-                tp.slowest_ns = took;
-                tp.slowest = wire_msg_type(msg);
-            }
-            wire_msg_destroy(&msg);
-        }
-        if (k < 256) /* everything sent before now has been read */
+        bool all_read = read_socket(b, b->sock, items[0].revents & ZMQ_POLLIN, &tp);
+        if (gw_item >= 0 && !read_socket(b, b->gw_sock, items[gw_item].revents & ZMQ_POLLIN, &tp))
+            all_read = false;
+        if (all_read) /* everything sent before now has been read */
             b->drained_ms = broker_now();
     }
     FU_INFO(LOG, "stopping: %llu messages handled, %llu dropped, %llu relayed",

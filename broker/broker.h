@@ -94,6 +94,7 @@ extern "C" {
 
 typedef struct {
     const char *bind;          /* control endpoint (for example tcp://0.0.0.0:7700) */
+    const char *gateway_bind;  /* the gateways' endpoint (docs/PROTOCOL.md "Gateways"), or NULL: none */
     const char *keys_dir;      /* the broker's key directory */
     const char *db_path;       /* SQLite store */
     bool init_store;           /* an existing empty file at db_path may become a new store (--init) */

@@ -59,7 +59,7 @@ static void send_chunks_to(broker_t *b, const uint8_t *rid, size_t rid_len, uint
         c.n_shape = ndim;
         c.shape = (int64_t *)shape;
         wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_WEIGHT_CHUNK, .sequence = sequence};
-        fu_err rc = wire_send(b->sock, rid, rid_len, &h, &c.base);
+        fu_err rc = wire_send(broker_sock_for(b, rid, rid_len), rid, rid_len, &h, &c.base);
         if (rc != FU_OK) { /* the peer asks again after its resend timeout */
             FU_DEBUG(LOG, "chunk of %s at %" PRIu64 " not sent: %s", r->tensor_name, pos, fu_strerror(rc));
             return;

@@ -207,20 +207,84 @@ void broker_conn_events(broker_t *b)
     }
 }
 
+/* FNV-1a of a route (never 0: 0 means none). */
+static uint64_t route_hash(const uint8_t *r, size_t n)
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ r[i]) * 1099511628211ull;
+    return h ? h : 1;
+}
+
+/* p was heard through a gateway: a message on the route that closed is a late one; any other is
+ * the peer again. Its direct connection, if it had one, is not its own any more. */
+static void gateway_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg)
+{
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    if (p->closed_ms) {
+        if (p->closed_route == route_hash(rid, rl))
+            return;
+        p->closed_ms = 0;
+        b->tot.conn_reheard++;
+        FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key,
+                p->name);
+    }
+    p->closed_route = 0;
+    if (p->conn_fd) {
+        broker_conn *old = b->mon ? conn_at(b, p->conn_fd - 1) : NULL;
+        if (old && old->peer == (uint32_t)(p - b->peers) + 1)
+            old->peer = 0;
+        p->conn_fd = 0;
+    }
+}
+
+void broker_conn_gateway_closed(broker_t *b, const wire_msg_t *msg)
+{
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(msg, &rl);
+    char id[DB_KEY_LEN + 1];
+    broker_peer *p = broker_msg_peer_id(msg, id) ? broker_peer_find(b, id) : NULL;
+    uint64_t now = broker_now();
+    if (!p || !p->live)
+        return;
+    if (now - p->last_heard_ms >= BROKER_SILENT_CLOSE_MS)
+        return; /* silent that long: stopped or cut off, judged by its heartbeats (see above) */
+    for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) {
+        broker_peer *q = p;
+        if (s != p->slot) {
+            broker_peer_id(p->pk, s, id);
+            q = broker_peer_find(b, id);
+        }
+        if (!q || !q->live || q->closed_ms || q->rid_len != rl || memcmp(q->rid, rid, rl) != 0)
+            continue; /* gone, closing already, or it speaks on another connection since */
+        q->closed_ms = now ? now : 1;
+        q->closed_route = route_hash(rid, rl);
+        closing_push(b, q, now);
+        FU_DEBUG(LOG, "peer %.8s (%s): its connection to its gateway closed; dead unless heard again within %u ms",
+                 q->key, q->name, b->close_grace_ms);
+    }
+}
+
 void broker_conn_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
+    if (wire_msg_gateway(msg)[0]) {
+        gateway_heard(b, p, msg);
+        return;
+    }
     int fd = wire_msg_src_fd(msg);
     broker_conn *c = b->mon ? conn_at(b, fd) : NULL;
     if (!c)
         return;
     if (p->closed_ms) {
-        if (p->conn_fd == fd + 1 && c->epoch == p->closed_epoch)
+        if (!p->closed_route && p->conn_fd == fd + 1 && c->epoch == p->closed_epoch)
             return; /* a late message of the closed connection: proves nothing */
         p->closed_ms = 0;
         b->tot.conn_reheard++;
         FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key,
                 p->name);
     }
+    p->closed_route = 0;
     uint32_t idx = (uint32_t)(p - b->peers) + 1;
     if (p->conn_fd && p->conn_fd != fd + 1) {
         broker_conn *old = conn_at(b, p->conn_fd - 1);

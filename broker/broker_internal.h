@@ -133,6 +133,8 @@ typedef struct {
     uint64_t closed_ms;                /* when that connection was seen to close (broker_now), 0: not */
     uint32_t closed_epoch;             /* its descriptor's epoch then: a later message on that descriptor in
                                           the same epoch is a late one of the closed connection */
+    uint64_t closed_route;             /* through a gateway: a hash of the closed connection's route (a
+                                          later message on that route is a late one), 0: none */
 } broker_peer;
 
 /* A descriptor of the ROUTER's connections, as its socket monitor and the messages read tell
@@ -284,6 +286,7 @@ typedef struct {
     uint64_t failovers;                /* stages moved to another peer */
     uint64_t conn_deaths;              /* peers declared dead because their connection closed */
     uint64_t conn_reheard;             /* peers whose connection closed and that were heard again in time */
+    uint64_t gateway_refused;          /* messages through a gateway whose key lost the gateway role */
     uint64_t plans;                    /* jobs planned (a plan assigned) */
     uint64_t plans_failed;             /* searches that found no plan that fits */
     uint64_t plans_skipped;            /* searches not made: the candidates of a job's failed one again */
@@ -356,6 +359,7 @@ struct broker {
     uint32_t dead_after_ms;            /* BROKER_DEAD_FACTOR × heartbeat */
     void *ctx;                         /* ZeroMQ context */
     void *sock;                        /* the ROUTER */
+    void *gw_sock;                     /* the gateways' ROUTER (--gateway-bind), or NULL */
     uint8_t *probe_zeros;              /* LinkProbe payload (made on first use) */
     wire_zap_t *zap;                   /* ZAP handler */
     wire_keypair_t *kp;                /* the broker's keys */
@@ -420,6 +424,8 @@ struct broker {
 
 /* ---- broker_io.c: clocks and sending ---- */
 /* Sends body of type t to a peer (by its current routing id); logs and returns the error. */
+/* The socket that reaches routing id rid: the gateways' for a route (wire_route_is), else the ROUTER. */
+void *broker_sock_for(const broker_t *b, const uint8_t *rid, size_t rid_len);
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body);
 void broker_ret_of(const wire_msg_t *msg, broker_ret *r);
 /* Answers the request r with a body of type t, or with Error{code, text}. */
@@ -789,6 +795,9 @@ void broker_conn_events(broker_t *b);
 /* p was heard in msg: msg's connection is p's now; a message on another connection (or on a reused
  * descriptor) ends the grace of one that closed. O(1). */
 void broker_conn_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg);
+/* msg is a gateway's MSG_GATEWAY_CLOSED: the connection of the peer it names, through that gateway,
+ * closed. Its slots still on that route start their grace as on_closed's do. O(slots). */
+void broker_conn_gateway_closed(broker_t *b, const wire_msg_t *msg);
 /* Declares dead ("connection closed") the peers whose connection closed close_grace_ms ago and that
  * were not heard again since, judged up to b->drained_ms (a paused peer is left to its heartbeats).
  * Returns the ms until the next grace ends, UINT64_MAX when none runs. */

@@ -13,12 +13,17 @@
 
 uint64_t broker_now(void) { return fu_clock_ms(); }
 
+void *broker_sock_for(const broker_t *b, const uint8_t *rid, size_t rid_len)
+{
+    return wire_route_is(rid, rid_len) && b->gw_sock ? b->gw_sock : b->sock;
+}
+
 int64_t broker_wall(void) { return fu_wallclock_ms(); }
 
 fu_err broker_send_peer(broker_t *b, const broker_peer *p, Fusion__MsgType t, uint64_t job, const ProtobufCMessage *body)
 {
     wire_hdr h = {.type = t, .job_id = job};
-    fu_err rc = wire_send(b->sock, p->rid, p->rid_len, &h, body);
+    fu_err rc = wire_send(broker_sock_for(b, p->rid, p->rid_len), p->rid, p->rid_len, &h, body);
     if (rc != FU_OK)
         FU_WARN(LOG, "send %s to peer %.8s (%s) failed: %s", wire_type_name(t), p->key, p->name, fu_strerror(rc));
     return rc;
@@ -39,7 +44,7 @@ void broker_ret_of(const wire_msg_t *msg, broker_ret *r)
 fu_err broker_answer(broker_t *b, const broker_ret *r, Fusion__MsgType t, const ProtobufCMessage *body)
 {
     wire_hdr h = {.type = t, .job_id = r->job_id, .sequence = r->sequence};
-    fu_err rc = wire_send(b->sock, r->rid, r->rid_len, &h, body);
+    fu_err rc = wire_send(broker_sock_for(b, r->rid, r->rid_len), r->rid, r->rid_len, &h, body);
     if (rc != FU_OK)
         FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), r->uid, fu_strerror(rc));
     return rc;
@@ -80,7 +85,7 @@ fu_err broker_reply(broker_t *b, const wire_msg_t *msg, Fusion__MsgType t, const
     const uint8_t *rid = wire_msg_routing_id(msg, &rl);
     const wire_hdr *in = wire_msg_hdr(msg);
     wire_hdr h = {.type = t, .job_id = in->job_id, .sequence = in->sequence};
-    fu_err rc = wire_send(b->sock, rid, rl, &h, body);
+    fu_err rc = wire_send(broker_sock_for(b, rid, rl), rid, rl, &h, body);
     if (rc != FU_OK)
         FU_WARN(LOG, "reply %s to %.8s failed: %s", wire_type_name(t), wire_msg_user_id(msg), fu_strerror(rc));
     return rc;

@@ -54,7 +54,7 @@ static int allow_file_usable(const char *allow, bool enrols)
 int main(int argc, char **argv)
 {
     const char *bind = "tcp://*:7700", *keys = NULL, *db = NULL, *allow = NULL, *http = NULL, *token = NULL, *data_dir = NULL;
-    const char *token_file = NULL, *model_roots = NULL;
+    const char *token_file = NULL, *model_roots = NULL, *gateway_bind = NULL;
     const char *peer_token_file = NULL, *client_token_file = NULL;
     long long backups = BROKER_BACKUPS, heartbeat_ms = BROKER_HEARTBEAT_MS;
     long long ready_timeout = BROKER_READY_TIMEOUT_S, step_timeout = 0, pause_grace = BROKER_PAUSE_GRACE_S;
@@ -67,6 +67,9 @@ int main(int argc, char **argv)
     bool init_store = false, check_store = false;
     const fu_opt opts[] = {
         {"bind", 0, FU_OPT_STR, &bind, "ENDPOINT", "control-plane endpoint (default tcp://*:7700)"},
+        {"gateway-bind", 0, FU_OPT_STR, &gateway_bind, "ENDPOINT",
+         "also listen there for fusion-gateway processes, each carrying many peers (keys with the gateway "
+         "role in --allow only)"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "the broker's key directory (from `fusion keygen`)"},
         {"db", 0, FU_OPT_STR, &db, "FILE", "SQLite job store (created if missing; checked at every start)"},
         {"init", 0, FU_OPT_FLAG, &init_store, NULL, "let an existing empty --db file become a new store"},
@@ -206,7 +209,7 @@ int main(int argc, char **argv)
     if (code != FU_EXIT_OK)
         return code;
 
-    broker_cfg cfg = {.bind = bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
+    broker_cfg cfg = {.bind = bind, .gateway_bind = gateway_bind, .keys_dir = keys, .db_path = db, .init_store = init_store,
                       .check_store = check_store, .allow_file = allow, .http = http, .enrol_token = token,
                       .peer_token = peer_token, .client_token = client_token,
                       .data_dir = data_dir, .model_roots = model_roots, .backups = (uint32_t)backups, .heartbeat_ms = (uint32_t)heartbeat_ms,

@@ -162,6 +162,9 @@ char *broker_metrics_text(broker_t *b, size_t *len)
            "Peers whose connection closed: declared dead at once, or heard again within the grace.");
     fprintf(f, "fusion_peers_closed_total{outcome=\"dead\"} %" PRIu64 "\n", t->conn_deaths);
     fprintf(f, "fusion_peers_closed_total{outcome=\"heard_again\"} %" PRIu64 "\n", t->conn_reheard);
+    family(f, "fusion_gateway_refused_total", "counter",
+           "Messages through a gateway whose key no longer has the gateway role (dropped).");
+    fprintf(f, "fusion_gateway_refused_total %" PRIu64 "\n", t->gateway_refused);
     family(f, "fusion_relayed_frames_total", "counter", "Sealed data frames relayed between peers.");
     fprintf(f, "fusion_relayed_frames_total %" PRIu64 "\n", b->relayed);
     family(f, "fusion_heartbeats_received_total", "counter", "Peers' heartbeats handled.");

@@ -713,7 +713,7 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
                 v->job, v->stage, v->step, v->mb, k == 2 ? "no third opinion" : "sample skipped", p->key,
                 vi->unavailable);
         if (dst && dst->live) /* so that the verifier stops waiting for it */
-            BROKER_IGNORE(wire_forward(b->sock, dst->rid, dst->rid_len, msg, p->key));
+            BROKER_IGNORE(wire_forward(broker_sock_for(b, dst->rid, dst->rid_len), dst->rid, dst->rid_len, msg, p->key));
         input_lost(b, v, k);
         return;
     }
@@ -740,7 +740,7 @@ void broker_on_verify_input(broker_t *b, broker_peer *p, const wire_msg_t *msg)
         input_lost(b, v, k);
         return;
     }
-    fu_err rc = wire_forward(b->sock, dst->rid, dst->rid_len, msg, p->key);
+    fu_err rc = wire_forward(broker_sock_for(b, dst->rid, dst->rid_len), dst->rid, dst->rid_len, msg, p->key);
     if (rc != FU_OK) {
         FU_WARN(LOG, "job %s stage %u step %" PRIu64 " mb %u: sample skipped: forwarding the input to %.8s failed: %s",
                 v->job, v->stage, v->step, v->mb, to, fu_strerror(rc));

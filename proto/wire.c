@@ -8,6 +8,7 @@
 
 #include "fu_alloc.h"
 #include "fu_log.h"
+#include "wire_zap.h"
 
 /* ---------- the type table ---------- */
 
@@ -67,6 +68,7 @@ static const wire_type_info type_table[] = {
     T(MSG_SESSION_CLOSE, &fusion__session_ref__descriptor, false),
     T(MSG_SESSION_START, &fusion__session_start__descriptor, true), /* a session's tokens */
     T(MSG_SESSION_END, &fusion__session_end__descriptor, false),
+    T(MSG_GATEWAY_CLOSED, NULL, false),
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])
@@ -391,6 +393,7 @@ struct wire_msg {
     char user_id[WIRE_Z85_KEY_LEN + 24]; /* ZAP User-Id of the connection ("" without ZAP) */
     char admission[16];                /* "member", "enrolling", "" */
     char peer_address[WIRE_ADDRESS_MAX]; /* libzmq's "Peer-Address" of the connection, "" when none */
+    char gateway[WIRE_Z85_KEY_LEN + 1];  /* the gateway's key when it came through one, else "" */
     int src_fd;                        /* descriptor of the connection (ZMQ_SRCFD), -1 when none */
     zmq_msg_t raw_body;                /* the body frame as received (for wire_forward) */
     bool has_raw;
@@ -557,6 +560,11 @@ const char *wire_msg_peer_address(const wire_msg_t *msg)
     return msg->peer_address;
 }
 
+const char *wire_msg_gateway(const wire_msg_t *msg)
+{
+    return msg->gateway;
+}
+
 int wire_msg_src_fd(const wire_msg_t *msg)
 {
     return msg->src_fd;
@@ -565,6 +573,25 @@ int wire_msg_src_fd(const wire_msg_t *msg)
 size_t wire_msg_heap_bytes(const wire_msg_t *msg)
 {
     return msg->pool.budget.used;
+}
+
+/* ---------- gateway routes ---------- */
+
+bool wire_route_is(const uint8_t *rid, size_t len)
+{
+    return rid && len >= 4 && rid[0] == 0 && rid[1] && (size_t)rid[1] + 2 < len;
+}
+
+size_t wire_route_make(const uint8_t *gw, size_t gw_len, const uint8_t *route, size_t route_len,
+                       uint8_t out[WIRE_MAX_ROUTING_ID])
+{
+    if (!gw_len || gw_len > WIRE_GATEWAY_ID_MAX || !route_len || route_len > WIRE_GATEWAY_ROUTE_MAX)
+        return 0;
+    out[0] = 0;
+    out[1] = (uint8_t)gw_len;
+    memcpy(out + 2, gw, gw_len);
+    memcpy(out + 2 + gw_len, route, route_len);
+    return 2 + gw_len + route_len;
 }
 
 /* ---------- encoding and sending ---------- */
@@ -654,6 +681,12 @@ static void free_cb(void *data, void *hint)
 static fu_err send_head(void *sock, const uint8_t *rid, size_t rid_len, const uint8_t *env, size_t env_len,
                         int first_flags)
 {
+    if (wire_route_is(rid, rid_len)) { /* the gateway's id, then its id of the peer's connection */
+        size_t gl = rid[1];
+        if (zmq_send(sock, rid + 2, gl, ZMQ_SNDMORE | first_flags) < 0)
+            return zmq_errno_to_fu(zmq_errno());
+        rid += 2 + gl, rid_len -= 2 + gl, first_flags = 0;
+    }
     if (rid_len && zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | first_flags) < 0)
         return zmq_errno_to_fu(zmq_errno());
     if (zmq_send(sock, env, env_len, ZMQ_SNDMORE | (rid_len ? 0 : first_flags)) < 0) /* copies: small */
@@ -807,6 +840,33 @@ static void reply_refusal(void *sock, const uint8_t *rid, size_t rid_len, fu_err
         c->errors_replied++;
 }
 
+/* Reads the GatewayHop frame f of a message from the gateway whose routing id is gw: FU_EAUTH when
+ * the connection was not admitted as a gateway (anyone else's hop frames are forgeries), FU_EPROTO
+ * when the frame is malformed. On success *hop_out is the hop (free with wire_unpacked_free) and
+ * route/route_len the route to answer on. */
+static fu_err gateway_hop(zmq_msg_t *f, const uint8_t *gw, size_t gw_len, Fusion__GatewayHop **hop_out,
+                          uint8_t route[WIRE_MAX_ROUTING_ID], size_t *route_len)
+{
+    const char *adm = zmq_msg_gets(f, "X-Fusion-Admission");
+    if (!adm || strcmp(adm, WIRE_ADMIT_GATEWAY) != 0)
+        return FU_EAUTH;
+    if (zmq_msg_size(f) > WIRE_GATEWAY_HOP_MAX)
+        return FU_EPROTO;
+    ProtobufCMessage *pm = NULL;
+    if (wire_unpack_budgeted(&fusion__gateway_hop__descriptor, zmq_msg_data(f), zmq_msg_size(f),
+                             budget_for(zmq_msg_size(f)), &pm) != FU_OK)
+        return FU_EPROTO;
+    Fusion__GatewayHop *hop = (Fusion__GatewayHop *)pm;
+    size_t rl = wire_route_make(gw, gw_len, hop->route.data, hop->route.len, route);
+    if (!rl || strlen(hop->user_id) != WIRE_Z85_KEY_LEN || strlen(hop->peer_address) >= WIRE_ADDRESS_MAX) {
+        wire_unpacked_free(pm);
+        return FU_EPROTO;
+    }
+    *hop_out = hop;
+    *route_len = rl;
+    return FU_OK;
+}
+
 fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
 {
     wire_counters local = {0};
@@ -817,8 +877,8 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
     int st = socket_type(sock);
     if (st < 0)
         return FU_EINVAL;
-    size_t want = st == ZMQ_ROUTER ? 3 : 2;
-    zmq_msg_t parts[3];
+    size_t want = st == ZMQ_ROUTER ? 3 : 2, most = st == ZMQ_ROUTER ? 4 : 2; /* 4: through a gateway */
+    zmq_msg_t parts[4];
     size_t got = 0;
     bool too_many = false;
     for (;;) {
@@ -837,7 +897,7 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
             return e == ETERM ? FU_ECANCELED : e == EINTR ? FU_EAGAIN : FU_EIO;
         }
         bool more = zmq_msg_more(&part);
-        if (got < want) {
+        if (got < most) {
             parts[got++] = part;
         } else {
             zmq_msg_close(&part);
@@ -861,6 +921,19 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
         rid = zmq_msg_data(&parts[0]);
         rid_len = zmq_msg_size(&parts[0]);
     }
+    Fusion__GatewayHop *hop = NULL;
+    uint8_t route[WIRE_MAX_ROUTING_ID];
+    if (got == 4 && !too_many) { /* [gateway] [GatewayHop] [Envelope] [body], from a gateway only */
+        if ((rc = gateway_hop(&parts[1], rid, rid_len, &hop, route, &rid_len)) != FU_OK) {
+            c->dropped_frames += rc == FU_EAUTH;
+            c->dropped_malformed += rc != FU_EAUTH;
+            rc = FU_EPROTO;
+            goto refuse;
+        }
+        rid = route;
+        base = 2;
+        want = 4;
+    }
     if (too_many || got != want || rid_len > WIRE_MAX_ROUTING_ID) {
         if (c)
             c->dropped_frames++;
@@ -876,18 +949,29 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
         memcpy(m->rid, rid, rid_len);
         m->rid_len = rid_len;
     }
-    const char *uid = zmq_msg_gets(&parts[base], "User-Id");
-    if (uid && strlen(uid) < sizeof m->user_id)
-        strcpy(m->user_id, uid);
-    const char *adm = zmq_msg_gets(&parts[base], "X-Fusion-Admission");
-    if (adm && strlen(adm) < sizeof m->admission)
-        strcpy(m->admission, adm);
-    const char *addr = zmq_msg_gets(&parts[base], "Peer-Address");
-    if (addr && strlen(addr) < sizeof m->peer_address)
-        strcpy(m->peer_address, addr);
-    m->src_fd = zmq_msg_get(&parts[base], ZMQ_SRCFD);
-    if (m->src_fd < 0)
-        m->src_fd = -1;
+    if (hop) { /* the gateway vouches for who sent it; its own connection is the gateway's */
+        strcpy(m->user_id, hop->user_id);
+        strcpy(m->admission, WIRE_ADMIT_MEMBER);
+        strcpy(m->peer_address, hop->peer_address);
+        const char *gw = zmq_msg_gets(&parts[base], "User-Id");
+        if (gw && strlen(gw) < sizeof m->gateway)
+            strcpy(m->gateway, gw);
+        wire_unpacked_free(&hop->base);
+        hop = NULL;
+    } else {
+        const char *uid = zmq_msg_gets(&parts[base], "User-Id");
+        if (uid && strlen(uid) < sizeof m->user_id)
+            strcpy(m->user_id, uid);
+        const char *adm = zmq_msg_gets(&parts[base], "X-Fusion-Admission");
+        if (adm && strlen(adm) < sizeof m->admission)
+            strcpy(m->admission, adm);
+        const char *addr = zmq_msg_gets(&parts[base], "Peer-Address");
+        if (addr && strlen(addr) < sizeof m->peer_address)
+            strcpy(m->peer_address, addr);
+        m->src_fd = zmq_msg_get(&parts[base], ZMQ_SRCFD);
+        if (m->src_fd < 0)
+            m->src_fd = -1;
+    }
     m->raw_body = parts[base + 1]; /* keep the body frame for wire_forward */
     m->has_raw = true;
     for (size_t i = 0; i < base + 1; i++)
@@ -898,6 +982,8 @@ fu_err wire_recv(void *sock, int flags, wire_counters *c_in, wire_msg_t **out)
     return FU_OK;
 
 refuse:
+    if (hop)
+        wire_unpacked_free(&hop->base);
     if ((flags & WIRE_REPLY_ERRORS) && got == want && rid_len <= WIRE_MAX_ROUTING_ID)
         reply_refusal(sock, rid, rid_len, rc, code_for(rc, &before, c), zmq_msg_data(&parts[base]),
                       zmq_msg_size(&parts[base]), c);

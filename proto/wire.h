@@ -144,6 +144,24 @@ FU_MUST_CHECK fu_err wire_recv(void *sock, int flags, wire_counters *c, wire_msg
 FU_MUST_CHECK fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len, const wire_msg_t *msg,
                                   const char *origin);
 
+/* Gateways (docs/PROTOCOL.md "Gateways"). A fusion-gateway holds many peers' connections and
+ * carries their messages to the broker's gateway socket on one connection, each with a GatewayHop
+ * frame before its Envelope. wire_recv on a ROUTER takes such a four-frame message only from a
+ * connection admitted as a gateway (wire_zap: WIRE_ADMIT_GATEWAY); the message then has the hop's
+ * user id and address, and as routing id a route: the gateway's routing id and the gateway's id of
+ * the peer's connection, packed in one id that libzmq never makes (a zero byte, the gateway id's
+ * length, the two ids; libzmq's own ids that begin with a zero byte are 5 bytes long). Every send
+ * here sends a route as its two frames, so an answer finds the peer through its gateway. */
+#define WIRE_GATEWAY_ID_MAX    64u  /* longest gateway routing id in a route */
+#define WIRE_GATEWAY_ROUTE_MAX 32u  /* longest GatewayHop.route */
+#define WIRE_GATEWAY_HOP_MAX   512u /* a GatewayHop frame over this is refused */
+/* True when rid is a route (a peer behind a gateway). */
+bool wire_route_is(const uint8_t *rid, size_t len);
+/* Packs the gateway's routing id and its id of a peer's connection into out; returns the route's
+ * length, or 0 when either is empty or over its limit. */
+size_t wire_route_make(const uint8_t *gw, size_t gw_len, const uint8_t *route, size_t route_len,
+                       uint8_t out[WIRE_MAX_ROUTING_ID]);
+
 /* Sends an Error answering msg (to its routing id on ROUTER sockets). */
 FU_MUST_CHECK fu_err wire_reply_error(void *sock, const wire_msg_t *msg, Fusion__ErrorCode code, const char *text);
 
@@ -160,6 +178,8 @@ const uint8_t *wire_msg_routing_id(const wire_msg_t *msg, size_t *len);
 /* The identity ZAP authenticated for the connection (for CURVE: the z85 public key), or "" when
  * the socket has no ZAP authentication. This, not the routing id, is who sent the message. */
 const char *wire_msg_user_id(const wire_msg_t *msg);
+/* The key (z85) of the gateway the message came through, or "" when it came directly. */
+const char *wire_msg_gateway(const wire_msg_t *msg);
 /* ZAP admission of the connection: "member", "enrolling", or "" without ZAP (wire_zap.h). */
 const char *wire_msg_admission(const wire_msg_t *msg);
 /* The address the connection comes from, as libzmq reads it from the socket ("Peer-Address"

@@ -36,6 +36,7 @@ struct wire_zap {
     bool started;
     bool bound;                         /* rep holds WIRE_ZAP_ENDPOINT */
     char domain[256];
+    bool admit_any;                     /* wire_zap_cfg.admit_any */
     char *allow_file;                   /* NULL = no file */
     pthread_mutex_t mu;                 /* guards keys, roles, bans, counters, the file */
     uint8_t (*keys)[WIRE_KEY_BYTES];
@@ -69,9 +70,10 @@ static const struct {
     {"peer", WIRE_ROLE_PEER},
     {"operator", WIRE_ROLE_OPERATOR},
     {"trusted", WIRE_ROLE_TRUSTED},
+    {"gateway", WIRE_ROLE_GATEWAY},
 };
 
-#define ROLES_ALL (WIRE_ROLE_CLIENT | WIRE_ROLE_PEER | WIRE_ROLE_OPERATOR | WIRE_ROLE_TRUSTED)
+#define ROLES_ALL (WIRE_ROLE_CLIENT | WIRE_ROLE_PEER | WIRE_ROLE_OPERATOR | WIRE_ROLE_TRUSTED | WIRE_ROLE_GATEWAY)
 
 const char *wire_roles_text(uint32_t roles, char buf[WIRE_ROLES_TEXT_MAX])
 {
@@ -299,6 +301,12 @@ static bool is_banned(const wire_zap_t *zap, const char *addr, uint64_t now)
 
 /* ---------- the actor ---------- */
 
+static bool frame_is(zmq_msg_t *f, const char *text)
+{
+    size_t n = strlen(text);
+    return zmq_msg_size(f) == n && memcmp(zmq_msg_data(f), text, n) == 0;
+}
+
 static void send_str(void *s, const char *str, int more)
 {
     zmq_send(s, str, strlen(str), more ? ZMQ_SNDMORE : 0);
@@ -355,9 +363,9 @@ static void handle_request(wire_zap_t *zap)
     const char *code = "400", *text = "refused";
     const char *admission = NULL;
     char user[WIRE_KEY_Z85_LEN + 1] = "";
-    if (n == ZAP_FRAMES && zmq_msg_size(&f[0]) == 3 && memcmp(zmq_msg_data(&f[0]), "1.0", 3) == 0 &&
-        zmq_msg_size(&f[2]) == strlen(zap->domain) && memcmp(zmq_msg_data(&f[2]), zap->domain, strlen(zap->domain)) == 0 &&
-        zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0 &&
+    bool main_domain = n == ZAP_FRAMES && frame_is(&f[2], zap->domain);
+    bool gw_domain = n == ZAP_FRAMES && !zap->admit_any && frame_is(&f[2], WIRE_ZAP_GATEWAY_DOMAIN);
+    if (n == ZAP_FRAMES && frame_is(&f[0], "1.0") && (main_domain || gw_domain) && frame_is(&f[5], "CURVE") &&
         zmq_msg_size(&f[6]) == WIRE_KEY_BYTES) {
         const uint8_t *key = zmq_msg_data(&f[6]);
         wire_key_to_z85(key, user);
@@ -365,7 +373,15 @@ static void handle_request(wire_zap_t *zap)
         if (zmq_msg_size(&f[3]) < sizeof addr)
             memcpy(addr, zmq_msg_data(&f[3]), zmq_msg_size(&f[3]));
         pthread_mutex_lock(&zap->mu);
-        if (roles_of(zap, key)) {
+        if (gw_domain) {
+            if (roles_of(zap, key) & WIRE_ROLE_GATEWAY) {
+                code = "200", text = "OK", admission = WIRE_ADMIT_GATEWAY;
+                zap->counters.admitted++;
+            } else {
+                text = "key has no gateway role";
+                zap->counters.refused++;
+            }
+        } else if (zap->admit_any || roles_of(zap, key)) {
             code = "200", text = "OK", admission = WIRE_ADMIT_MEMBER;
             zap->counters.admitted++;
         } else if (zap->n_tokens && is_banned(zap, addr, fu_clock_ms())) {
@@ -456,6 +472,7 @@ wire_zap_t *wire_zap_new(void *ctx, const wire_zap_cfg *cfg, fu_err *err, fu_err
     pthread_mutex_init(&zap->mu, NULL);
     zap->ctx = ctx;
     snprintf(zap->domain, sizeof zap->domain, "%s", cfg->domain ? cfg->domain : WIRE_ZAP_DOMAIN);
+    zap->admit_any = cfg->admit_any;
     if (cfg->allow_file) {
         zap->allow_file = fu_strdup(cfg->allow_file);
         size_t n = 0;

@@ -9,7 +9,12 @@
  *     must accept nothing from it but one MSG_ENROL carrying a token, checked with wire_zap_enrol,
  *     which puts the key on the allow-list with the roles that token grants (and appends it to the
  *     allow-list file) -- unless its address is banned (wire_zap_ban), then it is refused;
+ *   - on the domain WIRE_ZAP_GATEWAY_DOMAIN (the broker's gateway socket) only keys with the gateway
+ *     role are admitted, as "gateway": wire_recv believes the GatewayHop frames of such a
+ *     connection only;
  *   - everything else, other mechanisms (NULL, PLAIN) and other domains are refused (400).
+ * A gateway's own handler (admit_any) admits every CURVE key as a member: the broker behind it
+ * decides, message by message, what each key may do.
  * The admitted identity (User-Id) is the client's public key in Z85; the admission state travels
  * as connection metadata "X-Fusion-Admission" (wire_msg_user_id / wire_msg_admission read them).
  * CURVE's ZAP request carries no password, which is why the token is a message, not a credential:
@@ -35,6 +40,8 @@ extern "C" {
 #define WIRE_ZAP_ENDPOINT     "inproc://zeromq.zap.01"
 #define WIRE_ADMIT_MEMBER     "member"
 #define WIRE_ADMIT_ENROLLING  "enrolling"
+#define WIRE_ADMIT_GATEWAY    "gateway"        /* a gateway's connection (WIRE_ZAP_GATEWAY_DOMAIN) */
+#define WIRE_ZAP_GATEWAY_DOMAIN "fusion-gateway" /* the broker's gateway socket: WIRE_ROLE_GATEWAY keys only */
 #define WIRE_TOKEN_BYTES      32u /* enrolment tokens: 32 random bytes, 40 Z85 chars */
 #define WIRE_ALLOW_MAX_KEYS   100000u
 #define WIRE_ZAP_TOKENS_MAX   3u    /* enrolment tokens configured at once (one per role set) */
@@ -47,8 +54,10 @@ extern "C" {
 #define WIRE_ROLE_OPERATOR 4u /* sees every tenant's work (never granted by a token) */
 #define WIRE_ROLE_TRUSTED  8u /* a peer the operator trusts with the stages that see tokens; implies
                                * WIRE_ROLE_PEER (never granted by a token) */
+#define WIRE_ROLE_GATEWAY 16u /* a fusion-gateway: may connect to the broker's gateway socket and speak
+                               * for the peers it carries (never granted by a token) */
 #define WIRE_ROLES_DEFAULT (WIRE_ROLE_CLIENT | WIRE_ROLE_PEER)
-#define WIRE_ROLES_TEXT_MAX 32u /* "client,peer,operator,trusted" and the NUL */
+#define WIRE_ROLES_TEXT_MAX 48u /* "client,peer,operator,trusted,gateway" and the NUL */
 
 /* An enrolment token and what it grants. */
 typedef struct {
@@ -64,6 +73,7 @@ typedef struct {
     wire_zap_token tokens[WIRE_ZAP_TOKENS_MAX]; /* more tokens, each with its roles; with
                               * enrol_token at most WIRE_ZAP_TOKENS_MAX in all. No token at all
                               * disables enrolment. */
+    bool admit_any;          /* a gateway's front: admit every CURVE key as a member (no list) */
 } wire_zap_cfg;
 
 typedef struct {
@@ -126,7 +136,7 @@ void wire_zap_ban(wire_zap_t *zap, const char *addr, uint64_t until_ms);
 void wire_zap_get_counters(wire_zap_t *zap, wire_zap_counters *out);
 
 /* Parses an allow-list file (`KEY [ROLES] [# comment]` lines, ROLES a comma-separated list of
- * client, peer, operator, trusted; none means WIRE_ROLES_DEFAULT) into new arrays of keys and of
+ * client, peer, operator, trusted, gateway; none means WIRE_ROLES_DEFAULT) into new arrays of keys and of
  * their roles, in file order (caller frees both with free(); roles may be NULL when not wanted). A
  * key listed twice has both lines' roles. A missing file gives FU_ENOTFOUND; a bad line (not a key,
  * an unknown role) FU_EINVAL with its line number in em (may be NULL). */

@@ -49,6 +49,11 @@ struct tu_cluster {
     pid_t broker;                 /* 0 when not running */
     int broker_starts;            /* broker logs are broker.log, broker-2.log, ... */
     char broker_args[512];        /* more fusion-broker arguments, space-separated (tu_broker_args) */
+    char gw_bind[128];            /* the broker's gateway endpoint, "" before its first start */
+    char gw_endpoint[128];        /* the gateway's endpoint for peers, "" before its first start */
+    char gw_log[TU_PATH];         /* the current gateway's log */
+    pid_t gateway;                /* 0 when not running */
+    int gateway_starts;           /* gateway logs are gateway.log, gateway-2.log, ... */
     pid_t peers[TU_MAX_PEERS];    /* 0 when not running */
     bool stopped[TU_MAX_PEERS];   /* SIGSTOPped (needs SIGCONT before it can die) */
 };
@@ -439,6 +444,10 @@ tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts)
     fclose(f);
     tu_keygen(c, "broker", false);
     tu_keygen(c, "client", true);
+    if (c->o.gateway) {
+        tu_keygen(c, "gw", true);
+        tu_allow_roles(c, "gw", "gateway");
+    }
     for (int i = 0; i < c->o.n_peers; i++) {
         char name[16];
         snprintf(name, sizeof name, "p%d", i);
@@ -479,6 +488,8 @@ bool tu_peer_profile_checked(const tu_cluster *c, const char *name, int timeout_
 void tu_cluster_start(tu_cluster *c)
 {
     tu_broker_start(c);
+    if (c->o.gateway)
+        tu_gateway_start(c);
     for (int i = 0; i < c->o.n_peers; i++)
         tu_peer_start(c, i, NULL);
     for (int i = 0; i < c->o.n_peers; i++)
@@ -546,6 +557,16 @@ fu_err tu_cluster_stop(tu_cluster **c_p)
                 bad++;
             }
         }
+    if (c->gateway > 0) {
+        kill(c->gateway, SIGTERM);
+        int code = tu_reap(c->gateway, TU_BROKER_STOP_MS);
+        c->gateway = 0;
+        if (code != 0) {
+            tu_file_show(c->gw_log, 20);
+            printf("the gateway exited %d after SIGTERM\n", code);
+            bad++;
+        }
+    }
     if (c->broker > 0) {
         kill(c->broker, SIGTERM);
         int code = tu_reap(c->broker, TU_BROKER_STOP_MS);
@@ -577,8 +598,10 @@ static void write_client_conf(const tu_cluster *c)
     FILE *f = fopen(c->conf, "w");
     if (!f)
         tu_fail("cannot write %s", c->conf);
+    bool gw = c->gw_endpoint[0];
     fprintf(f, "# fusion client configuration (see deploy/fusion.conf.example)\nbroker = %s\n"
-               "broker-key = %s/broker/public.key\nkeys = %s/client\n", c->endpoint, c->dir, c->dir);
+               "broker-key = %s/%s/public.key\nkeys = %s/client\n", gw ? c->gw_endpoint : c->endpoint, c->dir,
+            gw ? "gw" : "broker", c->dir);
     fclose(f);
 }
 
@@ -634,6 +657,9 @@ void tu_broker_start(tu_cluster *c)
     }
     add_option(argv, &n, "--log-level", c->o.log_level);
     add_option(argv, &n, "--grow-margin", c->o.grow_margin);
+    char gw_bind[128];
+    snprintf(gw_bind, sizeof gw_bind, "%s", c->gw_bind[0] ? c->gw_bind : "tcp://127.0.0.1:*");
+    add_option(argv, &n, "--gateway-bind", c->o.gateway ? gw_bind : NULL);
     char extra[sizeof c->broker_args];
     snprintf(extra, sizeof extra, "%s", c->broker_args);
     for (char *save = NULL, *a = strtok_r(extra, " ", &save); a && n < 46; a = strtok_r(NULL, " ", &save))
@@ -652,7 +678,58 @@ void tu_broker_start(tu_cluster *c)
         free(bl);
         write_client_conf(c);
     }
+    if (c->o.gateway && !c->gw_bind[0]) {
+        char *bl = tu_file_text(c->broker_log);
+        const char *at = strstr(bl, "listening for gateways on ");
+        if (!at || sscanf(at + 26, "%127s", c->gw_bind) != 1)
+            tu_fail("cannot read the broker's gateway endpoint from %s", c->broker_log);
+        free(bl);
+    }
 }
+
+void tu_gateway_start(tu_cluster *c)
+{
+    if (!c->o.gateway || !c->gw_bind[0])
+        tu_fail("tu_gateway_start: the cluster has no gateway, or its broker never started");
+    c->gateway_starts++;
+    if (c->gateway_starts == 1)
+        tu_path(c, c->gw_log, "gateway.log");
+    else
+        tu_path(c, c->gw_log, "gateway-%d.log", c->gateway_starts);
+    char prog[TU_PATH], keys[TU_PATH], bkey[TU_PATH], listen[128];
+    snprintf(prog, sizeof prog, "%s", tu_bin("fusion-gateway"));
+    tu_path(c, keys, "gw");
+    tu_path(c, bkey, "broker/" WIRE_PUBLIC_KEY_FILE);
+    snprintf(listen, sizeof listen, "%s", c->gw_endpoint[0] ? c->gw_endpoint : "tcp://127.0.0.1:*");
+    char *argv[] = {prog, "--listen", listen, "--broker", c->gw_bind, "--broker-key", bkey, "--keys", keys, NULL};
+    c->gateway = tu_spawn(c->gw_log, argv, NULL);
+    if (!tu_file_wait(c->gw_log, "carrying peers from ", TU_LISTEN_MS)) {
+        tu_file_show(c->gw_log, 30);
+        tu_fail("the gateway did not start (no \"carrying peers from\" in %s)", c->gw_log);
+    }
+    if (!c->gw_endpoint[0]) {
+        char *gl = tu_file_text(c->gw_log);
+        const char *at = strstr(gl, "carrying peers from ");
+        if (!at || sscanf(at + 20, "%127s", c->gw_endpoint) != 1)
+            tu_fail("cannot read the gateway's endpoint from %s", c->gw_log);
+        free(gl);
+        write_client_conf(c);
+    }
+}
+
+int tu_gateway_stop(tu_cluster *c, int sig)
+{
+    if (c->gateway <= 0)
+        return -2;
+    kill(c->gateway, sig);
+    int code = tu_reap(c->gateway, TU_SIGNAL_STOP_MS);
+    c->gateway = 0;
+    return code;
+}
+
+pid_t tu_gateway_pid(const tu_cluster *c) { return c->gateway; }
+
+const char *tu_gateway_log(const tu_cluster *c) { return c->gw_log; }
 
 void tu_broker_args(tu_cluster *c, const char *args)
 {
@@ -745,10 +822,11 @@ void tu_peer_start(tu_cluster *c, int i, ...)
     tu_path(c, log, "p%d.log", i);
     tu_path(c, keys, "p%d", i);
     tu_path(c, cache, "cache%d", i);
-    tu_path(c, bkey, "broker/" WIRE_PUBLIC_KEY_FILE);
+    bool gw = c->gw_endpoint[0];
+    tu_path(c, bkey, "%s/" WIRE_PUBLIC_KEY_FILE, gw ? "gw" : "broker");
     snprintf(name, sizeof name, "p%d", i);
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
-    char *argv[48] = {prog, "--broker", c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
+    char *argv[48] = {prog, "--broker", gw ? c->gw_endpoint : c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
                       "tcp://127.0.0.1:*", "--cache", cache, "--threads",
                       (char *)(i < 8 && c->o.peer_threads[i] ? c->o.peer_threads[i] : "1"), "--name", name,
                       "--drain-timeout", "15"};

@@ -97,6 +97,9 @@ typedef struct {
     const char *stall;          /* "ready" or "step:N": peer pI runs with FUSION_TEST_STALL=
                                    STALL:DIR/stall.pI and stalls while that file exists (test hooks
                                    only); NULL: none. Takes the place of corrupt_mode. */
+    bool gateway;               /* a fusion-gateway (keys DIR/gw, with the gateway role) carries every
+                                   peer's and the client's connection: the broker gets --gateway-bind,
+                                   tu_cluster_start starts the gateway after it (tu_gateway_start) */
     bool verify_late;           /* every peer runs with FUSION_TEST_VERIFY_LATE=1: it reads its stage's
                                    VerifyRequests only once it moved past their step (test hooks only;
                                    peer/peer_faults.h). Only without stall and corrupt_mode. */
@@ -141,6 +144,14 @@ tu_opts *tu_cluster_opts(tu_cluster *c);
 const char *tu_cluster_dir(const tu_cluster *c);  /* the scratch directory, borrowed */
 pid_t tu_broker_pid(const tu_cluster *c);         /* the broker process (0: not running) */
 pid_t tu_peer_pid(const tu_cluster *c, int i);    /* peer pI's process (0: not running) */
+/* Starts the cluster's fusion-gateway (opts.gateway; again on the same endpoints after a stop) and
+ * waits (15 s) until it listens; from then on peers started and the client (DIR/client.conf) connect
+ * to it with its key. Fails the test otherwise. Log: DIR/gateway.log (gateway-2.log, ...). */
+void tu_gateway_start(tu_cluster *c);
+/* Sends sig to the gateway and reaps it, as tu_broker_stop. */
+int tu_gateway_stop(tu_cluster *c, int sig);
+pid_t tu_gateway_pid(const tu_cluster *c);
+const char *tu_gateway_log(const tu_cluster *c); /* the current gateway's log, borrowed */
 /* More fusion-broker arguments (space-separated, no quoting) for its next starts. */
 void tu_broker_args(tu_cluster *c, const char *args);
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */

@@ -48,6 +48,7 @@ fu_e2e_case(test_e2e_pipeline test_e2e_pipeline_eval 240)
 
 fu_e2e_exe(test_e2e_fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9 240 fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9_gateway 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9_int8_ef 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_leave 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_sigstop 240 fault)

@@ -143,6 +143,7 @@ static const Fusion__MsgType all_types[] = {
     FUSION__MSG_TYPE__MSG_SESSION_CLOSE,
     FUSION__MSG_TYPE__MSG_SESSION_START,
     FUSION__MSG_TYPE__MSG_SESSION_END,
+    FUSION__MSG_TYPE__MSG_GATEWAY_CLOSED,
 };
 #define N_ALL (sizeof all_types / sizeof all_types[0])
 

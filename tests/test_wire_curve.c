@@ -1,7 +1,9 @@
 /* CURVE + ZAP on a real server over tcp://127.0.0.1: an allowed key is admitted and its User-Id
  * is its Z85 public key; unknown keys, NULL-mechanism clients and wrong server keys are refused;
  * without a ZAP handler the server fails closed; enrolment by token; roles on the allow-list and
- * one token per role; a banned address's strangers are refused. */
+ * one token per role; a banned address's strangers are refused; gateways: only a key with the
+ * gateway role gets onto the gateway domain, only its hop frames are believed, and answers reach
+ * the route they name. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -65,17 +67,20 @@ static int teardown(void **state)
     return 0;
 }
 
-static void start_server(fixture *f)
+/* Starts f's server on ZAP domain `domain` (NULL: fusion's). */
+static void start_server_on(fixture *f, const char *domain)
 {
     fu_err rc;
     f->server = wire_socket_new(f->ctx, ZMQ_ROUTER, &rc);
     assert_non_null(f->server);
-    assert_int_equal(wire_socket_curve_server(f->server, f->server_kp, NULL), FU_OK);
+    assert_int_equal(wire_socket_curve_server(f->server, f->server_kp, domain), FU_OK);
     assert_int_equal(zmq_bind(f->server, "tcp://127.0.0.1:*"), 0);
     assert_int_equal(wire_socket_endpoint(f->server, f->endpoint, sizeof f->endpoint), FU_OK);
     int ms = 1500;
     zmq_setsockopt(f->server, ZMQ_RCVTIMEO, &ms, sizeof ms);
 }
+
+static void start_server(fixture *f) { start_server_on(f, NULL); }
 
 static wire_keypair_t *new_kp(fixture *f)
 {
@@ -519,6 +524,159 @@ static void test_wire_curve_ban_refuses_strangers(void **state)
     wire_msg_destroy(&m);
 }
 
+/* ---------- gateways ---------- */
+
+/* Sends, on c, [GatewayHop (route, uid, 10.1.2.3)] [Envelope: a Heartbeat] [body]: what a gateway
+ * sends (hop NULL: the hop frame is 3 bytes of garbage). */
+static void send_hopped(void *c, const char *uid, const uint8_t *route, size_t route_len, bool hop_ok)
+{
+    Fusion__GatewayHop hop = FUSION__GATEWAY_HOP__INIT;
+    hop.route.data = (uint8_t *)route;
+    hop.route.len = route_len;
+    hop.user_id = (char *)uid;
+    hop.peer_address = "10.1.2.3";
+    uint8_t buf[WIRE_GATEWAY_HOP_MAX];
+    size_t n = hop_ok ? fusion__gateway_hop__pack(&hop, buf) : 3;
+    if (!hop_ok)
+        memcpy(buf, "\xff\xff\xff", 3);
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_HEARTBEAT};
+    uint8_t *env = NULL, *body = NULL;
+    size_t el = 0, bl = 0;
+    assert_int_equal(wire_encode(&h, &hb.base, &env, &el, &body, &bl), FU_OK);
+    assert_true(zmq_send(c, buf, n, ZMQ_SNDMORE) >= 0);
+    assert_true(zmq_send(c, env, el, ZMQ_SNDMORE) >= 0);
+    assert_true(zmq_send(c, body, bl, 0) >= 0);
+    free(env);
+    free(body);
+}
+
+/* A DEALER CURVE client of f's server with kp, connected, nothing sent. */
+static void *client_of(fixture *f, const wire_keypair_t *kp)
+{
+    fu_err rc;
+    void *c = wire_socket_new(f->ctx, ZMQ_DEALER, &rc);
+    assert_non_null(c);
+    f->clients[f->n_clients++] = c;
+    assert_int_equal(wire_socket_curve_client(c, kp, wire_keypair_public(f->server_kp)), FU_OK);
+    assert_int_equal(zmq_connect(c, f->endpoint), 0);
+    int ms = 1500;
+    zmq_setsockopt(c, ZMQ_RCVTIMEO, &ms, sizeof ms);
+    zmq_setsockopt(c, ZMQ_SNDTIMEO, &ms, sizeof ms);
+    return c;
+}
+
+/* The broker's gateway socket: on the gateway domain only a key with the gateway role gets in; its
+ * hops are believed (the message is the hop's key's, from its address, with a route as its routing
+ * id), and an answer on that route reaches the gateway as [route] [Envelope] [body]; a malformed hop
+ * is dropped as malformed. */
+static void test_wire_curve_gateway_hops_believed(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *gw = new_kp(f), *member = new_kp(f), *victim = new_kp(f);
+    write_allow_text(f, "%s gateway\n%s\n", wire_keypair_public_z85(gw), wire_keypair_public_z85(member));
+    wire_zap_cfg cfg = {.allow_file = f->allow_path};
+    zap_start(f, &cfg);
+    start_server_on(f, WIRE_ZAP_GATEWAY_DOMAIN);
+
+    wire_msg_t *m = NULL;
+    assert_int_equal(send_as(f, member, &m), FU_ETIMEDOUT); /* a member without the role: refused */
+    assert_null(m);
+    assert_true(zap_counters(f).refused >= 1);
+
+    void *c = client_of(f, gw);
+    const uint8_t route[] = {0x00, 0x6b, 0x8b, 0x45, 0x67};
+    send_hopped(c, wire_keypair_public_z85(victim), route, sizeof route, true);
+    wire_counters wc = {0};
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_OK);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(victim));
+    assert_string_equal(wire_msg_gateway(m), wire_keypair_public_z85(gw));
+    assert_string_equal(wire_msg_peer_address(m), "10.1.2.3");
+    assert_int_equal(wire_msg_src_fd(m), -1);
+    size_t rl = 0;
+    const uint8_t *rid = wire_msg_routing_id(m, &rl);
+    assert_true(wire_route_is(rid, rl));
+    assert_int_equal(wire_reply_error(f->server, m, FUSION__ERROR_CODE__ERR_BUSY, "busy"), FU_OK);
+    wire_msg_destroy(&m);
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    assert_int_equal(zmq_msg_recv(&part, c, 0), (int)sizeof route); /* the answer names the route */
+    assert_memory_equal(zmq_msg_data(&part), route, sizeof route);
+    assert_true(zmq_msg_more(&part));
+    zmq_msg_close(&part);
+    wire_counters cc = {0};
+    assert_int_equal(wire_recv(c, 0, &cc, &m), FU_OK); /* the rest is an ordinary message */
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ERROR);
+    wire_msg_destroy(&m);
+
+    send_hopped(c, wire_keypair_public_z85(victim), route, sizeof route, false);
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_EPROTO);
+    assert_int_equal(wc.dropped_malformed, 1);
+    uint8_t long_route[WIRE_GATEWAY_ROUTE_MAX + 1] = {0};
+    send_hopped(c, wire_keypair_public_z85(victim), long_route, sizeof long_route, true);
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_EPROTO);
+    assert_int_equal(wc.dropped_malformed, 2);
+    send_hopped(c, "not a key", route, sizeof route, true);
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_EPROTO);
+    assert_int_equal(wc.dropped_malformed, 3);
+}
+
+/* On the ordinary domain a member's hop frames are forgeries: the four-frame message is dropped
+ * (dropped_frames) and nothing it claims is believed; the member's next plain message is its own. */
+static void test_wire_curve_hops_forged_by_members_dropped(void **state)
+{
+    fixture *f = *state;
+    wire_keypair_t *member = new_kp(f), *victim = new_kp(f);
+    serve_allowing(f, member);
+    void *c = client_of(f, member);
+    const uint8_t route[] = {0x00, 1, 2, 3, 4};
+    send_hopped(c, wire_keypair_public_z85(victim), route, sizeof route, true);
+    wire_counters wc = {0};
+    wire_msg_t *m = NULL;
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_EPROTO);
+    assert_null(m);
+    assert_int_equal(wc.dropped_frames, 1);
+    Fusion__Heartbeat hb = FUSION__HEARTBEAT__INIT;
+    wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_HEARTBEAT};
+    assert_int_equal(wire_send(c, NULL, 0, &h, &hb.base), FU_OK);
+    assert_int_equal(wire_recv(f->server, 0, &wc, &m), FU_OK);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(member));
+    assert_string_equal(wire_msg_gateway(m), "");
+    wire_msg_destroy(&m);
+}
+
+/* A gateway's own front (admit_any) admits any key, with its key as User-Id, and no gateway. */
+static void test_wire_curve_admit_any(void **state)
+{
+    fixture *f = *state;
+    wire_zap_cfg cfg = {.admit_any = true};
+    zap_start(f, &cfg);
+    start_server(f);
+    wire_keypair_t *stranger = new_kp(f);
+    wire_msg_t *m = NULL;
+    assert_int_equal(send_as(f, stranger, &m), FU_OK);
+    assert_string_equal(wire_msg_user_id(m), wire_keypair_public_z85(stranger));
+    wire_msg_destroy(&m);
+    assert_int_equal(zap_counters(f).admitted, 1);
+}
+
+/* Routes: what is one and what is not (libzmq's own 5-byte ids, user ids, too short). */
+static void test_wire_curve_routes(void **state)
+{
+    (void)state;
+    uint8_t out[WIRE_MAX_ROUTING_ID];
+    const uint8_t gw[] = {'G', 1, 2}, peer[] = {0, 9, 9, 9, 9};
+    size_t n = wire_route_make(gw, sizeof gw, peer, sizeof peer, out);
+    assert_int_equal(n, 2 + sizeof gw + sizeof peer);
+    assert_true(wire_route_is(out, n));
+    assert_false(wire_route_is(peer, sizeof peer)); /* libzmq's own id */
+    assert_false(wire_route_is(gw, sizeof gw));
+    assert_false(wire_route_is(out, 2 + sizeof gw)); /* no peer part */
+    uint8_t big[WIRE_GATEWAY_ROUTE_MAX + 1] = {0};
+    assert_int_equal(wire_route_make(gw, sizeof gw, big, sizeof big, out), 0);
+    assert_int_equal(wire_route_make(gw, 0, peer, sizeof peer, out), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -532,6 +690,10 @@ int main(void)
         cmocka_unit_test(test_wire_curve_allow_list_roles),
         cmocka_unit_test(test_wire_curve_enrolment_per_role),
         cmocka_unit_test(test_wire_curve_ban_refuses_strangers),
+        cmocka_unit_test(test_wire_curve_gateway_hops_believed),
+        cmocka_unit_test(test_wire_curve_hops_forged_by_members_dropped),
+        cmocka_unit_test(test_wire_curve_admit_any),
+        cmocka_unit_test(test_wire_curve_routes),
     };
     return tu_unit_main(tests, sodium_init, setup, teardown);
 }
