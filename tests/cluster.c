@@ -50,10 +50,12 @@ struct tu_cluster {
     int broker_starts;            /* broker logs are broker.log, broker-2.log, ... */
     char broker_args[512];        /* more fusion-broker arguments, space-separated (tu_broker_args) */
     char gw_bind[128];            /* the broker's gateway endpoint, "" before its first start */
-    char gw_endpoint[128];        /* the gateway's endpoint for peers, "" before its first start */
-    char gw_log[TU_PATH];         /* the current gateway's log */
-    pid_t gateway;                /* 0 when not running */
-    int gateway_starts;           /* gateway logs are gateway.log, gateway-2.log, ... */
+    struct {
+        char endpoint[128];       /* where its peers connect, "" before its first start */
+        char log[TU_PATH];        /* its current log */
+        pid_t pid;                /* 0 when not running */
+        int starts;               /* its logs are gwK.log, gwK-2.log, ... */
+    } gw[TU_MAX_GATEWAYS];
     pid_t peers[TU_MAX_PEERS];    /* 0 when not running */
     bool stopped[TU_MAX_PEERS];   /* SIGSTOPped (needs SIGCONT before it can die) */
 };
@@ -444,9 +446,13 @@ tu_cluster *tu_cluster_new(const char *tag, const tu_opts *opts)
     fclose(f);
     tu_keygen(c, "broker", false);
     tu_keygen(c, "client", true);
-    if (c->o.gateway) {
-        tu_keygen(c, "gw", true);
-        tu_allow_roles(c, "gw", "gateway");
+    if (c->o.gateways < 0 || c->o.gateways > TU_MAX_GATEWAYS)
+        tu_fail("tu_cluster_new: %d gateways (at most %d)", c->o.gateways, TU_MAX_GATEWAYS);
+    for (int k = 0; k < c->o.gateways; k++) {
+        char name[16];
+        snprintf(name, sizeof name, "gw%d", k);
+        tu_keygen(c, name, true);
+        tu_allow_roles(c, name, "gateway");
     }
     for (int i = 0; i < c->o.n_peers; i++) {
         char name[16];
@@ -488,8 +494,8 @@ bool tu_peer_profile_checked(const tu_cluster *c, const char *name, int timeout_
 void tu_cluster_start(tu_cluster *c)
 {
     tu_broker_start(c);
-    if (c->o.gateway)
-        tu_gateway_start(c);
+    for (int k = 0; k < c->o.gateways; k++)
+        tu_gateway_start(c, k);
     for (int i = 0; i < c->o.n_peers; i++)
         tu_peer_start(c, i, NULL);
     for (int i = 0; i < c->o.n_peers; i++)
@@ -557,16 +563,17 @@ fu_err tu_cluster_stop(tu_cluster **c_p)
                 bad++;
             }
         }
-    if (c->gateway > 0) {
-        kill(c->gateway, SIGTERM);
-        int code = tu_reap(c->gateway, TU_BROKER_STOP_MS);
-        c->gateway = 0;
-        if (code != 0) {
-            tu_file_show(c->gw_log, 20);
-            printf("the gateway exited %d after SIGTERM\n", code);
-            bad++;
+    for (int k = 0; k < c->o.gateways; k++)
+        if (c->gw[k].pid > 0) {
+            kill(c->gw[k].pid, SIGTERM);
+            int code = tu_reap(c->gw[k].pid, TU_BROKER_STOP_MS);
+            c->gw[k].pid = 0;
+            if (code != 0) {
+                tu_file_show(c->gw[k].log, 20);
+                printf("gateway gw%d exited %d after SIGTERM\n", k, code);
+                bad++;
+            }
         }
-    }
     if (c->broker > 0) {
         kill(c->broker, SIGTERM);
         int code = tu_reap(c->broker, TU_BROKER_STOP_MS);
@@ -598,10 +605,10 @@ static void write_client_conf(const tu_cluster *c)
     FILE *f = fopen(c->conf, "w");
     if (!f)
         tu_fail("cannot write %s", c->conf);
-    bool gw = c->gw_endpoint[0];
+    bool gw = c->gw[0].endpoint[0];
     fprintf(f, "# fusion client configuration (see deploy/fusion.conf.example)\nbroker = %s\n"
-               "broker-key = %s/%s/public.key\nkeys = %s/client\n", gw ? c->gw_endpoint : c->endpoint, c->dir,
-            gw ? "gw" : "broker", c->dir);
+               "broker-key = %s/%s/public.key\nkeys = %s/client\n", gw ? c->gw[0].endpoint : c->endpoint, c->dir,
+            gw ? "gw0" : "broker", c->dir);
     fclose(f);
 }
 
@@ -659,7 +666,7 @@ void tu_broker_start(tu_cluster *c)
     add_option(argv, &n, "--grow-margin", c->o.grow_margin);
     char gw_bind[128];
     snprintf(gw_bind, sizeof gw_bind, "%s", c->gw_bind[0] ? c->gw_bind : "tcp://127.0.0.1:*");
-    add_option(argv, &n, "--gateway-bind", c->o.gateway ? gw_bind : NULL);
+    add_option(argv, &n, "--gateway-bind", c->o.gateways ? gw_bind : NULL);
     char extra[sizeof c->broker_args];
     snprintf(extra, sizeof extra, "%s", c->broker_args);
     for (char *save = NULL, *a = strtok_r(extra, " ", &save); a && n < 46; a = strtok_r(NULL, " ", &save))
@@ -678,7 +685,7 @@ void tu_broker_start(tu_cluster *c)
         free(bl);
         write_client_conf(c);
     }
-    if (c->o.gateway && !c->gw_bind[0]) {
+    if (c->o.gateways && !c->gw_bind[0]) {
         char *bl = tu_file_text(c->broker_log);
         const char *at = strstr(bl, "listening for gateways on ");
         if (!at || sscanf(at + 26, "%127s", c->gw_bind) != 1)
@@ -687,49 +694,58 @@ void tu_broker_start(tu_cluster *c)
     }
 }
 
-void tu_gateway_start(tu_cluster *c)
+static void check_gateway(const tu_cluster *c, int k)
 {
-    if (!c->o.gateway || !c->gw_bind[0])
-        tu_fail("tu_gateway_start: the cluster has no gateway, or its broker never started");
-    c->gateway_starts++;
-    if (c->gateway_starts == 1)
-        tu_path(c, c->gw_log, "gateway.log");
+    if (k < 0 || k >= c->o.gateways || !c->gw_bind[0])
+        tu_fail("no gateway gw%d in a cluster of %d (or its broker never started)", k, c->o.gateways);
+}
+
+void tu_gateway_start(tu_cluster *c, int k)
+{
+    check_gateway(c, k);
+    if (++c->gw[k].starts == 1)
+        tu_path(c, c->gw[k].log, "gw%d.log", k);
     else
-        tu_path(c, c->gw_log, "gateway-%d.log", c->gateway_starts);
+        tu_path(c, c->gw[k].log, "gw%d-%d.log", k, c->gw[k].starts);
     char prog[TU_PATH], keys[TU_PATH], bkey[TU_PATH], listen[128];
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-gateway"));
-    tu_path(c, keys, "gw");
+    tu_path(c, keys, "gw%d", k);
     tu_path(c, bkey, "broker/" WIRE_PUBLIC_KEY_FILE);
-    snprintf(listen, sizeof listen, "%s", c->gw_endpoint[0] ? c->gw_endpoint : "tcp://127.0.0.1:*");
+    snprintf(listen, sizeof listen, "%s", c->gw[k].endpoint[0] ? c->gw[k].endpoint : "tcp://127.0.0.1:*");
     char *argv[] = {prog, "--listen", listen, "--broker", c->gw_bind, "--broker-key", bkey, "--keys", keys, NULL};
-    c->gateway = tu_spawn(c->gw_log, argv, NULL);
-    if (!tu_file_wait(c->gw_log, "carrying peers from ", TU_LISTEN_MS)) {
-        tu_file_show(c->gw_log, 30);
-        tu_fail("the gateway did not start (no \"carrying peers from\" in %s)", c->gw_log);
+    c->gw[k].pid = tu_spawn(c->gw[k].log, argv, NULL);
+    if (!tu_file_wait(c->gw[k].log, "carrying peers from ", TU_LISTEN_MS)) {
+        tu_file_show(c->gw[k].log, 30);
+        tu_fail("gateway gw%d did not start (no \"carrying peers from\" in %s)", k, c->gw[k].log);
     }
-    if (!c->gw_endpoint[0]) {
-        char *gl = tu_file_text(c->gw_log);
+    if (!c->gw[k].endpoint[0]) {
+        char *gl = tu_file_text(c->gw[k].log);
         const char *at = strstr(gl, "carrying peers from ");
-        if (!at || sscanf(at + 20, "%127s", c->gw_endpoint) != 1)
-            tu_fail("cannot read the gateway's endpoint from %s", c->gw_log);
+        if (!at || sscanf(at + 20, "%127s", c->gw[k].endpoint) != 1)
+            tu_fail("cannot read gateway gw%d's endpoint from %s", k, c->gw[k].log);
         free(gl);
-        write_client_conf(c);
+        if (k == 0)
+            write_client_conf(c);
     }
 }
 
-int tu_gateway_stop(tu_cluster *c, int sig)
+int tu_gateway_stop(tu_cluster *c, int k, int sig)
 {
-    if (c->gateway <= 0)
+    check_gateway(c, k);
+    if (c->gw[k].pid <= 0)
         return -2;
-    kill(c->gateway, sig);
-    int code = tu_reap(c->gateway, TU_SIGNAL_STOP_MS);
-    c->gateway = 0;
+    kill(c->gw[k].pid, sig);
+    int code = tu_reap(c->gw[k].pid, TU_SIGNAL_STOP_MS);
+    c->gw[k].pid = 0;
     return code;
 }
 
-pid_t tu_gateway_pid(const tu_cluster *c) { return c->gateway; }
+pid_t tu_gateway_pid(const tu_cluster *c, int k) { return k >= 0 && k < c->o.gateways ? c->gw[k].pid : 0; }
 
-const char *tu_gateway_log(const tu_cluster *c) { return c->gw_log; }
+const char *tu_gateway_endpoint(const tu_cluster *c, int k)
+{
+    return k >= 0 && k < c->o.gateways ? c->gw[k].endpoint : "";
+}
 
 void tu_broker_args(tu_cluster *c, const char *args)
 {
@@ -822,11 +838,14 @@ void tu_peer_start(tu_cluster *c, int i, ...)
     tu_path(c, log, "p%d.log", i);
     tu_path(c, keys, "p%d", i);
     tu_path(c, cache, "cache%d", i);
-    bool gw = c->gw_endpoint[0];
-    tu_path(c, bkey, "%s/" WIRE_PUBLIC_KEY_FILE, gw ? "gw" : "broker");
+    int gw = c->o.gateways ? i % c->o.gateways : -1; /* the gateway it goes through, -1: none */
+    if (gw >= 0)
+        tu_path(c, bkey, "gw%d/" WIRE_PUBLIC_KEY_FILE, gw);
+    else
+        tu_path(c, bkey, "broker/" WIRE_PUBLIC_KEY_FILE);
     snprintf(name, sizeof name, "p%d", i);
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
-    char *argv[48] = {prog, "--broker", gw ? c->gw_endpoint : c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
+    char *argv[48] = {prog, "--broker", gw >= 0 ? c->gw[gw].endpoint : c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
                       "tcp://127.0.0.1:*", "--cache", cache, "--threads",
                       (char *)(i < 8 && c->o.peer_threads[i] ? c->o.peer_threads[i] : "1"), "--name", name,
                       "--drain-timeout", "15"};

@@ -97,9 +97,10 @@ typedef struct {
     const char *stall;          /* "ready" or "step:N": peer pI runs with FUSION_TEST_STALL=
                                    STALL:DIR/stall.pI and stalls while that file exists (test hooks
                                    only); NULL: none. Takes the place of corrupt_mode. */
-    bool gateway;               /* a fusion-gateway (keys DIR/gw, with the gateway role) carries every
-                                   peer's and the client's connection: the broker gets --gateway-bind,
-                                   tu_cluster_start starts the gateway after it (tu_gateway_start) */
+    int gateways;               /* fusion-gateways gK (keys DIR/gwK, with the gateway role) that carry the
+                                   peers' and the client's connections (peer pI through gateway I mod
+                                   gateways, the client through gw0): the broker gets --gateway-bind, and
+                                   tu_cluster_start starts them after it (tu_gateway_start); 0: none */
     bool verify_late;           /* every peer runs with FUSION_TEST_VERIFY_LATE=1: it reads its stage's
                                    VerifyRequests only once it moved past their step (test hooks only;
                                    peer/peer_faults.h). Only without stall and corrupt_mode. */
@@ -144,14 +145,16 @@ tu_opts *tu_cluster_opts(tu_cluster *c);
 const char *tu_cluster_dir(const tu_cluster *c);  /* the scratch directory, borrowed */
 pid_t tu_broker_pid(const tu_cluster *c);         /* the broker process (0: not running) */
 pid_t tu_peer_pid(const tu_cluster *c, int i);    /* peer pI's process (0: not running) */
-/* Starts the cluster's fusion-gateway (opts.gateway; again on the same endpoints after a stop) and
- * waits (15 s) until it listens; from then on peers started and the client (DIR/client.conf) connect
- * to it with its key. Fails the test otherwise. Log: DIR/gateway.log (gateway-2.log, ...). */
-void tu_gateway_start(tu_cluster *c);
-/* Sends sig to the gateway and reaps it, as tu_broker_stop. */
-int tu_gateway_stop(tu_cluster *c, int sig);
-pid_t tu_gateway_pid(const tu_cluster *c);
-const char *tu_gateway_log(const tu_cluster *c); /* the current gateway's log, borrowed */
+#define TU_MAX_GATEWAYS 8
+/* Starts the cluster's fusion-gateway k (opts.gateways; again on the same endpoints after a stop)
+ * and waits (15 s) until it listens; from then on the peers started that go through it and the
+ * client (DIR/client.conf, gateway 0) connect to it with its key. Fails the test otherwise. Log:
+ * DIR/gwK.log (gwK-2.log, ...). */
+void tu_gateway_start(tu_cluster *c, int k);
+/* Sends sig to gateway k and reaps it, as tu_broker_stop. */
+int tu_gateway_stop(tu_cluster *c, int k, int sig);
+pid_t tu_gateway_pid(const tu_cluster *c, int k);
+const char *tu_gateway_endpoint(const tu_cluster *c, int k); /* where its peers connect, borrowed */
 /* More fusion-broker arguments (space-separated, no quoting) for its next starts. */
 void tu_broker_args(tu_cluster *c, const char *args);
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */

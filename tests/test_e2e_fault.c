@@ -4,8 +4,8 @@
  *     backup takes the stage, every stage rewinds to the newest common checkpoint, and the adapter
  *     equals the uninterrupted `fusion run finetune` (<= 1e-5). (The peer tests do this for the last
  *     stage of a two-stage pipeline.)
- *   - peer_kill9_gateway: the same with every peer and the client behind a fusion-gateway; the
- *     killed peer's closed connection, which the gateway tells, makes it dead within the grace.
+ *   - peer_kill9_gateway: the same with every peer and the client behind two fusion-gateways; the
+ *     killed peer's closed connection, which its gateway tells, makes it dead within the grace.
  *   - peer_leave: stage 0's peer gets SIGTERM mid-job: it leaves gracefully (exit 0), the backup takes
  *     over, the adapter is the same.
  *   - peer_sigstop: the last stage's peer is SIGSTOPped (its sockets stay open: only the missing
@@ -127,10 +127,11 @@ static void test_e2e_fault_peer_kill9(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
-/* The same through a gateway (docs/PROTOCOL.md "Gateways"): every peer and the client connect to a
- * fusion-gateway, which alone holds a connection to the broker. With heartbeats 2000 ms apart (dead
- * after 6000 ms) the killed peer is declared dead "connection closed", which only the gateway's
- * MSG_GATEWAY_CLOSED can have told, and the adapter is the uninterrupted run's. */
+/* The same through gateways (docs/PROTOCOL.md "Gateways"): every peer and the client connect to one
+ * of two fusion-gateways, which alone hold connections to the broker, so consecutive stages talk to
+ * the broker through different gateways. With heartbeats 2000 ms apart (dead after 6000 ms) the
+ * killed peer is declared dead "connection closed", which only its gateway's MSG_GATEWAY_CLOSED can
+ * have told, and the adapter is the uninterrupted run's. */
 static void test_e2e_fault_peer_kill9_gateway(void **state)
 {
     (void)state;
@@ -139,9 +140,9 @@ static void test_e2e_fault_peer_kill9_gateway(void **state)
     tu_opts o = tu_opts_default(4);
     o.backups = 1;
     o.heartbeat_ms = 2000;
-    o.gateway = true;
+    o.gateways = 2; /* p0, p2 through one, p1, p3 through the other */
     int victim = start_job_on(&c, "e2e-kill9-gw", &o, NULL, 1, id);
-    printf("SIGKILL to p%d (stage 1 of 3), behind the gateway\n", victim);
+    printf("SIGKILL to p%d (stage 1 of 3), behind gateway gw%d\n", victim, victim % 2);
     uint64_t t0 = fu_clock_ms();
     (void)tu_peer_stop(c, victim, SIGKILL, 5000);
     assert_true(tu_broker_wait_log(c, 4000, "(p%d) is dead: connection closed", victim));

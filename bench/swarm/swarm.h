@@ -26,6 +26,7 @@ extern "C" {
 #define SWARM_MAX_PEERS   20000 /* simulated peers in one run (two file descriptors each) */
 #define SWARM_MAX_CLIENTS 64    /* client identities */
 #define SWARM_MAX_JOBS    4096  /* jobs submitted in one run */
+#define SWARM_MAX_GATEWAYS 8    /* --gateways (the cluster harness's TU_MAX_GATEWAYS) */
 
 /* What a run does. swarm_cfg_default gives the values documented in bench-swarm --help. */
 typedef struct {
@@ -63,6 +64,9 @@ typedef struct {
                                socket to the broker became quiet (wire_socket_quiet); off (the default, as
                                fusion-peer now) spares the broker a walk over its connections' timers per
                                message and the simulator's one I/O thread its own */
+    int gateways;           /* --gateways N: fusion-gateway processes carry the peers' connections (peer i
+                               through gateway i mod N), the broker holds one connection per gateway; the
+                               clients connect to the broker; 0: none */
     bool loud_heartbeats;   /* --loud-heartbeats: heartbeats ask for an answer, as fusion-peer's did before
                                Heartbeat.quiet (the answers were half of the broker's messages) */
 } swarm_cfg;
@@ -84,6 +88,9 @@ typedef struct {
     double sim_cpu;             /* this process's share over the same time */
     double broker_rss_mib;      /* broker resident memory at the end of the load phase */
     double broker_rss_max_mib;  /* the most seen during the run */
+    double gw_cpu;              /* the gateways' CPU seconds (all of them) / wall seconds over the load phase */
+    double gw_rss_mib;          /* their resident memory (all of them) at the end of the load phase */
+    double gw_rss_max_mib;      /* the most seen during the run */
     double hb_per_s;            /* heartbeats answered per second (second half of the load phase) */
     double msgs_per_s;          /* messages the broker handled per second (its own counter, same window) */
     swarm_dist plan_ms;         /* JobSubmit's answer -> every stage of the first plan assigned */

@@ -135,6 +135,10 @@ typedef struct swarm {
     int ep;                  /* epoll set over the sockets' ZMQ_FDs */
     uint8_t broker_pk[WIRE_KEY_BYTES];
     char endpoint[128];
+    int n_gw;                /* gateways the peers connect through (cfg.gateways) */
+    uint8_t gw_pk[SWARM_MAX_GATEWAYS][WIRE_KEY_BYTES];
+    char gw_endpoint[SWARM_MAX_GATEWAYS][128];
+    int gw_pid[SWARM_MAX_GATEWAYS];
     char dir[4096];          /* the scratch directory */
     char model[4200];        /* DIR/model */
     char *data;              /* the training text every job submits */

@@ -47,7 +47,10 @@ static void usage(const swarm_cfg *d)
            "  --zmtp-ping        the peers' sockets send ZMTP pings, as fusion-peer's did before its socket to the\n"
            "                     broker became quiet (the default: none, as fusion-peer now)\n"
            "  --no-zmtp-ping     no ZMTP pings (the default; kept for older scripts)\n"
-           "  --loud-heartbeats  every heartbeat asks for an answer, as fusion-peer's did before (now one in 5)\n",
+           "  --loud-heartbeats  every heartbeat asks for an answer, as fusion-peer's did before (now one in 5)\n"
+           "  --gateways N       N fusion-gateway processes carry the peers' connections (peer i through gateway\n"
+           "                     i mod N; docs/SCALE.md \"Gateways\"); their CPU and memory are reported apart\n"
+           "                     from the broker's (0: every peer connects to the broker, the default)\n",
            d->n_peers, SWARM_MAX_PEERS, d->n_clients, d->n_jobs, d->job_steps, d->ckpt_every, d->duration_s,
            d->drain_s, d->session_mean_s, d->offline_mean_s, d->clean_leave, d->work_scale, d->layers,
            d->heartbeat_ms, d->backups, d->join_rate, d->sample_s, (unsigned long long)d->seed, SWARM_MAX_PEERS);
@@ -63,7 +66,7 @@ int main(int argc, char **argv)
     int plan_only = 0;
     enum { O_PEERS = 256, O_CLIENTS, O_JOBS, O_STEPS, O_CKPT, O_DURATION, O_DRAIN, O_SESSION, O_OFFLINE, O_CLEAN,
            O_SCALE, O_LAYERS, O_HB, O_BACKUPS, O_JOIN, O_SAMPLE, O_SEED, O_COMPARE, O_CHECK, O_QUIET, O_HELP, O_NOPING, O_PLAN, O_PING, O_IDLE,
-           O_EVERY, O_BARGS, O_LOUD };
+           O_EVERY, O_BARGS, O_LOUD, O_GATEWAYS };
     static const struct option opts[] = {
         {"peers", 1, 0, O_PEERS},       {"clients", 1, 0, O_CLIENTS},   {"jobs", 1, 0, O_JOBS},
         {"steps", 1, 0, O_STEPS},       {"ckpt-every", 1, 0, O_CKPT},   {"duration", 1, 0, O_DURATION},
@@ -73,7 +76,7 @@ int main(int argc, char **argv)
         {"sample", 1, 0, O_SAMPLE},     {"seed", 1, 0, O_SEED},         {"compare", 0, 0, O_COMPARE},
         {"check", 0, 0, O_CHECK},       {"quiet", 0, 0, O_QUIET},       {"help", 0, 0, O_HELP},
         {"no-zmtp-ping", 0, 0, O_NOPING}, {"plan-only", 1, 0, O_PLAN}, {"zmtp-ping", 0, 0, O_PING}, {"idle-peers", 1, 0, O_IDLE},
-        {"loud-heartbeats", 0, 0, O_LOUD},
+        {"loud-heartbeats", 0, 0, O_LOUD},  {"gateways", 1, 0, O_GATEWAYS},
         {"job-every", 1, 0, O_EVERY},   {"broker-args", 1, 0, O_BARGS},
         {0, 0, 0, 0}};
     int o;
@@ -104,6 +107,7 @@ int main(int argc, char **argv)
         case O_PING: cfg.zmtp_ping = true; break;
         case O_LOUD: cfg.loud_heartbeats = true; break;
         case O_IDLE: cfg.idle_peers = (int)v; break;
+        case O_GATEWAYS: cfg.gateways = (int)v; break;
         case O_PLAN: plan_only = (int)v; break;
         case O_EVERY: cfg.job_every_s = v; break;
         case O_BARGS: cfg.broker_args = optarg; break;

@@ -22,8 +22,8 @@ static void **sock_of(swarm *s, int handle)
     return handle >= 0 ? &s->peers[handle].sock : &s->clients[-1 - handle].sock;
 }
 
-/* A CURVE DEALER to the broker with key pair (pk, sk), its ZMQ_FD added to the epoll set under
- * handle. */
+/* A CURVE DEALER to the broker (a peer's through its gateway, with --gateways) with key pair (pk, sk),
+ * its ZMQ_FD added to the epoll set under handle. */
 static fu_err open_socket(swarm *s, int handle, const uint8_t *pk, const uint8_t *sk, int *fd_out)
 {
     fu_err rc = FU_OK;
@@ -34,8 +34,11 @@ static fu_err open_socket(swarm *s, int handle, const uint8_t *pk, const uint8_t
         wire_socket_close(&sock);
         return FU_EIO;
     }
+    int gw = handle >= 0 && s->n_gw ? handle % s->n_gw : -1; /* peers through a gateway, clients direct */
+    const uint8_t *server_pk = gw >= 0 ? s->gw_pk[gw] : s->broker_pk;
+    const char *endpoint = gw >= 0 ? s->gw_endpoint[gw] : s->endpoint;
     wire_keypair_t *kp = wire_keypair_from_bytes(pk, sk);
-    if (!kp || wire_socket_curve_client(sock, kp, s->broker_pk) != FU_OK || zmq_connect(sock, s->endpoint) != 0) {
+    if (!kp || wire_socket_curve_client(sock, kp, server_pk) != FU_OK || zmq_connect(sock, endpoint) != 0) {
         wire_keypair_destroy(&kp);
         wire_socket_close(&sock);
         return FU_EIO;

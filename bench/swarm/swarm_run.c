@@ -111,9 +111,26 @@ static void print_jobs(const swarm *s, const swarm_cfg *cfg)
 /* A snapshot of the broker for the windows of the result. */
 typedef struct {
     uint64_t ms;
-    double cpu_s, sim_cpu_s, msgs, commits;
+    double cpu_s, sim_cpu_s, gw_cpu_s, msgs, commits;
     uint64_t hb;
 } snap;
+
+/* The gateways' CPU seconds and resident MiB, all of them together. */
+static double gw_cpu_s(const swarm *s)
+{
+    double t = 0;
+    for (int k = 0; k < s->n_gw; k++)
+        t += swarm_proc_cpu_s(s->gw_pid[k]);
+    return t;
+}
+
+static double gw_rss_mib(const swarm *s)
+{
+    double t = 0;
+    for (int k = 0; k < s->n_gw; k++)
+        t += swarm_proc_rss_mib(s->gw_pid[k]);
+    return t;
+}
 
 static double self_cpu_s(void)
 {
@@ -123,9 +140,9 @@ static double self_cpu_s(void)
            (double)ru.ru_stime.tv_usec / 1e6;
 }
 
-static snap take(int pid, int port)
+static snap take(const swarm *s, int pid, int port)
 {
-    snap x = {.ms = swarm_now(), .cpu_s = swarm_proc_cpu_s(pid), .sim_cpu_s = self_cpu_s()};
+    snap x = {.ms = swarm_now(), .cpu_s = swarm_proc_cpu_s(pid), .sim_cpu_s = self_cpu_s(), .gw_cpu_s = gw_cpu_s(s)};
     char *m = swarm_http_get(port, "/metrics");
     x.hb = (uint64_t)swarm_metric(m, "fusion_heartbeats_received_total"); /* handled, answered or not */
     x.msgs = swarm_metric(m, "fusion_messages_received_total");
@@ -166,9 +183,11 @@ static int jobs_final(const swarm *s)
 
 static void sample_line(swarm *s, int pid, int port, const char *db, double t, const char *phase, swarm_result *r)
 {
-    double rss = swarm_proc_rss_mib(pid), mib = swarm_store_mib(db);
+    double rss = swarm_proc_rss_mib(pid), mib = swarm_store_mib(db), gw_rss = gw_rss_mib(s);
     if (rss > r->broker_rss_max_mib)
         r->broker_rss_max_mib = rss;
+    if (gw_rss > r->gw_rss_max_mib)
+        r->gw_rss_max_mib = gw_rss;
     if (mib > r->store_mib_max)
         r->store_mib_max = mib;
     if (s->cfg.sample_s <= 0)
@@ -182,7 +201,8 @@ static void sample_line(swarm *s, int pid, int port, const char *db, double t, c
            "\"messages\":%.0f,\"jobs_final\":%d,\"steps_new\":%" PRIu64 ",\"failovers\":%.0f,"
            "\"store_free_mib\":%.2f,\"events\":%.0f,\"events_archived\":%.0f,\"archive_rows\":%.0f,"
            "\"checkpoints\":%.0f,\"checkpoint_mib\":%.2f,\"jobs_ended\":%.0f,\"jobs_purged\":%.0f,"
-           "\"compact_max_ms\":%.2f,\"compact_s\":%.3f,\"compact_turns\":%.0f}\n",
+           "\"compact_max_ms\":%.2f,\"compact_s\":%.3f,\"compact_turns\":%.0f,\"gw_cpu_s\":%.2f,"
+           "\"gw_rss_mib\":%.1f}\n",
            phase, t, online, swarm_proc_cpu_s(pid), rss, mib, swarm_metric(m, "fusion_store_commits_total"),
            swarm_metric(m, "fusion_messages_received_total"), jobs_final(s), s->steps_new,
            swarm_metric(m, "fusion_failovers_total"), swarm_metric(m, "fusion_store_bytes{part=\"free\"}") / (1 << 20),
@@ -193,7 +213,8 @@ static void sample_line(swarm *s, int pid, int port, const char *db, double t, c
            swarm_metric(m, "fusion_store_rows{table=\"jobs_ended\"}"),
            swarm_metric(m, "fusion_store_rows{table=\"jobs_purged\"}"),
            1e3 * swarm_metric(m, "fusion_store_compact_seconds_max"),
-           swarm_metric(m, "fusion_store_compact_seconds_total"), swarm_metric(m, "fusion_store_compact_turns_total"));
+           swarm_metric(m, "fusion_store_compact_seconds_total"), swarm_metric(m, "fusion_store_compact_turns_total"),
+           gw_cpu_s(s), gw_rss);
     fflush(stdout);
     free(m);
 }
@@ -221,6 +242,7 @@ static fu_err setup(swarm *s, tu_cluster **cp)
     o.challenge_ms = -1; /* profiles believed: the simulated peers compute nothing */
     o.log_level = "info";
     o.word_data = true; /* the harness wants a training text; the jobs submit their own */
+    o.gateways = s->cfg.gateways;
     tu_cluster *c = *cp = tu_cluster_new("swarm", &o);
     snprintf(s->dir, sizeof s->dir, "%s", tu_cluster_dir(c));
     tu_path(c, s->model, "model");
@@ -238,6 +260,15 @@ static fu_err setup(swarm *s, tu_cluster **cp)
     tu_path(c, bpk, "broker/public.key");
     if (wire_key_load_public(bpk, s->broker_pk, NULL) != FU_OK)
         return FU_EIO;
+    for (int k = 0; k < s->cfg.gateways; k++) {
+        tu_gateway_start(c, k);
+        snprintf(s->gw_endpoint[k], sizeof s->gw_endpoint[k], "%s", tu_gateway_endpoint(c, k));
+        s->gw_pid[k] = (int)tu_gateway_pid(c, k);
+        tu_path(c, bpk, "gw%d/public.key", k);
+        if (wire_key_load_public(bpk, s->gw_pk[k], NULL) != FU_OK)
+            return FU_EIO;
+    }
+    s->n_gw = s->cfg.gateways;
     /* the training text: a few KiB of words */
     s->data_len = 8192;
     s->data = malloc(s->data_len);
@@ -338,7 +369,8 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     memset(out, 0, sizeof *out);
     if (cfg->n_peers < 1 || cfg->idle_peers < 0 || cfg->n_peers + cfg->idle_peers > SWARM_MAX_PEERS || cfg->n_clients < 1 ||
         cfg->n_clients > SWARM_MAX_CLIENTS || cfg->n_jobs < 0 || cfg->n_jobs > SWARM_MAX_JOBS || cfg->job_steps < 1 ||
-        cfg->ckpt_every < 1 || cfg->heartbeat_ms < 50 || cfg->layers < 1 || cfg->join_rate <= 0)
+        cfg->ckpt_every < 1 || cfg->heartbeat_ms < 50 || cfg->layers < 1 || cfg->join_rate <= 0 ||
+        cfg->gateways < 0 || cfg->gateways > SWARM_MAX_GATEWAYS)
         return FU_EINVAL;
     set_bin_dir();
     tu_fail_exits();
@@ -395,13 +427,13 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     if (cfg->job_every_s > 0) /* a stream: job k waits until its time (swarm_client_timers) */
         for (int k = 0; k < s->n_jobs; k++)
             s->jobs[k].retry_ms = l0 + (uint64_t)(1000.0 * cfg->job_every_s * k);
-    snap a = take(pid, port), h = a;
+    snap a = take(s, pid, port), h = a;
     bool half_taken = false;
     while (swarm_now() < lend) {
         turn(s, true);
         uint64_t now = swarm_now();
         if (!half_taken && now >= half) {
-            h = take(pid, port);
+            h = take(s, pid, port);
             half_taken = true;
         }
         if (now >= next_sample) {
@@ -409,7 +441,7 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
             next_sample = now + (uint64_t)(cfg->sample_s > 0 ? cfg->sample_s * 1000 : 5000);
         }
     }
-    snap z = take(pid, port);
+    snap z = take(s, pid, port);
     double wall = (double)(z.ms - a.ms) / 1000.0, hw = (double)(z.ms - h.ms) / 1000.0;
     out->run_s = wall;
     out->broker_cpu = (z.cpu_s - a.cpu_s) / wall;
@@ -419,6 +451,8 @@ fu_err swarm_run(const swarm_cfg *cfg, swarm_result *out)
     out->msgs_per_s = (z.msgs - h.msgs) / hw;
     out->commits_per_s = (z.commits - a.commits) / wall;
     out->broker_rss_mib = swarm_proc_rss_mib(pid);
+    out->gw_cpu = (z.gw_cpu_s - a.gw_cpu_s) / wall;
+    out->gw_rss_mib = gw_rss_mib(s);
     out->steps_per_s = (double)s->steps_new / wall;
     for (int i = 0; i < s->n_peers; i++)
         out->peers_online_end += s->peers[i].st == SP_ONLINE;
@@ -512,12 +546,13 @@ void swarm_print(const char *name, const swarm_cfg *cfg, const swarm_result *r)
            "\"idle_peers\":%d,\"peers_joined\":%d,\"peers_online_end\":%d,\"broker_peers_end\":%d,"
            "\"run_s\":%.1f,\"broker_cpu\":%.3f,"
            "\"broker_cpu_steady\":%.3f,\"sim_cpu\":%.3f,\"broker_rss_mib\":%.1f,\"broker_rss_max_mib\":%.1f,"
-           "\"heartbeats_per_s\":%.1f,\"broker_msgs_per_s\":%.1f",
+           "\"heartbeats_per_s\":%.1f,\"broker_msgs_per_s\":%.1f,\"gateways\":%d,\"gw_cpu\":%.3f,\"gw_rss_mib\":%.1f,"
+           "\"gw_rss_max_mib\":%.1f",
            name, cfg->n_peers, cfg->n_clients, cfg->n_jobs, cfg->job_steps, cfg->duration_s, cfg->session_mean_s,
            cfg->heartbeat_ms, cfg->layers, cfg->backups, cfg->idle_peers, r->peers_joined, r->peers_online_end,
            r->broker_peers_end, r->run_s,
            r->broker_cpu, r->broker_cpu_steady, r->sim_cpu, r->broker_rss_mib, r->broker_rss_max_mib, r->hb_per_s,
-           r->msgs_per_s);
+           r->msgs_per_s, cfg->gateways, r->gw_cpu, r->gw_rss_mib, r->gw_rss_max_mib);
     dist("plan_ms", &r->plan_ms);
     dist("plan_broker_ms", &r->plan_broker_ms);
     dist("plan_search_ms", &r->plan_search_ms);
