@@ -2,8 +2,9 @@
  * with its own CURVE identity and socket, join the real fusion-broker; 4 clients submit 8 fine-tunes
  * while the peers churn (a mean session of 2 minutes: about 8 departures a second, half of them
  * crashes, several of them holding a stage); then the churn stops and the jobs may finish. No job may
- * be lost: every one acknowledged ends done, none fails, none is forgotten. The run takes about 45 s
- * (the bench's own bound: 20 s of load, at most 30 s of drain). */
+ * be lost: every one acknowledged ends done, none fails, none is forgotten. Then the same with the
+ * peers behind two fusion-gateways. Each run takes about 45 s (the bench's own bound: 20 s of load,
+ * at most 30 s of drain). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -43,14 +44,15 @@ static double num(const cJSON *o, const char *key)
     return cJSON_IsNumber(v) ? v->valuedouble : -1;
 }
 
-static void test_swarm_churn_loses_no_job(void **state)
+/* Runs the short swarm with `gateways` fusion-gateways (0: every peer connects to the broker) and
+ * checks that no job was lost. */
+static void swarm_loses_no_job(int gateways)
 {
-    (void)state;
     char *out = NULL;
     int rc = tu_sh(&out,
                    "%s --peers %d --clients 4 --jobs %d --steps 10 --ckpt-every 5 --duration 20 --drain 30 "
-                   "--session 120 --offline 20 --sample 0 --check --quiet",
-                   tu_bin("bench-swarm"), SWARM_TEST_PEERS, SWARM_TEST_JOBS);
+                   "--session 120 --offline 20 --sample 0 --check --quiet --gateways %d",
+                   tu_bin("bench-swarm"), SWARM_TEST_PEERS, SWARM_TEST_JOBS, gateways);
     printf("%s", out ? out : "");
     cJSON *r = result_line(out);
     free(out);
@@ -63,11 +65,29 @@ static void test_swarm_churn_loses_no_job(void **state)
     assert_int_equal((int)num(r, "jobs_failed"), 0);
     assert_true(num(r, "departures") > 0);       /* the churn happened */
     assert_true(num(r, "heartbeats_per_s") > 0); /* and the broker answered the beats */
+    assert_int_equal((int)num(r, "gateways"), gateways);
+    if (gateways)
+        assert_true(num(r, "gw_rss_mib") > 0); /* they ran, and carried every peer */
     cJSON_Delete(r);
+}
+
+static void test_swarm_churn_loses_no_job(void **state)
+{
+    (void)state;
+    swarm_loses_no_job(0);
+}
+
+/* The same with the peers behind two fusion-gateways (docs/SCALE.md "Gateways"): crashes are told by
+ * the gateways, every answer finds its peer through one. */
+static void test_swarm_churn_through_gateways_loses_no_job(void **state)
+{
+    (void)state;
+    swarm_loses_no_job(2);
 }
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_swarm_churn_loses_no_job)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_swarm_churn_loses_no_job),
+                                       cmocka_unit_test(test_swarm_churn_through_gateways_loses_no_job)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
