@@ -62,35 +62,16 @@ void broker_conn_open(broker_t *b)
     if (g > BROKER_CLOSE_GRACE_MAX_MS)
         g = BROKER_CLOSE_GRACE_MAX_MS;
     b->close_grace_ms = g;
-    if (zmq_socket_monitor(b->sock, BROKER_CONN_MONITOR, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0)
-        goto off;
-    void *m = zmq_socket(b->ctx, ZMQ_PAIR);
-    int zero = 0;
-    /* RCVHWM 0: the monitor's queue is unbounded, an event is never dropped (nor does libzmq's I/O
-     * thread wait on it); the loop reads it before every message. */
-    if (!m || zmq_setsockopt(m, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
-        zmq_setsockopt(m, ZMQ_RCVHWM, &zero, sizeof zero) != 0 || zmq_connect(m, BROKER_CONN_MONITOR) != 0) {
-        int e = zmq_errno();
-        if (m)
-            zmq_close(m);
-        (void)zmq_socket_monitor(b->sock, NULL, 0);
-        errno = e;
-        goto off;
-    }
-    b->mon = m;
-    return;
-off:
-    FU_WARN(LOG, "cannot watch the connections of the broker's socket (%s): a crashed peer is declared dead by "
-            "its silence only (%u ms)", zmq_strerror(zmq_errno()), b->dead_after_ms);
+    /* the loop reads it before every message */
+    b->mon = wire_monitor_open(b->ctx, b->sock, BROKER_CONN_MONITOR, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED);
+    if (!b->mon)
+        FU_WARN(LOG, "cannot watch the connections of the broker's socket (%s): a crashed peer is declared dead by "
+                "its silence only (%u ms)", zmq_strerror(zmq_errno()), b->dead_after_ms);
 }
 
 void broker_conn_close(broker_t *b)
 {
-    if (b->mon) {
-        (void)zmq_socket_monitor(b->sock, NULL, 0);
-        zmq_close(b->mon);
-        b->mon = NULL;
-    }
+    wire_monitor_close(b->sock, &b->mon);
     free(b->conns);
     b->conns = NULL;
     b->n_conns = 0;
@@ -172,28 +153,9 @@ static void on_closed(broker_t *b, int fd, uint64_t now)
 
 void broker_conn_events(broker_t *b)
 {
-    if (!b->mon)
-        return;
-    for (;;) {
-        zmq_msg_t f;
-        zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, b->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&f);
-            return;
-        }
-        uint16_t ev = 0;
-        uint32_t value = 0;
-        if (zmq_msg_size(&f) >= 6) {
-            memcpy(&ev, zmq_msg_data(&f), sizeof ev);
-            memcpy(&value, (const uint8_t *)zmq_msg_data(&f) + 2, sizeof value);
-        }
-        while (zmq_msg_more(&f)) { /* the endpoint: not needed (for an accepted connection it is ours) */
-            zmq_msg_close(&f);
-            zmq_msg_init(&f);
-            if (zmq_msg_recv(&f, b->mon, 0) < 0)
-                break;
-        }
-        zmq_msg_close(&f);
+    uint16_t ev;
+    uint32_t value;
+    while (b->mon && wire_monitor_next(b->mon, &ev, &value)) {
         int fd = value <= (uint32_t)BROKER_CONN_FD_MAX ? (int)value : -1;
         if (ev == ZMQ_EVENT_ACCEPTED) {
             broker_conn *c = conn_at(b, fd);

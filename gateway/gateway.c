@@ -99,34 +99,15 @@ static void tell_closed(gateway_t *g, const gw_conn *c)
  * connection is known as such before that connection's messages are (as the broker does). */
 static void conn_events(gateway_t *g)
 {
-    if (!g->mon)
-        return;
-    for (;;) {
-        zmq_msg_t f;
-        zmq_msg_init(&f);
-        if (zmq_msg_recv(&f, g->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&f);
-            return;
-        }
-        uint16_t ev = 0;
-        uint32_t value = 0;
-        if (zmq_msg_size(&f) >= 6) {
-            memcpy(&ev, zmq_msg_data(&f), sizeof ev);
-            memcpy(&value, (const uint8_t *)zmq_msg_data(&f) + 2, sizeof value);
-        }
-        while (zmq_msg_more(&f)) { /* the endpoint */
-            zmq_msg_close(&f);
-            zmq_msg_init(&f);
-            if (zmq_msg_recv(&f, g->mon, 0) < 0)
-                break;
-        }
-        zmq_msg_close(&f);
+    uint16_t ev;
+    uint32_t value;
+    while (g->mon && wire_monitor_next(g->mon, &ev, &value)) {
         gw_conn *c = conn_at(g, value <= (uint32_t)GATEWAY_FD_MAX ? (int)value : -1);
         if (!c)
             continue;
         if (ev == ZMQ_EVENT_DISCONNECTED && c->route_len)
             tell_closed(g, c);
-        c->route_len = 0;
+        c->route_len = 0; /* closed, or a new connection on the descriptor */
     }
 }
 
@@ -276,20 +257,10 @@ fu_err gateway_run(gateway_t *g)
  * crashed peers are then found by their silence only. */
 static void watch_front(gateway_t *g)
 {
-    if (zmq_socket_monitor(g->front, GATEWAY_MONITOR, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) == 0) {
-        void *m = zmq_socket(g->ctx, ZMQ_PAIR);
-        int zero = 0; /* RCVHWM 0: no event is ever dropped */
-        if (m && zmq_setsockopt(m, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
-            zmq_setsockopt(m, ZMQ_RCVHWM, &zero, sizeof zero) == 0 && zmq_connect(m, GATEWAY_MONITOR) == 0) {
-            g->mon = m;
-            return;
-        }
-        if (m)
-            zmq_close(m);
-        (void)zmq_socket_monitor(g->front, NULL, 0);
-    }
-    FU_WARN(LOG, "cannot watch the peers' connections (%s): the broker finds a crashed peer by its silence only",
-            zmq_strerror(zmq_errno()));
+    g->mon = wire_monitor_open(g->ctx, g->front, GATEWAY_MONITOR, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED);
+    if (!g->mon)
+        FU_WARN(LOG, "cannot watch the peers' connections (%s): the broker finds a crashed peer by its silence only",
+                zmq_strerror(zmq_errno()));
 }
 
 gateway_t *gateway_new(const gateway_cfg *cfg, fu_err *err, fu_errmsg *em)
@@ -362,10 +333,7 @@ void gateway_destroy(gateway_t **g_p)
     if (!g_p || !*g_p)
         return;
     gateway_t *g = *g_p;
-    if (g->mon) {
-        (void)zmq_socket_monitor(g->front, NULL, 0);
-        zmq_close(g->mon);
-    }
+    wire_monitor_close(g->front, &g->mon);
     wire_socket_close(&g->front);
     wire_socket_close(&g->back);
     wire_zap_destroy(&g->zap);

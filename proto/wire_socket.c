@@ -143,3 +143,54 @@ fu_err wire_socket_endpoint(void *sock, char *buf, size_t cap)
         return FU_EINVAL;
     return FU_OK;
 }
+
+void *wire_monitor_open(void *ctx, void *sock, const char *endpoint, int events)
+{
+    if (zmq_socket_monitor(sock, endpoint, events) != 0)
+        return NULL;
+    void *m = zmq_socket(ctx, ZMQ_PAIR);
+    int zero = 0;
+    if (!m || zmq_setsockopt(m, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(m, ZMQ_RCVHWM, &zero, sizeof zero) != 0 || zmq_connect(m, endpoint) != 0) {
+        int e = zmq_errno();
+        if (m)
+            zmq_close(m);
+        (void)zmq_socket_monitor(sock, NULL, 0);
+        errno = e;
+        return NULL;
+    }
+    return m;
+}
+
+void wire_monitor_close(void *sock, void **mon_p)
+{
+    if (!*mon_p)
+        return;
+    (void)zmq_socket_monitor(sock, NULL, 0);
+    zmq_close(*mon_p);
+    *mon_p = NULL;
+}
+
+bool wire_monitor_next(void *mon, uint16_t *event, uint32_t *value)
+{
+    zmq_msg_t f;
+    zmq_msg_init(&f);
+    if (zmq_msg_recv(&f, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&f);
+        return false;
+    }
+    *event = 0;
+    *value = 0;
+    if (zmq_msg_size(&f) >= 6) { /* the event (2 bytes) and its value (4 bytes) */
+        memcpy(event, zmq_msg_data(&f), sizeof *event);
+        memcpy(value, (const uint8_t *)zmq_msg_data(&f) + 2, sizeof *value);
+    }
+    while (zmq_msg_more(&f)) { /* the endpoint: not needed */
+        zmq_msg_close(&f);
+        zmq_msg_init(&f);
+        if (zmq_msg_recv(&f, mon, 0) < 0)
+            break;
+    }
+    zmq_msg_close(&f);
+    return true;
+}

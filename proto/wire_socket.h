@@ -20,6 +20,7 @@
 #ifndef FU_WIRE_SOCKET_H
 #define FU_WIRE_SOCKET_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -76,6 +77,17 @@ FU_MUST_CHECK fu_err wire_socket_curve_server(void *sock, const wire_keypair_t *
 /* Makes sock a CURVE client of the server whose public key is server_pk. Call before connect. */
 FU_MUST_CHECK fu_err wire_socket_curve_client(void *sock, const wire_keypair_t *kp,
                                               const uint8_t server_pk[WIRE_KEY_BYTES]);
+
+/* A monitor of sock's `events` (ZMQ_EVENT_* bits) on the inproc endpoint `endpoint`, read through a
+ * new PAIR socket in ctx with linger 0 and RCVHWM 0 (the monitor's queue is unbounded: no event is
+ * ever dropped, nor does libzmq's I/O thread wait on it). NULL when libzmq refuses (zmq_errno()
+ * says why). Stop it with wire_monitor_close before sock closes. */
+void *wire_monitor_open(void *ctx, void *sock, const char *endpoint, int events);
+/* Stops sock's monitor and closes *mon_p (NULL after); nothing when *mon_p is NULL. */
+void wire_monitor_close(void *sock, void **mon_p);
+/* Reads the next event queued on mon without waiting: true with its *event and *value (for
+ * accepted and closed connections, the descriptor), false when none is queued. */
+bool wire_monitor_next(void *mon, uint16_t *event, uint32_t *value);
 
 /* The endpoint the socket last bound ("tcp://127.0.0.1:41234"): how a test finds the port it got
  * from "tcp://127.0.0.1:*". FU_EINVAL when it does not fit in cap. */
