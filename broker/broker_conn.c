@@ -85,14 +85,7 @@ static broker_conn *conn_at(broker_t *b, int fd)
 {
     if (fd < 0 || fd >= BROKER_CONN_FD_MAX)
         return NULL;
-    if ((size_t)fd >= b->n_conns) {
-        size_t n = b->n_conns ? b->n_conns : 1024;
-        while (n <= (size_t)fd)
-            n *= 2;
-        b->conns = fu_realloc(b->conns, n * sizeof *b->conns);
-        memset(b->conns + b->n_conns, 0, (n - b->n_conns) * sizeof *b->conns);
-        b->n_conns = n;
-    }
+    b->conns = fu_grow_zeroed(b->conns, &b->n_conns, (size_t)fd, sizeof *b->conns);
     return &b->conns[fd];
 }
 

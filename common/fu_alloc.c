@@ -37,6 +37,22 @@ void *fu_realloc(void *p, size_t n)
     return q;
 }
 
+void *fu_grow_zeroed(void *p, size_t *n, size_t i, size_t elem)
+{
+    if (i < *n)
+        return p;
+    size_t m = *n ? *n : 1024;
+    while (m <= i)
+        m *= 2;
+    size_t bytes;
+    if (!fu_size_mul(m, elem, &bytes))
+        abort();
+    p = fu_realloc(p, bytes);
+    memset((char *)p + *n * elem, 0, (m - *n) * elem);
+    *n = m;
+    return p;
+}
+
 char *fu_strdup(const char *s)
 {
     if (!s)

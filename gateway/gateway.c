@@ -48,14 +48,7 @@ static gw_conn *conn_at(gateway_t *g, int fd)
 {
     if (fd < 0 || fd >= GATEWAY_FD_MAX)
         return NULL;
-    if ((size_t)fd >= g->n_conns) {
-        size_t n = g->n_conns ? g->n_conns : 1024;
-        while (n <= (size_t)fd)
-            n *= 2;
-        g->conns = fu_realloc(g->conns, n * sizeof *g->conns);
-        memset(g->conns + g->n_conns, 0, (n - g->n_conns) * sizeof *g->conns);
-        g->n_conns = n;
-    }
+    g->conns = fu_grow_zeroed(g->conns, &g->n_conns, (size_t)fd, sizeof *g->conns);
     return &g->conns[fd];
 }
 

@@ -80,6 +80,19 @@ static void test_common_budget_refuses_overdraw(void **state)
     assert_false(fu_size_mul(SIZE_MAX / 2 + 1, 2, &out));
     assert_true(fu_size_mul(1000, 1000, &out));
     assert_int_equal(out, 1000000);
+    /* a table indexed by descriptor grows by doubling and is zeroed past what it held */
+    size_t n = 0;
+    uint32_t *t = fu_grow_zeroed(NULL, &n, 5, sizeof *t);
+    assert_int_equal(n, 1024);
+    t[5] = 7;
+    t = fu_grow_zeroed(t, &n, 1023, sizeof *t); /* fits already */
+    assert_int_equal(n, 1024);
+    t = fu_grow_zeroed(t, &n, 5000, sizeof *t);
+    assert_int_equal(n, 8192);
+    assert_int_equal(t[5], 7);
+    for (size_t i = 1024; i < n; i++)
+        assert_int_equal(t[i], 0);
+    free(t);
 }
 
 static void test_common_clock_is_monotonic(void **state)
