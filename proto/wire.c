@@ -577,15 +577,20 @@ size_t wire_msg_heap_bytes(const wire_msg_t *msg)
 
 /* ---------- gateway routes ---------- */
 
+/* libzmq's own routing ids are 5 bytes, a zero byte and a counter; one that a socket sets may not
+ * start with a zero byte. A route starts with one and is never 5 bytes long. */
+#define ZMQ_OWN_ID_LEN 5
+
 bool wire_route_is(const uint8_t *rid, size_t len)
 {
-    return rid && len >= 4 && rid[0] == 0 && rid[1] && (size_t)rid[1] + 2 < len;
+    return rid && len > ZMQ_OWN_ID_LEN && rid[0] == 0 && rid[1] && (size_t)rid[1] + 2 < len;
 }
 
 size_t wire_route_make(const uint8_t *gw, size_t gw_len, const uint8_t *route, size_t route_len,
                        uint8_t out[WIRE_MAX_ROUTING_ID])
 {
-    if (!gw_len || gw_len > WIRE_GATEWAY_ID_MAX || !route_len || route_len > WIRE_GATEWAY_ROUTE_MAX)
+    if (!gw_len || gw_len > WIRE_GATEWAY_ID_MAX || !route_len || route_len > WIRE_GATEWAY_ROUTE_MAX ||
+        2 + gw_len + route_len <= ZMQ_OWN_ID_LEN)
         return 0;
     out[0] = 0;
     out[1] = (uint8_t)gw_len;

@@ -150,7 +150,8 @@ FU_MUST_CHECK fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len
  * connection admitted as a gateway (wire_zap: WIRE_ADMIT_GATEWAY); the message then has the hop's
  * user id and address, and as routing id a route: the gateway's routing id and the gateway's id of
  * the peer's connection, packed in one id that libzmq never makes (a zero byte, the gateway id's
- * length, the two ids; libzmq's own ids that begin with a zero byte are 5 bytes long). Every send
+ * length, the two ids; libzmq's own ids begin with a zero byte too, and are 5 bytes long: a route
+ * never is). Every send
  * here sends a route as its two frames, so an answer finds the peer through its gateway. */
 #define WIRE_GATEWAY_ID_MAX    64u  /* longest gateway routing id in a route */
 #define WIRE_GATEWAY_ROUTE_MAX 32u  /* longest GatewayHop.route */
@@ -158,7 +159,8 @@ FU_MUST_CHECK fu_err wire_forward(void *sock, const uint8_t *rid, size_t rid_len
 /* True when rid is a route (a peer behind a gateway). */
 bool wire_route_is(const uint8_t *rid, size_t len);
 /* Packs the gateway's routing id and its id of a peer's connection into out; returns the route's
- * length, or 0 when either is empty or over its limit. */
+ * length, or 0 when either is empty or over its limit, or the route would be 5 bytes long (the
+ * length of libzmq's own ids). */
 size_t wire_route_make(const uint8_t *gw, size_t gw_len, const uint8_t *route, size_t route_len,
                        uint8_t out[WIRE_MAX_ROUTING_ID]);
 

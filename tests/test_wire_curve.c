@@ -670,6 +670,12 @@ static void test_wire_curve_routes(void **state)
     assert_int_equal(n, 2 + sizeof gw + sizeof peer);
     assert_true(wire_route_is(out, n));
     assert_false(wire_route_is(peer, sizeof peer)); /* libzmq's own id */
+    for (unsigned b = 0; b < 256; b++) { /* whatever its counter: a 5-byte id is never a route */
+        const uint8_t own[5] = {0, (uint8_t)b, (uint8_t)(b * 7), 1, 0};
+        assert_false(wire_route_is(own, sizeof own));
+    }
+    const uint8_t one[] = {'g'}, two[] = {1, 2};
+    assert_int_equal(wire_route_make(one, sizeof one, two, sizeof two, out), 0); /* would be 5 bytes */
     assert_false(wire_route_is(gw, sizeof gw));
     assert_false(wire_route_is(out, 2 + sizeof gw)); /* no peer part */
     uint8_t big[WIRE_GATEWAY_ROUTE_MAX + 1] = {0};
