@@ -53,6 +53,7 @@ fu_e2e_case(test_e2e_fault test_e2e_fault_peer_kill9_int8_ef 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_leave 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_sigstop 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_broker_kill9_restart 240 fault)
+fu_e2e_case(test_e2e_fault test_e2e_fault_broker_kill9_restart_gateway 240 fault)
 fu_e2e_case(test_e2e_fault test_e2e_fault_broker_outage_storm 240 fault)
 # Deadlines on the work (a stuck peer that still heartbeats; FUSION_TEST_STALL, peer/peer_verify.h).
 fu_e2e_case(test_e2e_fault test_e2e_fault_ready_deadline 240 fault broker)

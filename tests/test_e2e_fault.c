@@ -14,6 +14,8 @@
  *   - broker_kill9_restart: the broker is SIGKILLed mid-job and restarted on the same port and SQLite
  *     file: every job acknowledged before the kill is listed after it, the running job finishes with
  *     the uninterrupted run's adapter, and the queued ones finish too.
+ *     broker_kill9_restart_gateway: the same with the peers and the client behind a gateway, which
+ *     lives through it and reconnects by itself.
  *   - broker_outage_storm: the broker is down 8 s while the peers queue PeerHellos; restarted, it
  *     registers each peer once, the job resumes once and finishes with the uninterrupted run's
  *     adapter, and no peer loses reputation.
@@ -326,11 +328,14 @@ static char *listed_jobs(const tu_cluster *c)
     return ids;
 }
 
-static void test_e2e_fault_broker_kill9_restart(void **state)
+/* The broker is SIGKILLed mid-job and restarted on its port and store; with `gateways`, every peer
+ * and the client stay connected to their gateway, which reconnects to the restarted broker by
+ * itself. */
+static void broker_kill9_restart(int gateways)
 {
-    (void)state;
     tu_opts o = tu_opts_default(3);
     o.heartbeat_ms = 300;
+    o.gateways = gateways;
     tu_cluster *c = tu_cluster_new("e2e-broker", &o);
     tu_cluster_start(c);
     char run[17], q[2][17];
@@ -369,7 +374,23 @@ static void test_e2e_fault_broker_kill9_restart(void **state)
     tu_assert_same_adapter(c, run, "model", train_args());
     for (int i = 0; i < 2; i++)
         tu_wait_done(c, q[i], 30);
+    for (int k = 0; k < gateways; k++) /* the gateways lived through it */
+        assert_true(tu_gateway_pid(c, k) > 0 && kill(tu_gateway_pid(c, k), 0) == 0);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+static void test_e2e_fault_broker_kill9_restart(void **state)
+{
+    (void)state;
+    broker_kill9_restart(0);
+}
+
+/* The same behind a gateway: the gateway's connection to the broker comes back with its routing id,
+ * and the broker's answers find the peers through it again. */
+static void test_e2e_fault_broker_kill9_restart_gateway(void **state)
+{
+    (void)state;
+    broker_kill9_restart(1);
 }
 
 /* The broker is down for 8 s (heartbeat 300 ms): each peer says PeerHello every 0.9 s into the void,
@@ -886,6 +907,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_peer_leave, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_sigstop, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_broker_kill9_restart_gateway, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_outage_storm, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_ready_deadline, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_step_deadline, tu_teardown),
