@@ -89,9 +89,13 @@ static broker_conn *conn_at(broker_t *b, int fd)
     return &b->conns[fd];
 }
 
-/* Queues p's grace, due close_grace_ms after now (the queue is in due order: one grace for all). */
-static void closing_push(broker_t *b, broker_peer *p, uint64_t now)
+/* p's connection closed at now: dead unless heard again within close_grace_ms. Queues its grace
+ * (the queue is in due order: one grace for all). */
+static void grace_start(broker_t *b, broker_peer *p, uint64_t now)
 {
+    p->closed_ms = now ? now : 1;
+    FU_DEBUG(LOG, "peer %.8s (%s): its connection closed; dead unless heard again within %u ms", p->key, p->name,
+             b->close_grace_ms);
     if (b->closing_head == b->n_closing) {
         b->closing_head = b->n_closing = 0;
     } else if (b->n_closing == b->cap_closing && b->closing_head > 0) {
@@ -105,6 +109,25 @@ static void closing_push(broker_t *b, broker_peer *p, uint64_t now)
     }
     b->closing[b->n_closing++] =
         (broker_closing){.peer = (uint32_t)(p - b->peers), .closed_ms = p->closed_ms, .due_ms = now + b->close_grace_ms};
+}
+
+/* Slot s of p's process: p itself for its own slot, else looked up (NULL when not registered). The
+ * slots of one process share its connection. */
+static broker_peer *slot_of(broker_t *b, broker_peer *p, uint32_t s)
+{
+    if (s == p->slot)
+        return p;
+    char id[DB_KEY_LEN + 1];
+    broker_peer_id(p->pk, s, id);
+    return broker_peer_find(b, id);
+}
+
+/* p, whose connection closed, was heard again on another one. */
+static void heard_again(broker_t *b, broker_peer *p)
+{
+    p->closed_ms = 0;
+    b->tot.conn_reheard++;
+    FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key, p->name);
 }
 
 /* The connection on descriptor fd closed: every live slot last heard on it starts its grace. */
@@ -126,21 +149,12 @@ static void on_closed(broker_t *b, int fd, uint64_t now)
                  p->key, p->name, (unsigned long long)(now - p->last_heard_ms));
         return;
     }
-    /* The slots of one peer process share its connection; at most BROKER_MAX_SLOTS lookups. */
-    for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) {
-        broker_peer *q = p;
-        if (s != p->slot) {
-            char id[DB_KEY_LEN + 1];
-            broker_peer_id(p->pk, s, id);
-            q = broker_peer_find(b, id);
-        }
+    for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) { /* at most BROKER_MAX_SLOTS lookups */
+        broker_peer *q = slot_of(b, p, s);
         if (!q || !q->live || q->conn_fd != fd + 1 || q->closed_ms)
             continue;
-        q->closed_ms = now ? now : 1;
+        grace_start(b, q, now);
         q->closed_epoch = c->epoch;
-        closing_push(b, q, now);
-        FU_DEBUG(LOG, "peer %.8s (%s): its connection closed; dead unless heard again within %u ms", q->key, q->name,
-                 b->close_grace_ms);
     }
 }
 
@@ -180,10 +194,7 @@ static void gateway_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (p->closed_ms) {
         if (p->closed_route == route_hash(rid, rl))
             return;
-        p->closed_ms = 0;
-        b->tot.conn_reheard++;
-        FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key,
-                p->name);
+        heard_again(b, p);
     }
     p->closed_route = 0;
     if (p->conn_fd) {
@@ -206,18 +217,11 @@ void broker_conn_gateway_closed(broker_t *b, const wire_msg_t *msg)
     if (now - p->last_heard_ms >= BROKER_SILENT_CLOSE_MS)
         return; /* silent that long: stopped or cut off, judged by its heartbeats (see above) */
     for (uint32_t s = 0; s < p->n_slots && s < BROKER_MAX_SLOTS; s++) {
-        broker_peer *q = p;
-        if (s != p->slot) {
-            broker_peer_id(p->pk, s, id);
-            q = broker_peer_find(b, id);
-        }
+        broker_peer *q = slot_of(b, p, s);
         if (!q || !q->live || q->closed_ms || q->rid_len != rl || memcmp(q->rid, rid, rl) != 0)
             continue; /* gone, closing already, or it speaks on another connection since */
-        q->closed_ms = now ? now : 1;
+        grace_start(b, q, now);
         q->closed_route = route_hash(rid, rl);
-        closing_push(b, q, now);
-        FU_DEBUG(LOG, "peer %.8s (%s): its connection to its gateway closed; dead unless heard again within %u ms",
-                 q->key, q->name, b->close_grace_ms);
     }
 }
 
@@ -234,10 +238,7 @@ void broker_conn_heard(broker_t *b, broker_peer *p, const wire_msg_t *msg)
     if (p->closed_ms) {
         if (!p->closed_route && p->conn_fd == fd + 1 && c->epoch == p->closed_epoch)
             return; /* a late message of the closed connection: proves nothing */
-        p->closed_ms = 0;
-        b->tot.conn_reheard++;
-        FU_INFO(LOG, "peer %.8s (%s) was heard again on a new connection after its connection closed", p->key,
-                p->name);
+        heard_again(b, p);
     }
     p->closed_route = 0;
     uint32_t idx = (uint32_t)(p - b->peers) + 1;
