@@ -63,6 +63,15 @@ char *fu_strdup(const char *s)
     return d;
 }
 
+char *fu_strndup(const char *s, size_t n)
+{
+    size_t len = strnlen(s, n);
+    char *d = fu_malloc(len + 1);
+    memcpy(d, s, len);
+    d[len] = '\0';
+    return d;
+}
+
 void *fu_malloc_aligned(size_t n)
 {
     void *p = NULL;

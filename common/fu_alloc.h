@@ -18,6 +18,7 @@ void *fu_malloc(size_t n);                 /* never NULL; aborts on failure */
 void *fu_calloc(size_t count, size_t size); /* zeroed; aborts on failure or overflow */
 void *fu_realloc(void *p, size_t n);       /* never NULL; aborts on failure */
 char *fu_strdup(const char *s);            /* caller frees; NULL in, NULL out */
+char *fu_strndup(const char *s, size_t n); /* the first n bytes of s (fewer at its end), terminated */
 /* Grows the array p of *n elements of elem bytes (doubling, from 1024) until it holds index i; the
  * new elements are zeroed. Returns the array (moved or not); aborts on failure. */
 void *fu_grow_zeroed(void *p, size_t *n, size_t i, size_t elem);

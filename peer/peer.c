@@ -254,11 +254,16 @@ static void broker_conn_events(peer_t *p)
             return;
         }
         if (ev == ZMQ_EVENT_DISCONNECTED) {
-            FU_INFO("peer", "the connection to the broker closed; connecting again");
+            FU_INFO("peer", "the connection to the broker at %s closed; connecting again", p->ep[p->ep_cur]);
+            if (!p->lost_ms)
+                p->lost_ms = fu_clock_ms();
         } else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
-            FU_WARN("peer", "the broker at %s refused this peer's key %s on a new connection", p->cfg.broker,
+            FU_WARN("peer", "the broker at %s refused this peer's key %s on a new connection", p->ep[p->ep_cur],
                     wire_keypair_public_z85(p->kp));
-        } else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED && p->handshakes++ > 0) {
+        } else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            p->lost_ms = 0;
+            if (p->handshakes++ == 0)
+                continue;
             if (p->welcomed) {
                 FU_INFO("peer", "connected to the broker again: a heartbeat at once");
                 peer_io_send_heartbeat(p, false);
@@ -270,16 +275,20 @@ static void broker_conn_events(peer_t *p)
     }
 }
 
-static fu_err broker_connect(peer_t *p, fu_errmsg *em)
+/* A fresh broker socket connected to ep[ep_cur]. wait: until its handshake (the start), which
+ * measures the link's latency; else the loop's monitor tells (a move to another endpoint). */
+static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
 {
     fu_err err = FU_OK;
+    const char *ep = p->ep[p->ep_cur];
     mon_stop(p);
     p->handshakes = 0;
+    p->lost_ms = fu_clock_ms();
     wire_socket_close(&p->broker);
     p->broker = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
     if (!p->broker)
         return fu_errmsg_set(em, err, "cannot make the broker socket: %s", fu_strerror(err));
-    if ((err = wire_socket_curve_client(p->broker, p->kp, p->broker_pk)) != FU_OK)
+    if ((err = wire_socket_curve_client(p->broker, p->kp, p->ep_pk[p->ep_cur])) != FU_OK)
         return fu_errmsg_set(em, err, "this libzmq cannot be a CURVE client: %s", fu_strerror(err));
     /* no ZMTP pings to the broker, which serves thousands: the heartbeats say we are alive, and the
      * kernel notices a broker that vanished (wire_socket_quiet); so does the heartbeats' silence */
@@ -311,25 +320,98 @@ static fu_err broker_connect(peer_t *p, fu_errmsg *em)
     if (!p->mon)
         FU_WARN("peer", "cannot watch the broker connection: a dropped connection is told by the heartbeats");
     uint64_t t0 = fu_clock_ns();
-    if (zmq_connect(p->broker, p->cfg.broker) != 0)
-        return fu_errmsg_set(em, FU_EINVAL, "bad --broker endpoint '%s': %s", p->cfg.broker,
-                             zmq_strerror(zmq_errno()));
-    if (p->mon) {
+    if (zmq_connect(p->broker, ep) != 0)
+        return fu_errmsg_set(em, FU_EINVAL, "bad --broker endpoint '%s': %s", ep, zmq_strerror(zmq_errno()));
+    if (p->mon && wait) {
         fu_err rc = wait_handshake(p, t0);
+        if (rc == FU_OK)
+            p->lost_ms = 0;
         if (rc == FU_EAUTH)
             return fu_errmsg_set(
                 em, FU_EAUTH,
                 "the broker at %s refused this peer's key %s (add it to the broker's allow-list, or "
                 "pass --enrol-token)",
-                p->cfg.broker, wire_keypair_public_z85(p->kp));
+                ep, wire_keypair_public_z85(p->kp));
         if (rc == FU_ETIMEDOUT)
-            FU_WARN("peer", "the broker at %s does not answer yet; PeerHello waits in the queue", p->cfg.broker);
+            return FU_ETIMEDOUT;
         if (rc == FU_EIO) {
             FU_WARN("peer", "the broker connection's monitor failed: a dropped connection is told by the heartbeats");
             mon_stop(p);
         }
     }
     return FU_OK;
+}
+
+/* The first connection: each endpoint in turn until one answers (a gateway may be down while the
+ * peer starts); none answering, the first one, where PeerHello waits in the queue. */
+static fu_err broker_connect_first(peer_t *p, fu_errmsg *em)
+{
+    for (uint32_t i = 0; i < p->n_ep; i++) {
+        p->ep_cur = i;
+        fu_err rc = broker_connect(p, true, em);
+        if (rc != FU_ETIMEDOUT)
+            return rc;
+        FU_WARN("peer", "the broker at %s does not answer%s", p->ep[i],
+                i + 1 < p->n_ep ? ": trying the next endpoint" : "");
+    }
+    if (p->n_ep == 1)
+        return FU_OK; /* that socket keeps trying */
+    p->ep_cur = 0;
+    FU_WARN("peer", "no endpoint answers: PeerHello waits in the queue for %s", p->ep[0]);
+    return broker_connect(p, false, em);
+}
+
+/* Moves the broker socket to the next endpoint (only with several): the session stays, and its
+ * first handshake there says at once that the peer is alive (broker_conn_events). */
+static void broker_move(peer_t *p, const char *why)
+{
+    uint32_t from = p->ep_cur;
+    p->ep_cur = (p->ep_cur + 1) % p->n_ep;
+    FU_WARN("peer", "%s at %s: moving to %s (endpoint %u of %u)", why, p->ep[from], p->ep[p->ep_cur],
+            p->ep_cur + 1, p->n_ep);
+    fu_errmsg em = {{0}};
+    fu_err rc = broker_connect(p, false, &em);
+    if (rc != FU_OK) {
+        FU_ERROR("peer", "cannot connect to %s: %s", p->ep[p->ep_cur], fu_errmsg_text(&em, rc));
+        return;
+    }
+    p->handshakes = 1; /* its first handshake is a new connection of this session */
+}
+
+/* Splits list (comma-separated, no empty item) into at most max copies in out; *n their number. */
+static fu_err split_list(const char *list, const char *what, char **out, uint32_t max, uint32_t *n, fu_errmsg *em)
+{
+    *n = 0;
+    for (const char *at = list;; at++) {
+        const char *end = strchr(at, ',');
+        size_t len = end ? (size_t)(end - at) : strlen(at);
+        if (len == 0)
+            return fu_errmsg_set(em, FU_EINVAL, "%s '%s' has an empty item", what, list);
+        if (*n == max)
+            return fu_errmsg_set(em, FU_EINVAL, "%s names more than %u", what, max);
+        out[(*n)++] = fu_strndup(at, len);
+        if (!end)
+            return FU_OK;
+        at = end;
+    }
+}
+
+/* --broker's endpoints and --broker-key's keys: one key for all, or one each. */
+static fu_err endpoints_load(peer_t *p, fu_errmsg *em)
+{
+    char *keys[PEER_MAX_BROKERS] = {0};
+    uint32_t n_keys = 0;
+    fu_err rc = split_list(p->cfg.broker, "--broker", p->ep, PEER_MAX_BROKERS, &p->n_ep, em);
+    if (rc == FU_OK)
+        rc = split_list(p->cfg.broker_key_file, "--broker-key", keys, PEER_MAX_BROKERS, &n_keys, em);
+    if (rc == FU_OK && n_keys != 1 && n_keys != p->n_ep)
+        rc = fu_errmsg_set(em, FU_EINVAL, "--broker names %u endpoints and --broker-key %u keys: give one key, or one each",
+                           p->n_ep, n_keys);
+    for (uint32_t i = 0; rc == FU_OK && i < p->n_ep; i++)
+        rc = wire_key_load_public(keys[n_keys == 1 ? 0 : i], p->ep_pk[i], em);
+    for (uint32_t i = 0; i < n_keys; i++)
+        free(keys[i]);
+    return rc;
 }
 
 static fu_err enrol(peer_t *p, fu_errmsg *em)
@@ -350,7 +432,7 @@ static fu_err enrol(peer_t *p, fu_errmsg *em)
         if (t == FUSION__MSG_TYPE__MSG_ENROL_ACK) {
             FU_INFO("peer", "enrolled with the broker");
             wire_msg_destroy(&m);
-            return broker_connect(p, em); /* a fresh connection, admitted as a member */
+            return broker_connect(p, true, em); /* a fresh connection, admitted as a member */
         }
         if (t == FUSION__MSG_TYPE__MSG_ERROR) {
             const Fusion__Error *er = wire_msg_body_as(m, t);
@@ -377,8 +459,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
         err = fu_errmsg_set(em, FU_EINVAL, "--broker, --broker-key and --keys are required");
         goto fail;
     }
-    if ((err = wire_keypair_load(cfg->keys_dir, &p->kp, em)) != FU_OK ||
-        (err = wire_key_load_public(cfg->broker_key_file, p->broker_pk, em)) != FU_OK)
+    if ((err = endpoints_load(p, em)) != FU_OK || (err = wire_keypair_load(cfg->keys_dir, &p->kp, em)) != FU_OK)
         goto fail;
     if (cfg->name && *cfg->name) {
         snprintf(p->name, sizeof p->name, "%s", cfg->name);
@@ -483,7 +564,7 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
         err = fu_errmsg_set(em, FU_EIO, "cannot make the compute pipe: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
-    if ((err = broker_connect(p, em)) != FU_OK)
+    if ((err = broker_connect_first(p, em)) != FU_OK)
         goto fail;
     if (cfg->enrol_token && *cfg->enrol_token && (err = enrol(p, em)) != FU_OK)
         goto fail;
@@ -585,7 +666,17 @@ fu_err peer_run(peer_t *p)
         if (now - p->last_broker_ms >= silent && now - p->hello_ms >= p->dead_ms) {
             if (p->welcomed)
                 FU_WARN("peer", "no word from the broker for %" PRIu64 " ms: saying PeerHello again", silent);
+            if (p->n_ep > 1)
+                broker_move(p, "no word from the broker");
             peer_io_send_hello(p);
+        }
+        /* Several endpoints: one that lost its connection and did not get it back within half a
+         * heartbeat (a gateway died) gives way to the next, well before the broker's silence. */
+        uint64_t switch_ms = p->hb_ms / 2 > IO_SWITCH_MIN_MS ? p->hb_ms / 2 : IO_SWITCH_MIN_MS;
+        if (p->n_ep > 1 && p->lost_ms && now - p->lost_ms >= switch_ms) {
+            char why[64];
+            snprintf(why, sizeof why, "no connection for %" PRIu64 " ms", now - p->lost_ms);
+            broker_move(p, why);
         }
         if (p->job_id && p->ready_pending && now - p->assign_ms > PEER_MAX_ASSIGN_WAIT_MS) {
             FU_WARN("peer", "job %016" PRIx64 ": links not up after %d s", p->job_id, PEER_MAX_ASSIGN_WAIT_MS / 1000);
@@ -715,6 +806,8 @@ void peer_destroy(peer_t **p_p)
     if (p->ctx)
         zmq_ctx_term(p->ctx);
     wire_keypair_destroy(&p->kp);
+    for (uint32_t i = 0; i < p->n_ep; i++)
+        free(p->ep[i]);
     free(p->cache_dir);
     free(p);
     *p_p = NULL;

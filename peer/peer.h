@@ -40,10 +40,18 @@ extern "C" {
 #define PEER_PAIR_HWM        16     /* messages queued on the inproc pipe each way */
 #define PEER_CKPT_CHUNK      (1u << 20) /* bytes of one CheckpointPut */
 #define PEER_MAX_ASSIGN_WAIT_MS 60000 /* links not up this long after an assignment: an Error */
+#define PEER_MAX_BROKERS     8      /* endpoints in --broker */
 
 typedef struct {
-    const char *broker;          /* control endpoint, "tcp://HOST:7700" */
-    const char *broker_key_file; /* the broker's public key file */
+    /* The broker's control endpoint, "tcp://HOST:7700", or several, comma-separated (at most
+     * PEER_MAX_BROKERS): the broker's own and its gateways'. The peer uses one at a time, the first
+     * first, and moves to the next when it has had no connection to the one it uses for half a
+     * heartbeat interval (a gateway that died), or no word through it for the silence that makes it
+     * say PeerHello again. Its session, stage and work go with it (docs/PEER.md "Several
+     * endpoints"). */
+    const char *broker;
+    const char *broker_key_file; /* the public key file of that endpoint, or comma-separated, one per
+                                    endpoint (a single file: every endpoint answers with that key) */
     const char *keys_dir;        /* this peer's key directory */
     const char *device;          /* "cpu" (default), "cuda", "cuda:N" */
     int threads;                 /* CPU compute threads (0: the backend's default) */

@@ -36,6 +36,8 @@ extern "C" {
 #define IO_BROKER_RECONNECT_MS 20
 #define IO_BROKER_RECONNECT_MAX_MS 500 /* the broker socket's longest reconnect interval (an outage) */
 #define IO_ENROL_WAIT_MS  10000
+#define IO_SWITCH_MIN_MS  250   /* with several broker endpoints: the least time without a connection
+                                   before the next endpoint is tried (else half a heartbeat interval) */
 #define IO_MAX_TENSOR     ((size_t)1 << 31) /* largest activation/gradient accepted */
 #define PEER_PROBE_BYTES  (4u << 20) /* LinkProbe payload asked for after joining */
 #define PEER_SEND_WAIT_MS 60000u    /* longest one chunk of a tensor waits for room at a neighbour */
@@ -70,7 +72,10 @@ struct peer {
     char name[128];                /* resolved peer name */
     void *ctx;                     /* ZeroMQ context */
     wire_keypair_t *kp;            /* our long-term key pair */
-    uint8_t broker_pk[WIRE_KEY_BYTES];
+    char *ep[PEER_MAX_BROKERS];    /* the broker's endpoints (--broker, a gateway's or the broker's own) */
+    uint8_t ep_pk[PEER_MAX_BROKERS][WIRE_KEY_BYTES]; /* the key each one answers with (--broker-key) */
+    uint32_t n_ep, ep_cur;         /* how many; the one the broker socket connects to */
+    uint64_t lost_ms;              /* no handshaken connection to ep[ep_cur] since (0: connected) */
     const kern_backend_t *be;
     peer_profile prof;
     char prof_line[512];

@@ -206,8 +206,11 @@ int main(int argc, char **argv)
     long long max_cpu = 100, busy_pct = PEER_GUEST_BUSY_DEFAULT, slots = 1;
     const fu_opt opts[] = {
         {"config", 0, FU_OPT_STR, &config, "FILE", "read options from FILE (`option = value` lines); the command line wins"},
-        {"broker", 0, FU_OPT_STR, &broker, "ENDPOINT", "the broker's control endpoint (tcp://HOST:7700)"},
-        {"broker-key", 0, FU_OPT_STR, &broker_key, "FILE", "the broker's public key file"},
+        {"broker", 0, FU_OPT_STR, &broker, "ENDPOINT[,...]",
+         "the broker's control endpoint (tcp://HOST:7700), or several (the broker's and its gateways'), used one "
+         "at a time: the next when the current one is lost"},
+        {"broker-key", 0, FU_OPT_STR, &broker_key, "FILE[,...]",
+         "the broker's public key file; with several endpoints one for all, or one each, in their order"},
         {"keys", 0, FU_OPT_STR, &keys, "DIR", "this peer's key directory (from `fusion keygen`)"},
         {"device", 0, FU_OPT_STR, &device, "DEV", "cpu or cuda:N (default cpu)"},
         {"threads", 0, FU_OPT_INT, &threads, "N", "compute threads (default: all cores)"},

@@ -839,13 +839,23 @@ void tu_peer_start(tu_cluster *c, int i, ...)
     tu_path(c, keys, "p%d", i);
     tu_path(c, cache, "cache%d", i);
     int gw = c->o.gateways ? i % c->o.gateways : -1; /* the gateway it goes through, -1: none */
+    char eps[TU_MAX_GATEWAYS * 128];
+    snprintf(eps, sizeof eps, "%s", gw >= 0 ? c->gw[gw].endpoint : c->endpoint);
     if (gw >= 0)
         tu_path(c, bkey, "gw%d/" WIRE_PUBLIC_KEY_FILE, gw);
     else
         tu_path(c, bkey, "broker/" WIRE_PUBLIC_KEY_FILE);
+    for (int k = 1; gw >= 0 && c->o.gateway_failover && k < c->o.gateways; k++) { /* the others after it */
+        int g = (gw + k) % c->o.gateways;
+        char key[TU_PATH];
+        tu_path(c, key, "gw%d/" WIRE_PUBLIC_KEY_FILE, g);
+        size_t el = strlen(eps), kl = strlen(bkey);
+        snprintf(eps + el, sizeof eps - el, ",%s", c->gw[g].endpoint);
+        snprintf(bkey + kl, sizeof bkey - kl, ",%s", key);
+    }
     snprintf(name, sizeof name, "p%d", i);
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
-    char *argv[48] = {prog, "--broker", gw >= 0 ? c->gw[gw].endpoint : c->endpoint, "--broker-key", bkey, "--keys", keys, "--data-bind",
+    char *argv[48] = {prog, "--broker", eps, "--broker-key", bkey, "--keys", keys, "--data-bind",
                       "tcp://127.0.0.1:*", "--cache", cache, "--threads",
                       (char *)(i < 8 && c->o.peer_threads[i] ? c->o.peer_threads[i] : "1"), "--name", name,
                       "--drain-timeout", "15"};

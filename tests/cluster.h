@@ -101,6 +101,9 @@ typedef struct {
                                    peers' and the client's connections (peer pI through gateway I mod
                                    gateways, the client through gw0): the broker gets --gateway-bind, and
                                    tu_cluster_start starts them after it (tu_gateway_start); 0: none */
+    bool gateway_failover;      /* with gateways: each peer is also given the others, after its own
+                                   (--broker GW_I,GW_I+1,... with their keys), and moves on when its
+                                   gateway is lost */
     bool verify_late;           /* every peer runs with FUSION_TEST_VERIFY_LATE=1: it reads its stage's
                                    VerifyRequests only once it moved past their step (test hooks only;
                                    peer/peer_faults.h). Only without stall and corrupt_mode. */

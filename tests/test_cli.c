@@ -46,6 +46,10 @@ static void test_cli_unknown_command_and_option_exit_2(void **state)
          "--link-mbps must be"},
         {"fusion-peer", "--broker tcp://127.0.0.1:9 --broker-key x --keys y --cache-max-gb nan",
          "--cache-max-gb must be"},
+        /* several endpoints: one key for all or one each, no empty item */
+        {"fusion-peer", "--broker tcp://127.0.0.1:9,tcp://127.0.0.1:10 --broker-key x,y,z --keys y",
+         "--broker names 2 endpoints and --broker-key 3 keys"},
+        {"fusion-peer", "--broker tcp://127.0.0.1:9,,tcp://127.0.0.1:10 --broker-key x --keys y", "has an empty item"},
         /* wire codecs and the broker's micro-batch count, refused where they cannot act */
         {"fusion", "run finetune --model m --data d -o o --wire-codec int8", "give them with --cuts"},
         {"fusion", "run finetune --model m --data d -o o --wire-codec int8-ef --cuts 5", "--wire-codec must be"},

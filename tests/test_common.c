@@ -93,6 +93,12 @@ static void test_common_budget_refuses_overdraw(void **state)
     for (size_t i = 1024; i < n; i++)
         assert_int_equal(t[i], 0);
     free(t);
+    /* a prefix of a string, and no more than the string when it is shorter */
+    char *pre = fu_strndup("tcp://a:1,tcp://b:2", 9), *whole = fu_strndup("ab", 10);
+    assert_string_equal(pre, "tcp://a:1");
+    assert_string_equal(whole, "ab");
+    free(pre);
+    free(whole);
 }
 
 static void test_common_clock_is_monotonic(void **state)

@@ -6,6 +6,9 @@
  *     stage of a two-stage pipeline.)
  *   - peer_kill9_gateway: the same with every peer and the client behind two fusion-gateways; the
  *     killed peer's closed connection, which its gateway tells, makes it dead within the grace.
+ *   - gateway_kill9_failover: every peer is given both gateways; the one that carries two of them is
+ *     SIGKILLed mid-job: they move to the other within a heartbeat, nobody is declared dead, no
+ *     stage moves, the adapter is the same.
  *   - peer_leave: stage 0's peer gets SIGTERM mid-job: it leaves gracefully (exit 0), the backup takes
  *     over, the adapter is the same.
  *   - peer_sigstop: the last stage's peer is SIGSTOPped (its sockets stay open: only the missing
@@ -152,6 +155,46 @@ static void test_e2e_fault_peer_kill9_gateway(void **state)
            (unsigned long long)(fu_clock_ms() - t0));
     tu_wait_done(c, id, 80);
     assert_moved(c, id, 1);
+    tu_assert_same_adapter(c, id, "model", train_args());
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* A gateway dies (docs/PEER.md "Several endpoints"): every peer is given both gateways, its own
+ * first, and gw1, which carries p1 and p3 (one of them holds a stage: three stages and a backup on
+ * four peers), is SIGKILLed mid-job. Its peers lose their connection and, half a heartbeat later
+ * (1000 ms), move to gw0 and say at once that they are alive, well inside the broker's silence (6000
+ * ms): no peer is declared dead, no stage moves, and the adapter is the uninterrupted run's. */
+static void test_e2e_fault_gateway_kill9_failover(void **state)
+{
+    (void)state;
+    tu_cluster *c;
+    char id[17];
+    tu_opts o = tu_opts_default(4);
+    o.backups = 1;
+    o.heartbeat_ms = 2000;
+    o.gateways = 2;
+    o.gateway_failover = true;
+    (void)start_job_on(&c, "e2e-gw-failover", &o, NULL, 1, id);
+    printf("SIGKILL to gateway gw1 (p1 and p3 connect through it)\n");
+    uint64_t t0 = fu_clock_ms();
+    (void)tu_gateway_stop(c, 1, SIGKILL);
+    for (int i = 1; i < 4; i += 2) {
+        char log[TU_PATH];
+        tu_path(c, log, "p%d.log", i);
+        if (!tu_file_wait(log, "moving to", 5000)) {
+            tu_cluster_show_logs(c);
+            fail_msg("p%d did not move to the other gateway within 5 s of its gateway's death", i);
+        }
+        printf("p%d moved to gw0 within %llu ms of the kill\n", i, (unsigned long long)(fu_clock_ms() - t0));
+    }
+    tu_wait_done(c, id, 80);
+    char *bl = tu_broker_log_text(c);
+    bool dead = strstr(bl, ") is dead") != NULL, moved = strstr(bl, " moved from ") != NULL;
+    free(bl);
+    if (dead || moved)
+        tu_file_show(tu_broker_log(c), 60);
+    assert_false(dead);
+    assert_false(moved);
     tu_assert_same_adapter(c, id, "model", train_args());
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
@@ -903,6 +946,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_e2e_fault_peer_kill9, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_kill9_gateway, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_gateway_kill9_failover, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_kill9_int8_ef, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_leave, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_sigstop, tu_teardown),
