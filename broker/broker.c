@@ -132,14 +132,17 @@ static void on_enrol(broker_t *b, const wire_msg_t *msg)
     if (rc == FU_EAUTH || rc == FU_EINVAL) {
         broker_auth_verdict v;
         broker_auth_failed(b->auth, addr, now, &v);
-        if (v.log_summary)
+        if (v.log_summary) {
             wire_zap_ban(b->zap, addr, v.banned_until);
+            broker_gateways_ban(b, addr, v.banned_until); /* refused at their handshakes too */
+        }
         enrol_log_failure(addr[0] ? addr : "an unknown address", uid, &v, now);
         enrol_refuse(b, msg);
         return;
     }
     if (rc != FU_OK) /* enrolled in memory; the next start will not know it */
         FU_ERROR(LOG, "could not append key %s to the allow-list file: %s (add it by hand)", uid, fu_strerror(rc));
+    broker_gateways_key(b, uid, roles); /* before the answer: its next connection may be through one */
     char text[WIRE_ROLES_TEXT_MAX];
     FU_INFO(LOG, "enrolled key %s (%s) from %s as %s", uid, e->name, addr, wire_roles_text(roles, text));
     BROKER_IGNORE(db_event_add(b->db, broker_wall(), NULL, uid, "enrolled", e->name));
@@ -222,6 +225,11 @@ static void dispatch(broker_t *b, const wire_msg_t *msg)
     if (t == FUSION__MSG_TYPE__MSG_GATEWAY_CLOSED) { /* a gateway's word only; from anyone else, noise */
         if (gw[0])
             broker_conn_gateway_closed(b, msg);
+        return;
+    }
+    if (t == FUSION__MSG_TYPE__MSG_GATEWAY_HELLO) { /* a gateway for itself, on the gateway socket only */
+        if (!gw[0] && (wire_zap_msg_roles(b->zap, msg) & WIRE_ROLE_GATEWAY))
+            broker_gateways_hello(b, msg);
         return;
     }
     uint32_t roles = wire_zap_msg_roles(b->zap, msg);

@@ -353,6 +353,14 @@ typedef struct {
     bool complete;                     /* in whole, hash and tensors checked */
 } broker_snap;
 
+/* A gateway heard from (its GatewayHello): where the broker's admission changes are sent. */
+#define BROKER_GATEWAYS_MAX 64
+typedef struct {
+    uint8_t id[WIRE_MAX_ROUTING_ID]; /* its routing id on gw_sock */
+    uint8_t id_len;
+    uint64_t hello_ms;               /* its last GatewayHello (the oldest makes room) */
+} broker_gw;
+
 struct broker {
     broker_cfg cfg;                    /* options (strings borrowed from argv) */
     char data_dir[DB_PATH_MAX];        /* scratch directory */
@@ -360,6 +368,8 @@ struct broker {
     void *ctx;                         /* ZeroMQ context */
     void *sock;                        /* the ROUTER */
     void *gw_sock;                     /* the gateways' ROUTER (--gateway-bind), or NULL */
+    broker_gw gws[BROKER_GATEWAYS_MAX]; /* the gateways that said GatewayHello (broker_gateways.c) */
+    uint32_t n_gws;
     uint8_t *probe_zeros;              /* LinkProbe payload (made on first use) */
     wire_zap_t *zap;                   /* ZAP handler */
     wire_keypair_t *kp;                /* the broker's keys */
@@ -802,6 +812,15 @@ void broker_conn_gateway_closed(broker_t *b, const wire_msg_t *msg);
  * were not heard again since, judged up to b->drained_ms (a paused peer is left to its heartbeats).
  * Returns the ms until the next grace ends, UINT64_MAX when none runs. */
 uint64_t broker_conn_sweep(broker_t *b);
+
+/* ---- broker_gateways.c: the admission the gateways copy (docs/PROTOCOL.md "Gateways") ---- */
+/* msg is a gateway's GatewayHello (on a connection admitted as a gateway): remembers the gateway and
+ * sends it the whole allow-list, the bans in force and whether enrolment is open. */
+void broker_gateways_hello(broker_t *b, const wire_msg_t *msg);
+/* Tells every gateway that the Z85 key has the roles now (an enrolment). */
+void broker_gateways_key(broker_t *b, const char *z85, uint32_t roles);
+/* Tells every gateway that addr is banned until until_ms (fu_clock_ms). */
+void broker_gateways_ban(broker_t *b, const char *addr, uint64_t until_ms);
 
 /* ---- broker.c ---- */
 void broker_on_relay(broker_t *b, const wire_msg_t *msg);

@@ -16,9 +16,11 @@
 #include "wire.h"
 #include "wire_socket.h"
 #include "wire_zap.h"
+#include "gateway_policy.h"
 
 #define LOG "gateway"
 #define GATEWAY_MONITOR "inproc://fusion-gateway-connections"
+#define GATEWAY_BACK_MONITOR "inproc://fusion-gateway-broker"
 #define GATEWAY_FD_MAX  (1 << 24) /* descriptors past this are not watched */
 
 /* Who was last heard on a descriptor of the front socket: what a close of it is told as. */
@@ -33,7 +35,9 @@ struct gateway {
     void *front; /* ROUTER: the peers */
     void *back;  /* DEALER: the broker's gateway socket */
     void *mon;   /* PAIR: the front's connection events; NULL when they cannot be watched */
+    void *back_mon; /* PAIR: the broker connection's handshakes (each is followed by GatewayHello) */
     wire_zap_t *zap;
+    gateway_policy *policy; /* the broker's admission, which zap applies once it has come */
     gw_conn *conns;
     size_t n_conns;
     gateway_counters counters;
@@ -188,6 +192,37 @@ static void carry_up(gateway_t *g)
     }
 }
 
+/* Asks the broker for its admission (GatewayHello), on each new connection to it: a restarted
+ * broker's list may differ. */
+static void broker_events(gateway_t *g)
+{
+    uint16_t ev;
+    uint32_t value;
+    while (g->back_mon && wire_monitor_next(g->back_mon, &ev, &value)) {
+        if (ev != ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
+            continue;
+        wire_hdr h = {.type = FUSION__MSG_TYPE__MSG_GATEWAY_HELLO};
+        fu_err rc = wire_send(g->back, NULL, 0, &h, NULL);
+        if (rc != FU_OK)
+            FU_WARN(LOG, "cannot ask the broker for its admission policy: %s", fu_strerror(rc));
+    }
+}
+
+/* A message of the broker to the gateway itself ([Envelope] [body], no route): its admission. */
+static void own_message(gateway_t *g, zmq_msg_t parts[2])
+{
+    wire_msg_t *m = NULL;
+    if (wire_decode(zmq_msg_data(&parts[0]), zmq_msg_size(&parts[0]), zmq_msg_data(&parts[1]),
+                    zmq_msg_size(&parts[1]), NULL, &m) != FU_OK ||
+        wire_msg_type(m) != FUSION__MSG_TYPE__MSG_GATEWAY_POLICY) {
+        g->counters.dropped_bad++;
+    } else {
+        gateway_policy_apply(g->policy, wire_msg_body_as(m, FUSION__MSG_TYPE__MSG_GATEWAY_POLICY));
+    }
+    wire_msg_destroy(&m);
+    close_parts(parts, 2);
+}
+
 /* The broker to peers: [route] [Envelope] [body] goes out of the front socket as it is. */
 static void carry_down(gateway_t *g)
 {
@@ -197,6 +232,10 @@ static void carry_down(gateway_t *g)
         size_t got = recv3(g->back, parts, &bad);
         if (!got && !bad)
             return;
+        if (!bad && got == 2) {
+            own_message(g, parts);
+            continue;
+        }
         if (bad || got != 3 || zmq_msg_size(&parts[0]) == 0) { /* the broker sends nothing else */
             g->counters.dropped_bad++;
             close_parts(parts, got);
@@ -223,15 +262,20 @@ fu_err gateway_run(gateway_t *g)
 {
     uint64_t next_stats = fu_clock_ms() + GATEWAY_STATS_MS;
     while (!g_stop) {
-        zmq_pollitem_t it[3] = {{.socket = g->front, .events = ZMQ_POLLIN},
-                                {.socket = g->back, .events = ZMQ_POLLIN},
-                                {.socket = g->mon, .events = ZMQ_POLLIN}};
-        if (zmq_poll(it, g->mon ? 3 : 2, 250) < 0) {
+        zmq_pollitem_t it[4] = {{.socket = g->front, .events = ZMQ_POLLIN},
+                                {.socket = g->back, .events = ZMQ_POLLIN}};
+        int n = 2;
+        if (g->back_mon)
+            it[n++] = (zmq_pollitem_t){.socket = g->back_mon, .events = ZMQ_POLLIN};
+        if (g->mon)
+            it[n++] = (zmq_pollitem_t){.socket = g->mon, .events = ZMQ_POLLIN};
+        if (zmq_poll(it, n, 250) < 0) {
             if (zmq_errno() == EINTR)
                 continue;
             FU_ERROR(LOG, "poll failed: %s", zmq_strerror(zmq_errno()));
             return FU_EIO;
         }
+        broker_events(g);
         conn_events(g);
         if (it[0].revents & ZMQ_POLLIN)
             carry_up(g);
@@ -274,6 +318,7 @@ gateway_t *gateway_new(const gateway_cfg *cfg, fu_err *err, fu_errmsg *em)
     wire_zap_cfg zc = {.admit_any = true}; /* the broker decides what each key may do */
     if (!(g->zap = wire_zap_new(g->ctx, &zc, &rc, em)))
         goto fail;
+    g->policy = gateway_policy_new(g->zap); /* until the broker's admission comes */
     if (!(g->front = wire_socket_new(g->ctx, ZMQ_ROUTER, &rc)) ||
         (rc = wire_socket_curve_server(g->front, cfg->kp, NULL)) != FU_OK ||
         (rc = wire_socket_quiet(g->front)) != FU_OK) {
@@ -301,6 +346,10 @@ gateway_t *gateway_new(const gateway_cfg *cfg, fu_err *err, fu_errmsg *em)
         fu_errmsg_set(em, rc = rc == FU_OK ? FU_EIO : rc, "cannot make the broker's socket");
         goto fail;
     }
+    g->back_mon = wire_monitor_open(g->ctx, g->back, GATEWAY_BACK_MONITOR, ZMQ_EVENT_HANDSHAKE_SUCCEEDED);
+    if (!g->back_mon)
+        FU_WARN(LOG, "cannot watch the broker connection (%s): every key is admitted, the broker decides",
+                zmq_strerror(zmq_errno()));
     if (zmq_connect(g->back, cfg->broker) != 0) {
         fu_errmsg_set(em, rc = FU_EINVAL, "cannot connect to %s: %s", cfg->broker, zmq_strerror(zmq_errno()));
         goto fail;
@@ -327,9 +376,11 @@ void gateway_destroy(gateway_t **g_p)
         return;
     gateway_t *g = *g_p;
     wire_monitor_close(g->front, &g->mon);
+    wire_monitor_close(g->back, &g->back_mon);
     wire_socket_close(&g->front);
     wire_socket_close(&g->back);
     wire_zap_destroy(&g->zap);
+    gateway_policy_destroy(&g->policy);
     if (g->ctx)
         zmq_ctx_term(g->ctx);
     free(g->conns);

@@ -69,6 +69,8 @@ static const wire_type_info type_table[] = {
     T(MSG_SESSION_START, &fusion__session_start__descriptor, true), /* a session's tokens */
     T(MSG_SESSION_END, &fusion__session_end__descriptor, false),
     T(MSG_GATEWAY_CLOSED, NULL, false),
+    T(MSG_GATEWAY_HELLO, NULL, false),
+    T(MSG_GATEWAY_POLICY, &fusion__gateway_policy__descriptor, false), /* a batch of 2,048 keys: ~80 KB */
 };
 #undef T
 #define N_TYPES (sizeof type_table / sizeof type_table[0])

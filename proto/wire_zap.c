@@ -36,7 +36,8 @@ struct wire_zap {
     bool started;
     bool bound;                         /* rep holds WIRE_ZAP_ENDPOINT */
     char domain[256];
-    bool admit_any;                     /* wire_zap_cfg.admit_any */
+    bool admit_any;                     /* wire_zap_cfg.admit_any, until wire_zap_mirror */
+    bool mirror_enrol;                  /* a mirror: the broker takes enrolment tokens (wire_zap_mirror) */
     char *allow_file;                   /* NULL = no file */
     pthread_mutex_t mu;                 /* guards keys, roles, bans, counters, the file */
     uint8_t (*keys)[WIRE_KEY_BYTES];
@@ -288,6 +289,13 @@ static void add_key(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t
         index_put(zap, zap->n_keys - 1);
 }
 
+/* Whether a stranger may connect to enrol: tokens are configured, or the broker a mirror follows
+ * takes them. Caller holds mu. */
+static bool enrol_open(const wire_zap_t *zap)
+{
+    return zap->n_tokens || zap->mirror_enrol;
+}
+
 /* Whether addr is banned now. Caller holds mu. */
 static bool is_banned(const wire_zap_t *zap, const char *addr, uint64_t now)
 {
@@ -384,11 +392,11 @@ static void handle_request(wire_zap_t *zap)
         } else if (zap->admit_any || roles_of(zap, key)) {
             code = "200", text = "OK", admission = WIRE_ADMIT_MEMBER;
             zap->counters.admitted++;
-        } else if (zap->n_tokens && is_banned(zap, addr, fu_clock_ms())) {
+        } else if (enrol_open(zap) && is_banned(zap, addr, fu_clock_ms())) {
             text = "address banned for failed enrolments";
             zap->counters.refused++;
             zap->counters.banned++;
-        } else if (zap->n_tokens) {
+        } else if (enrol_open(zap)) {
             code = "200", text = "OK, enrol first", admission = WIRE_ADMIT_ENROLLING;
             zap->counters.enrolling++;
         } else {
@@ -601,11 +609,11 @@ fu_err wire_zap_allow(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32
     return rc;
 }
 
-void wire_zap_deny(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+/* Removes every entry of key. Caller holds mu. */
+static void remove_key(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
 {
-    if (!zap || !key)
-        return;
-    pthread_mutex_lock(&zap->mu);
+    if (!roles_of(zap, key))
+        return; /* not there (a role of 0 is never stored): the index stays */
     size_t kept = 0;
     for (size_t i = 0; i < zap->n_keys; i++) {
         if (sodium_memcmp(zap->keys[i], key, WIRE_KEY_BYTES) == 0)
@@ -615,7 +623,84 @@ void wire_zap_deny(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
     }
     zap->n_keys = kept;
     index_rebuild(zap);
+}
+
+void wire_zap_deny(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES])
+{
+    if (!zap || !key)
+        return;
+    pthread_mutex_lock(&zap->mu);
+    remove_key(zap, key);
     pthread_mutex_unlock(&zap->mu);
+}
+
+fu_err wire_zap_set_roles(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles)
+{
+    if (!zap || !key || (roles & ~ROLES_ALL))
+        return FU_EINVAL;
+    pthread_mutex_lock(&zap->mu);
+    remove_key(zap, key);
+    if (roles)
+        add_key(zap, key, roles);
+    pthread_mutex_unlock(&zap->mu);
+    return FU_OK;
+}
+
+void wire_zap_mirror(wire_zap_t *zap, const uint8_t (*keys)[WIRE_KEY_BYTES], const uint32_t *roles, size_t n,
+                     bool enrolment_open)
+{
+    if (!zap)
+        return;
+    pthread_mutex_lock(&zap->mu);
+    zap->n_keys = 0;
+    for (size_t i = 0; i < n; i++)
+        if (roles[i] && !(roles[i] & ~ROLES_ALL)) {
+            if (zap->n_keys == zap->cap_keys) {
+                zap->cap_keys = zap->cap_keys ? zap->cap_keys * 2 : 16;
+                zap->keys = fu_realloc(zap->keys, zap->cap_keys * sizeof *zap->keys);
+                zap->roles = fu_realloc(zap->roles, zap->cap_keys * sizeof *zap->roles);
+            }
+            memcpy(zap->keys[zap->n_keys], keys[i], WIRE_KEY_BYTES);
+            zap->roles[zap->n_keys++] = roles[i];
+        }
+    index_rebuild(zap);
+    zap->admit_any = false;
+    zap->mirror_enrol = enrolment_open;
+    pthread_mutex_unlock(&zap->mu);
+}
+
+void wire_zap_list(wire_zap_t *zap, uint8_t (**keys)[WIRE_KEY_BYTES], uint32_t **roles, size_t *n)
+{
+    pthread_mutex_lock(&zap->mu);
+    *n = zap->n_keys;
+    *keys = fu_malloc((zap->n_keys ? zap->n_keys : 1) * sizeof **keys);
+    *roles = fu_malloc((zap->n_keys ? zap->n_keys : 1) * sizeof **roles);
+    if (zap->n_keys) {
+        memcpy(*keys, zap->keys, zap->n_keys * sizeof **keys);
+        memcpy(*roles, zap->roles, zap->n_keys * sizeof **roles);
+    }
+    pthread_mutex_unlock(&zap->mu);
+}
+
+size_t wire_zap_bans(wire_zap_t *zap, uint64_t now, char (*addr)[WIRE_ADDRESS_MAX], uint64_t *ms_left, size_t max)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&zap->mu);
+    for (size_t i = 0; zap->bans && i < WIRE_ZAP_BANS_MAX && n < max; i++)
+        if (zap->bans[i].addr[0] && zap->bans[i].until_ms > now) {
+            memcpy(addr[n], zap->bans[i].addr, WIRE_ADDRESS_MAX);
+            ms_left[n++] = zap->bans[i].until_ms - now;
+        }
+    pthread_mutex_unlock(&zap->mu);
+    return n;
+}
+
+bool wire_zap_enrolment_open(wire_zap_t *zap)
+{
+    pthread_mutex_lock(&zap->mu);
+    bool open = enrol_open(zap);
+    pthread_mutex_unlock(&zap->mu);
+    return open;
 }
 
 uint32_t wire_zap_roles(wire_zap_t *zap, const char *z85)

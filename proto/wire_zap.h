@@ -13,8 +13,9 @@
  *     role are admitted, as "gateway": wire_recv believes the GatewayHop frames of such a
  *     connection only;
  *   - everything else, other mechanisms (NULL, PLAIN) and other domains are refused (400).
- * A gateway's own handler (admit_any) admits every CURVE key as a member: the broker behind it
- * decides, message by message, what each key may do.
+ * A gateway's own handler (admit_any) admits every CURVE key as a member until the broker's policy
+ * arrives (wire_zap_mirror): from then on it decides as the broker's does, and the broker behind it
+ * still decides, message by message, what each key may do.
  * The admitted identity (User-Id) is the client's public key in Z85; the admission state travels
  * as connection metadata "X-Fusion-Admission" (wire_msg_user_id / wire_msg_admission read them).
  * CURVE's ZAP request carries no password, which is why the token is a message, not a credential:
@@ -134,6 +135,30 @@ FU_MUST_CHECK fu_err wire_zap_enrol(wire_zap_t *zap, const char *user_id, const 
 void wire_zap_ban(wire_zap_t *zap, const char *addr, uint64_t until_ms);
 
 void wire_zap_get_counters(wire_zap_t *zap, wire_zap_counters *out);
+
+/* ---- the broker's admission, copied to its gateways (MSG_GATEWAY_POLICY) ---- */
+
+/* Copies the allow-list: *n entries of *keys and *roles (caller frees both; a key listed twice has
+ * an entry each, whose roles add up). */
+void wire_zap_list(wire_zap_t *zap, uint8_t (**keys)[WIRE_KEY_BYTES], uint32_t **roles, size_t *n);
+
+/* Copies up to max bans in force at now (fu_clock_ms): each address and how long it still runs.
+ * Returns how many. */
+size_t wire_zap_bans(wire_zap_t *zap, uint64_t now, char (*addr)[WIRE_ADDRESS_MAX], uint64_t *ms_left, size_t max);
+
+/* Whether a stranger's key may connect to enrol (tokens configured, or a mirror told so). */
+bool wire_zap_enrolment_open(wire_zap_t *zap);
+
+/* Makes zap (a gateway's, admit_any) a mirror of the broker's admission: its allow-list becomes the
+ * entries of keys with a nonzero role (copied), every key is admitted no more, and a stranger is
+ * admitted to enrol while enrolment_open and its address is not banned (wire_zap_ban), refused
+ * otherwise: what the broker's own handler decides. Bans are kept. */
+void wire_zap_mirror(wire_zap_t *zap, const uint8_t (*keys)[WIRE_KEY_BYTES], const uint32_t *roles, size_t n,
+                     bool enrolment_open);
+
+/* Sets key's roles to exactly roles (0: not a member any more), in memory only: a mirror's change.
+ * FU_EINVAL for unknown role bits. */
+FU_MUST_CHECK fu_err wire_zap_set_roles(wire_zap_t *zap, const uint8_t key[WIRE_KEY_BYTES], uint32_t roles);
 
 /* Parses an allow-list file (`KEY [ROLES] [# comment]` lines, ROLES a comma-separated list of
  * client, peer, operator, trusted, gateway; none means WIRE_ROLES_DEFAULT) into new arrays of keys and of

@@ -747,6 +747,11 @@ const char *tu_gateway_endpoint(const tu_cluster *c, int k)
     return k >= 0 && k < c->o.gateways ? c->gw[k].endpoint : "";
 }
 
+const char *tu_gateway_log(const tu_cluster *c, int k)
+{
+    return k >= 0 && k < c->o.gateways ? c->gw[k].log : "";
+}
+
 void tu_broker_args(tu_cluster *c, const char *args)
 {
     if (strlen(args) >= sizeof c->broker_args)

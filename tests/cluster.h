@@ -158,6 +158,7 @@ void tu_gateway_start(tu_cluster *c, int k);
 int tu_gateway_stop(tu_cluster *c, int k, int sig);
 pid_t tu_gateway_pid(const tu_cluster *c, int k);
 const char *tu_gateway_endpoint(const tu_cluster *c, int k); /* where its peers connect, borrowed */
+const char *tu_gateway_log(const tu_cluster *c, int k);      /* its log of its latest start, borrowed */
 /* More fusion-broker arguments (space-separated, no quoting) for its next starts. */
 void tu_broker_args(tu_cluster *c, const char *args);
 const char *tu_cluster_data(const tu_cluster *c); /* the training text's path, borrowed */

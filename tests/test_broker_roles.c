@@ -9,6 +9,9 @@
  *   handshake), while another address still enrols;
  * - the peer token (FUSION_PEER_TOKEN) makes a peer that cannot submit, the client token
  *   (FUSION_CLIENT_TOKEN) a client that cannot be a peer;
+ * - a fusion-gateway admits as the broker does: strangers refused at its handshake when enrolment
+ *   is closed, new keys from an address the broker banned too, members always, a key enrolled
+ *   through another address at once (the broker's admission, copied to the gateway);
  * and, without processes, broker_auth's policy: bans that double up to an hour and are forgotten
  * after a quiet one, windows, and a bounded table that keeps its bans. */
 #include <inttypes.h>
@@ -103,25 +106,65 @@ static bool peer_seen(tu_client *cl, const char *z85, uint64_t *job, uint32_t *s
 }
 
 /* tu_client_open, but the connection comes from the local address src (another loopback address:
- * another address for the broker's bans). */
-static void client_open_from(tu_client *cl, const tu_cluster *c, const char *key_name, const char *src)
+ * another address for the broker's bans), to the broker or through gateway gw (>= 0). Returns a
+ * monitor of the connection's handshakes (handshake_result), or NULL when mon is false. */
+static void *client_open_at(tu_client *cl, const tu_cluster *c, const char *key_name, const char *src, int gw, bool mon)
 {
     memset(cl, 0, sizeof *cl);
-    char keys[TU_PATH], broker[TU_PATH], endpoint[TU_PATH];
+    char keys[TU_PATH], server_key[TU_PATH], endpoint[TU_PATH];
     tu_path(c, keys, "%s", key_name);
-    tu_path(c, broker, "broker/" WIRE_PUBLIC_KEY_FILE);
+    if (gw >= 0)
+        tu_path(c, server_key, "gw%d/" WIRE_PUBLIC_KEY_FILE, gw);
+    else
+        tu_path(c, server_key, "broker/" WIRE_PUBLIC_KEY_FILE);
     fu_errmsg em = {{0}};
     uint8_t server[WIRE_KEY_BYTES];
-    if (wire_keypair_load(keys, &cl->kp, &em) != FU_OK || wire_key_load_public(broker, server, &em) != FU_OK)
+    if (wire_keypair_load(keys, &cl->kp, &em) != FU_OK || wire_key_load_public(server_key, server, &em) != FU_OK)
         tu_fail("%s: %s", keys, fu_errmsg_text(&em, FU_EIO));
-    const char *ep = tu_broker_endpoint(c); /* tcp://127.0.0.1:PORT */
+    const char *ep = gw >= 0 ? tu_gateway_endpoint(c, gw) : tu_broker_endpoint(c); /* tcp://127.0.0.1:PORT */
     snprintf(endpoint, sizeof endpoint, "tcp://%s:0;%s", src, ep + strlen("tcp://"));
     fu_err rc;
     cl->ctx = zmq_ctx_new();
     cl->sock = wire_socket_new(cl->ctx, ZMQ_DEALER, &rc);
-    if (!cl->sock || wire_socket_curve_client(cl->sock, cl->kp, server) != FU_OK ||
-        zmq_connect(cl->sock, endpoint) != 0)
+    if (!cl->sock || wire_socket_curve_client(cl->sock, cl->kp, server) != FU_OK)
+        tu_fail("cannot make a client socket: %s", zmq_strerror(zmq_errno()));
+    void *m = NULL;
+    if (mon) {
+        static int n_mon;
+        char mon_ep[64];
+        snprintf(mon_ep, sizeof mon_ep, "inproc://test-handshakes-%d", ++n_mon);
+        m = wire_monitor_open(cl->ctx, cl->sock, mon_ep,
+                              ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH);
+        if (!m)
+            tu_fail("cannot watch the client's handshakes: %s", zmq_strerror(zmq_errno()));
+    }
+    if (zmq_connect(cl->sock, endpoint) != 0)
         tu_fail("cannot connect from %s to %s: %s", src, ep, zmq_strerror(zmq_errno()));
+    randombytes_buf(&cl->session, sizeof cl->session);
+    return m;
+}
+
+static void client_open_from(tu_client *cl, const tu_cluster *c, const char *key_name, const char *src)
+{
+    (void)client_open_at(cl, c, key_name, src, -1, false);
+}
+
+/* The first handshake outcome mon saw within timeout_ms: 1 admitted, -1 refused (ZAP said 400), 0
+ * none. Stops the monitor (*mon_p is NULL after). */
+static int handshake_result(tu_client *cl, void **mon_p, int timeout_ms)
+{
+    int result = 0;
+    for (uint64_t end = fu_clock_ms() + (uint64_t)timeout_ms; !result && fu_clock_ms() < end;) {
+        zmq_pollitem_t it = {*mon_p, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 100) <= 0)
+            continue;
+        uint16_t ev;
+        uint32_t value;
+        while (!result && wire_monitor_next(*mon_p, &ev, &value))
+            result = ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED ? 1 : ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? -1 : 0;
+    }
+    wire_monitor_close(cl->sock, mon_p);
+    return result;
 }
 
 /* Lines of the broker's log that hold needle. */
@@ -389,6 +432,126 @@ static void test_broker_roles_enrolment_brute_force_banned(void **state)
     tu_client_close(&mal);
 }
 
+/* Appends n random keys (peer role) to the allow-list: a list of many batches for the gateways. */
+static void add_random_keys(const tu_cluster *c, int n)
+{
+    char allow[TU_PATH];
+    tu_path(c, allow, "allow");
+    FILE *f = fopen(allow, "a");
+    assert_non_null(f);
+    for (int i = 0; i < n; i++) {
+        uint8_t key[WIRE_KEY_BYTES];
+        char z85[WIRE_KEY_Z85_LEN + 1];
+        randombytes_buf(key, sizeof key);
+        wire_key_to_z85(key, z85);
+        fprintf(f, "%s peer\n", z85);
+    }
+    assert_int_equal(fclose(f), 0);
+}
+
+/* Connects key_name from src through gateway 0: 1 admitted, -1 refused at the handshake, 0 neither
+ * within 3 s. The client stays open in *cl. */
+static int via_gateway(tu_client *cl, const tu_cluster *c, const char *key_name, const char *src)
+{
+    void *mon = client_open_at(cl, c, key_name, src, 0, true);
+    int r = handshake_result(cl, &mon, 3000);
+    print_message("%s from %s through the gateway: %s\n", key_name, src,
+                  r > 0 ? "admitted" : r < 0 ? "refused at the handshake" : "no handshake");
+    return r;
+}
+
+/* A gateway admits as the broker does (docs/PROTOCOL.md "Gateways"; SECURITY.md "Gateways"). With
+ * enrolment open a stranger gets in to enrol; its 50 wrong tokens, sent through the gateway, ban its
+ * address at the broker, which tells the gateway: a new key from that address is then refused at
+ * the gateway's handshake (not just unanswered at the broker), while a member from it still gets in.
+ * A key enrolled from another address is a member at the gateway at once, so it gets in even from
+ * the banned one. The list holds 5,000 more keys: it reaches the gateway in 3 batches. */
+static void test_broker_roles_gateway_admits_as_the_broker(void **state)
+{
+    (void)state;
+    char token[WIRE_KEY_Z85_LEN + 1];
+    wire_token_generate(token);
+    tu_opts o = tu_opts_broker_alone();
+    o.gateways = 1;
+    o.enrol_token = token;
+    tu_cluster *c = tu_cluster_new("gw-admission", &o);
+    tu_keygen(c, "mallory", false);
+    tu_keygen(c, "mallory2", false);
+    tu_keygen(c, "newcomer", false);
+    add_random_keys(c, 5000);
+    tu_broker_start(c);
+    tu_gateway_start(c, 0);
+    if (!tu_file_wait(tu_gateway_log(c, 0), "admission as the broker's: ", 10000)) {
+        tu_file_show(tu_gateway_log(c, 0), 20);
+        fail_msg("the gateway never applied the broker's admission");
+    }
+    assert_true(tu_broker_logged(c, " keys in 3 messages, 0 bans, enrolment open)"));
+    tu_client mal, mal2, member, nc;
+    assert_int_equal(via_gateway(&mal, c, "mallory", "127.0.0.1"), 1); /* a stranger, to enrol */
+    for (int i = 0; i < 50; i++) {
+        char wrong[WIRE_KEY_Z85_LEN + 1];
+        wire_token_generate(wrong);
+        Fusion__Enrol e = FUSION__ENROL__INIT;
+        e.token = wrong;
+        e.name = (char *)"mallory";
+        assert_int_equal(tu_client_send(&mal, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base), FU_OK);
+    }
+    int answers = 0;
+    for (wire_msg_t *m; (m = tu_client_recv(&mal, 2000));) {
+        assert_int_equal(error_of(m, "enrolment refused"), FUSION__ERROR_CODE__ERR_AUTH);
+        wire_msg_destroy(&m);
+        answers++;
+    }
+    assert_true(answers >= 1 && answers <= 5);
+    assert_true(tu_broker_logged(c, "more wrong enrolment tokens from 127.0.0.1, banned until"));
+    assert_true(tu_file_wait(tu_gateway_log(c, 0), "address 127.0.0.1 banned for ", 3000));
+    /* a new key from the banned address: the gateway's handshake refuses it */
+    assert_int_equal(via_gateway(&mal2, c, "mallory2", "127.0.0.1"), -1);
+    /* a member from the same address gets in, and the broker answers it */
+    assert_int_equal(via_gateway(&member, c, "client", "127.0.0.1"), 1);
+    wire_msg_t *m = tu_client_call(&member, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL,
+                                   FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    /* a newcomer enrols from another address; its key is a member at the gateway at once */
+    assert_int_equal(via_gateway(&nc, c, "newcomer", "127.0.0.2"), 1);
+    m = enrol(&nc, token, 5000);
+    assert_non_null(m);
+    assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ENROL_ACK);
+    wire_msg_destroy(&m);
+    tu_client_close(&nc);
+    assert_int_equal(via_gateway(&nc, c, "newcomer", "127.0.0.1"), 1);
+    tu_client_close(&nc);
+    tu_client_close(&member);
+    tu_client_close(&mal2);
+    tu_client_close(&mal);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
+/* Enrolment closed: a key off the allow-list is refused at the gateway's handshake, as at the
+ * broker's, and a member gets in. */
+static void test_broker_roles_gateway_refuses_strangers(void **state)
+{
+    (void)state;
+    tu_opts o = tu_opts_broker_alone();
+    o.gateways = 1;
+    tu_cluster *c = tu_cluster_new("gw-strangers", &o);
+    tu_keygen(c, "stranger", false);
+    tu_broker_start(c);
+    tu_gateway_start(c, 0);
+    assert_true(tu_file_wait(tu_gateway_log(c, 0), "enrolment closed", 10000));
+    tu_client st, member;
+    assert_int_equal(via_gateway(&st, c, "stranger", "127.0.0.1"), -1);
+    assert_int_equal(via_gateway(&member, c, "client", "127.0.0.1"), 1);
+    wire_msg_t *m = tu_client_call(&member, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL,
+                                   FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+    tu_client_close(&member);
+    tu_client_close(&st);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 static void test_broker_roles_token_per_role(void **state)
 {
     tu_broker_fx *f = *state;
@@ -456,6 +619,8 @@ int main(int argc, char **argv)
         tu_broker_test(test_broker_roles_peer_list_hides_other_tenants),
         tu_broker_test(test_broker_roles_enrolment_brute_force_banned),
         tu_broker_test(test_broker_roles_token_per_role),
+        cmocka_unit_test_teardown(test_broker_roles_gateway_admits_as_the_broker, tu_teardown),
+        cmocka_unit_test_teardown(test_broker_roles_gateway_refuses_strangers, tu_teardown),
     };
     return tu_run_tests(argc, argv, tests, NULL, NULL);
 }

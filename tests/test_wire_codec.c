@@ -144,6 +144,8 @@ static const Fusion__MsgType all_types[] = {
     FUSION__MSG_TYPE__MSG_SESSION_START,
     FUSION__MSG_TYPE__MSG_SESSION_END,
     FUSION__MSG_TYPE__MSG_GATEWAY_CLOSED,
+    FUSION__MSG_TYPE__MSG_GATEWAY_HELLO,
+    FUSION__MSG_TYPE__MSG_GATEWAY_POLICY,
 };
 #define N_ALL (sizeof all_types / sizeof all_types[0])
 

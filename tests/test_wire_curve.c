@@ -660,6 +660,54 @@ static void test_wire_curve_admit_any(void **state)
     assert_int_equal(zap_counters(f).admitted, 1);
 }
 
+/* A gateway's front made a mirror of the broker's admission (wire_zap_mirror): members only with
+ * enrolment closed; a key's roles set exactly, and taken away with 0; the list and bans copied out
+ * as the broker sends them (wire_zap_list, wire_zap_bans). */
+static void test_wire_curve_mirror(void **state)
+{
+    fixture *f = *state;
+    wire_zap_cfg cfg = {.admit_any = true};
+    zap_start(f, &cfg);
+    start_server(f);
+    wire_keypair_t *alice = new_kp(f), *bob = new_kp(f);
+    const uint8_t(*keys)[WIRE_KEY_BYTES] = (const uint8_t(*)[WIRE_KEY_BYTES])wire_keypair_public(alice);
+    uint32_t roles = WIRE_ROLE_PEER;
+    wire_zap_mirror(f->zap, keys, &roles, 1, false);
+    assert_false(wire_zap_enrolment_open(f->zap));
+    wire_msg_t *m = NULL;
+    assert_int_equal(send_as(f, alice, &m), FU_OK); /* a member */
+    wire_msg_destroy(&m);
+    assert_int_equal(send_as(f, bob, &m), FU_ETIMEDOUT); /* a stranger, with enrolment closed */
+    assert_null(m);
+    /* bob enrolled at the broker: a member now, with exactly the roles sent */
+    assert_int_equal(wire_zap_set_roles(f->zap, wire_keypair_public(bob), WIRE_ROLE_CLIENT | WIRE_ROLE_PEER), FU_OK);
+    assert_int_equal(wire_zap_set_roles(f->zap, wire_keypair_public(bob), WIRE_ROLE_CLIENT), FU_OK);
+    assert_int_equal(wire_zap_roles(f->zap, wire_keypair_public_z85(bob)), WIRE_ROLE_CLIENT);
+    assert_int_equal(send_as(f, bob, &m), FU_OK);
+    wire_msg_destroy(&m);
+    assert_int_equal(wire_zap_set_roles(f->zap, wire_keypair_public(bob), 1u << 30), FU_EINVAL);
+    /* what the broker would send: the list and the bans in force */
+    wire_zap_ban(f->zap, "10.1.2.3", fu_clock_ms() + 60000);
+    wire_zap_ban(f->zap, "10.9.9.9", fu_clock_ms() - 1); /* over */
+    uint8_t(*list)[WIRE_KEY_BYTES] = NULL;
+    uint32_t *lr = NULL;
+    size_t n = 0;
+    wire_zap_list(f->zap, &list, &lr, &n);
+    assert_int_equal(n, 2);
+    free(list);
+    free(lr);
+    char addr[4][WIRE_ADDRESS_MAX];
+    uint64_t left[4];
+    assert_int_equal(wire_zap_bans(f->zap, fu_clock_ms(), addr, left, 4), 1);
+    assert_string_equal(addr[0], "10.1.2.3");
+    assert_true(left[0] > 50000 && left[0] <= 60000);
+    /* taken away: refused again */
+    assert_int_equal(wire_zap_set_roles(f->zap, wire_keypair_public(alice), 0), FU_OK);
+    assert_int_equal(wire_zap_roles(f->zap, wire_keypair_public_z85(alice)), 0);
+    assert_int_equal(send_as(f, alice, &m), FU_ETIMEDOUT);
+    assert_null(m);
+}
+
 /* Routes: what is one and what is not (libzmq's own 5-byte ids, user ids, too short). */
 static void test_wire_curve_routes(void **state)
 {
@@ -699,6 +747,7 @@ int main(void)
         cmocka_unit_test(test_wire_curve_gateway_hops_believed),
         cmocka_unit_test(test_wire_curve_hops_forged_by_members_dropped),
         cmocka_unit_test(test_wire_curve_admit_any),
+        cmocka_unit_test(test_wire_curve_mirror),
         cmocka_unit_test(test_wire_curve_routes),
     };
     return tu_unit_main(tests, sodium_init, setup, teardown);
