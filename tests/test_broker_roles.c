@@ -371,6 +371,28 @@ static void test_broker_roles_peer_list_hides_other_tenants(void **state)
     tu_fake_peer_stop(&p, SIGKILL);
 }
 
+/* 50 wrong enrolment tokens from cl as fast as the socket takes them: at most 5 are answered (each
+ * an ERR_AUTH "enrolment refused"), then the address is banned and the rest dropped unanswered. */
+static void brute_force(tu_client *cl)
+{
+    for (int i = 0; i < 50; i++) {
+        char wrong[WIRE_KEY_Z85_LEN + 1];
+        wire_token_generate(wrong);
+        Fusion__Enrol e = FUSION__ENROL__INIT;
+        e.token = wrong;
+        e.name = (char *)"mallory";
+        assert_int_equal(tu_client_send(cl, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base), FU_OK);
+    }
+    int answers = 0;
+    for (wire_msg_t *m; (m = tu_client_recv(cl, 2000));) {
+        assert_int_equal(error_of(m, "enrolment refused"), FUSION__ERROR_CODE__ERR_AUTH);
+        wire_msg_destroy(&m);
+        answers++;
+    }
+    print_message("50 wrong tokens: %d answers\n", answers);
+    assert_true(answers >= 1 && answers <= 5);
+}
+
 static void test_broker_roles_enrolment_brute_force_banned(void **state)
 {
     tu_broker_fx *f = *state;
@@ -383,23 +405,7 @@ static void test_broker_roles_enrolment_brute_force_banned(void **state)
     tu_broker_fx_start(f);
     tu_client mal;
     tu_client_open(&mal, f->c, "mallory");
-    /* 50 wrong tokens as fast as the socket takes them */
-    for (int i = 0; i < 50; i++) {
-        char wrong[WIRE_KEY_Z85_LEN + 1];
-        wire_token_generate(wrong);
-        Fusion__Enrol e = FUSION__ENROL__INIT;
-        e.token = wrong;
-        e.name = (char *)"mallory";
-        assert_int_equal(tu_client_send(&mal, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base), FU_OK);
-    }
-    int answers = 0;
-    for (wire_msg_t *m; (m = tu_client_recv(&mal, 2000));) {
-        assert_int_equal(error_of(m, "enrolment refused"), FUSION__ERROR_CODE__ERR_AUTH);
-        wire_msg_destroy(&m);
-        answers++;
-    }
-    print_message("50 wrong tokens: %d answers\n", answers);
-    assert_true(answers >= 1 && answers <= 5);
+    brute_force(&mal);
     /* banned: the right token on the same connection is dropped, and a new key from the address
      * does not get past the handshake */
     assert_null(enrol(&mal, token, 1500));
@@ -460,6 +466,16 @@ static int via_gateway(tu_client *cl, const tu_cluster *c, const char *key_name,
     return r;
 }
 
+/* The member "client" connects from 127.0.0.1 through gateway 0, gets in and is answered. */
+static void member_through_gateway(tu_client *cl, const tu_cluster *c)
+{
+    assert_int_equal(via_gateway(cl, c, "client", "127.0.0.1"), 1);
+    wire_msg_t *m =
+        tu_client_call(cl, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL, FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
+    assert_non_null(m);
+    wire_msg_destroy(&m);
+}
+
 /* A gateway admits as the broker does (docs/PROTOCOL.md "Gateways"; SECURITY.md "Gateways"). With
  * enrolment open a stranger gets in to enrol; its 50 wrong tokens, sent through the gateway, ban its
  * address at the broker, which tells the gateway: a new key from that address is then refused at
@@ -488,34 +504,16 @@ static void test_broker_roles_gateway_admits_as_the_broker(void **state)
     assert_true(tu_broker_logged(c, " keys in 3 messages, 0 bans, enrolment open)"));
     tu_client mal, mal2, member, nc;
     assert_int_equal(via_gateway(&mal, c, "mallory", "127.0.0.1"), 1); /* a stranger, to enrol */
-    for (int i = 0; i < 50; i++) {
-        char wrong[WIRE_KEY_Z85_LEN + 1];
-        wire_token_generate(wrong);
-        Fusion__Enrol e = FUSION__ENROL__INIT;
-        e.token = wrong;
-        e.name = (char *)"mallory";
-        assert_int_equal(tu_client_send(&mal, FUSION__MSG_TYPE__MSG_ENROL, 0, &e.base), FU_OK);
-    }
-    int answers = 0;
-    for (wire_msg_t *m; (m = tu_client_recv(&mal, 2000));) {
-        assert_int_equal(error_of(m, "enrolment refused"), FUSION__ERROR_CODE__ERR_AUTH);
-        wire_msg_destroy(&m);
-        answers++;
-    }
-    assert_true(answers >= 1 && answers <= 5);
+    brute_force(&mal);
     assert_true(tu_broker_logged(c, "more wrong enrolment tokens from 127.0.0.1, banned until"));
     assert_true(tu_file_wait(tu_gateway_log(c, 0), "address 127.0.0.1 banned for ", 3000));
     /* a new key from the banned address: the gateway's handshake refuses it */
     assert_int_equal(via_gateway(&mal2, c, "mallory2", "127.0.0.1"), -1);
     /* a member from the same address gets in, and the broker answers it */
-    assert_int_equal(via_gateway(&member, c, "client", "127.0.0.1"), 1);
-    wire_msg_t *m = tu_client_call(&member, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL,
-                                   FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    member_through_gateway(&member, c);
     /* a newcomer enrols from another address; its key is a member at the gateway at once */
     assert_int_equal(via_gateway(&nc, c, "newcomer", "127.0.0.2"), 1);
-    m = enrol(&nc, token, 5000);
+    wire_msg_t *m = enrol(&nc, token, 5000);
     assert_non_null(m);
     assert_int_equal(wire_msg_type(m), FUSION__MSG_TYPE__MSG_ENROL_ACK);
     wire_msg_destroy(&m);
@@ -542,11 +540,7 @@ static void test_broker_roles_gateway_refuses_strangers(void **state)
     assert_true(tu_file_wait(tu_gateway_log(c, 0), "enrolment closed", 10000));
     tu_client st, member;
     assert_int_equal(via_gateway(&st, c, "stranger", "127.0.0.1"), -1);
-    assert_int_equal(via_gateway(&member, c, "client", "127.0.0.1"), 1);
-    wire_msg_t *m = tu_client_call(&member, FUSION__MSG_TYPE__MSG_PEER_LIST_REQ, 0, NULL,
-                                   FUSION__MSG_TYPE__MSG_PEER_LIST, 3000);
-    assert_non_null(m);
-    wire_msg_destroy(&m);
+    member_through_gateway(&member, c);
     tu_client_close(&member);
     tu_client_close(&st);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);

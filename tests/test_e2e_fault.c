@@ -132,6 +132,18 @@ static void test_e2e_fault_peer_kill9(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* 4 peers, a backup, heartbeats 2000 ms apart (dead after 6000 ms of silence), p0 and p2 through
+ * gateway gw0, p1 and p3 through gw1; failover: each is given the other gateway too. */
+static tu_opts two_gateways(bool failover)
+{
+    tu_opts o = tu_opts_default(4);
+    o.backups = 1;
+    o.heartbeat_ms = 2000;
+    o.gateways = 2;
+    o.gateway_failover = failover;
+    return o;
+}
+
 /* The same through gateways (docs/PROTOCOL.md "Gateways"): every peer and the client connect to one
  * of two fusion-gateways, which alone hold connections to the broker, so consecutive stages talk to
  * the broker through different gateways. With heartbeats 2000 ms apart (dead after 6000 ms) the
@@ -142,10 +154,7 @@ static void test_e2e_fault_peer_kill9_gateway(void **state)
     (void)state;
     tu_cluster *c;
     char id[17];
-    tu_opts o = tu_opts_default(4);
-    o.backups = 1;
-    o.heartbeat_ms = 2000;
-    o.gateways = 2; /* p0, p2 through one, p1, p3 through the other */
+    tu_opts o = two_gateways(false);
     int victim = start_job_on(&c, "e2e-kill9-gw", &o, NULL, 1, id);
     printf("SIGKILL to p%d (stage 1 of 3), behind gateway gw%d\n", victim, victim % 2);
     uint64_t t0 = fu_clock_ms();
@@ -169,11 +178,7 @@ static void test_e2e_fault_gateway_kill9_failover(void **state)
     (void)state;
     tu_cluster *c;
     char id[17];
-    tu_opts o = tu_opts_default(4);
-    o.backups = 1;
-    o.heartbeat_ms = 2000;
-    o.gateways = 2;
-    o.gateway_failover = true;
+    tu_opts o = two_gateways(true);
     (void)start_job_on(&c, "e2e-gw-failover", &o, NULL, 1, id);
     printf("SIGKILL to gateway gw1 (p1 and p3 connect through it)\n");
     uint64_t t0 = fu_clock_ms();
