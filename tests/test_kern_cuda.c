@@ -1,6 +1,8 @@
 /* CUDA backend: every op against the CPU op on the same inputs (f32, f16, bf16 with per-dtype
  * bounds), plus the failure paths (absurd allocations, bad shapes, bad ids/targets, unknown
  * devices). Exits 77 (skipped) without a CUDA device. */
+#include <pthread.h>
+
 #include "test_kern_cuda_util.h"
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -258,6 +260,50 @@ static void test_kern_cuda_embedding(void **state)
     }
 }
 
+/* One embedding lookup, over and over from its own thread: each call must get its own verdict. */
+typedef struct {
+    const kern_tensor_t *ids, *table;
+    kern_tensor_t *out;
+    fu_err want;
+    int wrong; /* calls whose verdict was another's */
+} flag_job;
+
+static void *flag_worker(void *arg)
+{
+    flag_job *j = arg;
+    for (int i = 0; i < 200; i++)
+        if (kern_embedding_forward(tc_gpu, j->ids, j->table, j->out) != j->want)
+            j->wrong++;
+    return NULL;
+}
+
+/* The bad-index flag is one per instance: an op with bad ids and one with good ids, each from its
+ * own thread on the shared instance, must not read each other's verdict (kc_flag_begin/end). */
+static void test_kern_cuda_flag_per_op(void **state)
+{
+    (void)state;
+    const int64_t V = 50, D = 64, n = 32;
+    int32_t good[32], bad[32];
+    for (int i = 0; i < n; i++)
+        good[i] = bad[i] = (int32_t)(i % V);
+    bad[9] = (int32_t)V;
+    float *table = tc_rand_dt(KERN_F32, (size_t)(V * D), 71, -1, 1);
+    kern_tensor_t *gt = tc_up(tc_gpu, KERN_F32, table, 2, V, D);
+    kern_tensor_t *gg = tc_up_i32(tc_gpu, good, n), *gb = tc_up_i32(tc_gpu, bad, n);
+    kern_tensor_t *o1 = tc_zeros(tc_gpu, KERN_F32, 2, n, D), *o2 = tc_zeros(tc_gpu, KERN_F32, 2, n, D);
+    flag_job jobs[2] = {{gg, gt, o1, FU_OK, 0}, {gb, gt, o2, FU_EINVAL, 0}};
+    pthread_t th[2];
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(pthread_create(&th[k], NULL, flag_worker, &jobs[k]), 0);
+    for (int k = 0; k < 2; k++)
+        pthread_join(th[k], NULL);
+    printf("  good ids: %d of 200 calls wrong; bad ids: %d of 200 wrong\n", jobs[0].wrong, jobs[1].wrong);
+    assert_int_equal(jobs[0].wrong, 0);
+    assert_int_equal(jobs[1].wrong, 0);
+    TC_DESTROY_ALL(&gt, &gg, &gb, &o1, &o2);
+    TK_FREE_ALL(table);
+}
+
 static void test_kern_cuda_rmsnorm(void **state)
 {
     (void)state;
@@ -282,6 +328,32 @@ static void test_kern_cuda_rmsnorm(void **state)
         TC_DESTROY_ALL(&gx, &gw, &gy, &gdy, &gdx, &gdw);
         TK_FREE_ALL(x, w, dy, dw, y, dx);
     }
+}
+
+/* More rows than a grid's y dimension holds of 64-row chunks (65,535 x 64 = 4,194,240): RMSNorm
+ * backward puts its chunks on x, so it takes them as the CPU does (the DAG's head norm runs
+ * rows x heads rows through it). dw sums 4.2 M rows, in another order than the CPU's. */
+static void test_kern_cuda_rmsnorm_many_rows(void **state)
+{
+    (void)state;
+    const int64_t n = 65535 * 64 + 100, D = 4;
+    const size_t nd = (size_t)(n * D);
+    float *x = tc_rand_dt(KERN_F32, nd, 61, -2, 2), *w = tc_rand_dt(KERN_F32, (size_t)D, 62, 0.5f, 1.5f);
+    float *dy = tc_rand_dt(KERN_F32, nd, 63, -1, 1), *dw = calloc((size_t)D, sizeof(float));
+    float *dx = malloc(nd * sizeof(float));
+    assert_non_null(dw);
+    assert_non_null(dx);
+    kern_tensor_t *gx = tc_up(tc_gpu, KERN_F32, x, 2, n, D), *gw = tc_up(tc_gpu, KERN_F32, w, 1, D, 1);
+    kern_tensor_t *gdy = tc_up(tc_gpu, KERN_F32, dy, 2, n, D), *gdx = tc_zeros(tc_gpu, KERN_F32, 2, n, D);
+    kern_tensor_t *gdw = tc_zeros(tc_gpu, KERN_F32, 1, D, 1);
+    kern_tensor_t cx = tc_cpu_t(x, 2, n, D), cw = tc_cpu_t(w, 1, D, 1), cdy = tc_cpu_t(dy, 2, n, D),
+                  cdx = tc_cpu_t(dx, 2, n, D), cdw = tc_cpu_t(dw, 1, D, 1);
+    assert_int_equal(kern_rmsnorm_backward(tc_gpu, gdy, gx, gw, 1e-5f, gdx, gdw), FU_OK);
+    assert_int_equal(kern_rmsnorm_backward(tc_cpu, &cdy, &cx, &cw, 1e-5f, &cdx, &cdw), FU_OK);
+    tc_expect("rmsnorm dx, 4.2 M rows", gdx, dx, tc_tol_scaled(KERN_F32, 2.0));
+    tc_expect("rmsnorm dw, 4.2 M rows", gdw, dw, (tc_tol){1e-2, 1e-3});
+    TC_DESTROY_ALL(&gx, &gw, &gdy, &gdx, &gdw);
+    TK_FREE_ALL(x, w, dy, dw, dx);
 }
 
 static void test_kern_cuda_rope(void **state)
@@ -567,7 +639,9 @@ int main(void)
         cmocka_unit_test(test_kern_cuda_bad_shapes),
         cmocka_unit_test(test_kern_cuda_add_axpy),
         cmocka_unit_test(test_kern_cuda_embedding),
+        cmocka_unit_test(test_kern_cuda_flag_per_op),
         cmocka_unit_test(test_kern_cuda_rmsnorm),
+        cmocka_unit_test(test_kern_cuda_rmsnorm_many_rows),
         cmocka_unit_test(test_kern_cuda_rope),
         cmocka_unit_test(test_kern_cuda_silu_mul),
         cmocka_unit_test(test_kern_cuda_attention),

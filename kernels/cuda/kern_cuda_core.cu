@@ -203,6 +203,7 @@ static void pool_free(kc_ctx *ctx, void *p)
 
 extern "C" fu_err kc_scratch(kc_ctx *ctx, size_t bytes, void **out)
 {
+    FU_TRY(kc_enter(ctx)); /* cudaMalloc allocates on the calling thread's current device */
     return pool_alloc(ctx, bytes, out);
 }
 
@@ -300,13 +301,29 @@ extern "C" fu_err kc_synchronize(const kern_backend_t *be)
     return FU_OK;
 }
 
-extern "C" fu_err kc_flag_check(kc_ctx *ctx, const char *op)
+extern "C" void kc_flag_begin(kc_ctx *ctx)
+{
+    pthread_mutex_lock(&ctx->flag_lock);
+}
+
+/* Reads and clears the flag; the lock taken by kc_flag_begin is released whatever happens. */
+static fu_err flag_read(kc_ctx *ctx, int *f)
 {
     KC_CUDA(cudaMemcpyAsync(ctx->h_flag, ctx->d_flag, sizeof(int), cudaMemcpyDeviceToHost, ctx->stream));
     KC_CUDA(cudaMemsetAsync(ctx->d_flag, 0, sizeof(int), ctx->stream));
     KC_CUDA(cudaStreamSynchronize(ctx->stream));
-    int f = *ctx->h_flag;
+    *f = *ctx->h_flag;
     *ctx->h_flag = 0;
+    return FU_OK;
+}
+
+extern "C" fu_err kc_flag_end(kc_ctx *ctx, fu_err launched, const char *op)
+{
+    int f = 0;
+    fu_err rc = launched == FU_OK ? flag_read(ctx, &f) : launched;
+    pthread_mutex_unlock(&ctx->flag_lock);
+    if (rc != FU_OK)
+        return rc;
     if (f & KC_FLAG_BAD_INDEX) {
         fu_log(FU_LOG_WARN, KC_LOG_COMPONENT, "%s: %s: an index was outside its range", ctx->name, op);
         return FU_EINVAL;
@@ -453,6 +470,7 @@ static void ctx_teardown(kc_ctx *ctx)
     }
     (void)cudaGetLastError();
     pthread_mutex_destroy(&ctx->lock);
+    pthread_mutex_destroy(&ctx->flag_lock);
     free(ctx);
 }
 
@@ -470,6 +488,7 @@ static fu_err ctx_create(int device, kc_ctx **out)
     ctx->device = device;
     snprintf(ctx->name, sizeof ctx->name, "cuda:%d", device);
     pthread_mutex_init(&ctx->lock, NULL);
+    pthread_mutex_init(&ctx->flag_lock, NULL);
     fu_err rc = FU_OK;
     cudaDeviceProp prop;
 #define CTX_CUDA(call)                                                   \
@@ -488,7 +507,8 @@ static fu_err ctx_create(int device, kc_ctx **out)
     ctx->smem_optin = prop.sharedMemPerBlockOptin;
     CTX_CUDA(cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking));
     CTX_CUDA(cudaMalloc((void **)&ctx->d_flag, sizeof(int)));
-    CTX_CUDA(cudaMemset(ctx->d_flag, 0, sizeof(int)));
+    CTX_CUDA(cudaMemsetAsync(ctx->d_flag, 0, sizeof(int), ctx->stream)); /* a non-blocking stream is not */
+    CTX_CUDA(cudaStreamSynchronize(ctx->stream));                          /* ordered after the legacy one */
     CTX_CUDA(cudaHostAlloc((void **)&ctx->h_flag, sizeof(int), cudaHostAllocDefault));
     *ctx->h_flag = 0;
     CTX_CUDA(cudaMalloc(&ctx->blas_ws, KC_BLAS_WS_BYTES));

@@ -51,8 +51,9 @@ typedef struct kc_ctx {
     cublasHandle_t   blas;         /* bound to stream */
     void            *blas_ws;      /* cuBLAS workspace (device) */
     pthread_mutex_t  lock;         /* guards pool and cuBLAS calls */
+    pthread_mutex_t  flag_lock;    /* held by one op from its first flag-raising launch to its check */
     kc_pool          pool;         /* device memory cache */
-    int             *d_flag;       /* device error flag (KC_FLAG_*) */
+    int             *d_flag;       /* device error flag (KC_FLAG_*); one op at a time (flag_lock) */
     int             *h_flag;       /* pinned host mirror of d_flag */
     int              sm_count;     /* multiprocessors */
     int              cc_major;     /* compute capability */
@@ -85,7 +86,13 @@ fu_err kc_scratch(kc_ctx *ctx, size_t bytes, void **out);
 void   kc_scratch_free(kc_ctx *ctx, void *p);
 /* Waits for the stream, reads and clears the device flag: FU_EINVAL (with a log line naming `op`)
  * when a kernel raised it, FU_ECUDA when the stream failed. */
-fu_err kc_flag_check(kc_ctx *ctx, const char *op);
+/* The error flag of an op whose kernels may raise it: kc_flag_begin before its first launch (takes
+ * flag_lock: ops of other threads would otherwise read or clear each other's flag), kc_flag_end
+ * after its last with the launches' outcome (FU_OK, or their error), on every path. kc_flag_end
+ * waits for the stream, reads and clears the flag, releases the lock, and returns launched's error,
+ * FU_EINVAL when an index was out of range (logged with op), else FU_OK. */
+void kc_flag_begin(kc_ctx *ctx);
+fu_err kc_flag_end(kc_ctx *ctx, fu_err launched, const char *op);
 
 /* Table functions (kern_backend.h contracts). Float tensors may be f32, f16 or bf16 (same dtype
  * within an op unless stated); the public wrappers only pass f32 today. */

@@ -76,8 +76,11 @@ static fu_err embed_run(const kern_backend_t *be, const kern_tensor_t *ids, cons
         return FU_OK;
     if (n > INT32_MAX)
         return FU_EINVAL;
+    if (!kc_is_float(dst->dtype))
+        return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
-    KC_DISPATCH_FLOAT(dst->dtype, T, {
+    kc_flag_begin(ctx);
+    KC_DISPATCH_KNOWN_FLOAT(dst->dtype, T, {
         const int32_t *id = (const int32_t *)ids->data;
         if (backward)
             k_embed_bwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>(id, (const T *)src->data, (T *)dst->data,
@@ -86,8 +89,9 @@ static fu_err embed_run(const kern_backend_t *be, const kern_tensor_t *ids, cons
             k_embed_fwd<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>(id, (const T *)src->data, (T *)dst->data,
                                                                         vocab, d, ctx->d_flag);
     });
-    KC_LAUNCHED();
-    return kc_flag_check(ctx, backward ? "embedding backward" : "embedding forward");
+    cudaError_t e = cudaGetLastError();
+    const char *what = backward ? "embedding backward" : "embedding forward";
+    return kc_flag_end(ctx, e == cudaSuccess ? FU_OK : kc_cuda_err(e, what, __FILE__, __LINE__), what);
 }
 
 extern "C" fu_err kc_embedding_fwd(const kern_backend_t *be, const kern_tensor_t *ids, const kern_tensor_t *table,
@@ -156,10 +160,10 @@ __global__ void k_rmsnorm_bwd_dw_partial(const T *__restrict__ dy, const T *__re
                                          const float *__restrict__ rrow, float *__restrict__ partial, int64_t n,
                                          int64_t d, int64_t chunk)
 {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t j = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; /* chunks on x: 2^31-1 of them */
     if (j >= d)
         return;
-    const int64_t c = blockIdx.y;
+    const int64_t c = blockIdx.x;
     int64_t i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
     float acc = 0.0f;
     for (int64_t i = i0; i < i1; i++)
@@ -223,24 +227,27 @@ extern "C" fu_err kc_rmsnorm_bwd(const kern_backend_t *be, const kern_tensor_t *
         return FU_EINVAL;
     if (n == 0)
         return FU_OK;
+    if (!kc_is_float(dt))
+        return FU_EINVAL;
     FU_TRY(kc_enter(ctx));
     const int64_t chunk = 64;
-    const int64_t chunks = (n + chunk - 1) / chunk;
-    if (chunks > 65535)
+    const int64_t chunks = (n + chunk - 1) / chunk, col_blocks = (d + NN_THREADS - 1) / NN_THREADS;
+    if (col_blocks > 65535 || chunks > INT32_MAX) /* grid y, x */
         return FU_EINVAL;
     float *scr = NULL;
     size_t bytes = (size_t)n * sizeof(float) + (dw ? (size_t)(chunks * d) * sizeof(float) : 0);
     FU_TRY(kc_scratch(ctx, bytes, (void **)&scr));
     float *rrow = scr, *partial = scr + n;
     fu_err rc = FU_OK;
-    KC_DISPATCH_FLOAT(dt, T, {
+    KC_DISPATCH_KNOWN_FLOAT(dt, T, { /* scratch is held: no early return */
         k_rmsnorm_bwd_rows<T><<<(unsigned)n, NN_THREADS, 0, ctx->stream>>>(
             (const T *)dy->data, (const T *)x->data, (const T *)w->data, dx ? (T *)dx->data : (T *)NULL, rrow, d, eps);
         if (dw) {
-            dim3 grid((unsigned)((d + NN_THREADS - 1) / NN_THREADS), (unsigned)chunks);
+            dim3 grid((unsigned)chunks, (unsigned)col_blocks);
             k_rmsnorm_bwd_dw_partial<T><<<grid, NN_THREADS, 0, ctx->stream>>>((const T *)dy->data, (const T *)x->data,
                                                                               rrow, partial, n, d, chunk);
-            k_rmsnorm_bwd_dw_final<T><<<grid.x, NN_THREADS, 0, ctx->stream>>>(partial, (T *)dw->data, d, chunks);
+            k_rmsnorm_bwd_dw_final<T><<<(unsigned)col_blocks, NN_THREADS, 0, ctx->stream>>>(partial, (T *)dw->data, d,
+                                                                                            chunks);
         }
     });
     cudaError_t e = cudaGetLastError();
@@ -589,6 +596,7 @@ static fu_err xent_loss(const kern_backend_t *be, const kern_tensor_t *logits, c
         double sum;
         long long cnt;
     } host = {0.0, 0};
+    kc_flag_begin(ctx);
     if (dlogits)
         k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>(tg, n, V, ignore_index, d_count, ctx->d_flag);
     KC_DISPATCH_KNOWN_FLOAT(logits->dtype, T, {
@@ -607,8 +615,7 @@ static fu_err xent_loss(const kern_backend_t *be, const kern_tensor_t *logits, c
         e = cudaMemcpyAsync(&host, d_sum, 16, cudaMemcpyDeviceToHost, ctx->stream);
     if (e != cudaSuccess)
         rc = kc_cuda_err(e, what, __FILE__, __LINE__);
-    if (rc == FU_OK)
-        rc = kc_flag_check(ctx, what); /* also waits for the copy */
+    rc = kc_flag_end(ctx, rc, what); /* also waits for the copy */
     kc_scratch_free(ctx, scr);
     if (rc != FU_OK)
         return rc;
@@ -642,6 +649,7 @@ extern "C" fu_err kc_xent_bwd(const kern_backend_t *be, const kern_tensor_t *log
     int *d_cnt = NULL;
     FU_TRY(kc_scratch(ctx, sizeof(int), (void **)&d_cnt));
     fu_err rc = FU_OK;
+    kc_flag_begin(ctx);
     k_xent_count<<<1, XENT_THREADS, 0, ctx->stream>>>((const int32_t *)targets->data, n, V, ignore_index, d_cnt,
                                                       ctx->d_flag);
     KC_DISPATCH_KNOWN_FLOAT(logits->dtype, T, {
@@ -652,8 +660,7 @@ extern "C" fu_err kc_xent_bwd(const kern_backend_t *be, const kern_tensor_t *log
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         rc = kc_cuda_err(e, "cross-entropy backward", __FILE__, __LINE__);
-    if (rc == FU_OK)
-        rc = kc_flag_check(ctx, "cross-entropy backward");
+    rc = kc_flag_end(ctx, rc, "cross-entropy backward");
     kc_scratch_free(ctx, d_cnt);
     return rc;
 }
