@@ -32,6 +32,8 @@ static broker_job *stage_job(broker_t *b, broker_peer *p, const wire_msg_t *msg,
     return j;
 }
 
+static void maybe_finish_finetune(broker_t *b, broker_job *j);
+
 void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
 {
     const Fusion__StageReady *r = wire_msg_body_as(msg, FUSION__MSG_TYPE__MSG_STAGE_READY);
@@ -59,6 +61,13 @@ void broker_on_stage_ready(broker_t *b, broker_peer *p, const wire_msg_t *msg)
             (void)broker_send_peer(b, sp, FUSION__MSG_TYPE__MSG_STAGE_START, j->id64, &st.base);
     }
     broker_serve_started(b, j);
+    if (j->kind == DB_JOB_FINETUNE && j->start_step >= j->spec.steps) {
+        /* resumed from its last checkpoints (the broker restarted while the job finished): every
+         * stage restored one committed at the last step, so the job is done; nothing runs again */
+        for (uint32_t s = 0; s < j->n_stages; s++)
+            j->stages[s].final_ckpt_step = (int64_t)j->spec.steps;
+        maybe_finish_finetune(b, j);
+    }
 }
 
 /* A step of j took dt seconds: a stage whose work needs longer than that at BROKER_PACE_FACTOR x its

@@ -66,6 +66,7 @@ fu_e2e_case(test_e2e_fault test_e2e_fault_replan_peer_lost_while_cut 240 fault b
 fu_e2e_case(test_e2e_fault test_e2e_fault_cancel_while_cut 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_peer_lost_while_finishing 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_cancel_while_finishing 240 fault broker)
+fu_e2e_case(test_e2e_fault test_e2e_fault_broker_killed_while_finishing 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_grow_when_a_peer_joins 240 fault broker)
 fu_e2e_case(test_e2e_fault test_e2e_fault_chaotic_same_bits 240 fault broker)
 

@@ -829,6 +829,35 @@ static void test_e2e_fault_peer_lost_while_finishing(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The broker SIGKILLed while a job finishes (its adapter being assembled on the writer, the result
+ * not yet committed) and restarted on the same store: the job is still running there, every stage's
+ * last checkpoint committed, so the restart finishes it from those checkpoints without running a
+ * step again, and it ends done with fusion run's adapter, bit for bit. */
+static void test_e2e_fault_broker_killed_while_finishing(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = finish_slowly("e2e-finbroker", id, &victim);
+    printf("SIGKILL to the broker while job %s finishes\n", id);
+    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
+    uint64_t t0 = fu_clock_ms();
+    tu_broker_start(c); /* same port, same SQLite file; no finish delay now */
+    tu_wait_done(c, id, 60);
+    printf("done %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
+    char *bl = tu_broker_log_text(c);
+    char needle[96];
+    snprintf(needle, sizeof needle, "job %s: recovering after a broker restart", id);
+    const char *rec = strstr(bl, needle);
+    if (rec) {
+        const char *nl = strchr(rec, '\n');
+        printf("%.*s\n", (int)(nl ? nl - rec : (ptrdiff_t)strlen(rec)), rec);
+    }
+    free(bl);
+    tu_assert_identical_adapter(c, id, "model", train_args(), 3);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* A job cancelled while it finishes ends cancelled: the writer's commit of its result is refused
  * (the job is no longer running in the store), and its peers are idle again. */
 static void test_e2e_fault_cancel_while_finishing(void **state)
@@ -967,6 +996,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_cancel_while_cut, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_lost_while_finishing, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_cancel_while_finishing, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_broker_killed_while_finishing, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_grow_when_a_peer_joins, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_chaotic_same_bits, tu_teardown),
     };
