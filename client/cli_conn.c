@@ -17,6 +17,11 @@
 
 struct cli_conn {
     const char *prog;   /* for messages; borrowed */
+    wire_endpoints eps; /* the broker's endpoints and keys (--broker E1,E2 --broker-key K1,K2) */
+    uint32_t cur;       /* the one in use: the next is tried while none has answered yet */
+    wire_keypair_t *kp; /* this client's keys */
+    uint8_t *req_env, *req_body; /* the last request, sent again on the next endpoint */
+    size_t req_env_len, req_body_len;
     void *ctx;          /* ZeroMQ context */
     void *sock;         /* DEALER to the broker */
     void *monitor;      /* PAIR receiving the DEALER's handshake events */
@@ -139,61 +144,104 @@ fu_err cli_conn_resolve(const char *prog, cli_conn_opts *o_, bool need_broker, i
     return FU_OK;
 }
 
+/* Closes the socket and its monitor (the context stays). */
+static void conn_socket_close(cli_conn_t *c)
+{
+    if (c->monitor) {
+        int zero = 0;
+        zmq_setsockopt(c->monitor, ZMQ_LINGER, &zero, sizeof zero);
+        zmq_close(c->monitor);
+        c->monitor = NULL;
+    }
+    wire_socket_close(&c->sock);
+}
+
+/* A socket to endpoint c->cur, its handshake watched. FU_EINVAL for an endpoint zmq refuses. */
+static fu_err conn_socket_open(cli_conn_t *c)
+{
+    fu_err rc = FU_EIO;
+    c->connected = c->handshaken = false;
+    c->refused = 0;
+    c->opened_ms = fu_clock_ms();
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", c->eps.ep[c->cur]);
+    c->sock = wire_socket_new(c->ctx, ZMQ_DEALER, &rc);
+    if (!c->sock)
+        return rc;
+    if ((rc = wire_socket_curve_client(c->sock, c->kp, c->eps.pk[c->cur])) != FU_OK)
+        return rc;
+    /* Watch the handshake so a refused key is reported as such rather than as a timeout, and a
+     * broker that is not there (connection refused) as such, at once. */
+    char mon[64];
+    snprintf(mon, sizeof mon, "inproc://cli-monitor-%p-%u", (void *)c, c->cur);
+    if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_CONNECTED |
+                                             ZMQ_EVENT_CONNECT_RETRIED) != 0)
+        return FU_EIO;
+    c->monitor = zmq_socket(c->ctx, ZMQ_PAIR);
+    if (!c->monitor || zmq_connect(c->monitor, mon) != 0)
+        return FU_EIO;
+    if (zmq_connect(c->sock, c->endpoint) != 0)
+        return FU_EINVAL;
+    return FU_OK;
+}
+
 fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **out, int *exit_code)
 {
     cli_conn_opts o = *given;
     FU_TRY(cli_conn_resolve(prog, &o, true, exit_code));
 
     fu_errmsg em = {{0}};
-    uint8_t server_pk[WIRE_KEY_BYTES];
-    fu_err krc = wire_key_load_public(o.broker_key, server_pk, &em);
-    if (krc != FU_OK)
-        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", fu_errmsg_text(&em, krc));
-    wire_keypair_t *kp = NULL;
-    if ((krc = wire_keypair_load(o.keys, &kp, &em)) != FU_OK)
-        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", fu_errmsg_text(&em, krc));
-
     cli_conn_t *c = fu_calloc(1, sizeof *c);
     c->prog = prog;
     c->timeout_ms = o.timeout_ms > 0 ? o.timeout_ms : CLI_DEFAULT_TIMEOUT_MS;
-    c->opened_ms = fu_clock_ms();
-    snprintf(c->endpoint, sizeof c->endpoint, "%s", o.broker);
+    fu_err krc = wire_endpoints_load(o.broker, o.broker_key, &c->eps, &em);
+    if (krc == FU_OK)
+        krc = wire_keypair_load(o.keys, &c->kp, &em);
+    if (krc != FU_OK) {
+        cli_conn_close(&c);
+        return conn_fail(prog, exit_code, FU_EXIT_USAGE, "%s", fu_errmsg_text(&em, krc));
+    }
     fu_err rc = FU_EIO;
     c->ctx = zmq_ctx_new();
-    if (!c->ctx)
-        goto fail;
-    c->sock = wire_socket_new(c->ctx, ZMQ_DEALER, &rc);
-    if (!c->sock)
-        goto fail;
-    if ((rc = wire_socket_curve_client(c->sock, kp, server_pk)) != FU_OK)
-        goto fail;
-    /* Watch the handshake so a refused key is reported as such rather than as a timeout. */
-    char mon[64];
-    snprintf(mon, sizeof mon, "inproc://cli-monitor-%p", (void *)c);
-    /* ... and a broker that is not there (connection refused) as such, at once. */
-    if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_CONNECTED |
-                                             ZMQ_EVENT_CONNECT_RETRIED) != 0)
-        goto fail;
-    c->monitor = zmq_socket(c->ctx, ZMQ_PAIR);
-    if (!c->monitor || zmq_connect(c->monitor, mon) != 0)
-        goto fail;
-    if (zmq_connect(c->sock, o.broker) != 0) {
-        wire_keypair_destroy(&kp);
+    if (c->ctx)
+        rc = conn_socket_open(c);
+    if (rc == FU_EINVAL) {
+        char ep[256];
+        snprintf(ep, sizeof ep, "%s", c->endpoint);
         cli_conn_close(&c);
         return conn_fail(prog, exit_code, FU_EXIT_USAGE, "cannot use broker endpoint '%s' (expected tcp://HOST:PORT)",
-                         o.broker);
+                         ep);
     }
-    wire_keypair_destroy(&kp);
+    if (rc != FU_OK) {
+        fprintf(stderr, "%s: cannot set up the connection to %s: %s\n", prog, o.broker, fu_strerror(rc));
+        cli_conn_close(&c);
+        *exit_code = FU_EXIT_FAIL;
+        return rc;
+    }
     *out = c;
     return FU_OK;
-fail:
-    wire_keypair_destroy(&kp);
-    fprintf(stderr, "%s: cannot set up the connection to %s: %s\n", prog, o.broker,
-            rc != FU_OK ? fu_strerror(rc) : zmq_strerror(errno));
-    cli_conn_close(&c);
-    *exit_code = FU_EXIT_FAIL;
-    return rc != FU_OK ? rc : FU_EIO;
+}
+
+/* Nothing answered at the endpoint in use, ever: the next one, with the last request sent again.
+ * False when there is none (or the socket could not be made: the failure is then said as it is). */
+static bool conn_next(cli_conn_t *c, const char *why)
+{
+    if (c->cur + 1 >= c->eps.n)
+        return false;
+    char was[256];
+    snprintf(was, sizeof was, "%s", c->endpoint);
+    conn_socket_close(c);
+    c->cur++;
+    if (conn_socket_open(c) != FU_OK)
+        return false;
+    if (!c->quiet) {
+        cli_progress_break();
+        fprintf(stderr, "%s: %s at %s: trying %s\n", c->prog, why, was, c->endpoint);
+    }
+    if (c->req_env && (zmq_send(c->sock, c->req_env, c->req_env_len, ZMQ_SNDMORE) < 0 ||
+                       zmq_send(c->sock, c->req_body, c->req_body_len, 0) < 0))
+        return false;
+    return true;
 }
 
 void cli_conn_close(cli_conn_t **self_p)
@@ -201,14 +249,13 @@ void cli_conn_close(cli_conn_t **self_p)
     cli_conn_t *c = *self_p;
     if (!c)
         return;
-    if (c->monitor) {
-        int zero = 0;
-        zmq_setsockopt(c->monitor, ZMQ_LINGER, &zero, sizeof zero);
-        zmq_close(c->monitor);
-    }
-    wire_socket_close(&c->sock);
+    conn_socket_close(c);
     if (c->ctx)
         zmq_ctx_term(c->ctx);
+    wire_keypair_destroy(&c->kp);
+    wire_endpoints_free(&c->eps);
+    free(c->req_env);
+    free(c->req_body);
     free(c);
     *self_p = NULL;
 }
@@ -279,7 +326,13 @@ fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
 {
     wire_hdr h = *hdr;
     h.sequence = ++c->sequence;
-    fu_err rc = wire_send(c->sock, NULL, 0, &h, body);
+    free(c->req_env);
+    free(c->req_body);
+    c->req_env = c->req_body = NULL;
+    fu_err rc = wire_encode(&h, body, &c->req_env, &c->req_env_len, &c->req_body, &c->req_body_len);
+    if (rc == FU_OK && (zmq_send(c->sock, c->req_env, c->req_env_len, ZMQ_SNDMORE) < 0 ||
+                        zmq_send(c->sock, c->req_body, c->req_body_len, 0) < 0))
+        rc = FU_EIO;
     if (rc != FU_OK) {
         conn_err(c, -1, "cannot send to the broker at %s: %s", c->endpoint, fu_strerror(rc));
         *exit_code = FU_EXIT_FAIL;
@@ -315,6 +368,10 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
         /* A broker that is stopped, hung or behind a black hole never finishes the handshake: said after
          * a few seconds rather than at the request's deadline. Once it has, a restart is waited for. */
         if (!c->handshaken && now >= c->opened_ms + shake_ms && now < deadline) {
+            if (conn_next(c, c->connected ? "no handshake" : "no connection")) {
+                deadline = fu_clock_ms() + (uint64_t)c->timeout_ms; /* the request starts again there */
+                continue;
+            }
             if (c->connected)
                 conn_err(c, -1,
                          "the broker at %s took the connection but has not finished its handshake in %.1f s (is "
@@ -348,6 +405,10 @@ fu_err cli_conn_recv(cli_conn_t *c, Fusion__MsgType want, wire_msg_t **reply, in
             /* Refused again and again (a retry every WIRE_RECONNECT_MS at first) before it ever
              * connected: nothing listens there. Once connected, a broker that restarts is waited for. */
             if (ev == ZMQ_EVENT_CONNECT_RETRIED && !c->connected && ++c->refused >= CLI_REFUSED_TRIES) {
+                if (conn_next(c, "connection refused")) {
+                    deadline = fu_clock_ms() + (uint64_t)c->timeout_ms;
+                    continue;
+                }
                 conn_err(c, -1,
                          "nothing answers at %s: the connection is refused (is fusion-broker running there, on "
                          "that port?)",

@@ -26,16 +26,20 @@ extern "C" {
 /* What the user said about the connection; NULL fields are filled from the environment and the
  * config file by cli_conn_open. */
 typedef struct {
-    const char *broker;     /* control endpoint, "tcp://host:7700" */
-    const char *broker_key; /* path of the broker's public.key */
+    const char *broker;     /* control endpoint, "tcp://host:7700", or several, comma-separated (the
+                               broker's and its gateways'): the next is tried while none answered */
+    const char *broker_key; /* path of the broker's public.key; with several endpoints one for all, or
+                               one each, comma-separated */
     const char *keys;       /* this client's key directory */
     long long timeout_ms;   /* per request; 0: CLI_DEFAULT_TIMEOUT_MS */
 } cli_conn_opts;
 
 /* The four fu_opt entries every broker-talking subcommand accepts, bound to *o. */
 #define CLI_CONN_OPTS(o)                                                                                   \
-    {"broker", 0, FU_OPT_STR, &(o)->broker, "ENDPOINT", "broker endpoint (else $FUSION_BROKER or the config)"}, \
-    {"broker-key", 0, FU_OPT_STR, &(o)->broker_key, "FILE", "the broker's public.key (else $FUSION_BROKER_KEY)"}, \
+    {"broker", 0, FU_OPT_STR, &(o)->broker, "ENDPOINT[,...]",                                                \
+     "broker endpoint, or several tried in turn (else $FUSION_BROKER or the config)"},                       \
+    {"broker-key", 0, FU_OPT_STR, &(o)->broker_key, "FILE[,...]",                                             \
+     "the broker's public.key, or one per endpoint (else $FUSION_BROKER_KEY)"},                               \
     {"keys", 0, FU_OPT_STR, &(o)->keys, "DIR", "your key directory (else $FUSION_KEYS)"},                   \
     {"timeout-ms", 0, FU_OPT_INT, &(o)->timeout_ms, "MS", "deadline of each request (default 10000)"}
 

@@ -254,11 +254,11 @@ static void broker_conn_events(peer_t *p)
             return;
         }
         if (ev == ZMQ_EVENT_DISCONNECTED) {
-            FU_INFO("peer", "the connection to the broker at %s closed; connecting again", p->ep[p->ep_cur]);
+            FU_INFO("peer", "the connection to the broker at %s closed; connecting again", p->eps.ep[p->ep_cur]);
             if (!p->lost_ms)
                 p->lost_ms = fu_clock_ms();
         } else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
-            FU_WARN("peer", "the broker at %s refused this peer's key %s on a new connection", p->ep[p->ep_cur],
+            FU_WARN("peer", "the broker at %s refused this peer's key %s on a new connection", p->eps.ep[p->ep_cur],
                     wire_keypair_public_z85(p->kp));
         } else if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             p->lost_ms = 0;
@@ -280,7 +280,7 @@ static void broker_conn_events(peer_t *p)
 static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
 {
     fu_err err = FU_OK;
-    const char *ep = p->ep[p->ep_cur];
+    const char *ep = p->eps.ep[p->ep_cur];
     mon_stop(p);
     p->handshakes = 0;
     p->lost_ms = fu_clock_ms();
@@ -288,7 +288,7 @@ static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
     p->broker = wire_socket_new(p->ctx, ZMQ_DEALER, &err);
     if (!p->broker)
         return fu_errmsg_set(em, err, "cannot make the broker socket: %s", fu_strerror(err));
-    if ((err = wire_socket_curve_client(p->broker, p->kp, p->ep_pk[p->ep_cur])) != FU_OK)
+    if ((err = wire_socket_curve_client(p->broker, p->kp, p->eps.pk[p->ep_cur])) != FU_OK)
         return fu_errmsg_set(em, err, "this libzmq cannot be a CURVE client: %s", fu_strerror(err));
     /* no ZMTP pings to the broker, which serves thousands: the heartbeats say we are alive, and the
      * kernel notices a broker that vanished (wire_socket_quiet); so does the heartbeats' silence */
@@ -346,18 +346,18 @@ static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
  * peer starts); none answering, the first one, where PeerHello waits in the queue. */
 static fu_err broker_connect_first(peer_t *p, fu_errmsg *em)
 {
-    for (uint32_t i = 0; i < p->n_ep; i++) {
+    for (uint32_t i = 0; i < p->eps.n; i++) {
         p->ep_cur = i;
         fu_err rc = broker_connect(p, true, em);
         if (rc != FU_ETIMEDOUT)
             return rc;
-        FU_WARN("peer", "the broker at %s does not answer%s", p->ep[i],
-                i + 1 < p->n_ep ? ": trying the next endpoint" : "");
+        FU_WARN("peer", "the broker at %s does not answer%s", p->eps.ep[i],
+                i + 1 < p->eps.n ? ": trying the next endpoint" : "");
     }
-    if (p->n_ep == 1)
+    if (p->eps.n == 1)
         return FU_OK; /* that socket keeps trying */
     p->ep_cur = 0;
-    FU_WARN("peer", "no endpoint answers: PeerHello waits in the queue for %s", p->ep[0]);
+    FU_WARN("peer", "no endpoint answers: PeerHello waits in the queue for %s", p->eps.ep[0]);
     return broker_connect(p, false, em);
 }
 
@@ -366,52 +366,16 @@ static fu_err broker_connect_first(peer_t *p, fu_errmsg *em)
 static void broker_move(peer_t *p, const char *why)
 {
     uint32_t from = p->ep_cur;
-    p->ep_cur = (p->ep_cur + 1) % p->n_ep;
-    FU_WARN("peer", "%s at %s: moving to %s (endpoint %u of %u)", why, p->ep[from], p->ep[p->ep_cur],
-            p->ep_cur + 1, p->n_ep);
+    p->ep_cur = (p->ep_cur + 1) % p->eps.n;
+    FU_WARN("peer", "%s at %s: moving to %s (endpoint %u of %u)", why, p->eps.ep[from], p->eps.ep[p->ep_cur],
+            p->ep_cur + 1, p->eps.n);
     fu_errmsg em = {{0}};
     fu_err rc = broker_connect(p, false, &em);
     if (rc != FU_OK) {
-        FU_ERROR("peer", "cannot connect to %s: %s", p->ep[p->ep_cur], fu_errmsg_text(&em, rc));
+        FU_ERROR("peer", "cannot connect to %s: %s", p->eps.ep[p->ep_cur], fu_errmsg_text(&em, rc));
         return;
     }
     p->handshakes = 1; /* its first handshake is a new connection of this session */
-}
-
-/* Splits list (comma-separated, no empty item) into at most max copies in out; *n their number. */
-static fu_err split_list(const char *list, const char *what, char **out, uint32_t max, uint32_t *n, fu_errmsg *em)
-{
-    *n = 0;
-    for (const char *at = list;; at++) {
-        const char *end = strchr(at, ',');
-        size_t len = end ? (size_t)(end - at) : strlen(at);
-        if (len == 0)
-            return fu_errmsg_set(em, FU_EINVAL, "%s '%s' has an empty item", what, list);
-        if (*n == max)
-            return fu_errmsg_set(em, FU_EINVAL, "%s names more than %u", what, max);
-        out[(*n)++] = fu_strndup(at, len);
-        if (!end)
-            return FU_OK;
-        at = end;
-    }
-}
-
-/* --broker's endpoints and --broker-key's keys: one key for all, or one each. */
-static fu_err endpoints_load(peer_t *p, fu_errmsg *em)
-{
-    char *keys[PEER_MAX_BROKERS] = {0};
-    uint32_t n_keys = 0;
-    fu_err rc = split_list(p->cfg.broker, "--broker", p->ep, PEER_MAX_BROKERS, &p->n_ep, em);
-    if (rc == FU_OK)
-        rc = split_list(p->cfg.broker_key_file, "--broker-key", keys, PEER_MAX_BROKERS, &n_keys, em);
-    if (rc == FU_OK && n_keys != 1 && n_keys != p->n_ep)
-        rc = fu_errmsg_set(em, FU_EINVAL, "--broker names %u endpoints and --broker-key %u keys: give one key, or one each",
-                           p->n_ep, n_keys);
-    for (uint32_t i = 0; rc == FU_OK && i < p->n_ep; i++)
-        rc = wire_key_load_public(keys[n_keys == 1 ? 0 : i], p->ep_pk[i], em);
-    for (uint32_t i = 0; i < n_keys; i++)
-        free(keys[i]);
-    return rc;
 }
 
 static fu_err enrol(peer_t *p, fu_errmsg *em)
@@ -459,7 +423,8 @@ peer_t *peer_new(const peer_cfg *cfg, fu_err *err_out, fu_errmsg *em)
         err = fu_errmsg_set(em, FU_EINVAL, "--broker, --broker-key and --keys are required");
         goto fail;
     }
-    if ((err = endpoints_load(p, em)) != FU_OK || (err = wire_keypair_load(cfg->keys_dir, &p->kp, em)) != FU_OK)
+    if ((err = wire_endpoints_load(cfg->broker, cfg->broker_key_file, &p->eps, em)) != FU_OK ||
+        (err = wire_keypair_load(cfg->keys_dir, &p->kp, em)) != FU_OK)
         goto fail;
     if (cfg->name && *cfg->name) {
         snprintf(p->name, sizeof p->name, "%s", cfg->name);
@@ -666,14 +631,14 @@ fu_err peer_run(peer_t *p)
         if (now - p->last_broker_ms >= silent && now - p->hello_ms >= p->dead_ms) {
             if (p->welcomed)
                 FU_WARN("peer", "no word from the broker for %" PRIu64 " ms: saying PeerHello again", silent);
-            if (p->n_ep > 1)
+            if (p->eps.n > 1)
                 broker_move(p, "no word from the broker");
             peer_io_send_hello(p);
         }
         /* Several endpoints: one that lost its connection and did not get it back within half a
          * heartbeat (a gateway died) gives way to the next, well before the broker's silence. */
         uint64_t switch_ms = p->hb_ms / 2 > IO_SWITCH_MIN_MS ? p->hb_ms / 2 : IO_SWITCH_MIN_MS;
-        if (p->n_ep > 1 && p->lost_ms && now - p->lost_ms >= switch_ms) {
+        if (p->eps.n > 1 && p->lost_ms && now - p->lost_ms >= switch_ms) {
             char why[64];
             snprintf(why, sizeof why, "no connection for %" PRIu64 " ms", now - p->lost_ms);
             broker_move(p, why);
@@ -806,8 +771,7 @@ void peer_destroy(peer_t **p_p)
     if (p->ctx)
         zmq_ctx_term(p->ctx);
     wire_keypair_destroy(&p->kp);
-    for (uint32_t i = 0; i < p->n_ep; i++)
-        free(p->ep[i]);
+    wire_endpoints_free(&p->eps);
     free(p->cache_dir);
     free(p);
     *p_p = NULL;

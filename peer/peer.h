@@ -40,11 +40,10 @@ extern "C" {
 #define PEER_PAIR_HWM        16     /* messages queued on the inproc pipe each way */
 #define PEER_CKPT_CHUNK      (1u << 20) /* bytes of one CheckpointPut */
 #define PEER_MAX_ASSIGN_WAIT_MS 60000 /* links not up this long after an assignment: an Error */
-#define PEER_MAX_BROKERS     8      /* endpoints in --broker */
 
 typedef struct {
     /* The broker's control endpoint, "tcp://HOST:7700", or several, comma-separated (at most
-     * PEER_MAX_BROKERS): the broker's own and its gateways'. The peer uses one at a time, the first
+     * WIRE_MAX_ENDPOINTS): the broker's own and its gateways'. The peer uses one at a time, the first
      * first, and moves to the next when it has had no connection to the one it uses for half a
      * heartbeat interval (a gateway that died), or no word through it for the silence that makes it
      * say PeerHello again. Its session, stage and work go with it (docs/PEER.md "Several

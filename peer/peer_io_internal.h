@@ -72,9 +72,8 @@ struct peer {
     char name[128];                /* resolved peer name */
     void *ctx;                     /* ZeroMQ context */
     wire_keypair_t *kp;            /* our long-term key pair */
-    char *ep[PEER_MAX_BROKERS];    /* the broker's endpoints (--broker, a gateway's or the broker's own) */
-    uint8_t ep_pk[PEER_MAX_BROKERS][WIRE_KEY_BYTES]; /* the key each one answers with (--broker-key) */
-    uint32_t n_ep, ep_cur;         /* how many; the one the broker socket connects to */
+    wire_endpoints eps;            /* the broker's endpoints and keys (--broker, --broker-key) */
+    uint32_t ep_cur;               /* the one the broker socket connects to */
     uint64_t lost_ms;              /* no handshaken connection to ep[ep_cur] since (0: connected) */
     const kern_backend_t *be;
     peer_profile prof;

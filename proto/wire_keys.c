@@ -10,6 +10,7 @@
 
 #include <sodium.h>
 
+#include "fu_alloc.h"
 #include "fu_encode.h"
 #include "fu_log.h"
 
@@ -167,6 +168,54 @@ fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_er
     if (!path || !out)
         return FU_EINVAL;
     return read_key_file(path, false, "key file", KEYS_MAKE, out, em);
+}
+
+/* Splits list (comma-separated, no empty item) into at most max copies in out; *n their number. */
+static fu_err split_list(const char *list, const char *what, char **out, uint32_t max, uint32_t *n, fu_errmsg *em)
+{
+    *n = 0;
+    for (const char *at = list;; at++) {
+        const char *end = strchr(at, ',');
+        size_t len = end ? (size_t)(end - at) : strlen(at);
+        if (len == 0)
+            return fu_errmsg_set(em, FU_EINVAL, "%s '%s' has an empty item", what, list);
+        if (*n == max)
+            return fu_errmsg_set(em, FU_EINVAL, "%s names more than %u", what, max);
+        out[(*n)++] = fu_strndup(at, len);
+        if (!end)
+            return FU_OK;
+        at = end;
+    }
+}
+
+fu_err wire_endpoints_load(const char *endpoints, const char *key_files, wire_endpoints *out, fu_errmsg *em)
+{
+    memset(out, 0, sizeof *out);
+    if (!endpoints || !key_files)
+        return fu_errmsg_set(em, FU_EINVAL, "no broker endpoint or no broker key");
+    char *keys[WIRE_MAX_ENDPOINTS] = {0};
+    uint32_t n_keys = 0;
+    fu_err rc = split_list(endpoints, "--broker", out->ep, WIRE_MAX_ENDPOINTS, &out->n, em);
+    if (rc == FU_OK)
+        rc = split_list(key_files, "--broker-key", keys, WIRE_MAX_ENDPOINTS, &n_keys, em);
+    if (rc == FU_OK && n_keys != 1 && n_keys != out->n)
+        rc = fu_errmsg_set(em, FU_EINVAL,
+                           "--broker names %u endpoints and --broker-key %u keys: give one key, or one each",
+                           out->n, n_keys);
+    for (uint32_t i = 0; rc == FU_OK && i < out->n; i++)
+        rc = wire_key_load_public(keys[n_keys == 1 ? 0 : i], out->pk[i], em);
+    for (uint32_t i = 0; i < n_keys; i++)
+        free(keys[i]);
+    if (rc != FU_OK)
+        wire_endpoints_free(out);
+    return rc;
+}
+
+void wire_endpoints_free(wire_endpoints *e)
+{
+    for (uint32_t i = 0; i < e->n; i++)
+        free(e->ep[i]);
+    memset(e, 0, sizeof *e);
 }
 
 fu_err wire_token_load(const char *path, char out[WIRE_TOKEN_Z85_LEN + 1], fu_errmsg *em)

@@ -66,6 +66,24 @@ FU_MUST_CHECK fu_err wire_token_choose(const char *file, const char *given, cons
 /* Reads one public key file (a peer's or the broker's). Errors as wire_keypair_load. */
 FU_MUST_CHECK fu_err wire_key_load_public(const char *path, uint8_t out[WIRE_KEY_BYTES], fu_errmsg *em);
 
+/* A broker's endpoints, each with the public key it answers with: the broker's own and its
+ * gateways' (fusion-peer and fusion --broker E1,E2 --broker-key K1,K2; docs/PEER.md "Several
+ * endpoints"). Used one at a time, the first first. */
+#define WIRE_MAX_ENDPOINTS 8
+typedef struct {
+    uint32_t n;
+    char *ep[WIRE_MAX_ENDPOINTS];               /* owned */
+    uint8_t pk[WIRE_MAX_ENDPOINTS][WIRE_KEY_BYTES];
+} wire_endpoints;
+
+/* Fills *out from endpoints (comma-separated, at most WIRE_MAX_ENDPOINTS, no empty item) and
+ * key_files (comma-separated: one file for every endpoint, or one each in their order), loading each
+ * key. FU_EINVAL for a malformed list (a sentence in em naming --broker / --broker-key), else
+ * wire_key_load_public's errors. On failure *out is empty. Free with wire_endpoints_free. */
+FU_MUST_CHECK fu_err wire_endpoints_load(const char *endpoints, const char *key_files, wire_endpoints *out,
+                                         fu_errmsg *em);
+void wire_endpoints_free(wire_endpoints *e);
+
 /* The bearer token a client shows the broker's HTTP API (fusion-broker --http): the hex of the client's
  * public key, then the hex of BLAKE2b-256 keyed with the X25519 secret the two key pairs share, over
  * "fusion-http-v1" || broker key || client key. Either side makes it from its own secret and the

@@ -48,6 +48,7 @@
 
 #include "cluster.h"
 #include "fu_clock.h"
+#include "wire_keys.h"
 
 #define JOB_STEPS 120
 #define KILL_AT   25 /* steps done before the fault (a checkpoint at 20 is committed) */
@@ -192,6 +193,16 @@ static void test_e2e_fault_gateway_kill9_failover(void **state)
         }
         printf("p%d moved to gw0 within %llu ms of the kill\n", i, (unsigned long long)(fu_clock_ms() - t0));
     }
+    /* a client given both gateways, the dead one first, is answered through the other */
+    char k0[TU_PATH], k1[TU_PATH], *out = NULL;
+    tu_path(c, k0, "gw0/" WIRE_PUBLIC_KEY_FILE);
+    tu_path(c, k1, "gw1/" WIRE_PUBLIC_KEY_FILE);
+    int code = tu_fusion(c, &out, "status %s --broker %s,%s --broker-key %s,%s", id, tu_gateway_endpoint(c, 1),
+                         tu_gateway_endpoint(c, 0), k1, k0);
+    printf("%s", out);
+    assert_int_equal(code, 0);
+    assert_non_null(strstr(out, "connection refused at "));
+    free(out);
     tu_wait_done(c, id, 80);
     char *bl = tu_broker_log_text(c);
     bool dead = strstr(bl, ") is dead") != NULL, moved = strstr(bl, " moved from ") != NULL;
