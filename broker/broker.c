@@ -565,7 +565,7 @@ broker_t *broker_new(const broker_cfg *cfg, fu_err *err, fu_errmsg *em)
         goto fail;
     }
     /* Its own thread: a submission's preparation takes seconds, a plan milliseconds. */
-    if (!(b->planner = broker_worker_new(1, em))) {
+    if (!(b->planner = broker_worker_new(1 + BROKER_GROWS_MAX, em))) { /* a queued job's search, growth's */
         rc = FU_EIO;
         goto fail;
     }

@@ -64,6 +64,7 @@ extern "C" {
 #define BROKER_COMPACT_EVERY_MS 1000      /* compaction runs this often (every sweep while work is left) */
 #define BROKER_COMPACT_BUDGET_MS 4        /* no new compaction transaction starts after this long in one turn */
 #define BROKER_SCHED_SLICE_MS   100       /* longest planning pass before the loop serves messages */
+#define BROKER_GROWS_MAX        4         /* growth searches waiting for the planner at once (one per job) */
 #define BROKER_PLAN_STALE_MAX   3         /* searches in a row of one job whose chosen peers changed meanwhile
                                              that are made again at once; then it waits for the next round */
 #define BROKER_ERROR_PENALTY    0.1       /* reputation lost by a peer whose stage failed */

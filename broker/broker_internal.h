@@ -253,6 +253,9 @@ typedef struct {
     uint32_t plan_stale;               /* its searches in a row whose chosen peers changed meanwhile */
     bool cutting;                      /* planned (queued, its peers taken): the writer cuts its checkpoint
                                           for the plan and stores both; kept, even dead, until it is back */
+    bool growing;                      /* its growth search is on the planner (grow_task reads its graph) */
+    uint32_t runs;                     /* runs started (broker_job_starting): a growth search of an older
+                                          run is stale */
     bool finishing;                    /* a fine-tune whose every stage is done: the writer assembles its
                                           adapter and commits it as the result; nothing else moves it
                                           meanwhile (no failover, no deadline); kept, even dead, until
@@ -399,6 +402,7 @@ struct broker {
     broker_worker *worker;             /* job preparation off the loop */
     broker_worker *planner;            /* plan searches off the loop (broker_sched.c), one at a time */
     broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
+    uint32_t n_growing;                /* growth searches on the planner or waiting for it (BROKER_GROWS_MAX) */
     dag_partition_ws *plan_ws;         /* the planner thread's search memory, kept between its searches */
     dag_partition_ws *loop_ws;         /* the loop's, for its own searches (a running job's growth) */
     broker_worker *writer;             /* large writes off the loop: peers' checkpoints (broker_stages.c), re-plans'

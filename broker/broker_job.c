@@ -80,7 +80,8 @@ void broker_jobs_reap(broker_t *b)
     size_t w = 0;
     for (size_t i = 0; i < b->n_jobs; i++) {
         /* a search, a cut or a finish reads its graph: freed after */
-        if (b->jobs[i]->dead && b->jobs[i] != b->planning && !b->jobs[i]->cutting && !b->jobs[i]->finishing) {
+        if (b->jobs[i]->dead && b->jobs[i] != b->planning && !b->jobs[i]->cutting && !b->jobs[i]->finishing &&
+            !b->jobs[i]->growing) {
             broker_job *j = b->jobs[i]; /* its verification counts stay in the broker's totals */
             b->tot.v_agree += j->v_agree;
             b->tot.v_disagree += j->v_disagree;
@@ -190,6 +191,7 @@ void broker_job_plan_stored(broker_job *j, const db_stage_plan *plan, size_t n)
 void broker_job_starting(broker_t *b, broker_job *j, uint64_t resume_step, const char *reason)
 {
     enter(j, BJ_STARTING);
+    j->runs++;
     broker_verify_job_restarted(b, j);
     j->start_step = resume_step;
     j->stepped = false;

@@ -771,6 +771,26 @@ static void test_e2e_fault_replan_peer_lost_while_cut(void **state)
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
 
+/* The broker SIGKILLed while a re-plan's checkpoint is cut (the writer slowed to 3 s, its commit of
+ * the cut and the new plan not made) and restarted on the same store: the store still holds the
+ * old plan and the uncut checkpoint, so the restart recovers from that, plans the job over the two
+ * survivors again and cuts again, and the job ends with fusion run's adapter, bit for bit. */
+static void test_e2e_fault_broker_killed_while_cut(void **state)
+{
+    (void)state;
+    char id[17];
+    int victim = -1;
+    tu_cluster *c = replan_while_cut("e2e-cutbroker", id, &victim);
+    printf("SIGKILL to the broker while the checkpoint of job %s is cut\n", id);
+    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
+    uint64_t t0 = fu_clock_ms();
+    tu_broker_start(c); /* same port, same store; no cut delay now */
+    tu_wait_done(c, id, 120);
+    printf("done %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
+    tu_assert_identical_adapter(c, id, "model", train_args(), 2);
+    assert_int_equal(tu_cluster_stop(&c), FU_OK);
+}
+
 /* A job cancelled while its checkpoint is cut ends cancelled: the writer's commit is refused (or
  * made before, and the cancel comes after it), and the peers it took are idle again. */
 static void test_e2e_fault_cancel_while_cut(void **state)
@@ -1005,6 +1025,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_e2e_fault_replan_without_spare, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_replan_peer_lost_while_cut, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_cancel_while_cut, tu_teardown),
+        cmocka_unit_test_teardown(test_e2e_fault_broker_killed_while_cut, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_peer_lost_while_finishing, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_cancel_while_finishing, tu_teardown),
         cmocka_unit_test_teardown(test_e2e_fault_broker_killed_while_finishing, tu_teardown),
