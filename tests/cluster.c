@@ -854,9 +854,12 @@ void tu_peer_start(tu_cluster *c, int i, ...)
         int g = (gw + k) % c->o.gateways;
         char key[TU_PATH];
         tu_path(c, key, "gw%d/" WIRE_PUBLIC_KEY_FILE, g);
-        size_t el = strlen(eps), kl = strlen(bkey);
-        snprintf(eps + el, sizeof eps - el, ",%s", c->gw[g].endpoint);
-        snprintf(bkey + kl, sizeof bkey - kl, ",%s", key);
+        size_t el = strlen(eps), kl = strlen(bkey), en = strlen(c->gw[g].endpoint), kn = strlen(key);
+        if (el + 1 + en >= sizeof eps || kl + 1 + kn >= sizeof bkey)
+            tu_fail("peer p%d: its gateways' endpoints or keys do not fit a command line", i);
+        eps[el] = bkey[kl] = ',';
+        memcpy(eps + el + 1, c->gw[g].endpoint, en + 1);
+        memcpy(bkey + kl + 1, key, kn + 1);
     }
     snprintf(name, sizeof name, "p%d", i);
     snprintf(prog, sizeof prog, "%s", tu_bin("fusion-peer"));
