@@ -4,4 +4,6 @@ if(FUSION_HAVE_CUDA)
   fu_add_test(test_kern_cuda SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_cuda.c LIBS fu_kernels LABELS gpu TIMEOUT 300)
   fu_add_test(test_kern_cuda_salr SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_cuda_salr.c LIBS fu_kernels LABELS gpu TIMEOUT 300)
   fu_add_test(test_kern_cuda_block SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_cuda_block.c LIBS fu_kernels LABELS gpu TIMEOUT 300)
+  # No device needed: cuBLAS is not linked, and loads with every function the backend calls.
+  fu_add_test(test_kern_cuda_blas SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_kern_cuda_blas.c LIBS fu_kernels TIMEOUT 60)
 endif()

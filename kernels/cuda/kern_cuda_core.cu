@@ -25,8 +25,10 @@ extern "C" fu_err kc_blas_err(cublasStatus_t s, const char *what, const char *fi
 {
     if (s == CUBLAS_STATUS_SUCCESS)
         return FU_OK;
-    fu_log(FU_LOG_ERROR, KC_LOG_COMPONENT, "%s failed: %s (%s) at %s:%d", what, cublasGetStatusName(s),
-           cublasGetStatusString(s), file, line);
+    const kc_blas_api *api = NULL;
+    (void)kc_blas_load(&api); /* loaded: s came from it */
+    fu_log(FU_LOG_ERROR, KC_LOG_COMPONENT, "%s failed: %s (%s) at %s:%d", what, api ? api->status_name(s) : "?",
+           api ? api->status_string(s) : "?", file, line);
     (void)cudaGetLastError();
     return s == CUBLAS_STATUS_ALLOC_FAILED ? FU_ENOMEM : FU_ECUDA;
 }
@@ -444,7 +446,7 @@ static void ctx_teardown(kc_ctx *ctx)
         if (ctx->stream)
             (void)cudaStreamSynchronize(ctx->stream);
         if (ctx->blas)
-            (void)cublasDestroy(ctx->blas);
+            (void)ctx->blas_api->destroy(ctx->blas);
         pthread_mutex_lock(&ctx->lock);
         (void)pool_release_cached(ctx);
         kc_block *b = ctx->pool.live;
@@ -513,14 +515,17 @@ static fu_err ctx_create(int device, kc_ctx **out)
     *ctx->h_flag = 0;
     CTX_CUDA(cudaMalloc(&ctx->blas_ws, KC_BLAS_WS_BYTES));
 #undef CTX_CUDA
+    if ((rc = kc_blas_load(&ctx->blas_api)) != FU_OK)
+        goto fail;
     {
-        cublasStatus_t s = cublasCreate(&ctx->blas);
+        const kc_blas_api *api = ctx->blas_api;
+        cublasStatus_t s = api->create(&ctx->blas);
         if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasSetStream(ctx->blas, ctx->stream);
+            s = api->set_stream(ctx->blas, ctx->stream);
         if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasSetWorkspace(ctx->blas, ctx->blas_ws, KC_BLAS_WS_BYTES);
+            s = api->set_workspace(ctx->blas, ctx->blas_ws, KC_BLAS_WS_BYTES);
         if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasSetPointerMode(ctx->blas, CUBLAS_POINTER_MODE_HOST);
+            s = api->set_pointer_mode(ctx->blas, CUBLAS_POINTER_MODE_HOST);
         if (s != CUBLAS_STATUS_SUCCESS) {
             rc = kc_blas_err(s, "cublas setup", __FILE__, __LINE__);
             goto fail;

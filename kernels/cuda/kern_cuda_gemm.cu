@@ -47,9 +47,9 @@ extern "C" fu_err kc_gemm_raw(kc_ctx *ctx, kern_dtype dt, bool trans_a, bool tra
     }
     const cudaDataType_t ty = kc_cuda_type(dt);
     pthread_mutex_lock(&ctx->lock);
-    cublasStatus_t s = cublasGemmEx(ctx->blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                    n, m, k, &alpha, b, ty, (int)ldb, a, ty, (int)lda, &beta, c, ty, (int)ldc,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t s = ctx->blas_api->gemm_ex(ctx->blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                              n, m, k, &alpha, b, ty, (int)ldb, a, ty, (int)lda, &beta, c, ty,
+                                              (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     pthread_mutex_unlock(&ctx->lock);
     if (s != CUBLAS_STATUS_SUCCESS)
         return kc_blas_err(s, "cublasGemmEx", __FILE__, __LINE__);

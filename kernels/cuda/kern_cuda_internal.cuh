@@ -45,10 +45,25 @@ typedef struct {
     size_t    peak_bytes;
 } kc_pool;
 
+/* The cuBLAS functions the backend calls, from the library loaded on first use (kern_cuda_blas.cu). */
+typedef struct {
+    cublasStatus_t (*create)(cublasHandle_t *);
+    cublasStatus_t (*destroy)(cublasHandle_t);
+    cublasStatus_t (*set_stream)(cublasHandle_t, cudaStream_t);
+    cublasStatus_t (*set_workspace)(cublasHandle_t, void *, size_t);
+    cublasStatus_t (*set_pointer_mode)(cublasHandle_t, cublasPointerMode_t);
+    cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void *,
+                              const void *, cudaDataType, int, const void *, cudaDataType, int, const void *, void *,
+                              cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+    const char *(*status_name)(cublasStatus_t);
+    const char *(*status_string)(cublasStatus_t);
+} kc_blas_api;
+
 typedef struct kc_ctx {
     int              device;       /* CUDA ordinal */
     cudaStream_t     stream;       /* the one stream of this instance */
     cublasHandle_t   blas;         /* bound to stream */
+    const kc_blas_api *blas_api;   /* the loaded library's functions (kc_blas_load) */
     void            *blas_ws;      /* cuBLAS workspace (device) */
     pthread_mutex_t  lock;         /* guards pool and cuBLAS calls */
     pthread_mutex_t  flag_lock;    /* held by one op from its first flag-raising launch to its check */
@@ -77,6 +92,11 @@ extern "C" {
 fu_err kc_cuda_err(cudaError_t e, const char *what, const char *file, int line);
 /* Same for a cuBLAS status (FU_ENOMEM for CUBLAS_STATUS_ALLOC_FAILED). */
 fu_err kc_blas_err(cublasStatus_t s, const char *what, const char *file, int line);
+
+
+/* Loads libcublas once per process (thread-safe): *out is its functions, or NULL with FU_ECUDA (and
+ * a log line) when it cannot be loaded. */
+fu_err kc_blas_load(const kc_blas_api **out);
 
 /* Makes ctx's device current on this thread (cheap when it already is). */
 fu_err kc_enter(kc_ctx *ctx);
