@@ -251,6 +251,7 @@ static void broker_conn_events(peer_t *p)
         if (rc != FU_OK) {
             FU_WARN("peer", "the broker connection's monitor failed: a dropped connection is told by the heartbeats");
             mon_stop(p);
+            p->lost_ms = 0; /* unknown from now on: the silence decides */
             return;
         }
         if (ev == ZMQ_EVENT_DISCONNECTED) {
@@ -317,8 +318,10 @@ static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
         else if (!p->mon)
             (void)zmq_socket_monitor(p->broker, NULL, 0);
     }
-    if (!p->mon)
+    if (!p->mon) {
         FU_WARN("peer", "cannot watch the broker connection: a dropped connection is told by the heartbeats");
+        p->lost_ms = 0; /* unknown: the silence decides (a move needs the monitor's word) */
+    }
     uint64_t t0 = fu_clock_ns();
     if (zmq_connect(p->broker, ep) != 0)
         return fu_errmsg_set(em, FU_EINVAL, "bad --broker endpoint '%s': %s", ep, zmq_strerror(zmq_errno()));
@@ -337,6 +340,7 @@ static fu_err broker_connect(peer_t *p, bool wait, fu_errmsg *em)
         if (rc == FU_EIO) {
             FU_WARN("peer", "the broker connection's monitor failed: a dropped connection is told by the heartbeats");
             mon_stop(p);
+            p->lost_ms = 0;
         }
     }
     return FU_OK;
@@ -351,13 +355,12 @@ static fu_err broker_connect_first(peer_t *p, fu_errmsg *em)
         fu_err rc = broker_connect(p, true, em);
         if (rc != FU_ETIMEDOUT)
             return rc;
-        FU_WARN("peer", "the broker at %s does not answer%s", p->eps.ep[i],
-                i + 1 < p->eps.n ? ": trying the next endpoint" : "");
+        FU_WARN("peer", "the broker at %s does not answer yet%s", p->eps.ep[i],
+                i + 1 < p->eps.n ? ": trying the next endpoint" : "; PeerHello waits in the queue");
     }
     if (p->eps.n == 1)
         return FU_OK; /* that socket keeps trying */
-    p->ep_cur = 0;
-    FU_WARN("peer", "no endpoint answers: PeerHello waits in the queue for %s", p->eps.ep[0]);
+    p->ep_cur = 0; /* none answers: the first again, where the loop goes on round the list */
     return broker_connect(p, false, em);
 }
 
