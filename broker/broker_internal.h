@@ -400,7 +400,7 @@ struct broker {
     broker_models *models;             /* the models served, by content id */
     broker_uploads *uploads;           /* models clients upload; NULL: uploads off */
     broker_worker *worker;             /* job preparation off the loop */
-    broker_worker *planner;            /* plan searches off the loop (broker_sched.c), one at a time */
+    broker_worker *planner;            /* plan searches off the loop (broker_sched.c, broker_grow.c), one at a time */
     broker_job *planning;              /* the job whose search is on the planner now (kept, even dead), NULL */
     uint32_t n_growing;                /* growth searches on the planner or waiting for it (BROKER_GROWS_MAX) */
     dag_partition_ws *plan_ws;         /* the planner thread's search memory, kept between its searches */
@@ -600,7 +600,8 @@ dag_partition_opts broker_job_popts(const broker_job *j);
  * inference after the tokens generated so far, an eval at step 0 (its sums start again). */
 uint64_t broker_job_resume_step(const broker_job *j, int64_t ckpt);
 
-/* ---- broker_sched.c: plan, grow; broker_backups.c; broker_assign.c: assign, start ---- */
+/* ---- broker_sched.c: plan; broker_grow.c: grow; broker_search.c: what the partitioner knows of a
+ * peer; broker_backups.c; broker_assign.c: assign, start ---- */
 /* Plans queued jobs over idle peers; hands out backups. */
 void broker_schedule(broker_t *b);
 /* Tops up j's warm backups from the idle peers, the fastest first. */

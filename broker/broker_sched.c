@@ -1,12 +1,13 @@
-/* broker_sched: planning queued jobs over the idle live peers (dag_partition), and growth. Assigning
- * and starting the planned stages is broker_assign's, the backup pool broker_backups'. Phases change only through
- * the job state machine (broker_job.c). */
+/* broker_sched: planning queued jobs over the idle live peers (the search is broker_search's, growth
+ * broker_grow's). Assigning and starting the planned stages is broker_assign's, the backup pool
+ * broker_backups'. Phases change only through the job state machine (broker_job.c). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "broker_internal.h"
+#include "broker_search.h"
 #include "dag_exec.h"
 #include "fu_alloc.h"
 #include "fu_clock.h"
@@ -16,34 +17,6 @@
 
 #define peer_idle(p) broker_peer_idle(b, (p))
 
-/* What the partitioner knows of p. */
-static void profile_of(const broker_peer *p, dag_peer_profile *out)
-{
-    snprintf(out->name, sizeof out->name, "%.40s(%.8s)", p->name, p->key);
-    out->gflops = p->gflops;
-    out->mem_bytes = p->mem_bytes;
-    out->link_bw = p->link_bw;
-    out->link_latency_s = p->link_latency_ms / 2000.0;
-}
-
-bool broker_peer_fits(const broker_job *j, uint32_t s, const broker_peer *p)
-{
-    if (s >= j->n_stages)
-        return false;
-    if (j->ends_trusted && (s == 0 || s + 1 == j->n_stages) && !p->trusted)
-        return false; /* an end stage (it sees tokens), or a backup of one, only on a trusted peer */
-    dag_partition_opts o = broker_job_popts(j);
-    return dag_cost_stage_memory(j->graph, j->stages[s].first, j->stages[s].last, &o) <= p->mem_bytes;
-}
-
-double broker_peer_stage_s(const broker_job *j, uint32_t s, const broker_peer *p)
-{
-    dag_partition_opts o = broker_job_popts(j);
-    dag_peer_profile prof;
-    profile_of(p, &prof);
-    return dag_cost_stage_time(j->graph, j->stages[s].first, j->stages[s].last, &prof, &o, NULL, NULL);
-}
-
 static uint32_t backups_of(broker_t *b, const broker_job *j)
 {
     uint32_t n = 0;
@@ -51,236 +24,6 @@ static uint32_t backups_of(broker_t *b, const broker_job *j)
         if (b->peers[i].live && b->peers[i].backup && strcmp(b->peers[i].job, j->id) == 0)
             n++;
     return n;
-}
-
-/* Whether a plan of j made now keeps its ends on trusted peers: the spec says so, or it leaves it to
- * the broker and a trusted peer is registered. */
-static bool ends_trusted_now(const broker_t *b, const broker_job *j)
-{
-    bool any_trusted = false;
-    for (size_t i = 0; i < b->n_peers && !any_trusted; i++)
-        any_trusted = b->peers[i].live && b->peers[i].trusted;
-    return j->spec.trusted_ends == 1 || (j->spec.trusted_ends < 0 && any_trusted);
-}
-
-/* ---- the search (the planner thread runs it, for a queued job and for growth) ------------------ */
-
-/* What a search knows of one candidate: copied from the registry on the loop, so that the planner
- * thread reads nothing the loop owns; the loop checks the chosen ones against the registry when the
- * search is back (still_fits). */
-typedef struct {
-    dag_peer_profile prof;             /* what the partitioner sees (profile_of) */
-    bool trusted;                      /* may take an end stage */
-    size_t at;                         /* its index in b->peers */
-    char key[DB_KEY_LEN + 1];          /* ... and its key there */
-    double gflops, link_bw, link_latency_ms; /* what the search saw of it */
-    uint64_t mem_bytes;
-    uint32_t n_slots;
-} plan_cand;
-
-/* What one search needs besides its candidates: the job (a copy of its header on the planner
- * thread: the graph, immutable while the job lives, kept while the search runs; its kind, spec
- * numbers and rules; no other pointer in it is followed) and the broker's numbers. */
-typedef struct {
-    broker_job *j;
-    uint32_t backups;                  /* cfg.backups */
-    double grow_margin;                /* cfg.grow_margin */
-    dag_partition_ws *ws;              /* the searching thread's memory (NULL: each search maps its own) */
-} plan_ctx;
-
-static void cand_of(const broker_t *b, const broker_peer *p, plan_cand *c)
-{
-    profile_of(p, &c->prof);
-    c->trusted = p->trusted;
-    c->at = (size_t)(p - b->peers);
-    snprintf(c->key, sizeof c->key, "%s", p->key);
-    c->gflops = p->gflops;
-    c->link_bw = p->link_bw;
-    c->link_latency_ms = p->link_latency_ms;
-    c->mem_bytes = p->mem_bytes;
-    c->n_slots = p->n_slots;
-}
-
-/* A candidate of a capped planning pass: its rank key and its index in the caller's list. */
-typedef struct {
-    double key;
-    size_t at;
-} plan_pick;
-
-static int pick_cmp(const void *a, const void *b)
-{
-    const plan_pick *x = a, *y = b;
-    if (x->key != y->key)
-        return x->key > y->key ? -1 : 1;
-    return x->at < y->at ? -1 : x->at > y->at; /* stable: the caller's order among equals */
-}
-
-/* The best plans of j over the candidates who[0..n) (dag_partition_each): plans[k - 1] the best of
- * at most k stages, for k up to cap and max_stages (0: n minus the backups the broker keeps, so that
- * the job has them), the ends on trusted peers when ends_trusted. */
-static fu_err partition_once(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
-                             bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
-{
-    dag_peer_profile *prof = fu_calloc(n, sizeof *prof);
-    for (size_t k = 0; k < n; k++)
-        prof[k] = who[k].prof;
-    size_t n_plan = max_stages ? max_stages : n > x->backups ? n - x->backups : n;
-    if (n_plan > n)
-        n_plan = n;
-    if (n_plan > BROKER_MAX_STAGES)
-        n_plan = BROKER_MAX_STAGES;
-    dag_partition_opts o = broker_job_popts(x->j);
-    o.max_stages = (uint32_t)n_plan;
-    o.ws = x->ws;
-    /* the stages that see tokens (first: the data; last: the logits) stay on trusted peers */
-    bool *ends_ok = ends_trusted ? fu_calloc(n, sizeof *ends_ok) : NULL;
-    for (size_t k = 0; ends_ok && k < n; k++)
-        ends_ok[k] = who[k].trusted;
-    o.ends_ok = ends_ok;
-    fu_err rc = dag_partition_each(x->j->graph, prof, n, &o, plans, cap, em);
-    free(ends_ok);
-    free(prof);
-    return rc;
-}
-
-/* partition_once over who[0..n), but over at most BROKER_PLAN_CANDIDATES of them: the fastest (the
- * trusted ones first when the ends must stay trusted). A plan's stages come from the fastest peers
- * anyway, and the partitioner's sort of its candidates grows with their square. The plans' peer
- * indices are into who, as without the cap. */
-static fu_err partition_each(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
-                             bool ends_trusted, dag_plan *plans, size_t cap, fu_errmsg *em)
-{
-    if (n <= BROKER_PLAN_CANDIDATES)
-        return partition_once(x, who, n, max_stages, ends_trusted, plans, cap, em);
-    plan_pick *pk = fu_calloc(n, sizeof *pk);
-    for (size_t k = 0; k < n; k++)
-        pk[k] = (plan_pick){.key = who[k].gflops + (ends_trusted && who[k].trusted ? 1e12 : 0), .at = k};
-    qsort(pk, n, sizeof *pk, pick_cmp);
-    plan_cand *sub = fu_calloc(BROKER_PLAN_CANDIDATES, sizeof *sub);
-    for (size_t k = 0; k < BROKER_PLAN_CANDIDATES; k++)
-        sub[k] = who[pk[k].at];
-    fu_err rc = partition_once(x, sub, BROKER_PLAN_CANDIDATES, max_stages, ends_trusted, plans, cap, em);
-    for (size_t k = 0; rc == FU_OK && k < cap; k++)
-        for (size_t s = 0; s < plans[k].n_stages; s++)
-            plans[k].stages[s].peer = pk[plans[k].stages[s].peer].at;
-    free(sub);
-    free(pk);
-    return rc;
-}
-
-/* The best plan of at most max_stages stages (as partition_once) into *plan. */
-static fu_err partition_over(const plan_ctx *x, const plan_cand *who, size_t n, uint32_t max_stages,
-                             bool ends_trusted, dag_plan *plan, fu_errmsg *em)
-{
-    dag_plan each[DAG_PARTITION_EXACT];
-    memset(plan, 0, sizeof *plan);
-    fu_err rc = partition_each(x, who, n, max_stages, ends_trusted, each, DAG_PARTITION_EXACT, em);
-    for (size_t k = DAG_PARTITION_EXACT; rc == FU_OK && k-- > 0;) { /* the most stages: the best */
-        if (each[k].n_stages && !plan->n_stages)
-            *plan = each[k];
-        else
-            dag_plan_free(&each[k]);
-    }
-    return rc;
-}
-
-/* A job takes no more stages than pay for themselves, so that the rest of the pool is left to other
- * jobs: *best (the plan over every peer it may use) gives way to the plan with the fewest stages
- * that best does not beat by cfg.grow_margin of its predicted step time. Growth applies the same
- * margin later (broker_grow), so a job does not shrink at planning what it would grow back. One
- * search gives the plans of every stage count. */
-static void fewest_stages(const plan_ctx *x, const plan_cand *who, size_t n, dag_plan *best)
-{
-    if (x->grow_margin <= 0 || best->n_stages < 2)
-        return;
-    dag_plan each[DAG_PARTITION_EXACT];
-    if (partition_each(x, who, n, (uint32_t)best->n_stages - 1, x->j->ends_trusted, each, DAG_PARTITION_EXACT,
-                       NULL) != FU_OK)
-        return;
-    for (size_t s = 0; s < DAG_PARTITION_EXACT; s++) {
-        dag_plan *p = &each[s];
-        if (p->n_stages && best->n_stages > p->n_stages && best->step_s > (1.0 - x->grow_margin) * p->step_s) {
-            FU_INFO(LOG, "job %s: %zu stages predict %.3g s a step, %zu stages %.3g s: it takes %zu (more pay only "
-                    "from %.0f%% shorter)", x->j->id, p->n_stages, p->step_s, best->n_stages, best->step_s,
-                    p->n_stages, 100 * x->grow_margin);
-            dag_plan_free(best);
-            *best = *p;
-            *p = (dag_plan){0};
-            break;
-        }
-    }
-    for (size_t s = 0; s < DAG_PARTITION_EXACT; s++)
-        dag_plan_free(&each[s]);
-}
-
-/* The plan of j over who[0..n_idle) (idle peers, the first n_first of distinct processes) and then
- * the n_spare spares after them, the first of these that works: distinct processes first (two slots
- * of one machine serve two jobs rather than one), then every idle peer, each leaving room for the
- * job's backups; then every idle peer with no room left for backups; then the spares too.
- * *n_used: the candidates it used. */
-static fu_err plan_over(const plan_ctx *x, const plan_cand *who, size_t n_first, size_t n_idle, size_t n_spare,
-                        dag_plan *plan, size_t *n_used, fu_errmsg *em)
-{
-    const struct {
-        size_t n;
-        bool all; /* no room kept for backups */
-    } tries[4] = {{n_first < n_idle ? n_first : 0, false}, {n_idle, false}, {n_idle, true}, {n_spare ? n_idle + n_spare : 0, true}};
-    fu_err rc = FU_EINVAL;
-    for (int t = 0; t < 4; t++) {
-        size_t n = tries[t].n;
-        if (n == 0 || (t == 2 && x->backups == 0)) /* the same as the try before */
-            continue;
-        dag_plan_free(plan);
-        uint32_t max = tries[t].all ? (uint32_t)(n < BROKER_MAX_STAGES ? n : BROKER_MAX_STAGES) : 0;
-        if ((rc = partition_over(x, who, n, max, x->j->ends_trusted, plan, em)) == FU_OK) {
-            *n_used = n;
-            return FU_OK;
-        }
-    }
-    return rc;
-}
-
-/* Least tokens in a micro-batch the broker splits a step into when the spec leaves the count to it. */
-#define BROKER_MICRO_MIN_TOKENS 32
-
-/* A fine-tune whose spec leaves its micro-batch count to the broker (0) gets the divisor M of its
- * batch whose plan over these peers predicts the shortest step (dag_plan_pipeline_time: over slow
- * links more micro-batches hide the latency, each costs a little), no micro-batch under
- * BROKER_MICRO_MIN_TOKENS tokens, a larger M only when it is 2% faster. That plan goes to *plan (and
- * *n_used, as plan_over), its predicted step to *best_s, M = 1's to *one_s (0: it did not fit), the
- * count to x->j->spec.micro_batches. False (the count left 0, *plan empty) when nothing fits. */
-static bool choose_micro_batches(const plan_ctx *x, const plan_cand *who, size_t n_first, size_t n_idle,
-                                 size_t n_spare, dag_plan *plan, size_t *n_used, double *best_s, double *one_s)
-{
-    broker_job *j = x->j;
-    uint32_t best = 0, B = j->spec.batch;
-    *best_s = *one_s = 0;
-    for (uint32_t m = 1; m <= B && m <= DAG_EXEC_MAX_SLOTS; m++) {
-        if (B % m != 0)
-            continue;
-        if (m > 1 && (uint64_t)(B / m) * j->spec.seq_len < BROKER_MICRO_MIN_TOKENS)
-            break;
-        j->spec.micro_batches = m;
-        dag_plan p = {0};
-        size_t used = 0;
-        fu_errmsg em = {{0}};
-        if (plan_over(x, who, n_first, n_idle, n_spare, &p, &used, &em) == FU_OK) {
-            double t = dag_plan_pipeline_time(&p, m);
-            if (m == 1)
-                *one_s = t;
-            if (!best || t < 0.98 * *best_s) {
-                best = m;
-                *best_s = t;
-                *n_used = used;
-                dag_plan_free(plan);
-                *plan = p;
-                continue;
-            }
-        }
-        dag_plan_free(&p);
-    }
-    j->spec.micro_batches = best;
-    return best != 0;
 }
 
 /* ---- a queued job's plan: candidates on the loop, the search on the planner thread --------------- */
@@ -400,19 +143,14 @@ static uint64_t plan_inputs(const broker_job *j, broker_peer *const *who, size_t
     return h ? h : 1;
 }
 
-/* Env var of the test hook, FOR TESTS ONLY (compiled in with FUSION_TEST_HOOKS): the planner thread
- * sleeps this many milliseconds before each search, so a test can show that the loop answers
- * heartbeats while a search runs (tests/test_broker_jobs.c). */
-#define BROKER_PLAN_DELAY_ENV "FUSION_TEST_PLAN_DELAY_MS"
-
 /* A queued job's search on the planner thread (broker_worker.h): the loop's snapshot in, the plan
  * (or why none) out. */
 typedef struct {
     broker_task base;
     broker_job *j;                     /* the loop's job (only the loop reads it; kept while this runs) */
-    broker_job view;                   /* the copy the search reads (plan_ctx) */
-    plan_ctx x;                        /* x.j = &view */
-    plan_cand *who;                    /* the candidates: n_idle idle ones (n_first first), n_spare spares */
+    broker_job view;                   /* the copy the search reads (broker_search_ctx) */
+    broker_search_ctx x;                        /* x.j = &view */
+    broker_cand *who;                    /* the candidates: n_idle idle ones (n_first first), n_spare spares */
     size_t n_first, n_idle, n_spare;
     bool choose;                       /* it chooses the micro-batch count */
     uint64_t inputs;                   /* plan_inputs of the snapshot (the failed-search memo) */
@@ -445,34 +183,25 @@ static void plan_run(broker_task *bt)
     plan_task *t = (plan_task *)bt;
     broker_task_test_delay(BROKER_PLAN_DELAY_ENV);
     uint64_t t0 = fu_clock_ns();
-    const plan_ctx *x = &t->x;
-    t->chosen = t->choose && choose_micro_batches(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used,
-                                                  &t->chose_s, &t->one_s);
+    const broker_search_ctx *x = &t->x;
+    t->chosen = t->choose && broker_search_micro_batches(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan,
+                                                         &t->n_used, &t->chose_s, &t->one_s);
     if (t->choose && !t->chosen)
         t->view.spec.micro_batches = 1; /* nothing fits: plan once more for the message */
     t->rc = t->chosen ? FU_OK
-                      : plan_over(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used, &t->em);
+                      : broker_search_plan(x, t->who, t->n_first, t->n_idle, t->n_spare, &t->plan, &t->n_used,
+                                           &t->em);
     if (t->rc == FU_OK)
-        fewest_stages(x, t->who, t->n_used, &t->plan);
+        broker_search_fewest(x, t->who, t->n_used, &t->plan);
     t->search_s = (double)(fu_clock_ns() - t0) / 1e9;
 }
 
-/* The registry's peer for candidate c when it may still take stage work of j as the search saw it:
- * the same key at the same place, live, idle (or a spare j may take), and its profile, memory, link
- * and trust unchanged. NULL otherwise. */
-static broker_peer *still_fits(broker_t *b, const broker_job *j, const plan_cand *c)
+/* The registry's peer for candidate c when it is as the search saw it (broker_cand_peer) and may
+ * still take stage work of j: idle, or a spare j may take. NULL otherwise. */
+static broker_peer *still_fits(broker_t *b, const broker_job *j, const broker_cand *c)
 {
-    if (c->at >= b->n_peers)
-        return NULL;
-    broker_peer *p = &b->peers[c->at];
-    if (strcmp(p->key, c->key) != 0 || !p->live)
-        return NULL;
-    if (!((peer_idle(p) && !broker_job_excludes(j, p->key)) || lendable(b, j, p)))
-        return NULL;
-    if (p->gflops != c->gflops || p->mem_bytes != c->mem_bytes || p->link_bw != c->link_bw ||
-        p->link_latency_ms != c->link_latency_ms || p->trusted != c->trusted || p->n_slots != c->n_slots)
-        return NULL;
-    return p;
+    broker_peer *p = broker_cand_peer(b, c);
+    return p && ((peer_idle(p) && !broker_job_excludes(j, p->key)) || lendable(b, j, p)) ? p : NULL;
 }
 
 /* j's plan (t's) is stored and its peers taken: the stages start from the checkpoint of step c. */
@@ -580,9 +309,9 @@ static void plan_done(broker_task *bt, void *loop)
     }
     dag_plan *plan = &t->plan;
     broker_peer **who = fu_calloc(t->n_idle + t->n_spare, sizeof *who); /* the chosen ones, resolved */
-    const plan_cand *stale = NULL;
+    const broker_cand *stale = NULL;
     for (size_t s = 0; s < plan->n_stages && !stale; s++) {
-        const plan_cand *c = &t->who[plan->stages[s].peer];
+        const broker_cand *c = &t->who[plan->stages[s].peer];
         if (!(who[plan->stages[s].peer] = still_fits(b, j, c)))
             stale = c;
     }
@@ -725,7 +454,7 @@ static bool plan_job(broker_t *b, broker_job *j)
     for (size_t i = 0, k = n_idle; i < b->n_peers; i++)
         if (lendable(b, j, &b->peers[i]))
             who[k++] = &b->peers[i];
-    j->ends_trusted = ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
+    j->ends_trusted = broker_ends_trusted_now(b, j); /* this plan's rule, kept while it runs (broker_peer_fits) */
     uint64_t inputs = plan_inputs(j, who, n_first, n_idle, n_spare);
     if (inputs == j->plan_failed_on) { /* nothing changed since it found no plan: its reason stands */
         b->tot.plans_skipped++;
@@ -736,10 +465,10 @@ static bool plan_job(broker_t *b, broker_job *j)
     t->base = (broker_task){.run = plan_run, .done = plan_done, .drop = plan_drop};
     t->j = j;
     t->view = *j; /* the header: graph, kind, spec numbers, rules; its other pointers are not followed */
-    t->x = (plan_ctx){.j = &t->view, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin, .ws = b->plan_ws};
+    t->x = broker_search_ctx_of(b, &t->view);
     t->who = fu_calloc(n_idle + n_spare, sizeof *t->who);
     for (size_t k = 0; k < n_idle + n_spare; k++)
-        cand_of(b, who[k], &t->who[k]);
+        broker_cand_of(b, who[k], &t->who[k]);
     free(who);
     t->n_first = n_first;
     t->n_idle = n_idle;
@@ -832,171 +561,3 @@ void broker_schedule(broker_t *b)
             broker_give_backups(b, r);
     }
 }
-
-/* ---- growth (docs/PIPELINE.md "Growth") --------------------------------------------------------- */
-
-/* The predicted step time of j's current plan on its current peers (the cost model's (M + S - 1) x
- * the slowest stage), 0 when a stage has no live peer. */
-static double current_step_s(broker_t *b, const broker_job *j)
-{
-    double worst = 0;
-    for (uint32_t s = 0; s < j->n_stages; s++) {
-        const broker_peer *p = broker_peer_find(b, j->stages[s].peer);
-        if (!p || !p->live)
-            return 0;
-        double t = broker_peer_stage_s(j, s, p);
-        if (t > worst)
-            worst = t;
-    }
-    return (double)(broker_job_popts(j).micro_batches + j->n_stages - 1) * worst;
-}
-
-/* Growth's search on the planner thread (after a queued job's, in the order posted): the loop's
- * snapshot in, whether a plan over the job's peers and the idle ones beats the current one by the
- * margin out. The loop then re-queues the job, which plans it again from its checkpoint. */
-typedef struct {
-    broker_task base;
-    broker_job *j;                     /* the loop's job (kept while this runs: j->growing) */
-    broker_job view;                   /* the copy the search reads */
-    plan_ctx x;
-    plan_cand *cand;                   /* the job's peers and the idle ones */
-    size_t n, n_new;                   /* how many; of them idle */
-    bool ends_trusted;
-    int64_t step;                      /* the checkpoint it would resume from */
-    double now_s;                      /* the current plan's predicted step */
-    uint32_t runs;                     /* j->runs when posted: a run started since makes it stale */
-    /* out */
-    bool better;
-    dag_plan plan;
-    double search_s;
-} grow_task;
-
-static void grow_free(grow_task *t)
-{
-    dag_plan_free(&t->plan);
-    free(t->cand);
-    free(t);
-}
-
-static void grow_drop(broker_task *bt)
-{
-    grow_free((grow_task *)bt);
-}
-
-static void grow_run(broker_task *bt)
-{
-    grow_task *t = (grow_task *)bt;
-    broker_task_test_delay(BROKER_PLAN_DELAY_ENV);
-    uint64_t t0 = fu_clock_ns();
-    fu_errmsg em = {{0}};
-    t->better = partition_over(&t->x, t->cand, t->n, 0, t->ends_trusted, &t->plan, &em) == FU_OK &&
-                t->plan.step_s <= (1.0 - t->x.grow_margin) * t->now_s;
-    t->search_s = (double)(fu_clock_ns() - t0) / 1e9;
-}
-
-/* The registry's peer for candidate c when it may still be part of j's next plan as the search saw
- * it: the same key at the same place, live, j's own or idle (and not barred from j), its profile
- * unchanged. */
-static bool grow_still_fits(broker_t *b, const broker_job *j, const plan_cand *c)
-{
-    if (c->at >= b->n_peers)
-        return false;
-    const broker_peer *p = &b->peers[c->at];
-    return strcmp(p->key, c->key) == 0 && p->live &&
-           (strcmp(p->job, j->id) == 0 || (peer_idle(p) && !broker_job_excludes(j, p->key))) &&
-           p->gflops == c->gflops && p->mem_bytes == c->mem_bytes && p->link_bw == c->link_bw &&
-           p->link_latency_ms == c->link_latency_ms && p->trusted == c->trusted && p->n_slots == c->n_slots;
-}
-
-static void grow_done(broker_task *bt, void *loop)
-{
-    grow_task *t = (grow_task *)bt;
-    broker_t *b = loop;
-    broker_job *j = t->j;
-    j->growing = false;
-    b->n_growing--;
-    if (j->dead || j->phase != BJ_RUNNING || j->runs != t->runs) {
-        FU_DEBUG(LOG, "job %s: its growth search is dropped (the job %s since)", j->id,
-                 j->dead ? "ended" : "started another run");
-        grow_free(t);
-        return;
-    }
-    const dag_plan *plan = &t->plan;
-    if (!t->better) {
-        FU_DEBUG(LOG, "job %s: with %zu idle peer%s a plan would have %zu stages and %.3g s a step against %.3g s now "
-                 "(searched in %.1f ms): it stays as it is", j->id, t->n_new, t->n_new == 1 ? "" : "s",
-                 plan->n_stages, plan->step_s, t->now_s, t->search_s * 1e3);
-        grow_free(t);
-        return;
-    }
-    for (size_t s = 0; s < plan->n_stages; s++)
-        if (!grow_still_fits(b, j, &t->cand[plan->stages[s].peer])) {
-            FU_INFO(LOG, "job %s: peer %.8s, which it would grow onto, changed while the search ran: checked again "
-                    "at the next checkpoint", j->id, t->cand[plan->stages[s].peer].key);
-            grow_free(t);
-            return;
-        }
-    char reason[DB_REASON_MAX];
-    if (plan->n_stages > j->n_stages)
-        snprintf(reason, sizeof reason, "growing: %zu idle peer%s can join; a plan of %zu stages (now %u) predicts "
-                 "%.3g s a step against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64, t->n_new,
-                 t->n_new == 1 ? "" : "s", plan->n_stages, j->n_stages, plan->step_s, t->now_s,
-                 100 * b->cfg.grow_margin, t->step);
-    else /* as many stages or fewer, on faster peers */
-        snprintf(reason, sizeof reason, "moving to faster peers: with %zu idle peer%s a plan of %zu stages (now %u) "
-                 "predicts %.3g s a step against %.3g s now (at least %.0f%% faster); resuming from step %" PRId64,
-                 t->n_new, t->n_new == 1 ? "" : "s", plan->n_stages, j->n_stages, plan->step_s, t->now_s,
-                 100 * b->cfg.grow_margin, t->step);
-    FU_INFO(LOG, "job %s: %s", j->id, reason);
-    BROKER_IGNORE(db_event_add(b->db, broker_wall(), j->id, NULL, "grow", reason));
-    broker_job_requeue(b, j, reason); /* planned again at once, its checkpoint cut for the new plan */
-    b->sched_dirty = true;
-    grow_free(t);
-}
-
-void broker_grow(broker_t *b, broker_job *j, int64_t step)
-{
-    if (b->cfg.grow_margin <= 0 || j->dead || j->phase != BJ_RUNNING || j->kind != DB_JOB_FINETUNE ||
-        j->n_stages == 0 || step <= 0 || (uint64_t)step >= j->spec.steps || j->growing)
-        return;
-    for (uint32_t s = 0; s < j->n_stages; s++)
-        if (j->stages[s].final_ckpt_step < step)
-            return; /* not every stage has this checkpoint yet */
-    size_t n_new = 0;
-    for (size_t i = 0; i < b->n_peers; i++)
-        n_new += peer_idle(&b->peers[i]) && !broker_job_excludes(j, b->peers[i].key);
-    double now_s = n_new ? current_step_s(b, j) : 0;
-    if (now_s <= 0)
-        return; /* no idle peer to take in (the common case), or a stage without its peer */
-    if (b->n_growing >= BROKER_GROWS_MAX) {
-        FU_DEBUG(LOG, "job %s: %u growth searches wait already: this one is left to the next checkpoint", j->id,
-                 b->n_growing);
-        return;
-    }
-    /* the peers a new plan could use: this job's (stages and backups, released by the re-plan) and
-     * the idle ones */
-    grow_task *t = fu_calloc(1, sizeof *t);
-    t->base = (broker_task){.run = grow_run, .done = grow_done, .drop = grow_drop};
-    t->cand = fu_calloc(b->n_peers ? b->n_peers : 1, sizeof *t->cand);
-    for (size_t i = 0; i < b->n_peers; i++) {
-        broker_peer *p = &b->peers[i];
-        if ((p->live && strcmp(p->job, j->id) == 0) || (peer_idle(p) && !broker_job_excludes(j, p->key)))
-            cand_of(b, p, &t->cand[t->n++]);
-    }
-    t->j = j;
-    t->view = *j; /* the header, as a queued job's search reads it */
-    t->x = (plan_ctx){.j = &t->view, .backups = b->cfg.backups, .grow_margin = b->cfg.grow_margin, .ws = b->plan_ws};
-    t->n_new = n_new;
-    t->ends_trusted = ends_trusted_now(b, j);
-    t->step = step;
-    t->now_s = now_s;
-    t->runs = j->runs;
-    j->growing = true;
-    b->n_growing++;
-    if (!broker_worker_post(b->planner, &t->base)) { /* cannot happen (the planner's depth): search here */
-        t->x.ws = b->loop_ws;
-        grow_run(&t->base);
-        grow_done(&t->base, b);
-    }
-}
-

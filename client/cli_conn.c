@@ -222,6 +222,15 @@ fu_err cli_conn_open(const char *prog, const cli_conn_opts *given, cli_conn_t **
     return FU_OK;
 }
 
+/* Sends the last request (kept encoded: a move to the next endpoint sends it again). */
+static fu_err send_request(cli_conn_t *c)
+{
+    if (zmq_send(c->sock, c->req_env, c->req_env_len, ZMQ_SNDMORE) < 0 ||
+        zmq_send(c->sock, c->req_body, c->req_body_len, 0) < 0)
+        return FU_EIO;
+    return FU_OK;
+}
+
 /* Nothing answered at the endpoint in use, ever: the next one, with the last request sent again.
  * False when there is none (or the socket could not be made: the failure is then said as it is). */
 static bool conn_next(cli_conn_t *c, const char *why)
@@ -238,10 +247,7 @@ static bool conn_next(cli_conn_t *c, const char *why)
         cli_progress_break();
         fprintf(stderr, "%s: %s at %s: trying %s\n", c->prog, why, was, c->endpoint);
     }
-    if (c->req_env && (zmq_send(c->sock, c->req_env, c->req_env_len, ZMQ_SNDMORE) < 0 ||
-                       zmq_send(c->sock, c->req_body, c->req_body_len, 0) < 0))
-        return false;
-    return true;
+    return !c->req_env || send_request(c) == FU_OK;
 }
 
 void cli_conn_close(cli_conn_t **self_p)
@@ -330,9 +336,8 @@ fu_err cli_conn_send(cli_conn_t *c, const wire_hdr *hdr, const ProtobufCMessage 
     free(c->req_body);
     c->req_env = c->req_body = NULL;
     fu_err rc = wire_encode(&h, body, &c->req_env, &c->req_env_len, &c->req_body, &c->req_body_len);
-    if (rc == FU_OK && (zmq_send(c->sock, c->req_env, c->req_env_len, ZMQ_SNDMORE) < 0 ||
-                        zmq_send(c->sock, c->req_body, c->req_body_len, 0) < 0))
-        rc = FU_EIO;
+    if (rc == FU_OK)
+        rc = send_request(c);
     if (rc != FU_OK) {
         conn_err(c, -1, "cannot send to the broker at %s: %s", c->endpoint, fu_strerror(rc));
         *exit_code = FU_EXIT_FAIL;

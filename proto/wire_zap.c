@@ -653,17 +653,10 @@ void wire_zap_mirror(wire_zap_t *zap, const uint8_t (*keys)[WIRE_KEY_BYTES], con
         return;
     pthread_mutex_lock(&zap->mu);
     zap->n_keys = 0;
-    for (size_t i = 0; i < n; i++)
-        if (roles[i] && !(roles[i] & ~ROLES_ALL)) {
-            if (zap->n_keys == zap->cap_keys) {
-                zap->cap_keys = zap->cap_keys ? zap->cap_keys * 2 : 16;
-                zap->keys = fu_realloc(zap->keys, zap->cap_keys * sizeof *zap->keys);
-                zap->roles = fu_realloc(zap->roles, zap->cap_keys * sizeof *zap->roles);
-            }
-            memcpy(zap->keys[zap->n_keys], keys[i], WIRE_KEY_BYTES);
-            zap->roles[zap->n_keys++] = roles[i];
-        }
     index_rebuild(zap);
+    for (size_t i = 0; i < n; i++)
+        if (roles[i] && !(roles[i] & ~ROLES_ALL))
+            add_key(zap, keys[i], roles[i]);
     zap->admit_any = false;
     zap->mirror_enrol = enrolment_open;
     pthread_mutex_unlock(&zap->mu);

@@ -93,20 +93,41 @@ static int start_job(tu_cluster **c_p, const char *tag, int heartbeat_ms, int st
     return start_job_on(c_p, tag, &o, NULL, stage, id);
 }
 
-/* The first line of the broker's log holding needle (printed), or a test failure. */
-static void assert_logged(const tu_cluster *c, const char *needle)
+/* Prints the first line of the broker's log holding needle; false when there is none. */
+static bool print_logged(const tu_cluster *c, const char *needle)
 {
     char *bl = tu_broker_log_text(c);
     const char *at = strstr(bl, needle);
     if (at) {
         const char *nl = strchr(at, '\n');
         printf("%.*s\n", (int)(nl ? nl - at : (ptrdiff_t)strlen(at)), at);
-    } else {
-        tu_file_show(tu_broker_log(c), 40);
     }
     free(bl);
-    if (!at)
-        fail_msg("the broker's log has no '%s'", needle);
+    return at != NULL;
+}
+
+/* The first line of the broker's log holding needle (printed), or a test failure. */
+static void assert_logged(const tu_cluster *c, const char *needle)
+{
+    if (print_logged(c, needle))
+        return;
+    tu_file_show(tu_broker_log(c), 40);
+    fail_msg("the broker's log has no '%s'", needle);
+}
+
+/* SIGKILLs the broker and starts it again on the same port and store (the environment's test hooks
+ * no longer set); the job id is then waited for to be done within timeout_s, and its recovery line
+ * printed. */
+static void broker_restart_until_done(tu_cluster *c, const char *id, int timeout_s)
+{
+    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
+    uint64_t t0 = fu_clock_ms();
+    tu_broker_start(c);
+    tu_wait_done(c, id, timeout_s);
+    printf("done %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
+    char needle[96];
+    snprintf(needle, sizeof needle, "job %s: recovering after a broker restart", id);
+    (void)print_logged(c, needle);
 }
 
 /* The broker moved `stage` away from its peer (the failover line of its log). */
@@ -423,13 +444,7 @@ static void broker_kill9_restart(int gateways)
     printf("the running job finished %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
     char needle[96];
     snprintf(needle, sizeof needle, "job %s: recovering after a broker restart", run);
-    char *bl = tu_broker_log_text(c);
-    const char *rec = strstr(bl, needle);
-    if (rec) {
-        const char *nl = strchr(rec, '\n');
-        printf("%.*s\n", (int)(nl ? nl - rec : (ptrdiff_t)strlen(rec)), rec);
-    }
-    free(bl);
+    (void)print_logged(c, needle);
     tu_assert_same_adapter(c, run, "model", train_args());
     for (int i = 0; i < 2; i++)
         tu_wait_done(c, q[i], 30);
@@ -782,11 +797,7 @@ static void test_e2e_fault_broker_killed_while_cut(void **state)
     int victim = -1;
     tu_cluster *c = replan_while_cut("e2e-cutbroker", id, &victim);
     printf("SIGKILL to the broker while the checkpoint of job %s is cut\n", id);
-    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
-    uint64_t t0 = fu_clock_ms();
-    tu_broker_start(c); /* same port, same store; no cut delay now */
-    tu_wait_done(c, id, 120);
-    printf("done %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
+    broker_restart_until_done(c, id, 120);
     tu_assert_identical_adapter(c, id, "model", train_args(), 2);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
@@ -871,20 +882,7 @@ static void test_e2e_fault_broker_killed_while_finishing(void **state)
     int victim = -1;
     tu_cluster *c = finish_slowly("e2e-finbroker", id, &victim);
     printf("SIGKILL to the broker while job %s finishes\n", id);
-    assert_int_equal(tu_broker_stop(c, SIGKILL), 128 + SIGKILL);
-    uint64_t t0 = fu_clock_ms();
-    tu_broker_start(c); /* same port, same SQLite file; no finish delay now */
-    tu_wait_done(c, id, 60);
-    printf("done %llu ms after the restart\n", (unsigned long long)(fu_clock_ms() - t0));
-    char *bl = tu_broker_log_text(c);
-    char needle[96];
-    snprintf(needle, sizeof needle, "job %s: recovering after a broker restart", id);
-    const char *rec = strstr(bl, needle);
-    if (rec) {
-        const char *nl = strchr(rec, '\n');
-        printf("%.*s\n", (int)(nl ? nl - rec : (ptrdiff_t)strlen(rec)), rec);
-    }
-    free(bl);
+    broker_restart_until_done(c, id, 60);
     tu_assert_identical_adapter(c, id, "model", train_args(), 3);
     assert_int_equal(tu_cluster_stop(&c), FU_OK);
 }
